@@ -1,0 +1,39 @@
+"""The communicator interface every EP backend implements (DESIGN.md section 6)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class DispatchResult:
+    """What `dispatch` hands the local experts.
+
+    Attributes:
+        hidden: [N, H] tokens this rank's experts must process.
+        topk_ids: [N, k] int32 local expert ids (-1 where the slot belongs to another rank).
+        topk_weights: [N, k] float32 routing weights.
+        handle: what `combine` needs to send the results back.
+    """
+
+    hidden: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    handle: Any
+
+
+class Communicator(Protocol):
+    """Moves tokens to the ranks that hold their experts and brings the results back."""
+
+    def dispatch(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> DispatchResult:
+        """hidden: [T, H]; topk_ids: [T, k] int32 global expert ids; topk_weights: [T, k] fp32."""
+        ...
+
+    def combine(self, expert_out: torch.Tensor, handle: Any) -> torch.Tensor:
+        """expert_out: [N, H] weighted partial sums -> [T, H] in the original token order."""
+        ...

@@ -1,0 +1,23 @@
+"""One rank: dispatch and combine are the identity."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from comm.base import DispatchResult
+
+
+class NoopCommunicator:
+    """The communicator for ep_size 1: every expert is local, nothing moves."""
+
+    def dispatch(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> DispatchResult:
+        """Returns the inputs unchanged (see `comm.base.Communicator.dispatch`)."""
+        return DispatchResult(hidden, topk_ids, topk_weights, handle=None)
+
+    def combine(self, expert_out: torch.Tensor, handle: Any) -> torch.Tensor:
+        """Returns `expert_out` unchanged."""
+        return expert_out

@@ -1,0 +1,55 @@
+"""Plain-torch fused MoE: the oracle for the Triton kernels and the CPU path.
+
+Follows the expert loop of the Hugging Face Qwen3-MoE/Mixtral reference: every token-expert
+pair is computed as `w2 @ (silu(gate) * up)` and added to its token weighted by `topk_weights`.
+Pairs are sorted by expert once so that each expert with tokens runs one matmul per projection.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def fused_moe_reference(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Mixture of SwiGLU experts.
+
+    Args:
+        hidden: [T, H] activations (float32 or bfloat16).
+        w13: [E, 2*I, H], gate rows [0, I) then up rows [I, 2I); same dtype as hidden.
+        w2: [E, H, I] down projection.
+        topk_weights: [T, k] float32 routing weights.
+        topk_ids: [T, k] int32 expert ids in [0, E); ids outside (e.g. -1) are skipped.
+
+    Returns:
+        [T, H] in hidden's dtype: sum over the k experts of weight * expert(hidden).
+    """
+    num_tokens, top_k = topk_ids.shape
+    num_experts = w13.shape[0]
+    out = torch.zeros_like(hidden)
+    if num_tokens == 0:
+        return out
+    flat_ids = topk_ids.reshape(-1).long()
+    valid = (flat_ids >= 0) & (flat_ids < num_experts)
+    flat_ids = torch.where(valid, flat_ids, num_experts)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts].tolist()
+    token_of_pair = order // top_k
+    weight_of_pair = topk_weights.reshape(-1)[order]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        tokens = token_of_pair[start : start + count]
+        gate, up = F.linear(hidden[tokens], w13[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert])
+        y = y * weight_of_pair[start : start + count, None].to(y.dtype)
+        out.index_add_(0, tokens, y)
+        start += count
+    return out

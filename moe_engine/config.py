@@ -1,0 +1,123 @@
+"""Engine configuration: frozen dataclasses composed into one `EngineConfig`.
+
+User mistakes raise `ValueError` naming the field, the value and the limit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to load.
+
+    Attributes:
+        model: a directory with config.json and *.safetensors (and optionally tokenizer files).
+        dtype: "auto" (the checkpoint's torch_dtype, float32 when unset), "bfloat16", "float32".
+        max_model_len: longest prompt + output (tokens); None means the model's
+            max_position_embeddings.
+        seed: seed for weight-independent randomness (sampling without a per-request seed).
+    """
+
+    model: str
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def hf_config(self) -> dict:
+        """The checkpoint's config.json as a dict.
+
+        Raises:
+            FileNotFoundError: when config.json is missing.
+        """
+        path = Path(self.model) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"model: no config.json in {self.model!r}")
+        return json.loads(path.read_text())
+
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype weights and activations use.
+
+        Raises:
+            ValueError: for an unknown dtype name.
+        """
+        name = self.dtype
+        if name == "auto":
+            name = self.hf_config().get("torch_dtype") or self.hf_config().get("dtype") or "float32"
+        if name not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
+        return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache.
+
+    Attributes:
+        block_size: tokens per KV block.
+        kv_cache_memory: bytes for the KV cache; None derives it from free memory.
+        num_blocks_override: exact number of blocks (tests use it to force preemption).
+    """
+
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    num_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batch limits for one step.
+
+    Attributes:
+        max_num_seqs: most requests in one step.
+        max_num_batched_tokens: most tokens (prefill chunks + decodes) in one step.
+        max_waiting: most requests queued before new ones are refused (RESOURCE_EXHAUSTED).
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_waiting: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Expert parallelism: `ep_size` ranks, experts split evenly (1 = one rank)."""
+
+    ep_size: int = 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine needs, composed of the configs above."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+def default_threads() -> int:
+    """Intra-op threads for the CPU path: MOE_ENGINE_THREADS or all cores."""
+    return int(os.environ.get("MOE_ENGINE_THREADS", os.cpu_count() or 1))

@@ -1,0 +1,201 @@
+"""EngineCore: one rank's synchronous loop (schedule -> execute -> sample -> update -> outputs).
+
+Startup order (DESIGN.md section 10): config arithmetic first (`plan.py`, fails fast with
+numbers), then weights with a progress bar, then the KV cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from moe_engine.config import EngineConfig, default_threads
+from moe_engine.detokenizer import IncrementalDetokenizer
+from moe_engine.errors import ErrorCode, RequestError
+from moe_engine.kv_cache import FullAttentionSpec, KVCacheManager
+from moe_engine.loader import load_model
+from moe_engine.model_runner import ModelRunner
+from moe_engine.models import resolve_architecture
+from moe_engine.plan import ModelShape, make_plan
+from moe_engine.request import FinishReason, Request, RequestOutput, SamplingParams
+from moe_engine.sampler import Sampler
+from moe_engine.scheduler import Scheduler
+from moe_engine.validation import validate_request
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(model_dir: str):
+    """The checkpoint's tokenizer (transformers AutoTokenizer), or None when it ships none."""
+    root = Path(model_dir)
+    if not any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def eos_token_ids_of(model_dir: str, hf_config) -> frozenset[int]:
+    """EOS ids from generation_config.json (preferred) or config.json; int or list accepted."""
+    ids: set[int] = set()
+    gen = Path(model_dir) / "generation_config.json"
+    sources = [getattr(hf_config, "eos_token_id", None)]
+    if gen.is_file():
+        import json
+
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)
+
+
+class EngineCore:
+    """Owns one rank's scheduler, KV cache, model runner and live requests.
+
+    Args:
+        config: the engine configuration.
+
+    Raises:
+        StartupError: unsupported architecture, a KV cache too small for one max_model_len
+            request, missing weights (messages give the numbers and the flags that fix them).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.set_num_threads(default_threads())
+        model_dir = config.model.model
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        self.architecture, model_cls = resolve_architecture(hf_config)
+        spec = model_cls.arch_spec(hf_config)
+        self.max_model_len = config.model.max_model_len or spec.max_position
+        self.dtype = config.model.torch_dtype()
+        self.plan = make_plan(
+            ModelShape.from_checkpoint(model_dir), self.dtype,
+            block_size=config.cache.block_size, max_model_len=self.max_model_len,
+            kv_cache_memory=config.cache.kv_cache_memory,
+            num_blocks_override=config.cache.num_blocks_override,
+            ep_size=config.parallel.ep_size,
+        )
+        logger.info("startup plan:\n%s", self.plan.describe())
+        self.plan.check(self.max_model_len)
+        spec = dataclasses.replace(spec, max_position=self.max_model_len)
+        self.spec = spec
+        self.model = model_cls(spec, self.dtype).eval()
+        load_model(self.model, model_dir, self.dtype)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.vocab_size = spec.vocab_size
+        self.eos_token_ids = eos_token_ids_of(model_dir, hf_config)
+        kv_spec = FullAttentionSpec(config.cache.block_size, spec.num_kv_heads, spec.head_dim, self.dtype, spec.num_layers)
+        self.kv = KVCacheManager([kv_spec], self.plan.num_blocks)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.sampler = Sampler(config.model.seed)
+        self.runner = ModelRunner(self.model, self.plan.num_blocks, config.cache.block_size, self.dtype, self.sampler)
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.counters = dict(prompt_tokens_total=0, generation_tokens_total=0, num_finished=0, num_aborted=0)
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue a request.
+
+        Raises:
+            RequestError: a bad field (see `validate_request`), a duplicate live id
+                (ALREADY_EXISTS), or a full queue (RESOURCE_EXHAUSTED).
+        """
+        validate_request(prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        if request_id in self.scheduler.requests:
+            raise RequestError(ErrorCode.ALREADY_EXISTS, "request_id", f"request_id {request_id!r} is already running")
+        if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
+            raise RequestError(
+                ErrorCode.RESOURCE_EXHAUSTED, "queue",
+                f"queue: {len(self.scheduler.waiting)} requests waiting, the limit (max_waiting) is "
+                f"{self.config.scheduler.max_waiting}",
+            )
+        req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time or time.monotonic())
+        self.scheduler.add_request(req)
+        if self.tokenizer is not None:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self.counters["prompt_tokens_total"] += len(prompt_token_ids)
+
+    def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+        """End live requests; unknown or finished ids are ignored. One terminal output each."""
+        outputs = []
+        for rid in request_ids:
+            req = self.scheduler.finish_request(rid, FinishReason.ABORT)
+            if req is None:
+                continue
+            self.counters["num_aborted"] += 1
+            outputs.append(self._output(req, [], None, final=True))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns this step's output deltas."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        rows, sampled = self.runner.execute(out, self.kv)
+        tokens = {s.request.request_id: t for s, t in zip(rows, sampled.token_ids, strict=True)}
+        logprobs = {s.request.request_id: lp for s, lp in zip(rows, sampled.logprobs, strict=True)}
+        advanced, _ = self.scheduler.update(out, tokens)
+        self.counters["generation_tokens_total"] += len(advanced)
+        outputs = []
+        for req in advanced:
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            detok = self._detok.get(req.request_id)
+            check_stop = req.num_output_tokens >= req.sampling_params.min_tokens
+            if detok is not None and detok.add(req.output_token_ids[-1], check_stop) and not req.is_finished:
+                self.scheduler.finish_request(req.request_id, FinishReason.STOP)
+            lp = logprobs.get(req.request_id)
+            outputs.append(self._output(req, [req.output_token_ids[-1]], lp, final=req.is_finished))
+        return outputs
+
+    def _output(self, req: Request, new_ids: list[int], lp, final: bool) -> RequestOutput:
+        detok = self._detok.get(req.request_id)
+        text = detok.take_delta(final) if detok is not None else ""
+        if final:
+            self._detok.pop(req.request_id, None)
+            self.sampler.forget(req.request_id)
+            if req.finish_reason != FinishReason.ABORT:
+                self.counters["num_finished"] += 1
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=new_ids, new_text=text, finished=final,
+            finish_reason=req.finish_reason if final else None,
+            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+            logprobs=[lp] if lp is not None else None,
+        )
+
+    def get_stats(self) -> dict:
+        """Queue, KV and token counters (see the contract in the server's GetServerStats)."""
+        pool = self.kv.pool
+        return dict(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=pool.num_blocks, kv_blocks_free=pool.num_free_blocks,
+            kv_blocks_used=pool.num_blocks - pool.num_free_blocks,
+            num_preemptions=self.scheduler.num_preemptions, **self.counters,
+        )
+
+    def model_info(self) -> dict:
+        """Static facts about the served model and the engine's limits."""
+        s, c = self.spec, self.config
+        return dict(
+            model=c.model.model, architecture=self.architecture, dtype=str(self.dtype).removeprefix("torch."),
+            vocab_size=s.vocab_size, max_model_len=self.max_model_len, num_layers=s.num_layers,
+            num_experts=s.num_experts, num_experts_per_tok=s.top_k, hidden_size=s.hidden_size,
+            block_size=c.cache.block_size, num_kv_blocks=self.plan.num_blocks,
+            max_num_seqs=c.scheduler.max_num_seqs, max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
+            ep_size=c.parallel.ep_size,
+        )
+

@@ -1,0 +1,69 @@
+"""Load a Hugging Face checkpoint directory (config.json + *.safetensors) into a model.
+
+Safetensors only (never pickle); single file, sharded with `model.safetensors.index.json`, or
+any `*.safetensors` in the directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from moe_engine.errors import StartupError
+from moe_engine.models import MoeCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint's weight files, in a stable order.
+
+    Raises:
+        StartupError: when the directory has no .safetensors file.
+    """
+    root = Path(model_dir)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [root / n for n in names]
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise StartupError(f"model: no *.safetensors files in {str(root)!r} (pickle is not loaded)")
+    return files
+
+
+def iterate_weights(
+    model_dir: str | Path, dtype: torch.dtype, progress: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor, floating ones cast to `dtype`."""
+    files = safetensors_files(model_dir)
+    for path in tqdm(files, desc="Loading weights", unit="file", disable=not progress):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                tensor = f.get_tensor(name)
+                if tensor.is_floating_point():
+                    tensor = tensor.to(dtype)
+                yield name, tensor
+
+
+def load_model(model: MoeCausalLM, model_dir: str | Path, dtype: torch.dtype) -> None:
+    """Fill every parameter of `model` from the checkpoint.
+
+    Raises:
+        StartupError: a parameter the checkpoint does not provide, or a tensor that does not fit.
+    """
+    try:
+        loaded = model.load_weights(iterate_weights(model_dir, dtype))
+    except ValueError as e:
+        raise StartupError(str(e)) from e
+    expected = {n for n, _ in model.named_parameters()}
+    missing = sorted(expected - loaded)
+    if missing:
+        raise StartupError(f"checkpoint {str(model_dir)!r} lacks parameters: {missing[:8]}")
+    logger.info("loaded %d parameter tensors from %s", len(loaded), model_dir)

@@ -1,0 +1,202 @@
+"""A decoder-only MoE transformer over the paged KV cache, shared by the Llama-family MoE models.
+
+Per layer: RMSNorm -> attention (GQA, optional per-head q/k RMSNorm, RoPE) -> residual ->
+RMSNorm -> sparse MoE block (or a dense SwiGLU MLP on layers the config marks dense) ->
+residual. Architecture files (qwen3_moe.py, mixtral.py) only describe their config and names.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_engine.models.layers.attention import AttentionMetadata, PagedAttention
+from moe_engine.models.layers.moe import FusedMoE
+from moe_engine.models.layers.norm import RMSNorm
+from moe_engine.models.layers.rotary import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """The numbers a MoE decoder needs, read from config.json by the architecture file."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    dense_intermediate_size: int
+    moe_layers: frozenset[int]
+    renormalize: bool
+    qk_norm: bool
+    attention_bias: bool
+    tie_word_embeddings: bool
+
+
+class Attention(nn.Module):
+    """Fused QKV projection, optional q/k norm, RoPE, paged attention, output projection."""
+
+    def __init__(self, spec: ArchSpec, dtype: torch.dtype, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.spec = spec
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.sizes = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(spec.hidden_size, sum(self.sizes), bias=spec.attention_bias, dtype=dtype)
+        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=False, dtype=dtype)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        self.rotary = rotary  # shared by all layers
+        self.attn = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
+        """h: [T, H] -> [T, H]."""
+        t, s = h.shape[0], self.spec
+        q, k, v = self.qkv_proj(h).split(self.sizes, dim=-1)
+        q = q.view(t, s.num_heads, s.head_dim)
+        k = k.view(t, s.num_kv_heads, s.head_dim)
+        v = v.view(t, s.num_kv_heads, s.head_dim)
+        if s.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP for the layers a config marks dense (Qwen3-MoE `mlp_only_layers`)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ArchSpec, index: int, dtype: torch.dtype, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(spec, dtype, rotary)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        if index in spec.moe_layers:
+            self.mlp: nn.Module = FusedMoE(
+                spec.num_experts, spec.top_k, spec.hidden_size, spec.moe_intermediate_size,
+                spec.renormalize, dtype,
+            )
+        else:
+            self.mlp = DenseMLP(spec.hidden_size, spec.dense_intermediate_size, dtype)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, meta, kv_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    def __init__(self, spec: ArchSpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
+        rotary = RotaryEmbedding(spec.head_dim, spec.max_position, spec.rope_theta)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, dtype, rotary) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+_EXPERT = re.compile(
+    r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+    r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
+)
+_FUSED_EXPERTS = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
+_SHARD = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_QKV = re.compile(r"(model\.layers\.\d+\.self_attn\.)([qkv])_proj\.(weight|bias)$")
+
+
+class MoeCausalLM(nn.Module):
+    """The whole model: embeddings, decoder layers, final norm, LM head.
+
+    Architecture subclasses implement `arch_spec(hf_config)`.
+    """
+
+    def __init__(self, spec: ArchSpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = Backbone(spec, dtype)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def arch_spec(cls, hf_config) -> ArchSpec:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> final hidden states [T, H]."""
+        h = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            h = layer(h, positions, meta, kv_cache)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, H] -> logits [N, vocab] float32."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into the parameters; returns the parameter names filled.
+
+        Raises:
+            ValueError: an unexpected tensor name or a shape mismatch (names both shapes).
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            loaded |= self._load_one(name, tensor, params)
+        return loaded
+
+    def _load_one(self, name: str, tensor: torch.Tensor, params: dict) -> set[str]:
+        if m := _EXPERT.match(name):
+            layer, expert, proj = int(m[1]), int(m[2]), m[3]
+            shard = _SHARD[proj]
+            self.model.layers[layer].mlp.load_expert_weight(expert, shard, tensor)
+            return {f"model.layers.{layer}.mlp.{'w2' if shard == 'down' else 'w13'}"}
+        if m := _FUSED_EXPERTS.match(name):
+            layer, shard = int(m[1]), "gate_up" if m[2] == "gate_up_proj" else "down_all"
+            self.model.layers[layer].mlp.load_expert_weight(0, shard, tensor)
+            return {f"model.layers.{layer}.mlp.{'w13' if shard == 'gate_up' else 'w2'}"}
+        name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
+        if m := _QKV.match(name):
+            target = f"{m[1]}qkv_proj.{m[3]}"
+            index = "qkv".index(m[2])
+            attn = self.model.layers[int(name.split(".")[2])].self_attn
+            start = sum(attn.sizes[:index])
+            _copy(name, params[target].data[start : start + attn.sizes[index]], tensor)
+            return {target}
+        if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+            return set()
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+        _copy(name, params[name].data, tensor)
+        return {name}
+
+
+def _copy(name: str, target: torch.Tensor, tensor: torch.Tensor) -> None:
+    if target.shape != tensor.shape:
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+            f"the model expects {tuple(target.shape)}"
+        )
+    target.copy_(tensor)

@@ -1,0 +1,167 @@
+"""Iteration-level continuous batching (Orca, OSDI'22; vLLM v1's unified scheduler).
+
+Each `schedule()` call builds one step under a token budget (`max_num_batched_tokens`) and a
+sequence cap (`max_num_seqs`): running requests first (decodes and unfinished prefill chunks),
+then waiting requests in arrival order, each prefill cut into chunks that fit the budget.
+When the KV pool runs out, the newest running request is preempted: its blocks are freed and it
+is recomputed later from its prompt plus the tokens it already generated.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from moe_engine.config import SchedulerConfig
+from moe_engine.kv_cache import KVCacheManager
+from moe_engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    Attributes:
+        request: the request.
+        num_tokens: tokens fed this step (prefill chunk length, or 1 for a decode).
+        start: position of the first fed token (= tokens already in the KV cache).
+    """
+
+    request: Request
+    num_tokens: int
+    start: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the request's tokens, so a token is sampled."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """The batch of one step, in the order the model runner lays the tokens out."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Decides which requests run each step and keeps their KV blocks.
+
+    Args:
+        config: the batch limits.
+        kv_cache_manager: where blocks come from.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request (its id must be new; the engine checks)."""
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        """Build the next step; allocates the blocks it needs, preempting when they run out."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted_ids:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is req:
+                    return budget
+            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
+            budget -= n
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(
+        self, out: SchedulerOutput, sampled: dict[str, int]
+    ) -> tuple[list[Request], list[Request]]:
+        """Advance the step's requests and append the sampled tokens.
+
+        Args:
+            out: the step that ran.
+            sampled: request id -> sampled token id, for the requests whose step `samples`.
+
+        Returns:
+            (requests that got a new token, those of them that finished by token or length).
+        """
+        advanced: list[Request] = []
+        finished: list[Request] = []
+        for s in out.scheduled:
+            req = s.request
+            if req.is_finished:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += s.num_tokens
+            if not s.samples:
+                continue
+            req.append_token(sampled[req.request_id])
+            advanced.append(req)
+            reason = req.check_stop_token()
+            if reason is not None:
+                self.finish_request(req.request_id, reason)
+                finished.append(req)
+        return advanced, finished
+
+    def finish_request(self, request_id: str, reason: FinishReason) -> Request | None:
+        """End a request and free its blocks; returns it, or None when unknown or done."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.kv.free(request_id)
+        return req
