@@ -56,8 +56,8 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(spec.hidden_size, sum(self.sizes), bias=spec.attention_bias, dtype=dtype)
         self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=False, dtype=dtype)
         if spec.qk_norm:
-            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
-            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype)
         self.rotary = rotary  # shared by all layers
         self.attn = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5)
 
@@ -91,8 +91,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: ArchSpec, index: int, dtype: torch.dtype, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = Attention(spec, dtype, rotary)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
         if index in spec.moe_layers:
             self.mlp: nn.Module = FusedMoE(
                 spec.num_experts, spec.top_k, spec.hidden_size, spec.moe_intermediate_size,
@@ -112,7 +112,7 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
         rotary = RotaryEmbedding(spec.head_dim, spec.max_position, spec.rope_theta)
         self.layers = nn.ModuleList(DecoderLayer(spec, i, dtype, rotary) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
 
 
 _EXPERT = re.compile(

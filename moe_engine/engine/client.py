@@ -1,0 +1,403 @@
+"""EngineClient: the front end's handle on the engine core process (asyncio).
+
+`start` spawns the core process (`core_proc.run_engine_core`, multiprocessing spawn) and waits
+until it reports the model loaded; `generate` streams one request's outputs; `abort`,
+`get_stats` and `model_info` serve the other RPCs. Requests are validated here first (the limits
+come with READY), so most bad requests never reach the step loop.
+
+Each live request has an asyncio.Queue fed by one background task that reads the core's output
+socket. When the consumer of `generate` stops early (cancelled, closed, deadline), the request is
+aborted in the core, which frees its KV blocks before its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from moe_engine.config import EngineConfig
+from moe_engine.engine import core_proc
+from moe_engine.errors import ErrorCode, RequestError, StartupError
+from moe_engine.request import RequestOutput, SamplingParams
+from moe_engine.validation import validate_request
+
+logger = logging.getLogger(__name__)
+
+#: Files whose presence in the model directory means it ships a tokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+#: After the core process exits, how long to wait for its last messages (seconds).
+_EXIT_GRACE_S = 0.5
+
+
+def load_tokenizer(model_dir: str) -> Any | None:
+    """`transformers.AutoTokenizer` for `model_dir`, or None when it has no tokenizer files."""
+    path = Path(model_dir)
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+class EngineClient:
+    """Talks to one engine core process over ZeroMQ (DESIGN.md section 9).
+
+    Attributes:
+        model_info: the core's `model_info()` plus `has_tokenizer` (set by `start`).
+        tokenizer: the checkpoint's tokenizer in this process, or None.
+        dead: set when the core process has exited or failed.
+    """
+
+    def __init__(self) -> None:
+        self.model_info: dict[str, Any] = {}
+        self.tokenizer: Any | None = None
+        self.dead = asyncio.Event()
+        self.death_reason: str | None = None
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._aborting: set[str] = set()
+        self._replies: dict[int, asyncio.Future] = {}
+        self._reply_ids = itertools.count()
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._ready: asyncio.Future | None = None
+        self._reader: asyncio.Task | None = None
+        self._tmpdir: str | None = None
+        self._ctx: zmq.Context | None = None
+        self._actx: zmq.asyncio.Context | None = None
+        self._in_sock: zmq.Socket | None = None
+        self._out_sock: zmq.asyncio.Socket | None = None
+
+    # ----------------------------------------------------------------- lifetime
+
+    async def start(
+        self,
+        config: EngineConfig,
+        *,
+        startup_timeout_s: float = 600.0,
+        core_factory: str = core_proc.DEFAULT_CORE_FACTORY,
+        log_level: int = logging.INFO,
+    ) -> None:
+        """Spawn the core process and wait until its model is loaded.
+
+        Args:
+            config: the engine configuration, passed to the core's constructor.
+            startup_timeout_s: how long loading may take (seconds).
+            core_factory: "module:attribute" of the core class (tests pass a fake).
+
+        Raises:
+            StartupError: the core failed to start (its error type and message are included),
+                exited before it was ready, or was not ready within `startup_timeout_s`.
+        """
+        loop = asyncio.get_running_loop()
+        self._ready = loop.create_future()
+        in_addr, out_addr = self._bind()
+        self._reader = asyncio.create_task(self._read_outputs(), name="engine-output-reader")
+        mp = multiprocessing.get_context("spawn")
+        self._proc = mp.Process(
+            target=core_proc.run_engine_core,
+            args=(config, in_addr, out_addr, os.getpid(), core_factory, log_level),
+            name="moe-engine-core",
+            daemon=True,
+        )
+        self._proc.start()
+        loop.add_reader(self._proc.sentinel, self._on_process_exit)
+        tokenizer = asyncio.create_task(asyncio.to_thread(load_tokenizer, config.model.model))
+        try:
+            info = await asyncio.wait_for(asyncio.shield(self._ready), startup_timeout_s)
+        except TimeoutError:
+            tokenizer.cancel()
+            await self.shutdown(timeout_s=1.0)
+            raise StartupError(
+                f"engine core was not ready within {startup_timeout_s:.0f} s (startup timeout)"
+            ) from None
+        except BaseException:
+            tokenizer.cancel()
+            await self.shutdown(timeout_s=1.0)
+            raise
+        self.model_info = info
+        self.tokenizer = await tokenizer if info.get("has_tokenizer") else None
+        logger.info("engine core ready (pid %d): %s", self._proc.pid, info.get("architecture"))
+
+    def _bind(self) -> tuple[str, str]:
+        """Bind the input PUSH and output PULL sockets on ipc:// paths in a private directory."""
+        self._tmpdir = tempfile.mkdtemp(prefix="moe-engine-")
+        in_addr = f"ipc://{self._tmpdir}/in.sock"
+        out_addr = f"ipc://{self._tmpdir}/out.sock"
+        self._ctx = zmq.Context()
+        self._in_sock = self._ctx.socket(zmq.PUSH)
+        # Unlimited queue: sending never blocks the event loop.
+        self._in_sock.setsockopt(zmq.SNDHWM, 0)
+        self._in_sock.setsockopt(zmq.LINGER, 0)
+        self._in_sock.bind(in_addr)
+        self._actx = zmq.asyncio.Context()
+        self._out_sock = self._actx.socket(zmq.PULL)
+        self._out_sock.setsockopt(zmq.RCVHWM, 0)
+        self._out_sock.setsockopt(zmq.LINGER, 0)
+        self._out_sock.bind(out_addr)
+        return in_addr, out_addr
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the core process (SHUTDOWN, then kill after `timeout_s`) and release sockets.
+
+        Live streams end with RequestError(UNAVAILABLE).
+        """
+        proc = self._proc
+        if proc is not None and proc.is_alive():
+            self._try_send(["SHUTDOWN"])
+            await asyncio.to_thread(proc.join, timeout_s)
+            if proc.is_alive():
+                logger.warning("engine core did not stop within %.1f s; killing it", timeout_s)
+                proc.kill()
+                await asyncio.to_thread(proc.join, 5.0)
+        self._mark_dead("the engine is shut down")
+        if proc is not None:
+            asyncio.get_running_loop().remove_reader(proc.sentinel)
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        for sock in (self._in_sock, self._out_sock):
+            if sock is not None:
+                sock.close(linger=0)
+        for ctx in (self._ctx, self._actx):
+            if ctx is not None:
+                ctx.term()
+        self._in_sock = self._out_sock = None
+        self._ctx = self._actx = None
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+    @property
+    def core_pid(self) -> int | None:
+        """The core process's pid (None before start)."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def num_live_requests(self) -> int:
+        """Requests whose streams are open in this front end."""
+        return len(self._streams)
+
+    # ----------------------------------------------------------------- requests
+
+    def encode(self, text: str) -> list[int]:
+        """Tokenise a text prompt.
+
+        Raises:
+            RequestError: INVALID_ARGUMENT ("text") when the checkpoint has no tokenizer.
+        """
+        if self.tokenizer is None:
+            raise RequestError(
+                ErrorCode.INVALID_ARGUMENT,
+                "text",
+                "text: this model has no tokenizer; send the prompt as prompt_ids",
+            )
+        return list(self.tokenizer.encode(text))
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit one request and yield its outputs (deltas) until the finished one.
+
+        Args:
+            request_id: unique among live requests.
+            prompt_token_ids: the prompt, token ids in [0, vocab_size).
+            params: sampling parameters.
+            arrival_time: when the request arrived (time.time() seconds; default now).
+
+        Raises:
+            RequestError: the request is refused (bad field, out of range, duplicate live id,
+                queue full) or the engine is down (UNAVAILABLE).
+
+        If the caller stops iterating before the finished output (cancellation, `aclose`), the
+        request is aborted in the core.
+        """
+        self._check_alive()
+        if request_id in self._streams:
+            raise RequestError(
+                ErrorCode.ALREADY_EXISTS,
+                "request_id",
+                f"request_id: {request_id!r} is already in use by a live request",
+            )
+        validate_request(
+            prompt_token_ids,
+            params,
+            vocab_size=self.model_info["vocab_size"],
+            max_model_len=self.model_info["max_model_len"],
+        )
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        arrival = time.time() if arrival_time is None else arrival_time
+        params_dict = core_proc.params_to_dict(params)
+        self._send(["ADD", request_id, list(prompt_token_ids), params_dict, arrival])
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if self._streams.get(request_id) is queue:
+                del self._streams[request_id]
+            self._aborting.discard(request_id)
+            if not finished:
+                self._try_send(["ABORT", [request_id]])
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a live request; its stream ends with finish_reason ABORT.
+
+        Returns:
+            True when the request was live (and not already being aborted); False otherwise,
+            so repeated aborts are harmless.
+        """
+        if request_id not in self._streams or request_id in self._aborting:
+            return False
+        self._aborting.add(request_id)
+        self._try_send(["ABORT", [request_id]])
+        return True
+
+    async def get_stats(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        """The core's `get_stats()` dict, read after the step in progress.
+
+        Raises:
+            RequestError: UNAVAILABLE when the core is down or does not answer in time.
+        """
+        return await self._request_reply("STATS", timeout_s)
+
+    async def _request_reply(self, kind: str, timeout_s: float) -> dict[str, Any]:
+        self._check_alive()
+        reply_id = next(self._reply_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._replies[reply_id] = future
+        self._send([kind, reply_id])
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        except TimeoutError:
+            raise RequestError(
+                ErrorCode.UNAVAILABLE, "engine", f"engine core did not answer {kind} in time"
+            ) from None
+        finally:
+            self._replies.pop(reply_id, None)
+
+    # ----------------------------------------------------------------- plumbing
+
+    def _check_alive(self) -> None:
+        if self.dead.is_set():
+            raise RequestError(
+                ErrorCode.UNAVAILABLE, "engine", f"engine unavailable: {self.death_reason}"
+            )
+
+    def _send(self, message: list[Any]) -> None:
+        """Send to the core without blocking.
+
+        Raises:
+            RequestError: UNAVAILABLE when the socket is gone.
+        """
+        if self._in_sock is None:
+            raise RequestError(ErrorCode.UNAVAILABLE, "engine", "engine is not running")
+        try:
+            self._in_sock.send(core_proc.pack(message), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            raise RequestError(
+                ErrorCode.UNAVAILABLE, "engine", f"engine unreachable: {exc}"
+            ) from exc
+
+    def _try_send(self, message: list[Any]) -> None:
+        """Best-effort send (aborts and shutdown), never raising."""
+        try:
+            self._send(message)
+        except RequestError as exc:
+            logger.debug("dropped %s: %s", message[0], exc.message)
+
+    async def _read_outputs(self) -> None:
+        assert self._out_sock is not None
+        while True:
+            message = core_proc.unpack(await self._out_sock.recv())
+            try:
+                self._dispatch(message)
+            except Exception:
+                logger.exception("bad message from the engine core: %r", message[:1])
+
+    def _dispatch(self, message: list[Any]) -> None:
+        kind = message[0]
+        if kind == "OUTPUTS":
+            for fields in message[1]:
+                queue = self._streams.get(fields[0])
+                if queue is not None:
+                    queue.put_nowait(core_proc.decode_output(fields))
+        elif kind == "ADD_ERROR":
+            _, rid, code, field, text = message
+            queue = self._streams.get(rid)
+            if queue is not None:
+                queue.put_nowait(RequestError(_error_code(code), field, text))
+        elif kind == "REPLY":
+            future = self._replies.get(message[1])
+            if future is not None and not future.done():
+                future.set_result(message[2])
+        elif kind == "READY":
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(message[1])
+        elif kind == "STARTUP_FAILED":
+            _, exc_type, text, tb = message
+            logger.debug("engine core startup traceback:\n%s", tb)
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_exception(StartupError(f"engine core failed to start: {text}"))
+                self._ready.exception()  # mark retrieved; start() re-raises it
+        elif kind == "FATAL":
+            logger.error("engine core failed:\n%s", message[2])
+            self._mark_dead(f"engine core failed: {message[1]}")
+
+    def _on_process_exit(self) -> None:
+        """The core process ended: give its last messages a moment, then fail what is left."""
+        loop = asyncio.get_running_loop()
+        assert self._proc is not None
+        loop.remove_reader(self._proc.sentinel)
+        loop.call_later(_EXIT_GRACE_S, self._after_exit)
+
+    def _after_exit(self) -> None:
+        code = self._proc.exitcode if self._proc is not None else None
+        reason = f"engine core process exited with status {code}"
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(StartupError(f"{reason} before it was ready"))
+            self._ready.exception()
+        if not self.dead.is_set():
+            if code not in (0, None):
+                logger.error("%s", reason)
+            self._mark_dead(reason)
+
+    def _mark_dead(self, reason: str) -> None:
+        """Fail every open stream and pending reply with UNAVAILABLE."""
+        if not self.dead.is_set():
+            self.death_reason = reason
+            self.dead.set()
+        error = RequestError(ErrorCode.UNAVAILABLE, "engine", f"engine unavailable: {reason}")
+        for queue in self._streams.values():
+            queue.put_nowait(error)
+        for future in self._replies.values():
+            if not future.done():
+                future.set_exception(error)
+
+
+def _error_code(code: str) -> ErrorCode:
+    """The ErrorCode named `code` (INVALID_ARGUMENT for a name this side does not know)."""
+    try:
+        return ErrorCode(code)
+    except ValueError:
+        return ErrorCode.INVALID_ARGUMENT

@@ -1,0 +1,364 @@
+"""Startup arithmetic from config.json alone, before any weight is loaded.
+
+`ModelShape` reads the sizes that matter from a Hugging Face config dict; `make_plan` turns them
+into weight bytes (experts vs the rest), KV-cache bytes per token and per block, the number of KV
+blocks the memory budget buys, and the most tokens that can be cached at once. `Plan.check`
+refuses a configuration in which one `max_model_len` request cannot fit, naming the numbers and
+the flag that fixes it (DESIGN.md section 4, "Capacity is derived, not guessed").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moe_engine.errors import StartupError
+
+GiB = 1 << 30
+#: Upper bound of the default KV-cache budget (bytes) when --kv-cache-memory is not given.
+DEFAULT_KV_CACHE_CAP = 4 * GiB
+#: Fraction of (available memory - weights) the default KV-cache budget takes.
+DEFAULT_KV_CACHE_FRACTION = 0.5
+
+_MODEL_TYPES = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a decoder-only MoE model, as config.json states them.
+
+    Attributes:
+        architecture: config.json "architectures"[0], e.g. "Qwen3MoeForCausalLM".
+        vocab_size: tokens in the vocabulary.
+        hidden_size: width of the residual stream (H).
+        num_layers: decoder layers.
+        num_heads: query heads per layer.
+        num_kv_heads: key/value heads per layer (grouped-query attention).
+        head_dim: dims per head.
+        num_experts: routed experts per MoE layer (E).
+        top_k: experts each token is routed to.
+        moe_intermediate_size: width of one expert's gate/up projection (I).
+        intermediate_size: width of the dense MLP of non-MoE layers (0 when every layer is MoE).
+        moe_layers: indices of the layers whose MLP is an MoE block.
+        tie_word_embeddings: lm_head shares the embedding matrix.
+        max_position_embeddings: longest context the model was built for (tokens).
+        attention_bias: q/k/v/o projections have biases.
+        qk_norm: per-head RMSNorm on queries and keys (Qwen3).
+        norm_topk_prob: top-k routing weights are renormalised to sum to 1.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    intermediate_size: int
+    moe_layers: tuple[int, ...]
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False
+    qk_norm: bool = False
+    norm_topk_prob: bool = True
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> ModelShape:
+        """Read a config.json dict (Qwen3-MoE or Mixtral, transformers 4.x or 5.x keys).
+
+        Qwen3-MoE layer i is MoE when i is not in `mlp_only_layers`, `num_experts` > 0 and
+        (i + 1) % `decoder_sparse_step` == 0; the others use a dense MLP of `intermediate_size`.
+        Mixtral: every layer is MoE and the experts' width is `intermediate_size`.
+
+        Raises:
+            ValueError: when a required field is missing, naming it.
+        """
+        model_type = cfg.get("model_type", "")
+        archs = cfg.get("architectures") or [_MODEL_TYPES.get(model_type, model_type)]
+
+        def need(key: str) -> int:
+            if cfg.get(key) is None:
+                raise ValueError(f"config.json: missing required field {key!r}")
+            return int(cfg[key])
+
+        hidden, heads = need("hidden_size"), need("num_attention_heads")
+        layers = need("num_hidden_layers")
+        num_experts = int(
+            cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
+            or 0
+        )
+        if model_type == "mixtral" or "moe_intermediate_size" not in cfg:
+            moe_inter, dense_inter = need("intermediate_size"), 0
+            moe_layers = tuple(range(layers)) if num_experts else ()
+        else:
+            moe_inter = need("moe_intermediate_size")
+            dense_inter = int(cfg.get("intermediate_size") or 0)
+            step = int(cfg.get("decoder_sparse_step") or 1)
+            dense_only = set(cfg.get("mlp_only_layers") or [])
+            moe_layers = tuple(
+                i for i in range(layers)
+                if i not in dense_only and num_experts > 0 and (i + 1) % step == 0
+            )
+        if len(moe_layers) == layers:
+            dense_inter = 0
+        return cls(
+            architecture=archs[0],
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            num_experts=num_experts,
+            top_k=int(cfg.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=moe_inter,
+            intermediate_size=dense_inter,
+            moe_layers=moe_layers,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type.startswith("qwen3"),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type == "mixtral")),
+        )
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path) -> ModelShape:
+        """`from_hf_config` on `path/config.json`."""
+        import json
+
+        return cls.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
+
+    @property
+    def num_dense_layers(self) -> int:
+        """Layers whose MLP is dense."""
+        return self.num_layers - len(self.moe_layers)
+
+    def expert_params(self) -> int:
+        """Parameters of all routed experts: E x 3 x H x I per MoE layer (gate, up, down)."""
+        per_expert = 3 * self.hidden_size * self.moe_intermediate_size
+        return len(self.moe_layers) * self.num_experts * per_expert
+
+    def other_params(self) -> int:
+        """Every parameter that is not a routed expert (attention, router, dense MLPs, norms,
+        embeddings, lm_head)."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attention = 2 * h * q + 2 * h * kv
+        if self.attention_bias:
+            attention += q + 2 * kv + h
+        if self.qk_norm:
+            attention += 2 * self.head_dim
+        per_layer = attention + 2 * h  # + input and post-attention RMSNorm
+        router = self.num_experts * h
+        dense_mlp = 3 * h * self.intermediate_size
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return (
+            self.num_layers * per_layer
+            + len(self.moe_layers) * router
+            + self.num_dense_layers * dense_mlp
+            + embeddings
+            + h  # final norm
+        )
+
+    def kv_elements_per_token(self) -> int:
+        """K and V values one token leaves in the cache over all layers: 2 x L x kv_heads x d."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the memory budget buys. All sizes in bytes, lengths in tokens.
+
+    Attributes:
+        shape: the model.
+        dtype: weight and KV-cache dtype.
+        ep_size: expert-parallel ranks; expert bytes are per rank.
+        block_size: tokens per KV block.
+        max_model_len: longest request (prompt + output, tokens).
+        weight_bytes_experts: routed-expert weights held by one rank.
+        weight_bytes_other: every other weight (replicated on each rank).
+        kv_bytes_per_token: K and V of one token over all layers.
+        kv_bytes_per_block: `kv_bytes_per_token * block_size`.
+        num_blocks: KV blocks in the pool.
+        max_concurrent_tokens: `num_blocks * block_size`.
+        kv_cache_memory: bytes the pool takes (`num_blocks * kv_bytes_per_block`).
+        kv_cache_source: where the budget came from ("--kv-cache-memory", "derived from free
+            memory", "num_blocks_override").
+    """
+
+    shape: ModelShape
+    dtype: torch.dtype
+    ep_size: int
+    block_size: int
+    max_model_len: int
+    weight_bytes_experts: int
+    weight_bytes_other: int
+    kv_bytes_per_token: int
+    kv_bytes_per_block: int
+    num_blocks: int
+    max_concurrent_tokens: int
+    kv_cache_memory: int
+    kv_cache_source: str = "--kv-cache-memory"
+
+    @property
+    def weight_bytes(self) -> int:
+        """All weights one rank holds."""
+        return self.weight_bytes_experts + self.weight_bytes_other
+
+    def blocks_per_request(self, num_tokens: int | None = None) -> int:
+        """KV blocks one request of `num_tokens` (default max_model_len) needs."""
+        return math.ceil((num_tokens or self.max_model_len) / self.block_size)
+
+    def describe(self) -> str:
+        """A few lines for the startup log: weights, KV bytes, blocks, concurrent tokens."""
+        s = self.shape
+        dtype = str(self.dtype).removeprefix("torch.")
+        fits = self.max_concurrent_tokens / self.max_model_len
+        return "\n".join([
+            f"model: {s.architecture}, {s.num_layers} layers ({len(s.moe_layers)} MoE), "
+            f"{s.num_experts} experts top-{s.top_k}, {dtype}",
+            f"weights: {format_bytes(self.weight_bytes)} = "
+            f"{format_bytes(self.weight_bytes_experts)} experts + "
+            f"{format_bytes(self.weight_bytes_other)} other"
+            + (f" (per rank, ep_size {self.ep_size})" if self.ep_size > 1 else ""),
+            f"KV cache: {format_bytes(self.kv_bytes_per_token)} per token, "
+            f"{format_bytes(self.kv_bytes_per_block)} per block of {self.block_size} tokens",
+            f"KV blocks: {self.num_blocks} ({format_bytes(self.kv_cache_memory)}, "
+            f"{self.kv_cache_source}) = {self.max_concurrent_tokens} concurrent tokens "
+            f"({fits:.1f} requests of max_model_len {self.max_model_len})",
+        ])
+
+    def check(self, max_model_len: int | None = None) -> None:
+        """Refuse a configuration in which one request of `max_model_len` tokens cannot run.
+
+        Raises:
+            StartupError: when max_model_len exceeds the model's max_position_embeddings, or
+                when its KV blocks exceed the pool; the message gives the numbers and the flag
+                (--max-model-len, --kv-cache-memory) that fixes it.
+        """
+        max_model_len = max_model_len or self.max_model_len
+        if max_model_len > self.shape.max_position_embeddings:
+            raise StartupError(
+                f"max_model_len {max_model_len} tokens exceeds the model's "
+                f"max_position_embeddings {self.shape.max_position_embeddings}; "
+                f"pass --max-model-len {self.shape.max_position_embeddings} or less"
+            )
+        need = self.blocks_per_request(max_model_len)
+        if self.num_blocks >= need:
+            return
+        need_bytes = need * self.kv_bytes_per_block
+        raise StartupError(
+            f"KV cache too small for one request of max_model_len {max_model_len} tokens: it "
+            f"needs {need} blocks of {self.block_size} tokens ({need_bytes} bytes, "
+            f"{format_bytes(need_bytes)} at {self.kv_bytes_per_token} bytes per token) but the "
+            f"cache has {self.num_blocks} blocks ({self.kv_cache_memory} bytes, "
+            f"{self.kv_cache_source}), {self.max_concurrent_tokens} tokens. Pass "
+            f"--kv-cache-memory {need_bytes} or more, or --max-model-len "
+            f"{self.max_concurrent_tokens} or less."
+        )
+
+
+def make_plan(
+    shape: ModelShape,
+    dtype: torch.dtype,
+    *,
+    block_size: int,
+    max_model_len: int,
+    kv_cache_memory: int | None,
+    num_blocks_override: int | None = None,
+    ep_size: int = 1,
+    available_memory: int | None = None,
+) -> Plan:
+    """Weight and KV-cache arithmetic for one rank.
+
+    Args:
+        shape: the model.
+        dtype: weight and KV-cache dtype (bytes per element from `dtype.itemsize`).
+        block_size: tokens per KV block.
+        max_model_len: longest request (tokens).
+        kv_cache_memory: KV-cache budget (bytes); None derives min(4 GiB, 0.5 x (available -
+            weights)), raised to one max_model_len request when that still fits in available.
+        num_blocks_override: exact number of blocks; wins over the budget.
+        ep_size: expert-parallel ranks; each holds num_experts / ep_size experts.
+        available_memory: bytes free for weights + cache; None reads MemAvailable.
+
+    Raises:
+        StartupError: when num_experts is not divisible by ep_size, or the weights alone do
+            not fit in available memory (only when the budget is derived).
+    """
+    if ep_size < 1 or (shape.num_experts and shape.num_experts % ep_size):
+        raise StartupError(
+            f"num_experts {shape.num_experts} is not divisible by ep_size {ep_size}; "
+            f"choose an ep_size that divides it"
+        )
+    itemsize = dtype.itemsize
+    experts = shape.expert_params() // ep_size * itemsize
+    other = shape.other_params() * itemsize
+    per_token = shape.kv_elements_per_token() * itemsize
+    per_block = per_token * block_size
+    if num_blocks_override is not None:
+        num_blocks, source = num_blocks_override, "num_blocks_override"
+    elif kv_cache_memory is not None:
+        num_blocks, source = kv_cache_memory // per_block, "--kv-cache-memory"
+    else:
+        budget = default_kv_cache_memory(
+            experts + other, per_block * math.ceil(max_model_len / block_size), available_memory
+        )
+        num_blocks, source = budget // per_block, "derived from free memory"
+    return Plan(
+        shape=shape, dtype=dtype, ep_size=ep_size, block_size=block_size,
+        max_model_len=max_model_len, weight_bytes_experts=experts, weight_bytes_other=other,
+        kv_bytes_per_token=per_token, kv_bytes_per_block=per_block, num_blocks=num_blocks,
+        max_concurrent_tokens=num_blocks * block_size, kv_cache_memory=num_blocks * per_block,
+        kv_cache_source=source,
+    )
+
+
+def default_kv_cache_memory(
+    weight_bytes: int, one_request_bytes: int, available_memory: int | None = None
+) -> int:
+    """The KV-cache budget (bytes) when --kv-cache-memory is not given.
+
+    min(4 GiB, 0.5 x (available - weights)), but at least one max_model_len request
+    (`one_request_bytes`) as long as that fits in what the weights leave.
+
+    Raises:
+        StartupError: when the weights alone exceed available memory.
+    """
+    available = available_memory if available_memory is not None else mem_available()
+    left = available - weight_bytes
+    if left <= 0:
+        raise StartupError(
+            f"weights need {format_bytes(weight_bytes)} but only {format_bytes(available)} "
+            f"memory is available; free memory or use a smaller --dtype"
+        )
+    budget = min(DEFAULT_KV_CACHE_CAP, int(DEFAULT_KV_CACHE_FRACTION * left))
+    return max(budget, min(one_request_bytes, left))
+
+
+def mem_available() -> int:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable in /proc/meminfo);
+    falls back to total physical memory / 2 where /proc/meminfo does not exist."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def format_bytes(n: float) -> str:
+    """`n` bytes in binary units: "512 B", "1.50 KiB", "229.0 MiB", "4.00 GiB"."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            value = n / scale
+            return f"{value:.2f} {unit}" if value < 100 else f"{value:.1f} {unit}"
+    return f"{int(n)} B"

@@ -1,0 +1,207 @@
+"""The `moe_engine.v1.MoeEngine` gRPC servicer (grpc.aio) over an `EngineClient`.
+
+Requests are converted to `SamplingParams` (unset optional fields take vLLM's defaults:
+max_tokens 16, temperature 1.0), checked against the message-size limit and validated; every
+refusal is a gRPC status whose message names the field, the value and the limit, with the field
+also in the trailing metadata key `moe-field`. When the client cancels or its deadline passes,
+grpc.aio cancels the handler and the request is aborted in the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import grpc
+
+from moe_engine.engine.client import EngineClient
+from moe_engine.errors import ErrorCode, RequestError
+from moe_engine.request import RequestOutput, SamplingParams
+from moe_engine.server.metrics import RequestTimer, ServerMetrics
+from moe_engine.server.pb import moe_engine_pb2 as pb
+from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+#: Trailing metadata key carrying the name of the field at fault.
+FIELD_METADATA_KEY = "moe-field"
+
+_STATUS = {
+    ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.OUT_OF_RANGE: grpc.StatusCode.OUT_OF_RANGE,
+    ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorCode.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
+#: Optional scalar fields of GenerateRequest copied into SamplingParams when set.
+_OPTIONAL_PARAMS = (
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "ignore_eos",
+    "logprobs",
+)
+
+
+def sampling_params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
+    """SamplingParams from a GenerateRequest; unset optional fields keep the defaults."""
+    kwargs: dict[str, Any] = {
+        name: getattr(request, name) for name in _OPTIONAL_PARAMS if request.HasField(name)
+    }
+    kwargs["stop"] = list(request.stop)
+    kwargs["stop_token_ids"] = list(request.stop_token_ids)
+    return SamplingParams(**kwargs)
+
+
+def response_from_output(out: RequestOutput) -> pb.GenerateResponse:
+    """One streamed GenerateResponse from one engine output (a delta)."""
+    response = pb.GenerateResponse(
+        request_id=out.request_id,
+        token_ids=out.new_token_ids,
+        text=out.new_text,
+        finished=out.finished,
+        finish_reason=str(out.finish_reason) if out.finish_reason is not None else "",
+        usage=pb.Usage(
+            prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens
+        ),
+    )
+    if out.logprobs:
+        for token_id, (logprob, top) in zip(out.new_token_ids, out.logprobs, strict=False):
+            entry = response.logprobs.add(token_id=token_id, logprob=logprob)
+            for tok, lp in sorted(top.items(), key=lambda kv: -kv[1]):
+                entry.top_logprobs.add(token_id=tok, logprob=lp)
+    return response
+
+
+class MoeEngineServicer(pb_grpc.MoeEngineServicer):
+    """Serves Generate / Abort / GetModelInfo / GetServerStats.
+
+    Args:
+        engine: a started (or starting) EngineClient.
+        max_message_bytes: the largest GenerateRequest accepted (bytes, serialized).
+        metrics: where to record per-request latencies, or None.
+
+    `ready` is False until the model is loaded and again while draining; Generate then answers
+    UNAVAILABLE.
+    """
+
+    def __init__(
+        self, engine: EngineClient, max_message_bytes: int, metrics: ServerMetrics | None = None
+    ) -> None:
+        self.engine = engine
+        self.max_message_bytes = max_message_bytes
+        self.metrics = metrics
+        self.ready = False
+        self.unavailable_reason = "the model is still loading"
+
+    async def Generate(  # noqa: N802 - gRPC method name
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            self._check_ready()
+            self._check_size(request)
+            prompt = self._prompt_ids(request)
+            params = sampling_params_from_proto(request)
+        except RequestError as exc:
+            await _abort(context, exc)
+        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        timer = RequestTimer()
+        stream = self.engine.generate(request_id, prompt, params, arrival_time=time.time())
+        async with aclosing(stream):
+            try:
+                async for out in stream:
+                    timer.record(out)
+                    yield response_from_output(out)
+                    if out.finished and self.metrics is not None:
+                        self.metrics.observe_finished(timer, str(out.finish_reason))
+            except RequestError as exc:
+                await _abort(context, exc)
+
+    async def Abort(  # noqa: N802
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        if not request.request_id:
+            await _abort(
+                context,
+                RequestError(
+                    ErrorCode.INVALID_ARGUMENT, "request_id", "request_id: must not be empty"
+                ),
+            )
+        return pb.AbortResponse(aborted=await self.engine.abort(request.request_id))
+
+    async def GetModelInfo(  # noqa: N802
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        try:
+            self._check_ready(draining_ok=True)
+        except RequestError as exc:
+            await _abort(context, exc)
+        known = pb.ModelInfo.DESCRIPTOR.fields_by_name
+        info = self.engine.model_info
+        return pb.ModelInfo(**{k: v for k, v in info.items() if k in known and v is not None})
+
+    async def GetServerStats(  # noqa: N802
+        self, request: pb.GetServerStatsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerStats:
+        try:
+            self._check_ready(draining_ok=True)
+            stats = await self.engine.get_stats()
+        except RequestError as exc:
+            await _abort(context, exc)
+        known = pb.ServerStats.DESCRIPTOR.fields_by_name
+        total = stats.get("kv_blocks_total", 0)
+        usage = stats.get("kv_blocks_used", 0) / total if total else 0.0
+        fields = {k: v for k, v in stats.items() if k in known and v is not None}
+        return pb.ServerStats(**fields, kv_cache_usage=usage)
+
+    def _check_ready(self, draining_ok: bool = False) -> None:
+        if self.engine.dead.is_set():
+            raise RequestError(
+                ErrorCode.UNAVAILABLE, "engine", f"engine unavailable: {self.engine.death_reason}"
+            )
+        if not self.ready and not (draining_ok and self.engine.model_info):
+            raise RequestError(
+                ErrorCode.UNAVAILABLE, "engine", f"server unavailable: {self.unavailable_reason}"
+            )
+
+    def _check_size(self, request: pb.GenerateRequest) -> None:
+        size = request.ByteSize()
+        if size <= self.max_message_bytes:
+            return
+        # Name the biggest field: that is the one to shrink.
+        sizes = {
+            "text": len(request.text.encode()) if request.HasField("text") else 0,
+            "prompt_ids": request.prompt_ids.ByteSize() if request.HasField("prompt_ids") else 0,
+            "stop": sum(len(s.encode()) for s in request.stop),
+            "stop_token_ids": 5 * len(request.stop_token_ids),
+        }
+        field = max(sizes, key=sizes.__getitem__)
+        raise RequestError(
+            ErrorCode.INVALID_ARGUMENT,
+            field,
+            f"{field}: the request is {size} bytes, over the message size limit of "
+            f"{self.max_message_bytes} bytes (--max-message-bytes)",
+        )
+
+    def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        which = request.WhichOneof("prompt")
+        if which == "prompt_ids":
+            return list(request.prompt_ids.ids)
+        if which == "text":
+            return self.engine.encode(request.text)
+        raise RequestError(
+            ErrorCode.INVALID_ARGUMENT, "prompt", "prompt: set either text or prompt_ids"
+        )
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: RequestError) -> None:
+    """End the RPC with the status for `exc` (raises grpc's AbortError)."""
+    status = _STATUS.get(exc.code, grpc.StatusCode.INTERNAL)
+    await context.abort(status, exc.message, trailing_metadata=((FIELD_METADATA_KEY, exc.field),))

@@ -1,0 +1,109 @@
+"""Request validation: every refusal names the field, the value and the limit.
+
+`validate_request` is called by `EngineCore.add_request` and, earlier, by the front end (which
+knows the same limits from the model info) so that bad requests never reach the step loop.
+"""
+
+from __future__ import annotations
+
+from moe_engine.errors import ErrorCode, RequestError
+from moe_engine.request import MAX_LOGPROBS, SamplingParams
+
+#: Fields whose name starts a `SamplingParams.verify` message, in the order they are checked.
+_PARAM_FIELDS = (
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "logprobs",
+    "stop_token_ids",
+    "stop",
+)
+
+
+def validate_request(
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    max_logprobs: int = MAX_LOGPROBS,
+) -> None:
+    """Refuse a request the engine cannot run.
+
+    Args:
+        prompt_token_ids: the prompt, token ids.
+        params: its sampling parameters.
+        vocab_size: token ids must be in [0, vocab_size).
+        max_model_len: prompt + max_tokens must fit (tokens).
+        max_logprobs: the cap on `params.logprobs`.
+
+    Raises:
+        RequestError: INVALID_ARGUMENT for a bad field ("prompt", "prompt_ids", a sampling
+            field), OUT_OF_RANGE ("prompt" or "max_tokens") when the request does not fit in
+            max_model_len.
+    """
+    _check_prompt(prompt_token_ids, vocab_size, max_model_len)
+    _check_params(params, vocab_size, max_logprobs)
+    total = len(prompt_token_ids) + params.max_tokens
+    if total > max_model_len:
+        raise RequestError(
+            ErrorCode.OUT_OF_RANGE,
+            "max_tokens",
+            f"max_tokens: prompt ({len(prompt_token_ids)} tokens) + max_tokens "
+            f"({params.max_tokens}) = {total} exceeds max_model_len {max_model_len}",
+        )
+
+
+def _check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise RequestError(
+            ErrorCode.INVALID_ARGUMENT, "prompt", "prompt: must not be empty (got 0 tokens)"
+        )
+    bad = _first_out_of_vocab(prompt_token_ids, vocab_size)
+    if bad is not None:
+        index, token = bad
+        raise RequestError(
+            ErrorCode.INVALID_ARGUMENT,
+            "prompt_ids",
+            f"prompt_ids: token id {token} at index {index} is outside [0, {vocab_size}) "
+            f"(vocab_size {vocab_size})",
+        )
+    if n > max_model_len:
+        raise RequestError(
+            ErrorCode.OUT_OF_RANGE,
+            "prompt",
+            f"prompt: {n} tokens is longer than max_model_len {max_model_len}",
+        )
+    if n == max_model_len:
+        raise RequestError(
+            ErrorCode.OUT_OF_RANGE,
+            "prompt",
+            f"prompt: {n} tokens leaves no room for one generated token "
+            f"(max_model_len {max_model_len}; the prompt may have at most {max_model_len - 1})",
+        )
+
+
+def _first_out_of_vocab(token_ids: list[int], vocab_size: int) -> tuple[int, int] | None:
+    """The (index, id) of the first id outside [0, vocab_size), or None."""
+    if min(token_ids) >= 0 and max(token_ids) < vocab_size:
+        return None
+    for i, tok in enumerate(token_ids):
+        if not 0 <= tok < vocab_size:
+            return i, tok
+    return None
+
+
+def _check_params(params: SamplingParams, vocab_size: int, max_logprobs: int) -> None:
+    try:
+        params.verify(vocab_size, max_logprobs)
+    except (ValueError, TypeError) as exc:
+        message = str(exc)
+        field = next(
+            (name for name in _PARAM_FIELDS if message.startswith(name)), "sampling_params"
+        )
+        if not message.startswith(field):
+            message = f"{field}: {message}"
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, field, message) from exc
