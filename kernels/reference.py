@@ -2,7 +2,8 @@
 
 Follows the expert loop of the Hugging Face Qwen3-MoE/Mixtral reference: every token-expert
 pair is computed as `w2 @ (silu(gate) * up)` and added to its token weighted by `topk_weights`.
-Pairs are sorted by expert once so that each expert with tokens runs one matmul per projection.
+Pairs are sorted by expert once so that each expert with tokens runs one matmul per projection;
+the weighted results go back to (token, slot) order and are summed over the k slots.
 """
 
 from __future__ import annotations
@@ -32,24 +33,24 @@ def fused_moe_reference(
     """
     num_tokens, top_k = topk_ids.shape
     num_experts = w13.shape[0]
-    out = torch.zeros_like(hidden)
     if num_tokens == 0:
-        return out
+        return torch.zeros_like(hidden)
     flat_ids = topk_ids.reshape(-1).long()
     valid = (flat_ids >= 0) & (flat_ids < num_experts)
     flat_ids = torch.where(valid, flat_ids, num_experts)
-    order = torch.argsort(flat_ids, stable=True)
+    order = torch.argsort(flat_ids, stable=True)  # pair indices sorted by expert
     counts = torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts].tolist()
-    token_of_pair = order // top_k
-    weight_of_pair = topk_weights.reshape(-1)[order]
+    x = hidden[order // top_k]  # [T*k, H], one gather
+    y = torch.zeros_like(x)  # pairs of other ranks (id outside [0, E)) stay zero
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
-        tokens = token_of_pair[start : start + count]
-        gate, up = F.linear(hidden[tokens], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert])
-        y = y * weight_of_pair[start : start + count, None].to(y.dtype)
-        out.index_add_(0, tokens, y)
-        start += count
-    return out
+        end = start + count
+        gate, up = F.linear(x[start:end], w13[expert]).chunk(2, dim=-1)
+        y[start:end] = F.linear(F.silu(gate) * up, w2[expert])
+        start = end
+    y *= topk_weights.reshape(-1)[order, None].to(y.dtype)
+    pairs = torch.empty_like(y)
+    pairs[order] = y  # back to (token, slot) order
+    return pairs.view(num_tokens, top_k, -1).sum(dim=1)

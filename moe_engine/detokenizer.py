@@ -32,7 +32,9 @@ class IncrementalDetokenizer:
         """Append a generated token; True when a stop string just matched (if `check_stop`)."""
         self.token_ids.append(token_id)
         decode = self.tokenizer.decode
-        prefix = decode(self.token_ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
+        prefix = decode(
+            self.token_ids[self._prefix_offset : self._read_offset], skip_special_tokens=True
+        )
         full = decode(self.token_ids[self._prefix_offset :], skip_special_tokens=True)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return False

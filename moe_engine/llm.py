@@ -1,7 +1,7 @@
 """The offline Python API over the same engine core, as vLLM users know it.
 
-    llm = LLM(model="/path/to/checkpoint")
-    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+llm = LLM(model="/path/to/checkpoint")
+outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
 """
 
 from __future__ import annotations
@@ -45,21 +45,37 @@ class LLM:
     """
 
     def __init__(
-        self, model: str, dtype: str = "auto", max_model_len: int | None = None,
-        max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-        kv_cache_memory: int | None = None, block_size: int = 16,
-        num_blocks_override: int | None = None, seed: int = 0,
+        self,
+        model: str,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        kv_cache_memory: int | None = None,
+        block_size: int = 16,
+        num_blocks_override: int | None = None,
+        seed: int = 0,
     ) -> None:
-        self.engine = EngineCore(EngineConfig(
-            model=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed),
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                              num_blocks_override=num_blocks_override),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
-        ))
+        self.engine = EngineCore(
+            EngineConfig(
+                model=ModelConfig(
+                    model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed
+                ),
+                cache=CacheConfig(
+                    block_size=block_size,
+                    kv_cache_memory=kv_cache_memory,
+                    num_blocks_override=num_blocks_override,
+                ),
+                scheduler=SchedulerConfig(
+                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+                ),
+            )
+        )
         self._next_id = 0
 
     def generate(
-        self, prompts: list[str] | list[list[int]],
+        self,
+        prompts: list[str] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[CompletionOutput]:
         """Generate for every prompt (text needs the checkpoint's tokenizer).
@@ -95,5 +111,7 @@ class LLM:
             return list(prompt)
         tok = self.engine.tokenizer
         if tok is None:
-            raise ValueError("prompt: text given but the checkpoint has no tokenizer; pass token ids")
+            raise ValueError(
+                "prompt: text given but the checkpoint has no tokenizer; pass token ids"
+            )
         return tok.encode(prompt)

@@ -28,7 +28,12 @@ class ModelRunner:
     """
 
     def __init__(
-        self, model: MoeCausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype, sampler: Sampler
+        self,
+        model: MoeCausalLM,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: torch.dtype,
+        sampler: Sampler,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -41,7 +46,9 @@ class ModelRunner:
         ]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[list[ScheduledRequest], SamplerOutput]:
+    def execute(
+        self, out: SchedulerOutput, kv: KVCacheManager
+    ) -> tuple[list[ScheduledRequest], SamplerOutput]:
         """Run one step.
 
         Returns:
@@ -73,18 +80,30 @@ class ModelRunner:
         offsets = torch.cumsum(q_lens, 0) - q_lens
         positions = starts[row] + torch.arange(len(ids)) - offsets[row]
         slot_mapping = (
-            block_tables[row, positions // self.block_size] * self.block_size + positions % self.block_size
+            block_tables[row, positions // self.block_size] * self.block_size
+            + positions % self.block_size
         )
         num_decodes = int((q_lens == 1).sum())
         batches = []
         if num_decodes:
-            batches.append(build_attention_batch(
-                0, q_lens[:num_decodes], starts[:num_decodes], block_tables[:num_decodes], self.block_size
-            ))
+            batches.append(
+                build_attention_batch(
+                    0,
+                    q_lens[:num_decodes],
+                    starts[:num_decodes],
+                    block_tables[:num_decodes],
+                    self.block_size,
+                )
+            )
         if num_decodes < len(ordered):
-            batches.append(build_attention_batch(
-                num_decodes, q_lens[num_decodes:], starts[num_decodes:], block_tables[num_decodes:],
-                self.block_size,
-            ))
+            batches.append(
+                build_attention_batch(
+                    num_decodes,
+                    q_lens[num_decodes:],
+                    starts[num_decodes:],
+                    block_tables[num_decodes:],
+                    self.block_size,
+                )
+            )
         meta = AttentionMetadata(slot_mapping=slot_mapping, batches=batches)
         return torch.tensor(ids, dtype=torch.int64), positions, meta

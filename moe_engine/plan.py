@@ -147,7 +147,8 @@ class ModelShape:
     def other_params(self) -> int:
         """Every parameter that is not a routed expert (attention, router, dense MLPs, norms,
         embeddings, lm_head)."""
-        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        h = self.hidden_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attention = 2 * h * q + 2 * h * kv
         if self.attention_bias:
             attention += q + 2 * kv + h

@@ -99,7 +99,9 @@ class Sampler:
         return out
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """Mask logits outside each row's top-k and top-p nucleus with -inf.
 
     Args:

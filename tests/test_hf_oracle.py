@@ -21,7 +21,9 @@ def _prompts(vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-@pytest.mark.parametrize("ckpt_name", ["qwen3_ckpt", "qwen3_nonorm_ckpt", "qwen3_sharded_ckpt", "mixtral_ckpt"])
+@pytest.mark.parametrize(
+    "ckpt_name", ["qwen3_ckpt", "qwen3_nonorm_ckpt", "qwen3_sharded_ckpt", "mixtral_ckpt"]
+)
 def test_greedy_matches_transformers_with_chunking_and_preemption(ckpt_name, request):
     ckpt = request.getfixturevalue(ckpt_name)
     prompts = _prompts(512, seed=len(ckpt_name))

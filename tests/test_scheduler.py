@@ -13,7 +13,9 @@ from moe_engine.scheduler import Scheduler
 def make_scheduler(num_blocks=64, max_num_seqs=8, budget=64, block_size=4):
     spec = FullAttentionSpec(block_size, 2, 8, torch.float32, 2)
     kv = KVCacheManager([spec], num_blocks)
-    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget), kv), kv
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget), kv
+    ), kv
 
 
 def make_request(rid, n, max_tokens=4):

@@ -130,7 +130,12 @@ class EngineClient:
         logger.info("engine core ready (pid %d): %s", self._proc.pid, info.get("architecture"))
 
     def _bind(self) -> tuple[str, str]:
-        """Bind the input PUSH and output PULL sockets on ipc:// paths in a private directory."""
+        """Open the input PUSH and output PULL sockets on ipc:// paths in a private directory.
+
+        The input socket connects (the core binds it): a connecting PUSH queues messages at
+        once, while a binding one has no peer, and refuses to send, until the core's connection
+        completes, which may be after READY arrives.
+        """
         self._tmpdir = tempfile.mkdtemp(prefix="moe-engine-")
         in_addr = f"ipc://{self._tmpdir}/in.sock"
         out_addr = f"ipc://{self._tmpdir}/out.sock"
@@ -139,7 +144,7 @@ class EngineClient:
         # Unlimited queue: sending never blocks the event loop.
         self._in_sock.setsockopt(zmq.SNDHWM, 0)
         self._in_sock.setsockopt(zmq.LINGER, 0)
-        self._in_sock.bind(in_addr)
+        self._in_sock.connect(in_addr)
         self._actx = zmq.asyncio.Context()
         self._out_sock = self._actx.socket(zmq.PULL)
         self._out_sock.setsockopt(zmq.RCVHWM, 0)

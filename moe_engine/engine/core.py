@@ -33,7 +33,9 @@ logger = logging.getLogger(__name__)
 def load_tokenizer(model_dir: str):
     """The checkpoint's tokenizer (transformers AutoTokenizer), or None when it ships none."""
     root = Path(model_dir)
-    if not any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if not any(
+        (root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    ):
         return None
     from transformers import AutoTokenizer
 
@@ -78,8 +80,10 @@ class EngineCore:
         self.max_model_len = config.model.max_model_len or spec.max_position
         self.dtype = config.model.torch_dtype()
         self.plan = make_plan(
-            ModelShape.from_checkpoint(model_dir), self.dtype,
-            block_size=config.cache.block_size, max_model_len=self.max_model_len,
+            ModelShape.from_checkpoint(model_dir),
+            self.dtype,
+            block_size=config.cache.block_size,
+            max_model_len=self.max_model_len,
             kv_cache_memory=config.cache.kv_cache_memory,
             num_blocks_override=config.cache.num_blocks_override,
             ep_size=config.parallel.ep_size,
@@ -93,16 +97,25 @@ class EngineCore:
         self.tokenizer = load_tokenizer(model_dir)
         self.vocab_size = spec.vocab_size
         self.eos_token_ids = eos_token_ids_of(model_dir, hf_config)
-        kv_spec = FullAttentionSpec(config.cache.block_size, spec.num_kv_heads, spec.head_dim, self.dtype, spec.num_layers)
+        kv_spec = FullAttentionSpec(
+            config.cache.block_size, spec.num_kv_heads, spec.head_dim, self.dtype, spec.num_layers
+        )
         self.kv = KVCacheManager([kv_spec], self.plan.num_blocks)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler(config.model.seed)
-        self.runner = ModelRunner(self.model, self.plan.num_blocks, config.cache.block_size, self.dtype, self.sampler)
+        self.runner = ModelRunner(
+            self.model, self.plan.num_blocks, config.cache.block_size, self.dtype, self.sampler
+        )
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        self.counters = dict(prompt_tokens_total=0, generation_tokens_total=0, num_finished=0, num_aborted=0)
+        self.counters = dict(
+            prompt_tokens_total=0, generation_tokens_total=0, num_finished=0, num_aborted=0
+        )
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
         arrival_time: float | None = None,
     ) -> None:
         """Validate and queue a request.
@@ -111,16 +124,29 @@ class EngineCore:
             RequestError: a bad field (see `validate_request`), a duplicate live id
                 (ALREADY_EXISTS), or a full queue (RESOURCE_EXHAUSTED).
         """
-        validate_request(prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        validate_request(
+            prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len
+        )
         if request_id in self.scheduler.requests:
-            raise RequestError(ErrorCode.ALREADY_EXISTS, "request_id", f"request_id {request_id!r} is already running")
+            raise RequestError(
+                ErrorCode.ALREADY_EXISTS,
+                "request_id",
+                f"request_id {request_id!r} is already running",
+            )
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
             raise RequestError(
-                ErrorCode.RESOURCE_EXHAUSTED, "queue",
-                f"queue: {len(self.scheduler.waiting)} requests waiting, the limit (max_waiting) is "
-                f"{self.config.scheduler.max_waiting}",
+                ErrorCode.RESOURCE_EXHAUSTED,
+                "queue",
+                f"queue: {len(self.scheduler.waiting)} requests waiting, the limit "
+                f"(max_waiting) is {self.config.scheduler.max_waiting}",
             )
-        req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time or time.monotonic())
+        req = Request(
+            request_id,
+            prompt_token_ids,
+            params,
+            self.eos_token_ids,
+            arrival_time or time.monotonic(),
+        )
         self.scheduler.add_request(req)
         if self.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
@@ -156,7 +182,11 @@ class EngineCore:
                 req.first_token_time = time.monotonic()
             detok = self._detok.get(req.request_id)
             check_stop = req.num_output_tokens >= req.sampling_params.min_tokens
-            if detok is not None and detok.add(req.output_token_ids[-1], check_stop) and not req.is_finished:
+            if (
+                detok is not None
+                and detok.add(req.output_token_ids[-1], check_stop)
+                and not req.is_finished
+            ):
                 self.scheduler.finish_request(req.request_id, FinishReason.STOP)
             lp = logprobs.get(req.request_id)
             outputs.append(self._output(req, [req.output_token_ids[-1]], lp, final=req.is_finished))
@@ -171,9 +201,13 @@ class EngineCore:
             if req.finish_reason != FinishReason.ABORT:
                 self.counters["num_finished"] += 1
         return RequestOutput(
-            request_id=req.request_id, new_token_ids=new_ids, new_text=text, finished=final,
+            request_id=req.request_id,
+            new_token_ids=new_ids,
+            new_text=text,
+            finished=final,
             finish_reason=req.finish_reason if final else None,
-            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
             logprobs=[lp] if lp is not None else None,
         )
 
@@ -181,21 +215,31 @@ class EngineCore:
         """Queue, KV and token counters (see the contract in the server's GetServerStats)."""
         pool = self.kv.pool
         return dict(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_blocks_total=pool.num_blocks, kv_blocks_free=pool.num_free_blocks,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=pool.num_blocks,
+            kv_blocks_free=pool.num_free_blocks,
             kv_blocks_used=pool.num_blocks - pool.num_free_blocks,
-            num_preemptions=self.scheduler.num_preemptions, **self.counters,
+            num_preemptions=self.scheduler.num_preemptions,
+            **self.counters,
         )
 
     def model_info(self) -> dict:
         """Static facts about the served model and the engine's limits."""
         s, c = self.spec, self.config
         return dict(
-            model=c.model.model, architecture=self.architecture, dtype=str(self.dtype).removeprefix("torch."),
-            vocab_size=s.vocab_size, max_model_len=self.max_model_len, num_layers=s.num_layers,
-            num_experts=s.num_experts, num_experts_per_tok=s.top_k, hidden_size=s.hidden_size,
-            block_size=c.cache.block_size, num_kv_blocks=self.plan.num_blocks,
-            max_num_seqs=c.scheduler.max_num_seqs, max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
+            model=c.model.model,
+            architecture=self.architecture,
+            dtype=str(self.dtype).removeprefix("torch."),
+            vocab_size=s.vocab_size,
+            max_model_len=self.max_model_len,
+            num_layers=s.num_layers,
+            num_experts=s.num_experts,
+            num_experts_per_tok=s.top_k,
+            hidden_size=s.hidden_size,
+            block_size=c.cache.block_size,
+            num_kv_blocks=self.plan.num_blocks,
+            max_num_seqs=c.scheduler.max_num_seqs,
+            max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
             ep_size=c.parallel.ep_size,
         )
-

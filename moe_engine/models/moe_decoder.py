@@ -53,15 +53,21 @@ class Attention(nn.Module):
         self.spec = spec
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         self.sizes = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(spec.hidden_size, sum(self.sizes), bias=spec.attention_bias, dtype=dtype)
+        self.qkv_proj = nn.Linear(
+            spec.hidden_size, sum(self.sizes), bias=spec.attention_bias, dtype=dtype
+        )
         self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=False, dtype=dtype)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype)
         self.rotary = rotary  # shared by all layers
-        self.attn = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5)
+        self.attn = PagedAttention(
+            spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5
+        )
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache
+    ) -> torch.Tensor:
         """h: [T, H] -> [T, H]."""
         t, s = h.shape[0], self.spec
         q, k, v = self.qkv_proj(h).split(self.sizes, dim=-1)
@@ -88,20 +94,28 @@ class DenseMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ArchSpec, index: int, dtype: torch.dtype, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, spec: ArchSpec, index: int, dtype: torch.dtype, rotary: RotaryEmbedding
+    ) -> None:
         super().__init__()
         self.self_attn = Attention(spec, dtype, rotary)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
         if index in spec.moe_layers:
             self.mlp: nn.Module = FusedMoE(
-                spec.num_experts, spec.top_k, spec.hidden_size, spec.moe_intermediate_size,
-                spec.renormalize, dtype,
+                spec.num_experts,
+                spec.top_k,
+                spec.hidden_size,
+                spec.moe_intermediate_size,
+                spec.renormalize,
+                dtype,
             )
         else:
             self.mlp = DenseMLP(spec.hidden_size, spec.dense_intermediate_size, dtype)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache
+    ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), positions, meta, kv_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -111,7 +125,9 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
         rotary = RotaryEmbedding(spec.head_dim, spec.max_position, spec.rope_theta)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, dtype, rotary) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, i, dtype, rotary) for i in range(spec.num_layers)
+        )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
 
 
@@ -119,8 +135,17 @@ _EXPERT = re.compile(
     r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
     r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
 )
-_FUSED_EXPERTS = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
-_SHARD = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_FUSED_EXPERTS = re.compile(
+    r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$"
+)
+_SHARD = {
+    "gate_proj": "gate",
+    "w1": "gate",
+    "up_proj": "up",
+    "w3": "up",
+    "down_proj": "down",
+    "w2": "down",
+}
 _QKV = re.compile(r"(model\.layers\.\d+\.self_attn\.)([qkv])_proj\.(weight|bias)$")
 
 
@@ -143,7 +168,11 @@ class MoeCausalLM(nn.Module):
         raise NotImplementedError
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list,
     ) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> final hidden states [T, H]."""
         h = self.model.embed_tokens(input_ids)

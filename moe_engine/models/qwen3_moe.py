@@ -19,7 +19,9 @@ class Qwen3MoeForCausalLM(MoeCausalLM):
         dense = set(getattr(c, "mlp_only_layers", None) or [])
         num_experts = getattr(c, "num_experts", None) or c.num_local_experts
         moe_layers = frozenset(
-            i for i in range(num_layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0
+            i
+            for i in range(num_layers)
+            if i not in dense and num_experts > 0 and (i + 1) % step == 0
         )
         return ArchSpec(
             vocab_size=c.vocab_size,

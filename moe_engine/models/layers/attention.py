@@ -74,9 +74,13 @@ def build_attention_batch(
     tok_q = torch.arange(int(q_lens.sum())) - offsets[tok_b]
     key_pos = torch.arange(max_k)
     blocks = block_tables[:, : (max_k + block_size - 1) // block_size]
-    kv_slots = blocks.gather(1, (key_pos // block_size).expand(b, -1)) * block_size + key_pos % block_size
+    kv_slots = (
+        blocks.gather(1, (key_pos // block_size).expand(b, -1)) * block_size + key_pos % block_size
+    )
     q_pos = starts[:, None] + torch.arange(max_q)[None, :]  # [B, Lq] absolute positions
-    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < seq_lens[:, None, None])
+    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (
+        key_pos[None, None, :] < seq_lens[:, None, None]
+    )
     return AttentionBatch(
         token_start=token_start,
         token_end=token_start + int(q_lens.sum()),
@@ -136,7 +140,11 @@ class PagedAttention(torch.nn.Module):
         keys = k_cache[batch.kv_slots].transpose(1, 2)  # [B, Hkv, Lk, D]
         values = v_cache[batch.kv_slots].transpose(1, 2)
         o = F.scaled_dot_product_attention(
-            q_pad.transpose(1, 2), keys, values, attn_mask=batch.mask, scale=self.scale,
+            q_pad.transpose(1, 2),
+            keys,
+            values,
+            attn_mask=batch.mask,
+            scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         ).transpose(1, 2)  # [B, Lq, Hq, D]
         if batch.max_q == 1:

@@ -31,7 +31,9 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, base: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = 1.0 / (
+            base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        )
         pos = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)

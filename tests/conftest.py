@@ -1,0 +1,49 @@
+"""Session-scoped tiny checkpoints shared by the tests (each made once per pytest session)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from fixtures import make_tiny_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One directory for every tiny checkpoint of this session."""
+    return tmp_path_factory.mktemp("tiny_ckpts")
+
+
+@pytest.fixture(scope="session")
+def qwen3_ckpt(tiny_ckpt_root: Path) -> Path:
+    """Qwen3-MoE, float32, one safetensors file: 3 layers (layer 1 dense), norm_topk_prob true."""
+    return make_tiny_checkpoint("qwen3_moe", tiny_ckpt_root)
+
+
+@pytest.fixture(scope="session")
+def qwen3_sharded_ckpt(tiny_ckpt_root: Path) -> Path:
+    """The same architecture as `qwen3_ckpt`, saved in ~100 kB shards with an index file."""
+    return make_tiny_checkpoint("qwen3_moe", tiny_ckpt_root, sharded=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_nonorm_ckpt(tiny_ckpt_root: Path) -> Path:
+    """Qwen3-MoE, norm_topk_prob false, decoder_sparse_step 2 (layers 1, 3 MoE; 0, 2 dense)."""
+    return make_tiny_checkpoint(
+        "qwen3_moe",
+        tiny_ckpt_root,
+        num_hidden_layers=4,
+        norm_topk_prob=False,
+        decoder_sparse_step=2,
+        mlp_only_layers=[],
+    )
+
+
+@pytest.fixture(scope="session")
+def mixtral_ckpt(tiny_ckpt_root: Path) -> Path:
+    """Mixtral, float32, one safetensors file: 2 MoE layers, 8 experts, top-2."""
+    return make_tiny_checkpoint("mixtral", tiny_ckpt_root)

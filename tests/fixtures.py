@@ -1,0 +1,171 @@
+"""Tiny random-initialised MoE checkpoints and `transformers` oracles for the tests.
+
+The checkpoints are the real architectures (`Qwen3MoeForCausalLM`, `MixtralForCausalLM`) built by
+`transformers.AutoModelForCausalLM.from_config` from a seeded RNG and saved as safetensors, so the
+engine's own model code can be compared token for token against `transformers.generate`.
+
+Weights are drawn with a large `initializer_range` (0.5 instead of 0.02) so that greedy
+continuations depend on the prompt and do not collapse into one repeated token.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: Shared shape of the tiny models: 512-token vocabulary, hidden 64, 4 query heads and 2 KV heads
+#: of 16 dims, 8 experts with top-2 routing, 32-wide experts.
+_COMMON: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.5,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+#: Per-architecture fields. Qwen3: 3 layers, layer 1 a dense MLP (mlp_only_layers), the others MoE,
+#: top-k weights renormalised. Mixtral: 2 layers, all MoE (its experts use intermediate_size).
+_KINDS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {
+        "num_hidden_layers": 3,
+        "intermediate_size": 96,
+        "moe_intermediate_size": 32,
+        "num_experts": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [1],
+    },
+    "mixtral": {
+        "num_hidden_layers": 2,
+        "intermediate_size": 32,
+        "num_local_experts": 8,
+    },
+}
+
+
+def tiny_config(kind: str, **overrides: Any):
+    """The `transformers` config of a tiny checkpoint.
+
+    Args:
+        kind: "qwen3_moe" or "mixtral".
+        overrides: config fields that replace the defaults above (e.g. `norm_topk_prob=False`,
+            `decoder_sparse_step=2, mlp_only_layers=[]`, `num_hidden_layers=4`).
+
+    Raises:
+        ValueError: for an unknown kind.
+    """
+    from transformers import AutoConfig
+
+    if kind not in _KINDS:
+        raise ValueError(f"kind must be one of {sorted(_KINDS)}, got {kind!r}")
+    fields = {**_COMMON, **_KINDS[kind], **overrides}
+    return AutoConfig.for_model(kind, **fields)
+
+
+def make_tiny_checkpoint(
+    kind: str,
+    root: Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    sharded: bool = False,
+    seed: int = 0,
+    **overrides: Any,
+) -> Path:
+    """Create a tiny random-weight checkpoint directory (config.json + safetensors).
+
+    Args:
+        kind: "qwen3_moe" or "mixtral".
+        root: parent directory; the checkpoint goes to `root / <name>` and is reused when its
+            config.json already exists there.
+        dtype: dtype of the saved weights (torch.float32 or torch.bfloat16).
+        sharded: save in shards of at most 100 kB, so that `model.safetensors.index.json`
+            appears; otherwise one `model.safetensors`.
+        seed: `torch.manual_seed` before the weights are drawn.
+        overrides: config fields, see `tiny_config`.
+
+    Returns:
+        The checkpoint directory.
+    """
+    from transformers import AutoModelForCausalLM
+
+    suffix = "".join(f"-{k}={v}" for k, v in sorted(overrides.items())).replace(" ", "")
+    dtype_name = str(dtype).removeprefix("torch.")
+    name = f"{kind}-{dtype_name}-s{seed}{'-sharded' if sharded else ''}{suffix}"
+    path = Path(root) / name
+    if (path / "config.json").is_file():
+        return path
+    config = tiny_config(kind, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(
+        path, safe_serialization=True, max_shard_size="100KB" if sharded else "2GB"
+    )
+    return path
+
+
+@functools.lru_cache(maxsize=8)
+def _load_hf(ckpt: str):
+    """The checkpoint loaded by transformers in float32, eval mode (cached per path)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    return model.eval()
+
+
+def hf_greedy(
+    ckpt: Path, prompts: list[list[int]], max_new_tokens: int, *, ignore_eos: bool = True
+) -> list[list[int]]:
+    """Greedy continuations from `transformers.generate`, float32, one prompt at a time.
+
+    Args:
+        ckpt: checkpoint directory.
+        prompts: token ids per prompt (no padding is ever applied).
+        max_new_tokens: tokens to generate per prompt.
+        ignore_eos: when True, generation runs to `max_new_tokens` even through the EOS token
+            (the engine's `ignore_eos=True`); when False it stops after EOS (which is included).
+
+    Returns:
+        The generated token ids per prompt (prompt excluded).
+    """
+    model = _load_hf(str(ckpt))
+    outputs = []
+    for prompt in prompts:
+        input_ids = torch.tensor([prompt], dtype=torch.long)
+        kwargs: dict[str, Any] = {}
+        if ignore_eos:
+            # An id no token can take: generation never sees its stop token.
+            kwargs["eos_token_id"] = model.config.vocab_size + 1
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=model.config.pad_token_id,
+                **kwargs,
+            )
+        outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+def hf_last_logits(ckpt: Path, prompt_ids: list[int]) -> torch.Tensor:
+    """Logits at the last prompt position from a plain `transformers` forward pass.
+
+    Returns:
+        [vocab_size] float32.
+    """
+    model = _load_hf(str(ckpt))
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt_ids], dtype=torch.long)).logits
+    return logits[0, -1].float().clone()
