@@ -1,0 +1,163 @@
+"""plan.py: weight and KV arithmetic checked against numbers worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_engine.errors import StartupError
+from moe_engine.plan import ModelShape, format_bytes, make_plan
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+#: BENCH.md's bench-qwen3-moe config.json (transformers 5 writes num_local_experts).
+BENCH_CFG = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "vocab_size": 8192,
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "moe_intermediate_size": 256,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_local_experts": 32,
+    "num_experts_per_tok": 4,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 4096,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "tie_word_embeddings": False,
+}
+# By hand, bf16 (2 bytes):
+#   experts: 8 layers x 32 experts x 3 x 512 x 256            = 100,663,296 params
+#   other:   embed + lm_head 2 x 8192 x 512                   =   8,388,608
+#            attention per layer 2x512x512 + 2x512x128 + 2x64 =     655,488  (x8 = 5,243,904)
+#            router 32 x 512 + norms 2 x 512 per layer        =      17,408  (x8 =   139,264)
+#            final norm                                       =         512
+#            total                                            =  13,772,288 params
+#   KV per token: 2 (K, V) x 8 layers x 2 heads x 64 dims x 2 bytes = 4,096 bytes
+EXPERT_BYTES = 201_326_592
+OTHER_BYTES = 27_544_576
+WEIGHT_BYTES = EXPERT_BYTES + OTHER_BYTES
+
+
+def bench_plan(**kw) -> object:
+    args = {"block_size": 16, "max_model_len": 1024, "kv_cache_memory": GiB} | kw
+    return make_plan(ModelShape.from_hf_config(BENCH_CFG), torch.bfloat16, **args)
+
+
+def test_bench_shape_and_bytes() -> None:
+    shape = ModelShape.from_hf_config(BENCH_CFG)
+    assert shape.num_experts == 32 and shape.top_k == 4 and shape.moe_layers == tuple(range(8))
+    assert shape.expert_params() + shape.other_params() == 114_435_584  # BENCH.md: 114.4 M
+    plan = bench_plan()
+    assert plan.weight_bytes_experts == EXPERT_BYTES
+    assert plan.weight_bytes_other == OTHER_BYTES
+    assert plan.kv_bytes_per_token == 4096
+    assert plan.kv_bytes_per_block == 65536
+    assert plan.num_blocks == 16384  # 1 GiB / 64 KiB
+    assert plan.max_concurrent_tokens == 262144
+    assert plan.kv_cache_memory == GiB
+    plan.check(1024)
+
+
+def test_float32_doubles_bytes_and_budget_rounds_down() -> None:
+    shape = ModelShape.from_hf_config(BENCH_CFG)
+    plan = make_plan(shape, torch.float32, block_size=32, max_model_len=512,
+                     kv_cache_memory=MiB + 5)
+    assert plan.weight_bytes_experts == 2 * EXPERT_BYTES
+    assert plan.kv_bytes_per_token == 8192 and plan.kv_bytes_per_block == 262144
+    assert plan.num_blocks == 4 and plan.kv_cache_memory == MiB
+    assert plan.max_concurrent_tokens == 128
+
+
+def test_qwen3_dense_layers_and_transformers4_keys() -> None:
+    # 4 layers, decoder_sparse_step 2 -> layers 1 and 3 MoE, but 3 is in mlp_only_layers.
+    cfg = BENCH_CFG | {"num_hidden_layers": 4, "decoder_sparse_step": 2,
+                       "mlp_only_layers": [3], "num_experts": 32}
+    del cfg["num_local_experts"]
+    shape = ModelShape.from_hf_config(cfg)
+    assert shape.moe_layers == (1,) and shape.num_dense_layers == 3
+    assert shape.intermediate_size == 1024
+    assert shape.expert_params() == 32 * 3 * 512 * 256
+    # other: embeddings 8,388,608 + 4 x (655,488 + 1,024) + 1 router 16,384
+    #        + 3 dense MLPs x 3 x 512 x 1024 + final norm 512
+    assert shape.other_params() == 8_388_608 + 2_626_048 + 16_384 + 4_718_592 + 512
+
+
+def test_mixtral_all_layers_moe() -> None:
+    cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+           "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 32,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "num_local_experts": 8, "num_experts_per_tok": 2, "tie_word_embeddings": True,
+           "max_position_embeddings": 1024}
+    shape = ModelShape.from_hf_config(cfg)
+    assert shape.moe_layers == (0, 1) and shape.head_dim == 16 and shape.intermediate_size == 0
+    assert shape.expert_params() == 2 * 8 * 3 * 64 * 32
+    # attention 2x64x64 + 2x64x32 = 12,288; norms 128; router 512; per layer 12,928 (x2)
+    # tied embedding 64,000; final norm 64
+    assert shape.other_params() == 2 * 12_928 + 64_000 + 64
+    assert shape.norm_topk_prob and not shape.qk_norm
+
+
+def test_too_small_cache_names_numbers_and_flags() -> None:
+    plan = bench_plan(kv_cache_memory=10 * 65536)  # 10 blocks = 160 tokens
+    with pytest.raises(StartupError) as err:
+        plan.check(1024)
+    msg = str(err.value)
+    for piece in ("1024", "64 blocks", "4194304", "10 blocks", "655360", "160",
+                  "--kv-cache-memory 4194304", "--max-model-len 160"):
+        assert piece in msg, (piece, msg)
+    plan.check(160)  # exactly 10 blocks fits
+
+
+def test_override_and_position_limit() -> None:
+    plan = bench_plan(num_blocks_override=3)
+    assert plan.num_blocks == 3 and plan.kv_cache_memory == 3 * 65536
+    with pytest.raises(StartupError, match="num_blocks_override"):
+        plan.check(1024)
+    with pytest.raises(StartupError, match="--max-model-len 4096"):
+        bench_plan(max_model_len=8192).check(8192)
+
+
+def test_default_budget_from_available_memory() -> None:
+    one_request = 64 * 65536  # 1024 tokens = 64 blocks = 4 MiB
+    # Plenty of memory: capped at 4 GiB.
+    assert bench_plan(kv_cache_memory=None, available_memory=16 * GiB).num_blocks == 65536
+    # Half of what the weights leave: 8 MiB left -> 4 MiB -> 64 blocks.
+    assert bench_plan(kv_cache_memory=None,
+                      available_memory=WEIGHT_BYTES + 8 * MiB).num_blocks == 64
+    # Half (3 MiB) is short of one request but one request (4 MiB) fits in 6 MiB: raised to it.
+    plan = bench_plan(kv_cache_memory=None, available_memory=WEIGHT_BYTES + 6 * MiB)
+    assert plan.kv_cache_memory == one_request and plan.kv_cache_source.startswith("derived")
+    # Only 1 MiB left: 16 blocks, and check() refuses.
+    plan = bench_plan(kv_cache_memory=None, available_memory=WEIGHT_BYTES + MiB)
+    assert plan.num_blocks == 16
+    with pytest.raises(StartupError, match="--kv-cache-memory"):
+        plan.check(1024)
+    with pytest.raises(StartupError, match="available"):
+        bench_plan(kv_cache_memory=None, available_memory=WEIGHT_BYTES - 1)
+
+
+def test_expert_parallel_split_and_divisibility() -> None:
+    assert bench_plan(ep_size=4).weight_bytes_experts == EXPERT_BYTES // 4
+    assert bench_plan(ep_size=4).weight_bytes_other == OTHER_BYTES
+    with pytest.raises(StartupError, match="divisible"):
+        bench_plan(ep_size=3)
+
+
+def test_describe_is_human_readable() -> None:
+    text = bench_plan().describe()
+    assert "192.0 MiB experts" in text and "26.27 MiB other" in text
+    assert "4.00 KiB per token" in text and "16384" in text and "262144" in text
+    assert format_bytes(512) == "512 B" and format_bytes(1536) == "1.50 KiB"
+
+
+def test_missing_field_is_named() -> None:
+    cfg = dict(BENCH_CFG)
+    del cfg["hidden_size"]
+    with pytest.raises(ValueError, match="hidden_size"):
+        ModelShape.from_hf_config(cfg)
