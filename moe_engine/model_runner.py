@@ -24,7 +24,7 @@ class ModelRunner:
         kv_dtype: cache element type.
         sampler: picks the tokens.
 
-    The cache is one pair of [num_blocks * block_size, num_kv_heads, head_dim] tensors per layer.
+    The cache is one pair of [num_blocks, block_size, num_kv_heads, head_dim] tensors per layer.
     """
 
     def __init__(
@@ -39,7 +39,7 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler
         spec = model.spec
-        shape = (num_blocks * block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
             for _ in range(spec.num_layers)

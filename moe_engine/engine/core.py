@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from moe_engine.config import EngineConfig, default_threads
+from moe_engine.config import EngineConfig, compute_dtype, default_threads
 from moe_engine.detokenizer import IncrementalDetokenizer
 from moe_engine.errors import ErrorCode, RequestError
 from moe_engine.kv_cache import FullAttentionSpec, KVCacheManager
@@ -78,7 +78,13 @@ class EngineCore:
         self.architecture, model_cls = resolve_architecture(hf_config)
         spec = model_cls.arch_spec(hf_config)
         self.max_model_len = config.model.max_model_len or spec.max_position
-        self.dtype = config.model.torch_dtype()
+        self.weight_dtype = config.model.torch_dtype()
+        self.dtype = compute_dtype(self.weight_dtype)
+        if self.dtype != self.weight_dtype:
+            logger.warning(
+                "this CPU has no native bfloat16 matmul (AVX512-BF16/AMX): weights are rounded "
+                "to bfloat16 and computed in float32 (MOE_ENGINE_FORCE_BF16=1 keeps bfloat16)"
+            )
         self.plan = make_plan(
             ModelShape.from_checkpoint(model_dir),
             self.dtype,
@@ -93,7 +99,7 @@ class EngineCore:
         spec = dataclasses.replace(spec, max_position=self.max_model_len)
         self.spec = spec
         self.model = model_cls(spec, self.dtype).eval()
-        load_model(self.model, model_dir, self.dtype)
+        load_model(self.model, model_dir, self.weight_dtype)
         self.tokenizer = load_tokenizer(model_dir)
         self.vocab_size = spec.vocab_size
         self.eos_token_ids = eos_token_ids_of(model_dir, hf_config)
