@@ -40,7 +40,9 @@ def test_concurrent_greedy_streams_match_transformers(ckpt_name, request) -> Non
             stub = pb_grpc.MoeEngineStub(channel)
 
             def one(i: int) -> list[int]:
-                req = make_request(prompts[i], max_tokens=MAX_NEW[i], temperature=0.0, ignore_eos=True)
+                req = make_request(
+                    prompts[i], max_tokens=MAX_NEW[i], temperature=0.0, ignore_eos=True
+                )
                 return token_ids(list(stub.Generate(req, timeout=120)))
 
             with ThreadPoolExecutor(len(prompts)) as pool:

@@ -3,8 +3,8 @@
 Each step's tokens are laid out flat; the model runner groups the requests into at most two
 batches: single-token queries (decodes) and multi-token queries (prefill chunks). For each batch
 one `scaled_dot_product_attention` call reads the keys through the block tables (whole blocks
-gathered with one `index_select`), with a mask that is causal from each request's start position. So the cost per layer
-is two batched calls per step, never a loop per request.
+gathered with one `index_select`), with a mask that is causal from each request's start
+position. So the cost per layer is two batched calls per step, never a loop per request.
 """
 
 from __future__ import annotations
