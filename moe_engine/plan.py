@@ -274,6 +274,7 @@ def make_plan(
     num_blocks_override: int | None = None,
     ep_size: int = 1,
     available_memory: int | None = None,
+    max_num_seqs: int | None = None,
 ) -> Plan:
     """Weight and KV-cache arithmetic for one rank.
 
@@ -287,6 +288,8 @@ def make_plan(
         num_blocks_override: exact number of blocks; wins over the budget.
         ep_size: expert-parallel ranks; each holds num_experts / ep_size experts.
         available_memory: bytes free for weights + cache; None reads MemAvailable.
+        max_num_seqs: when the budget is derived, no more blocks than max_num_seqs requests of
+            max_model_len can ever hold are reserved.
 
     Raises:
         StartupError: when num_experts is not divisible by ep_size, or the weights alone do
@@ -311,6 +314,10 @@ def make_plan(
             experts + other, per_block * math.ceil(max_model_len / block_size), available_memory
         )
         num_blocks, source = budget // per_block, "derived from free memory"
+        if max_num_seqs is not None:
+            most = max_num_seqs * math.ceil(max_model_len / block_size)
+            if most < num_blocks:
+                num_blocks, source = most, "max_num_seqs x max_model_len"
     return Plan(
         shape=shape, dtype=dtype, ep_size=ep_size, block_size=block_size,
         max_model_len=max_model_len, weight_bytes_experts=experts, weight_bytes_other=other,

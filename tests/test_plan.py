@@ -161,3 +161,25 @@ def test_missing_field_is_named() -> None:
     del cfg["hidden_size"]
     with pytest.raises(ValueError, match="hidden_size"):
         ModelShape.from_hf_config(cfg)
+
+
+def test_derived_budget_is_capped_by_max_num_seqs() -> None:
+    import torch
+
+    from moe_engine.plan import ModelShape, make_plan
+
+    shape = ModelShape.from_hf_config(
+        {
+            "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16, "intermediate_size": 64,
+            "max_position_embeddings": 256,
+        }
+    )
+    plan = make_plan(
+        shape, torch.float32, block_size=16, max_model_len=100, kv_cache_memory=None,
+        available_memory=1 << 33, max_num_seqs=3,
+    )
+    assert plan.num_blocks == 3 * 7  # ceil(100 / 16) = 7 blocks per request
+    assert "max_num_seqs" in plan.kv_cache_source

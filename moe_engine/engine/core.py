@@ -93,6 +93,7 @@ class EngineCore:
             kv_cache_memory=config.cache.kv_cache_memory,
             num_blocks_override=config.cache.num_blocks_override,
             ep_size=config.parallel.ep_size,
+            max_num_seqs=config.scheduler.max_num_seqs,
         )
         logger.info("startup plan:\n%s", self.plan.describe())
         self.plan.check(self.max_model_len)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from comm import Communicator, NoopCommunicator
-from kernels.reference import fused_moe_reference
+from kernels.cpu import fused_moe_cpu
 
 
 def softmax_topk(
@@ -80,7 +80,7 @@ class FusedMoE(nn.Module):
         router_logits = self.gate(hidden)  # [T, E]
         topk_weights, topk_ids = softmax_topk(router_logits, self.top_k, self.renormalize)
         sent = self.communicator.dispatch(hidden, topk_ids, topk_weights)
-        expert_out = fused_moe_reference(
+        expert_out = fused_moe_cpu(
             sent.hidden, self.w13, self.w2, sent.topk_weights, sent.topk_ids
         )
         return self.communicator.combine(expert_out, sent.handle)

@@ -1,0 +1,67 @@
+"""The CPU expert path: every expert's tokens padded to one length, two batched GEMMs per layer.
+
+On a CPU the per-expert loop of `kernels.reference` is dominated by small matmuls (a few rows
+each in decode) and per-op overhead. Padding each expert's rows to the longest expert's count
+and running `torch.bmm` over all experts does the same arithmetic in two calls. Measured with
+`python bench/moe_cpu.py --tokens 64 256 2048 8192` (32 experts, top-4, float32, 2 threads):
+1.5x faster than the loop at 64 tokens, 1.3x at 256, 1.4x at 2048, but 0.67x at 8192 where
+each expert has about a thousand rows and the loop's large GEMMs win. So the loop is used when
+experts average more than `MAX_ROWS_PER_EXPERT` rows, or when routing is so skewed that padding
+would more than double the rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.reference import fused_moe_reference
+
+#: Padding may at most multiply the rows computed by this factor before the loop is used.
+MAX_PADDING_FACTOR = 2.0
+#: Above this many (token, expert) rows per expert on average, the per-expert loop is faster.
+MAX_ROWS_PER_EXPERT = 512
+
+
+def fused_moe_cpu(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Mixture of SwiGLU experts; same contract and result as `fused_moe_reference`.
+
+    Args:
+        hidden: [T, H] activations.
+        w13: [E, 2*I, H] gate rows then up rows; w2: [E, H, I].
+        topk_weights: [T, k] float32; topk_ids: [T, k] int32, ids outside [0, E) skipped.
+
+    Returns:
+        [T, H] in hidden's dtype.
+    """
+    num_tokens, top_k = topk_ids.shape
+    num_experts = w13.shape[0]
+    flat = topk_ids.reshape(-1).long()
+    valid = (flat >= 0) & (flat < num_experts)
+    pairs = valid.nonzero().flatten() if not bool(valid.all()) else None
+    ids = flat if pairs is None else flat[pairs]
+    if ids.numel() == 0:
+        return torch.zeros_like(hidden)
+    counts = torch.bincount(ids, minlength=num_experts)
+    longest = int(counts.max())
+    too_skewed = num_experts * longest > MAX_PADDING_FACTOR * ids.numel() + num_experts
+    if too_skewed or ids.numel() > MAX_ROWS_PER_EXPERT * num_experts:
+        return fused_moe_reference(hidden, w13, w2, topk_weights, topk_ids)
+    order = torch.argsort(ids, stable=True)
+    pair_of_row = order if pairs is None else pairs[order]  # index into the T*k pairs
+    expert = ids[order]
+    slot = torch.arange(ids.numel()) - (counts.cumsum(0) - counts)[expert]
+    x = hidden.new_zeros(num_experts, longest, hidden.shape[1])
+    x[expert, slot] = hidden[pair_of_row // top_k]
+    gate, up = torch.bmm(x, w13.transpose(1, 2)).chunk(2, dim=-1)
+    y = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))[expert, slot]
+    y *= topk_weights.reshape(-1)[pair_of_row, None].to(y.dtype)
+    out = hidden.new_zeros(num_tokens * top_k, hidden.shape[1])
+    out[pair_of_row] = y
+    return out.view(num_tokens, top_k, -1).sum(dim=1)
