@@ -22,6 +22,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from moe_engine.config import cache_root
+
 logger = logging.getLogger(__name__)
 
 #: Name of the checkpoint directory under the cache root; bump when anything below changes.
@@ -62,9 +64,8 @@ DEMO_CONFIG = {
 
 
 def default_cache_dir() -> Path:
-    """The cache root: $MOE_ENGINE_CACHE, else ~/.cache/moe-engine."""
-    root = os.environ.get("MOE_ENGINE_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "moe-engine"
+    """The cache root: $MOE_ENGINE_CACHE, else ~/.cache/moe-engine (see `config.cache_root`)."""
+    return cache_root()
 
 
 def ensure_demo_checkpoint(cache_dir: str | None = None) -> str:

@@ -72,7 +72,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        torch.set_num_threads(default_threads())
+        torch.set_num_threads(config.parallel.num_threads or default_threads())
         model_dir = config.model.model
         hf_config = AutoConfig.from_pretrained(model_dir)
         self.architecture, model_cls = resolve_architecture(hf_config)

@@ -39,7 +39,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from moe_engine.config import EngineConfig
+from moe_engine.config import EngineConfig, default_threads
 from moe_engine.errors import RequestError
 from moe_engine.request import FinishReason, RequestOutput, SamplingParams
 
@@ -211,10 +211,11 @@ def run_engine_core(
     and ends the process with status 1; a failure in the loop is reported as FATAL.
     """
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [core] %(message)s")
-    # Leave one core to the front end: intra-op threads that share every core with the gRPC
-    # process stall each other (measured 10x slower steps on 2 cores). An explicit
-    # MOE_ENGINE_THREADS wins.
-    os.environ.setdefault("MOE_ENGINE_THREADS", str(max(1, (os.cpu_count() or 1) - 1)))
+    if config.parallel.num_threads is None:  # leave a core to the gRPC front end
+        threads = default_threads(reserve_front_end=True)
+        config = dataclasses.replace(
+            config, parallel=dataclasses.replace(config.parallel, num_threads=threads)
+        )
     # Ctrl-C reaches the whole process group; the front end decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
