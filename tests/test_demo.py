@@ -64,3 +64,39 @@ def test_cache_dir_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     assert demo.default_cache_dir() == tmp_path / "c"
     monkeypatch.delenv("MOE_ENGINE_CACHE")
     assert demo.default_cache_dir() == Path.home() / ".cache" / "moe-engine"
+
+
+def test_text_prompts_stop_strings_and_seeds_end_to_end(demo_dir: Path) -> None:
+    """Text in, text out through the tokenizer; a stop string cuts the text; seeds repeat."""
+    from moe_engine import LLM, SamplingParams
+
+    llm = LLM(model=str(demo_dir), max_model_len=256, num_blocks_override=64)
+    greedy = llm.generate(["def main():"], SamplingParams(max_tokens=24, temperature=0))[0]
+    tok = llm.engine.tokenizer
+    assert greedy.text == tok.decode(greedy.token_ids, skip_special_tokens=True)
+    assert len(greedy.text) > 0
+    # Use a piece of the greedy text as a stop string: the same run must stop right before it.
+    starts = [i for i in range(1, len(greedy.text) - 2) if not greedy.text[i].isspace()]
+    assert starts, f"greedy text too short for the test: {greedy.text!r}"
+    stop = greedy.text[starts[len(starts) // 2] :][:3]
+    params = SamplingParams(max_tokens=24, temperature=0, stop=[stop])
+    cut = llm.generate(["def main():"], params)[0]
+    assert cut.finish_reason == "stop"
+    assert stop not in cut.text
+    assert cut.text == greedy.text[: greedy.text.index(stop)]
+    sp = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=123)
+    a, b = (llm.generate(["import os"], sp)[0].token_ids for _ in range(2))
+    assert a == b
+
+
+def test_unknown_architecture_lists_supported() -> None:
+    from moe_engine.errors import StartupError
+    from moe_engine.models import resolve_architecture
+
+    class Cfg:
+        architectures = ["LlamaForCausalLM"]
+
+    with pytest.raises(StartupError) as err:
+        resolve_architecture(Cfg())
+    assert "LlamaForCausalLM" in str(err.value)
+    assert "MixtralForCausalLM" in str(err.value) and "Qwen3MoeForCausalLM" in str(err.value)
