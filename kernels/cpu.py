@@ -3,11 +3,11 @@
 On a CPU the per-expert loop of `kernels.reference` is dominated by small matmuls (a few rows
 each in decode) and per-op overhead. Padding each expert's rows to the longest expert's count
 and running `torch.bmm` over all experts does the same arithmetic in two calls. Measured with
-`python bench/moe_cpu.py --tokens 64 256 2048 8192` (32 experts, top-4, float32, 2 threads):
-1.5x faster than the loop at 64 tokens, 1.3x at 256, 1.4x at 2048, but 0.67x at 8192 where
-each expert has about a thousand rows and the loop's large GEMMs win. So the loop is used when
-experts average more than `MAX_ROWS_PER_EXPERT` rows, or when routing is so skewed that padding
-would more than quadruple the rows (weights, not rows, are the cost at these sizes).
+`python bench/moe_cpu.py --tokens 64 512 2048` (32 experts, top-4, float32, 2 threads, quiet
+machine): 1.35x faster than the loop at 64 tokens (8 rows per expert), 1.07x at 512 (64 rows),
+0.76x at 2048 (256 rows), where the loop's larger GEMMs win. So the loop is used when experts
+average more than `MAX_ROWS_PER_EXPERT` rows, or when routing is so skewed that padding would
+more than quadruple the rows (weights, not rows, are the cost at these sizes).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from kernels.reference import fused_moe_reference
 #: Padding may at most multiply the rows computed by this factor before the loop is used.
 MAX_PADDING_FACTOR = 4.0
 #: Above this many (token, expert) rows per expert on average, the per-expert loop is faster.
-MAX_ROWS_PER_EXPERT = 512
+MAX_ROWS_PER_EXPERT = 96
 
 
 def fused_moe_cpu(
