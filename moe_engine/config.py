@@ -32,6 +32,13 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(
+                f"max_model_len must be >= 2 tokens (one prompt token and one generated), "
+                f"got {self.max_model_len}"
+            )
+
     def hf_config(self) -> dict:
         """The checkpoint's config.json as a dict.
 

@@ -55,7 +55,13 @@ class IncrementalDetokenizer:
         return True
 
     def take_delta(self, final: bool) -> str:
-        """Text not yet returned; unless `final`, minus a tail that may start a stop string."""
+        """Text not yet returned; unless `final`, minus a tail that may start a stop string.
+
+        On the final call, tokens still held back as an incomplete UTF-8 sequence are decoded
+        as they are (with U+FFFD), so the streamed text equals `tokenizer.decode(token_ids)`.
+        """
+        if final and not self.stopped:
+            self._flush_pending()
         end = len(self.text)
         if not final and self.stop:
             end -= self._unsafe_tail()
@@ -63,6 +69,17 @@ class IncrementalDetokenizer:
         delta = self.text[self._emitted : end]
         self._emitted = end
         return delta
+
+    def _flush_pending(self) -> None:
+        ids = self.token_ids
+        if self._read_offset == len(ids):
+            return
+        decode = self.tokenizer.decode
+        prefix = decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
+        full = decode(ids[self._prefix_offset :], skip_special_tokens=True)
+        if len(full) > len(prefix):
+            self.text += full[len(prefix) :]
+        self._prefix_offset = self._read_offset = len(ids)
 
     def _unsafe_tail(self) -> int:
         """Length of the longest suffix of the text that is a proper prefix of a stop string."""

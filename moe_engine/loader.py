@@ -62,8 +62,9 @@ def load_model(model: MoeCausalLM, model_dir: str | Path, dtype: torch.dtype) ->
         loaded = model.load_weights(iterate_weights(model_dir, dtype))
     except ValueError as e:
         raise StartupError(str(e)) from e
-    expected = {n for n, _ in model.named_parameters()}
-    missing = sorted(expected - loaded)
+    missing = sorted(model.expected_weight_names() - loaded)
     if missing:
-        raise StartupError(f"checkpoint {str(model_dir)!r} lacks parameters: {missing[:8]}")
+        raise StartupError(
+            f"checkpoint {str(model_dir)!r} lacks {len(missing)} weight(s), e.g. {missing[:8]}"
+        )
     logger.info("loaded %d parameter tensors from %s", len(loaded), model_dir)

@@ -259,8 +259,12 @@ class Plan:
             f"{format_bytes(need_bytes)} at {self.kv_bytes_per_token} bytes per token) but the "
             f"cache has {self.num_blocks} blocks ({self.kv_cache_memory} bytes, "
             f"{self.kv_cache_source}), {self.max_concurrent_tokens} tokens. Pass "
-            f"--kv-cache-memory {need_bytes} or more, or --max-model-len "
-            f"{self.max_concurrent_tokens} or less."
+            f"--kv-cache-memory {need_bytes} or more"
+            + (
+                f", or --max-model-len {self.max_concurrent_tokens} or less."
+                if self.max_concurrent_tokens >= 2
+                else "."
+            )
         )
 
 

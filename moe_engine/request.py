@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 
 #: The largest number of top logprobs a request may ask for per token.
 MAX_LOGPROBS = 20
+#: Temperatures below this are greedy: dividing float32 logits by less overflows (vLLM's
+#: _SAMPLING_EPS is the same value).
+GREEDY_TEMPERATURE = 1e-5
 
 
 class FinishReason(enum.StrEnum):
@@ -38,7 +41,8 @@ class SamplingParams:
     Attributes:
         max_tokens: most tokens to generate (tokens, >= 1).
         min_tokens: stop conditions (EOS, stop ids, stop strings) are ignored before this many.
-        temperature: 0 means greedy; otherwise logits are divided by it before softmax.
+        temperature: below GREEDY_TEMPERATURE (e.g. 0) means greedy; otherwise logits are
+            divided by it before softmax.
         top_p: nucleus sampling mass, in (0, 1].
         top_k: keep the k most likely tokens; -1 keeps all.
         seed: per-request seed; the same seed and prompt give the same tokens.
@@ -61,8 +65,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when the next token is the argmax (temperature 0)."""
-        return self.temperature == 0.0
+        """True when the next token is the argmax (temperature below GREEDY_TEMPERATURE)."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     def verify(self, vocab_size: int, max_logprobs: int = MAX_LOGPROBS) -> None:
         """Check every field against its limit.

@@ -61,3 +61,52 @@ def test_bfloat16_runs_and_mostly_agrees(qwen3_ckpt):
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0))
     agree = sum(o.token_ids == e for o, e in zip(outs, expected, strict=True))
     assert agree >= len(prompts) - 2
+
+
+@pytest.mark.parametrize(
+    "dropped",
+    ["model.layers.0.mlp.experts.3.up_proj.weight", "model.layers.1.self_attn.k_proj.weight"],
+)
+def test_a_checkpoint_missing_one_tensor_refuses_to_load(qwen3_ckpt, tmp_path, dropped):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from moe_engine.errors import StartupError
+
+    broken = tmp_path / "broken"
+    shutil.copytree(qwen3_ckpt, broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors[dropped]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(StartupError, match="lacks 1 weight"):
+        LLM(model=str(broken), max_model_len=64)
+
+
+def test_fused_expert_layout_loads_the_same_model(qwen3_ckpt, tmp_path):
+    """transformers 5 can save experts stacked (`experts.gate_up_proj` [E, 2I, H] and
+    `experts.down_proj` [E, H, I]); that layout gives the same tokens as the per-expert one."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    fused = tmp_path / "fused"
+    shutil.copytree(qwen3_ckpt, fused)
+    tensors = load_file(fused / "model.safetensors")
+    per_expert = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)_proj\.weight")
+    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name in list(tensors):
+        if m := per_expert.match(name):
+            groups.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = tensors.pop(name)
+    for prefix, parts in groups.items():
+        n = len(parts["gate"])
+        gate_up = [torch.cat([parts["gate"][e], parts["up"][e]]) for e in range(n)]
+        tensors[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
+        tensors[f"{prefix}.down_proj"] = torch.stack([parts["down"][e] for e in range(n)])
+    save_file(tensors, fused / "model.safetensors", metadata={"format": "pt"})
+    prompts = _prompts(512, seed=5)[:4]
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = LLM(model=str(qwen3_ckpt), max_model_len=320).generate(prompts, sp)
+    got = LLM(model=str(fused), max_model_len=320).generate(prompts, sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]

@@ -78,3 +78,33 @@ def test_no_stop_streams_everything():
     detok = IncrementalDetokenizer(CharTokenizer(), [])
     deltas, stopped = feed(detok, "hello")
     assert not stopped and deltas == list("hello")
+
+
+def test_tiny_temperature_is_greedy_not_overflow():
+    logits = torch.randn(3, 40) * 5
+    out = Sampler()(logits, [req(str(i), temperature=t) for i, t in enumerate([1e-38, 1e-6, 0.0])])
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_final_delta_flushes_an_incomplete_utf8_tail():
+    class ByteTokenizer:
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    detok = IncrementalDetokenizer(ByteTokenizer(), [])
+    text = ""
+    for b in "ok \u00e9".encode()[:-1]:  # ends inside the two-byte sequence of "é"
+        detok.add(b)
+        text += detok.take_delta(final=False)
+    text += detok.take_delta(final=True)
+    assert text == bytes("ok \u00e9".encode()[:-1]).decode("utf-8", errors="replace")
+
+
+def test_max_model_len_must_be_at_least_two():
+    import pytest
+
+    from moe_engine.config import ModelConfig
+
+    for bad in (0, 1, -5):
+        with pytest.raises(ValueError, match="max_model_len must be >= 2"):
+            ModelConfig(model="x", max_model_len=bad)

@@ -218,6 +218,9 @@ def run_engine_core(
         )
     # Ctrl-C reaches the whole process group; the front end decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGTERM to the whole group (timeout, systemd, kill -- -PGID) must drain, not kill the
+    # core under running requests: the front end drains, then tells the core to stop.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)

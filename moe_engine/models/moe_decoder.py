@@ -184,8 +184,23 @@ class MoeCausalLM(nn.Module):
         """hidden: [N, H] -> logits [N, vocab] float32."""
         return self.lm_head(hidden).float()
 
+    def expected_weight_names(self) -> set[str]:
+        """Every piece `load_weights` must fill: parameter names, with the stacked expert
+        weights counted per expert and projection ("model.layers.3.mlp.experts.7.up")."""
+        names = set()
+        for n, _ in self.named_parameters():
+            if ".qkv_proj." in n:  # filled from three checkpoint tensors
+                names |= {f"{n}.{part}" for part in "qkv"}
+            elif not n.endswith((".w13", ".w2")):
+                names.add(n)
+        for i in sorted(self.spec.moe_layers):
+            for e in range(self.spec.num_experts):
+                names |= {_expert_piece(i, e, p) for p in ("gate", "up", "down")}
+        return names
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors into the parameters; returns the parameter names filled.
+        """Copy checkpoint tensors into the parameters; returns the pieces filled (names as in
+        `expected_weight_names`).
 
         Raises:
             ValueError: an unexpected tensor name or a shape mismatch (names both shapes).
@@ -201,11 +216,13 @@ class MoeCausalLM(nn.Module):
             layer, expert, proj = int(m[1]), int(m[2]), m[3]
             shard = _SHARD[proj]
             self.model.layers[layer].mlp.load_expert_weight(expert, shard, tensor)
-            return {f"model.layers.{layer}.mlp.{'w2' if shard == 'down' else 'w13'}"}
+            return {_expert_piece(layer, expert, shard)}
         if m := _FUSED_EXPERTS.match(name):
             layer, shard = int(m[1]), "gate_up" if m[2] == "gate_up_proj" else "down_all"
             self.model.layers[layer].mlp.load_expert_weight(0, shard, tensor)
-            return {f"model.layers.{layer}.mlp.{'w13' if shard == 'gate_up' else 'w2'}"}
+            pieces = ("gate", "up") if shard == "gate_up" else ("down",)
+            experts = range(self.spec.num_experts)
+            return {_expert_piece(layer, e, p) for e in experts for p in pieces}
         name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
         if m := _QKV.match(name):
             target = f"{m[1]}qkv_proj.{m[3]}"
@@ -213,13 +230,17 @@ class MoeCausalLM(nn.Module):
             attn = self.model.layers[int(name.split(".")[2])].self_attn
             start = sum(attn.sizes[:index])
             _copy(name, params[target].data[start : start + attn.sizes[index]], tensor)
-            return {target}
+            return {f"{target}.{m[2]}"}
         if name == "lm_head.weight" and self.spec.tie_word_embeddings:
             return set()
         if name not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
         _copy(name, params[name].data, tensor)
         return {name}
+
+
+def _expert_piece(layer: int, expert: int, projection: str) -> str:
+    return f"model.layers.{layer}.mlp.experts.{expert}.{projection}"
 
 
 def _copy(name: str, target: torch.Tensor, tensor: torch.Tensor) -> None:
