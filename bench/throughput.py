@@ -151,7 +151,8 @@ def run_hf_static(ckpt: Path, requests: list[BenchRequest], args: argparse.Names
     batches of `args.batch_size`, left-padded, each batch to its longest output."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=_DTYPES[args.dtype]).eval()
+    dtype = _DTYPES[args.baseline_dtype or args.dtype]
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=dtype).eval()
     pad = model.config.pad_token_id
     batches = [requests[i:i + args.batch_size] for i in range(0, len(requests), args.batch_size)]
 
@@ -176,6 +177,14 @@ def run_hf_static(ckpt: Path, requests: list[BenchRequest], args: argparse.Names
             return sum(run_batch(b) for b in batches)
 
     return once
+
+
+def compute_dtype_of(name: str, once: Callable[[], int], args: argparse.Namespace) -> str:
+    """The dtype an engine computed in: the engine's own choice (it computes bfloat16 weights in
+    float32 on CPUs without native bfloat16), or the baseline's dtype."""
+    if name == ENGINE:
+        return str(once.engine.engine.dtype).removeprefix("torch.")  # type: ignore[attr-defined]
+    return args.baseline_dtype or args.dtype
 
 
 def measure(name: str, once: Callable[[], int], args: argparse.Namespace) -> dict:
@@ -208,6 +217,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
     p.add_argument("--engines", default=f"{ENGINE},{BASELINE}",
                    help="comma-separated subset of: " + f"{ENGINE},{BASELINE}")
+    p.add_argument("--baseline-dtype", choices=sorted(_DTYPES), default=None,
+                   help="dtype of the transformers baseline (default: --dtype)")
     p.add_argument("--batch-size", type=int, default=8, help="baseline static batch size")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -240,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             once = runners[name](ckpt, requests, args)
             engines[name] = measure(name, once, args)
+            engines[name]["compute_dtype"] = compute_dtype_of(name, once, args)
         except Exception as exc:  # report the other engine's figure anyway
             logger.exception("%s failed", name)
             engines[name] = {"output_tokens_per_s": None, "error": f"{type(exc).__name__}: {exc}"}
