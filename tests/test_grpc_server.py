@@ -157,6 +157,8 @@ BAD_INPUTS = [
     ),
     ("oversize-text", {"text": "x" * (MAX_MESSAGE_BYTES + 10)}, "INVALID_ARGUMENT", "text"),
     ("oversize-ids", {"ids": [300] * 40_000}, "INVALID_ARGUMENT", "prompt_ids"),
+    # Far over the limit (over the old 2x + 1 MiB transport cap): still the servicer's message.
+    ("oversize-text-far", {"text": "x" * (3 * 1024 * 1024)}, "INVALID_ARGUMENT", "text"),
 ]
 
 
@@ -204,9 +206,8 @@ def test_abort_is_idempotent(stub: pb_grpc.MoeEngineStub) -> None:
     assert rest[-1].usage.completion_tokens < 240
     assert not stub.Abort(pb.AbortRequest(request_id="ab")).aborted
     assert not stub.Abort(pb.AbortRequest(request_id="never-existed")).aborted
-    with pytest.raises(grpc.RpcError) as info:
-        stub.Abort(pb.AbortRequest(request_id=""))
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # Empty id: unknown, so OK with aborted = false (as the proto says).
+    assert not stub.Abort(pb.AbortRequest(request_id="")).aborted
     wait_idle(stub, start.kv_blocks_free)
     assert stats(stub).num_aborted >= start.num_aborted + 1
 
@@ -433,3 +434,97 @@ def test_moe_serve_cli_bad_model_exits_nonzero(tmp_path: Path) -> None:
     )
     assert proc.returncode == 1
     assert "config.json" in proc.stderr
+
+
+def test_oversize_message_names_flag_size_and_limit(stub: pb_grpc.MoeEngineStub) -> None:
+    size = 3 * 1024 * 1024  # far over the 64 KiB limit
+    with pytest.raises(grpc.RpcError) as info:
+        collect(stub, request(text="x" * size))
+    details = info.value.details()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert "text" in details and "--max-message-bytes" in details
+    size_bytes = request(text="x" * size).ByteSize()
+    assert str(MAX_MESSAGE_BYTES) in details and str(size_bytes) in details
+
+
+def test_cli_stats_json_integers(server: ServerThread) -> None:
+    proc = run_cli("--server", server.address, "stats", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    for key in ("num_preemptions", "prompt_tokens_total", "generation_tokens_total"):
+        assert isinstance(data[key], int), (key, data[key])
+    assert data["prompt_tokens_total"] > 0
+    assert isinstance(data["kv_cache_usage"], float)
+
+
+def test_cli_batch_stop_string_and_bad_lines(server: ServerThread, tmp_path: Path) -> None:
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"prompt_ids": [5, 6], "max_tokens": 3, "stop": "rz"}) + "\n")
+    proc = run_cli("--server", server.address, "batch", str(good))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[0])["index"] == 0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt_ids": [5], "max_tokens": "5"}\n[1, 2]\n')
+    proc = run_cli("--server", server.address, "batch", str(bad))
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 2, proc.stderr
+    assert "line 1" in lines[0] and "max_tokens" in lines[0] and "integer" in lines[0]
+    assert "line 2" in lines[1] and "JSON object" in lines[1]
+
+
+def test_cli_error_has_no_blank_line(server: ServerThread) -> None:
+    args = ["--server", server.address, "generate", "--prompt-ids", "5", "--max-tokens", "0"]
+    proc = run_cli(*args)
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    assert proc.stderr.startswith("error: INVALID_ARGUMENT") and "max_tokens" in proc.stderr
+
+
+def test_moe_serve_cli_bad_ports(qwen3_ckpt: Path) -> None:
+    def serve(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "moe_engine.cli.serve", "--model", str(qwen3_ckpt), *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=_cli_env(),
+        )
+
+    for flag in ("--port", "--metrics-port"):
+        proc = serve(flag, "99999")
+        assert proc.returncode == 2
+        assert proc.stderr.strip().splitlines() == [
+            f"moe-serve: error: {flag} must be in 0..65535, got 99999"
+        ]
+    port = free_port()
+    proc = serve("--port", str(port), "--metrics-port", str(port), "--log-level", "ERROR")
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "--metrics-port" in errors[0] and str(port) in errors[0]
+
+
+def test_metrics_port_in_use_leaves_no_core_process(qwen3_ckpt: Path, server: ServerThread) -> None:
+    from moe_engine.errors import StartupError
+    from moe_engine.server.app import MoeServer
+
+    config = EngineConfig(model=ModelConfig(str(qwen3_ckpt), max_model_len=64))
+    busy = server.server.options.metrics_port  # the shared server's metrics port
+    moe = MoeServer(config, ServerOptions(port=0, metrics_port=busy))
+
+    async def start() -> None:
+        with pytest.raises(StartupError, match="--metrics-port"):
+            await moe.start()
+
+    asyncio.run(start())
+    assert moe.engine.core_pid is None or not _pid_alive(moe.engine.core_pid)
+    assert moe._server is None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -11,8 +11,10 @@
 JSON object (request_id, token_ids, text, finish_reason, usage). `batch` reads one request object
 per line ("prompt" or "prompt_ids", sampling fields by their proto names), runs them
 concurrently and prints one JSON line per finished request (index, token_ids, finish_reason,
-usage, ttft_s, e2e_s), then a summary line (wall_s, output_tokens, output_tokens_per_s). On an
-error status the code and message go to stderr and the exit status is 1.
+usage, ttft_s, e2e_s), then a summary line (wall_s, output_tokens, output_tokens_per_s); a
+batch line's "stop" may be one string. On an error status the code and message go to stderr and
+the exit status is 1; a bad flag or batch line is one line per problem on stderr and exit
+status 2 (nothing is sent); Ctrl-C cancels what is in flight and exits 130.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
+from google.protobuf import descriptor
 from google.protobuf.json_format import MessageToDict
 
 from moe_engine.server.pb import moe_engine_pb2 as pb
@@ -37,13 +40,98 @@ _BATCH_FIELDS = {
 }
 
 
+_FD = descriptor.FieldDescriptor
+#: Integer proto types -> (low, high, description).
+_INT_RANGES = {
+    _FD.TYPE_INT32: (-(2**31), 2**31 - 1, "a 32-bit integer"),
+    _FD.TYPE_INT64: (-(2**63), 2**63 - 1, "a 64-bit integer"),
+    _FD.TYPE_UINT32: (0, 2**32 - 1, "an unsigned 32-bit integer"),
+    _FD.TYPE_UINT64: (0, 2**64 - 1, "an unsigned 64-bit integer"),
+}
+_INT32 = _INT_RANGES[_FD.TYPE_INT32]
+_JSON_TYPE_NAMES = {
+    str: "a string",
+    bool: "a boolean",
+    int: "an integer",
+    float: "a number",
+    list: "an array",
+    dict: "an object",
+    type(None): "null",
+}
+
+
+def _describe(value: Any) -> str:
+    """`value` for an error message, with its JSON type."""
+    kind = _JSON_TYPE_NAMES.get(type(value), type(value).__name__)
+    return f"{json.dumps(value)[:40]} ({kind})" if kind != "null" else "null"
+
+
+def _check_utf8(value: str) -> str | None:
+    """None when `value` can be sent (encodes as UTF-8), else why not."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "is not valid UTF-8 (undecodable bytes in the argument)"
+    return None
+
+
+def _check_scalar(field: descriptor.FieldDescriptor, value: Any) -> str | None:
+    """None when `value` fits `field`'s scalar type, else what was expected instead."""
+    if field.type in _INT_RANGES:
+        low, high, what = _INT_RANGES[field.type]
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"expected {what}, got {_describe(value)}"
+        if not low <= value <= high:
+            return f"expected {what} in {low}..{high}, got {value}"
+    elif field.type in (_FD.TYPE_DOUBLE, _FD.TYPE_FLOAT):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"expected a number, got {_describe(value)}"
+    elif field.type == _FD.TYPE_BOOL:
+        if not isinstance(value, bool):
+            return f"expected true or false, got {_describe(value)}"
+    elif field.type == _FD.TYPE_STRING:
+        if not isinstance(value, str):
+            return f"expected a string, got {_describe(value)}"
+        bad = _check_utf8(value)
+        if bad is not None:
+            return bad
+    return None
+
+
+def _check_field(name: str, value: Any) -> Any:
+    """`value` for request field `name`, type-checked (a lone string is one stop string).
+
+    Raises:
+        ValueError: naming the field and the expected type.
+    """
+    field = pb.GenerateRequest.DESCRIPTOR.fields_by_name[name]
+    if field.is_repeated:
+        if name == "stop" and isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            element = "strings" if field.type == _FD.TYPE_STRING else "integers"
+            raise ValueError(f"{name}: expected an array of {element}, got {_describe(value)}")
+        for i, item in enumerate(value):
+            problem = _check_scalar(field, item)
+            if problem is not None:
+                raise ValueError(f"{name}[{i}]: {problem}")
+        return value
+    problem = _check_scalar(field, value)
+    if problem is not None:
+        raise ValueError(f"{name}: {problem}")
+    return value
+
+
 def build_request(
     *, prompt: str | None = None, prompt_ids: list[int] | None = None, **fields: Any
 ) -> pb.GenerateRequest:
     """A GenerateRequest from a text or token-id prompt and sampling fields (None = unset).
 
+    Each field's value is checked against its proto type; `stop` may be one string.
+
     Raises:
-        ValueError: an unknown field, or neither/both prompt forms.
+        ValueError: an unknown field, a value of the wrong type or out of the proto type's
+            range (naming the field and the expected type), or neither/both prompt forms.
     """
     if (prompt is None) == (prompt_ids is None):
         raise ValueError("give exactly one of prompt (text) and prompt_ids")
@@ -52,47 +140,127 @@ def build_request(
         raise ValueError(
             f"unknown request fields {sorted(unknown)}; known: {sorted(_BATCH_FIELDS)}"
         )
-    request = pb.GenerateRequest(**{k: v for k, v in fields.items() if v is not None})
+    checked = {k: _check_field(k, v) for k, v in fields.items() if v is not None}
+    request = pb.GenerateRequest(**checked)
     if prompt is not None:
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt: expected a string, got {_describe(prompt)}")
+        bad = _check_utf8(prompt)
+        if bad is not None:
+            raise ValueError(f"prompt: {bad}")
         request.text = prompt
     else:
-        request.prompt_ids.ids.extend(prompt_ids or [])
+        if not isinstance(prompt_ids, list):
+            raise ValueError(
+                f"prompt_ids: expected an array of integers, got {_describe(prompt_ids)}"
+            )
+        ids_field = pb.TokenIds.DESCRIPTOR.fields_by_name["ids"]
+        for i, item in enumerate(prompt_ids):
+            problem = _check_scalar(ids_field, item)
+            if problem is not None:
+                raise ValueError(f"prompt_ids[{i}]: {problem}")
+        request.prompt_ids.ids.extend(prompt_ids)
         request.prompt_ids.SetInParent()
     return request
 
 
 def _parse_ids(text: str) -> list[int]:
+    """Comma-separated 32-bit token ids ("1,2,3"; spaces allowed, empty elements not)."""
+    parts = text.replace(" ", "").split(",")
+    if any(not part for part in parts):
+        raise argparse.ArgumentTypeError(
+            f"expected ids like 1,2,3 (no empty elements), got {text!r}"
+        )
     try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
+        ids = [int(part) for part in parts]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected ids like 1,2,3, got {text!r}") from None
+    low, high, what = _INT32
+    for value in ids:
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"each id must be {what} in {low}..{high}, got {value}"
+            )
+    return ids
+
+
+def _int_type(field_name: str):
+    """An argparse type: an integer in the range of GenerateRequest's `field_name`."""
+    field = pb.GenerateRequest.DESCRIPTOR.fields_by_name[field_name]
+    low, high, what = _INT_RANGES[field.type]
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be {what} in {low}..{high}, got {value}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def _utf8_text(text: str) -> str:
+    """An argparse type: text that can be sent (valid UTF-8)."""
+    bad = _check_utf8(text)
+    if bad is not None:
+        raise argparse.ArgumentTypeError(f"{ascii(text)} {bad}")
+    return text
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block): `prog: error: argument --flag: why`."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moe-client", description="Client for moe-serve.")
+    p = _Parser(prog="moe-client", description="Client for moe-serve.")
     p.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT (default %(default)s)")
     p.add_argument("--timeout", type=float, default=None, help="deadline per call (seconds)")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate for one prompt, streaming")
-    g.add_argument("text", nargs="?", default=None, help="the prompt text")
+    g.add_argument("text", nargs="?", type=_utf8_text, default=None, help="the prompt text")
     g.add_argument("--prompt-ids", type=_parse_ids, default=None, help="prompt as ids: 1,2,3")
-    g.add_argument("--max-tokens", type=int)
-    g.add_argument("--min-tokens", type=int)
+    g.add_argument("--max-tokens", type=_int_type("max_tokens"))
+    g.add_argument("--min-tokens", type=_int_type("min_tokens"))
     g.add_argument("--temperature", type=float)
     g.add_argument("--top-p", type=float)
-    g.add_argument("--top-k", type=int)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--stop", nargs="+", action="extend", default=[], help="stop strings")
+    g.add_argument("--top-k", type=_int_type("top_k"))
+    g.add_argument("--seed", type=_int_type("seed"))
+    g.add_argument(
+        "--stop",
+        nargs="+",
+        action="extend",
+        type=_utf8_text,
+        default=[],
+        help="stop strings (a newline in bash: --stop $'\\n')",
+    )
     g.add_argument("--stop-token-ids", type=_parse_ids, default=None)
     g.add_argument("--ignore-eos", action="store_true", default=None)
-    g.add_argument("--logprobs", type=int)
-    g.add_argument("--request-id", default="")
+    g.add_argument("--logprobs", type=_int_type("logprobs"))
+    g.add_argument("--request-id", type=_utf8_text, default="")
     g.add_argument("--json", action="store_true", help="print one JSON object at the end")
 
     b = sub.add_parser("batch", help="run a JSONL file of requests concurrently")
     b.add_argument("file", type=Path)
-    b.add_argument("--concurrency", type=int, default=16)
+    b.add_argument(
+        "--concurrency", type=_positive_int, default=16, help="requests in flight (>= 1)"
+    )
 
     for name, help_text in (("stats", "server statistics"), ("info", "model information")):
         s = sub.add_parser(name, help=help_text)
@@ -100,16 +268,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _error_text(err: grpc.RpcError) -> str:
+    """`CODE: details`, with a hint when gRPC itself refused an oversize message."""
+    text = f"{err.code().name}: {err.details()}"
+    if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (
+        err.details() or ""
+    ):
+        text += (
+            " (the request is far over the server's message size limit: send a smaller "
+            "request, or restart moe-serve with a larger --max-message-bytes)"
+        )
+    return text
+
+
 def _fail(err: grpc.RpcError) -> int:
-    print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+    print(f"error: {_error_text(err)}", file=sys.stderr)
     return 1
 
 
-def cmd_generate(args: argparse.Namespace, stub: pb_grpc.MoeEngineStub) -> int:
+def request_from_args(args: argparse.Namespace) -> pb.GenerateRequest:
+    """The GenerateRequest `generate`'s flags describe.
+
+    Raises:
+        ValueError: neither or both of TEXT and --prompt-ids, or a bad value.
+    """
     if (args.text is None) == (args.prompt_ids is None):
-        print("error: give either TEXT or --prompt-ids", file=sys.stderr)
-        return 2
-    request = build_request(
+        raise ValueError("give either TEXT or --prompt-ids")
+    return build_request(
         prompt=args.text,
         prompt_ids=args.prompt_ids,
         request_id=args.request_id,
@@ -124,10 +309,17 @@ def cmd_generate(args: argparse.Namespace, stub: pb_grpc.MoeEngineStub) -> int:
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
     )
+
+
+def cmd_generate(
+    args: argparse.Namespace, stub: pb_grpc.MoeEngineStub, request: pb.GenerateRequest
+) -> int:
     result = {"request_id": "", "token_ids": [], "text": "", "finish_reason": "", "usage": {}}
     logprobs: list[dict] = []
+    printed = False  # streamed text is on the terminal, without its final newline
+    call = stub.Generate(request, timeout=args.timeout)
     try:
-        for response in stub.Generate(request, timeout=args.timeout):
+        for response in call:
             result["request_id"] = response.request_id
             result["token_ids"].extend(response.token_ids)
             result["text"] += response.text
@@ -147,8 +339,14 @@ def cmd_generate(args: argparse.Namespace, stub: pb_grpc.MoeEngineStub) -> int:
             )
             if not args.json and response.text:
                 print(response.text, end="", flush=True)
+                printed = True
+    except KeyboardInterrupt:
+        call.cancel()  # the server aborts the request
+        if printed:
+            print()
+        return 130
     except grpc.RpcError as err:
-        if not args.json:
+        if printed:
             print()
         return _fail(err)
     if logprobs:
@@ -170,9 +368,7 @@ def cmd_show(args: argparse.Namespace, stub: pb_grpc.MoeEngineStub) -> int:
             message = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout)
     except grpc.RpcError as err:
         return _fail(err)
-    data = MessageToDict(
-        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
+    data = message_dict(message)
     if args.json:
         print(json.dumps(data))
     else:
@@ -182,25 +378,72 @@ def cmd_show(args: argparse.Namespace, stub: pb_grpc.MoeEngineStub) -> int:
     return 0
 
 
+def message_dict(message: Any) -> dict[str, Any]:
+    """A message's fields as plain JSON values (64-bit integers stay numbers), by proto name.
+
+    Fields without presence are always included; optional ones only when set.
+    """
+    data: dict[str, Any] = {}
+    for field in message.DESCRIPTOR.fields:
+        if field.is_repeated:
+            values = getattr(message, field.name)
+            is_message = field.type == _FD.TYPE_MESSAGE
+            data[field.name] = [message_dict(v) if is_message else v for v in values]
+        elif field.has_presence and not message.HasField(field.name):
+            continue
+        elif field.type == _FD.TYPE_MESSAGE:
+            data[field.name] = message_dict(getattr(message, field.name))
+        else:
+            data[field.name] = getattr(message, field.name)
+    return data
+
+
+class BatchFileError(ValueError):
+    """Bad lines in a batch file; `problems` has one line of text per bad line."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def parse_batch_line(line: str) -> pb.GenerateRequest:
+    """The GenerateRequest one JSONL line describes.
+
+    Raises:
+        ValueError: not JSON, not an object, or a bad field (named, with the expected type).
+    """
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(
+            f"expected a JSON object, got {_JSON_TYPE_NAMES.get(type(obj), 'a value')}"
+        )
+    return build_request(
+        prompt=obj.pop("prompt", None), prompt_ids=obj.pop("prompt_ids", None), **obj
+    )
+
+
 def load_batch(path: Path) -> list[pb.GenerateRequest]:
     """One GenerateRequest per non-empty line of a JSONL file.
 
     Raises:
-        ValueError: naming the line number of a bad line.
+        BatchFileError: one problem per bad line, each naming the file, the line number
+            (from 1), the field and the expected type; nothing is sent then.
+        OSError: the file cannot be read.
     """
     requests = []
+    problems = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
-            requests.append(
-                build_request(
-                    prompt=obj.pop("prompt", None), prompt_ids=obj.pop("prompt_ids", None), **obj
-                )
-            )
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"{path}:{number}: {exc}") from exc
+            requests.append(parse_batch_line(line))
+        except ValueError as exc:
+            problems.append(f"{path}: line {number}: {exc}")
+    if problems:
+        raise BatchFileError(problems)
     return requests
 
 
@@ -220,7 +463,7 @@ async def _run_one(
             text += response.text
             last = response
     except grpc.RpcError as err:
-        return {"index": index, "error": {"code": err.code().name, "message": err.details()}}
+        return {"index": index, "error": {"code": err.code().name, "message": _error_text(err)}}
     usage = MessageToDict(
         last.usage, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
@@ -240,7 +483,9 @@ async def run_batch(
     server: str, requests: list[pb.GenerateRequest], concurrency: int, timeout: float | None
 ) -> int:
     """Run `requests` with at most `concurrency` in flight; print results as they finish."""
-    semaphore = asyncio.Semaphore(max(1, concurrency))
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    semaphore = asyncio.Semaphore(concurrency)
     output_tokens = errors = 0
     start = time.perf_counter()
     async with grpc.aio.insecure_channel(server) as channel:
@@ -273,17 +518,34 @@ async def run_batch(
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:  # Ctrl-C: calls in flight are cancelled as the channel closes
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "batch":
         try:
             requests = load_batch(args.file)
-        except (OSError, ValueError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
+        except BatchFileError as exc:
+            for problem in exc.problems:
+                print(f"error: {problem}", file=sys.stderr)
+            return 2
+        except OSError as exc:
+            print(f"error: {args.file}: {exc.strerror or exc}", file=sys.stderr)
             return 2
         return asyncio.run(run_batch(args.server, requests, args.concurrency, args.timeout))
+    if args.command == "generate":
+        try:
+            request = request_from_args(args)
+        except ValueError as exc:
+            print(f"moe-client generate: error: {exc}", file=sys.stderr)
+            return 2
     with grpc.insecure_channel(args.server) as channel:
         stub = pb_grpc.MoeEngineStub(channel)
         if args.command == "generate":
-            return cmd_generate(args, stub)
+            return cmd_generate(args, stub, request)
         return cmd_show(args, stub)
 
 

@@ -78,7 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-message-bytes",
         type=parse_bytes,
         default=DEFAULT_MAX_MESSAGE_BYTES,
-        help=f"largest request message (default {DEFAULT_MAX_MESSAGE_BYTES} bytes)",
+        help=f"largest GenerateRequest accepted, e.g. 16MiB (default {DEFAULT_MAX_MESSAGE_BYTES} "
+        "bytes); larger requests get INVALID_ARGUMENT naming the field, the size and this "
+        "flag; gRPC itself refuses (RESOURCE_EXHAUSTED) only messages over 4x this or this "
+        "plus 64 MiB, whichever is larger",
     )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
@@ -110,8 +113,23 @@ def resolve_model(model: str) -> str:
     return path
 
 
+_PORT_MAX = 65535
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """A one-line message for the first flag value out of range, or None when all are fine."""
+    for flag, value in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+        if value is not None and not 0 <= value <= _PORT_MAX:
+            return f"{flag} must be in 0..{_PORT_MAX}, got {value}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    problem = check_args(args)
+    if problem is not None:
+        print(f"moe-serve: error: {problem}", file=sys.stderr)
+        return 2
     level = getattr(logging, args.log_level)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

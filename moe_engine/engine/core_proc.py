@@ -38,6 +38,7 @@ from typing import Any
 
 import msgpack
 import zmq
+from tqdm import tqdm
 
 from moe_engine.config import EngineConfig, default_threads
 from moe_engine.errors import RequestError
@@ -217,6 +218,10 @@ def run_engine_core(
             config, parallel=dataclasses.replace(config.parallel, num_threads=threads)
         )
     # Ctrl-C reaches the whole process group; the front end decides when the core stops.
+    # tqdm's default lock is a multiprocessing RLock: a named semaphore that the resource
+    # tracker reports as leaked when this process exits through os._exit. One process, one
+    # progress bar at a time: a thread lock is enough.
+    tqdm.set_lock(threading.RLock())
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # SIGTERM to the whole group (timeout, systemd, kill -- -PGID) must drain, not kill the
     # core under running requests: the front end drains, then tells the core to stop.

@@ -33,6 +33,18 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MoeEngine"].full_name
 #: Default limit on one request message (bytes).
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+_MIB = 1024 * 1024
+_GRPC_MAX = 2**31 - 1
+
+
+def transport_limit(max_message_bytes: int) -> int:
+    """gRPC's own receive limit for a `max_message_bytes` setting (bytes).
+
+    Well above the setting, so that an oversize request reaches the servicer, which refuses it
+    with INVALID_ARGUMENT naming the field, the size, the limit and --max-message-bytes; only
+    messages over this transport limit get gRPC's bare RESOURCE_EXHAUSTED.
+    """
+    return min(_GRPC_MAX, max(4 * max_message_bytes, max_message_bytes + 64 * _MIB))
 
 
 @dataclass(frozen=True)
@@ -43,8 +55,9 @@ class ServerOptions:
         host: address to bind (loopback by default).
         port: TCP port; 0 picks a free one (see `MoeServer.port`).
         max_message_bytes: the largest GenerateRequest accepted (bytes). Larger ones get
-            INVALID_ARGUMENT naming the field; far larger ones (over twice the limit plus
-            1 MiB) are refused by gRPC itself with RESOURCE_EXHAUSTED.
+            INVALID_ARGUMENT naming the field; far larger ones (over `transport_limit`: four
+            times the limit or the limit plus 64 MiB, whichever is larger) are refused by gRPC
+            itself with RESOURCE_EXHAUSTED.
         metrics_port: port for Prometheus /metrics, or None for no endpoint.
         startup_timeout_s: how long loading the model may take (seconds).
         drain_grace_s: on shutdown, how long live requests may run on (seconds).
@@ -104,14 +117,8 @@ class MoeServer:
             StartupError: the port cannot be bound or the engine failed to start.
         """
         await self._start_grpc()
-        if self.options.metrics_port is not None:
-            self._metrics_http = self.metrics.start_http(
-                self.options.metrics_port, self.options.host
-            )
-            logger.info(
-                "metrics on http://%s:%d/metrics", self.options.host, self.options.metrics_port
-            )
         try:
+            self._start_metrics()
             await self.engine.start(
                 self.config,
                 startup_timeout_s=self.options.startup_timeout_s,
@@ -119,6 +126,9 @@ class MoeServer:
                 log_level=self.log_level,
             )
         except BaseException:
+            # Leave nothing behind: no listening socket, no metrics thread, no core process.
+            await self.engine.shutdown(timeout_s=1.0)
+            self._stop_metrics()
             await self._stop_grpc(0)
             raise
         self.servicer.ready = True
@@ -127,12 +137,36 @@ class MoeServer:
             self._poll_task = asyncio.create_task(self._poll_stats(), name="metrics-poll")
         logger.info("serving %s on %s:%d", self.config.model.model, self.options.host, self.port)
 
+    def _start_metrics(self) -> None:
+        """Serve /metrics when a metrics port is configured.
+
+        Raises:
+            StartupError: the port cannot be bound (in use, no permission).
+        """
+        port = self.options.metrics_port
+        if port is None:
+            return
+        host = self.options.host
+        try:
+            self._metrics_http = self.metrics.start_http(port, host)
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            raise StartupError(
+                f"cannot serve metrics on {host}:{port} (--metrics-port {port}): {reason}"
+            ) from exc
+        logger.info("metrics on http://%s:%d/metrics", host, self._metrics_http.server_port)
+
+    def _stop_metrics(self) -> None:
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+            self._metrics_http = None
+
     async def _start_grpc(self) -> None:
-        limit = self.options.max_message_bytes
-        hard_limit = max(2 * limit, limit + 1024 * 1024)
+        receive_limit = transport_limit(self.options.max_message_bytes)
         server = grpc.aio.server(
             options=[
-                ("grpc.max_receive_message_length", hard_limit),
+                ("grpc.max_receive_message_length", receive_limit),
                 ("grpc.max_send_message_length", -1),
                 ("grpc.so_reuseport", 0),
             ]
@@ -187,10 +221,7 @@ class MoeServer:
             await asyncio.gather(self._poll_task, return_exceptions=True)
         await self._stop_grpc(1.0)
         await self.engine.shutdown()
-        if self._metrics_http is not None:
-            self._metrics_http.shutdown()
-            self._metrics_http.server_close()
-            self._metrics_http = None
+        self._stop_metrics()
 
     async def _stop_grpc(self, grace_s: float) -> None:
         if self._server is not None:

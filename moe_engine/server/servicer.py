@@ -127,13 +127,10 @@ class MoeEngineServicer(pb_grpc.MoeEngineServicer):
     async def Abort(  # noqa: N802
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
+        # Idempotent, as the proto says: an unknown id (the empty one included: the server
+        # names requests that come without an id) is OK with aborted = false.
         if not request.request_id:
-            await _abort(
-                context,
-                RequestError(
-                    ErrorCode.INVALID_ARGUMENT, "request_id", "request_id: must not be empty"
-                ),
-            )
+            return pb.AbortResponse(aborted=False)
         return pb.AbortResponse(aborted=await self.engine.abort(request.request_id))
 
     async def GetModelInfo(  # noqa: N802

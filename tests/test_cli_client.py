@@ -1,0 +1,152 @@
+"""`moe-client` argument and batch-file parsing, without a server."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import grpc
+import pytest
+
+from moe_engine.cli import client
+from moe_engine.server.pb import moe_engine_pb2 as pb
+
+
+def parse_error(capsys: pytest.CaptureFixture, *argv: str) -> str:
+    with pytest.raises(SystemExit) as info:
+        client.build_parser().parse_args(list(argv))
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err  # one line, no usage block or traceback
+    return err
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["generate", "--prompt-ids", "99999999999999999999"], "--prompt-ids"),
+        (["generate", "--prompt-ids", "1,,2"], "--prompt-ids"),
+        (["generate", "--prompt-ids", "1,2,"], "--prompt-ids"),
+        (["generate", "--prompt-ids", "1", "--seed", "99999999999999999999999"], "--seed"),
+        (["generate", "--prompt-ids", "1", "--max-tokens", "3000000000"], "--max-tokens"),
+        (["generate", "--prompt-ids", "1", "--stop-token-ids", "1,,2"], "--stop-token-ids"),
+        (["generate", "hi", "--stop", "\udcff\udcfe"], "--stop"),
+        (["batch", "x.jsonl", "--concurrency", "0"], "--concurrency"),
+        (["batch", "x.jsonl", "--concurrency", "-3"], "--concurrency"),
+    ],
+)
+def test_bad_flags_are_one_line_naming_the_flag(capsys, argv: list[str], flag: str) -> None:
+    assert flag in parse_error(capsys, *argv)
+
+
+def test_good_flags_build_a_request() -> None:
+    args = client.build_parser().parse_args(
+        ["generate", "--prompt-ids", "1, 2,3", "--seed", str(2**63 - 1), "--stop", "\n"]
+    )
+    request = client.request_from_args(args)
+    assert list(request.prompt_ids.ids) == [1, 2, 3]
+    assert request.seed == 2**63 - 1 and list(request.stop) == ["\n"]
+
+
+def test_batch_stop_string_is_one_stop_string() -> None:
+    request = client.parse_batch_line('{"prompt_ids": [1], "stop": "rz"}')
+    assert list(request.stop) == ["rz"]
+    request = client.parse_batch_line('{"prompt": "hi", "stop": ["a", "b"], "seed": 7}')
+    assert list(request.stop) == ["a", "b"] and request.seed == 7 and request.text == "hi"
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ('{"prompt_ids": [1], "max_tokens": "5"}', ["max_tokens", "integer", '"5"']),
+        ('{"prompt_ids": [1], "ignore_eos": "false"}', ["ignore_eos", "true or false"]),
+        ('{"prompt_ids": [1], "stop_token_ids": 61}', ["stop_token_ids", "array of integers"]),
+        ('{"prompt_ids": [1], "stop_token_ids": [1, "2"]}', ["stop_token_ids[1]", "integer"]),
+        ('{"prompt_ids": [1], "temperature": "hot"}', ["temperature", "number"]),
+        ('{"prompt_ids": [1], "seed": 1e30}', ["seed", "integer"]),
+        ('{"prompt_ids": [1], "top_k": 99999999999}', ["top_k", "32-bit"]),
+        ('{"prompt_ids": "1,2"}', ["prompt_ids", "array of integers"]),
+        ('{"prompt": ["hi"]}', ["prompt", "string"]),
+        ("[1, 2]", ["JSON object", "array"]),
+        ('"hello"', ["JSON object", "string"]),
+        ("{nope", ["not valid JSON"]),
+        ('{"prompt_ids": [1], "bogus": 1}', ["unknown request fields", "bogus"]),
+    ],
+)
+def test_batch_line_type_errors(line: str, expected: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        client.parse_batch_line(line)
+    for text in expected:
+        assert text in str(info.value), str(info.value)
+
+
+def test_load_batch_reports_every_bad_line(tmp_path: Path) -> None:
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"prompt_ids": [1]}\n\n{"prompt_ids": [1], "max_tokens": "5"}\n[1]\n')
+    with pytest.raises(client.BatchFileError) as info:
+        client.load_batch(path)
+    problems = info.value.problems
+    assert len(problems) == 2
+    assert "line 3" in problems[0] and "max_tokens" in problems[0]
+    assert "line 4" in problems[1]
+
+
+def test_batch_main_exits_2_on_bad_file(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"prompt_ids": [1], "stop_token_ids": 61}\n')
+    assert client.main(["--server", "127.0.0.1:1", "batch", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip().splitlines() == [
+        f"error: {path}: line 1: stop_token_ids: expected an array of integers, got 61 (an integer)"
+    ]
+
+
+def test_message_dict_keeps_64_bit_integers_numbers() -> None:
+    stats = pb.ServerStats(num_preemptions=2**40, kv_blocks_total=8, kv_cache_usage=0.5)
+    data = client.message_dict(stats)
+    assert data["num_preemptions"] == 2**40 and data["num_aborted"] == 0
+    assert data["kv_blocks_total"] == 8 and data["kv_cache_usage"] == 0.5
+
+
+class _Err(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def details(self):
+        return "SERVER: Received message larger than max (99 vs. 10)"
+
+
+def test_transport_size_refusal_hints_at_flag() -> None:
+    assert "--max-message-bytes" in client._error_text(_Err())
+
+
+class _InterruptedCall:
+    cancelled = False
+
+    def __iter__(self):
+        yield pb.GenerateResponse(text="partial")
+        raise KeyboardInterrupt
+
+    def cancel(self):
+        _InterruptedCall.cancelled = True
+
+
+class _Stub:
+    def Generate(self, request, timeout=None):  # noqa: N802
+        return _InterruptedCall()
+
+
+def test_ctrl_c_cancels_the_stream_and_exits_130(capsys) -> None:
+    args = client.build_parser().parse_args(["generate", "hi"])
+    request = client.request_from_args(args)
+    assert client.cmd_generate(args, _Stub(), request) == 130
+    assert _InterruptedCall.cancelled
+    captured = capsys.readouterr()
+    assert captured.out == "partial\n" and captured.err == ""
+
+
+def test_parse_ids_type() -> None:
+    assert client._parse_ids("4,5") == [4, 5]
+    with pytest.raises(argparse.ArgumentTypeError):
+        client._parse_ids("")
