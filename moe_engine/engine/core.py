@@ -6,7 +6,6 @@ numbers), then weights with a progress bar, then the KV cache.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from moe_engine.kv_cache import FullAttentionSpec, KVCacheManager
 from moe_engine.loader import load_model
 from moe_engine.model_runner import ModelRunner
 from moe_engine.models import resolve_architecture
-from moe_engine.plan import ModelShape, make_plan
+from moe_engine.plan import make_plan
 from moe_engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from moe_engine.sampler import Sampler
 from moe_engine.scheduler import Scheduler
@@ -77,7 +76,7 @@ class EngineCore:
         hf_config = AutoConfig.from_pretrained(model_dir)
         self.architecture, model_cls = resolve_architecture(hf_config)
         spec = model_cls.arch_spec(hf_config)
-        self.max_model_len = config.model.max_model_len or spec.max_position
+        self.max_model_len = config.model.max_model_len or spec.max_position_embeddings
         self.weight_dtype = config.model.torch_dtype()
         self.dtype = compute_dtype(self.weight_dtype)
         if self.dtype != self.weight_dtype:
@@ -86,7 +85,7 @@ class EngineCore:
                 "to bfloat16 and computed in float32 (MOE_ENGINE_FORCE_BF16=1 keeps bfloat16)"
             )
         self.plan = make_plan(
-            ModelShape.from_checkpoint(model_dir),
+            spec,
             self.dtype,
             block_size=config.cache.block_size,
             max_model_len=self.max_model_len,
@@ -97,9 +96,8 @@ class EngineCore:
         )
         logger.info("startup plan:\n%s", self.plan.describe())
         self.plan.check(self.max_model_len)
-        spec = dataclasses.replace(spec, max_position=self.max_model_len)
         self.spec = spec
-        self.model = model_cls(spec, self.dtype).eval()
+        self.model = model_cls(spec, self.dtype, max_position=self.max_model_len).eval()
         load_model(self.model, model_dir, self.weight_dtype)
         self.tokenizer = load_tokenizer(model_dir)
         self.vocab_size = spec.vocab_size

@@ -7,9 +7,9 @@ residual. Architecture files (qwen3_moe.py, mixtral.py) only describe their conf
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,30 +19,27 @@ from moe_engine.models.layers.attention import AttentionMetadata, PagedAttention
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding
+from moe_engine.plan import ModelShape
 
 
-@dataclass(frozen=True)
-class ArchSpec:
-    """The numbers a MoE decoder needs, read from config.json by the architecture file."""
+@dataclasses.dataclass(frozen=True)
+class ArchSpec(ModelShape):
+    """A `ModelShape` (the sizes `plan.py` does its arithmetic on) plus what the forward pass
+    needs beyond sizes. Architecture files build it from config.json.
 
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position: int
-    num_experts: int
-    top_k: int
-    moe_intermediate_size: int
-    dense_intermediate_size: int
-    moe_layers: frozenset[int]
-    renormalize: bool
-    qk_norm: bool
-    attention_bias: bool
-    tie_word_embeddings: bool
+    Attributes:
+        rms_norm_eps: RMSNorm epsilon.
+        rope_theta: rotary base.
+    """
+
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def from_shape(cls, shape: ModelShape, **extra) -> ArchSpec:
+        """The shape's fields plus `extra` (rms_norm_eps, rope_theta, overrides)."""
+        fields = {f.name: getattr(shape, f.name) for f in dataclasses.fields(ModelShape)}
+        return cls(**{**fields, **extra})
 
 
 class Attention(nn.Module):
@@ -107,11 +104,11 @@ class DecoderLayer(nn.Module):
                 spec.top_k,
                 spec.hidden_size,
                 spec.moe_intermediate_size,
-                spec.renormalize,
+                spec.norm_topk_prob,
                 dtype,
             )
         else:
-            self.mlp = DenseMLP(spec.hidden_size, spec.dense_intermediate_size, dtype)
+            self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size, dtype)
 
     def forward(
         self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache
@@ -121,10 +118,10 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, spec: ArchSpec, dtype: torch.dtype) -> None:
+    def __init__(self, spec: ArchSpec, dtype: torch.dtype, max_position: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
-        rotary = RotaryEmbedding(spec.head_dim, spec.max_position, spec.rope_theta)
+        rotary = RotaryEmbedding(spec.head_dim, max_position, spec.rope_theta)
         self.layers = nn.ModuleList(
             DecoderLayer(spec, i, dtype, rotary) for i in range(spec.num_layers)
         )
@@ -153,12 +150,17 @@ class MoeCausalLM(nn.Module):
     """The whole model: embeddings, decoder layers, final norm, LM head.
 
     Architecture subclasses implement `arch_spec(hf_config)`.
+
+    Args:
+        spec: the architecture's numbers; dtype: parameter dtype.
+        max_position: positions the rotary table covers (tokens); default the model's
+            max_position_embeddings (the engine passes max_model_len).
     """
 
-    def __init__(self, spec: ArchSpec, dtype: torch.dtype) -> None:
+    def __init__(self, spec: ArchSpec, dtype: torch.dtype, max_position: int | None = None) -> None:
         super().__init__()
         self.spec = spec
-        self.model = Backbone(spec, dtype)
+        self.model = Backbone(spec, dtype, max_position or spec.max_position_embeddings)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
