@@ -1,0 +1,165 @@
+"""INT4 group-wise weights for w4a16 GEMMs (weights 4-bit, activations bf16/fp16).
+
+The scheme of GPTQ (Frantar et al., 2022, "GPTQ: Accurate Post-Training Quantization for
+Generative Pre-trained Transformers") and AWQ (Lin et al., 2023) without their calibration:
+each row of ``w [..., N, K]`` is cut into groups of ``group_size`` consecutive values along
+``K`` (the reduction dimension), each group with its own scale, and, when asymmetric, its own
+zero point. Quantization here is plain round-to-nearest (``torch.round``: ties to even).
+
+Storage (one packing for both variants):
+
+- ``packed``: ``[..., N, K // 2]`` uint8, two unsigned 4-bit codes ``u`` per byte, low nibble =
+  even ``k``, high nibble = odd ``k`` (the MXFP4 order, :mod:`quant.packing`).
+- ``scales``: ``[..., N, K // group_size]`` float32.
+- ``zeros``: ``[..., N, K // group_size]`` uint8 in ``[0, 15]`` (asymmetric), or ``None``
+  (symmetric, where the zero point is the implicit constant 8).
+
+Dequantized value: ``(u - zero) * scale``.
+
+- Symmetric: ``q = clamp(round(w / scale), -8, 7)`` with ``scale = amax / 7`` (so ``-8`` is
+  never produced and nothing clips), stored offset-binary as ``u = q + 8``.
+- Asymmetric: the group's range ``[min(w_min, 0), max(w_max, 0)]`` (0 included so the zero
+  point lies in ``[0, 15]``) maps onto ``[0, 15]``: ``scale = (hi - lo) / 15``,
+  ``zero = round(-lo / scale)``, ``u = clamp(round(w / scale) + zero, 0, 15)``.
+
+Either way ``|w - dequantized| <= scale / 2`` per element, up to fp32 rounding.
+An all-zero group stores scale 0 and dequantizes to zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quant.packing import check_uint8, pack_nibbles, unpack_nibbles
+
+INT4_GROUP_SIZES = (32, 64, 128)  # the sizes the kernels and tests cover
+SYMMETRIC_ZERO = 8  # implicit zero point of symmetric groups (offset-binary int4)
+
+
+def check_group_size(k: int, group_size: int) -> None:
+    """Raise ``ValueError`` naming both numbers unless ``group_size`` is even and divides ``k``."""
+    if group_size <= 0 or group_size % 2:
+        raise ValueError(f"group_size {group_size} must be a positive even number")
+    if k % group_size:
+        raise ValueError(f"group_size {group_size} does not divide K = {k}")
+
+
+def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[..., K]`` -> ``[..., K // group_size, group_size]`` float32."""
+    return w.float().reshape(*w.shape[:-1], w.shape[-1] // group_size, group_size)
+
+
+def _safe(scale: torch.Tensor) -> torch.Tensor:
+    """A divisor: all-zero groups (scale 0) divide by 1 and so quantize to the zero point."""
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
+def _quantize_symmetric(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = g.abs().amax(dim=-1) / 7.0
+    q = torch.round(g / _safe(scale).unsqueeze(-1)).clamp(-8, 7)
+    return (q + SYMMETRIC_ZERO).to(torch.uint8), scale
+
+
+def _quantize_asymmetric(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    lo = g.amin(dim=-1).clamp(max=0.0)
+    hi = g.amax(dim=-1).clamp(min=0.0)
+    scale = (hi - lo) / 15.0
+    safe = _safe(scale)
+    zero = torch.round(-lo / safe).clamp(0, 15)
+    u = (torch.round(g / safe.unsqueeze(-1)) + zero.unsqueeze(-1)).clamp(0, 15)
+    return u.to(torch.uint8), scale, zero.to(torch.uint8)
+
+
+def quantize_int4(
+    w: torch.Tensor, group_size: int = 128, symmetric: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Quantize ``w`` group-wise along its last dimension to packed 4-bit codes.
+
+    Args:
+        w: ``[..., N, K]`` floating weights (bf16, fp16 or fp32; computed in fp32), finite;
+            ``K`` is the reduction dimension of ``x @ w.T``.
+        group_size: values per scale along ``K`` (32, 64 or 128 in practice; any positive even
+            divisor of ``K`` is accepted).
+        symmetric: int4 in ``[-8, 7]`` with ``scale = amax / 7`` and no zero points if True;
+            uint4 in ``[0, 15]`` with a zero point per group if False.
+
+    Returns:
+        ``packed``: ``[..., N, K // 2]`` uint8 (low nibble = even ``k``);
+        ``scales``: ``[..., N, K // group_size]`` float32;
+        ``zeros``: ``[..., N, K // group_size]`` uint8, or ``None`` when ``symmetric``.
+
+    Raises:
+        ValueError: ``w`` is not a floating tensor of at least 2 dimensions or holds Inf/NaN,
+            or ``group_size`` does not divide ``K`` (the message names both numbers).
+    """
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() < 2:
+        raise ValueError("w must be a floating tensor [..., N, K]")
+    check_group_size(w.shape[-1], group_size)
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError("w holds Inf or NaN; INT4 quantization needs finite weights")
+    g = _grouped(w, group_size)
+    if symmetric:
+        u, scales = _quantize_symmetric(g)
+        zeros = None
+    else:
+        u, scales, zeros = _quantize_asymmetric(g)
+    return pack_nibbles(u.flatten(-2), "codes"), scales, zeros
+
+
+def _check_dequantize_args(
+    packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None
+) -> int:
+    """Validate shapes and dtypes; return the group size."""
+    check_uint8("packed", packed)
+    if packed.dim() < 2:
+        raise ValueError(f"packed must be [..., N, K // 2], got shape {tuple(packed.shape)}")
+    if not isinstance(scales, torch.Tensor) or not scales.is_floating_point():
+        raise ValueError("scales must be a floating tensor [..., N, K // group_size]")
+    if scales.shape[:-1] != packed.shape[:-1] or scales.shape[-1] == 0:
+        raise ValueError(
+            f"scales shape {tuple(scales.shape)} does not fit packed shape {tuple(packed.shape)}"
+        )
+    k, num_groups = 2 * packed.shape[-1], scales.shape[-1]
+    if k % num_groups:
+        raise ValueError(f"scales has {num_groups} groups, which do not divide K = {k}")
+    if zeros is not None:
+        check_uint8("zeros", zeros)
+        if zeros.shape != scales.shape:
+            raise ValueError(
+                f"zeros shape {tuple(zeros.shape)} does not match scales shape "
+                f"{tuple(scales.shape)}"
+            )
+    return k // num_groups
+
+
+def dequantize_int4(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Dequantize :func:`quantize_int4` output: ``(u - zero) * scale``, in fp32, cast to ``dtype``.
+
+    Args:
+        packed: ``[..., N, K // 2]`` uint8, low nibble = even ``k``.
+        scales: ``[..., N, K // group_size]`` floating; the group size is inferred from it.
+        zeros: ``[..., N, K // group_size]`` uint8 zero points, or ``None`` for symmetric
+            (implicit zero point 8).
+        dtype: output floating dtype.
+
+    Returns:
+        ``[..., N, K]`` ``dtype``.
+
+    Raises:
+        ValueError: a tensor has the wrong dtype or a shape that does not fit ``packed``
+            (the message names the tensor).
+    """
+    group_size = _check_dequantize_args(packed, scales, zeros)
+    u = _grouped(unpack_nibbles(packed, "packed"), group_size)
+    zero = (
+        torch.full_like(scales, float(SYMMETRIC_ZERO), dtype=torch.float32)
+        if zeros is None
+        else zeros.float()
+    )
+    out = (u - zero.unsqueeze(-1)) * scales.float().unsqueeze(-1)
+    return out.flatten(-2).to(dtype)
