@@ -124,7 +124,7 @@ def run_moe_engine(ckpt: Path, requests: list[BenchRequest], args: argparse.Name
     llm = LLM(
         model=str(ckpt), dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=args.kv_cache_memory,
+        kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
     )
     prompts = [r.prompt_token_ids for r in requests]
     params = [
@@ -217,6 +217,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
     p.add_argument("--engines", default=f"{ENGINE},{BASELINE}",
                    help="comma-separated subset of: " + f"{ENGINE},{BASELINE}")
+    p.add_argument("--quantization", choices=["none", "int4", "mxfp4"], default="none",
+                   help="4-bit routed experts for moe-engine (the baseline stays unquantized)")
     p.add_argument("--baseline-dtype", choices=sorted(_DTYPES), default=None,
                    help="dtype of the transformers baseline (default: --dtype)")
     p.add_argument("--batch-size", type=int, default=8, help="baseline static batch size")

@@ -122,6 +122,27 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class QuantConfig:
+    """4-bit routed experts.
+
+    Attributes:
+        method: "none", "int4" (group-wise symmetric, `quant.int4`) or "mxfp4" (OCP MX v1.0,
+            `quant.mxfp4`); the routed experts of a float checkpoint are quantized at load time,
+            attention, router and embeddings keep the model dtype.
+        group_size: int4 values per scale (32, 64 or 128).
+    """
+
+    method: str = "none"
+    group_size: int = 128
+
+    def __post_init__(self) -> None:
+        if self.method not in ("none", "int4", "mxfp4"):
+            raise ValueError(f"quantization must be one of none, int4, mxfp4; got {self.method!r}")
+        if self.group_size not in (32, 64, 128):
+            raise ValueError(f"quant group_size must be 32, 64 or 128, got {self.group_size}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine needs, composed of the configs above."""
 
@@ -129,6 +150,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
 
 
 def native_bf16_matmul() -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moe_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from moe_engine.config import CacheConfig, EngineConfig, ModelConfig, QuantConfig, SchedulerConfig
 from moe_engine.engine.core import EngineCore
 from moe_engine.request import FinishReason, SamplingParams
 
@@ -41,7 +41,8 @@ class LLM:
         model: checkpoint directory (config.json + *.safetensors).
         dtype: "auto", "bfloat16" or "float32".
         max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory (bytes),
-        block_size, num_blocks_override: as the `moe-serve` flags of the same names.
+        block_size, num_blocks_override, quantization, quant_group_size: as the `moe-serve`
+        flags of the same names.
     """
 
     def __init__(
@@ -55,6 +56,8 @@ class LLM:
         block_size: int = 16,
         num_blocks_override: int | None = None,
         seed: int = 0,
+        quantization: str = "none",
+        quant_group_size: int = 128,
     ) -> None:
         self.engine = EngineCore(
             EngineConfig(
@@ -69,6 +72,7 @@ class LLM:
                 scheduler=SchedulerConfig(
                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
                 ),
+                quant=QuantConfig(method=quantization, group_size=quant_group_size),
             )
         )
         self._next_id = 0

@@ -17,7 +17,13 @@ import logging
 import re
 import sys
 
-from moe_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from moe_engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    QuantConfig,
+    SchedulerConfig,
+)
 from moe_engine.errors import StartupError
 from moe_engine.server.app import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions, serve
 
@@ -72,6 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "int4", "mxfp4"],
+        help="store the routed experts in 4 bits, quantized at load time (default none)",
+    )
+    p.add_argument(
+        "--quant-group-size",
+        type=int,
+        default=128,
+        choices=[32, 64, 128],
+        help="int4 values per scale (default 128)",
+    )
+    p.add_argument(
         "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port"
     )
     p.add_argument(
@@ -99,6 +118,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
         ),
+        quant=QuantConfig(method=args.quantization, group_size=args.quant_group_size),
     )
 
 

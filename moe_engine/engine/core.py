@@ -15,11 +15,12 @@ from transformers import AutoConfig
 
 from moe_engine.config import EngineConfig, compute_dtype, default_threads
 from moe_engine.detokenizer import IncrementalDetokenizer
-from moe_engine.errors import ErrorCode, RequestError
+from moe_engine.errors import ErrorCode, RequestError, StartupError
 from moe_engine.kv_cache import FullAttentionSpec, KVCacheManager
 from moe_engine.loader import load_model
 from moe_engine.model_runner import ModelRunner
 from moe_engine.models import resolve_architecture
+from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.plan import make_plan
 from moe_engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from moe_engine.sampler import Sampler
@@ -99,6 +100,7 @@ class EngineCore:
         self.spec = spec
         self.model = model_cls(spec, self.dtype, max_position=self.max_model_len).eval()
         load_model(self.model, model_dir, self.weight_dtype)
+        self._quantize_experts(config)
         self.tokenizer = load_tokenizer(model_dir)
         self.vocab_size = spec.vocab_size
         self.eos_token_ids = eos_token_ids_of(model_dir, hf_config)
@@ -115,6 +117,24 @@ class EngineCore:
         self.counters = dict(
             prompt_tokens_total=0, generation_tokens_total=0, num_finished=0, num_aborted=0
         )
+
+    def _quantize_experts(self, config: EngineConfig) -> None:
+        """Quantize the routed experts to 4 bits when --quantization asks for it.
+
+        Raises:
+            StartupError: a group size that does not divide the dimension it groups.
+        """
+        method = config.quant.method
+        if method == "none":
+            return
+        experts = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
+        try:
+            for moe in experts:
+                moe.quantize(method, config.quant.group_size)
+        except ValueError as e:
+            raise StartupError(f"--quantization {method}: {e}") from e
+        nbytes = sum(m.quantized.nbytes for m in experts)
+        logger.info("experts quantized to %s: %.1f MiB", method, nbytes / 2**20)
 
     def add_request(
         self,

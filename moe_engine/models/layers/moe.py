@@ -12,6 +12,7 @@ from torch import nn
 
 from comm import Communicator, NoopCommunicator
 from kernels.cpu import fused_moe_cpu
+from moe_engine.models.layers.quantized_experts import QuantizedExperts
 
 
 def softmax_topk(
@@ -74,15 +75,27 @@ class FusedMoE(nn.Module):
             requires_grad=False,
         )
         self.communicator: Communicator = communicator or NoopCommunicator()
+        self.quantized: QuantizedExperts | None = None
+
+    def quantize(self, method: str, group_size: int) -> None:
+        """Replace the float expert weights by a 4-bit copy (see `QuantizedExperts`).
+
+        Raises:
+            ValueError: a group size that does not divide the dimension it groups.
+        """
+        self.quantized = QuantizedExperts(self.w13.data, self.w2.data, method, group_size)
+        del self.w13, self.w2
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [T, H] -> [T, H], same dtype."""
         router_logits = self.gate(hidden)  # [T, E]
         topk_weights, topk_ids = softmax_topk(router_logits, self.top_k, self.renormalize)
         sent = self.communicator.dispatch(hidden, topk_ids, topk_weights)
-        expert_out = fused_moe_cpu(
-            sent.hidden, self.w13, self.w2, sent.topk_weights, sent.topk_ids
-        )
+        if self.quantized is not None:
+            w13, w2 = self.quantized.dequantized(hidden.dtype)
+        else:
+            w13, w2 = self.w13, self.w2
+        expert_out = fused_moe_cpu(sent.hidden, w13, w2, sent.topk_weights, sent.topk_ids)
         return self.communicator.combine(expert_out, sent.handle)
 
     def load_expert_weight(self, expert: int, shard: str, tensor: torch.Tensor) -> None:
