@@ -28,8 +28,10 @@ MIN_BLOCK_SIZE = 16  # tl.dot needs every tile dimension >= 16
 
 
 def _check_block_size(block_size: int) -> None:
-    if not isinstance(block_size, int) or block_size < MIN_BLOCK_SIZE or block_size & (
-        block_size - 1
+    if (
+        not isinstance(block_size, int)
+        or block_size < MIN_BLOCK_SIZE
+        or block_size & (block_size - 1)
     ):
         raise ValueError(
             f"block_size {block_size} must be a power of two >= {MIN_BLOCK_SIZE} (Triton tiles)"
@@ -93,9 +95,9 @@ def moe_align_block_size(
     num_valid = int(counts.sum())
     pairs = order[:num_valid]
     experts = keyed[pairs]
-    rank_in_expert = torch.arange(num_valid, device=device) - (torch.cumsum(counts, 0) - counts)[
-        experts
-    ]
+    rank_in_expert = (
+        torch.arange(num_valid, device=device) - (torch.cumsum(counts, 0) - counts)[experts]
+    )
     dest = (padded_ends - padded)[experts] + rank_in_expert
     sorted_token_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=device)
     sorted_token_ids[dest] = pairs.to(torch.int32)
@@ -104,6 +106,16 @@ def moe_align_block_size(
     expert_ids = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
     total = padded_ends[-1:].to(torch.int32)
     return sorted_token_ids, expert_ids, total
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """``x.to(dtype)``; with ``ROUND_BF16``, fp32 rounded to nearest even bf16 first (finite x)."""
+    if ROUND_BF16 and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
 
 
 @triton.jit
@@ -116,7 +128,7 @@ def fused_moe_kernel(
     GROUP_SIZE: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr, WEIGHT_INT4: tl.constexpr, HAS_ZEROS: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr,
 ):  # fmt: skip
     """One (M-block, N-block) tile of ``C[pair] = A[pair // a_row_div] @ W[expert].T``.
 
@@ -142,8 +154,9 @@ def fused_moe_kernel(
     for k0 in range(0, K, BLOCK_SIZE_K):
         k = k0 + offs_k
         k_mask = k < K
-        a = tl.load(a_rows + k[None, :] * stride_ak, mask=pair_mask[:, None] & k_mask[None, :],
-                    other=0.0)
+        a = tl.load(
+            a_rows + k[None, :] * stride_ak, mask=pair_mask[:, None] & k_mask[None, :], other=0.0
+        )
         kn_mask = k_mask[:, None] & n_mask[None, :]
         if WEIGHT_INT4:
             packed = tl.load(b_base + (k // 2)[:, None] * stride_bk, mask=kn_mask, other=0)
@@ -155,10 +168,10 @@ def fused_moe_kernel(
                 zero = tl.load(b_zero_ptr + s_off, mask=kn_mask, other=0).to(tl.float32)
             else:
                 zero = 8.0
-            b = ((code.to(tl.float32) - zero) * scale).to(a.dtype)
+            b = _cast(((code.to(tl.float32) - zero) * scale), a.dtype, INTERPRET_BF16)
         else:
             b = tl.load(b_base + k[:, None] * stride_bk, mask=kn_mask, other=0.0)
-        if DOT_FP32:
+        if INTERPRET_BF16:
             acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(a, b, input_precision="ieee")
@@ -166,16 +179,21 @@ def fused_moe_kernel(
         routed = tl.load(topk_weights_ptr + pair, mask=pair_mask, other=0.0)
         acc = acc * routed[:, None]
     c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
+    tl.store(
+        c_ptrs,
+        _cast(acc, c_ptr.dtype.element_ty, INTERPRET_BF16),
+        mask=pair_mask[:, None] & n_mask[None, :],
+    )
 
 
-def _dot_needs_fp32(dtype: torch.dtype) -> bool:
-    """Whether the tiles must be upcast before ``tl.dot``.
+def _interpret_bf16(dtype: torch.dtype) -> bool:
+    """Whether to work around the bf16 gaps of Triton 3.9's interpreter (``TRITON_INTERPRET=1``).
 
-    Triton 3.9's interpreter (``TRITON_INTERPRET=1``) runs ``tl.dot`` as ``np.matmul`` on the raw
-    bf16 bit patterns (numpy has no bfloat16), which gives garbage; fp32 operands hold bf16 values
-    exactly, so upcasting there gives what a bf16 MMA with fp32 accumulation gives. Compiled
-    kernels keep bf16 operands (tensor cores).
+    The interpreter runs ``tl.dot`` as ``np.matmul`` on the raw bf16 bit patterns (numpy has no
+    bfloat16), and casts fp32 -> bf16 by truncation where compiled Triton rounds to nearest even.
+    So, there only, the kernel upcasts dot operands to fp32 (exact for bf16 values, the same as a
+    bf16 MMA with fp32 accumulation) and rounds to nearest even itself before each bf16 cast.
+    Compiled kernels keep bf16 operands (tensor cores) and Triton's own casts.
     """
     return dtype == torch.bfloat16 and bool(triton.knobs.runtime.interpret)
 
@@ -249,7 +267,7 @@ def invoke_fused_moe_kernel(
         GROUP_SIZE=group_size,
         BLOCK_SIZE_M=block_size_m, BLOCK_SIZE_N=tile_n, BLOCK_SIZE_K=tile_k,
         MUL_ROUTED_WEIGHT=mul_routed_weight, WEIGHT_INT4=int4, HAS_ZEROS=w_zeros is not None,
-        DOT_FP32=_dot_needs_fp32(a.dtype),
+        INTERPRET_BF16=_interpret_bf16(a.dtype),
     )  # fmt: skip
 
 
