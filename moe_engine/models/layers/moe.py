@@ -92,10 +92,11 @@ class FusedMoE(nn.Module):
         topk_weights, topk_ids = softmax_topk(router_logits, self.top_k, self.renormalize)
         sent = self.communicator.dispatch(hidden, topk_ids, topk_weights)
         if self.quantized is not None:
-            w13, w2 = self.quantized.dequantized(hidden.dtype)
+            expert_out = self.quantized(sent.hidden, sent.topk_weights, sent.topk_ids)
         else:
-            w13, w2 = self.w13, self.w2
-        expert_out = fused_moe_cpu(sent.hidden, w13, w2, sent.topk_weights, sent.topk_ids)
+            expert_out = fused_moe_cpu(
+                sent.hidden, self.w13, self.w2, sent.topk_weights, sent.topk_ids
+            )
         return self.communicator.combine(expert_out, sent.handle)
 
     def load_expert_weight(self, expert: int, shard: str, tensor: torch.Tensor) -> None:
