@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization",
         default="none",
         choices=["none", "int4", "mxfp4"],
-        help="store the routed experts in 4 bits, quantized at load time (default none)",
+        help="store the routed experts in 4 bits, quantized at load time (default none); "
+        "on CPU int4 is also faster, mxfp4 is a slow exact path for now",
     )
     p.add_argument(
         "--quant-group-size",
