@@ -135,6 +135,18 @@ class QuantConfig:
     method: str = "none"
     group_size: int = 128
 
+    @property
+    def bits_per_weight(self) -> float | None:
+        """Storage per expert weight (bits): 4 plus the scale's share; None when unquantized.
+
+        int4 keeps a 32-bit float scale per group; MXFP4 one 8-bit E8M0 scale per 32 values.
+        """
+        if self.method == "int4":
+            return 4 + 32 / self.group_size
+        if self.method == "mxfp4":
+            return 4 + 8 / 32
+        return None
+
     def __post_init__(self) -> None:
         if self.method not in ("none", "int4", "mxfp4"):
             raise ValueError(f"quantization must be one of none, int4, mxfp4; got {self.method!r}")

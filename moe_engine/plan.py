@@ -279,6 +279,7 @@ def make_plan(
     ep_size: int = 1,
     available_memory: int | None = None,
     max_num_seqs: int | None = None,
+    expert_bits_per_weight: float | None = None,
 ) -> Plan:
     """Weight and KV-cache arithmetic for one rank.
 
@@ -294,6 +295,8 @@ def make_plan(
         available_memory: bytes free for weights + cache; None reads MemAvailable.
         max_num_seqs: when the budget is derived, no more blocks than max_num_seqs requests of
             max_model_len can ever hold are reserved.
+        expert_bits_per_weight: storage of routed experts when quantized (e.g. 4.25 for int4 at
+            group 128 with fp32 scales, or MXFP4); None = `dtype`.
 
     Raises:
         StartupError: when num_experts is not divisible by ep_size, or the weights alone do
@@ -305,7 +308,11 @@ def make_plan(
             f"choose an ep_size that divides it"
         )
     itemsize = dtype.itemsize
-    experts = shape.expert_params() // ep_size * itemsize
+    expert_params = shape.expert_params() // ep_size
+    if expert_bits_per_weight is None:
+        experts = expert_params * itemsize
+    else:
+        experts = math.ceil(expert_params * expert_bits_per_weight / 8)
     other = shape.other_params() * itemsize
     per_token = shape.kv_elements_per_token() * itemsize
     per_block = per_token * block_size

@@ -66,8 +66,9 @@ def test_bench_shape_and_bytes() -> None:
 
 def test_float32_doubles_bytes_and_budget_rounds_down() -> None:
     shape = ModelShape.from_hf_config(BENCH_CFG)
-    plan = make_plan(shape, torch.float32, block_size=32, max_model_len=512,
-                     kv_cache_memory=MiB + 5)
+    plan = make_plan(
+        shape, torch.float32, block_size=32, max_model_len=512, kv_cache_memory=MiB + 5
+    )
     assert plan.weight_bytes_experts == 2 * EXPERT_BYTES
     assert plan.kv_bytes_per_token == 8192 and plan.kv_bytes_per_block == 262144
     assert plan.num_blocks == 4 and plan.kv_cache_memory == MiB
@@ -76,8 +77,12 @@ def test_float32_doubles_bytes_and_budget_rounds_down() -> None:
 
 def test_qwen3_dense_layers_and_transformers4_keys() -> None:
     # 4 layers, decoder_sparse_step 2 -> layers 1 and 3 MoE, but 3 is in mlp_only_layers.
-    cfg = BENCH_CFG | {"num_hidden_layers": 4, "decoder_sparse_step": 2,
-                       "mlp_only_layers": [3], "num_experts": 32}
+    cfg = BENCH_CFG | {
+        "num_hidden_layers": 4,
+        "decoder_sparse_step": 2,
+        "mlp_only_layers": [3],
+        "num_experts": 32,
+    }
     del cfg["num_local_experts"]
     shape = ModelShape.from_hf_config(cfg)
     assert shape.moe_layers == (1,) and shape.num_dense_layers == 3
@@ -89,11 +94,20 @@ def test_qwen3_dense_layers_and_transformers4_keys() -> None:
 
 
 def test_mixtral_all_layers_moe() -> None:
-    cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-           "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 32,
-           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "num_local_experts": 8, "num_experts_per_tok": 2, "tie_word_embeddings": True,
-           "max_position_embeddings": 1024}
+    cfg = {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "vocab_size": 1000,
+        "hidden_size": 64,
+        "intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 1024,
+    }
     shape = ModelShape.from_hf_config(cfg)
     assert shape.moe_layers == (0, 1) and shape.head_dim == 16 and shape.intermediate_size == 0
     assert shape.expert_params() == 2 * 8 * 3 * 64 * 32
@@ -108,8 +122,16 @@ def test_too_small_cache_names_numbers_and_flags() -> None:
     with pytest.raises(StartupError) as err:
         plan.check(1024)
     msg = str(err.value)
-    for piece in ("1024", "64 blocks", "4194304", "10 blocks", "655360", "160",
-                  "--kv-cache-memory 4194304", "--max-model-len 160"):
+    for piece in (
+        "1024",
+        "64 blocks",
+        "4194304",
+        "10 blocks",
+        "655360",
+        "160",
+        "--kv-cache-memory 4194304",
+        "--max-model-len 160",
+    ):
         assert piece in msg, (piece, msg)
     plan.check(160)  # exactly 10 blocks fits
 
@@ -128,8 +150,9 @@ def test_default_budget_from_available_memory() -> None:
     # Plenty of memory: capped at 4 GiB.
     assert bench_plan(kv_cache_memory=None, available_memory=16 * GiB).num_blocks == 65536
     # Half of what the weights leave: 8 MiB left -> 4 MiB -> 64 blocks.
-    assert bench_plan(kv_cache_memory=None,
-                      available_memory=WEIGHT_BYTES + 8 * MiB).num_blocks == 64
+    assert (
+        bench_plan(kv_cache_memory=None, available_memory=WEIGHT_BYTES + 8 * MiB).num_blocks == 64
+    )
     # Half (3 MiB) is short of one request but one request (4 MiB) fits in 6 MiB: raised to it.
     plan = bench_plan(kv_cache_memory=None, available_memory=WEIGHT_BYTES + 6 * MiB)
     assert plan.kv_cache_memory == one_request and plan.kv_cache_source.startswith("derived")
@@ -170,16 +193,66 @@ def test_derived_budget_is_capped_by_max_num_seqs() -> None:
 
     shape = ModelShape.from_hf_config(
         {
-            "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
-            "moe_intermediate_size": 16, "intermediate_size": 64,
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "vocab_size": 64,
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 8,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "intermediate_size": 64,
             "max_position_embeddings": 256,
         }
     )
     plan = make_plan(
-        shape, torch.float32, block_size=16, max_model_len=100, kv_cache_memory=None,
-        available_memory=1 << 33, max_num_seqs=3,
+        shape,
+        torch.float32,
+        block_size=16,
+        max_model_len=100,
+        kv_cache_memory=None,
+        available_memory=1 << 33,
+        max_num_seqs=3,
     )
     assert plan.num_blocks == 3 * 7  # ceil(100 / 16) = 7 blocks per request
     assert "max_num_seqs" in plan.kv_cache_source
+
+
+def test_quantized_experts_are_counted_at_their_bits() -> None:
+    import torch
+
+    from moe_engine.config import QuantConfig
+    from moe_engine.plan import ModelShape, make_plan
+
+    shape = ModelShape.from_hf_config(
+        {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "vocab_size": 64,
+            "hidden_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 128,
+            "intermediate_size": 256,
+            "max_position_embeddings": 256,
+        }
+    )
+    params = 2 * 4 * 3 * 128 * 128  # layers x experts x (gate, up, down) x H x I
+    kw = dict(block_size=16, max_model_len=64, kv_cache_memory=1 << 20)
+    bf16 = make_plan(shape, torch.bfloat16, **kw)
+    int4 = make_plan(
+        shape, torch.bfloat16, **kw, expert_bits_per_weight=QuantConfig("int4", 128).bits_per_weight
+    )
+    mx = make_plan(
+        shape, torch.bfloat16, **kw, expert_bits_per_weight=QuantConfig("mxfp4").bits_per_weight
+    )
+    assert bf16.weight_bytes_experts == params * 2
+    assert int4.weight_bytes_experts == params * 4.25 / 8  # 4 bits + a 32-bit scale per 128
+    assert mx.weight_bytes_experts == params * 4.25 / 8  # 4 bits + an 8-bit scale per 32
+    assert int4.weight_bytes_other == bf16.weight_bytes_other

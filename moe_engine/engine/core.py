@@ -94,6 +94,7 @@ class EngineCore:
             num_blocks_override=config.cache.num_blocks_override,
             ep_size=config.parallel.ep_size,
             max_num_seqs=config.scheduler.max_num_seqs,
+            expert_bits_per_weight=config.quant.bits_per_weight,
         )
         logger.info("startup plan:\n%s", self.plan.describe())
         self.plan.check(self.max_model_len)
