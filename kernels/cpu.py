@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.reference import fused_moe_reference
+from kernels.routing import combine_pairs
 
 #: Padding may at most multiply the rows computed by this factor before the loop is used.
 MAX_PADDING_FACTOR = 4.0
@@ -62,6 +63,4 @@ def fused_moe_cpu(
     gate, up = torch.bmm(x, w13.transpose(1, 2)).chunk(2, dim=-1)
     y = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))[expert, slot]
     y *= topk_weights.reshape(-1)[pair_of_row, None].to(y.dtype)
-    out = hidden.new_zeros(num_tokens * top_k, hidden.shape[1])
-    out[pair_of_row] = y
-    return out.view(num_tokens, top_k, -1).sum(dim=1)
+    return combine_pairs(y, pair_of_row, num_tokens, top_k)

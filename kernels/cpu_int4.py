@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.routing import combine_pairs, sort_pairs_by_expert
+
 #: inner_k_tiles of the CPU int4 pack layout (2 is what the CPU kernel expects).
 INNER_K_TILES = 2
 
@@ -70,10 +72,7 @@ def fused_moe_int4_cpu(
     num_experts = len(w13)
     if num_tokens == 0:
         return torch.zeros_like(hidden)
-    flat = topk_ids.reshape(-1).long()
-    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].tolist()
+    order, counts = sort_pairs_by_expert(topk_ids, num_experts)
     x = hidden[order // top_k].to(torch.bfloat16)
     y = torch.zeros(x.shape[0], hidden.shape[1], dtype=torch.float32)
     start = 0
@@ -85,6 +84,4 @@ def fused_moe_int4_cpu(
         y[start:end] = int4_linear(F.silu(gate) * up, w2[expert], group_size)
         start = end
     y *= topk_weights.reshape(-1)[order, None]
-    pairs = torch.empty_like(y)
-    pairs[order] = y
-    return pairs.view(num_tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
+    return combine_pairs(y, order, num_tokens, top_k).to(hidden.dtype)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.routing import combine_pairs, sort_pairs_by_expert
+
 
 def fused_moe_reference(
     hidden: torch.Tensor,
@@ -35,11 +37,7 @@ def fused_moe_reference(
     num_experts = w13.shape[0]
     if num_tokens == 0:
         return torch.zeros_like(hidden)
-    flat_ids = topk_ids.reshape(-1).long()
-    valid = (flat_ids >= 0) & (flat_ids < num_experts)
-    flat_ids = torch.where(valid, flat_ids, num_experts)
-    order = torch.argsort(flat_ids, stable=True)  # pair indices sorted by expert
-    counts = torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts].tolist()
+    order, counts = sort_pairs_by_expert(topk_ids, num_experts)
     x = hidden[order // top_k]  # [T*k, H], one gather
     y = torch.zeros_like(x)  # pairs of other ranks (id outside [0, E)) stay zero
     start = 0
@@ -51,6 +49,4 @@ def fused_moe_reference(
         y[start:end] = F.linear(F.silu(gate) * up, w2[expert])
         start = end
     y *= topk_weights.reshape(-1)[order, None].to(y.dtype)
-    pairs = torch.empty_like(y)
-    pairs[order] = y  # back to (token, slot) order
-    return pairs.view(num_tokens, top_k, -1).sum(dim=1)
+    return combine_pairs(y, order, num_tokens, top_k)
