@@ -16,6 +16,7 @@ from transformers import AutoConfig
 from moe_engine.config import EngineConfig, compute_dtype, default_threads
 from moe_engine.detokenizer import IncrementalDetokenizer
 from moe_engine.errors import ErrorCode, RequestError, StartupError
+from moe_engine.instrumentation import ExpertLoadRecorder, balancedness, imbalance_ratio
 from moe_engine.kv_cache import FullAttentionSpec, KVCacheManager
 from moe_engine.loader import load_model
 from moe_engine.model_runner import ModelRunner
@@ -102,6 +103,10 @@ class EngineCore:
         self.model = model_cls(spec, self.dtype, max_position=self.max_model_len).eval()
         load_model(self.model, model_dir, self.weight_dtype)
         self._quantize_experts(config)
+        self.expert_load = ExpertLoadRecorder(sorted(spec.moe_layers), spec.num_experts)
+        for index, layer in enumerate(self.model.model.layers):
+            if isinstance(layer.mlp, FusedMoE):
+                layer.mlp.attach_recorder(self.expert_load, index)
         self.tokenizer = load_tokenizer(model_dir)
         self.vocab_size = spec.vocab_size
         self.eos_token_ids = eos_token_ids_of(model_dir, hf_config)
@@ -248,6 +253,21 @@ class EngineCore:
             kv_blocks_used=pool.num_blocks - pool.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             **self.counters,
+        )
+
+    def get_expert_load(self) -> dict:
+        """Tokens routed to each expert of each MoE layer since startup, and per-layer summaries.
+
+        Returns:
+            moe_layers: decoder-layer indices; counts: [num_moe_layers][num_experts] tokens;
+            imbalance_ratio and balancedness: per MoE layer (max/mean and mean/max).
+        """
+        counts = self.expert_load.snapshot()
+        return dict(
+            moe_layers=self.expert_load.moe_layers,
+            counts=counts.tolist(),
+            imbalance_ratio=imbalance_ratio(counts).tolist(),
+            balancedness=balancedness(counts).tolist(),
         )
 
     def model_info(self) -> dict:

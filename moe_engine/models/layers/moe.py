@@ -12,6 +12,7 @@ from torch import nn
 
 from comm import Communicator, NoopCommunicator
 from kernels.cpu import fused_moe_cpu
+from moe_engine.instrumentation import ExpertLoadRecorder
 from moe_engine.models.layers.quantized_experts import QuantizedExperts
 
 
@@ -76,6 +77,12 @@ class FusedMoE(nn.Module):
         )
         self.communicator: Communicator = communicator or NoopCommunicator()
         self.quantized: QuantizedExperts | None = None
+        self.load_recorder: ExpertLoadRecorder | None = None
+        self.layer_index = -1
+
+    def attach_recorder(self, recorder: ExpertLoadRecorder, layer_index: int) -> None:
+        """Count this layer's routing into `recorder` under decoder layer `layer_index`."""
+        self.load_recorder, self.layer_index = recorder, layer_index
 
     def quantize(self, method: str, group_size: int) -> None:
         """Replace the float expert weights by a 4-bit copy (see `QuantizedExperts`).
@@ -90,6 +97,8 @@ class FusedMoE(nn.Module):
         """hidden: [T, H] -> [T, H], same dtype."""
         router_logits = self.gate(hidden)  # [T, E]
         topk_weights, topk_ids = softmax_topk(router_logits, self.top_k, self.renormalize)
+        if self.load_recorder is not None:
+            self.load_recorder.record(self.layer_index, topk_ids)
         sent = self.communicator.dispatch(hidden, topk_ids, topk_weights)
         if self.quantized is not None:
             expert_out = self.quantized(sent.hidden, sent.topk_weights, sent.topk_ids)
