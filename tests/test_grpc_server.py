@@ -528,3 +528,17 @@ def _pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_get_expert_load_grows_with_routed_tokens(stub: pb_grpc.MoeEngineStub) -> None:
+    before = stub.GetExpertLoad(pb.GetExpertLoadRequest(), timeout=30)
+    assert [layer.layer for layer in before.layers] == [0, 2]  # the fixture's layer 1 is dense
+    prompt = [11, 12, 13, 14, 15]
+    list(stub.Generate(request(prompt, max_tokens=4, temperature=0.0, ignore_eos=True)))
+    after = stub.GetExpertLoad(pb.GetExpertLoadRequest(), timeout=30)
+    top_k = 2
+    fed = len(prompt) + 4 - 1  # tokens that went through the model for this request
+    for old, new in zip(before.layers, after.layers, strict=True):
+        added = sum(new.tokens_per_expert) - sum(old.tokens_per_expert)
+        assert added >= fed * top_k  # other tests' requests may also have run in between
+        assert new.imbalance_ratio >= 1.0 and 0.0 < new.balancedness <= 1.0

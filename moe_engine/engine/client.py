@@ -286,6 +286,14 @@ class EngineClient:
         """
         return await self._request_reply("STATS", timeout_s)
 
+    async def get_expert_load(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        """The core's `get_expert_load()` dict (counts per MoE layer and expert, summaries).
+
+        Raises:
+            RequestError: UNAVAILABLE when the core is down or does not answer in time.
+        """
+        return await self._request_reply("EXPERT_LOAD", timeout_s)
+
     async def _request_reply(self, kind: str, timeout_s: float) -> dict[str, Any]:
         self._check_alive()
         reply_id = next(self._reply_ids)

@@ -9,6 +9,7 @@ inputs (front end -> core)
     ["ADD", request_id, prompt_token_ids, sampling_params (dict), arrival_time (s)]
     ["ABORT", [request_id, ...]]
     ["STATS", reply_id]          -> ["REPLY", reply_id, stats dict]
+    ["EXPERT_LOAD", reply_id]    -> ["REPLY", reply_id, expert load dict]
     ["INFO", reply_id]           -> ["REPLY", reply_id, model info dict]
     ["SHUTDOWN"]
 outputs (core -> front end)
@@ -165,6 +166,8 @@ class CoreLoop:
             self._send_outputs(self.core.abort_requests(list(message[1])))
         elif kind == "STATS":
             self._send(["REPLY", message[1], self.core.get_stats()])
+        elif kind == "EXPERT_LOAD":
+            self._send(["REPLY", message[1], self.core.get_expert_load()])
         elif kind == "INFO":
             self._send(["REPLY", message[1], model_info_of(self.core)])
         elif kind == "SHUTDOWN":

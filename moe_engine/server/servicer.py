@@ -81,7 +81,7 @@ def response_from_output(out: RequestOutput) -> pb.GenerateResponse:
 
 
 class MoeEngineServicer(pb_grpc.MoeEngineServicer):
-    """Serves Generate / Abort / GetModelInfo / GetServerStats.
+    """Serves Generate / Abort / GetModelInfo / GetServerStats / GetExpertLoad.
 
     Args:
         engine: a started (or starting) EngineClient.
@@ -157,6 +157,28 @@ class MoeEngineServicer(pb_grpc.MoeEngineServicer):
         usage = stats.get("kv_blocks_used", 0) / total if total else 0.0
         fields = {k: v for k, v in stats.items() if k in known and v is not None}
         return pb.ServerStats(**fields, kv_cache_usage=usage)
+
+    async def GetExpertLoad(  # noqa: N802
+        self, request: pb.GetExpertLoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ExpertLoad:
+        try:
+            self._check_ready(draining_ok=True)
+            load = await self.engine.get_expert_load()
+        except RequestError as exc:
+            await _abort(context, exc)
+        layers = zip(
+            load["moe_layers"], load["counts"], load["imbalance_ratio"], load["balancedness"],
+            strict=True,
+        )
+        return pb.ExpertLoad(
+            layers=[
+                pb.LayerExpertLoad(
+                    layer=layer, tokens_per_expert=counts, imbalance_ratio=ratio,
+                    balancedness=balanced,
+                )
+                for layer, counts, ratio, balanced in layers
+            ]
+        )
 
     def _check_ready(self, draining_ok: bool = False) -> None:
         if self.engine.dead.is_set():

@@ -165,3 +165,25 @@ class ServerStats(_message.Message):
     num_aborted: int
     kv_cache_usage: float
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_aborted: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ...) -> None: ...
+
+class GetExpertLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LayerExpertLoad(_message.Message):
+    __slots__ = ("layer", "tokens_per_expert", "imbalance_ratio", "balancedness")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_EXPERT_FIELD_NUMBER: _ClassVar[int]
+    IMBALANCE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    BALANCEDNESS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    tokens_per_expert: _containers.RepeatedScalarFieldContainer[int]
+    imbalance_ratio: float
+    balancedness: float
+    def __init__(self, layer: _Optional[int] = ..., tokens_per_expert: _Optional[_Iterable[int]] = ..., imbalance_ratio: _Optional[float] = ..., balancedness: _Optional[float] = ...) -> None: ...
+
+class ExpertLoad(_message.Message):
+    __slots__ = ("layers",)
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedCompositeFieldContainer[LayerExpertLoad]
+    def __init__(self, layers: _Optional[_Iterable[_Union[LayerExpertLoad, _Mapping]]] = ...) -> None: ...

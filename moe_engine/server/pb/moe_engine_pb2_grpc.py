@@ -54,6 +54,11 @@ class MoeEngineStub:
                 request_serializer=moe__engine__pb2.GetServerStatsRequest.SerializeToString,
                 response_deserializer=moe__engine__pb2.ServerStats.FromString,
                 _registered_method=True)
+        self.GetExpertLoad = channel.unary_unary(
+                '/moe_engine.v1.MoeEngine/GetExpertLoad',
+                request_serializer=moe__engine__pb2.GetExpertLoadRequest.SerializeToString,
+                response_deserializer=moe__engine__pb2.ExpertLoad.FromString,
+                _registered_method=True)
 
 
 class MoeEngineServicer:
@@ -87,6 +92,13 @@ class MoeEngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetExpertLoad(self, request, context):
+        """Tokens routed to each expert of each MoE layer since startup, with per-layer imbalance.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MoeEngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +121,11 @@ def add_MoeEngineServicer_to_server(servicer, server):
                     servicer.GetServerStats,
                     request_deserializer=moe__engine__pb2.GetServerStatsRequest.FromString,
                     response_serializer=moe__engine__pb2.ServerStats.SerializeToString,
+            ),
+            'GetExpertLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetExpertLoad,
+                    request_deserializer=moe__engine__pb2.GetExpertLoadRequest.FromString,
+                    response_serializer=moe__engine__pb2.ExpertLoad.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +236,33 @@ class MoeEngine:
             '/moe_engine.v1.MoeEngine/GetServerStats',
             moe__engine__pb2.GetServerStatsRequest.SerializeToString,
             moe__engine__pb2.ServerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetExpertLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moe_engine.v1.MoeEngine/GetExpertLoad',
+            moe__engine__pb2.GetExpertLoadRequest.SerializeToString,
+            moe__engine__pb2.ExpertLoad.FromString,
             options,
             channel_credentials,
             insecure,
