@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import fused_moe_reference
-from kernels.routing import combine_pairs
+from kernels.reference import expert_loop
+from kernels.routing import combine_pairs, sort_pairs_by_expert
 
 #: Padding may at most multiply the rows computed by this factor before the loop is used.
 MAX_PADDING_FACTOR = 4.0
@@ -43,21 +43,18 @@ def fused_moe_cpu(
     """
     num_tokens, top_k = topk_ids.shape
     num_experts = w13.shape[0]
-    flat = topk_ids.reshape(-1).long()
-    valid = (flat >= 0) & (flat < num_experts)
-    pairs = valid.nonzero().flatten() if not bool(valid.all()) else None
-    ids = flat if pairs is None else flat[pairs]
-    if ids.numel() == 0:
+    order, counts = sort_pairs_by_expert(topk_ids, num_experts)
+    rows = sum(counts)
+    if rows == 0:
         return torch.zeros_like(hidden)
-    counts = torch.bincount(ids, minlength=num_experts)
-    longest = int(counts.max())
-    too_skewed = num_experts * longest > MAX_PADDING_FACTOR * ids.numel() + num_experts
-    if too_skewed or ids.numel() > MAX_ROWS_PER_EXPERT * num_experts:
-        return fused_moe_reference(hidden, w13, w2, topk_weights, topk_ids)
-    order = torch.argsort(ids, stable=True)
-    pair_of_row = order if pairs is None else pairs[order]  # index into the T*k pairs
-    expert = ids[order]
-    slot = torch.arange(ids.numel()) - (counts.cumsum(0) - counts)[expert]
+    longest = max(counts)
+    too_skewed = num_experts * longest > MAX_PADDING_FACTOR * rows + num_experts
+    if too_skewed or rows > MAX_ROWS_PER_EXPERT * num_experts:
+        return expert_loop(hidden, w13, w2, topk_weights, order, counts)
+    pair_of_row = order[:rows]  # pairs of other ranks sort last and are dropped
+    count_t = torch.tensor(counts)
+    expert = torch.repeat_interleave(torch.arange(num_experts), count_t)
+    slot = torch.arange(rows) - (count_t.cumsum(0) - count_t)[expert]
     x = hidden.new_zeros(num_experts, longest, hidden.shape[1])
     x[expert, slot] = hidden[pair_of_row // top_k]
     gate, up = torch.bmm(x, w13.transpose(1, 2)).chunk(2, dim=-1)

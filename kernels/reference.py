@@ -38,6 +38,20 @@ def fused_moe_reference(
     if num_tokens == 0:
         return torch.zeros_like(hidden)
     order, counts = sort_pairs_by_expert(topk_ids, num_experts)
+    return expert_loop(hidden, w13, w2, topk_weights, order, counts)
+
+
+def expert_loop(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    order: torch.Tensor,
+    counts: list[int],
+) -> torch.Tensor:
+    """The per-expert loop of `fused_moe_reference` on pairs already sorted by
+    `kernels.routing.sort_pairs_by_expert` (`order` [T*k] int64, `counts` rows per expert)."""
+    num_tokens, top_k = topk_weights.shape
     x = hidden[order // top_k]  # [T*k, H], one gather
     y = torch.zeros_like(x)  # pairs of other ranks (id outside [0, E)) stay zero
     start = 0

@@ -58,7 +58,8 @@ class ModelConfig:
         """
         name = self.dtype
         if name == "auto":
-            name = self.hf_config().get("torch_dtype") or self.hf_config().get("dtype") or "float32"
+            cfg = self.hf_config()
+            name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
         if name not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
         return _DTYPES[name]

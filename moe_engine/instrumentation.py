@@ -30,10 +30,9 @@ class ExpertLoadRecorder:
         """Add one step's routing of decoder layer `layer`.
 
         Args:
-            topk_ids: [T, k] int32 global expert ids; ids outside [0, E) are not counted.
+            topk_ids: [T, k] int32 global expert ids as the router chose them, all in [0, E).
         """
-        ids = topk_ids.reshape(-1).long()
-        ids = ids[(ids >= 0) & (ids < self.num_experts)]
+        ids = topk_ids.reshape(-1)
         self.counts[self.row_of_layer[layer]] += torch.bincount(ids, minlength=self.num_experts)
 
     def snapshot(self) -> torch.Tensor:

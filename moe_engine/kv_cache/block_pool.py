@@ -26,11 +26,6 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks in use, in [0, 1]."""
-        return 1.0 - len(self._free) / self.num_blocks
-
     def allocate(self, n: int) -> list[int] | None:
         """Take `n` free blocks, or None (nothing taken) when fewer are free."""
         if n > len(self._free):

@@ -30,10 +30,6 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    def blocks_for(self, num_tokens: int) -> int:
-        """Blocks (summed over groups) that `num_tokens` tokens of context need."""
-        return sum(spec.blocks_needed(num_tokens) for spec in self.specs)
-
     def allocate_slots(self, request_id: str, num_total_tokens: int) -> bool:
         """Grow the request's tables to hold `num_total_tokens` tokens of context.
 

@@ -30,17 +30,6 @@ class KVCacheSpec:
     dtype: torch.dtype
     num_layers: int
 
-    @property
-    def bytes_per_token(self) -> int:
-        """K and V bytes one token takes across the group's layers (bytes)."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
-
-    @property
-    def bytes_per_block(self) -> int:
-        """Bytes one block takes across the group's layers (bytes)."""
-        return self.bytes_per_token * self.block_size
-
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks a request with `num_tokens` tokens of context holds in this group."""
         return math.ceil(num_tokens / self.block_size)
