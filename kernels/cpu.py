@@ -13,8 +13,8 @@ more than quadruple the rows (weights, not rows, are the cost at these sizes).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from kernels.activation import SILU_AND_MUL, SwiGLU
 from kernels.reference import expert_loop
 from kernels.routing import combine_pairs, sort_pairs_by_expert
 
@@ -30,6 +30,10 @@ def fused_moe_cpu(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    activation: SwiGLU = SILU_AND_MUL,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mixture of SwiGLU experts; same contract and result as `fused_moe_reference`.
 
@@ -37,6 +41,8 @@ def fused_moe_cpu(
         hidden: [T, H] activations.
         w13: [E, 2*I, H] gate rows then up rows; w2: [E, H, I].
         topk_weights: [T, k] float32; topk_ids: [T, k] int32, ids outside [0, E) skipped.
+        activation: plain SwiGLU (default) or gpt-oss's clamped variant.
+        b13: optional [E, 2I] gate/up bias; b2: optional [E, H] down bias (hidden's dtype).
 
     Returns:
         [T, H] in hidden's dtype.
@@ -50,14 +56,20 @@ def fused_moe_cpu(
     longest = max(counts)
     too_skewed = num_experts * longest > MAX_PADDING_FACTOR * rows + num_experts
     if too_skewed or rows > MAX_ROWS_PER_EXPERT * num_experts:
-        return expert_loop(hidden, w13, w2, topk_weights, order, counts)
+        return expert_loop(
+            hidden, w13, w2, topk_weights, order, counts, activation=activation, b13=b13, b2=b2
+        )
     pair_of_row = order[:rows]  # pairs of other ranks sort last and are dropped
     count_t = torch.tensor(counts)
     expert = torch.repeat_interleave(torch.arange(num_experts), count_t)
     slot = torch.arange(rows) - (count_t.cumsum(0) - count_t)[expert]
     x = hidden.new_zeros(num_experts, longest, hidden.shape[1])
     x[expert, slot] = hidden[pair_of_row // top_k]
-    gate, up = torch.bmm(x, w13.transpose(1, 2)).chunk(2, dim=-1)
-    y = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))[expert, slot]
+    gate_up = torch.bmm(x, w13.transpose(1, 2))
+    if b13 is not None:
+        gate_up += b13.unsqueeze(1)
+    y = torch.bmm(activation(gate_up), w2.transpose(1, 2))[expert, slot]
+    if b2 is not None:
+        y += b2[expert]
     y *= topk_weights.reshape(-1)[pair_of_row, None].to(y.dtype)
     return combine_pairs(y, pair_of_row, num_tokens, top_k)

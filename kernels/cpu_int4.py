@@ -12,8 +12,8 @@ reference to bfloat16 precision, not bit for bit.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from kernels.activation import SILU_AND_MUL, SwiGLU
 from kernels.routing import combine_pairs, sort_pairs_by_expert
 
 #: inner_k_tiles of the CPU int4 pack layout (2 is what the CPU kernel expects).
@@ -21,22 +21,32 @@ INNER_K_TILES = 2
 
 
 def pack_int4_for_cpu(
-    codes: torch.Tensor, scales: torch.Tensor, group_size: int
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    zeros: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Repack one expert's weight for the CPU int4 matmul.
 
+    The kernel dequantizes `(code - 8) * scale + offset` (checked against the dense product);
+    `quant.int4`'s `(code - zero) * scale` is that with `offset = (8 - zero) * scale`, so
+    asymmetric weights need no other path. The offset is rounded to bfloat16 with the scale.
+
     Args:
-        codes: [N, K] unsigned int4 codes in [0, 15] (any integer dtype), value = (code - 8) *
-            scale (symmetric, `quant.int4`'s implicit zero point 8).
+        codes: [N, K] unsigned int4 codes in [0, 15] (any integer dtype).
         scales: [N, K // group_size] float scales.
         group_size: input values per scale.
+        zeros: [N, K // group_size] zero points in [0, 15] (asymmetric), or None (symmetric:
+            `quant.int4`'s implicit zero point 8, offset 0).
 
     Returns:
         (packed weight for `torch._weight_int4pack_mm_for_cpu`, scales_and_zeros
-        [K // group_size, N, 2] bfloat16 with zeros 0).
+        [K // group_size, N, 2] bfloat16: scale and offset per group and output row).
     """
     packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), INNER_K_TILES)
-    scales_and_zeros = torch.stack([scales.t(), torch.zeros_like(scales.t())], dim=-1)
+    scales = scales.float()
+    offsets = torch.zeros_like(scales) if zeros is None else (8.0 - zeros.float()) * scales
+    scales_and_zeros = torch.stack([scales.t(), offsets.t()], dim=-1)
     return packed, scales_and_zeros.to(torch.bfloat16).contiguous()
 
 
@@ -56,6 +66,10 @@ def fused_moe_int4_cpu(
     group_size: int,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    activation: SwiGLU = SILU_AND_MUL,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mixture of SwiGLU experts on packed int4 weights (see `fused_moe_reference`).
 
@@ -64,6 +78,8 @@ def fused_moe_int4_cpu(
         w13, w2: per expert, the `pack_int4_for_cpu` output of w13 [2I, H] and w2 [H, I].
         group_size: input values per scale.
         topk_weights: [T, k] float32; topk_ids: [T, k] int32, ids outside [0, E) skipped.
+        activation: plain SwiGLU (default) or gpt-oss's clamped variant (applied in float32).
+        b13: optional [E, 2I] gate/up bias; b2: optional [E, H] down bias (added in float32).
 
     Returns:
         [T, H] in hidden's dtype.
@@ -80,8 +96,12 @@ def fused_moe_int4_cpu(
         if count == 0:
             continue
         end = start + count
-        gate, up = int4_linear(x[start:end], w13[expert], group_size).chunk(2, dim=-1)
-        y[start:end] = int4_linear(F.silu(gate) * up, w2[expert], group_size)
+        gate_up = int4_linear(x[start:end], w13[expert], group_size)
+        if b13 is not None:
+            gate_up += b13[expert].float()
+        y[start:end] = int4_linear(activation(gate_up), w2[expert], group_size)
+        if b2 is not None:
+            y[start:end] += b2[expert].float()
         start = end
     y *= topk_weights.reshape(-1)[order, None]
     return combine_pairs(y, order, num_tokens, top_k).to(hidden.dtype)

@@ -5,12 +5,17 @@ formulation, Gale et al., 2022): ``moe_align_block_size`` groups the ``T * k`` t
 by expert and pads each group to a multiple of ``BLOCK_SIZE_M``, so that every M-block of the
 sorted list belongs to one expert. ``fused_moe_kernel`` then runs, for each M-block and N-block,
 ``A[pair rows] @ W[expert].T`` with the block's expert weights, optionally scaled by the pairs'
-``topk_weights``. ``fused_moe`` chains: align -> GEMM1 (``w13``) -> SwiGLU -> GEMM2 (``w2``, routed
-weight applied) -> sum over the ``k`` slots of each token.
+``topk_weights``. ``fused_moe`` chains: align -> GEMM1 (``w13``, with the SwiGLU in its epilogue:
+each tile computes the gate and the up columns of its N-block and stores the activation) ->
+GEMM2 (``w2``, routed weight applied) -> sum over the ``k`` slots of each token. The activation
+is plain SwiGLU or gpt-oss's clamped variant (:class:`kernels.activation.SwiGLU`), with optional
+per-expert biases (gpt-oss), as in Hugging Face's ``GptOssExperts``.
 
 Weights are bf16/fp16/fp32, or INT4 group-wise (the layout of :mod:`quant.int4`: ``[E, N, K // 2]``
 uint8, low nibble = even ``k``, fp32 scales ``[E, N, K // group_size]``, optional uint8 zero points,
-implicit zero 8 when symmetric), dequantized in registers inside the K loop.
+implicit zero 8 when symmetric), or MXFP4 (:mod:`quant.mxfp4`, OCP MX v1.0: E2M1 codes two per
+byte, low nibble = even ``k``, one uint8 E8M0 scale per 32 values of ``K``), dequantized in
+registers inside the K loop.
 
 The plain torch version of the whole op is :func:`kernels.reference.fused_moe_reference`.
 Triton is imported here, never by ``kernels/__init__.py``; on a machine without a GPU the kernels
@@ -20,9 +25,11 @@ run under ``TRITON_INTERPRET=1`` (set before ``triton`` is first imported).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from kernels.activation import SILU_AND_MUL, SwiGLU
+from quant.mxfp4 import MXFP4_BLOCK_SIZE
 
 MIN_BLOCK_SIZE = 16  # tl.dot needs every tile dimension >= 16
 
@@ -119,21 +126,85 @@ def _cast(x, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
 
 
 @triton.jit
+def _load_weight_tile(
+    b_ptr, b_scale_ptr, b_zero_ptr, expert, rows, k, kn_mask,
+    stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sg,
+    dtype: tl.constexpr, GROUP_SIZE: tl.constexpr, WEIGHT_FORMAT: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+):  # fmt: skip
+    """``[BLOCK_K, BLOCK_N]`` tile ``W[expert, rows, k].T`` in ``dtype``, dequantized here.
+
+    ``WEIGHT_FORMAT``: 0 plain; 1 INT4 (``(code - zero) * scale``, :mod:`quant.int4`);
+    2 MXFP4 (E2M1 code times the E8M0 scale ``2^(byte - 127)``, OCP MX v1.0, :mod:`quant.mxfp4`).
+    Both 4-bit formats hold two codes per byte, low nibble = even ``k``. The MXFP4 decode builds
+    the fp32 bits of each E2M1 value (``|v| = 2^(e - 1) * (1 + m / 2)``, or ``m / 2`` when the
+    exponent field ``e`` is 0) and of the scale (byte 0: the fp32 subnormal ``2^-127``; byte 255:
+    NaN), and multiplies in fp32: the same product as :func:`quant.mxfp4.dequantize_mxfp4`.
+    """
+    b_base = b_ptr + expert * stride_be + rows[None, :] * stride_bn
+    if WEIGHT_FORMAT == 0:
+        b = tl.load(b_base + k[:, None] * stride_bk, mask=kn_mask, other=0.0)
+    else:
+        packed = tl.load(b_base + (k // 2)[:, None] * stride_bk, mask=kn_mask, other=0)
+        code = (packed.to(tl.int32) >> ((k % 2) * 4)[:, None]) & 0xF
+        s_off = expert * stride_se + rows[None, :] * stride_sn
+        s_off += (k // GROUP_SIZE)[:, None] * stride_sg
+        if WEIGHT_FORMAT == 1:
+            scale = tl.load(b_scale_ptr + s_off, mask=kn_mask, other=0.0)
+            if HAS_ZEROS:
+                zero = tl.load(b_zero_ptr + s_off, mask=kn_mask, other=0).to(tl.float32)
+            else:
+                zero = 8.0
+            w = (code.to(tl.float32) - zero) * scale
+        else:
+            code = code.to(tl.uint32)
+            exponent = (code >> 1) & 3
+            mantissa = code & 1
+            bits = tl.where(
+                exponent == 0, mantissa * 0x3F000000, ((exponent + 126) << 23) | (mantissa << 22)
+            )
+            bits = bits | ((code & 8) << 28)
+            e8m0 = tl.load(b_scale_ptr + s_off, mask=kn_mask, other=127).to(tl.uint32)
+            scale_bits = tl.where(
+                e8m0 == 0, 0x00400000, tl.where(e8m0 == 255, 0x7FC00000, e8m0 << 23)
+            )
+            w = bits.to(tl.float32, bitcast=True) * scale_bits.to(tl.float32, bitcast=True)
+        b = _cast(w, dtype, INTERPRET_BF16)
+    return b
+
+
+@triton.jit
+def _dot(a, b, INTERPRET_BF16: tl.constexpr):
+    """``a @ b`` accumulated in fp32 (see :func:`_interpret_bf16` for the interpreter case)."""
+    if INTERPRET_BF16:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
 def fused_moe_kernel(
-    a_ptr, b_ptr, c_ptr, b_scale_ptr, b_zero_ptr, topk_weights_ptr,
+    a_ptr, b_ptr, c_ptr, b_scale_ptr, b_zero_ptr, bias_ptr, topk_weights_ptr,
     sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
-    N, K, num_valid_pairs, a_row_div,
+    N, K, num_valid_pairs, a_row_div, swiglu_alpha, swiglu_limit,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-    stride_se, stride_sn, stride_sg,
+    stride_se, stride_sn, stride_sg, stride_bias_e, stride_bias_n,
     GROUP_SIZE: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
-    MUL_ROUTED_WEIGHT: tl.constexpr, WEIGHT_INT4: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr, WEIGHT_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr,
     INTERPRET_BF16: tl.constexpr,
 ):  # fmt: skip
-    """One (M-block, N-block) tile of ``C[pair] = A[pair // a_row_div] @ W[expert].T``.
+    """One (M-block, N-block) tile of ``C[pair] = epilogue(A[pair // a_row_div] @ W[expert].T)``.
+
+    ``ACTIVATION`` 0: ``C = A @ W.T (+ bias)``, ``N`` = rows of ``W``. ``ACTIVATION`` 1 (SwiGLU)
+    or 2 (gpt-oss's clamped SwiGLU): ``W`` has ``2N`` rows, gate rows ``[0, N)`` and up rows
+    ``[N, 2N)``; the tile computes both halves for its ``N`` columns and stores
+    ``act(gate, up)``, so GEMM1 writes the ``[pairs, I]`` activation directly. Biases are added
+    before the activation; the routing weight multiplies last.
 
     Every pair row is at most one token-expert pair; sentinel rows (>= num_valid_pairs) are
-    masked out of loads and stores. Row offsets are int64 so ``pairs * N`` may pass 2^31.
+    masked out of loads and stores. Pair, expert and row offsets are int64, so
+    ``pairs * N`` or ``tokens * K`` may pass 2^31.
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
@@ -149,8 +220,8 @@ def fused_moe_kernel(
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_SIZE_K)
     a_rows = a_ptr + (pair // a_row_div)[:, None] * stride_am
-    b_base = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_SIZE_K):
         k = k0 + offs_k
         k_mask = k < K
@@ -158,23 +229,37 @@ def fused_moe_kernel(
             a_rows + k[None, :] * stride_ak, mask=pair_mask[:, None] & k_mask[None, :], other=0.0
         )
         kn_mask = k_mask[:, None] & n_mask[None, :]
-        if WEIGHT_INT4:
-            packed = tl.load(b_base + (k // 2)[:, None] * stride_bk, mask=kn_mask, other=0)
-            code = (packed.to(tl.int32) >> ((k % 2) * 4)[:, None]) & 0xF
-            s_off = expert * stride_se + offs_n[None, :] * stride_sn
-            s_off += (k // GROUP_SIZE)[:, None] * stride_sg
-            scale = tl.load(b_scale_ptr + s_off, mask=kn_mask, other=0.0)
-            if HAS_ZEROS:
-                zero = tl.load(b_zero_ptr + s_off, mask=kn_mask, other=0).to(tl.float32)
-            else:
-                zero = 8.0
-            b = _cast(((code.to(tl.float32) - zero) * scale), a.dtype, INTERPRET_BF16)
-        else:
-            b = tl.load(b_base + k[:, None] * stride_bk, mask=kn_mask, other=0.0)
-        if INTERPRET_BF16:
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(a, b, input_precision="ieee")
+        b = _load_weight_tile(
+            b_ptr, b_scale_ptr, b_zero_ptr, expert, offs_n, k, kn_mask,
+            stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sg,
+            a.dtype, GROUP_SIZE, WEIGHT_FORMAT, HAS_ZEROS, INTERPRET_BF16,
+        )  # fmt: skip
+        acc += _dot(a, b, INTERPRET_BF16)
+        if ACTIVATION != 0:
+            b_up = _load_weight_tile(
+                b_ptr, b_scale_ptr, b_zero_ptr, expert, offs_n + N, k, kn_mask,
+                stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sg,
+                a.dtype, GROUP_SIZE, WEIGHT_FORMAT, HAS_ZEROS, INTERPRET_BF16,
+            )  # fmt: skip
+            acc_up += _dot(a, b_up, INTERPRET_BF16)
+    if HAS_BIAS:
+        bias_rows = bias_ptr + expert * stride_bias_e
+        acc += tl.load(bias_rows + offs_n * stride_bias_n, mask=n_mask, other=0.0).to(
+            tl.float32
+        )[None, :]
+        if ACTIVATION != 0:
+            acc_up += tl.load(
+                bias_rows + (offs_n + N) * stride_bias_n, mask=n_mask, other=0.0
+            ).to(tl.float32)[None, :]
+    if ACTIVATION == 1:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    elif ACTIVATION == 2:
+        gate = acc
+        up = acc_up
+        if HAS_LIMIT:
+            gate = tl.minimum(gate, swiglu_limit)
+            up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
+        acc = (up + 1.0) * (gate * tl.sigmoid(gate * swiglu_alpha))
     if MUL_ROUTED_WEIGHT:
         routed = tl.load(topk_weights_ptr + pair, mask=pair_mask, other=0.0)
         acc = acc * routed[:, None]
@@ -202,6 +287,15 @@ def _tile(dim: int, cap: int) -> int:
     return max(MIN_BLOCK_SIZE, min(cap, triton.next_power_of_2(dim)))
 
 
+def _weight_format(w: torch.Tensor, w_scales: torch.Tensor | None) -> int:
+    """0 plain, 1 INT4 (float scales), 2 MXFP4 (uint8 E8M0 scales); see ``_load_weight_tile``."""
+    if w_scales is None:
+        return 0
+    if w.dtype != torch.uint8:
+        raise ValueError(f"packed 4-bit weights must be uint8, got {w.dtype}")
+    return 2 if w_scales.dtype == torch.uint8 else 1
+
+
 def invoke_fused_moe_kernel(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -215,75 +309,105 @@ def invoke_fused_moe_kernel(
     mul_routed_weight: bool,
     w_scales: torch.Tensor | None = None,
     w_zeros: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    activation: SwiGLU | None = None,
     block_size_m: int = 16,
     block_size_n: int = 64,
     block_size_k: int = 64,
 ) -> None:
-    """Launch :func:`fused_moe_kernel`: ``out[p] = A[p // top_k] @ W[expert(p)].T`` per pair ``p``.
+    """Launch :func:`fused_moe_kernel`: ``out[p] = act(A[p // top_k] @ W[expert(p)].T + bias)``.
 
     Args:
         a: ``[num_tokens, K]`` (rows shared by the ``top_k`` pairs of a token; GEMM1) or
             ``[num_pairs, K]`` with ``top_k=1`` (one row per pair; GEMM2); bf16, fp16 or fp32.
-        w: ``[E, N, K]`` in ``a``'s dtype, or ``[E, N, K // 2]`` uint8 packed INT4 when
-            ``w_scales`` is given (low nibble = even ``k``, :mod:`quant.int4`).
-        out: ``[num_pairs, N]`` written in place (pairs that are dropped are left untouched).
+        w: ``[E, N_w, K]`` in ``a``'s dtype; or, when ``w_scales`` is given, packed 4-bit uint8
+            ``[E, N_w, K // 2]`` (low nibble = even ``k``): INT4 (:mod:`quant.int4`) when
+            ``w_scales`` is floating, MXFP4 (:mod:`quant.mxfp4`; ``[E, N_w, K // 32, 16]``
+            blocks are accepted too) when ``w_scales`` is uint8.
+        out: ``[num_pairs, N]`` written in place (pairs that are dropped are left untouched);
+            ``N = N_w``, or ``N_w / 2`` with an ``activation``.
         topk_weights: ``[num_tokens, top_k]`` float32, read when ``mul_routed_weight``
             (index = flattened pair index).
         sorted_token_ids, expert_ids, num_tokens_post_padded: from :func:`moe_align_block_size`
             with ``block_size == block_size_m``.
         top_k: pairs per row of ``a`` (the row of pair ``p`` is ``p // top_k``).
         mul_routed_weight: multiply each output row by its pair's routing weight.
-        w_scales: ``[E, N, K // group_size]`` float32 INT4 scales, or ``None`` for plain weights.
-        w_zeros: ``[E, N, K // group_size]`` uint8 zero points; ``None`` means symmetric (8).
+        w_scales: INT4: ``[E, N_w, K // group_size]`` float32; MXFP4: ``[E, N_w, K // 32]``
+            uint8 E8M0; ``None`` for plain weights.
+        w_zeros: INT4 ``[E, N_w, K // group_size]`` uint8 zero points; ``None``: symmetric (8).
+        bias: optional ``[E, N_w]`` (any float dtype), added in fp32 before the activation.
+        activation: ``None`` (plain GEMM) or a :class:`kernels.activation.SwiGLU` applied in
+            the epilogue to gate rows ``[0, N)`` and up rows ``[N, 2N)`` of ``w``.
         block_size_m, block_size_n, block_size_k: tile sizes (powers of two >= 16; N and K tiles
             are shrunk to the problem when smaller).
 
     Raises:
-        ValueError: ``expert_ids`` does not match ``block_size_m``, or a shape does not fit.
+        ValueError: ``expert_ids`` does not match ``block_size_m``, or a shape or dtype does
+            not fit.
     """
     if expert_ids.numel() * block_size_m != sorted_token_ids.numel():
         raise ValueError(
             f"expert_ids has {expert_ids.numel()} blocks, which does not fit "
             f"{sorted_token_ids.numel()} sorted ids with block_size_m {block_size_m}"
         )
+    weight_format = _weight_format(w, w_scales)
+    if weight_format == 2 and w.dim() == 4:
+        w = w.flatten(2)  # [E, N_w, K // 32, 16] blocks -> [E, N_w, K // 2]
     num_pairs, n = out.shape
-    int4 = w_scales is not None
-    k_dim = w.shape[2] * 2 if int4 else w.shape[2]
-    if a.shape[1] != k_dim or w.shape[1] != n:
-        raise ValueError(f"a {tuple(a.shape)}, w {tuple(w.shape)}, out {tuple(out.shape)} mismatch")
-    group_size = k_dim // w_scales.shape[2] if int4 else k_dim
-    scales = w_scales if int4 else out  # unused pointers still need a tensor
+    n_w = w.shape[1]
+    k_dim = w.shape[2] * 2 if weight_format else w.shape[2]
+    if a.shape[1] != k_dim or n_w != (2 * n if activation is not None else n):
+        raise ValueError(
+            f"a {tuple(a.shape)}, w {tuple(w.shape)}, out {tuple(out.shape)} mismatch "
+            f"(activation {activation})"
+        )
+    group_size = k_dim // w_scales.shape[2] if weight_format else k_dim
+    if weight_format == 2 and group_size != MXFP4_BLOCK_SIZE:
+        raise ValueError(f"MXFP4 scales {tuple(w_scales.shape)} are not one per 32 of K={k_dim}")
+    if bias is not None and tuple(bias.shape) != (w.shape[0], n_w):
+        raise ValueError(f"bias {tuple(bias.shape)} must be [E, N_w] = {(w.shape[0], n_w)}")
+    scales = w_scales if weight_format else out  # unused pointers still need a tensor
     zeros = w_zeros if w_zeros is not None else scales
+    bias_t = bias if bias is not None else out
+    if activation is None:
+        act_kind, alpha, limit = 0, 1.0, 0.0
+    else:
+        act_kind = 2 if activation.clamped else 1
+        alpha = float(activation.alpha) if activation.clamped else 1.0
+        limit = float(activation.limit) if activation.limit is not None else 0.0
     tile_n, tile_k = _tile(n, block_size_n), _tile(k_dim, block_size_k)
     grid = (expert_ids.numel() * triton.cdiv(n, tile_n),)
     fused_moe_kernel[grid](
-        a, w, out, scales, zeros, topk_weights,
+        a, w, out, scales, zeros, bias_t, topk_weights,
         sorted_token_ids, expert_ids, num_tokens_post_padded,
-        n, k_dim, num_pairs, top_k,
+        n, k_dim, num_pairs, top_k, alpha, limit,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
         out.stride(0), out.stride(1),
-        scales.stride(0) if int4 else 0, scales.stride(1) if int4 else 0,
-        scales.stride(2) if int4 else 0,
+        scales.stride(0) if weight_format else 0, scales.stride(1) if weight_format else 0,
+        scales.stride(2) if weight_format else 0,
+        bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
         GROUP_SIZE=group_size,
         BLOCK_SIZE_M=block_size_m, BLOCK_SIZE_N=tile_n, BLOCK_SIZE_K=tile_k,
-        MUL_ROUTED_WEIGHT=mul_routed_weight, WEIGHT_INT4=int4, HAS_ZEROS=w_zeros is not None,
+        MUL_ROUTED_WEIGHT=mul_routed_weight, WEIGHT_FORMAT=weight_format,
+        HAS_ZEROS=w_zeros is not None, HAS_BIAS=bias is not None, ACTIVATION=act_kind,
+        HAS_LIMIT=activation is not None and activation.limit is not None,
         INTERPRET_BF16=_interpret_bf16(a.dtype),
     )  # fmt: skip
 
 
-def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """``[P, 2I]`` -> ``[P, I]``: ``silu(gate) * up`` in fp32, back to the input dtype."""
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(gate_up.dtype)
+_Weight = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 def _fused_moe(
     hidden: torch.Tensor,
-    w13: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
-    w2: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+    w13: _Weight,
+    w2: _Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     block_size_m: int,
+    activation: SwiGLU,
+    b13: torch.Tensor | None,
+    b2: torch.Tensor | None,
 ) -> torch.Tensor:
     num_tokens, top_k = topk_ids.shape
     hidden_size = hidden.shape[1]
@@ -298,17 +422,18 @@ def _fused_moe(
     two_inter = w13[0].shape[1]
     align = moe_align_block_size(topk_ids, block_size_m, w13[0].shape[0])
     weights = topk_weights.float().contiguous()
-    gate_up = torch.empty(num_pairs, two_inter, dtype=hidden.dtype, device=hidden.device)
+    # GEMM1 with the activation in its epilogue: [pairs, I]. Dropped pairs leave garbage rows
+    # that GEMM2 never reads (it walks the same sorted ids).
+    act = torch.empty(num_pairs, two_inter // 2, dtype=hidden.dtype, device=hidden.device)
     invoke_fused_moe_kernel(
-        hidden, w13[0], gate_up, weights, *align, top_k=top_k, mul_routed_weight=False,
-        w_scales=w13[1], w_zeros=w13[2], block_size_m=block_size_m,
+        hidden, w13[0], act, weights, *align, top_k=top_k, mul_routed_weight=False,
+        w_scales=w13[1], w_zeros=w13[2], bias=b13, activation=activation,
+        block_size_m=block_size_m,
     )  # fmt: skip
-    # Dropped pairs leave garbage in gate_up; their rows are never read by GEMM2.
-    act = _swiglu(gate_up)
     down = torch.zeros(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     invoke_fused_moe_kernel(
         act, w2[0], down, weights, *align, top_k=1, mul_routed_weight=True,
-        w_scales=w2[1], w_zeros=w2[2], block_size_m=block_size_m,
+        w_scales=w2[1], w_zeros=w2[2], bias=b2, block_size_m=block_size_m,
     )  # fmt: skip
     return down.view(num_tokens, top_k, hidden_size).float().sum(dim=1).to(hidden.dtype)
 
@@ -320,6 +445,10 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     block_size_m: int = 16,
+    *,
+    activation: SwiGLU = SILU_AND_MUL,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mixture of SwiGLU experts with two grouped GEMM launches; same contract as the reference.
 
@@ -330,6 +459,9 @@ def fused_moe(
         topk_weights: ``[T, k]`` float32 routing weights.
         topk_ids: ``[T, k]`` int32 expert ids; ids outside ``[0, E)`` are skipped.
         block_size_m: pairs per M-block (power of two >= 16).
+        activation: plain SwiGLU (default) or gpt-oss's clamped variant, applied in fp32 in
+            GEMM1's epilogue.
+        b13: optional ``[E, 2I]`` gate/up bias; b2: optional ``[E, H]`` down bias (gpt-oss).
 
     Returns:
         ``[T, H]`` in hidden's dtype; the k slots are summed in fp32.
@@ -338,8 +470,9 @@ def fused_moe(
         ValueError: shapes disagree or ``block_size_m`` is not a power of two >= 16.
     """
     return _fused_moe(
-        hidden, (w13, None, None), (w2, None, None), topk_weights, topk_ids, block_size_m
-    )
+        hidden, (w13, None, None), (w2, None, None), topk_weights, topk_ids, block_size_m,
+        activation, b13, b2,
+    )  # fmt: skip
 
 
 def fused_moe_int4(
@@ -353,6 +486,10 @@ def fused_moe_int4(
     w13_zeros: torch.Tensor | None = None,
     w2_zeros: torch.Tensor | None = None,
     block_size_m: int = 16,
+    *,
+    activation: SwiGLU = SILU_AND_MUL,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`fused_moe` with INT4 group-wise weights (w4a16) dequantized in registers.
 
@@ -366,6 +503,7 @@ def fused_moe_int4(
         w13_zeros, w2_zeros: uint8 zero points shaped like the scales, or ``None`` (symmetric:
             implicit zero 8).
         block_size_m: pairs per M-block.
+        activation, b13, b2: as in :func:`fused_moe`.
 
     Returns:
         ``[T, H]`` in hidden's dtype; equal, within GEMM rounding, to :func:`fused_moe` on
@@ -373,5 +511,47 @@ def fused_moe_int4(
     """
     return _fused_moe(
         hidden, (w13_packed, w13_scales, w13_zeros), (w2_packed, w2_scales, w2_zeros),
-        topk_weights, topk_ids, block_size_m,
+        topk_weights, topk_ids, block_size_m, activation, b13, b2,
+    )  # fmt: skip
+
+
+def fused_moe_mxfp4(
+    hidden: torch.Tensor,
+    w13_blocks: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2_blocks: torch.Tensor,
+    w2_scales: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    block_size_m: int = 16,
+    *,
+    activation: SwiGLU = SILU_AND_MUL,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`fused_moe` with MXFP4 weights (OCP MX v1.0, the gpt-oss layout) dequantized in
+    registers: E2M1 codes decoded by bit operations, times the E8M0 block scale, in fp32.
+
+    Args:
+        hidden: ``[T, H]`` bf16, fp16 or fp32 activations (the compute dtype).
+        w13_blocks: ``[E, 2I, H // 32, 16]`` (or ``[E, 2I, H // 2]``) uint8, two E2M1 codes per
+            byte, low nibble = even element (:func:`quant.mxfp4.quantize_mxfp4` of ``w13``).
+        w13_scales: ``[E, 2I, H // 32]`` uint8 E8M0 exponents (``2^(byte - 127)``).
+        w2_blocks: ``[E, H, I // 32, 16]`` (or ``[E, H, I // 2]``) uint8.
+        w2_scales: ``[E, H, I // 32]`` uint8.
+        topk_weights, topk_ids, block_size_m, activation, b13, b2: as in :func:`fused_moe`.
+
+    Returns:
+        ``[T, H]`` in hidden's dtype; equal, within GEMM rounding, to :func:`fused_moe` on
+        ``quant.mxfp4.dequantize_mxfp4(blocks, scales, hidden.dtype)`` (the same values).
+
+    Raises:
+        ValueError: non-uint8 blocks or scales, or shapes that do not fit.
+    """
+    for name, t in (("w13_scales", w13_scales), ("w2_scales", w2_scales)):
+        if t.dtype != torch.uint8:
+            raise ValueError(f"{name} must be uint8 E8M0 exponents, got {t.dtype}")
+    return _fused_moe(
+        hidden, (w13_blocks, w13_scales, None), (w2_blocks, w2_scales, None),
+        topk_weights, topk_ids, block_size_m, activation, b13, b2,
     )  # fmt: skip

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -107,6 +107,8 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
+        if self.max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1 requests, got {self.max_waiting}")
 
 
 @dataclass(frozen=True)
@@ -114,12 +116,42 @@ class ParallelConfig:
     """Ranks and threads.
 
     Attributes:
-        ep_size: expert-parallel ranks, experts split evenly (1 = one rank).
-        num_threads: intra-op CPU threads of a rank; None = `default_threads()`.
+        ep_size: expert-parallel ranks, experts split evenly (1 = one rank) unless
+            `expert_placement` says otherwise.
+        num_threads: intra-op CPU threads of a rank; None = `default_threads()` (shared among
+            the ranks of a node).
+        collective_timeout_s: how long a rank waits in a collective (all-to-all, step control)
+            before it declares the others dead (seconds); also bounds how long a hung rank can
+            hold the server before it goes down.
+        nnodes, node_rank, rdzv_endpoint: torch elastic launcher settings (`torchrun`'s
+            --nnodes, --node-rank, --rdzv-endpoint "host:port"; None = this node, a free port).
+        expert_placement: a placement JSON file (`comm.placement`), None = contiguous.
     """
 
     ep_size: int = 1
     num_threads: int | None = None
+    collective_timeout_s: float = 60.0
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    expert_placement: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.ep_size < 1:
+            raise ValueError(f"ep_size must be >= 1, got {self.ep_size}")
+        if self.collective_timeout_s <= 0:
+            raise ValueError(
+                f"collective_timeout_s must be > 0 seconds, got {self.collective_timeout_s}"
+            )
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"node_rank must be in [0, nnodes {self.nnodes}), got {self.node_rank}"
+            )
+        if self.ep_size % self.nnodes:
+            raise ValueError(
+                f"ep_size {self.ep_size} must be a multiple of nnodes {self.nnodes} "
+                f"(the same number of ranks on every node)"
+            )
 
 
 @dataclass(frozen=True)
@@ -129,12 +161,21 @@ class QuantConfig:
     Attributes:
         method: "none", "int4" (group-wise symmetric, `quant.int4`) or "mxfp4" (OCP MX v1.0,
             `quant.mxfp4`); the routed experts of a float checkpoint are quantized at load time,
-            attention, router and embeddings keep the model dtype.
+            attention, router and embeddings keep the model dtype. "auto" (like "none") serves
+            the experts as the checkpoint stores them; `resolve_quant_config` turns it into
+            one of the others.
         group_size: int4 values per scale (32, 64 or 128).
+        symmetric: int4 without zero points (load-time quantization is always symmetric; a
+            pre-quantized checkpoint may be asymmetric).
+        checkpoint_format: None when experts are quantized at load time (or not at all);
+            "compressed-tensors" when the checkpoint stores them int4 already
+            (`quant.compressed_tensors`, set by `resolve_quant_config`).
     """
 
     method: str = "none"
     group_size: int = 128
+    symmetric: bool = True
+    checkpoint_format: str | None = None
 
     @property
     def bits_per_weight(self) -> float | None:
@@ -149,21 +190,107 @@ class QuantConfig:
         return None
 
     def __post_init__(self) -> None:
-        if self.method not in ("none", "int4", "mxfp4"):
-            raise ValueError(f"quantization must be one of none, int4, mxfp4; got {self.method!r}")
+        if self.method not in ("none", "auto", "int4", "mxfp4"):
+            raise ValueError(
+                f"quantization must be one of none, auto, int4, mxfp4; got {self.method!r}"
+            )
         if self.group_size not in (32, 64, 128):
             raise ValueError(f"quant group_size must be 32, 64 or 128, got {self.group_size}")
+        if self.checkpoint_format not in (None, CHECKPOINT_INT4_FORMAT) or (
+            self.checkpoint_format and self.method != "int4"
+        ):
+            raise ValueError(
+                f"quant checkpoint_format {self.checkpoint_format!r} with method "
+                f"{self.method!r}: only int4 experts load pre-quantized ({CHECKPOINT_INT4_FORMAT})"
+            )
+
+
+#: The pre-quantized expert format `resolve_quant_config` recognises in config.json.
+CHECKPOINT_INT4_FORMAT = "compressed-tensors"
+
+
+def resolve_quant_config(quant: QuantConfig, hf_config: dict) -> QuantConfig:
+    """The expert format to run: `--quantization` against what config.json says is stored.
+
+    A checkpoint whose routed experts are compressed-tensors pack-quantized int4
+    (`quant.compressed_tensors`) is served as stored, with --quantization none or auto, or int4
+    with the checkpoint's group size. Without such experts, "auto" becomes "none" and the
+    others stand (load-time quantization of float experts).
+
+    Args:
+        quant: the requested configuration (flags).
+        hf_config: config.json as a dict.
+
+    Raises:
+        ValueError: a quantization_config this engine cannot load, a group size the int4 path
+            lacks, or an explicit --quantization / --quant-group-size that conflicts with the
+            checkpoint (the message names both and the flag that fixes it).
+    """
+    from quant.compressed_tensors import parse_quantization_config
+
+    if quant.checkpoint_format is not None:  # resolved already
+        return quant
+    ct = parse_quantization_config(hf_config)
+    if ct is None and hf_config.get("quantization_config"):
+        method = hf_config["quantization_config"].get("quant_method")
+        raise ValueError(
+            f"config.json quantization_config: quant_method {method!r} is not supported "
+            f"(only {CHECKPOINT_INT4_FORMAT!r} pack-quantized int4)"
+        )
+    scheme = _expert_scheme(ct, hf_config) if ct is not None else None
+    if scheme is None:
+        return replace(quant, method="none") if quant.method == "auto" else quant
+    stored = (
+        f"int4 group {scheme.group_size} {'symmetric' if scheme.symmetric else 'asymmetric'} "
+        f"({CHECKPOINT_INT4_FORMAT} pack-quantized, config group {scheme.name!r})"
+    )
+    if scheme.group_size not in (32, 64, 128):
+        raise ValueError(
+            f"the checkpoint's experts are {stored}; the int4 path needs group size 32, 64 or 128"
+        )
+    if quant.method == "mxfp4" or (
+        quant.method == "int4" and quant.group_size != scheme.group_size
+    ):
+        asked = f"--quantization {quant.method}" + (
+            f" --quant-group-size {quant.group_size}" if quant.method == "int4" else ""
+        )
+        raise ValueError(
+            f"{asked} conflicts with the checkpoint, whose experts are {stored}; pass "
+            f"--quantization auto (or int4 with --quant-group-size {scheme.group_size})"
+        )
+    return QuantConfig("int4", scheme.group_size, scheme.symmetric, CHECKPOINT_INT4_FORMAT)
+
+
+def _expert_scheme(ct, hf_config: dict):
+    """The compressed-tensors scheme of the first MoE layer's expert 0 (Qwen3-MoE or Mixtral
+    module names), or None when the routed experts stay float."""
+    from moe_engine.plan import ModelShape
+
+    layers = ModelShape.from_hf_config(hf_config).moe_layers
+    if not layers:
+        return None
+    for module in ("mlp.experts.0.gate_proj", "block_sparse_moe.experts.0.w1"):
+        scheme = ct.scheme_for(f"model.layers.{layers[0]}.{module}")
+        if scheme is not None:
+            return scheme
+    return None
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything one engine needs, composed of the configs above."""
+    """Everything one engine needs, composed of the configs above.
+
+    Attributes:
+        expert_trace: write every step's routing counts to this NPZ trace file
+            (`moe_engine.skew.trace`, docs/trace_format.md); None = no trace.
+    """
 
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
+    expert_trace: str | None = None
 
 
 def native_bf16_matmul() -> bool:

@@ -1,10 +1,13 @@
 """Routing-load instrumentation: how many tokens each expert of each MoE layer received.
 
 `ExpertLoadRecorder` keeps one counter tensor `[num_moe_layers, num_experts]` (int64, on the
-device the model runs on) that each MoE layer adds its `topk_ids` histogram to (one `bincount`
-per layer per step, no host sync); readers copy it out when they ask. The summaries use the two
-conventions the field uses: `imbalance_ratio` = max / mean and `balancedness` = mean / max
-(DeepSeek EPLB, SGLang's expert-distribution recorder).
+device the model runs on) that each MoE layer adds its `topk_ids` histogram to (one `index_add_`
+of ones per layer per step: a bincount without `torch.bincount`'s host sync on CUDA, where it
+reads the input's max back to size its output); readers copy it out when they ask. Once per
+step the engine calls `take_step_counts()` for that step's counts (the trace file's rows) and
+for a ring of the last `window_steps` steps (`window_counts()`, "load over a recent window").
+The summaries use the two conventions the field uses: `imbalance_ratio` = max / mean and
+`balancedness` = mean / max (DeepSeek EPLB, SGLang's expert-distribution recorder).
 """
 
 from __future__ import annotations
@@ -18,13 +21,38 @@ class ExpertLoadRecorder:
     Args:
         moe_layers: the decoder-layer indices of the MoE layers, in order.
         num_experts: E, experts per MoE layer.
+        ep_size: N, ranks whose received tokens `record_rank_tokens` adds up (1: no EP).
+        window_steps: steps kept by the recent-window ring (`window_counts`); >= 1.
+        device: where the counters live (the model's device; default CPU).
+
+    Raises:
+        ValueError: window_steps < 1 or ep_size < 1.
     """
 
-    def __init__(self, moe_layers: list[int], num_experts: int) -> None:
+    def __init__(
+        self,
+        moe_layers: list[int],
+        num_experts: int,
+        ep_size: int = 1,
+        window_steps: int = 64,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if window_steps < 1 or ep_size < 1:
+            raise ValueError(f"window_steps ({window_steps}) and ep_size ({ep_size}) must be >= 1")
         self.moe_layers = list(moe_layers)
         self.row_of_layer = {layer: row for row, layer in enumerate(self.moe_layers)}
-        self.num_experts = num_experts
-        self.counts = torch.zeros(len(self.moe_layers), num_experts, dtype=torch.int64)
+        self.num_experts, self.ep_size, self.window_steps = num_experts, ep_size, window_steps
+        num_layers = len(self.moe_layers)
+        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
+        #: [num_moe_layers, ep_size] int64 tokens received per rank (see record_rank_tokens).
+        self.rank_tokens = torch.zeros(num_layers, ep_size, dtype=torch.int64, device=device)
+        self._ones = torch.ones(0, dtype=torch.int64, device=device)
+        self._taken = torch.zeros_like(self.counts)  # counts at the last take_step_counts()
+        self._taken_ranks = torch.zeros_like(self.rank_tokens)
+        self._window = torch.zeros(window_steps, num_layers, num_experts, dtype=torch.int64,
+                                   device=device)
+        #: steps taken by take_step_counts() since construction or reset().
+        self.num_steps = 0
 
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
         """Add one step's routing of decoder layer `layer`.
@@ -33,14 +61,55 @@ class ExpertLoadRecorder:
             topk_ids: [T, k] int32 global expert ids as the router chose them, all in [0, E).
         """
         ids = topk_ids.reshape(-1)
-        self.counts[self.row_of_layer[layer]] += torch.bincount(ids, minlength=self.num_experts)
+        if self._ones.numel() < ids.numel():  # shapes only: no device sync
+            self._ones = torch.ones(
+                max(ids.numel(), 2 * self._ones.numel()), dtype=torch.int64,
+                device=self.counts.device,
+            )
+        self.counts[self.row_of_layer[layer]].index_add_(0, ids, self._ones[: ids.numel()])
+
+    def record_rank_tokens(self, layer: int, tokens_per_rank: torch.Tensor) -> None:
+        """Add the tokens that decoder layer `layer`'s dispatch delivered to each rank.
+
+        Args:
+            tokens_per_rank: [ep_size] integer tokens (a token counts once per rank it reaches).
+        """
+        self.rank_tokens[self.row_of_layer[layer]] += tokens_per_rank.to(self.rank_tokens.device)
+
+    def take_step_counts(self) -> torch.Tensor:
+        """The counts since the previous call, i.e. one step's when called once per step.
+
+        Also stores them in the recent-window ring. Device ops only (no host sync).
+
+        Returns:
+            [num_moe_layers, num_experts] int64 token-expert pairs, on the counters' device.
+        """
+        step = self.counts - self._taken
+        self._taken.copy_(self.counts)
+        self._window[self.num_steps % self.window_steps].copy_(step)
+        self.num_steps += 1
+        return step
+
+    def take_step_rank_tokens(self) -> torch.Tensor:
+        """[num_moe_layers, ep_size] int64 tokens received per rank since the previous call."""
+        step = self.rank_tokens - self._taken_ranks
+        self._taken_ranks.copy_(self.rank_tokens)
+        return step
+
+    def window_counts(self) -> torch.Tensor:
+        """[num_moe_layers, num_experts] int64: counts of the last min(num_steps, window_steps)
+        steps taken by `take_step_counts` (a copy)."""
+        return self._window.sum(dim=0)
 
     def snapshot(self) -> torch.Tensor:
         """A copy of the counters: [num_moe_layers, num_experts] int64 tokens."""
         return self.counts.clone()
 
     def reset(self) -> None:
-        self.counts.zero_()
+        """Zero every counter, the window and the step count."""
+        for t in (self.counts, self.rank_tokens, self._taken, self._taken_ranks, self._window):
+            t.zero_()
+        self.num_steps = 0
 
 
 def imbalance_ratio(load: torch.Tensor) -> torch.Tensor:

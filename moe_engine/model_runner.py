@@ -11,6 +11,7 @@ import torch
 from moe_engine.kv_cache import KVCacheManager
 from moe_engine.models import MoeCausalLM
 from moe_engine.models.layers.attention import AttentionMetadata, build_attention_batch
+from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.sampler import Sampler, SamplerOutput
 from moe_engine.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -64,6 +65,19 @@ class ModelRunner:
             return [], SamplerOutput([], [])
         logits = self.model.compute_logits(hidden[ends[sampling]])
         return rows, self.sampler(logits, [s.request for s in rows])
+
+    @torch.inference_mode()
+    def execute_idle(self) -> None:
+        """A zero-token step for a rank with nothing scheduled under expert parallelism: each
+        MoE layer still joins its dispatch and combine (and runs its experts on the tokens
+        other ranks send), so every all-to-all has all its participants (DESIGN.md section 1).
+        """
+        spec = self.model.spec
+        dtype = self.model.model.embed_tokens.weight.dtype
+        empty = torch.empty(0, spec.hidden_size, dtype=dtype)
+        for layer in self.model.model.layers:
+            if isinstance(layer.mlp, FusedMoE):
+                layer.mlp(empty)
 
     def _prepare(
         self, ordered: list[ScheduledRequest], kv: KVCacheManager

@@ -28,6 +28,8 @@ An all-zero group stores scale 0 and dequantizes to zeros.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from quant.packing import check_uint8, pack_nibbles, unpack_nibbles
@@ -163,3 +165,29 @@ def dequantize_int4(
     )
     out = (u - zero.unsqueeze(-1)) * scales.float().unsqueeze(-1)
     return out.flatten(-2).to(dtype)
+
+
+class Int4Weight(NamedTuple):
+    """One weight matrix in this module's int4 representation (see the module docstring).
+
+    Attributes:
+        packed: ``[N, K // 2]`` uint8, low nibble = even ``k``.
+        scales: ``[N, K // group_size]`` floating (fp32 from :func:`quantize_int4`; a loaded
+            checkpoint keeps its own scale dtype).
+        zeros: ``[N, K // group_size]`` uint8 zero points in ``[0, 15]``, or ``None``
+            (symmetric: implicit zero point 8).
+    """
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(N, K)`` of the dequantized matrix."""
+        return self.packed.shape[0], 2 * self.packed.shape[1]
+
+    @property
+    def group_size(self) -> int:
+        """Input values per scale."""
+        return 2 * self.packed.shape[-1] // self.scales.shape[-1]

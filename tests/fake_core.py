@@ -40,7 +40,14 @@ class FakeEngineCore:
         self.step_s = float(os.environ.get("FAKE_CORE_STEP_S", "0.01"))
         self.requests: dict[str, Request] = {}
         self.counters = dict.fromkeys(
-            ["prompt_tokens_total", "generation_tokens_total", "num_finished", "num_aborted"], 0
+            [
+                "prompt_tokens_total",
+                "generation_tokens_total",
+                "num_finished",
+                "num_aborted",
+                "num_rejected",
+            ],
+            0,
         )
 
     def add_request(

@@ -16,6 +16,7 @@ import threading
 import time
 
 from moe_engine.config import EngineConfig
+from moe_engine.engine.core_proc import DEFAULT_CORE_FACTORY
 from moe_engine.server.app import MoeServer, ServerOptions
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
@@ -37,17 +38,22 @@ class ServerThread:
     """
 
     def __init__(
-        self, config: EngineConfig, options: ServerOptions, startup_timeout_s: float = 180
+        self,
+        config: EngineConfig,
+        options: ServerOptions,
+        startup_timeout_s: float = 180,
+        core_factory: str = DEFAULT_CORE_FACTORY,
     ) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.server: MoeServer = self.run(self._start(config, options), startup_timeout_s)
+        start = self._start(config, options, core_factory)
+        self.server: MoeServer = self.run(start, startup_timeout_s)
         self.address = f"127.0.0.1:{self.server.port}"
 
     @staticmethod
-    async def _start(config: EngineConfig, options: ServerOptions) -> MoeServer:
-        server = MoeServer(config, options)
+    async def _start(config: EngineConfig, options: ServerOptions, core_factory: str) -> MoeServer:
+        server = MoeServer(config, options, core_factory=core_factory)
         await server.start()
         return server
 

@@ -7,6 +7,11 @@
     moe-client [--server HOST:PORT] stats [--json]
     moe-client [--server HOST:PORT] info [--json]
 
+Common flags: --timeout S (deadline per call), --api-key KEY (or $MOE_ENGINE_API_KEY; sent as
+the metadata "authorization: Bearer KEY"), --tls (TLS with the system's CAs), --tls-ca PEM (the
+CA that signed the server's certificate; implies --tls), --tls-cert PEM --tls-key PEM (a client
+certificate, for servers started with --tls-ca).
+
 `generate` streams text (token ids when the model has no tokenizer); with --json it prints one
 JSON object (request_id, token_ids, text, finish_reason, usage). `batch` reads one request object
 per line ("prompt" or "prompt_ids", sampling fields by their proto names), runs them
@@ -21,9 +26,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -33,6 +40,13 @@ from google.protobuf.json_format import MessageToDict
 
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.server.security import (
+    API_KEY_ENV,
+    api_key_from_env,
+    auth_metadata,
+    channel_credentials,
+    check_api_key,
+)
 
 #: Request fields a batch line may set (besides prompt / prompt_ids).
 _BATCH_FIELDS = {
@@ -231,6 +245,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="moe-client", description="Client for moe-serve.")
     p.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT (default %(default)s)")
     p.add_argument("--timeout", type=float, default=None, help="deadline per call (seconds)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"API key sent with every call (default ${API_KEY_ENV}, else none)",
+    )
+    p.add_argument("--tls", action="store_true", help="connect with TLS (the system's CAs)")
+    p.add_argument("--tls-ca", default=None, help="PEM CA of the server's certificate (TLS)")
+    p.add_argument("--tls-cert", default=None, help="PEM client certificate (mutual TLS)")
+    p.add_argument("--tls-key", default=None, help="PEM key of --tls-cert")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate for one prompt, streaming")
@@ -448,7 +471,11 @@ def load_batch(path: Path) -> list[pb.GenerateRequest]:
 
 
 async def _run_one(
-    stub: pb_grpc.MoeEngineStub, index: int, request: pb.GenerateRequest, timeout: float | None
+    stub: pb_grpc.MoeEngineStub,
+    index: int,
+    request: pb.GenerateRequest,
+    timeout: float | None,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> dict[str, Any]:
     start = time.perf_counter()
     ttft = None
@@ -456,7 +483,7 @@ async def _run_one(
     text = ""
     last = None
     try:
-        async for response in stub.Generate(request, timeout=timeout):
+        async for response in stub.Generate(request, timeout=timeout, metadata=metadata or None):
             if ttft is None and response.token_ids:
                 ttft = time.perf_counter() - start
             token_ids.extend(response.token_ids)
@@ -480,20 +507,34 @@ async def _run_one(
 
 
 async def run_batch(
-    server: str, requests: list[pb.GenerateRequest], concurrency: int, timeout: float | None
+    server: str,
+    requests: list[pb.GenerateRequest],
+    concurrency: int,
+    timeout: float | None,
+    *,
+    credentials: grpc.ChannelCredentials | None = None,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> int:
-    """Run `requests` with at most `concurrency` in flight; print results as they finish."""
+    """Run `requests` with at most `concurrency` in flight; print results as they finish.
+
+    `credentials` (TLS, None for plaintext) and `metadata` (e.g. the API key) apply to every
+    call.
+    """
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     semaphore = asyncio.Semaphore(concurrency)
     output_tokens = errors = 0
     start = time.perf_counter()
-    async with grpc.aio.insecure_channel(server) as channel:
+    if credentials is None:
+        channel_cm = grpc.aio.insecure_channel(server)
+    else:
+        channel_cm = grpc.aio.secure_channel(server, credentials)
+    async with channel_cm as channel:
         stub = pb_grpc.MoeEngineStub(channel)
 
         async def bounded(index: int, request: pb.GenerateRequest) -> dict[str, Any]:
             async with semaphore:
-                return await _run_one(stub, index, request, timeout)
+                return await _run_one(stub, index, request, timeout, metadata)
 
         tasks = [asyncio.create_task(bounded(i, r)) for i, r in enumerate(requests)]
         for done in asyncio.as_completed(tasks):
@@ -516,6 +557,65 @@ async def run_batch(
     return 1 if errors else 0
 
 
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
+    ),
+    grpc.ClientCallDetails,
+):
+    """Call details with extra metadata (grpc's documented interceptor pattern)."""
+
+
+class _MetadataInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds fixed metadata (the API key) to every call of a synchronous channel."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.metadata = metadata
+
+    def _details(self, details: grpc.ClientCallDetails) -> _CallDetails:
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            [*(details.metadata or ()), *self.metadata],
+            details.credentials,
+            details.wait_for_ready,
+            details.compression,
+        )
+
+    def intercept_unary_unary(
+        self, continuation: Callable[..., Any], client_call_details: grpc.ClientCallDetails,
+        request: Any,
+    ) -> Any:
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(
+        self, continuation: Callable[..., Any], client_call_details: grpc.ClientCallDetails,
+        request: Any,
+    ) -> Any:
+        return continuation(self._details(client_call_details), request)
+
+
+def connection_from_args(
+    args: argparse.Namespace,
+) -> tuple[grpc.ChannelCredentials | None, tuple[tuple[str, str], ...]]:
+    """(TLS credentials or None for plaintext, metadata for every call) from the flags.
+
+    Raises:
+        ValueError: a key that cannot be sent, half a client certificate, an unreadable file.
+    """
+    key = args.api_key
+    source = "--api-key"
+    if key is None:
+        key, source = api_key_from_env(), f"${API_KEY_ENV}"
+    metadata = auth_metadata(check_api_key(key.strip(), source) if key is not None else None)
+    use_tls = args.tls or any(x is not None for x in (args.tls_ca, args.tls_cert, args.tls_key))
+    credentials = (
+        channel_credentials(args.tls_ca, args.tls_cert, args.tls_key) if use_tls else None
+    )
+    return credentials, metadata
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -525,6 +625,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    try:
+        credentials, metadata = connection_from_args(args)
+    except ValueError as exc:
+        print(f"moe-client: error: {exc}", file=sys.stderr)
+        return 2
     if args.command == "batch":
         try:
             requests = load_batch(args.file)
@@ -535,14 +640,28 @@ def _run(args: argparse.Namespace) -> int:
         except OSError as exc:
             print(f"error: {args.file}: {exc.strerror or exc}", file=sys.stderr)
             return 2
-        return asyncio.run(run_batch(args.server, requests, args.concurrency, args.timeout))
+        return asyncio.run(
+            run_batch(
+                args.server,
+                requests,
+                args.concurrency,
+                args.timeout,
+                credentials=credentials,
+                metadata=metadata,
+            )
+        )
     if args.command == "generate":
         try:
             request = request_from_args(args)
         except ValueError as exc:
             print(f"moe-client generate: error: {exc}", file=sys.stderr)
             return 2
-    with grpc.insecure_channel(args.server) as channel:
+    if credentials is None:
+        raw_channel = grpc.insecure_channel(args.server)
+    else:
+        raw_channel = grpc.secure_channel(args.server, credentials)
+    with raw_channel:
+        channel = grpc.intercept_channel(raw_channel, _MetadataInterceptor(metadata))
         stub = pb_grpc.MoeEngineStub(channel)
         if args.command == "generate":
             return cmd_generate(args, stub, request)

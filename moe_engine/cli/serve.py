@@ -4,6 +4,12 @@
               [--dtype auto|bfloat16|float32] [--max-model-len N] [--max-num-seqs N]
               [--max-num-batched-tokens N] [--kv-cache-memory BYTES] [--block-size N]
               [--metrics-port P] [--max-message-bytes BYTES] [--log-level LEVEL]
+              [--max-waiting-requests N] [--max-prompt-tokens N] [--max-concurrent-streams N]
+              [--drain-timeout S] [--api-key KEY | --api-key-file PATH]
+              [--health-requires-api-key] [--tls-cert PEM --tls-key PEM [--tls-ca PEM]]
+              [--allow-insecure]
+              [--ep-size N] [--collective-timeout S] [--expert-placement FILE]
+              [--nnodes N --node-rank K --rdzv-endpoint HOST:PORT]
 
 Ready when the gRPC health service (grpc.health.v1) says SERVING. SIGTERM or Ctrl-C drains and
 exits 0; a startup failure exits 1 with the reason (numbers and the flag that fixes it).
@@ -21,11 +27,20 @@ from moe_engine.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     QuantConfig,
     SchedulerConfig,
 )
 from moe_engine.errors import StartupError
-from moe_engine.server.app import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions, serve
+from moe_engine.loader import safetensors_files
+from moe_engine.server.app import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_MAX_CONCURRENT_STREAMS,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    ServerOptions,
+    serve,
+)
+from moe_engine.server.security import API_KEY_ENV, resolve_api_key
 
 logger = logging.getLogger("moe_engine.serve")
 
@@ -80,9 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quantization",
         default="none",
-        choices=["none", "int4", "mxfp4"],
+        choices=["none", "auto", "int4", "mxfp4"],
         help="store the routed experts in 4 bits, quantized at load time (default none); "
-        "on CPU int4 is also faster, mxfp4 is a slow exact path for now",
+        "on CPU int4 is also faster, mxfp4 is a slow exact path for now. A checkpoint with "
+        "int4 experts (compressed-tensors pack-quantized) is served as stored with none or "
+        "auto; another value that conflicts with it is a startup error",
     )
     p.add_argument(
         "--quant-group-size",
@@ -103,8 +120,152 @@ def build_parser() -> argparse.ArgumentParser:
         "flag; gRPC itself refuses (RESOURCE_EXHAUSTED) only messages over 4x this or this "
         "plus 64 MiB, whichever is larger",
     )
+    add_limit_flags(p)
+    add_access_flags(p)
+    ep = p.add_argument_group(
+        "expert parallelism",
+        "ranks started through torch's elastic launcher (torchrun semantics); attention is "
+        "data-parallel, experts are split across ranks",
+    )
+    ep.add_argument(
+        "--ep-size",
+        type=int,
+        default=1,
+        help="expert-parallel ranks in all (default 1); must divide the number of experts",
+    )
+    ep.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a rank waits in a collective before the engine is declared failed "
+        "(default 60); a dead or hung rank brings the server down within about this time",
+    )
+    ep.add_argument(
+        "--expert-placement",
+        default=None,
+        help="placement JSON (from `moe-skew plan`): which experts, and replicas, each rank "
+        "holds (default: experts split contiguously)",
+    )
+    p.add_argument(
+        "--expert-trace",
+        default=None,
+        metavar="PATH",
+        help="write every step's routing counts per layer and expert (and per rank) to this "
+        "NPZ trace (format: docs/trace_format.md; read it with `moe-skew report/plot/plan`); "
+        "rewritten every 10 s and at shutdown",
+    )
+    ep.add_argument("--nnodes", type=int, default=1, help="nodes taking part (default 1)")
+    ep.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this node's index (default 0); node 0 runs the gRPC front end, the others only "
+        "their ranks",
+    )
+    ep.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        help="host:port of node 0's rendezvous (required with --nnodes > 1; default: a free "
+        "local port)",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
+
+
+def add_limit_flags(p: argparse.ArgumentParser) -> None:
+    """Overload and lifetime limits (admission control, prompt length, streams, drain)."""
+    g = p.add_argument_group("limits")
+    g.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=SchedulerConfig.max_waiting,
+        help=f"most requests queued for a batch slot (default {SchedulerConfig.max_waiting}); "
+        "beyond it new requests get RESOURCE_EXHAUSTED at once, naming the limit",
+    )
+    g.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="longest prompt accepted (tokens; default max_model_len - 1); longer ones get "
+        "OUT_OF_RANGE naming the field and this limit",
+    )
+    g.add_argument(
+        "--max-concurrent-streams",
+        type=int,
+        default=DEFAULT_MAX_CONCURRENT_STREAMS,
+        help="most concurrent calls of one client connection (HTTP/2 streams; default "
+        f"{DEFAULT_MAX_CONCURRENT_STREAMS}); a client's further calls wait for a free stream",
+    )
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        help="on SIGTERM/Ctrl-C, seconds running requests may take to finish before they are "
+        f"aborted (default {DEFAULT_DRAIN_TIMEOUT_S:.0f}); new requests get UNAVAILABLE at once",
+    )
+
+
+def add_access_flags(p: argparse.ArgumentParser) -> None:
+    """API key, TLS and the non-loopback bind check."""
+    g = p.add_argument_group(
+        "access control",
+        f"an API key (--api-key, --api-key-file or ${API_KEY_ENV}) is checked on every call "
+        "from the metadata 'authorization: Bearer KEY' (UNAUTHENTICATED otherwise); a "
+        "non-loopback --host needs a key or --tls-ca unless --allow-insecure",
+    )
+    key = g.add_mutually_exclusive_group()
+    key.add_argument(
+        "--api-key",
+        default=None,
+        help=f"the API key (default: none, or ${API_KEY_ENV}); visible to other local users in "
+        "the process list, so prefer --api-key-file or the variable",
+    )
+    key.add_argument(
+        "--api-key-file", default=None, help="file holding the API key (default: none)"
+    )
+    g.add_argument(
+        "--health-requires-api-key",
+        action="store_true",
+        help="also require the key for the gRPC health service (default: health is open)",
+    )
+    g.add_argument(
+        "--tls-cert", default=None, help="PEM certificate chain: serve TLS (default: plaintext)"
+    )
+    g.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert (default: none)")
+    g.add_argument(
+        "--tls-ca",
+        default=None,
+        help="PEM CA: require client certificates signed by it (mutual TLS; default off)",
+    )
+    g.add_argument(
+        "--allow-insecure",
+        action="store_true",
+        help="allow a non-loopback --host without an API key or client certificates "
+        "(default off: such a server refuses to start)",
+    )
+
+
+def server_options_from_args(args: argparse.Namespace) -> ServerOptions:
+    """The ServerOptions the flags describe (the API key resolved from flag, file or env).
+
+    Raises:
+        ValueError: a bad value or combination (the message names the flag).
+    """
+    return ServerOptions(
+        host=args.host,
+        port=args.port,
+        max_message_bytes=args.max_message_bytes,
+        metrics_port=args.metrics_port,
+        drain_grace_s=args.drain_timeout,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_concurrent_streams=args.max_concurrent_streams,
+        api_key=resolve_api_key(args.api_key, args.api_key_file),
+        health_requires_api_key=args.health_requires_api_key,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_ca=args.tls_ca,
+        allow_insecure=args.allow_insecure,
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfig:
@@ -117,9 +278,20 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         model=ModelConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory),
         scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_waiting=args.max_waiting_requests,
         ),
         quant=QuantConfig(method=args.quantization, group_size=args.quant_group_size),
+        parallel=ParallelConfig(
+            ep_size=args.ep_size,
+            collective_timeout_s=args.collective_timeout,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            rdzv_endpoint=args.rdzv_endpoint,
+            expert_placement=args.expert_placement,
+        ),
+        expert_trace=args.expert_trace,
     )
 
 
@@ -142,7 +314,20 @@ def check_args(args: argparse.Namespace) -> str | None:
     for flag, value in (("--port", args.port), ("--metrics-port", args.metrics_port)):
         if value is not None and not 0 <= value <= _PORT_MAX:
             return f"{flag} must be in 0..{_PORT_MAX}, got {value}"
+    if args.nnodes > 1 and not args.rdzv_endpoint:
+        return f"--nnodes {args.nnodes} needs --rdzv-endpoint host:port (node 0's address)"
     return None
+
+
+def run_worker_node(config: EngineConfig) -> int:
+    """`--node-rank K` (K > 0): run this node's ranks in the foreground until they stop."""
+    from moe_engine.engine.launcher import launch_ranks
+
+    failure = launch_ranks(config, "ipc:///dev/null", "ipc:///dev/null")
+    if failure is not None:
+        print(f"moe-serve: error: {failure}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,15 +339,13 @@ def main(argv: list[str] | None = None) -> int:
     level = getattr(logging, args.log_level)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        options = server_options_from_args(args)  # before anything is made or loaded
         model = resolve_model(args.model)
         config = engine_config_from_args(args, model)
         config.model.hf_config()  # fail fast on a path without config.json
-        options = ServerOptions(
-            host=args.host,
-            port=args.port,
-            max_message_bytes=args.max_message_bytes,
-            metrics_port=args.metrics_port,
-        )
+        safetensors_files(model)  # and on one without safetensors weights (pickle is refused)
+        if config.parallel.node_rank > 0:
+            return run_worker_node(config)
         return asyncio.run(serve(config, options, log_level=level))
     except (StartupError, ValueError, FileNotFoundError) as exc:
         print(f"moe-serve: error: {exc}", file=sys.stderr)

@@ -48,7 +48,7 @@ def load_tokenizer(model_dir: str) -> Any | None:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
 
 
 class EngineClient:
@@ -68,6 +68,8 @@ class EngineClient:
         self._streams: dict[str, asyncio.Queue] = {}
         self._aborting: set[str] = set()
         self._replies: dict[int, asyncio.Future] = {}
+        self._rank_load: list[int] = [0]
+        self._rank_of: dict[str, int] = {}
         self._reply_ids = itertools.count()
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._ready: asyncio.Future | None = None
@@ -99,16 +101,26 @@ class EngineClient:
             StartupError: the core failed to start (its error type and message are included),
                 exited before it was ready, or was not ready within `startup_timeout_s`.
         """
+        ep_size = config.parallel.ep_size
+        if ep_size > 1:
+            check_ep_size(config)
+        self._rank_load = [0] * ep_size
         loop = asyncio.get_running_loop()
         self._ready = loop.create_future()
         in_addr, out_addr = self._bind()
         self._reader = asyncio.create_task(self._read_outputs(), name="engine-output-reader")
         mp = multiprocessing.get_context("spawn")
+        if ep_size > 1:  # the ranks, through torch's elastic launcher
+            from moe_engine.engine.launcher import run_launcher
+
+            target, name = run_launcher, "moe-engine-launcher"
+        else:
+            target, name = core_proc.run_engine_core, "moe-engine-core"
         self._proc = mp.Process(
-            target=core_proc.run_engine_core,
+            target=target,
             args=(config, in_addr, out_addr, os.getpid(), core_factory, log_level),
-            name="moe-engine-core",
-            daemon=True,
+            name=name,
+            daemon=ep_size == 1,  # the launcher has children of its own; it is reaped on exit
         )
         self._proc.start()
         loop.add_reader(self._proc.sentinel, self._on_process_exit)
@@ -248,7 +260,14 @@ class EngineClient:
         self._streams[request_id] = queue
         arrival = time.time() if arrival_time is None else arrival_time
         params_dict = core_proc.params_to_dict(params)
-        self._send(["ADD", request_id, list(prompt_token_ids), params_dict, arrival])
+        rank = min(range(len(self._rank_load)), key=self._rank_load.__getitem__)  # least loaded
+        try:
+            self._send(["ADD", request_id, list(prompt_token_ids), params_dict, arrival, rank])
+        except RequestError:
+            del self._streams[request_id]
+            raise
+        self._rank_load[rank] += 1
+        self._rank_of[request_id] = rank
         finished = False
         try:
             while not finished:
@@ -261,6 +280,7 @@ class EngineClient:
         finally:
             if self._streams.get(request_id) is queue:
                 del self._streams[request_id]
+                self._rank_load[self._rank_of.pop(request_id)] -= 1
             self._aborting.discard(request_id)
             if not finished:
                 self._try_send(["ABORT", [request_id]])
@@ -374,7 +394,12 @@ class EngineClient:
                 self._ready.set_exception(StartupError(f"engine core failed to start: {text}"))
                 self._ready.exception()  # mark retrieved; start() re-raises it
         elif kind == "FATAL":
-            logger.error("engine core failed:\n%s", message[2])
+            if message[2]:
+                logger.error("engine core failed:\n%s", message[2])
+            logger.error("engine failed: %s", message[1])
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_exception(StartupError(f"engine failed to start: {message[1]}"))
+                self._ready.exception()
             self._mark_dead(f"engine core failed: {message[1]}")
 
     def _on_process_exit(self) -> None:
@@ -406,6 +431,29 @@ class EngineClient:
         for future in self._replies.values():
             if not future.done():
                 future.set_exception(error)
+
+
+def check_ep_size(config: EngineConfig) -> None:
+    """Fail fast, before any rank starts, on an ep_size the checkpoint's experts cannot split.
+
+    Raises:
+        StartupError: ep_size larger than num_experts, or not dividing it (without a placement
+            file), naming both numbers.
+    """
+    from moe_engine.plan import ModelShape
+
+    num_experts = ModelShape.from_hf_config(config.model.hf_config()).num_experts
+    ep_size = config.parallel.ep_size
+    if ep_size > num_experts:
+        raise StartupError(
+            f"--ep-size {ep_size} is more ranks than the model's {num_experts} experts "
+            f"(num_experts {num_experts}); use at most {num_experts}"
+        )
+    if num_experts % ep_size and config.parallel.expert_placement is None:
+        raise StartupError(
+            f"--ep-size {ep_size} does not divide num_experts {num_experts}; choose an "
+            f"ep_size that divides {num_experts}"
+        )
 
 
 def _error_code(code: str) -> ErrorCode:

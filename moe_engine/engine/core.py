@@ -8,12 +8,19 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig
 
-from moe_engine.config import EngineConfig, compute_dtype, default_threads
+from moe_engine.config import (
+    EngineConfig,
+    compute_dtype,
+    default_threads,
+    resolve_quant_config,
+)
 from moe_engine.detokenizer import IncrementalDetokenizer
 from moe_engine.errors import ErrorCode, RequestError, StartupError
 from moe_engine.instrumentation import ExpertLoadRecorder, balancedness, imbalance_ratio
@@ -22,11 +29,15 @@ from moe_engine.loader import load_model
 from moe_engine.model_runner import ModelRunner
 from moe_engine.models import resolve_architecture
 from moe_engine.models.layers.moe import FusedMoE
+from moe_engine.phase_timer import PhaseTimer
 from moe_engine.plan import make_plan
 from moe_engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from moe_engine.sampler import Sampler
 from moe_engine.scheduler import Scheduler
+from moe_engine.skew.trace import PeriodicTraceWriter
 from moe_engine.validation import validate_request
+from quant.compressed_tensors import CompressedTensorsConfig, parse_quantization_config
+from quant.mxfp4 import MXFP4_BLOCK_SIZE
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +51,7 @@ def load_tokenizer(model_dir: str):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
 
 
 def eos_token_ids_of(model_dir: str, hf_config) -> frozenset[int]:
@@ -60,22 +71,82 @@ def eos_token_ids_of(model_dir: str, hf_config) -> frozenset[int]:
     return frozenset(ids)
 
 
+@dataclass
+class StepRecord:
+    """One step's routing and timing, for the expert trace (`moe_engine.skew.trace`).
+
+    Attributes:
+        counts: [num_moe_layers, num_experts] int64 token-expert pairs routed by this rank.
+        rank_tokens: [num_moe_layers, ep_size] int64, this rank's column only: the token-expert
+            pairs its experts processed (the sum over ranks is every rank's expert load);
+            None for one rank.
+        step_time_s: the step's wall time (seconds); num_tokens: tokens it ran.
+    """
+
+    counts: torch.Tensor
+    rank_tokens: torch.Tensor | None
+    step_time_s: float
+    num_tokens: int
+
+
+@dataclass
+class RankContext:
+    """What a rank of an expert-parallel group brings to its EngineCore.
+
+    Attributes:
+        rank: this rank's index in [0, ep_size).
+        ep_size: ranks in the group.
+        local_experts: the global expert id of each local expert slot (DESIGN.md section 6).
+        communicator: dispatch/combine across the group (`comm.TorchAllToAll` or another).
+    """
+
+    rank: int
+    ep_size: int
+    local_experts: list[int]
+    communicator: Any
+
+
+def _resolve_quant(config: EngineConfig) -> tuple[EngineConfig, CompressedTensorsConfig | None]:
+    """`config` with its QuantConfig resolved against config.json (`resolve_quant_config`), and
+    config.json's compressed-tensors config (None when it has none).
+
+    Raises:
+        StartupError: an unsupported quantization_config, or flags that conflict with it.
+    """
+    try:
+        hf_config = config.model.hf_config()
+    except FileNotFoundError:
+        return config, None  # AutoConfig reports the missing checkpoint
+    try:
+        quant = resolve_quant_config(config.quant, hf_config)
+        checkpoint_quant = parse_quantization_config(hf_config)
+    except ValueError as e:
+        raise StartupError(str(e)) from e
+    return replace(config, quant=quant), checkpoint_quant
+
+
 class EngineCore:
     """Owns one rank's scheduler, KV cache, model runner and live requests.
 
     Args:
         config: the engine configuration.
+        rank_context: set on the ranks of an expert-parallel group (ep_size > 1): the model
+            keeps only this rank's experts, and every `step` runs a forward pass (a zero-token
+            one when nothing is scheduled) so that all ranks stay in lockstep.
 
     Raises:
         StartupError: unsupported architecture, a KV cache too small for one max_model_len
             request, missing weights (messages give the numbers and the flags that fix them).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rank_context: RankContext | None = None) -> None:
+        config, checkpoint_quant = _resolve_quant(config)
         self.config = config
+        self.rank_context = rank_context
         torch.set_num_threads(config.parallel.num_threads or default_threads())
         model_dir = config.model.model
-        hf_config = AutoConfig.from_pretrained(model_dir)
+        # config.json only; a checkpoint's own Python code (auto_map) is never run.
+        hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
         self.architecture, model_cls = resolve_architecture(hf_config)
         spec = model_cls.arch_spec(hf_config)
         self.max_model_len = config.model.max_model_len or spec.max_position_embeddings
@@ -101,9 +172,29 @@ class EngineCore:
         self.plan.check(self.max_model_len)
         self.spec = spec
         self.model = model_cls(spec, self.dtype, max_position=self.max_model_len).eval()
-        load_model(self.model, model_dir, self.weight_dtype)
+        if rank_context is not None:
+            for layer in self.model.model.layers:
+                if isinstance(layer.mlp, FusedMoE):
+                    layer.mlp.shard_experts(
+                        rank_context.local_experts, rank_context.communicator, rank_context.rank
+                    )
+        load_model(self.model, model_dir, self.weight_dtype, checkpoint_quant)
         self._quantize_experts(config)
-        self.expert_load = ExpertLoadRecorder(sorted(spec.moe_layers), spec.num_experts)
+        self.timer = PhaseTimer()
+        self.model.attach_timer(self.timer)
+        ep_size = rank_context.ep_size if rank_context is not None else 1
+        self.expert_load = ExpertLoadRecorder(sorted(spec.moe_layers), spec.num_experts, ep_size)
+        self.last_step: StepRecord | None = None
+        self._last_num_tokens = 0
+        # One rank writes its own trace; under EP rank 0's loop writes the summed one.
+        self.trace: PeriodicTraceWriter | None = None
+        if config.expert_trace and rank_context is None:
+            self.trace = PeriodicTraceWriter(
+                config.expert_trace,
+                sorted(spec.moe_layers),
+                spec.num_experts,
+                meta=dict(model=model_dir, top_k=spec.top_k),
+            )
         for index, layer in enumerate(self.model.model.layers):
             if isinstance(layer.mlp, FusedMoE):
                 layer.mlp.attach_recorder(self.expert_load, index)
@@ -121,7 +212,12 @@ class EngineCore:
         )
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.counters = dict(
-            prompt_tokens_total=0, generation_tokens_total=0, num_finished=0, num_aborted=0
+            prompt_tokens_total=0,
+            generation_tokens_total=0,
+            num_finished=0,
+            num_aborted=0,
+            num_rejected=0,
+            num_steps=0,
         )
 
     def _quantize_experts(self, config: EngineConfig) -> None:
@@ -134,6 +230,9 @@ class EngineCore:
         if method == "none":
             return
         experts = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
+        if config.quant.checkpoint_format is not None:
+            self._check_prequantized(config)
+            return
         try:
             for moe in experts:
                 moe.quantize(method, config.quant.group_size)
@@ -141,6 +240,36 @@ class EngineCore:
             raise StartupError(f"--quantization {method}: {e}") from e
         nbytes = sum(m.quantized.nbytes for m in experts)
         logger.info("experts quantized to %s: %.1f MiB", method, nbytes / 2**20)
+
+    def _check_prequantized(self, config: EngineConfig) -> None:
+        """Every MoE layer got its experts int4 from the checkpoint, at the configured group size.
+
+        Raises:
+            StartupError: a layer whose expert tensors were not all pack-quantized, or a group
+                size other than config.json's (names the layer and both numbers).
+        """
+        q = config.quant
+        layers = [(i, x.mlp) for i, x in enumerate(self.model.model.layers)]
+        experts = [moe for _, moe in layers if isinstance(moe, FusedMoE)]
+        for index, moe in layers:
+            if not isinstance(moe, FusedMoE):
+                continue
+            where = f"layer {index} ({q.checkpoint_format} checkpoint)"
+            if moe.quantized is None:
+                raise StartupError(
+                    f"{where}: config.json declares int4 experts, but not all of this layer's "
+                    f"expert tensors are pack-quantized"
+                )
+            if moe.quantized.group_size != q.group_size:
+                raise StartupError(
+                    f"{where}: expert group size {moe.quantized.group_size}, config.json says "
+                    f"{q.group_size}"
+                )
+        nbytes = sum(m.quantized.nbytes for m in experts)
+        logger.info(
+            "experts loaded int4 (group %d, %s) from the checkpoint: %.1f MiB",
+            q.group_size, "symmetric" if q.symmetric else "asymmetric", nbytes / 2**20,
+        )
 
     def add_request(
         self,
@@ -165,11 +294,13 @@ class EngineCore:
                 f"request_id {request_id!r} is already running",
             )
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
+            self.counters["num_rejected"] += 1
             raise RequestError(
                 ErrorCode.RESOURCE_EXHAUSTED,
                 "queue",
                 f"queue: {len(self.scheduler.waiting)} requests waiting, the limit "
-                f"(max_waiting) is {self.config.scheduler.max_waiting}",
+                f"(max_waiting, --max-waiting-requests) is {self.config.scheduler.max_waiting}; "
+                "retry later",
             )
         req = Request(
             request_id,
@@ -199,8 +330,30 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns this step's output deltas."""
+        self.counters["num_steps"] += 1
+        start = time.perf_counter()
+        with self.timer.phase("step"):
+            outputs = self._step()
+        self.last_step = StepRecord(
+            counts=self.expert_load.take_step_counts(),
+            rank_tokens=self.expert_load.take_step_rank_tokens()
+            if self.rank_context is not None
+            else None,
+            step_time_s=time.perf_counter() - start,
+            num_tokens=self._last_num_tokens,
+        )
+        if self.trace is not None:
+            r = self.last_step
+            self.trace.add_step(r.counts, r.step_time_s, r.num_tokens, r.rank_tokens)
+            self.trace.maybe_flush()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
+        self._last_num_tokens = out.total_num_tokens
         if out.is_empty:
+            if self.rank_context is not None:
+                self.runner.execute_idle()
             return []
         rows, sampled = self.runner.execute(out, self.kv)
         tokens = {s.request.request_id: t for s, t in zip(rows, sampled.token_ids, strict=True)}
@@ -253,7 +406,23 @@ class EngineCore:
             kv_blocks_used=pool.num_blocks - pool.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             **self.counters,
+            **self._comm_stats(),
+            phase_seconds=self.timer.snapshot(),
         )
+
+    def close(self) -> None:
+        """Write out what is buffered (the expert trace); call once when the engine stops."""
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None
+
+    def _comm_stats(self) -> dict:
+        """This rank's dispatch/combine counters since startup (`comm.stats.CommCounts`:
+        tokens and bytes; empty for one rank)."""
+        if self.rank_context is None:
+            return {}
+        stats = getattr(self.rank_context.communicator, "stats", None)
+        return stats.total.as_dict() if stats is not None else {}
 
     def get_expert_load(self) -> dict:
         """Tokens routed to each expert of each MoE layer since startup, and per-layer summaries.
@@ -263,17 +432,45 @@ class EngineCore:
             imbalance_ratio and balancedness: per MoE layer (max/mean and mean/max).
         """
         counts = self.expert_load.snapshot()
+        extra = {}
+        if self.rank_context is not None:
+            extra["rank_tokens"] = self.expert_load.rank_tokens.tolist()
         return dict(
             moe_layers=self.expert_load.moe_layers,
             counts=counts.tolist(),
+            window_counts=self.expert_load.window_counts().tolist(),
+            window_steps=min(self.expert_load.num_steps, self.expert_load.window_steps),
+            **extra,
             imbalance_ratio=imbalance_ratio(counts).tolist(),
             balancedness=balancedness(counts).tolist(),
         )
 
+    def weight_info(self) -> dict:
+        """Weight bytes of this rank by kind (`MoeCausalLM.weight_bytes_by_kind`, read from the
+        loaded tensors) and how the routed experts are stored.
+
+        Returns:
+            weight_bytes_experts / _attention / _embeddings / _other (bytes);
+            expert_weight_format "none" | "int4" | "mxfp4"; expert_group_size (values per
+            scale, 0 for none); expert_checkpoint_format ("" when quantized at load time or
+            not at all); expert_zero_points (int4 asymmetric).
+        """
+        q = self.config.quant
+        group_size = {"int4": q.group_size, "mxfp4": MXFP4_BLOCK_SIZE}.get(q.method, 0)
+        info = {f"weight_bytes_{k}": v for k, v in self.model.weight_bytes_by_kind().items()}
+        return dict(
+            info,
+            expert_weight_format=q.method,
+            expert_group_size=group_size,
+            expert_checkpoint_format=q.checkpoint_format or "",
+            expert_zero_points=q.method == "int4" and not q.symmetric,
+        )
+
     def model_info(self) -> dict:
-        """Static facts about the served model and the engine's limits."""
+        """Static facts about the served model and the engine's limits (with `weight_info`)."""
         s, c = self.spec, self.config
         return dict(
+            **self.weight_info(),
             model=c.model.model,
             architecture=self.architecture,
             dtype=str(self.dtype).removeprefix("torch."),
@@ -288,4 +485,8 @@ class EngineCore:
             max_num_seqs=c.scheduler.max_num_seqs,
             max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
             ep_size=c.parallel.ep_size,
+            rank=self.rank_context.rank if self.rank_context else 0,
+            local_experts=list(self.rank_context.local_experts)
+            if self.rank_context
+            else list(range(s.num_experts)),
         )

@@ -6,7 +6,8 @@ inputs, and binds a PULL socket that this process's PUSH socket connects to for 
 is a msgpack array whose first element names its kind:
 
 inputs (front end -> core)
-    ["ADD", request_id, prompt_token_ids, sampling_params (dict), arrival_time (s)]
+    ["ADD", request_id, prompt_token_ids, sampling_params (dict), arrival_time (s), rank]
+                                 rank: the target rank under expert parallelism (0 here)
     ["ABORT", [request_id, ...]]
     ["STATS", reply_id]          -> ["REPLY", reply_id, stats dict]
     ["EXPERT_LOAD", reply_id]    -> ["REPLY", reply_id, expert load dict]
@@ -176,7 +177,12 @@ class CoreLoop:
             logger.error("engine core: unknown message kind %r ignored", kind)
 
     def _add(
-        self, request_id: str, prompt: list[int], params: dict[str, Any], arrival: float
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: dict[str, Any],
+        arrival: float,
+        rank: int = 0,
     ) -> None:
         try:
             self.core.add_request(request_id, prompt, SamplingParams(**params), arrival)
@@ -263,6 +269,10 @@ def _build_and_run(
         logger.exception("engine core loop failed")
         outputs.send(pack(["FATAL", f"{type(exc).__name__}: {exc}", _tb()]))
         return 1
+    finally:
+        close = getattr(core, "close", None)
+        if close is not None:
+            close()
     return 0
 
 

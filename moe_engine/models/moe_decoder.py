@@ -19,7 +19,9 @@ from moe_engine.models.layers.attention import AttentionMetadata, PagedAttention
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding
+from moe_engine.phase_timer import PhaseTimer
 from moe_engine.plan import ModelShape
+from quant.int4 import Int4Weight, dequantize_int4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +98,7 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = Attention(spec, dtype, rotary)
+        self.timer: PhaseTimer | None = None
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
         if index in spec.moe_layers:
@@ -113,7 +116,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, meta, kv_cache)
+        if self.timer is None:
+            h = h + self.self_attn(self.input_layernorm(h), positions, meta, kv_cache)
+        else:
+            with self.timer.phase("attention"):
+                h = h + self.self_attn(self.input_layernorm(h), positions, meta, kv_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -135,6 +142,7 @@ _EXPERT = re.compile(
 _FUSED_EXPERTS = re.compile(
     r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$"
 )
+_EXPERT_ID = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
 _SHARD = {
     "gate_proj": "gate",
     "w1": "gate",
@@ -182,6 +190,13 @@ class MoeCausalLM(nn.Module):
             h = layer(h, positions, meta, kv_cache)
         return self.model.norm(h)
 
+    def attach_timer(self, timer: PhaseTimer) -> None:
+        """Time attention and the MoE blocks' phases of every layer into `timer`."""
+        for layer in self.model.layers:
+            layer.timer = timer
+            if isinstance(layer.mlp, FusedMoE):
+                layer.mlp.timer = timer
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, vocab] float32."""
         return self.lm_head(hidden).float()
@@ -196,9 +211,39 @@ class MoeCausalLM(nn.Module):
             elif not n.endswith((".w13", ".w2")):
                 names.add(n)
         for i in sorted(self.spec.moe_layers):
-            for e in range(self.spec.num_experts):
+            for e in set(self.model.layers[i].mlp.local_experts):
                 names |= {_expert_piece(i, e, p) for p in ("gate", "up", "down")}
         return names
+
+    def weight_bytes_by_kind(self) -> dict[str, int]:
+        """Bytes the loaded weights take, by kind, read from the tensors themselves
+        (parameters, persistent buffers and 4-bit expert copies; a tied lm_head counts once).
+
+        Returns:
+            experts: routed experts (float w13/w2, or the 4-bit weights with their scales);
+            attention: q/k/v/o projections and q/k norms; embeddings: embed_tokens and
+            lm_head; other: router gates, dense MLPs, layer norms and the rest (bytes).
+        """
+        sizes = dict.fromkeys(("experts", "attention", "embeddings", "other"), 0)
+        tensors = list(self.named_parameters())
+        for prefix, module in self.named_modules():
+            for name, buf in module.named_buffers(recurse=False):
+                if name not in module._non_persistent_buffers_set:
+                    tensors.append((f"{prefix}.{name}", buf))
+        for name, t in tensors:
+            sizes[_weight_kind(name)] += t.numel() * t.element_size()
+        for module in self.modules():
+            if isinstance(module, FusedMoE) and module.quantized is not None:
+                sizes["experts"] += module.quantized.nbytes
+        return sizes
+
+    def wants_weight(self, name: str) -> bool:
+        """False for a per-expert checkpoint tensor of an expert this rank does not hold (the
+        loader then never reads it); True for everything else."""
+        if m := _EXPERT_ID.match(name):
+            mlp = self.model.layers[int(m[1])].mlp
+            return isinstance(mlp, FusedMoE) and bool(mlp.local_slots(int(m[2])))
+        return True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into the parameters; returns the pieces filled (names as in
@@ -213,7 +258,17 @@ class MoeCausalLM(nn.Module):
             loaded |= self._load_one(name, tensor, params)
         return loaded
 
-    def _load_one(self, name: str, tensor: torch.Tensor, params: dict) -> set[str]:
+    def _load_one(
+        self, name: str, tensor: torch.Tensor | Int4Weight, params: dict
+    ) -> set[str]:
+        if isinstance(tensor, Int4Weight):  # a Linear stored int4 (`quant.compressed_tensors`)
+            if m := _EXPERT.match(name):
+                layer, expert, shard = int(m[1]), int(m[2]), _SHARD[m[3]]
+                self.model.layers[layer].mlp.load_quantized_expert_weight(expert, shard, tensor)
+                return {_expert_piece(layer, expert, shard)}
+            # Only routed experts run in int4; any other Linear is dequantized exactly, in the
+            # scale's dtype as compressed-tensors' own decompression does.
+            tensor = dequantize_int4(*tensor, dtype=tensor.scales.dtype)
         if m := _EXPERT.match(name):
             layer, expert, proj = int(m[1]), int(m[2]), m[3]
             shard = _SHARD[proj]
@@ -223,7 +278,7 @@ class MoeCausalLM(nn.Module):
             layer, shard = int(m[1]), "gate_up" if m[2] == "gate_up_proj" else "down_all"
             self.model.layers[layer].mlp.load_expert_weight(0, shard, tensor)
             pieces = ("gate", "up") if shard == "gate_up" else ("down",)
-            experts = range(self.spec.num_experts)
+            experts = self.model.layers[layer].mlp.local_experts
             return {_expert_piece(layer, e, p) for e in experts for p in pieces}
         name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
         if m := _QKV.match(name):
@@ -239,6 +294,17 @@ class MoeCausalLM(nn.Module):
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
         _copy(name, params[name].data, tensor)
         return {name}
+
+
+def _weight_kind(name: str) -> str:
+    """"experts", "attention", "embeddings" or "other" for a parameter or buffer name."""
+    if name.endswith((".w13", ".w2")):
+        return "experts"
+    if ".self_attn." in name:
+        return "attention"
+    if name.startswith(("model.embed_tokens.", "lm_head.")):
+        return "embeddings"
+    return "other"
 
 
 def _expert_piece(layer: int, expert: int, projection: str) -> str:

@@ -3,8 +3,13 @@
 Order of startup: bind and start the gRPC server with health NOT_SERVING (clients can poll it
 while the model loads), start the engine core process, then switch health to SERVING. Shutdown
 (SIGTERM / SIGINT, or `MoeServer.stop`) drains: health NOT_SERVING and new Generate calls
-UNAVAILABLE, live requests get `drain_grace_s` to finish, the rest are cancelled (and so
-aborted), then the core process stops. If the core process dies, the server stops with an error.
+UNAVAILABLE, live requests get `drain_grace_s` to finish, the rest are aborted (their streams end
+with finish_reason "abort"), then the core process stops. If the core process dies, the server
+stops with an error.
+
+Access control (DESIGN.md section 8): an optional API key checked on every call by
+`interceptors.ApiKeyInterceptor`, optional TLS (mutual when a client CA is given), and a refusal
+to listen on a non-loopback address without either unless `allow_insecure`.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -23,9 +28,15 @@ from moe_engine.config import EngineConfig
 from moe_engine.engine.client import EngineClient
 from moe_engine.engine.core_proc import DEFAULT_CORE_FACTORY
 from moe_engine.errors import RequestError, StartupError
+from moe_engine.server.interceptors import (
+    HEALTH_METHOD_PREFIX,
+    ApiKeyInterceptor,
+    DecodeErrorInterceptor,
+)
 from moe_engine.server.metrics import ServerMetrics
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.server.security import API_KEY_ENV, is_loopback_host, server_credentials
 from moe_engine.server.servicer import MoeEngineServicer
 
 logger = logging.getLogger(__name__)
@@ -33,6 +44,12 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MoeEngine"].full_name
 #: Default limit on one request message (bytes).
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+#: Default limit on concurrent calls (HTTP/2 streams) of one client connection.
+DEFAULT_MAX_CONCURRENT_STREAMS = 1024
+#: Default drain time on shutdown (seconds).
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+#: After the drain time, how long aborted streams get to send their last response (seconds).
+_ABORT_FLUSH_S = 2.0
 _MIB = 1024 * 1024
 _GRPC_MAX = 2**31 - 1
 
@@ -60,8 +77,25 @@ class ServerOptions:
             itself with RESOURCE_EXHAUSTED.
         metrics_port: port for Prometheus /metrics, or None for no endpoint.
         startup_timeout_s: how long loading the model may take (seconds).
-        drain_grace_s: on shutdown, how long live requests may run on (seconds).
+        drain_grace_s: on shutdown, how long live requests may run on before they are aborted
+            (seconds, `--drain-timeout`).
         stats_poll_s: how often the metrics gauges are refreshed (seconds).
+        max_prompt_tokens: the longest prompt accepted (tokens); longer ones get OUT_OF_RANGE
+            naming the field and this limit. None: max_model_len - 1, the model's own limit.
+        max_concurrent_streams: most concurrent calls of one client connection (gRPC's
+            `grpc.max_concurrent_streams`, the HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS the server
+            advertises); a client's further calls wait until one of its calls ends.
+        api_key: the key every call must send as `authorization: Bearer <key>`, or None for no
+            check. Not shown in repr.
+        health_requires_api_key: also require the key for the health service (by default
+            health is open, so load balancers can probe it).
+        tls_cert, tls_key: PEM certificate chain and private key files: serve TLS.
+        tls_ca: PEM CA file: require client certificates signed by it (mutual TLS).
+        allow_insecure: allow a non-loopback `host` without an API key or client certificates.
+
+    Raises:
+        ValueError: a limit out of range, TLS files given by halves, or a non-loopback host
+            without authentication and without `allow_insecure` (naming the flags).
     """
 
     host: str = "127.0.0.1"
@@ -69,14 +103,55 @@ class ServerOptions:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     metrics_port: int | None = None
     startup_timeout_s: float = 600.0
-    drain_grace_s: float = 30.0
+    drain_grace_s: float = DEFAULT_DRAIN_TIMEOUT_S
     stats_poll_s: float = 1.0
+    max_prompt_tokens: int | None = None
+    max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS
+    api_key: str | None = field(default=None, repr=False)
+    health_requires_api_key: bool = False
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    allow_insecure: bool = False
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < 1024:
             raise ValueError(
                 f"max_message_bytes must be >= 1024 bytes, got {self.max_message_bytes}"
             )
+        for name in ("max_prompt_tokens", "max_concurrent_streams"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.drain_grace_s < 0:
+            raise ValueError(f"drain timeout must be >= 0 seconds, got {self.drain_grace_s}")
+        self._check_tls()
+        self._check_exposure()
+
+    def _check_tls(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("give both --tls-cert and --tls-key, or neither")
+        if self.tls_ca is not None and self.tls_cert is None:
+            raise ValueError(
+                "--tls-ca (client certificate verification) needs --tls-cert and --tls-key"
+            )
+
+    def _check_exposure(self) -> None:
+        """Refuse an unauthenticated server on an address other machines can reach."""
+        authenticated = self.api_key is not None or self.tls_ca is not None
+        if authenticated or self.allow_insecure or is_loopback_host(self.host):
+            return
+        raise ValueError(
+            f"refusing to listen on {self.host} (not a loopback address) without authentication: "
+            f"anyone who can reach it could use the server. Set an API key (--api-key, "
+            f"--api-key-file or ${API_KEY_ENV}) or client certificates (--tls-ca), or pass "
+            "--allow-insecure to serve it unauthenticated"
+        )
+
+    @property
+    def tls(self) -> bool:
+        """Whether the server speaks TLS."""
+        return self.tls_cert is not None
 
 
 class MoeServer:
@@ -103,7 +178,12 @@ class MoeServer:
         self.log_level = log_level
         self.engine = EngineClient()
         self.metrics = ServerMetrics()
-        self.servicer = MoeEngineServicer(self.engine, options.max_message_bytes, self.metrics)
+        self.servicer = MoeEngineServicer(
+            self.engine,
+            options.max_message_bytes,
+            self.metrics,
+            max_prompt_tokens=options.max_prompt_tokens,
+        )
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
@@ -162,14 +242,27 @@ class MoeServer:
             self._metrics_http.server_close()
             self._metrics_http = None
 
+    def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        """The API-key check (when a key is set) first, then the decode-error status."""
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if self.options.api_key is not None:
+            exempt = () if self.options.health_requires_api_key else (HEALTH_METHOD_PREFIX,)
+            interceptors.append(
+                ApiKeyInterceptor(self.options.api_key, exempt, self.metrics.auth_failures.inc)
+            )
+        interceptors.append(DecodeErrorInterceptor())
+        return interceptors
+
     async def _start_grpc(self) -> None:
         receive_limit = transport_limit(self.options.max_message_bytes)
         server = grpc.aio.server(
+            interceptors=self._interceptors(),
             options=[
                 ("grpc.max_receive_message_length", receive_limit),
                 ("grpc.max_send_message_length", -1),
                 ("grpc.so_reuseport", 0),
-            ]
+                ("grpc.max_concurrent_streams", self.options.max_concurrent_streams),
+            ],
         )
         pb_grpc.add_MoeEngineServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -178,16 +271,25 @@ class MoeServer:
         )
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"{self.options.host}:{self.options.port}"
+        opts = self.options
         try:
-            self.port = server.add_insecure_port(address)
+            if opts.tls_cert is not None and opts.tls_key is not None:
+                credentials = server_credentials(opts.tls_cert, opts.tls_key, opts.tls_ca)
+                self.port = server.add_secure_port(address, credentials)
+            else:
+                self.port = server.add_insecure_port(address)
+        except ValueError as exc:  # an unreadable TLS file
+            raise StartupError(str(exc)) from exc
         except RuntimeError as exc:
             raise StartupError(f"cannot listen on {address} (--host/--port): {exc}") from exc
         await server.start()
         self._server = server
         logger.info(
-            "listening on %s:%d (NOT_SERVING until the model is loaded)",
+            "listening on %s:%d (%s, %s; NOT_SERVING until the model is loaded)",
             self.options.host,
             self.port,
+            ("mutual TLS" if opts.tls_ca else "TLS") if opts.tls else "plaintext",
+            "API key required" if opts.api_key is not None else "no API key",
         )
 
     async def _set_health(self, status: int) -> None:
@@ -198,6 +300,7 @@ class MoeServer:
         while True:
             try:
                 self.metrics.update_from_stats(await self.engine.get_stats())
+                self.metrics.update_from_expert_load(await self.engine.get_expert_load())
             except RequestError as exc:
                 logger.debug("metrics poll: %s", exc.message)
             await asyncio.sleep(self.options.stats_poll_s)
@@ -208,20 +311,35 @@ class MoeServer:
         return self.engine.death_reason or "engine core stopped"
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Drain (up to `grace_s`, default options.drain_grace_s), then stop everything."""
+        """Drain, then stop everything.
+
+        Health turns NOT_SERVING and new Generate calls get UNAVAILABLE at once; live requests
+        may run for `grace_s` seconds (default options.drain_grace_s), then the rest are aborted
+        (each stream ends with a finish_reason "abort" response) before gRPC and the engine
+        core stop.
+        """
         grace = self.options.drain_grace_s if grace_s is None else grace_s
         self.servicer.ready = False
         self.servicer.unavailable_reason = "the server is shutting down"
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        deadline = asyncio.get_running_loop().time() + grace
-        while self.engine.num_live_requests and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
+        await self._wait_until_idle(grace)
+        if self.engine.num_live_requests and not self.engine.dead.is_set():
+            aborted = await self.servicer.abort_all()
+            logger.warning("drain time (%.1f s) over: aborted %d live requests", grace, aborted)
+            await self._wait_until_idle(_ABORT_FLUSH_S)
         if self._poll_task is not None:
             self._poll_task.cancel()
             await asyncio.gather(self._poll_task, return_exceptions=True)
         await self._stop_grpc(1.0)
         await self.engine.shutdown()
         self._stop_metrics()
+
+    async def _wait_until_idle(self, timeout_s: float) -> None:
+        """Wait until no request is live in the front end, or `timeout_s` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.engine.num_live_requests and loop.time() < deadline:
+            await asyncio.sleep(0.05)
 
     async def _stop_grpc(self, grace_s: float) -> None:
         if self._server is not None:

@@ -1,8 +1,9 @@
 """Prometheus metrics of the serving front end, exposed on `--metrics-port`.
 
-Gauges and counters that the core owns (running/waiting requests, KV usage, token and
-preemption totals) are refreshed from `EngineClient.get_stats()` by a poll task; per-request
-latencies (TTFT, TPOT, end to end) are observed by the servicer as it streams outputs.
+Gauges and counters that the core owns (running/waiting requests, KV usage, token, preemption,
+rejection and abort totals) are refreshed from `EngineClient.get_stats()` by a poll task;
+per-request latencies (TTFT, TPOT, end to end) are observed by the servicer as it streams
+outputs, and refused API keys are counted by the interceptor.
 Names follow vLLM's metrics with the prefix `moe_engine_`.
 """
 
@@ -12,8 +13,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from moe_engine.instrumentation import balancedness, imbalance_ratio
 from moe_engine.request import RequestOutput
 
 _LATENCY_BUCKETS_S = (
@@ -62,6 +65,8 @@ _COUNTED = {
     "prompt_tokens_total": "prompt_tokens",
     "generation_tokens_total": "generation_tokens",
     "num_preemptions": "preemptions",
+    "num_rejected": "requests_rejected",
+    "num_aborted": "requests_aborted",
 }
 
 
@@ -107,10 +112,38 @@ class ServerMetrics:
         self.preemptions = Counter(
             "moe_engine_num_preemptions", "Requests preempted (recompute).", registry=r
         )
+        self.requests_rejected = Counter(
+            "moe_engine_num_requests_rejected",
+            "Requests refused because the waiting queue was full (RESOURCE_EXHAUSTED).",
+            registry=r,
+        )
+        self.requests_aborted = Counter(
+            "moe_engine_num_requests_aborted",
+            "Requests aborted (client cancel or deadline, Abort, drain timeout).",
+            registry=r,
+        )
+        self.auth_failures = Counter(
+            "moe_engine_num_unauthenticated",
+            "Calls refused with UNAUTHENTICATED (missing or wrong API key).",
+            registry=r,
+        )
         self.requests_finished = Counter(
             "moe_engine_requests_finished",
             "Finished requests by finish reason.",
             ["finish_reason"],
+            registry=r,
+        )
+        self.imbalance_ratio = Gauge(
+            "moe_engine_imbalance_ratio",
+            "Routing load max / mean of one MoE layer (1 = balanced), over its experts "
+            '(by="expert") or over the EP ranks (by="rank").',
+            ["layer", "by"],
+            registry=r,
+        )
+        self.balancedness = Gauge(
+            "moe_engine_balancedness",
+            "Routing load mean / max of one MoE layer (1 = balanced), by expert or by rank.",
+            ["layer", "by"],
             registry=r,
         )
         self._last_totals: dict[str, int] = {}
@@ -127,6 +160,26 @@ class ServerMetrics:
             if delta > 0:
                 getattr(self, attr).inc(delta)
             self._last_totals[key] = value
+
+    def update_from_expert_load(self, load: dict[str, Any]) -> None:
+        """Refresh the per-layer skew gauges from `EngineCore.get_expert_load()`'s dict.
+
+        Uses `window_counts` ([L][E], the recent window) when present, else `counts` (since
+        startup), for by="expert"; `rank_tokens` ([L][N], token-expert pairs per rank) for
+        by="rank" when present. Layers are labelled by decoder-layer index (`moe_layers`).
+        """
+        layers = load.get("moe_layers") or []
+        sources = {"expert": load.get("window_counts") or load.get("counts")}
+        if load.get("rank_tokens"):
+            sources["rank"] = load["rank_tokens"]
+        for by, table in sources.items():
+            if not table or not layers:
+                continue
+            values = torch.tensor(table, dtype=torch.float64)
+            ratios, balanced = imbalance_ratio(values).tolist(), balancedness(values).tolist()
+            for layer, ratio, bal in zip(layers, ratios, balanced, strict=True):
+                self.imbalance_ratio.labels(layer=str(layer), by=by).set(ratio)
+                self.balancedness.labels(layer=str(layer), by=by).set(bal)
 
     def observe_finished(self, timer: RequestTimer, finish_reason: str) -> None:
         """Record one finished request's latencies."""

@@ -4,11 +4,14 @@ Requests are converted to `SamplingParams` (unset optional fields take vLLM's de
 max_tokens 16, temperature 1.0), checked against the message-size limit and validated; every
 refusal is a gRPC status whose message names the field, the value and the limit, with the field
 also in the trailing metadata key `moe-field`. When the client cancels or its deadline passes,
-grpc.aio cancels the handler and the request is aborted in the engine.
+grpc.aio cancels the handler and the request is aborted in the engine, which frees its KV
+blocks. Every stream that gets a first response ends with exactly one `finished` response, also
+when `Abort` races with the request's own end; `Abort` reports which of the two won.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -29,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 #: Trailing metadata key carrying the name of the field at fault.
 FIELD_METADATA_KEY = "moe-field"
+#: How long Abort waits for the request's stream to end, to say whether it was aborted (s).
+ABORT_WAIT_S = 5.0
 
 _STATUS = {
     ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
@@ -87,19 +92,29 @@ class MoeEngineServicer(pb_grpc.MoeEngineServicer):
         engine: a started (or starting) EngineClient.
         max_message_bytes: the largest GenerateRequest accepted (bytes, serialized).
         metrics: where to record per-request latencies, or None.
+        max_prompt_tokens: the longest prompt accepted (tokens, `--max-prompt-tokens`), or
+            None for the model's own limit (max_model_len - 1).
 
     `ready` is False until the model is loaded and again while draining; Generate then answers
     UNAVAILABLE.
     """
 
     def __init__(
-        self, engine: EngineClient, max_message_bytes: int, metrics: ServerMetrics | None = None
+        self,
+        engine: EngineClient,
+        max_message_bytes: int,
+        metrics: ServerMetrics | None = None,
+        *,
+        max_prompt_tokens: int | None = None,
     ) -> None:
         self.engine = engine
         self.max_message_bytes = max_message_bytes
         self.metrics = metrics
+        self.max_prompt_tokens = max_prompt_tokens
         self.ready = False
         self.unavailable_reason = "the model is still loading"
+        # request_id -> future of its finish reason ("" when it ended without a final output).
+        self._live: dict[str, asyncio.Future[str]] = {}
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -108,30 +123,67 @@ class MoeEngineServicer(pb_grpc.MoeEngineServicer):
             self._check_ready()
             self._check_size(request)
             prompt = self._prompt_ids(request)
+            self._check_prompt_len(prompt)
             params = sampling_params_from_proto(request)
         except RequestError as exc:
             await _abort(context, exc)
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        # A duplicate live id is not tracked: the engine refuses it (ALREADY_EXISTS).
+        ended = None if request_id in self._live else asyncio.get_running_loop().create_future()
+        if ended is not None:
+            self._live[request_id] = ended
         timer = RequestTimer()
         stream = self.engine.generate(request_id, prompt, params, arrival_time=time.time())
-        async with aclosing(stream):
-            try:
-                async for out in stream:
-                    timer.record(out)
-                    yield response_from_output(out)
-                    if out.finished and self.metrics is not None:
-                        self.metrics.observe_finished(timer, str(out.finish_reason))
-            except RequestError as exc:
-                await _abort(context, exc)
+        try:
+            async with aclosing(stream):
+                try:
+                    async for out in stream:
+                        timer.record(out)
+                        if out.finished and ended is not None and not ended.done():
+                            ended.set_result(str(out.finish_reason))
+                        yield response_from_output(out)
+                        if out.finished and self.metrics is not None:
+                            self.metrics.observe_finished(timer, str(out.finish_reason))
+                except RequestError as exc:
+                    await _abort(context, exc)
+        finally:
+            if ended is not None:
+                if not ended.done():
+                    ended.set_result("")
+                del self._live[request_id]
 
     async def Abort(  # noqa: N802
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
         # Idempotent, as the proto says: an unknown id (the empty one included: the server
         # names requests that come without an id) is OK with aborted = false.
-        if not request.request_id:
-            return pb.AbortResponse(aborted=False)
-        return pb.AbortResponse(aborted=await self.engine.abort(request.request_id))
+        rid = request.request_id
+        ended = self._live.get(rid)
+        if ended is None:
+            return pb.AbortResponse(
+                aborted=False, detail=f"request_id {rid!r} is not live (unknown, or finished)"
+            )
+        sent = await self.engine.abort(rid)
+        try:
+            reason = await asyncio.wait_for(asyncio.shield(ended), ABORT_WAIT_S)
+        except TimeoutError:
+            detail = f"abort sent; the request had not ended {ABORT_WAIT_S:.0f} s later"
+            return pb.AbortResponse(aborted=sent, detail=detail)
+        if reason == "abort":
+            detail = "aborted" if sent else "already being aborted by another call"
+            return pb.AbortResponse(aborted=sent, detail=detail)
+        if reason:
+            detail = f"the request finished ({reason}) before the abort took effect"
+        else:
+            detail = "the request ended (cancelled or failed) before the abort took effect"
+        return pb.AbortResponse(aborted=False, detail=detail)
+
+    async def abort_all(self) -> int:
+        """Abort every live request (the end of a drain); returns how many aborts were sent."""
+        sent = 0
+        for rid in list(self._live):
+            sent += await self.engine.abort(rid)
+        return sent
 
     async def GetModelInfo(  # noqa: N802
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -208,6 +260,16 @@ class MoeEngineServicer(pb_grpc.MoeEngineServicer):
             f"{field}: the request is {size} bytes, over the message size limit of "
             f"{self.max_message_bytes} bytes (--max-message-bytes)",
         )
+
+    def _check_prompt_len(self, prompt: list[int]) -> None:
+        limit = self.max_prompt_tokens
+        if limit is not None and len(prompt) > limit:
+            raise RequestError(
+                ErrorCode.OUT_OF_RANGE,
+                "prompt",
+                f"prompt: {len(prompt)} tokens is over the limit of {limit} prompt tokens "
+                "(--max-prompt-tokens)",
+            )
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         which = request.WhichOneof("prompt")

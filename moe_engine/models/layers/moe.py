@@ -6,6 +6,9 @@ combine) with the communicator as the seam for expert parallelism (DESIGN.md sec
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +17,19 @@ from comm import Communicator, NoopCommunicator
 from kernels.cpu import fused_moe_cpu
 from moe_engine.instrumentation import ExpertLoadRecorder
 from moe_engine.models.layers.quantized_experts import QuantizedExperts
+from moe_engine.phase_timer import PhaseTimer
+from quant.int4 import SYMMETRIC_ZERO, Int4Weight
+
+
+class _NoTimer:
+    """A `PhaseTimer` stand-in that times nothing."""
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        yield
+
+
+_NO_TIMER = _NoTimer()
 
 
 def softmax_topk(
@@ -42,7 +58,11 @@ def softmax_topk(
 
 
 class FusedMoE(nn.Module):
-    """Routed SwiGLU experts stored stacked: w13 [E, 2*I, H] (gate; up) and w2 [E, H, I].
+    """Routed SwiGLU experts stored stacked: w13 [E_local, 2*I, H] (gate; up), w2 [E_local, H, I].
+
+    With one rank every expert is local (E_local = E, slot e holds expert e). Under expert
+    parallelism `shard_experts` keeps only the slots this rank's placement gives it; the router
+    still scores all E experts and the communicator moves tokens to the ranks holding them.
 
     Args:
         num_experts: E, routed experts in the model.
@@ -76,9 +96,48 @@ class FusedMoE(nn.Module):
             requires_grad=False,
         )
         self.communicator: Communicator = communicator or NoopCommunicator()
+        self.local_experts: list[int] = list(range(num_experts))
+        self._slots_of: dict[int, list[int]] = {e: [e] for e in range(num_experts)}
         self.quantized: QuantizedExperts | None = None
+        self._int4_pieces: dict[tuple[int, str], Int4Weight] = {}  # (slot, shard)
         self.load_recorder: ExpertLoadRecorder | None = None
+        self.timer: PhaseTimer | None = None
+        self.ep_rank: int | None = None  # set by shard_experts
         self.layer_index = -1
+
+    def shard_experts(
+        self, local_experts: list[int], communicator: Communicator, rank: int = 0
+    ) -> None:
+        """Keep only this rank's expert slots (call before loading weights).
+
+        Args:
+            rank: this rank's index (the recorder's per-rank column).
+            local_experts: the global expert id held by each local slot, in slot order (an
+                expert may appear on several ranks when it is replicated).
+            communicator: moves tokens to and from the ranks holding their experts.
+
+        Raises:
+            ValueError: an expert id outside [0, num_experts) or an empty slot list.
+        """
+        if not local_experts or not all(0 <= e < self.num_experts for e in local_experts):
+            raise ValueError(
+                f"local experts {local_experts} must be a non-empty list of expert ids in "
+                f"[0, {self.num_experts})"
+            )
+        self.local_experts = list(local_experts)
+        self._slots_of = {}
+        for slot, expert in enumerate(self.local_experts):
+            self._slots_of.setdefault(expert, []).append(slot)
+        n, (two_i, h), (h2, i) = len(local_experts), self.w13.shape[1:], self.w2.shape[1:]
+        dtype = self.w13.dtype
+        self.w13 = nn.Parameter(torch.empty(n, two_i, h, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(n, h2, i, dtype=dtype), requires_grad=False)
+        self.communicator = communicator
+        self.ep_rank = rank
+
+    def local_slots(self, expert: int) -> list[int]:
+        """The local slots holding global expert `expert` (empty when another rank holds it)."""
+        return self._slots_of.get(expert, [])
 
     def attach_recorder(self, recorder: ExpertLoadRecorder, layer_index: int) -> None:
         """Count this layer's routing into `recorder` under decoder layer `layer_index`."""
@@ -95,42 +154,121 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [T, H] -> [T, H], same dtype."""
-        router_logits = self.gate(hidden)  # [T, E]
-        topk_weights, topk_ids = softmax_topk(router_logits, self.top_k, self.renormalize)
-        if self.load_recorder is not None:
-            self.load_recorder.record(self.layer_index, topk_ids)
-        sent = self.communicator.dispatch(hidden, topk_ids, topk_weights)
-        if self.quantized is not None:
-            expert_out = self.quantized(sent.hidden, sent.topk_weights, sent.topk_ids)
-        else:
-            expert_out = fused_moe_cpu(
-                sent.hidden, self.w13, self.w2, sent.topk_weights, sent.topk_ids
+        timer = self.timer or _NO_TIMER
+        with timer.phase("router"):
+            router_logits = self.gate(hidden)  # [T, E]
+            topk_weights, topk_ids = softmax_topk(router_logits, self.top_k, self.renormalize)
+            if self.load_recorder is not None:
+                self.load_recorder.record(self.layer_index, topk_ids)
+        with timer.phase("dispatch"):
+            sent = self.communicator.dispatch(hidden, topk_ids, topk_weights)
+            if self.load_recorder is not None and self.ep_rank is not None:
+                # expert work of this rank: the token-expert pairs its slots process
+                mine = torch.zeros(self.load_recorder.ep_size, dtype=torch.int64)
+                mine[self.ep_rank] = (sent.topk_ids >= 0).sum()
+                self.load_recorder.record_rank_tokens(self.layer_index, mine)
+        with timer.phase("experts"):
+            if self.quantized is not None:
+                expert_out = self.quantized(sent.hidden, sent.topk_weights, sent.topk_ids)
+            else:
+                expert_out = fused_moe_cpu(
+                    sent.hidden, self.w13, self.w2, sent.topk_weights, sent.topk_ids
+                )
+        with timer.phase("combine"):
+            return self.communicator.combine(expert_out, sent.handle)
+
+    def load_quantized_expert_weight(self, expert: int, shard: str, weight: Int4Weight) -> None:
+        """Take one expert projection that the checkpoint stores in int4 already.
+
+        Once every projection of every local slot has arrived, the layer's experts become a
+        `QuantizedExperts` built from them (`QuantizedExperts.from_int4`) and the float w13/w2
+        are dropped.
+
+        Args:
+            expert: global expert id; projections of experts this rank does not hold are
+                skipped.
+            shard: "gate" | "up" ([I, H]) or "down" ([H, I]).
+            weight: the projection in `quant.int4`'s representation.
+
+        Raises:
+            ValueError: a shape that does not match the model's (names both), a projection
+                arriving after the layer's int4 experts were assembled, or group sizes that
+                differ.
+        """
+        hidden, size = self.gate.in_features, self.intermediate_size
+        want = (hidden, size) if shard == "down" else (size, hidden)
+        if tuple(weight.shape) != want:
+            raise ValueError(
+                f"int4 expert weight {shard} of expert {expert}: checkpoint shape "
+                f"{tuple(weight.shape)} does not match the model's {want}"
             )
-        return self.communicator.combine(expert_out, sent.handle)
+        own = self.local_slots(expert)
+        if own and self.quantized is not None:
+            raise ValueError(f"int4 expert weight {shard} of expert {expert}: loaded twice")
+        for slot in own:
+            self._int4_pieces[(slot, shard)] = weight
+        slots = range(len(self.local_experts))
+        if len(self._int4_pieces) < 3 * len(slots):
+            return
+        pieces = self._int4_pieces
+        w13 = [_cat_rows(pieces[(s, "gate")], pieces[(s, "up")]) for s in slots]
+        self.quantized = QuantizedExperts.from_int4(w13, [pieces[(s, "down")] for s in slots])
+        self._int4_pieces = {}
+        del self.w13, self.w2
 
     def load_expert_weight(self, expert: int, shard: str, tensor: torch.Tensor) -> None:
         """Copy one checkpoint tensor into the stacked weights.
 
         Args:
-            expert: expert id; shard: "gate" | "up" | "down" (one expert) or
-                "gate_up" | "down_all" (all experts, transformers 5 fused layout).
+            expert: global expert id (ignored for the all-expert shards); tensors of experts
+                this rank does not hold are skipped.
+            shard: "gate" | "up" | "down" (one expert) or "gate_up" | "down_all" (all
+                experts, transformers 5 fused layout).
             tensor: gate/up [I, H], down [H, I], gate_up [E, 2I, H], down_all [E, H, I].
 
         Raises:
             ValueError: on a shape mismatch, naming both shapes.
         """
+        if shard in ("gate_up", "down_all"):
+            target = self.w13.data if shard == "gate_up" else self.w2.data
+            expected = (self.num_experts, *target.shape[1:])
+            if tuple(tensor.shape) != expected:
+                raise ValueError(
+                    f"expert weight {shard}: checkpoint shape {tuple(tensor.shape)} does not "
+                    f"match the model's {expected}"
+                )
+            target.copy_(tensor[self.local_experts])
+            return
         size = self.intermediate_size
-        targets = {
-            "gate": lambda: self.w13.data[expert, :size],
-            "up": lambda: self.w13.data[expert, size:],
-            "down": lambda: self.w2.data[expert],
-            "gate_up": lambda: self.w13.data,
-            "down_all": lambda: self.w2.data,
-        }
-        target = targets[shard]()
-        if target.shape != tensor.shape:
-            raise ValueError(
-                f"expert weight {shard} of expert {expert}: checkpoint shape "
-                f"{tuple(tensor.shape)} does not match the model's {tuple(target.shape)}"
-            )
-        target.copy_(tensor)
+        for slot in self.local_slots(expert):
+            target = {
+                "gate": self.w13.data[slot, :size],
+                "up": self.w13.data[slot, size:],
+                "down": self.w2.data[slot],
+            }[shard]
+            if target.shape != tensor.shape:
+                raise ValueError(
+                    f"expert weight {shard} of expert {expert}: checkpoint shape "
+                    f"{tuple(tensor.shape)} does not match the model's {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+
+
+def _cat_rows(a: Int4Weight, b: Int4Weight) -> Int4Weight:
+    """Stack two int4 weights along the output dimension (gate rows, then up rows); a
+    symmetric half beside an asymmetric one gets its implicit zero point 8 made explicit."""
+    if a.group_size != b.group_size:
+        raise ValueError(
+            f"int4 experts: gate has group size {a.group_size}, up has {b.group_size}"
+        )
+    zeros = None
+    if a.zeros is not None or b.zeros is not None:
+        zeros = torch.cat([_zeros_of(w) for w in (a, b)])
+    scales = torch.cat([a.scales, b.scales.to(a.scales.dtype)])
+    return Int4Weight(torch.cat([a.packed, b.packed]), scales, zeros)
+
+
+def _zeros_of(w: Int4Weight) -> torch.Tensor:
+    if w.zeros is not None:
+        return w.zeros
+    return torch.full(w.scales.shape, SYMMETRIC_ZERO, dtype=torch.uint8)

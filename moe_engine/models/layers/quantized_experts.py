@@ -5,8 +5,10 @@ about 3.8x less memory than bf16 (~4.25 bits per weight):
 - int4 (`quant.int4`, group-wise symmetric): repacked per expert for PyTorch's packed int4 CPU
   matmul (`kernels.cpu_int4`), bfloat16 activations around it; results match the dequantized
   weights to bfloat16 precision.
-- mxfp4 (`quant.mxfp4`, OCP MX v1.0): dequantized to the compute dtype before the expert GEMMs
-  (exactly the dequantized weights' results; slow on CPU: a first path, kept for correctness).
+- mxfp4 (`quant.mxfp4`, OCP MX v1.0): each step only the experts with tokens are dequantized,
+  by table lookup into a reused buffer in the compute dtype, then the float GEMM path runs
+  (`kernels.cpu_mxfp4`); exactly the dequantized weights' results.
+Both take the activation (plain SwiGLU or gpt-oss's clamped one) and optional expert biases.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.cpu import fused_moe_cpu
+from kernels.activation import SILU_AND_MUL, SwiGLU
 from kernels.cpu_int4 import fused_moe_int4_cpu, pack_int4_for_cpu
-from quant.int4 import check_group_size, quantize_int4
-from quant.mxfp4 import MXFP4_BLOCK_SIZE, dequantize_mxfp4, quantize_mxfp4
+from kernels.cpu_mxfp4 import fused_moe_mxfp4_cpu
+from quant.int4 import INT4_GROUP_SIZES, Int4Weight, check_group_size, quantize_int4
+from quant.mxfp4 import MXFP4_BLOCK_SIZE, quantize_mxfp4
 from quant.packing import unpack_nibbles
 
 #: Quantization methods `--quantization` accepts, besides "none".
@@ -31,13 +34,31 @@ class QuantizedExperts(nn.Module):
         w13: [E, 2I, H] float weights (gate rows then up rows); w2: [E, H, I].
         method: "int4" or "mxfp4".
         group_size: int4 values per scale along the input dimension (32, 64 or 128).
+        activation: plain SwiGLU (default) or gpt-oss's clamped variant.
+        b13: optional [E, 2I] gate/up bias; b2: optional [E, H] down bias, kept unquantized
+            (the three are plain attributes: set them on an instance made by `from_int4`).
 
     Raises:
         ValueError: a group size (int4) or 32 (mxfp4) that does not divide H or I, naming both.
     """
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, method: str, group_size: int) -> None:
+    activation: SwiGLU = SILU_AND_MUL
+    b13: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
+
+    def __init__(
+        self,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        method: str,
+        group_size: int,
+        *,
+        activation: SwiGLU = SILU_AND_MUL,
+        b13: torch.Tensor | None = None,
+        b2: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
+        self.activation, self.b13, self.b2 = activation, b13, b2
         if method not in QUANT_METHODS:
             raise ValueError(f"quantization must be one of none, {', '.join(QUANT_METHODS)}")
         self.method, self.group_size = method, group_size
@@ -54,6 +75,42 @@ class QuantizedExperts(nn.Module):
         codes = unpack_nibbles(packed, "packed")
         return [pack_int4_for_cpu(codes[e], scales[e], self.group_size) for e in range(len(w))]
 
+    @classmethod
+    def from_int4(cls, w13: list[Int4Weight], w2: list[Int4Weight]) -> QuantizedExperts:
+        """Experts from weights that are int4 already (a pre-quantized checkpoint, e.g.
+        `quant.compressed_tensors`), repacked for the CPU int4 matmul; nothing is re-quantized.
+
+        Args:
+            w13: per local expert slot, gate rows then up rows: packed [2I, H // 2] uint8,
+                scales [2I, H // group_size], zeros (asymmetric) or None.
+            w2: per local expert slot: packed [H, I // 2], scales [H, I // group_size].
+
+        Raises:
+            ValueError: no experts, lists of different lengths, or group sizes that differ
+                between weights or are not in `quant.int4.INT4_GROUP_SIZES` (names them).
+        """
+        if not w13 or len(w13) != len(w2):
+            raise ValueError(f"int4 experts: {len(w13)} w13 and {len(w2)} w2 weights")
+        group_sizes = sorted({w.group_size for w in (*w13, *w2)})
+        if len(group_sizes) != 1 or group_sizes[0] not in INT4_GROUP_SIZES:
+            raise ValueError(
+                f"int4 experts: group sizes {group_sizes}; one of {INT4_GROUP_SIZES} is needed "
+                f"for every expert weight of a layer"
+            )
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.method, self.group_size = "int4", group_sizes[0]
+        self.weights = {
+            name: [
+                pack_int4_for_cpu(
+                    unpack_nibbles(w.packed, "packed"), w.scales, self.group_size, w.zeros
+                )
+                for w in ws
+            ]
+            for name, ws in (("w13", w13), ("w2", w2))
+        }
+        return self
+
     @staticmethod
     def _quantize_mxfp4(name: str, w: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if w.shape[-1] % MXFP4_BLOCK_SIZE:
@@ -67,6 +124,7 @@ class QuantizedExperts(nn.Module):
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """hidden: [T, H]; topk_weights [T, k] fp32; topk_ids [T, k] int32 -> [T, H]."""
+        extra = {"activation": self.activation, "b13": self.b13, "b2": self.b2}
         if self.method == "int4":
             return fused_moe_int4_cpu(
                 hidden,
@@ -75,9 +133,12 @@ class QuantizedExperts(nn.Module):
                 self.group_size,
                 topk_weights,
                 topk_ids,
+                **extra,
             )
-        w13, w2 = (dequantize_mxfp4(*self.weights[n][0], dtype=hidden.dtype) for n in ("w13", "w2"))
-        return fused_moe_cpu(hidden, w13, w2, topk_weights, topk_ids)
+        (w13, w13_scales), (w2, w2_scales) = self.weights["w13"][0], self.weights["w2"][0]
+        return fused_moe_mxfp4_cpu(
+            hidden, w13, w13_scales, w2, w2_scales, topk_weights, topk_ids, **extra
+        )
 
     @property
     def nbytes(self) -> int:

@@ -72,7 +72,8 @@ class MoeEngineServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Abort a live request (idempotent: unknown or finished ids are OK with aborted = false).
+        """Abort a live request (idempotent: unknown or finished ids are OK with aborted = false;
+        the request's stream still ends with exactly one finished response).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,299 @@
+"""`moe-skew`: the routing-skew profiler (DESIGN.md section 7).
+
+    moe-skew report (TRACE | --server HOST:PORT) [--ep-size N] [--placement FILE] [--top K]
+                    [--moe-time-share F] [--json]
+    moe-skew plot (TRACE | --server HOST:PORT) -o FILE.png [--ep-size N] [--placement FILE]
+    moe-skew plan TRACE --ep-size N --num-redundant-experts R [-o placement.json]
+                  [--per-layer] [--json]
+
+TRACE is a trace file written by `moe-serve --expert-trace PATH` (docs/trace_format.md).
+`--server` reads a live server's totals since startup through gRPC `GetExpertLoad` (and its
+ep_size through `GetModelInfo`); a server gives no step times, so the time lost is n/a.
+`report` prints one row per MoE layer (imbalance by expert and by rank, hottest experts with
+their share of the layer's token-expert pairs, the straggler rank, the estimated step time lost
+waiting for it; definitions in `moe_engine/skew/report.py`) and a summary. `plan` replicates hot
+experts and packs them onto ranks (EPLB-style greedy, `moe_engine/skew/planner.py`), prints the
+predicted rank imbalance (max / mean) per layer before (the trace's placement, else
+contiguous) and after, and writes the placement JSON; `--per-layer` adds a per-layer plan
+(written under "layers", which moe-serve ignores) as an extra column. Exit status: 0 ok;
+1 a bad trace, placement or server error (one line on stderr); 2 a bad flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, NoReturn
+
+import numpy as np
+
+from moe_engine.skew.planner import Placement, PlacementError, plan_placement, replay
+from moe_engine.skew.report import LoadData, build_report, format_table, report_table, summary_lines
+from moe_engine.skew.trace import TraceFormatError, read_trace
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="moe-skew", description="Routing-skew profiler for moe-engine traces.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def source(q: argparse.ArgumentParser) -> None:
+        q.add_argument("trace", nargs="?", help="trace file (moe-serve --expert-trace)")
+        q.add_argument("--server", metavar="HOST:PORT", help="read a live server instead")
+        q.add_argument("--timeout", type=float, default=10.0, help="gRPC deadline (seconds)")
+        q.add_argument(
+            "--ep-size", type=_positive_int, help="ranks of the rank view (default: the trace's)"
+        )
+        q.add_argument(
+            "--placement", metavar="FILE", help="placement JSON for the rank view (default: the "
+            "trace's, else contiguous)"
+        )
+
+    rep = sub.add_parser("report", help="per-layer skew tables")
+    source(rep)
+    rep.add_argument("--top", type=_positive_int, default=3, help="hottest experts per layer")
+    rep.add_argument(
+        "--moe-time-share", type=_fraction, help="share of a step spent in MoE blocks, for the "
+        "time-lost estimate (default: the trace's measured value, else 0.5)"
+    )
+    rep.add_argument("--json", action="store_true", help="one JSON object")
+
+    plot = sub.add_parser("plot", help="heat map and per-rank load bars (PNG)")
+    source(plot)
+    plot.add_argument("-o", "--output", required=True, metavar="FILE.png")
+
+    plan = sub.add_parser("plan", help="recommend a placement (replicate and pack hot experts)")
+    plan.add_argument("trace", help="trace file")
+    plan.add_argument("--ep-size", type=_positive_int, required=True)
+    plan.add_argument("--num-redundant-experts", type=_nonneg_int, required=True)
+    plan.add_argument("-o", "--output", metavar="placement.json", help="write the placement")
+    plan.add_argument(
+        "--per-layer", action="store_true",
+        help="also plan every layer on its own load (written under \"layers\")",
+    )
+    plan.add_argument("--json", action="store_true", help="one JSON object")
+    return p
+
+
+def load_from_server(server: str, timeout: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(model info, expert load) of a live server as plain dicts.
+
+    Raises:
+        grpc.RpcError: the server is unreachable or answers with an error status.
+    """
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from moe_engine.server.pb import moe_engine_pb2 as pb
+    from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(server) as channel:
+        stub = pb_grpc.MoeEngineStub(channel)
+        info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+        load = stub.GetExpertLoad(pb.GetExpertLoadRequest(), timeout=timeout)
+    layers = [
+        dict(layer=int(x.layer), counts=[int(c) for c in x.tokens_per_expert]) for x in load.layers
+    ]
+    return MessageToDict(info, preserving_proto_field_name=True), dict(layers=layers)
+
+
+def _load_data(args: argparse.Namespace) -> LoadData:
+    if (args.trace is None) == (args.server is None):
+        raise _UsageError("give exactly one of TRACE or --server HOST:PORT")
+    placement = Placement.load(args.placement) if args.placement else None
+    if args.trace is not None:
+        data = LoadData.from_trace(read_trace(args.trace), args.ep_size, placement)
+    else:
+        info, load = load_from_server(args.server, args.timeout)
+        if not load["layers"]:
+            raise TraceFormatError(f"server {args.server} reports no MoE layers")
+        counts = np.array([x["counts"] for x in load["layers"]], dtype=np.int64)
+        data = LoadData(
+            moe_layers=[x["layer"] for x in load["layers"]],
+            counts=counts[None],
+            ep_size=args.ep_size or int(info.get("ep_size") or 1),
+            placement=placement,
+            meta=dict(model=info.get("model")),
+        )
+    if data.placement is not None and data.placement.ep_size != data.ep_size:
+        if args.ep_size is None:
+            data.ep_size = data.placement.ep_size
+        else:
+            raise PlacementError(
+                f"--placement has {data.placement.ep_size} ranks but --ep-size is {data.ep_size}"
+            )
+    return data
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _print_table(header: list[str], rows: list[list[str]], title: str | None = None) -> None:
+    """A rich table on a terminal when rich is installed, else an aligned plain table."""
+    if sys.stdout.isatty():
+        try:
+            from rich.console import Console
+            from rich.table import Table
+        except ImportError:
+            pass
+        else:
+            table = Table(title=title)
+            for h in header:
+                left = "hottest" in h or h == "straggler"
+                table.add_column(h, justify="left" if left else "right")
+            for r in rows:
+                table.add_row(*r)
+            Console().print(table)
+            return
+    if title:
+        print(title)
+    print(format_table(header, rows))
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    data = _load_data(args)
+    report = build_report(data, top=args.top, moe_time_share=args.moe_time_share)
+    if args.json:
+        print(json.dumps(report.to_json()))
+        return 0
+    header, rows = report_table(report)
+    _print_table(header, rows, "routing skew per MoE layer")
+    print()
+    print("\n".join(summary_lines(report)))
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from moe_engine.skew.plot import plot_load
+
+    data = _load_data(args)
+    title = f"expert load per layer: {args.trace or args.server}"
+    plot_load(data, args.output, title=title)
+    print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    trace = read_trace(args.trace)
+    layers = [int(x) for x in trace.moe_layers]
+    placement = plan_placement(
+        trace.total_counts(), args.ep_size, args.num_redundant_experts, layers, args.per_layer
+    )
+    before = None
+    if trace.meta.get("placement"):
+        recorded = Placement.from_json(trace.meta["placement"])
+        if recorded.ep_size == args.ep_size:
+            before = recorded
+    shared = Placement(placement.num_experts, placement.slots)  # what moe-serve serves
+    result = replay(trace.counts, layers, shared, before)
+    per_layer = replay(trace.counts, layers, placement, before) if args.per_layer else None
+    if args.output:
+        placement.save(args.output)
+    replicated = {
+        e: n for e, n in enumerate(np.bincount(
+            [e for s in placement.slots for e in s], minlength=placement.num_experts
+        ).tolist()) if n > 1
+    }
+    if args.json:
+        out = dict(
+            placement=placement.to_json(),
+            before="trace placement" if before is not None else "contiguous",
+            replay=result.to_json(),
+            replay_per_layer=None if per_layer is None else per_layer.to_json(),
+            output=args.output,
+        )
+        print(json.dumps(out))
+        return 0
+    header = ["layer", "before max/mean", "after max/mean", "before step", "after step"]
+    columns = [
+        result.imbalance_before,
+        result.imbalance_after,
+        result.step_imbalance_before,
+        result.step_imbalance_after,
+    ]
+    if per_layer is not None:
+        header.append("per-layer plan max/mean")
+        columns.append(per_layer.imbalance_after)
+    rows = [
+        [str(layer), *(f"{c[i]:.4f}" for c in columns)]
+        for i, layer in enumerate(result.moe_layers)
+    ]
+    rows.append(["mean", *(f"{c.mean():.4f}" for c in columns)])
+    base = "trace placement" if before is not None else "contiguous placement"
+    _print_table(
+        header, rows,
+        f"predicted rank imbalance (max/mean), before = {base}, after = plan "
+        f"(ep_size {args.ep_size}, {args.num_redundant_experts} redundant"
+        f"{', per layer' if args.per_layer else ''})",
+    )
+    if per_layer is not None:
+        print('per-layer plans are written under "layers"; moe-serve serves "slots" (after)')
+    reps = ", ".join(f"e{e} x{n}" for e, n in replicated.items()) or "none"
+    print(f"replicated experts (shared plan): {reps}")
+    for r, s in enumerate(placement.slots):
+        print(f"rank {r}: {s}")
+    if args.output:
+        print(f"wrote {args.output}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    commands = dict(report=cmd_report, plot=cmd_plot, plan=cmd_plan)
+    try:
+        return commands[args.command](args)
+    except _UsageError as exc:
+        print(f"moe-skew {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except (TraceFormatError, PlacementError, ValueError, OSError) as exc:
+        print(f"moe-skew {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # grpc.RpcError without importing grpc up front
+        code = getattr(exc, "code", None)
+        if callable(code) and hasattr(exc, "details"):
+            print(
+                f"moe-skew {args.command}: error: {args.server}: {code().name}: {exc.details()}",
+                file=sys.stderr,
+            )
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""SIGTERM drains `moe-serve` (one rank), as a user runs it: a subprocess on the tiny checkpoint.
+
+With one batch slot (--max-num-seqs 1), a short request runs while three long ones queue behind
+it. On SIGTERM: health turns NOT_SERVING and new requests get UNAVAILABLE at once; the short
+request finishes; when --drain-timeout runs out, whatever is left is aborted (each stream ends
+with one finish_reason "abort" response); the process exits 0 and leaves no child behind.
+Three long requests of 1016 tokens cannot all finish in the 3-second drain unless the engine
+steps faster than 1 ms (about 5 ms on the project's 2-core machine).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_helpers import free_port, request
+
+from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+
+REPO = Path(__file__).resolve().parents[1]
+DRAIN_TIMEOUT_S = 3.0
+SHORT_TOKENS = 150
+LONG_TOKENS = 1016
+
+
+def _children(pid: int) -> set[int]:
+    """Pids whose parent is `pid` (from /proc)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.add(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting to be reaped counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+class _Stream(threading.Thread):
+    """Runs one Generate call, noting its responses or its error."""
+
+    def __init__(self, stub: pb_grpc.MoeEngineStub, req) -> None:
+        super().__init__(daemon=True)
+        self.stub, self.req = stub, req
+        self.responses: list = []
+        self.error: grpc.RpcError | None = None
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        try:
+            for r in self.stub.Generate(self.req, timeout=120):
+                self.responses.append(r)
+                self.started.set()
+        except grpc.RpcError as err:
+            self.error = err
+        self.started.set()
+
+
+def _wait_serving(channel: grpc.Channel, proc: subprocess.Popen) -> None:
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            status = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+        except grpc.RpcError:
+            status = None
+        if status == health_pb2.HealthCheckResponse.SERVING:
+            return
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline, "moe-serve did not become SERVING"
+        time.sleep(0.2)
+
+
+def test_sigterm_drains_then_aborts_and_exits_0(qwen3_ckpt: Path) -> None:
+    port = free_port()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "moe_engine.cli.serve", "--model", str(qwen3_ckpt),
+            "--port", str(port), "--max-model-len", "1024", "--kv-cache-memory", "4MiB",
+            "--max-num-seqs", "1", "--drain-timeout", str(DRAIN_TIMEOUT_S),
+            "--log-level", "WARNING",
+        ],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        address = f"127.0.0.1:{port}"
+        with grpc.insecure_channel(address) as channel:
+            _wait_serving(channel, proc)
+            children = _children(proc.pid)
+            assert children, "the engine core runs in a child process"
+            stub = pb_grpc.MoeEngineStub(channel)
+            short = _Stream(stub, request([5, 6, 7], max_tokens=SHORT_TOKENS, ignore_eos=True))
+            short.start()
+            assert short.started.wait(60) and short.error is None
+            longs = [
+                _Stream(stub, request([8 + i] * 4, max_tokens=LONG_TOKENS, ignore_eos=True))
+                for i in range(3)
+            ]
+            for stream in longs:
+                stream.start()
+            time.sleep(0.2)  # the long requests are queued behind the short one
+            proc.send_signal(signal.SIGTERM)
+            t_term = time.monotonic()
+            health = health_pb2_grpc.HealthStub(channel)
+            while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status != (
+                health_pb2.HealthCheckResponse.NOT_SERVING
+            ):
+                assert time.monotonic() - t_term < 5, "health still SERVING after SIGTERM"
+                time.sleep(0.02)
+            try:
+                list(stub.Generate(request([4, 5], max_tokens=2), timeout=5))
+                raise AssertionError("a new request was accepted while draining")
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+                assert "shutting down" in err.details()
+            assert time.monotonic() - t_term < DRAIN_TIMEOUT_S, "too slow to test the drain"
+            for stream in [short, *longs]:
+                stream.join(30)
+                assert not stream.is_alive()
+        assert proc.wait(timeout=30) == 0, proc.stderr.read()
+        elapsed = time.monotonic() - t_term
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # The short request finished; the long ones ended, each with exactly one final response.
+    assert short.error is None and short.responses[-1].finish_reason == "length"
+    assert sum(len(r.token_ids) for r in short.responses) == SHORT_TOKENS
+    reasons = []
+    for stream in longs:
+        assert stream.error is None, stream.error
+        finished = [r.finished for r in stream.responses]
+        assert finished == [False] * (len(finished) - 1) + [True]
+        reason = stream.responses[-1].finish_reason
+        tokens = sum(len(r.token_ids) for r in stream.responses)
+        assert (reason, tokens == LONG_TOKENS) in (("abort", False), ("length", True))
+        reasons.append(reason)
+    assert "abort" in reasons, reasons
+    assert DRAIN_TIMEOUT_S <= elapsed < DRAIN_TIMEOUT_S + 15, elapsed
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if _alive(pid)], "a child process outlived moe-serve"

@@ -1,0 +1,152 @@
+"""Expert parallelism end to end: ranks started by torch's elastic launcher (gloo on this CPU),
+served through gRPC.
+
+- greedy token ids with --ep-size 2 and 4 equal `transformers` and --ep-size 1 (the offline
+  `LLM` on the same prompts), with more concurrent requests than ranks and with a single
+  request (so some ranks only run zero-token steps);
+- killing a rank mid-generation brings the engine down within the collective timeout with a
+  message naming the rank, and the client sees UNAVAILABLE, not a hang;
+- an ep size that does not divide the experts, or exceeds them, fails at startup naming both.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+from fixtures import hf_greedy, make_tiny_checkpoint
+from grpc_helpers import ServerThread, stats, token_ids
+from grpc_helpers import request as make_request
+
+from moe_engine import LLM, SamplingParams
+from moe_engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from moe_engine.server.app import ServerOptions
+from moe_engine.server.pb import moe_engine_pb2 as pb
+from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+
+PROMPT_LENS = [3, 17, 40, 9, 64, 25]
+MAX_NEW = [8, 6, 10, 7, 5, 9]
+SINGLE_LEN, SINGLE_NEW = 21, 12
+
+
+def _prompts() -> tuple[list[list[int]], list[int]]:
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    single = torch.randint(3, 512, (SINGLE_LEN,), generator=g).tolist()
+    return prompts, single
+
+
+def _config(ckpt, ep_size: int, timeout_s: float = 30.0) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model=str(ckpt), max_model_len=256),
+        cache=CacheConfig(num_blocks_override=64),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=48),
+        parallel=ParallelConfig(ep_size=ep_size, collective_timeout_s=timeout_s),
+    )
+
+
+def _ep1_greedy(ckpt, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
+    llm = LLM(model=str(ckpt), max_model_len=256)
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_new
+    ]
+    return [out.token_ids for out in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("ep_size", [2, 4])
+@pytest.mark.parametrize("ckpt_name", ["qwen3_ckpt", "mixtral_ckpt"])
+def test_ep_greedy_equals_ep1_and_transformers(ckpt_name: str, ep_size: int, request) -> None:
+    ckpt = request.getfixturevalue(ckpt_name)
+    prompts, single = _prompts()
+    expected = [hf_greedy(ckpt, [p], n)[0] for p, n in zip(prompts, MAX_NEW, strict=True)]
+    expected_single = hf_greedy(ckpt, [single], SINGLE_NEW)[0]
+    assert _ep1_greedy(ckpt, [*prompts, single], [*MAX_NEW, SINGLE_NEW]) == [
+        *expected,
+        expected_single,
+    ]
+    handle = ServerThread(_config(ckpt, ep_size), ServerOptions(port=0), startup_timeout_s=300)
+    try:
+        info = handle.server.engine.model_info
+        assert info["ep_size"] == ep_size
+        experts = info["experts_per_rank"]
+        assert len(experts) == ep_size
+        assert sorted(e for rank in experts for e in rank) == list(range(8))
+        with grpc.insecure_channel(handle.address) as channel:
+            stub = pb_grpc.MoeEngineStub(channel)
+
+            def one(i: int) -> list[int]:
+                req = make_request(
+                    prompts[i], max_tokens=MAX_NEW[i], temperature=0.0, ignore_eos=True
+                )
+                return token_ids(list(stub.Generate(req, timeout=120)))
+
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                got = list(pool.map(one, range(len(prompts))))
+            req = make_request(single, max_tokens=SINGLE_NEW, temperature=0.0, ignore_eos=True)
+            got_single = token_ids(list(stub.Generate(req, timeout=120)))
+            s = stats(stub)
+            load = stub.GetExpertLoad(pb.GetExpertLoadRequest())
+    finally:
+        handle.close()
+    assert got == expected
+    assert got_single == expected_single
+    assert s.kv_blocks_free == s.kv_blocks_total == 64 * ep_size
+    assert s.num_running == s.num_waiting == 0
+    # Every token of every layer was routed to top_k experts, wherever it ran.
+    total_tokens = sum(PROMPT_LENS) + sum(MAX_NEW) - len(MAX_NEW) + SINGLE_LEN + SINGLE_NEW - 1
+    for layer in load.layers:
+        assert sum(layer.tokens_per_expert) == 2 * total_tokens
+
+
+def test_rank_killed_mid_generation_ends_server_with_unavailable(qwen3_ckpt) -> None:
+    timeout_s = 10.0
+    handle = ServerThread(_config(qwen3_ckpt, 2, timeout_s), ServerOptions(port=0), 300)
+    try:
+        engine = handle.server.engine
+        victim = engine.model_info["rank_pids"][1]
+        with grpc.insecure_channel(handle.address) as channel:
+            stub = pb_grpc.MoeEngineStub(channel)
+            req = make_request([5, 6, 7, 8], max_tokens=200, temperature=0.0, ignore_eos=True)
+            stream = stub.Generate(req, timeout=120)
+            next(stream)  # generating
+            killed_at = time.monotonic()
+            os.kill(victim, signal.SIGKILL)
+            with pytest.raises(grpc.RpcError) as err:
+                for _ in stream:
+                    pass
+            elapsed = time.monotonic() - killed_at
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert elapsed < timeout_s + 5, elapsed
+        deadline = time.monotonic() + timeout_s
+        while not engine.dead.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.dead.is_set()
+        assert "rank 1" in (engine.death_reason or ""), engine.death_reason
+    finally:
+        handle.close()
+
+
+@pytest.mark.parametrize(("num_experts", "ep_size"), [(16, 3), (8, 16)])
+def test_bad_ep_size_fails_at_startup_naming_both(
+    tiny_ckpt_root, capsys, num_experts: int, ep_size: int
+) -> None:
+    from moe_engine.cli.serve import main
+
+    ckpt = make_tiny_checkpoint("qwen3_moe", tiny_ckpt_root, num_experts=num_experts)
+    started = time.monotonic()
+    status = main(["--model", str(ckpt), "--ep-size", str(ep_size), "--port", "0"])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert f"--ep-size {ep_size}" in err and f"num_experts {num_experts}" in err, err
+    assert time.monotonic() - started < 60  # refused before any rank starts

@@ -1,0 +1,297 @@
+"""Overload and chaos over loopback, on the tiny real Qwen3-MoE checkpoint.
+
+One server for the module: 16 batch slots, a waiting queue of WAITING_LIMIT
+(--max-waiting-requests), 512 KV blocks of 16 tokens.
+
+- Load: 500 concurrent streaming requests (4 greedy tokens each) all complete or are refused
+  with RESOURCE_EXHAUSTED naming the limit; none is lost or duplicated; the counters in
+  GetServerStats and Prometheus agree; afterwards every KV block is free and, after a warm-up
+  round, another round grows neither the front end's resident memory (this process, which also
+  runs the clients) nor the engine core's by more than RSS_BOUND_MIB.
+- Chaos: 200 requests cancelled, timed out or aborted at random (seeded) points, interleaved
+  with 40 normal greedy requests: each normal request gets exactly the tokens it gets without
+  chaos, every stream that gets a final response gets exactly one, and nothing leaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_helpers import ServerThread, free_port, request, stats, wait_idle
+
+from moe_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from moe_engine.server.app import ServerOptions
+from moe_engine.server.pb import moe_engine_pb2 as pb
+from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+
+VOCAB = 512
+NUM_BLOCKS = 512
+MAX_NUM_SEQS = 16
+WAITING_LIMIT = 48
+NUM_LOAD = 500
+LOAD_TOKENS = 4
+#: Resident memory growth allowed over one load round after a warm-up round (MiB, per process).
+RSS_BOUND_MIB = 48
+NUM_CHAOS = 200
+NUM_NORMAL = 40
+#: Requests in flight during the chaos test: well under MAX_NUM_SEQS + WAITING_LIMIT, so no
+#: normal request is refused even while aborted ones are still being removed.
+CHAOS_IN_FLIGHT = 24
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_ckpt: Path) -> Iterator[ServerThread]:
+    config = EngineConfig(
+        model=ModelConfig(str(qwen3_ckpt), max_model_len=256),
+        cache=CacheConfig(block_size=16, num_blocks_override=NUM_BLOCKS),
+        scheduler=SchedulerConfig(
+            max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=256, max_waiting=WAITING_LIMIT
+        ),
+    )
+    options = ServerOptions(port=0, metrics_port=free_port(), stats_poll_s=0.1)
+    handle = ServerThread(config, options)
+    yield handle
+    handle.close()
+
+
+@pytest.fixture(scope="module")
+def stub(server: ServerThread) -> Iterator[pb_grpc.MoeEngineStub]:
+    with grpc.insecure_channel(server.address) as channel:
+        yield pb_grpc.MoeEngineStub(channel)
+
+
+def rss_mib(pid: int | str = "self") -> float:
+    """Resident memory of a process (MiB): psutil when installed, else /proc VmRSS."""
+    try:
+        import psutil
+
+        return psutil.Process(None if pid == "self" else int(pid)).memory_info().rss / 2**20
+    except ImportError:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise RuntimeError(f"no VmRSS in /proc/{pid}/status") from None
+
+
+async def _load_round(address: str, tag: str) -> list[tuple[str, object, str, list]]:
+    """NUM_LOAD concurrent streams; (request_id, status code or None, details, responses)."""
+    rng = random.Random(tag)
+    async with grpc.aio.insecure_channel(address) as channel:
+        aio_stub = pb_grpc.MoeEngineStub(channel)
+
+        async def one(i: int) -> tuple[str, object, str, list]:
+            rid = f"{tag}-{i}"
+            prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 12))]
+            req = request(
+                prompt, max_tokens=LOAD_TOKENS, temperature=0.0, ignore_eos=True, request_id=rid
+            )
+            responses: list = []
+            try:
+                async for r in aio_stub.Generate(req, timeout=120):
+                    responses.append(r)
+            except grpc.aio.AioRpcError as err:
+                return rid, err.code(), err.details() or "", responses
+            return rid, None, "", responses
+
+        return await asyncio.gather(*(one(i) for i in range(NUM_LOAD)))
+
+
+def _check_round(results: list) -> tuple[int, int]:
+    """Every request completed once or was refused; returns (completed, rejected)."""
+    assert len({rid for rid, *_ in results}) == NUM_LOAD
+    completed = rejected = 0
+    for rid, code, details, responses in results:
+        if code is None:
+            assert responses and all(r.request_id == rid for r in responses)
+            assert [r.finished for r in responses] == [False] * (len(responses) - 1) + [True]
+            assert responses[-1].finish_reason == "length"
+            assert sum(len(r.token_ids) for r in responses) == LOAD_TOKENS
+            assert responses[-1].usage.completion_tokens == LOAD_TOKENS
+            completed += 1
+        else:
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (rid, code, details)
+            assert not responses
+            assert f"is {WAITING_LIMIT}" in details and "--max-waiting-requests" in details
+            rejected += 1
+    return completed, rejected
+
+
+def _metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_load_500_streams_complete_or_are_rejected(
+    server: ServerThread, stub: pb_grpc.MoeEngineStub
+) -> None:
+    start = stats(stub)
+    assert start.kv_blocks_free == NUM_BLOCKS
+    core_pid = server.server.engine.core_pid
+    totals = [0, 0]
+    rss: list[tuple[float, float]] = []
+    t0 = time.monotonic()
+    for round_index in range(2):  # a warm-up round, then the measured one
+        results = asyncio.run(_load_round(server.address, f"load{round_index}"))
+        completed, rejected = _check_round(results)
+        assert completed > 0 and rejected > 0, (completed, rejected)
+        totals[0] += completed
+        totals[1] += rejected
+        wait_idle(stub, NUM_BLOCKS)
+        rss.append((rss_mib(), rss_mib(core_pid)))
+    elapsed = time.monotonic() - t0
+    end = stats(stub)
+    assert end.num_finished - start.num_finished == totals[0]
+    assert end.num_rejected - start.num_rejected == totals[1]
+    assert end.num_aborted == start.num_aborted
+    time.sleep(0.3)  # a few metrics polls
+    port = server.server.options.metrics_port
+    assert _metric(port, "moe_engine_num_requests_rejected_total") == end.num_rejected
+    assert _metric(port, "moe_engine_num_requests_aborted_total") == end.num_aborted
+    assert _metric(port, "moe_engine_num_preemptions_total") == end.num_preemptions
+    (front0, core0), (front1, core1) = rss
+    print(
+        f"\nload: 2 x {NUM_LOAD} requests in {elapsed:.1f} s, {totals[0]} completed, "
+        f"{totals[1]} rejected; RSS front end {front0:.0f} -> {front1:.0f} MiB, "
+        f"core {core0:.0f} -> {core1:.0f} MiB"
+    )
+    assert front1 - front0 <= RSS_BOUND_MIB
+    assert core1 - core0 <= RSS_BOUND_MIB
+
+
+# ------------------------------------------------------------------------------ chaos
+
+
+def _normal_requests() -> list[pb.GenerateRequest]:
+    rng = random.Random(1234)
+    return [
+        request(
+            [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 40))],
+            max_tokens=rng.randint(4, 24),
+            temperature=0.0,
+            ignore_eos=True,
+            request_id=f"normal-{i}",
+        )
+        for i in range(NUM_NORMAL)
+    ]
+
+
+async def _generate(stub, req: pb.GenerateRequest, **kw) -> list[pb.GenerateResponse]:
+    return [r async for r in stub.Generate(req, **kw)]
+
+
+def _tokens(responses: list[pb.GenerateResponse]) -> list[int]:
+    return [t for r in responses for t in r.token_ids]
+
+
+def _check_one_final(responses: list[pb.GenerateResponse], rid: str) -> None:
+    assert responses and all(r.request_id == rid for r in responses)
+    assert [r.finished for r in responses] == [False] * (len(responses) - 1) + [True]
+
+
+async def _chaos_one(stub, rng: random.Random, i: int) -> str:
+    """One disruptive request; returns what happened to it."""
+    rid = f"chaos-{i}"
+    prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 60))]
+    max_tokens = rng.randint(1, 120)
+    req = request(prompt, max_tokens=max_tokens, ignore_eos=True, request_id=rid,
+                  temperature=rng.choice([0.0, 0.8]), seed=i)  # fmt: skip
+    kind = rng.choice(["cancel", "timeout", "abort", "abort-twice"])
+    after = rng.randint(0, 6)
+    if kind == "timeout":
+        try:
+            responses = await _generate(stub, req, timeout=rng.uniform(0.005, 0.3))
+        except grpc.aio.AioRpcError as err:
+            assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
+            return "timed out"
+        _check_one_final(responses, rid)
+        return "finished"
+    call = stub.Generate(req)
+    responses: list = []
+    if after == 0:
+        await asyncio.sleep(rng.uniform(0, 0.02))
+    else:
+        async for r in call:
+            responses.append(r)
+            if len(responses) >= after or r.finished:
+                break
+    if kind == "cancel":
+        call.cancel()
+        return "cancelled"
+    answers = [await stub.Abort(pb.AbortRequest(request_id=rid))]
+    if kind == "abort-twice":
+        answers.append(await stub.Abort(pb.AbortRequest(request_id=rid)))
+    if not (responses and responses[-1].finished):
+        async for r in call:
+            responses.append(r)
+    _check_one_final(responses, rid)
+    reason = responses[-1].finish_reason
+    assert sum(a.aborted for a in answers) == (reason == "abort"), (answers, reason)
+    if reason != "abort":
+        assert reason == "length" and len(_tokens(responses)) == max_tokens
+        assert all(not a.aborted and a.detail for a in answers), answers
+    return f"abort -> {reason}"
+
+
+def test_chaos_leaves_normal_requests_exact_and_no_leak(
+    server: ServerThread, stub: pb_grpc.MoeEngineStub
+) -> None:
+    normal = _normal_requests()
+
+    async def run(with_chaos: bool) -> tuple[list[list[int]], dict[str, int]]:
+        outcomes: dict[str, int] = {}
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            aio_stub = pb_grpc.MoeEngineStub(channel)
+            gate = asyncio.Semaphore(CHAOS_IN_FLIGHT)
+            rng = random.Random(99)
+
+            async def normal_one(req: pb.GenerateRequest) -> list[int]:
+                async with gate:
+                    responses = await _generate(aio_stub, req, timeout=120)
+                _check_one_final(responses, req.request_id)
+                assert responses[-1].finish_reason == "length"
+                return _tokens(responses)
+
+            async def chaos_one(i: int) -> None:
+                async with gate:
+                    outcome = await _chaos_one(aio_stub, rng, i)
+                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+            tasks = [normal_one(r) for r in normal]
+            chaos = [chaos_one(i) for i in range(NUM_CHAOS)] if with_chaos else []
+            jobs = tasks + chaos
+            random.Random(7).shuffle(jobs)  # interleave normal and chaos requests
+            order = {id(t): k for k, t in enumerate(tasks)}
+            results = await asyncio.wait_for(asyncio.gather(*jobs), 240)
+            tokens = [[] for _ in tasks]
+            for job, result in zip(jobs, results, strict=True):
+                if id(job) in order:
+                    tokens[order[id(job)]] = result
+            return tokens, outcomes
+
+    start = stats(stub)
+    reference, _ = asyncio.run(run(with_chaos=False))
+    t0 = time.monotonic()
+    observed, outcomes = asyncio.run(run(with_chaos=True))
+    elapsed = time.monotonic() - t0
+    print(f"\nchaos: {NUM_CHAOS} disrupted + {NUM_NORMAL} normal in {elapsed:.1f} s: {outcomes}")
+    assert sum(outcomes.values()) == NUM_CHAOS
+    assert {"cancelled", "timed out", "abort -> abort"} <= outcomes.keys(), outcomes
+    for req, ref, got in zip(normal, reference, observed, strict=True):
+        assert len(ref) == req.max_tokens
+        assert got == ref, req.request_id
+    wait_idle(stub, start.kv_blocks_free)
+    end = stats(stub)
+    assert end.num_rejected == start.num_rejected
+    assert end.num_aborted > start.num_aborted
+    assert server.server.engine.num_live_requests == 0
+    assert not server.server.servicer._live

@@ -1,0 +1,235 @@
+"""`moe-skew report | plot | plan` in process, a live-server report over gRPC, and the gauges."""
+
+from __future__ import annotations
+
+import json
+from concurrent import futures
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client import generate_latest
+
+from comm.placement import ExpertPlacement
+from moe_engine.cli.skew import main
+from moe_engine.server.metrics import ServerMetrics
+from moe_engine.server.pb import moe_engine_pb2 as pb
+from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.skew.trace import TraceWriter, write_trace
+from moe_engine.skew.zipf import zipf_trace
+
+
+@pytest.fixture
+def biased_trace(tmp_path):
+    """A Zipf (s = 1.2, 64 experts, top-8, ep 4) trace whose hot experts differ per layer."""
+    trace, router = zipf_trace(
+        30, 3, 64, 8, 1.2, tokens_per_step=64, seed=int(np.random.randint(1e6)), ep_size=4
+    )
+    trace.moe_layers = np.array([1, 3, 5])
+    path = tmp_path / "trace.npz"
+    write_trace(path, trace)
+    return path, trace, router
+
+
+def test_report_names_the_hottest_experts(biased_trace, capsys):
+    path, trace, router = biased_trace
+    assert main(["report", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["layer"] for r in out["layers"]] == [1, 3, 5]
+    for i, row in enumerate(out["layers"]):
+        totals = trace.counts[:, i].sum(axis=0)
+        assert row["hottest"][0]["expert"] == int(router.hot_order[i, 0])
+        assert row["hottest"][0]["share"] == pytest.approx(totals.max() / totals.sum())
+        assert row["expert_imbalance"] == pytest.approx(totals.max() / totals.mean())
+        ranks = totals.reshape(4, 16).sum(axis=1)  # contiguous placement on ep 4
+        assert row["rank_imbalance"] == pytest.approx(ranks.max() / ranks.mean())
+        assert row["straggler_rank"] == int(ranks.argmax())
+        assert row["lost_s_per_step"] > 0
+    assert out["summary"]["ep_size"] == 4 and out["summary"]["moe_time_share_source"] == "assumed"
+
+    assert main(["report", str(path), "--top", "2", "--moe-time-share", "0.6"]) == 0
+    text = capsys.readouterr().out
+    for i, layer in enumerate([1, 3, 5]):
+        line = next(ln for ln in text.splitlines() if ln.split()[:1] == [str(layer)])
+        assert f"e{int(router.hot_order[i, 0])}:" in line
+    assert "MoE share of step 0.60 (given)" in text
+
+
+def _rows(text: str, first: str) -> dict[str, list[float]]:
+    rows = {}
+    for line in text.splitlines():
+        cells = line.split()
+        if cells and (cells[0].isdigit() or cells[0] == first):
+            try:
+                rows[cells[0]] = [float(c) for c in cells[1:]]
+            except ValueError:
+                continue
+    return rows
+
+
+def test_plan_prints_what_an_independent_replay_gives(biased_trace, tmp_path, capsys):
+    path, trace, _ = biased_trace
+    out_path = tmp_path / "placement.json"
+    args = ["plan", str(path), "--ep-size", "4", "--num-redundant-experts", "8"]
+    assert main([*args, "-o", str(out_path)]) == 0
+    text = capsys.readouterr().out
+    placement = json.loads(out_path.read_text())
+    assert placement["version"] == 1 and placement["ep_size"] == 4
+    assert placement["num_experts"] == 64 and len(placement["slots"]) == 4
+    # independent recomputation: loops over the written slots and the trace's counts
+    copies: dict[int, int] = {}
+    for rank in placement["slots"]:
+        for e in rank:
+            copies[e] = copies.get(e, 0) + 1
+    contiguous = [list(range(16 * r, 16 * (r + 1))) for r in range(4)]
+    rows = _rows(text, "mean")
+    before_all, after_all = [], []
+    for i, layer in enumerate([1, 3, 5]):
+        totals = trace.counts[:, i].sum(axis=0)
+
+        def imbalance(totals, slots, share):
+            loads = [sum(totals[e] / share[e] for e in rank) for rank in slots]
+            return max(loads) / (sum(loads) / len(loads))
+
+        before = imbalance(totals, contiguous, {e: 1 for e in range(64)})
+        after = imbalance(totals, placement["slots"], copies)
+        before_all.append(before)
+        after_all.append(after)
+        assert rows[str(layer)][0] == pytest.approx(before, abs=5e-5)  # printed to 4 places
+        assert rows[str(layer)][1] == pytest.approx(after, abs=5e-5)
+        assert after < before
+    assert rows["mean"][0] == pytest.approx(np.mean(before_all), abs=5e-5)
+    assert rows["mean"][1] == pytest.approx(np.mean(after_all), abs=5e-5)
+    assert f"wrote {out_path}" in text
+
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["placement"] == placement  # deterministic
+    got = [(r["imbalance_before"], r["imbalance_after"]) for r in out["replay"]["layers"]]
+    np.testing.assert_allclose(got, list(zip(before_all, after_all, strict=True)))
+
+    # --per-layer: the shared plan (what moe-serve serves) is unchanged; per-layer plans extra
+    per_path = tmp_path / "per_layer.json"
+    assert main([*args, "--per-layer", "--json", "-o", str(per_path)]) == 0
+    per = json.loads(capsys.readouterr().out)
+    assert per["placement"]["slots"] == placement["slots"]
+    assert per["replay"] == out["replay"]
+    assert sorted(json.loads(per_path.read_text())["layers"]) == ["1", "3", "5"]
+    assert ExpertPlacement.load(per_path).slots == tuple(map(tuple, placement["slots"]))
+    for row, shared in zip(per["replay_per_layer"]["layers"], after_all, strict=True):
+        assert row["imbalance_after"] < row["imbalance_before"]
+        assert row["imbalance_after"] <= shared + 1e-9 or row["imbalance_after"] < 1.01
+
+    # the report under the new placement shows the predicted rank imbalance
+    assert main(["report", str(path), "--placement", str(out_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    np.testing.assert_allclose([r["rank_imbalance"] for r in report["layers"]], after_all)
+
+
+def test_report_uses_the_traced_placement_and_rank_tokens(tmp_path, capsys):
+    slots = [[0, 1, 2], [0, 3, 2]]  # experts 0 and 2 on both ranks
+    meta = dict(model="x", placement=dict(version=1, num_experts=4, ep_size=2, slots=slots))
+    path = tmp_path / "t.npz"
+    with TraceWriter(path, [0], 4, ep_size=2, meta=meta) as writer:
+        for _ in range(3):
+            writer.add_step(np.array([[8, 3, 2, 1]]), 0.01, 7, rank_tokens=np.array([[5, 3]]))
+    assert main(["report", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    row = out["layers"][0]
+    assert out["summary"]["placement"] == "explicit"
+    assert row["rank_load"] == [24.0, 18.0]  # 3 x (8/2 + 3 + 2/2), 3 x (8/2 + 1 + 2/2)
+    assert row["recv_imbalance"] == pytest.approx(15 / 12)
+    assert main(["report", str(path)]) == 0
+    assert "recv max/mean" in capsys.readouterr().out
+
+
+def test_plot_writes_a_png(biased_trace, tmp_path, capsys):
+    path, _, _ = biased_trace
+    png = tmp_path / "skew.png"
+    assert main(["plot", str(path), "-o", str(png)]) == 0
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert f"wrote {png}" in capsys.readouterr().out
+
+
+def test_errors_and_exit_statuses(biased_trace, tmp_path, capsys):
+    path, _, _ = biased_trace
+    bad = tmp_path / "bad.npz"
+    with open(bad, "wb") as f:
+        np.savez_compressed(f, format_version=np.asarray(9))
+    assert main(["report", str(bad)]) == 1
+    assert "format_version 9" in capsys.readouterr().err
+    assert main(["plan", str(path), "--ep-size", "4", "--num-redundant-experts", "3"]) == 1
+    assert "multiple of ep_size" in capsys.readouterr().err
+    assert main(["report", str(path), "--server", "127.0.0.1:1"]) == 2
+    assert main(["report"]) == 2
+    assert "exactly one of TRACE or --server" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", str(path), "--ep-size", "0", "--num-redundant-experts", "1"])
+    assert exc.value.code == 2
+    assert "--ep-size" in capsys.readouterr().err
+    assert main(["report", "--server", "127.0.0.1:1", "--timeout", "0.5"]) == 1
+    assert "127.0.0.1:1: " in capsys.readouterr().err  # the server, then the status code
+
+
+class _LoadServicer(pb_grpc.MoeEngineServicer):
+    def __init__(self, counts: list[list[int]]) -> None:
+        self.counts = counts
+
+    def GetModelInfo(self, request, context):  # noqa: N802
+        return pb.ModelInfo(model="fake", ep_size=2, num_experts=len(self.counts[0]))
+
+    def GetExpertLoad(self, request, context):  # noqa: N802
+        return pb.ExpertLoad(
+            layers=[
+                pb.LayerExpertLoad(layer=2 * i + 1, tokens_per_expert=c)
+                for i, c in enumerate(self.counts)
+            ]
+        )
+
+
+def test_report_from_a_live_server(capsys):
+    counts = [[30, 2, 1, 7], [1, 1, 1, 9]]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_MoeEngineServicer_to_server(_LoadServicer(counts), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        assert main(["report", "--server", f"127.0.0.1:{port}", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert main(["report", "--server", f"127.0.0.1:{port}"]) == 0
+        text = capsys.readouterr().out
+    finally:
+        server.stop(None)
+    assert out["summary"]["ep_size"] == 2 and out["summary"]["model"] == "fake"
+    first, second = out["layers"]
+    assert (first["layer"], second["layer"]) == (1, 3)
+    assert first["hottest"][0] == dict(expert=0, share=0.75)
+    assert first["rank_imbalance"] == pytest.approx(32 / 20)  # ranks {0,1}=32, {2,3}=8
+    assert second["straggler_rank"] == 1 and first["lost_s_per_step"] is None
+    assert "n/a (no step times in this source)" in text
+
+
+def test_metrics_gauges_by_layer_and_rank():
+    metrics = ServerMetrics()
+    metrics.update_from_expert_load(
+        dict(moe_layers=[1, 3], counts=[[4, 4, 4, 4], [10, 0, 0, 2]], rank_tokens=[[3, 1], [2, 2]])
+    )
+    text = generate_latest(metrics.registry).decode()
+
+    def value(name: str, layer: int, by: str) -> float:
+        key = f'{name}{{by="{by}",layer="{layer}"}} '
+        line = next(ln for ln in text.splitlines() if ln.startswith(key))
+        return float(line.split()[-1])
+
+    assert value("moe_engine_imbalance_ratio", 1, "expert") == 1.0
+    assert value("moe_engine_imbalance_ratio", 3, "expert") == pytest.approx(10 / 3)
+    assert value("moe_engine_balancedness", 3, "expert") == pytest.approx(0.3)
+    assert value("moe_engine_imbalance_ratio", 1, "rank") == pytest.approx(1.5)
+    assert value("moe_engine_balancedness", 1, "rank") == pytest.approx(2 / 3)
+    # a recent window, when the core sends one, wins over the totals since startup
+    metrics.update_from_expert_load(
+        dict(moe_layers=[1, 3], counts=[[4, 4, 4, 4]] * 2, window_counts=[[8, 0, 0, 0]] * 2)
+    )
+    text = generate_latest(metrics.registry).decode()
+    assert value("moe_engine_imbalance_ratio", 1, "expert") == 4.0
