@@ -1,4 +1,5 @@
-"""SIGTERM drains `moe-serve` (one rank), as a user runs it: a subprocess on the tiny checkpoint.
+"""SIGTERM drains `moe-serve` (one rank, and two expert-parallel ranks started by torch's elastic
+launcher), as a user runs it: a subprocess on the tiny checkpoint.
 
 With one batch slot (--max-num-seqs 1), a short request runs while three long ones queue behind
 it. On SIGTERM: health turns NOT_SERVING and new requests get UNAVAILABLE at once; the short
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_helpers import free_port, request
 
@@ -42,6 +44,16 @@ def _children(pid: int) -> set[int]:
             continue
         if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
             found.add(int(entry.name))
+    return found
+
+
+def _descendants(pid: int) -> set[int]:
+    """Children, grandchildren, ... of `pid` (the ranks are the launcher's children)."""
+    found, frontier = set(), {pid}
+    while frontier:
+        nxt = set().union(*(_children(p) for p in frontier)) - found
+        found |= nxt
+        frontier = nxt
     return found
 
 
@@ -89,7 +101,8 @@ def _wait_serving(channel: grpc.Channel, proc: subprocess.Popen) -> None:
         time.sleep(0.2)
 
 
-def test_sigterm_drains_then_aborts_and_exits_0(qwen3_ckpt: Path) -> None:
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_sigterm_drains_then_aborts_and_exits_0(qwen3_ckpt: Path, ep_size: int) -> None:
     port = free_port()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -98,7 +111,7 @@ def test_sigterm_drains_then_aborts_and_exits_0(qwen3_ckpt: Path) -> None:
             sys.executable, "-m", "moe_engine.cli.serve", "--model", str(qwen3_ckpt),
             "--port", str(port), "--max-model-len", "1024", "--kv-cache-memory", "4MiB",
             "--max-num-seqs", "1", "--drain-timeout", str(DRAIN_TIMEOUT_S),
-            "--log-level", "WARNING",
+            "--log-level", "WARNING", "--ep-size", str(ep_size),
         ],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -106,8 +119,8 @@ def test_sigterm_drains_then_aborts_and_exits_0(qwen3_ckpt: Path) -> None:
         address = f"127.0.0.1:{port}"
         with grpc.insecure_channel(address) as channel:
             _wait_serving(channel, proc)
-            children = _children(proc.pid)
-            assert children, "the engine core runs in a child process"
+            children = _descendants(proc.pid)
+            assert len(children) >= ep_size, "the engine runs in child processes"
             stub = pb_grpc.MoeEngineStub(channel)
             short = _Stream(stub, request([5, 6, 7], max_tokens=SHORT_TOKENS, ignore_eos=True))
             short.start()

@@ -97,8 +97,17 @@ def test_ep_greedy_equals_ep1_and_transformers(ckpt_name: str, ep_size: int, req
             got_single = token_ids(list(stub.Generate(req, timeout=120)))
             s = stats(stub)
             load = stub.GetExpertLoad(pb.GetExpertLoadRequest())
+            window = stub.GetExpertLoad(pb.GetExpertLoadRequest(window=True))
+            grpc_info = stub.GetModelInfo(pb.GetModelInfoRequest())
     finally:
         handle.close()
+    assert grpc_info.ep_size == ep_size
+    assert [list(r.experts) for r in grpc_info.experts_per_rank] == experts
+    assert s.ep_size == ep_size and [r.rank for r in s.ranks] == list(range(ep_size))
+    assert sum(r.kv_blocks_free for r in s.ranks) == s.kv_blocks_free
+    assert 0 < s.min_dispatch_bytes <= s.dispatch_bytes_sent
+    assert s.combine_bytes_sent > 0 and s.tokens_received > 0
+    assert load.ep_size == ep_size and window.window_steps > 0
     assert got == expected
     assert got_single == expected_single
     assert s.kv_blocks_free == s.kv_blocks_total == 64 * ep_size
@@ -107,6 +116,10 @@ def test_ep_greedy_equals_ep1_and_transformers(ckpt_name: str, ep_size: int, req
     total_tokens = sum(PROMPT_LENS) + sum(MAX_NEW) - len(MAX_NEW) + SINGLE_LEN + SINGLE_NEW - 1
     for layer in load.layers:
         assert sum(layer.tokens_per_expert) == 2 * total_tokens
+        # each rank's expert load: the pairs its experts processed, all pairs in all
+        assert len(layer.tokens_per_rank) == ep_size
+        assert sum(layer.tokens_per_rank) == 2 * total_tokens
+        assert layer.rank_imbalance_ratio >= 1.0
 
 
 def test_rank_killed_mid_generation_ends_server_with_unavailable(qwen3_ckpt) -> None:

@@ -274,13 +274,18 @@ class LockstepLoop:
         Ranks on this node are checked by pid (gone, zombie or stopped); otherwise a monitored
         barrier on the health group names the ranks that do not reach it.
         """
-        found = [
-            f"rank {rank} (pid {pid}) {state}"
-            for rank, pid in enumerate(rank_pids)
-            if rank != self.rank and (state := process_state(pid)) is not None
-        ]
-        if found:
-            return "; ".join(found)
+        deadline = time.monotonic() + HEALTH_CHECK_S  # a killed peer may still be exiting
+        while rank_pids:
+            found = [
+                f"rank {rank} (pid {pid}) {state}"
+                for rank, pid in enumerate(rank_pids)
+                if rank != self.rank and (state := process_state(pid)) is not None
+            ]
+            if found:
+                return "; ".join(found)
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         try:
             dist.monitored_barrier(
                 group=self.health_group,
@@ -431,7 +436,7 @@ def run_rank(
             loop.run()
             status = 0
         except Exception as exc:  # noqa: BLE001 - a collective failed: report and exit
-            logger.error("rank %d: step loop failed: %s", rank, exc)
+            logger.exception("rank %d: step loop failed: %s", rank, exc)
             if rank == 0:
                 who = loop.unresponsive_ranks(pids if local else [])
                 send(["FATAL", f"expert-parallel step failed ({who}): {exc}", ""])

@@ -20,9 +20,11 @@ from contextlib import aclosing
 from typing import Any
 
 import grpc
+import torch
 
 from moe_engine.engine.client import EngineClient
 from moe_engine.errors import ErrorCode, RequestError
+from moe_engine.instrumentation import balancedness, imbalance_ratio
 from moe_engine.request import RequestOutput, SamplingParams
 from moe_engine.server.metrics import RequestTimer, ServerMetrics
 from moe_engine.server.pb import moe_engine_pb2 as pb
@@ -83,6 +85,22 @@ def response_from_output(out: RequestOutput) -> pb.GenerateResponse:
             for tok, lp in sorted(top.items(), key=lambda kv: -kv[1]):
                 entry.top_logprobs.add(token_id=tok, logprob=lp)
     return response
+
+
+#: RankStats fields filled from each rank's stats dict.
+_RANK_FIELDS = frozenset(pb.RankStats.DESCRIPTOR.fields_by_name)
+
+
+def _kv_group_stats(stats: dict[str, Any]) -> list[pb.KVCacheGroupStats]:
+    """ServerStats.kv_groups from the core's `kv_groups` list (under expert parallelism, each
+    rank's list, with blocks_used summed over the ranks)."""
+    per_rank = [r.get("kv_groups") or [] for r in stats.get("per_rank", [])]
+    groups = [dict(g) for g in stats.get("kv_groups") or (per_rank[0] if per_rank else [])]
+    if "kv_groups" not in stats and len(per_rank) > 1:
+        for g, group in enumerate(groups):
+            group["blocks_used"] = sum(r[g]["blocks_used"] for r in per_rank if len(r) > g)
+    known = pb.KVCacheGroupStats.DESCRIPTOR.fields_by_name
+    return [pb.KVCacheGroupStats(**{k: v for k, v in g.items() if k in known}) for g in groups]
 
 
 class MoeEngineServicer(pb_grpc.MoeEngineServicer):
@@ -193,8 +211,12 @@ class MoeEngineServicer(pb_grpc.MoeEngineServicer):
         except RequestError as exc:
             await _abort(context, exc)
         known = pb.ModelInfo.DESCRIPTOR.fields_by_name
-        info = self.engine.model_info
-        return pb.ModelInfo(**{k: v for k, v in info.items() if k in known and v is not None})
+        info = dict(self.engine.model_info)
+        per_rank = info.pop("experts_per_rank", None) or [info.get("local_experts") or []]
+        fields = {k: v for k, v in info.items() if k in known and v is not None}
+        return pb.ModelInfo(
+            **fields, experts_per_rank=[pb.RankExperts(experts=e) for e in per_rank]
+        )
 
     async def GetServerStats(  # noqa: N802
         self, request: pb.GetServerStatsRequest, context: grpc.aio.ServicerContext
@@ -208,7 +230,14 @@ class MoeEngineServicer(pb_grpc.MoeEngineServicer):
         total = stats.get("kv_blocks_total", 0)
         usage = stats.get("kv_blocks_used", 0) / total if total else 0.0
         fields = {k: v for k, v in stats.items() if k in known and v is not None}
-        return pb.ServerStats(**fields, kv_cache_usage=usage)
+        fields["ep_size"] = stats.get("ep_size", 1)
+        fields["tokens_dispatched"] = stats.get("tokens_in", 0)
+        ranks = [
+            pb.RankStats(**{k: v for k, v in r.items() if k in _RANK_FIELDS and v is not None})
+            for r in stats.get("per_rank", [])
+        ]
+        fields["kv_groups"] = _kv_group_stats(stats)
+        return pb.ServerStats(**fields, kv_cache_usage=usage, ranks=ranks)
 
     async def GetExpertLoad(  # noqa: N802
         self, request: pb.GetExpertLoadRequest, context: grpc.aio.ServicerContext
@@ -218,18 +247,31 @@ class MoeEngineServicer(pb_grpc.MoeEngineServicer):
             load = await self.engine.get_expert_load()
         except RequestError as exc:
             await _abort(context, exc)
-        layers = zip(
-            load["moe_layers"], load["counts"], load["imbalance_ratio"], load["balancedness"],
-            strict=True,
-        )
+        counts = load["window_counts"] if request.window else load["counts"]
+        table = torch.tensor(counts, dtype=torch.float64)
+        ratios, balanced = imbalance_ratio(table).tolist(), balancedness(table).tolist()
+        rank_tokens = load.get("rank_tokens")
+        rank_ratio = rank_bal = None
+        if rank_tokens:
+            rank_table = torch.tensor(rank_tokens, dtype=torch.float64)
+            rank_ratio = imbalance_ratio(rank_table).tolist()
+            rank_bal = balancedness(rank_table).tolist()
+        layers = []
+        for i, layer in enumerate(load["moe_layers"]):
+            entry = pb.LayerExpertLoad(
+                layer=layer,
+                tokens_per_expert=counts[i],
+                imbalance_ratio=ratios[i],
+                balancedness=balanced[i],
+            )
+            if rank_tokens:
+                entry.tokens_per_rank.extend(rank_tokens[i])
+                entry.rank_imbalance_ratio, entry.rank_balancedness = rank_ratio[i], rank_bal[i]
+            layers.append(entry)
         return pb.ExpertLoad(
-            layers=[
-                pb.LayerExpertLoad(
-                    layer=layer, tokens_per_expert=counts, imbalance_ratio=ratio,
-                    balancedness=balanced,
-                )
-                for layer, counts, ratio, balanced in layers
-            ]
+            layers=layers,
+            ep_size=self.engine.model_info.get("ep_size", 1),
+            window_steps=load.get("window_steps", 0) if request.window else 0,
         )
 
     def _check_ready(self, draining_ok: bool = False) -> None:

@@ -105,7 +105,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "architecture", "dtype", "vocab_size", "max_model_len", "num_layers", "num_experts", "num_experts_per_tok", "hidden_size", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "ep_size", "has_tokenizer", "weight_bytes_experts", "weight_bytes_attention", "weight_bytes_embeddings", "weight_bytes_other", "expert_weight_format", "expert_group_size", "expert_checkpoint_format", "expert_zero_points")
+    __slots__ = ("model", "architecture", "dtype", "vocab_size", "max_model_len", "num_layers", "num_experts", "num_experts_per_tok", "hidden_size", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "ep_size", "has_tokenizer", "weight_bytes_experts", "weight_bytes_attention", "weight_bytes_embeddings", "weight_bytes_other", "expert_weight_format", "expert_group_size", "expert_checkpoint_format", "expert_zero_points", "experts_per_rank")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class ModelInfo(_message.Message):
     EXPERT_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     EXPERT_CHECKPOINT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     EXPERT_ZERO_POINTS_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_PER_RANK_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     dtype: str
@@ -152,14 +153,21 @@ class ModelInfo(_message.Message):
     expert_group_size: int
     expert_checkpoint_format: str
     expert_zero_points: bool
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., hidden_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., ep_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., weight_bytes_experts: _Optional[int] = ..., weight_bytes_attention: _Optional[int] = ..., weight_bytes_embeddings: _Optional[int] = ..., weight_bytes_other: _Optional[int] = ..., expert_weight_format: _Optional[str] = ..., expert_group_size: _Optional[int] = ..., expert_checkpoint_format: _Optional[str] = ..., expert_zero_points: _Optional[bool] = ...) -> None: ...
+    experts_per_rank: _containers.RepeatedCompositeFieldContainer[RankExperts]
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., hidden_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., ep_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., weight_bytes_experts: _Optional[int] = ..., weight_bytes_attention: _Optional[int] = ..., weight_bytes_embeddings: _Optional[int] = ..., weight_bytes_other: _Optional[int] = ..., expert_weight_format: _Optional[str] = ..., expert_group_size: _Optional[int] = ..., expert_checkpoint_format: _Optional[str] = ..., expert_zero_points: _Optional[bool] = ..., experts_per_rank: _Optional[_Iterable[_Union[RankExperts, _Mapping]]] = ...) -> None: ...
+
+class RankExperts(_message.Message):
+    __slots__ = ("experts",)
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    experts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, experts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetServerStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "num_preemptions", "prompt_tokens_total", "generation_tokens_total", "num_finished", "num_aborted", "kv_cache_usage", "num_rejected")
+    __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "num_preemptions", "prompt_tokens_total", "generation_tokens_total", "num_finished", "num_aborted", "kv_cache_usage", "num_rejected", "ep_size", "dispatch_bytes_sent", "combine_bytes_sent", "min_dispatch_bytes", "tokens_dispatched", "tokens_received", "ranks", "prefix_cache_queries", "prefix_cache_hits", "kv_cached_blocks", "kv_groups")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +180,17 @@ class ServerStats(_message.Message):
     NUM_ABORTED_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    EP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DISPATCH_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    COMBINE_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    MIN_DISPATCH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_DISPATCHED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_blocks_total: int
@@ -184,26 +203,85 @@ class ServerStats(_message.Message):
     num_aborted: int
     kv_cache_usage: float
     num_rejected: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_aborted: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_rejected: _Optional[int] = ...) -> None: ...
+    ep_size: int
+    dispatch_bytes_sent: int
+    combine_bytes_sent: int
+    min_dispatch_bytes: int
+    tokens_dispatched: int
+    tokens_received: int
+    ranks: _containers.RepeatedCompositeFieldContainer[RankStats]
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    kv_cached_blocks: int
+    kv_groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroupStats]
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_aborted: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_rejected: _Optional[int] = ..., ep_size: _Optional[int] = ..., dispatch_bytes_sent: _Optional[int] = ..., combine_bytes_sent: _Optional[int] = ..., min_dispatch_bytes: _Optional[int] = ..., tokens_dispatched: _Optional[int] = ..., tokens_received: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStats, _Mapping]]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ..., kv_groups: _Optional[_Iterable[_Union[KVCacheGroupStats, _Mapping]]] = ...) -> None: ...
+
+class KVCacheGroupStats(_message.Message):
+    __slots__ = ("group", "kind", "sliding_window", "num_layers", "kv_bytes_per_token", "blocks_used")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    group: int
+    kind: str
+    sliding_window: int
+    num_layers: int
+    kv_bytes_per_token: int
+    blocks_used: int
+    def __init__(self, group: _Optional[int] = ..., kind: _Optional[str] = ..., sliding_window: _Optional[int] = ..., num_layers: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., blocks_used: _Optional[int] = ...) -> None: ...
+
+class RankStats(_message.Message):
+    __slots__ = ("rank", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "tokens_received", "dispatch_bytes_sent", "combine_bytes_sent")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    DISPATCH_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    COMBINE_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    tokens_received: int
+    dispatch_bytes_sent: int
+    combine_bytes_sent: int
+    def __init__(self, rank: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., tokens_received: _Optional[int] = ..., dispatch_bytes_sent: _Optional[int] = ..., combine_bytes_sent: _Optional[int] = ...) -> None: ...
 
 class GetExpertLoadRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("window",)
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    window: bool
+    def __init__(self, window: _Optional[bool] = ...) -> None: ...
 
 class LayerExpertLoad(_message.Message):
-    __slots__ = ("layer", "tokens_per_expert", "imbalance_ratio", "balancedness")
+    __slots__ = ("layer", "tokens_per_expert", "imbalance_ratio", "balancedness", "tokens_per_rank", "rank_imbalance_ratio", "rank_balancedness")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_EXPERT_FIELD_NUMBER: _ClassVar[int]
     IMBALANCE_RATIO_FIELD_NUMBER: _ClassVar[int]
     BALANCEDNESS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_RANK_FIELD_NUMBER: _ClassVar[int]
+    RANK_IMBALANCE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    RANK_BALANCEDNESS_FIELD_NUMBER: _ClassVar[int]
     layer: int
     tokens_per_expert: _containers.RepeatedScalarFieldContainer[int]
     imbalance_ratio: float
     balancedness: float
-    def __init__(self, layer: _Optional[int] = ..., tokens_per_expert: _Optional[_Iterable[int]] = ..., imbalance_ratio: _Optional[float] = ..., balancedness: _Optional[float] = ...) -> None: ...
+    tokens_per_rank: _containers.RepeatedScalarFieldContainer[int]
+    rank_imbalance_ratio: float
+    rank_balancedness: float
+    def __init__(self, layer: _Optional[int] = ..., tokens_per_expert: _Optional[_Iterable[int]] = ..., imbalance_ratio: _Optional[float] = ..., balancedness: _Optional[float] = ..., tokens_per_rank: _Optional[_Iterable[int]] = ..., rank_imbalance_ratio: _Optional[float] = ..., rank_balancedness: _Optional[float] = ...) -> None: ...
 
 class ExpertLoad(_message.Message):
-    __slots__ = ("layers",)
+    __slots__ = ("layers", "ep_size", "window_steps")
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    EP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_STEPS_FIELD_NUMBER: _ClassVar[int]
     layers: _containers.RepeatedCompositeFieldContainer[LayerExpertLoad]
-    def __init__(self, layers: _Optional[_Iterable[_Union[LayerExpertLoad, _Mapping]]] = ...) -> None: ...
+    ep_size: int
+    window_steps: int
+    def __init__(self, layers: _Optional[_Iterable[_Union[LayerExpertLoad, _Mapping]]] = ..., ep_size: _Optional[int] = ..., window_steps: _Optional[int] = ...) -> None: ...
