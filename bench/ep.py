@@ -66,7 +66,7 @@ async def run_one(ckpt: Path, ep_size: int, args: argparse.Namespace) -> dict:
                 max_tokens=r.output_len, min_tokens=r.output_len, temperature=0.0, ignore_eos=True
             )
             n = 0
-            async for out in client.generate(f"r{i}", r.prompt, params):
+            async for out in client.generate(f"r{i}", r.prompt_token_ids, params):
                 n += len(out.new_token_ids)
             return n
 
