@@ -73,11 +73,14 @@ class CacheConfig:
         block_size: tokens per KV block.
         kv_cache_memory: bytes for the KV cache; None derives it from free memory.
         num_blocks_override: exact number of blocks (tests use it to force preemption).
+        enable_prefix_caching: reuse the KV blocks of earlier requests' identical prefixes
+            (full blocks only; `kv_cache.KVCacheManager`).
     """
 
     block_size: int = 16
     kv_cache_memory: int | None = None
     num_blocks_override: int | None = None
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -169,7 +172,8 @@ class QuantConfig:
             pre-quantized checkpoint may be asymmetric).
         checkpoint_format: None when experts are quantized at load time (or not at all);
             "compressed-tensors" when the checkpoint stores them int4 already
-            (`quant.compressed_tensors`, set by `resolve_quant_config`).
+            (`quant.compressed_tensors`), "mxfp4" when it stores them MXFP4 (gpt-oss
+            `*_blocks` / `*_scales`); set by `resolve_quant_config`.
     """
 
     method: str = "none"
@@ -196,17 +200,22 @@ class QuantConfig:
             )
         if self.group_size not in (32, 64, 128):
             raise ValueError(f"quant group_size must be 32, 64 or 128, got {self.group_size}")
-        if self.checkpoint_format not in (None, CHECKPOINT_INT4_FORMAT) or (
-            self.checkpoint_format and self.method != "int4"
+        formats = {CHECKPOINT_INT4_FORMAT: "int4", CHECKPOINT_MXFP4_FORMAT: "mxfp4"}
+        if self.checkpoint_format is not None and (
+            formats.get(self.checkpoint_format) != self.method
         ):
             raise ValueError(
                 f"quant checkpoint_format {self.checkpoint_format!r} with method "
-                f"{self.method!r}: only int4 experts load pre-quantized ({CHECKPOINT_INT4_FORMAT})"
+                f"{self.method!r}: experts load pre-quantized only as int4 "
+                f"({CHECKPOINT_INT4_FORMAT}) or mxfp4 ({CHECKPOINT_MXFP4_FORMAT})"
             )
 
 
-#: The pre-quantized expert format `resolve_quant_config` recognises in config.json.
+#: The pre-quantized expert formats `resolve_quant_config` recognises in config.json.
 CHECKPOINT_INT4_FORMAT = "compressed-tensors"
+CHECKPOINT_MXFP4_FORMAT = "mxfp4"  # gpt-oss: quantization_config {"quant_method": "mxfp4"}
+#: model_type values whose checkpoints may store MXFP4 experts (`*_blocks` / `*_scales`).
+_MXFP4_MODEL_TYPES = ("gpt_oss",)
 
 
 def resolve_quant_config(quant: QuantConfig, hf_config: dict) -> QuantConfig:
@@ -214,8 +223,9 @@ def resolve_quant_config(quant: QuantConfig, hf_config: dict) -> QuantConfig:
 
     A checkpoint whose routed experts are compressed-tensors pack-quantized int4
     (`quant.compressed_tensors`) is served as stored, with --quantization none or auto, or int4
-    with the checkpoint's group size. Without such experts, "auto" becomes "none" and the
-    others stand (load-time quantization of float experts).
+    with the checkpoint's group size; a gpt-oss checkpoint with MXFP4 experts (quant_method
+    "mxfp4", `*_blocks` / `*_scales`) likewise, with none, auto or mxfp4. Without such experts,
+    "auto" becomes "none" and the others stand (load-time quantization of float experts).
 
     Args:
         quant: the requested configuration (flags).
@@ -230,6 +240,10 @@ def resolve_quant_config(quant: QuantConfig, hf_config: dict) -> QuantConfig:
 
     if quant.checkpoint_format is not None:  # resolved already
         return quant
+    stored_config = hf_config.get("quantization_config")
+    stored = stored_config.get("quant_method") if isinstance(stored_config, dict) else None
+    if stored == CHECKPOINT_MXFP4_FORMAT:
+        return _resolve_mxfp4_checkpoint(quant, hf_config)
     ct = parse_quantization_config(hf_config)
     if ct is None and hf_config.get("quantization_config"):
         method = hf_config["quantization_config"].get("quant_method")
@@ -259,6 +273,27 @@ def resolve_quant_config(quant: QuantConfig, hf_config: dict) -> QuantConfig:
             f"--quantization auto (or int4 with --quant-group-size {scheme.group_size})"
         )
     return QuantConfig("int4", scheme.group_size, scheme.symmetric, CHECKPOINT_INT4_FORMAT)
+
+
+def _resolve_mxfp4_checkpoint(quant: QuantConfig, hf_config: dict) -> QuantConfig:
+    """A gpt-oss checkpoint whose experts are MXFP4 (quant_method "mxfp4"): served as stored
+    with --quantization none, auto or mxfp4.
+
+    Raises:
+        ValueError: another model type, or --quantization int4 (names the flag to use).
+    """
+    model_type = hf_config.get("model_type")
+    if model_type not in _MXFP4_MODEL_TYPES:
+        raise ValueError(
+            f"config.json quantization_config: quant_method 'mxfp4' is supported for "
+            f"{', '.join(_MXFP4_MODEL_TYPES)} checkpoints only, not model_type {model_type!r}"
+        )
+    if quant.method == "int4":
+        raise ValueError(
+            "--quantization int4 conflicts with the checkpoint, whose experts are mxfp4 "
+            "(quantization_config quant_method 'mxfp4'); pass --quantization auto (or mxfp4)"
+        )
+    return QuantConfig("mxfp4", 32, True, CHECKPOINT_MXFP4_FORMAT)
 
 
 def _expert_scheme(ct, hf_config: dict):

@@ -41,8 +41,8 @@ class LLM:
         model: checkpoint directory (config.json + *.safetensors).
         dtype: "auto", "bfloat16" or "float32".
         max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory (bytes),
-        block_size, num_blocks_override, quantization, quant_group_size: as the `moe-serve`
-        flags of the same names.
+        block_size, num_blocks_override, quantization, quant_group_size,
+        enable_prefix_caching: as the `moe-serve` flags of the same names.
     """
 
     def __init__(
@@ -58,6 +58,7 @@ class LLM:
         seed: int = 0,
         quantization: str = "none",
         quant_group_size: int = 128,
+        enable_prefix_caching: bool = False,
     ) -> None:
         self.engine = EngineCore(
             EngineConfig(
@@ -68,6 +69,7 @@ class LLM:
                     block_size=block_size,
                     kv_cache_memory=kv_cache_memory,
                     num_blocks_override=num_blocks_override,
+                    enable_prefix_caching=enable_prefix_caching,
                 ),
                 scheduler=SchedulerConfig(
                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens

@@ -2,15 +2,25 @@
 
 Tokens are laid out requests-contiguous, single-token queries (decodes) first, then prefill
 chunks, so attention can treat each kind as one batch (see models/layers/attention.py).
+
+KV-cache groups (kv_cache/spec.py): every group has its own block tables, slot mapping and
+attention batches (`AttentionMetadata.groups`); each layer reads its group's
+(`PagedAttention.kv_group`). Layer `group.layers[j]` of every group uses the same cache tensor
+pair `j`, so the cache holds (layers per group) pairs of [num_blocks + 1, block_size,
+num_kv_heads, head_dim] tensors, block 0 being the null block.
 """
 
 from __future__ import annotations
 
 import torch
 
-from moe_engine.kv_cache import KVCacheManager
+from moe_engine.kv_cache import KVCacheGroup, KVCacheManager, make_kv_cache_groups
 from moe_engine.models import MoeCausalLM
-from moe_engine.models.layers.attention import AttentionMetadata, build_attention_batch
+from moe_engine.models.layers.attention import (
+    AttentionMetadata,
+    PagedAttention,
+    build_attention_batch,
+)
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.sampler import Sampler, SamplerOutput
 from moe_engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -21,11 +31,18 @@ class ModelRunner:
 
     Args:
         model: the loaded model.
-        num_blocks: KV blocks in the pool; block_size: tokens per block.
+        num_blocks: usable KV blocks in the pool (the null block comes on top);
+            block_size: tokens per block.
         kv_dtype: cache element type.
         sampler: picks the tokens.
+        kv_groups: the KV-cache groups (as the KVCacheManager's specs, in the same order);
+            None: made from `model.kv_cache_groups()`.
 
-    The cache is one pair of [num_blocks, block_size, num_kv_heads, head_dim] tensors per layer.
+    `kv_caches[i]` is layer i's (K, V) pair, each [num_blocks + 1, block_size, num_kv_heads,
+    head_dim]; layers in the same slot of different groups share one pair.
+
+    Raises:
+        ValueError: a layer in no group, or a group whose window differs from its layers'.
     """
 
     def __init__(
@@ -35,16 +52,41 @@ class ModelRunner:
         block_size: int,
         kv_dtype: torch.dtype,
         sampler: Sampler,
+        kv_groups: list[KVCacheGroup] | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.sampler = sampler
         spec = model.spec
-        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv_caches = [
+        if kv_groups is None:
+            kv_groups = make_kv_cache_groups(
+                model.kv_cache_groups(),
+                block_size=block_size,
+                num_kv_heads=spec.num_kv_heads,
+                head_dim=spec.head_dim,
+                dtype=kv_dtype,
+            )
+        self.kv_groups = kv_groups
+        shape = (num_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim)
+        slots = [
             (torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
-            for _ in range(spec.num_layers)
+            for _ in range(len(kv_groups[0].layers))
         ]
+        caches: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * spec.num_layers
+        for g, group in enumerate(kv_groups):
+            for j, index in enumerate(group.layers):
+                caches[index] = slots[j]
+                attn = _paged_attention(model, index)
+                if attn.sliding_window != group.spec.sliding_window:
+                    raise ValueError(
+                        f"layer {index}: attention window {attn.sliding_window}, but its KV "
+                        f"cache group {g} has window {group.spec.sliding_window}"
+                    )
+                attn.kv_group = g
+        missing = [i for i, c in enumerate(caches) if c is None]
+        if missing:
+            raise ValueError(f"layers {missing} are in no KV cache group")
+        self.kv_caches = caches
 
     @torch.inference_mode()
     def execute(
@@ -87,17 +129,39 @@ class ModelRunner:
             ids.extend(s.request.all_token_ids[s.start : s.start + s.num_tokens])
         q_lens = torch.tensor([s.num_tokens for s in ordered], dtype=torch.int64)
         starts = torch.tensor([s.start for s in ordered], dtype=torch.int64)
-        tables = [kv.block_table(s.request.request_id) for s in ordered]
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
         row = torch.repeat_interleave(torch.arange(len(ordered)), q_lens)
         offsets = torch.cumsum(q_lens, 0) - q_lens
         positions = starts[row] + torch.arange(len(ids)) - offsets[row]
+        num_decodes = int((q_lens == 1).sum())
+        metas = [
+            self._group_metadata(g, ordered, kv, q_lens, starts, row, positions, num_decodes)
+            for g in range(len(self.kv_groups))
+        ]
+        meta = metas[0]
+        if len(metas) > 1:
+            meta = AttentionMetadata(meta.slot_mapping, meta.batches, groups=metas)
+        return torch.tensor(ids, dtype=torch.int64), positions, meta
+
+    def _group_metadata(
+        self,
+        group: int,
+        ordered: list[ScheduledRequest],
+        kv: KVCacheManager,
+        q_lens: torch.Tensor,
+        starts: torch.Tensor,
+        row: torch.Tensor,
+        positions: torch.Tensor,
+        num_decodes: int,
+    ) -> AttentionMetadata:
+        """One KV-cache group's slot mapping and attention batches (block tables padded with
+        the null block 0)."""
+        tables = [kv.block_table(s.request.request_id, group) for s in ordered]
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
         slot_mapping = (
             block_tables[row, positions // self.block_size] * self.block_size
             + positions % self.block_size
         )
-        num_decodes = int((q_lens == 1).sum())
         batches = []
         if num_decodes:
             batches.append(
@@ -119,5 +183,16 @@ class ModelRunner:
                     self.block_size,
                 )
             )
-        meta = AttentionMetadata(slot_mapping=slot_mapping, batches=batches)
-        return torch.tensor(ids, dtype=torch.int64), positions, meta
+        return AttentionMetadata(slot_mapping=slot_mapping, batches=batches)
+
+
+def _paged_attention(model: MoeCausalLM, index: int) -> PagedAttention:
+    """The one PagedAttention module of decoder layer `index`.
+
+    Raises:
+        ValueError: when the layer has none or several.
+    """
+    found = [m for m in model.model.layers[index].modules() if isinstance(m, PagedAttention)]
+    if len(found) != 1:
+        raise ValueError(f"layer {index} has {len(found)} PagedAttention modules, expected 1")
+    return found[0]

@@ -16,6 +16,13 @@ from pathlib import Path
 import torch
 
 from moe_engine.errors import StartupError
+from moe_engine.kv_cache.spec import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    AttentionGroup,
+    KVCacheSpec,
+    make_kv_cache_groups,
+)
 
 GiB = 1 << 30
 #: Upper bound of the default KV-cache budget (bytes) when --kv-cache-memory is not given.
@@ -23,7 +30,13 @@ DEFAULT_KV_CACHE_CAP = 4 * GiB
 #: Fraction of (available memory - weights) the default KV-cache budget takes.
 DEFAULT_KV_CACHE_FRACTION = 0.5
 
-_MODEL_TYPES = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+_MODEL_TYPES = {
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+}
+#: gpt-oss's config defaults (transformers `GptOssConfig`) for fields its config.json may omit.
+_GPT_OSS_SLIDING_WINDOW = 128
 
 
 @dataclass(frozen=True)
@@ -48,6 +61,13 @@ class ModelShape:
         attention_bias: q/k/v/o projections have biases.
         qk_norm: per-head RMSNorm on queries and keys (Qwen3).
         norm_topk_prob: top-k routing weights are renormalised to sum to 1.
+        layer_types: per layer "full_attention" or "sliding_attention" (gpt-oss); empty means
+            every layer is full attention.
+        sliding_window: tokens a sliding-attention query sees, itself included (None: no
+            sliding layers).
+        attention_sinks: one learned sink logit per query head and layer (gpt-oss).
+        router_bias: the router Linear has a bias (gpt-oss).
+        expert_bias: each expert has gate/up [2I] and down [H] biases (gpt-oss).
     """
 
     architecture: str
@@ -67,20 +87,31 @@ class ModelShape:
     attention_bias: bool = False
     qk_norm: bool = False
     norm_topk_prob: bool = True
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    attention_sinks: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelShape:
-        """Read a config.json dict (Qwen3-MoE or Mixtral, transformers 4.x or 5.x keys).
+        """Read a config.json dict (Qwen3-MoE, Mixtral or gpt-oss, transformers 4.x or 5.x
+        keys).
 
         Qwen3-MoE layer i is MoE when i is not in `mlp_only_layers`, `num_experts` > 0 and
         (i + 1) % `decoder_sparse_step` == 0; the others use a dense MLP of `intermediate_size`.
-        Mixtral: every layer is MoE and the experts' width is `intermediate_size`.
+        Mixtral and gpt-oss: every layer is MoE and the experts' width is `intermediate_size`.
+        gpt-oss also has `layer_types` (default: even layers sliding, as `GptOssConfig`),
+        `sliding_window` (default 128), top-k as `num_experts_per_tok` or `experts_per_token`,
+        attention biases unless `attention_bias` is false, sinks, router and expert biases.
 
         Raises:
-            ValueError: when a required field is missing, naming it.
+            ValueError: when a required field is missing, naming it, or a `layer_types` entry
+                is unknown or the list's length is not the layer count.
         """
         model_type = cfg.get("model_type", "")
         archs = cfg.get("architectures") or [_MODEL_TYPES.get(model_type, model_type)]
+        gpt_oss = model_type == "gpt_oss" or archs[0] == "GptOssForCausalLM"
 
         def need(key: str) -> int:
             if cfg.get(key) is None:
@@ -107,7 +138,8 @@ class ModelShape:
             )
         if len(moe_layers) == layers:
             dense_inter = 0
-        return cls(
+        extra = _gpt_oss_fields(cfg, layers) if gpt_oss else _uniform_window_fields(cfg, layers)
+        return cls(**extra,
             architecture=archs[0],
             vocab_size=need("vocab_size"),
             hidden_size=hidden,
@@ -116,13 +148,13 @@ class ModelShape:
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             num_experts=num_experts,
-            top_k=int(cfg.get("num_experts_per_tok") or 0),
+            top_k=int(cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 0),
             moe_intermediate_size=moe_inter,
             intermediate_size=dense_inter,
             moe_layers=moe_layers,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
-            attention_bias=bool(cfg.get("attention_bias", False)),
+            attention_bias=bool(cfg.get("attention_bias", gpt_oss)),
             qk_norm=model_type.startswith("qwen3"),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type == "mixtral")),
         )
@@ -140,8 +172,17 @@ class ModelShape:
         return self.num_layers - len(self.moe_layers)
 
     def expert_params(self) -> int:
-        """Parameters of all routed experts: E x 3 x H x I per MoE layer (gate, up, down)."""
+        """Parameters of all routed experts' weights: E x 3 x H x I per MoE layer (gate, up,
+        down); biases are `expert_bias_params`."""
         per_expert = 3 * self.hidden_size * self.moe_intermediate_size
+        return len(self.moe_layers) * self.num_experts * per_expert
+
+    def expert_bias_params(self) -> int:
+        """Parameters of the routed experts' biases: E x (2I + H) per MoE layer when the
+        experts have biases (gpt-oss; kept in the model dtype when the weights are 4-bit)."""
+        if not self.expert_bias:
+            return 0
+        per_expert = 2 * self.moe_intermediate_size + self.hidden_size
         return len(self.moe_layers) * self.num_experts * per_expert
 
     def other_params(self) -> int:
@@ -154,8 +195,10 @@ class ModelShape:
             attention += q + 2 * kv + h
         if self.qk_norm:
             attention += 2 * self.head_dim
+        if self.attention_sinks:
+            attention += self.num_heads
         per_layer = attention + 2 * h  # + input and post-attention RMSNorm
-        router = self.num_experts * h
+        router = self.num_experts * (h + 1 if self.router_bias else h)
         dense_mlp = 3 * h * self.intermediate_size
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return (
@@ -170,6 +213,18 @@ class ModelShape:
         """K and V values one token leaves in the cache over all layers: 2 x L x kv_heads x d."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
+    def attention_groups(self) -> list[AttentionGroup]:
+        """The layers by attention kind, full attention first: (kind, sliding window or None,
+        layer indices), one entry per kind present (`layer_types`; all full when empty)."""
+        types = self.layer_types or (FULL_ATTENTION,) * self.num_layers
+        groups: list[AttentionGroup] = []
+        for kind in (FULL_ATTENTION, SLIDING_ATTENTION):
+            layers = tuple(i for i, t in enumerate(types) if t == kind)
+            if layers:
+                window = self.sliding_window if kind == SLIDING_ATTENTION else None
+                groups.append((kind, window, layers))
+        return groups
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -183,13 +238,19 @@ class Plan:
         max_model_len: longest request (prompt + output, tokens).
         weight_bytes_experts: routed-expert weights held by one rank.
         weight_bytes_other: every other weight (replicated on each rank).
-        kv_bytes_per_token: K and V of one token over all layers.
-        kv_bytes_per_block: `kv_bytes_per_token * block_size`.
-        num_blocks: KV blocks in the pool.
+        kv_bytes_per_token: K and V of one token over all layers (what a cache without
+            sliding-window groups holds per token).
+        kv_bytes_per_block: bytes of one block id: the K and V of block_size tokens in one
+            layer of each group slot (= `kv_bytes_per_token * block_size` with one group; with
+            G equal groups, 1/G of it, as each block belongs to one group).
+        num_blocks: usable KV blocks in the pool (the null block, block 0, comes on top).
         max_concurrent_tokens: `num_blocks * block_size`.
         kv_cache_memory: bytes the pool takes (`num_blocks * kv_bytes_per_block`).
         kv_cache_source: where the budget came from ("--kv-cache-memory", "derived from free
             memory", "num_blocks_override").
+        kv_specs: one spec per KV-cache group (`kv_cache.make_kv_cache_groups`).
+        max_num_batched_tokens: the most tokens a step feeds one request (bounds what a
+            sliding-window group holds during a prefill chunk); None: unbounded.
     """
 
     shape: ModelShape
@@ -205,6 +266,8 @@ class Plan:
     max_concurrent_tokens: int
     kv_cache_memory: int
     kv_cache_source: str = "--kv-cache-memory"
+    kv_specs: tuple[KVCacheSpec, ...] = ()
+    max_num_batched_tokens: int | None = None
 
     @property
     def weight_bytes(self) -> int:
@@ -212,8 +275,29 @@ class Plan:
         return self.weight_bytes_experts + self.weight_bytes_other
 
     def blocks_per_request(self, num_tokens: int | None = None) -> int:
-        """KV blocks one request of `num_tokens` (default max_model_len) needs."""
-        return math.ceil((num_tokens or self.max_model_len) / self.block_size)
+        """The most KV blocks one request of `num_tokens` (default max_model_len) holds at
+        once, over all groups (a sliding-window group's share is capped by its window)."""
+        n = num_tokens or self.max_model_len
+        if not self.kv_specs:
+            return math.ceil(n / self.block_size)
+        return sum(s.max_blocks_held(n, self.max_num_batched_tokens) for s in self.kv_specs)
+
+    def group_lines(self, num_tokens: int | None = None) -> list[str]:
+        """One line per KV-cache group: kind, layers, KV bytes per token, the most blocks one
+        request of `num_tokens` (default max_model_len) holds in it."""
+        n = num_tokens or self.max_model_len
+        lines = []
+        for g, spec in enumerate(self.kv_specs):
+            kind = "full attention" if spec.sliding_window is None else (
+                f"sliding window {spec.sliding_window}"
+            )
+            held = spec.max_blocks_held(n, self.max_num_batched_tokens)
+            lines.append(
+                f"KV group {g}: {kind}, {spec.num_layers} layers, "
+                f"{format_bytes(spec.bytes_per_token)} per token, at most {held} blocks "
+                f"({format_bytes(held * spec.bytes_per_block)}) per request of {n} tokens"
+            )
+        return lines
 
     def describe(self) -> str:
         """A few lines for the startup log: weights, KV bytes, blocks, concurrent tokens."""
@@ -227,8 +311,10 @@ class Plan:
             f"{format_bytes(self.weight_bytes_experts)} experts + "
             f"{format_bytes(self.weight_bytes_other)} other"
             + (f" (per rank, ep_size {self.ep_size})" if self.ep_size > 1 else ""),
-            f"KV cache: {format_bytes(self.kv_bytes_per_token)} per token, "
-            f"{format_bytes(self.kv_bytes_per_block)} per block of {self.block_size} tokens",
+            f"KV cache: {format_bytes(self.kv_bytes_per_token)} per token over all layers, "
+            f"{format_bytes(self.kv_bytes_per_block)} per block of {self.block_size} tokens"
+            + (f" ({len(self.kv_specs)} groups)" if len(self.kv_specs) > 1 else ""),
+            *(self.group_lines() if len(self.kv_specs) > 1 else []),
             f"KV blocks: {self.num_blocks} ({format_bytes(self.kv_cache_memory)}, "
             f"{self.kv_cache_source}) = {self.max_concurrent_tokens} concurrent tokens "
             f"({fits:.1f} requests of max_model_len {self.max_model_len})",
@@ -253,19 +339,33 @@ class Plan:
         if self.num_blocks >= need:
             return
         need_bytes = need * self.kv_bytes_per_block
+        groups = (
+            " (" + "; ".join(self.group_lines(max_model_len)) + ")"
+            if len(self.kv_specs) > 1
+            else ""
+        )
+        fits = self.max_fitting_len()
         raise StartupError(
             f"KV cache too small for one request of max_model_len {max_model_len} tokens: it "
             f"needs {need} blocks of {self.block_size} tokens ({need_bytes} bytes, "
-            f"{format_bytes(need_bytes)} at {self.kv_bytes_per_token} bytes per token) but the "
-            f"cache has {self.num_blocks} blocks ({self.kv_cache_memory} bytes, "
+            f"{format_bytes(need_bytes)} at {self.kv_bytes_per_token} bytes per token){groups} "
+            f"but the cache has {self.num_blocks} blocks ({self.kv_cache_memory} bytes, "
             f"{self.kv_cache_source}), {self.max_concurrent_tokens} tokens. Pass "
             f"--kv-cache-memory {need_bytes} or more"
-            + (
-                f", or --max-model-len {self.max_concurrent_tokens} or less."
-                if self.max_concurrent_tokens >= 2
-                else "."
-            )
+            + (f", or --max-model-len {fits} or less." if fits >= 2 else ".")
         )
+
+    def max_fitting_len(self) -> int:
+        """The longest request (tokens, at most max_model_len) whose blocks fit in the pool;
+        0 when none does."""
+        lo, hi = 0, self.max_model_len
+        while lo < hi:  # blocks_per_request is non-decreasing in the length
+            mid = (lo + hi + 1) // 2
+            if self.blocks_per_request(mid) <= self.num_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
 
 def make_plan(
@@ -280,6 +380,8 @@ def make_plan(
     available_memory: int | None = None,
     max_num_seqs: int | None = None,
     expert_bits_per_weight: float | None = None,
+    max_num_batched_tokens: int | None = None,
+    attention_groups: list[AttentionGroup] | None = None,
 ) -> Plan:
     """Weight and KV-cache arithmetic for one rank.
 
@@ -297,6 +399,12 @@ def make_plan(
             max_model_len can ever hold are reserved.
         expert_bits_per_weight: storage of routed experts when quantized (e.g. 4.25 for int4 at
             group 128 with fp32 scales, or MXFP4); None = `dtype`.
+        max_num_batched_tokens: the step's token budget: the longest prefill chunk, which
+            bounds a sliding-window group's blocks per request; None: unbounded.
+        attention_groups: the model's layers by attention kind (`MoeCausalLM.
+            kv_cache_groups_for`); None: `shape.attention_groups()`. They are split into equal
+            KV-cache groups (`kv_cache.make_kv_cache_groups`) whose layers share cache tensors,
+            so one block costs the bytes of one group's layers.
 
     Raises:
         StartupError: when num_experts is not divisible by ep_size, or the weights alone do
@@ -313,20 +421,28 @@ def make_plan(
         experts = expert_params * itemsize
     else:
         experts = math.ceil(expert_params * expert_bits_per_weight / 8)
+    experts += shape.expert_bias_params() // ep_size * itemsize
     other = shape.other_params() * itemsize
     per_token = shape.kv_elements_per_token() * itemsize
-    per_block = per_token * block_size
+    kv_groups = make_kv_cache_groups(
+        attention_groups or shape.attention_groups(),
+        block_size=block_size,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        dtype=dtype,
+    )
+    kv_specs = tuple(g.spec for g in kv_groups)
+    per_block = kv_specs[0].bytes_per_block  # every group has the same number of layers
+    one_request = sum(s.max_blocks_held(max_model_len, max_num_batched_tokens) for s in kv_specs)
     if num_blocks_override is not None:
         num_blocks, source = num_blocks_override, "num_blocks_override"
     elif kv_cache_memory is not None:
         num_blocks, source = kv_cache_memory // per_block, "--kv-cache-memory"
     else:
-        budget = default_kv_cache_memory(
-            experts + other, per_block * math.ceil(max_model_len / block_size), available_memory
-        )
+        budget = default_kv_cache_memory(experts + other, per_block * one_request, available_memory)
         num_blocks, source = budget // per_block, "derived from free memory"
         if max_num_seqs is not None:
-            most = max_num_seqs * math.ceil(max_model_len / block_size)
+            most = max_num_seqs * one_request
             if most < num_blocks:
                 num_blocks, source = most, "max_num_seqs x max_model_len"
     return Plan(
@@ -334,7 +450,7 @@ def make_plan(
         max_model_len=max_model_len, weight_bytes_experts=experts, weight_bytes_other=other,
         kv_bytes_per_token=per_token, kv_bytes_per_block=per_block, num_blocks=num_blocks,
         max_concurrent_tokens=num_blocks * block_size, kv_cache_memory=num_blocks * per_block,
-        kv_cache_source=source,
+        kv_cache_source=source, kv_specs=kv_specs, max_num_batched_tokens=max_num_batched_tokens,
     )
 
 
@@ -381,3 +497,52 @@ def format_bytes(n: float) -> str:
             value = n / scale
             return f"{value:.2f} {unit}" if value < 100 else f"{value:.1f} {unit}"
     return f"{int(n)} B"
+
+
+def _uniform_window_fields(cfg: dict, num_layers: int) -> dict:
+    """`layer_types` / `sliding_window` of a model whose config.json windows every layer alike,
+    as `transformers` reads it: Mixtral whenever `sliding_window` is set, Qwen3-MoE only with
+    `use_sliding_window` (its config drops the window otherwise); {} for full attention."""
+    window = cfg.get("sliding_window")
+    qwen = cfg.get("model_type", "").startswith("qwen") or any(
+        str(a).startswith("Qwen") for a in cfg.get("architectures") or []
+    )
+    if qwen and not cfg.get("use_sliding_window", False):
+        window = None
+    if window is None:
+        return {}
+    if int(window) < 1:
+        raise ValueError(f"config.json: sliding_window {window!r} must be >= 1 token")
+    return dict(layer_types=(SLIDING_ATTENTION,) * num_layers, sliding_window=int(window))
+
+
+def _gpt_oss_fields(cfg: dict, num_layers: int) -> dict:
+    """gpt-oss's `ModelShape` fields beyond the common ones (defaults as `GptOssConfig`).
+
+    Raises:
+        ValueError: a `layer_types` of the wrong length or with an unknown entry.
+    """
+    layer_types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)
+    ]
+    if len(layer_types) != num_layers or not set(layer_types) <= {
+        "sliding_attention",
+        "full_attention",
+    }:
+        raise ValueError(
+            f"config.json: layer_types {layer_types} must give one of 'sliding_attention', "
+            f"'full_attention' for each of the {num_layers} layers"
+        )
+    window = cfg.get("sliding_window", _GPT_OSS_SLIDING_WINDOW)
+    if "sliding_attention" in layer_types and (window is None or int(window) < 1):
+        raise ValueError(
+            f"config.json: sliding_window {window!r} must be >= 1 token when layer_types has "
+            f"sliding_attention layers"
+        )
+    return dict(
+        layer_types=tuple(layer_types),
+        sliding_window=int(window) if "sliding_attention" in layer_types else None,
+        attention_sinks=True,
+        router_bias=True,
+        expert_bias=True,
+    )

@@ -5,6 +5,10 @@ sequence cap (`max_num_seqs`): running requests first (decodes and unfinished pr
 then waiting requests in arrival order, each prefill cut into chunks that fit the budget.
 When the KV pool runs out, the newest running request is preempted: its blocks are freed and it
 is recomputed later from its prompt plus the tokens it already generated.
+
+With prefix caching, a request taken from the queue first looks up its cached prefix
+(`KVCacheManager.get_computed_blocks`): those tokens count as computed, so its first chunk, the
+token budget and the blocks it needs cover only the uncached rest.
 """
 
 from __future__ import annotations
@@ -74,9 +78,21 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def add_request(self, request: Request) -> None:
-        """Queue a request (its id must be new; the engine checks)."""
+        """Queue a request (its id must be new; the engine checks).
+
+        Raises:
+            ValueError: the request could never fit in the KV pool, even alone (see
+                `KVCacheManager.check_fits`); queuing it would re-prefill it forever.
+        """
+        self.kv.check_fits(self.max_context(request), self.config.max_num_batched_tokens)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    @staticmethod
+    def max_context(request: Request) -> int:
+        """Most tokens the request ever has in the KV cache: prompt + max_tokens - 1 (the last
+        sampled token is never fed)."""
+        return request.num_prompt_tokens + request.sampling_params.max_tokens - 1
 
     def schedule(self) -> SchedulerOutput:
         """Build the next step; allocates the blocks it needs, preempting when they run out."""
@@ -92,7 +108,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+            while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
@@ -105,10 +121,12 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+            req = self.waiting[0]  # waiting requests hold no blocks: num_computed_tokens is 0
+            hit = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - hit.num_tokens, budget)
+            if not self.kv.allocate_slots(req, n, hit):
                 break
+            req.num_computed_tokens = hit.num_tokens
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -142,6 +160,7 @@ class Scheduler:
             if req.is_finished:  # aborted while the step ran
                 continue
             req.num_computed_tokens += s.num_tokens
+            self.kv.remove_skipped_blocks(req)
             if not s.samples:
                 continue
             req.append_token(sampled[req.request_id])

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from fixtures import make_tiny_checkpoint  # noqa: E402
+from fixtures import make_mxfp4_experts_checkpoint, make_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -54,3 +54,17 @@ def qwen3_nonorm_ckpt(tiny_ckpt_root: Path) -> Path:
 def mixtral_ckpt(tiny_ckpt_root: Path) -> Path:
     """Mixtral, float32, one safetensors file: 2 MoE layers, 8 experts, top-2."""
     return make_tiny_checkpoint("mixtral", tiny_ckpt_root)
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_ckpt(tiny_ckpt_root: Path) -> Path:
+    """gpt-oss, float32, one safetensors file: 4 layers alternating sliding (window 8) and full
+    attention, YaRN rope, 8 experts top-2, non-zero sinks and biases (fixtures._KINDS)."""
+    return make_tiny_checkpoint("gpt_oss", tiny_ckpt_root)
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_mxfp4_ckpt(gpt_oss_ckpt: Path, tiny_ckpt_root: Path) -> Path:
+    """`gpt_oss_ckpt` with its experts in the native MXFP4 `*_blocks` / `*_scales` layout and
+    quantization_config {"quant_method": "mxfp4"} (written by `quant.mxfp4`)."""
+    return make_mxfp4_experts_checkpoint(gpt_oss_ckpt, tiny_ckpt_root)

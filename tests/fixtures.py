@@ -51,6 +51,27 @@ _KINDS: dict[str, dict[str, Any]] = {
         "intermediate_size": 32,
         "num_local_experts": 8,
     },
+    # gpt-oss: 4 layers alternating sliding (window 8 tokens, shorter than most test prompts)
+    # and full attention, YaRN rope (factor 4 over 256 original positions), non-default swiglu
+    # alpha and limit; sinks and every bias are drawn non-zero by make_tiny_checkpoint.
+    "gpt_oss": {
+        "num_hidden_layers": 4,
+        "intermediate_size": 32,
+        "num_local_experts": 8,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "sliding_window": 8,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 256,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+        },
+        "swiglu_alpha": 1.6,
+        "swiglu_limit": 5.0,
+    },
 }
 
 
@@ -58,7 +79,7 @@ def tiny_config(kind: str, **overrides: Any):
     """The `transformers` config of a tiny checkpoint.
 
     Args:
-        kind: "qwen3_moe" or "mixtral".
+        kind: "qwen3_moe", "mixtral" or "gpt_oss".
         overrides: config fields that replace the defaults above (e.g. `norm_topk_prob=False`,
             `decoder_sparse_step=2, mlp_only_layers=[]`, `num_hidden_layers=4`).
 
@@ -108,10 +129,59 @@ def make_tiny_checkpoint(
     config = tiny_config(kind, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if kind == "gpt_oss":  # transformers initialises most biases to 0: draw them all
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("bias", ".sinks")):
+                    param.normal_(0.0, config.initializer_range)
     model.save_pretrained(
         path, safe_serialization=True, max_shard_size="100KB" if sharded else "2GB"
     )
     return path
+
+
+def make_mxfp4_experts_checkpoint(ckpt: Path, root: Path) -> Path:
+    """A copy of a gpt-oss checkpoint with its experts in the native MXFP4 layout, as OpenAI
+    released gpt-oss: `experts.gate_up_proj_blocks` [E, 2I, H // 32, 16] / `_scales`
+    [E, 2I, H // 32] and `experts.down_proj_blocks` [E, H, I // 32, 16] / `_scales`
+    [E, H, I // 32] (rows = output features, gate/up still interleaved), written by
+    `quant.mxfp4.quantize_mxfp4`, and config.json's quantization_config {"quant_method":
+    "mxfp4"}. Reused when it exists already.
+
+    Returns:
+        The new checkpoint directory (`root / (ckpt.name + "-mxfp4")`).
+    """
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from quant.mxfp4 import quantize_mxfp4
+
+    out = Path(root) / f"{Path(ckpt).name}-mxfp4"
+    if (out / "config.json").is_file():
+        return out
+    tmp = Path(root) / f"{out.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(ckpt, tmp)
+    tensors = load_file(tmp / "model.safetensors")
+    for name in list(tensors):
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            weight = tensors.pop(name)  # transformers' [E, in, out]
+            blocks, scales = quantize_mxfp4(weight.transpose(1, 2).contiguous())
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tmp.rename(out)
+    return out
 
 
 @functools.lru_cache(maxsize=8)
@@ -138,7 +208,17 @@ def hf_greedy(
     Returns:
         The generated token ids per prompt (prompt excluded).
     """
-    model = _load_hf(str(ckpt))
+    return greedy_generate(_load_hf(str(ckpt)), prompts, max_new_tokens, ignore_eos=ignore_eos)
+
+
+def greedy_generate(
+    model, prompts: list[list[int]], max_new_tokens: int, *, ignore_eos: bool = True
+) -> list[list[int]]:
+    """`hf_greedy` on a `transformers` model already loaded (e.g. with a quantization config).
+
+    Returns:
+        The generated token ids per prompt (prompt excluded).
+    """
     outputs = []
     for prompt in prompts:
         input_ids = torch.tensor([prompt], dtype=torch.long)

@@ -3,6 +3,7 @@
     moe-serve [--model PATH|demo] [--host 127.0.0.1] [--port 50051]
               [--dtype auto|bfloat16|float32] [--max-model-len N] [--max-num-seqs N]
               [--max-num-batched-tokens N] [--kv-cache-memory BYTES] [--block-size N]
+              [--enable-prefix-caching]
               [--metrics-port P] [--max-message-bytes BYTES] [--log-level LEVEL]
               [--max-waiting-requests N] [--max-prompt-tokens N] [--max-concurrent-streams N]
               [--drain-timeout S] [--api-key KEY | --api-key-file PATH]
@@ -92,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="bytes for the KV cache, e.g. 2GiB (default: derived from free memory)",
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="reuse the KV cache of full blocks that earlier requests computed for the same "
+        "prefix (hits and queries in GetServerStats and /metrics)",
+    )
     p.add_argument(
         "--quantization",
         default="none",
@@ -276,7 +283,11 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
     """
     return EngineConfig(
         model=ModelConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len),
-        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory,
+            enable_prefix_caching=args.enable_prefix_caching,
+        ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,

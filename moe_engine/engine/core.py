@@ -24,7 +24,7 @@ from moe_engine.config import (
 from moe_engine.detokenizer import IncrementalDetokenizer
 from moe_engine.errors import ErrorCode, RequestError, StartupError
 from moe_engine.instrumentation import ExpertLoadRecorder, balancedness, imbalance_ratio
-from moe_engine.kv_cache import FullAttentionSpec, KVCacheManager
+from moe_engine.kv_cache import KVCacheManager, make_kv_cache_groups
 from moe_engine.loader import load_model
 from moe_engine.model_runner import ModelRunner
 from moe_engine.models import resolve_architecture
@@ -157,9 +157,12 @@ class EngineCore:
                 "this CPU has no native bfloat16 matmul (AVX512-BF16/AMX): weights are rounded "
                 "to bfloat16 and computed in float32 (MOE_ENGINE_FORCE_BF16=1 keeps bfloat16)"
             )
+        attention_groups = model_cls.kv_cache_groups_for(spec)
         self.plan = make_plan(
             spec,
             self.dtype,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            attention_groups=attention_groups,
             block_size=config.cache.block_size,
             max_model_len=self.max_model_len,
             kv_cache_memory=config.cache.kv_cache_memory,
@@ -201,14 +204,27 @@ class EngineCore:
         self.tokenizer = load_tokenizer(model_dir)
         self.vocab_size = spec.vocab_size
         self.eos_token_ids = eos_token_ids_of(model_dir, hf_config)
-        kv_spec = FullAttentionSpec(
-            config.cache.block_size, spec.num_kv_heads, spec.head_dim, self.dtype, spec.num_layers
+        kv_groups = make_kv_cache_groups(
+            attention_groups,
+            block_size=config.cache.block_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            dtype=self.dtype,
         )
-        self.kv = KVCacheManager([kv_spec], self.plan.num_blocks)
+        self.kv = KVCacheManager(
+            [g.spec for g in kv_groups],
+            self.plan.num_blocks,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler(config.model.seed)
         self.runner = ModelRunner(
-            self.model, self.plan.num_blocks, config.cache.block_size, self.dtype, self.sampler
+            self.model,
+            self.plan.num_blocks,
+            config.cache.block_size,
+            self.dtype,
+            self.sampler,
+            kv_groups=kv_groups,
         )
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.counters = dict(
@@ -242,11 +258,12 @@ class EngineCore:
         logger.info("experts quantized to %s: %.1f MiB", method, nbytes / 2**20)
 
     def _check_prequantized(self, config: EngineConfig) -> None:
-        """Every MoE layer got its experts int4 from the checkpoint, at the configured group size.
+        """Every MoE layer got its experts 4-bit from the checkpoint (int4 at the configured
+        group size, or mxfp4).
 
         Raises:
-            StartupError: a layer whose expert tensors were not all pack-quantized, or a group
-                size other than config.json's (names the layer and both numbers).
+            StartupError: a layer whose expert tensors were not all stored quantized, or a
+                group size other than config.json's (names the layer and both numbers).
         """
         q = config.quant
         layers = [(i, x.mlp) for i, x in enumerate(self.model.model.layers)]
@@ -257,8 +274,8 @@ class EngineCore:
             where = f"layer {index} ({q.checkpoint_format} checkpoint)"
             if moe.quantized is None:
                 raise StartupError(
-                    f"{where}: config.json declares int4 experts, but not all of this layer's "
-                    f"expert tensors are pack-quantized"
+                    f"{where}: config.json declares {q.method} experts, but not all of this "
+                    f"layer's expert tensors are stored quantized"
                 )
             if moe.quantized.group_size != q.group_size:
                 raise StartupError(
@@ -267,7 +284,7 @@ class EngineCore:
                 )
         nbytes = sum(m.quantized.nbytes for m in experts)
         logger.info(
-            "experts loaded int4 (group %d, %s) from the checkpoint: %.1f MiB",
+            "experts loaded %s (group %d, %s) from the checkpoint: %.1f MiB", q.method,
             q.group_size, "symmetric" if q.symmetric else "asymmetric", nbytes / 2**20,
         )
 
@@ -309,7 +326,10 @@ class EngineCore:
             self.eos_token_ids,
             arrival_time or time.monotonic(),
         )
-        self.scheduler.add_request(req)
+        try:
+            self.scheduler.add_request(req)
+        except ValueError as e:  # could never fit in the KV pool, even alone
+            raise RequestError(ErrorCode.OUT_OF_RANGE, "max_tokens", f"max_tokens: {e}") from e
         if self.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         self.counters["prompt_tokens_total"] += len(prompt_token_ids)
@@ -404,11 +424,31 @@ class EngineCore:
             kv_blocks_total=pool.num_blocks,
             kv_blocks_free=pool.num_free_blocks,
             kv_blocks_used=pool.num_blocks - pool.num_free_blocks,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            kv_cached_blocks=pool.num_cached_blocks,
+            kv_groups=self._kv_group_stats(),
             num_preemptions=self.scheduler.num_preemptions,
             **self.counters,
             **self._comm_stats(),
             phase_seconds=self.timer.snapshot(),
         )
+
+    def _kv_group_stats(self) -> list[dict]:
+        """Per KV-cache group: kind, window (0 for full attention), layers, KV bytes per token
+        and the distinct blocks live requests hold in it."""
+        used = self.kv.blocks_used_per_group()
+        return [
+            dict(
+                group=g,
+                kind=spec.kind,
+                sliding_window=spec.sliding_window or 0,
+                num_layers=spec.num_layers,
+                kv_bytes_per_token=spec.bytes_per_token,
+                blocks_used=used[g],
+            )
+            for g, spec in enumerate(self.kv.specs)
+        ]
 
     def close(self) -> None:
         """Write out what is buffered (the expert trace); call once when the engine stops."""

@@ -1,7 +1,31 @@
 """Paged KV cache: the block pool, per-group specs and the manager that hands out block tables."""
 
 from moe_engine.kv_cache.block_pool import BlockPool
-from moe_engine.kv_cache.manager import KVCacheManager
-from moe_engine.kv_cache.spec import FullAttentionSpec, KVCacheSpec
+from moe_engine.kv_cache.manager import KVCacheManager, PrefixHit, hash_block_tokens
+from moe_engine.kv_cache.spec import (
+    FULL_ATTENTION,
+    NULL_BLOCK_ID,
+    SLIDING_ATTENTION,
+    AttentionGroup,
+    FullAttentionSpec,
+    KVCacheGroup,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    make_kv_cache_groups,
+)
 
-__all__ = ["BlockPool", "FullAttentionSpec", "KVCacheManager", "KVCacheSpec"]
+__all__ = [
+    "FULL_ATTENTION",
+    "NULL_BLOCK_ID",
+    "SLIDING_ATTENTION",
+    "AttentionGroup",
+    "BlockPool",
+    "FullAttentionSpec",
+    "KVCacheGroup",
+    "KVCacheManager",
+    "KVCacheSpec",
+    "PrefixHit",
+    "SlidingWindowSpec",
+    "hash_block_tokens",
+    "make_kv_cache_groups",
+]

@@ -1,59 +1,293 @@
-"""KVCacheManager: one block table per KV-cache group per request, over one BlockPool."""
+"""KVCacheManager: one block table per KV-cache group per request, over one BlockPool, with
+prefix caching (vLLM v1's `KVCacheManager` + `HybridKVCacheCoordinator`, vllm/v1/core/).
+
+Block tables: `block_tables[request_id][group]` lists block ids in token order; entry i holds
+tokens [i * block_size, (i + 1) * block_size). A sliding-window group replaces the blocks wholly
+outside the window by `NULL_BLOCK_ID` and gives them back, so positions stay aligned.
+
+Prefix caching (`enable_prefix_caching`): block i of a request is named by the chained hash
+h_i = sha256(h_{i-1} || token ids of block i || extra keys), h_-1 a fixed root, so equal hashes
+mean equal whole prefixes. When a block is full (all its tokens are scheduled) it enters the
+pool's map under (h_i, group); when its requests end it waits in the LRU free queue, still in
+the map, until `allocate` hands it out again. A new request reuses the longest prefix that every
+group can serve: a full-attention group needs every block of the prefix, a sliding-window group
+only the ceil((window - 1) / block_size) blocks before its end (earlier ones are null). The hit
+never covers the last token, which is always recomputed so that a token can be sampled.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import math
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 from moe_engine.kv_cache.block_pool import BlockPool
-from moe_engine.kv_cache.spec import KVCacheSpec
+from moe_engine.kv_cache.spec import NULL_BLOCK_ID, KVCacheSpec
+from moe_engine.request import Request
+
+#: Parent hash of a request's first block.
+ROOT_BLOCK_HASH = hashlib.sha256(b"moe-engine prefix cache v1").digest()
+
+
+def hash_block_tokens(
+    parent_hash: bytes, token_ids: Sequence[int], extra_keys: tuple = ()
+) -> bytes:
+    """The chained hash of one full block (vLLM v1 `hash_block_tokens`, sha256).
+
+    Args:
+        parent_hash: the previous block's hash (`ROOT_BLOCK_HASH` for the first block).
+        token_ids: the block's block_size token ids.
+        extra_keys: anything else the block's K/V depend on (LoRA id, cache salt, ...), hashed
+            by repr after the fixed-length token bytes.
+
+    Returns:
+        32 bytes.
+    """
+    h = hashlib.sha256(parent_hash)
+    h.update(array("q", token_ids).tobytes())
+    if extra_keys:
+        h.update(repr(extra_keys).encode())
+    return h.digest()
+
+
+@dataclass
+class PrefixHit:
+    """A request's cached prefix, found by `KVCacheManager.get_computed_blocks`.
+
+    Attributes:
+        blocks: per group, the block ids of the prefix (`NULL_BLOCK_ID` where a sliding group
+            does not need the block); every group's list has num_tokens / block_size entries.
+        num_tokens: tokens of the prefix (a multiple of block_size, < the request's tokens).
+        num_queried: tokens the lookup covered (the request's tokens).
+    """
+
+    blocks: list[list[int]]
+    num_tokens: int
+    num_queried: int
 
 
 class KVCacheManager:
-    """Allocates and frees the blocks requests need.
+    """Allocates and frees the blocks requests need, shares cached prefixes.
 
-    Block ids are shared across groups: block `b` means slot range [b*block_size, (b+1)*block_size)
-    in every layer's cache tensor of every group, so one pool serves all groups.
+    Block ids are shared across groups: block `b` means slot range [b*block_size,
+    (b+1)*block_size) of the physical tensors every group's layers use (see `spec.py`), so one
+    pool serves all groups; a block belongs to one group at a time.
 
     Args:
         specs: one spec per KV-cache group (same block_size).
-        num_blocks: blocks in the pool.
+        num_blocks: usable blocks in the pool (block 0, the null block, comes on top).
+        enable_prefix_caching: reuse cached full blocks of earlier requests.
+
+    Raises:
+        ValueError: no groups, or groups with different block sizes.
     """
 
-    def __init__(self, specs: list[KVCacheSpec], num_blocks: int) -> None:
+    def __init__(
+        self, specs: list[KVCacheSpec], num_blocks: int, enable_prefix_caching: bool = False
+    ) -> None:
         if not specs:
             raise ValueError("at least one KV cache group is needed")
+        if len({s.block_size for s in specs}) != 1:
+            sizes = [s.block_size for s in specs]
+            raise ValueError(f"KV cache groups differ in block size: {sizes}")
         self.specs = specs
         self.block_size = specs[0].block_size
         self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self._sliding = [g for g, s in enumerate(specs) if s.sliding_window is not None]
         # request_id -> per-group list of block ids
         self.block_tables: dict[str, list[list[int]]] = {}
+        self._hashes: dict[str, list[bytes]] = {}
+        self._num_cached: dict[str, int] = {}
+        #: Tokens looked up in the prefix cache by admitted requests, and tokens found there.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks free now (never used, freed, or cached with no user: all reusable)."""
         return self.pool.num_free_blocks
 
-    def allocate_slots(self, request_id: str, num_total_tokens: int) -> bool:
-        """Grow the request's tables to hold `num_total_tokens` tokens of context.
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks a request may ever hold in total (the pool without the null block)."""
+        return self.pool.num_blocks
+
+    def max_blocks_per_request(self, num_tokens: int, max_chunk: int | None = None) -> int:
+        """The most blocks one request of `num_tokens` tokens of context holds at once, over
+        all groups, when each step feeds it at most `max_chunk` tokens."""
+        return sum(spec.max_blocks_held(num_tokens, max_chunk) for spec in self.specs)
+
+    def check_fits(self, num_tokens: int, max_chunk: int | None = None) -> None:
+        """Refuse a request that could never be scheduled, however empty the pool.
+
+        Raises:
+            ValueError: naming the tokens, the blocks it needs per group and the pool size.
+        """
+        need = self.max_blocks_per_request(num_tokens, max_chunk)
+        if need <= self.num_usable_blocks:
+            return
+        per_group = ", ".join(
+            f"{_describe(s)} {s.max_blocks_held(num_tokens, max_chunk)}" for s in self.specs
+        )
+        raise ValueError(
+            f"a request of {num_tokens} tokens (prompt + max_tokens - 1) needs {need} KV blocks "
+            f"of {self.block_size} tokens ({per_group}) but the pool has "
+            f"{self.num_usable_blocks}; it could never run"
+        )
+
+    def block_hashes(self, request: Request) -> list[bytes]:
+        """The chained hashes of the request's full blocks (extended as tokens arrive)."""
+        hashes = self._hashes.setdefault(request.request_id, [])
+        bs, ids = self.block_size, request.all_token_ids
+        parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
+        for i in range(len(hashes), request.num_tokens // bs):
+            parent = hash_block_tokens(parent, ids[i * bs : (i + 1) * bs])
+            hashes.append(parent)
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> PrefixHit:
+        """The longest cached prefix every group can serve (nothing is taken yet; pass the
+        result to `allocate_slots`). Empty when prefix caching is off.
+
+        The hit length is found as in vLLM v1's `HybridKVCacheCoordinator`: each group finds
+        its longest hit no longer than the current length, the length becomes the shortest of
+        them, until all groups agree (lengths only shrink, so this ends).
+        """
+        num_groups = len(self.specs)
+        if not self.enable_prefix_caching:
+            return PrefixHit([[] for _ in range(num_groups)], 0, 0)
+        hashes = self.block_hashes(request)
+        limit = (request.num_tokens - 1) // self.block_size  # the last token is recomputed
+        while True:
+            found = [self._find_hit(g, hashes, limit) for g in range(num_groups)]
+            shortest = min(len(f) for f in found)
+            if all(len(f) == shortest for f in found):
+                break
+            limit = shortest
+        return PrefixHit(found, shortest * self.block_size, request.num_tokens)
+
+    def _find_hit(self, group: int, hashes: list[bytes], limit: int) -> list[int]:
+        """One group's longest cached prefix of at most `limit` blocks."""
+        spec, pool = self.specs[group], self.pool
+        window = spec.sliding_window
+        if window is None:
+            blocks = []
+            for i in range(limit):
+                b = pool.get_cached_block((hashes[i], group))
+                if b is None:
+                    break
+                blocks.append(b)
+            return blocks
+        # Sliding window (vLLM v1 SlidingWindowManager.find_longest_cache_hit): scan from the
+        # right for `need` consecutive cached blocks; the blocks before them are not read.
+        need = math.ceil((window - 1) / self.block_size)
+        blocks = [NULL_BLOCK_ID] * limit
+        if need == 0:
+            return blocks
+        run = 0
+        for i in range(limit - 1, -1, -1):
+            b = pool.get_cached_block((hashes[i], group))
+            if b is None:
+                run = 0
+                continue
+            blocks[i] = b
+            run += 1
+            if run >= need:
+                return blocks[: i + run]
+        return blocks[:run]  # a shorter run from block 0 is a hit too: nothing precedes it
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None
+    ) -> bool:
+        """Make room for `num_new_tokens` more tokens after the request's computed ones.
+
+        First gives back the blocks a sliding-window group no longer needs, then takes the
+        cached prefix `hit` (a new request only) and the new blocks, all or nothing, and enters
+        the blocks that become full in the prefix-cache map.
+
+        Args:
+            request: the request; `request.num_computed_tokens` tokens are in the cache.
+            num_new_tokens: tokens this step feeds (after the hit, if any).
+            hit: from `get_computed_blocks`, for a request that holds no blocks yet.
 
         Returns:
-            False (nothing allocated) when the pool has too few free blocks.
+            False (nothing taken) when the pool has too few free blocks.
         """
-        tables = self.block_tables.setdefault(request_id, [[] for _ in self.specs])
-        needed = [
-            spec.blocks_needed(num_total_tokens) - len(t)
-            for spec, t in zip(self.specs, tables, strict=True)
-        ]
-        total = sum(n for n in needed if n > 0)
-        if total == 0:
-            return True
-        blocks = self.pool.allocate(total)
-        if blocks is None:
+        rid = request.request_id
+        tables = self.block_tables.get(rid)
+        if tables is None:
+            tables = [[] for _ in self.specs]
+        hit_blocks = hit.blocks if hit is not None else [[] for _ in self.specs]
+        num_computed = request.num_computed_tokens + (hit.num_tokens if hit is not None else 0)
+        total = num_computed + num_new_tokens
+        for spec, table in zip(self.specs, tables, strict=True):
+            self._remove_skipped(spec, table, num_computed)
+        new_counts = []
+        needed = 0
+        for spec, table, cached in zip(self.specs, tables, hit_blocks, strict=True):
+            n = max(spec.blocks_needed(total) - len(table) - len(cached), 0)
+            new_counts.append(n)
+            needed += n + sum(1 for b in cached if self.pool.is_free(b))
+        if needed > self.pool.num_free_blocks:
             return False
-        it = iter(blocks)
-        for n, table in zip(needed, tables, strict=True):
-            table.extend(next(it) for _ in range(max(n, 0)))
+        for table, cached in zip(tables, hit_blocks, strict=True):  # before any eviction
+            self.pool.touch(cached)
+            table.extend(cached)
+        for table, n in zip(tables, new_counts, strict=True):
+            if n:
+                table.extend(self.pool.allocate(n))
+        self.block_tables[rid] = tables
+        if hit is not None and self.enable_prefix_caching:
+            self.prefix_cache_queries += hit.num_queried
+            self.prefix_cache_hits += hit.num_tokens
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, tables, total)
         return True
 
+    def remove_skipped_blocks(self, request: Request) -> None:
+        """Give back the sliding-window blocks no query after the request's computed tokens
+        reads (the scheduler calls it after each step, so that between steps a request holds
+        at most ceil(window / block_size) + 1 blocks in a sliding group; `allocate_slots` does
+        it too)."""
+        tables = self.block_tables.get(request.request_id)
+        if tables is None:
+            return
+        for g in self._sliding:
+            self._remove_skipped(self.specs[g], tables[g], request.num_computed_tokens)
+
+    def _remove_skipped(self, spec: KVCacheSpec, table: list[int], num_computed: int) -> None:
+        """Replace the blocks no later query reads by the null block and free them."""
+        n = min(spec.num_skipped_blocks(num_computed), len(table))
+        removed = []
+        for i in range(n - 1, -1, -1):
+            if table[i] == NULL_BLOCK_ID:
+                break  # the earlier ones were removed before
+            removed.append(table[i])
+            table[i] = NULL_BLOCK_ID
+        if removed:
+            self.pool.free(removed[::-1])  # the pool frees in reverse: the latest goes first
+
+    def _cache_full_blocks(self, request: Request, tables: list[list[int]], total: int) -> None:
+        """Enter the blocks that are full once `total` tokens are computed in the map."""
+        rid = request.request_id
+        num_full = min(total, request.num_tokens) // self.block_size
+        start = self._num_cached.get(rid, 0)
+        if num_full <= start:
+            return
+        hashes = self.block_hashes(request)
+        for g, table in enumerate(tables):
+            for i in range(start, num_full):
+                self.pool.cache_block(table[i], (hashes[i], g))
+        self._num_cached[rid] = num_full
+
     def free(self, request_id: str) -> None:
-        """Return every block the request holds (no-op for an unknown id)."""
+        """Return every block the request holds (no-op for an unknown id); cached blocks stay
+        in the prefix-cache map until reallocated."""
+        self._hashes.pop(request_id, None)
+        self._num_cached.pop(request_id, None)
         tables = self.block_tables.pop(request_id, None)
         if tables is None:
             return
@@ -61,5 +295,22 @@ class KVCacheManager:
             self.pool.free(table)
 
     def block_table(self, request_id: str, group: int = 0) -> list[int]:
-        """The request's block ids in one group, in token order."""
+        """The request's block ids in one group, in token order (null blocks included)."""
         return self.block_tables[request_id][group]
+
+    def num_blocks_held(self, request_id: str, group: int = 0) -> int:
+        """Real (non-null) blocks the request holds in one group."""
+        return sum(1 for b in self.block_tables[request_id][group] if b != NULL_BLOCK_ID)
+
+    def blocks_used_per_group(self) -> list[int]:
+        """Distinct blocks held by live requests, per group (a shared block counts once)."""
+        used = [set() for _ in self.specs]
+        for tables in self.block_tables.values():
+            for g, table in enumerate(tables):
+                used[g].update(table)
+        return [len(u - {NULL_BLOCK_ID}) for u in used]
+
+
+def _describe(spec: KVCacheSpec) -> str:
+    window = spec.sliding_window
+    return "full attention" if window is None else f"sliding window {window}"

@@ -1,7 +1,20 @@
-"""What each KV-cache group needs per block (vLLM v1's `KVCacheSpec` family).
+"""What each KV-cache group needs per block (vLLM v1's `KVCacheSpec` family) and how the layers
+are split into groups.
 
 A group is a set of layers with the same attention kind; each request holds one block table per
-group. This issue ships full attention only; sliding window and linear attention follow.
+group, and all groups draw their blocks from one `BlockPool`. As in vLLM v1's hybrid allocator,
+every group has the same number of layers: layer `j` of each group shares one physical
+[num_blocks + 1, block_size, num_kv_heads, head_dim] tensor pair, so a block id means the same
+bytes whichever group holds it, and a block of a sliding-window group costs only the bytes of that
+group's layers.
+
+Specs:
+- `FullAttentionSpec`: every token of the context stays in the cache.
+- `SlidingWindowSpec(sliding_window=W)`: a query at position p reads keys (p - W, p]
+  (W keys including itself, `transformers`' `sliding_window_overlay`); blocks wholly before the
+  window of the next query are given back to the pool and replaced by the null block.
+A fixed-size linear-attention state (a `MambaSpec` later) fits the same interface: its
+`max_blocks_held` is a constant and `num_skipped_blocks` drops every block but the last.
 """
 
 from __future__ import annotations
@@ -10,6 +23,14 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+#: Block 0 of the physical cache: never allocated, never written, all zeros. Block tables use
+#: it for padding and for the blocks a sliding-window group has given back (vLLM's null block).
+NULL_BLOCK_ID = 0
+
+#: Attention kinds a model may declare (`transformers` `layer_types` names map onto them).
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
 
 
 @dataclass(frozen=True)
@@ -30,11 +51,143 @@ class KVCacheSpec:
     dtype: torch.dtype
     num_layers: int
 
+    @property
+    def kind(self) -> str:
+        """The attention kind (`FULL_ATTENTION` or `SLIDING_ATTENTION`)."""
+        return FULL_ATTENTION
+
+    @property
+    def sliding_window(self) -> int | None:
+        """Keys a query attends (including itself); None for full attention."""
+        return None
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V bytes one token leaves in this group's layers: 2 x layers x kv_heads x d x
+        itemsize."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        """`bytes_per_token * block_size`."""
+        return self.bytes_per_token * self.block_size
+
     def blocks_needed(self, num_tokens: int) -> int:
-        """Blocks a request with `num_tokens` tokens of context holds in this group."""
+        """Length of the block table (real or null entries) that covers `num_tokens` tokens."""
         return math.ceil(num_tokens / self.block_size)
+
+    def num_skipped_blocks(self, num_computed_tokens: int) -> int:
+        """Leading blocks no query at a position >= `num_computed_tokens` reads (0 here)."""
+        return 0
+
+    def max_blocks_held(self, num_tokens: int, max_chunk: int | None = None) -> int:
+        """The most real blocks one request of `num_tokens` tokens of context holds at once in
+        this group, when each step feeds it at most `max_chunk` tokens (None: unlimited)."""
+        return self.blocks_needed(num_tokens)
 
 
 @dataclass(frozen=True)
 class FullAttentionSpec(KVCacheSpec):
     """Every token of the context stays in the cache."""
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(KVCacheSpec):
+    """Only the last `window` tokens are attended; older blocks go back to the pool.
+
+    Attributes:
+        window: keys a query attends, itself included (config.json `sliding_window`).
+
+    Raises:
+        ValueError: window < 1.
+    """
+
+    window: int = 0
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"sliding window must be >= 1 token, got {self.window}")
+
+    @property
+    def kind(self) -> str:
+        return SLIDING_ATTENTION
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self.window
+
+    def num_skipped_blocks(self, num_computed_tokens: int) -> int:
+        """Blocks wholly before position `num_computed_tokens - window + 1`, the first key the
+        next query (at `num_computed_tokens`) reads (vLLM v1 `SlidingWindowManager`)."""
+        return max(0, num_computed_tokens - self.window + 1) // self.block_size
+
+    def max_blocks_held(self, num_tokens: int, max_chunk: int | None = None) -> int:
+        """A step that feeds `c` tokens from position `s` holds the blocks of positions
+        [s - window + 1, s + c): at most ceil((window - 1 + c) / block_size) + 1 blocks, which is
+        ceil(window / block_size) + 1 for a decode (c = 1); never more than the whole context."""
+        chunk = num_tokens if max_chunk is None else min(max_chunk, num_tokens)
+        span = math.ceil((self.window - 1 + chunk) / self.block_size) + 1
+        return min(self.blocks_needed(num_tokens), span)
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """One KV-cache group: its spec and its decoder-layer indices (in tensor-slot order: layer
+    `layers[j]` uses the shared cache tensor pair `j`)."""
+
+    spec: KVCacheSpec
+    layers: tuple[int, ...]
+
+
+#: What a model declares: (attention kind, sliding window or None, decoder-layer indices).
+AttentionGroup = tuple[str, int | None, tuple[int, ...]]
+
+
+def make_kv_cache_groups(
+    attention_groups: list[AttentionGroup],
+    *,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> list[KVCacheGroup]:
+    """Split a model's layers into equal-sized KV-cache groups.
+
+    Layers of one attention kind (and window) are cut, in index order, into groups of
+    gcd(layers per kind) layers, so every group has the same size and one physical tensor pair
+    per group slot serves all groups (vLLM v1 `_get_kv_cache_config_uniform_page_size`; the
+    gcd leaves no padding layer). A model of one kind gets one group with all its layers.
+
+    Args:
+        attention_groups: (kind, window, layers) per attention kind, from
+            `MoeCausalLM.kv_cache_groups_for`; kind is "full_attention" or "sliding_attention".
+        block_size, num_kv_heads, head_dim, dtype: the cache shape.
+
+    Raises:
+        ValueError: an unknown kind, a sliding kind without a window, an empty group, or a layer
+            in two groups.
+    """
+    kinds = [(kind, window, tuple(layers)) for kind, window, layers in attention_groups if layers]
+    if not kinds:
+        raise ValueError("the model declares no attention layers")
+    seen: set[int] = set()
+    for _, _, layers in kinds:
+        if seen & set(layers):
+            raise ValueError(f"layers {sorted(seen & set(layers))} are in two attention groups")
+        seen |= set(layers)
+    size = math.gcd(*(len(layers) for _, _, layers in kinds))
+    groups = []
+    for kind, window, layers in kinds:
+        if kind == FULL_ATTENTION:
+            spec: KVCacheSpec = FullAttentionSpec(block_size, num_kv_heads, head_dim, dtype, size)
+        elif kind == SLIDING_ATTENTION:
+            if not window:
+                raise ValueError("a sliding_attention group needs a sliding window (tokens)")
+            spec = SlidingWindowSpec(block_size, num_kv_heads, head_dim, dtype, size, window)
+        else:
+            raise ValueError(
+                f"attention kind {kind!r} is not supported; use {FULL_ATTENTION!r} or "
+                f"{SLIDING_ATTENTION!r}"
+            )
+        groups += [KVCacheGroup(spec, layers[i : i + size]) for i in range(0, len(layers), size)]
+    return groups

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from moe_engine.errors import StartupError
+from moe_engine.models.gpt_oss import GptOssForCausalLM
 from moe_engine.models.mixtral import MixtralForCausalLM
 from moe_engine.models.moe_decoder import ArchSpec, MoeCausalLM
 from moe_engine.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -10,6 +11,7 @@ from moe_engine.models.qwen3_moe import Qwen3MoeForCausalLM
 MODEL_REGISTRY: dict[str, type[MoeCausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_engine.kv_cache.spec import AttentionGroup
 from moe_engine.models.layers.attention import AttentionMetadata, PagedAttention
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.norm import RMSNorm
@@ -45,9 +46,19 @@ class ArchSpec(ModelShape):
 
 
 class Attention(nn.Module):
-    """Fused QKV projection, optional q/k norm, RoPE, paged attention, output projection."""
+    """Fused QKV projection, optional q/k norm, RoPE, paged attention, output projection.
 
-    def __init__(self, spec: ArchSpec, dtype: torch.dtype, rotary: RotaryEmbedding) -> None:
+    `sliding_window`: this layer's window (tokens, the query included; config.json
+    `sliding_window` when the layer is sliding), None for full attention.
+    """
+
+    def __init__(
+        self,
+        spec: ArchSpec,
+        dtype: torch.dtype,
+        rotary: RotaryEmbedding,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         self.spec = spec
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
@@ -61,7 +72,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype)
         self.rotary = rotary  # shared by all layers
         self.attn = PagedAttention(
-            spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5
+            spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5,
+            sliding_window=sliding_window,
         )
 
     def forward(
@@ -97,7 +109,8 @@ class DecoderLayer(nn.Module):
         self, spec: ArchSpec, index: int, dtype: torch.dtype, rotary: RotaryEmbedding
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, dtype, rotary)
+        sliding = bool(spec.layer_types) and spec.layer_types[index] == "sliding_attention"
+        self.self_attn = Attention(spec, dtype, rotary, spec.sliding_window if sliding else None)
         self.timer: PhaseTimer | None = None
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
@@ -168,7 +181,7 @@ class MoeCausalLM(nn.Module):
     def __init__(self, spec: ArchSpec, dtype: torch.dtype, max_position: int | None = None) -> None:
         super().__init__()
         self.spec = spec
-        self.model = Backbone(spec, dtype, max_position or spec.max_position_embeddings)
+        self.model = self.build_backbone(spec, dtype, max_position or spec.max_position_embeddings)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -176,6 +189,23 @@ class MoeCausalLM(nn.Module):
     @classmethod
     def arch_spec(cls, hf_config) -> ArchSpec:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    @classmethod
+    def kv_cache_groups_for(cls, spec: ArchSpec) -> list[AttentionGroup]:
+        """The layers by attention kind, (kind, sliding window or None, layer indices), from
+        which the engine makes its KV-cache groups (`kv_cache.make_kv_cache_groups`) before the
+        model is built; default `spec.attention_groups()` (config.json `layer_types`: one
+        full-attention group with every layer unless some layers are sliding)."""
+        return spec.attention_groups()
+
+    def kv_cache_groups(self) -> list[AttentionGroup]:
+        """`kv_cache_groups_for(self.spec)`."""
+        return self.kv_cache_groups_for(self.spec)
+
+    def build_backbone(self, spec: ArchSpec, dtype: torch.dtype, max_position: int) -> nn.Module:
+        """The embeddings, decoder layers and final norm (attributes `embed_tokens`, `layers`,
+        `norm`); architectures whose layers differ from `DecoderLayer` override it."""
+        return Backbone(spec, dtype, max_position)
 
     def forward(
         self,
@@ -298,7 +328,7 @@ class MoeCausalLM(nn.Module):
 
 def _weight_kind(name: str) -> str:
     """"experts", "attention", "embeddings" or "other" for a parameter or buffer name."""
-    if name.endswith((".w13", ".w2")):
+    if name.endswith((".w13", ".w2", ".b13", ".b2")):
         return "experts"
     if ".self_attn." in name:
         return "attention"

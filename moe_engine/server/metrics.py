@@ -67,6 +67,8 @@ _COUNTED = {
     "num_preemptions": "preemptions",
     "num_rejected": "requests_rejected",
     "num_aborted": "requests_aborted",
+    "prefix_cache_queries": "prefix_cache_queries",
+    "prefix_cache_hits": "prefix_cache_hits",
 }
 
 
@@ -127,6 +129,22 @@ class ServerMetrics:
             "Calls refused with UNAUTHENTICATED (missing or wrong API key).",
             registry=r,
         )
+        self.prefix_cache_queries = Counter(
+            "moe_engine_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (tokens; --enable-prefix-caching).",
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "moe_engine_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache and not recomputed (tokens).",
+            registry=r,
+        )
+        self.kv_group_blocks_used = Gauge(
+            "moe_engine_kv_cache_group_blocks_used",
+            "KV blocks held by live requests in one KV-cache group.",
+            ["group", "kind"],
+            registry=r,
+        )
         self.requests_finished = Counter(
             "moe_engine_requests_finished",
             "Finished requests by finish reason.",
@@ -160,6 +178,9 @@ class ServerMetrics:
             if delta > 0:
                 getattr(self, attr).inc(delta)
             self._last_totals[key] = value
+        for group in stats.get("kv_groups") or []:
+            labels = dict(group=str(group["group"]), kind=str(group["kind"]))
+            self.kv_group_blocks_used.labels(**labels).set(group["blocks_used"])
 
     def update_from_expert_load(self, load: dict[str, Any]) -> None:
         """Refresh the per-layer skew gauges from `EngineCore.get_expert_load()`'s dict.

@@ -5,11 +5,28 @@ batches: single-token queries (decodes) and multi-token queries (prefill chunks)
 one `scaled_dot_product_attention` call reads the keys through the block tables (whole blocks
 gathered with one `index_select`), with a mask that is causal from each request's start
 position. So the cost per layer is two batched calls per step, never a loop per request.
+
+Two gpt-oss features live here as well, both off (and free) for the other models:
+- Sliding-window layers (Beltagy et al. 2020, "Longformer"; transformers'
+  `sliding_window_overlay`): a key at position k is visible to the query at position q iff
+  q - window < k <= q, i.e. the query sees itself and the window - 1 tokens before it. The
+  window is a mask on key positions (a request's gathered blocks start at position 0, so a key's
+  index is its position, whatever the cache still holds before the window), built once per step
+  and batch and shared by all sliding layers (`AttentionBatch.mask_for`); full-attention layers
+  use the causal mask as before.
+- Attention sinks (gpt-oss; Xiao et al. 2023, "Efficient Streaming Language Models with
+  Attention Sinks"): a learned logit s_h per query head joins each softmax denominator as a
+  virtual key with no value, softmax([scores, s_h])[:-1] in transformers' `eager_attention_forward`.
+  With lse the log-sum-exp of a row's visible scores, that is the plain attention output times
+  exp(lse) / (exp(lse) + exp(s_h)) = sigmoid(lse - s_h). On a CPU the kernel that
+  `scaled_dot_product_attention` dispatches to (flash attention for CPU) returns lse alongside
+  the output, so sinks cost one multiply; elsewhere the scores are computed explicitly
+  (`attention_with_sinks`, the reference).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +42,11 @@ class AttentionBatch:
         tok_q: [n] int64, query column of each token within its row.
         block_ids: [B * nb] int64, the rows' block tables cut to nb = ceil(Lk / block_size)
             blocks and flattened (0 for padding).
-        mask: [B, 1, Lq, nb * block_size] bool, True where the query may attend the key.
+        mask: [B, 1, Lq, nb * block_size] bool, True where the query may attend the key
+            (causal, full attention).
         max_q: Lq, the longest query in the batch (tokens).
+        q_pos: [B, Lq] int64, absolute position of each query row (padding rows included);
+            needed by `mask_for` with a window (`build_attention_batch` sets it).
     """
 
     token_start: int
@@ -36,6 +56,35 @@ class AttentionBatch:
     block_ids: torch.Tensor
     mask: torch.Tensor
     max_q: int
+    q_pos: torch.Tensor | None = None
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    def mask_for(self, sliding_window: int | None) -> torch.Tensor:
+        """The bool mask of a layer: `mask` itself for full attention; for a sliding window
+        also key_pos > q_pos - sliding_window (transformers' convention). Built once per batch
+        and window, then shared by the layers.
+
+        Returns:
+            [B, 1, Lq, nb * block_size] bool.
+        """
+        if sliding_window is None:
+            return self.mask
+        key = ("window", sliding_window)
+        if key not in self._masks:
+            key_pos = torch.arange(self.mask.shape[-1])
+            inside = key_pos > self.q_pos[:, None, :, None] - sliding_window
+            self._masks[key] = self.mask & inside
+        return self._masks[key]
+
+    def additive_mask_for(self, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """`mask_for(sliding_window)` as 0 / -inf in `dtype` (what the CPU flash kernel takes),
+        cached like it. Returns [B, 1, Lq, nb * block_size]."""
+        key = ("additive", sliding_window, dtype)
+        if key not in self._masks:
+            visible = self.mask_for(sliding_window)
+            zeros = torch.zeros(visible.shape, dtype=dtype)
+            self._masks[key] = zeros.masked_fill_(~visible, float("-inf"))
+        return self._masks[key]
 
 
 @dataclass
@@ -45,10 +94,18 @@ class AttentionMetadata:
     Attributes:
         slot_mapping: [T] int64, cache slot (block_id * block_size + offset) of each new token.
         batches: the query batches, covering [0, T) in order.
+        groups: with several KV-cache groups, one metadata per group (its own slot_mapping
+            and batches, from its own block tables); the fields above are group 0's. None: one
+            group, this metadata itself.
     """
 
     slot_mapping: torch.Tensor
     batches: list[AttentionBatch]
+    groups: list[AttentionMetadata] | None = None
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata of KV-cache group `group` (a layer's `PagedAttention.kv_group`)."""
+        return self if self.groups is None else self.groups[group]
 
 
 def build_attention_batch(
@@ -87,6 +144,7 @@ def build_attention_batch(
         block_ids=block_tables[:, :num_blocks].reshape(-1),
         mask=mask.unsqueeze(1),
         max_q=max_q,
+        q_pos=q_pos,
     )
 
 
@@ -96,12 +154,26 @@ class PagedAttention(torch.nn.Module):
     Args:
         num_heads: query heads; num_kv_heads: key/value heads (GQA when fewer); head_dim.
         scale: softmax scale (head_dim ** -0.5 for the models here).
+        sliding_window: keys older than this many tokens (the query included) are masked;
+            None: full attention (see the module docstring for the convention).
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 token, got {sliding_window}")
+        self.sliding_window = sliding_window
+        #: The KV-cache group whose block tables this layer reads (set by the ModelRunner).
+        self.kv_group = 0
 
     def forward(
         self,
@@ -110,24 +182,32 @@ class PagedAttention(torch.nn.Module):
         v: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D]; kv_cache: two [num_blocks, block_size, Hkv, D].
+        """q: [T, Hq, D], k/v: [T, Hkv, D]; kv_cache: two [num_blocks, block_size, Hkv, D];
+        sinks: optional [Hq] per-head sink logits (gpt-oss), None for plain softmax.
 
         Returns:
             [T, Hq * D] attention output, q's dtype.
         """
+        meta = meta.for_group(self.kv_group)
         k_cache, v_cache = kv_cache
         for cache, new in ((k_cache, k), (v_cache, v)):
             cache.view(-1, *new.shape[1:]).index_copy_(0, meta.slot_mapping, new.to(cache.dtype))
         out = torch.empty_like(q)
         for batch in meta.batches:
             out[batch.token_start : batch.token_end] = self._attend(
-                q[batch.token_start : batch.token_end], k_cache, v_cache, batch
+                q[batch.token_start : batch.token_end], k_cache, v_cache, batch, sinks
             )
         return out.view(q.shape[0], -1)
 
     def _attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: AttentionBatch,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         b = batch.mask.shape[0]
         keys, values = (_gather_blocks(c, batch.block_ids, b) for c in (k_cache, v_cache))
@@ -136,21 +216,80 @@ class PagedAttention(torch.nn.Module):
             # non-GQA call covers the batch (faster on CPU than enable_gqa).
             groups = self.num_heads // self.num_kv_heads
             q_rows = q.view(b, self.num_kv_heads, groups, self.head_dim)
-            o = F.scaled_dot_product_attention(
-                q_rows, keys, values, attn_mask=batch.mask, scale=self.scale
-            )
+            row_sinks = None if sinks is None else sinks.view(self.num_kv_heads, groups)
+            o = self._sdpa(q_rows, keys, values, batch, row_sinks)
             return o.reshape(b, self.num_heads, self.head_dim)
         q_pad = q.new_zeros(b, batch.max_q, self.num_heads, self.head_dim)
         q_pad[batch.tok_b, batch.tok_q] = q
-        o = F.scaled_dot_product_attention(
-            q_pad.transpose(1, 2),
-            keys,
-            values,
-            attn_mask=batch.mask,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        ).transpose(1, 2)  # [B, Lq, Hq, D]
-        return o[batch.tok_b, batch.tok_q]
+        head_sinks = None if sinks is None else sinks.view(self.num_heads, 1)
+        o = self._sdpa(q_pad.transpose(1, 2), keys, values, batch, head_sinks)
+        return o.transpose(1, 2)[batch.tok_b, batch.tok_q]  # [B, Lq, Hq, D] -> [n, Hq, D]
+
+    def _sdpa(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        batch: AttentionBatch,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """q: [B, Hk, Lq, D] (GQA when Hk > keys' heads); keys/values: [B, Hkv, Lk, D];
+        sinks: None, or sink logits [Hk, Lq] (decode: one per query row) or [Hk, 1] (one per
+        head) -> [B, Hk, Lq, D]."""
+        gqa = q.shape[1] != keys.shape[1]
+        if sinks is None:
+            mask = batch.mask_for(self.sliding_window)
+            return F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa
+            )
+        if q.device.type == "cpu" and _CPU_FLASH_WITH_LSE is not None:
+            mask = batch.additive_mask_for(self.sliding_window, q.dtype)
+            # GQA: the CPU kernel maps query head h to KV head h // (Hq / Hkv) itself.
+            out, lse = _CPU_FLASH_WITH_LSE(q, keys, values, attn_mask=mask, scale=self.scale)
+            keep = torch.sigmoid(lse.float() - sinks.float())  # [B, Hk, Lq]
+            return (out.float() * keep.unsqueeze(-1)).to(q.dtype)
+        return attention_with_sinks(
+            q, keys, values, batch.mask_for(self.sliding_window), sinks, self.scale
+        )
+
+
+#: `aten::_scaled_dot_product_flash_attention_for_cpu` (what `scaled_dot_product_attention`
+#: runs on a CPU; returns the output and the log-sum-exp of each row), None when absent.
+_CPU_FLASH_WITH_LSE = getattr(
+    torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None
+)
+
+
+def attention_with_sinks(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention whose softmax has one more, value-less column per head: the sink logit
+    (gpt-oss; transformers `eager_attention_forward` of `modeling_gpt_oss`). Explicit scores
+    in float32: the reference, and the path off the CPU.
+
+    Args:
+        q: [B, Hq, Lq, D]; keys, values: [B, Hkv, Lk, D] with Hkv dividing Hq.
+        mask: [B, 1, Lq, Lk] bool, True where visible.
+        sinks: [Hq, 1] or [Hq, Lq] sink logits (per head, or per query row).
+        scale: multiplies q . k.
+
+    Returns:
+        [B, Hq, Lq, D] in q's dtype.
+    """
+    groups = q.shape[1] // keys.shape[1]
+    keys, values = (t.repeat_interleave(groups, dim=1).float() for t in (keys, values))
+    scores = (q.float() @ keys.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink_col = sinks.float().expand(q.shape[1], q.shape[2]).unsqueeze(-1)
+    logits = torch.cat([scores, sink_col.expand(q.shape[0], -1, -1, -1)], dim=-1)
+    logits = logits - logits.amax(dim=-1, keepdim=True)
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return (probs @ values).to(q.dtype)
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, rows: int) -> torch.Tensor:

@@ -14,11 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from comm import Communicator, NoopCommunicator
+from kernels.activation import SILU_AND_MUL, SwiGLU
 from kernels.cpu import fused_moe_cpu
 from moe_engine.instrumentation import ExpertLoadRecorder
 from moe_engine.models.layers.quantized_experts import QuantizedExperts
 from moe_engine.phase_timer import PhaseTimer
 from quant.int4 import SYMMETRIC_ZERO, Int4Weight
+from quant.mxfp4 import MXFP4_BLOCK_SIZE
 
 
 class _NoTimer:
@@ -57,6 +59,27 @@ def softmax_topk(
     return weights, ids.to(torch.int32)
 
 
+def topk_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of the logits, then softmax over those k (gpt-oss; `GptOssTopKRouter` in Hugging
+    Face `transformers`, whose `torch.topk` and softmax in the logits' dtype this repeats).
+
+    Args:
+        router_logits: [T, E] any float dtype.
+        top_k: experts per token.
+
+    Returns:
+        topk_weights [T, k] float32 (sum to 1), topk_ids [T, k] int32.
+    """
+    logits, ids = torch.topk(router_logits, top_k, dim=-1)
+    weights = F.softmax(logits, dim=-1, dtype=logits.dtype).float()
+    return weights, ids.to(torch.int32)
+
+
+#: Routing rules `FusedMoE` accepts: softmax over all experts then top-k (Qwen3-MoE, Mixtral),
+#: or top-k of the logits then softmax over them (gpt-oss).
+ROUTINGS = ("softmax_topk", "topk_softmax")
+
+
 class FusedMoE(nn.Module):
     """Routed SwiGLU experts stored stacked: w13 [E_local, 2*I, H] (gate; up), w2 [E_local, H, I].
 
@@ -71,6 +94,14 @@ class FusedMoE(nn.Module):
         renormalize: renormalise the top-k weights (see `softmax_topk`).
         dtype: parameter dtype.
         communicator: EP seam; `NoopCommunicator` for one rank.
+        routing: "softmax_topk" (default) or "topk_softmax" (gpt-oss, `topk_softmax`).
+        router_bias: the router Linear has a bias (gpt-oss).
+        expert_bias: experts have biases b13 [E_local, 2I] (gate; up) and b2 [E_local, H],
+            stored and sliced per local slot like w13/w2 (gpt-oss).
+        activation: plain SwiGLU (default) or gpt-oss's clamped one (`kernels.activation`).
+
+    Raises:
+        ValueError: an unknown routing.
     """
 
     def __init__(
@@ -82,11 +113,29 @@ class FusedMoE(nn.Module):
         renormalize: bool,
         dtype: torch.dtype,
         communicator: Communicator | None = None,
+        *,
+        routing: str = "softmax_topk",
+        router_bias: bool = False,
+        expert_bias: bool = False,
+        activation: SwiGLU = SILU_AND_MUL,
     ) -> None:
         super().__init__()
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.routing, self.activation = routing, activation
         self.intermediate_size = intermediate_size
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype)
+        self.gate = nn.Linear(hidden_size, num_experts, bias=router_bias, dtype=dtype)
+        self.b13: nn.Parameter | None = None
+        self.b2: nn.Parameter | None = None
+        if expert_bias:
+            self.b13 = nn.Parameter(
+                torch.empty(num_experts, 2 * intermediate_size, dtype=dtype), requires_grad=False
+            )
+            self.b2 = nn.Parameter(
+                torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False
+            )
+        self._mxfp4_pieces: dict[tuple[str, str], torch.Tensor] = {}  # (shard, part)
         self.w13 = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype),
             requires_grad=False,
@@ -132,6 +181,9 @@ class FusedMoE(nn.Module):
         dtype = self.w13.dtype
         self.w13 = nn.Parameter(torch.empty(n, two_i, h, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(n, h2, i, dtype=dtype), requires_grad=False)
+        if self.b13 is not None:
+            self.b13 = nn.Parameter(torch.empty(n, two_i, dtype=dtype), requires_grad=False)
+            self.b2 = nn.Parameter(torch.empty(n, h2, dtype=dtype), requires_grad=False)
         self.communicator = communicator
         self.ep_rank = rank
 
@@ -149,15 +201,27 @@ class FusedMoE(nn.Module):
         Raises:
             ValueError: a group size that does not divide the dimension it groups.
         """
-        self.quantized = QuantizedExperts(self.w13.data, self.w2.data, method, group_size)
+        self.quantized = QuantizedExperts(
+            self.w13.data, self.w2.data, method, group_size, **self._expert_extras()
+        )
         del self.w13, self.w2
+
+    def _expert_extras(self) -> dict:
+        """The activation and biases every expert path takes as keyword arguments (the biases
+        as plain tensors sharing the parameters' storage, so that a `QuantizedExperts` holding
+        them neither registers them again nor misses a later in-place load)."""
+        b13, b2 = (None if b is None else b.data for b in (self.b13, self.b2))
+        return {"activation": self.activation, "b13": b13, "b2": b2}
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [T, H] -> [T, H], same dtype."""
         timer = self.timer or _NO_TIMER
         with timer.phase("router"):
             router_logits = self.gate(hidden)  # [T, E]
-            topk_weights, topk_ids = softmax_topk(router_logits, self.top_k, self.renormalize)
+            if self.routing == "topk_softmax":
+                topk_weights, topk_ids = topk_softmax(router_logits, self.top_k)
+            else:
+                topk_weights, topk_ids = softmax_topk(router_logits, self.top_k, self.renormalize)
             if self.load_recorder is not None:
                 self.load_recorder.record(self.layer_index, topk_ids)
         with timer.phase("dispatch"):
@@ -172,7 +236,12 @@ class FusedMoE(nn.Module):
                 expert_out = self.quantized(sent.hidden, sent.topk_weights, sent.topk_ids)
             else:
                 expert_out = fused_moe_cpu(
-                    sent.hidden, self.w13, self.w2, sent.topk_weights, sent.topk_ids
+                    sent.hidden,
+                    self.w13,
+                    self.w2,
+                    sent.topk_weights,
+                    sent.topk_ids,
+                    **self._expert_extras(),
                 )
         with timer.phase("combine"):
             return self.communicator.combine(expert_out, sent.handle)
@@ -213,8 +282,61 @@ class FusedMoE(nn.Module):
         pieces = self._int4_pieces
         w13 = [_cat_rows(pieces[(s, "gate")], pieces[(s, "up")]) for s in slots]
         self.quantized = QuantizedExperts.from_int4(w13, [pieces[(s, "down")] for s in slots])
+        for name, value in self._expert_extras().items():
+            setattr(self.quantized, name, value)
         self._int4_pieces = {}
         del self.w13, self.w2
+
+    def load_mxfp4_expert_weight(self, shard: str, part: str, tensor: torch.Tensor) -> bool:
+        """Take one MXFP4 tensor of all experts as a checkpoint stores it (gpt-oss
+        `*_blocks` / `*_scales`, already in the engine's row order: gate rows then up rows).
+
+        Once the blocks and scales of both projections have arrived, the layer's experts
+        become a `QuantizedExperts` over them (`QuantizedExperts.from_mxfp4`: no float round
+        trip) and the float w13/w2 are dropped.
+
+        Args:
+            shard: "gate_up" (w13: blocks [E, 2I, H // 32, 16], scales [E, 2I, H // 32]) or
+                "down" (w2: blocks [E, H, I // 32, 16], scales [E, H, I // 32]); uint8.
+            part: "blocks" or "scales".
+            tensor: the checkpoint tensor for all E experts; this rank keeps its local slots.
+
+        Returns:
+            True when this projection now has both its blocks and its scales.
+
+        Raises:
+            ValueError: an unknown shard or part, a shape that does not match the model's
+                (names both), or a tensor arriving twice.
+        """
+        if shard not in ("gate_up", "down") or part not in ("blocks", "scales"):
+            raise ValueError(f"mxfp4 expert tensor {shard}_{part}: unknown shard or part")
+        hidden, size = self.gate.in_features, self.intermediate_size
+        rows, cols = (2 * size, hidden) if shard == "gate_up" else (hidden, size)
+        want = (self.num_experts, rows, cols // MXFP4_BLOCK_SIZE)
+        if part == "blocks":
+            want = (*want, MXFP4_BLOCK_SIZE // 2)
+        if tuple(tensor.shape) != want or tensor.dtype != torch.uint8:
+            raise ValueError(
+                f"mxfp4 expert tensor {shard}_{part}: checkpoint {tensor.dtype} "
+                f"{tuple(tensor.shape)} does not match the model's uint8 {want}"
+            )
+        if (shard, part) in self._mxfp4_pieces or (
+            self.quantized is not None and self.quantized.method == "mxfp4"
+        ):
+            raise ValueError(f"mxfp4 expert tensor {shard}_{part}: loaded twice")
+        self._mxfp4_pieces[(shard, part)] = tensor[self.local_experts].contiguous()
+        pieces = self._mxfp4_pieces
+        if len(pieces) == 4:
+            self.quantized = QuantizedExperts.from_mxfp4(
+                (pieces[("gate_up", "blocks")], pieces[("gate_up", "scales")]),
+                (pieces[("down", "blocks")], pieces[("down", "scales")]),
+                **self._expert_extras(),
+            )
+            self._mxfp4_pieces = {}
+            del self.w13, self.w2
+            return True
+        other = "scales" if part == "blocks" else "blocks"
+        return (shard, other) in pieces
 
     def load_expert_weight(self, expert: int, shard: str, tensor: torch.Tensor) -> None:
         """Copy one checkpoint tensor into the stacked weights.
@@ -223,14 +345,19 @@ class FusedMoE(nn.Module):
             expert: global expert id (ignored for the all-expert shards); tensors of experts
                 this rank does not hold are skipped.
             shard: "gate" | "up" | "down" (one expert) or "gate_up" | "down_all" (all
-                experts, transformers 5 fused layout).
-            tensor: gate/up [I, H], down [H, I], gate_up [E, 2I, H], down_all [E, H, I].
+                experts, transformers 5 fused layout) or "gate_up_bias" | "down_bias" (all
+                experts' biases, when the layer has them).
+            tensor: gate/up [I, H], down [H, I], gate_up [E, 2I, H], down_all [E, H, I],
+                gate_up_bias [E, 2I] (gate; up), down_bias [E, H].
 
         Raises:
-            ValueError: on a shape mismatch, naming both shapes.
+            ValueError: on a shape mismatch, naming both shapes, or a bias the layer lacks.
         """
-        if shard in ("gate_up", "down_all"):
-            target = self.w13.data if shard == "gate_up" else self.w2.data
+        if shard in ("gate_up_bias", "down_bias") and self.b13 is None:
+            raise ValueError(f"expert weight {shard}: this MoE layer has no expert biases")
+        if shard in ("gate_up", "down_all", "gate_up_bias", "down_bias"):
+            names = {"gate_up": "w13", "down_all": "w2", "gate_up_bias": "b13", "down_bias": "b2"}
+            target = getattr(self, names[shard]).data
             expected = (self.num_experts, *target.shape[1:])
             if tuple(tensor.shape) != expected:
                 raise ValueError(

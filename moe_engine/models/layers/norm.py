@@ -13,16 +13,28 @@ class RMSNorm(nn.Module):
         dim: size of the last dimension.
         eps: added to the mean square.
         dtype: weight dtype (the model's).
+        weight_in_float32: multiply by the weight in float32 and round once to x's dtype
+            (gpt-oss in transformers, `GptOssRMSNorm`, which also keeps the weight in
+            float32); by default the normalised x is rounded to its dtype first (Llama, Qwen).
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-6,
+        dtype: torch.dtype = torch.float32,
+        weight_in_float32: bool = False,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
         self.eps = eps
+        self.weight_in_float32 = weight_in_float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., dim] any float dtype -> same shape and dtype."""
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_float32:
+            return (self.weight.float() * h).to(dtype)
         return self.weight * h.to(dtype)

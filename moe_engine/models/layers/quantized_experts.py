@@ -111,6 +111,56 @@ class QuantizedExperts(nn.Module):
         }
         return self
 
+    @classmethod
+    def from_mxfp4(
+        cls,
+        w13: tuple[torch.Tensor, torch.Tensor],
+        w2: tuple[torch.Tensor, torch.Tensor],
+        *,
+        activation: SwiGLU = SILU_AND_MUL,
+        b13: torch.Tensor | None = None,
+        b2: torch.Tensor | None = None,
+    ) -> QuantizedExperts:
+        """Experts from weights that are MXFP4 already (gpt-oss `*_blocks` / `*_scales`, OCP MX
+        v1.0 as `quant.mxfp4` lays it out), kept as they are: nothing is dequantized or
+        re-quantized.
+
+        Args:
+            w13: (blocks [E, 2I, H // 32, 16], scales [E, 2I, H // 32]) uint8, gate rows then
+                up rows.
+            w2: (blocks [E, H, I // 32, 16], scales [E, H, I // 32]) uint8.
+            activation, b13, b2: as in the constructor.
+
+        Raises:
+            ValueError: wrong dtypes or shapes (blocks not [E, N, K // 32, 16], scales not
+                blocks.shape[:-1], or expert counts or widths that do not chain).
+        """
+        (w13_blocks, w13_scales), (w2_blocks, w2_scales) = w13, w2
+        tensors = (w13_blocks, w13_scales, w2_blocks, w2_scales)
+        half = MXFP4_BLOCK_SIZE // 2
+        ok = all(t.dtype == torch.uint8 for t in tensors) and w13_blocks.dim() == 4
+        if ok:
+            num, two_i, h_blocks = w13_scales.shape if w13_scales.dim() == 3 else (0, 1, 0)
+            i_blocks = two_i // 2 // MXFP4_BLOCK_SIZE
+            ok = (
+                tuple(w13_blocks.shape) == (num, two_i, h_blocks, half)
+                and tuple(w2_blocks.shape) == (num, h_blocks * MXFP4_BLOCK_SIZE, i_blocks, half)
+                and tuple(w2_scales.shape) == tuple(w2_blocks.shape[:-1])
+                and num > 0
+            )
+        if not ok:
+            raise ValueError(
+                "mxfp4 experts: need uint8 w13 blocks [E, 2I, H // 32, 16], scales "
+                "[E, 2I, H // 32], w2 blocks [E, H, I // 32, 16], scales [E, H, I // 32]; got "
+                + ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in tensors)
+            )
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.method, self.group_size = "mxfp4", MXFP4_BLOCK_SIZE
+        self.activation, self.b13, self.b2 = activation, b13, b2
+        self.weights = {"w13": [(w13_blocks, w13_scales)], "w2": [(w2_blocks, w2_scales)]}
+        return self
+
     @staticmethod
     def _quantize_mxfp4(name: str, w: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if w.shape[-1] % MXFP4_BLOCK_SIZE:

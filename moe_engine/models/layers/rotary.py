@@ -1,6 +1,14 @@
-"""Rotary position embedding (RoFormer, Su et al. 2021), "rotate half" layout as in Llama/HF."""
+"""Rotary position embedding (RoFormer, Su et al. 2021), "rotate half" layout as in Llama/HF.
+
+Optionally with YaRN context extension (Peng et al. 2023, "YaRN: Efficient Context Window
+Extension of Large Language Models"), as gpt-oss uses it: `yarn_inv_freq` follows `transformers`'
+`modeling_rope_utils._compute_yarn_parameters` step for step.
+"""
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -20,6 +28,124 @@ def rope_theta_of(hf_config) -> float:
     return float(theta)
 
 
+def rope_with_scaling_of(hf_config) -> tuple[float, YarnScaling | None]:
+    """The rotary base and YaRN scaling (None for plain RoPE) from a transformers config:
+    `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta` (older config.json).
+
+    Raises:
+        StartupError: a rope_type other than "default" or "yarn", or no rope_theta.
+    """
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    params = {**(getattr(hf_config, "rope_scaling", None) or {}), **params}
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "yarn"):
+        raise StartupError(
+            f"rope_type {rope_type!r} is not supported yet (supported: default, yarn)"
+        )
+    if theta is None:
+        raise StartupError("config.json has no rope_theta")
+    if rope_type == "default":
+        return float(theta), None
+    max_position = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+    return float(theta), YarnScaling.from_rope_parameters(params, max_position)
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN parameters (config.json `rope_parameters` / `rope_scaling` with rope_type "yarn").
+
+    Attributes:
+        factor: context extension factor s (interpolated frequencies are divided by it).
+        original_max_position_embeddings: the pre-extension context (tokens).
+        beta_fast, beta_slow: rotations bounding the linear ramp between extrapolated and
+            interpolated frequencies (paper's alpha/beta; defaults 32 and 1).
+        truncate: floor/ceil the ramp bounds (transformers' default True; gpt-oss sets False).
+        attention_factor: the cos/sin multiplier ("mscale"); None derives it from `factor`
+            (and `mscale`, `mscale_all_dim` when both are set), as transformers does.
+        mscale, mscale_all_dim: DeepSeek-style parts of that derivation (None: unused).
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+
+    @classmethod
+    def from_rope_parameters(cls, params: dict, max_position_embeddings: int) -> YarnScaling:
+        """From a transformers `rope_parameters` dict whose rope_type is "yarn".
+
+        A null `factor` means max_position_embeddings / original_max_position_embeddings and a
+        missing `original_max_position_embeddings` means max_position_embeddings, as in
+        transformers. Raises `StartupError` when neither gives a factor.
+        """
+        original = params.get("original_max_position_embeddings") or max_position_embeddings
+        factor = params.get("factor") or (max_position_embeddings / original if original else 0)
+        if not factor or factor <= 0 or not original:
+            raise StartupError(
+                f"yarn rope_parameters {params}: need a positive factor and "
+                f"original_max_position_embeddings (or max_position_embeddings)"
+            )
+        return cls(
+            factor=float(factor),
+            original_max_position_embeddings=int(original),
+            beta_fast=float(params.get("beta_fast") or 32),
+            beta_slow=float(params.get("beta_slow") or 1),
+            truncate=bool(params.get("truncate", True)),
+            attention_factor=params.get("attention_factor"),
+            mscale=params.get("mscale"),
+            mscale_all_dim=params.get("mscale_all_dim"),
+        )
+
+
+def _yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_inv_freq(head_dim: int, base: float, yarn: YarnScaling) -> tuple[torch.Tensor, float]:
+    """YaRN's per-dimension-pair inverse frequencies and its attention factor.
+
+    Dimension pairs that rotate fewer than `beta_slow` times over the original context are
+    interpolated (frequency / factor), those rotating more than `beta_fast` times are kept
+    (extrapolated), with a linear ramp in between; cos and sin are then multiplied by the
+    attention factor 0.1 ln(factor) + 1 (Peng et al. 2023, eq. 17-22; transformers
+    `_compute_yarn_parameters`).
+
+    Returns:
+        inv_freq [head_dim // 2] float32; attention_factor (float, multiplies cos and sin).
+    """
+    factor = yarn.factor
+    attention_factor = yarn.attention_factor
+    if attention_factor is None:
+        if yarn.mscale and yarn.mscale_all_dim:
+            attention_factor = _yarn_get_mscale(factor, yarn.mscale) / _yarn_get_mscale(
+                factor, yarn.mscale_all_dim
+            )
+        else:
+            attention_factor = _yarn_get_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        context = yarn.original_max_position_embeddings
+        return head_dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolation = 1 - ramp  # weight of the original frequency per pair
+    interpolated, extrapolated = 1.0 / (factor * pos_freqs), 1.0 / pos_freqs
+    inv_freq = interpolated * (1 - extrapolation) + extrapolated * extrapolation
+    return inv_freq, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to query and key heads at given positions.
 
@@ -27,18 +153,29 @@ class RotaryEmbedding(nn.Module):
         head_dim: rotated dimension (the whole head).
         max_position: positions [0, max_position) are precomputed.
         base: the rotary base (rope_theta).
+        yarn: YaRN scaling (`yarn_inv_freq`; cos and sin carry its attention factor), or None
+            for plain RoPE.
     """
 
-    def __init__(self, head_dim: int, max_position: int, base: float) -> None:
+    def __init__(
+        self, head_dim: int, max_position: int, base: float, yarn: YarnScaling | None = None
+    ) -> None:
         super().__init__()
-        inv_freq = 1.0 / (
-            base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-        )
+        scale = 1.0
+        if yarn is None:
+            inv_freq = 1.0 / (
+                base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+            )
+        else:
+            inv_freq, scale = yarn_inv_freq(head_dim, base, yarn)
         pos = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        cos, sin = emb.cos(), emb.sin()
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
