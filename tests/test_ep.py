@@ -64,8 +64,16 @@ def _ep1_greedy(ckpt, prompts: list[list[int]], max_new: list[int]) -> list[list
     return [out.token_ids for out in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("ep_size", [2, 4])
-@pytest.mark.parametrize("ckpt_name", ["qwen3_ckpt", "mixtral_ckpt"])
+@pytest.mark.parametrize(
+    ("ckpt_name", "ep_size"),
+    [
+        ("qwen3_ckpt", 2),
+        ("qwen3_ckpt", 4),
+        ("mixtral_ckpt", 2),
+        ("mixtral_ckpt", 4),
+        ("gpt_oss_ckpt", 2),  # sliding window + sinks + expert biases, hybrid KV groups
+    ],
+)
 def test_ep_greedy_equals_ep1_and_transformers(ckpt_name: str, ep_size: int, request) -> None:
     ckpt = request.getfixturevalue(ckpt_name)
     prompts, single = _prompts()
@@ -81,7 +89,8 @@ def test_ep_greedy_equals_ep1_and_transformers(ckpt_name: str, ep_size: int, req
         assert info["ep_size"] == ep_size
         experts = info["experts_per_rank"]
         assert len(experts) == ep_size
-        assert sorted(e for rank in experts for e in rank) == list(range(8))
+        num_experts, top_k = info["num_experts"], info["num_experts_per_tok"]
+        assert sorted(e for rank in experts for e in rank) == list(range(num_experts))
         with grpc.insecure_channel(handle.address) as channel:
             stub = pb_grpc.MoeEngineStub(channel)
 
@@ -115,10 +124,10 @@ def test_ep_greedy_equals_ep1_and_transformers(ckpt_name: str, ep_size: int, req
     # Every token of every layer was routed to top_k experts, wherever it ran.
     total_tokens = sum(PROMPT_LENS) + sum(MAX_NEW) - len(MAX_NEW) + SINGLE_LEN + SINGLE_NEW - 1
     for layer in load.layers:
-        assert sum(layer.tokens_per_expert) == 2 * total_tokens
+        assert sum(layer.tokens_per_expert) == top_k * total_tokens
         # each rank's expert load: the pairs its experts processed, all pairs in all
         assert len(layer.tokens_per_rank) == ep_size
-        assert sum(layer.tokens_per_rank) == 2 * total_tokens
+        assert sum(layer.tokens_per_rank) == top_k * total_tokens
         assert layer.rank_imbalance_ratio >= 1.0
 
 

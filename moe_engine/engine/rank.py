@@ -80,6 +80,12 @@ def merge_stats(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         for key, value in stats.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 merged[key] = merged.get(key, 0) + value
+    groups = [s.get("kv_groups") for s in per_rank]
+    if groups[0] is not None and all(g is not None and len(g) == len(groups[0]) for g in groups):
+        merged["kv_groups"] = [
+            {**group, "blocks_used": sum(g[i]["blocks_used"] for g in groups)}
+            for i, group in enumerate(groups[0])
+        ]
     merged["ep_size"] = len(per_rank)
     merged["per_rank"] = per_rank
     return merged
