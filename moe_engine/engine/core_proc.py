@@ -120,6 +120,24 @@ def model_info_of(core: Any) -> dict[str, Any]:
     return info
 
 
+def add_request(
+    core: Any, request_id: str, prompt: list[int], params: dict[str, Any], arrival: float
+) -> list[Any] | None:
+    """Hand one ADD message's request to `core`.
+
+    Returns:
+        None when it was queued, else the refusal as [request_id, code, field, message] (the
+        ADD_ERROR message's fields).
+    """
+    try:
+        core.add_request(request_id, prompt, SamplingParams(**params), arrival)
+    except RequestError as exc:
+        return [request_id, str(exc.code), exc.field, exc.message]
+    except (ValueError, TypeError) as exc:
+        return [request_id, "INVALID_ARGUMENT", "request", str(exc)]
+    return None
+
+
 class CoreLoop:
     """Runs one EngineCore: drains inputs, steps while there is work, pushes outputs.
 
@@ -184,12 +202,9 @@ class CoreLoop:
         arrival: float,
         rank: int = 0,
     ) -> None:
-        try:
-            self.core.add_request(request_id, prompt, SamplingParams(**params), arrival)
-        except RequestError as exc:
-            self._send(["ADD_ERROR", request_id, str(exc.code), exc.field, exc.message])
-        except (ValueError, TypeError) as exc:
-            self._send(["ADD_ERROR", request_id, "INVALID_ARGUMENT", "request", str(exc)])
+        refusal = add_request(self.core, request_id, prompt, params, arrival)
+        if refusal is not None:
+            self._send(["ADD_ERROR", *refusal])
 
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
         if outputs:
@@ -199,7 +214,7 @@ class CoreLoop:
         self.outputs.send(pack(message))
 
 
-def _watch_parent(parent_pid: int) -> None:
+def watch_parent(parent_pid: int) -> None:
     """End this process (status 1) as soon as its parent is gone."""
     while True:
         time.sleep(_PARENT_CHECK_S)
@@ -235,7 +250,7 @@ def run_engine_core(
     # SIGTERM to the whole group (timeout, systemd, kill -- -PGID) must drain, not kill the
     # core under running requests: the front end drains, then tells the core to stop.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
     inputs.bind(input_addr)

@@ -21,7 +21,6 @@ import os
 import signal
 import socket
 import threading
-import time
 import uuid
 from typing import Any
 
@@ -32,7 +31,6 @@ from moe_engine.engine import core_proc
 
 logger = logging.getLogger(__name__)
 
-_PARENT_CHECK_S = 0.5
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -113,13 +111,6 @@ def launch_ranks(
     return None
 
 
-def _watch_parent(parent_pid: int) -> None:
-    while True:
-        time.sleep(_PARENT_CHECK_S)
-        if os.getppid() != parent_pid:
-            os._exit(1)
-
-
 def run_launcher(
     config: EngineConfig,
     input_addr: str,
@@ -136,7 +127,7 @@ def run_launcher(
     """
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [launcher] %(message)s")
     os.setsid()
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=core_proc.watch_parent, args=(parent_pid,), daemon=True).start()
     failure = launch_ranks(config, input_addr, output_addr, core_factory, log_level)
     if failure is None:
         os._exit(0)

@@ -43,8 +43,7 @@ from tqdm import tqdm
 
 from moe_engine.config import EngineConfig, default_threads
 from moe_engine.engine import core_proc
-from moe_engine.errors import RequestError
-from moe_engine.request import RequestOutput, SamplingParams
+from moe_engine.request import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +53,6 @@ IDLE_POLL_S = 0.05
 STARTUP_TIMEOUT_S = 900.0
 #: How long rank 0 waits for each rank at the monitored barrier that names dead ranks (seconds).
 HEALTH_CHECK_S = 3.0
-#: How often the watchdog checks that the parent (the launcher's agent) is alive (seconds).
-_PARENT_CHECK_S = 0.5
 
 
 @dataclass
@@ -267,12 +264,9 @@ class LockstepLoop:
         arrival: float,
         report: RankReport,
     ) -> None:
-        try:
-            self.core.add_request(request_id, prompt, SamplingParams(**params), arrival)
-        except RequestError as exc:
-            report.add_errors.append([request_id, str(exc.code), exc.field, exc.message])
-        except (ValueError, TypeError) as exc:
-            report.add_errors.append([request_id, "INVALID_ARGUMENT", "request", str(exc)])
+        refusal = core_proc.add_request(self.core, request_id, prompt, params, arrival)
+        if refusal is not None:
+            report.add_errors.append(refusal)
 
     def unresponsive_ranks(self, rank_pids: list[int]) -> str:
         """After a failed collective: which ranks no longer answer, as text for the error.
@@ -316,14 +310,6 @@ def process_state(pid: int) -> str | None:
     return {"Z": "is a zombie (it died)", "X": "is gone", "T": "is stopped"}.get(state)
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """End this process (status 1) as soon as its parent (the launcher's agent) is gone."""
-    while True:
-        time.sleep(_PARENT_CHECK_S)
-        if os.getppid() != parent_pid:
-            os._exit(1)
-
-
 def rank_threads(config: EngineConfig, local_world_size: int) -> int:
     """Intra-op threads of one rank: the configured number, else this node's cores (less one
     for the front end) shared among its ranks, at least 1."""
@@ -355,7 +341,7 @@ def run_rank(
     )
     tqdm.set_lock(threading.RLock())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when ranks stop
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    threading.Thread(target=core_proc.watch_parent, args=(os.getppid(),), daemon=True).start()
     threads = rank_threads(config, local_world)
     config = dataclasses.replace(
         config, parallel=dataclasses.replace(config.parallel, num_threads=threads)

@@ -37,7 +37,7 @@ from moe_engine.models.layers.attention import AttentionMetadata, PagedAttention
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding, YarnScaling, rope_with_scaling_of
-from moe_engine.models.moe_decoder import ArchSpec, MoeCausalLM, _expert_piece
+from moe_engine.models.moe_decoder import ArchSpec, DecoderLayer, MoeCausalLM, _expert_piece
 from moe_engine.phase_timer import PhaseTimer
 from moe_engine.plan import ModelShape
 
@@ -140,16 +140,7 @@ class GptOssDecoderLayer(nn.Module):
             activation=SwiGLU(alpha=spec.swiglu_alpha, limit=spec.swiglu_limit),
         )
 
-    def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache
-    ) -> torch.Tensor:
-        """h: [T, H] -> [T, H]."""
-        if self.timer is None:
-            h = h + self.self_attn(self.input_layernorm(h), positions, meta, kv_cache)
-        else:
-            with self.timer.phase("attention"):
-                h = h + self.self_attn(self.input_layernorm(h), positions, meta, kv_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    forward = DecoderLayer.forward  # the same pre-norm residual block
 
 
 class GptOssBackbone(nn.Module):
