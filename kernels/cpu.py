@@ -6,8 +6,10 @@ and running `torch.bmm` over all experts does the same arithmetic in two calls. 
 `python bench/moe_cpu.py --tokens 64 512 2048` (32 experts, top-4, float32, 2 threads, quiet
 machine): 1.35x faster than the loop at 64 tokens (8 rows per expert), 1.07x at 512 (64 rows),
 0.76x at 2048 (256 rows), where the loop's larger GEMMs win. So the loop is used when experts
-average more than `MAX_ROWS_PER_EXPERT` rows, or when routing is so skewed that padding would
-more than quadruple the rows (weights, not rows, are the cost at these sizes).
+average more than `MAX_ROWS_PER_EXPERT` rows, when routing is so skewed that padding would
+more than quadruple the rows (weights, not rows, are the cost at these sizes), or when fewer
+than a quarter of the experts have rows (decoding one token reads 4 of 32 experts' weights in
+the loop, all 32 in the batched GEMMs).
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from kernels.routing import combine_pairs, sort_pairs_by_expert
 
 #: Padding may at most multiply the rows computed by this factor before the loop is used.
 MAX_PADDING_FACTOR = 4.0
+#: Below this fraction of experts with rows (decode of a few tokens), the loop is used: the
+#: batched GEMMs would read every expert's weights for a handful of rows.
+MIN_ACTIVE_FRACTION = 0.25
 #: Above this many (token, expert) rows per expert on average, the per-expert loop is faster.
 MAX_ROWS_PER_EXPERT = 96
 
@@ -55,7 +60,9 @@ def fused_moe_cpu(
         return torch.zeros_like(hidden)
     longest = max(counts)
     too_skewed = num_experts * longest > MAX_PADDING_FACTOR * rows + num_experts
-    if too_skewed or rows > MAX_ROWS_PER_EXPERT * num_experts:
+    # the batched GEMMs read every expert's weights; the loop reads only the active ones
+    few_active = sum(c > 0 for c in counts) < MIN_ACTIVE_FRACTION * num_experts
+    if too_skewed or few_active or rows > MAX_ROWS_PER_EXPERT * num_experts:
         return expert_loop(
             hidden, w13, w2, topk_weights, order, counts, activation=activation, b13=b13, b2=b2
         )
