@@ -7,9 +7,11 @@ outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from moe_engine.config import CacheConfig, EngineConfig, ModelConfig, QuantConfig, SchedulerConfig
 from moe_engine.engine.core import EngineCore
+from moe_engine.errors import StartupError
 from moe_engine.request import FinishReason, SamplingParams
 
 
@@ -38,7 +40,8 @@ class LLM:
     """Runs an `EngineCore` in this process until every prompt is done.
 
     Args:
-        model: checkpoint directory (config.json + *.safetensors).
+        model: checkpoint directory (config.json + *.safetensors), or "demo" for the built-in
+            demo checkpoint; never fetched from the network.
         dtype: "auto", "bfloat16" or "float32".
         max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory (bytes),
         block_size, num_blocks_override, quantization, quant_group_size,
@@ -60,6 +63,12 @@ class LLM:
         quant_group_size: int = 128,
         enable_prefix_caching: bool = False,
     ) -> None:
+        if model == "demo":
+            from moe_engine.demo import ensure_demo_checkpoint
+
+            model = str(ensure_demo_checkpoint())
+        if not (Path(model) / "config.json").is_file():  # a local directory, never a hub id
+            raise StartupError(f"model: no config.json in {str(model)!r}")
         self.engine = EngineCore(
             EngineConfig(
                 model=ModelConfig(
@@ -87,20 +96,31 @@ class LLM:
         """Generate for every prompt (text needs the checkpoint's tokenizer).
 
         Raises:
-            RequestError: a prompt or parameter the engine refuses (nothing is run then).
-            ValueError: text prompts for a checkpoint without a tokenizer.
+            RequestError: a prompt or parameter the engine refuses (nothing is run then, and
+                the engine keeps no request of this call).
+            ValueError: text prompts for a checkpoint without a tokenizer, or a list of
+                sampling params whose length differs from the prompts'.
         """
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(
+                f"sampling_params: {len(params_list)} given for {len(prompts)} prompts; give "
+                f"one, or one per prompt"
+            )
         outputs: dict[str, CompletionOutput] = {}
         order = []
-        for prompt, p in zip(prompts, params_list, strict=True):
-            ids = self._encode(prompt)
-            rid = str(self._next_id)
-            self._next_id += 1
-            self.engine.add_request(rid, ids, p)
-            outputs[rid] = CompletionOutput(rid, ids)
-            order.append(rid)
+        try:
+            for prompt, p in zip(prompts, params_list, strict=True):
+                ids = self._encode(prompt)
+                rid = str(self._next_id)
+                self._next_id += 1
+                self.engine.add_request(rid, ids, p)
+                outputs[rid] = CompletionOutput(rid, ids)
+                order.append(rid)
+        except BaseException:
+            self.engine.abort_requests(order)  # all or nothing: the engine stays clean
+            raise
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 done = outputs[out.request_id]

@@ -172,3 +172,71 @@ def test_bad_ep_size_fails_at_startup_naming_both(
     assert status == 1
     assert f"--ep-size {ep_size}" in err and f"num_experts {num_experts}" in err, err
     assert time.monotonic() - started < 60  # refused before any rank starts
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie waiting to be reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def test_hung_rank_ends_server_within_timeout_and_leaves_no_process(qwen3_ckpt) -> None:
+    """A rank that stops answering (SIGSTOP: it cannot even run its watchdog) makes the other
+    rank's collective time out; the server goes down naming it, and shutdown kills it."""
+    timeout_s = 4.0
+    handle = ServerThread(_config(qwen3_ckpt, 2, timeout_s), ServerOptions(port=0), 300)
+    pids = handle.server.engine.model_info["rank_pids"]
+    try:
+        engine = handle.server.engine
+        with grpc.insecure_channel(handle.address) as channel:
+            stub = pb_grpc.MoeEngineStub(channel)
+            req = make_request([5, 6, 7, 8], max_tokens=200, temperature=0.0, ignore_eos=True)
+            stream = stub.Generate(req, timeout=120)
+            next(stream)
+            stopped_at = time.monotonic()
+            os.kill(pids[1], signal.SIGSTOP)
+            with pytest.raises(grpc.RpcError) as err:
+                for _ in stream:
+                    pass
+            elapsed = time.monotonic() - stopped_at
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert elapsed < timeout_s + 10, elapsed
+        assert "rank 1" in (engine.death_reason or ""), engine.death_reason
+    finally:
+        handle.close()
+    deadline = time.monotonic() + 10
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(p) for p in pids), "a rank outlived the server"
+
+
+@pytest.mark.parametrize(
+    ("ep_size", "content", "expected"),
+    [
+        (2, None, "No such file"),
+        (2, "{not json", "--expert-placement"),
+        (2, '{"version": 1, "num_experts": 8, "ep_size": 4, "slots": [[0,1],[2,3],[4,5],[6,7]]}',
+         "ep_size 4"),
+        (1, '{"version": 1, "num_experts": 8, "ep_size": 2, "slots": [[0,1,2,3],[4,5,6,7]]}',
+         "--ep-size > 1"),
+    ],
+)
+def test_bad_placement_fails_before_any_rank_starts(
+    qwen3_ckpt, tmp_path, capsys, ep_size: int, content: str | None, expected: str
+) -> None:
+    from moe_engine.cli.serve import main
+
+    placement = tmp_path / "placement.json"
+    if content is not None:
+        placement.write_text(content)
+    started = time.monotonic()
+    status = main(
+        ["--model", str(qwen3_ckpt), "--ep-size", str(ep_size), "--port", "0",
+         "--expert-placement", str(placement)]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert status == 1 and expected in err and "Traceback" not in err, err
+    assert time.monotonic() - started < 30

@@ -358,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
         safetensors_files(model)  # and on one without safetensors weights (pickle is refused)
         if config.parallel.node_rank > 0:
             return run_worker_node(config)
+        from moe_engine.engine.client import check_ep_size
+
+        check_ep_size(config)  # before the port opens: a bad --ep-size or placement exits 1
         return asyncio.run(serve(config, options, log_level=level))
     except (StartupError, ValueError, FileNotFoundError) as exc:
         print(f"moe-serve: error: {exc}", file=sys.stderr)

@@ -18,6 +18,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -102,8 +103,7 @@ class EngineClient:
                 exited before it was ready, or was not ready within `startup_timeout_s`.
         """
         ep_size = config.parallel.ep_size
-        if ep_size > 1:
-            check_ep_size(config)
+        check_ep_size(config)
         self._rank_load = [0] * ep_size
         loop = asyncio.get_running_loop()
         self._ready = loop.create_future()
@@ -177,6 +177,7 @@ class EngineClient:
                 logger.warning("engine core did not stop within %.1f s; killing it", timeout_s)
                 proc.kill()
                 await asyncio.to_thread(proc.join, 5.0)
+        self._kill_ranks()
         self._mark_dead("the engine is shut down")
         if proc is not None:
             asyncio.get_running_loop().remove_reader(proc.sentinel)
@@ -256,6 +257,13 @@ class EngineClient:
             vocab_size=self.model_info["vocab_size"],
             max_model_len=self.model_info["max_model_len"],
         )
+        if params.stop and self.tokenizer is None:
+            raise RequestError(
+                ErrorCode.INVALID_ARGUMENT,
+                "stop",
+                "stop: this model has no tokenizer, so stop strings cannot be matched; use "
+                "stop_token_ids",
+            )
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         arrival = time.time() if arrival_time is None else arrival_time
@@ -409,7 +417,19 @@ class EngineClient:
         loop.remove_reader(self._proc.sentinel)
         loop.call_later(_EXIT_GRACE_S, self._after_exit)
 
+    def _kill_ranks(self) -> None:
+        """SIGKILL whatever is left of the launcher's process group (its ranks: the launcher
+        runs in a session of its own). A rank that hangs or was stopped (SIGSTOP) does not
+        answer its watchdog or the agent's SIGTERM; this leaves no orphan behind."""
+        if self._proc is None or len(self._rank_load) == 1 or self._proc.pid is None:
+            return
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # every rank already exited
+
     def _after_exit(self) -> None:
+        self._kill_ranks()
         code = self._proc.exitcode if self._proc is not None else None
         reason = f"engine core process exited with status {code}"
         if self._ready is not None and not self._ready.done():
@@ -434,16 +454,34 @@ class EngineClient:
 
 
 def check_ep_size(config: EngineConfig) -> None:
-    """Fail fast, before any rank starts, on an ep_size the checkpoint's experts cannot split.
+    """Fail fast, before any rank starts, on an ep_size the checkpoint's experts cannot split
+    or a placement file that does not fit it.
 
     Raises:
         StartupError: ep_size larger than num_experts, or not dividing it (without a placement
-            file), naming both numbers.
+            file), naming both numbers; a placement file that is missing, malformed or made
+            for another model or ep size, or given with ep_size 1.
     """
     from moe_engine.plan import ModelShape
 
-    num_experts = ModelShape.from_hf_config(config.model.hf_config()).num_experts
     ep_size = config.parallel.ep_size
+    placement = config.parallel.expert_placement
+    if ep_size == 1 and placement is None:
+        return
+    num_experts = ModelShape.from_hf_config(config.model.hf_config()).num_experts
+    if placement is not None:
+        if ep_size == 1:
+            raise StartupError(
+                f"--expert-placement {placement}: a placement spreads experts over ranks; it "
+                f"needs --ep-size > 1"
+            )
+        from comm import ExpertPlacement
+
+        try:
+            ExpertPlacement.load(placement).check(num_experts, ep_size)
+        except (OSError, ValueError) as exc:
+            raise StartupError(f"--expert-placement {placement}: {exc}") from exc
+        return
     if ep_size > num_experts:
         raise StartupError(
             f"--ep-size {ep_size} is more ranks than the model's {num_experts} experts "

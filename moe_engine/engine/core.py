@@ -310,12 +310,16 @@ class EngineCore:
                 "request_id",
                 f"request_id {request_id!r} is already running",
             )
-        if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
+        # Waiting requests that the next step can still admit (free batch slots) do not
+        # count against the queue limit: a burst between two steps is not an overload.
+        free_slots = max(0, self.config.scheduler.max_num_seqs - len(self.scheduler.running))
+        queued = len(self.scheduler.waiting) - free_slots
+        if queued >= self.config.scheduler.max_waiting:
             self.counters["num_rejected"] += 1
             raise RequestError(
                 ErrorCode.RESOURCE_EXHAUSTED,
                 "queue",
-                f"queue: {len(self.scheduler.waiting)} requests waiting, the limit "
+                f"queue: {queued} requests waiting for a batch slot, the limit "
                 f"(max_waiting, --max-waiting-requests) is {self.config.scheduler.max_waiting}; "
                 "retry later",
             )

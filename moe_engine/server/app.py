@@ -270,7 +270,10 @@ class MoeServer:
             [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
         )
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        address = f"{self.options.host}:{self.options.port}"
+        host = self.options.host
+        if ":" in host and not host.startswith("["):  # an IPv6 literal: [::1]:port
+            host = f"[{host}]"
+        address = f"{host}:{self.options.port}"
         opts = self.options
         try:
             if opts.tls_cert is not None and opts.tls_key is not None:
