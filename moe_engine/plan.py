@@ -377,6 +377,7 @@ def make_plan(
     kv_cache_memory: int | None,
     num_blocks_override: int | None = None,
     ep_size: int = 1,
+    num_local_experts: int | None = None,
     available_memory: int | None = None,
     max_num_seqs: int | None = None,
     expert_bits_per_weight: float | None = None,
@@ -394,6 +395,8 @@ def make_plan(
             weights)), raised to one max_model_len request when that still fits in available.
         num_blocks_override: exact number of blocks; wins over the budget.
         ep_size: expert-parallel ranks; each holds num_experts / ep_size experts.
+        num_local_experts: expert slots of this rank when a placement says so (replicas
+            included; ep_size then need not divide num_experts); None = num_experts / ep_size.
         available_memory: bytes free for weights + cache; None reads MemAvailable.
         max_num_seqs: when the budget is derived, no more blocks than max_num_seqs requests of
             max_model_len can ever hold are reserved.
@@ -410,18 +413,23 @@ def make_plan(
         StartupError: when num_experts is not divisible by ep_size, or the weights alone do
             not fit in available memory (only when the budget is derived).
     """
-    if ep_size < 1 or (shape.num_experts and shape.num_experts % ep_size):
+    if num_local_experts is None and (
+        ep_size < 1 or (shape.num_experts and shape.num_experts % ep_size)
+    ):
         raise StartupError(
             f"num_experts {shape.num_experts} is not divisible by ep_size {ep_size}; "
             f"choose an ep_size that divides it"
         )
     itemsize = dtype.itemsize
-    expert_params = shape.expert_params() // ep_size
+    if num_local_experts is None:
+        num_local_experts = shape.num_experts // ep_size if shape.num_experts else 0
+    share = num_local_experts / shape.num_experts if shape.num_experts else 0.0
+    expert_params = round(shape.expert_params() * share)
     if expert_bits_per_weight is None:
         experts = expert_params * itemsize
     else:
         experts = math.ceil(expert_params * expert_bits_per_weight / 8)
-    experts += shape.expert_bias_params() // ep_size * itemsize
+    experts += round(shape.expert_bias_params() * share) * itemsize
     other = shape.other_params() * itemsize
     per_token = shape.kv_elements_per_token() * itemsize
     kv_groups = make_kv_cache_groups(

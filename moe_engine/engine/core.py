@@ -168,6 +168,7 @@ class EngineCore:
             kv_cache_memory=config.cache.kv_cache_memory,
             num_blocks_override=config.cache.num_blocks_override,
             ep_size=config.parallel.ep_size,
+            num_local_experts=len(rank_context.local_experts) if rank_context else None,
             max_num_seqs=config.scheduler.max_num_seqs,
             expert_bits_per_weight=config.quant.bits_per_weight,
         )

@@ -102,6 +102,14 @@ def launch_ranks(
         monitor_interval=0.1,
         start_method="spawn",
     )
+    logger.info(
+        "starting %d rank(s) on node %d of %d; rendezvous at %s%s",
+        launch.nproc_per_node,
+        par.node_rank,
+        par.nnodes,
+        endpoint,
+        " (waiting for every node to join)" if par.nnodes > 1 else "",
+    )
     try:
         elastic_launch(launch, run_rank)(config, input_addr, output_addr, core_factory, log_level)
     except ChildFailedError as exc:
