@@ -39,6 +39,66 @@ def test_bad_flags_are_one_line_naming_the_flag(capsys, argv: list[str], flag: s
     assert flag in parse_error(capsys, *argv)
 
 
+@pytest.mark.parametrize(
+    ("argv", "flag", "why"),
+    [
+        (["--timeout", "-1", "stats"], "--timeout", "> 0"),
+        (["--timeout", "0", "stats"], "--timeout", "> 0"),
+        (["--timeout", "nan", "stats"], "--timeout", "> 0"),
+        (["--timeout", "inf", "stats"], "--timeout", "finite"),
+        (["--timeout", "soon", "stats"], "--timeout", "number of seconds"),
+        (["--server", "127.0.0.1", "stats"], "--server", "'127.0.0.1' has no port"),
+        (["--server", "localhost:", "stats"], "--server", "has no port"),
+        (["--server", "::1", "stats"], "--server", "brackets"),
+        (["--server", "[::1]", "stats"], "--server", "has no port"),
+        (["--server", ":50051", "stats"], "--server", "has no host"),
+        (["--server", "h:0", "stats"], "--server", "1..65535"),
+        (["--server", "h:65536", "stats"], "--server", "1..65535"),
+        (["--server", "h:http", "stats"], "--server", "1..65535"),
+    ],
+)
+def test_bad_connection_flags(capsys, argv: list[str], flag: str, why: str) -> None:
+    err = parse_error(capsys, *argv)
+    assert f"argument {flag}:" in err and why in err, err
+    # main() exits the same way before any connection is tried
+    with pytest.raises(SystemExit) as info:
+        client.main(argv)
+    assert info.value.code == 2
+
+
+def test_good_connection_flags() -> None:
+    parser = client.build_parser()
+    args = parser.parse_args(["stats"])
+    assert args.server == "127.0.0.1:50051" and args.timeout is None
+    for server in ("localhost:1", "10.0.0.7:65535", "[::1]:50051", "my-host.example:8080"):
+        args = parser.parse_args(["--server", server, "--timeout", "0.25", "info"])
+        assert args.server == server and args.timeout == 0.25
+    assert "port is required" in parser.format_help()
+
+
+def test_stop_takes_one_value_per_flag(capsys) -> None:
+    """`--stop $'\\n' "Hello"`: the prompt is not swallowed as a second stop string."""
+    parser = client.build_parser()
+    args = parser.parse_args(["generate", "--stop", "\n", "Hello"])
+    request = client.request_from_args(args)
+    assert request.text == "Hello" and list(request.stop) == ["\n"]
+    args = parser.parse_args(["generate", "--stop", "a", "--stop", "b c", "--stop=-x", "Hi"])
+    request = client.request_from_args(args)
+    assert request.text == "Hi" and list(request.stop) == ["a", "b c", "-x"]
+    args = parser.parse_args(["generate", "Hi"])
+    assert args.stop is None and list(client.request_from_args(args).stop) == []
+    # two values after one --stop: the second is the prompt, a third is an error
+    args = parser.parse_args(["generate", "--stop", "a", "b"])
+    assert args.stop == ["a"] and args.text == "b"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--stop", "a", "b", "c"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "repeat the flag for several (--stop a --stop b)" in help_text
+
+
 def test_good_flags_build_a_request() -> None:
     args = client.build_parser().parse_args(
         ["generate", "--prompt-ids", "1, 2,3", "--seed", str(2**63 - 1), "--stop", "\n"]

@@ -18,7 +18,10 @@ from moe_engine.skew.planner import (
     max_over_mean,
     mean_over_max,
     pack_replicas,
+    plan,
     plan_placement,
+    plan_placement_result,
+    plan_slots,
     rank_loads,
     replay,
     replica_counts,
@@ -108,8 +111,75 @@ def test_random_plans_are_valid_engine_placements():
         load = rng.pareto(1.0, size=e) * rng.integers(0, 2, size=e)
         slots = plan_placement(load, n, r).slots
         placement = ExpertPlacement(e, n, slots)  # raises on any invalid table
-        assert placement.num_local_experts == (e + r) // n
-        assert sum(len(s) for s in slots) == e + r
+        used = sum(len(s) for s in slots) - e  # at most r; fewer when more do not help
+        assert 0 <= used <= r and placement.num_local_experts == (e + used) // n
+        if load.sum() > 0:
+            before = _independent_rank_imbalance(dict(slots=contiguous_slots(e, n)), load[None])
+            after = _independent_rank_imbalance(dict(slots=slots), load[None])
+            assert after[0] <= before[0] + 1e-12
+
+
+def _by_hand(load: list[float], slots: list[list[int]]) -> float:
+    return _independent_rank_imbalance(dict(slots=slots), np.array([load]))[0]
+
+
+def test_plan_is_never_worse_than_the_baseline_by_hand():
+    # contiguous ep 2 is already even (36 | 36); replicate-and-pack with 2 replicas is not
+    load = [8, 8, 8, 12, 10, 8, 10, 8]
+    greedy = plan_slots(np.array(load), 2, 2)
+    assert _by_hand(load, greedy) == pytest.approx(37 / 36)  # what the old planner returned
+    choice = plan(np.array(load), 2, 2)
+    assert (choice.kind, choice.improved, choice.num_redundant) == ("baseline", False, 0)
+    assert choice.slots == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert choice.imbalance_before == choice.imbalance_after == 1.0
+    # contiguous 15 | 18 (1.0909); replicate-and-pack ties it (18 | 15), but one replica of
+    # expert 2 on rank 0 and one of expert 1 on rank 1 even it out: 16.5 | 16.5
+    load = [9, 6, 9, 9]
+    assert _by_hand(load, plan_slots(np.array(load), 2, 2)) == pytest.approx(18 / 16.5)
+    choice = plan(np.array(load), 2, 2)
+    assert (choice.kind, choice.improved, choice.num_redundant) == ("baseline+replicas", True, 2)
+    assert choice.slots == [[0, 1, 2], [2, 3, 1]]  # the baseline's slots stay where they were
+    assert _by_hand(load, choice.slots) == choice.imbalance_after == 1.0
+    # a skewed load: replicate-and-pack with every replica, as before
+    load = [11, 4, 2, 4]
+    choice = plan(np.array(load), 2, 2)
+    assert (choice.kind, choice.improved, choice.num_redundant) == ("replicate-and-pack", True, 2)
+    assert choice.slots == plan_slots(np.array(load), 2, 2)
+    assert choice.imbalance_after == pytest.approx(_by_hand(load, choice.slots))
+    assert choice.imbalance_after < choice.imbalance_before == 15 / 10.5
+    # the baseline is the one given (the trace's placement), not contiguous: against
+    # contiguous (20 | 2) the replicated plan (11 | 11) would win; against [[0, 2], [1, 3]]
+    # (11 | 11 already) it does not, and the given layout is kept
+    load = [10, 10, 1, 1]
+    given = Placement(4, [[0, 2], [1, 3]])
+    result = plan_placement_result(np.array([load]), 2, 2, baseline=given)
+    assert (result.shared.kind, result.shared.improved) == ("baseline", False)
+    assert result.placement.slots == given.slots
+    assert plan_placement_result(np.array([load]), 2, 2).shared.kind == "replicate-and-pack"
+
+
+def test_nearly_balanced_traces_never_get_worse():
+    """Uniform routing (Zipf s = 0): the old planner made ~1 in 10 of these worse."""
+    for _ in range(10):
+        trace, _ = zipf_trace(20, 4, 16, 2, 0.0, tokens_per_step=64,
+                              seed=int(np.random.randint(1e6)))
+        layers = trace.moe_layers.tolist()
+        totals = trace.total_counts()
+        result = plan_placement_result(totals, 2, 4, layers, per_layer=True, rows=trace.counts)
+        obj = result.placement.to_json()
+        before = np.mean(_independent_rank_imbalance(dict(slots=contiguous_slots(16, 2)), totals))
+        after = np.mean(_independent_rank_imbalance(obj, totals))
+        assert after <= before + 1e-12
+        assert result.shared.imbalance_after == pytest.approx(after)
+        assert result.shared.imbalance_before == pytest.approx(before)
+        replayed = replay(trace.counts, layers, Placement(16, result.placement.slots))
+        assert replayed.step_imbalance_after.mean() <= replayed.step_imbalance_before.mean() + 1e-12
+        for i, layer in enumerate(layers):  # each per-layer plan against its own layer
+            row = totals[i : i + 1]
+            mine = _independent_rank_imbalance(dict(slots=result.placement.layers[layer]), row)
+            base = _independent_rank_imbalance(dict(slots=contiguous_slots(16, 2)), row)
+            assert mine[0] <= base[0] + 1e-12
+        ExpertPlacement.from_dict(obj)
 
 
 def _independent_rank_imbalance(placement_json: dict, counts: np.ndarray) -> list[float]:

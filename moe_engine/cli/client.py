@@ -2,20 +2,23 @@
 
     moe-client [--server HOST:PORT] generate (TEXT | --prompt-ids 1,2,3) [--max-tokens N]
                [--min-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
-               [--stop S ...] [--ignore-eos] [--logprobs N] [--json]
+               [--stop S [--stop S ...]] [--ignore-eos] [--logprobs N] [--json]
     moe-client [--server HOST:PORT] batch FILE.jsonl [--concurrency N]
     moe-client [--server HOST:PORT] stats [--json]
     moe-client [--server HOST:PORT] info [--json]
 
-Common flags: --timeout S (deadline per call), --api-key KEY (or $MOE_ENGINE_API_KEY; sent as
-the metadata "authorization: Bearer KEY"), --tls (TLS with the system's CAs), --tls-ca PEM (the
-CA that signed the server's certificate; implies --tls), --tls-cert PEM --tls-key PEM (a client
-certificate, for servers started with --tls-ca).
+Common flags: --server HOST:PORT (the port is required, gRPC would otherwise pick 443; default
+127.0.0.1:50051; IPv6 as [::1]:50051), --timeout S (deadline per call, seconds > 0), --api-key
+KEY (or $MOE_ENGINE_API_KEY; sent as the metadata "authorization: Bearer KEY"), --tls (TLS with
+the system's CAs), --tls-ca PEM (the CA that signed the server's certificate; implies --tls),
+--tls-cert PEM --tls-key PEM (a client certificate, for servers started with --tls-ca).
 
-`generate` streams text (token ids when the model has no tokenizer); with --json it prints one
-JSON object (request_id, token_ids, text, finish_reason, usage). `batch` reads one request object
-per line ("prompt" or "prompt_ids", sampling fields by their proto names), runs them
-concurrently and prints one JSON line per finished request (index, token_ids, finish_reason,
+`generate` streams text (token ids when the model has no tokenizer); `--stop` takes exactly one
+stop string and is repeated for several (`--stop a --stop b`), so a prompt after it is never
+taken for a stop string (`--stop=VALUE` for a value that starts with "-"); with --json it
+prints one JSON object (request_id, token_ids, text, finish_reason, usage). `batch` reads one
+request object per line ("prompt" or "prompt_ids", sampling fields by their proto names), runs
+them concurrently and prints one JSON line per finished request (index, token_ids, finish_reason,
 usage, ttft_s, e2e_s), then a summary line (wall_s, output_tokens, output_tokens_per_s); a
 batch line's "stop" may be one string. On an error status the code and message go to stderr and
 the exit status is 1; a bad flag or batch line is one line per problem on stderr and exit
@@ -28,6 +31,7 @@ import argparse
 import asyncio
 import collections
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -224,6 +228,50 @@ def _utf8_text(text: str) -> str:
     return text
 
 
+def _positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (seconds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
+    return value
+
+
+def server_address(text: str) -> str:
+    """An argparse type: a gRPC server address HOST:PORT (IPv6 as [ADDR]:PORT), port 1..65535.
+
+    The port is required: gRPC would otherwise silently pick 443, not moe-serve's 50051.
+
+    Raises:
+        argparse.ArgumentTypeError: no port, an empty host, a bare IPv6 address, or a port that
+            is not an integer in 1..65535.
+    """
+    example = "HOST:PORT, e.g. 127.0.0.1:50051 or [::1]:50051"
+    if text.startswith("["):  # [IPv6]:PORT
+        end = text.find("]")
+        host, rest = (text[: end + 1], text[end + 1 :]) if end > 1 else (text, "")
+        if end <= 1 or any(c.isspace() for c in host):
+            raise argparse.ArgumentTypeError(f"expected {example}, got {text!r}")
+        sep, port = rest[:1], rest[1:]
+        if sep != ":" or not port:
+            raise argparse.ArgumentTypeError(f"expected {example}; {text!r} has no port")
+    else:
+        host, sep, port = text.rpartition(":")
+        if not sep or not port or ":" in host:
+            why = " (IPv6 addresses go in brackets)" if ":" in host else ""
+            raise argparse.ArgumentTypeError(f"expected {example}; {text!r} has no port{why}")
+        if not host or any(c.isspace() for c in host):
+            why = "has no host" if not host else "has a space in its host"
+            raise argparse.ArgumentTypeError(f"expected {example}; {text!r} {why}")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"expected {example}; the port must be an integer in 1..65535, got {port!r}"
+        )
+    return text
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -243,8 +291,20 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="moe-client", description="Client for moe-serve.")
-    p.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT (default %(default)s)")
-    p.add_argument("--timeout", type=float, default=None, help="deadline per call (seconds)")
+    p.add_argument(
+        "--server",
+        type=server_address,
+        default="127.0.0.1:50051",
+        metavar="HOST:PORT",
+        help="server address; the port is required ([::1]:PORT for IPv6; default %(default)s)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="deadline per call, seconds > 0 (default: none)",
+    )
     p.add_argument(
         "--api-key",
         default=None,
@@ -267,11 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=_int_type("seed"))
     g.add_argument(
         "--stop",
-        nargs="+",
-        action="extend",
+        action="append",
         type=_utf8_text,
-        default=[],
-        help="stop strings (a newline in bash: --stop $'\\n')",
+        default=None,
+        metavar="S",
+        help="a stop string; repeat the flag for several (--stop a --stop b); a newline in "
+        "bash: --stop $'\\n'; a value starting with '-': --stop=-x",
     )
     g.add_argument("--stop-token-ids", type=_parse_ids, default=None)
     g.add_argument("--ignore-eos", action="store_true", default=None)

@@ -7,28 +7,44 @@
                   [--per-layer] [--json]
 
 TRACE is a trace file written by `moe-serve --expert-trace PATH` (docs/trace_format.md).
-`--server` reads a live server's totals since startup through gRPC `GetExpertLoad` (and its
-ep_size through `GetModelInfo`); a server gives no step times, so the time lost is n/a.
+`--server HOST:PORT` (port required) reads a live server's totals since startup through gRPC
+`GetExpertLoad`, and its ep_size and the placement it serves (`experts_per_rank`) through
+`GetModelInfo`; without --placement (and with --ep-size absent or the server's) the rank view
+is that served placement, and the server's measured per-rank load (`tokens_per_rank`) fills
+the rank columns when sent, so they equal the server's rank_imbalance_ratio; another --ep-size
+or a --placement is a what-if, predicted from the counts. A server gives no step times: the
+time lost is n/a.
 `report` prints one row per MoE layer (imbalance by expert and by rank, hottest experts with
 their share of the layer's token-expert pairs, the straggler rank, the estimated step time lost
 waiting for it; definitions in `moe_engine/skew/report.py`) and a summary. `plan` replicates hot
 experts and packs them onto ranks (EPLB-style greedy, `moe_engine/skew/planner.py`), prints the
 predicted rank imbalance (max / mean) per layer before (the trace's placement, else
-contiguous) and after, and writes the placement JSON; `--per-layer` adds a per-layer plan
-(written under "layers", which moe-serve ignores) as an extra column. Exit status: 0 ok;
-1 a bad trace, placement or server error (one line on stderr); 2 a bad flag.
+contiguous) and after, and writes the placement JSON; the plan is never predicted worse than
+"before" on either printed view (when nothing beats it, it says so and keeps the baseline,
+with replicas only where they help). Columns: "max/mean" over the pairs summed over the whole
+trace (what the plan minimises, mean over layers); "step max/mean" the mean over trace rows
+(engine steps) of each row's max / mean, the per-step straggler view. `--per-layer` adds a
+per-layer plan (written under "layers", which moe-serve ignores) as an extra column. Exit
+status: 0 ok; 1 a bad trace, placement or server error (one line on stderr); 2 a bad flag.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any, NoReturn
 
 import numpy as np
 
-from moe_engine.skew.planner import Placement, PlacementError, plan_placement, replay
+from moe_engine.skew.planner import (
+    Placement,
+    PlacementError,
+    PlanChoice,
+    plan_placement_result,
+    replay,
+)
 from moe_engine.skew.report import LoadData, build_report, format_table, report_table, summary_lines
 from moe_engine.skew.trace import TraceFormatError, read_trace
 
@@ -58,6 +74,43 @@ def _nonneg_int(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
+    return value
+
+
+def _server_address(text: str) -> str:
+    """HOST:PORT, checked like moe-client's --server (grpc is imported only when given)."""
+    from moe_engine.cli.client import server_address
+
+    return server_address(text)
+
+
+def _plan_legend(base: str | None = None) -> str:
+    """What `plan`'s columns mean (printed above the table and in `plan --help`)."""
+    before = f"the {base}" if base else (
+        "the trace's placement (when recorded for this ep_size),\n    else contiguous"
+    )
+    return (
+        "rank load = the token-expert pairs a rank's experts process (an expert's replicas "
+        "share its\n  pairs evenly); max/mean = the busiest rank's load / the mean over ranks "
+        "(1.0 = balanced).\n"
+        f"  before = {before}; after = the plan.\n"
+        "  max/mean columns: loads summed over the whole trace; the plan minimises their mean "
+        "over layers.\n"
+        "  step max/mean columns: each trace row's (engine step's) max/mean, averaged over "
+        "rows:\n    what each step waits for.\n"
+        "  The plan is never predicted worse than before on either column's mean (a single "
+        "layer may\n    move either way); when no plan improves on before, before is kept "
+        "(with replicas only\n    where they help)."
+    )
+
+
 def _fraction(text: str) -> float:
     try:
         value = float(text)
@@ -74,14 +127,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     def source(q: argparse.ArgumentParser) -> None:
         q.add_argument("trace", nargs="?", help="trace file (moe-serve --expert-trace)")
-        q.add_argument("--server", metavar="HOST:PORT", help="read a live server instead")
-        q.add_argument("--timeout", type=float, default=10.0, help="gRPC deadline (seconds)")
         q.add_argument(
-            "--ep-size", type=_positive_int, help="ranks of the rank view (default: the trace's)"
+            "--server", metavar="HOST:PORT", type=_server_address,
+            help="read a live server instead (the port is required)",
+        )
+        q.add_argument(
+            "--timeout", type=_positive_seconds, default=10.0,
+            help="gRPC deadline, seconds > 0 (default %(default)s)",
+        )
+        q.add_argument(
+            "--ep-size", type=_positive_int,
+            help="ranks of the rank view (default: the trace's or the server's)",
         )
         q.add_argument(
             "--placement", metavar="FILE", help="placement JSON for the rank view (default: the "
-            "trace's, else contiguous)"
+            "trace's or the one the server serves, else contiguous)"
         )
 
     rep = sub.add_parser("report", help="per-layer skew tables")
@@ -97,10 +157,21 @@ def build_parser() -> argparse.ArgumentParser:
     source(plot)
     plot.add_argument("-o", "--output", required=True, metavar="FILE.png")
 
-    plan = sub.add_parser("plan", help="recommend a placement (replicate and pack hot experts)")
+    plan = sub.add_parser(
+        "plan",
+        help="recommend a placement (replicate and pack hot experts)",
+        description="Recommend a placement: replicate hot experts and pack them onto ranks,\n"
+        "then print the predicted rank imbalance per MoE layer before and after.\n\n"
+        + _plan_legend(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     plan.add_argument("trace", help="trace file")
     plan.add_argument("--ep-size", type=_positive_int, required=True)
-    plan.add_argument("--num-redundant-experts", type=_nonneg_int, required=True)
+    plan.add_argument(
+        "--num-redundant-experts", type=_nonneg_int, required=True, metavar="R",
+        help="extra expert replicas at most (R + experts must be a multiple of --ep-size); "
+        "fewer are used when more do not lower the imbalance",
+    )
     plan.add_argument("-o", "--output", metavar="placement.json", help="write the placement")
     plan.add_argument(
         "--per-layer", action="store_true",
@@ -112,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_from_server(server: str, timeout: float) -> tuple[dict[str, Any], dict[str, Any]]:
     """(model info, expert load) of a live server as plain dicts.
+
+    The info dict has the ModelInfo fields by proto name, `experts_per_rank` as N lists of
+    expert ids; the load dict has `ep_size` and `layers`, each with `layer`, `counts` ([E]
+    token-expert pairs per expert), `tokens_per_rank` ([N] measured pairs per rank, [] when the
+    server sends none) and `rank_imbalance_ratio`.
 
     Raises:
         grpc.RpcError: the server is unreachable or answers with an error status.
@@ -127,9 +203,32 @@ def load_from_server(server: str, timeout: float) -> tuple[dict[str, Any], dict[
         info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
         load = stub.GetExpertLoad(pb.GetExpertLoadRequest(), timeout=timeout)
     layers = [
-        dict(layer=int(x.layer), counts=[int(c) for c in x.tokens_per_expert]) for x in load.layers
+        dict(
+            layer=int(x.layer),
+            counts=[int(c) for c in x.tokens_per_expert],
+            tokens_per_rank=[int(c) for c in x.tokens_per_rank],
+            rank_imbalance_ratio=float(x.rank_imbalance_ratio),
+        )
+        for x in load.layers
     ]
-    return MessageToDict(info, preserving_proto_field_name=True), dict(layers=layers)
+    info_dict = MessageToDict(info, preserving_proto_field_name=True)
+    info_dict["experts_per_rank"] = [[int(e) for e in r.experts] for r in info.experts_per_rank]
+    return info_dict, dict(ep_size=int(load.ep_size), layers=layers)
+
+
+def served_placement(info: dict[str, Any], num_experts: int, server: str) -> Placement | None:
+    """The placement a server serves (GetModelInfo experts_per_rank), None when it sends none.
+
+    Raises:
+        PlacementError: a table that is not a valid placement of `num_experts` experts on
+            the server's ep_size ranks.
+    """
+    table = info.get("experts_per_rank") or []
+    if not any(table):
+        return None
+    ep_size = int(info.get("ep_size") or 1)
+    obj = dict(version=1, num_experts=num_experts, ep_size=ep_size, slots=table)
+    return Placement.from_json(obj, source=f"server {server}: experts_per_rank")
 
 
 def _load_data(args: argparse.Namespace) -> LoadData:
@@ -143,11 +242,23 @@ def _load_data(args: argparse.Namespace) -> LoadData:
         if not load["layers"]:
             raise TraceFormatError(f"server {args.server} reports no MoE layers")
         counts = np.array([x["counts"] for x in load["layers"]], dtype=np.int64)
+        server_ep = int(info.get("ep_size") or load.get("ep_size") or 1)
+        ep_size = args.ep_size or server_ep
+        source = "file" if placement is not None else None
+        measured = None
+        if placement is None and ep_size == server_ep:  # the rank view the server runs
+            placement = served_placement(info, counts.shape[1], args.server)
+            source = "server" if placement is not None else None
+            per_rank = [x["tokens_per_rank"] for x in load["layers"]]
+            if all(len(r) == ep_size for r in per_rank):
+                measured = np.array(per_rank, dtype=np.int64)
         data = LoadData(
             moe_layers=[x["layer"] for x in load["layers"]],
             counts=counts[None],
-            ep_size=args.ep_size or int(info.get("ep_size") or 1),
+            ep_size=ep_size,
             placement=placement,
+            rank_load=measured,
+            placement_source=source,
             meta=dict(model=info.get("model")),
         )
     if data.placement is not None and data.placement.ep_size != data.ep_size:
@@ -209,17 +320,45 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_outcome(choice: PlanChoice, base: str) -> str:
+    """One line: what the plan did, with the mean imbalances before and after."""
+    numbers = f"mean max/mean {choice.imbalance_before:.4f} -> {choice.imbalance_after:.4f}"
+    if choice.step_imbalance_before is not None:
+        numbers += (
+            f", mean step max/mean {choice.step_imbalance_before:.4f} -> "
+            f"{choice.step_imbalance_after:.4f}"
+        )
+    requested = choice.num_redundant_requested
+    if not choice.improved:
+        return (
+            f"no plan with up to {requested} redundant experts lowers the predicted imbalance "
+            f"of the {base} without raising the per-step one; keeping the {base} unchanged "
+            f"({numbers})"
+        )
+    if choice.kind == "replicate-and-pack":
+        used = f"{choice.num_redundant} redundant experts"
+        if choice.num_redundant < requested:
+            used += f" (of {requested} allowed; more predicted no better)"
+        return f"plan: replicate-and-pack with {used} ({numbers})"
+    return (
+        f"plan: replicate-and-pack did not beat the {base}; keeping it and adding "
+        f"{choice.num_redundant} replicas where they help ({numbers})"
+    )
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     trace = read_trace(args.trace)
     layers = [int(x) for x in trace.moe_layers]
-    placement = plan_placement(
-        trace.total_counts(), args.ep_size, args.num_redundant_experts, layers, args.per_layer
-    )
     before = None
     if trace.meta.get("placement"):
         recorded = Placement.from_json(trace.meta["placement"])
         if recorded.ep_size == args.ep_size:
-            before = recorded
+            before = Placement(recorded.num_experts, recorded.slots)  # moe-serve serves "slots"
+    planned = plan_placement_result(
+        trace.total_counts(), args.ep_size, args.num_redundant_experts, layers, args.per_layer,
+        baseline=before, rows=trace.counts,
+    )
+    placement = planned.placement
     shared = Placement(placement.num_experts, placement.slots)  # what moe-serve serves
     result = replay(trace.counts, layers, shared, before)
     per_layer = replay(trace.counts, layers, placement, before) if args.per_layer else None
@@ -230,17 +369,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
             [e for s in placement.slots for e in s], minlength=placement.num_experts
         ).tolist()) if n > 1
     }
+    base = "trace placement" if before is not None else "contiguous placement"
+    outcome = _plan_outcome(planned.shared, base)
+
+    def choice_json(choice: PlanChoice) -> dict[str, Any]:
+        out = choice.to_json()
+        del out["slots"]  # they are in "placement"
+        return out
+
     if args.json:
         out = dict(
             placement=placement.to_json(),
             before="trace placement" if before is not None else "contiguous",
+            plan=choice_json(planned.shared),
+            plan_per_layer={str(k): choice_json(v) for k, v in planned.layers.items()} or None,
+            outcome=outcome,
             replay=result.to_json(),
             replay_per_layer=None if per_layer is None else per_layer.to_json(),
             output=args.output,
         )
         print(json.dumps(out))
         return 0
-    header = ["layer", "before max/mean", "after max/mean", "before step", "after step"]
+    header = [
+        "layer", "before max/mean", "after max/mean", "before step max/mean",
+        "after step max/mean",
+    ]
     columns = [
         result.imbalance_before,
         result.imbalance_after,
@@ -255,13 +408,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for i, layer in enumerate(result.moe_layers)
     ]
     rows.append(["mean", *(f"{c.mean():.4f}" for c in columns)])
-    base = "trace placement" if before is not None else "contiguous placement"
+    print(_plan_legend(base))
+    print()
     _print_table(
         header, rows,
         f"predicted rank imbalance (max/mean), before = {base}, after = plan "
-        f"(ep_size {args.ep_size}, {args.num_redundant_experts} redundant"
+        f"(ep_size {args.ep_size}, up to {args.num_redundant_experts} redundant"
         f"{', per layer' if args.per_layer else ''})",
     )
+    print(outcome)
     if per_layer is not None:
         print('per-layer plans are written under "layers"; moe-serve serves "slots" (after)')
     reps = ", ".join(f"e{e} x{n}" for e, n in replicated.items()) or "none"

@@ -5,7 +5,12 @@ Definitions (DESIGN.md section 7; the two conventions of the field):
   `balancedness` = mean / max (1.0 = balanced; SGLang's expert-distribution recorder).
 - By expert: over the E token-expert pair counts of a layer. By rank: over the N ranks' loads,
   a rank's load being the pairs of the experts it holds (an expert's replicas share its pairs
-  evenly), under the trace's placement (meta "placement") or the contiguous default.
+  evenly), under the trace's placement (meta "placement"), the placement a live server serves
+  (GetModelInfo.experts_per_rank), a given one, or the contiguous default. A live server's
+  measured per-rank load (GetExpertLoad tokens_per_rank), when it sends one for the placement
+  it serves, replaces that prediction, so the rank columns equal the server's
+  rank_imbalance_ratio / rank_balancedness. A placement whose ranks hold the contiguous
+  layout's experts is labelled "contiguous", any other "explicit".
 - Straggler rank of a layer: the rank with the largest load.
 - Estimated step time lost waiting for it, per layer and step:
       lost_l = t_step * f_moe / L * (1 - balancedness_rank_l)
@@ -27,6 +32,7 @@ import numpy as np
 
 from moe_engine.skew.planner import (
     Placement,
+    PlacementError,
     contiguous_slots,
     max_over_mean,
     mean_over_max,
@@ -49,7 +55,12 @@ class LoadData:
         step_time_s: [S] seconds per row, or None when unknown (a server's totals).
         num_steps: [S] engine steps per row, or None.
         rank_tokens: [L, N] measured expert load per rank (token-expert pairs its experts
-            processed, whole trace), or None.
+            processed, whole trace), or None; shown as its own "recv" column.
+        rank_load: [L, N] measured expert load per rank that *replaces* the placement's
+            prediction in the rank columns (a live server's GetExpertLoad tokens_per_rank), or
+            None. With one row (a server's totals) the per-step view uses it too.
+        placement_source: where `placement` came from: "trace", "server", "file" (given), or
+            None (contiguous default).
         meta: the trace's meta (model, moe_time_share, ...).
     """
 
@@ -60,6 +71,8 @@ class LoadData:
     step_time_s: np.ndarray | None = None
     num_steps: np.ndarray | None = None
     rank_tokens: np.ndarray | None = None
+    rank_load: np.ndarray | None = None
+    placement_source: str | None = None
     meta: dict[str, Any] | None = None
 
     @classmethod
@@ -71,10 +84,11 @@ class LoadData:
         contiguous)."""
         meta = trace.meta
         n = ep_size or int(meta.get("ep_size") or 1)
+        source = None if placement is None else "file"
         if placement is None and meta.get("placement"):
             recorded = Placement.from_json(meta["placement"])
             if recorded.ep_size == n:
-                placement = recorded
+                placement, source = recorded, "trace"
         rank_tokens = None
         if trace.rank_tokens is not None and trace.rank_tokens.shape[-1] == n:
             rank_tokens = trace.rank_tokens.sum(axis=0, dtype=np.int64)
@@ -86,6 +100,7 @@ class LoadData:
             step_time_s=trace.step_time_s,
             num_steps=trace.num_steps,
             rank_tokens=rank_tokens,
+            placement_source=source,
             meta=meta,
         )
 
@@ -95,6 +110,17 @@ class LoadData:
             return self.placement
         num_experts = self.counts.shape[-1]
         return Placement(num_experts, contiguous_slots(num_experts, self.ep_size))
+
+
+def is_contiguous_layout(placement: Placement) -> bool:
+    """Whether every slot table of `placement` puts on each rank exactly the contiguous
+    layout's experts (slot order within a rank aside; no replicas)."""
+    try:
+        default = contiguous_slots(placement.num_experts, placement.ep_size)
+    except PlacementError:
+        return False
+    tables = [placement.slots, *placement.layers.values()]
+    return all([sorted(row) for row in table] == default for table in tables)
 
 
 @dataclass
@@ -142,7 +168,7 @@ def build_report(
         moe_time_share: f_moe in [0, 1] (default: meta "moe_time_share", else 0.5).
 
     Raises:
-        ValueError: moe_time_share outside [0, 1].
+        ValueError: moe_time_share outside [0, 1]; a measured rank load that is not [L, N].
         PlacementError: a placement that does not fit the counts.
     """
     counts = np.asarray(data.counts, dtype=np.float64)
@@ -160,6 +186,16 @@ def build_report(
     placement = data.resolved_placement()
     per_row = rank_loads(counts, placement, data.moe_layers)  # [S, L, N]
     ranks = per_row.sum(axis=0)  # [L, N]
+    if data.rank_load is not None:  # measured: replaces the prediction
+        measured = np.asarray(data.rank_load, dtype=np.float64)
+        if measured.shape != ranks.shape:
+            raise ValueError(
+                f"the measured rank load has shape {measured.shape}, expected {ranks.shape} "
+                "(MoE layers, ep_size)"
+            )
+        ranks = measured
+        if per_row.shape[0] == 1:
+            per_row = measured[None]
     row_bal = mean_over_max(per_row)  # [S, L]
     ran = per_row.sum(axis=-1) > 0
     n_ran = ran.sum(axis=0)
@@ -191,7 +227,9 @@ def build_report(
                 rank_balancedness=float(rank_bal[i]),
                 hottest=hottest,
                 straggler_rank=straggler,
-                straggler_share=float(ranks[i, straggler] / tokens) if tokens else 0.0,
+                straggler_share=(
+                    float(ranks[i, straggler] / ranks[i].sum()) if ranks[i].sum() else 0.0
+                ),
                 rank_load=ranks[i].tolist(),
                 step_rank_balancedness=float(step_bal[i]),
                 lost_s_per_step=lost,
@@ -207,7 +245,13 @@ def build_report(
         num_moe_layers=num_layers,
         num_experts=num_experts,
         ep_size=data.ep_size,
-        placement="explicit" if data.placement is not None else "contiguous",
+        placement=(
+            "explicit"
+            if data.placement is not None and not is_contiguous_layout(data.placement)
+            else "contiguous"
+        ),
+        placement_source=data.placement_source if data.placement is not None else None,
+        rank_load_source="measured" if data.rank_load is not None else "predicted",
         num_rows=int(counts.shape[0]),
         num_steps=None if data.num_steps is None else int(np.sum(data.num_steps)),
         mean_step_time_s=step_time,
@@ -265,13 +309,19 @@ def summary_lines(report: SkewReport) -> list[str]:
     """Human-readable summary lines under the table."""
     s = report.summary
     hot = ", ".join(f"e{h['expert']} {100 * h['share']:.1f}%" for h in s["hottest_overall"])
+    where = {"trace": ", recorded in the trace", "server": ", served by the server",
+             "file": ", from --placement"}.get(s.get("placement_source") or "", "")
+    by_rank = (
+        "measured by the server" if s.get("rank_load_source") == "measured"
+        else "predicted from the placement"
+    )
     lines = [
         f"model {s['model'] or '?'}: {s['num_moe_layers']} MoE layers x {s['num_experts']} "
-        f"experts, ep_size {s['ep_size']} ({s['placement']} placement), "
+        f"experts, ep_size {s['ep_size']} ({s['placement']} placement{where}), "
         f"{s['num_steps'] if s['num_steps'] is not None else '?'} steps",
         f"hottest experts over all layers: {hot}",
         f"mean imbalance (max/mean): by expert {s['mean_expert_imbalance']:.3f}, "
-        f"by rank {s['mean_rank_imbalance']:.3f}",
+        f"by rank {s['mean_rank_imbalance']:.3f} ({by_rank})",
     ]
     if s["lost_s_per_step"] is None:
         lines.append("step time lost to stragglers: n/a (no step times in this source)")
