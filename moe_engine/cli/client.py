@@ -228,7 +228,7 @@ def _utf8_text(text: str) -> str:
     return text
 
 
-def _positive_float(text: str) -> float:
+def positive_seconds(text: str) -> float:
     """An argparse type: a finite number > 0 (seconds)."""
     try:
         value = float(text)
@@ -300,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--timeout",
-        type=_positive_float,
+        type=positive_seconds,
         default=None,
         metavar="SECONDS",
         help="deadline per call, seconds > 0 (default: none)",

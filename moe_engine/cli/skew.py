@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from typing import Any, NoReturn
 
@@ -75,13 +74,10 @@ def _nonneg_int(text: str) -> int:
 
 
 def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
-    return value
+    """A finite number of seconds > 0, checked like moe-client's --timeout."""
+    from moe_engine.cli.client import positive_seconds
+
+    return positive_seconds(text)
 
 
 def _server_address(text: str) -> str:
