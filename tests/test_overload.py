@@ -3,7 +3,7 @@
 One server for the module: 16 batch slots, a waiting queue of WAITING_LIMIT
 (--max-waiting-requests), 512 KV blocks of 16 tokens.
 
-- Load: 500 concurrent streaming requests (4 greedy tokens each) all complete or are refused
+- Load: 500 concurrent streaming requests (16 greedy tokens each) all complete or are refused
   with RESOURCE_EXHAUSTED naming the limit; none is lost or duplicated; the counters in
   GetServerStats and Prometheus agree; afterwards every KV block is free and, after a warm-up
   round, another round grows neither the front end's resident memory (this process, which also
@@ -34,14 +34,15 @@ from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
 VOCAB = 512
 NUM_BLOCKS = 512
 MAX_NUM_SEQS = 16
-WAITING_LIMIT = 48
+WAITING_LIMIT = 16
 NUM_LOAD = 500
-LOAD_TOKENS = 4
+LOAD_TOKENS = 16
 #: Resident memory growth allowed over one load round after a warm-up round (MiB, per process).
 RSS_BOUND_MIB = 48
 NUM_CHAOS = 200
 NUM_NORMAL = 40
-#: Requests in flight during the chaos test: well under MAX_NUM_SEQS + WAITING_LIMIT, so no
+#: Requests in flight during the chaos test: under MAX_NUM_SEQS + WAITING_LIMIT (the queue limit
+#: counts only requests beyond free batch slots), so no
 #: normal request is refused even while aborted ones are still being removed.
 CHAOS_IN_FLIGHT = 24
 
