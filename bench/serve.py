@@ -50,6 +50,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from moe_engine.cli.argtypes import int_at_least, positive_seconds  # noqa: E402
 from moe_engine.cli.client import connection_from_args
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
@@ -534,15 +535,6 @@ def _rate(text: str) -> float:
     return value
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
 
 def _fraction(text: str) -> float:
     try:
@@ -553,15 +545,6 @@ def _fraction(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
     return value
 
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -579,9 +562,9 @@ def build_parser() -> argparse.ArgumentParser:
     load = p.add_mutually_exclusive_group(required=True)
     load.add_argument("--request-rate", type=_rate, nargs="+", metavar="R",
                       help="Poisson arrivals, requests/s (inf: all at once); one run per rate")
-    load.add_argument("--concurrency", type=_positive_int, nargs="+", metavar="N",
+    load.add_argument("--concurrency", type=int_at_least(1), nargs="+", metavar="N",
                       help="closed loop: N requests in flight; one run per value")
-    p.add_argument("--num-requests", type=_positive_int, default=DEFAULT_NUM_REQUESTS,
+    p.add_argument("--num-requests", type=int_at_least(1), default=DEFAULT_NUM_REQUESTS,
                    help="requests per run (default %(default)s: mixed-64)")
     p.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
     p.add_argument("--shared-prefix", type=_fraction, default=0.0, metavar="F",
@@ -589,13 +572,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-prompts-per-run", action="store_true",
                    help="run k draws its prompts with seed + k (no prefix-cache reuse between "
                         "runs); default: every run sends the same requests")
-    p.add_argument("--slo-ttft", type=_positive_float, default=2.0, help="goodput SLO, seconds")
-    p.add_argument("--slo-tpot", type=_positive_float, default=0.1, help="goodput SLO, seconds")
+    p.add_argument("--slo-ttft", type=positive_seconds, default=2.0, help="goodput SLO, seconds")
+    p.add_argument("--slo-tpot", type=positive_seconds, default=0.1, help="goodput SLO, seconds")
     p.add_argument("--warmup", type=int, default=1,
                    help="short requests (32 ids, 16 tokens) sent before the runs (default 1)")
-    p.add_argument("--timeout", type=_positive_float, default=None,
+    p.add_argument("--timeout", type=positive_seconds, default=None,
                    help="deadline per request, seconds (default none)")
-    p.add_argument("--wait-s", type=_positive_float, default=60.0,
+    p.add_argument("--wait-s", type=positive_seconds, default=60.0,
                    help="how long to wait for the server to answer GetModelInfo (default 60)")
     p.add_argument("--json", action="store_true",
                    help="print the JSON report on stdout (the tables go to stderr)")

@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import collections
 import json
-import math
 import sys
 import time
 from collections.abc import Callable
@@ -42,6 +41,7 @@ import grpc
 from google.protobuf import descriptor
 from google.protobuf.json_format import MessageToDict
 
+from moe_engine.cli.argtypes import int_at_least, positive_seconds
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
 from moe_engine.server.security import (
@@ -228,16 +228,6 @@ def _utf8_text(text: str) -> str:
     return text
 
 
-def positive_seconds(text: str) -> float:
-    """An argparse type: a finite number > 0 (seconds)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
-    return value
-
 
 def server_address(text: str) -> str:
     """An argparse type: a gRPC server address HOST:PORT (IPv6 as [ADDR]:PORT), port 1..65535.
@@ -271,15 +261,6 @@ def server_address(text: str) -> str:
         )
     return text
 
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 class _Parser(argparse.ArgumentParser):
@@ -343,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("batch", help="run a JSONL file of requests concurrently")
     b.add_argument("file", type=Path)
     b.add_argument(
-        "--concurrency", type=_positive_int, default=16, help="requests in flight (>= 1)"
+        "--concurrency", type=int_at_least(1), default=16, help="requests in flight (>= 1)"
     )
 
     for name, help_text in (("stats", "server statistics"), ("info", "model information")):

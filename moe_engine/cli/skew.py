@@ -37,6 +37,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from moe_engine.cli.argtypes import int_at_least, positive_seconds
 from moe_engine.skew.planner import (
     Placement,
     PlacementError,
@@ -53,31 +54,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
-
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def _positive_seconds(text: str) -> float:
-    """A finite number of seconds > 0, checked like moe-client's --timeout."""
-    from moe_engine.cli.client import positive_seconds
-
-    return positive_seconds(text)
 
 
 def _server_address(text: str) -> str:
@@ -128,11 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
             help="read a live server instead (the port is required)",
         )
         q.add_argument(
-            "--timeout", type=_positive_seconds, default=10.0,
+            "--timeout", type=positive_seconds, default=10.0,
             help="gRPC deadline, seconds > 0 (default %(default)s)",
         )
         q.add_argument(
-            "--ep-size", type=_positive_int,
+            "--ep-size", type=int_at_least(1),
             help="ranks of the rank view (default: the trace's or the server's)",
         )
         q.add_argument(
@@ -142,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     rep = sub.add_parser("report", help="per-layer skew tables")
     source(rep)
-    rep.add_argument("--top", type=_positive_int, default=3, help="hottest experts per layer")
+    rep.add_argument("--top", type=int_at_least(1), default=3, help="hottest experts per layer")
     rep.add_argument(
         "--moe-time-share", type=_fraction, help="share of a step spent in MoE blocks, for the "
         "time-lost estimate (default: the trace's measured value, else 0.5)"
@@ -162,9 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     plan.add_argument("trace", help="trace file")
-    plan.add_argument("--ep-size", type=_positive_int, required=True)
+    plan.add_argument("--ep-size", type=int_at_least(1), required=True)
     plan.add_argument(
-        "--num-redundant-experts", type=_nonneg_int, required=True, metavar="R",
+        "--num-redundant-experts", type=int_at_least(0), required=True, metavar="R",
         help="extra expert replicas at most (R + experts must be a multiple of --ep-size); "
         "fewer are used when more do not lower the imbalance",
     )
