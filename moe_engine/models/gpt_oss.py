@@ -33,11 +33,16 @@ import torch
 from torch import nn
 
 from kernels.activation import SwiGLU
-from moe_engine.models.layers.attention import AttentionMetadata, PagedAttention
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding, YarnScaling, rope_with_scaling_of
-from moe_engine.models.moe_decoder import ArchSpec, DecoderLayer, MoeCausalLM, _expert_piece
+from moe_engine.models.moe_decoder import (
+    ArchSpec,
+    Attention,
+    DecoderLayer,
+    MoeCausalLM,
+    _expert_piece,
+)
 from moe_engine.phase_timer import PhaseTimer
 from moe_engine.plan import ModelShape
 
@@ -67,52 +72,6 @@ class GptOssSpec(ArchSpec):
     swiglu_limit: float | None = DEFAULT_SWIGLU_LIMIT
 
 
-class GptOssAttention(nn.Module):
-    """Fused QKV projection with biases, RoPE (YaRN), paged attention with sinks and an
-    optional sliding window, output projection with bias.
-
-    Args:
-        spec: the model; dtype: parameter dtype; rotary: shared by all layers.
-        sliding_window: this layer's window (tokens, the query included), None for full.
-    """
-
-    def __init__(
-        self,
-        spec: GptOssSpec,
-        dtype: torch.dtype,
-        rotary: RotaryEmbedding,
-        sliding_window: int | None,
-    ) -> None:
-        super().__init__()
-        self.spec = spec
-        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.sizes = (q_size, kv_size, kv_size)
-        bias = spec.attention_bias
-        self.qkv_proj = nn.Linear(spec.hidden_size, sum(self.sizes), bias=bias, dtype=dtype)
-        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=bias, dtype=dtype)
-        self.sinks = nn.Parameter(torch.zeros(spec.num_heads, dtype=dtype))
-        self.rotary = rotary
-        self.attn = PagedAttention(
-            spec.num_heads,
-            spec.num_kv_heads,
-            spec.head_dim,
-            spec.head_dim**-0.5,
-            sliding_window=sliding_window,
-        )
-
-    def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache
-    ) -> torch.Tensor:
-        """h: [T, H] -> [T, H]; positions: [T] int64."""
-        t, s = h.shape[0], self.spec
-        q, k, v = self.qkv_proj(h).split(self.sizes, dim=-1)
-        q = q.view(t, s.num_heads, s.head_dim)
-        k = k.view(t, s.num_kv_heads, s.head_dim)
-        v = v.view(t, s.num_kv_heads, s.head_dim)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta, sinks=self.sinks))
-
-
 class GptOssDecoderLayer(nn.Module):
     """RMSNorm -> attention -> residual -> RMSNorm -> MoE block -> residual."""
 
@@ -122,7 +81,7 @@ class GptOssDecoderLayer(nn.Module):
         super().__init__()
         sliding = spec.layer_types and spec.layer_types[index] == "sliding_attention"
         window = spec.sliding_window if sliding else None
-        self.self_attn = GptOssAttention(spec, dtype, rotary, window)
+        self.self_attn = Attention(spec, dtype, rotary, window, o_bias=True, sinks=True)
         self.timer: PhaseTimer | None = None
         norm = dict(eps=spec.rms_norm_eps, dtype=dtype, weight_in_float32=True)
         self.input_layernorm = RMSNorm(spec.hidden_size, **norm)

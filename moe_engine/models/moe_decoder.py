@@ -49,7 +49,8 @@ class Attention(nn.Module):
     """Fused QKV projection, optional q/k norm, RoPE, paged attention, output projection.
 
     `sliding_window`: this layer's window (tokens, the query included; config.json
-    `sliding_window` when the layer is sliding), None for full attention.
+    `sliding_window` when the layer is sliding), None for full attention. `o_bias`: a bias on
+    the output projection; `sinks`: learned per-head sink logits in the softmax (gpt-oss).
     """
 
     def __init__(
@@ -58,6 +59,9 @@ class Attention(nn.Module):
         dtype: torch.dtype,
         rotary: RotaryEmbedding,
         sliding_window: int | None = None,
+        *,
+        o_bias: bool = False,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         self.spec = spec
@@ -66,7 +70,9 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(
             spec.hidden_size, sum(self.sizes), bias=spec.attention_bias, dtype=dtype
         )
-        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=o_bias, dtype=dtype)
+        # learned per-head sink logits (gpt-oss), filled from the checkpoint
+        self.sinks = nn.Parameter(torch.zeros(spec.num_heads, dtype=dtype)) if sinks else None
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype)
@@ -88,7 +94,7 @@ class Attention(nn.Module):
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta, sinks=self.sinks))
 
 
 class DenseMLP(nn.Module):
