@@ -16,6 +16,7 @@ from torch import nn
 from comm import Communicator, NoopCommunicator
 from kernels.activation import SILU_AND_MUL, SwiGLU
 from kernels.cpu import fused_moe_cpu
+from kernels.cpu_native import PackedExperts, native_moe_available
 from moe_engine.instrumentation import ExpertLoadRecorder
 from moe_engine.models.layers.quantized_experts import QuantizedExperts
 from moe_engine.phase_timer import PhaseTimer
@@ -148,6 +149,7 @@ class FusedMoE(nn.Module):
         self.local_experts: list[int] = list(range(num_experts))
         self._slots_of: dict[int, list[int]] = {e: [e] for e in range(num_experts)}
         self.quantized: QuantizedExperts | None = None
+        self._packed: PackedExperts | None = None  # native layout, made by the first forward
         self._int4_pieces: dict[tuple[int, str], Int4Weight] = {}  # (slot, shard)
         self.load_recorder: ExpertLoadRecorder | None = None
         self.timer: PhaseTimer | None = None
@@ -232,8 +234,11 @@ class FusedMoE(nn.Module):
                 mine[self.ep_rank] = (sent.topk_ids >= 0).sum()
                 self.load_recorder.record_rank_tokens(self.layer_index, mine)
         with timer.phase("experts"):
+            packed = None if self.quantized is not None else self._packed_experts()
             if self.quantized is not None:
                 expert_out = self.quantized(sent.hidden, sent.topk_weights, sent.topk_ids)
+            elif packed is not None:
+                expert_out = packed(sent.hidden, sent.topk_weights, sent.topk_ids)
             else:
                 expert_out = fused_moe_cpu(
                     sent.hidden,
@@ -245,6 +250,17 @@ class FusedMoE(nn.Module):
                 )
         with timer.phase("combine"):
             return self.communicator.combine(expert_out, sent.handle)
+
+    def _packed_experts(self) -> PackedExperts | None:
+        """The native kernel's copy of the float expert weights (kernels/cpu_native.py),
+        packed on first use after loading (`load_expert_weight` drops it); None when the native
+        kernel is unavailable or the weights are not on a CPU.
+        """
+        if self.w13.device.type != "cpu" or not native_moe_available():
+            return None
+        if self._packed is None:
+            self._packed = PackedExperts.pack(self.w13.data, self.w2.data, **self._expert_extras())
+        return self._packed
 
     def load_quantized_expert_weight(self, expert: int, shard: str, weight: Int4Weight) -> None:
         """Take one expert projection that the checkpoint stores in int4 already.
@@ -353,6 +369,7 @@ class FusedMoE(nn.Module):
         Raises:
             ValueError: on a shape mismatch, naming both shapes, or a bias the layer lacks.
         """
+        self._packed = None
         if shard in ("gate_up_bias", "down_bias") and self.b13 is None:
             raise ValueError(f"expert weight {shard}: this MoE layer has no expert biases")
         if shard in ("gate_up", "down_all", "gate_up_bias", "down_bias"):
