@@ -41,7 +41,7 @@ def pack_tiles(w: torch.Tensor) -> torch.Tensor:
     return w.view(e, padded // TILE, TILE, k).transpose(2, 3).contiguous()
 
 
-def _bf16_exact(w: torch.Tensor) -> bool:
+def bf16_exact(w: torch.Tensor) -> bool:
     """Whether every value of float32 `w` is a bfloat16 value (so packing it as bfloat16 is
     lossless)."""
     return bool(torch.equal(w.to(torch.bfloat16).to(w.dtype), w))
@@ -81,7 +81,7 @@ class PackedExperts:
         """Pack `w13` [E, 2I, H] (gate rows then up rows) and `w2` [E, H, I].
 
         bfloat16 weights stay bfloat16; float32 weights become bfloat16 only when that is
-        exact (`_bf16_exact`), else stay float32. Other dtypes are converted to float32.
+        exact (`bf16_exact`), else stay float32. Other dtypes are converted to float32.
 
         Raises:
             ValueError: shapes that do not fit together.
@@ -95,7 +95,7 @@ class PackedExperts:
             raise ValueError(f"w2 {tuple(w2.shape)} must be [E, H, I] = [{e}, {h}, {i}] for "
                              f"w13 {tuple(w13.shape)}")
         dtype = w13.dtype
-        if dtype == torch.float32 and _bf16_exact(w13) and _bf16_exact(w2):
+        if dtype == torch.float32 and bf16_exact(w13) and bf16_exact(w2):
             dtype = torch.bfloat16
         elif dtype not in (torch.float32, torch.bfloat16):
             dtype = torch.float32

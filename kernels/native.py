@@ -16,6 +16,7 @@ source rebuilds; concurrent processes wait on the build's lock file).
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -70,13 +71,17 @@ def _build(name: str) -> ModuleType:
         raise NativeUnavailable(reason)
     from torch.utils.cpp_extension import load
 
+    # torch hashes only the listed sources: the shared headers' digest goes into the name, so
+    # an edited header rebuilds too
+    headers = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.h"))))
     directory = build_dir() / name
     directory.mkdir(parents=True, exist_ok=True)
     try:
         return load(
-            name=f"moe_engine_{name}",
+            name=f"moe_engine_{name}_{headers.hexdigest()[:12]}",
             sources=[str(CSRC / f"{name}.cpp")],
             extra_cflags=CFLAGS,
+            extra_include_paths=[str(CSRC)],
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
             verbose=False,

@@ -34,13 +34,18 @@ def _case(g, t, h, inter, e, k, *, dtype=torch.float32, bias=False):
     topk_weights, topk_ids = torch.softmax(logits, -1).topk(k, dim=-1)
     b13 = torch.randn(e, 2 * inter, generator=g) if bias else None
     b2 = torch.randn(e, h, generator=g) if bias else None
-    cast = (lambda x: None if x is None else x.to(dtype))
+
+    def cast(x):
+        return None if x is None else x.to(dtype)
+
     return (cast(hidden), cast(w13), cast(w2), topk_weights, topk_ids.to(torch.int32),
             cast(b13), cast(b2))
 
 
 def _reference(hidden, w13, w2, weights, ids, activation=SILU_AND_MUL, b13=None, b2=None):
-    d = (lambda x: None if x is None else x.double())
+    def d(x):
+        return None if x is None else x.double()
+
     return fused_moe_reference(d(hidden), d(w13), d(w2), weights, ids, activation=activation,
                                b13=d(b13), b2=d(b2))
 

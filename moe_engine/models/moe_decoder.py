@@ -17,6 +17,7 @@ from torch import nn
 
 from moe_engine.kv_cache.spec import AttentionGroup
 from moe_engine.models.layers.attention import AttentionMetadata, PagedAttention
+from moe_engine.models.layers.linear import Linear
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding
@@ -67,10 +68,10 @@ class Attention(nn.Module):
         self.spec = spec
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         self.sizes = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             spec.hidden_size, sum(self.sizes), bias=spec.attention_bias, dtype=dtype
         )
-        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=o_bias, dtype=dtype)
+        self.o_proj = Linear(q_size, spec.hidden_size, bias=o_bias, dtype=dtype)
         # learned per-head sink logits (gpt-oss), filled from the checkpoint
         self.sinks = nn.Parameter(torch.zeros(spec.num_heads, dtype=dtype)) if sinks else None
         if spec.qk_norm:
@@ -102,9 +103,9 @@ class DenseMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
@@ -188,7 +189,7 @@ class MoeCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.model = self.build_backbone(spec, dtype, max_position or spec.max_position_embeddings)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -292,6 +293,9 @@ class MoeCausalLM(nn.Module):
         loaded: set[str] = set()
         for name, tensor in weights:
             loaded |= self._load_one(name, tensor, params)
+        for module in self.modules():  # native kernels' packed copies are stale now
+            if isinstance(module, Linear | FusedMoE):
+                module.reset_packed()
         return loaded
 
     def _load_one(

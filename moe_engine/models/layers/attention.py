@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_attention import native_attention_available, paged_decode_attention
+
 
 @dataclass
 class AttentionBatch:
@@ -47,6 +49,9 @@ class AttentionBatch:
         max_q: Lq, the longest query in the batch (tokens).
         q_pos: [B, Lq] int64, absolute position of each query row (padding rows included);
             needed by `mask_for` with a window (`build_attention_batch` sets it).
+        block_tables: [B, max_blocks] int64 block tables (padded with the null block 0) and
+        seq_lens: [B] int64 keys per row after this step (tokens); what the native decode
+            kernel reads instead of gathered blocks (`build_attention_batch` sets both).
     """
 
     token_start: int
@@ -57,6 +62,8 @@ class AttentionBatch:
     mask: torch.Tensor
     max_q: int
     q_pos: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
     _masks: dict = field(default_factory=dict, repr=False)
 
     def mask_for(self, sliding_window: int | None) -> torch.Tensor:
@@ -145,6 +152,8 @@ def build_attention_batch(
         mask=mask.unsqueeze(1),
         max_q=max_q,
         q_pos=q_pos,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
     )
 
 
@@ -209,6 +218,11 @@ class PagedAttention(torch.nn.Module):
         batch: AttentionBatch,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
+        if batch.max_q == 1 and self._native_decode(q, k_cache):
+            return paged_decode_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.seq_lens, self.scale,
+                sliding_window=self.sliding_window, sinks=sinks,
+            )
         b = batch.mask.shape[0]
         keys, values = (_gather_blocks(c, batch.block_ids, b) for c in (k_cache, v_cache))
         if batch.max_q == 1:
@@ -224,6 +238,17 @@ class PagedAttention(torch.nn.Module):
         head_sinks = None if sinks is None else sinks.view(self.num_heads, 1)
         o = self._sdpa(q_pad.transpose(1, 2), keys, values, batch, head_sinks)
         return o.transpose(1, 2)[batch.tok_b, batch.tok_q]  # [B, Lq, Hq, D] -> [n, Hq, D]
+
+    def _native_decode(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """Whether the native decode kernel (kernels/cpu_attention.py) serves this layer:
+        CPU tensors, float32/bfloat16, head_dim a multiple of 8, and the kernel built."""
+        return (
+            q.device.type == "cpu"
+            and q.dtype in (torch.float32, torch.bfloat16)
+            and k_cache.dtype in (torch.float32, torch.bfloat16)
+            and self.head_dim % 8 == 0
+            and native_attention_available()
+        )
 
     def _sdpa(
         self,

@@ -18,6 +18,7 @@ from kernels.activation import SILU_AND_MUL, SwiGLU
 from kernels.cpu import fused_moe_cpu
 from kernels.cpu_native import PackedExperts, native_moe_available
 from moe_engine.instrumentation import ExpertLoadRecorder
+from moe_engine.models.layers.linear import Linear
 from moe_engine.models.layers.quantized_experts import QuantizedExperts
 from moe_engine.phase_timer import PhaseTimer
 from quant.int4 import SYMMETRIC_ZERO, Int4Weight
@@ -126,7 +127,7 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.routing, self.activation = routing, activation
         self.intermediate_size = intermediate_size
-        self.gate = nn.Linear(hidden_size, num_experts, bias=router_bias, dtype=dtype)
+        self.gate = Linear(hidden_size, num_experts, bias=router_bias, dtype=dtype)
         self.b13: nn.Parameter | None = None
         self.b2: nn.Parameter | None = None
         if expert_bias:
@@ -250,6 +251,10 @@ class FusedMoE(nn.Module):
                 )
         with timer.phase("combine"):
             return self.communicator.combine(expert_out, sent.handle)
+
+    def reset_packed(self) -> None:
+        """Forget the native kernel's packed copy (call after changing weights in place)."""
+        self._packed = None
 
     def _packed_experts(self) -> PackedExperts | None:
         """The native kernel's copy of the float expert weights (kernels/cpu_native.py),

@@ -176,13 +176,24 @@ class RotaryEmbedding(nn.Module):
             cos, sin = cos * scale, sin * scale
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
+        # (positions, cos, sin) of the latest call: holding `positions` keeps its id unique
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] int64; q: [T, Hq, D], k: [T, Hkv, D] -> rotated (same shapes/dtypes)."""
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+        """positions: [T] int64; q: [T, Hq, D], k: [T, Hkv, D] -> rotated (same shapes/dtypes).
+
+        The cos/sin rows of a `positions` tensor are looked up once and reused by the next
+        calls with that same tensor object (every layer of a step shares this module).
+        """
+        last = self._last
+        if last is not None and last[0] is positions and last[1].dtype == q.dtype:
+            cos, sin = last[1], last[2]
+        else:
+            cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
+            sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+            self._last = (positions, cos, sin)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -1,0 +1,76 @@
+"""Native dense linear layers for the CPU (csrc/linear_cpu.cpp): y = x W^T + b.
+
+torch's float32 GEMM (MKL) reaches about half of a core's FMA rate at decode batch sizes on
+the project's machine (a [8, 512] x [512, 512] product: 38 GFLOP/s on one or two cores), and a
+bfloat16 checkpoint computed in float32 reads twice the bytes it needs. `PackedLinear` holds the
+weight once, packed as 16-column tiles (`kernels.cpu_native.pack_tiles`), in bfloat16 when that
+is exact, and runs the shared AVX2 micro-kernel (csrc/gemm_avx2.h).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.cpu_native import TILE, bf16_exact, pack_tiles
+from kernels.native import load_native
+
+
+def native_linear_available() -> bool:
+    """Whether the native linear kernel is usable in this process (built on first call)."""
+    return load_native("linear_cpu") is not None
+
+
+@dataclass
+class PackedLinear:
+    """A linear layer's weight in the native layout.
+
+    Attributes:
+        weight: [ceil(N/16), K, 16] float32 or bfloat16 tiles.
+        bias: [N] float32, or an empty tensor.
+        out_features: N; in_features: K.
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
+        """Pack `weight` [N, K] (and `bias` [N]). float32 weights whose values are all
+        bfloat16 values are packed as bfloat16 (lossless); other dtypes become float32.
+
+        Raises:
+            ValueError: a weight that is not 2-D, or a bias whose size is not N.
+        """
+        if weight.dim() != 2:
+            raise ValueError(f"weight must be [N, K], got {tuple(weight.shape)}")
+        n, k = weight.shape
+        if bias is not None and bias.shape != (n,):
+            raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+        w = weight.detach()
+        if w.dtype == torch.float32 and bf16_exact(w):
+            w = w.to(torch.bfloat16)
+        elif w.dtype not in (torch.float32, torch.bfloat16):
+            w = w.float()
+        packed = pack_tiles(w.unsqueeze(0))[0]
+        b = torch.empty(0) if bias is None else bias.detach().float().contiguous()
+        return cls(packed, b, n, k)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] float32 or bfloat16 -> [..., N] in x's dtype (float32 accumulation).
+
+        Raises:
+            RuntimeError: the native kernel is unavailable or x's last dimension is not K.
+        """
+        ext = load_native("linear_cpu")
+        if ext is None:
+            raise RuntimeError("the native linear kernel is unavailable (see kernels/native.py)")
+        lead = x.shape[:-1]
+        y = ext.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias, self.out_features)
+        return y.view(*lead, self.out_features)
+
+
+assert TILE == 16  # csrc/gemm_avx2.h kTile

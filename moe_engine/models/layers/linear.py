@@ -1,0 +1,43 @@
+"""`Linear`: `nn.Linear` whose CPU forward runs the native packed kernel (kernels/cpu_linear.py).
+
+Every dense projection of the models (QKV, output, router, dense MLP, LM head) is one of these.
+On a CPU with the native kernels built, batches of up to `NATIVE_MAX_ROWS` rows go through a
+packed copy of the weight (bfloat16 when exact: half the bytes a decode step reads; 1.3-4x
+torch's GEMM at 1-64 rows, measured by /work/prof-style microbenchmarks recorded in
+bench/NOTES.md); larger batches (long prefill chunks), other devices and a missing kernel use
+`nn.Linear.forward`. The packed copy is made on the first forward and dropped by
+`reset_packed` (the model's `load_weights` calls it, so a reload never serves stale weights).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.cpu_linear import PackedLinear, native_linear_available
+
+#: Rows above which torch's GEMM is as fast as the native kernel (bench/NOTES.md).
+NATIVE_MAX_ROWS = 1024
+
+
+class Linear(nn.Linear):
+    """`nn.Linear(in_features, out_features, bias, dtype=...)`; x [..., in] -> [..., out]."""
+
+    _packed: PackedLinear | None = None
+
+    def reset_packed(self) -> None:
+        """Forget the packed copy (call after changing the weight in place)."""
+        self._packed = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(1, x.shape[-1])
+        if (
+            x.device.type == "cpu"
+            and rows <= NATIVE_MAX_ROWS
+            and x.dtype in (torch.float32, torch.bfloat16)
+            and native_linear_available()
+        ):
+            if self._packed is None:
+                self._packed = PackedLinear.pack(self.weight, self.bias)
+            return self._packed(x)
+        return super().forward(x)
