@@ -10,7 +10,9 @@ therefore C++ with AVX2/FMA intrinsics and OpenMP, compiled by `torch.utils.cpp_
 source rebuilds; concurrent processes wait on the build's lock file).
 
 `MOE_ENGINE_NATIVE=0` turns the native kernels off (the torch paths run instead);
-`MOE_ENGINE_NATIVE=1` makes a failed build an error instead of a logged fallback.
+`MOE_ENGINE_NATIVE=1` makes a failed build an error instead of a logged fallback; a
+comma-separated list of kernel names (`moe_cpu,linear_cpu,paged_attention`) enables only those
+(for ablations: bench/NOTES.md).
 """
 
 from __future__ import annotations
@@ -44,12 +46,26 @@ def _cpu_supported() -> str | None:
     return None
 
 
-def native_mode() -> str:
-    """`MOE_ENGINE_NATIVE`: "0" (off), "1" (required) or "auto" (default: on when it builds)."""
+#: The kernels under kernels/csrc/ (one extension each).
+KERNELS = ("moe_cpu", "linear_cpu", "paged_attention")
+
+
+def native_mode(name: str) -> str:
+    """How `MOE_ENGINE_NATIVE` treats kernel `name`: "0" (off), "1" (required) or "auto"
+    (default: on when it builds). A list of kernel names means "auto" for those, "0" for the
+    others.
+
+    Raises:
+        ValueError: a value that is none of these, naming the valid kernel names.
+    """
     mode = os.environ.get("MOE_ENGINE_NATIVE", "auto").strip().lower()
-    if mode not in ("0", "1", "auto"):
-        raise ValueError(f"MOE_ENGINE_NATIVE must be 0, 1 or auto, got {mode!r}")
-    return mode
+    if mode in ("0", "1", "auto"):
+        return mode
+    names = {n.strip() for n in mode.split(",") if n.strip()}
+    if not names or not names <= set(KERNELS):
+        raise ValueError(f"MOE_ENGINE_NATIVE must be 0, 1, auto or a list of {KERNELS}, "
+                         f"got {mode!r}")
+    return "auto" if name in names else "0"
 
 
 def build_dir() -> Path:
@@ -97,7 +113,7 @@ def load_native(name: str) -> ModuleType | None:
     Raises:
         NativeUnavailable: the build failed and `MOE_ENGINE_NATIVE=1`.
     """
-    mode = native_mode()
+    mode = native_mode(name)
     if mode == "0":
         return None
     try:

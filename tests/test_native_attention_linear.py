@@ -132,3 +132,16 @@ def test_linear_module_repacks_after_reset_and_matches_torch_on_large_batches():
     big = torch.randn(NATIVE_MAX_ROWS + 1, 16, generator=g)  # the torch path
     torch.testing.assert_close(layer(big), torch.nn.functional.linear(big, layer.weight,
                                                                        layer.bias))
+
+
+def test_native_mode_selects_kernels(monkeypatch):
+    from kernels.native import load_native, native_mode
+
+    monkeypatch.setenv("MOE_ENGINE_NATIVE", "linear_cpu, paged_attention")
+    assert native_mode("linear_cpu") == "auto" and native_mode("moe_cpu") == "0"
+    assert load_native("moe_cpu") is None and load_native("linear_cpu") is not None
+    monkeypatch.setenv("MOE_ENGINE_NATIVE", "0")
+    assert load_native("linear_cpu") is None
+    monkeypatch.setenv("MOE_ENGINE_NATIVE", "fast")
+    with pytest.raises(ValueError, match="MOE_ENGINE_NATIVE"):
+        native_mode("moe_cpu")
