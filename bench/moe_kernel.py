@@ -3,13 +3,18 @@
     python bench/moe_kernel.py [--tokens 1 8 64 512] [--repeats 20] [--json]
     python bench/moe_kernel.py --device cuda      # the Triton kernels on a GPU
 
-CPU (default): the engine's expert paths as the engine runs them: "bf16" is the float path
-(`kernels.cpu.fused_moe_cpu`) on bf16-rounded weights in the engine's compute dtype
+CPU (default): each format through two paths. "native" is what the engine runs when the native
+kernel builds (the default): "bf16" is `kernels.cpu_native.PackedExperts` (what `FusedMoE`
+packs) on bf16-rounded weights in the engine's compute dtype
 (`moe_engine.config.compute_dtype(bfloat16)`: float32 on CPUs without native bf16 matmul,
-reported as `compute_dtype`), "int4" and "mxfp4" are `QuantizedExperts` (`kernels.cpu_int4`,
-`kernels.cpu_mxfp4`) quantized from the same weights. Repetitions are interleaved (one call of
-each path per round, so machine noise hits all alike); the figure is the median per call.
-Ratios are speedups over bf16 (bf16 ms / path ms; > 1 is faster).
+reported as `compute_dtype`; bf16-exact, so packed as bfloat16), "int4" (group `--group-size`,
+symmetric) and "mxfp4" are `QuantizedExperts` quantized from the same weights, which run
+`kernels.cpu_native.PackedQuantExperts` (codes decoded in registers). "torch" is the
+`MOE_ENGINE_NATIVE=0` fallback, called directly: `kernels.cpu.fused_moe_cpu`,
+`kernels.cpu_int4.fused_moe_int4_cpu` and `kernels.cpu_mxfp4.fused_moe_mxfp4_cpu` on the same
+weights. Without a native build only the torch rows are timed. Repetitions are interleaved (one
+call of each path per round, so machine noise hits all alike); the figure is the median per
+call. Ratios are speedups over bf16 native (bf16 native ms / path ms; > 1 is faster).
 
 CUDA (`--device cuda`): `kernels.fused_moe.fused_moe` (bf16), `fused_moe_int4` and
 `fused_moe_mxfp4` timed with CUDA events, and the achieved weight bandwidth: bytes of the expert
@@ -36,6 +41,8 @@ from moe_engine.config import compute_dtype
 from moe_engine.models.layers.moe import softmax_topk
 
 PATHS = ("bf16", "int4", "mxfp4")
+#: CPU paths: the native kernel (the engine's default) and the MOE_ENGINE_NATIVE=0 fallback.
+CPU_KINDS = ("native", "torch")
 
 
 def make_layer(args: argparse.Namespace, g: torch.Generator) -> dict:
@@ -63,6 +70,9 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int) -> d
 
 def run_cpu(args: argparse.Namespace) -> dict:
     from kernels.cpu import fused_moe_cpu
+    from kernels.cpu_int4 import fused_moe_int4_cpu
+    from kernels.cpu_mxfp4 import fused_moe_mxfp4_cpu
+    from kernels.cpu_native import PackedExperts, native_moe_available
     from moe_engine.models.layers.quantized_experts import QuantizedExperts
 
     g = torch.Generator().manual_seed(0)
@@ -71,26 +81,44 @@ def run_cpu(args: argparse.Namespace) -> dict:
     w13, w2 = layer["w13"].to(dtype), layer["w2"].to(dtype)
     int4 = QuantizedExperts(layer["w13"].float(), layer["w2"].float(), "int4", args.group_size)
     mxfp4 = QuantizedExperts(layer["w13"].float(), layer["w2"].float(), "mxfp4", 32)
+    native = native_moe_available()
+    bf16 = PackedExperts.pack(w13, w2) if native else None
+    # the torch paths' weights (unpacked exactly from the native layout when that holds them)
+    int4_torch, (mx13, mx2) = int4.weights, (mxfp4.weights["w13"][0], mxfp4.weights["w2"][0])
+    kinds = CPU_KINDS if native else ("torch",)
     results = {}
     for tokens in args.tokens:
         x = torch.randn(tokens, args.hidden, generator=g).to(dtype)
         weights, ids = softmax_topk(x.float() @ layer["router"].T, args.top_k, renormalize=True)
         fns = {
-            "bf16": lambda x=x, w=weights, i=ids: fused_moe_cpu(x, w13, w2, w, i),
-            "int4": lambda x=x, w=weights, i=ids: int4(x, w, i),
-            "mxfp4": lambda x=x, w=weights, i=ids: mxfp4(x, w, i),
+            "bf16_torch": lambda x=x, w=weights, i=ids: fused_moe_cpu(x, w13, w2, w, i),
+            "int4_torch": lambda x=x, w=weights, i=ids: fused_moe_int4_cpu(
+                x, int4_torch["w13"], int4_torch["w2"], args.group_size, w, i
+            ),
+            "mxfp4_torch": lambda x=x, w=weights, i=ids: fused_moe_mxfp4_cpu(
+                x, *mx13, *mx2, w, i
+            ),
         }
+        if native:
+            fns |= {
+                "bf16_native": lambda x=x, w=weights, i=ids: bf16(x, w, i),
+                "int4_native": lambda x=x, w=weights, i=ids: int4(x, w, i),
+                "mxfp4_native": lambda x=x, w=weights, i=ids: mxfp4(x, w, i),
+            }
         ms = interleaved_medians(fns, args.repeats)
-        results[tokens] = {
-            "experts_used": int(torch.unique(ids).numel()),
-            **{f"{p}_ms": round(ms[p], 3) for p in PATHS},
-            **{f"{p}_speedup_vs_bf16": round(ms["bf16"] / ms[p], 2) for p in PATHS[1:]},
-        }
+        base = ms["bf16_native" if native else "bf16_torch"]
+        row: dict[str, float | int] = {"experts_used": int(torch.unique(ids).numel())}
+        for kind in kinds:
+            for p in PATHS:
+                row[f"{p}_{kind}_ms"] = round(ms[f"{p}_{kind}"], 3)
+                row[f"{p}_{kind}_speedup_vs_bf16_{kinds[0]}"] = round(base / ms[f"{p}_{kind}"], 2)
+        results[tokens] = row
     return {
         "device": "cpu",
         "compute_dtype": str(dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "int4_group_size": args.group_size,
+        "native": native,
         "tokens": results,
     }
 
@@ -193,16 +221,19 @@ def print_table(report: dict) -> None:
                 for p in PATHS
             ))  # fmt: skip
         return
-    print(
-        f"{'tokens':>6} {'experts':>7} {'bf16 ms':>9} {'int4 ms':>9} {'mxfp4 ms':>9} "
-        f"{'int4 vs bf16':>12} {'mxfp4 vs bf16':>13}"
-    )
+    kinds = CPU_KINDS if report["native"] else ("torch",)
+    base = f"bf16 {kinds[0]}"
+    print(f"ms per call; (x) = speedup over {base} ({base} ms / path ms)")
+    print(f"{'tokens':>6} {'experts':>7} " + " ".join(
+        f"{p + ' ' + kind:>20}" for kind in kinds for p in PATHS
+    ))  # fmt: skip
     for tokens, r in report["tokens"].items():
-        print(
-            f"{tokens:>6} {r['experts_used']:>7} {r['bf16_ms']:>9.3f} {r['int4_ms']:>9.3f} "
-            f"{r['mxfp4_ms']:>9.3f} {r['int4_speedup_vs_bf16']:>11.2f}x "
-            f"{r['mxfp4_speedup_vs_bf16']:>12.2f}x"
-        )
+        cells = [
+            f"{r[f'{p}_{kind}_ms']:>11.3f} ({r[f'{p}_{kind}_speedup_vs_bf16_{kinds[0]}']:>5.2f}x)"
+            for kind in kinds
+            for p in PATHS
+        ]
+        print(f"{tokens:>6} {r['experts_used']:>7} " + " ".join(f"{c:>20}" for c in cells))
 
 
 def main(argv: list[str] | None = None) -> int:

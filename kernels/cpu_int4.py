@@ -1,5 +1,9 @@
 """The CPU expert path for int4 weights: PyTorch's packed int4 matmul (w4a16), per expert.
 
+This is the torch fallback (`MOE_ENGINE_NATIVE=0`, or no native build): where the native kernel
+builds, `QuantizedExperts` runs `kernels.cpu_native.PackedQuantExperts` instead (float32
+activations, exact float32 scales and zero points).
+
 `torch._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)` computes
 `x @ W.T` with `W = (q - 8) * scale + zero` per group of `group_size` input values, reading 4
 bits per weight; it is the kernel gpt-fast and torchao use for int4 on CPU. With bfloat16

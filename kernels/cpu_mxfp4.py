@@ -1,5 +1,9 @@
 """The CPU expert path for MXFP4 weights: dequantize only the experts that have tokens, then GEMM.
 
+This is the torch fallback (`MOE_ENGINE_NATIVE=0`, or no native build): where the native kernel
+builds, `QuantizedExperts` runs `kernels.cpu_native.PackedQuantExperts` instead, which decodes
+the codes in registers without materialising the weights.
+
 Triton does not run compiled on a CPU and PyTorch has no MXFP4 matmul, so each step the experts
 that received tokens are dequantized into a reused workspace, in the compute dtype, and the
 float path (`kernels.cpu.fused_moe_cpu`: batched or per-expert GEMMs) runs on those experts only,

@@ -399,9 +399,9 @@ def test_grpc_serves_asymmetric_checkpoint_like_transformers(asym_server, ct_all
     _assert_close_to_reference(compared)
     assert (info.expert_weight_format, info.expert_group_size) == ("int4", GROUP)
     assert info.expert_checkpoint_format == "compressed-tensors" and info.expert_zero_points
-    # 2 MoE layers x 8 experts x 3 projections of 64 x 32, at 4 bits + a bf16 (scale, offset)
-    # pair per group of 32: the packed CPU layout holds exactly that
-    assert info.weight_bytes_experts == 2 * 8 * 3 * 64 * 32 * (4 + 32 / GROUP) // 8
+    # 2 MoE layers x 8 experts x 3 projections of 64 x 32, at 4 bits + a float32 scale and a
+    # uint8 zero point per group of 32: the native kernel's layout holds exactly that
+    assert info.weight_bytes_experts == 2 * 8 * 3 * 64 * 32 * (4 + (32 + 8) / GROUP) // 8
     assert info.weight_bytes_embeddings == 2 * 512 * 64 * 4  # float32, untied
     assert info.weight_bytes_attention > 0 and info.weight_bytes_other > 0
 

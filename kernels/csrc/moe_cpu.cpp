@@ -7,9 +7,38 @@
 // pairs' outputs times their router weights. The GEMMs are register-blocked micro-kernels
 // (6 rows x 16 columns of float32 accumulators, Goto & van de Geijn, "Anatomy of
 // High-Performance Matrix Multiplication", TOMS 2008) over weights packed as tiles of 16
-// output columns stored k-major ([tiles][K][16]), so each k step loads 16 contiguous weights
-// and broadcasts one activation per row. Weights are float32 or bfloat16 (widened to float32 in
-// registers: a bfloat16 is the high half of a float32); accumulation is float32.
+// output columns stored k-major, so each k step loads one tile row of 16 weights and
+// broadcasts one activation per row. Accumulation is float32 throughout.
+//
+// Weight formats (one template per format; routing, activation and combine are shared):
+//   - float32 or bfloat16, [tiles][K][16] (a bfloat16 is the high half of a float32: widened in
+//     registers by a shift).
+//   - 4-bit codes, [tiles][K / 2][16] bytes: per k, 8 bytes hold the tile's 16 columns, byte i
+//     (i < 8) holding column c = i + 4 * (i / 4) (0-3, 8-11) in its low nibble and column c + 4
+//     in its high nibble; the 8 bytes of an even k are followed by those of k + 1. This order
+//     turns 16 bytes (two k) into four vectors of 8 columns with in-lane shuffles only:
+//     the low nibbles go to the low 128-bit lane and the high nibbles to the high lane, and
+//     unpacking bytes then words against zero yields (k, 0-7), (k, 8-15), (k+1, 0-7),
+//     (k+1, 8-15). Scales (and zero points) are per column and per block of G values along
+//     K: [tiles][K / G][16].
+//       * MXFP4 (OCP Microscaling Formats (MX) Specification v1.0, 2023): E2M1 codes (sign,
+//         2 exponent bits with bias 1, 1 mantissa bit), G = 32, one E8M0 scale byte s per
+//         block (2^(s - 127); 255 is NaN). A code is decoded by two 16-entry byte tables
+//         (vpshufb): the low and high byte of the bfloat16 of its E2M1 value (every E2M1 value
+//         is a bfloat16), so the float32 weight needs no conversion instruction.
+//       * int4 (group-wise, GPTQ/AWQ style; quant/int4.py): unsigned codes q with a zero point
+//         z (8 when symmetric) and a float32 scale per group: w = (q - z) * scale. q - z is
+//         formed in int8, unpacked into the top byte of an int32 (so exactly (q - z) * 2^24)
+//         and converted; the 2^-24 is folded into the scale (exact for |scale| >= 2^-102;
+//         the one- and two-row kernels' block sums of x * (q - z) * 2^24 stay finite for
+//         |x| < 2^100 / G).
+//     Either way the decoded weights are exactly the dequantized values quant/ defines.
+//     With one or two rows the kernel accumulates a block's products with the unscaled values
+//     and multiplies the block's partial sums by the column scales once (measured 5-10% faster
+//     at decode sizes than scaling every weight; the sum rounds differently, within float32
+//     rounding); with 3-6 rows it scales the decoded weights, shared by the rows. An expert
+//     with more than 6 rows has each 4-bit tile dequantized once into a per-thread float32
+//     tile, and the dense micro-kernel runs over all its row blocks.
 //
 // Parallelism: OpenMP over (expert, 16-column tile) work items with dynamic scheduling, so a
 // decode step with a few rows per expert still spreads over every core, and experts of uneven
@@ -25,12 +54,18 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kTile = 16;  // output columns per packed tile
 constexpr int kRows = 6;       // rows per micro-kernel call
+
+// ---------------------------------------------------------------------------------------------
+// Dense weights: float32 or bfloat16, [tiles][K][16].
 
 inline __m256 widen_bf16(const uint16_t* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -63,18 +98,239 @@ inline void micro_kernel(const float* a, int64_t lda, const W* w, int64_t K, flo
   }
 }
 
-// The rows [0, n) of a (n <= kRows) times one packed tile -> c [n][16].
 template <typename W>
-inline void tile_rows(const float* a, int64_t lda, int n, const W* w, int64_t K, float* c) {
-  switch (n) {
-    case 1: micro_kernel<1>(a, lda, w, K, c); break;
-    case 2: micro_kernel<2>(a, lda, w, K, c); break;
-    case 3: micro_kernel<3>(a, lda, w, K, c); break;
-    case 4: micro_kernel<4>(a, lda, w, K, c); break;
-    case 5: micro_kernel<5>(a, lda, w, K, c); break;
-    default: micro_kernel<6>(a, lda, w, K, c); break;
+struct DenseWeights {
+  const W* data;  // [tiles][K][16]
+  int64_t K;
+
+  // The rows [0, n) of a (n <= kRows) times packed tile `tile` -> c [n][16].
+  inline void rows(int64_t tile, const float* a, int64_t lda, int n, float* c) const {
+    const W* w = data + tile * K * kTile;
+    switch (n) {
+      case 1: micro_kernel<1>(a, lda, w, K, c); break;
+      case 2: micro_kernel<2>(a, lda, w, K, c); break;
+      case 3: micro_kernel<3>(a, lda, w, K, c); break;
+      case 4: micro_kernel<4>(a, lda, w, K, c); break;
+      case 5: micro_kernel<5>(a, lda, w, K, c); break;
+      default: micro_kernel<6>(a, lda, w, K, c); break;
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// 4-bit weights: codes [tiles][K / 2][16] (layout in the header comment), scales and zero
+// points [tiles][K / G][16].
+
+enum class Q4 { kMxfp4 = 0, kInt4 = 1 };
+
+// bfloat16 bit patterns of the 16 E2M1 values (OCP MX v1.0: codes 0-7 are 0, 0.5, 1, 1.5, 2, 3,
+// 4, 6; codes 8-15 the same with the sign bit), split into low and high bytes, repeated in both
+// 128-bit lanes for vpshufb.
+inline __m256i e2m1_bf16_low_bytes() {
+  const __m128i t = _mm_setr_epi8(0x00, 0x00, char(0x80), char(0xC0), 0x00, 0x40, char(0x80),
+                                  char(0xC0), 0x00, 0x00, char(0x80), char(0xC0), 0x00, 0x40,
+                                  char(0x80), char(0xC0));
+  return _mm256_broadcastsi128_si256(t);
+}
+inline __m256i e2m1_bf16_high_bytes() {
+  const __m128i t = _mm_setr_epi8(0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, char(0x80),
+                                  char(0xBF), char(0xBF), char(0xBF), char(0xC0), char(0xC0),
+                                  char(0xC0), char(0xC0));
+  return _mm256_broadcastsi128_si256(t);
+}
+
+// Eight E8M0 scale bytes -> 2^(s - 127) as float32 (s = 0: 2^-127, a subnormal; s = 255: NaN).
+inline __m256 e8m0_to_ps(const uint8_t* s8) {
+  const __m256i s = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s8)));
+  __m256i bits = _mm256_slli_epi32(s, 23);
+  bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x00400000),
+                            _mm256_cmpeq_epi32(s, _mm256_setzero_si256()));
+  bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7FC00000),
+                            _mm256_cmpeq_epi32(s, _mm256_set1_epi32(255)));
+  return _mm256_castsi256_ps(bits);
+}
+
+// Per-block decoding state of one tile: the scale of columns 0-7 and 8-15, and the table
+// registers (MXFP4: E2M1 byte tables; int4: the zero points in the nibble vector's order).
+struct Q4Block {
+  __m256 s0, s1;
+  __m256i t0, t1;
+};
+
+// Zero points z[0..16) (natural column order) arranged like the nibble vector of a k pair: low
+// lane bytes 0-3, 4-7, 8-11, 12-15 = columns 0-3, 8-11, 0-3, 8-11; high lane = columns 4-7,
+// 12-15, 4-7, 12-15.
+inline __m256i arrange_zeros(const uint8_t* z) {
+  const __m256i b =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z)));
+  const __m256i perm = _mm256_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 0, 1, 2, 3, 8, 9, 10, 11,
+                                        4, 5, 6, 7, 12, 13, 14, 15, 4, 5, 6, 7, 12, 13, 14, 15);
+  return _mm256_shuffle_epi8(b, perm);
+}
+
+template <Q4 F>
+struct Q4Weights {
+  const uint8_t* codes;   // [tiles][K / 2][16]
+  const void* scales;     // MXFP4: uint8 E8M0; int4: float32; [tiles][K / G][16]
+  const uint8_t* zeros;   // int4 asymmetric: uint8 [tiles][K / G][16]; else null (z = 8)
+  int64_t K, G;
+
+  inline Q4Block block(int64_t tile, int64_t g) const {
+    const int64_t at = (tile * (K / G) + g) * kTile;
+    Q4Block b;
+    if constexpr (F == Q4::kMxfp4) {
+      const uint8_t* s = static_cast<const uint8_t*>(scales) + at;
+      b.s0 = e8m0_to_ps(s);
+      b.s1 = e8m0_to_ps(s + 8);
+      b.t0 = e2m1_bf16_low_bytes();
+      b.t1 = e2m1_bf16_high_bytes();
+    } else {
+      const float* s = static_cast<const float*>(scales) + at;
+      const __m256 unit = _mm256_set1_ps(1.0f / 16777216.0f);  // 2^-24
+      b.s0 = _mm256_mul_ps(_mm256_loadu_ps(s), unit);
+      b.s1 = _mm256_mul_ps(_mm256_loadu_ps(s + 8), unit);
+      b.t0 = zeros ? arrange_zeros(zeros + at) : _mm256_set1_epi8(8);
+      b.t1 = b.t0;
+    }
+    return b;
+  }
+
+  inline void rows(int64_t tile, const float* a, int64_t lda, int n, float* c) const;
+
+  // Dequantize tile `tile` to float32 out [K][16] (the dense layout).
+  inline void dequantize(int64_t tile, float* out) const;
+};
+
+// Sixteen code bytes (k and k + 1 of one tile) -> the four weight vectors (k, 0-7),
+// (k, 8-15), (k+1, 0-7), (k+1, 8-15), unscaled: E2M1 values (MXFP4) or (q - z) * 2^24 (int4).
+template <Q4 F>
+inline void decode_pair(const uint8_t* p, const Q4Block& b, __m256& f0, __m256& f1, __m256& f2,
+                        __m256& f3) {
+  const __m256i raw =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  // low lane: low nibbles; high lane: high nibbles (shifted down by 4)
+  const __m256i n = _mm256_and_si256(_mm256_srlv_epi64(raw, _mm256_setr_epi64x(0, 0, 4, 4)),
+                                     _mm256_set1_epi8(0x0F));
+  const __m256i zero = _mm256_setzero_si256();
+  __m256i lo, hi;
+  if constexpr (F == Q4::kMxfp4) {
+    const __m256i l = _mm256_shuffle_epi8(b.t0, n), h = _mm256_shuffle_epi8(b.t1, n);
+    lo = _mm256_unpacklo_epi8(l, h);  // bfloat16 of bytes 0-7 of each lane
+    hi = _mm256_unpackhi_epi8(l, h);  // bytes 8-15
+  } else {
+    const __m256i v = _mm256_sub_epi8(n, b.t0);
+    lo = _mm256_unpacklo_epi8(zero, v);  // (q - z) * 2^8 as int16
+    hi = _mm256_unpackhi_epi8(zero, v);
+  }
+  __m256i i0 = _mm256_unpacklo_epi16(zero, lo), i1 = _mm256_unpackhi_epi16(zero, lo);
+  __m256i i2 = _mm256_unpacklo_epi16(zero, hi), i3 = _mm256_unpackhi_epi16(zero, hi);
+  if constexpr (F == Q4::kMxfp4) {
+    f0 = _mm256_castsi256_ps(i0);
+    f1 = _mm256_castsi256_ps(i1);
+    f2 = _mm256_castsi256_ps(i2);
+    f3 = _mm256_castsi256_ps(i3);
+  } else {
+    f0 = _mm256_cvtepi32_ps(i0);
+    f1 = _mm256_cvtepi32_ps(i1);
+    f2 = _mm256_cvtepi32_ps(i2);
+    f3 = _mm256_cvtepi32_ps(i3);
   }
 }
+
+// c[m][0..16) = sum_k a[m * lda + k] * w[k][0..16), m < M, w the dequantized tile `tile`.
+// kBlockScale: accumulate each block's partial sums of x * code and scale them once per block
+// (M <= 2); else scale the decoded weights (each weight once, shared by the M rows).
+template <int M, Q4 F, bool kBlockScale>
+inline void micro_kernel_q4(const Q4Weights<F>& w, int64_t tile, const float* a, int64_t lda,
+                            float* c) {
+  const int64_t K = w.K, G = w.G;
+  __m256 lo[M], hi[M];
+  for (int m = 0; m < M; ++m) {
+    lo[m] = _mm256_setzero_ps();
+    hi[m] = _mm256_setzero_ps();
+  }
+  const uint8_t* p = w.codes + tile * (K / 2) * kTile;
+  for (int64_t g = 0; g < K / G; ++g) {
+    const Q4Block b = w.block(tile, g);
+    if constexpr (kBlockScale) {
+      // two accumulators per row and half (even and odd k): independent FMA chains
+      __m256 pl0[M], ph0[M], pl1[M], ph1[M];
+      for (int m = 0; m < M; ++m) {
+        pl0[m] = ph0[m] = pl1[m] = ph1[m] = _mm256_setzero_ps();
+      }
+      for (int64_t k = g * G; k < (g + 1) * G; k += 2, p += kTile) {
+        __m256 f0, f1, f2, f3;
+        decode_pair<F>(p, b, f0, f1, f2, f3);
+        for (int m = 0; m < M; ++m) {
+          const __m256 x0 = _mm256_broadcast_ss(a + m * lda + k);
+          const __m256 x1 = _mm256_broadcast_ss(a + m * lda + k + 1);
+          pl0[m] = _mm256_fmadd_ps(x0, f0, pl0[m]);
+          ph0[m] = _mm256_fmadd_ps(x0, f1, ph0[m]);
+          pl1[m] = _mm256_fmadd_ps(x1, f2, pl1[m]);
+          ph1[m] = _mm256_fmadd_ps(x1, f3, ph1[m]);
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+        lo[m] = _mm256_fmadd_ps(_mm256_add_ps(pl0[m], pl1[m]), b.s0, lo[m]);
+        hi[m] = _mm256_fmadd_ps(_mm256_add_ps(ph0[m], ph1[m]), b.s1, hi[m]);
+      }
+    } else {
+      for (int64_t k = g * G; k < (g + 1) * G; k += 2, p += kTile) {
+        __m256 f0, f1, f2, f3;
+        decode_pair<F>(p, b, f0, f1, f2, f3);
+        f0 = _mm256_mul_ps(f0, b.s0);
+        f1 = _mm256_mul_ps(f1, b.s1);
+        f2 = _mm256_mul_ps(f2, b.s0);
+        f3 = _mm256_mul_ps(f3, b.s1);
+        for (int m = 0; m < M; ++m) {
+          const __m256 x0 = _mm256_broadcast_ss(a + m * lda + k);
+          const __m256 x1 = _mm256_broadcast_ss(a + m * lda + k + 1);
+          lo[m] = _mm256_fmadd_ps(x0, f0, lo[m]);
+          hi[m] = _mm256_fmadd_ps(x0, f1, hi[m]);
+          lo[m] = _mm256_fmadd_ps(x1, f2, lo[m]);
+          hi[m] = _mm256_fmadd_ps(x1, f3, hi[m]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    _mm256_storeu_ps(c + m * kTile, lo[m]);
+    _mm256_storeu_ps(c + m * kTile + 8, hi[m]);
+  }
+}
+
+template <Q4 F>
+inline void Q4Weights<F>::dequantize(int64_t tile, float* out) const {
+  const uint8_t* p = codes + tile * (K / 2) * kTile;
+  for (int64_t g = 0; g < K / G; ++g) {
+    const Q4Block b = block(tile, g);
+    for (int64_t k = g * G; k < (g + 1) * G; k += 2, p += kTile) {
+      __m256 f0, f1, f2, f3;
+      decode_pair<F>(p, b, f0, f1, f2, f3);
+      float* o = out + k * kTile;
+      _mm256_storeu_ps(o, _mm256_mul_ps(f0, b.s0));
+      _mm256_storeu_ps(o + 8, _mm256_mul_ps(f1, b.s1));
+      _mm256_storeu_ps(o + 16, _mm256_mul_ps(f2, b.s0));
+      _mm256_storeu_ps(o + 24, _mm256_mul_ps(f3, b.s1));
+    }
+  }
+}
+
+template <Q4 F>
+inline void Q4Weights<F>::rows(int64_t tile, const float* a, int64_t lda, int n,
+                               float* c) const {
+  switch (n) {
+    case 1: micro_kernel_q4<1, F, true>(*this, tile, a, lda, c); break;
+    case 2: micro_kernel_q4<2, F, true>(*this, tile, a, lda, c); break;
+    case 3: micro_kernel_q4<3, F, false>(*this, tile, a, lda, c); break;
+    case 4: micro_kernel_q4<4, F, false>(*this, tile, a, lda, c); break;
+    case 5: micro_kernel_q4<5, F, false>(*this, tile, a, lda, c); break;
+    default: micro_kernel_q4<6, F, false>(*this, tile, a, lda, c); break;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The expert computation, shared by every weight format.
 
 struct Activation {
   bool clamped;     // gpt-oss: (up + 1) * gate * sigmoid(alpha * gate)
@@ -97,13 +353,47 @@ struct Item {
   int32_t tile;
 };
 
-template <typename W>
+template <typename WS>
+struct is_quantized : std::false_type {};
+template <Q4 F>
+struct is_quantized<Q4Weights<F>> : std::true_type {};
+
+// One tile of a weight set as the row blocks of one expert use it: a 4-bit tile that more than
+// one block of kRows rows multiplies is dequantized once, into `scratch` ([K][16] float32), and
+// the dense micro-kernel runs on that; otherwise the weight set's own kernel runs.
+template <typename WS>
+struct TileView {
+  const WS& w;
+  int64_t tile;
+  const float* dense = nullptr;
+
+  TileView(const WS& ws, int64_t t, int64_t rows, float* scratch) : w(ws), tile(t) {
+    if constexpr (is_quantized<WS>::value) {
+      if (rows > kRows) {
+        w.dequantize(tile, scratch);
+        dense = scratch;
+      }
+    }
+  }
+
+  inline void rows(const float* a, int64_t lda, int n, float* c) const {
+    if constexpr (is_quantized<WS>::value) {
+      if (dense) return DenseWeights<float>{dense, w.K}.rows(0, a, lda, n, c);
+    }
+    w.rows(tile, a, lda, n, c);
+  }
+};
+
+// WS: a weight set with K, rows(tile, a, lda, n, c) and, when quantized, dequantize(tile, out)
+// (DenseWeights, Q4Weights). Tile t of expert e is (e * 2 + 0) * Ip/16 + t (gate) or
+// (e * 2 + 1) * Ip/16 + t (up) in w13, e * Hp/16 + t in w2.
+template <typename WS>
 void run_experts(
     const float* x,                 // [P, H] rows sorted by expert
-    const W* w13,                   // [E, 2, Ip/16, H, 16]
-    const W* w2,                    // [E, Hp/16, I, 16]
-    const float* b13,               // [E, 2, Ip] or null
-    const float* b2,                // [E, Hp] or null
+    const WS& w13,                  // [E, 2, Ip/16] tiles over K = H
+    const WS& w2,                   // [E, Hp/16] tiles over K = I
+    const float* b13,               // [E, 2I] (gate, then up) or null
+    const float* b2,                // [E, H] or null
     const std::vector<int64_t>& offsets,  // [E + 1] row ranges per expert
     int64_t H, int64_t I, int64_t Ip, int64_t Hp, const Activation& act,
     float* inter,                   // [P, Ip] scratch
@@ -116,26 +406,38 @@ void run_experts(
     for (int64_t t = 0; t < up_tiles; ++t) items.push_back({int32_t(e), int32_t(t)});
   }
   const int threads = at::get_num_threads();
+  // per thread: two dequantized tiles of K = max(H, I), for 4-bit experts with > kRows rows
+  const int64_t tile_floats = std::max(H, I) * kTile;
+  bool dequantizes = false;
+  for (int64_t e = 0; e < E; ++e) dequantizes |= offsets[e + 1] - offsets[e] > kRows;
+  std::unique_ptr<float[]> scratch;
+  if (is_quantized<WS>::value && dequantizes) scratch.reset(new float[threads * 2 * tile_floats]);
   const int64_t n1 = static_cast<int64_t>(items.size());
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t i = 0; i < n1; ++i) {
     const int64_t e = items[i].expert, t = items[i].tile;
-    const W* wg = w13 + ((e * 2 + 0) * up_tiles + t) * H * kTile;
-    const W* wu = w13 + ((e * 2 + 1) * up_tiles + t) * H * kTile;
-    const float* bg = b13 ? b13 + (e * 2 + 0) * Ip + t * kTile : nullptr;
-    const float* bu = b13 ? b13 + (e * 2 + 1) * Ip + t * kTile : nullptr;
+    const int64_t rows = offsets[e + 1] - offsets[e];
+    float* mine = scratch ? scratch.get() + omp_get_thread_num() * 2 * tile_floats : nullptr;
+    const TileView<WS> gate(w13, (e * 2 + 0) * up_tiles + t, rows, mine);
+    const TileView<WS> up(w13, (e * 2 + 1) * up_tiles + t, rows, mine + tile_floats);
+    const int64_t cols = std::min<int64_t>(kTile, I - t * kTile);
+    alignas(32) float bg[kTile] = {}, bu[kTile] = {};
+    if (b13) {
+      for (int64_t c = 0; c < cols; ++c) {
+        bg[c] = b13[e * 2 * I + t * kTile + c];
+        bu[c] = b13[e * 2 * I + I + t * kTile + c];
+      }
+    }
     alignas(32) float g[kRows * kTile];
     alignas(32) float u[kRows * kTile];
     for (int64_t r = offsets[e]; r < offsets[e + 1]; r += kRows) {
       const int n = static_cast<int>(std::min<int64_t>(kRows, offsets[e + 1] - r));
-      tile_rows(x + r * H, H, n, wg, H, g);
-      tile_rows(x + r * H, H, n, wu, H, u);
+      gate.rows(x + r * H, H, n, g);
+      up.rows(x + r * H, H, n, u);
       for (int m = 0; m < n; ++m) {
         float* out = inter + (r + m) * Ip + t * kTile;
         for (int c = 0; c < kTile; ++c) {
-          const float gv = g[m * kTile + c] + (bg ? bg[c] : 0.0f);
-          const float uv = u[m * kTile + c] + (bu ? bu[c] : 0.0f);
-          out[c] = act(gv, uv);
+          out[c] = act(g[m * kTile + c] + bg[c], u[m * kTile + c] + bu[c]);
         }
       }
     }
@@ -149,43 +451,41 @@ void run_experts(
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t i = 0; i < n2; ++i) {
     const int64_t e = items[i].expert, t = items[i].tile;
-    const W* wd = w2 + (e * h_tiles + t) * I * kTile;
-    const float* bd = b2 ? b2 + e * Hp + t * kTile : nullptr;
+    const int64_t rows = offsets[e + 1] - offsets[e];
+    float* mine = scratch ? scratch.get() + omp_get_thread_num() * 2 * tile_floats : nullptr;
+    const TileView<WS> down(w2, e * h_tiles + t, rows, mine);
+    const int64_t cols = std::min<int64_t>(kTile, H - t * kTile);
+    alignas(32) float bd[kTile] = {};
+    if (b2) {
+      for (int64_t c = 0; c < cols; ++c) bd[c] = b2[e * H + t * kTile + c];
+    }
     alignas(32) float c[kRows * kTile];
     for (int64_t r = offsets[e]; r < offsets[e + 1]; r += kRows) {
       const int n = static_cast<int>(std::min<int64_t>(kRows, offsets[e + 1] - r));
-      tile_rows(inter + r * Ip, Ip, n, wd, I, c);
+      down.rows(inter + r * Ip, Ip, n, c);
       for (int m = 0; m < n; ++m) {
         float* out = y + (r + m) * Hp + t * kTile;
-        for (int col = 0; col < kTile; ++col) out[col] = c[m * kTile + col] + (bd ? bd[col] : 0.0f);
+        for (int col = 0; col < kTile; ++col) out[col] = c[m * kTile + col] + bd[col];
       }
     }
   }
 }
 
-template <typename A>
-inline float to_float(A v) { return static_cast<float>(v); }
-
-// hidden [T, H] (float32 or bfloat16); w13 packed [E, 2, Ip/16, H, 16]; w2 packed
-// [E, Hp/16, I, 16] (both float32 or both bfloat16); topk_weights [T, k] float32; topk_ids
-// [T, k] int32 or int64 (ids outside [0, E) are skipped); b13 [E, 2, Ip] / b2 [E, Hp] float32
-// or empty. Returns [T, H] in hidden's dtype.
-torch::Tensor fused_moe(
-    torch::Tensor hidden, torch::Tensor w13, torch::Tensor w2, torch::Tensor topk_weights,
-    torch::Tensor topk_ids, torch::Tensor b13, torch::Tensor b2, int64_t intermediate,
-    bool clamped, double alpha, bool has_limit, double limit) {
+// Everything but the expert GEMMs: sort the pairs by expert, gather the rows (float32), call
+// run(x, offsets, inter, y), then sum every token's pairs times their router weights.
+// hidden [T, H] float32 or bfloat16; topk_weights [T, k]; topk_ids [T, k] int32 or int64 (ids
+// outside [0, E) are skipped). Returns [T, H] in hidden's dtype.
+template <typename Run>
+torch::Tensor route_run_combine(const torch::Tensor& hidden, const torch::Tensor& topk_weights,
+                                const torch::Tensor& topk_ids, int64_t E, int64_t Ip,
+                                int64_t Hp, Run&& run) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous [T, H]");
-  TORCH_CHECK(w13.dim() == 5 && w13.size(1) == 2 && w13.size(4) == kTile && w13.is_contiguous(),
-              "w13 must be packed [E, 2, Ip/16, H, 16]");
-  TORCH_CHECK(w2.dim() == 4 && w2.size(3) == kTile && w2.is_contiguous(),
-              "w2 must be packed [E, Hp/16, I, 16]");
-  TORCH_CHECK(w13.scalar_type() == w2.scalar_type(), "w13 and w2 must share a dtype");
-  const int64_t T = hidden.size(0), H = hidden.size(1), E = w13.size(0);
-  const int64_t I = intermediate, Ip = w13.size(2) * kTile, Hp = w2.size(1) * kTile;
-  TORCH_CHECK(w13.size(3) == H && w2.size(0) == E && w2.size(2) == I && Hp >= H && Ip >= I,
-              "packed weight shapes do not match hidden [T, H] and intermediate");
+  const int64_t T = hidden.size(0), H = hidden.size(1);
   TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T, "topk_ids must be [T, k]");
   TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes(), "topk_weights must match topk_ids");
+  const bool bf16_in = hidden.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16_in || hidden.scalar_type() == torch::kFloat32,
+              "hidden must be float32 or bfloat16");
   const int64_t k = topk_ids.size(1);
   auto ids = topk_ids.to(torch::kInt64).contiguous();
   auto weights = topk_weights.to(torch::kFloat32).contiguous();
@@ -214,9 +514,6 @@ torch::Tensor fused_moe(
   auto inter = torch::empty({P, Ip}, opts);
   auto y = torch::empty({P, Hp}, opts);
   float* xs = x.data_ptr<float>();
-  const bool bf16_in = hidden.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(bf16_in || hidden.scalar_type() == torch::kFloat32,
-              "hidden must be float32 or bfloat16");
   at::parallel_for(0, P, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* dst = xs + r * H;
@@ -229,19 +526,7 @@ torch::Tensor fused_moe(
     }
   });
 
-  const Activation act{clamped, has_limit, static_cast<float>(alpha), static_cast<float>(limit)};
-  const float* b13p = b13.numel() ? b13.data_ptr<float>() : nullptr;
-  const float* b2p = b2.numel() ? b2.data_ptr<float>() : nullptr;
-  if (b13p) TORCH_CHECK(b13.numel() == E * 2 * Ip && b2.numel() == E * Hp, "bias shapes");
-  if (w13.scalar_type() == torch::kBFloat16) {
-    run_experts(xs, reinterpret_cast<const uint16_t*>(w13.data_ptr<at::BFloat16>()),
-                reinterpret_cast<const uint16_t*>(w2.data_ptr<at::BFloat16>()), b13p, b2p,
-                offsets, H, I, Ip, Hp, act, inter.data_ptr<float>(), y.data_ptr<float>());
-  } else {
-    TORCH_CHECK(w13.scalar_type() == torch::kFloat32, "weights must be float32 or bfloat16");
-    run_experts(xs, w13.data_ptr<float>(), w2.data_ptr<float>(), b13p, b2p, offsets, H, I, Ip,
-                Hp, act, inter.data_ptr<float>(), y.data_ptr<float>());
-  }
+  run(xs, offsets, inter.data_ptr<float>(), y.data_ptr<float>());
 
   // Every token sums its pairs' rows times their router weights (float32, then hidden's dtype).
   const float* ys = y.data_ptr<float>();
@@ -270,9 +555,135 @@ torch::Tensor fused_moe(
   return out;
 }
 
+// Biases: b13 [E, 2I] (gate, then up) and b2 [E, H] float32 contiguous, or both empty.
+std::pair<const float*, const float*> bias_pointers(const torch::Tensor& b13,
+                                                    const torch::Tensor& b2, int64_t E,
+                                                    int64_t H, int64_t I) {
+  if (!b13.numel() && !b2.numel()) return {nullptr, nullptr};
+  TORCH_CHECK(b13.scalar_type() == torch::kFloat32 && b2.scalar_type() == torch::kFloat32 &&
+                  b13.is_contiguous() && b2.is_contiguous(),
+              "biases must be contiguous float32");
+  TORCH_CHECK(b13.numel() == E * 2 * I && b2.numel() == E * H,
+              "biases must be b13 [E, 2I] and b2 [E, H]");
+  return {b13.data_ptr<float>(), b2.data_ptr<float>()};
+}
+
+Activation make_activation(bool clamped, double alpha, bool has_limit, double limit) {
+  return Activation{clamped, has_limit, static_cast<float>(alpha), static_cast<float>(limit)};
+}
+
+// hidden [T, H] (float32 or bfloat16); w13 packed [E, 2, Ip/16, H, 16]; w2 packed
+// [E, Hp/16, I, 16] (both float32 or both bfloat16); topk_weights [T, k] float32; topk_ids
+// [T, k] int32 or int64 (ids outside [0, E) are skipped); b13 [E, 2I] / b2 [E, H] float32 or
+// empty. Returns [T, H] in hidden's dtype.
+torch::Tensor fused_moe(
+    torch::Tensor hidden, torch::Tensor w13, torch::Tensor w2, torch::Tensor topk_weights,
+    torch::Tensor topk_ids, torch::Tensor b13, torch::Tensor b2, int64_t intermediate,
+    bool clamped, double alpha, bool has_limit, double limit) {
+  TORCH_CHECK(w13.dim() == 5 && w13.size(1) == 2 && w13.size(4) == kTile && w13.is_contiguous(),
+              "w13 must be packed [E, 2, Ip/16, H, 16]");
+  TORCH_CHECK(w2.dim() == 4 && w2.size(3) == kTile && w2.is_contiguous(),
+              "w2 must be packed [E, Hp/16, I, 16]");
+  TORCH_CHECK(w13.scalar_type() == w2.scalar_type(), "w13 and w2 must share a dtype");
+  const int64_t H = hidden.size(1), E = w13.size(0);
+  const int64_t I = intermediate, Ip = w13.size(2) * kTile, Hp = w2.size(1) * kTile;
+  TORCH_CHECK(w13.size(3) == H && w2.size(0) == E && w2.size(2) == I && Hp >= H && Ip >= I,
+              "packed weight shapes do not match hidden [T, H] and intermediate");
+  const float *b13p, *b2p;
+  std::tie(b13p, b2p) = bias_pointers(b13, b2, E, H, I);
+  const Activation act = make_activation(clamped, alpha, has_limit, limit);
+  const bool bf16_w = w13.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16_w || w13.scalar_type() == torch::kFloat32,
+              "weights must be float32 or bfloat16");
+  return route_run_combine(hidden, topk_weights, topk_ids, E, Ip, Hp,
+                           [&](const float* x, const std::vector<int64_t>& offsets,
+                               float* inter, float* y) {
+    if (bf16_w) {
+      const auto* p13 = reinterpret_cast<const uint16_t*>(w13.data_ptr<at::BFloat16>());
+      const auto* p2 = reinterpret_cast<const uint16_t*>(w2.data_ptr<at::BFloat16>());
+      run_experts(x, DenseWeights<uint16_t>{p13, H}, DenseWeights<uint16_t>{p2, I}, b13p, b2p,
+                  offsets, H, I, Ip, Hp, act, inter, y);
+    } else {
+      run_experts(x, DenseWeights<float>{w13.data_ptr<float>(), H},
+                  DenseWeights<float>{w2.data_ptr<float>(), I}, b13p, b2p, offsets, H, I, Ip,
+                  Hp, act, inter, y);
+    }
+  });
+}
+
+// 4-bit experts. codes13 uint8 [E, 2, Ip/16, H/2, 16], codes2 uint8 [E, Hp/16, I/2, 16] (the
+// layout of the header comment); scales13 [E, 2, Ip/16, H/G, 16], scales2 [E, Hp/16, I/G, 16]:
+// uint8 E8M0 (format 0, MXFP4, G = 32) or float32 (format 1, int4); zeros13 / zeros2 uint8 like
+// the scales (int4 asymmetric) or empty (zero point 8). The rest as fused_moe.
+torch::Tensor fused_moe_q4(
+    torch::Tensor hidden, torch::Tensor codes13, torch::Tensor scales13, torch::Tensor zeros13,
+    torch::Tensor codes2, torch::Tensor scales2, torch::Tensor zeros2,
+    torch::Tensor topk_weights, torch::Tensor topk_ids, torch::Tensor b13, torch::Tensor b2,
+    int64_t intermediate, int64_t format, int64_t group_size, bool clamped, double alpha,
+    bool has_limit, double limit) {
+  TORCH_CHECK(format == 0 || format == 1, "format must be 0 (MXFP4) or 1 (int4)");
+  const int64_t H = hidden.size(1), I = intermediate, G = group_size;
+  TORCH_CHECK(G >= 2 && G % 2 == 0 && H % G == 0 && I % G == 0 && (format == 1 || G == 32),
+              "group size must be even and divide H and I (MXFP4: 32)");
+  TORCH_CHECK(codes13.dim() == 5 && codes13.size(1) == 2 && codes13.size(3) * 2 == H &&
+                  codes13.size(4) == kTile && codes13.scalar_type() == torch::kUInt8 &&
+                  codes13.is_contiguous(),
+              "codes13 must be uint8 [E, 2, Ip/16, H/2, 16]");
+  const int64_t E = codes13.size(0), Ip = codes13.size(2) * kTile;
+  TORCH_CHECK(codes2.dim() == 4 && codes2.size(0) == E && codes2.size(2) * 2 == I &&
+                  codes2.size(3) == kTile && codes2.scalar_type() == torch::kUInt8 &&
+                  codes2.is_contiguous(),
+              "codes2 must be uint8 [E, Hp/16, I/2, 16]");
+  const int64_t Hp = codes2.size(1) * kTile;
+  TORCH_CHECK(Ip >= I && Ip - I < kTile && Hp >= H && Hp - H < kTile,
+              "packed tiles do not match hidden [T, H] and intermediate");
+  const auto scale_type = format == 0 ? torch::kUInt8 : torch::kFloat32;
+  TORCH_CHECK(scales13.scalar_type() == scale_type && scales2.scalar_type() == scale_type &&
+                  scales13.is_contiguous() && scales2.is_contiguous(),
+              "scales must be contiguous (MXFP4: uint8 E8M0, int4: float32)");
+  TORCH_CHECK(scales13.numel() == E * 2 * (Ip / kTile) * (H / G) * kTile &&
+                  scales2.numel() == E * (Hp / kTile) * (I / G) * kTile,
+              "scales must be [E, 2, Ip/16, H/G, 16] and [E, Hp/16, I/G, 16]");
+  const bool asym = zeros13.numel() > 0;
+  TORCH_CHECK(format == 1 || !asym, "MXFP4 has no zero points");
+  if (asym) {
+    TORCH_CHECK(zeros13.scalar_type() == torch::kUInt8 && zeros2.scalar_type() == torch::kUInt8 &&
+                    zeros13.is_contiguous() && zeros2.is_contiguous() &&
+                    zeros13.numel() == scales13.numel() && zeros2.numel() == scales2.numel(),
+                "zero points must be uint8 shaped like the scales");
+  }
+  const float *b13p, *b2p;
+  std::tie(b13p, b2p) = bias_pointers(b13, b2, E, H, I);
+  const Activation act = make_activation(clamped, alpha, has_limit, limit);
+  return route_run_combine(hidden, topk_weights, topk_ids, E, Ip, Hp,
+                           [&](const float* x, const std::vector<int64_t>& offsets,
+                               float* inter, float* y) {
+    const uint8_t* z13 = asym ? zeros13.data_ptr<uint8_t>() : nullptr;
+    const uint8_t* z2 = asym ? zeros2.data_ptr<uint8_t>() : nullptr;
+    if (format == 0) {
+      run_experts(x,
+                  Q4Weights<Q4::kMxfp4>{codes13.data_ptr<uint8_t>(), scales13.data_ptr(),
+                                        nullptr, H, G},
+                  Q4Weights<Q4::kMxfp4>{codes2.data_ptr<uint8_t>(), scales2.data_ptr(),
+                                        nullptr, I, G},
+                  b13p, b2p, offsets, H, I, Ip, Hp, act, inter, y);
+    } else {
+      run_experts(x,
+                  Q4Weights<Q4::kInt4>{codes13.data_ptr<uint8_t>(), scales13.data_ptr(), z13,
+                                       H, G},
+                  Q4Weights<Q4::kInt4>{codes2.data_ptr<uint8_t>(), scales2.data_ptr(), z2, I,
+                                       G},
+                  b13p, b2p, offsets, H, I, Ip, Hp, act, inter, y);
+    }
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_moe", &fused_moe, "Fused MoE experts on packed float32/bfloat16 weights (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("fused_moe_q4", &fused_moe_q4,
+        "Fused MoE experts on packed 4-bit weights, MXFP4 or int4 (CPU)",
         py::call_guard<py::gil_scoped_release>());
 }
