@@ -80,7 +80,8 @@ def test_remote_slots_zero_tokens_and_idle_experts():
 
 
 def test_all_tokens_to_one_expert_and_int64_ids():
-    hidden, w13, w2, weights, ids, _, _ = _case(_gen(), 40, 32, 16, 8, 2)
+    # 250 rows on one expert: several 96-row work chunks (csrc/moe_cpu.cpp kChunk)
+    hidden, w13, w2, weights, ids, _, _ = _case(_gen(), 250, 32, 16, 8, 2)
     ids[:, 0] = 7  # the last expert holds every token
     got = PackedExperts.pack(w13, w2)(hidden, weights, ids.long())
     torch.testing.assert_close(got.double(), _reference(hidden, w13, w2, weights, ids),

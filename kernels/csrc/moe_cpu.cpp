@@ -59,44 +59,20 @@
 #include <type_traits>
 #include <vector>
 
+#include "gemm_avx2.h"
+
 namespace {
 
-constexpr int64_t kTile = 16;  // output columns per packed tile
-constexpr int kRows = 6;       // rows per micro-kernel call
+using moe_engine::kRows;
+using moe_engine::kTile;
+using moe_engine::micro_kernel;
+
+// Rows per work item: an expert with more rows (a long prefill) is cut into chunks, so a chunk's
+// activations stay in L2 while every tile of the expert's weights streams past them.
+constexpr int64_t kChunk = 96;
 
 // ---------------------------------------------------------------------------------------------
-// Dense weights: float32 or bfloat16, [tiles][K][16].
-
-inline __m256 widen_bf16(const uint16_t* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
-inline __m256 load_w(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load_w(const uint16_t* p) { return widen_bf16(p); }
-
-// c[m][0..16) = sum_k a[m * lda + k] * w[k * 16 + 0..16), m < M.
-template <int M, typename W>
-inline void micro_kernel(const float* a, int64_t lda, const W* w, int64_t K, float* c) {
-  __m256 lo[M], hi[M];
-  for (int m = 0; m < M; ++m) {
-    lo[m] = _mm256_setzero_ps();
-    hi[m] = _mm256_setzero_ps();
-  }
-  for (int64_t k = 0; k < K; ++k) {
-    const __m256 w0 = load_w(w + k * kTile);
-    const __m256 w1 = load_w(w + k * kTile + 8);
-    for (int m = 0; m < M; ++m) {
-      const __m256 x = _mm256_broadcast_ss(a + m * lda + k);
-      lo[m] = _mm256_fmadd_ps(x, w0, lo[m]);
-      hi[m] = _mm256_fmadd_ps(x, w1, hi[m]);
-    }
-  }
-  for (int m = 0; m < M; ++m) {
-    _mm256_storeu_ps(c + m * kTile, lo[m]);
-    _mm256_storeu_ps(c + m * kTile + 8, hi[m]);
-  }
-}
+// Dense weights: float32 or bfloat16, [tiles][K][16] (micro-kernel: gemm_avx2.h).
 
 template <typename W>
 struct DenseWeights {
@@ -105,15 +81,7 @@ struct DenseWeights {
 
   // The rows [0, n) of a (n <= kRows) times packed tile `tile` -> c [n][16].
   inline void rows(int64_t tile, const float* a, int64_t lda, int n, float* c) const {
-    const W* w = data + tile * K * kTile;
-    switch (n) {
-      case 1: micro_kernel<1>(a, lda, w, K, c); break;
-      case 2: micro_kernel<2>(a, lda, w, K, c); break;
-      case 3: micro_kernel<3>(a, lda, w, K, c); break;
-      case 4: micro_kernel<4>(a, lda, w, K, c); break;
-      case 5: micro_kernel<5>(a, lda, w, K, c); break;
-      default: micro_kernel<6>(a, lda, w, K, c); break;
-    }
+    moe_engine::tile_rows(a, lda, n, data + tile * K * kTile, K, c);
   }
 };
 
@@ -351,7 +319,20 @@ struct Activation {
 struct Item {
   int32_t expert;
   int32_t tile;
+  int64_t begin, end;  // the rows of this item: a chunk of the expert's rows
 };
+
+// Work items (expert, row chunk, tile) of every expert with rows, chunk-major within an expert.
+std::vector<Item> make_items(const std::vector<int64_t>& offsets, int64_t tiles) {
+  std::vector<Item> items;
+  for (size_t e = 0; e + 1 < offsets.size(); ++e) {
+    for (int64_t r = offsets[e]; r < offsets[e + 1]; r += kChunk) {
+      const int64_t end = std::min(offsets[e + 1], r + kChunk);
+      for (int64_t t = 0; t < tiles; ++t) items.push_back({int32_t(e), int32_t(t), r, end});
+    }
+  }
+  return items;
+}
 
 template <typename WS>
 struct is_quantized : std::false_type {};
@@ -400,11 +381,7 @@ void run_experts(
     float* y) {                     // [P, Hp] out
   const int64_t E = static_cast<int64_t>(offsets.size()) - 1;
   const int64_t up_tiles = Ip / kTile, h_tiles = Hp / kTile;
-  std::vector<Item> items;
-  for (int64_t e = 0; e < E; ++e) {
-    if (offsets[e + 1] == offsets[e]) continue;
-    for (int64_t t = 0; t < up_tiles; ++t) items.push_back({int32_t(e), int32_t(t)});
-  }
+  std::vector<Item> items = make_items(offsets, up_tiles);
   const int threads = at::get_num_threads();
   // per thread: two dequantized tiles of K = max(H, I), for 4-bit experts with > kRows rows
   const int64_t tile_floats = std::max(H, I) * kTile;
@@ -415,8 +392,8 @@ void run_experts(
   const int64_t n1 = static_cast<int64_t>(items.size());
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t i = 0; i < n1; ++i) {
-    const int64_t e = items[i].expert, t = items[i].tile;
-    const int64_t rows = offsets[e + 1] - offsets[e];
+    const int64_t e = items[i].expert, t = items[i].tile, begin = items[i].begin;
+    const int64_t end = items[i].end, rows = end - begin;
     float* mine = scratch ? scratch.get() + omp_get_thread_num() * 2 * tile_floats : nullptr;
     const TileView<WS> gate(w13, (e * 2 + 0) * up_tiles + t, rows, mine);
     const TileView<WS> up(w13, (e * 2 + 1) * up_tiles + t, rows, mine + tile_floats);
@@ -430,8 +407,8 @@ void run_experts(
     }
     alignas(32) float g[kRows * kTile];
     alignas(32) float u[kRows * kTile];
-    for (int64_t r = offsets[e]; r < offsets[e + 1]; r += kRows) {
-      const int n = static_cast<int>(std::min<int64_t>(kRows, offsets[e + 1] - r));
+    for (int64_t r = begin; r < end; r += kRows) {
+      const int n = static_cast<int>(std::min<int64_t>(kRows, end - r));
       gate.rows(x + r * H, H, n, g);
       up.rows(x + r * H, H, n, u);
       for (int m = 0; m < n; ++m) {
@@ -442,16 +419,12 @@ void run_experts(
       }
     }
   }
-  items.clear();
-  for (int64_t e = 0; e < E; ++e) {
-    if (offsets[e + 1] == offsets[e]) continue;
-    for (int64_t t = 0; t < h_tiles; ++t) items.push_back({int32_t(e), int32_t(t)});
-  }
+  items = make_items(offsets, h_tiles);
   const int64_t n2 = static_cast<int64_t>(items.size());
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t i = 0; i < n2; ++i) {
-    const int64_t e = items[i].expert, t = items[i].tile;
-    const int64_t rows = offsets[e + 1] - offsets[e];
+    const int64_t e = items[i].expert, t = items[i].tile, begin = items[i].begin;
+    const int64_t end = items[i].end, rows = end - begin;
     float* mine = scratch ? scratch.get() + omp_get_thread_num() * 2 * tile_floats : nullptr;
     const TileView<WS> down(w2, e * h_tiles + t, rows, mine);
     const int64_t cols = std::min<int64_t>(kTile, H - t * kTile);
@@ -460,8 +433,8 @@ void run_experts(
       for (int64_t c = 0; c < cols; ++c) bd[c] = b2[e * H + t * kTile + c];
     }
     alignas(32) float c[kRows * kTile];
-    for (int64_t r = offsets[e]; r < offsets[e + 1]; r += kRows) {
-      const int n = static_cast<int>(std::min<int64_t>(kRows, offsets[e + 1] - r));
+    for (int64_t r = begin; r < end; r += kRows) {
+      const int n = static_cast<int>(std::min<int64_t>(kRows, end - r));
       down.rows(inter + r * Ip, Ip, n, c);
       for (int m = 0; m < n; ++m) {
         float* out = y + (r + m) * Hp + t * kTile;
