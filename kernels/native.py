@@ -47,7 +47,7 @@ def _cpu_supported() -> str | None:
 
 
 #: The kernels under kernels/csrc/ (one extension each).
-KERNELS = ("moe_cpu", "linear_cpu", "paged_attention")
+KERNELS = ("moe_cpu", "linear_cpu", "paged_attention", "ops_cpu")
 
 
 def native_mode(name: str) -> str:
@@ -58,13 +58,18 @@ def native_mode(name: str) -> str:
     Raises:
         ValueError: a value that is none of these, naming the valid kernel names.
     """
-    mode = os.environ.get("MOE_ENGINE_NATIVE", "auto").strip().lower()
+    return _parse_mode(os.environ.get("MOE_ENGINE_NATIVE", "auto"), name)
+
+
+@functools.cache
+def _parse_mode(value: str, name: str) -> str:
+    mode = value.strip().lower()
     if mode in ("0", "1", "auto"):
         return mode
     names = {n.strip() for n in mode.split(",") if n.strip()}
     if not names or not names <= set(KERNELS):
         raise ValueError(f"MOE_ENGINE_NATIVE must be 0, 1, auto or a list of {KERNELS}, "
-                         f"got {mode!r}")
+                         f"got {value!r}")
     return "auto" if name in names else "0"
 
 

@@ -145,3 +145,26 @@ def test_native_mode_selects_kernels(monkeypatch):
     monkeypatch.setenv("MOE_ENGINE_NATIVE", "fast")
     with pytest.raises(ValueError, match="MOE_ENGINE_NATIVE"):
         native_mode("moe_cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_in_float32", [False, True])
+def test_native_rms_norm_matches_torch_path(dtype, weight_in_float32):
+    from kernels.cpu_ops import rms_norm
+    from moe_engine.models.layers.norm import RMSNorm
+
+    _build("ops_cpu")
+    g = _gen()
+    norm = RMSNorm(64, 1e-5, dtype=dtype, weight_in_float32=weight_in_float32)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=g))
+    norm._native_built = False  # the torch path: the reference
+    fused = torch.randn(7, 10 * 64, generator=g).to(dtype)
+    inputs = [torch.randn(64, generator=g).to(dtype), torch.randn(9, 64, generator=g).to(dtype),
+              fused[:, : 8 * 64].view(7, 8, 64)]  # heads sliced out of a fused QKV output
+    for x in inputs:
+        want = norm(x)
+        got = rms_norm(x, norm.weight, 1e-5, weight_in_float32)
+        assert got.dtype == dtype and got.shape == x.shape
+        tol = 1e-6 if dtype == torch.float32 else 8e-3
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)

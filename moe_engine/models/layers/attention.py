@@ -183,6 +183,7 @@ class PagedAttention(torch.nn.Module):
         self.sliding_window = sliding_window
         #: The KV-cache group whose block tables this layer reads (set by the ModelRunner).
         self.kv_group = 0
+        self._native_built: bool | None = None  # native decode kernel usable (asked once)
 
     def forward(
         self,
@@ -242,12 +243,14 @@ class PagedAttention(torch.nn.Module):
     def _native_decode(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         """Whether the native decode kernel (kernels/cpu_attention.py) serves this layer:
         CPU tensors, float32/bfloat16, head_dim a multiple of 8, and the kernel built."""
+        if self._native_built is None:
+            self._native_built = native_attention_available()
         return (
-            q.device.type == "cpu"
+            self._native_built
+            and q.device.type == "cpu"
             and q.dtype in (torch.float32, torch.bfloat16)
             and k_cache.dtype in (torch.float32, torch.bfloat16)
             and self.head_dim % 8 == 0
-            and native_attention_available()
         )
 
     def _sdpa(

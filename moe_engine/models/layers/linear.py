@@ -35,7 +35,7 @@ class Linear(nn.Linear):
             x.device.type == "cpu"
             and rows <= NATIVE_MAX_ROWS
             and x.dtype in (torch.float32, torch.bfloat16)
-            and native_linear_available()
+            and (self._packed is not None or native_linear_available())
         ):
             if self._packed is None:
                 self._packed = PackedLinear.pack(self.weight, self.bias)

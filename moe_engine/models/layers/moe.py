@@ -261,6 +261,8 @@ class FusedMoE(nn.Module):
         packed on first use after loading (`load_expert_weight` drops it); None when the native
         kernel is unavailable or the weights are not on a CPU.
         """
+        if self._packed is not None:
+            return self._packed
         if self.w13.device.type != "cpu" or not native_moe_available():
             return None
         if self._packed is None:

@@ -1,0 +1,41 @@
+"""Fused small CPU ops of the decoder layer (csrc/ops_cpu.cpp): one native call each.
+
+torch's per-op dispatch costs about 8-10 us on the project's machine, so an RMSNorm written as
+six torch ops costs more than the arithmetic it does at decode batch sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.native import load_native
+
+
+def native_ops_available() -> bool:
+    """Whether the fused ops are usable in this process (built on first call)."""
+    return load_native("ops_cpu") is not None
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_float32: bool = False
+) -> torch.Tensor:
+    """RMSNorm over the last dimension (Zhang & Sennrich 2019), statistics in float32, rounded
+    as transformers' Qwen3/Mixtral `RMSNorm` (normalised value cast to x's dtype, then times the
+    weight) or, with `weight_in_float32`, as gpt-oss's (product in float32, cast once).
+
+    Args:
+        x: [D], [A, D] or [A, B, D] float32 or bfloat16, last dimension contiguous (other
+            strides free, e.g. the query heads sliced out of a fused QKV output).
+        weight: [D], x's dtype.
+        eps: added to the mean square.
+
+    Returns:
+        A new contiguous tensor of x's shape and dtype.
+
+    Raises:
+        RuntimeError: the native ops are unavailable, or shapes/dtypes that do not fit.
+    """
+    ext = load_native("ops_cpu")
+    if ext is None:
+        raise RuntimeError("the native CPU ops are unavailable (see kernels/native.py)")
+    return ext.rms_norm(x, weight, float(eps), weight_in_float32)
