@@ -39,6 +39,56 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 0x55)));
 }
 
+// e^x for 8 floats: Cephes' expf (range reduction by ln 2 split in two constants, degree-5
+// polynomial, scaling by 2^n through the exponent bits); relative error ~2e-7 on [-87, 88].
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
+                                                    _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// In place: s[j] = exp(s[j] - mx) for j < n; returns the sum.
+inline float exp_shift_sum(float* s, int64_t n, float mx) {
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 v = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
+    _mm256_storeu_ps(s + j, v);
+    acc = _mm256_add_ps(acc, v);
+  }
+  float sum = hsum(acc);
+  for (; j < n; ++j) {
+    s[j] = std::exp(s[j] - mx);
+    sum += s[j];
+  }
+  return sum;
+}
+
+inline float max_of(const float* s, int64_t n, float init) {
+  __m256 m = _mm256_set1_ps(init);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float mx = init;
+  for (float v : lanes) mx = std::max(mx, v);
+  for (; j < n; ++j) mx = std::max(mx, s[j]);
+  return mx;
+}
+
 inline float to_f32(float v) { return v; }
 inline float to_f32(at::BFloat16 v) { return static_cast<float>(v); }
 
@@ -58,7 +108,8 @@ void decode_attention(const Q* q, const C* k_cache, const C* v_cache, const int6
   const int threads = at::get_num_threads();
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> qf(G * D), acc(G * D), scores;
+    std::vector<float> qf(G * D), acc(G * D), scores, denom(G);
+    std::vector<int64_t> rows;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < B * Hkv; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;
@@ -70,43 +121,80 @@ void decode_attention(const Q* q, const C* k_cache, const C* v_cache, const int6
           qf[g * D + d] = to_f32(q[(b * Hq + h * G + g) * D + d]) * scale;
       scores.resize(G * std::max<int64_t>(n, 1));
       const int64_t* table = tables + b * table_width;
-      // pass 1: scores[g][j] = q_g . k_{first + j}
+      // element offset of each visible key's row of head h (one division per key and item)
+      rows.resize(std::max<int64_t>(n, 1));
       for (int64_t j = 0; j < n; ++j) {
         const int64_t pos = first + j;
-        const C* kr = k_cache + (table[pos / block_size] * block_size + pos % block_size) *
-                                    row_stride + h * D;
-        for (int64_t g = 0; g < G; ++g) {
+        rows[j] = (table[pos / block_size] * block_size + pos % block_size) * row_stride + h * D;
+      }
+      // pass 1: scores[g][j] = q_g . k_{first + j}
+      for (int64_t j = 0; j < n; ++j) {
+        const C* kr = k_cache + rows[j];
+        if (j + 4 < n) _mm_prefetch(reinterpret_cast<const char*>(k_cache + rows[j + 4]),
+                                    _MM_HINT_T0);
+        int64_t g = 0;
+        for (; g + 4 <= G; g += 4) {  // four heads at once, reduced together by hadd
+          const float* qg = qf.data() + g * D;
+          __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+          for (int64_t d = 0; d < D; d += 8) {
+            const __m256 kv = load8(kr + d);
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), kv, s0);
+            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + D + d), kv, s1);
+            s2 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 2 * D + d), kv, s2);
+            s3 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 3 * D + d), kv, s3);
+          }
+          const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
+          alignas(16) float four[4];
+          _mm_store_ps(four, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+          for (int i = 0; i < 4; ++i) scores[(g + i) * n + j] = four[i];
+        }
+        for (; g < G; ++g) {
           __m256 s = _mm256_setzero_ps();
           const float* qg = qf.data() + g * D;
-          for (int64_t d = 0; d < D; d += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), load8(kr + d), s);
+          for (int64_t d = 0; d < D; d += 8)
+            s = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), load8(kr + d), s);
           scores[g * n + j] = hsum(s);
         }
       }
       // softmax per query head (the sink, when given, is one more logit without a value)
-      std::vector<float> denom(G);
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * n;
-        float mx = sinks ? sinks[h * G + g] : -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
-        float sum = sinks ? std::exp(sinks[h * G + g] - mx) : 0.0f;
-        for (int64_t j = 0; j < n; ++j) {
-          sg[j] = std::exp(sg[j] - mx);
-          sum += sg[j];
-        }
-        denom[g] = sum;
+        const float sink = sinks ? sinks[h * G + g] : -std::numeric_limits<float>::infinity();
+        const float mx = max_of(sg, n, sink);
+        denom[g] = exp_shift_sum(sg, n, mx) + (sinks ? std::exp(sink - mx) : 0.0f);
       }
-      // pass 2: acc[g] = sum_j p[g][j] * v_{first + j}
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t pos = first + j;
-        const C* vr = v_cache + (table[pos / block_size] * block_size + pos % block_size) *
-                                    row_stride + h * D;
-        for (int64_t d = 0; d < D; d += 8) {
-          const __m256 v = load8(vr + d);
-          for (int64_t g = 0; g < G; ++g) {
-            float* ag = acc.data() + g * D + d;
-            _mm256_storeu_ps(ag, _mm256_fmadd_ps(_mm256_set1_ps(scores[g * n + j]), v,
-                                                 _mm256_loadu_ps(ag)));
+      // pass 2: acc[g] = sum_j p[g][j] * v_{first + j}, two heads x 32 columns in registers
+      for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        const int nv = static_cast<int>(std::min<int64_t>(32, D - d0) / 8);
+        for (int64_t g = 0; g < G; g += 2) {
+          const float* p0 = scores.data() + g * n;
+          const float* p1 = g + 1 < G ? p0 + n : p0;
+          __m256 a0[4], a1[4];
+          for (int v = 0; v < 4; ++v) a0[v] = a1[v] = _mm256_setzero_ps();
+          if (nv == 4) {
+            for (int64_t j = 0; j < n; ++j) {
+              const C* vr = v_cache + rows[j] + d0;
+              const __m256 w0 = _mm256_set1_ps(p0[j]), w1 = _mm256_set1_ps(p1[j]);
+              for (int v = 0; v < 4; ++v) {
+                const __m256 x = load8(vr + 8 * v);
+                a0[v] = _mm256_fmadd_ps(w0, x, a0[v]);
+                a1[v] = _mm256_fmadd_ps(w1, x, a1[v]);
+              }
+            }
+          } else {
+            for (int64_t j = 0; j < n; ++j) {
+              const C* vr = v_cache + rows[j] + d0;
+              const __m256 w0 = _mm256_set1_ps(p0[j]), w1 = _mm256_set1_ps(p1[j]);
+              for (int v = 0; v < nv; ++v) {
+                const __m256 x = load8(vr + 8 * v);
+                a0[v] = _mm256_fmadd_ps(w0, x, a0[v]);
+                a1[v] = _mm256_fmadd_ps(w1, x, a1[v]);
+              }
+            }
+          }
+          for (int v = 0; v < nv; ++v) {
+            _mm256_storeu_ps(acc.data() + g * D + d0 + 8 * v, a0[v]);
+            if (g + 1 < G) _mm256_storeu_ps(acc.data() + (g + 1) * D + d0 + 8 * v, a1[v]);
           }
         }
       }
