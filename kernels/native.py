@@ -80,9 +80,24 @@ def build_dir() -> Path:
     return cache_root() / "torch_extensions"
 
 
-@functools.cache
 def _build(name: str) -> ModuleType:
-    """Compile (or load from the cache) extension `name` from `csrc/<name>.cpp`.
+    """The extension module holding kernel `name` (all kernels share one module).
+
+    Raises:
+        ValueError: an unknown kernel name.
+        NativeUnavailable: this CPU lacks AVX2/FMA, or the build failed (message inside).
+    """
+    if name not in KERNELS:
+        raise ValueError(f"unknown native kernel {name!r}; kernels: {KERNELS}")
+    return _build_all()
+
+
+@functools.cache
+def _build_all() -> ModuleType:
+    """Compile (or load from the cache) the extension of every kernels/csrc/*.cpp.
+
+    The sources build in parallel (ninja) into one module; the cache directory is named by a
+    digest of every source and header, so any edit rebuilds.
 
     Raises:
         NativeUnavailable: this CPU lacks AVX2/FMA, or the build failed (message inside).
@@ -92,15 +107,20 @@ def _build(name: str) -> ModuleType:
         raise NativeUnavailable(reason)
     from torch.utils.cpp_extension import load
 
-    # torch hashes only the listed sources: the shared headers' digest goes into the name, so
-    # an edited header rebuilds too
-    headers = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.h"))))
+    sources = sorted(CSRC.glob("*.cpp"))
+    digest = hashlib.sha256()
+    for path in sources + sorted(CSRC.glob("*.h")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    name = f"moe_engine_cpu_{digest.hexdigest()[:12]}"
     directory = build_dir() / name
     directory.mkdir(parents=True, exist_ok=True)
+    if not (directory / f"{name}.so").exists():
+        logger.warning("building the native CPU kernels into %s (once per source version; "
+                       "about a minute)", directory)
     try:
         return load(
-            name=f"moe_engine_{name}_{headers.hexdigest()[:12]}",
-            sources=[str(CSRC / f"{name}.cpp")],
+            name=name,
+            sources=[str(p) for p in sources],
             extra_cflags=CFLAGS,
             extra_include_paths=[str(CSRC)],
             extra_ldflags=["-fopenmp"],
@@ -108,7 +128,7 @@ def _build(name: str) -> ModuleType:
             verbose=False,
         )
     except Exception as exc:  # compiler missing, headers missing, compile error
-        raise NativeUnavailable(f"building kernels/csrc/{name}.cpp failed: {exc}") from exc
+        raise NativeUnavailable(f"building kernels/csrc failed: {exc}") from exc
 
 
 def load_native(name: str) -> ModuleType | None:

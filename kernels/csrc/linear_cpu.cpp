@@ -79,7 +79,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias, int64
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// Adds this file's functions to the extension module (module.cpp).
+void register_linear_cpu(pybind11::module_& m) {
   m.def("linear", &linear, "y = x W^T + b over packed float32/bfloat16 weights (CPU)",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -653,7 +653,8 @@ torch::Tensor fused_moe_q4(
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// Adds this file's functions to the extension module (module.cpp).
+void register_moe_cpu(pybind11::module_& m) {
   m.def("fused_moe", &fused_moe, "Fused MoE experts on packed float32/bfloat16 weights (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("fused_moe_q4", &fused_moe_q4,

@@ -74,7 +74,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// Adds this file's functions to the extension module (module.cpp).
+void register_ops_cpu(pybind11::module_& m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (CPU)",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -272,7 +272,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// Adds this file's functions to the extension module (module.cpp).
+void register_paged_attention(pybind11::module_& m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over the paged KV cache (CPU, AVX2)",
         py::call_guard<py::gil_scoped_release>());
