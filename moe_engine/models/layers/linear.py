@@ -3,8 +3,8 @@
 Every dense projection of the models (QKV, output, router, dense MLP, LM head) is one of these.
 On a CPU with the native kernels built, batches of up to `NATIVE_MAX_ROWS` rows go through a
 packed copy of the weight (bfloat16 when exact: half the bytes a decode step reads; 1.3-4x
-torch's GEMM at 1-64 rows, measured by /work/prof-style microbenchmarks recorded in
-bench/NOTES.md); larger batches (long prefill chunks), other devices and a missing kernel use
+torch's GEMM at 1-64 rows: `python bench/cpu_kernels.py --only linear`, bench/NOTES.md);
+larger batches (long prefill chunks), other devices and a missing kernel use
 `nn.Linear.forward`. The packed copy is made on the first forward and dropped by
 `reset_packed` (the model's `load_weights` calls it, so a reload never serves stale weights).
 """
