@@ -21,6 +21,7 @@ import functools
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -114,11 +115,13 @@ def _build_all() -> ModuleType:
     name = f"moe_engine_cpu_{digest.hexdigest()[:12]}"
     directory = build_dir() / name
     directory.mkdir(parents=True, exist_ok=True)
-    if not (directory / f"{name}.so").exists():
+    building = not (directory / f"{name}.so").exists()
+    if building:
         logger.warning("building the native CPU kernels into %s (once per source version; "
-                       "about a minute)", directory)
+                       "one to a few minutes)", directory)
+    start = time.monotonic()
     try:
-        return load(
+        module = load(
             name=name,
             sources=[str(p) for p in sources],
             extra_cflags=CFLAGS,
@@ -129,6 +132,24 @@ def _build_all() -> ModuleType:
         )
     except Exception as exc:  # compiler missing, headers missing, compile error
         raise NativeUnavailable(f"building kernels/csrc failed: {exc}") from exc
+    if building:
+        logger.warning("native CPU kernels built in %.0f s", time.monotonic() - start)
+    return module
+
+
+def prepare_native() -> list[str]:
+    """Check `MOE_ENGINE_NATIVE` and build (or load) the kernels it enables, so that a server
+    pays the one-time build before it reports ready rather than in its first request.
+
+    Returns:
+        The enabled kernel names ([] when off or unavailable in "auto" mode).
+
+    Raises:
+        ValueError: an invalid `MOE_ENGINE_NATIVE` (the message lists the valid values).
+        NativeUnavailable: the build failed and `MOE_ENGINE_NATIVE=1`.
+    """
+    enabled = [k for k in KERNELS if native_mode(k) != "0"]
+    return [k for k in enabled if load_native(k) is not None]
 
 
 def load_native(name: str) -> ModuleType | None:

@@ -12,6 +12,11 @@ from dataclasses import dataclass, field
 
 #: The largest number of top logprobs a request may ask for per token.
 MAX_LOGPROBS = 20
+#: Caps on stop conditions: every stop string is checked against each new token's text inside
+#: the step loop, so their number and length bound the work one request adds to every step.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 #: Temperatures below this are greedy: dividing float32 logits by less overflows (vLLM's
 #: _SAMPLING_EPS is the same value).
 GREEDY_TEMPERATURE = 1e-5
@@ -90,6 +95,15 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
             raise ValueError(f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: {len(self.stop_token_ids)} given, at most "
+                             f"{MAX_STOP_TOKEN_IDS}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: {len(self.stop)} strings given, at most {MAX_STOP_STRINGS}")
+        longest = max((len(s) for s in self.stop), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop: a string of {longest} characters, at most "
+                             f"{MAX_STOP_STRING_CHARS}")
         for tok in self.stop_token_ids:
             if not 0 <= tok < vocab_size:
                 raise ValueError(f"stop_token_ids entry {tok} is outside [0, {vocab_size})")

@@ -149,6 +149,9 @@ BAD_INPUTS = [
     ("logprobs-over-cap", {"ids": [3], "logprobs": 21}, "INVALID_ARGUMENT", "logprobs"),
     ("logprobs-negative", {"ids": [3], "logprobs": -1}, "INVALID_ARGUMENT", "logprobs"),
     ("stop-empty", {"ids": [3], "stop": [""]}, "INVALID_ARGUMENT", "stop"),
+    ("stop-too-many", {"ids": [3], "stop": ["ab"] * 65}, "INVALID_ARGUMENT", "stop"),
+    ("request-id-too-long", {"ids": [3], "request_id": "r" * 257}, "INVALID_ARGUMENT",
+     "request_id"),
     (
         "stop-token-id",
         {"ids": [3], "stop_token_ids": [VOCAB]},

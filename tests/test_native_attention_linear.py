@@ -168,3 +168,13 @@ def test_native_rms_norm_matches_torch_path(dtype, weight_in_float32):
         assert got.dtype == dtype and got.shape == x.shape
         tol = 1e-6 if dtype == torch.float32 else 8e-3
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_engine_start_validates_native_setting(monkeypatch, qwen3_ckpt):
+    """A bad MOE_ENGINE_NATIVE is a startup error (before any request), not a crash later."""
+    from moe_engine import LLM
+    from moe_engine.errors import StartupError
+
+    monkeypatch.setenv("MOE_ENGINE_NATIVE", "bogus")
+    with pytest.raises(StartupError, match="MOE_ENGINE_NATIVE"):
+        LLM(model=str(qwen3_ckpt), max_model_len=64)

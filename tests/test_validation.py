@@ -26,6 +26,11 @@ CASES = [
     ([1], {"logprobs": 21}, ErrorCode.INVALID_ARGUMENT, "logprobs", "20"),
     ([1], {"stop": [""]}, ErrorCode.INVALID_ARGUMENT, "stop", "empty"),
     ([1], {"stop_token_ids": [100]}, ErrorCode.INVALID_ARGUMENT, "stop_token_ids", "100"),
+    # stop conditions are checked on every token inside the step loop: bounded per request
+    ([1], {"stop": ["a"] * 65}, ErrorCode.INVALID_ARGUMENT, "stop", "at most 64"),
+    ([1], {"stop": ["a" * 1025]}, ErrorCode.INVALID_ARGUMENT, "stop", "at most 1024"),
+    ([1], {"stop_token_ids": [1] * 1025}, ErrorCode.INVALID_ARGUMENT, "stop_token_ids",
+     "at most 1024"),
 ]
 
 

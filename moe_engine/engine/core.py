@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
+from kernels.native import NativeUnavailable, prepare_native
 from moe_engine.config import (
     EngineConfig,
     compute_dtype,
@@ -144,6 +145,10 @@ class EngineCore:
         self.config = config
         self.rank_context = rank_context
         torch.set_num_threads(config.parallel.num_threads or default_threads())
+        try:  # the one-time kernel build happens here, before the engine reports ready
+            prepare_native()
+        except (ValueError, NativeUnavailable) as exc:
+            raise StartupError(str(exc)) from exc
         model_dir = config.model.model
         # config.json only; a checkpoint's own Python code (auto_map) is never run.
         hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)

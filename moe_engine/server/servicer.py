@@ -140,6 +140,7 @@ class MoeEngineServicer(pb_grpc.MoeEngineServicer):
         try:
             self._check_ready()
             self._check_size(request)
+            _check_request_id(request.request_id)
             prompt = self._prompt_ids(request)
             self._check_prompt_len(prompt)
             params = sampling_params_from_proto(request)
@@ -321,6 +322,20 @@ class MoeEngineServicer(pb_grpc.MoeEngineServicer):
             return self.engine.encode(request.text)
         raise RequestError(
             ErrorCode.INVALID_ARGUMENT, "prompt", "prompt: set either text or prompt_ids"
+        )
+
+
+#: Longest client-chosen request id (characters): ids are logged and kept per live request.
+MAX_REQUEST_ID_CHARS = 256
+
+
+def _check_request_id(request_id: str) -> None:
+    """Refuse a client-chosen id longer than `MAX_REQUEST_ID_CHARS` (INVALID_ARGUMENT)."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise RequestError(
+            ErrorCode.INVALID_ARGUMENT,
+            "request_id",
+            f"request_id: {len(request_id)} characters, at most {MAX_REQUEST_ID_CHARS}",
         )
 
 
