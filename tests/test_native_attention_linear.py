@@ -121,10 +121,14 @@ def test_linear_module_repacks_after_reset_and_matches_torch_on_large_batches():
     from moe_engine.models.layers.linear import NATIVE_MAX_ROWS, Linear
 
     g = _gen()
-    layer = Linear(16, 24, bias=True)
+    layer = Linear(16, 80, bias=True)
     x = torch.randn(5, 16, generator=g)
     first = layer(x)
+    assert layer._packed is not None  # the native path ran
     torch.testing.assert_close(first, torch.nn.functional.linear(x, layer.weight, layer.bias))
+    router = Linear(16, 32, bias=False)  # narrower than NATIVE_MIN_OUT_FEATURES: torch's GEMM
+    torch.testing.assert_close(router(x), torch.nn.functional.linear(x, router.weight))
+    assert router._packed is None
     with torch.no_grad():
         layer.weight.mul_(2)
     layer.reset_packed()

@@ -1,10 +1,11 @@
 """`Linear`: `nn.Linear` whose CPU forward runs the native packed kernel (kernels/cpu_linear.py).
 
 Every dense projection of the models (QKV, output, router, dense MLP, LM head) is one of these.
-On a CPU with the native kernels built, batches of up to `NATIVE_MAX_ROWS` rows go through a
-packed copy of the weight (bfloat16 when exact: half the bytes a decode step reads; 1.3-4x
-torch's GEMM at 1-64 rows: `python bench/cpu_kernels.py --only linear`, bench/NOTES.md);
-larger batches (long prefill chunks), other devices and a missing kernel use
+On a CPU with the native kernels built, batches of up to `NATIVE_MAX_ROWS` rows of layers with
+at least `NATIVE_MIN_OUT_FEATURES` outputs go through a packed copy of the weight (bfloat16
+when exact: half the bytes a decode step reads; 1.3-4x torch's GEMM at 1-64 rows:
+`python bench/cpu_kernels.py --only linear`, bench/NOTES.md); larger batches (long prefill
+chunks), narrow layers (the router), other devices and a missing kernel use
 `nn.Linear.forward`. The packed copy is made on the first forward and dropped by
 `reset_packed` (the model's `load_weights` calls it, so a reload never serves stale weights).
 """
@@ -18,6 +19,9 @@ from kernels.cpu_linear import PackedLinear, native_linear_available
 
 #: Rows above which torch's GEMM is as fast as the native kernel (bench/NOTES.md).
 NATIVE_MAX_ROWS = 1024
+#: Narrower layers (a router of 32 experts: 0.3-0.9x torch at 1-8 rows,
+#: `python bench/cpu_kernels.py --only linear`) stay on torch's GEMM.
+NATIVE_MIN_OUT_FEATURES = 64
 
 
 class Linear(nn.Linear):
@@ -34,6 +38,7 @@ class Linear(nn.Linear):
         if (
             x.device.type == "cpu"
             and rows <= NATIVE_MAX_ROWS
+            and self.out_features >= NATIVE_MIN_OUT_FEATURES
             and x.dtype in (torch.float32, torch.bfloat16)
             and (self._packed is not None or native_linear_available())
         ):
