@@ -44,14 +44,15 @@ class AttentionBatch:
         tok_q: [n] int64, query column of each token within its row.
         block_ids: [B * nb] int64, the rows' block tables cut to nb = ceil(Lk / block_size)
             blocks and flattened (0 for padding).
-        mask: [B, 1, Lq, nb * block_size] bool, True where the query may attend the key
-            (causal, full attention).
         max_q: Lq, the longest query in the batch (tokens).
-        q_pos: [B, Lq] int64, absolute position of each query row (padding rows included);
-            needed by `mask_for` with a window (`build_attention_batch` sets it).
+        q_pos: [B, Lq] int64, absolute position of each query row (padding rows included).
         block_tables: [B, max_blocks] int64 block tables (padded with the null block 0) and
         seq_lens: [B] int64 keys per row after this step (tokens); what the native decode
-            kernel reads instead of gathered blocks (`build_attention_batch` sets both).
+            kernel reads instead of gathered blocks.
+        num_keys: nb * block_size, the gathered key columns of the torch path.
+
+    The masks (`mask`, `mask_for`) are built on first use only: the native decode kernel needs
+    none, so a decode batch on a CPU with the native kernels builds no mask at all.
     """
 
     token_start: int
@@ -59,12 +60,24 @@ class AttentionBatch:
     tok_b: torch.Tensor
     tok_q: torch.Tensor
     block_ids: torch.Tensor
-    mask: torch.Tensor
     max_q: int
-    q_pos: torch.Tensor | None = None
-    block_tables: torch.Tensor | None = None
-    seq_lens: torch.Tensor | None = None
+    q_pos: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    num_keys: int
     _masks: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[B, 1, Lq, nb * block_size] bool, True where the query may attend the key (causal,
+        full attention); built once per batch."""
+        if "causal" not in self._masks:
+            key_pos = torch.arange(self.num_keys)
+            visible = (key_pos[None, None, :] <= self.q_pos[:, :, None]) & (
+                key_pos[None, None, :] < self.seq_lens[:, None, None]
+            )
+            self._masks["causal"] = visible.unsqueeze(1)
+        return self._masks["causal"]
 
     def mask_for(self, sliding_window: int | None) -> torch.Tensor:
         """The bool mask of a layer: `mask` itself for full attention; for a sliding window
@@ -78,7 +91,7 @@ class AttentionBatch:
             return self.mask
         key = ("window", sliding_window)
         if key not in self._masks:
-            key_pos = torch.arange(self.mask.shape[-1])
+            key_pos = torch.arange(self.num_keys)
             inside = key_pos > self.q_pos[:, None, :, None] - sliding_window
             self._masks[key] = self.mask & inside
         return self._masks[key]
@@ -122,7 +135,8 @@ def build_attention_batch(
     block_tables: torch.Tensor,
     block_size: int,
 ) -> AttentionBatch:
-    """Build one query batch's gather indices and mask, vectorised over its requests.
+    """Build one query batch's gather indices (its masks come on first use), vectorised over
+    its requests.
 
     Args:
         token_start: flat index of the batch's first token.
@@ -138,22 +152,18 @@ def build_attention_batch(
     offsets = torch.cumsum(q_lens, 0) - q_lens
     tok_q = torch.arange(int(q_lens.sum())) - offsets[tok_b]
     num_blocks = (max_k + block_size - 1) // block_size
-    key_pos = torch.arange(num_blocks * block_size)
     q_pos = starts[:, None] + torch.arange(max_q)[None, :]  # [B, Lq] absolute positions
-    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (
-        key_pos[None, None, :] < seq_lens[:, None, None]
-    )
     return AttentionBatch(
         token_start=token_start,
         token_end=token_start + int(q_lens.sum()),
         tok_b=tok_b,
         tok_q=tok_q,
         block_ids=block_tables[:, :num_blocks].reshape(-1),
-        mask=mask.unsqueeze(1),
         max_q=max_q,
         q_pos=q_pos,
         block_tables=block_tables,
         seq_lens=seq_lens,
+        num_keys=num_blocks * block_size,
     )
 
 
@@ -224,7 +234,7 @@ class PagedAttention(torch.nn.Module):
                 q, k_cache, v_cache, batch.block_tables, batch.seq_lens, self.scale,
                 sliding_window=self.sliding_window, sinks=sinks,
             )
-        b = batch.mask.shape[0]
+        b = batch.seq_lens.shape[0]
         keys, values = (_gather_blocks(c, batch.block_ids, b) for c in (k_cache, v_cache))
         if batch.max_q == 1:
             # Decode: a KV head's G query heads become its G query rows, so one
