@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -46,6 +47,10 @@ def _cpu_supported() -> str | None:
         return f"CPU capability {capability} lacks AVX2/FMA"
     return None
 
+
+#: A build progress callback: (message, estimated seconds left or None). `prepare_native` calls
+#: it when a build starts, at least every 15 s while it runs, and when it ends.
+ProgressCallback = Callable[[str, "float | None"], None]
 
 #: The kernels under kernels/csrc/ (one extension each).
 KERNELS = ("moe_cpu", "linear_cpu", "paged_attention", "ops_cpu")
@@ -137,9 +142,13 @@ def _build_all() -> ModuleType:
     return module
 
 
-def prepare_native() -> list[str]:
+def prepare_native(progress: ProgressCallback | None = None) -> list[str]:
     """Check `MOE_ENGINE_NATIVE` and build (or load) the kernels it enables, so that a server
     pays the one-time build before it reports ready rather than in its first request.
+
+    Args:
+        progress: told when a build starts, while it runs and when it ends (not called when
+            the kernels load from the cache).
 
     Returns:
         The enabled kernel names ([] when off or unavailable in "auto" mode).

@@ -31,5 +31,19 @@ class RequestError(ValueError):
         self.message = message
 
 
+class ParamError(ValueError):
+    """A sampling parameter outside its limits (raised by `SamplingParams` at construction).
+
+    Attributes:
+        field: the parameter at fault ("temperature", "stop", ...).
+        message: names the field, the value and the limit.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
 class StartupError(RuntimeError):
     """The engine cannot start with this configuration; the message gives numbers and flags."""
