@@ -1,9 +1,14 @@
-"""Session-scoped tiny checkpoints shared by the tests (each made once per pytest session)."""
+"""Session-wide set-up: the native kernels are built before any test starts a server, tiny
+checkpoints are made once per session, and a session that leaves an engine process behind
+fails (after killing it) instead of hanging at exit.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +22,42 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).parent))
 
 from fixtures import make_mxfp4_experts_checkpoint, make_tiny_checkpoint  # noqa: E402
+from test_no_orphans import child_pids  # noqa: E402
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build (or load) the native CPU kernels once, before any test: a server test must not pay
+    for the build inside its start timeout. Progress goes to the terminal."""
+    from kernels.native import prepare_native
+
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+
+    def progress(message: str, eta_s: float | None) -> None:
+        if reporter is not None:
+            reporter.write_line(f"native kernels: {message}")
+
+    start = time.monotonic()
+    enabled = prepare_native(progress=progress)
+    if reporter is not None:
+        reporter.write_line(
+            f"native kernels: {', '.join(enabled) or 'none (torch paths)'} "
+            f"ready in {time.monotonic() - start:.1f} s"
+        )
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Kill engine processes that outlived their tests, and fail the session if there were
+    any (interpreter exit would otherwise wait for them)."""
+    leftover = child_pids(os.getpid())
+    for pid in leftover:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            os.kill(pid, signal.SIGKILL)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        sys.stderr.write(f"\nkilled process {pid} left behind by the tests: {cmdline[:200]!r}\n")
+    if leftover:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")

@@ -11,15 +11,23 @@ free ports, and request builders.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 from moe_engine.config import EngineConfig
 from moe_engine.engine.core_proc import DEFAULT_CORE_FACTORY
 from moe_engine.server.app import MoeServer, ServerOptions
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
 
 
 def free_port() -> int:
@@ -32,10 +40,18 @@ def free_port() -> int:
 class ServerThread:
     """A started MoeServer (health SERVING) on its own event loop in a daemon thread.
 
+    Nothing outlives it: the engine's own startup timeout is `startup_timeout_s` (the core
+    process is stopped when it passes), and a start that fails or overruns for any other reason
+    cancels the start, shuts the engine down, kills a core process that is still alive and
+    ends the loop's thread before the error propagates. `close` does the same after a drain.
+
     Attributes:
         server: the MoeServer (its `port`, `engine`, `metrics`, `options`).
         address: "127.0.0.1:<port>".
     """
+
+    #: Time on top of the startup timeout for the engine's own timeout path to clean up (s).
+    _CLEANUP_MARGIN_S = 30.0
 
     def __init__(
         self,
@@ -47,15 +63,21 @@ class ServerThread:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        start = self._start(config, options, core_factory)
-        self.server: MoeServer = self.run(start, startup_timeout_s)
+        options = dataclasses.replace(options, startup_timeout_s=startup_timeout_s)
+        self.server = MoeServer(config, options, core_factory=core_factory)
+        start = asyncio.run_coroutine_threadsafe(self.server.start(), self.loop)
+        try:
+            start.result(startup_timeout_s + self._CLEANUP_MARGIN_S)
+        except BaseException:
+            start.cancel()
+            self._teardown(grace_s=0.0)
+            raise
         self.address = f"127.0.0.1:{self.server.port}"
 
-    @staticmethod
-    async def _start(config: EngineConfig, options: ServerOptions, core_factory: str) -> MoeServer:
-        server = MoeServer(config, options, core_factory=core_factory)
-        await server.start()
-        return server
+    @property
+    def core_pid(self) -> int | None:
+        """The engine core process's pid (None before it was spawned)."""
+        return self.server.engine.core_pid
 
     def run(self, coro, timeout: float = 60):
         """Run a coroutine on the server's loop and return its result."""
@@ -63,9 +85,37 @@ class ServerThread:
 
     def close(self) -> None:
         """Drain for at most 1 s, stop the server and the core process, end the thread."""
-        self.run(self.server.stop(grace_s=1.0))
+        self._teardown(grace_s=1.0)
+
+    def _teardown(self, grace_s: float) -> None:
+        """Stop the server (best effort), make sure the core process is gone, end the loop."""
+        try:
+            self.run(self.server.stop(grace_s=grace_s), timeout=60)
+        except BaseException as exc:  # noqa: BLE001 - the kill below must still run
+            logger.warning("server stop failed (%s); killing the engine core", exc)
+        kill_process(self.core_pid)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+def kill_process(pid: int | None, timeout_s: float = 10.0) -> None:
+    """SIGKILL `pid` if it is still alive and wait (up to `timeout_s`) until it is gone."""
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while process_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def process_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie whose parent has not reaped it counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state != "Z"
 
 
 def request(ids: list[int] | None = None, **fields) -> pb.GenerateRequest:
@@ -101,6 +151,8 @@ def token_ids(responses: list[pb.GenerateResponse]) -> list[int]:
 __all__ = [
     "ServerThread",
     "free_port",
+    "kill_process",
+    "process_alive",
     "request",
     "stats",
     "token_ids",

@@ -1,0 +1,101 @@
+"""No engine process outlives the test helper, the server or the process that started it.
+
+A core that outlived its front end once hung a clean-cache CI run at exit for 22 minutes: the
+server helper's start timed out, nobody stopped the core, and interpreter shutdown waited for it.
+These tests use the fake core (no model), so they cost seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from grpc_helpers import ServerThread, process_alive
+
+from moe_engine.config import EngineConfig, ModelConfig
+from moe_engine.errors import StartupError
+from moe_engine.server.app import ServerOptions
+
+TESTS = Path(__file__).parent
+FAKE_CONFIG = EngineConfig(model=ModelConfig(model="fake", max_model_len=256))
+
+
+def child_pids(parent: int) -> set[int]:
+    """Live processes whose parent is `parent` (from /proc), multiprocessing's resource
+    tracker (a helper that every spawn-method parent keeps) aside."""
+    children = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if int(fields[1]) != parent or fields[0] == "Z":
+            continue
+        cmdline = (stat.parent / "cmdline").read_bytes()
+        if b"resource_tracker" not in cmdline:
+            children.add(int(stat.parent.name))
+    return children
+
+
+def wait_gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while process_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_server_thread_start_timeout_leaves_no_engine_process() -> None:
+    before = child_pids(os.getpid())
+    with pytest.raises(StartupError, match="not ready within 3 s"):
+        ServerThread(FAKE_CONFIG, ServerOptions(port=0), startup_timeout_s=3,
+                     core_factory="fake_core:SlowEngineCore")
+    leftover = child_pids(os.getpid()) - before
+    assert not leftover, f"engine processes left behind: {leftover}"
+
+
+def test_server_thread_failed_start_leaves_no_engine_process() -> None:
+    before = child_pids(os.getpid())
+    with pytest.raises(StartupError, match="FailingEngineCore|failed"):
+        ServerThread(FAKE_CONFIG, ServerOptions(port=0), startup_timeout_s=30,
+                     core_factory="fake_core:FailingEngineCore")
+    assert not child_pids(os.getpid()) - before
+
+
+_SERVE_AND_WAIT = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    from grpc_helpers import ServerThread
+    from moe_engine.config import EngineConfig, ModelConfig
+    from moe_engine.server.app import ServerOptions
+    handle = ServerThread(EngineConfig(model=ModelConfig(model="fake", max_model_len=256)),
+                          ServerOptions(port=0), core_factory="fake_core:FakeEngineCore")
+    print(handle.core_pid, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killing_the_test_process_leaves_no_engine_process(sig: int) -> None:
+    """The process that runs a server in a thread (pytest, here a stand-in) is killed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
+    proc = subprocess.Popen([sys.executable, "-c", _SERVE_AND_WAIT.format(tests=str(TESTS))],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        core_pid = int(proc.stdout.readline())
+        assert process_alive(core_pid)
+        proc.send_signal(sig)
+        proc.wait(30)
+        assert wait_gone(core_pid, 10), f"engine core {core_pid} outlived its parent"
+    finally:
+        proc.kill()
+        proc.wait(10)
