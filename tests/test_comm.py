@@ -469,6 +469,7 @@ def _barrier_or_fail(rank: int, world: int, how: str) -> None:
     dist.barrier()
 
 
+@pytest.mark.slow
 def test_watchdog_kills_a_hung_rank() -> None:
     start = time.monotonic()
     with pytest.raises(RankFailure, match=r"still running after the 4 s watchdog"):

@@ -104,7 +104,7 @@ def _wait_serving(channel: grpc.Channel, proc: subprocess.Popen) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("ep_size", [1, 2])
+@pytest.mark.parametrize("ep_size", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_sigterm_drains_then_aborts_and_exits_0(qwen3_ckpt: Path, ep_size: int) -> None:
     drain_s = DRAIN_TIMEOUT_S[ep_size]
     port = free_port()

@@ -68,9 +68,9 @@ def _ep1_greedy(ckpt, prompts: list[list[int]], max_new: list[int]) -> list[list
     ("ckpt_name", "ep_size"),
     [
         ("qwen3_ckpt", 2),
-        ("qwen3_ckpt", 4),
+        pytest.param("qwen3_ckpt", 4, marks=pytest.mark.slow),
         ("mixtral_ckpt", 2),
-        ("mixtral_ckpt", 4),
+        pytest.param("mixtral_ckpt", 4, marks=pytest.mark.slow),
         ("gpt_oss_ckpt", 2),  # sliding window + sinks + expert biases, hybrid KV groups
     ],
 )
@@ -183,6 +183,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow
 def test_hung_rank_ends_server_within_timeout_and_leaves_no_process(qwen3_ckpt) -> None:
     """A rank that stops answering (SIGSTOP: it cannot even run its watchdog) makes the other
     rank's collective time out; the server goes down naming it, and shutdown kills it."""

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from fixtures import hf_greedy, make_tiny_checkpoint
 from safetensors.torch import load_file, save_file
@@ -91,6 +92,7 @@ def _rank_imbalance(trace_path: Path) -> np.ndarray:
     return load.max(axis=1) / load.mean(axis=1)
 
 
+@pytest.mark.slow
 def test_trace_report_plan_and_replan(tiny_ckpt_root: Path, tmp_path: Path, capsys) -> None:
     import asyncio
 
