@@ -5,7 +5,31 @@
 
 from moe_engine.request import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def _version() -> str:
+    """The version, from its one source, pyproject.toml: the installed distribution's metadata
+    (`pip install -e .` included), else the pyproject.toml of the source tree this package sits
+    in (run from a checkout without installing), else "0+unknown"."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("moe-engine")
+    except metadata.PackageNotFoundError:
+        pass
+    import tomllib
+    from pathlib import Path
+
+    try:
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        return "0+unknown"
+    return str(project["version"]) if project.get("name") == "moe-engine" else "0+unknown"
+
+
+__version__ = _version()
 
 
 def __getattr__(name: str):

@@ -40,15 +40,13 @@ class ModelConfig:
             )
 
     def hf_config(self) -> dict:
-        """The checkpoint's config.json as a dict.
+        """The checkpoint's config.json as a dict (`read_config_json`).
 
         Raises:
             FileNotFoundError: when config.json is missing.
+            ValueError: when it is not a JSON object (names the file and the error's position).
         """
-        path = Path(self.model) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"model: no config.json in {self.model!r}")
-        return json.loads(path.read_text())
+        return read_config_json(self.model)
 
     def torch_dtype(self) -> torch.dtype:
         """The dtype weights and activations use.
@@ -63,6 +61,30 @@ class ModelConfig:
         if name not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
         return _DTYPES[name]
+
+
+def read_config_json(model_dir: str | Path) -> dict:
+    """`model_dir`/config.json as a dict.
+
+    Raises:
+        FileNotFoundError: there is no config.json (naming the directory).
+        ValueError: it is not valid JSON, naming the file, the line, the column and what
+            the parser expected there; or it holds something other than a JSON object.
+    """
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"model: no config.json in {str(model_dir)!r}")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno} (char {e.pos})"
+        ) from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object {{...}}, got {json.dumps(config)[:40]}")
+    return config
 
 
 @dataclass(frozen=True)
@@ -253,6 +275,8 @@ def resolve_quant_config(quant: QuantConfig, hf_config: dict) -> QuantConfig:
         )
     scheme = _expert_scheme(ct, hf_config) if ct is not None else None
     if scheme is None:
+        if quant.method in ("int4", "mxfp4"):
+            check_quant_divides(quant, hf_config)
         return replace(quant, method="none") if quant.method == "auto" else quant
     stored = (
         f"int4 group {scheme.group_size} {'symmetric' if scheme.symmetric else 'asymmetric'} "
@@ -273,6 +297,41 @@ def resolve_quant_config(quant: QuantConfig, hf_config: dict) -> QuantConfig:
             f"--quantization auto (or int4 with --quant-group-size {scheme.group_size})"
         )
     return QuantConfig("int4", scheme.group_size, scheme.symmetric, CHECKPOINT_INT4_FORMAT)
+
+
+def check_quant_divides(quant: QuantConfig, hf_config: dict) -> None:
+    """Refuse load-time 4-bit experts whose group does not divide a dimension it groups, before
+    any weight is read. Groups run along each expert projection's input: hidden_size for the
+    gate/up projection (w13 [2I, H]), the expert width I for the down projection (w2 [H, I]).
+
+    Raises:
+        ValueError: naming the dimension by its config.json name and value, the group size, and
+            the flag value that fits (--quant-group-size; MXFP4's block is always 32).
+    """
+    from moe_engine.plan import ModelShape
+
+    shape = ModelShape.from_hf_config(hf_config)
+    # ModelShape reads the experts' width from intermediate_size for Mixtral and gpt-oss.
+    qwen_style = "moe_intermediate_size" in hf_config and hf_config.get("model_type") != "mixtral"
+    dims = {
+        "hidden_size": shape.hidden_size,
+        "moe_intermediate_size" if qwen_style else "intermediate_size": shape.moe_intermediate_size,
+    }
+    group = quant.group_size if quant.method == "int4" else 32
+    bad = next((name for name, size in dims.items() if size % group), None)
+    if bad is None:
+        return
+    what = f"--quant-group-size {group}" if quant.method == "int4" else "MXFP4's block of 32"
+    fits = [g for g in (32, 64, 128) if all(size % g == 0 for size in dims.values())]
+    both = " and ".join(f"{name}={size}" for name, size in dims.items())
+    fix = (
+        f"pass --quantization int4 --quant-group-size {fits[-1]} (it divides {both})"
+        if fits
+        else f"no int4 group size (32, 64, 128) divides {both}: pass --quantization none"
+    )
+    raise ValueError(
+        f"{what} does not divide the experts' {bad}={dims[bad]} (config.json); {fix}"
+    )
 
 
 def _resolve_mxfp4_checkpoint(quant: QuantConfig, hf_config: dict) -> QuantConfig:

@@ -22,21 +22,65 @@ from quant.compressed_tensors import CompressedTensorsConfig, assemble_pack_quan
 logger = logging.getLogger(__name__)
 
 
+#: Weight files that are pickles (torch.save): never loaded, as unpickling runs code.
+PICKLE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+_INDEX = "model.safetensors.index.json"
+
+
 def safetensors_files(model_dir: str | Path) -> list[Path]:
-    """The checkpoint's weight files, in a stable order.
+    """The checkpoint's weight files, in a stable order: those `model.safetensors.index.json`
+    names, else every `*.safetensors` in the directory (symlinks, as in a hub cache snapshot,
+    are followed).
 
     Raises:
-        StartupError: when the directory has no .safetensors file.
+        StartupError: no weights were found (the message lists what was looked for, and any
+            pickle weight files that are there but never loaded), the index is not valid JSON
+            or lacks "weight_map", or it names a file that is not there.
     """
     root = Path(model_dir)
-    index = root / "model.safetensors.index.json"
+    index = root / _INDEX
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [root / n for n in names]
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise StartupError(f"model: no *.safetensors files in {str(root)!r} (pickle is not loaded)")
-    return files
+        return _indexed_files(index)
+    files = sorted(p for p in root.glob("*.safetensors") if p.is_file())
+    if files:
+        return files
+    pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_WEIGHT_SUFFIXES)
+    found = (
+        f"; found {', '.join(pickles[:4])}{' ...' if len(pickles) > 4 else ''}, which are "
+        f"pickle files and never loaded (unpickling can run code): convert the checkpoint to "
+        f"safetensors"
+        if pickles
+        else ""
+    )
+    raise StartupError(
+        f"model: no weights found in {str(root)!r}: looked for {_INDEX} and *.safetensors "
+        f"files{found}"
+    )
+
+
+def _indexed_files(index: Path) -> list[Path]:
+    """The files an index's "weight_map" names, each checked to exist.
+
+    Raises:
+        StartupError: the index is not valid JSON, has no "weight_map" object, or names a
+            missing file.
+    """
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except json.JSONDecodeError as e:
+        raise StartupError(
+            f"{index}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from None
+    except (KeyError, TypeError, AttributeError):
+        raise StartupError(f'{index}: expected an object with a "weight_map" object') from None
+    missing = [n for n in names if not (index.parent / n).is_file()]
+    if missing:
+        raise StartupError(
+            f"{index} names {len(missing)} weight file(s) that are not there, e.g. "
+            f"{missing[:4]} (an incomplete download?)"
+        )
+    return [index.parent / n for n in names]
 
 
 def iterate_weights(

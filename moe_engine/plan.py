@@ -161,10 +161,10 @@ class ModelShape:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> ModelShape:
-        """`from_hf_config` on `path/config.json`."""
-        import json
+        """`from_hf_config` on `path/config.json` (`config.read_config_json`'s errors)."""
+        from moe_engine.config import read_config_json
 
-        return cls.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
+        return cls.from_hf_config(read_config_json(path))
 
     @property
     def num_dense_layers(self) -> int:

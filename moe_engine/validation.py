@@ -75,14 +75,16 @@ def _check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: i
         raise RequestError(
             ErrorCode.OUT_OF_RANGE,
             "prompt",
-            f"prompt: {n} tokens is longer than max_model_len {max_model_len}",
+            f"prompt: {n} tokens is longer than max_model_len {max_model_len}; a prompt may "
+            f"have at most {max_model_len - 1} tokens (--max-prompt-tokens, --max-model-len)",
         )
     if n == max_model_len:
         raise RequestError(
             ErrorCode.OUT_OF_RANGE,
             "prompt",
             f"prompt: {n} tokens leaves no room for one generated token "
-            f"(max_model_len {max_model_len}; the prompt may have at most {max_model_len - 1})",
+            f"(max_model_len {max_model_len}; the prompt may have at most {max_model_len - 1}: "
+            f"--max-prompt-tokens, --max-model-len)",
         )
 
 

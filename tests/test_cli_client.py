@@ -210,3 +210,72 @@ def test_parse_ids_type() -> None:
     assert client._parse_ids("4,5") == [4, 5]
     with pytest.raises(argparse.ArgumentTypeError):
         client._parse_ids("")
+
+
+class _Unavailable(grpc.RpcError):
+    def __init__(self, details: str) -> None:
+        self._details = details
+
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return self._details
+
+
+@pytest.mark.parametrize(
+    ("details", "hint"),
+    [
+        (
+            "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:7: "
+            "Failed to connect to remote host: Connection refused",
+            "the server may not be running at h:7",
+        ),
+        ("errors resolving h:7: [hostname lookup error]", "the host h of h:7 does not resolve"),
+        ("failed to connect to all addresses; Ssl handshake failed: WRONG_VERSION", "--tls"),
+        ("server unavailable: the model is still loading", None),  # the server answered
+    ],
+)
+def test_unavailable_hints(details: str, hint: str | None) -> None:
+    text = client._error_text(_Unavailable(details), "h:7")
+    assert text.startswith(f"UNAVAILABLE: {details}")
+    if hint is None:
+        assert text == f"UNAVAILABLE: {details}"
+    else:
+        assert hint in text, text
+
+
+@pytest.mark.parametrize("command", [["stats"], ["info"], ["generate", "hi"]])
+def test_nothing_listening_suggests_the_server_is_not_running(capsys, command) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    assert client.main(["--server", address, "--timeout", "10", *command]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: UNAVAILABLE") and len(err.strip().splitlines()) == 1
+    assert f"the server may not be running at {address}" in err, err
+
+
+def test_generate_help_shows_every_default(capsys) -> None:
+    from moe_engine.request import SamplingParams
+
+    with pytest.raises(SystemExit) as info:
+        client.main(["generate", "--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    d = SamplingParams()
+    for flag, value in (
+        ("--max-tokens", d.max_tokens),
+        ("--min-tokens", d.min_tokens),
+        ("--temperature", d.temperature),
+        ("--top-p", d.top_p),
+        ("--top-k", d.top_k),
+    ):
+        assert f"(default: {value})" in text.split(f"{flag} ", 2)[-1].split(" --")[0], flag
+    sub = next(a for a in client.build_parser()._actions if a.dest == "command")
+    generate = sub.choices["generate"]
+    for action in generate._actions:
+        if action.option_strings and action.dest != "help":
+            assert "(default: " in (action.help or ""), action.option_strings

@@ -409,7 +409,8 @@ def test_pickle_only_checkpoint_is_refused(
     (model / "pytorch_model.bin").write_bytes(pickle.dumps({"weights": _Trap(marker)}))
     code, err = _serve(capsys, monkeypatch, "--model", str(model), "--port", "0")
     assert code == 1
-    assert "no *.safetensors files" in err and "pickle is not loaded" in err
+    assert "no weights found" in err and "*.safetensors" in err
+    assert "pytorch_model.bin" in err and "never loaded" in err
     from moe_engine.engine.core import EngineCore
 
     with pytest.raises(StartupError, match="safetensors"):

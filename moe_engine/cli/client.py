@@ -6,6 +6,8 @@
     moe-client [--server HOST:PORT] batch FILE.jsonl [--concurrency N]
     moe-client [--server HOST:PORT] stats [--json]
     moe-client [--server HOST:PORT] info [--json]
+    moe-client [--server HOST:PORT] health [--wait S] [--service NAME] [--json]
+    moe-client --version
 
 Common flags: --server HOST:PORT (the port is required, gRPC would otherwise pick 443; default
 127.0.0.1:50051; IPv6 as [::1]:50051), --timeout S (deadline per call, seconds > 0), --api-key
@@ -21,8 +23,11 @@ request object per line ("prompt" or "prompt_ids", sampling fields by their prot
 them concurrently and prints one JSON line per finished request (index, token_ids, finish_reason,
 usage, ttft_s, e2e_s), then a summary line (wall_s, output_tokens, output_tokens_per_s); a
 batch line's "stop" may be one string. On an error status the code and message go to stderr and
-the exit status is 1; a bad flag or batch line is one line per problem on stderr and exit
-status 2 (nothing is sent); Ctrl-C cancels what is in flight and exits 130.
+the exit status is 1 (when nothing answers at the address, the message says the server may not
+be running there); `health` prints SERVING, NOT_SERVING or UNKNOWN (with the server's detail,
+e.g. what it is loading) and exits 0 only when SERVING; a bad flag or batch line is one line
+per problem on stderr and exit status 2 (nothing is sent); Ctrl-C cancels what is in flight and
+exits 130.
 """
 
 from __future__ import annotations
@@ -41,7 +46,10 @@ import grpc
 from google.protobuf import descriptor
 from google.protobuf.json_format import MessageToDict
 
+from moe_engine import __version__
 from moe_engine.cli.argtypes import int_at_least, positive_seconds
+from moe_engine.cli.health import add_health_parser, cmd_health
+from moe_engine.request import SamplingParams
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
 from moe_engine.server.security import (
@@ -272,6 +280,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="moe-client", description="Client for moe-serve.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument(
         "--server",
         type=server_address,
@@ -297,15 +306,70 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", default=None, help="PEM key of --tls-cert")
     sub = p.add_subparsers(dest="command", required=True)
 
+    add_generate_parser(sub)
+
+    b = sub.add_parser("batch", help="run a JSONL file of requests concurrently")
+    b.add_argument("file", type=Path, help="one JSON request object per line")
+    b.add_argument(
+        "--concurrency",
+        type=int_at_least(1),
+        default=16,
+        help="requests in flight, >= 1 (default: %(default)s)",
+    )
+
+    for name, help_text in (("stats", "server statistics"), ("info", "model information")):
+        s = sub.add_parser(name, help=help_text)
+        s.add_argument("--json", action="store_true", help="print one JSON object")
+    add_health_parser(sub)
+    return p
+
+
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    """The `generate` subcommand; each sampling flag's help gives the default the server
+    applies when the flag is not given (`SamplingParams`' defaults, vLLM's)."""
+    d = SamplingParams()
     g = sub.add_parser("generate", help="generate for one prompt, streaming")
     g.add_argument("text", nargs="?", type=_utf8_text, default=None, help="the prompt text")
-    g.add_argument("--prompt-ids", type=_parse_ids, default=None, help="prompt as ids: 1,2,3")
-    g.add_argument("--max-tokens", type=_int_type("max_tokens"))
-    g.add_argument("--min-tokens", type=_int_type("min_tokens"))
-    g.add_argument("--temperature", type=float)
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--top-k", type=_int_type("top_k"))
-    g.add_argument("--seed", type=_int_type("seed"))
+    g.add_argument(
+        "--prompt-ids",
+        type=_parse_ids,
+        default=None,
+        metavar="IDS",
+        help="the prompt as token ids, 1,2,3, instead of TEXT (default: none)",
+    )
+    g.add_argument(
+        "--max-tokens",
+        type=_int_type("max_tokens"),
+        metavar="N",
+        help=f"most tokens to generate (default: {d.max_tokens})",
+    )
+    g.add_argument(
+        "--min-tokens",
+        type=_int_type("min_tokens"),
+        metavar="N",
+        help=f"tokens generated before EOS or a stop counts (default: {d.min_tokens})",
+    )
+    g.add_argument(
+        "--temperature",
+        type=float,
+        metavar="T",
+        help=f"0 is greedy (default: {d.temperature})",
+    )
+    g.add_argument(
+        "--top-p", type=float, metavar="P", help=f"nucleus mass, in (0, 1] (default: {d.top_p})"
+    )
+    g.add_argument(
+        "--top-k",
+        type=_int_type("top_k"),
+        metavar="K",
+        help=f"sample among the K most likely tokens, -1 for all (default: {d.top_k})",
+    )
+    g.add_argument(
+        "--seed",
+        type=_int_type("seed"),
+        metavar="S",
+        help="per-request seed: the same seed and prompt give the same tokens (default: none)",
+    )
     g.add_argument(
         "--stop",
         action="append",
@@ -313,41 +377,92 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="S",
         help="a stop string; repeat the flag for several (--stop a --stop b); a newline in "
-        "bash: --stop $'\\n'; a value starting with '-': --stop=-x",
+        "bash: --stop $'\\n'; a value starting with '-': --stop=-x (default: none)",
     )
-    g.add_argument("--stop-token-ids", type=_parse_ids, default=None)
-    g.add_argument("--ignore-eos", action="store_true", default=None)
-    g.add_argument("--logprobs", type=_int_type("logprobs"))
-    g.add_argument("--request-id", type=_utf8_text, default="")
-    g.add_argument("--json", action="store_true", help="print one JSON object at the end")
-
-    b = sub.add_parser("batch", help="run a JSONL file of requests concurrently")
-    b.add_argument("file", type=Path)
-    b.add_argument(
-        "--concurrency", type=int_at_least(1), default=16, help="requests in flight (>= 1)"
+    g.add_argument(
+        "--stop-token-ids",
+        type=_parse_ids,
+        default=None,
+        metavar="IDS",
+        help="token ids that end the request besides EOS: 5,9 (default: none)",
+    )
+    g.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        default=None,
+        help="generate past the model's EOS token (default: off)",
+    )
+    g.add_argument(
+        "--logprobs",
+        type=_int_type("logprobs"),
+        metavar="N",
+        help="return the N most likely tokens' logprobs per token (default: none)",
+    )
+    g.add_argument(
+        "--request-id",
+        type=_utf8_text,
+        default="",
+        metavar="ID",
+        help="the request's id (default: one the server makes)",
+    )
+    g.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object at the end (default: stream the text)",
     )
 
-    for name, help_text in (("stats", "server statistics"), ("info", "model information")):
-        s = sub.add_parser(name, help=help_text)
-        s.add_argument("--json", action="store_true")
-    return p
+
+#: gRPC's own words (in UNAVAILABLE details) for a call that never reached a server: a host
+#: name that does not resolve, and nothing listening.
+_RESOLVE_FAILURES = ("errors resolving", "dns resolution failed", "name resolution")
+_CONNECT_FAILURES = (
+    "failed to connect",
+    "connection refused",
+    "connections to all backends failing",
+)
 
 
-def _error_text(err: grpc.RpcError) -> str:
-    """`CODE: details`, with a hint when gRPC itself refused an oversize message."""
-    text = f"{err.code().name}: {err.details()}"
-    if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (
-        err.details() or ""
-    ):
+def _error_text(err: grpc.RpcError, server: str | None = None) -> str:
+    """`CODE: details`, with a hint when gRPC itself refused an oversize message, or when the
+    call could not reach `server` (nothing listening, an unknown host, a TLS mismatch)."""
+    details = err.details() or ""
+    text = f"{err.code().name}: {details}"
+    if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
         text += (
             " (the request is far over the server's message size limit: send a smaller "
             "request, or restart moe-serve with a larger --max-message-bytes)"
         )
+    elif err.code() == grpc.StatusCode.UNAVAILABLE:
+        text += _connect_hint(details.lower(), server or "the address given")
     return text
 
 
-def _fail(err: grpc.RpcError) -> int:
-    print(f"error: {_error_text(err)}", file=sys.stderr)
+def _connect_hint(details: str, server: str) -> str:
+    """The hint for an UNAVAILABLE whose details are gRPC's connection errors ("" otherwise:
+    the server itself answered UNAVAILABLE, e.g. while it loads or drains)."""
+    if "handshake" in details or "ssl" in details:
+        return (
+            f" (the TLS handshake with {server} failed: drop --tls for a plaintext server, or "
+            "give the CA that signed its certificate with --tls-ca)"
+        )
+    if "socket closed" in details:
+        return (
+            f" (the connection to {server} was closed: is it a moe-serve server? a TLS server "
+            "needs --tls)"
+        )
+    if any(phrase in details for phrase in _RESOLVE_FAILURES):
+        host = server.rpartition(":")[0] or server
+        return f" (the host {host} of {server} does not resolve: check --server HOST:PORT)"
+    if any(phrase in details for phrase in _CONNECT_FAILURES):
+        return (
+            f" (the server may not be running at {server}: start it with `moe-serve`, or "
+            "point --server HOST:PORT at it)"
+        )
+    return ""
+
+
+def _fail(err: grpc.RpcError, server: str | None = None) -> int:
+    print(f"error: {_error_text(err, server)}", file=sys.stderr)
     return 1
 
 
@@ -413,7 +528,7 @@ def cmd_generate(
     except grpc.RpcError as err:
         if printed:
             print()
-        return _fail(err)
+        return _fail(err, args.server)
     if logprobs:
         result["logprobs"] = logprobs
     if args.json:
@@ -432,7 +547,7 @@ def cmd_show(args: argparse.Namespace, stub: pb_grpc.MoeEngineStub) -> int:
         else:
             message = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout)
     except grpc.RpcError as err:
-        return _fail(err)
+        return _fail(err, args.server)
     data = message_dict(message)
     if args.json:
         print(json.dumps(data))
@@ -518,6 +633,7 @@ async def _run_one(
     request: pb.GenerateRequest,
     timeout: float | None,
     metadata: tuple[tuple[str, str], ...] = (),
+    server: str | None = None,
 ) -> dict[str, Any]:
     start = time.perf_counter()
     ttft = None
@@ -532,7 +648,8 @@ async def _run_one(
             text += response.text
             last = response
     except grpc.RpcError as err:
-        return {"index": index, "error": {"code": err.code().name, "message": _error_text(err)}}
+        message = _error_text(err, server)
+        return {"index": index, "error": {"code": err.code().name, "message": message}}
     usage = MessageToDict(
         last.usage, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
@@ -576,7 +693,7 @@ async def run_batch(
 
         async def bounded(index: int, request: pb.GenerateRequest) -> dict[str, Any]:
             async with semaphore:
-                return await _run_one(stub, index, request, timeout, metadata)
+                return await _run_one(stub, index, request, timeout, metadata, server)
 
         tasks = [asyncio.create_task(bounded(i, r)) for i, r in enumerate(requests)]
         for done in asyncio.as_completed(tasks):
@@ -707,6 +824,8 @@ def _run(args: argparse.Namespace) -> int:
         stub = pb_grpc.MoeEngineStub(channel)
         if args.command == "generate":
             return cmd_generate(args, stub, request)
+        if args.command == "health":
+            return cmd_health(args, channel, lambda err: _error_text(err, args.server))
         return cmd_show(args, stub)
 
 

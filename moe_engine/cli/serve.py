@@ -1,6 +1,6 @@
 """`moe-serve`: serve an MoE checkpoint (the built-in demo by default) over gRPC.
 
-    moe-serve [--model PATH|demo] [--host 127.0.0.1] [--port 50051]
+    moe-serve [--model PATH|ORG/NAME|demo] [--host 127.0.0.1] [--port 50051] [--version]
               [--dtype auto|bfloat16|float32] [--max-model-len N] [--max-num-seqs N]
               [--max-num-batched-tokens N] [--kv-cache-memory BYTES] [--block-size N]
               [--enable-prefix-caching]
@@ -24,6 +24,7 @@ import logging
 import re
 import sys
 
+from moe_engine import __version__
 from moe_engine.config import (
     CacheConfig,
     EngineConfig,
@@ -31,9 +32,11 @@ from moe_engine.config import (
     ParallelConfig,
     QuantConfig,
     SchedulerConfig,
+    resolve_quant_config,
 )
 from moe_engine.errors import StartupError
 from moe_engine.loader import safetensors_files
+from moe_engine.model_path import resolve_model_dir
 from moe_engine.server.app import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_MAX_CONCURRENT_STREAMS,
@@ -74,11 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="moe-serve", description="Serve an MoE checkpoint over gRPC (moe_engine.v1)."
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument(
         "--model",
         default="demo",
-        help="checkpoint directory (config.json + *.safetensors [+ tokenizer]) or 'demo' "
-        "(default: a small Qwen3-MoE demo made on first use)",
+        help="checkpoint directory (config.json + *.safetensors [+ tokenizer]), a Hugging Face "
+        "hub id (org/name) already in the local hub cache ($HF_HUB_CACHE; nothing is "
+        "downloaded), or 'demo' (default: a small Qwen3-MoE demo made on first use)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051)")
@@ -308,9 +313,14 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
 
 
 def resolve_model(model: str) -> str:
-    """The checkpoint directory: `model` itself, or the demo checkpoint for "demo"."""
+    """The checkpoint directory: `model` itself, a hub id's snapshot in the local hub cache
+    (`model_path.resolve_model_dir`), or the demo checkpoint for "demo".
+
+    Raises:
+        FileNotFoundError: no such directory (for a hub id: how to get its snapshot).
+    """
     if model != "demo":
-        return model
+        return resolve_model_dir(model)
     from moe_engine.demo import ensure_demo_checkpoint
 
     path = str(ensure_demo_checkpoint())
@@ -329,6 +339,19 @@ def check_args(args: argparse.Namespace) -> str | None:
     if args.nnodes > 1 and not args.rdzv_endpoint:
         return f"--nnodes {args.nnodes} needs --rdzv-endpoint host:port (node 0's address)"
     return None
+
+
+def check_checkpoint(config: EngineConfig) -> None:
+    """What can be checked from the checkpoint directory alone, before the port opens: its
+    config.json (present, valid JSON), a 4-bit group size that divides the dimensions it
+    groups, and its safetensors weights (present; pickle is refused).
+
+    Raises:
+        FileNotFoundError, ValueError, StartupError: the message names the file, or the field
+            and the flag.
+    """
+    resolve_quant_config(config.quant, config.model.hf_config())
+    safetensors_files(config.model.model)
 
 
 def run_worker_node(config: EngineConfig) -> int:
@@ -354,8 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         options = server_options_from_args(args)  # before anything is made or loaded
         model = resolve_model(args.model)
         config = engine_config_from_args(args, model)
-        config.model.hf_config()  # fail fast on a path without config.json
-        safetensors_files(model)  # and on one without safetensors weights (pickle is refused)
+        check_checkpoint(config)
         if config.parallel.node_rank > 0:
             return run_worker_node(config)
         from moe_engine.engine.client import check_ep_size

@@ -48,8 +48,13 @@ def load_tokenizer(model_dir: str) -> Any | None:
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
+    from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
-    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    # The engine enforces its own prompt limits (max_model_len, --max-prompt-tokens); the
+    # tokenizer's model_max_length would only log "Token indices sequence length is longer".
+    return AutoTokenizer.from_pretrained(
+        str(path), trust_remote_code=False, model_max_length=VERY_LARGE_INTEGER
+    )
 
 
 class EngineClient:

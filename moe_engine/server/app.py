@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
+import socket
 from dataclasses import dataclass, field
 
 import grpc
@@ -154,6 +156,40 @@ class ServerOptions:
         return self.tls_cert is not None
 
 
+def check_bindable(host: str, port: int) -> None:
+    """Refuse a port that cannot be bound, before gRPC tries it (gRPC prints its own raw log
+    lines for a failed bind). Probes every address `host` resolves to with SO_REUSEADDR, as
+    gRPC binds; port 0 (any free port) is not probed.
+
+    Raises:
+        StartupError: one line naming the address, the reason (in use, not permitted) and the
+            flag to change.
+    """
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise StartupError(f"cannot listen on {host}:{port} (--host): {exc.strerror}") from None
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise StartupError(
+                        f"cannot listen on {host}:{port}: the port is in use (another "
+                        f"moe-serve?); stop that process or pick another --port"
+                    ) from None
+                if exc.errno == errno.EACCES:
+                    raise StartupError(
+                        f"cannot listen on {host}:{port}: permission denied (ports below 1024 "
+                        f"need privileges); pick another --port"
+                    ) from None
+                # Anything else (e.g. no IPv6 on this machine): gRPC decides.
+
+
 class MoeServer:
     """One gRPC server in front of one engine core process.
 
@@ -275,6 +311,7 @@ class MoeServer:
             host = f"[{host}]"
         address = f"{host}:{self.options.port}"
         opts = self.options
+        check_bindable(self.options.host, self.options.port)  # before gRPC's own C++ log lines
         try:
             if opts.tls_cert is not None and opts.tls_key is not None:
                 credentials = server_credentials(opts.tls_cert, opts.tls_key, opts.tls_ca)
