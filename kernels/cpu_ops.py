@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.native import load_native
+from kernels.native import check_status, dtype_flag, load_native
 
 
 def native_ops_available() -> bool:
@@ -35,7 +35,23 @@ def rms_norm(
     Raises:
         RuntimeError: the native ops are unavailable, or shapes/dtypes that do not fit.
     """
-    ext = load_native("ops_cpu")
-    if ext is None:
+    lib = load_native("ops_cpu")
+    if lib is None:
         raise RuntimeError("the native CPU ops are unavailable (see kernels/native.py)")
-    return ext.rms_norm(x, weight, float(eps), weight_in_float32)
+    nd = x.dim()
+    if not 1 <= nd <= 3 or x.stride(-1) != 1:
+        raise RuntimeError(f"x must be [D], [A, D] or [A, B, D] with a contiguous last "
+                           f"dimension, got shape {tuple(x.shape)} strides {x.stride()}")
+    if x.dtype != weight.dtype:
+        raise RuntimeError(f"weight ({weight.dtype}) must have x's dtype ({x.dtype})")
+    d = x.shape[-1]
+    if weight.numel() != d or not weight.is_contiguous():
+        raise RuntimeError(f"weight must be contiguous [D] = [{d}], got {tuple(weight.shape)}")
+    bf16 = dtype_flag(x, "x")
+    a, b = (x.shape[0] if nd >= 2 else 1), (x.shape[1] if nd == 3 else 1)
+    sa, sb = (x.stride(0) if nd >= 2 else d), (x.stride(1) if nd == 3 else d)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    check_status(lib.moe_rms_norm(x.data_ptr(), a, b, d, sa, sb, weight.data_ptr(), eps,
+                                  weight_in_float32, bf16, y.data_ptr(),
+                                  torch.get_num_threads()), "rms_norm")
+    return y
