@@ -59,10 +59,11 @@ CXXFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG", "-std=c+
 #: resolves it to torch's bundled copy (same soname), so there is one OpenMP runtime and one
 #: thread pool.
 LDFLAGS = ("-shared", "-fopenmp")
-#: Seconds per source, measured on the project's 2-core machine (g++ 12.2, two compiling at
-#: once): the estimate of a first build, until a build here has recorded its own.
-EXPECTED_COMPILE_S = {"moe_cpu.cpp": 3.0, "paged_attention.cpp": 1.3, "linear_cpu.cpp": 1.0,
-                      "binding.cpp": 0.5, "ops_cpu.cpp": 0.4}
+#: Seconds per source on the project's 2-core machine (g++ 12.2, two compiling at once; 2.8-6 s
+#: for moe_cpu.cpp between a quiet and a busy machine): the estimate of a first build, until a
+#: build here has recorded its own (`last_build.json`).
+EXPECTED_COMPILE_S = {"moe_cpu.cpp": 4.0, "paged_attention.cpp": 1.8, "linear_cpu.cpp": 1.3,
+                      "ops_cpu.cpp": 0.6, "binding.cpp": 0.5}
 EXPECTED_LINK_S = 0.2
 #: Longest silence of the progress reports during a build (seconds).
 PROGRESS_INTERVAL_S = 10.0
