@@ -38,18 +38,20 @@ def rms_norm(
     lib = load_native("ops_cpu")
     if lib is None:
         raise RuntimeError("the native CPU ops are unavailable (see kernels/native.py)")
-    nd = x.dim()
-    if not 1 <= nd <= 3 or x.stride(-1) != 1:
+    shape, strides = x.shape, x.stride()
+    nd = len(shape)
+    if not 1 <= nd <= 3 or strides[-1] != 1:
         raise RuntimeError(f"x must be [D], [A, D] or [A, B, D] with a contiguous last "
-                           f"dimension, got shape {tuple(x.shape)} strides {x.stride()}")
+                           f"dimension, got shape {tuple(shape)} strides {strides}")
     if x.dtype != weight.dtype:
         raise RuntimeError(f"weight ({weight.dtype}) must have x's dtype ({x.dtype})")
-    d = x.shape[-1]
+    d = shape[-1]
     if weight.numel() != d or not weight.is_contiguous():
         raise RuntimeError(f"weight must be contiguous [D] = [{d}], got {tuple(weight.shape)}")
     bf16 = dtype_flag(x, "x")
-    a, b = (x.shape[0] if nd >= 2 else 1), (x.shape[1] if nd == 3 else 1)
-    sa, sb = (x.stride(0) if nd >= 2 else d), (x.stride(1) if nd == 3 else d)
+    # rows (a, b) at a * sa + b * sb elements: [D] is one row, [A, D] is A x 1
+    a, sa = (shape[0], strides[0]) if nd >= 2 else (1, d)
+    b, sb = (shape[1], strides[1]) if nd == 3 else (1, d)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     check_status(lib.moe_rms_norm(x.data_ptr(), a, b, d, sa, sb, weight.data_ptr(), eps,
                                   weight_in_float32, bf16, y.data_ptr(),
