@@ -355,7 +355,10 @@ class Reporter:
         self.last_report = time.monotonic()
         logger.log(level, "%s", message)
         if self.callback is not None:
-            self.callback(message, eta)
+            try:
+                self.callback(message, eta)
+            except Exception:  # a failing status display must not fail the build
+                logger.exception("the native build's progress callback failed")
 
     def _update(self, done: Mapping[str, float], running: Mapping[str, float]) -> float | None:
         eta = estimate_left(self.expected, done, running, self.jobs, EXPECTED_LINK_S)
