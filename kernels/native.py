@@ -40,7 +40,8 @@ from types import ModuleType
 import torch
 
 from kernels.native_binding import MODULE
-from kernels.native_build import ABI_VERSION, BuildError, Reporter, ensure_library
+from kernels.native_build import ABI_VERSION, BuildError, ensure_library
+from kernels.native_progress import Reporter
 
 logger = logging.getLogger(__name__)
 

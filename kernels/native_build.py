@@ -15,11 +15,10 @@ rebuilds. A build happens in a temporary directory beside it, renamed into place
 once (expert-parallel ranks, parallel test workers) take an exclusive `fcntl.flock` on
 `<root>/moe_engine_cpu_<digest>.lock`, so one builds and the others wait, then load its result.
 
-Progress: `Reporter` logs and forwards (message, estimated seconds left or None) when a build
-starts, every `PROGRESS_INTERVAL_S` while it runs (compiling or waiting for another process's
-build) and when it ends. The estimate list-schedules the per-source compile times of the last
-build on this machine (`<root>/last_build.json`), or `EXPECTED_COMPILE_S` before any, over the
-parallel jobs, scaled by how the sources compiled so far compared with their expectation.
+Progress (`kernels.native_progress.Reporter`): reported when a build starts, at least every
+`PROGRESS_INTERVAL_S` while it runs (compiling or waiting for another process's build) and when
+it ends, with an estimate from the per-source compile times of the last build on this machine
+(`<root>/last_build.json`), or `EXPECTED_COMPILE_S` before any.
 """
 
 from __future__ import annotations
@@ -27,21 +26,18 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import heapq
 import json
-import logging
 import os
 import shutil
 import subprocess
 import sysconfig
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from kernels import native_binding
-
-logger = logging.getLogger("kernels.native")
+from kernels.native_progress import Reporter
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 #: The C ABI (csrc/moe_engine_cpu.h), from which the binding is generated.
@@ -65,14 +61,9 @@ LDFLAGS = ("-shared", "-fopenmp")
 EXPECTED_COMPILE_S = {"moe_cpu.cpp": 4.0, "paged_attention.cpp": 1.8, "linear_cpu.cpp": 1.3,
                       "ops_cpu.cpp": 0.6, "binding.cpp": 0.5}
 EXPECTED_LINK_S = 0.2
-#: Longest silence of the progress reports during a build (seconds).
-PROGRESS_INTERVAL_S = 10.0
 #: A build (or the wait for another process's) taking longer than this fails (seconds).
 BUILD_TIMEOUT_S = 900.0
 _POLL_S = 0.05
-
-#: (message, estimated seconds left or None when unknown); see kernels.native.ProgressCallback.
-Callback = Callable[[str, "float | None"], None]
 
 
 class BuildError(RuntimeError):
@@ -200,7 +191,7 @@ def _build(cxx: str, identity: str, csrc: Path, root: Path, final: Path, lock,
     try:
         srcs = sources(csrc, tmp)
         jobs = max(1, min(len(srcs), len(os.sched_getaffinity(0))))
-        report.start(len(srcs), jobs, _expected_seconds(root, srcs), final)
+        report.start(len(srcs), jobs, _expected_seconds(root, srcs), EXPECTED_LINK_S, final)
         lock.seek(0)
         lock.truncate()
         lock.write(json.dumps({"pid": os.getpid(), "started": time.time(),
@@ -211,7 +202,7 @@ def _build(cxx: str, identity: str, csrc: Path, root: Path, final: Path, lock,
         link_start = time.monotonic()
         objects = [str(tmp / f"{s.stem}.o") for s in srcs]
         _run_checked([cxx, *objects, *LDFLAGS, "-o", str(tmp / LIBRARY)], tmp / "link.log",
-                     "linking " + LIBRARY, report.time_left())
+                     "linking " + LIBRARY, _time_left(report))
         record = {"compiler": cxx, "identity": identity, "cxxflags": list(CXXFLAGS),
                   "jobs": jobs, "compile_s": seconds,
                   "link_s": round(time.monotonic() - link_start, 3),
@@ -256,7 +247,7 @@ def _compile_all(cxx: str, srcs: list[Path], includes: list[str], out: Path, job
                                      f"{' '.join(proc.args)}):\n{_tail(log)}")
                 done[name] = round(time.monotonic() - started, 3)
                 report.compiled(done, {n: time.monotonic() - s for n, (_, s, _) in running.items()})
-            if report.time_left() <= 0:
+            if _time_left(report) <= 0:
                 raise BuildError(f"the build took over {BUILD_TIMEOUT_S:.0f} s")
             if report.due():
                 report.tick(done, {n: time.monotonic() - s for n, (_, s, _) in running.items()})
@@ -292,130 +283,6 @@ def _expected_seconds(root: Path, srcs: list[Path]) -> dict[str, float]:
     return {s.name: float(last.get(s.name) or EXPECTED_COMPILE_S.get(s.name, 1.0)) for s in srcs}
 
 
-def estimate_left(expected: Mapping[str, float], done: Mapping[str, float],
-                  running: Mapping[str, float], jobs: int, link_s: float) -> float:
-    """Seconds until the library is linked: the remaining compile work list-scheduled over
-    `jobs` parallel compilers, plus the link.
-
-    Args:
-        expected: expected compile seconds of every source, by name.
-        done: actual seconds of the sources compiled so far.
-        running: seconds elapsed of the sources compiling now.
-        jobs: parallel compilers.
-        link_s: expected link seconds.
-
-    Expectations are scaled by actual / expected of the finished sources (1 before any).
-    """
-    scale = 1.0
-    if done:
-        scale = sum(done.values()) / max(sum(expected[n] for n in done), 1e-9)
-    loads = [max(expected[n] * scale - t, 0.0) for n, t in running.items()]
-    loads += [0.0] * max(jobs - len(loads), 0)
-    heapq.heapify(loads)
-    pending = [n for n in expected if n not in done and n not in running]
-    for n in sorted(pending, key=lambda n: -expected[n]):
-        heapq.heappush(loads, heapq.heappop(loads) + expected[n] * scale)
-    return max(loads, default=0.0) + link_s * scale
-
-
-class Reporter:
-    """Logs a build's progress and forwards it to a callback.
-
-    Each report is (message, estimated seconds left or None); the estimate never rises from
-    one report to the next, and is None once the build has run past it.
-    """
-
-    def __init__(self, callback: Callback | None) -> None:
-        self.callback = callback
-        self.started = time.monotonic()
-        self.last_report = self.started
-        self.total = 0
-        self.jobs = 1
-        self.expected: dict[str, float] = {}
-        self._eta: float | None = None
-        #: Whether anything was reported (a build or a wait began).
-        self.active = False
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.started
-
-    def time_left(self) -> float:
-        """Seconds of `BUILD_TIMEOUT_S` left."""
-        return BUILD_TIMEOUT_S - self.elapsed()
-
-    def due(self) -> bool:
-        """Whether `PROGRESS_INTERVAL_S` passed since the last report."""
-        return time.monotonic() - self.last_report >= PROGRESS_INTERVAL_S
-
-    def eta(self) -> float | None:
-        return self._eta
-
-    def _emit(self, message: str, eta: float | None, level: int = logging.INFO) -> None:
-        self.active = True
-        self.last_report = time.monotonic()
-        logger.log(level, "%s", message)
-        if self.callback is not None:
-            try:
-                self.callback(message, eta)
-            except Exception:  # a failing status display must not fail the build
-                logger.exception("the native build's progress callback failed")
-
-    def _update(self, done: Mapping[str, float], running: Mapping[str, float]) -> float | None:
-        eta = estimate_left(self.expected, done, running, self.jobs, EXPECTED_LINK_S)
-        if self._eta is not None:
-            eta = min(eta, self._eta)
-        self._eta = round(eta, 1) if eta >= 0.5 else None
-        return self._eta
-
-    def start(self, total: int, jobs: int, expected: dict[str, float], final: Path) -> None:
-        self.started = time.monotonic()
-        self.total, self.jobs, self.expected = total, jobs, expected
-        eta = self._update({}, {})
-        self._emit(f"building native CPU kernels ({total} sources, {jobs} in parallel) into "
-                   f"{final} (once per source version){_about(eta)}", eta, logging.WARNING)
-
-    def compiled(self, done: Mapping[str, float], running: Mapping[str, float]) -> None:
-        """A source finished: update the estimate (reported at the next tick)."""
-        self._update(done, running)
-
-    def tick(self, done: Mapping[str, float], running: Mapping[str, float]) -> None:
-        eta = self._update(done, running)
-        self._emit(f"building native CPU kernels: {len(done)}/{self.total} sources compiled, "
-                   f"{self.elapsed():.0f} s elapsed{_about(eta, ' left')}", eta)
-
-    def waiting(self, lock: Path, waited: float, *, first: bool) -> None:
-        """Another process holds the build lock; its lock file says since when and how long
-        it expected to take."""
-        info: dict = {}
-        with contextlib.suppress(OSError, ValueError):
-            info = json.loads(lock.read_text() or "{}")
-        eta = None
-        if info.get("started") and info.get("expected_s"):
-            left = info["started"] + info["expected_s"] - time.time()
-            eta = round(left, 1) if left >= 0.5 else None
-        if self._eta is not None and eta is not None:
-            eta = min(eta, self._eta)
-        self._eta = eta
-        who = f"process {info['pid']}" if info.get("pid") else "another process"
-        message = (f"waiting for {who} to finish building the native CPU kernels ({lock}): "
-                   f"{waited:.0f} s elapsed{_about(eta, ' left')}")
-        self._emit(message, eta, logging.WARNING if first else logging.INFO)
-
-    def done(self, final: Path) -> None:
-        self._eta = 0.0
-        self._emit(f"native CPU kernels built in {self.elapsed():.1f} s ({final})", 0.0,
-                   logging.WARNING)
-
-    def built_elsewhere(self, final: Path) -> None:
-        """The wait ended with the library built by the lock's previous holder."""
-        self._eta = 0.0
-        self._emit(f"native CPU kernels built by another process ({final}), waited "
-                   f"{self.elapsed():.1f} s", 0.0, logging.WARNING)
-
-    def failed(self, reason: str) -> None:
-        self._emit(f"building native CPU kernels failed after {self.elapsed():.1f} s: "
-                   f"{reason.splitlines()[0]}", None, logging.WARNING)
-
-
-def _about(eta: float | None, suffix: str = "") -> str:
-    return f", about {eta:.0f} s{suffix}" if eta is not None else ""
+def _time_left(report: Reporter) -> float:
+    """Seconds of `BUILD_TIMEOUT_S` left."""
+    return BUILD_TIMEOUT_S - report.elapsed()

@@ -1,5 +1,6 @@
-"""The native kernels' build (kernels/native_build.py), binding (kernels/native_binding.py) and
-loading (kernels/native.py): cache, lock, progress reports, error messages.
+"""The native kernels' build (kernels/native_build.py), progress (kernels/native_progress.py),
+binding (kernels/native_binding.py) and loading (kernels/native.py): cache, lock, progress
+reports, error messages.
 
 Builds here compile a one-function stand-in for kernels/csrc (about a second) into fresh
 temporary caches; the real sources build once per test session (the other native tests).
@@ -20,7 +21,9 @@ import torch
 
 import kernels.native as native
 import kernels.native_build as nb
+import kernels.native_progress as native_progress
 from kernels.native_binding import binding_source, prototypes
+from kernels.native_progress import Reporter, estimate_left
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -81,7 +84,7 @@ def test_prepare_native_reports_progress_then_loads_from_cache(tmp_path, monkeyp
     monkeypatch.setenv("MOE_ENGINE_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("MOE_ENGINE_NATIVE", raising=False)
     monkeypatch.setattr(nb, "CSRC", _tiny_csrc(tmp_path / "csrc"))
-    monkeypatch.setattr(nb, "PROGRESS_INTERVAL_S", 0.02)  # a tick on every poll
+    monkeypatch.setattr(native_progress, "PROGRESS_INTERVAL_S", 0.02)  # a tick on every poll
     monkeypatch.setattr(native, "_loaded", None)
     monkeypatch.setattr(native, "_failure", None)
     progress = Recorder()
@@ -121,9 +124,9 @@ def _no_compile(popen):
 
 def test_a_source_edit_rebuilds(tmp_path):
     csrc = _tiny_csrc(tmp_path / "csrc")
-    first = nb.ensure_library(tmp_path / "cache", nb.Reporter(None), csrc)
+    first = nb.ensure_library(tmp_path / "cache", Reporter(None), csrc)
     (csrc / "tiny.cpp").write_text(TINY_SOURCE % nb.ABI_VERSION + "// edited\n")
-    second = nb.ensure_library(tmp_path / "cache", nb.Reporter(None), csrc)
+    second = nb.ensure_library(tmp_path / "cache", Reporter(None), csrc)
     assert first != second and first.is_file() and second.is_file()
 
 
@@ -131,7 +134,7 @@ def test_compile_error_names_the_source_and_quotes_the_compiler(tmp_path, monkey
     csrc = _tiny_csrc(tmp_path / "csrc", "int32_t broken( { return 0; }\n")
     progress = Recorder()
     with pytest.raises(nb.BuildError, match=r"compiling tiny\.cpp failed") as info:
-        nb.ensure_library(tmp_path / "cache", nb.Reporter(progress), csrc)
+        nb.ensure_library(tmp_path / "cache", Reporter(progress), csrc)
     assert "error" in str(info.value)  # the compiler's own message
     assert not [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]  # no partial build
     # through the loader: NativeUnavailable carrying the message, the callback told once more
@@ -149,13 +152,13 @@ def test_compile_error_names_the_source_and_quotes_the_compiler(tmp_path, monkey
 def test_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
     with pytest.raises(nb.BuildError, match="no C\\+\\+ compiler found"):
-        nb.ensure_library(tmp_path / "cache", nb.Reporter(None), _tiny_csrc(tmp_path / "csrc"))
+        nb.ensure_library(tmp_path / "cache", Reporter(None), _tiny_csrc(tmp_path / "csrc"))
 
 
 def test_waiting_for_another_builder_reports_then_builds(tmp_path, monkeypatch):
     """While another process holds the build lock, ensure_library waits and says so; once the
     lock is free (its holder died without a result) it builds itself."""
-    monkeypatch.setattr(nb, "PROGRESS_INTERVAL_S", 0.05)
+    monkeypatch.setattr(native_progress, "PROGRESS_INTERVAL_S", 0.05)
     csrc = _tiny_csrc(tmp_path / "csrc")
     root = tmp_path / "cache"
     root.mkdir()
@@ -168,7 +171,7 @@ def test_waiting_for_another_builder_reports_then_builds(tmp_path, monkeypatch):
         held.write(json.dumps({"pid": 12345, "started": time.time(), "expected_s": 30.0}))
         held.flush()
         worker = threading.Thread(
-            target=lambda: result.append(nb.ensure_library(root, nb.Reporter(progress), csrc)))
+            target=lambda: result.append(nb.ensure_library(root, Reporter(progress), csrc)))
         worker.start()
         deadline = time.monotonic() + 30
         while len(progress.calls) < 2 and time.monotonic() < deadline:
@@ -186,8 +189,9 @@ _RACE = """\
 import sys, time
 from pathlib import Path
 import kernels.native_build as nb
+from kernels.native_progress import Reporter
 messages = []
-path = nb.ensure_library(Path(sys.argv[1]), nb.Reporter(lambda m, e: messages.append(m)),
+path = nb.ensure_library(Path(sys.argv[1]), Reporter(lambda m, e: messages.append(m)),
                          Path(sys.argv[2]))
 print(path)
 print("\\n".join(messages))
@@ -223,10 +227,22 @@ def test_concurrent_processes_build_once(tmp_path):
 
 def test_estimate_left_schedules_remaining_work():
     expected = {"a": 4.0, "b": 2.0, "c": 1.0}
-    assert nb.estimate_left(expected, {}, {}, 2, 0.5) == pytest.approx(4.5)  # a | b + c
-    assert nb.estimate_left(expected, {}, {}, 1, 0.0) == pytest.approx(7.0)
+    assert estimate_left(expected, {}, {}, 2, 0.5) == pytest.approx(4.5)  # a | b + c
+    assert estimate_left(expected, {}, {}, 1, 0.0) == pytest.approx(7.0)
     # b took twice its expectation: the rest is scaled by 2
-    assert nb.estimate_left(expected, {"b": 4.0}, {"a": 3.0}, 2, 0.0) == pytest.approx(5.0)
+    assert estimate_left(expected, {"b": 4.0}, {"a": 3.0}, 2, 0.0) == pytest.approx(5.0)
+
+
+def test_reported_estimates_never_rise_and_end_at_zero(tmp_path):
+    progress = Recorder()
+    report = Reporter(progress)
+    report.start(2, 1, {"a": 1.0, "b": 1.0}, 0.0, tmp_path)
+    report.tick({"a": 5.0}, {})  # a took 5x its expectation: 5 s left, reported as 2
+    report.tick({"a": 5.0}, {"b": 100.0})  # past every estimate: unknown
+    report.tick({"a": 5.0}, {"b": 0.0})  # would be 5 s again: stays unknown
+    report.done(tmp_path)
+    assert [eta for _, eta in progress.calls] == [2.0, 2.0, None, None, 0.0]
+    assert "1/2 sources compiled" in progress.calls[1][0]
 
 
 def test_binding_generator_follows_the_header():
