@@ -10,14 +10,15 @@ They include no torch header: they export the C ABI of csrc/moe_engine_cpu.h (ra
 sizes), wrapped by a small Python module generated from that header (`kernels.native_binding`:
 Python.h only, ~0.3 us a call). The system's C++ compiler (`$CXX`, else g++) builds them the
 first time a process needs them, one compiler per source in parallel and one link
-(`kernels.native_build`; about 4-7 s on 2 cores, against 55 s to 7 min when each source
-included `torch/extension.h`), cached under `$MOE_ENGINE_CACHE/native/` keyed by a digest of
-the sources, headers, flags, compiler and Python ABI (an edited source rebuilds; concurrent
-processes wait on the build's file lock); loading a cached build takes milliseconds. The
-wrappers in kernels/cpu_*.py check shapes and dtypes, allocate outputs with torch and pass
-`tensor.data_ptr()`; the GIL is released during a kernel. Every parallel region runs
-`torch.get_num_threads()` OpenMP threads (passed per call), in torch's own OpenMP runtime: the
-module's libgomp.so.1 resolves to the copy torch loaded, so there is one thread pool.
+(`kernels.native_build`: 6-8 s on a busy 2-core machine, where the torch-extension build of the
+same kernels, each source including `torch/extension.h`, took 55-106 s). The build is cached
+under `$MOE_ENGINE_CACHE/native/`, keyed by a digest of the sources, headers, flags, compiler
+and Python ABI (an edited source rebuilds; concurrent processes wait on the build's file lock);
+loading a cached build takes milliseconds. The wrappers in kernels/cpu_*.py check shapes and
+dtypes, allocate outputs with torch and pass `tensor.data_ptr()`; the GIL is released during a
+kernel. Every parallel region runs `torch.get_num_threads()` OpenMP threads (passed per call),
+in torch's own OpenMP runtime: the module's libgomp.so.1 resolves to the copy torch loaded, so
+there is one thread pool.
 
 `MOE_ENGINE_NATIVE=0` turns the native kernels off (the torch paths run instead);
 `MOE_ENGINE_NATIVE=1` makes a failed build an error instead of a logged fallback; a
