@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.native import load_native
+from kernels.native import BAD_ARGUMENT, check_status, dtype_flag, load_native
 
 
 def native_attention_available() -> bool:
@@ -51,11 +51,47 @@ def paged_decode_attention(
         RuntimeError: the native kernel is unavailable, or shapes/dtypes that do not match
             (the message names the argument).
     """
-    ext = load_native("paged_attention")
-    if ext is None:
+    lib = load_native("paged_attention")
+    if lib is None:
         raise RuntimeError("native decode attention is unavailable (see kernels/native.py)")
-    empty = torch.empty(0, dtype=torch.float32)
-    return ext.paged_decode_attention(
-        q.contiguous(), k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(),
-        empty if sinks is None else sinks, int(sliding_window or 0), float(scale),
-    )
+    q = q.contiguous()
+    q_shape, cache_shape = q.shape, k_cache.shape
+    if len(q_shape) != 3:
+        raise RuntimeError(f"q must be [B, Hq, D], got {tuple(q_shape)}")
+    if (len(cache_shape) != 4 or cache_shape != v_cache.shape or k_cache.dtype != v_cache.dtype
+            or not k_cache.is_contiguous() or not v_cache.is_contiguous()):
+        raise RuntimeError("k_cache/v_cache must be contiguous [num_blocks, block_size, Hkv, D], "
+                           f"one dtype; got {k_cache.dtype} {tuple(cache_shape)} and "
+                           f"{v_cache.dtype} {tuple(v_cache.shape)}")
+    b, hq, d = q_shape
+    _, block_size, hkv, cache_d = cache_shape
+    if cache_d != d or d % 8:
+        raise RuntimeError(f"head_dim must match (q {d}, cache {cache_d}) and be a multiple of 8")
+    if hq % hkv:
+        raise RuntimeError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
+    table_shape = block_tables.shape
+    if len(table_shape) != 2 or table_shape[0] != b or block_tables.dtype != torch.int64:
+        raise RuntimeError(f"block_tables must be int64 [B, W] with B = {b}, got "
+                           f"{block_tables.dtype} {tuple(table_shape)}")
+    if seq_lens.numel() != b or seq_lens.dtype != torch.int64:
+        raise RuntimeError(f"seq_lens must be int64 [B] = [{b}], got {seq_lens.dtype} "
+                           f"{tuple(seq_lens.shape)}")
+    sink_ptr = None
+    if sinks is not None and sinks.numel():
+        if sinks.numel() != hq:
+            raise RuntimeError(f"sinks must be [Hq] = [{hq}], got {tuple(sinks.shape)}")
+        sinks = sinks.float().contiguous()
+        sink_ptr = sinks.data_ptr()
+    q_bf16, cache_bf16 = dtype_flag(q, "q"), dtype_flag(k_cache, "the KV cache")
+    out = torch.empty_like(q)
+    status = lib.moe_paged_decode_attention(
+        q.data_ptr(), q_bf16, k_cache.data_ptr(), v_cache.data_ptr(), cache_bf16,
+        block_tables.data_ptr(), table_shape[1], seq_lens.data_ptr(), sink_ptr, b, hq,
+        hkv, d, block_size, int(sliding_window or 0), float(scale), out.data_ptr(),
+        torch.get_num_threads())
+    if status == BAD_ARGUMENT:
+        raise RuntimeError(f"seq_lens out of the block table: each must be in [1, W * "
+                           f"block_size] = [1, {table_shape[1] * block_size}]")
+    check_status(status, "paged_decode_attention")
+    return out

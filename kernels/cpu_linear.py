@@ -10,11 +10,12 @@ is exact, and runs the shared AVX2 micro-kernel (csrc/gemm_avx2.h).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from kernels.cpu_native import TILE, bf16_exact, pack_tiles
-from kernels.native import load_native
+from kernels.native import check_status, dtype_flag, load_native
 
 
 def native_linear_available() -> bool:
@@ -22,9 +23,10 @@ def native_linear_available() -> bool:
     return load_native("linear_cpu") is not None
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class PackedLinear:
-    """A linear layer's weight in the native layout.
+    """A linear layer's weight in the native layout (frozen: the kernel's pointers to these
+    tensors are checked and taken once).
 
     Attributes:
         weight: [ceil(N/16), K, 16] float32 or bfloat16 tiles.
@@ -65,12 +67,39 @@ class PackedLinear:
         Raises:
             RuntimeError: the native kernel is unavailable or x's last dimension is not K.
         """
-        ext = load_native("linear_cpu")
-        if ext is None:
+        lib = load_native("linear_cpu")
+        if lib is None:
             raise RuntimeError("the native linear kernel is unavailable (see kernels/native.py)")
-        lead = x.shape[:-1]
-        y = ext.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias, self.out_features)
-        return y.view(*lead, self.out_features)
+        w_ptr, w_bf16, bias_ptr = self._weight_args
+        n, k, shape = self.out_features, self.in_features, x.shape
+        if not shape or shape[-1] != k:
+            raise RuntimeError(f"x [..., K] must have K = {k}, got {tuple(shape)}")
+        x_bf16 = dtype_flag(x, "x")
+        # [..., K] contiguous is [M, K]; kept alive through the call
+        xf = (x.float() if x_bf16 else x).contiguous()
+        y = x.new_empty((*shape[:-1], n))
+        check_status(lib.moe_linear(xf.data_ptr(), y.numel() // n if n else 0, k, w_ptr, w_bf16,
+                                    n, bias_ptr, y.data_ptr(), x_bf16, torch.get_num_threads()),
+                     "linear")
+        return y
+
+    @cached_property
+    def _weight_args(self) -> tuple[int, int, int | None]:
+        """(weight pointer, its dtype flag, bias pointer or None), checked once.
+
+        Raises:
+            RuntimeError: a weight or bias the kernel does not take.
+        """
+        w, n, k, bias = self.weight, self.out_features, self.in_features, self.bias
+        if (w.dim() != 3 or w.shape[2] != TILE or not w.is_contiguous() or w.shape[1] != k
+                or not n <= w.shape[0] * TILE < n + TILE):
+            raise RuntimeError(f"w must be packed [ceil(N/16), K, 16] = [{-(-n // TILE)}, {k}, "
+                               f"16], got {tuple(w.shape)}")
+        if bias.numel() and (bias.numel() != n or bias.dtype != torch.float32
+                             or not bias.is_contiguous()):
+            raise RuntimeError(f"bias must be float32 [N] = [{n}], got {bias.dtype} "
+                               f"{tuple(bias.shape)}")
+        return w.data_ptr(), dtype_flag(w, "w"), bias.data_ptr() if bias.numel() else None
 
 
 assert TILE == 16  # csrc/gemm_avx2.h kTile

@@ -19,12 +19,21 @@ in registers, activations and accumulation float32.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 
 from kernels.activation import SILU_AND_MUL, SwiGLU
-from kernels.native import load_native
+from kernels.cpu_moe_args import (
+    DenseWeightArgs,
+    Q4WeightArgs,
+    bias_pointers,
+    dense_weight_args,
+    q4_weight_args,
+    route_args,
+)
+from kernels.native import check_status, load_native
 from quant.int4 import SYMMETRIC_ZERO, Int4Weight
 from quant.mxfp4 import MXFP4_BLOCK_SIZE
 from quant.packing import pack_nibbles, unpack_nibbles
@@ -55,9 +64,10 @@ def bf16_exact(w: torch.Tensor) -> bool:
     return bool(torch.equal(w.to(torch.bfloat16).to(w.dtype), w))
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class PackedExperts:
-    """One layer's experts in the native kernel's layout.
+    """One layer's experts in the native kernel's layout (frozen: the kernel's pointers to
+    these tensors are checked and taken once).
 
     Attributes:
         w13: [E, 2, ceil(I/16), H, 16] gate tiles then up tiles, float32 or bfloat16.
@@ -128,15 +138,32 @@ class PackedExperts:
         Raises:
             RuntimeError: the native kernel is unavailable, or shapes do not match.
         """
-        ext = load_native("moe_cpu")
-        if ext is None:
-            raise RuntimeError("the native MoE kernel is unavailable (see kernels/native.py)")
+        lib = _moe_library()
+        w = self._weight_args
+        r = route_args(hidden, topk_weights, topk_ids)
+        if r.hidden.shape[1] != w.hidden:
+            raise RuntimeError(f"hidden [T, {r.hidden.shape[1]}] does not match the experts' "
+                               f"hidden size {w.hidden}")
         act = self.activation
-        return ext.fused_moe(
-            hidden.contiguous(), self.w13, self.w2, topk_weights, topk_ids, self.b13, self.b2,
-            self.intermediate, act.clamped, float(act.alpha or 0.0), act.limit is not None,
-            float(act.limit or 0.0),
-        )
+        out = torch.empty_like(r.hidden)
+        check_status(lib.moe_fused_moe(
+            r.hidden.data_ptr(), r.hidden_bf16, r.hidden.shape[0], w.hidden, w.w13, w.w2,
+            w.w_bf16, w.experts, w.intermediate, w.padded_intermediate, w.padded_hidden,
+            r.weights.data_ptr(), r.ids.data_ptr(), r.ids_int64, r.k, w.b13, w.b2, act.clamped,
+            float(act.alpha or 0.0), act.limit is not None, float(act.limit or 0.0),
+            out.data_ptr(), torch.get_num_threads()), "fused_moe")
+        return out
+
+    @cached_property
+    def _weight_args(self) -> DenseWeightArgs:
+        return dense_weight_args(self.w13, self.w2, self.b13, self.b2, self.intermediate)
+
+
+def _moe_library():
+    lib = load_native("moe_cpu")
+    if lib is None:
+        raise RuntimeError("the native MoE kernel is unavailable (see kernels/native.py)")
+    return lib
 
 
 def bias_args(
@@ -145,9 +172,11 @@ def bias_args(
     """The native kernels' bias arguments: `b13` [E, 2I] and `b2` [E, H] as contiguous float32
     (no copy when they are already), or two empty tensors when either is None."""
     if b13 is None or b2 is None:
-        empty = torch.empty(0, dtype=torch.float32)
-        return empty, empty
+        return _EMPTY, _EMPTY
     return b13.detach().float().contiguous(), b2.detach().float().contiguous()
+
+
+_EMPTY = torch.empty(0, dtype=torch.float32)
 
 
 #: Nibble order of a 4-bit tile row (csrc/moe_cpu.cpp): per k, 8 bytes; byte i holds column
@@ -204,9 +233,10 @@ def _gate_up_rows(w: torch.Tensor, i: int, unpack) -> torch.Tensor:
     return torch.cat([unpack(w[:, 0], i), unpack(w[:, 1], i)], dim=1)
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class PackedQuantExperts:
-    """One layer's 4-bit experts in the native kernel's layout (csrc/moe_cpu.cpp).
+    """One layer's 4-bit experts in the native kernel's layout (csrc/moe_cpu.cpp); frozen, as
+    `PackedExperts`.
 
     Codes are `pack_q4_tiles` tiles; scales (and zero points) are `pack_tiles` tiles of the
     per-(row, block) values, so tile t, block g holds the 16 columns' values contiguously.
@@ -405,14 +435,26 @@ class PackedQuantExperts:
         Raises:
             RuntimeError: the native kernel is unavailable, or shapes do not match.
         """
-        ext = load_native("moe_cpu")
-        if ext is None:
-            raise RuntimeError("the native MoE kernel is unavailable (see kernels/native.py)")
-        pb13, pb2 = bias_args(b13, b2)
-        return ext.fused_moe_q4(
-            hidden.contiguous(), self.w13_codes, self.w13_scales, self.w13_zeros, self.w2_codes,
-            self.w2_scales, self.w2_zeros, topk_weights, topk_ids, pb13, pb2, self.intermediate,
-            0 if self.method == "mxfp4" else 1, self.group_size, activation.clamped,
-            float(activation.alpha or 0.0), activation.limit is not None,
-            float(activation.limit or 0.0),
-        )
+        lib = _moe_library()
+        w = self._weight_args
+        r = route_args(hidden, topk_weights, topk_ids)
+        if r.hidden.shape[1] != w.hidden:
+            raise RuntimeError(f"hidden [T, {r.hidden.shape[1]}] does not match the experts' "
+                               f"hidden size {w.hidden}")
+        fb13, fb2 = bias_args(b13, b2)  # kept alive through the call
+        pb13, pb2 = bias_pointers(fb13, fb2, w.experts, w.hidden, w.intermediate)
+        out = torch.empty_like(r.hidden)
+        check_status(lib.moe_fused_moe_q4(
+            r.hidden.data_ptr(), r.hidden_bf16, r.hidden.shape[0], w.hidden, *w.pointers,
+            w.format, w.group_size, w.experts, w.intermediate, w.padded_intermediate,
+            w.padded_hidden, r.weights.data_ptr(), r.ids.data_ptr(), r.ids_int64, r.k, pb13, pb2,
+            activation.clamped, float(activation.alpha or 0.0), activation.limit is not None,
+            float(activation.limit or 0.0), out.data_ptr(), torch.get_num_threads()),
+            "fused_moe_q4")
+        return out
+
+    @cached_property
+    def _weight_args(self) -> Q4WeightArgs:
+        return q4_weight_args(self.method, self.w13_codes, self.w13_scales, self.w13_zeros,
+                              self.w2_codes, self.w2_scales, self.w2_zeros, self.hidden,
+                              self.intermediate, self.group_size)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.native import load_native
+from kernels.native import check_status, dtype_flag, load_native
 
 
 def native_ops_available() -> bool:
@@ -35,7 +35,25 @@ def rms_norm(
     Raises:
         RuntimeError: the native ops are unavailable, or shapes/dtypes that do not fit.
     """
-    ext = load_native("ops_cpu")
-    if ext is None:
+    lib = load_native("ops_cpu")
+    if lib is None:
         raise RuntimeError("the native CPU ops are unavailable (see kernels/native.py)")
-    return ext.rms_norm(x, weight, float(eps), weight_in_float32)
+    shape, strides = x.shape, x.stride()
+    nd = len(shape)
+    if not 1 <= nd <= 3 or strides[-1] != 1:
+        raise RuntimeError(f"x must be [D], [A, D] or [A, B, D] with a contiguous last "
+                           f"dimension, got shape {tuple(shape)} strides {strides}")
+    if x.dtype != weight.dtype:
+        raise RuntimeError(f"weight ({weight.dtype}) must have x's dtype ({x.dtype})")
+    d = shape[-1]
+    if weight.numel() != d or not weight.is_contiguous():
+        raise RuntimeError(f"weight must be contiguous [D] = [{d}], got {tuple(weight.shape)}")
+    bf16 = dtype_flag(x, "x")
+    # rows (a, b) at a * sa + b * sb elements: [D] is one row, [A, D] is A x 1
+    a, sa = (shape[0], strides[0]) if nd >= 2 else (1, d)
+    b, sb = (shape[1], strides[1]) if nd == 3 else (1, d)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    check_status(lib.moe_rms_norm(x.data_ptr(), a, b, d, sa, sb, weight.data_ptr(), eps,
+                                  weight_in_float32, bf16, y.data_ptr(),
+                                  torch.get_num_threads()), "rms_norm")
+    return y

@@ -3,11 +3,22 @@
 Triton does not compile for a CPU, and torch's small matmuls leave most of a CPU's FMA units
 idle at decode batch sizes (measured on the project's machine: a [8, 512] x [512, 512] float32
 GEMM reaches 38 GFLOP/s on one or two cores, against 78 per core for large ones). The hot CPU
-loops of the engine (the fused MoE experts, decode attention over the paged cache) are
-therefore C++ with AVX2/FMA intrinsics and OpenMP, compiled by `torch.utils.cpp_extension.load`
-(g++ and ninja) the first time a process needs them and cached under
-`$MOE_ENGINE_CACHE/torch_extensions/` (the cache is keyed by the source and flags, so an edited
-source rebuilds; concurrent processes wait on the build's lock file).
+loops of the engine (the fused MoE experts, decode attention over the paged cache, the dense
+linears, RMSNorm) are therefore C++ with AVX2/FMA intrinsics and OpenMP.
+
+They include no torch header: they export the C ABI of csrc/moe_engine_cpu.h (raw pointers and
+sizes), wrapped by a small Python module generated from that header (`kernels.native_binding`:
+Python.h only, ~0.3 us a call). The system's C++ compiler (`$CXX`, else g++) builds them the
+first time a process needs them, one compiler per source in parallel and one link
+(`kernels.native_build`: 6-8 s on a busy 2-core machine, where the torch-extension build of the
+same kernels, each source including `torch/extension.h`, took 55-106 s). The build is cached
+under `$MOE_ENGINE_CACHE/native/`, keyed by a digest of the sources, headers, flags, compiler
+and Python ABI (an edited source rebuilds; concurrent processes wait on the build's file lock);
+loading a cached build takes milliseconds. The wrappers in kernels/cpu_*.py check shapes and
+dtypes, allocate outputs with torch and pass `tensor.data_ptr()`; the GIL is released during a
+kernel. Every parallel region runs `torch.get_num_threads()` OpenMP threads (passed per call),
+in torch's own OpenMP runtime: the module's libgomp.so.1 resolves to the copy torch loaded, so
+there is one thread pool.
 
 `MOE_ENGINE_NATIVE=0` turns the native kernels off (the torch paths run instead);
 `MOE_ENGINE_NATIVE=1` makes a failed build an error instead of a logged fallback; a
@@ -18,22 +29,22 @@ comma-separated list of kernel names (`moe_cpu,linear_cpu,paged_attention`) enab
 from __future__ import annotations
 
 import functools
-import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
-import time
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-logger = logging.getLogger(__name__)
+from kernels.native_binding import MODULE
+from kernels.native_build import ABI_VERSION, BuildError, ensure_library
+from kernels.native_progress import Reporter
 
-CSRC = Path(__file__).resolve().parent / "csrc"
-#: Compiler flags: AVX2 + FMA + F16C (not -march=native, so a cache shared by machines of one
-#: architecture level never holds an instruction another machine lacks).
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG"]
+logger = logging.getLogger(__name__)
 
 
 class NativeUnavailable(RuntimeError):
@@ -52,8 +63,11 @@ def _cpu_supported() -> str | None:
 #: it when a build starts, at least every 15 s while it runs, and when it ends.
 ProgressCallback = Callable[[str, "float | None"], None]
 
-#: The kernels under kernels/csrc/ (one extension each).
+#: The kernels under kernels/csrc/ (one source each, all in one library).
 KERNELS = ("moe_cpu", "linear_cpu", "paged_attention", "ops_cpu")
+
+#: Statuses of the entry points (csrc/moe_engine_cpu.h kOk, kBadArgument, kOutOfMemory).
+OK, BAD_ARGUMENT, OUT_OF_MEMORY = 0, 1, 2
 
 
 def native_mode(name: str) -> str:
@@ -80,14 +94,15 @@ def _parse_mode(value: str, name: str) -> str:
 
 
 def build_dir() -> Path:
-    """Where compiled extensions are cached: `$MOE_ENGINE_CACHE/torch_extensions/`."""
+    """Where compiled kernels are cached: `$MOE_ENGINE_CACHE/native/` (one directory per
+    digest of sources, headers, flags, compiler and Python ABI)."""
     from moe_engine.config import cache_root
 
-    return cache_root() / "torch_extensions"
+    return cache_root() / "native"
 
 
 def _build(name: str) -> ModuleType:
-    """The extension module holding kernel `name` (all kernels share one module).
+    """The module holding kernel `name` (all kernels share one module).
 
     Raises:
         ValueError: an unknown kernel name.
@@ -95,51 +110,90 @@ def _build(name: str) -> ModuleType:
     """
     if name not in KERNELS:
         raise ValueError(f"unknown native kernel {name!r}; kernels: {KERNELS}")
-    return _build_all()
+    return _library()
 
 
-@functools.cache
-def _build_all() -> ModuleType:
-    """Compile (or load from the cache) the extension of every kernels/csrc/*.cpp.
+_lock = threading.Lock()
+_loaded: ModuleType | None = None
+_failure: NativeUnavailable | None = None
 
-    The sources build in parallel (ninja) into one module; the cache directory is named by a
-    digest of every source and header, so any edit rebuilds.
+
+def _library(progress: ProgressCallback | None = None) -> ModuleType:
+    """Build (or load from the cache) the module of every kernels/csrc/*.cpp, once per
+    process (a failure is remembered too).
+
+    Args:
+        progress: told when a build starts, while it runs and when it ends (not called when the
+            module loads from the cache, or was loaded before in this process).
 
     Raises:
-        NativeUnavailable: this CPU lacks AVX2/FMA, or the build failed (message inside).
+        NativeUnavailable: this CPU lacks AVX2/FMA, or the build or load failed (the message
+            has the compiler's output).
     """
+    global _loaded, _failure
+    if _loaded is not None:  # the per-call path: no lock
+        return _loaded
+    with _lock:
+        if _loaded is not None:
+            return _loaded
+        if _failure is not None:
+            raise _failure
+        try:
+            _loaded = _load(progress)
+        except NativeUnavailable as exc:
+            _failure = exc
+            raise
+        return _loaded
+
+
+def _load(progress: ProgressCallback | None) -> ModuleType:
     reason = _cpu_supported()
     if reason is not None:
         raise NativeUnavailable(reason)
-    from torch.utils.cpp_extension import load
-
-    sources = sorted(CSRC.glob("*.cpp"))
-    digest = hashlib.sha256()
-    for path in sources + sorted(CSRC.glob("*.h")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    name = f"moe_engine_cpu_{digest.hexdigest()[:12]}"
-    directory = build_dir() / name
-    directory.mkdir(parents=True, exist_ok=True)
-    building = not (directory / f"{name}.so").exists()
-    if building:
-        logger.warning("building the native CPU kernels into %s (once per source version; "
-                       "one to a few minutes)", directory)
-    start = time.monotonic()
+    report = Reporter(progress)
     try:
-        module = load(
-            name=name,
-            sources=[str(p) for p in sources],
-            extra_cflags=CFLAGS,
-            extra_include_paths=[str(CSRC)],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-            verbose=False,
-        )
-    except Exception as exc:  # compiler missing, headers missing, compile error
+        path = ensure_library(build_dir(), report)
+    except (BuildError, OSError) as exc:
+        if report.active:
+            report.failed(str(exc))
         raise NativeUnavailable(f"building kernels/csrc failed: {exc}") from exc
-    if building:
-        logger.warning("native CPU kernels built in %.0f s", time.monotonic() - start)
+    try:  # torch is imported: its libgomp.so.1 is the one the module binds to
+        loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
+        spec = importlib.util.spec_from_file_location(MODULE, path, loader=loader)
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+    except ImportError as exc:
+        raise NativeUnavailable(f"loading {path} failed: {exc}") from exc
+    if module.moe_engine_abi_version() != ABI_VERSION:
+        raise NativeUnavailable(f"{path} has ABI version {module.moe_engine_abi_version()}, "
+                                f"kernels/native.py expects {ABI_VERSION}")
     return module
+
+
+def dtype_flag(t: torch.Tensor, what: str) -> int:
+    """The C ABI's dtype flag of `t`: 0 for float32, 1 for bfloat16.
+
+    Raises:
+        RuntimeError: any other dtype (the message names `what`).
+    """
+    if t.dtype == torch.float32:
+        return 0
+    if t.dtype == torch.bfloat16:
+        return 1
+    raise RuntimeError(f"{what} must be float32 or bfloat16, got {t.dtype}")
+
+
+def check_status(status: int, what: str) -> None:
+    """Raise for a native call's nonzero status.
+
+    Raises:
+        RuntimeError: BAD_ARGUMENT (`what` says which argument).
+        MemoryError: OUT_OF_MEMORY.
+    """
+    if status == OUT_OF_MEMORY:
+        raise MemoryError(f"native kernel: out of memory ({what})")
+    if status != OK:
+        raise RuntimeError(f"native kernel: {what}")
 
 
 def prepare_native(progress: ProgressCallback | None = None) -> list[str]:
@@ -147,8 +201,11 @@ def prepare_native(progress: ProgressCallback | None = None) -> list[str]:
     pays the one-time build before it reports ready rather than in its first request.
 
     Args:
-        progress: told when a build starts, while it runs and when it ends (not called when
-            the kernels load from the cache).
+        progress: called with (message, estimated seconds left or None) when a build starts,
+            at least every 15 s while it runs (or while this process waits for another
+            process's build of the same sources), and when it ends (success: ETA 0.0;
+            failure: None); the estimate never rises. Not called when the kernels load from
+            the cache. The same messages are logged (start and end as warnings).
 
     Returns:
         The enabled kernel names ([] when off or unavailable in "auto" mode).
@@ -158,14 +215,21 @@ def prepare_native(progress: ProgressCallback | None = None) -> list[str]:
         NativeUnavailable: the build failed and `MOE_ENGINE_NATIVE=1`.
     """
     enabled = [k for k in KERNELS if native_mode(k) != "0"]
+    if enabled:
+        try:
+            _library(progress)
+        except NativeUnavailable:
+            pass  # load_native below raises or logs it, per kernel mode
     return [k for k in enabled if load_native(k) is not None]
 
 
 def load_native(name: str) -> ModuleType | None:
-    """Extension `name` (kernels/csrc/<name>.cpp), built on first use; None when
-    `MOE_ENGINE_NATIVE=0`, or when it cannot be built and the mode is "auto" (logged once).
+    """The native module (kernel `name`'s functions: csrc/moe_engine_cpu.h's entry points, same
+    names and argument order), built on first use; None when `MOE_ENGINE_NATIVE` turns `name`
+    off, or when it cannot be built and the mode is "auto" (logged once).
 
     Raises:
+        ValueError: an unknown kernel name or an invalid `MOE_ENGINE_NATIVE`.
         NativeUnavailable: the build failed and `MOE_ENGINE_NATIVE=1`.
     """
     mode = native_mode(name)

@@ -93,6 +93,15 @@ def test_decode_attention_rejects_bad_arguments():
     with pytest.raises(RuntimeError, match="head_dim"):
         paged_decode_attention(q[..., :12].contiguous(), k_cache, v_cache, tables,
                                torch.tensor([5]), 0.25)
+    with pytest.raises(RuntimeError, match="seq_lens"):
+        paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor([0]), 0.25)
+    with pytest.raises(RuntimeError, match="block_tables must be int64"):
+        paged_decode_attention(q, k_cache, v_cache, tables.int(), torch.tensor([5]), 0.25)
+    with pytest.raises(RuntimeError, match="k_cache/v_cache"):
+        paged_decode_attention(q, k_cache, v_cache[:-1], tables, torch.tensor([5]), 0.25)
+    with pytest.raises(RuntimeError, match="sinks"):
+        paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor([5]), 0.25,
+                               sinks=torch.zeros(3))
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 24), (7, 16, 64), (100, 33, 8), (1, 8192, 64)])
@@ -115,6 +124,22 @@ def test_linear_matches_reference(m, n, k, bias):
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), xb.double() @ w.bfloat16().double().t()
                                + (0 if b is None else b.double()), rtol=2e-2, atol=2e-2)
+
+
+def test_linear_rejects_what_the_kernel_would_misread():
+    g = _gen()
+    packed = PackedLinear.pack(torch.randn(20, 24, generator=g))
+    with pytest.raises(RuntimeError, match="K = 24"):
+        packed(torch.randn(3, 16, generator=g))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        packed(torch.randn(3, 24, generator=g).half())
+    x = torch.randn(2, 3, 48, generator=g)[..., ::2]  # strided: copied, not misread
+    torch.testing.assert_close(packed(x), x @ unpack_weight(packed).T, rtol=1e-5, atol=1e-5)
+
+
+def unpack_weight(packed: PackedLinear) -> torch.Tensor:
+    w = packed.weight.transpose(1, 2).reshape(-1, packed.in_features)
+    return w[: packed.out_features].float()
 
 
 def test_linear_module_repacks_after_reset_and_matches_torch_on_large_batches():
@@ -172,6 +197,21 @@ def test_native_rms_norm_matches_torch_path(dtype, weight_in_float32):
         assert got.dtype == dtype and got.shape == x.shape
         tol = 1e-6 if dtype == torch.float32 else 8e-3
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_native_rms_norm_rejects_what_the_kernel_would_misread():
+    from kernels.cpu_ops import rms_norm
+
+    _build("ops_cpu")
+    x, w = torch.randn(4, 64), torch.randn(64)
+    with pytest.raises(RuntimeError, match="contiguous last dimension"):
+        rms_norm(torch.randn(64, 4).T, w, 1e-6)
+    with pytest.raises(RuntimeError, match="x's dtype"):
+        rms_norm(x, w.bfloat16(), 1e-6)
+    with pytest.raises(RuntimeError, match="weight must be contiguous"):
+        rms_norm(x, torch.randn(32), 1e-6)
+    with pytest.raises(RuntimeError, match="contiguous last dimension"):
+        rms_norm(torch.randn(2, 2, 2, 64), w, 1e-6)
 
 
 def test_engine_start_validates_native_setting(monkeypatch, qwen3_ckpt):

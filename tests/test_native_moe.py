@@ -128,6 +128,30 @@ def test_pack_tiles_round_trip_and_shape_errors():
         PackedExperts.pack(torch.randn(2, 8, 6), torch.randn(2, 6, 5))
 
 
+def test_call_rejects_what_the_kernel_would_misread():
+    """The C kernel trusts raw pointers: every mismatch is refused before the call."""
+    g = _gen()
+    hidden, w13, w2, weights, ids, _, _ = _case(g, 3, 32, 16, 4, 2)
+    packed = PackedExperts.pack(w13, w2)
+    with pytest.raises(RuntimeError, match="hidden size 32"):
+        packed(hidden[:, :16].contiguous(), weights, ids)
+    with pytest.raises(RuntimeError, match="topk_ids must be"):
+        packed(hidden, weights[:2], ids[:2])
+    with pytest.raises(RuntimeError, match="topk_weights"):
+        packed(hidden, weights[:, :1], ids)
+    with pytest.raises(RuntimeError, match="hidden must be float32 or bfloat16"):
+        packed(hidden.half(), weights, ids)
+    with pytest.raises(RuntimeError, match="biases must be"):
+        bad = PackedExperts(packed.w13, packed.w2, torch.zeros(4, 3), torch.zeros(4, 32), 16,
+                            32, packed.activation)
+        bad(hidden, weights, ids)
+    # hidden given strided and ids as int16 are made contiguous / int64 (no misread)
+    wide = torch.zeros(3, 64)
+    wide[:, ::2] = hidden
+    torch.testing.assert_close(packed(wide[:, ::2], weights, ids.to(torch.int16)),
+                               packed(hidden, weights, ids))
+
+
 def test_engine_layer_uses_native_kernel_and_repacks_after_load():
     from moe_engine.models.layers.moe import FusedMoE
 

@@ -271,6 +271,26 @@ def test_bfloat16_activations():
     torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
 
 
+def test_call_rejects_what_the_kernel_would_misread():
+    import dataclasses
+
+    g = _gen()
+    packed, _, _ = _mxfp4(*_weights(g, 4, 64, 32))
+    weights, ids = _routing(g, 3, 4, 2)
+    with pytest.raises(RuntimeError, match="hidden size 64"):
+        packed(torch.randn(3, 32, generator=g), weights, ids)
+    with pytest.raises(RuntimeError, match="topk_ids must be"):
+        packed(torch.randn(2, 64, generator=g), weights, ids)
+    with pytest.raises(RuntimeError, match="biases must be"):
+        packed(torch.randn(3, 64, generator=g), weights, ids, b13=torch.zeros(4, 3),
+               b2=torch.zeros(4, 64))
+    with pytest.raises(RuntimeError, match="group size 16"):
+        dataclasses.replace(packed, group_size=16)(torch.randn(3, 64, generator=g), weights, ids)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        dataclasses.replace(packed, w2_scales=packed.w2_scales.float())(
+            torch.randn(3, 64, generator=g), weights, ids)
+
+
 @pytest.mark.parametrize("t", [1, 4, 20])
 def test_mxfp4_subnormal_and_nan_scales_decode_exactly(t):
     """E8M0 bytes 0-3 (2^-127 is an fp32 subnormal) decode exactly: with activations of 1e30

@@ -12,22 +12,27 @@
 
 #include <cstdint>
 
+// Forced inlining: GCC's inliner budgets grow with the translation unit, and these small units
+// (no torch headers) otherwise keep the micro-kernels out of line (measured 45% slower on the
+// 4-bit MoE at 64 tokens).
+#define MOE_ENGINE_INLINE inline __attribute__((always_inline))
+
 namespace moe_engine {
 
 constexpr int64_t kTile = 16;  // output columns per packed tile
 constexpr int kRows = 6;       // rows per micro-kernel call
 
-inline __m256 widen_bf16(const uint16_t* p) {
+MOE_ENGINE_INLINE __m256 widen_bf16(const uint16_t* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
-inline __m256 load_w(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load_w(const uint16_t* p) { return widen_bf16(p); }
+MOE_ENGINE_INLINE __m256 load_w(const float* p) { return _mm256_loadu_ps(p); }
+MOE_ENGINE_INLINE __m256 load_w(const uint16_t* p) { return widen_bf16(p); }
 
 // c[m * 16 + j] = sum_k a[m * lda + k] * w[k * 16 + j], m < M, j < 16.
 template <int M, typename W>
-inline void micro_kernel(const float* a, int64_t lda, const W* w, int64_t K, float* c) {
+MOE_ENGINE_INLINE void micro_kernel(const float* a, int64_t lda, const W* w, int64_t K, float* c) {
   __m256 lo[M], hi[M];
   for (int m = 0; m < M; ++m) {
     lo[m] = _mm256_setzero_ps();
@@ -50,7 +55,8 @@ inline void micro_kernel(const float* a, int64_t lda, const W* w, int64_t K, flo
 
 // Rows [0, n) of a (n <= kRows) times one packed tile -> c [n][16].
 template <typename W>
-inline void tile_rows(const float* a, int64_t lda, int n, const W* w, int64_t K, float* c) {
+MOE_ENGINE_INLINE void tile_rows(const float* a, int64_t lda, int n, const W* w, int64_t K,
+                                 float* c) {
   switch (n) {
     case 1: micro_kernel<1>(a, lda, w, K, c); break;
     case 2: micro_kernel<2>(a, lda, w, K, c); break;

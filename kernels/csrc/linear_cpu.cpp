@@ -1,23 +1,23 @@
 // Dense linear layer y = x W^T + b on a CPU, over weights packed by kernels/cpu_native.py.
 //
-// The Python side is kernels/cpu_linear.py. Work items are (row chunk, 16-column tile): a
-// chunk of up to kChunk rows stays in L2 while every tile of W streams past it, and OpenMP
-// spreads the items over the cores (dynamic schedule); each item runs the 6 x 16 micro-kernel
-// of gemm_avx2.h down its rows. Small batches (decode: a few rows) are bound by reading W, and
-// bfloat16-packed weights halve those bytes.
-
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
-#include <omp.h>
+// The Python side is kernels/cpu_linear.py (argument checks; the C ABI is moe_engine_cpu.h).
+// Work items are (row chunk, 16-column tile): a chunk of up to kChunk rows stays in L2 while
+// every tile of W streams past it, and OpenMP spreads the items over the cores (dynamic
+// schedule); each item runs the 6 x 16 micro-kernel of gemm_avx2.h down its rows. Small
+// batches (decode: a few rows) are bound by reading W, and bfloat16-packed weights halve those
+// bytes.
 
 #include <algorithm>
 #include <cstring>
 
+#include "cpu_common.h"
 #include "gemm_avx2.h"
+#include "moe_engine_cpu.h"
 
 namespace {
 
+using moe_engine::bf16_t;
+using moe_engine::from_f32;
 using moe_engine::kRows;
 using moe_engine::kTile;
 using moe_engine::tile_rows;
@@ -26,9 +26,8 @@ constexpr int64_t kChunk = 96;  // rows per work item (a multiple of kRows)
 
 template <typename W, typename O>
 void run_linear(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias,
-                O* y) {
+                O* y, int threads) {
   const int64_t tiles = (N + kTile - 1) / kTile, chunks = (M + kChunk - 1) / kChunk;
-  const int threads = at::get_num_threads();
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t item = 0; item < chunks * tiles; ++item) {
     const int64_t chunk = item / tiles, t = item % tiles;
@@ -41,46 +40,26 @@ void run_linear(const float* x, int64_t M, int64_t K, const W* w, int64_t N, con
       for (int m = 0; m < n; ++m) {
         O* out = y + (r + m) * N + t * kTile;
         for (int64_t j = 0; j < cols; ++j)
-          out[j] = static_cast<O>(c[m * kTile + j] + (bias ? bias[t * kTile + j] : 0.0f));
+          out[j] = from_f32<O>(c[m * kTile + j] + (bias ? bias[t * kTile + j] : 0.0f));
       }
     }
   }
 }
 
-// x [M, K] float32 or bfloat16; w packed [ceil(N/16), K, 16] float32 or bfloat16; bias [N]
-// float32 or empty. Returns [M, N] in x's dtype.
-torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias, int64_t N) {
-  TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
-  TORCH_CHECK(w.dim() == 3 && w.size(2) == kTile && w.is_contiguous() &&
-                  w.size(1) == x.size(1) && w.size(0) * kTile >= N,
-              "w must be packed [ceil(N/16), K, 16] for x [M, K]");
-  TORCH_CHECK(!bias.numel() || (bias.numel() == N && bias.scalar_type() == torch::kFloat32),
-              "bias must be float32 [N]");
-  const int64_t M = x.size(0), K = x.size(1);
-  auto y = torch::empty({M, N}, x.options());
-  if (M == 0) return y;
-  const bool bf16_in = x.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(bf16_in || x.scalar_type() == torch::kFloat32, "x must be float32 or bfloat16");
-  auto xf = bf16_in ? x.to(torch::kFloat32).contiguous() : x.contiguous();
-  const float* xs = xf.data_ptr<float>();
-  const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;
-  if (w.scalar_type() == torch::kBFloat16) {
-    const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-    if (bf16_in) run_linear(xs, M, K, wp, N, b, y.data_ptr<at::BFloat16>());
-    else run_linear(xs, M, K, wp, N, b, y.data_ptr<float>());
-  } else {
-    TORCH_CHECK(w.scalar_type() == torch::kFloat32, "w must be float32 or bfloat16");
-    const float* wp = w.data_ptr<float>();
-    if (bf16_in) run_linear(xs, M, K, wp, N, b, y.data_ptr<at::BFloat16>());
-    else run_linear(xs, M, K, wp, N, b, y.data_ptr<float>());
-  }
-  return y;
-}
-
 }  // namespace
 
-// Adds this file's functions to the extension module (module.cpp).
-void register_linear_cpu(pybind11::module_& m) {
-  m.def("linear", &linear, "y = x W^T + b over packed float32/bfloat16 weights (CPU)",
-        py::call_guard<py::gil_scoped_release>());
+// The shapes are checked by kernels/cpu_linear.py.
+int32_t moe_linear(const float* x, int64_t M, int64_t K, const void* w, int32_t w_bf16,
+                   int64_t N, const float* bias, void* y, int32_t y_bf16, int32_t threads) {
+  if (M == 0) return kOk;
+  if (w_bf16) {
+    const auto* wp = static_cast<const uint16_t*>(w);
+    if (y_bf16) run_linear(x, M, K, wp, N, bias, static_cast<bf16_t*>(y), threads);
+    else run_linear(x, M, K, wp, N, bias, static_cast<float*>(y), threads);
+  } else {
+    const auto* wp = static_cast<const float*>(w);
+    if (y_bf16) run_linear(x, M, K, wp, N, bias, static_cast<bf16_t*>(y), threads);
+    else run_linear(x, M, K, wp, N, bias, static_cast<float*>(y), threads);
+  }
+  return kOk;
 }

@@ -1,6 +1,7 @@
 // Fused Mixture-of-Experts for the CPU: route, gate/up GEMM, SwiGLU, down GEMM, weighted sum.
 //
-// The Python side is kernels/cpu_native.py (packing, argument checks, docstrings). Algorithm,
+// The Python side is kernels/cpu_native.py (packing, argument checks, docstrings; the C ABI is
+// moe_engine_cpu.h). Algorithm,
 // as vLLM's fused_moe (vllm/model_executor/layers/fused_moe) and SGLang's CPU MoE kernel
 // (sgl-kernel/csrc/cpu/moe.cpp) structure it: sort the (token, expert) pairs by expert; for
 // each active expert run the two projections on its rows only; then every token sums its
@@ -44,9 +45,6 @@
 // decode step with a few rows per expert still spreads over every core, and experts of uneven
 // load balance.
 
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <omp.h>
 
@@ -55,17 +53,22 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <tuple>
+#include <new>
 #include <type_traits>
 #include <vector>
 
+#include "cpu_common.h"
 #include "gemm_avx2.h"
+#include "moe_engine_cpu.h"
 
 namespace {
 
+using moe_engine::bf16_t;
+using moe_engine::from_f32;
 using moe_engine::kRows;
 using moe_engine::kTile;
 using moe_engine::micro_kernel;
+using moe_engine::to_f32;
 
 // Rows per work item: an expert with more rows (a long prefill) is cut into chunks, so a chunk's
 // activations stay in L2 while every tile of the expert's weights streams past them.
@@ -80,7 +83,7 @@ struct DenseWeights {
   int64_t K;
 
   // The rows [0, n) of a (n <= kRows) times packed tile `tile` -> c [n][16].
-  inline void rows(int64_t tile, const float* a, int64_t lda, int n, float* c) const {
+  MOE_ENGINE_INLINE void rows(int64_t tile, const float* a, int64_t lda, int n, float* c) const {
     moe_engine::tile_rows(a, lda, n, data + tile * K * kTile, K, c);
   }
 };
@@ -94,13 +97,13 @@ enum class Q4 { kMxfp4 = 0, kInt4 = 1 };
 // bfloat16 bit patterns of the 16 E2M1 values (OCP MX v1.0: codes 0-7 are 0, 0.5, 1, 1.5, 2, 3,
 // 4, 6; codes 8-15 the same with the sign bit), split into low and high bytes, repeated in both
 // 128-bit lanes for vpshufb.
-inline __m256i e2m1_bf16_low_bytes() {
+MOE_ENGINE_INLINE __m256i e2m1_bf16_low_bytes() {
   const __m128i t = _mm_setr_epi8(0x00, 0x00, char(0x80), char(0xC0), 0x00, 0x40, char(0x80),
                                   char(0xC0), 0x00, 0x00, char(0x80), char(0xC0), 0x00, 0x40,
                                   char(0x80), char(0xC0));
   return _mm256_broadcastsi128_si256(t);
 }
-inline __m256i e2m1_bf16_high_bytes() {
+MOE_ENGINE_INLINE __m256i e2m1_bf16_high_bytes() {
   const __m128i t = _mm_setr_epi8(0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, char(0x80),
                                   char(0xBF), char(0xBF), char(0xBF), char(0xC0), char(0xC0),
                                   char(0xC0), char(0xC0));
@@ -108,7 +111,7 @@ inline __m256i e2m1_bf16_high_bytes() {
 }
 
 // Eight E8M0 scale bytes -> 2^(s - 127) as float32 (s = 0: 2^-127, a subnormal; s = 255: NaN).
-inline __m256 e8m0_to_ps(const uint8_t* s8) {
+MOE_ENGINE_INLINE __m256 e8m0_to_ps(const uint8_t* s8) {
   const __m256i s = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s8)));
   __m256i bits = _mm256_slli_epi32(s, 23);
   bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x00400000),
@@ -128,7 +131,7 @@ struct Q4Block {
 // Zero points z[0..16) (natural column order) arranged like the nibble vector of a k pair: low
 // lane bytes 0-3, 4-7, 8-11, 12-15 = columns 0-3, 8-11, 0-3, 8-11; high lane = columns 4-7,
 // 12-15, 4-7, 12-15.
-inline __m256i arrange_zeros(const uint8_t* z) {
+MOE_ENGINE_INLINE __m256i arrange_zeros(const uint8_t* z) {
   const __m256i b =
       _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z)));
   const __m256i perm = _mm256_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 0, 1, 2, 3, 8, 9, 10, 11,
@@ -143,7 +146,7 @@ struct Q4Weights {
   const uint8_t* zeros;   // int4 asymmetric: uint8 [tiles][K / G][16]; else null (z = 8)
   int64_t K, G;
 
-  inline Q4Block block(int64_t tile, int64_t g) const {
+  MOE_ENGINE_INLINE Q4Block block(int64_t tile, int64_t g) const {
     const int64_t at = (tile * (K / G) + g) * kTile;
     Q4Block b;
     if constexpr (F == Q4::kMxfp4) {
@@ -163,17 +166,17 @@ struct Q4Weights {
     return b;
   }
 
-  inline void rows(int64_t tile, const float* a, int64_t lda, int n, float* c) const;
+  MOE_ENGINE_INLINE void rows(int64_t tile, const float* a, int64_t lda, int n, float* c) const;
 
   // Dequantize tile `tile` to float32 out [K][16] (the dense layout).
-  inline void dequantize(int64_t tile, float* out) const;
+  MOE_ENGINE_INLINE void dequantize(int64_t tile, float* out) const;
 };
 
 // Sixteen code bytes (k and k + 1 of one tile) -> the four weight vectors (k, 0-7),
 // (k, 8-15), (k+1, 0-7), (k+1, 8-15), unscaled: E2M1 values (MXFP4) or (q - z) * 2^24 (int4).
 template <Q4 F>
-inline void decode_pair(const uint8_t* p, const Q4Block& b, __m256& f0, __m256& f1, __m256& f2,
-                        __m256& f3) {
+MOE_ENGINE_INLINE void decode_pair(const uint8_t* p, const Q4Block& b, __m256& f0, __m256& f1,
+                                   __m256& f2, __m256& f3) {
   const __m256i raw =
       _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   // low lane: low nibbles; high lane: high nibbles (shifted down by 4)
@@ -209,8 +212,8 @@ inline void decode_pair(const uint8_t* p, const Q4Block& b, __m256& f0, __m256& 
 // kBlockScale: accumulate each block's partial sums of x * code and scale them once per block
 // (M <= 2); else scale the decoded weights (each weight once, shared by the M rows).
 template <int M, Q4 F, bool kBlockScale>
-inline void micro_kernel_q4(const Q4Weights<F>& w, int64_t tile, const float* a, int64_t lda,
-                            float* c) {
+MOE_ENGINE_INLINE void micro_kernel_q4(const Q4Weights<F>& w, int64_t tile, const float* a,
+                                       int64_t lda, float* c) {
   const int64_t K = w.K, G = w.G;
   __m256 lo[M], hi[M];
   for (int m = 0; m < M; ++m) {
@@ -268,7 +271,7 @@ inline void micro_kernel_q4(const Q4Weights<F>& w, int64_t tile, const float* a,
 }
 
 template <Q4 F>
-inline void Q4Weights<F>::dequantize(int64_t tile, float* out) const {
+MOE_ENGINE_INLINE void Q4Weights<F>::dequantize(int64_t tile, float* out) const {
   const uint8_t* p = codes + tile * (K / 2) * kTile;
   for (int64_t g = 0; g < K / G; ++g) {
     const Q4Block b = block(tile, g);
@@ -285,8 +288,8 @@ inline void Q4Weights<F>::dequantize(int64_t tile, float* out) const {
 }
 
 template <Q4 F>
-inline void Q4Weights<F>::rows(int64_t tile, const float* a, int64_t lda, int n,
-                               float* c) const {
+MOE_ENGINE_INLINE void Q4Weights<F>::rows(int64_t tile, const float* a, int64_t lda, int n,
+                                          float* c) const {
   switch (n) {
     case 1: micro_kernel_q4<1, F, true>(*this, tile, a, lda, c); break;
     case 2: micro_kernel_q4<2, F, true>(*this, tile, a, lda, c); break;
@@ -306,7 +309,7 @@ struct Activation {
   float alpha;
   float limit;
 
-  inline float operator()(float gate, float up) const {
+  MOE_ENGINE_INLINE float operator()(float gate, float up) const {
     if (!clamped) return gate / (1.0f + std::exp(-gate)) * up;
     if (has_limit) {
       gate = std::min(gate, limit);
@@ -357,7 +360,7 @@ struct TileView {
     }
   }
 
-  inline void rows(const float* a, int64_t lda, int n, float* c) const {
+  MOE_ENGINE_INLINE void rows(const float* a, int64_t lda, int n, float* c) const {
     if constexpr (is_quantized<WS>::value) {
       if (dense) return DenseWeights<float>{dense, w.K}.rows(0, a, lda, n, c);
     }
@@ -378,11 +381,11 @@ void run_experts(
     const std::vector<int64_t>& offsets,  // [E + 1] row ranges per expert
     int64_t H, int64_t I, int64_t Ip, int64_t Hp, const Activation& act,
     float* inter,                   // [P, Ip] scratch
-    float* y) {                     // [P, Hp] out
+    float* y,                       // [P, Hp] out
+    int threads) {                  // OpenMP team size
   const int64_t E = static_cast<int64_t>(offsets.size()) - 1;
   const int64_t up_tiles = Ip / kTile, h_tiles = Hp / kTile;
   std::vector<Item> items = make_items(offsets, up_tiles);
-  const int threads = at::get_num_threads();
   // per thread: two dequantized tiles of K = max(H, I), for 4-bit experts with > kRows rows
   const int64_t tile_floats = std::max(H, I) * kTile;
   bool dequantizes = false;
@@ -446,25 +449,12 @@ void run_experts(
 
 // Everything but the expert GEMMs: sort the pairs by expert, gather the rows (float32), call
 // run(x, offsets, inter, y), then sum every token's pairs times their router weights.
-// hidden [T, H] float32 or bfloat16; topk_weights [T, k]; topk_ids [T, k] int32 or int64 (ids
-// outside [0, E) are skipped). Returns [T, H] in hidden's dtype.
-template <typename Run>
-torch::Tensor route_run_combine(const torch::Tensor& hidden, const torch::Tensor& topk_weights,
-                                const torch::Tensor& topk_ids, int64_t E, int64_t Ip,
-                                int64_t Hp, Run&& run) {
-  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous [T, H]");
-  const int64_t T = hidden.size(0), H = hidden.size(1);
-  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T, "topk_ids must be [T, k]");
-  TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes(), "topk_weights must match topk_ids");
-  const bool bf16_in = hidden.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(bf16_in || hidden.scalar_type() == torch::kFloat32,
-              "hidden must be float32 or bfloat16");
-  const int64_t k = topk_ids.size(1);
-  auto ids = topk_ids.to(torch::kInt64).contiguous();
-  auto weights = topk_weights.to(torch::kFloat32).contiguous();
-  const int64_t* id = ids.data_ptr<int64_t>();
-  const float* wt = weights.data_ptr<float>();
-
+// hidden [T, H] (Hidden: float or bf16_t); topk_weights [T, k] float32; topk_ids [T, k] (Id:
+// int32_t or int64_t; ids outside [0, E) are skipped); out [T, H] of Hidden, every row written.
+template <typename Hidden, typename Id, typename Run>
+void route_run_combine(const Hidden* hidden, int64_t T, int64_t H, const float* wt,
+                       const Id* id, int64_t k, int64_t E, int64_t Ip, int64_t Hp, Hidden* out,
+                       int threads, Run&& run) {
   // Sort the pairs by expert (stable: token order within an expert).
   std::vector<int64_t> offsets(E + 1, 0);
   for (int64_t p = 0; p < T * k; ++p)
@@ -479,31 +469,31 @@ torch::Tensor route_run_combine(const torch::Tensor& hidden, const torch::Tensor
     row_of_pair[p] = r;
     token_of_row[r] = p / k;
   }
-  auto out = torch::zeros({T, H}, hidden.options());
-  if (P == 0) return out;
-
-  auto opts = torch::TensorOptions().dtype(torch::kFloat32);
-  auto x = torch::empty({P, H}, opts);
-  auto inter = torch::empty({P, Ip}, opts);
-  auto y = torch::empty({P, Hp}, opts);
-  float* xs = x.data_ptr<float>();
-  at::parallel_for(0, P, 64, [&](int64_t begin, int64_t end) {
+  if (P == 0) {
+    std::memset(out, 0, T * H * sizeof(Hidden));
+    return;
+  }
+  const moe_engine::Buffer x = moe_engine::make_buffer(P * H);
+  const moe_engine::Buffer inter = moe_engine::make_buffer(P * Ip);
+  const moe_engine::Buffer y = moe_engine::make_buffer(P * Hp);
+  float* xs = x.get();
+  moe_engine::parallel_for(P, 64, threads, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* dst = xs + r * H;
-      if (bf16_in) {
-        const at::BFloat16* src = hidden.data_ptr<at::BFloat16>() + token_of_row[r] * H;
-        for (int64_t h = 0; h < H; ++h) dst[h] = static_cast<float>(src[h]);
+      const Hidden* src = hidden + token_of_row[r] * H;
+      if constexpr (std::is_same_v<Hidden, float>) {
+        std::memcpy(dst, src, H * sizeof(float));
       } else {
-        std::memcpy(dst, hidden.data_ptr<float>() + token_of_row[r] * H, H * sizeof(float));
+        for (int64_t h = 0; h < H; ++h) dst[h] = to_f32(src[h]);
       }
     }
   });
 
-  run(xs, offsets, inter.data_ptr<float>(), y.data_ptr<float>());
+  run(static_cast<const float*>(xs), offsets, inter.get(), y.get());
 
   // Every token sums its pairs' rows times their router weights (float32, then hidden's dtype).
-  const float* ys = y.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+  const float* ys = y.get();
+  moe_engine::parallel_for(T, 16, threads, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(H);
     for (int64_t t = begin; t < end; ++t) {
       std::fill(acc.begin(), acc.end(), 0.0f);
@@ -516,148 +506,94 @@ torch::Tensor route_run_combine(const torch::Tensor& hidden, const torch::Tensor
         const float* row = ys + r * Hp;
         for (int64_t h = 0; h < H; ++h) acc[h] += w * row[h];
       }
-      if (!any) continue;
-      if (bf16_in) {
-        at::BFloat16* dst = out.data_ptr<at::BFloat16>() + t * H;
-        for (int64_t h = 0; h < H; ++h) dst[h] = static_cast<at::BFloat16>(acc[h]);
+      Hidden* dst = out + t * H;
+      if (!any) {
+        std::memset(dst, 0, H * sizeof(Hidden));
+      } else if constexpr (std::is_same_v<Hidden, float>) {
+        std::memcpy(dst, acc.data(), H * sizeof(float));
       } else {
-        std::memcpy(out.data_ptr<float>() + t * H, acc.data(), H * sizeof(float));
+        for (int64_t h = 0; h < H; ++h) dst[h] = from_f32<Hidden>(acc[h]);
       }
     }
   });
-  return out;
 }
 
-// Biases: b13 [E, 2I] (gate, then up) and b2 [E, H] float32 contiguous, or both empty.
-std::pair<const float*, const float*> bias_pointers(const torch::Tensor& b13,
-                                                    const torch::Tensor& b2, int64_t E,
-                                                    int64_t H, int64_t I) {
-  if (!b13.numel() && !b2.numel()) return {nullptr, nullptr};
-  TORCH_CHECK(b13.scalar_type() == torch::kFloat32 && b2.scalar_type() == torch::kFloat32 &&
-                  b13.is_contiguous() && b2.is_contiguous(),
-              "biases must be contiguous float32");
-  TORCH_CHECK(b13.numel() == E * 2 * I && b2.numel() == E * H,
-              "biases must be b13 [E, 2I] and b2 [E, H]");
-  return {b13.data_ptr<float>(), b2.data_ptr<float>()};
-}
-
-Activation make_activation(bool clamped, double alpha, bool has_limit, double limit) {
-  return Activation{clamped, has_limit, static_cast<float>(alpha), static_cast<float>(limit)};
-}
-
-// hidden [T, H] (float32 or bfloat16); w13 packed [E, 2, Ip/16, H, 16]; w2 packed
-// [E, Hp/16, I, 16] (both float32 or both bfloat16); topk_weights [T, k] float32; topk_ids
-// [T, k] int32 or int64 (ids outside [0, E) are skipped); b13 [E, 2I] / b2 [E, H] float32 or
-// empty. Returns [T, H] in hidden's dtype.
-torch::Tensor fused_moe(
-    torch::Tensor hidden, torch::Tensor w13, torch::Tensor w2, torch::Tensor topk_weights,
-    torch::Tensor topk_ids, torch::Tensor b13, torch::Tensor b2, int64_t intermediate,
-    bool clamped, double alpha, bool has_limit, double limit) {
-  TORCH_CHECK(w13.dim() == 5 && w13.size(1) == 2 && w13.size(4) == kTile && w13.is_contiguous(),
-              "w13 must be packed [E, 2, Ip/16, H, 16]");
-  TORCH_CHECK(w2.dim() == 4 && w2.size(3) == kTile && w2.is_contiguous(),
-              "w2 must be packed [E, Hp/16, I, 16]");
-  TORCH_CHECK(w13.scalar_type() == w2.scalar_type(), "w13 and w2 must share a dtype");
-  const int64_t H = hidden.size(1), E = w13.size(0);
-  const int64_t I = intermediate, Ip = w13.size(2) * kTile, Hp = w2.size(1) * kTile;
-  TORCH_CHECK(w13.size(3) == H && w2.size(0) == E && w2.size(2) == I && Hp >= H && Ip >= I,
-              "packed weight shapes do not match hidden [T, H] and intermediate");
-  const float *b13p, *b2p;
-  std::tie(b13p, b2p) = bias_pointers(b13, b2, E, H, I);
-  const Activation act = make_activation(clamped, alpha, has_limit, limit);
-  const bool bf16_w = w13.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(bf16_w || w13.scalar_type() == torch::kFloat32,
-              "weights must be float32 or bfloat16");
-  return route_run_combine(hidden, topk_weights, topk_ids, E, Ip, Hp,
-                           [&](const float* x, const std::vector<int64_t>& offsets,
-                               float* inter, float* y) {
-    if (bf16_w) {
-      const auto* p13 = reinterpret_cast<const uint16_t*>(w13.data_ptr<at::BFloat16>());
-      const auto* p2 = reinterpret_cast<const uint16_t*>(w2.data_ptr<at::BFloat16>());
-      run_experts(x, DenseWeights<uint16_t>{p13, H}, DenseWeights<uint16_t>{p2, I}, b13p, b2p,
-                  offsets, H, I, Ip, Hp, act, inter, y);
-    } else {
-      run_experts(x, DenseWeights<float>{w13.data_ptr<float>(), H},
-                  DenseWeights<float>{w2.data_ptr<float>(), I}, b13p, b2p, offsets, H, I, Ip,
-                  Hp, act, inter, y);
-    }
-  });
-}
-
-// 4-bit experts. codes13 uint8 [E, 2, Ip/16, H/2, 16], codes2 uint8 [E, Hp/16, I/2, 16] (the
-// layout of the header comment); scales13 [E, 2, Ip/16, H/G, 16], scales2 [E, Hp/16, I/G, 16]:
-// uint8 E8M0 (format 0, MXFP4, G = 32) or float32 (format 1, int4); zeros13 / zeros2 uint8 like
-// the scales (int4 asymmetric) or empty (zero point 8). The rest as fused_moe.
-torch::Tensor fused_moe_q4(
-    torch::Tensor hidden, torch::Tensor codes13, torch::Tensor scales13, torch::Tensor zeros13,
-    torch::Tensor codes2, torch::Tensor scales2, torch::Tensor zeros2,
-    torch::Tensor topk_weights, torch::Tensor topk_ids, torch::Tensor b13, torch::Tensor b2,
-    int64_t intermediate, int64_t format, int64_t group_size, bool clamped, double alpha,
-    bool has_limit, double limit) {
-  TORCH_CHECK(format == 0 || format == 1, "format must be 0 (MXFP4) or 1 (int4)");
-  const int64_t H = hidden.size(1), I = intermediate, G = group_size;
-  TORCH_CHECK(G >= 2 && G % 2 == 0 && H % G == 0 && I % G == 0 && (format == 1 || G == 32),
-              "group size must be even and divide H and I (MXFP4: 32)");
-  TORCH_CHECK(codes13.dim() == 5 && codes13.size(1) == 2 && codes13.size(3) * 2 == H &&
-                  codes13.size(4) == kTile && codes13.scalar_type() == torch::kUInt8 &&
-                  codes13.is_contiguous(),
-              "codes13 must be uint8 [E, 2, Ip/16, H/2, 16]");
-  const int64_t E = codes13.size(0), Ip = codes13.size(2) * kTile;
-  TORCH_CHECK(codes2.dim() == 4 && codes2.size(0) == E && codes2.size(2) * 2 == I &&
-                  codes2.size(3) == kTile && codes2.scalar_type() == torch::kUInt8 &&
-                  codes2.is_contiguous(),
-              "codes2 must be uint8 [E, Hp/16, I/2, 16]");
-  const int64_t Hp = codes2.size(1) * kTile;
-  TORCH_CHECK(Ip >= I && Ip - I < kTile && Hp >= H && Hp - H < kTile,
-              "packed tiles do not match hidden [T, H] and intermediate");
-  const auto scale_type = format == 0 ? torch::kUInt8 : torch::kFloat32;
-  TORCH_CHECK(scales13.scalar_type() == scale_type && scales2.scalar_type() == scale_type &&
-                  scales13.is_contiguous() && scales2.is_contiguous(),
-              "scales must be contiguous (MXFP4: uint8 E8M0, int4: float32)");
-  TORCH_CHECK(scales13.numel() == E * 2 * (Ip / kTile) * (H / G) * kTile &&
-                  scales2.numel() == E * (Hp / kTile) * (I / G) * kTile,
-              "scales must be [E, 2, Ip/16, H/G, 16] and [E, Hp/16, I/G, 16]");
-  const bool asym = zeros13.numel() > 0;
-  TORCH_CHECK(format == 1 || !asym, "MXFP4 has no zero points");
-  if (asym) {
-    TORCH_CHECK(zeros13.scalar_type() == torch::kUInt8 && zeros2.scalar_type() == torch::kUInt8 &&
-                    zeros13.is_contiguous() && zeros2.is_contiguous() &&
-                    zeros13.numel() == scales13.numel() && zeros2.numel() == scales2.numel(),
-                "zero points must be uint8 shaped like the scales");
-  }
-  const float *b13p, *b2p;
-  std::tie(b13p, b2p) = bias_pointers(b13, b2, E, H, I);
-  const Activation act = make_activation(clamped, alpha, has_limit, limit);
-  return route_run_combine(hidden, topk_weights, topk_ids, E, Ip, Hp,
-                           [&](const float* x, const std::vector<int64_t>& offsets,
-                               float* inter, float* y) {
-    const uint8_t* z13 = asym ? zeros13.data_ptr<uint8_t>() : nullptr;
-    const uint8_t* z2 = asym ? zeros2.data_ptr<uint8_t>() : nullptr;
-    if (format == 0) {
-      run_experts(x,
-                  Q4Weights<Q4::kMxfp4>{codes13.data_ptr<uint8_t>(), scales13.data_ptr(),
-                                        nullptr, H, G},
-                  Q4Weights<Q4::kMxfp4>{codes2.data_ptr<uint8_t>(), scales2.data_ptr(),
-                                        nullptr, I, G},
-                  b13p, b2p, offsets, H, I, Ip, Hp, act, inter, y);
-    } else {
-      run_experts(x,
-                  Q4Weights<Q4::kInt4>{codes13.data_ptr<uint8_t>(), scales13.data_ptr(), z13,
-                                       H, G},
-                  Q4Weights<Q4::kInt4>{codes2.data_ptr<uint8_t>(), scales2.data_ptr(), z2, I,
-                                       G},
-                  b13p, b2p, offsets, H, I, Ip, Hp, act, inter, y);
-    }
-  });
+// route_run_combine over hidden's dtype (hidden_bf16) and the ids' width (ids_int64).
+template <typename Run>
+void route_run_combine_any(const void* hidden, int32_t hidden_bf16, int64_t T, int64_t H,
+                           const float* wt, const void* ids, int32_t ids_int64, int64_t k,
+                           int64_t E, int64_t Ip, int64_t Hp, void* out, int threads,
+                           Run&& run) {
+  auto with_ids = [&](auto* h, auto* o) {
+    if (ids_int64)
+      route_run_combine(h, T, H, wt, static_cast<const int64_t*>(ids), k, E, Ip, Hp, o,
+                        threads, run);
+    else
+      route_run_combine(h, T, H, wt, static_cast<const int32_t*>(ids), k, E, Ip, Hp, o,
+                        threads, run);
+  };
+  if (hidden_bf16)
+    with_ids(static_cast<const bf16_t*>(hidden), static_cast<bf16_t*>(out));
+  else
+    with_ids(static_cast<const float*>(hidden), static_cast<float*>(out));
 }
 
 }  // namespace
 
-// Adds this file's functions to the extension module (module.cpp).
-void register_moe_cpu(pybind11::module_& m) {
-  m.def("fused_moe", &fused_moe, "Fused MoE experts on packed float32/bfloat16 weights (CPU)",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("fused_moe_q4", &fused_moe_q4,
-        "Fused MoE experts on packed 4-bit weights, MXFP4 or int4 (CPU)",
-        py::call_guard<py::gil_scoped_release>());
+// Shapes and dtypes are checked by kernels/cpu_native.py `PackedExperts.__call__`.
+int32_t moe_fused_moe(const void* hidden, int32_t hidden_bf16, int64_t T, int64_t H,
+                      const void* w13, const void* w2, int32_t w_bf16, int64_t E, int64_t I,
+                      int64_t Ip, int64_t Hp, const float* topk_weights, const void* topk_ids,
+                      int32_t ids_int64, int64_t k, const float* b13, const float* b2,
+                      int32_t clamped, float alpha, int32_t has_limit, float limit, void* out,
+                      int32_t threads) {
+  const Activation act{clamped != 0, has_limit != 0, alpha, limit};
+  auto run = [&](const float* x, const std::vector<int64_t>& offsets, float* inter, float* y) {
+    if (w_bf16) {
+      run_experts(x, DenseWeights<uint16_t>{static_cast<const uint16_t*>(w13), H},
+                  DenseWeights<uint16_t>{static_cast<const uint16_t*>(w2), I}, b13, b2, offsets,
+                  H, I, Ip, Hp, act, inter, y, threads);
+    } else {
+      run_experts(x, DenseWeights<float>{static_cast<const float*>(w13), H},
+                  DenseWeights<float>{static_cast<const float*>(w2), I}, b13, b2, offsets, H, I,
+                  Ip, Hp, act, inter, y, threads);
+    }
+  };
+  try {
+    route_run_combine_any(hidden, hidden_bf16, T, H, topk_weights, topk_ids, ids_int64, k, E,
+                          Ip, Hp, out, threads, run);
+  } catch (const std::bad_alloc&) {
+    return kOutOfMemory;
+  }
+  return kOk;
+}
+
+// Shapes and dtypes are checked by kernels/cpu_native.py `PackedQuantExperts.__call__`.
+int32_t moe_fused_moe_q4(const void* hidden, int32_t hidden_bf16, int64_t T, int64_t H,
+                         const uint8_t* codes13, const void* scales13, const uint8_t* zeros13,
+                         const uint8_t* codes2, const void* scales2, const uint8_t* zeros2,
+                         int32_t format, int64_t G, int64_t E, int64_t I, int64_t Ip, int64_t Hp,
+                         const float* topk_weights, const void* topk_ids, int32_t ids_int64,
+                         int64_t k, const float* b13, const float* b2, int32_t clamped,
+                         float alpha, int32_t has_limit, float limit, void* out,
+                         int32_t threads) {
+  const Activation act{clamped != 0, has_limit != 0, alpha, limit};
+  auto run = [&](const float* x, const std::vector<int64_t>& offsets, float* inter, float* y) {
+    if (format == 0) {
+      run_experts(x, Q4Weights<Q4::kMxfp4>{codes13, scales13, nullptr, H, G},
+                  Q4Weights<Q4::kMxfp4>{codes2, scales2, nullptr, I, G}, b13, b2, offsets, H, I,
+                  Ip, Hp, act, inter, y, threads);
+    } else {
+      run_experts(x, Q4Weights<Q4::kInt4>{codes13, scales13, zeros13, H, G},
+                  Q4Weights<Q4::kInt4>{codes2, scales2, zeros2, I, G}, b13, b2, offsets, H, I,
+                  Ip, Hp, act, inter, y, threads);
+    }
+  };
+  try {
+    route_run_combine_any(hidden, hidden_bf16, T, H, topk_weights, topk_ids, ids_int64, k, E,
+                          Ip, Hp, out, threads, run);
+  } catch (const std::bad_alloc&) {
+    return kOutOfMemory;
+  }
+  return kOk;
 }

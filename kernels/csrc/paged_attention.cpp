@@ -1,6 +1,7 @@
 // Decode attention over the paged KV cache on a CPU: one query token per sequence.
 //
-// The Python side is kernels/cpu_attention.py (argument checks, docstrings). Algorithm:
+// The Python side is kernels/cpu_attention.py (argument checks, docstrings; the C ABI is
+// moe_engine_cpu.h). Algorithm:
 // PagedAttention (Kwon et al., SOSP'23; vLLM's csrc/cpu/attention.cpp is the CPU reference):
 // each sequence's keys and values are read in place through its block table (no gather copy),
 // one work item per (sequence, KV head) covering that head's G = Hq / Hkv query heads (GQA,
@@ -13,9 +14,6 @@
 // Vectorised along the head dimension with AVX2/FMA (D a multiple of 8); K/V caches in float32
 // or bfloat16 (widened in registers); OpenMP over the work items.
 
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <omp.h>
 
@@ -25,7 +23,14 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_common.h"
+#include "moe_engine_cpu.h"
+
 namespace {
+
+using moe_engine::bf16_t;
+using moe_engine::from_f32;
+using moe_engine::to_f32;
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
@@ -89,23 +94,13 @@ inline float max_of(const float* s, int64_t n, float init) {
   return mx;
 }
 
-inline float to_f32(float v) { return v; }
-inline float to_f32(at::BFloat16 v) { return static_cast<float>(v); }
-
-template <typename C>
-const C* cache_ptr(const torch::Tensor& t) {
-  if constexpr (std::is_same_v<C, float>) return t.data_ptr<float>();
-  else return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
-}
-
 template <typename Q, typename C, typename O>
 void decode_attention(const Q* q, const C* k_cache, const C* v_cache, const int64_t* tables,
                       int64_t table_width, const int64_t* seq_lens, const float* sinks,
                       int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
-                      int64_t window, float scale, O* out) {
+                      int64_t window, float scale, O* out, int threads) {
   const int64_t G = Hq / Hkv;
   const int64_t row_stride = Hkv * D;  // elements between consecutive slots of one block
-  const int threads = at::get_num_threads();
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> qf(G * D), acc(G * D), scores, denom(G);
@@ -201,80 +196,44 @@ void decode_attention(const Q* q, const C* k_cache, const C* v_cache, const int6
       for (int64_t g = 0; g < G; ++g) {
         const float inv = denom[g] > 0.0f ? 1.0f / denom[g] : 0.0f;
         O* o = out + (b * Hq + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<O>(acc[g * D + d] * inv);
+        for (int64_t d = 0; d < D; ++d) o[d] = from_f32<O>(acc[g * D + d] * inv);
       }
     }
   }
 }
 
-// q [B, Hq, D] (float32 or bfloat16, contiguous); k_cache, v_cache [num_blocks, block_size,
-// Hkv, D] (float32 or bfloat16, same dtype, contiguous); block_tables [B, W] int64; seq_lens
-// [B] int64 (keys of each sequence, its query at position seq_len - 1); sinks [Hq] float32 or
-// empty; window 0 for full attention. Returns [B, Hq, D] in q's dtype.
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
-                                     torch::Tensor v_cache, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, torch::Tensor sinks, int64_t window,
-                                     double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be contiguous [B, Hq, D]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.scalar_type() == v_cache.scalar_type(),
-              "k_cache/v_cache must be contiguous [num_blocks, block_size, Hkv, D], one dtype");
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && D % 8 == 0, "head_dim must match and be a multiple of 8");
-  TORCH_CHECK(Hq % Hkv == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B &&
-                  block_tables.scalar_type() == torch::kInt64 && block_tables.is_contiguous(),
-              "block_tables must be contiguous int64 [B, W]");
-  TORCH_CHECK(seq_lens.numel() == B && seq_lens.scalar_type() == torch::kInt64 &&
-                  seq_lens.is_contiguous(), "seq_lens must be contiguous int64 [B]");
-  const int64_t W = block_tables.size(1);
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= W * block_size, "seq_lens out of the block table");
-  const float* sk = nullptr;
-  torch::Tensor sinks_f;
-  if (sinks.numel()) {
-    TORCH_CHECK(sinks.numel() == Hq, "sinks must be [Hq]");
-    sinks_f = sinks.to(torch::kFloat32).contiguous();
-    sk = sinks_f.data_ptr<float>();
-  }
-  auto out = torch::empty_like(q);
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const float sc = static_cast<float>(scale);
-  const bool q_bf16 = q.scalar_type() == torch::kBFloat16;
-  const bool c_bf16 = k_cache.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(q_bf16 || q.scalar_type() == torch::kFloat32, "q must be float32 or bfloat16");
-  TORCH_CHECK(c_bf16 || k_cache.scalar_type() == torch::kFloat32,
-              "the KV cache must be float32 or bfloat16");
-  if (c_bf16) {
-    const uint16_t* kc = cache_ptr<uint16_t>(k_cache);
-    const uint16_t* vc = cache_ptr<uint16_t>(v_cache);
-    if (q_bf16)
-      decode_attention(q.data_ptr<at::BFloat16>(), kc, vc, tables, W, lens, sk, B, Hq, Hkv, D,
-                       block_size, window, sc, out.data_ptr<at::BFloat16>());
-    else
-      decode_attention(q.data_ptr<float>(), kc, vc, tables, W, lens, sk, B, Hq, Hkv, D,
-                       block_size, window, sc, out.data_ptr<float>());
-  } else {
-    const float* kc = k_cache.data_ptr<float>();
-    const float* vc = v_cache.data_ptr<float>();
-    if (q_bf16)
-      decode_attention(q.data_ptr<at::BFloat16>(), kc, vc, tables, W, lens, sk, B, Hq, Hkv, D,
-                       block_size, window, sc, out.data_ptr<at::BFloat16>());
-    else
-      decode_attention(q.data_ptr<float>(), kc, vc, tables, W, lens, sk, B, Hq, Hkv, D,
-                       block_size, window, sc, out.data_ptr<float>());
-  }
-  return out;
+template <typename C>
+void dispatch_q(const void* q, bool q_bf16, const C* kc, const C* vc, const int64_t* tables,
+                int64_t W, const int64_t* lens, const float* sinks, int64_t B, int64_t Hq,
+                int64_t Hkv, int64_t D, int64_t block_size, int64_t window, float scale,
+                void* out, int threads) {
+  if (q_bf16)
+    decode_attention(static_cast<const bf16_t*>(q), kc, vc, tables, W, lens, sinks, B, Hq, Hkv,
+                     D, block_size, window, scale, static_cast<bf16_t*>(out), threads);
+  else
+    decode_attention(static_cast<const float*>(q), kc, vc, tables, W, lens, sinks, B, Hq, Hkv,
+                     D, block_size, window, scale, static_cast<float*>(out), threads);
 }
 
 }  // namespace
 
-// Adds this file's functions to the extension module (module.cpp).
-void register_paged_attention(pybind11::module_& m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention over the paged KV cache (CPU, AVX2)",
-        py::call_guard<py::gil_scoped_release>());
+// Shapes and dtypes are checked by kernels/cpu_attention.py; the sequence lengths here (they
+// are tensor contents).
+int32_t moe_paged_decode_attention(const void* q, int32_t q_bf16, const void* k_cache,
+                                   const void* v_cache, int32_t cache_bf16,
+                                   const int64_t* block_tables, int64_t W,
+                                   const int64_t* seq_lens, const float* sinks, int64_t B,
+                                   int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
+                                   int64_t window, float scale, void* out, int32_t threads) {
+  for (int64_t b = 0; b < B; ++b)
+    if (seq_lens[b] < 1 || seq_lens[b] > W * block_size) return kBadArgument;
+  if (cache_bf16)
+    dispatch_q(q, q_bf16, static_cast<const uint16_t*>(k_cache),
+               static_cast<const uint16_t*>(v_cache), block_tables, W, seq_lens, sinks, B, Hq,
+               Hkv, D, block_size, window, scale, out, threads);
+  else
+    dispatch_q(q, q_bf16, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache),
+               block_tables, W, seq_lens, sinks, B, Hq, Hkv, D, block_size, window, scale, out,
+               threads);
+  return kOk;
 }

@@ -1,0 +1,91 @@
+// Shared helpers of the native CPU kernels: bfloat16 conversions, aligned scratch buffers and
+// an OpenMP parallel-for with ATen's chunking.
+//
+// The kernels include no torch, ATen or pybind11 header (those made every translation unit
+// take ~35 s to compile); tensors arrive as raw pointers and sizes through the C ABI of
+// moe_engine_cpu.h, checked on the Python side (kernels/cpu_*.py).
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+
+namespace moe_engine {
+
+// A bfloat16 value: the high half of a float32.
+struct bf16_t {
+  uint16_t bits;
+};
+
+inline float bf16_to_f32(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Round to nearest even, NaN to the quiet NaN 0x7FC0: c10::BFloat16(float)'s rounding, so
+// results match what torch's bfloat16 tensors hold.
+inline uint16_t f32_to_bf16(float f) {
+  if (std::isnan(f)) return 0x7FC0;
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return static_cast<uint16_t>((u + ((u >> 16) & 1) + 0x7FFF) >> 16);
+}
+
+inline float to_f32(float v) { return v; }
+inline float to_f32(bf16_t v) { return bf16_to_f32(v.bits); }
+
+template <typename T>
+inline T from_f32(float v);
+template <>
+inline float from_f32<float>(float v) {
+  return v;
+}
+template <>
+inline bf16_t from_f32<bf16_t>(float v) {
+  return bf16_t{f32_to_bf16(v)};
+}
+
+// An uninitialised float32 buffer aligned to 64 bytes (a cache line), freed on scope exit.
+struct FreeDeleter {
+  void operator()(float* p) const { std::free(p); }
+};
+using Buffer = std::unique_ptr<float[], FreeDeleter>;
+
+// Throws std::bad_alloc when the allocation fails (the C entry points turn it into a status).
+inline Buffer make_buffer(int64_t floats) {
+  const size_t bytes = (static_cast<size_t>(std::max<int64_t>(floats, 1)) * sizeof(float) + 63) /
+                       64 * 64;
+  float* p = static_cast<float*>(std::aligned_alloc(64, bytes));
+  if (!p) throw std::bad_alloc();
+  return Buffer(p);
+}
+
+// f(begin, end) over [0, n) in at most `threads` contiguous chunks of at least `grain` items,
+// as at::parallel_for's OpenMP backend splits it; inline when one chunk suffices or when
+// already inside a parallel region.
+template <typename F>
+inline void parallel_for(int64_t n, int64_t grain, int threads, const F& f) {
+  if (n <= 0) return;
+  const int64_t chunks = (n + grain - 1) / grain;
+  const int t = static_cast<int>(std::min<int64_t>(std::max(threads, 1), chunks));
+  if (t <= 1 || omp_in_parallel()) {
+    f(int64_t{0}, n);
+    return;
+  }
+#pragma omp parallel num_threads(t)
+  {
+    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t chunk = (n + nt - 1) / nt;
+    const int64_t begin = tid * chunk, end = std::min(n, begin + chunk);
+    if (begin < end) f(begin, end);
+  }
+}
+
+}  // namespace moe_engine

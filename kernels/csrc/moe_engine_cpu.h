@@ -1,0 +1,75 @@
+// The C ABI of the native CPU kernels, built by kernels/native.py.
+//
+// kernels/native_binding.py generates the Python module's functions from the prototypes below
+// (one per MOE_ENGINE_API declaration, same name and argument order), so each prototype is
+// written once; keep their parameters to pointers, int32_t, int64_t and float.
+//
+// Every tensor is a raw pointer to contiguous memory (unless strides are given) plus its sizes;
+// dtype flags say float32 (0) or bfloat16 (1). The Python wrappers (kernels/cpu_native.py,
+// cpu_linear.py, cpu_attention.py, cpu_ops.py) check shapes, dtypes and contiguity before the
+// call, allocate the outputs with torch and pass `threads` = torch.get_num_threads(), the
+// OpenMP team size of every parallel region.
+//
+// Return value: kOk, or kBadArgument (a value the Python side cannot check without reading
+// tensor contents, e.g. a sequence length beyond its block table), or kOutOfMemory.
+#pragma once
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+#define MOE_ENGINE_API extern "C" __attribute__((visibility("default")))
+#else
+#define MOE_ENGINE_API __attribute__((visibility("default")))
+#endif
+
+enum { kOk = 0, kBadArgument = 1, kOutOfMemory = 2 };
+
+// Version of this ABI (bumped when a prototype changes).
+MOE_ENGINE_API int32_t moe_engine_abi_version(void);
+
+// csrc/moe_cpu.cpp. hidden [T, H]; w13 packed [E, 2, Ip/16, H, 16], w2 [E, Hp/16, I, 16]
+// (float32, or bfloat16 when w_bf16); topk_weights [T, k] float32; topk_ids [T, k] int32, or
+// int64 when ids_int64 (ids outside [0, E) skipped); b13 [E, 2I] / b2 [E, H] float32 or both
+// null; out [T, H] in hidden's dtype (every row written).
+MOE_ENGINE_API int32_t moe_fused_moe(const void* hidden, int32_t hidden_bf16, int64_t T,
+                                     int64_t H, const void* w13, const void* w2, int32_t w_bf16,
+                                     int64_t E, int64_t I, int64_t Ip, int64_t Hp,
+                                     const float* topk_weights, const void* topk_ids,
+                                     int32_t ids_int64, int64_t k, const float* b13,
+                                     const float* b2, int32_t clamped, float alpha,
+                                     int32_t has_limit, float limit, void* out, int32_t threads);
+
+// csrc/moe_cpu.cpp, 4-bit experts. codes13 [E, 2, Ip/16, H/2, 16], codes2 [E, Hp/16, I/2, 16]
+// uint8; scales13 [E, 2, Ip/16, H/G, 16], scales2 [E, Hp/16, I/G, 16]: uint8 E8M0 (format 0,
+// MXFP4, G = 32) or float32 (format 1, int4); zeros13 / zeros2 uint8 like the scales (int4
+// asymmetric) or null (zero point 8). The rest as moe_fused_moe.
+MOE_ENGINE_API int32_t moe_fused_moe_q4(
+    const void* hidden, int32_t hidden_bf16, int64_t T, int64_t H, const uint8_t* codes13,
+    const void* scales13, const uint8_t* zeros13, const uint8_t* codes2, const void* scales2,
+    const uint8_t* zeros2, int32_t format, int64_t G, int64_t E, int64_t I, int64_t Ip,
+    int64_t Hp, const float* topk_weights, const void* topk_ids, int32_t ids_int64, int64_t k,
+    const float* b13, const float* b2, int32_t clamped, float alpha, int32_t has_limit,
+    float limit, void* out, int32_t threads);
+
+// csrc/linear_cpu.cpp. x [M, K] float32; w packed [ceil(N/16), K, 16] (float32, or bfloat16
+// when w_bf16); bias [N] float32 or null; y [M, N] float32, or bfloat16 when y_bf16.
+MOE_ENGINE_API int32_t moe_linear(const float* x, int64_t M, int64_t K, const void* w,
+                                  int32_t w_bf16, int64_t N, const float* bias, void* y,
+                                  int32_t y_bf16, int32_t threads);
+
+// csrc/paged_attention.cpp. q [B, Hq, D] (float32, or bfloat16 when q_bf16); k_cache, v_cache
+// [num_blocks, block_size, Hkv, D] (float32, or bfloat16 when cache_bf16); block_tables [B, W]
+// int64; seq_lens [B] int64 (kBadArgument unless each is in [1, W * block_size]); sinks [Hq]
+// float32 or null; window 0 for full attention; out [B, Hq, D] in q's dtype.
+MOE_ENGINE_API int32_t moe_paged_decode_attention(
+    const void* q, int32_t q_bf16, const void* k_cache, const void* v_cache, int32_t cache_bf16,
+    const int64_t* block_tables, int64_t W, const int64_t* seq_lens, const float* sinks,
+    int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size, int64_t window,
+    float scale, void* out, int32_t threads);
+
+// csrc/ops_cpu.cpp. x: A x B rows of D values (row (a, b) at x + a * sa + b * sb elements),
+// float32, or bfloat16 when bf16; weight [D] of x's dtype; y [A * B, D] contiguous, x's dtype.
+MOE_ENGINE_API int32_t moe_rms_norm(const void* x, int64_t A, int64_t B, int64_t D, int64_t sa,
+                                    int64_t sb, const void* weight, float eps,
+                                    int32_t weight_in_float32, int32_t bf16, void* y,
+                                    int32_t threads);

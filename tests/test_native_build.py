@@ -1,0 +1,282 @@
+"""The native kernels' build (kernels/native_build.py), progress (kernels/native_progress.py),
+binding (kernels/native_binding.py) and loading (kernels/native.py): cache, lock, progress
+reports, error messages.
+
+Builds here compile a one-function stand-in for kernels/csrc (about a second) into fresh
+temporary caches; the real sources build once per test session (the other native tests).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels.native as native
+import kernels.native_build as nb
+import kernels.native_progress as native_progress
+from kernels.native_binding import binding_source, prototypes
+from kernels.native_progress import Reporter, estimate_left
+
+REPO = Path(__file__).resolve().parents[1]
+
+TINY_HEADER = """\
+#pragma once
+#include <stdint.h>
+#ifdef __cplusplus
+#define MOE_ENGINE_API extern "C" __attribute__((visibility("default")))
+#else
+#define MOE_ENGINE_API __attribute__((visibility("default")))
+#endif
+MOE_ENGINE_API int32_t moe_engine_abi_version(void);
+// a pointer, two integers and a float, as the real entry points take them
+MOE_ENGINE_API int32_t tiny_scale(const float* x, int64_t n, float s, float* y,
+                                  int32_t threads);
+"""
+
+TINY_SOURCE = """\
+#include "moe_engine_cpu.h"
+int32_t moe_engine_abi_version(void) { return %d; }
+int32_t tiny_scale(const float* x, int64_t n, float s, float* y, int32_t threads) {
+  if (n < 0) return 1;
+#pragma omp parallel for num_threads(threads)
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * s;
+  return 0;
+}
+"""
+
+
+def _tiny_csrc(path: Path, source: str | None = None) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "moe_engine_cpu.h").write_text(TINY_HEADER)
+    (path / "tiny.cpp").write_text(source or TINY_SOURCE % nb.ABI_VERSION)
+    return path
+
+
+class Recorder:
+    """A ProgressCallback keeping (message, eta) pairs."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, float | None]] = []
+
+    def __call__(self, message: str, eta: float | None) -> None:
+        self.calls.append((message, eta))
+
+
+def _assert_progress(calls: list[tuple[str, float | None]]) -> None:
+    """Start message, then ETAs that never rise (None allowed), then a final 0."""
+    assert len(calls) >= 2, calls
+    assert calls[0][0].startswith("building native CPU kernels ("), calls
+    etas = [eta for _, eta in calls[:-1] if eta is not None]
+    assert etas and etas[0] > 0, calls
+    assert all(b <= a for a, b in zip(etas, etas[1:], strict=False)), calls
+    assert calls[-1][0].startswith("native CPU kernels built in ") and calls[-1][1] == 0.0
+
+
+def test_prepare_native_reports_progress_then_loads_from_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOE_ENGINE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("MOE_ENGINE_NATIVE", raising=False)
+    monkeypatch.setattr(nb, "CSRC", _tiny_csrc(tmp_path / "csrc"))
+    monkeypatch.setattr(native_progress, "PROGRESS_INTERVAL_S", 0.02)  # a tick on every poll
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(native, "_failure", None)
+    progress = Recorder()
+    assert native.prepare_native(progress) == list(native.KERNELS)
+    _assert_progress(progress.calls)
+    assert any("sources compiled" in m for m, _ in progress.calls[1:-1]), progress.calls
+    tiny = native.load_native("moe_cpu")
+    x = torch.arange(5, dtype=torch.float32)
+    y = torch.empty_like(x)
+    assert tiny.tiny_scale(x.data_ptr(), 5, 0.5, y.data_ptr(), 2) == 0
+    assert torch.equal(y, x * 0.5)
+    with pytest.raises(TypeError, match="tiny_scale takes 5 arguments"):
+        tiny.tiny_scale(x.data_ptr())
+    (build,) = [d for d in (tmp_path / "cache" / "native").iterdir() if d.is_dir()]
+    record = json.loads((build / "build.json").read_text())
+    assert set(record["compile_s"]) == {"tiny.cpp", "binding.cpp"}
+    assert not list(build.parent.glob("*.tmp*"))
+
+    # a new process (the module cache reset) loads the build: nothing compiles, nothing reports
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(nb.subprocess, "Popen", _no_compile(nb.subprocess.Popen))
+    later = Recorder()
+    assert native.prepare_native(later) == list(native.KERNELS)
+    assert later.calls == []
+
+
+def _no_compile(popen):
+    """`popen` that fails the test on a compile or link (`--version` runs on every load)."""
+
+    def run(cmd, *args, **kwargs):
+        if "--version" not in cmd:
+            raise AssertionError(f"compiled although cached: {cmd}")
+        return popen(cmd, *args, **kwargs)
+
+    return run
+
+
+def test_a_source_edit_rebuilds(tmp_path):
+    csrc = _tiny_csrc(tmp_path / "csrc")
+    first = nb.ensure_library(tmp_path / "cache", Reporter(None), csrc)
+    (csrc / "tiny.cpp").write_text(TINY_SOURCE % nb.ABI_VERSION + "// edited\n")
+    second = nb.ensure_library(tmp_path / "cache", Reporter(None), csrc)
+    assert first != second and first.is_file() and second.is_file()
+
+
+def test_compile_error_names_the_source_and_quotes_the_compiler(tmp_path, monkeypatch):
+    csrc = _tiny_csrc(tmp_path / "csrc", "int32_t broken( { return 0; }\n")
+    progress = Recorder()
+    with pytest.raises(nb.BuildError, match=r"compiling tiny\.cpp failed") as info:
+        nb.ensure_library(tmp_path / "cache", Reporter(progress), csrc)
+    assert "error" in str(info.value)  # the compiler's own message
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]  # no partial build
+    # through the loader: NativeUnavailable carrying the message, the callback told once more
+    monkeypatch.setenv("MOE_ENGINE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(nb, "CSRC", csrc)
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(native, "_failure", None)
+    monkeypatch.setenv("MOE_ENGINE_NATIVE", "1")
+    with pytest.raises(native.NativeUnavailable, match=r"tiny\.cpp failed[\s\S]*error"):
+        native.prepare_native(progress)
+    assert progress.calls[-1][0].startswith("building native CPU kernels failed")
+    assert progress.calls[-1][1] is None
+
+
+def test_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    with pytest.raises(nb.BuildError, match="no C\\+\\+ compiler found"):
+        nb.ensure_library(tmp_path / "cache", Reporter(None), _tiny_csrc(tmp_path / "csrc"))
+
+
+def test_waiting_for_another_builder_reports_then_builds(tmp_path, monkeypatch):
+    """While another process holds the build lock, ensure_library waits and says so; once the
+    lock is free (its holder died without a result) it builds itself."""
+    monkeypatch.setattr(native_progress, "PROGRESS_INTERVAL_S", 0.05)
+    csrc = _tiny_csrc(tmp_path / "csrc")
+    root = tmp_path / "cache"
+    root.mkdir()
+    name = nb.build_name(nb.find_compiler()[1], csrc)
+    lock_path = root / f"{name}.lock"
+    progress = Recorder()
+    result: list[Path] = []
+    with open(lock_path, "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write(json.dumps({"pid": 12345, "started": time.time(), "expected_s": 30.0}))
+        held.flush()
+        worker = threading.Thread(
+            target=lambda: result.append(nb.ensure_library(root, Reporter(progress), csrc)))
+        worker.start()
+        deadline = time.monotonic() + 30
+        while len(progress.calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        fcntl.flock(held, fcntl.LOCK_UN)
+    worker.join(60)
+    waits = [c for c in progress.calls if c[0].startswith("waiting for process 12345")]
+    assert len(waits) >= 2, progress.calls
+    assert 0 < waits[0][1] <= 30 and waits[-1][1] <= waits[0][1]
+    _assert_progress(progress.calls[len(waits):])
+    assert result and result[0].is_file()
+
+
+_RACE = """\
+import sys, time
+from pathlib import Path
+import kernels.native_build as nb
+from kernels.native_progress import Reporter
+messages = []
+path = nb.ensure_library(Path(sys.argv[1]), Reporter(lambda m, e: messages.append(m)),
+                         Path(sys.argv[2]))
+print(path)
+print("\\n".join(messages))
+"""
+
+
+def test_concurrent_processes_build_once(tmp_path):
+    """Two processes needing the same build while a third holds its lock: after the release,
+    one builds and the other loads that build (fcntl lock, atomic rename)."""
+    csrc = _tiny_csrc(tmp_path / "csrc")
+    root = tmp_path / "cache"
+    root.mkdir()
+    lock_path = root / f"{nb.build_name(nb.find_compiler()[1], csrc)}.lock"
+    with open(lock_path, "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        procs = [subprocess.Popen([sys.executable, "-c", _RACE, str(root), str(csrc)],
+                                  cwd=REPO, stdout=subprocess.PIPE, text=True)
+                 for _ in range(2)]
+        time.sleep(1.0)  # both start and block on the lock
+        fcntl.flock(held, fcntl.LOCK_UN)
+    outs = [[line for line in p.communicate(timeout=120)[0].splitlines() if line]
+            for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert outs[0][0] == outs[1][0] and Path(outs[0][0]).is_file()
+    started = [o for o in outs if any(m.startswith("building native CPU kernels (") for m in o)]
+    assert len(started) == 1, outs
+    (other,) = [o for o in outs if o is not started[0]]
+    # the other waited for the lock and found the build, or (started late) found it cached
+    assert other[1:] == [] or (other[1].startswith("waiting for")
+                               and other[-1].startswith("native CPU kernels built by another")
+                               ), outs
+
+
+def test_estimate_left_schedules_remaining_work():
+    expected = {"a": 4.0, "b": 2.0, "c": 1.0}
+    assert estimate_left(expected, {}, {}, 2, 0.5) == pytest.approx(4.5)  # a | b + c
+    assert estimate_left(expected, {}, {}, 1, 0.0) == pytest.approx(7.0)
+    # b took twice its expectation: the rest is scaled by 2
+    assert estimate_left(expected, {"b": 4.0}, {"a": 3.0}, 2, 0.0) == pytest.approx(5.0)
+
+
+def test_reported_estimates_never_rise_and_end_at_zero(tmp_path):
+    progress = Recorder()
+    report = Reporter(progress)
+    report.start(2, 1, {"a": 1.0, "b": 1.0}, 0.0, tmp_path)
+    report.tick({"a": 5.0}, {})  # a took 5x its expectation: 5 s left, reported as 2
+    report.tick({"a": 5.0}, {"b": 100.0})  # past every estimate: unknown
+    report.tick({"a": 5.0}, {"b": 0.0})  # would be 5 s again: stays unknown
+    report.done(tmp_path)
+    assert [eta for _, eta in progress.calls] == [2.0, 2.0, None, None, 0.0]
+    assert "1/2 sources compiled" in progress.calls[1][0]
+
+
+def test_binding_generator_follows_the_header():
+    header = (nb.CSRC / nb.HEADER).read_text()
+    protos = prototypes(header)
+    assert set(protos) == {"moe_engine_abi_version", "moe_fused_moe", "moe_fused_moe_q4",
+                           "moe_linear", "moe_paged_decode_attention", "moe_rms_norm"}
+    kinds = "".join(p.kind for p in protos["moe_rms_norm"])
+    assert kinds == "piiiiipfiipi"
+    assert "py_moe_fused_moe_q4" in binding_source(header)
+    with pytest.raises(ValueError, match="double"):
+        prototypes("MOE_ENGINE_API int32_t f(double x);")
+
+
+def test_one_openmp_runtime_and_thread_pool():
+    """The built module binds to the libgomp torch loaded, so native kernels and torch's ops
+    share one OpenMP thread pool of torch.get_num_threads() threads (no second pool)."""
+    from kernels.cpu_ops import rms_norm
+
+    native._build("ops_cpu")
+    if not Path("/proc/self/maps").exists():
+        pytest.skip("no /proc (not Linux)")
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    gomp = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(gomp) == 1, gomp
+    if (Path(torch.__file__).parent / "lib" / "libgomp.so.1").exists():  # torch bundles one
+        assert Path(next(iter(gomp))).parent == Path(torch.__file__).parent / "lib", gomp
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        big = torch.randn(1 << 20)
+        torch.add(big, 1.0)  # starts torch's pool
+        threads = len(list(Path("/proc/self/task").iterdir()))
+        rms_norm(torch.randn(4096, 256), torch.randn(256), 1e-6)  # a parallel native call
+        assert len(list(Path("/proc/self/task").iterdir())) == threads
+    finally:
+        torch.set_num_threads(before)
