@@ -86,10 +86,10 @@ def test_ep_greedy_equals_ep1_and_transformers(ckpt_name: str, ep_size: int, req
     handle = ServerThread(_config(ckpt, ep_size), ServerOptions(port=0), startup_timeout_s=300)
     try:
         info = handle.server.engine.model_info
-        assert info["ep_size"] == ep_size
-        experts = info["experts_per_rank"]
+        assert info.ep_size == ep_size
+        experts = info.experts_per_rank
         assert len(experts) == ep_size
-        num_experts, top_k = info["num_experts"], info["num_experts_per_tok"]
+        num_experts, top_k = info.num_experts, info.num_experts_per_tok
         assert sorted(e for rank in experts for e in rank) == list(range(num_experts))
         with grpc.insecure_channel(handle.address) as channel:
             stub = pb_grpc.MoeEngineStub(channel)
@@ -136,7 +136,7 @@ def test_rank_killed_mid_generation_ends_server_with_unavailable(qwen3_ckpt) -> 
     handle = ServerThread(_config(qwen3_ckpt, 2, timeout_s), ServerOptions(port=0), 300)
     try:
         engine = handle.server.engine
-        victim = engine.model_info["rank_pids"][1]
+        victim = engine.model_info.rank_pids[1]
         with grpc.insecure_channel(handle.address) as channel:
             stub = pb_grpc.MoeEngineStub(channel)
             req = make_request([5, 6, 7, 8], max_tokens=200, temperature=0.0, ignore_eos=True)
@@ -188,7 +188,7 @@ def test_hung_rank_ends_server_within_timeout_and_leaves_no_process(qwen3_ckpt) 
     rank's collective time out; the server goes down naming it, and shutdown kills it."""
     timeout_s = 4.0
     handle = ServerThread(_config(qwen3_ckpt, 2, timeout_s), ServerOptions(port=0), 300)
-    pids = handle.server.engine.model_info["rank_pids"]
+    pids = handle.server.engine.model_info.rank_pids
     try:
         engine = handle.server.engine
         with grpc.insecure_channel(handle.address) as channel:
