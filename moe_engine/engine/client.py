@@ -71,6 +71,8 @@ logger = logging.getLogger(__name__)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 #: After the core process exits, how long to wait for its last messages (seconds).
 _EXIT_GRACE_S = 0.5
+#: Within one startup phase, the log repeats the core's progress at most this often (seconds).
+_PROGRESS_LOG_S = 10.0
 
 
 def load_tokenizer(model_dir: str) -> Any | None:
@@ -115,6 +117,7 @@ class EngineClient:
         self._out_sock: zmq.asyncio.Socket | None = None
         self._heartbeat_sock: zmq.Socket | None = None
         self._heartbeat: asyncio.Task | None = None
+        self._progress_logged = 0.0
 
     # ----------------------------------------------------------------- lifetime
 
@@ -473,9 +476,7 @@ class EngineClient:
                     future.set_result(message)
             case StartupProgress(phase=phase, detail=detail, eta_s=eta):
                 if self._ready is not None and not self._ready.done():
-                    now = time.monotonic()
-                    self.startup_status = self.startup_status.advance(phase, detail, eta, now)
-                    logger.info("engine starting: %s", self.startup_status.describe(now))
+                    self._on_progress(phase, detail, eta)
             case Ready(info=info):
                 if self._ready is not None and not self._ready.done():
                     self._ready.set_result(info)
@@ -490,6 +491,16 @@ class EngineClient:
                 self._mark_dead(f"engine core failed: {text}")
             case _:
                 logger.error("unexpected message from the engine core: %s", type(message).__name__)
+
+    def _on_progress(self, phase: str, detail: str, eta_s: float | None) -> None:
+        """Keep the starting core's latest status; log it (a new phase at once, the same one
+        at most every _PROGRESS_LOG_S)."""
+        now = time.monotonic()
+        new_phase = phase != self.startup_status.phase
+        self.startup_status = self.startup_status.advance(phase, detail, eta_s, now)
+        if new_phase or now - self._progress_logged >= _PROGRESS_LOG_S:
+            self._progress_logged = now
+            logger.info("engine starting: %s", self.startup_status.describe(now))
 
     def _fail_start(self, error: StartupError) -> None:
         """Make a pending `start` raise `error` (no-op once the core was ready)."""
