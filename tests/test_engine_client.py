@@ -277,3 +277,44 @@ def test_startup_progress_reaches_the_client(monkeypatch: pytest.MonkeyPatch) ->
             await client.shutdown()
 
     asyncio.run(main())
+
+
+_LEFT_RUNNING = """
+import asyncio, sys, threading
+sys.path[:0] = [{tests!r}, {repo!r}]
+from moe_engine.config import EngineConfig, ModelConfig
+from moe_engine.engine.client import EngineClient
+
+if __name__ == "__main__":
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    client = EngineClient()
+    start = client.start(EngineConfig(ModelConfig(model="/fake")), core_factory={factory!r})
+    asyncio.run_coroutine_threadsafe(start, loop).result(60)
+    print(client.core_pid, flush=True)
+    # The main thread ends with the loop (and its heartbeats) still running, no shutdown.
+"""
+
+
+def test_interpreter_exit_kills_a_core_never_shut_down(tmp_path: Path) -> None:
+    """A server left running by a test (its loop thread still heartbeating) must not make the
+    interpreter wait forever at exit for a core that ignores SIGTERM."""
+    script = tmp_path / "left_running.py"
+    script.write_text(
+        _LEFT_RUNNING.format(tests=str(TESTS), repo=str(REPO), factory="fake_core:FakeEngineCore")
+    )
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    core_pid = -1
+    try:
+        core_pid = int(parent.stdout.readline())
+        assert parent.wait(timeout=30) == 0
+        deadline = time.monotonic() + 10
+        while _alive(core_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(core_pid)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if core_pid > 0 and _alive(core_pid):
+            os.kill(core_pid, signal.SIGKILL)

@@ -16,6 +16,7 @@ aborted in the core, which frees its KV blocks before its next step.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import multiprocessing
@@ -24,6 +25,7 @@ import shutil
 import signal
 import tempfile
 import time
+import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -73,6 +75,18 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 _EXIT_GRACE_S = 0.5
 #: Within one startup phase, the log repeats the core's progress at most this often (seconds).
 _PROGRESS_LOG_S = 10.0
+#: Clients started and not shut down: their cores are killed when this interpreter exits.
+_started: weakref.WeakSet[EngineClient] = weakref.WeakSet()
+
+
+def _kill_leftover_cores() -> None:
+    """At interpreter exit, kill the cores of clients that were never shut down (a test whose
+    server start timed out, a loop that went away while its thread keeps heartbeating).
+    multiprocessing's own exit handler would SIGTERM a core, which ignores it (the front end
+    drains it), and then wait for it forever. Registered after multiprocessing's handler, so
+    it runs first."""
+    for client in list(_started):
+        client.kill_core()
 
 
 def load_tokenizer(model_dir: str) -> Any | None:
@@ -167,6 +181,10 @@ class EngineClient:
             daemon=ep_size == 1,  # the launcher has children of its own; it is reaped on exit
         )
         self._proc.start()
+        if not _started:
+            atexit.unregister(_kill_leftover_cores)
+            atexit.register(_kill_leftover_cores)
+        _started.add(self)
         loop.add_reader(self._proc.sentinel, self._on_process_exit)
         tokenizer = asyncio.create_task(asyncio.to_thread(load_tokenizer, config.model.model))
         try:
@@ -236,6 +254,7 @@ class EngineClient:
                 proc.kill()
                 await asyncio.to_thread(proc.join, 5.0)
         self._kill_ranks()
+        _started.discard(self)
         self._mark_dead("the engine is shut down")
         if proc is not None:
             asyncio.get_running_loop().remove_reader(proc.sentinel)
@@ -514,6 +533,18 @@ class EngineClient:
         assert self._proc is not None
         loop.remove_reader(self._proc.sentinel)
         loop.call_later(_EXIT_GRACE_S, self._after_exit)
+
+    def kill_core(self) -> None:
+        """SIGKILL the core process (and its ranks) if it still runs: the last resort when no
+        event loop is left to `shutdown` it (any thread may call it)."""
+        proc = self._proc
+        if proc is not None and proc.pid is not None and proc.exitcode is None:
+            logger.warning("engine core (pid %d) still running at exit: killing it", proc.pid)
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._kill_ranks()
 
     def _kill_ranks(self) -> None:
         """SIGKILL whatever is left of the launcher's process group (its ranks: the launcher
