@@ -41,6 +41,7 @@ from moe_engine.config import (  # noqa: E402
     cache_root,
 )
 from moe_engine.engine.client import EngineClient  # noqa: E402
+from moe_engine.engine.messages import EngineStats  # noqa: E402
 from moe_engine.request import SamplingParams  # noqa: E402
 
 PHASES = ("attention", "router", "dispatch", "experts", "combine")
@@ -79,27 +80,24 @@ async def run_one(ckpt: Path, ep_size: int, args: argparse.Namespace) -> dict:
     return summarise(ep_size, sum(produced), wall, before, after)
 
 
-def _per_rank(stats: dict) -> list[dict]:
-    return stats.get("per_rank", [stats])
-
-
-def summarise(ep_size: int, tokens: int, wall: float, before: dict, after: dict) -> dict:
+def summarise(
+    ep_size: int, tokens: int, wall: float, before: EngineStats, after: EngineStats
+) -> dict:
     """Differences of the counters over the run, per step and per token."""
-    ranks_before, ranks_after = _per_rank(before), _per_rank(after)
     split: dict[str, list[float]] = {p: [] for p in (*PHASES, "other", "step")}
     dispatch_bytes = min_bytes = routed_tokens = 0
-    for b, a in zip(ranks_before, ranks_after, strict=True):
-        pb, pa = b.get("phase_seconds", {}), a.get("phase_seconds", {})
-        steps = a.get("num_steps", 0) - b.get("num_steps", 0)
+    for b, a in zip(before.ranks, after.ranks, strict=True):
+        pb, pa = b.phase_seconds, a.phase_seconds
+        steps = a.num_steps - b.num_steps
         if steps <= 0:
             continue
         seconds = {p: pa.get(p, 0.0) - pb.get(p, 0.0) for p in (*PHASES, "step")}
         seconds["other"] = seconds["step"] - sum(seconds[p] for p in PHASES)
         for p, s in seconds.items():
             split[p].append(1000 * s / steps)
-        dispatch_bytes += a.get("dispatch_bytes_sent", 0) - b.get("dispatch_bytes_sent", 0)
-        min_bytes += a.get("min_dispatch_bytes", 0) - b.get("min_dispatch_bytes", 0)
-        routed_tokens += a.get("tokens_in", 0) - b.get("tokens_in", 0)
+        dispatch_bytes += a.dispatch_bytes_sent - b.dispatch_bytes_sent
+        min_bytes += a.min_dispatch_bytes - b.min_dispatch_bytes
+        routed_tokens += a.tokens_in - b.tokens_in
     return {
         "ep_size": ep_size,
         "output_tokens": tokens,

@@ -190,8 +190,8 @@ def ttft(cache_dir: Path, num_requests: int, prompt_len: int, shared: float = 0.
             first_s=times[0],
             median_s=statistics.median(times[1:]),
             all_s=times,
-            prefix_cache_queries=stats["prefix_cache_queries"],
-            prefix_cache_hits=stats["prefix_cache_hits"],
+            prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
         )
         del llm, engine
     result.update(

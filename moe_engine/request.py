@@ -1,7 +1,8 @@
 """Requests, their sampling parameters and their outputs.
 
 Names follow vLLM v1: a `Request` is one prompt and its generated tokens; `SamplingParams` says
-how to pick each next token and when to stop; a `RequestOutput` is the delta one step produced.
+how to pick each next token and when to stop. What one step produces for a request is an
+`EngineCoreOutput` (`moe_engine.engine.messages`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+
+from moe_engine.errors import ParamError
 
 #: The largest number of top logprobs a request may ask for per token.
 MAX_LOGPROBS = 20
@@ -77,65 +80,42 @@ class SamplingParams:
         """Check every field against its limit.
 
         Raises:
-            ValueError: naming the field, the value and the limit.
+            ParamError: naming the field (`.field`), the value and the limit.
         """
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise ParamError("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+            raise ParamError("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
-            )
+            raise ParamError("min_tokens", f"min_tokens ({self.min_tokens}) must be <= "
+                             f"max_tokens ({self.max_tokens})")
         if math.isnan(self.temperature) or math.isinf(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+            raise ParamError("temperature", "temperature must be a finite number >= 0, got "
+                             f"{self.temperature}")
         if math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1 or self.top_k == 0:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+            raise ParamError("top_k", f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
-            raise ValueError(f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}")
+            raise ParamError("logprobs", f"logprobs must be in [0, {max_logprobs}], got "
+                             f"{self.logprobs}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids: {len(self.stop_token_ids)} given, at most "
-                             f"{MAX_STOP_TOKEN_IDS}")
+            raise ParamError("stop_token_ids", f"stop_token_ids: {len(self.stop_token_ids)} "
+                             f"given, at most {MAX_STOP_TOKEN_IDS}")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop: {len(self.stop)} strings given, at most {MAX_STOP_STRINGS}")
+            raise ParamError("stop", f"stop: {len(self.stop)} strings given, at most "
+                             f"{MAX_STOP_STRINGS}")
         longest = max((len(s) for s in self.stop), default=0)
         if longest > MAX_STOP_STRING_CHARS:
-            raise ValueError(f"stop: a string of {longest} characters, at most "
+            raise ParamError("stop", f"stop: a string of {longest} characters, at most "
                              f"{MAX_STOP_STRING_CHARS}")
         for tok in self.stop_token_ids:
             if not 0 <= tok < vocab_size:
-                raise ValueError(f"stop_token_ids entry {tok} is outside [0, {vocab_size})")
+                raise ParamError("stop_token_ids", f"stop_token_ids entry {tok} is outside "
+                                 f"[0, {vocab_size})")
         for s in self.stop:
             if not s:
-                raise ValueError("stop strings must not be empty")
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request (a delta, streamed to the client).
-
-    Attributes:
-        request_id: the request's id.
-        new_token_ids: tokens generated since the previous output.
-        new_text: text since the previous output (held back while it may start a stop string).
-        finished: True on the last output of the request.
-        finish_reason: set when finished.
-        num_prompt_tokens / num_output_tokens: usage so far (tokens).
-        logprobs: per new token, the sampled token's logprob and the top-n {token_id: logprob}.
-        error: set when the engine could not run the request at all.
-    """
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str = ""
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    logprobs: list[tuple[float, dict[int, float]]] | None = None
-    error: str | None = None
+                raise ParamError("stop", "stop strings must not be empty")
 
 
 class Request:

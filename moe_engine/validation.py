@@ -2,24 +2,13 @@
 
 `validate_request` is called by `EngineCore.add_request` and, earlier, by the front end (which
 knows the same limits from the model info) so that bad requests never reach the step loop.
+A sampling parameter at fault comes as `ParamError`, which names its field (`param_error`).
 """
 
 from __future__ import annotations
 
-from moe_engine.errors import ErrorCode, RequestError
+from moe_engine.errors import ErrorCode, ParamError, RequestError
 from moe_engine.request import MAX_LOGPROBS, SamplingParams
-
-#: Fields whose name starts a `SamplingParams.verify` message, in the order they are checked.
-_PARAM_FIELDS = (
-    "max_tokens",
-    "min_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "logprobs",
-    "stop_token_ids",
-    "stop",
-)
 
 
 def validate_request(
@@ -98,14 +87,18 @@ def _first_out_of_vocab(token_ids: list[int], vocab_size: int) -> tuple[int, int
     return None
 
 
+def param_error(exc: ParamError) -> RequestError:
+    """The INVALID_ARGUMENT refusal for a sampling parameter at fault (its field from `exc`)."""
+    message = exc.message if exc.message.startswith(exc.field) else f"{exc.field}: {exc.message}"
+    return RequestError(ErrorCode.INVALID_ARGUMENT, exc.field, message)
+
+
 def _check_params(params: SamplingParams, vocab_size: int, max_logprobs: int) -> None:
     try:
         params.verify(vocab_size, max_logprobs)
-    except (ValueError, TypeError) as exc:
-        message = str(exc)
-        field = next(
-            (name for name in _PARAM_FIELDS if message.startswith(name)), "sampling_params"
-        )
-        if not message.startswith(field):
-            message = f"{field}: {message}"
-        raise RequestError(ErrorCode.INVALID_ARGUMENT, field, message) from exc
+    except ParamError as exc:
+        raise param_error(exc) from exc
+    except (ValueError, TypeError) as exc:  # not one field's fault
+        raise RequestError(
+            ErrorCode.INVALID_ARGUMENT, "sampling_params", f"sampling_params: {exc}"
+        ) from exc

@@ -7,7 +7,8 @@ aborts free them. A step sleeps `FAKE_CORE_STEP_S` seconds (default 0.01) to mim
 
 Selected through `EngineClient.start(..., core_factory="fake_core:FakeEngineCore")`;
 `fake_core:FailingEngineCore` raises at startup, `fake_core:SlowEngineCore` never gets ready,
-and a prompt starting with `CRASH_TOKEN_ID` makes a step raise.
+`fake_core:SlowStartEngineCore` reports building kernels for `FAKE_CORE_START_S` seconds (default
+5) before it is ready, and a prompt starting with `CRASH_TOKEN_ID` makes a step raise.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import os
 import time
 
 from moe_engine.config import EngineConfig
+from moe_engine.engine.messages import CoreStats, EngineCoreOutput, ExpertLoad, ModelInfo
+from moe_engine.engine.protocol import StartupProgressFn
 from moe_engine.errors import ErrorCode, RequestError
-from moe_engine.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
+from moe_engine.request import FinishReason, Request, RequestStatus, SamplingParams
 from moe_engine.validation import validate_request
 
 VOCAB_SIZE = 512
@@ -29,7 +32,7 @@ CRASH_TOKEN_ID = 499
 class FakeEngineCore:
     """Echo engine: continuous batching without a model."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, progress: StartupProgressFn | None = None) -> None:
         self.config = config
         self.tokenizer = None
         self.vocab_size = VOCAB_SIZE
@@ -46,6 +49,7 @@ class FakeEngineCore:
                 "num_finished",
                 "num_aborted",
                 "num_rejected",
+                "num_steps",
             ],
             0,
         )
@@ -69,7 +73,7 @@ class FakeEngineCore:
         self.requests[request_id] = req
         self.counters["prompt_tokens_total"] += len(prompt_token_ids)
 
-    def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         outputs = []
         for rid in request_ids:
             req = self.requests.pop(rid, None)
@@ -79,8 +83,9 @@ class FakeEngineCore:
             outputs.append(self._output(req, [], FinishReason.ABORT))
         return outputs
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineCoreOutput]:
         time.sleep(self.step_s)
+        self.counters["num_steps"] += 1
         if any(r.prompt_token_ids[0] == CRASH_TOKEN_ID for r in self.requests.values()):
             raise RuntimeError("fake step failure")
         outputs = []
@@ -96,12 +101,14 @@ class FakeEngineCore:
             outputs.append(self._output(req, [token], reason))
         return outputs
 
-    def _output(self, req: Request, new: list[int], reason: FinishReason | None) -> RequestOutput:
+    def _output(
+        self, req: Request, new: list[int], reason: FinishReason | None
+    ) -> EngineCoreOutput:
         logprobs = None
         if req.sampling_params.logprobs is not None and new:
             top = {t: -0.5 for t in range(req.sampling_params.logprobs)}
             logprobs = [(-0.5, top) for _ in new]
-        return RequestOutput(
+        return EngineCoreOutput(
             request_id=req.request_id,
             new_token_ids=new,
             new_text="",
@@ -119,41 +126,53 @@ class FakeEngineCore:
         bs = self.block_size
         return sum((r.num_tokens + bs - 1) // bs for r in self.requests.values())
 
-    def get_stats(self) -> dict:
+    def get_stats(self) -> CoreStats:
         used = self._used_blocks()
-        return {
-            "num_running": len(self.requests),
-            "num_waiting": 0,
-            "kv_blocks_total": self.num_blocks,
-            "kv_blocks_free": self.num_blocks - used,
-            "kv_blocks_used": used,
-            "num_preemptions": 0,
+        return CoreStats(
+            num_running=len(self.requests),
+            num_waiting=0,
+            kv_blocks_total=self.num_blocks,
+            kv_blocks_free=self.num_blocks - used,
+            kv_blocks_used=used,
+            kv_cached_blocks=0,
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+            num_preemptions=0,
             **self.counters,
-        }
+        )
 
-    def model_info(self) -> dict:
-        return {
-            "model": self.config.model.model,
-            "architecture": "FakeEcho",
-            "dtype": "float32",
-            "vocab_size": self.vocab_size,
-            "max_model_len": self.max_model_len,
-            "num_layers": 0,
-            "num_experts": 0,
-            "num_experts_per_tok": 0,
-            "hidden_size": 0,
-            "block_size": self.block_size,
-            "num_kv_blocks": self.num_blocks,
-            "max_num_seqs": self.config.scheduler.max_num_seqs,
-            "max_num_batched_tokens": self.config.scheduler.max_num_batched_tokens,
-            "ep_size": 1,
-        }
+    def get_expert_load(self) -> ExpertLoad:
+        """No MoE layers: empty tables."""
+        return ExpertLoad(
+            moe_layers=[], counts=[], window_counts=[], window_steps=0, imbalance_ratio=[],
+            balancedness=[],
+        )
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(
+            model=self.config.model.model,
+            architecture="FakeEcho",
+            dtype="float32",
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            num_layers=0,
+            num_experts=0,
+            num_experts_per_tok=0,
+            hidden_size=0,
+            block_size=self.block_size,
+            num_kv_blocks=self.num_blocks,
+            max_num_seqs=self.config.scheduler.max_num_seqs,
+            max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens,
+        )
+
+    def close(self) -> None:
+        pass
 
 
 class FailingEngineCore:
     """Fails at startup the way a real core does on a bad configuration."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, progress: StartupProgressFn | None = None) -> None:
         from moe_engine.errors import StartupError
 
         raise StartupError("fake startup failure: kv_cache_memory 1 bytes is too small")
@@ -162,5 +181,28 @@ class FailingEngineCore:
 class SlowEngineCore:
     """Never finishes loading (for the startup-timeout test)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, progress: StartupProgressFn | None = None) -> None:
         time.sleep(3600)
+
+
+class SlowStartEngineCore(FakeEngineCore):
+    """Reports "building native CPU kernels" with a shrinking estimate for FAKE_CORE_START_S
+    seconds (from a thread of its own, as the kernel build does), then is a FakeEngineCore."""
+
+    def __init__(self, config: EngineConfig, *, progress: StartupProgressFn | None = None) -> None:
+        import threading
+
+        total = float(os.environ.get("FAKE_CORE_START_S", "5"))
+        start = time.monotonic()
+        assert progress is not None, "the core process passes a progress callback"
+
+        def tick() -> None:
+            while (elapsed := time.monotonic() - start) < total:
+                progress("building native CPU kernels", "fake_kernels", total - elapsed)
+                time.sleep(0.2)
+
+        ticker = threading.Thread(target=tick, daemon=True)
+        ticker.start()
+        ticker.join()
+        progress("loading weights", "", None)
+        super().__init__(config, progress=progress)

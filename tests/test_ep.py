@@ -86,10 +86,10 @@ def test_ep_greedy_equals_ep1_and_transformers(ckpt_name: str, ep_size: int, req
     handle = ServerThread(_config(ckpt, ep_size), ServerOptions(port=0), startup_timeout_s=300)
     try:
         info = handle.server.engine.model_info
-        assert info["ep_size"] == ep_size
-        experts = info["experts_per_rank"]
+        assert info.ep_size == ep_size
+        experts = info.experts_per_rank
         assert len(experts) == ep_size
-        num_experts, top_k = info["num_experts"], info["num_experts_per_tok"]
+        num_experts, top_k = info.num_experts, info.num_experts_per_tok
         assert sorted(e for rank in experts for e in rank) == list(range(num_experts))
         with grpc.insecure_channel(handle.address) as channel:
             stub = pb_grpc.MoeEngineStub(channel)
@@ -136,7 +136,7 @@ def test_rank_killed_mid_generation_ends_server_with_unavailable(qwen3_ckpt) -> 
     handle = ServerThread(_config(qwen3_ckpt, 2, timeout_s), ServerOptions(port=0), 300)
     try:
         engine = handle.server.engine
-        victim = engine.model_info["rank_pids"][1]
+        victim = engine.model_info.rank_pids[1]
         with grpc.insecure_channel(handle.address) as channel:
             stub = pb_grpc.MoeEngineStub(channel)
             req = make_request([5, 6, 7, 8], max_tokens=200, temperature=0.0, ignore_eos=True)
@@ -189,7 +189,7 @@ def test_hung_rank_ends_server_within_timeout_and_leaves_no_process(qwen3_ckpt) 
     rank's collective time out; the server goes down naming it, and shutdown kills it."""
     timeout_s = 4.0
     handle = ServerThread(_config(qwen3_ckpt, 2, timeout_s), ServerOptions(port=0), 300)
-    pids = handle.server.engine.model_info["rank_pids"]
+    pids = handle.server.engine.model_info.rank_pids
     try:
         engine = handle.server.engine
         with grpc.insecure_channel(handle.address) as channel:
@@ -212,6 +212,64 @@ def test_hung_rank_ends_server_within_timeout_and_leaves_no_process(qwen3_ckpt) 
     while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert all(_gone(p) for p in pids), "a rank outlived the server"
+
+
+_SILENT_EP_FRONT_END = """
+import asyncio, sys, time
+sys.path[:0] = [{tests!r}, {repo!r}]
+from moe_engine.config import EngineConfig, ModelConfig, ParallelConfig
+from moe_engine.engine.client import EngineClient
+
+async def main():
+    client = EngineClient()
+    config = EngineConfig(ModelConfig(model={ckpt!r}, max_model_len=128),
+                          parallel=ParallelConfig(ep_size=2))
+    await client.start(config, frontend_timeout_s={silence!r})
+    print(client.core_pid, *client.model_info.rank_pids, flush=True)
+    await asyncio.sleep(3600)
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+def test_ranks_exit_when_the_front_end_goes_silent(qwen3_ckpt, tmp_path) -> None:
+    """A stopped front end (alive, so no rank sees its parent die) is silent: every rank
+    notices the missing heartbeats, says so, and exits; the launcher follows."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    silence_s = 4.0
+    tests = Path(__file__).resolve().parent
+    script = tmp_path / "front_end.py"
+    script.write_text(_SILENT_EP_FRONT_END.format(
+        tests=str(tests), repo=str(tests.parent), ckpt=str(qwen3_ckpt), silence=silence_s
+    ))
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as err:
+        parent = subprocess.Popen(
+            [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=err, text=True
+        )
+    pids: list[int] = []
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 3, log.read_text()[-3000:]  # the launcher and two ranks
+        parent.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + silence_s + 20
+        while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(_gone(p) for p in pids), "a rank or the launcher outlived its front end"
+        text = log.read_text()
+        for rank in (0, 1):
+            assert f"rank {rank} (pid {pids[1 + rank]}) exits: no heartbeat" in text, text[-3000:]
+    finally:
+        parent.kill()
+        parent.wait()
+        for pid in pids:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize(

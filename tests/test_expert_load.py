@@ -24,13 +24,13 @@ def test_counts_equal_bincount_of_produced_topk_ids(qwen3_nonorm_ckpt, monkeypat
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 50, 90)]
     llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     load = llm.engine.get_expert_load()
-    num_moe = len(load["moe_layers"])
-    assert load["moe_layers"] == [1, 3]  # decoder_sparse_step 2
+    num_moe = len(load.moe_layers)
+    assert load.moe_layers == [1, 3]  # decoder_sparse_step 2
     num_experts = llm.engine.spec.num_experts
     expected = torch.zeros(num_moe, num_experts, dtype=torch.int64)
     for call, ids in enumerate(produced):  # MoE layers run in order within every step
         expected[call % num_moe] += torch.bincount(ids.flatten().long(), minlength=num_experts)
-    assert load["counts"] == expected.tolist()
+    assert load.counts == expected.tolist()
     total_tokens = sum(len(p) for p in prompts) + 3 * 6 - 3  # the last token is never fed
     assert expected.sum(dim=1).tolist() == [total_tokens * llm.engine.spec.top_k] * num_moe
 

@@ -87,7 +87,7 @@ def server(qwen3_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
     )
     handle = ServerThread(config, ServerOptions(port=0, max_message_bytes=MAX_MESSAGE_BYTES))
-    assert handle.server.engine.model_info["has_tokenizer"]
+    assert handle.server.engine.model_info.has_tokenizer
     yield handle
     handle.close()
 

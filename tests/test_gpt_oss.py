@@ -61,8 +61,8 @@ def test_greedy_matches_transformers_with_chunking_and_preemption(
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected
     stats = llm.engine.get_stats()
-    assert stats["num_preemptions"] > 0
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats.num_preemptions > 0
+    assert stats.kv_blocks_free == stats.kv_blocks_total
 
 
 def test_last_position_logits_within_tolerance(gpt_oss_ckpt):

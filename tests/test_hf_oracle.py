@@ -34,8 +34,8 @@ def test_greedy_matches_transformers_with_chunking_and_preemption(ckpt_name, req
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected
     stats = llm.engine.get_stats()
-    assert stats["num_preemptions"] > 0
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats.num_preemptions > 0
+    assert stats.kv_blocks_free == stats.kv_blocks_total
 
 
 @pytest.mark.parametrize("ckpt_name", ["qwen3_ckpt", "mixtral_ckpt"])

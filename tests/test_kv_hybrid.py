@@ -232,8 +232,8 @@ def _engine_tokens(ckpt, prompts, max_new, one_by_one=False, **kw) -> tuple[list
     if one_by_one:
         runs.insert(0, [llm.generate([p], params)[0].token_ids for p in prompts])
     stats = llm.engine.get_stats()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    assert all(g["blocks_used"] == 0 for g in stats["kv_groups"])
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+    assert all(g.blocks_used == 0 for g in stats.kv_groups)
     return runs, llm
 
 
@@ -275,7 +275,7 @@ def test_gpt_oss_prefix_caching_gives_the_same_tokens(gpt_oss_ckpt, gpt_oss_expe
     # one at a time: prompts 2, 3, 4 reuse 1, 2, 2 blocks of their predecessors (4 tokens each;
     # a sliding group needs 2 blocks before the hit's end), the last one 6 blocks of prompt 4;
     # then all five again: every full block but the one holding the last token
-    assert stats["prefix_cache_hits"] == (4 + 8 + 8 + 24) + (4 + 4 + 8 + 32 + 28), stats
+    assert stats.prefix_cache_hits == (4 + 8 + 8 + 24) + (4 + 4 + 8 + 32 + 28), stats
     (got,), llm = _engine_tokens(
         gpt_oss_ckpt, _prompts(8), 5, max_num_batched_tokens=5, num_blocks_override=16,
         enable_prefix_caching=True,

@@ -180,7 +180,7 @@ def _run(ckpt, caching: bool, max_model_len=128, **kw) -> tuple[list[list[int]],
     one_by_one = [llm.generate([p], params)[0].token_ids for p in prompts]
     together = [o.token_ids for o in llm.generate(prompts, params)]
     stats = llm.engine.get_stats()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats.kv_blocks_free == stats.kv_blocks_total
     return one_by_one + together, stats
 
 
@@ -188,14 +188,14 @@ def test_prefix_caching_gives_the_same_tokens_on_qwen3(qwen3_ckpt):
     off, stats_off = _run(qwen3_ckpt, False)
     on, stats = _run(qwen3_ckpt, True)
     assert on == off
-    assert stats_off["prefix_cache_queries"] == stats_off["prefix_cache_hits"] == 0
+    assert stats_off.prefix_cache_queries == stats_off.prefix_cache_hits == 0
     # one at a time: 0 + 36 + 32 + 16 + 0 + 16 tokens hit (full blocks, last token recomputed)
-    assert stats["prefix_cache_hits"] >= 100
-    assert stats["prefix_cache_queries"] == 2 * sum(len(p) for p in _prompts())
+    assert stats.prefix_cache_hits >= 100
+    assert stats.prefix_cache_queries == 2 * sum(len(p) for p in _prompts())
     # chunked prefill (chunks of 5) and preemption (20 blocks) with caching on
     assert _run(qwen3_ckpt, True, max_num_batched_tokens=5)[0] == off
     on_small, small = _run(qwen3_ckpt, True, max_model_len=64, num_blocks_override=20)
-    assert on_small == off and small["num_preemptions"] > 0
+    assert on_small == off and small.num_preemptions > 0
 
 
 def test_hit_counters_in_grpc_stats_and_prometheus(qwen3_ckpt):
@@ -203,6 +203,7 @@ def test_hit_counters_in_grpc_stats_and_prometheus(qwen3_ckpt):
     from grpc_helpers import ServerThread, request
 
     from moe_engine.config import CacheConfig, EngineConfig, ModelConfig
+    from moe_engine.engine.messages import CoreStats, KVCacheGroupStats, engine_stats
     from moe_engine.server.app import ServerOptions
     from moe_engine.server.metrics import ServerMetrics
     from moe_engine.server.pb import moe_engine_pb2 as pb
@@ -228,11 +229,13 @@ def test_hit_counters_in_grpc_stats_and_prometheus(qwen3_ckpt):
         ("full_attention", 3, 0)
     ]
     metrics = ServerMetrics()
-    metrics.update_from_stats(
-        dict(prefix_cache_queries=42, prefix_cache_hits=20, kv_groups=[
-            dict(group=0, kind="full_attention", blocks_used=3)
-        ])
+    counts = dict.fromkeys(CoreStats.__struct_fields__[:15], 0)
+    counts.update(prefix_cache_queries=42, prefix_cache_hits=20)
+    group = KVCacheGroupStats(
+        group=0, kind="full_attention", sliding_window=0, num_layers=3, kv_bytes_per_token=8,
+        blocks_used=3,
     )
+    metrics.update_from_stats(engine_stats([CoreStats(**counts, kv_groups=[group])]))
     reg = metrics.registry
     assert reg.get_sample_value("moe_engine_prefix_cache_queries_total") == 42
     assert reg.get_sample_value("moe_engine_prefix_cache_hits_total") == 20

@@ -437,10 +437,21 @@ def test_report_from_a_real_ep_server_equals_its_rank_imbalance(qwen3_ckpt, tmp_
             assert own <= row["rank_load"][rank] <= own + counts[0] + counts[7]
 
 
+def _load(layers, counts, window_counts=(), rank_tokens=None):
+    """An ExpertLoad with the tables the gauges read (summaries left empty)."""
+    from moe_engine.engine.messages import ExpertLoad
+
+    return ExpertLoad(
+        moe_layers=layers, counts=counts, window_counts=list(window_counts),
+        window_steps=len(window_counts), imbalance_ratio=[], balancedness=[],
+        rank_tokens=rank_tokens,
+    )
+
+
 def test_metrics_gauges_by_layer_and_rank():
     metrics = ServerMetrics()
     metrics.update_from_expert_load(
-        dict(moe_layers=[1, 3], counts=[[4, 4, 4, 4], [10, 0, 0, 2]], rank_tokens=[[3, 1], [2, 2]])
+        _load([1, 3], [[4, 4, 4, 4], [10, 0, 0, 2]], rank_tokens=[[3, 1], [2, 2]])
     )
     text = generate_latest(metrics.registry).decode()
 
@@ -456,7 +467,7 @@ def test_metrics_gauges_by_layer_and_rank():
     assert value("moe_engine_balancedness", 1, "rank") == pytest.approx(2 / 3)
     # a recent window, when the core sends one, wins over the totals since startup
     metrics.update_from_expert_load(
-        dict(moe_layers=[1, 3], counts=[[4, 4, 4, 4]] * 2, window_counts=[[8, 0, 0, 0]] * 2)
+        _load([1, 3], [[4, 4, 4, 4]] * 2, window_counts=[[8, 0, 0, 0]] * 2)
     )
     text = generate_latest(metrics.registry).decode()
     assert value("moe_engine_imbalance_ratio", 1, "expert") == 4.0

@@ -1,9 +1,12 @@
 """EngineClient: the front end's handle on the engine core process (asyncio).
 
 `start` spawns the core process (`core_proc.run_engine_core`, multiprocessing spawn) and waits
-until it reports the model loaded; `generate` streams one request's outputs; `abort`,
-`get_stats` and `model_info` serve the other RPCs. Requests are validated here first (the limits
-come with READY), so most bad requests never reach the step loop.
+until it reports the model loaded, keeping what it reports meanwhile in `startup_status`;
+`generate` streams one request's outputs; `abort`, `get_stats` and `model_info` serve the other
+RPCs. Requests are validated here first (the limits come with Ready), so most bad requests never
+reach the step loop. The messages are the typed structs of `messages.py`. From the start a
+heartbeat goes out every second on a socket of its own, so that a core whose front end is gone
+or hangs exits by itself (`monitor.py`).
 
 Each live request has an asyncio.Queue fed by one background task that reads the core's output
 socket. When the consumer of `generate` stops early (cancelled, closed, deadline), the request is
@@ -13,6 +16,7 @@ aborted in the core, which frees its KV blocks before its next step.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import multiprocessing
@@ -21,6 +25,7 @@ import shutil
 import signal
 import tempfile
 import time
+import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -30,8 +35,36 @@ import zmq.asyncio
 
 from moe_engine.config import EngineConfig
 from moe_engine.engine import core_proc
+from moe_engine.engine.messages import (
+    AbortRequests,
+    AddError,
+    CoreInput,
+    CoreOutput,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineStats,
+    ExpertLoad,
+    ExpertLoadReply,
+    Fatal,
+    GetExpertLoad,
+    GetModelInfo,
+    GetStats,
+    Heartbeat,
+    ModelInfo,
+    ModelInfoReply,
+    Ready,
+    Shutdown,
+    StartupFailed,
+    StartupProgress,
+    StatsReply,
+    decode_output,
+    encode,
+)
+from moe_engine.engine.monitor import FRONTEND_TIMEOUT_S, HEARTBEAT_INTERVAL_S
+from moe_engine.engine.status import StartupStatus
 from moe_engine.errors import ErrorCode, RequestError, StartupError
-from moe_engine.request import RequestOutput, SamplingParams
+from moe_engine.request import SamplingParams
 from moe_engine.validation import validate_request
 
 logger = logging.getLogger(__name__)
@@ -40,6 +73,20 @@ logger = logging.getLogger(__name__)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 #: After the core process exits, how long to wait for its last messages (seconds).
 _EXIT_GRACE_S = 0.5
+#: Within one startup phase, the log repeats the core's progress at most this often (seconds).
+_PROGRESS_LOG_S = 10.0
+#: Clients started and not shut down: their cores are killed when this interpreter exits.
+_started: weakref.WeakSet[EngineClient] = weakref.WeakSet()
+
+
+def _kill_leftover_cores() -> None:
+    """At interpreter exit, kill the cores of clients that were never shut down (a test whose
+    server start timed out, a loop that went away while its thread keeps heartbeating).
+    multiprocessing's own exit handler would SIGTERM a core, which ignores it (the front end
+    drains it), and then wait for it forever. Registered after multiprocessing's handler, so
+    it runs first."""
+    for client in list(_started):
+        client.kill_core()
 
 
 def load_tokenizer(model_dir: str) -> Any | None:
@@ -61,13 +108,15 @@ class EngineClient:
     """Talks to one engine core process over ZeroMQ (DESIGN.md section 9).
 
     Attributes:
-        model_info: the core's `model_info()` plus `has_tokenizer` (set by `start`).
+        model_info: the core's ModelInfo (set by `start` once the core is ready, else None).
+        startup_status: what the starting core last said it does (`describe()` for text).
         tokenizer: the checkpoint's tokenizer in this process, or None.
         dead: set when the core process has exited or failed.
     """
 
     def __init__(self) -> None:
-        self.model_info: dict[str, Any] = {}
+        self.model_info: ModelInfo | None = None
+        self.startup_status = StartupStatus()
         self.tokenizer: Any | None = None
         self.dead = asyncio.Event()
         self.death_reason: str | None = None
@@ -85,6 +134,9 @@ class EngineClient:
         self._actx: zmq.asyncio.Context | None = None
         self._in_sock: zmq.Socket | None = None
         self._out_sock: zmq.asyncio.Socket | None = None
+        self._heartbeat_sock: zmq.Socket | None = None
+        self._heartbeat: asyncio.Task | None = None
+        self._progress_logged = 0.0
 
     # ----------------------------------------------------------------- lifetime
 
@@ -95,6 +147,7 @@ class EngineClient:
         startup_timeout_s: float = 600.0,
         core_factory: str = core_proc.DEFAULT_CORE_FACTORY,
         log_level: int = logging.INFO,
+        frontend_timeout_s: float = FRONTEND_TIMEOUT_S,
     ) -> None:
         """Spawn the core process and wait until its model is loaded.
 
@@ -102,6 +155,8 @@ class EngineClient:
             config: the engine configuration, passed to the core's constructor.
             startup_timeout_s: how long loading may take (seconds).
             core_factory: "module:attribute" of the core class (tests pass a fake).
+            frontend_timeout_s: how long the core (every rank) runs on without a heartbeat
+                from this front end before it exits by itself (seconds).
 
         Raises:
             StartupError: the core failed to start (its error type and message are included),
@@ -112,8 +167,10 @@ class EngineClient:
         self._rank_load = [0] * ep_size
         loop = asyncio.get_running_loop()
         self._ready = loop.create_future()
-        in_addr, out_addr = self._bind()
+        self.startup_status = StartupStatus()
+        in_addr, out_addr, heartbeat_addr = self._bind()
         self._reader = asyncio.create_task(self._read_outputs(), name="engine-output-reader")
+        self._heartbeat = asyncio.create_task(self._send_heartbeats(), name="engine-heartbeat")
         mp = multiprocessing.get_context("spawn")
         if ep_size > 1:  # the ranks, through torch's elastic launcher
             from moe_engine.engine.launcher import run_launcher
@@ -123,11 +180,16 @@ class EngineClient:
             target, name = core_proc.run_engine_core, "moe-engine-core"
         self._proc = mp.Process(
             target=target,
-            args=(config, in_addr, out_addr, os.getpid(), core_factory, log_level),
+            args=(config, in_addr, out_addr, os.getpid(), core_factory, log_level,
+                  heartbeat_addr, frontend_timeout_s),
             name=name,
             daemon=ep_size == 1,  # the launcher has children of its own; it is reaped on exit
         )
         self._proc.start()
+        if not _started:
+            atexit.unregister(_kill_leftover_cores)
+            atexit.register(_kill_leftover_cores)
+        _started.add(self)
         loop.add_reader(self._proc.sentinel, self._on_process_exit)
         tokenizer = asyncio.create_task(asyncio.to_thread(load_tokenizer, config.model.model))
         try:
@@ -142,12 +204,13 @@ class EngineClient:
             tokenizer.cancel()
             await self.shutdown(timeout_s=1.0)
             raise
+        self.tokenizer = await tokenizer if info.has_tokenizer else None
         self.model_info = info
-        self.tokenizer = await tokenizer if info.get("has_tokenizer") else None
-        logger.info("engine core ready (pid %d): %s", self._proc.pid, info.get("architecture"))
+        logger.info("engine core ready (pid %d): %s", self._proc.pid, info.architecture)
 
-    def _bind(self) -> tuple[str, str]:
-        """Open the input PUSH and output PULL sockets on ipc:// paths in a private directory.
+    def _bind(self) -> tuple[str, str, str]:
+        """Open the input PUSH, output PULL and heartbeat PUB sockets on ipc:// paths in a
+        private directory.
 
         The input socket connects (the core binds it): a connecting PUSH queues messages at
         once, while a binding one has no peer, and refuses to send, until the core's connection
@@ -167,7 +230,20 @@ class EngineClient:
         self._out_sock.setsockopt(zmq.RCVHWM, 0)
         self._out_sock.setsockopt(zmq.LINGER, 0)
         self._out_sock.bind(out_addr)
-        return in_addr, out_addr
+        heartbeat_addr = f"ipc://{self._tmpdir}/heartbeat.sock"
+        self._heartbeat_sock = self._ctx.socket(zmq.PUB)
+        self._heartbeat_sock.setsockopt(zmq.LINGER, 0)
+        self._heartbeat_sock.bind(heartbeat_addr)
+        return in_addr, out_addr, heartbeat_addr
+
+    async def _send_heartbeats(self) -> None:
+        """Tell the core every HEARTBEAT_INTERVAL_S that this front end is alive."""
+        while self._heartbeat_sock is not None:
+            try:
+                self._heartbeat_sock.send(encode(Heartbeat(time.time())), zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                logger.debug("heartbeat not sent: %s", exc)
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the core process (SHUTDOWN, then kill after `timeout_s`) and release sockets.
@@ -176,26 +252,28 @@ class EngineClient:
         """
         proc = self._proc
         if proc is not None and proc.is_alive():
-            self._try_send(["SHUTDOWN"])
+            self._try_send(Shutdown())
             await asyncio.to_thread(proc.join, timeout_s)
             if proc.is_alive():
                 logger.warning("engine core did not stop within %.1f s; killing it", timeout_s)
                 proc.kill()
                 await asyncio.to_thread(proc.join, 5.0)
         self._kill_ranks()
+        _started.discard(self)
         self._mark_dead("the engine is shut down")
         if proc is not None:
             asyncio.get_running_loop().remove_reader(proc.sentinel)
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
-        for sock in (self._in_sock, self._out_sock):
+        for task in (self._reader, self._heartbeat):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        for sock in (self._in_sock, self._out_sock, self._heartbeat_sock):
             if sock is not None:
                 sock.close(linger=0)
         for ctx in (self._ctx, self._actx):
             if ctx is not None:
                 ctx.term()
-        self._in_sock = self._out_sock = None
+        self._in_sock = self._out_sock = self._heartbeat_sock = None
         self._ctx = self._actx = None
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
@@ -233,7 +311,7 @@ class EngineClient:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncIterator[EngineCoreOutput]:
         """Submit one request and yield its outputs (deltas) until the finished one.
 
         Args:
@@ -250,6 +328,12 @@ class EngineClient:
         request is aborted in the core.
         """
         self._check_alive()
+        info = self.model_info
+        if info is None:
+            raise RequestError(
+                ErrorCode.UNAVAILABLE, "engine",
+                f"engine unavailable: {self.startup_status.describe()}",
+            )
         if request_id in self._streams:
             raise RequestError(
                 ErrorCode.ALREADY_EXISTS,
@@ -259,8 +343,8 @@ class EngineClient:
         validate_request(
             prompt_token_ids,
             params,
-            vocab_size=self.model_info["vocab_size"],
-            max_model_len=self.model_info["max_model_len"],
+            vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len,
         )
         if params.stop and self.tokenizer is None:
             raise RequestError(
@@ -272,10 +356,10 @@ class EngineClient:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         arrival = time.time() if arrival_time is None else arrival_time
-        params_dict = core_proc.params_to_dict(params)
         rank = min(range(len(self._rank_load)), key=self._rank_load.__getitem__)  # least loaded
+        add = EngineCoreRequest(request_id, list(prompt_token_ids), params, arrival, rank)
         try:
-            self._send(["ADD", request_id, list(prompt_token_ids), params_dict, arrival, rank])
+            self._send(add)
         except RequestError:
             del self._streams[request_id]
             raise
@@ -296,7 +380,7 @@ class EngineClient:
                 self._rank_load[self._rank_of.pop(request_id)] -= 1
             self._aborting.discard(request_id)
             if not finished:
-                self._try_send(["ABORT", [request_id]])
+                self._try_send(AbortRequests([request_id]))
 
     async def abort(self, request_id: str) -> bool:
         """Abort a live request; its stream ends with finish_reason ABORT.
@@ -308,36 +392,54 @@ class EngineClient:
         if request_id not in self._streams or request_id in self._aborting:
             return False
         self._aborting.add(request_id)
-        self._try_send(["ABORT", [request_id]])
+        self._try_send(AbortRequests([request_id]))
         return True
 
-    async def get_stats(self, timeout_s: float = 30.0) -> dict[str, Any]:
-        """The core's `get_stats()` dict, read after the step in progress.
+    async def get_stats(self, timeout_s: float = 30.0) -> EngineStats:
+        """The engine's stats (summed over ranks, and per rank), read after the step in
+        progress.
 
         Raises:
             RequestError: UNAVAILABLE when the core is down or does not answer in time.
         """
-        return await self._request_reply("STATS", timeout_s)
+        reply = await self._request_reply(GetStats, timeout_s)
+        assert isinstance(reply, StatsReply)
+        return reply.stats
 
-    async def get_expert_load(self, timeout_s: float = 30.0) -> dict[str, Any]:
-        """The core's `get_expert_load()` dict (counts per MoE layer and expert, summaries).
+    async def get_expert_load(self, timeout_s: float = 30.0) -> ExpertLoad:
+        """Token-expert counts per MoE layer and expert (summed over ranks), with summaries.
 
         Raises:
             RequestError: UNAVAILABLE when the core is down or does not answer in time.
         """
-        return await self._request_reply("EXPERT_LOAD", timeout_s)
+        reply = await self._request_reply(GetExpertLoad, timeout_s)
+        assert isinstance(reply, ExpertLoadReply)
+        return reply.load
 
-    async def _request_reply(self, kind: str, timeout_s: float) -> dict[str, Any]:
+    async def get_model_info(self, timeout_s: float = 30.0) -> ModelInfo:
+        """The model info asked afresh (under expert parallelism: every rank's experts and pid).
+
+        Raises:
+            RequestError: UNAVAILABLE when the core is down or does not answer in time.
+        """
+        reply = await self._request_reply(GetModelInfo, timeout_s)
+        assert isinstance(reply, ModelInfoReply)
+        return reply.info
+
+    async def _request_reply(
+        self, query: type[GetStats | GetExpertLoad | GetModelInfo], timeout_s: float
+    ) -> Any:
         self._check_alive()
         reply_id = next(self._reply_ids)
         future = asyncio.get_running_loop().create_future()
         self._replies[reply_id] = future
-        self._send([kind, reply_id])
+        self._send(query(reply_id))
         try:
             return await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
             raise RequestError(
-                ErrorCode.UNAVAILABLE, "engine", f"engine core did not answer {kind} in time"
+                ErrorCode.UNAVAILABLE, "engine",
+                f"engine core did not answer {query.__name__} within {timeout_s:.0f} s",
             ) from None
         finally:
             self._replies.pop(reply_id, None)
@@ -350,7 +452,7 @@ class EngineClient:
                 ErrorCode.UNAVAILABLE, "engine", f"engine unavailable: {self.death_reason}"
             )
 
-    def _send(self, message: list[Any]) -> None:
+    def _send(self, message: CoreInput) -> None:
         """Send to the core without blocking.
 
         Raises:
@@ -359,61 +461,76 @@ class EngineClient:
         if self._in_sock is None:
             raise RequestError(ErrorCode.UNAVAILABLE, "engine", "engine is not running")
         try:
-            self._in_sock.send(core_proc.pack(message), zmq.NOBLOCK)
+            self._in_sock.send(encode(message), zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             raise RequestError(
                 ErrorCode.UNAVAILABLE, "engine", f"engine unreachable: {exc}"
             ) from exc
 
-    def _try_send(self, message: list[Any]) -> None:
+    def _try_send(self, message: CoreInput) -> None:
         """Best-effort send (aborts and shutdown), never raising."""
         try:
             self._send(message)
         except RequestError as exc:
-            logger.debug("dropped %s: %s", message[0], exc.message)
+            logger.debug("dropped %s: %s", type(message).__name__, exc.message)
 
     async def _read_outputs(self) -> None:
         assert self._out_sock is not None
         while True:
-            message = core_proc.unpack(await self._out_sock.recv())
+            frame = await self._out_sock.recv()
             try:
-                self._dispatch(message)
+                self._dispatch(decode_output(frame))
             except Exception:
-                logger.exception("bad message from the engine core: %r", message[:1])
+                logger.exception("bad message from the engine core (%d bytes)", len(frame))
 
-    def _dispatch(self, message: list[Any]) -> None:
-        kind = message[0]
-        if kind == "OUTPUTS":
-            for fields in message[1]:
-                queue = self._streams.get(fields[0])
+    def _dispatch(self, message: CoreOutput) -> None:
+        match message:
+            case EngineCoreOutputs(outputs=outputs):
+                for out in outputs:
+                    queue = self._streams.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+            case AddError(request_id=rid, code=code, field=field, message=text):
+                queue = self._streams.get(rid)
                 if queue is not None:
-                    queue.put_nowait(core_proc.decode_output(fields))
-        elif kind == "ADD_ERROR":
-            _, rid, code, field, text = message
-            queue = self._streams.get(rid)
-            if queue is not None:
-                queue.put_nowait(RequestError(_error_code(code), field, text))
-        elif kind == "REPLY":
-            future = self._replies.get(message[1])
-            if future is not None and not future.done():
-                future.set_result(message[2])
-        elif kind == "READY":
-            if self._ready is not None and not self._ready.done():
-                self._ready.set_result(message[1])
-        elif kind == "STARTUP_FAILED":
-            _, exc_type, text, tb = message
-            logger.debug("engine core startup traceback:\n%s", tb)
-            if self._ready is not None and not self._ready.done():
-                self._ready.set_exception(StartupError(f"engine core failed to start: {text}"))
-                self._ready.exception()  # mark retrieved; start() re-raises it
-        elif kind == "FATAL":
-            if message[2]:
-                logger.error("engine core failed:\n%s", message[2])
-            logger.error("engine failed: %s", message[1])
-            if self._ready is not None and not self._ready.done():
-                self._ready.set_exception(StartupError(f"engine failed to start: {message[1]}"))
-                self._ready.exception()
-            self._mark_dead(f"engine core failed: {message[1]}")
+                    queue.put_nowait(RequestError(code, field, text))
+            case StatsReply() | ExpertLoadReply() | ModelInfoReply():
+                future = self._replies.get(message.reply_id)
+                if future is not None and not future.done():
+                    future.set_result(message)
+            case StartupProgress(phase=phase, detail=detail, eta_s=eta):
+                if self._ready is not None and not self._ready.done():
+                    self._on_progress(phase, detail, eta)
+            case Ready(info=info):
+                if self._ready is not None and not self._ready.done():
+                    self._ready.set_result(info)
+            case StartupFailed(message=text, traceback=tb):
+                logger.debug("engine core startup traceback:\n%s", tb)
+                self._fail_start(StartupError(f"engine core failed to start: {text}"))
+            case Fatal(message=text, traceback=tb):
+                if tb:
+                    logger.error("engine core failed:\n%s", tb)
+                logger.error("engine failed: %s", text)
+                self._fail_start(StartupError(f"engine failed to start: {text}"))
+                self._mark_dead(f"engine core failed: {text}")
+            case _:
+                logger.error("unexpected message from the engine core: %s", type(message).__name__)
+
+    def _on_progress(self, phase: str, detail: str, eta_s: float | None) -> None:
+        """Keep the starting core's latest status; log it (a new phase at once, the same one
+        at most every _PROGRESS_LOG_S)."""
+        now = time.monotonic()
+        new_phase = phase != self.startup_status.phase
+        self.startup_status = self.startup_status.advance(phase, detail, eta_s, now)
+        if new_phase or now - self._progress_logged >= _PROGRESS_LOG_S:
+            self._progress_logged = now
+            logger.info("engine starting: %s", self.startup_status.describe(now))
+
+    def _fail_start(self, error: StartupError) -> None:
+        """Make a pending `start` raise `error` (no-op once the core was ready)."""
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(error)
+            self._ready.exception()  # mark retrieved; start() re-raises it
 
     def _on_process_exit(self) -> None:
         """The core process ended: give its last messages a moment, then fail what is left."""
@@ -421,6 +538,18 @@ class EngineClient:
         assert self._proc is not None
         loop.remove_reader(self._proc.sentinel)
         loop.call_later(_EXIT_GRACE_S, self._after_exit)
+
+    def kill_core(self) -> None:
+        """SIGKILL the core process (and its ranks) if it still runs: the last resort when no
+        event loop is left to `shutdown` it (any thread may call it)."""
+        proc = self._proc
+        if proc is not None and proc.pid is not None and proc.exitcode is None:
+            logger.warning("engine core (pid %d) still running at exit: killing it", proc.pid)
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._kill_ranks()
 
     def _kill_ranks(self) -> None:
         """SIGKILL whatever is left of the launcher's process group (its ranks: the launcher
@@ -437,9 +566,7 @@ class EngineClient:
         self._kill_ranks()
         code = self._proc.exitcode if self._proc is not None else None
         reason = f"engine core process exited with status {code}"
-        if self._ready is not None and not self._ready.done():
-            self._ready.set_exception(StartupError(f"{reason} before it was ready"))
-            self._ready.exception()
+        self._fail_start(StartupError(f"{reason} before it was ready"))
         if not self.dead.is_set():
             if code not in (0, None):
                 logger.error("%s", reason)
@@ -497,11 +624,3 @@ def check_ep_size(config: EngineConfig) -> None:
             f"--ep-size {ep_size} does not divide num_experts {num_experts}; choose an "
             f"ep_size that divides {num_experts}"
         )
-
-
-def _error_code(code: str) -> ErrorCode:
-    """The ErrorCode named `code` (INVALID_ARGUMENT for a name this side does not know)."""
-    try:
-        return ErrorCode(code)
-    except ValueError:
-        return ErrorCode.INVALID_ARGUMENT

@@ -1,7 +1,9 @@
 """EngineCore: one rank's synchronous loop (schedule -> execute -> sample -> update -> outputs).
 
-Startup order (DESIGN.md section 10): config arithmetic first (`plan.py`, fails fast with
-numbers), then weights with a progress bar, then the KV cache.
+Startup order (DESIGN.md section 10): native kernels (built once, then cached), config
+arithmetic (`plan.py`, fails fast with numbers), then weights with a progress bar, then the KV
+cache. Each phase is told to the `progress` callback, which the core process forwards to the
+front end as StartupProgress (what health and UNAVAILABLE messages say while it starts).
 """
 
 from __future__ import annotations
@@ -23,6 +25,14 @@ from moe_engine.config import (
     resolve_quant_config,
 )
 from moe_engine.detokenizer import IncrementalDetokenizer
+from moe_engine.engine.messages import (
+    CoreStats,
+    EngineCoreOutput,
+    ExpertLoad,
+    KVCacheGroupStats,
+    ModelInfo,
+)
+from moe_engine.engine.protocol import StartupProgressFn
 from moe_engine.errors import ErrorCode, RequestError, StartupError
 from moe_engine.instrumentation import ExpertLoadRecorder, balancedness, imbalance_ratio
 from moe_engine.kv_cache import KVCacheManager, make_kv_cache_groups
@@ -32,7 +42,7 @@ from moe_engine.models import resolve_architecture
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.phase_timer import PhaseTimer
 from moe_engine.plan import make_plan
-from moe_engine.request import FinishReason, Request, RequestOutput, SamplingParams
+from moe_engine.request import FinishReason, Request, SamplingParams
 from moe_engine.sampler import Sampler
 from moe_engine.scheduler import Scheduler
 from moe_engine.skew.trace import PeriodicTraceWriter
@@ -131,6 +141,27 @@ def _resolve_quant(config: EngineConfig) -> tuple[EngineConfig, CompressedTensor
     return replace(config, quant=quant), checkpoint_quant
 
 
+def _no_progress(phase: str, detail: str = "", eta_s: float | None = None) -> None:
+    """The progress callback of a core nobody watches start (the offline API)."""
+
+
+def _prepare_kernels(progress: StartupProgressFn) -> None:
+    """Build (once) or load the native kernels, telling `progress` about a build.
+
+    Raises:
+        StartupError: a bad MOE_ENGINE_NATIVE, or native kernels required but unavailable.
+    """
+    progress("loading native CPU kernels", "", None)
+
+    def on_build(message: str, eta_s: float | None) -> None:
+        progress("building native CPU kernels", message, eta_s)
+
+    try:  # the one-time kernel build happens here, before the engine reports ready
+        prepare_native(progress=on_build)
+    except (ValueError, NativeUnavailable) as exc:
+        raise StartupError(str(exc)) from exc
+
+
 class EngineCore:
     """Owns one rank's scheduler, KV cache, model runner and live requests.
 
@@ -139,21 +170,28 @@ class EngineCore:
         rank_context: set on the ranks of an expert-parallel group (ep_size > 1): the model
             keeps only this rank's experts, and every `step` runs a forward pass (a zero-token
             one when nothing is scheduled) so that all ranks stay in lockstep.
+        progress: told each startup phase (phase, detail, seconds left or None); any thread
+            may call it (the kernel build reports from its own).
 
     Raises:
         StartupError: unsupported architecture, a KV cache too small for one max_model_len
             request, missing weights (messages give the numbers and the flags that fix them).
     """
 
-    def __init__(self, config: EngineConfig, rank_context: RankContext | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank_context: RankContext | None = None,
+        *,
+        progress: StartupProgressFn | None = None,
+    ) -> None:
+        progress = progress or _no_progress
         config, checkpoint_quant = _resolve_quant(config)
         self.config = config
         self.rank_context = rank_context
         torch.set_num_threads(config.parallel.num_threads or default_threads())
-        try:  # the one-time kernel build happens here, before the engine reports ready
-            prepare_native()
-        except (ValueError, NativeUnavailable) as exc:
-            raise StartupError(str(exc)) from exc
+        _prepare_kernels(progress)
+        progress("planning memory", "", None)
         model_dir = config.model.model
         # config.json only; a checkpoint's own Python code (auto_map) is never run.
         hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
@@ -192,7 +230,10 @@ class EngineCore:
                     layer.mlp.shard_experts(
                         rank_context.local_experts, rank_context.communicator, rank_context.rank
                     )
+        progress("loading weights", model_dir, None)
         load_model(self.model, model_dir, self.weight_dtype, checkpoint_quant)
+        if config.quant.method != "none":
+            progress("quantizing experts", config.quant.method, None)
         self._quantize_experts(config)
         self.timer = PhaseTimer()
         self.model.attach_timer(self.timer)
@@ -212,7 +253,9 @@ class EngineCore:
         for index, layer in enumerate(self.model.model.layers):
             if isinstance(layer.mlp, FusedMoE):
                 layer.mlp.attach_recorder(self.expert_load, index)
+        progress("loading the tokenizer", "", None)
         self.tokenizer = load_tokenizer(model_dir)
+        progress("allocating the KV cache", f"{self.plan.num_blocks} blocks", None)
         self.vocab_size = spec.vocab_size
         self.eos_token_ids = eos_token_ids_of(model_dir, hf_config)
         kv_groups = make_kv_cache_groups(
@@ -349,7 +392,7 @@ class EngineCore:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         self.counters["prompt_tokens_total"] += len(prompt_token_ids)
 
-    def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         """End live requests; unknown or finished ids are ignored. One terminal output each."""
         outputs = []
         for rid in request_ids:
@@ -363,7 +406,7 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineCoreOutput]:
         """Run one scheduler step; returns this step's output deltas."""
         self.counters["num_steps"] += 1
         start = time.perf_counter()
@@ -383,7 +426,7 @@ class EngineCore:
             self.trace.maybe_flush()
         return outputs
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> list[EngineCoreOutput]:
         out = self.scheduler.schedule()
         self._last_num_tokens = out.total_num_tokens
         if out.is_empty:
@@ -411,7 +454,7 @@ class EngineCore:
             outputs.append(self._output(req, [req.output_token_ids[-1]], lp, final=req.is_finished))
         return outputs
 
-    def _output(self, req: Request, new_ids: list[int], lp, final: bool) -> RequestOutput:
+    def _output(self, req: Request, new_ids: list[int], lp, final: bool) -> EngineCoreOutput:
         detok = self._detok.get(req.request_id)
         text = detok.take_delta(final) if detok is not None else ""
         if final:
@@ -419,7 +462,7 @@ class EngineCore:
             self.sampler.forget(req.request_id)
             if req.finish_reason != FinishReason.ABORT:
                 self.counters["num_finished"] += 1
-        return RequestOutput(
+        return EngineCoreOutput(
             request_id=req.request_id,
             new_token_ids=new_ids,
             new_text=text,
@@ -430,10 +473,11 @@ class EngineCore:
             logprobs=[lp] if lp is not None else None,
         )
 
-    def get_stats(self) -> dict:
+    def get_stats(self) -> CoreStats:
         """Queue, KV and token counters (see the contract in the server's GetServerStats)."""
         pool = self.kv.pool
-        return dict(
+        comm = self._comm_counts()
+        return CoreStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             kv_blocks_total=pool.num_blocks,
@@ -445,16 +489,21 @@ class EngineCore:
             kv_groups=self._kv_group_stats(),
             num_preemptions=self.scheduler.num_preemptions,
             **self.counters,
-            **self._comm_stats(),
+            dispatch_bytes_sent=comm.dispatch_bytes_sent if comm else 0,
+            combine_bytes_sent=comm.combine_bytes_sent if comm else 0,
+            min_dispatch_bytes=comm.min_dispatch_bytes if comm else 0,
+            tokens_in=comm.tokens_in if comm else 0,
+            tokens_received=comm.tokens_received if comm else 0,
             phase_seconds=self.timer.snapshot(),
+            rank=self.rank_context.rank if self.rank_context else 0,
         )
 
-    def _kv_group_stats(self) -> list[dict]:
+    def _kv_group_stats(self) -> list[KVCacheGroupStats]:
         """Per KV-cache group: kind, window (0 for full attention), layers, KV bytes per token
         and the distinct blocks live requests hold in it."""
         used = self.kv.blocks_used_per_group()
         return [
-            dict(
+            KVCacheGroupStats(
                 group=g,
                 kind=spec.kind,
                 sliding_window=spec.sliding_window or 0,
@@ -471,33 +520,29 @@ class EngineCore:
             self.trace.close()
             self.trace = None
 
-    def _comm_stats(self) -> dict:
+    def _comm_counts(self) -> Any:
         """This rank's dispatch/combine counters since startup (`comm.stats.CommCounts`:
-        tokens and bytes; empty for one rank)."""
+        tokens and bytes), None for one rank."""
         if self.rank_context is None:
-            return {}
+            return None
         stats = getattr(self.rank_context.communicator, "stats", None)
-        return stats.total.as_dict() if stats is not None else {}
+        return stats.total if stats is not None else None
 
-    def get_expert_load(self) -> dict:
-        """Tokens routed to each expert of each MoE layer since startup, and per-layer summaries.
-
-        Returns:
-            moe_layers: decoder-layer indices; counts: [num_moe_layers][num_experts] tokens;
-            imbalance_ratio and balancedness: per MoE layer (max/mean and mean/max).
-        """
+    def get_expert_load(self) -> ExpertLoad:
+        """Tokens routed to each expert of each MoE layer since startup, and per-layer summaries
+        (`rank_tokens`: this rank's column of the per-rank load, under expert parallelism)."""
         counts = self.expert_load.snapshot()
-        extra = {}
+        rank_tokens = None
         if self.rank_context is not None:
-            extra["rank_tokens"] = self.expert_load.rank_tokens.tolist()
-        return dict(
-            moe_layers=self.expert_load.moe_layers,
+            rank_tokens = self.expert_load.rank_tokens.tolist()
+        return ExpertLoad(
+            moe_layers=list(self.expert_load.moe_layers),
             counts=counts.tolist(),
             window_counts=self.expert_load.window_counts().tolist(),
             window_steps=min(self.expert_load.num_steps, self.expert_load.window_steps),
-            **extra,
             imbalance_ratio=imbalance_ratio(counts).tolist(),
             balancedness=balancedness(counts).tolist(),
+            rank_tokens=rank_tokens,
         )
 
     def weight_info(self) -> dict:
@@ -521,10 +566,10 @@ class EngineCore:
             expert_zero_points=q.method == "int4" and not q.symmetric,
         )
 
-    def model_info(self) -> dict:
+    def model_info(self) -> ModelInfo:
         """Static facts about the served model and the engine's limits (with `weight_info`)."""
         s, c = self.spec, self.config
-        return dict(
+        return ModelInfo(
             **self.weight_info(),
             model=c.model.model,
             architecture=self.architecture,
@@ -540,6 +585,7 @@ class EngineCore:
             max_num_seqs=c.scheduler.max_num_seqs,
             max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
             ep_size=c.parallel.ep_size,
+            has_tokenizer=self.tokenizer is not None,
             rank=self.rank_context.rank if self.rank_context else 0,
             local_experts=list(self.rank_context.local_experts)
             if self.rank_context

@@ -20,7 +20,6 @@ import logging
 import os
 import signal
 import socket
-import threading
 import uuid
 from typing import Any
 
@@ -28,9 +27,10 @@ import zmq
 
 from moe_engine.config import EngineConfig
 from moe_engine.engine import core_proc
+from moe_engine.engine.messages import Fatal, encode
+from moe_engine.engine.monitor import FRONTEND_TIMEOUT_S, FrontEndMonitor
 
 logger = logging.getLogger(__name__)
-
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -72,6 +72,8 @@ def launch_ranks(
     output_addr: str,
     core_factory: str = core_proc.DEFAULT_CORE_FACTORY,
     log_level: int = logging.INFO,
+    heartbeat_addr: str | None = None,
+    frontend_timeout_s: float = FRONTEND_TIMEOUT_S,
 ) -> str | None:
     """Run this node's ranks until they stop.
 
@@ -79,6 +81,8 @@ def launch_ranks(
         config: the engine config (`parallel` gives ep_size, nnodes, node_rank,
             rdzv_endpoint).
         input_addr, output_addr: the front end's ZeroMQ addresses (used by global rank 0).
+        heartbeat_addr: the front end's heartbeat address, watched by every rank of this node
+            (None on a node without the front end); frontend_timeout_s: the silence bound.
 
     Returns:
         None when every rank exited 0, else a one-line description of the first failure.
@@ -111,7 +115,10 @@ def launch_ranks(
         " (waiting for every node to join)" if par.nnodes > 1 else "",
     )
     try:
-        elastic_launch(launch, run_rank)(config, input_addr, output_addr, core_factory, log_level)
+        elastic_launch(launch, run_rank)(
+            config, input_addr, output_addr, core_factory, log_level, heartbeat_addr,
+            frontend_timeout_s,
+        )
     except ChildFailedError as exc:
         return describe_failures(exc.failures)
     except Exception as exc:  # noqa: BLE001 - rendezvous and agent errors
@@ -126,25 +133,31 @@ def run_launcher(
     parent_pid: int,
     core_factory: str = core_proc.DEFAULT_CORE_FACTORY,
     log_level: int = logging.INFO,
+    heartbeat_addr: str | None = None,
+    frontend_timeout_s: float = FRONTEND_TIMEOUT_S,
 ) -> None:
     """The front end's child process for ep_size > 1: launch the ranks, report a failure.
 
     The process leaves the front end's process group (its own session), so a signal sent to
     the group (Ctrl-C, `kill -- -PGID`) reaches only the front end, which drains and then
-    stops the ranks with SHUTDOWN. A watchdog ends it (and so its ranks) if the front end dies.
+    stops the ranks with Shutdown. A monitor ends it (and so its ranks) if the front end dies;
+    each rank watches the front end's heartbeats itself.
     """
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [launcher] %(message)s")
     os.setsid()
-    threading.Thread(target=core_proc.watch_parent, args=(parent_pid,), daemon=True).start()
-    failure = launch_ranks(config, input_addr, output_addr, core_factory, log_level)
+    ctx = zmq.Context()
+    FrontEndMonitor(ctx, "rank launcher", parent_pid, None).start()
+    failure = launch_ranks(
+        config, input_addr, output_addr, core_factory, log_level, heartbeat_addr,
+        frontend_timeout_s,
+    )
     if failure is None:
         os._exit(0)
     logger.error("%s", failure)
-    ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(output_addr)
-    sock.send(core_proc.pack(["FATAL", failure, ""]))
+    sock.send(encode(Fatal(failure)))
     sock.close()
     ctx.term()
     os._exit(1)

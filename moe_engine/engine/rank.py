@@ -3,15 +3,17 @@
 Each rank is a process started by torch's elastic launcher (`moe_engine.engine.launcher`), with
 RANK / WORLD_SIZE / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT in its environment. It owns
 its requests, scheduler, KV cache and a model replica that holds only its experts (DESIGN.md
-sections 1 and 6). Rank 0 also owns the two ZeroMQ sockets of the front end (the same message
-protocol as `core_proc`, with the ADD message naming its target rank).
+sections 1 and 6). Rank 0 also owns the two ZeroMQ sockets of the front end (the typed messages
+of `messages.py`, as `core_proc`, with each EngineCoreRequest naming its target rank). Every
+rank on the front end's node watches its heartbeats (`monitor.FrontEndMonitor`) and exits when
+the front end is gone or silent; rank 0's monitor also forwards StartupProgress.
 
 One iteration of the loop, on every rank:
 
 1. rank 0 drains the front end's messages (waiting up to `IDLE_POLL_S` when no rank has work)
    and broadcasts them with the decision whether to step (`broadcast_object_list`);
-2. every rank applies them: ADDs addressed to it, every ABORT (unknown ids are ignored), the
-   queries (STATS, EXPERT_LOAD, INFO), SHUTDOWN;
+2. every rank applies them: requests addressed to it, every abort (unknown ids are ignored),
+   the queries (stats, expert load, model info), shutdown;
 3. if the decision was to step, every rank runs exactly one forward pass (a zero-token one when
    it has nothing scheduled), so each MoE layer's dispatch and combine has all participants;
 4. every rank reports its outputs, refusals, query answers and whether it has work left to
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import msgspec
 import torch
 import torch.distributed as dist
 import zmq
@@ -43,7 +46,33 @@ from tqdm import tqdm
 
 from moe_engine.config import EngineConfig, default_threads
 from moe_engine.engine import core_proc
-from moe_engine.request import RequestOutput
+from moe_engine.engine.messages import (
+    AbortRequests,
+    AddError,
+    CoreInput,
+    CoreOutput,
+    CoreStats,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    ExpertLoad,
+    ExpertLoadReply,
+    Fatal,
+    GetExpertLoad,
+    GetModelInfo,
+    GetStats,
+    ModelInfo,
+    ModelInfoReply,
+    Ready,
+    Shutdown,
+    StartupFailed,
+    StatsReply,
+    decode_input,
+    encode,
+    engine_stats,
+)
+from moe_engine.engine.monitor import FRONTEND_TIMEOUT_S, FrontEndMonitor
+from moe_engine.engine.protocol import EngineCoreProtocol
 
 logger = logging.getLogger(__name__)
 
@@ -59,60 +88,48 @@ HEALTH_CHECK_S = 3.0
 class RankReport:
     """What one rank tells rank 0 after an iteration (pickled by `gather_object`)."""
 
-    outputs: list[RequestOutput] = field(default_factory=list)
-    add_errors: list[list[Any]] = field(default_factory=list)
-    replies: dict[int, Any] = field(default_factory=dict)
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    add_errors: list[AddError] = field(default_factory=list)
+    replies: dict[int, CoreStats | ExpertLoad | ModelInfo] = field(default_factory=dict)
     busy: bool = False
     step: Any = None  # this rank's StepRecord when an expert trace is written
 
 
-def merge_stats(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """One stats dict for the whole engine: numbers summed over ranks, plus `per_rank`.
-
-    Args:
-        per_rank: each rank's `EngineCore.get_stats()`, in rank order.
-    """
-    merged: dict[str, Any] = {}
-    for stats in per_rank:
-        for key, value in stats.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                merged[key] = merged.get(key, 0) + value
-    groups = [s.get("kv_groups") for s in per_rank]
-    if groups[0] is not None and all(g is not None and len(g) == len(groups[0]) for g in groups):
-        merged["kv_groups"] = [
-            {**group, "blocks_used": sum(g[i]["blocks_used"] for g in groups)}
-            for i, group in enumerate(groups[0])
-        ]
-    merged["ep_size"] = len(per_rank)
-    merged["per_rank"] = per_rank
-    return merged
-
-
-def merge_expert_load(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+def merge_expert_load(per_rank: list[ExpertLoad]) -> ExpertLoad:
     """Routing counts of all ranks: each rank counted the routing of its own tokens, so the
     engine's counts are the sum; the summaries are recomputed on the sum."""
     from moe_engine.instrumentation import balancedness, imbalance_ratio
 
-    def total(key: str) -> torch.Tensor:
-        return torch.tensor([r[key] for r in per_rank], dtype=torch.int64).sum(dim=0)
+    def total(tables: list[list[list[int]]]) -> torch.Tensor:
+        return torch.tensor(tables, dtype=torch.int64).sum(dim=0)
 
-    counts = total("counts")
-    merged = dict(per_rank[0])
-    merged.update(
+    counts = total([r.counts for r in per_rank])
+    merged = msgspec.structs.replace(
+        per_rank[0],
         counts=counts.tolist(),
-        window_counts=total("window_counts").tolist(),
+        window_counts=total([r.window_counts for r in per_rank]).tolist(),
         imbalance_ratio=imbalance_ratio(counts).tolist(),
         balancedness=balancedness(counts).tolist(),
     )
-    if all("rank_tokens" in r for r in per_rank):
+    if all(r.rank_tokens is not None for r in per_rank):
         # each rank filled its own column (token-expert pairs its experts processed)
-        rank_tokens = total("rank_tokens")
-        merged.update(
+        rank_tokens = total([r.rank_tokens for r in per_rank])
+        merged = msgspec.structs.replace(
+            merged,
             rank_tokens=rank_tokens.tolist(),
             rank_imbalance_ratio=imbalance_ratio(rank_tokens).tolist(),
             rank_balancedness=balancedness(rank_tokens).tolist(),
         )
     return merged
+
+
+def merge_model_info(per_rank: list[ModelInfo]) -> ModelInfo:
+    """Rank 0's model info with every rank's experts and pid."""
+    return msgspec.structs.replace(
+        per_rank[0],
+        experts_per_rank=[list(i.local_experts) for i in per_rank],
+        rank_pids=[i.pid for i in per_rank],
+    )
 
 
 class LockstepLoop:
@@ -130,7 +147,7 @@ class LockstepLoop:
 
     def __init__(
         self,
-        core: Any,
+        core: EngineCoreProtocol,
         rank: int,
         world_size: int,
         group: Any,
@@ -175,21 +192,29 @@ class LockstepLoop:
 
     # ------------------------------------------------------------------ rank 0
 
-    def _collect(self) -> tuple[list[list[Any]], bool]:
+    def _collect(self) -> tuple[list[CoreInput], bool]:
         """Rank 0: the front end's pending messages and whether this iteration steps."""
         assert self.inputs is not None and self._poller is not None
-        messages: list[list[Any]] = []
+        messages: list[CoreInput] = []
         if not self._busy:
             self._poller.poll(IDLE_POLL_S * 1000)
         while True:
             try:
-                messages.append(core_proc.unpack(self.inputs.recv(zmq.NOBLOCK)))
+                frame = self.inputs.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-        do_step = self._busy or any(m[0] == "ADD" for m in messages)
+            try:
+                messages.append(decode_input(frame))
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                refusal = core_proc.refusal_of_frame(frame, exc)
+                if refusal is None:
+                    logger.error("rank 0: undecodable message ignored: %s", exc)
+                else:
+                    self._send(refusal)
+        do_step = self._busy or any(isinstance(m, EngineCoreRequest) for m in messages)
         return messages, do_step
 
-    def _forward(self, messages: list[list[Any]], reports: list[RankReport]) -> None:
+    def _forward(self, messages: list[CoreInput], reports: list[RankReport]) -> None:
         """Rank 0: send the iteration's outputs, refusals and query answers to the front end."""
         self._busy = any(r.busy for r in reports)
         steps = [r.step for r in reports if r.step is not None]
@@ -201,72 +226,42 @@ class LockstepLoop:
                 sum(s.rank_tokens for s in steps),
             )
             self.trace.maybe_flush()
-        outputs = [core_proc.encode_output(o) for r in reports for o in r.outputs]
+        outputs = [o for r in reports for o in r.outputs]
         if outputs:
-            self._send(["OUTPUTS", outputs])
+            self._send(EngineCoreOutputs(outputs))
         for r in reports:
             for error in r.add_errors:
-                self._send(["ADD_ERROR", *error])
+                self._send(error)
         for message in messages:
-            kind = message[0]
-            if kind not in ("STATS", "EXPERT_LOAD", "INFO"):
-                continue
-            answers = [r.replies[message[1]] for r in reports]
-            if kind == "STATS":
-                answer = merge_stats(answers)
-            elif kind == "EXPERT_LOAD":
-                answer = merge_expert_load(answers)
-            else:
-                answer = dict(answers[0])
-                answer["experts_per_rank"] = [a["local_experts"] for a in answers]
-                answer["rank_pids"] = [a["pid"] for a in answers]
-            self._send(["REPLY", message[1], core_proc._plain(answer)])
+            if isinstance(message, GetStats | GetExpertLoad | GetModelInfo):
+                answers: list[Any] = [r.replies[message.reply_id] for r in reports]
+                self._send(_reply(message, answers))
 
-    def _send(self, message: list[Any]) -> None:
+    def _send(self, message: CoreOutput) -> None:
         assert self.outputs is not None
-        self.outputs.send(core_proc.pack(message))
+        self.outputs.send(encode(message))
 
     # ------------------------------------------------------------------ every rank
 
-    def _apply(self, message: list[Any], report: RankReport) -> bool:
-        """Act on one front-end message; True for SHUTDOWN."""
-        kind = message[0]
-        if kind == "ADD":
-            request_id, prompt, params, arrival, target = message[1:6]
-            if target == self.rank:
-                self._add(request_id, prompt, params, arrival, report)
-        elif kind == "ABORT":
-            report.outputs.extend(self.core.abort_requests(list(message[1])))
-        elif kind == "STATS":
-            report.replies[message[1]] = self._stats()
-        elif kind == "EXPERT_LOAD":
-            report.replies[message[1]] = self.core.get_expert_load()
-        elif kind == "INFO":
-            info = core_proc.model_info_of(self.core)
-            info["pid"] = os.getpid()
-            report.replies[message[1]] = info
-        elif kind == "SHUTDOWN":
-            return True
-        else:
-            logger.error("rank %d: unknown message kind %r ignored", self.rank, kind)
+    def _apply(self, message: CoreInput, report: RankReport) -> bool:
+        """Act on one front-end message; True for Shutdown."""
+        core = self.core
+        match message:
+            case EngineCoreRequest(rank=target) if target == self.rank:
+                refusal = core_proc.add_request(core, message)
+                if refusal is not None:
+                    report.add_errors.append(refusal)
+            case AbortRequests(request_ids=ids):
+                report.outputs.extend(core.abort_requests(ids))
+            case GetStats(reply_id=rid):
+                report.replies[rid] = msgspec.structs.replace(core.get_stats(), rank=self.rank)
+            case GetExpertLoad(reply_id=rid):
+                report.replies[rid] = core.get_expert_load()
+            case GetModelInfo(reply_id=rid):
+                report.replies[rid] = core_proc.model_info_of(core)
+            case Shutdown():
+                return True
         return False
-
-    def _stats(self) -> dict[str, Any]:
-        stats = dict(self.core.get_stats())
-        stats["rank"] = self.rank
-        return stats
-
-    def _add(
-        self,
-        request_id: str,
-        prompt: list[int],
-        params: dict[str, Any],
-        arrival: float,
-        report: RankReport,
-    ) -> None:
-        refusal = core_proc.add_request(self.core, request_id, prompt, params, arrival)
-        if refusal is not None:
-            report.add_errors.append(refusal)
 
     def unresponsive_ranks(self, rank_pids: list[int]) -> str:
         """After a failed collective: which ranks no longer answer, as text for the error.
@@ -297,6 +292,15 @@ class LockstepLoop:
         return "all ranks still answer"
 
 
+def _reply(query: GetStats | GetExpertLoad | GetModelInfo, answers: list[Any]) -> CoreOutput:
+    """Rank 0: one answer for the front end from every rank's answer to `query`."""
+    if isinstance(query, GetStats):
+        return StatsReply(query.reply_id, engine_stats(answers))
+    if isinstance(query, GetExpertLoad):
+        return ExpertLoadReply(query.reply_id, merge_expert_load(answers))
+    return ModelInfoReply(query.reply_id, merge_model_info(answers))
+
+
 def process_state(pid: int) -> str | None:
     """"is gone", "is a zombie" or "is stopped" for a local process in that state, else None
     (running, or not on this node)."""
@@ -324,15 +328,20 @@ def run_rank(
     output_addr: str,
     core_factory: str = core_proc.DEFAULT_CORE_FACTORY,
     log_level: int = logging.INFO,
+    heartbeat_addr: str | None = None,
+    frontend_timeout_s: float = FRONTEND_TIMEOUT_S,
 ) -> None:
     """A rank process's entry point (called by the elastic agent in each worker).
 
-    Joins the process groups, builds this rank's EngineCore (its experts only), reports READY
-    (rank 0, once every rank is built) or STARTUP_FAILED naming the rank that failed, then runs
-    `LockstepLoop`. Exits 0 after SHUTDOWN, 1 after any failure.
-    """
-    from comm import ExpertPlacement, make_communicator
+    Joins the process groups, builds this rank's EngineCore (its experts only), reports Ready
+    (rank 0, once every rank is built) or StartupFailed naming the rank that failed, then runs
+    `LockstepLoop`. Exits 0 after Shutdown, 1 after any failure.
 
+    Args:
+        heartbeat_addr: the front end's heartbeat address (ranks on its node), or None (ranks
+            of other nodes: rank 0's collectives tell them when the engine ends).
+        frontend_timeout_s: how long this rank runs on without a heartbeat (seconds).
+    """
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -341,7 +350,12 @@ def run_rank(
     )
     tqdm.set_lock(threading.RLock())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when ranks stop
-    threading.Thread(target=core_proc.watch_parent, args=(os.getppid(),), daemon=True).start()
+    ctx = zmq.Context()
+    monitor = FrontEndMonitor(
+        ctx, f"rank {rank}", os.getppid(), heartbeat_addr,
+        output_addr if rank == 0 else None, frontend_timeout_s,
+    )
+    monitor.start()
     threads = rank_threads(config, local_world)
     config = dataclasses.replace(
         config, parallel=dataclasses.replace(config.parallel, num_threads=threads)
@@ -349,98 +363,125 @@ def run_rank(
     timeout = timedelta(seconds=config.parallel.collective_timeout_s)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=timeout)
-    control = dist.new_group(backend="gloo", timeout=timeout)
-    health = dist.new_group(backend="gloo", timeout=timeout)
-    startup = dist.new_group(backend="gloo", timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
-
-    inputs = outputs = ctx = None
+    groups = RankGroups(
+        control=dist.new_group(backend="gloo", timeout=timeout),
+        health=dist.new_group(backend="gloo", timeout=timeout),
+        startup=dist.new_group(backend="gloo", timeout=timedelta(seconds=STARTUP_TIMEOUT_S)),
+    )
+    inputs = outputs = None
     if rank == 0:
-        ctx = zmq.Context()
         inputs = ctx.socket(zmq.PULL)
         inputs.bind(input_addr)
         outputs = ctx.socket(zmq.PUSH)
         outputs.setsockopt(zmq.SNDHWM, 0)
         outputs.setsockopt(zmq.LINGER, 5000)
         outputs.connect(output_addr)
-
-    def send(message: list[Any]) -> None:
-        if outputs is not None:
-            outputs.send(core_proc.pack(message))
-
     status = 1
-    trace = None
     try:
-        core, error = None, None
-        try:
-            from moe_engine.engine.core import RankContext
-            from moe_engine.plan import ModelShape
-
-            num_experts = ModelShape.from_hf_config(config.model.hf_config()).num_experts
-            if config.parallel.expert_placement:
-                placement = ExpertPlacement.load(config.parallel.expert_placement)
-                placement.check(num_experts, world_size)
-            else:
-                placement = ExpertPlacement.contiguous(num_experts, world_size)
-            communicator = make_communicator(dist.group.WORLD, placement)
-            context = RankContext(rank, world_size, list(placement.slots[rank]), communicator)
-            core = core_proc.resolve_core_factory(core_factory)(config, context)
-        except BaseException as exc:  # noqa: BLE001 - every startup failure goes to rank 0
-            logger.exception("rank %d failed to start", rank)
-            error = f"rank {rank}: {type(exc).__name__}: {exc}"
-        mine = (error, None if core is None else core.rank_context.local_experts, os.getpid())
-        everyone: list[Any] = [None] * world_size
-        dist.all_gather_object(everyone, mine, group=startup)
-        failed = [e for e, _, _ in everyone if e is not None]
-        if failed:
-            send(["STARTUP_FAILED", "StartupError", "; ".join(failed), ""])
-            return
-        info = core_proc.model_info_of(core)
-        info["experts_per_rank"] = [experts for _, experts, _ in everyone]
-        pids = [pid for _, _, pid in everyone]
-        local = local_world == world_size  # every rank on this node: pids are meaningful
-        info["rank_pids"] = pids
-        send(["READY", core_proc._plain(info)])
-        if rank == 0 and config.expert_trace:
-            from moe_engine.skew.trace import PeriodicTraceWriter
-
-            spec = core.spec
-            trace = PeriodicTraceWriter(
-                config.expert_trace,
-                sorted(spec.moe_layers),
-                spec.num_experts,
-                ep_size=world_size,
-                meta=dict(
-                    model=config.model.model, top_k=spec.top_k, placement=placement.to_dict()
-                ),
-            )
-        loop = LockstepLoop(
-            core,
-            rank,
-            world_size,
-            control,
-            health,
-            inputs,
-            outputs,
-            trace=trace,
-            tracing=bool(config.expert_trace),
-        )
-        try:
-            loop.run()
-            status = 0
-        except Exception as exc:  # noqa: BLE001 - a collective failed: report and exit
-            logger.exception("rank %d: step loop failed: %s", rank, exc)
-            if rank == 0:
-                who = loop.unresponsive_ranks(pids if local else [])
-                send(["FATAL", f"expert-parallel step failed ({who}): {exc}", ""])
+        status = _serve_rank(config, core_factory, rank, world_size, local_world, groups,
+                             monitor, inputs, outputs)
     finally:
-        if trace is not None:
-            trace.close()
-        if rank == 0 and ctx is not None:
+        monitor.stop()
+        if inputs is not None and outputs is not None:
             inputs.close(linger=0)
             outputs.close()
-            ctx.term()
+        ctx.term()
         if status == 0:
             dist.destroy_process_group()
         sys.stdout.flush()
         if status != 0:
             os._exit(status)  # do not wait on collectives of dead peers
+
+
+@dataclass
+class RankGroups:
+    """The gloo groups of one rank: control messages, finding dead ranks, startup."""
+
+    control: Any
+    health: Any
+    startup: Any
+
+
+def _build_core(
+    config: EngineConfig, core_factory: str, rank: int, world_size: int, progress: Any
+) -> tuple[Any, Any]:
+    """This rank's core (its experts only) and the expert placement."""
+    from comm import ExpertPlacement, make_communicator
+    from moe_engine.engine.core import RankContext
+    from moe_engine.plan import ModelShape
+
+    num_experts = ModelShape.from_hf_config(config.model.hf_config()).num_experts
+    if config.parallel.expert_placement:
+        placement = ExpertPlacement.load(config.parallel.expert_placement)
+        placement.check(num_experts, world_size)
+    else:
+        placement = ExpertPlacement.contiguous(num_experts, world_size)
+    communicator = make_communicator(dist.group.WORLD, placement)
+    context = RankContext(rank, world_size, list(placement.slots[rank]), communicator)
+    core = core_proc.resolve_core_factory(core_factory)(config, context, progress=progress)
+    return core, placement
+
+
+def _serve_rank(
+    config: EngineConfig,
+    core_factory: str,
+    rank: int,
+    world_size: int,
+    local_world: int,
+    groups: RankGroups,
+    monitor: FrontEndMonitor,
+    inputs: zmq.Socket | None,
+    outputs: zmq.Socket | None,
+) -> int:
+    """Build, report, run `LockstepLoop`; the exit status (0 after Shutdown)."""
+
+    def send(message: CoreOutput) -> None:
+        if outputs is not None:
+            outputs.send(encode(message))
+
+    core, placement, error = None, None, None
+    try:
+        core, placement = _build_core(config, core_factory, rank, world_size, monitor.report)
+    except BaseException as exc:  # noqa: BLE001 - every startup failure goes to rank 0
+        logger.exception("rank %d failed to start", rank)
+        error = f"rank {rank}: {type(exc).__name__}: {exc}"
+    mine = (error, None if core is None else core_proc.model_info_of(core))
+    everyone: list[Any] = [None] * world_size
+    dist.all_gather_object(everyone, mine, group=groups.startup)
+    failed = [e for e, _ in everyone if e is not None]
+    if failed:
+        send(StartupFailed("StartupError", "; ".join(failed)))
+        return 1
+    infos = [info for _, info in everyone]
+    pids = [info.pid for info in infos]
+    send(Ready(merge_model_info(infos)))
+    trace = None
+    if rank == 0 and config.expert_trace:
+        from moe_engine.skew.trace import PeriodicTraceWriter
+
+        spec = core.spec
+        trace = PeriodicTraceWriter(
+            config.expert_trace,
+            sorted(spec.moe_layers),
+            spec.num_experts,
+            ep_size=world_size,
+            meta=dict(model=config.model.model, top_k=spec.top_k, placement=placement.to_dict()),
+        )
+    loop = LockstepLoop(
+        core, rank, world_size, groups.control, groups.health, inputs, outputs,
+        trace=trace, tracing=bool(config.expert_trace),
+    )
+    try:
+        loop.run()
+        return 0
+    except Exception as exc:  # noqa: BLE001 - a collective failed: report and exit
+        logger.exception("rank %d: step loop failed: %s", rank, exc)
+        if rank == 0:
+            local = local_world == world_size  # every rank on this node: pids are meaningful
+            who = loop.unresponsive_ranks(pids if local else [])
+            send(Fatal(f"expert-parallel step failed ({who}): {exc}"))
+        return 1
+    finally:
+        if trace is not None:
+            trace.close()
+        core.close()

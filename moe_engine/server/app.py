@@ -1,7 +1,12 @@
 """The gRPC server: MoeEngine servicer + grpc.health.v1 + reflection, and its lifetime.
 
 Order of startup: bind and start the gRPC server with health NOT_SERVING (clients can poll it
-while the model loads), start the engine core process, then switch health to SERVING. Shutdown
+while the model loads), start the engine core process, then switch health to SERVING. Until
+then every health check carries what the engine does in its trailing metadata
+(`moe-engine-status`, e.g. "server unavailable: building native CPU kernels (25 s elapsed, about
+40 s left)"), other calls get UNAVAILABLE with the same text, and `GET /health` on the metrics
+port answers 503 with it (200 once serving). While busy, a log line every
+`log_stats_interval_s` gives requests, KV usage and throughput (`metrics.StatsLogger`). Shutdown
 (SIGTERM / SIGINT, or `MoeServer.stop`) drains: health NOT_SERVING and new Generate calls
 UNAVAILABLE, live requests get `drain_grace_s` to finish, the rest are aborted (their streams end
 with finish_reason "abort"), then the core process stops. If the core process dies, the server
@@ -20,6 +25,7 @@ import errno
 import logging
 import signal
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -35,7 +41,7 @@ from moe_engine.server.interceptors import (
     ApiKeyInterceptor,
     DecodeErrorInterceptor,
 )
-from moe_engine.server.metrics import ServerMetrics
+from moe_engine.server.metrics import ServerMetrics, StatsLogger
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
 from moe_engine.server.security import API_KEY_ENV, is_loopback_host, server_credentials
@@ -52,6 +58,10 @@ DEFAULT_MAX_CONCURRENT_STREAMS = 1024
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 #: After the drain time, how long aborted streams get to send their last response (seconds).
 _ABORT_FLUSH_S = 2.0
+#: Trailing metadata key of a health check: why it is NOT_SERVING (or "serving").
+STATUS_METADATA_KEY = "moe-engine-status"
+#: Default interval of the periodic stats log line (seconds), as vLLM's.
+DEFAULT_LOG_STATS_INTERVAL_S = 10.0
 _MIB = 1024 * 1024
 _GRPC_MAX = 2**31 - 1
 
@@ -82,6 +92,8 @@ class ServerOptions:
         drain_grace_s: on shutdown, how long live requests may run on before they are aborted
             (seconds, `--drain-timeout`).
         stats_poll_s: how often the metrics gauges are refreshed (seconds).
+        log_stats_interval_s: how often the stats log line is written while the engine is
+            busy (seconds); None: never.
         max_prompt_tokens: the longest prompt accepted (tokens); longer ones get OUT_OF_RANGE
             naming the field and this limit. None: max_model_len - 1, the model's own limit.
         max_concurrent_streams: most concurrent calls of one client connection (gRPC's
@@ -107,6 +119,7 @@ class ServerOptions:
     startup_timeout_s: float = 600.0
     drain_grace_s: float = DEFAULT_DRAIN_TIMEOUT_S
     stats_poll_s: float = 1.0
+    log_stats_interval_s: float | None = DEFAULT_LOG_STATS_INTERVAL_S
     max_prompt_tokens: int | None = None
     max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS
     api_key: str | None = field(default=None, repr=False)
@@ -125,6 +138,10 @@ class ServerOptions:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.log_stats_interval_s is not None and not self.log_stats_interval_s > 0:
+            raise ValueError(
+                f"log_stats_interval_s must be > 0 seconds, got {self.log_stats_interval_s}"
+            )
         if self.drain_grace_s < 0:
             raise ValueError(f"drain timeout must be >= 0 seconds, got {self.drain_grace_s}")
         self._check_tls()
@@ -190,6 +207,27 @@ def check_bindable(host: str, port: int) -> None:
                 # Anything else (e.g. no IPv6 on this machine): gRPC decides.
 
 
+class StatusHealthServicer(health.aio.HealthServicer):
+    """grpc.health.v1 whose Check also says why: the trailing metadata `moe-engine-status`
+    carries `status_detail()` ("serving", or what the starting engine does), since the
+    standard HealthCheckResponse has no message field.
+
+    Args:
+        status_detail: the current detail line (ASCII is sent; other characters become "?").
+    """
+
+    def __init__(self, status_detail: Callable[[], str]) -> None:
+        super().__init__()
+        self._status_detail = status_detail
+
+    async def Check(  # noqa: N802 - gRPC method name
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        detail = self._status_detail().encode("ascii", "replace").decode()
+        context.set_trailing_metadata(((STATUS_METADATA_KEY, detail),))
+        return await super().Check(request, context)
+
+
 class MoeServer:
     """One gRPC server in front of one engine core process.
 
@@ -220,11 +258,12 @@ class MoeServer:
             self.metrics,
             max_prompt_tokens=options.max_prompt_tokens,
         )
-        self.health = health.aio.HealthServicer()
+        self.health = StatusHealthServicer(self.servicer.status_detail)
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._metrics_http = None
         self._poll_task: asyncio.Task | None = None
+        self._log_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         """Listen, load the model, then report SERVING.
@@ -251,6 +290,10 @@ class MoeServer:
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if self._metrics_http is not None:
             self._poll_task = asyncio.create_task(self._poll_stats(), name="metrics-poll")
+        if self.options.log_stats_interval_s is not None:
+            self._log_task = asyncio.create_task(
+                self._log_stats(self.options.log_stats_interval_s), name="stats-log"
+            )
         logger.info("serving %s on %s:%d", self.config.model.model, self.options.host, self.port)
 
     def _start_metrics(self) -> None:
@@ -264,13 +307,18 @@ class MoeServer:
             return
         host = self.options.host
         try:
-            self._metrics_http = self.metrics.start_http(port, host)
+            self._metrics_http = self.metrics.start_http(port, host, health=self._http_health)
         except OSError as exc:
             reason = exc.strerror or str(exc)
             raise StartupError(
                 f"cannot serve metrics on {host}:{port} (--metrics-port {port}): {reason}"
             ) from exc
-        logger.info("metrics on http://%s:%d/metrics", host, self._metrics_http.server_port)
+        bound = self._metrics_http.server_port
+        logger.info("metrics on http://%s:%d/metrics, health on /health", host, bound)
+
+    def _http_health(self) -> tuple[bool, str]:
+        """`GET /health` (called from the HTTP thread; reads only)."""
+        return self.servicer.ready and not self.engine.dead.is_set(), self.servicer.status_detail()
 
     def _stop_metrics(self) -> None:
         if self._metrics_http is not None:
@@ -345,6 +393,17 @@ class MoeServer:
                 logger.debug("metrics poll: %s", exc.message)
             await asyncio.sleep(self.options.stats_poll_s)
 
+    async def _log_stats(self, interval_s: float) -> None:
+        """Every `interval_s`, the stats log line (written only while the engine is busy)."""
+        stats_log = StatsLogger()
+        loop = asyncio.get_running_loop()
+        while not self.engine.dead.is_set():
+            try:
+                stats_log.observe(await self.engine.get_stats(), loop.time())
+            except RequestError as exc:
+                logger.debug("stats log: %s", exc.message)
+            await asyncio.sleep(interval_s)
+
     async def wait_for_engine_death(self) -> str:
         """Return the reason once the engine core is gone."""
         await self.engine.dead.wait()
@@ -367,9 +426,10 @@ class MoeServer:
             aborted = await self.servicer.abort_all()
             logger.warning("drain time (%.1f s) over: aborted %d live requests", grace, aborted)
             await self._wait_until_idle(_ABORT_FLUSH_S)
-        if self._poll_task is not None:
-            self._poll_task.cancel()
-            await asyncio.gather(self._poll_task, return_exceptions=True)
+        for task in (self._poll_task, self._log_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await self._stop_grpc(1.0)
         await self.engine.shutdown()
         self._stop_metrics()

@@ -1,23 +1,38 @@
-"""Prometheus metrics of the serving front end, exposed on `--metrics-port`.
+"""Prometheus metrics of the serving front end, exposed on `--metrics-port` with `GET /health`.
 
 Gauges and counters that the core owns (running/waiting requests, KV usage, token, preemption,
 rejection and abort totals) are refreshed from `EngineClient.get_stats()` by a poll task;
 per-request latencies (TTFT, TPOT, end to end) are observed by the servicer as it streams
 outputs, and refused API keys are counted by the interceptor.
-Names follow vLLM's metrics with the prefix `moe_engine_`.
+Names follow vLLM's metrics with the prefix `moe_engine_`. `StatsLogger` writes vLLM's periodic
+log line (requests, KV usage, throughput) while the engine is busy.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import socket
+import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
+from moe_engine.engine.messages import CoreStats, EngineCoreOutput, EngineStats, ExpertLoad
 from moe_engine.instrumentation import balancedness, imbalance_ratio
-from moe_engine.request import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+#: The path of the HTTP health check on the metrics port.
+HEALTH_PATH = "/health"
+#: What the health check asks: (serving, one line of detail).
+HealthFn = Callable[[], tuple[bool, str]]
 
 _LATENCY_BUCKETS_S = (
     0.005,
@@ -60,18 +75,6 @@ _TPOT_BUCKETS_S = (
     1.0,
     2.5,
 )
-#: Core counters mirrored as Prometheus counters: stats key -> attribute name.
-_COUNTED = {
-    "prompt_tokens_total": "prompt_tokens",
-    "generation_tokens_total": "generation_tokens",
-    "num_preemptions": "preemptions",
-    "num_rejected": "requests_rejected",
-    "num_aborted": "requests_aborted",
-    "prefix_cache_queries": "prefix_cache_queries",
-    "prefix_cache_hits": "prefix_cache_hits",
-}
-
-
 class ServerMetrics:
     """The server's collectors, in their own registry (several servers may share a process)."""
 
@@ -164,41 +167,48 @@ class ServerMetrics:
             ["layer", "by"],
             registry=r,
         )
-        self._last_totals: dict[str, int] = {}
+        self._last_totals: dict[int, int] = {}
 
-    def update_from_stats(self, stats: dict[str, Any]) -> None:
-        """Refresh gauges and counters from `EngineCore.get_stats()`."""
-        self.requests_running.set(stats.get("num_running", 0))
-        self.requests_waiting.set(stats.get("num_waiting", 0))
-        total = stats.get("kv_blocks_total", 0)
-        self.kv_cache_usage.set(stats.get("kv_blocks_used", 0) / total if total else 0.0)
-        for key, attr in _COUNTED.items():
-            value = int(stats.get(key, 0))
-            delta = value - self._last_totals.get(key, 0)
+    def update_from_stats(self, stats: EngineStats) -> None:
+        """Refresh gauges and counters from the engine's stats (totals over its ranks)."""
+        t = stats.total
+        self.requests_running.set(t.num_running)
+        self.requests_waiting.set(t.num_waiting)
+        self.kv_cache_usage.set(t.kv_cache_usage)
+        totals = (
+            (self.prompt_tokens, t.prompt_tokens_total),
+            (self.generation_tokens, t.generation_tokens_total),
+            (self.preemptions, t.num_preemptions),
+            (self.requests_rejected, t.num_rejected),
+            (self.requests_aborted, t.num_aborted),
+            (self.prefix_cache_queries, t.prefix_cache_queries),
+            (self.prefix_cache_hits, t.prefix_cache_hits),
+        )
+        for counter, value in totals:
+            delta = value - self._last_totals.get(id(counter), 0)
             if delta > 0:
-                getattr(self, attr).inc(delta)
-            self._last_totals[key] = value
-        for group in stats.get("kv_groups") or []:
-            labels = dict(group=str(group["group"]), kind=str(group["kind"]))
-            self.kv_group_blocks_used.labels(**labels).set(group["blocks_used"])
+                counter.inc(delta)
+            self._last_totals[id(counter)] = value
+        for group in t.kv_groups:
+            labels = dict(group=str(group.group), kind=group.kind)
+            self.kv_group_blocks_used.labels(**labels).set(group.blocks_used)
 
-    def update_from_expert_load(self, load: dict[str, Any]) -> None:
-        """Refresh the per-layer skew gauges from `EngineCore.get_expert_load()`'s dict.
+    def update_from_expert_load(self, load: ExpertLoad) -> None:
+        """Refresh the per-layer skew gauges from the engine's expert load.
 
-        Uses `window_counts` ([L][E], the recent window) when present, else `counts` (since
-        startup), for by="expert"; `rank_tokens` ([L][N], token-expert pairs per rank) for
-        by="rank" when present. Layers are labelled by decoder-layer index (`moe_layers`).
+        Uses `window_counts` ([L][E], the recent window), else `counts` (since startup), for
+        by="expert"; `rank_tokens` ([L][N], token-expert pairs
+        per rank) for by="rank" when present. Layers are labelled by decoder-layer index.
         """
-        layers = load.get("moe_layers") or []
-        sources = {"expert": load.get("window_counts") or load.get("counts")}
-        if load.get("rank_tokens"):
-            sources["rank"] = load["rank_tokens"]
+        sources = {"expert": load.window_counts or load.counts}
+        if load.rank_tokens:
+            sources["rank"] = load.rank_tokens
         for by, table in sources.items():
-            if not table or not layers:
+            if not table or not load.moe_layers:
                 continue
             values = torch.tensor(table, dtype=torch.float64)
             ratios, balanced = imbalance_ratio(values).tolist(), balancedness(values).tolist()
-            for layer, ratio, bal in zip(layers, ratios, balanced, strict=True):
+            for layer, ratio, bal in zip(load.moe_layers, ratios, balanced, strict=True):
                 self.imbalance_ratio.labels(layer=str(layer), by=by).set(ratio)
                 self.balancedness.labels(layer=str(layer), by=by).set(bal)
 
@@ -213,10 +223,85 @@ class ServerMetrics:
         if timer.num_output_tokens > 1:
             self.tpot.observe((end - timer.first_token_s) / (timer.num_output_tokens - 1))
 
-    def start_http(self, port: int, host: str = "127.0.0.1") -> Any:
-        """Serve /metrics on host:port in a background thread; returns the HTTP server."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+    def start_http(self, port: int, host: str = "127.0.0.1", health: HealthFn | None = None) -> Any:
+        """Serve /metrics (and `GET /health` when `health` is given) on host:port from a
+        background thread; returns the HTTP server (`shutdown()`, `server_close()`).
+
+        `/health` answers 200 while `health()` says serving and 503 otherwise, with a JSON body
+        {"status": "SERVING" | "NOT_SERVING", "detail": ...}.
+
+        Raises:
+            OSError: the port cannot be bound.
+        """
+        metrics_app = make_wsgi_app(self.registry)
+
+        def app(environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
+            if health is None or environ.get("PATH_INFO") != HEALTH_PATH:
+                return metrics_app(environ, start_response)
+            serving, detail = health()
+            body = json.dumps(
+                {"status": "SERVING" if serving else "NOT_SERVING", "detail": detail}
+            ).encode()
+            status = "200 OK" if serving else "503 Service Unavailable"
+            start_response(status, [("Content-Type", "application/json"),
+                                    ("Content-Length", str(len(body)))])
+            return [body]
+
+        class Server(ThreadingWSGIServer):
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        server = make_server(host, port, app, Server, handler_class=_QuietHandler)
+        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
         return server
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log line per scrape or probe."""
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+        pass
+
+
+class StatsLogger:
+    """The periodic log line vLLM writes while busy, from the engine's stats:
+
+        running: 2 reqs, waiting: 0 reqs, KV cache usage: 3.1%, prompt throughput:
+        12.0 tokens/s, generation throughput: 40.2 tokens/s
+
+    Throughputs are over the interval since the previous `observe`; a line is logged only
+    when the interval saw tokens or requests are running or waiting (an idle server is quiet).
+
+    Args:
+        log: where the line goes (INFO).
+    """
+
+    def __init__(self, log: logging.Logger = logger) -> None:
+        self.log = log
+        self._last: tuple[float, CoreStats] | None = None
+
+    def observe(self, stats: EngineStats, now: float) -> str | None:
+        """Take one stats sample at `now` (seconds, any monotonic clock); the line logged, or
+        None (the first sample, or no activity)."""
+        t, last = stats.total, self._last
+        self._last = (now, t)
+        if last is None or now <= last[0]:
+            return None
+        elapsed, before = now - last[0], last[1]
+        prompt = t.prompt_tokens_total - before.prompt_tokens_total
+        generated = t.generation_tokens_total - before.generation_tokens_total
+        if not (prompt > 0 or generated > 0 or t.num_running or t.num_waiting):
+            return None
+        line = (
+            f"running: {t.num_running} reqs, waiting: {t.num_waiting} reqs, KV cache usage: "
+            f"{100 * t.kv_cache_usage:.1f}%, prompt throughput: {prompt / elapsed:.1f} tokens/s, "
+            f"generation throughput: {generated / elapsed:.1f} tokens/s"
+        )
+        queries = t.prefix_cache_queries - before.prefix_cache_queries
+        if queries > 0:
+            hits = t.prefix_cache_hits - before.prefix_cache_hits
+            line += f", prefix cache hit rate: {100 * hits / queries:.1f}%"
+        self.log.info("%s", line)
+        return line
 
 
 @dataclass
@@ -228,7 +313,7 @@ class RequestTimer:
     last_output_s: float = 0.0
     num_output_tokens: int = 0
 
-    def record(self, out: RequestOutput) -> None:
+    def record(self, out: EngineCoreOutput) -> None:
         """Note an output: the first one with tokens fixes the time to first token."""
         now = time.monotonic()
         if out.new_token_ids and self.first_token_s is None:

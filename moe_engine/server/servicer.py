@@ -23,12 +23,14 @@ import grpc
 import torch
 
 from moe_engine.engine.client import EngineClient
-from moe_engine.errors import ErrorCode, RequestError
+from moe_engine.engine.messages import CoreStats, EngineCoreOutput, EngineStats, ModelInfo
+from moe_engine.errors import ErrorCode, ParamError, RequestError
 from moe_engine.instrumentation import balancedness, imbalance_ratio
-from moe_engine.request import RequestOutput, SamplingParams
+from moe_engine.request import SamplingParams
 from moe_engine.server.metrics import RequestTimer, ServerMetrics
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.validation import param_error
 
 logger = logging.getLogger(__name__)
 
@@ -58,16 +60,23 @@ _OPTIONAL_PARAMS = (
 
 
 def sampling_params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
-    """SamplingParams from a GenerateRequest; unset optional fields keep the defaults."""
+    """SamplingParams from a GenerateRequest; unset optional fields keep the defaults.
+
+    Raises:
+        RequestError: INVALID_ARGUMENT naming the field SamplingParams refused.
+    """
     kwargs: dict[str, Any] = {
         name: getattr(request, name) for name in _OPTIONAL_PARAMS if request.HasField(name)
     }
     kwargs["stop"] = list(request.stop)
     kwargs["stop_token_ids"] = list(request.stop_token_ids)
-    return SamplingParams(**kwargs)
+    try:
+        return SamplingParams(**kwargs)
+    except ParamError as exc:
+        raise param_error(exc) from exc
 
 
-def response_from_output(out: RequestOutput) -> pb.GenerateResponse:
+def response_from_output(out: EngineCoreOutput) -> pb.GenerateResponse:
     """One streamed GenerateResponse from one engine output (a delta)."""
     response = pb.GenerateResponse(
         request_id=out.request_id,
@@ -87,20 +96,90 @@ def response_from_output(out: RequestOutput) -> pb.GenerateResponse:
     return response
 
 
-#: RankStats fields filled from each rank's stats dict.
-_RANK_FIELDS = frozenset(pb.RankStats.DESCRIPTOR.fields_by_name)
+def model_info_to_proto(info: ModelInfo) -> pb.ModelInfo:
+    """GetModelInfo's answer, field by field (one rank: its own experts as the only entry)."""
+    per_rank = info.experts_per_rank or [info.local_experts]
+    return pb.ModelInfo(
+        model=info.model,
+        architecture=info.architecture,
+        dtype=info.dtype,
+        vocab_size=info.vocab_size,
+        max_model_len=info.max_model_len,
+        num_layers=info.num_layers,
+        num_experts=info.num_experts,
+        num_experts_per_tok=info.num_experts_per_tok,
+        hidden_size=info.hidden_size,
+        block_size=info.block_size,
+        num_kv_blocks=info.num_kv_blocks,
+        max_num_seqs=info.max_num_seqs,
+        max_num_batched_tokens=info.max_num_batched_tokens,
+        ep_size=info.ep_size,
+        has_tokenizer=info.has_tokenizer,
+        weight_bytes_experts=info.weight_bytes_experts,
+        weight_bytes_attention=info.weight_bytes_attention,
+        weight_bytes_embeddings=info.weight_bytes_embeddings,
+        weight_bytes_other=info.weight_bytes_other,
+        expert_weight_format=info.expert_weight_format,
+        expert_group_size=info.expert_group_size,
+        expert_checkpoint_format=info.expert_checkpoint_format,
+        expert_zero_points=info.expert_zero_points,
+        experts_per_rank=[pb.RankExperts(experts=e) for e in per_rank],
+    )
 
 
-def _kv_group_stats(stats: dict[str, Any]) -> list[pb.KVCacheGroupStats]:
-    """ServerStats.kv_groups from the core's `kv_groups` list (under expert parallelism, each
-    rank's list, with blocks_used summed over the ranks)."""
-    per_rank = [r.get("kv_groups") or [] for r in stats.get("per_rank", [])]
-    groups = [dict(g) for g in stats.get("kv_groups") or (per_rank[0] if per_rank else [])]
-    if "kv_groups" not in stats and len(per_rank) > 1:
-        for g, group in enumerate(groups):
-            group["blocks_used"] = sum(r[g]["blocks_used"] for r in per_rank if len(r) > g)
-    known = pb.KVCacheGroupStats.DESCRIPTOR.fields_by_name
-    return [pb.KVCacheGroupStats(**{k: v for k, v in g.items() if k in known}) for g in groups]
+def rank_stats_to_proto(stats: CoreStats) -> pb.RankStats:
+    """One rank's entry of ServerStats.ranks."""
+    return pb.RankStats(
+        rank=stats.rank,
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        kv_blocks_total=stats.kv_blocks_total,
+        kv_blocks_free=stats.kv_blocks_free,
+        tokens_received=stats.tokens_received,
+        dispatch_bytes_sent=stats.dispatch_bytes_sent,
+        combine_bytes_sent=stats.combine_bytes_sent,
+    )
+
+
+def server_stats_to_proto(stats: EngineStats) -> pb.ServerStats:
+    """GetServerStats's answer, field by field (a test checks that every field has a source):
+    totals over the ranks, and one RankStats per rank under expert parallelism."""
+    t = stats.total
+    return pb.ServerStats(
+        num_running=t.num_running,
+        num_waiting=t.num_waiting,
+        kv_blocks_total=t.kv_blocks_total,
+        kv_blocks_free=t.kv_blocks_free,
+        kv_blocks_used=t.kv_blocks_used,
+        num_preemptions=t.num_preemptions,
+        prompt_tokens_total=t.prompt_tokens_total,
+        generation_tokens_total=t.generation_tokens_total,
+        num_finished=t.num_finished,
+        num_aborted=t.num_aborted,
+        kv_cache_usage=t.kv_cache_usage,
+        num_rejected=t.num_rejected,
+        ep_size=stats.ep_size,
+        dispatch_bytes_sent=t.dispatch_bytes_sent,
+        combine_bytes_sent=t.combine_bytes_sent,
+        min_dispatch_bytes=t.min_dispatch_bytes,
+        tokens_dispatched=t.tokens_in,
+        tokens_received=t.tokens_received,
+        ranks=[rank_stats_to_proto(r) for r in stats.ranks] if stats.ep_size > 1 else [],
+        prefix_cache_queries=t.prefix_cache_queries,
+        prefix_cache_hits=t.prefix_cache_hits,
+        kv_cached_blocks=t.kv_cached_blocks,
+        kv_groups=[
+            pb.KVCacheGroupStats(
+                group=g.group,
+                kind=g.kind,
+                sliding_window=g.sliding_window,
+                num_layers=g.num_layers,
+                kv_bytes_per_token=g.kv_bytes_per_token,
+                blocks_used=g.blocks_used,
+            )
+            for g in t.kv_groups
+        ],
+    )
 
 
 class MoeEngineServicer(pb_grpc.MoeEngineServicer):
@@ -114,7 +193,8 @@ class MoeEngineServicer(pb_grpc.MoeEngineServicer):
             None for the model's own limit (max_model_len - 1).
 
     `ready` is False until the model is loaded and again while draining; Generate then answers
-    UNAVAILABLE.
+    UNAVAILABLE with `status_detail()`: what the starting engine does (from its StartupProgress)
+    or `unavailable_reason` (set while draining).
     """
 
     def __init__(
@@ -130,7 +210,7 @@ class MoeEngineServicer(pb_grpc.MoeEngineServicer):
         self.metrics = metrics
         self.max_prompt_tokens = max_prompt_tokens
         self.ready = False
-        self.unavailable_reason = "the model is still loading"
+        self.unavailable_reason: str | None = None
         # request_id -> future of its finish reason ("" when it ended without a final output).
         self._live: dict[str, asyncio.Future[str]] = {}
 
@@ -211,13 +291,8 @@ class MoeEngineServicer(pb_grpc.MoeEngineServicer):
             self._check_ready(draining_ok=True)
         except RequestError as exc:
             await _abort(context, exc)
-        known = pb.ModelInfo.DESCRIPTOR.fields_by_name
-        info = dict(self.engine.model_info)
-        per_rank = info.pop("experts_per_rank", None) or [info.get("local_experts") or []]
-        fields = {k: v for k, v in info.items() if k in known and v is not None}
-        return pb.ModelInfo(
-            **fields, experts_per_rank=[pb.RankExperts(experts=e) for e in per_rank]
-        )
+        assert self.engine.model_info is not None  # _check_ready
+        return model_info_to_proto(self.engine.model_info)
 
     async def GetServerStats(  # noqa: N802
         self, request: pb.GetServerStatsRequest, context: grpc.aio.ServicerContext
@@ -227,18 +302,7 @@ class MoeEngineServicer(pb_grpc.MoeEngineServicer):
             stats = await self.engine.get_stats()
         except RequestError as exc:
             await _abort(context, exc)
-        known = pb.ServerStats.DESCRIPTOR.fields_by_name
-        total = stats.get("kv_blocks_total", 0)
-        usage = stats.get("kv_blocks_used", 0) / total if total else 0.0
-        fields = {k: v for k, v in stats.items() if k in known and v is not None}
-        fields["ep_size"] = stats.get("ep_size", 1)
-        fields["tokens_dispatched"] = stats.get("tokens_in", 0)
-        ranks = [
-            pb.RankStats(**{k: v for k, v in r.items() if k in _RANK_FIELDS and v is not None})
-            for r in stats.get("per_rank", [])
-        ]
-        fields["kv_groups"] = _kv_group_stats(stats)
-        return pb.ServerStats(**fields, kv_cache_usage=usage, ranks=ranks)
+        return server_stats_to_proto(stats)
 
     async def GetExpertLoad(  # noqa: N802
         self, request: pb.GetExpertLoadRequest, context: grpc.aio.ServicerContext
@@ -248,17 +312,17 @@ class MoeEngineServicer(pb_grpc.MoeEngineServicer):
             load = await self.engine.get_expert_load()
         except RequestError as exc:
             await _abort(context, exc)
-        counts = load["window_counts"] if request.window else load["counts"]
+        counts = load.window_counts if request.window else load.counts
         table = torch.tensor(counts, dtype=torch.float64)
         ratios, balanced = imbalance_ratio(table).tolist(), balancedness(table).tolist()
-        rank_tokens = load.get("rank_tokens")
+        rank_tokens = load.rank_tokens
         rank_ratio = rank_bal = None
         if rank_tokens:
             rank_table = torch.tensor(rank_tokens, dtype=torch.float64)
             rank_ratio = imbalance_ratio(rank_table).tolist()
             rank_bal = balancedness(rank_table).tolist()
         layers = []
-        for i, layer in enumerate(load["moe_layers"]):
+        for i, layer in enumerate(load.moe_layers):
             entry = pb.LayerExpertLoad(
                 layer=layer,
                 tokens_per_expert=counts[i],
@@ -269,21 +333,32 @@ class MoeEngineServicer(pb_grpc.MoeEngineServicer):
                 entry.tokens_per_rank.extend(rank_tokens[i])
                 entry.rank_imbalance_ratio, entry.rank_balancedness = rank_ratio[i], rank_bal[i]
             layers.append(entry)
+        info = self.engine.model_info
         return pb.ExpertLoad(
             layers=layers,
-            ep_size=self.engine.model_info.get("ep_size", 1),
-            window_steps=load.get("window_steps", 0) if request.window else 0,
+            ep_size=info.ep_size if info is not None else 1,
+            window_steps=load.window_steps if request.window else 0,
         )
+
+    def status_detail(self) -> str:
+        """Why the server does not serve, or "serving": the engine's death, the drain, or what
+        the starting engine does (phase, seconds elapsed and about how many are left)."""
+        if self.engine.dead.is_set():
+            return f"engine unavailable: {self.engine.death_reason}"
+        if self.ready:
+            return "serving"
+        if self.unavailable_reason is not None:
+            return f"server unavailable: {self.unavailable_reason}"
+        return f"server unavailable: {self.engine.startup_status.describe()}"
 
     def _check_ready(self, draining_ok: bool = False) -> None:
         if self.engine.dead.is_set():
-            raise RequestError(
-                ErrorCode.UNAVAILABLE, "engine", f"engine unavailable: {self.engine.death_reason}"
-            )
-        if not self.ready and not (draining_ok and self.engine.model_info):
-            raise RequestError(
-                ErrorCode.UNAVAILABLE, "engine", f"server unavailable: {self.unavailable_reason}"
-            )
+            raise RequestError(ErrorCode.UNAVAILABLE, "engine", self.status_detail())
+        if not self.ready and not (draining_ok and self.engine.model_info is not None):
+            detail = self.status_detail()
+            if self.unavailable_reason is None:
+                detail += "; retry when health is SERVING"
+            raise RequestError(ErrorCode.UNAVAILABLE, "engine", detail)
 
     def _check_size(self, request: pb.GenerateRequest) -> None:
         size = request.ByteSize()
