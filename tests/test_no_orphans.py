@@ -27,8 +27,8 @@ FAKE_CONFIG = EngineConfig(model=ModelConfig(model="fake", max_model_len=256))
 
 
 def child_pids(parent: int) -> set[int]:
-    """Live processes whose parent is `parent` (from /proc), multiprocessing's resource
-    tracker (a helper that every spawn-method parent keeps) aside."""
+    """Live processes whose parent is `parent` (from /proc), multiprocessing's own helpers
+    aside: the resource tracker and the fork server live until the interpreter exits."""
     children = set()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -38,7 +38,9 @@ def child_pids(parent: int) -> set[int]:
         if int(fields[1]) != parent or fields[0] == "Z":
             continue
         cmdline = (stat.parent / "cmdline").read_bytes()
-        if b"resource_tracker" not in cmdline:
+        if b"multiprocessing.resource_tracker" not in cmdline and (
+            b"multiprocessing.forkserver" not in cmdline
+        ):
             children.add(int(stat.parent.name))
     return children
 
