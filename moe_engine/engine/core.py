@@ -418,17 +418,25 @@ class EngineCore:
         for req in advanced:
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            detok = self._detok.get(req.request_id)
-            check_stop = req.num_output_tokens >= req.sampling_params.min_tokens
-            if (
-                detok is not None
-                and detok.add(req.output_token_ids[-1], check_stop)
-                and not req.is_finished
-            ):
-                self.scheduler.finish_request(req.request_id, FinishReason.STOP)
+            self._check_stop_strings(req)
             lp = logprobs.get(req.request_id)
             outputs.append(self._output(req, [req.output_token_ids[-1]], lp, final=req.is_finished))
         return outputs
+
+    def _check_stop_strings(self, req: Request) -> None:
+        """Detokenize the request's new token; a stop string it completes ends the request
+        with "stop", also when the same token reached max_tokens (vLLM: a stop string
+        outranks the length limit; a stop token id or EOS outranks both)."""
+        detok = self._detok.get(req.request_id)
+        check_stop = req.num_output_tokens >= req.sampling_params.min_tokens
+        if detok is None or not detok.add(req.output_token_ids[-1], check_stop):
+            return
+        if not req.is_finished:
+            self.scheduler.finish_request(req.request_id, FinishReason.STOP)
+        elif req.finish_reason != FinishReason.LENGTH:
+            return
+        req.finish_reason = FinishReason.STOP
+        req.stop_reason = detok.stop_string
 
     def _output(self, req: Request, new_ids: list[int], lp, final: bool) -> RequestOutput:
         detok = self._detok.get(req.request_id)
