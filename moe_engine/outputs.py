@@ -13,8 +13,21 @@ gives it), except for greedy requests, whose sampled token is rank 1.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from moe_engine.request import RequestOutput as StepOutput
+
+class StepOutput(Protocol):
+    """The fields of the engine core's per-step output (a delta for one completion) that a
+    `RequestOutputBuilder` reads; `EngineCore.step` returns such objects."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_text: str
+    logprobs: list[tuple[float, dict[int, float]]] | None
+    finished: bool
+    finish_reason: object
+    stop_reason: int | str | None
 
 
 @dataclass
