@@ -149,7 +149,7 @@ def run_moe_engine(ckpt: Path, requests: list[BenchRequest], args: argparse.Name
     ]
 
     def once() -> int:
-        outputs = llm.generate(prompts, params)
+        outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         for out, req in zip(outputs, requests, strict=True):
             if len(out.token_ids) != req.output_len:
                 raise RuntimeError(f"{ENGINE}: {len(out.token_ids)} tokens, "

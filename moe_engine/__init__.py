@@ -1,11 +1,20 @@
 """moe-engine: a serving engine for Mixture-of-Experts models.
 
-`LLM` and `SamplingParams` are the offline API; `moe-serve` / `moe-client` the served one.
+`LLM` and `SamplingParams` are the offline API (results are `RequestOutput`s of
+`CompletionOutput`s, as vLLM's); `moe-serve` / `moe-client` the served one.
 """
 
+from moe_engine.outputs import CompletionOutput, Logprob, RequestOutput
 from moe_engine.request import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+]
 
 
 def _version() -> str:

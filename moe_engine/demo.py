@@ -27,10 +27,19 @@ from moe_engine.config import cache_root
 logger = logging.getLogger(__name__)
 
 #: Name of the checkpoint directory under the cache root; bump when anything below changes.
-DEMO_NAME = "demo-v1"
+DEMO_NAME = "demo-v2"
 #: Token ids of the special tokens, shared by the tokenizer and config.json.
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]
+#: A ChatML-like chat template (tokenizer_config.json "chat_template") over the demo's own
+#: special tokens: `<|bos|>` opens a turn (ChatML's <|im_start|>), `<|eos|>` closes it
+#: (<|im_end|>; it is also the model's EOS, so a reply ends with its turn). Since demo-v2.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|bos|>{{ message['role'] }}\n{{ message['content'] }}<|eos|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}"
+)
 VOCAB_SIZE = 4096
 #: Most characters of standard-library source the tokenizer is trained on.
 CORPUS_CHARS = 8_000_000
@@ -73,7 +82,7 @@ def ensure_demo_checkpoint(cache_dir: str | None = None) -> str:
 
     Args:
         cache_dir: cache root (default `default_cache_dir()`); the checkpoint is
-            `cache_dir/demo-v1` (config.json, model.safetensors, generation_config.json,
+            `cache_dir/demo-v2` (config.json, model.safetensors, generation_config.json,
             tokenizer.json, tokenizer_config.json).
 
     Returns:
@@ -115,11 +124,17 @@ def write_model(path: Path) -> None:
     model.save_pretrained(path, safe_serialization=True)
 
 
-def write_tokenizer(path: Path) -> None:
+def write_tokenizer(
+    path: Path, vocab_size: int = VOCAB_SIZE, max_chars: int = CORPUS_CHARS
+) -> None:
     """Train the byte-level BPE and save tokenizer.json + tokenizer_config.json into `path`.
 
+    `vocab_size` (tokens) and `max_chars` (characters of training text) default to the demo's;
+    tests make smaller tokenizers for the tiny checkpoints with them.
+
     The files load with `transformers.AutoTokenizer.from_pretrained(path)`; no BOS is added to
-    encoded text; eos is `<|eos|>` (id 2), bos `<|bos|>` (1), pad `<|pad|>` (0).
+    encoded text; eos is `<|eos|>` (id 2), bos `<|bos|>` (1), pad `<|pad|>` (0); the chat
+    template is `CHAT_TEMPLATE`.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -127,12 +142,12 @@ def write_tokenizer(path: Path) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(corpus(), trainer=trainer)
+    tokenizer.train_from_iterator(corpus(max_chars), trainer=trainer)
     tokenizer.save(str(path / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -141,6 +156,7 @@ def write_tokenizer(path: Path) -> None:
         "pad_token": SPECIAL_TOKENS[PAD_ID],
         "model_max_length": DEMO_CONFIG["max_position_embeddings"],
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 

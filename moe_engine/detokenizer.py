@@ -27,6 +27,8 @@ class IncrementalDetokenizer:
         self._read_offset = 0
         self._emitted = 0
         self.stopped = False
+        #: The stop string that matched (set with `stopped`).
+        self.stop_string: str | None = None
 
     def add(self, token_id: int, check_stop: bool = True) -> bool:
         """Append a generated token; True when a stop string just matched (if `check_stop`)."""
@@ -47,10 +49,11 @@ class IncrementalDetokenizer:
         if not self.stop:
             return False
         search_from = max(0, old_len - self._holdback)
-        hits = [i for s in self.stop if (i := self.text.find(s, search_from)) != -1]
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) != -1]
         if not hits:
             return False
-        self.text = self.text[: min(hits)]
+        start, self.stop_string = min(hits, key=lambda hit: hit[0])  # the earliest match wins
+        self.text = self.text[:start]
         self.stopped = True
         return True
 

@@ -1,39 +1,27 @@
-"""The offline Python API over the same engine core, as vLLM users know it.
+"""The offline Python API over the same engine core, as vLLM users know it (`vllm.LLM`).
 
 llm = LLM(model="/path/to/checkpoint")
-outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+outs = llm.generate("Hello", SamplingParams(max_tokens=32, temperature=0))
+print(outs[0].outputs[0].text)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import numbers
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from moe_engine.config import CacheConfig, EngineConfig, ModelConfig, QuantConfig, SchedulerConfig
 from moe_engine.engine.core import EngineCore
 from moe_engine.errors import StartupError
-from moe_engine.request import FinishReason, SamplingParams
+from moe_engine.outputs import RequestOutput, RequestOutputBuilder
+from moe_engine.request import SamplingParams
 
-
-@dataclass
-class CompletionOutput:
-    """One finished request.
-
-    Attributes:
-        request_id: "0", "1", ... in prompt order.
-        prompt_token_ids: the prompt as token ids.
-        token_ids: generated token ids.
-        text: generated text ("" without a tokenizer).
-        finish_reason: why it stopped.
-        logprobs: per generated token (when asked for).
-    """
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: FinishReason | None = None
-    logprobs: list = field(default_factory=list)
+#: One prompt: text, token ids, or vLLM's TextPrompt / TokensPrompt dicts.
+PromptType = str | Sequence[int] | dict[str, Any]
+#: A chat conversation: [{"role": "user", "content": "..."}, ...].
+Conversation = list[dict[str, Any]]
 
 
 class LLM:
@@ -46,6 +34,9 @@ class LLM:
         max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory (bytes),
         block_size, num_blocks_override, quantization, quant_group_size,
         enable_prefix_caching: as the `moe-serve` flags of the same names.
+
+    Raises:
+        StartupError: no config.json at `model`, or a configuration the engine refuses.
     """
 
     def __init__(
@@ -88,56 +79,231 @@ class LLM:
         )
         self._next_id = 0
 
+    def get_tokenizer(self):
+        """The checkpoint's tokenizer (transformers), or None when it ships none."""
+        return self.engine.tokenizer
+
     def generate(
         self,
-        prompts: list[str] | list[list[int]],
-        sampling_params: SamplingParams | list[SamplingParams] | None = None,
-    ) -> list[CompletionOutput]:
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+    ) -> list[RequestOutput]:
         """Generate for every prompt (text needs the checkpoint's tokenizer).
+
+        Args:
+            prompts: one prompt or a list of them. A prompt is a string, a list of token ids,
+                `{"prompt": str}` or `{"prompt_token_ids": [int, ...]}` (vLLM's TextPrompt and
+                TokensPrompt). One string or one list of ints is ONE prompt.
+            sampling_params: one SamplingParams for all prompts, or one per prompt; default
+                `SamplingParams()`.
+            use_tqdm: show a progress bar of finished prompts on stderr (with input and output
+                tokens/s, as vLLM's); a callable is used in place of `tqdm.tqdm`.
+
+        Returns:
+            One RequestOutput per prompt, in prompt order, each with `n` completions.
 
         Raises:
             RequestError: a prompt or parameter the engine refuses (nothing is run then, and
                 the engine keeps no request of this call).
-            ValueError: text prompts for a checkpoint without a tokenizer, or a list of
-                sampling params whose length differs from the prompts'.
+            ValueError: text prompts for a checkpoint without a tokenizer, a prompt of an
+                unknown shape, or a list of sampling params whose length differs from the
+                prompts'.
         """
-        params = sampling_params or SamplingParams()
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
+        items = _as_prompt_list(prompts)
+        parsed = [self._parse_prompt(p, i) for i, p in enumerate(items)]
+        return self._run(parsed, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to chat conversations through the tokenizer's chat template
+        (`apply_chat_template`, rendered to text then tokenized without added special
+        tokens, as vLLM does).
+
+        Args:
+            messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
+            sampling_params, use_tqdm: as `generate`.
+            chat_template: a Jinja template used instead of the tokenizer's.
+            add_generation_prompt: end the prompt with the assistant's turn header.
+            continue_final_message: continue the last message instead of starting a new one.
+            chat_template_kwargs: more variables for the template.
+
+        Returns:
+            One RequestOutput per conversation; `prompt` is the rendered template.
+
+        Raises:
+            ValueError: no tokenizer, a tokenizer without a chat template (and none given), or
+                a conversation that is not a list of message dicts.
+            RequestError: as `generate`.
+        """
+        tok = self._tokenizer("chat")
+        template = chat_template or getattr(tok, "chat_template", None)
+        if not template:
             raise ValueError(
-                f"sampling_params: {len(params_list)} given for {len(prompts)} prompts; give "
+                f"chat: the tokenizer of {self.engine.config.model.model!r} has no chat template "
+                "(tokenizer_config.json 'chat_template' or chat_template.jinja); pass "
+                "chat_template=... or call generate() with a prompt"
+            )
+        conversations = _as_conversation_list(messages)
+        parsed = []
+        for conversation in conversations:
+            text = tok.apply_chat_template(
+                conversation,
+                chat_template=template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}),
+            )
+            parsed.append((text, tok.encode(text, add_special_tokens=False)))
+        return self._run(parsed, sampling_params, use_tqdm)
+
+    def _run(
+        self,
+        parsed: list[tuple[str | None, list[int]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool | Callable[..., Any],
+    ) -> list[RequestOutput]:
+        """Queue every (text, ids) prompt, all or nothing, and step until all are done."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params_list = [params] * len(parsed) if isinstance(params, SamplingParams) else params
+        if len(params_list) != len(parsed):
+            raise ValueError(
+                f"sampling_params: {len(params_list)} given for {len(parsed)} prompts; give "
                 f"one, or one per prompt"
             )
-        outputs: dict[str, CompletionOutput] = {}
-        order = []
+        builders: dict[str, RequestOutputBuilder] = {}
         try:
-            for prompt, p in zip(prompts, params_list, strict=True):
-                ids = self._encode(prompt)
+            for (text, ids), p in zip(parsed, params_list, strict=True):
                 rid = str(self._next_id)
                 self._next_id += 1
                 self.engine.add_request(rid, ids, p)
-                outputs[rid] = CompletionOutput(rid, ids)
-                order.append(rid)
+                builders[rid] = RequestOutputBuilder(
+                    RequestOutput(rid, text, list(ids)),
+                    p.n,
+                    want_logprobs=p.logprobs is not None,
+                    greedy=p.greedy,
+                    tokenizer=self.engine.tokenizer,
+                )
+            self._run_engine(builders, use_tqdm)
         except BaseException:
-            self.engine.abort_requests(order)  # all or nothing: the engine stays clean
+            self.engine.abort_requests(list(builders))  # all or nothing: the engine stays clean
             raise
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                done = outputs[out.request_id]
-                done.token_ids.extend(out.new_token_ids)
-                done.text += out.new_text
-                if out.logprobs:
-                    done.logprobs.extend(out.logprobs)
-                if out.finished:
-                    done.finish_reason = out.finish_reason
-        return [outputs[r] for r in order]
+        return [b.output for b in builders.values()]
 
-    def _encode(self, prompt: str | list[int]) -> list[int]:
-        if not isinstance(prompt, str):
-            return list(prompt)
+    def _run_engine(
+        self, builders: dict[str, RequestOutputBuilder], use_tqdm: bool | Callable[..., Any]
+    ) -> None:
+        bar = _progress_bar(len(builders), use_tqdm)
+        num_in = num_out = 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for delta in self.engine.step():
+                    builder = builders[delta.request_id]
+                    builder.add(delta)
+                    out = builder.output
+                    if bar is None or not (delta.finished and out.finished):
+                        continue
+                    num_in += len(out.prompt_token_ids)
+                    num_out += sum(len(c.token_ids) for c in out.outputs)
+                    elapsed = max(bar.format_dict["elapsed"], 1e-9)
+                    bar.postfix = (
+                        f"est. speed input: {num_in / elapsed:.2f} toks/s, "
+                        f"output: {num_out / elapsed:.2f} toks/s"
+                    )
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _parse_prompt(self, prompt: PromptType, index: int) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of one prompt.
+
+        Raises:
+            ValueError: a prompt of an unknown shape (names its index), or text without a
+                tokenizer.
+        """
+        if isinstance(prompt, str):
+            return prompt, self._tokenizer("prompt").encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if _is_token_ids(ids) or (isinstance(ids, (list, tuple)) and not ids):
+                    return prompt.get("prompt"), [int(t) for t in ids]
+            elif isinstance(prompt.get("prompt"), str):
+                return prompt["prompt"], self._tokenizer("prompt").encode(prompt["prompt"])
+        elif _is_token_ids(prompt) or (isinstance(prompt, (list, tuple)) and not prompt):
+            return None, [int(t) for t in prompt]
+        raise ValueError(
+            f"prompts: entry {index} ({type(prompt).__name__}) is not a prompt; give a string, "
+            "a list of token ids, {'prompt': str} or {'prompt_token_ids': [int, ...]}"
+        )
+
+    def _tokenizer(self, field: str):
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError(
-                "prompt: text given but the checkpoint has no tokenizer; pass token ids"
+                f"{field}: text given but the checkpoint has no tokenizer; pass token ids"
             )
-        return tok.encode(prompt)
+        return tok
+
+
+def _is_token_ids(value: object) -> bool:
+    """True for a non-empty list or tuple of ints (bools excluded)."""
+    return (
+        isinstance(value, (list, tuple))
+        and bool(value)
+        and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in value)
+    )
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (a string, a dict, a list of ints) as a list of one; a list as it is."""
+    if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        return list(prompts)
+    raise ValueError(
+        f"prompts: a {type(prompts).__name__} given; give a prompt (a string, a list of token "
+        "ids, a dict) or a list of prompts"
+    )
+
+
+def _as_conversation_list(messages: Conversation | Sequence[Conversation]) -> list[Conversation]:
+    """One conversation (a list of message dicts) as a list of one; a list of them as it is."""
+    if isinstance(messages, (list, tuple)) and messages and all(
+        isinstance(m, dict) for m in messages
+    ):
+        return [list(messages)]
+    if isinstance(messages, (list, tuple)) and all(
+        isinstance(c, (list, tuple)) and all(isinstance(m, dict) for m in c) for c in messages
+    ):
+        return [list(c) for c in messages]
+    raise ValueError(
+        "messages: give a conversation (a list of {'role': ..., 'content': ...} dicts) or a "
+        "list of conversations"
+    )
+
+
+def _progress_bar(total: int, use_tqdm: bool | Callable[..., Any]):
+    """vLLM's "Processed prompts" bar (tqdm, on stderr), or None when `use_tqdm` is False."""
+    if not use_tqdm:
+        return None
+    if callable(use_tqdm):
+        factory = use_tqdm
+    else:
+        from tqdm import tqdm as factory
+    return factory(
+        total=total,
+        desc="Processed prompts",
+        dynamic_ncols=True,
+        postfix=f"est. speed input: {0:.2f} toks/s, output: {0:.2f} toks/s",
+    )

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from moe_engine.errors import ParamError
+
+if TYPE_CHECKING:
+    from moe_engine.parallel_sampling import ParentRequest
 
 #: The largest number of top logprobs a request may ask for per token.
 MAX_LOGPROBS = 20
@@ -23,6 +28,10 @@ MAX_STOP_TOKEN_IDS = 1024
 #: Temperatures below this are greedy: dividing float32 logits by less overflows (vLLM's
 #: _SAMPLING_EPS is the same value).
 GREEDY_TEMPERATURE = 1e-5
+#: Most completions one request may ask for (`SamplingParams.n`); each is a Request of its own.
+MAX_N = 128
+#: Seeds torch's generator accepts (a 64-bit value, signed or unsigned).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 class FinishReason(enum.StrEnum):
@@ -44,20 +53,32 @@ class RequestStatus(enum.Enum):
 
 @dataclass
 class SamplingParams:
-    """How to choose tokens and when to stop.
+    """How to choose tokens and when to stop (vLLM's `SamplingParams`, the fields it shares).
+
+    Every field is checked at construction (`__post_init__`); limits that need the model
+    (vocabulary size, the engine's logprobs cap) are checked by `verify`.
 
     Attributes:
-        max_tokens: most tokens to generate (tokens, >= 1).
+        max_tokens: most tokens to generate per completion (tokens, >= 1).
         min_tokens: stop conditions (EOS, stop ids, stop strings) are ignored before this many.
         temperature: below GREEDY_TEMPERATURE (e.g. 0) means greedy; otherwise logits are
             divided by it before softmax.
         top_p: nucleus sampling mass, in (0, 1].
         top_k: keep the k most likely tokens; -1 keeps all.
-        seed: per-request seed; the same seed and prompt give the same tokens.
-        stop: stop strings; the matched string is not included in the text.
-        stop_token_ids: extra token ids that end the request (the token is kept in the ids).
+        seed: per-request seed in [-2**63, 2**64 - n]; the same seed and prompt give the same
+            tokens; completion i of a request with n > 1 uses seed + i (as vLLM does).
+        stop: stop strings (one string is one stop string); the matched string is not
+            included in the text.
+        stop_token_ids: extra token ids that end a completion (one int is one id; the token
+            is kept in the ids).
         ignore_eos: keep generating past the model's EOS token.
         logprobs: number of top logprobs to return per generated token (None: none).
+        n: completions to generate from the prompt (parallel sampling, 1..MAX_N); they share
+            the prompt's KV blocks.
+
+    Raises:
+        ParamError: at construction, for a field of the wrong type or outside its limits
+            (names the field, the value and the limit).
     """
 
     max_tokens: int = 16
@@ -66,10 +87,16 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: str | list[str] | None = field(default_factory=list)
+    stop_token_ids: int | list[int] | None = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        self.stop = _as_list("stop", self.stop, str)
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, int)
+        self._check()
 
     @property
     def greedy(self) -> bool:
@@ -77,45 +104,141 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     def verify(self, vocab_size: int, max_logprobs: int = MAX_LOGPROBS) -> None:
-        """Check every field against its limit.
+        """Check every field again (they may have been changed since construction), then the
+        limits that need the model.
+
+        Args:
+            vocab_size: stop_token_ids must be in [0, vocab_size).
+            max_logprobs: the engine's cap on `logprobs`.
 
         Raises:
-            ParamError: naming the field (`.field`), the value and the limit.
+            ParamError: naming the field, the value and the limit.
         """
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        self.stop = _as_list("stop", self.stop, str)
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, int)
+        self._check()
+        if self.logprobs is not None and self.logprobs > max_logprobs:
+            raise ParamError(
+                "logprobs", f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}"
+            )
+        for tok in self.stop_token_ids:
+            if tok >= vocab_size:
+                raise ParamError(
+                    "stop_token_ids",
+                    f"stop_token_ids entry {tok} is outside [0, {vocab_size}) "
+                    f"(vocab_size {vocab_size})",
+                )
+
+    def _check(self) -> None:
+        """The checks that need no model; normalises ints and floats in place."""
+        self.n = _integer("n", self.n)
+        if not 1 <= self.n <= MAX_N:
+            raise ParamError("n", f"n must be in [1, {MAX_N}], got {self.n}")
+        self.max_tokens = _integer("max_tokens", self.max_tokens)
+        if self.max_tokens < 1:
             raise ParamError("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
+        self.min_tokens = _integer("min_tokens", self.min_tokens)
         if self.min_tokens < 0:
             raise ParamError("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.min_tokens > self.max_tokens:
-            raise ParamError("min_tokens", f"min_tokens ({self.min_tokens}) must be <= "
-                             f"max_tokens ({self.max_tokens})")
-        if math.isnan(self.temperature) or math.isinf(self.temperature) or self.temperature < 0:
-            raise ParamError("temperature", "temperature must be a finite number >= 0, got "
-                             f"{self.temperature}")
-        if math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ParamError(
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+            )
+        self.temperature = _real("temperature", self.temperature)
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ParamError(
+                "temperature", f"temperature must be a finite number >= 0, got {self.temperature}"
+            )
+        self.top_p = _real("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:  # NaN fails both comparisons
             raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        self.top_k = _integer("top_k", self.top_k)
         if self.top_k < -1 or self.top_k == 0:
             raise ParamError("top_k", f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
-            raise ParamError("logprobs", f"logprobs must be in [0, {max_logprobs}], got "
-                             f"{self.logprobs}")
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ParamError("stop_token_ids", f"stop_token_ids: {len(self.stop_token_ids)} "
-                             f"given, at most {MAX_STOP_TOKEN_IDS}")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise ParamError("stop", f"stop: {len(self.stop)} strings given, at most "
-                             f"{MAX_STOP_STRINGS}")
-        longest = max((len(s) for s in self.stop), default=0)
+        self._check_seed()
+        if not isinstance(self.ignore_eos, bool):
+            raise ParamError(
+                "ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}"
+            )
+        if self.logprobs is not None:
+            self.logprobs = _integer("logprobs", self.logprobs)
+            if self.logprobs < 0:
+                raise ParamError("logprobs", f"logprobs must be >= 0, got {self.logprobs}")
+        self._check_stop()
+
+    def _check_seed(self) -> None:
+        if self.seed is None:
+            return
+        self.seed = _integer("seed", self.seed)
+        top = SEED_MAX - (self.n - 1)  # completion i draws with seed + i
+        if not SEED_MIN <= self.seed <= top:
+            extra = f" (with n={self.n}: completion i uses seed + i)" if self.n > 1 else ""
+            raise ParamError(
+                "seed",
+                f"seed must be in [{SEED_MIN}, {top}] (a 64-bit seed){extra}, got {self.seed}",
+            )
+
+    def _check_stop(self) -> None:
+        stop, ids = self.stop, self.stop_token_ids
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ParamError(
+                "stop_token_ids", f"stop_token_ids: {len(ids)} given, at most {MAX_STOP_TOKEN_IDS}"
+            )
+        negative = [t for t in ids if t < 0]
+        if negative:
+            raise ParamError(
+                "stop_token_ids", f"stop_token_ids entry {negative[0]} is negative (ids are >= 0)"
+            )
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ParamError("stop", f"stop: {len(stop)} strings given, at most {MAX_STOP_STRINGS}")
+        longest = max((len(s) for s in stop), default=0)
         if longest > MAX_STOP_STRING_CHARS:
-            raise ParamError("stop", f"stop: a string of {longest} characters, at most "
-                             f"{MAX_STOP_STRING_CHARS}")
-        for tok in self.stop_token_ids:
-            if not 0 <= tok < vocab_size:
-                raise ParamError("stop_token_ids", f"stop_token_ids entry {tok} is outside "
-                                 f"[0, {vocab_size})")
-        for s in self.stop:
-            if not s:
-                raise ParamError("stop", "stop strings must not be empty")
+            raise ParamError(
+                "stop", f"stop: a string of {longest} characters, at most {MAX_STOP_STRING_CHARS}"
+            )
+        if any(not s for s in stop):
+            raise ParamError("stop", "stop strings must not be empty")
+
+
+def _integer(name: str, value: object) -> int:
+    """`value` as an int; bools and non-integral numbers are refused (ParamError)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ParamError(
+            name, f"{name} must be an integer, got {value!r} ({type(value).__name__})"
+        )
+    return int(value)
+
+
+def _real(name: str, value: object) -> float:
+    """`value` as a float; bools and non-numbers are refused (ParamError)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ParamError(name, f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
+def _as_list(name: str, value: object, kind: type) -> list:
+    """A stop field as a list: None is empty, one `kind` value is a list of one (so "abc" is
+    one stop string, not three), a list or tuple keeps its entries, each of type `kind`."""
+    if value is None:
+        return []
+    if kind is str and isinstance(value, str):
+        return [value]
+    if kind is int and isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return [int(value)]
+    if not isinstance(value, (list, tuple)):
+        what = "an integer" if kind is int else "a string"
+        raise ParamError(
+            name, f"{name} must be {what} or a list of them, got {type(value).__name__}"
+        )
+    if kind is int:
+        bad = [v for v in value if isinstance(v, bool) or not isinstance(v, numbers.Integral)]
+    else:
+        bad = [v for v in value if not isinstance(v, str)]
+    if bad:
+        what = "integers" if kind is int else "strings"
+        raise ParamError(name, f"{name} entries must be {what}, got {bad[0]!r}")
+    return [kind(v) for v in value]
 
 
 class Request:
@@ -124,6 +247,10 @@ class Request:
     `num_computed_tokens` counts the tokens whose K/V are already in the cache; the scheduler
     moves it forward each step (chunked prefill, then one token per decode step) and resets it
     to 0 when the request is preempted (recompute).
+
+    A request with `SamplingParams.n > 1` is a `ParentRequest` of n such Requests, one per
+    completion (`parent`, `index`); they share the prompt's KV blocks through the prefix-cache
+    map, under `cache_salt` when prefix caching is off (so that only siblings find them).
     """
 
     def __init__(
@@ -133,6 +260,10 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_ids: frozenset[int] = frozenset(),
         arrival_time: float = 0.0,
+        *,
+        parent: ParentRequest | None = None,
+        index: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -146,6 +277,11 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
         self.first_token_time: float | None = None
+        self.parent = parent
+        self.index = index
+        self.cache_salt = cache_salt
+        #: With finish_reason STOP: the stop string or stop token id that ended the request.
+        self.stop_reason: int | str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -168,8 +304,14 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    @property
+    def external_id(self) -> str:
+        """The id the client knows: the parent's for a completion of an n > 1 request."""
+        return self.parent.request_id if self.parent is not None else self.request_id
+
     def check_stop_token(self) -> FinishReason | None:
-        """The finish reason the last generated token causes, if any (stop strings aside)."""
+        """The finish reason the last generated token causes, if any (stop strings aside);
+        a stop token id from `stop_token_ids` is also kept as `stop_reason` (EOS is not)."""
         params = self.sampling_params
         n = self.num_output_tokens
         if n >= params.min_tokens:
@@ -177,6 +319,7 @@ class Request:
             if not params.ignore_eos and last in self.eos_token_ids:
                 return FinishReason.STOP
             if last in params.stop_token_ids:
+                self.stop_reason = last
                 return FinishReason.STOP
         if n >= params.max_tokens:
             return FinishReason.LENGTH

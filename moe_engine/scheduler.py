@@ -9,6 +9,12 @@ is recomputed later from its prompt plus the tokens it already generated.
 With prefix caching, a request taken from the queue first looks up its cached prefix
 (`KVCacheManager.get_computed_blocks`): those tokens count as computed, so its first chunk, the
 token budget and the blocks it needs cover only the uncached rest.
+
+Parallel sampling (`moe_engine.parallel_sampling`): the completions of one request are
+Requests of their own, queued together, that share the prompt's full blocks through that
+lookup. The first (the lead) is admitted first, and a prefill chunk cut by the token budget
+leaves no budget for anyone after it, so the others are admitted only once the lead has
+scheduled its whole prompt: they find every shared block instead of computing it again.
 """
 
 from __future__ import annotations
@@ -82,11 +88,19 @@ class Scheduler:
 
         Raises:
             ValueError: the request could never fit in the KV pool, even alone (see
-                `KVCacheManager.check_fits`); queuing it would re-prefill it forever.
+                `check_fits`); queuing it would re-prefill it forever.
         """
-        self.kv.check_fits(self.max_context(request), self.config.max_num_batched_tokens)
+        self.check_fits(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def check_fits(self, request: Request) -> None:
+        """Refuse a request that could never run, however empty the pool.
+
+        Raises:
+            ValueError: see `KVCacheManager.check_fits`.
+        """
+        self.kv.check_fits(self.max_context(request), self.config.max_num_batched_tokens)
 
     @staticmethod
     def max_context(request: Request) -> int:
@@ -172,7 +186,11 @@ class Scheduler:
         return advanced, finished
 
     def finish_request(self, request_id: str, reason: FinishReason) -> Request | None:
-        """End a request and free its blocks; returns it, or None when unknown or done."""
+        """End a request and free its blocks; returns it, or None when unknown or done.
+
+        The last completion of a parallel-sampling request to end also takes the prompt's
+        salted blocks out of the prefix-cache map (`KVCacheManager.forget_prefix`).
+        """
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
@@ -183,4 +201,9 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.kv.free(request_id)
+        parent = req.parent
+        if parent is not None:
+            parent.num_finished += 1
+            if parent.finished:
+                self.kv.forget_prefix(req)
         return req

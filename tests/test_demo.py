@@ -43,6 +43,7 @@ def test_tokenizer_round_trip(demo_dir: Path) -> None:
     assert len(tok(code).input_ids) < len(code) / 3  # trained merges, not bytes
     assert tok.decode(ids) == text
     assert all(0 <= i < demo.VOCAB_SIZE for i in ids)
+    assert tok.chat_template == demo.CHAT_TEMPLATE  # since demo-v2
 
 
 def test_reused_not_rewritten(demo_dir: Path) -> None:
@@ -71,7 +72,8 @@ def test_text_prompts_stop_strings_and_seeds_end_to_end(demo_dir: Path) -> None:
     from moe_engine import LLM, SamplingParams
 
     llm = LLM(model=str(demo_dir), max_model_len=256, num_blocks_override=64)
-    greedy = llm.generate(["def main():"], SamplingParams(max_tokens=24, temperature=0))[0]
+    [greedy_out] = llm.generate("def main():", SamplingParams(max_tokens=24, temperature=0))
+    greedy = greedy_out.outputs[0]
     tok = llm.engine.tokenizer
     assert greedy.text == tok.decode(greedy.token_ids, skip_special_tokens=True)
     assert len(greedy.text) > 0
@@ -80,13 +82,16 @@ def test_text_prompts_stop_strings_and_seeds_end_to_end(demo_dir: Path) -> None:
     assert starts, f"greedy text too short for the test: {greedy.text!r}"
     stop = greedy.text[starts[len(starts) // 2] :][:3]
     params = SamplingParams(max_tokens=24, temperature=0, stop=[stop])
-    cut = llm.generate(["def main():"], params)[0]
+    cut = llm.generate(["def main():"], params)[0].outputs[0]
     assert cut.finish_reason == "stop"
     assert stop not in cut.text
     assert cut.text == greedy.text[: greedy.text.index(stop)]
     sp = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=123)
-    a, b = (llm.generate(["import os"], sp)[0].token_ids for _ in range(2))
+    a, b = (llm.generate(["import os"], sp)[0].outputs[0].token_ids for _ in range(2))
     assert a == b
+    [reply] = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4))
+    assert reply.prompt == "<|bos|>user\nhi<|eos|>\n<|bos|>assistant\n"
+    assert reply.prompt_token_ids[0] == demo.BOS_ID and len(reply.outputs[0].token_ids) >= 1
 
 
 def test_unknown_architecture_lists_supported() -> None:

@@ -61,7 +61,7 @@ def _ep1_greedy(ckpt, prompts: list[list[int]], max_new: list[int]) -> list[list
     params = [
         SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_new
     ]
-    return [out.token_ids for out in llm.generate(prompts, params)]
+    return [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
 
 
 @pytest.mark.parametrize(

@@ -59,7 +59,7 @@ def test_greedy_matches_transformers_with_chunking_and_preemption(
         num_blocks_override=num_blocks,
     )
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
-    assert [o.token_ids for o in outs] == expected
+    assert [o.outputs[0].token_ids for o in outs] == expected
     stats = llm.engine.get_stats()
     assert stats.num_preemptions > 0
     assert stats.kv_blocks_free == stats.kv_blocks_total
@@ -94,7 +94,7 @@ def test_mxfp4_checkpoint_matches_transformers_dequantizing_it(gpt_oss_mxfp4_ckp
     for layer in llm.engine.model.model.layers:
         assert layer.mlp.quantized.method == "mxfp4" and not hasattr(layer.mlp, "w13")
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
-    assert [o.token_ids for o in outs] == expected
+    assert [o.outputs[0].token_ids for o in outs] == expected
     _assert_plan_bytes_are_the_loaded_bytes(llm)
 
 

@@ -32,7 +32,7 @@ def test_greedy_matches_transformers_with_chunking_and_preemption(ckpt_name, req
     # all 8 requests (about 550 prompt tokens + 80 generated), so some are preempted.
     llm = LLM(model=str(ckpt), max_num_batched_tokens=32, num_blocks_override=22, max_model_len=320)
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
-    assert [o.token_ids for o in outs] == expected
+    assert [o.outputs[0].token_ids for o in outs] == expected
     stats = llm.engine.get_stats()
     assert stats.num_preemptions > 0
     assert stats.kv_blocks_free == stats.kv_blocks_total
@@ -59,7 +59,7 @@ def test_bfloat16_runs_and_mostly_agrees(qwen3_ckpt):
     expected = hf_greedy(qwen3_ckpt, prompts, 1)
     llm = LLM(model=str(qwen3_ckpt), dtype="bfloat16", max_model_len=512, num_blocks_override=64)
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0))
-    agree = sum(o.token_ids == e for o, e in zip(outs, expected, strict=True))
+    agree = sum(o.outputs[0].token_ids == e for o, e in zip(outs, expected, strict=True))
     assert agree >= len(prompts) - 2
 
 
@@ -109,4 +109,4 @@ def test_fused_expert_layout_loads_the_same_model(qwen3_ckpt, tmp_path):
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     want = LLM(model=str(qwen3_ckpt), max_model_len=320).generate(prompts, sp)
     got = LLM(model=str(fused), max_model_len=320).generate(prompts, sp)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

@@ -228,9 +228,9 @@ def _engine_tokens(ckpt, prompts, max_new, one_by_one=False, **kw) -> tuple[list
     later prompts can hit earlier ones' cached blocks, when `one_by_one`)."""
     llm = LLM(model=str(ckpt), max_model_len=48, block_size=4, **kw)
     params = SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True)
-    runs = [[o.token_ids for o in llm.generate(prompts, params)]]
+    runs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params)]]
     if one_by_one:
-        runs.insert(0, [llm.generate([p], params)[0].token_ids for p in prompts])
+        runs.insert(0, [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts])
     stats = llm.engine.get_stats()
     assert stats.kv_blocks_free == stats.kv_blocks_total
     assert all(g.blocks_used == 0 for g in stats.kv_groups)

@@ -177,8 +177,8 @@ def _run(ckpt, caching: bool, max_model_len=128, **kw) -> tuple[list[list[int]],
     )
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prompts = _prompts()
-    one_by_one = [llm.generate([p], params)[0].token_ids for p in prompts]
-    together = [o.token_ids for o in llm.generate(prompts, params)]
+    one_by_one = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     stats = llm.engine.get_stats()
     assert stats.kv_blocks_free == stats.kv_blocks_total
     return one_by_one + together, stats

@@ -45,7 +45,7 @@ def test_mxfp4_experts_match_transformers_on_dequantized_weights(qwen3_ckpt, tmp
     expected = hf_greedy(_dequantized_copy(qwen3_ckpt, tmp_path, "mxfp4", 32), prompts, 8)
     llm = LLM(model=str(qwen3_ckpt), max_model_len=256, quantization="mxfp4")
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    assert [o.token_ids for o in outs] == expected
+    assert [o.outputs[0].token_ids for o in outs] == expected
     _assert_four_bits(llm)
 
 
@@ -185,6 +185,6 @@ def _last_logits(
     for prompt in prompts:
         captured.clear()
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        ids.append(llm.generate([prompt], params)[0].token_ids)
+        ids.append(llm.generate([prompt], params)[0].outputs[0].token_ids)
         logits.append(captured[0][0])
     return logits, ids

@@ -40,6 +40,7 @@ from moe_engine.loader import load_model
 from moe_engine.model_runner import ModelRunner
 from moe_engine.models import resolve_architecture
 from moe_engine.models.layers.moe import FusedMoE
+from moe_engine.parallel_sampling import ParentRequest
 from moe_engine.phase_timer import PhaseTimer
 from moe_engine.plan import make_plan
 from moe_engine.request import FinishReason, Request, SamplingParams
@@ -281,6 +282,8 @@ class EngineCore:
             kv_groups=kv_groups,
         )
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        #: Live requests with n > 1, by the client's id.
+        self._parents: dict[str, ParentRequest] = {}
         self.counters = dict(
             prompt_tokens_total=0,
             generation_tokens_total=0,
@@ -349,58 +352,79 @@ class EngineCore:
         params: SamplingParams,
         arrival_time: float | None = None,
     ) -> None:
-        """Validate and queue a request.
+        """Validate and queue a request; with `params.n > 1`, its n completions (a
+        `ParentRequest`; outputs carry `request_id` and the completion's `index`).
 
         Raises:
             RequestError: a bad field (see `validate_request`), a duplicate live id
-                (ALREADY_EXISTS), or a full queue (RESOURCE_EXHAUSTED).
+                (ALREADY_EXISTS), or a full queue (RESOURCE_EXHAUSTED). Nothing is queued then.
         """
         validate_request(
             prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
-        if request_id in self.scheduler.requests:
+        self._check_new_id(request_id, params.n)
+        self._check_queue(params.n)
+        arrival = arrival_time or time.monotonic()
+        if params.n == 1:
+            reqs = [Request(request_id, prompt_token_ids, params, self.eos_token_ids, arrival)]
+        else:
+            parent = ParentRequest(request_id, params)
+            salt = None if self.kv.enable_prefix_caching else f"n:{request_id}"
+            reqs = parent.make_children(prompt_token_ids, self.eos_token_ids, arrival, salt)
+        try:
+            self.scheduler.check_fits(reqs[0])  # the same for every completion
+        except ValueError as e:  # could never fit in the KV pool, even alone
+            raise RequestError(ErrorCode.OUT_OF_RANGE, "max_tokens", f"max_tokens: {e}") from e
+        for req in reqs:
+            self.scheduler.add_request(req)
+            if self.tokenizer is not None:
+                self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        if params.n > 1:
+            self._parents[request_id] = parent
+        self.counters["prompt_tokens_total"] += len(prompt_token_ids)
+
+    def _check_new_id(self, request_id: str, n: int) -> None:
+        """Refuse an id that is live (or that a live request's completion uses)."""
+        ids = [request_id]
+        if n > 1:
+            ids += [ParentRequest.child_id(request_id, i) for i in range(n)]
+        if request_id in self._parents or any(i in self.scheduler.requests for i in ids):
             raise RequestError(
                 ErrorCode.ALREADY_EXISTS,
                 "request_id",
                 f"request_id {request_id!r} is already running",
             )
+
+    def _check_queue(self, n: int) -> None:
+        """Refuse `n` more requests when the queue is full (each completion is one)."""
         # Waiting requests that the next step can still admit (free batch slots) do not
         # count against the queue limit: a burst between two steps is not an overload.
         free_slots = max(0, self.config.scheduler.max_num_seqs - len(self.scheduler.running))
         queued = len(self.scheduler.waiting) - free_slots
-        if queued >= self.config.scheduler.max_waiting:
+        limit = self.config.scheduler.max_waiting
+        if queued + n > limit:
             self.counters["num_rejected"] += 1
+            asked = f", and this request's n={n} completions would wait too" if n > 1 else ""
             raise RequestError(
                 ErrorCode.RESOURCE_EXHAUSTED,
                 "queue",
-                f"queue: {queued} requests waiting for a batch slot, the limit "
-                f"(max_waiting, --max-waiting-requests) is {self.config.scheduler.max_waiting}; "
-                "retry later",
+                f"queue: {max(queued, 0)} requests waiting for a batch slot{asked}, the limit "
+                f"(max_waiting, --max-waiting-requests) is {limit}; retry later",
             )
-        req = Request(
-            request_id,
-            prompt_token_ids,
-            params,
-            self.eos_token_ids,
-            arrival_time or time.monotonic(),
-        )
-        try:
-            self.scheduler.add_request(req)
-        except ValueError as e:  # could never fit in the KV pool, even alone
-            raise RequestError(ErrorCode.OUT_OF_RANGE, "max_tokens", f"max_tokens: {e}") from e
-        if self.tokenizer is not None:
-            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
-        self.counters["prompt_tokens_total"] += len(prompt_token_ids)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
-        """End live requests; unknown or finished ids are ignored. One terminal output each."""
+        """End live requests (every completion of an n > 1 request); unknown or finished ids
+        are ignored. One terminal output per completion ended."""
         outputs = []
         for rid in request_ids:
-            req = self.scheduler.finish_request(rid, FinishReason.ABORT)
-            if req is None:
-                continue
-            self.counters["num_aborted"] += 1
-            outputs.append(self._output(req, [], None, final=True))
+            parent = self._parents.get(rid)
+            children = [c.request_id for c in parent.children] if parent else [rid]
+            for child in children:
+                req = self.scheduler.finish_request(child, FinishReason.ABORT)
+                if req is None:
+                    continue
+                self.counters["num_aborted"] += 1
+                outputs.append(self._output(req, [], None, final=True))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -442,17 +466,25 @@ class EngineCore:
         for req in advanced:
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            detok = self._detok.get(req.request_id)
-            check_stop = req.num_output_tokens >= req.sampling_params.min_tokens
-            if (
-                detok is not None
-                and detok.add(req.output_token_ids[-1], check_stop)
-                and not req.is_finished
-            ):
-                self.scheduler.finish_request(req.request_id, FinishReason.STOP)
+            self._check_stop_strings(req)
             lp = logprobs.get(req.request_id)
             outputs.append(self._output(req, [req.output_token_ids[-1]], lp, final=req.is_finished))
         return outputs
+
+    def _check_stop_strings(self, req: Request) -> None:
+        """Detokenize the request's new token; a stop string it completes ends the request
+        with "stop", also when the same token reached max_tokens (vLLM: a stop string
+        outranks the length limit; a stop token id or EOS outranks both)."""
+        detok = self._detok.get(req.request_id)
+        check_stop = req.num_output_tokens >= req.sampling_params.min_tokens
+        if detok is None or not detok.add(req.output_token_ids[-1], check_stop):
+            return
+        if not req.is_finished:
+            self.scheduler.finish_request(req.request_id, FinishReason.STOP)
+        elif req.finish_reason != FinishReason.LENGTH:
+            return
+        req.finish_reason = FinishReason.STOP
+        req.stop_reason = detok.stop_string
 
     def _output(self, req: Request, new_ids: list[int], lp, final: bool) -> EngineCoreOutput:
         detok = self._detok.get(req.request_id)
@@ -462,8 +494,10 @@ class EngineCore:
             self.sampler.forget(req.request_id)
             if req.finish_reason != FinishReason.ABORT:
                 self.counters["num_finished"] += 1
+            if req.parent is not None and req.parent.finished:
+                self._parents.pop(req.parent.request_id, None)
         return EngineCoreOutput(
-            request_id=req.request_id,
+            request_id=req.external_id,
             new_token_ids=new_ids,
             new_text=text,
             finished=final,
@@ -471,6 +505,8 @@ class EngineCore:
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             logprobs=[lp] if lp is not None else None,
+            index=req.index,
+            stop_reason=req.stop_reason if final else None,
         )
 
     def get_stats(self) -> CoreStats:

@@ -47,6 +47,11 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
         num_prompt_tokens / num_output_tokens: usage so far (tokens).
         logprobs: per new token, the sampled token's logprob and the top-n {token_id: logprob}.
         error: set when the engine could not run the request at all.
+        index: which completion of the request this is (0..n-1; `SamplingParams.n`). With
+            n > 1 `request_id` is still the request's own id, `finished` ends only this
+            completion, and the request is done when all n have sent a finished output.
+        stop_reason: set with finish_reason "stop": the stop string or the stop token id
+            (from `stop_token_ids`) that ended the completion; None for EOS (as vLLM).
     """
 
     request_id: str
@@ -58,6 +63,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     num_output_tokens: int = 0
     logprobs: list[tuple[float, dict[int, float]]] | None = None
     error: str | None = None
+    index: int = 0
+    stop_reason: int | str | None = None
 
 
 class ModelInfo(msgspec.Struct, kw_only=True):

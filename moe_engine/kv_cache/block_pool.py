@@ -104,6 +104,13 @@ class BlockPool:
         self._cached[key] = block
         self._block_key[block] = key
 
+    def uncache(self, key: Hashable) -> None:
+        """Remove `key` from the prefix-cache map (no-op when absent); its block stays where
+        it is (in use, or in the free queue) but can no longer be found."""
+        block = self._cached.pop(key, None)
+        if block is not None:
+            self._block_key[block] = None
+
     def get_cached_block(self, key: Hashable) -> int | None:
         """The block cached under `key`, or None."""
         return self._cached.get(key)

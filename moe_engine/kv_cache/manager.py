@@ -13,6 +13,12 @@ the map, until `allocate` hands it out again. A new request reuses the longest p
 group can serve: a full-attention group needs every block of the prefix, a sliding-window group
 only the ceil((window - 1) / block_size) blocks before its end (earlier ones are null). The hit
 never covers the last token, which is always recomputed so that a token can be sampled.
+
+Parallel sampling (`moe_engine.parallel_sampling`): the completions of one request share its
+prompt's full blocks through the same map. With prefix caching off they are still hashed and
+looked up, but only requests with a `cache_salt` are, the salt starts their hash chain (so only
+siblings, which share it, find the blocks), only prompt blocks enter the map, and
+`forget_prefix` takes them out of it when the last sibling ends.
 """
 
 from __future__ import annotations
@@ -138,15 +144,41 @@ class KVCacheManager:
             f"{self.num_usable_blocks}; it could never run"
         )
 
+    def shares_blocks(self, request: Request) -> bool:
+        """True when the request's full blocks are hashed, cached and looked up: with prefix
+        caching on, or for a completion of a parallel-sampling request (`cache_salt`)."""
+        return self.enable_prefix_caching or request.cache_salt is not None
+
     def block_hashes(self, request: Request) -> list[bytes]:
         """The chained hashes of the request's full blocks (extended as tokens arrive)."""
         hashes = self._hashes.setdefault(request.request_id, [])
-        bs, ids = self.block_size, request.all_token_ids
-        parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
-        for i in range(len(hashes), request.num_tokens // bs):
+        self._extend_hashes(hashes, request.all_token_ids, request.cache_salt)
+        return hashes
+
+    def _extend_hashes(self, hashes: list[bytes], ids: Sequence[int], salt: str | None) -> None:
+        """Append the hashes of the full blocks of `ids` that `hashes` lacks."""
+        bs = self.block_size
+        if hashes:
+            parent = hashes[-1]
+        elif salt is None:
+            parent = ROOT_BLOCK_HASH
+        else:
+            parent = hash_block_tokens(ROOT_BLOCK_HASH, (), ("cache_salt", salt))
+        for i in range(len(hashes), len(ids) // bs):
             parent = hash_block_tokens(parent, ids[i * bs : (i + 1) * bs])
             hashes.append(parent)
-        return hashes
+
+    def forget_prefix(self, request: Request) -> None:
+        """Take a salted request's prompt blocks out of the prefix-cache map (when its last
+        sibling has ended, with prefix caching off); a no-op otherwise. The blocks stay
+        where they are (in use or free); they just cannot be found any more."""
+        if self.enable_prefix_caching or request.cache_salt is None:
+            return
+        hashes: list[bytes] = []
+        self._extend_hashes(hashes, request.prompt_token_ids, request.cache_salt)
+        for h in hashes:
+            for g in range(len(self.specs)):
+                self.pool.uncache((h, g))
 
     def get_computed_blocks(self, request: Request) -> PrefixHit:
         """The longest cached prefix every group can serve (nothing is taken yet; pass the
@@ -157,7 +189,7 @@ class KVCacheManager:
         them, until all groups agree (lengths only shrink, so this ends).
         """
         num_groups = len(self.specs)
-        if not self.enable_prefix_caching:
+        if not self.shares_blocks(request):
             return PrefixHit([[] for _ in range(num_groups)], 0, 0)
         hashes = self.block_hashes(request)
         limit = (request.num_tokens - 1) // self.block_size  # the last token is recomputed
@@ -243,7 +275,7 @@ class KVCacheManager:
         if hit is not None and self.enable_prefix_caching:
             self.prefix_cache_queries += hit.num_queried
             self.prefix_cache_hits += hit.num_tokens
-        if self.enable_prefix_caching:
+        if self.shares_blocks(request):
             self._cache_full_blocks(request, tables, total)
         return True
 
@@ -271,9 +303,11 @@ class KVCacheManager:
             self.pool.free(removed[::-1])  # the pool frees in reverse: the latest goes first
 
     def _cache_full_blocks(self, request: Request, tables: list[list[int]], total: int) -> None:
-        """Enter the blocks that are full once `total` tokens are computed in the map."""
+        """Enter the blocks that are full once `total` tokens are computed in the map (only
+        the prompt's when the request shares them through its salt alone)."""
         rid = request.request_id
-        num_full = min(total, request.num_tokens) // self.block_size
+        limit = request.num_tokens if self.enable_prefix_caching else request.num_prompt_tokens
+        num_full = min(total, limit) // self.block_size
         start = self._num_cached.get(rid, 0)
         if num_full <= start:
             return
