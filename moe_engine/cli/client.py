@@ -44,10 +44,10 @@ from typing import Any, NoReturn
 
 import grpc
 from google.protobuf import descriptor
-from google.protobuf.json_format import MessageToDict
 
 from moe_engine import __version__
 from moe_engine.cli.argtypes import int_at_least, positive_seconds
+from moe_engine.cli.completions import Completions
 from moe_engine.cli.health import add_health_parser, cmd_health
 from moe_engine.request import SamplingParams
 from moe_engine.server.pb import moe_engine_pb2 as pb
@@ -399,6 +399,13 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
         help="return the N most likely tokens' logprobs per token (default: none)",
     )
     g.add_argument(
+        "--n",
+        type=_int_type("n"),
+        metavar="N",
+        help=f"parallel sampling: N completions of the prompt, sharing its KV blocks; with a "
+        f"seed, completion i uses seed + i (default: {d.n})",
+    )
+    g.add_argument(
         "--request-id",
         type=_utf8_text,
         default="",
@@ -488,36 +495,24 @@ def request_from_args(args: argparse.Namespace) -> pb.GenerateRequest:
         stop_token_ids=args.stop_token_ids,
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
+        n=args.n,
     )
 
 
 def cmd_generate(
     args: argparse.Namespace, stub: pb_grpc.MoeEngineStub, request: pb.GenerateRequest
 ) -> int:
-    result = {"request_id": "", "token_ids": [], "text": "", "finish_reason": "", "usage": {}}
-    logprobs: list[dict] = []
+    """Run one Generate call: stream the text of a single completion as it comes, or, with
+    `--n` > 1, print each completion when all are done ("[i] text" lines, or one JSON object
+    whose `completions` list holds them)."""
+    completions = Completions()
+    stream_text = not args.json and request.n <= 1
     printed = False  # streamed text is on the terminal, without its final newline
     call = stub.Generate(request, timeout=args.timeout)
     try:
         for response in call:
-            result["request_id"] = response.request_id
-            result["token_ids"].extend(response.token_ids)
-            result["text"] += response.text
-            result["finish_reason"] = response.finish_reason
-            result["usage"] = MessageToDict(
-                response.usage,
-                preserving_proto_field_name=True,
-                always_print_fields_with_no_presence=True,
-            )
-            logprobs.extend(
-                MessageToDict(
-                    lp,
-                    preserving_proto_field_name=True,
-                    always_print_fields_with_no_presence=True,
-                )
-                for lp in response.logprobs
-            )
-            if not args.json and response.text:
+            completions.add(response)
+            if stream_text and response.text:
                 print(response.text, end="", flush=True)
                 printed = True
     except KeyboardInterrupt:
@@ -529,10 +524,13 @@ def cmd_generate(
         if printed:
             print()
         return _fail(err, args.server)
-    if logprobs:
-        result["logprobs"] = logprobs
+    result = completions.as_dict()
     if args.json:
         print(json.dumps(result))
+    elif not stream_text:
+        for c in result["completions"]:
+            body = c["text"] or " ".join(map(str, c["token_ids"]))
+            print(f"[{c['index']}] {body}")
     elif result["text"]:
         print()
     else:
@@ -637,29 +635,18 @@ async def _run_one(
 ) -> dict[str, Any]:
     start = time.perf_counter()
     ttft = None
-    token_ids: list[int] = []
-    text = ""
-    last = None
+    completions = Completions()
     try:
         async for response in stub.Generate(request, timeout=timeout, metadata=metadata or None):
             if ttft is None and response.token_ids:
                 ttft = time.perf_counter() - start
-            token_ids.extend(response.token_ids)
-            text += response.text
-            last = response
+            completions.add(response)
     except grpc.RpcError as err:
         message = _error_text(err, server)
         return {"index": index, "error": {"code": err.code().name, "message": message}}
-    usage = MessageToDict(
-        last.usage, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
     return {
         "index": index,
-        "request_id": last.request_id,
-        "token_ids": token_ids,
-        "text": text,
-        "finish_reason": last.finish_reason,
-        "usage": usage,
+        **completions.as_dict(),
         "ttft_s": ttft,
         "e2e_s": time.perf_counter() - start,
     }
@@ -701,7 +688,7 @@ async def run_batch(
             if "error" in result:
                 errors += 1
             else:
-                output_tokens += len(result["token_ids"])
+                output_tokens += int(result["usage"].get("completion_tokens", 0))
             print(json.dumps(result), flush=True)
     wall = time.perf_counter() - start
     summary = {

@@ -312,7 +312,9 @@ class EngineClient:
         params: SamplingParams,
         arrival_time: float | None = None,
     ) -> AsyncIterator[EngineCoreOutput]:
-        """Submit one request and yield its outputs (deltas) until the finished one.
+        """Submit one request and yield its outputs (deltas) until the finished one (with
+        `params.n` > 1: until each of its n completions has sent its finished output; every
+        output's `index` names its completion).
 
         Args:
             request_id: unique among live requests.
@@ -363,23 +365,23 @@ class EngineClient:
         except RequestError:
             del self._streams[request_id]
             raise
-        self._rank_load[rank] += 1
+        self._rank_load[rank] += params.n  # each completion is a request of that rank
         self._rank_of[request_id] = rank
-        finished = False
+        remaining = params.n
         try:
-            while not finished:
+            while remaining:
                 item = await queue.get()
                 if isinstance(item, BaseException):
-                    finished = True
+                    remaining = 0
                     raise item
-                finished = item.finished
+                remaining -= item.finished
                 yield item
         finally:
             if self._streams.get(request_id) is queue:
                 del self._streams[request_id]
-                self._rank_load[self._rank_of.pop(request_id)] -= 1
+                self._rank_load[self._rank_of.pop(request_id)] -= params.n
             self._aborting.discard(request_id)
-            if not finished:
+            if remaining:
                 self._try_send(AbortRequests([request_id]))
 
     async def abort(self, request_id: str) -> bool:

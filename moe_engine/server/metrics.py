@@ -306,12 +306,14 @@ class StatsLogger:
 
 @dataclass
 class RequestTimer:
-    """Wall-clock times of one request (time.monotonic() seconds)."""
+    """Wall-clock times of one request (time.monotonic() seconds) and its output tokens, summed
+    over its completions (`SamplingParams.n`)."""
 
     arrival_s: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
     last_output_s: float = 0.0
     num_output_tokens: int = 0
+    _tokens_by_index: dict[int, int] = field(default_factory=dict, repr=False)
 
     def record(self, out: EngineCoreOutput) -> None:
         """Note an output: the first one with tokens fixes the time to first token."""
@@ -319,4 +321,5 @@ class RequestTimer:
         if out.new_token_ids and self.first_token_s is None:
             self.first_token_s = now
         self.last_output_s = now
-        self.num_output_tokens = out.num_output_tokens
+        self._tokens_by_index[out.index] = out.num_output_tokens
+        self.num_output_tokens = sum(self._tokens_by_index.values())

@@ -56,6 +56,7 @@ _OPTIONAL_PARAMS = (
     "seed",
     "ignore_eos",
     "logprobs",
+    "n",
 )
 
 
@@ -87,6 +88,7 @@ def response_from_output(out: EngineCoreOutput) -> pb.GenerateResponse:
         usage=pb.Usage(
             prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens
         ),
+        index=out.index,
     )
     if out.logprobs:
         for token_id, (logprob, top) in zip(out.new_token_ids, out.logprobs, strict=False):
@@ -232,16 +234,19 @@ class MoeEngineServicer(pb_grpc.MoeEngineServicer):
         if ended is not None:
             self._live[request_id] = ended
         timer = RequestTimer()
+        left = params.n  # completions still running; the request ends with the last one
         stream = self.engine.generate(request_id, prompt, params, arrival_time=time.time())
         try:
             async with aclosing(stream):
                 try:
                     async for out in stream:
                         timer.record(out)
-                        if out.finished and ended is not None and not ended.done():
+                        left -= out.finished
+                        last = out.finished and left == 0
+                        if last and ended is not None and not ended.done():
                             ended.set_result(str(out.finish_reason))
                         yield response_from_output(out)
-                        if out.finished and self.metrics is not None:
+                        if last and self.metrics is not None:
                             self.metrics.observe_finished(timer, str(out.finish_reason))
                 except RequestError as exc:
                     await _abort(context, exc)
