@@ -15,6 +15,7 @@ from typing import Any
 from moe_engine.config import CacheConfig, EngineConfig, ModelConfig, QuantConfig, SchedulerConfig
 from moe_engine.engine.core import EngineCore
 from moe_engine.errors import StartupError
+from moe_engine.model_path import resolve_model_dir
 from moe_engine.outputs import RequestOutput, RequestOutputBuilder
 from moe_engine.request import SamplingParams
 
@@ -28,8 +29,9 @@ class LLM:
     """Runs an `EngineCore` in this process until every prompt is done.
 
     Args:
-        model: checkpoint directory (config.json + *.safetensors), or "demo" for the built-in
-            demo checkpoint; never fetched from the network.
+        model: checkpoint directory (config.json + *.safetensors), a Hugging Face hub id
+            whose snapshot is in the local hub cache (`~/.cache/huggingface/hub`), or "demo"
+            for the built-in demo checkpoint; never fetched from the network.
         dtype: "auto", "bfloat16" or "float32".
         max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory (bytes),
         block_size, num_blocks_override, quantization, quant_group_size,
@@ -58,7 +60,12 @@ class LLM:
             from moe_engine.demo import ensure_demo_checkpoint
 
             model = str(ensure_demo_checkpoint())
-        if not (Path(model) / "config.json").is_file():  # a local directory, never a hub id
+        else:
+            try:  # a local directory, or a hub id already in the local hub cache
+                model = resolve_model_dir(model)
+            except FileNotFoundError as exc:
+                raise StartupError(str(exc)) from None
+        if not (Path(model) / "config.json").is_file():
             raise StartupError(f"model: no config.json in {str(model)!r}")
         self.engine = EngineCore(
             EngineConfig(

@@ -103,6 +103,11 @@ def test_hub_id_not_in_the_cache_says_nothing_is_downloaded(hub_env: Path, capsy
     assert f"--model {snapshots}/<hash>" in message, message
     code, lines = _serve(capsys, "--model", HUB_ID)
     assert code == 1 and len(lines) == 1 and "never downloads" in lines[0], lines
+    from moe_engine import LLM
+    from moe_engine.errors import StartupError
+
+    with pytest.raises(StartupError, match="never downloads"):  # the offline API says the same
+        LLM(HUB_ID)
 
 
 def test_hub_cache_location_follows_the_environment(
@@ -192,6 +197,11 @@ def test_hub_id_in_the_cache_loads_its_snapshot_through_symlinks(
     assert loaded[0].keys() == loaded[1].keys()
     for name, tensor in loaded[0].items():
         torch.testing.assert_close(tensor, loaded[1][name], rtol=0, atol=0, msg=name)
+    from moe_engine import LLM, SamplingParams
+
+    llm = LLM("tiny-org/qwen3-tiny", max_model_len=64, num_blocks_override=16)  # offline API
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
 
 
 def test_hub_cache_without_refs_main(hub_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
