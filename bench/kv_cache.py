@@ -174,7 +174,8 @@ def ttft(cache_dir: Path, num_requests: int, prompt_len: int, shared: float = 0.
             model=str(ckpt), max_model_len=2 * prompt_len, enable_prefix_caching=caching,
             max_num_batched_tokens=max(2048, prompt_len),
         )
-        llm.generate([[5, 6, 7, 8] * 8], params)  # warm-up, shares nothing with the prompts
+        # warm-up, shares nothing with the prompts
+        llm.generate([[5, 6, 7, 8] * 8], params, use_tqdm=False)
         engine = llm.engine
         times = []
         for i, prompt in enumerate(prompts):
