@@ -51,7 +51,7 @@ import grpc
 import numpy as np
 
 from moe_engine.cli.argtypes import int_at_least, positive_seconds  # noqa: E402
-from moe_engine.cli.client import connection_from_args
+from moe_engine.cli.connection import connection_from_args
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
 from moe_engine.server.security import API_KEY_ENV

@@ -8,7 +8,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from moe_engine.cli import client
+from moe_engine.cli import batch, client, request_fields, rpc_errors
 from moe_engine.server.pb import moe_engine_pb2 as pb
 
 
@@ -109,9 +109,9 @@ def test_good_flags_build_a_request() -> None:
 
 
 def test_batch_stop_string_is_one_stop_string() -> None:
-    request = client.parse_batch_line('{"prompt_ids": [1], "stop": "rz"}')
+    request = batch.parse_batch_line('{"prompt_ids": [1], "stop": "rz"}')
     assert list(request.stop) == ["rz"]
-    request = client.parse_batch_line('{"prompt": "hi", "stop": ["a", "b"], "seed": 7}')
+    request = batch.parse_batch_line('{"prompt": "hi", "stop": ["a", "b"], "seed": 7}')
     assert list(request.stop) == ["a", "b"] and request.seed == 7 and request.text == "hi"
 
 
@@ -135,7 +135,7 @@ def test_batch_stop_string_is_one_stop_string() -> None:
 )
 def test_batch_line_type_errors(line: str, expected: list[str]) -> None:
     with pytest.raises(ValueError) as info:
-        client.parse_batch_line(line)
+        batch.parse_batch_line(line)
     for text in expected:
         assert text in str(info.value), str(info.value)
 
@@ -143,8 +143,8 @@ def test_batch_line_type_errors(line: str, expected: list[str]) -> None:
 def test_load_batch_reports_every_bad_line(tmp_path: Path) -> None:
     path = tmp_path / "r.jsonl"
     path.write_text('{"prompt_ids": [1]}\n\n{"prompt_ids": [1], "max_tokens": "5"}\n[1]\n')
-    with pytest.raises(client.BatchFileError) as info:
-        client.load_batch(path)
+    with pytest.raises(batch.BatchFileError) as info:
+        batch.load_batch(path)
     problems = info.value.problems
     assert len(problems) == 2
     assert "line 3" in problems[0] and "max_tokens" in problems[0]
@@ -178,7 +178,7 @@ class _Err(grpc.RpcError):
 
 
 def test_transport_size_refusal_hints_at_flag() -> None:
-    assert "--max-message-bytes" in client._error_text(_Err())
+    assert "--max-message-bytes" in rpc_errors.error_text(_Err())
 
 
 class _InterruptedCall:
@@ -207,9 +207,9 @@ def test_ctrl_c_cancels_the_stream_and_exits_130(capsys) -> None:
 
 
 def test_parse_ids_type() -> None:
-    assert client._parse_ids("4,5") == [4, 5]
+    assert request_fields.parse_ids("4,5") == [4, 5]
     with pytest.raises(argparse.ArgumentTypeError):
-        client._parse_ids("")
+        request_fields.parse_ids("")
 
 
 class _Unavailable(grpc.RpcError):
@@ -237,7 +237,7 @@ class _Unavailable(grpc.RpcError):
     ],
 )
 def test_unavailable_hints(details: str, hint: str | None) -> None:
-    text = client._error_text(_Unavailable(details), "h:7")
+    text = rpc_errors.error_text(_Unavailable(details), "h:7")
     assert text.startswith(f"UNAVAILABLE: {details}")
     if hint is None:
         assert text == f"UNAVAILABLE: {details}"

@@ -163,8 +163,8 @@ def test_hub_id_in_the_cache_loads_its_snapshot_through_symlinks(
 ) -> None:
     from transformers import AutoConfig
 
-    from moe_engine.engine.core import load_tokenizer
     from moe_engine.models import resolve_architecture
+    from moe_engine.tokenizer import load_tokenizer
 
     source = hub_env / "source"
     source.mkdir()
@@ -307,14 +307,19 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-@pytest.mark.parametrize("module", ["moe_engine.engine.core", "moe_engine.engine.client"])
-def test_tokenizer_length_warning_does_not_leak(module: str, tmp_path: Path) -> None:
+def test_tokenizer_length_warning_does_not_leak(tmp_path: Path) -> None:
     """A prompt longer than tokenizer_config.json's model_max_length encodes without
     transformers' "Token indices sequence length is longer" warning (the engine has its own
-    limits). transformers' loggers do not propagate to the root: the handler goes on theirs."""
-    import importlib
-
+    limits), with the one load_tokenizer both the front end and the engine core use.
+    transformers' loggers do not propagate to the root: the handler goes on theirs."""
     from transformers import AutoTokenizer
+
+    from moe_engine.engine import client as engine_client
+    from moe_engine.engine import core as engine_core
+    from moe_engine.tokenizer import load_tokenizer
+
+    assert engine_client.load_tokenizer is load_tokenizer
+    assert engine_core.load_tokenizer is load_tokenizer
 
     _write_tiny_tokenizer(tmp_path, model_max_length=4)
     records = _Records()
@@ -324,7 +329,7 @@ def test_tokenizer_length_warning_does_not_leak(module: str, tmp_path: Path) -> 
         AutoTokenizer.from_pretrained(str(tmp_path)).encode("a b c " * 10)
         assert any("Token indices sequence length" in m for m in records.messages)  # it would
         records.messages.clear()
-        tokenizer = importlib.import_module(module).load_tokenizer(str(tmp_path))
+        tokenizer = load_tokenizer(str(tmp_path))
         assert tokenizer.encode("a b c " * 10) == [1, 2, 3] * 10
     finally:
         hf_logger.removeHandler(records)

@@ -37,7 +37,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from moe_engine.cli.argtypes import int_at_least, positive_seconds
+from moe_engine.cli.argtypes import int_at_least, positive_seconds, server_address
 from moe_engine.skew.planner import (
     Placement,
     PlacementError,
@@ -52,16 +52,6 @@ from moe_engine.skew.trace import TraceFormatError, read_trace
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-
-
-
-def _server_address(text: str) -> str:
-    """HOST:PORT, checked like moe-client's --server (grpc is imported only when given)."""
-    from moe_engine.cli.client import server_address
-
-    return server_address(text)
 
 
 def _plan_legend(base: str | None = None) -> str:
@@ -101,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     def source(q: argparse.ArgumentParser) -> None:
         q.add_argument("trace", nargs="?", help="trace file (moe-serve --expert-trace)")
         q.add_argument(
-            "--server", metavar="HOST:PORT", type=_server_address,
+            "--server", metavar="HOST:PORT", type=server_address,
             help="read a live server instead (the port is required)",
         )
         q.add_argument(

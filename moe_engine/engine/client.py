@@ -27,7 +27,6 @@ import tempfile
 import time
 import weakref
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -65,12 +64,11 @@ from moe_engine.engine.monitor import FRONTEND_TIMEOUT_S, HEARTBEAT_INTERVAL_S
 from moe_engine.engine.status import StartupStatus
 from moe_engine.errors import ErrorCode, RequestError, StartupError
 from moe_engine.request import SamplingParams
+from moe_engine.tokenizer import load_tokenizer
 from moe_engine.validation import validate_request
 
 logger = logging.getLogger(__name__)
 
-#: Files whose presence in the model directory means it ships a tokenizer.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 #: After the core process exits, how long to wait for its last messages (seconds).
 _EXIT_GRACE_S = 0.5
 #: Within one startup phase, the log repeats the core's progress at most this often (seconds).
@@ -87,21 +85,6 @@ def _kill_leftover_cores() -> None:
     it runs first."""
     for client in list(_started):
         client.kill_core()
-
-
-def load_tokenizer(model_dir: str) -> Any | None:
-    """`transformers.AutoTokenizer` for `model_dir`, or None when it has no tokenizer files."""
-    path = Path(model_dir)
-    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer
-    from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
-
-    # The engine enforces its own prompt limits (max_model_len, --max-prompt-tokens); the
-    # tokenizer's model_max_length would only log "Token indices sequence length is longer".
-    return AutoTokenizer.from_pretrained(
-        str(path), trust_remote_code=False, model_max_length=VERY_LARGE_INTEGER
-    )
 
 
 class EngineClient:

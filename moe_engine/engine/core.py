@@ -47,28 +47,12 @@ from moe_engine.request import FinishReason, Request, SamplingParams
 from moe_engine.sampler import Sampler
 from moe_engine.scheduler import Scheduler
 from moe_engine.skew.trace import PeriodicTraceWriter
+from moe_engine.tokenizer import load_tokenizer
 from moe_engine.validation import validate_request
 from quant.compressed_tensors import CompressedTensorsConfig, parse_quantization_config
 from quant.mxfp4 import MXFP4_BLOCK_SIZE
 
 logger = logging.getLogger(__name__)
-
-
-def load_tokenizer(model_dir: str):
-    """The checkpoint's tokenizer (transformers AutoTokenizer), or None when it ships none."""
-    root = Path(model_dir)
-    if not any(
-        (root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    ):
-        return None
-    from transformers import AutoTokenizer
-    from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
-
-    # The engine enforces its own prompt limits (max_model_len, --max-prompt-tokens); the
-    # tokenizer's model_max_length would only log "Token indices sequence length is longer".
-    return AutoTokenizer.from_pretrained(
-        model_dir, trust_remote_code=False, model_max_length=VERY_LARGE_INTEGER
-    )
 
 
 def eos_token_ids_of(model_dir: str, hf_config) -> frozenset[int]:
