@@ -235,5 +235,10 @@ def test_chat_without_a_template_says_so(tok_ckpt, tmp_path) -> None:
 
 @pytest.mark.parametrize("model", ["no-such-model", "/no/such/dir"])
 def test_a_missing_checkpoint_is_refused_without_the_network(model: str) -> None:
-    with pytest.raises(StartupError, match="no config.json"):
+    with pytest.raises(StartupError, match=f"model: '{model}' does not exist"):
         LLM(model=model)
+
+
+def test_a_directory_without_config_json_is_refused(tmp_path) -> None:
+    with pytest.raises(StartupError, match="no config.json"):
+        LLM(model=str(tmp_path))
