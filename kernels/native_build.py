@@ -24,11 +24,13 @@ it ends, with an estimate from the per-source compile times of the last build on
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sysconfig
 import tempfile
@@ -201,8 +203,8 @@ def _build(cxx: str, identity: str, csrc: Path, root: Path, final: Path, lock,
                                report)
         link_start = time.monotonic()
         objects = [str(tmp / f"{s.stem}.o") for s in srcs]
-        _run_checked([cxx, *objects, *LDFLAGS, "-o", str(tmp / LIBRARY)], tmp / "link.log",
-                     "linking " + LIBRARY, _time_left(report))
+        _link([cxx, *objects, *LDFLAGS, "-o", str(tmp / LIBRARY)], tmp / "link.log", report,
+              seconds)
         record = {"compiler": cxx, "identity": identity, "cxxflags": list(CXXFLAGS),
                   "jobs": jobs, "compile_s": seconds,
                   "link_s": round(time.monotonic() - link_start, 3),
@@ -236,7 +238,8 @@ def _compile_all(cxx: str, srcs: list[Path], includes: list[str], out: Path, job
                 log = out / f"{src.stem}.log"
                 cmd = [cxx, *CXXFLAGS, *includes, "-c", str(src), "-o", str(out / f"{src.stem}.o")]
                 with open(log, "wb") as sink:
-                    proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
+                    proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT,
+                                            preexec_fn=_die_with_parent)
                 running[src.name] = (proc, time.monotonic(), log)
             for name, (proc, started, log) in list(running.items()):
                 if proc.poll() is None:
@@ -259,15 +262,38 @@ def _compile_all(cxx: str, srcs: list[Path], includes: list[str], out: Path, job
     return done
 
 
-def _run_checked(cmd: list[str], log: Path, what: str, timeout: float) -> None:
+def _link(cmd: list[str], log: Path, report: Reporter, done: Mapping[str, float]) -> None:
+    """Run the link, reporting at the usual interval while it runs.
+
+    Raises:
+        BuildError: the link failed (its output inside) or the build's time ran out.
+    """
+    start = time.monotonic()
     with open(log, "wb") as sink:
-        try:
-            rc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT,
-                                timeout=max(timeout, 1.0)).returncode
-        except subprocess.TimeoutExpired as exc:
-            raise BuildError(f"{what} took over {BUILD_TIMEOUT_S:.0f} s") from exc
-    if rc != 0:
-        raise BuildError(f"{what} failed (exit {rc}; {' '.join(cmd)}):\n{_tail(log)}")
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT,
+                                preexec_fn=_die_with_parent)
+    try:
+        while proc.poll() is None:
+            if _time_left(report) <= 0:
+                raise BuildError(f"linking {LIBRARY}: the build took over "
+                                 f"{BUILD_TIMEOUT_S:.0f} s")
+            if report.due():
+                report.linking(done, time.monotonic() - start)
+            time.sleep(_POLL_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0:
+        raise BuildError(f"linking {LIBRARY} failed (exit {proc.returncode}; "
+                         f"{' '.join(cmd)}):\n{_tail(log)}")
+
+
+def _die_with_parent() -> None:
+    """In a compiler's child process before exec: get SIGKILL when the building process dies
+    (Linux prctl PR_SET_PDEATHSIG), so a server killed mid-build leaves no compiler running."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 def _tail(log: Path, chars: int = 3000) -> str:

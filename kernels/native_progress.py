@@ -5,8 +5,9 @@
 when a build starts, every `PROGRESS_INTERVAL_S` while it runs (or while this process waits for
 another process's build of the same sources) and when it ends. The estimate (`estimate_left`)
 list-schedules the expected compile seconds of the sources still to compile over the parallel
-compilers, scaled by how the finished ones compared with their expectation; it never rises from
-one report to the next and becomes None once the build has run past it.
+compilers, scaled by how the finished ones compared with their expectation (so on a machine
+slower than the expectation it rises as the evidence comes in), and is None while the build has
+run past it.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ def estimate_left(expected: Mapping[str, float], done: Mapping[str, float],
 class Reporter:
     """Logs a build's progress and forwards it to a callback.
 
-    Each report is (message, estimated seconds left or None); the estimate never rises from
-    one report to the next, and is None once the build has run past it.
+    Each report is (message, estimated seconds left or None); the estimate follows the
+    finished sources' pace, and is None while the build has run past it.
     """
 
     def __init__(self, callback: Callback | None) -> None:
@@ -70,7 +71,6 @@ class Reporter:
         self.link_s = 0.0
         self.expected: dict[str, float] = {}
         self._eta: float | None = None  # the last estimate reported
-        self._floor: float | None = None  # no later estimate exceeds it
         #: Whether anything was reported (a build or a wait began).
         self.active = False
 
@@ -95,14 +95,10 @@ class Reporter:
                 logger.exception("the native build's progress callback failed")
 
     def _clamp(self, eta: float | None) -> float | None:
-        """`eta` held to the earlier estimates: never above one, and None (for good) once the
-        build has run past them (under half a second left)."""
-        if eta is not None and self._floor is not None:
-            eta = min(eta, self._floor)
-        if eta is not None and eta < 0.5:
-            eta, self._floor = None, 0.0
-        elif eta is not None:
-            eta = self._floor = round(eta, 1)
+        """`eta` rounded to 0.1 s, or None when the build has run past its estimate (under half
+        a second left): it is still running, for an unknown time."""
+        if eta is not None:
+            eta = round(eta, 1) if eta >= 0.5 else None
         self._eta = eta
         return eta
 
@@ -124,9 +120,19 @@ class Reporter:
         self._update(done, running)
 
     def tick(self, done: Mapping[str, float], running: Mapping[str, float]) -> None:
+        """The periodic report while sources compile."""
         eta = self._update(done, running)
         self._emit(f"building native CPU kernels: {len(done)}/{self.total} sources compiled, "
                    f"{self.elapsed():.0f} s elapsed{_about(eta, ' left')}", eta)
+
+    def linking(self, done: Mapping[str, float], link_elapsed: float) -> None:
+        """The periodic report while the library links (for `link_elapsed` seconds)."""
+        scale = 1.0
+        if done:
+            scale = sum(done.values()) / max(sum(self.expected[n] for n in done), 1e-9)
+        eta = self._clamp(self.link_s * scale - link_elapsed)
+        self._emit(f"building native CPU kernels: {len(done)}/{self.total} sources compiled, "
+                   f"linking, {self.elapsed():.0f} s elapsed{_about(eta, ' left')}", eta)
 
     def waiting(self, lock: Path, waited: float, *, first: bool) -> None:
         """Another process holds the build lock; its lock file says since when and how long

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -71,12 +72,11 @@ class Recorder:
 
 
 def _assert_progress(calls: list[tuple[str, float | None]]) -> None:
-    """Start message, then ETAs that never rise (None allowed), then a final 0."""
+    """Start message with an estimate, then ETAs (None allowed), then a final 0."""
     assert len(calls) >= 2, calls
     assert calls[0][0].startswith("building native CPU kernels ("), calls
     etas = [eta for _, eta in calls[:-1] if eta is not None]
     assert etas and etas[0] > 0, calls
-    assert all(b <= a for a, b in zip(etas, etas[1:], strict=False)), calls
     assert calls[-1][0].startswith("native CPU kernels built in ") and calls[-1][1] == 0.0
 
 
@@ -233,16 +233,20 @@ def test_estimate_left_schedules_remaining_work():
     assert estimate_left(expected, {"b": 4.0}, {"a": 3.0}, 2, 0.0) == pytest.approx(5.0)
 
 
-def test_reported_estimates_never_rise_and_end_at_zero(tmp_path):
+def test_reported_estimates_follow_the_pace_and_end_at_zero(tmp_path):
+    """A machine slower than expected (a compiler that takes 5x): the estimate rises with the
+    evidence instead of promising 2 s for the whole build; the link reports too."""
     progress = Recorder()
     report = Reporter(progress)
-    report.start(2, 1, {"a": 1.0, "b": 1.0}, 0.0, tmp_path)
-    report.tick({"a": 5.0}, {})  # a took 5x its expectation: 5 s left, reported as 2
-    report.tick({"a": 5.0}, {"b": 100.0})  # past every estimate: unknown
-    report.tick({"a": 5.0}, {"b": 0.0})  # would be 5 s again: stays unknown
+    report.start(2, 1, {"a": 1.0, "b": 1.0}, 0.5, tmp_path)
+    report.tick({"a": 5.0}, {})  # a took 5x its expectation: b and the link 5x as well
+    report.tick({"a": 5.0}, {"b": 100.0})  # b ran past its estimate: still the link
+    report.linking({"a": 5.0, "b": 5.0}, 1.0)  # linking for 1 s of an expected 2.5
+    report.linking({"a": 5.0, "b": 5.0}, 9.0)  # past it: unknown
     report.done(tmp_path)
-    assert [eta for _, eta in progress.calls] == [2.0, 2.0, None, None, 0.0]
+    assert [eta for _, eta in progress.calls] == [2.5, 7.5, 2.5, 1.5, None, 0.0]
     assert "1/2 sources compiled" in progress.calls[1][0]
+    assert "2/2 sources compiled, linking" in progress.calls[3][0]
 
 
 def test_binding_generator_follows_the_header():
@@ -280,3 +284,51 @@ def test_one_openmp_runtime_and_thread_pool():
         assert len(list(Path("/proc/self/task").iterdir())) == threads
     finally:
         torch.set_num_threads(before)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_a_builder_killed_mid_build_leaves_no_compiler_running(tmp_path):
+    """The server (here a stand-in process) is SIGKILLed while its compilers run: they get
+    SIGKILL too (PR_SET_PDEATHSIG) instead of running on under init."""
+    fake = tmp_path / "slow-cxx"
+    fake.write_text('#!/bin/sh\nif [ "$1" = "--version" ]; then echo "slow-cxx 1.0"; exit 0; fi\n'
+                    "exec sleep 120\n")
+    fake.chmod(0o755)
+    csrc = _tiny_csrc(tmp_path / "csrc")
+    root = tmp_path / "cache"
+    root.mkdir()
+    env = {**os.environ, "CXX": str(fake)}
+    proc = subprocess.Popen([sys.executable, "-c", _RACE, str(root), str(csrc)], cwd=REPO,
+                            env=env, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (compilers := _children(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert compilers, "the build never started a compiler"
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while any(Path(f"/proc/{c}").exists() and _state(c) != "Z" for c in compilers):
+            assert time.monotonic() < deadline, f"compilers {compilers} outlived the builder"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return "Z"

@@ -93,3 +93,26 @@ def test_starting_server_says_what_it_does_then_serves_and_logs_stats(
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
     assert not server.engine._proc.is_alive()
+
+
+@pytest.mark.parametrize(
+    ("report", "detail"),
+    [
+        ("building native CPU kernels (5 sources, 2 in parallel) into /c/x (once per source "
+         "version), about 4 s", "5 sources, 2 in parallel"),
+        ("building native CPU kernels: 2/5 sources compiled, 30 s elapsed, about 9 s left",
+         "2/5 sources compiled"),
+        ("building native CPU kernels: 5/5 sources compiled, linking, 80 s elapsed",
+         "5/5 sources compiled, linking"),
+    ],
+)
+def test_kernel_build_reports_do_not_repeat_the_phase_or_its_clock(report, detail) -> None:
+    """The status line is "phase: detail (N s elapsed, about M s left)": the build's own
+    report must not say the phase and the seconds a second time."""
+    from moe_engine.engine.core import build_detail
+    from moe_engine.engine.status import StartupStatus
+
+    assert build_detail(report) == detail
+    now = time.monotonic()
+    line = StartupStatus().advance("building native CPU kernels", detail, 9.0, now).describe(now)
+    assert line.count("building native CPU kernels") == 1 and line.count("elapsed") == 1, line
