@@ -136,3 +136,22 @@ def test_concurrent_n_requests_leave_the_pool_whole(stub) -> None:
         t.join(120)
     assert len(results) == 4 and all(r[0] == r[1] for r in results)
     wait_idle(stub, NUM_BLOCKS)
+
+
+def test_moe_client_batch_with_n_and_a_refused_line_exits_1(server, tmp_path) -> None:
+    """A batch line with n = 2 reports its completions; a refused one (n = 0) is counted in
+    the summary's num_errors and makes the exit status 1."""
+    path = tmp_path / "requests.jsonl"
+    path.write_text('{"prompt_ids": [5, 6], "max_tokens": 3, "n": 2, "ignore_eos": true}\n'
+                    '{"prompt_ids": [5, 6], "max_tokens": 3, "n": 0}\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_engine.cli.client", "--server", server.address, "batch",
+         str(path)], capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    by_index = {line["index"]: line for line in lines if "index" in line}
+    assert [c["index"] for c in by_index[0]["completions"]] == [0, 1]
+    assert by_index[1]["error"]["code"] == "INVALID_ARGUMENT"
+    assert lines[-1]["summary"] and lines[-1]["num_errors"] == 1
+    assert lines[-1]["output_tokens"] == 6
