@@ -238,8 +238,7 @@ def _compile_all(cxx: str, srcs: list[Path], includes: list[str], out: Path, job
                 log = out / f"{src.stem}.log"
                 cmd = [cxx, *CXXFLAGS, *includes, "-c", str(src), "-o", str(out / f"{src.stem}.o")]
                 with open(log, "wb") as sink:
-                    proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT,
-                                            preexec_fn=_die_with_parent)
+                    proc = _spawn(cmd, sink)
                 running[src.name] = (proc, time.monotonic(), log)
             for name, (proc, started, log) in list(running.items()):
                 if proc.poll() is None:
@@ -257,8 +256,7 @@ def _compile_all(cxx: str, srcs: list[Path], includes: list[str], out: Path, job
             time.sleep(_POLL_S)
     finally:
         for proc, _, _ in running.values():
-            proc.kill()
-            proc.wait()
+            _kill_group(proc)
     return done
 
 
@@ -270,8 +268,7 @@ def _link(cmd: list[str], log: Path, report: Reporter, done: Mapping[str, float]
     """
     start = time.monotonic()
     with open(log, "wb") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT,
-                                preexec_fn=_die_with_parent)
+        proc = _spawn(cmd, sink)
     try:
         while proc.poll() is None:
             if _time_left(report) <= 0:
@@ -282,16 +279,33 @@ def _link(cmd: list[str], log: Path, report: Reporter, done: Mapping[str, float]
             time.sleep(_POLL_S)
     finally:
         if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+            _kill_group(proc)
     if proc.returncode != 0:
         raise BuildError(f"linking {LIBRARY} failed (exit {proc.returncode}; "
                          f"{' '.join(cmd)}):\n{_tail(log)}")
 
 
-def _die_with_parent() -> None:
-    """In a compiler's child process before exec: get SIGKILL when the building process dies
-    (Linux prctl PR_SET_PDEATHSIG), so a server killed mid-build leaves no compiler running."""
+def _spawn(cmd: list[str], sink) -> subprocess.Popen:
+    """Start a compiler or linker in a process group of its own (its children included), so
+    that `_kill_group` ends all of it and a terminal's Ctrl-C reaches the engine, not it."""
+    return subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=_child_setup)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL a `_spawn`ed process and everything in its group (g++ and its cc1plus)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _child_setup() -> None:
+    """In the child before exec: default SIGINT/SIGTERM (an engine core ignores them, and
+    ignored signals survive exec), and SIGKILL when the building process dies (Linux prctl
+    PR_SET_PDEATHSIG), the fallback for a builder killed outright."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError, OSError):
+            signal.signal(sig, signal.SIG_DFL)
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 

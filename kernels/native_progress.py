@@ -41,11 +41,14 @@ def estimate_left(expected: Mapping[str, float], done: Mapping[str, float],
         jobs: parallel compilers.
         link_s: expected link seconds.
 
-    Expectations are scaled by actual / expected of the finished sources (1 before any).
+    Expectations are scaled by actual / expected of the finished sources (1 before any), or
+    more when a source still compiling has already run longer than that predicts (a slow
+    machine shows itself before its first source finishes).
     """
     scale = 1.0
     if done:
         scale = sum(done.values()) / max(sum(expected[n] for n in done), 1e-9)
+    scale = max([scale, *(t / max(expected[n], 1e-9) for n, t in running.items())])
     loads = [max(expected[n] * scale - t, 0.0) for n, t in running.items()]
     loads += [0.0] * max(jobs - len(loads), 0)
     heapq.heapify(loads)

@@ -227,6 +227,8 @@ def test_concurrent_processes_build_once(tmp_path):
 
 def test_estimate_left_schedules_remaining_work():
     expected = {"a": 4.0, "b": 2.0, "c": 1.0}
+    # nothing finished yet, but b has run 5x its expectation: everything is scaled by 5
+    assert estimate_left(expected, {}, {"b": 10.0}, 1, 0.0) == pytest.approx(25.0)
     assert estimate_left(expected, {}, {}, 2, 0.5) == pytest.approx(4.5)  # a | b + c
     assert estimate_left(expected, {}, {}, 1, 0.0) == pytest.approx(7.0)
     # b took twice its expectation: the rest is scaled by 2
@@ -240,11 +242,12 @@ def test_reported_estimates_follow_the_pace_and_end_at_zero(tmp_path):
     report = Reporter(progress)
     report.start(2, 1, {"a": 1.0, "b": 1.0}, 0.5, tmp_path)
     report.tick({"a": 5.0}, {})  # a took 5x its expectation: b and the link 5x as well
-    report.tick({"a": 5.0}, {"b": 100.0})  # b ran past its estimate: still the link
+    report.tick({"a": 5.0}, {"b": 100.0})  # b is still at it after 100x its expectation:
+    # the machine is that slow, and so will be the link
     report.linking({"a": 5.0, "b": 5.0}, 1.0)  # linking for 1 s of an expected 2.5
     report.linking({"a": 5.0, "b": 5.0}, 9.0)  # past it: unknown
     report.done(tmp_path)
-    assert [eta for _, eta in progress.calls] == [2.5, 7.5, 2.5, 1.5, None, 0.0]
+    assert [eta for _, eta in progress.calls] == [2.5, 7.5, 50.0, 1.5, None, 0.0]
     assert "1/2 sources compiled" in progress.calls[1][0]
     assert "2/2 sources compiled, linking" in progress.calls[3][0]
 

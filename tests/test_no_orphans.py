@@ -101,3 +101,53 @@ def test_killing_the_test_process_leaves_no_engine_process(sig: int) -> None:
     finally:
         proc.kill()
         proc.wait(10)
+
+
+_MARK = "123.4567"  # the fake compiler's sleep, to find its processes wherever they are
+
+
+def _marked_processes() -> list[int]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if _MARK.encode() in cmdline.read_bytes():
+                found.append(int(cmdline.parent.name))
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return [pid for pid in found if process_alive(pid)]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_stopping_moe_serve_during_the_kernel_build_stops_the_compilers(
+    qwen3_ckpt: Path, tmp_path: Path, sig: int
+) -> None:
+    """Ctrl-C (or SIGTERM) while the first start compiles the kernels: moe-serve exits, and so
+    do the compilers and their own children (a compiler driver's cc1plus)."""
+    fake = tmp_path / "slow-cxx"
+    fake.write_text('#!/bin/sh\nif [ "$1" = "--version" ]; then echo "slow-cxx 1.0"; exit 0; fi\n'
+                    f"sleep {_MARK} &\nwait\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "CXX": str(fake), "MOE_ENGINE_CACHE": str(tmp_path / "cache"),
+           "PYTHONPATH": str(TESTS.parent)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moe_engine.cli.serve", "--model", str(qwen3_ckpt), "--port", "0",
+         "--max-model-len", "64", "--kv-cache-memory", "1MiB", "--log-level", "WARNING"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not _marked_processes():
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "the kernel build never started"
+            time.sleep(0.2)
+        proc.send_signal(sig)
+        assert proc.wait(30) == 0, proc.communicate()[1]
+        deadline = time.monotonic() + 10
+        while _marked_processes():
+            assert time.monotonic() < deadline, f"compilers left: {_marked_processes()}"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait(10)
+        for pid in _marked_processes():
+            os.kill(pid, signal.SIGKILL)

@@ -69,6 +69,9 @@ from moe_engine.validation import validate_request
 
 logger = logging.getLogger(__name__)
 
+#: How long a core stopped while starting may take to unwind (a kernel build kills its
+#: compilers) before it is killed (seconds).
+_STARTING_STOP_S = 3.0
 #: After the core process exits, how long to wait for its last messages (seconds).
 _EXIT_GRACE_S = 0.5
 #: Within one startup phase, the log repeats the core's progress at most this often (seconds).
@@ -229,13 +232,18 @@ class EngineClient:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop the core process (SHUTDOWN, then kill after `timeout_s`) and release sockets.
+        """Stop the core process (SHUTDOWN, or SIGTERM while it is still starting, then kill
+        after `timeout_s`) and release sockets.
 
         Live streams end with RequestError(UNAVAILABLE).
         """
         proc = self._proc
         if proc is not None and proc.is_alive():
-            self._try_send(Shutdown())
+            if self.model_info is None:  # still starting: SIGTERM unwinds its startup
+                proc.terminate()
+                timeout_s = max(timeout_s, _STARTING_STOP_S)
+            else:
+                self._try_send(Shutdown())
             await asyncio.to_thread(proc.join, timeout_s)
             if proc.is_alive():
                 logger.warning("engine core did not stop within %.1f s; killing it", timeout_s)

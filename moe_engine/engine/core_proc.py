@@ -213,10 +213,11 @@ def run_engine_core(
     tqdm.set_lock(threading.RLock())
     # Ctrl-C reaches the whole process group; the front end decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # SIGTERM to the whole group (timeout, systemd, kill -- -PGID) must drain, not kill the
-    # core under running requests: the front end drains, then tells the core to stop. A front
-    # end that is gone or silent is noticed by the monitor.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # While the core starts, SIGTERM (the front end giving up on the start, or Ctrl-C there)
+    # stops it at once, through the startup's own cleanup: a kernel build kills its compilers.
+    # Once it serves, SIGTERM to the whole group (timeout, systemd, kill -- -PGID) must drain,
+    # not kill the core under running requests (see `_build_and_run`).
+    signal.signal(signal.SIGTERM, _stop_starting_core)
     ctx = zmq.Context()
     monitor = FrontEndMonitor(
         ctx, "engine core", parent_pid, heartbeat_addr, output_addr, frontend_timeout_s
@@ -252,6 +253,9 @@ def _build_and_run(
     except BaseException as exc:  # noqa: BLE001 - every startup failure goes to the parent
         outputs.send(encode(StartupFailed(type(exc).__name__, str(exc), _tb())))
         return 1
+    # Serving: the front end drains, then tells the core to stop; a front end that is gone or
+    # silent is noticed by the monitor.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     outputs.send(encode(Ready(info)))
     try:
         CoreLoop(core, inputs, outputs).run()
@@ -262,6 +266,11 @@ def _build_and_run(
     finally:
         core.close()
     return 0
+
+
+def _stop_starting_core(signum: int, frame: object) -> None:
+    """SIGTERM before READY: unwind the startup (its `finally` blocks clean up) and exit."""
+    raise SystemExit(f"engine core: stopped by signal {signum} while starting")
 
 
 def _tb() -> str:
