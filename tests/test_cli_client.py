@@ -279,3 +279,19 @@ def test_generate_help_shows_every_default(capsys) -> None:
     for action in generate._actions:
         if action.option_strings and action.dest != "help":
             assert "(default: " in (action.help or ""), action.option_strings
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--n", "0"], "--n: n must be in [1, 128], got 0"),
+        (["--temperature", "-1"], "--temperature: temperature must be a finite number >= 0"),
+        (["--min-tokens", "5", "--max-tokens", "2"], "--min-tokens: min_tokens (5) must be <="),
+    ],
+)
+def test_generate_refuses_a_bad_sampling_flag_before_sending(flags, expected, capsys) -> None:
+    """A value SamplingParams refuses is one line naming the flag, exit status 2, no server
+    needed (none listens at the address)."""
+    code = client.main(["--server", "127.0.0.1:9", "generate", "hi", *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and expected in err, err

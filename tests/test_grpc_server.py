@@ -347,9 +347,11 @@ def test_cli_generate_json(server: ServerThread, stub) -> None:
     assert result["usage"] == {"prompt_tokens": 3, "completion_tokens": 6}
     direct = collect(stub, request([5, 6, 7], max_tokens=6, temperature=0.0, ignore_eos=True))
     assert result["token_ids"] == [t for r in direct for t in r.token_ids]
-    bad = run_cli(*args, "--max-tokens", "0")
-    assert bad.returncode != 0
-    assert "INVALID_ARGUMENT" in bad.stderr and "max_tokens" in bad.stderr
+    bad = run_cli(*args, "--max-tokens", "0")  # refused by the client, naming the flag
+    assert bad.returncode == 2 and "--max-tokens: max_tokens must be >= 1" in bad.stderr
+    long = run_cli(*args, "--max-tokens", str(MAX_MODEL_LEN))  # refused by the server
+    assert long.returncode == 1
+    assert "OUT_OF_RANGE" in long.stderr and "max_model_len" in long.stderr
 
 
 def test_cli_batch_stats_info(server: ServerThread, tmp_path: Path) -> None:
@@ -486,11 +488,12 @@ def test_cli_batch_stop_string_and_bad_lines(server: ServerThread, tmp_path: Pat
 
 
 def test_cli_error_has_no_blank_line(server: ServerThread) -> None:
-    args = ["--server", server.address, "generate", "--prompt-ids", "5", "--max-tokens", "0"]
+    args = ["--server", server.address, "generate", "--prompt-ids", "5", "--max-tokens",
+            str(MAX_MODEL_LEN)]
     proc = run_cli(*args)
     assert proc.returncode == 1
     assert proc.stdout == ""
-    assert proc.stderr.startswith("error: INVALID_ARGUMENT") and "max_tokens" in proc.stderr
+    assert proc.stderr.startswith("error: OUT_OF_RANGE") and "max_tokens" in proc.stderr
 
 
 def test_moe_serve_cli_bad_ports(qwen3_ckpt: Path) -> None:

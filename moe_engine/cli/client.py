@@ -48,6 +48,7 @@ from moe_engine.cli.connection import connection_from_args, open_channel
 from moe_engine.cli.health import add_health_parser, cmd_health
 from moe_engine.cli.request_fields import build_request, int_type, parse_ids, utf8_text
 from moe_engine.cli.rpc_errors import error_text, fail
+from moe_engine.errors import ParamError
 from moe_engine.request import SamplingParams
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
@@ -226,21 +227,25 @@ def request_from_args(args: argparse.Namespace) -> pb.GenerateRequest:
     """
     if (args.text is None) == (args.prompt_ids is None):
         raise ValueError("give either TEXT or --prompt-ids")
+    sampling = {
+        "max_tokens": args.max_tokens,
+        "min_tokens": args.min_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "stop": args.stop or None,
+        "stop_token_ids": args.stop_token_ids,
+        "ignore_eos": args.ignore_eos,
+        "logprobs": args.logprobs,
+        "n": args.n,
+    }
+    try:  # the limits that need no model, checked here as the server would
+        SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
+    except ParamError as exc:
+        raise ValueError(f"--{exc.field.replace('_', '-')}: {exc.message}") from None
     return build_request(
-        prompt=args.text,
-        prompt_ids=args.prompt_ids,
-        request_id=args.request_id,
-        max_tokens=args.max_tokens,
-        min_tokens=args.min_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=args.stop or None,
-        stop_token_ids=args.stop_token_ids,
-        ignore_eos=args.ignore_eos,
-        logprobs=args.logprobs,
-        n=args.n,
+        prompt=args.text, prompt_ids=args.prompt_ids, request_id=args.request_id, **sampling
     )
 
 
