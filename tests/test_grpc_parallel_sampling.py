@@ -152,6 +152,7 @@ def test_moe_client_batch_with_n_and_a_refused_line_exits_1(server, tmp_path) ->
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
     by_index = {line["index"]: line for line in lines if "index" in line}
     assert [c["index"] for c in by_index[0]["completions"]] == [0, 1]
-    assert by_index[1]["error"]["code"] == "INVALID_ARGUMENT"
+    assert by_index[1]["error"] == {"code": "INVALID_ARGUMENT",
+                                    "message": "n must be in [1, 128], got 0"}
     assert lines[-1]["summary"] and lines[-1]["num_errors"] == 1
     assert lines[-1]["output_tokens"] == 6

@@ -106,7 +106,7 @@ async def _run_one(
                 ttft = time.perf_counter() - start
             completions.add(response)
     except grpc.RpcError as err:
-        message = error_text(err, server)
+        message = error_text(err, server).removeprefix(f"{err.code().name}: ")  # code apart
         return {"index": index, "error": {"code": err.code().name, "message": message}}
     return {
         "index": index,
