@@ -32,15 +32,20 @@ class RouteArgs(NamedTuple):
     k: int
 
 
-def route_args(hidden: torch.Tensor, topk_weights: torch.Tensor,
-               topk_ids: torch.Tensor) -> RouteArgs:
-    """Check and convert (only when needed) the routing arguments of a native MoE call.
+def route_args(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+               hidden_size: int) -> RouteArgs:
+    """Check and convert (only when needed) the routing arguments of a native MoE call whose
+    experts have `hidden_size` columns.
 
     Raises:
-        RuntimeError: hidden not [T, H] float32/bfloat16, or topk tensors not [T, k] alike.
+        RuntimeError: hidden not [T, hidden_size] float32/bfloat16, or topk tensors not
+            [T, k] alike.
     """
     if hidden.dim() != 2:
         raise RuntimeError(f"hidden must be [T, H], got {tuple(hidden.shape)}")
+    if hidden.shape[1] != hidden_size:
+        raise RuntimeError(f"hidden [T, {hidden.shape[1]}] does not match the experts' "
+                           f"hidden size {hidden_size}")
     hidden_bf16 = dtype_flag(hidden, "hidden")
     shape = topk_ids.shape
     if len(shape) != 2 or shape[0] != hidden.shape[0]:

@@ -140,10 +140,7 @@ class PackedExperts:
         """
         lib = _moe_library()
         w = self._weight_args
-        r = route_args(hidden, topk_weights, topk_ids)
-        if r.hidden.shape[1] != w.hidden:
-            raise RuntimeError(f"hidden [T, {r.hidden.shape[1]}] does not match the experts' "
-                               f"hidden size {w.hidden}")
+        r = route_args(hidden, topk_weights, topk_ids, w.hidden)
         act = self.activation
         out = torch.empty_like(r.hidden)
         check_status(lib.moe_fused_moe(
@@ -437,10 +434,7 @@ class PackedQuantExperts:
         """
         lib = _moe_library()
         w = self._weight_args
-        r = route_args(hidden, topk_weights, topk_ids)
-        if r.hidden.shape[1] != w.hidden:
-            raise RuntimeError(f"hidden [T, {r.hidden.shape[1]}] does not match the experts' "
-                               f"hidden size {w.hidden}")
+        r = route_args(hidden, topk_weights, topk_ids, w.hidden)
         fb13, fb2 = bias_args(b13, b2)  # kept alive through the call
         pb13, pb2 = bias_pointers(fb13, fb2, w.experts, w.hidden, w.intermediate)
         out = torch.empty_like(r.hidden)
