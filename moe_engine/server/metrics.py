@@ -321,5 +321,6 @@ class RequestTimer:
         if out.new_token_ids and self.first_token_s is None:
             self.first_token_s = now
         self.last_output_s = now
+        before = self._tokens_by_index.get(out.index, 0)
         self._tokens_by_index[out.index] = out.num_output_tokens
-        self.num_output_tokens = sum(self._tokens_by_index.values())
+        self.num_output_tokens += out.num_output_tokens - before
