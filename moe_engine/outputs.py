@@ -13,21 +13,10 @@ gives it), except for greedy requests, whose sampled token is rank 1.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING
 
-
-class StepOutput(Protocol):
-    """The fields of the engine core's per-step output (a delta for one completion) that a
-    `RequestOutputBuilder` reads; `EngineCore.step` returns such objects."""
-
-    request_id: str
-    index: int
-    new_token_ids: list[int]
-    new_text: str
-    logprobs: list[tuple[float, dict[int, float]]] | None
-    finished: bool
-    finish_reason: object
-    stop_reason: int | str | None
+if TYPE_CHECKING:
+    from moe_engine.engine.messages import EngineCoreOutput
 
 
 @dataclass
@@ -125,7 +114,7 @@ class RequestOutputBuilder:
             for i in range(n)
         ]
 
-    def add(self, delta: StepOutput) -> None:
+    def add(self, delta: EngineCoreOutput) -> None:
         """Apply one engine output to completion `delta.index`."""
         completion = self.output.outputs[delta.index]
         completion.token_ids.extend(delta.new_token_ids)
