@@ -26,18 +26,23 @@ PROMPT_LENS = [1, 3, 16, 31, 64, 100, 200, 300]
 MAX_NEW = [8, 12, 6, 10, 9, 5, 12, 7]
 
 
+def _server(ckpt) -> ServerThread:
+    """A server with a 32-token budget (chunked prefill) and 22 KV blocks of 16 tokens."""
+    config = EngineConfig(
+        model=ModelConfig(model=str(ckpt), max_model_len=320),
+        cache=CacheConfig(num_blocks_override=22),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32),
+    )
+    return ServerThread(config, ServerOptions(port=0))
+
+
 @pytest.mark.parametrize("ckpt_name", ["qwen3_ckpt", "mixtral_ckpt"])
 def test_concurrent_greedy_streams_match_transformers(ckpt_name, request) -> None:
     ckpt = request.getfixturevalue(ckpt_name)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
     expected = [hf_greedy(ckpt, [p], n)[0] for p, n in zip(prompts, MAX_NEW, strict=True)]
-    config = EngineConfig(
-        model=ModelConfig(model=str(ckpt), max_model_len=320),
-        cache=CacheConfig(num_blocks_override=22),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32),
-    )
-    handle = ServerThread(config, ServerOptions(port=0))
+    handle = _server(ckpt)
     try:
         with grpc.insecure_channel(handle.address) as channel:
             stub = pb_grpc.MoeEngineStub(channel)
@@ -65,12 +70,7 @@ def test_preempted_stream_matches_transformers(qwen3_ckpt) -> None:
     prompts = [torch.randint(3, 512, (100,), generator=g).tolist() for _ in range(2)]
     max_new = [150, 100]
     expected = [hf_greedy(qwen3_ckpt, [p], n)[0] for p, n in zip(prompts, max_new, strict=True)]
-    config = EngineConfig(
-        model=ModelConfig(model=str(qwen3_ckpt), max_model_len=320),
-        cache=CacheConfig(num_blocks_override=22),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32),
-    )
-    handle = ServerThread(config, ServerOptions(port=0))
+    handle = _server(qwen3_ckpt)
     try:
         with grpc.insecure_channel(handle.address) as channel:
             stub = pb_grpc.MoeEngineStub(channel)
