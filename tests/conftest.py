@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).parent))
 
 from fixtures import make_mxfp4_experts_checkpoint, make_tiny_checkpoint  # noqa: E402
-from test_no_orphans import child_pids  # noqa: E402
+from grpc_helpers import child_pids  # noqa: E402
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

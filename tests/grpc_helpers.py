@@ -118,6 +118,25 @@ def process_alive(pid: int) -> bool:
     return state != "Z"
 
 
+def child_pids(parent: int) -> set[int]:
+    """Live processes whose parent is `parent` (from /proc), multiprocessing's own helpers
+    aside: the resource tracker and the fork server live until the interpreter exits."""
+    children = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if int(fields[1]) != parent or fields[0] == "Z":
+            continue
+        cmdline = (stat.parent / "cmdline").read_bytes()
+        if b"multiprocessing.resource_tracker" not in cmdline and (
+            b"multiprocessing.forkserver" not in cmdline
+        ):
+            children.add(int(stat.parent.name))
+    return children
+
+
 def request(ids: list[int] | None = None, **fields) -> pb.GenerateRequest:
     """A GenerateRequest with prompt_ids `ids` (set even when empty) and the given fields."""
     req = pb.GenerateRequest(**fields)
@@ -150,6 +169,7 @@ def token_ids(responses: list[pb.GenerateResponse]) -> list[int]:
 
 __all__ = [
     "ServerThread",
+    "child_pids",
     "free_port",
     "kill_process",
     "process_alive",

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from grpc_helpers import child_pids, process_alive
 
 import kernels.native as native
 import kernels.native_build as nb
@@ -289,18 +290,6 @@ def test_one_openmp_runtime_and_thread_pool():
         torch.set_num_threads(before)
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(stat.parent.name))
-    return found
-
-
 def test_a_builder_killed_mid_build_leaves_no_compiler_running(tmp_path):
     """The server (here a stand-in process) is SIGKILLed while its compilers run: they get
     SIGKILL too (PR_SET_PDEATHSIG) instead of running on under init."""
@@ -316,22 +305,15 @@ def test_a_builder_killed_mid_build_leaves_no_compiler_running(tmp_path):
                             env=env, stdout=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
-        while not (compilers := _children(proc.pid)) and time.monotonic() < deadline:
+        while not (compilers := child_pids(proc.pid)) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert compilers, "the build never started a compiler"
         proc.kill()
         proc.wait(10)
         deadline = time.monotonic() + 10
-        while any(Path(f"/proc/{c}").exists() and _state(c) != "Z" for c in compilers):
+        while any(process_alive(c) for c in compilers):
             assert time.monotonic() < deadline, f"compilers {compilers} outlived the builder"
             time.sleep(0.1)
     finally:
         proc.kill()
         proc.wait(10)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return "Z"

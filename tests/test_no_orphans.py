@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from grpc_helpers import ServerThread, process_alive
+from grpc_helpers import ServerThread, child_pids, process_alive
 
 from moe_engine.config import EngineConfig, ModelConfig
 from moe_engine.errors import StartupError
@@ -24,25 +24,6 @@ from moe_engine.server.app import ServerOptions
 
 TESTS = Path(__file__).parent
 FAKE_CONFIG = EngineConfig(model=ModelConfig(model="fake", max_model_len=256))
-
-
-def child_pids(parent: int) -> set[int]:
-    """Live processes whose parent is `parent` (from /proc), multiprocessing's own helpers
-    aside: the resource tracker and the fork server live until the interpreter exits."""
-    children = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-        if int(fields[1]) != parent or fields[0] == "Z":
-            continue
-        cmdline = (stat.parent / "cmdline").read_bytes()
-        if b"multiprocessing.resource_tracker" not in cmdline and (
-            b"multiprocessing.forkserver" not in cmdline
-        ):
-            children.add(int(stat.parent.name))
-    return children
 
 
 def wait_gone(pid: int, timeout_s: float) -> bool:
