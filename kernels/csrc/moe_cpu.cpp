@@ -518,12 +518,13 @@ void route_run_combine(const Hidden* hidden, int64_t T, int64_t H, const float* 
   });
 }
 
-// route_run_combine over hidden's dtype (hidden_bf16) and the ids' width (ids_int64).
+// route_run_combine over hidden's dtype (hidden_bf16) and the ids' width (ids_int64); returns
+// kOk, or kOutOfMemory when a scratch buffer could not be allocated.
 template <typename Run>
-void route_run_combine_any(const void* hidden, int32_t hidden_bf16, int64_t T, int64_t H,
-                           const float* wt, const void* ids, int32_t ids_int64, int64_t k,
-                           int64_t E, int64_t Ip, int64_t Hp, void* out, int threads,
-                           Run&& run) {
+int32_t route_run_combine_any(const void* hidden, int32_t hidden_bf16, int64_t T, int64_t H,
+                              const float* wt, const void* ids, int32_t ids_int64, int64_t k,
+                              int64_t E, int64_t Ip, int64_t Hp, void* out, int threads,
+                              Run&& run) {
   auto with_ids = [&](auto* h, auto* o) {
     if (ids_int64)
       route_run_combine(h, T, H, wt, static_cast<const int64_t*>(ids), k, E, Ip, Hp, o,
@@ -532,10 +533,15 @@ void route_run_combine_any(const void* hidden, int32_t hidden_bf16, int64_t T, i
       route_run_combine(h, T, H, wt, static_cast<const int32_t*>(ids), k, E, Ip, Hp, o,
                         threads, run);
   };
-  if (hidden_bf16)
-    with_ids(static_cast<const bf16_t*>(hidden), static_cast<bf16_t*>(out));
-  else
-    with_ids(static_cast<const float*>(hidden), static_cast<float*>(out));
+  try {  // the scratch buffers throw std::bad_alloc (cpu_common.h): a status for the caller
+    if (hidden_bf16)
+      with_ids(static_cast<const bf16_t*>(hidden), static_cast<bf16_t*>(out));
+    else
+      with_ids(static_cast<const float*>(hidden), static_cast<float*>(out));
+  } catch (const std::bad_alloc&) {
+    return kOutOfMemory;
+  }
+  return kOk;
 }
 
 }  // namespace
@@ -559,13 +565,8 @@ int32_t moe_fused_moe(const void* hidden, int32_t hidden_bf16, int64_t T, int64_
                   Ip, Hp, act, inter, y, threads);
     }
   };
-  try {
-    route_run_combine_any(hidden, hidden_bf16, T, H, topk_weights, topk_ids, ids_int64, k, E,
-                          Ip, Hp, out, threads, run);
-  } catch (const std::bad_alloc&) {
-    return kOutOfMemory;
-  }
-  return kOk;
+  return route_run_combine_any(hidden, hidden_bf16, T, H, topk_weights, topk_ids, ids_int64, k,
+                               E, Ip, Hp, out, threads, run);
 }
 
 // Shapes and dtypes are checked by kernels/cpu_native.py `PackedQuantExperts.__call__`.
@@ -589,11 +590,6 @@ int32_t moe_fused_moe_q4(const void* hidden, int32_t hidden_bf16, int64_t T, int
                   Ip, Hp, act, inter, y, threads);
     }
   };
-  try {
-    route_run_combine_any(hidden, hidden_bf16, T, H, topk_weights, topk_ids, ids_int64, k, E,
-                          Ip, Hp, out, threads, run);
-  } catch (const std::bad_alloc&) {
-    return kOutOfMemory;
-  }
-  return kOk;
+  return route_run_combine_any(hidden, hidden_bf16, T, H, topk_weights, topk_ids, ids_int64, k,
+                               E, Ip, Hp, out, threads, run);
 }
