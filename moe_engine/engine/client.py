@@ -74,8 +74,6 @@ logger = logging.getLogger(__name__)
 _STARTING_STOP_S = 3.0
 #: After the core process exits, how long to wait for its last messages (seconds).
 _EXIT_GRACE_S = 0.5
-#: Within one startup phase, the log repeats the core's progress at most this often (seconds).
-_PROGRESS_LOG_S = 10.0
 #: Clients started and not shut down: their cores are killed when this interpreter exits.
 _started: weakref.WeakSet[EngineClient] = weakref.WeakSet()
 
@@ -122,7 +120,6 @@ class EngineClient:
         self._out_sock: zmq.asyncio.Socket | None = None
         self._heartbeat_sock: zmq.Socket | None = None
         self._heartbeat: asyncio.Task | None = None
-        self._progress_logged = 0.0
 
     # ----------------------------------------------------------------- lifetime
 
@@ -510,13 +507,12 @@ class EngineClient:
                 logger.error("unexpected message from the engine core: %s", type(message).__name__)
 
     def _on_progress(self, phase: str, detail: str, eta_s: float | None) -> None:
-        """Keep the starting core's latest status; log it (a new phase at once, the same one
-        at most every _PROGRESS_LOG_S)."""
+        """Keep the starting core's latest status; log each new phase (the progress within
+        a phase, e.g. the kernel build's, the core logs itself)."""
         now = time.monotonic()
         new_phase = phase != self.startup_status.phase
         self.startup_status = self.startup_status.advance(phase, detail, eta_s, now)
-        if new_phase or now - self._progress_logged >= _PROGRESS_LOG_S:
-            self._progress_logged = now
+        if new_phase:
             logger.info("engine starting: %s", self.startup_status.describe(now))
 
     def _fail_start(self, error: StartupError) -> None:
