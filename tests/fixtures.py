@@ -72,6 +72,111 @@ _KINDS: dict[str, dict[str, Any]] = {
         "swiglu_alpha": 1.6,
         "swiglu_limit": 5.0,
     },
+    # DeepSeek-V3: 3 layers, layer 0 dense (first_k_dense_replace), MLA with a q LoRA, rope
+    # interleaved, YaRN with mscale_all_dim (the softmax-scale correction); 16 routed experts in
+    # 4 groups, 2 groups kept, top-4 by sigmoid + correction bias, one shared expert, scaling 2.5.
+    # make_tiny_checkpoint draws the correction bias non-zero (transformers initialises it to 0).
+    "deepseek_v3": {
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 4,
+        "intermediate_size": 96,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 4,
+        "n_group": 4,
+        "topk_group": 2,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "q_lora_rank": 48,
+        "kv_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "head_dim": 8,
+        "rope_interleave": True,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 256,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    },
+    # DeepSeek-V2: 3 layers, layer 0 dense; MLA without a q LoRA (q_proj), complex-pair rope;
+    # 16 experts in 4 groups, softmax group-limited greedy (2 groups), top-4, 2 shared experts.
+    "deepseek_v2": {
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 4,
+        "intermediate_size": 96,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 4,
+        "topk_method": "group_limited_greedy",
+        "n_group": 4,
+        "topk_group": 2,
+        "n_shared_experts": 2,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 1.5,
+        "q_lora_rank": None,
+        "kv_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "head_dim": 8,
+    },
+    # GLM-4.5 (glm4_moe): 3 layers, layer 0 dense; GQA with biases on q/k/v, q/k norm, half the
+    # head rotated (partial_rotary_factor 0.5); 16 experts in 2 groups (1 kept), top-4 by
+    # sigmoid + correction bias, one shared expert.
+    "glm4_moe": {
+        "num_hidden_layers": 3,
+        "intermediate_size": 96,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 4,
+        "n_group": 2,
+        "topk_group": 1,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 1.5,
+        "norm_topk_prob": True,
+        "attention_bias": True,
+        "use_qk_norm": True,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+        },
+    },
+    # Qwen2-MoE: 3 layers, layer 1 dense (mlp_only_layers); q/k/v biases; softmax top-2 not
+    # renormalised; a shared expert of width 48 behind a sigmoid gate.
+    "qwen2_moe": {
+        "num_hidden_layers": 3,
+        "intermediate_size": 96,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "num_experts": 8,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [1],
+        "qkv_bias": True,
+    },
+}
+
+
+#: Per kind, the name endings of tensors drawn at random after `from_config` (transformers
+#: initialises them to zero, which would leave their code paths untested): gpt-oss's biases and
+#: sinks, the DeepSeek-V3 / GLM routers' `e_score_correction_bias` (it changes which experts are
+#: picked, so a zero bias would hide a wrong implementation) and the attention biases.
+_DRAWN_BIASES: dict[str, tuple[str, ...]] = {
+    "gpt_oss": ("bias", ".sinks"),
+    "deepseek_v3": ("e_score_correction_bias",),
+    "glm4_moe": ("e_score_correction_bias", "bias"),
+    "qwen2_moe": ("bias",),
 }
 
 
@@ -79,7 +184,8 @@ def tiny_config(kind: str, **overrides: Any):
     """The `transformers` config of a tiny checkpoint.
 
     Args:
-        kind: "qwen3_moe", "mixtral" or "gpt_oss".
+        kind: one of `_KINDS` ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "deepseek_v2",
+            "glm4_moe", "qwen2_moe").
         overrides: config fields that replace the defaults above (e.g. `norm_topk_prob=False`,
             `decoder_sparse_step=2, mlp_only_layers=[]`, `num_hidden_layers=4`).
 
@@ -106,7 +212,7 @@ def make_tiny_checkpoint(
     """Create a tiny random-weight checkpoint directory (config.json + safetensors).
 
     Args:
-        kind: "qwen3_moe" or "mixtral".
+        kind: one of `_KINDS` (see `tiny_config`).
         root: parent directory; the checkpoint goes to `root / <name>` and is reused when its
             config.json already exists there.
         dtype: dtype of the saved weights (torch.float32 or torch.bfloat16).
@@ -129,11 +235,11 @@ def make_tiny_checkpoint(
     config = tiny_config(kind, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if kind == "gpt_oss":  # transformers initialises most biases to 0: draw them all
+    if kind in _DRAWN_BIASES:  # transformers initialises these to 0: draw them all
         with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith(("bias", ".sinks")):
-                    param.normal_(0.0, config.initializer_range)
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                if name.endswith(_DRAWN_BIASES[kind]):
+                    tensor.normal_(0.0, config.initializer_range)
     model.save_pretrained(
         path, safe_serialization=True, max_shard_size="100KB" if sharded else "2GB"
     )
