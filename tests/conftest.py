@@ -109,3 +109,31 @@ def gpt_oss_mxfp4_ckpt(gpt_oss_ckpt: Path, tiny_ckpt_root: Path) -> Path:
     """`gpt_oss_ckpt` with its experts in the native MXFP4 `*_blocks` / `*_scales` layout and
     quantization_config {"quant_method": "mxfp4"} (written by `quant.mxfp4`)."""
     return make_mxfp4_experts_checkpoint(gpt_oss_ckpt, tiny_ckpt_root)
+
+
+@pytest.fixture(scope="session")
+def deepseek_v3_ckpt(tiny_ckpt_root: Path) -> Path:
+    """DeepSeek-V3, float32: 3 layers (layer 0 dense), MLA with q LoRA, YaRN + mscale, 16
+    experts in 4 groups (2 kept) top-4 by sigmoid with a non-zero correction bias, 1 shared."""
+    return make_tiny_checkpoint("deepseek_v3", tiny_ckpt_root)
+
+
+@pytest.fixture(scope="session")
+def deepseek_v2_ckpt(tiny_ckpt_root: Path) -> Path:
+    """DeepSeek-V2, float32: 3 layers (layer 0 dense), MLA without q LoRA, 16 experts in 4
+    groups, softmax group_limited_greedy top-4, 2 shared experts."""
+    return make_tiny_checkpoint("deepseek_v2", tiny_ckpt_root)
+
+
+@pytest.fixture(scope="session")
+def glm4_moe_ckpt(tiny_ckpt_root: Path) -> Path:
+    """GLM-4.5 (glm4_moe), float32: 3 layers (layer 0 dense), GQA with q/k/v biases and q/k norm,
+    partial rotary 0.5, 16 experts in 2 groups (1 kept) top-4 sigmoid + bias, 1 shared."""
+    return make_tiny_checkpoint("glm4_moe", tiny_ckpt_root)
+
+
+@pytest.fixture(scope="session")
+def qwen2_moe_ckpt(tiny_ckpt_root: Path) -> Path:
+    """Qwen2-MoE, float32: 3 layers (layer 1 dense), q/k/v biases, 8 experts softmax top-2 not
+    renormalised, a sigmoid-gated shared expert of width 48."""
+    return make_tiny_checkpoint("qwen2_moe", tiny_ckpt_root)
