@@ -87,6 +87,8 @@ class FusedMoE(nn.Module):
     With one rank every expert is local (E_local = E, slot e holds expert e). Under expert
     parallelism `shard_experts` keeps only the slots this rank's placement gives it; the router
     still scores all E experts and the communicator moves tokens to the ranks holding them.
+    Checkpoint formats (per-expert, fused, int4, MXFP4) are copied in by
+    `layers/expert_weights.py`.
 
     Args:
         num_experts: E, routed experts in the model.
