@@ -308,14 +308,13 @@ def check_quant_divides(quant: QuantConfig, hf_config: dict) -> None:
         ValueError: naming the dimension by its config.json name and value, the group size, and
             the flag value that fits (--quant-group-size; MXFP4's block is always 32).
     """
-    from moe_engine.plan import ModelShape
+    from moe_engine.models import resolve_config_dict
 
-    shape = ModelShape.from_hf_config(hf_config)
-    # ModelShape reads the experts' width from intermediate_size for Mixtral and gpt-oss.
-    qwen_style = "moe_intermediate_size" in hf_config and hf_config.get("model_type") != "mixtral"
+    model_cls = resolve_config_dict(hf_config)[1]
+    shape = model_cls.model_shape(hf_config)
     dims = {
         "hidden_size": shape.hidden_size,
-        "moe_intermediate_size" if qwen_style else "intermediate_size": shape.moe_intermediate_size,
+        model_cls.experts_width_field(hf_config): shape.moe_intermediate_size,
     }
     group = quant.group_size if quant.method == "int4" else 32
     bad = next((name for name, size in dims.items() if size % group), None)
@@ -356,18 +355,16 @@ def _resolve_mxfp4_checkpoint(quant: QuantConfig, hf_config: dict) -> QuantConfi
 
 
 def _expert_scheme(ct, hf_config: dict):
-    """The compressed-tensors scheme of the first MoE layer's expert 0 (Qwen3-MoE or Mixtral
-    module names), or None when the routed experts stay float."""
-    from moe_engine.plan import ModelShape
+    """The compressed-tensors scheme of the first MoE layer's expert 0 (its gate projection,
+    named as the architecture's checkpoint names it), or None when the routed experts stay
+    float."""
+    from moe_engine.models import resolve_config_dict
 
-    layers = ModelShape.from_hf_config(hf_config).moe_layers
+    model_cls = resolve_config_dict(hf_config)[1]
+    layers = model_cls.model_shape(hf_config).moe_layers
     if not layers:
         return None
-    for module in ("mlp.experts.0.gate_proj", "block_sparse_moe.experts.0.w1"):
-        scheme = ct.scheme_for(f"model.layers.{layers[0]}.{module}")
-        if scheme is not None:
-            return scheme
-    return None
+    return ct.scheme_for(model_cls.checkpoint_expert_name(layers[0], 0, "gate"))
 
 
 @dataclass(frozen=True)

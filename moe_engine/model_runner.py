@@ -21,7 +21,6 @@ from moe_engine.models.layers.attention import (
     PagedAttention,
     build_attention_batch,
 )
-from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.sampler import Sampler, SamplerOutput
 from moe_engine.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -117,9 +116,8 @@ class ModelRunner:
         spec = self.model.spec
         dtype = self.model.model.embed_tokens.weight.dtype
         empty = torch.empty(0, spec.hidden_size, dtype=dtype)
-        for layer in self.model.model.layers:
-            if isinstance(layer.mlp, FusedMoE):
-                layer.mlp(empty)
+        for _, moe in self.model.moe_layers():
+            moe(empty)
 
     def _prepare(
         self, ordered: list[ScheduledRequest], kv: KVCacheManager

@@ -1,6 +1,7 @@
 """Startup arithmetic from config.json alone, before any weight is loaded.
 
-`ModelShape` reads the sizes that matter from a Hugging Face config dict; `make_plan` turns them
+`ModelShape` holds the sizes that matter, read from a Hugging Face config dict by the
+architecture's file (`moe_engine.models`, `ModelShape.from_hf_config`); `make_plan` turns them
 into weight bytes (experts vs the rest), KV-cache bytes per token and per block, the number of KV
 blocks the memory budget buys, and the most tokens that can be cached at once. `Plan.check`
 refuses a configuration in which one `max_model_len` request cannot fit, naming the numbers and
@@ -30,13 +31,6 @@ DEFAULT_KV_CACHE_CAP = 4 * GiB
 #: Fraction of (available memory - weights) the default KV-cache budget takes.
 DEFAULT_KV_CACHE_FRACTION = 0.5
 
-_MODEL_TYPES = {
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "gpt_oss": "GptOssForCausalLM",
-}
-#: gpt-oss's config defaults (transformers `GptOssConfig`) for fields its config.json may omit.
-_GPT_OSS_SLIDING_WINDOW = 128
 
 
 @dataclass(frozen=True)
@@ -95,69 +89,17 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelShape:
-        """Read a config.json dict (Qwen3-MoE, Mixtral or gpt-oss, transformers 4.x or 5.x
-        keys).
-
-        Qwen3-MoE layer i is MoE when i is not in `mlp_only_layers`, `num_experts` > 0 and
-        (i + 1) % `decoder_sparse_step` == 0; the others use a dense MLP of `intermediate_size`.
-        Mixtral and gpt-oss: every layer is MoE and the experts' width is `intermediate_size`.
-        gpt-oss also has `layer_types` (default: even layers sliding, as `GptOssConfig`),
-        `sliding_window` (default 128), top-k as `num_experts_per_tok` or `experts_per_token`,
-        attention biases unless `attention_bias` is false, sinks, router and expert biases.
+        """The shape of a config.json dict (transformers 4.x or 5.x keys), read by its
+        architecture's file (`moe_engine.models.model_shape`).
 
         Raises:
-            ValueError: when a required field is missing, naming it, or a `layer_types` entry
-                is unknown or the list's length is not the layer count.
+            StartupError: an architecture (or model_type) this engine does not serve.
+            ValueError: when a required field is missing, naming it, or a field is malformed
+                (e.g. a `layer_types` entry unknown or the list's length not the layer count).
         """
-        model_type = cfg.get("model_type", "")
-        archs = cfg.get("architectures") or [_MODEL_TYPES.get(model_type, model_type)]
-        gpt_oss = model_type == "gpt_oss" or archs[0] == "GptOssForCausalLM"
+        from moe_engine.models import model_shape
 
-        def need(key: str) -> int:
-            if cfg.get(key) is None:
-                raise ValueError(f"config.json: missing required field {key!r}")
-            return int(cfg[key])
-
-        hidden, heads = need("hidden_size"), need("num_attention_heads")
-        layers = need("num_hidden_layers")
-        num_experts = int(
-            cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
-            or 0
-        )
-        if model_type == "mixtral" or "moe_intermediate_size" not in cfg:
-            moe_inter, dense_inter = need("intermediate_size"), 0
-            moe_layers = tuple(range(layers)) if num_experts else ()
-        else:
-            moe_inter = need("moe_intermediate_size")
-            dense_inter = int(cfg.get("intermediate_size") or 0)
-            step = int(cfg.get("decoder_sparse_step") or 1)
-            dense_only = set(cfg.get("mlp_only_layers") or [])
-            moe_layers = tuple(
-                i for i in range(layers)
-                if i not in dense_only and num_experts > 0 and (i + 1) % step == 0
-            )
-        if len(moe_layers) == layers:
-            dense_inter = 0
-        extra = _gpt_oss_fields(cfg, layers) if gpt_oss else _uniform_window_fields(cfg, layers)
-        return cls(**extra,
-            architecture=archs[0],
-            vocab_size=need("vocab_size"),
-            hidden_size=hidden,
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            num_experts=num_experts,
-            top_k=int(cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 0),
-            moe_intermediate_size=moe_inter,
-            intermediate_size=dense_inter,
-            moe_layers=moe_layers,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
-            attention_bias=bool(cfg.get("attention_bias", gpt_oss)),
-            qk_norm=model_type.startswith("qwen3"),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type == "mixtral")),
-        )
+        return model_shape(cfg)
 
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> ModelShape:
@@ -506,51 +448,3 @@ def format_bytes(n: float) -> str:
             return f"{value:.2f} {unit}" if value < 100 else f"{value:.1f} {unit}"
     return f"{int(n)} B"
 
-
-def _uniform_window_fields(cfg: dict, num_layers: int) -> dict:
-    """`layer_types` / `sliding_window` of a model whose config.json windows every layer alike,
-    as `transformers` reads it: Mixtral whenever `sliding_window` is set, Qwen3-MoE only with
-    `use_sliding_window` (its config drops the window otherwise); {} for full attention."""
-    window = cfg.get("sliding_window")
-    qwen = cfg.get("model_type", "").startswith("qwen") or any(
-        str(a).startswith("Qwen") for a in cfg.get("architectures") or []
-    )
-    if qwen and not cfg.get("use_sliding_window", False):
-        window = None
-    if window is None:
-        return {}
-    if int(window) < 1:
-        raise ValueError(f"config.json: sliding_window {window!r} must be >= 1 token")
-    return dict(layer_types=(SLIDING_ATTENTION,) * num_layers, sliding_window=int(window))
-
-
-def _gpt_oss_fields(cfg: dict, num_layers: int) -> dict:
-    """gpt-oss's `ModelShape` fields beyond the common ones (defaults as `GptOssConfig`).
-
-    Raises:
-        ValueError: a `layer_types` of the wrong length or with an unknown entry.
-    """
-    layer_types = cfg.get("layer_types") or [
-        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)
-    ]
-    if len(layer_types) != num_layers or not set(layer_types) <= {
-        "sliding_attention",
-        "full_attention",
-    }:
-        raise ValueError(
-            f"config.json: layer_types {layer_types} must give one of 'sliding_attention', "
-            f"'full_attention' for each of the {num_layers} layers"
-        )
-    window = cfg.get("sliding_window", _GPT_OSS_SLIDING_WINDOW)
-    if "sliding_attention" in layer_types and (window is None or int(window) < 1):
-        raise ValueError(
-            f"config.json: sliding_window {window!r} must be >= 1 token when layer_types has "
-            f"sliding_attention layers"
-        )
-    return dict(
-        layer_types=tuple(layer_types),
-        sliding_window=int(window) if "sliding_attention" in layer_types else None,
-        attention_sinks=True,
-        router_bias=True,
-        expert_bias=True,
-    )

@@ -334,8 +334,8 @@ def test_engine_weights_equal_library_decompression(variant, request) -> None:
     reference = load_file(decompressed / "model.safetensors")
     llm = LLM(model=str(ckpt), max_model_len=64)
     model = llm.engine.model
-    for index in model.spec.moe_layers:
-        moe = model.model.layers[index].mlp
+    assert [i for i, _ in model.moe_layers()] == list(model.spec.moe_layers)
+    for index, moe in model.moe_layers():
         for slot, expert in enumerate(moe.local_experts):
             name = f"model.layers.{index}.mlp.experts.{expert}"
             want13 = torch.cat([reference[f"{name}.{p}_proj.weight"] for p in ("gate", "up")])
@@ -367,8 +367,8 @@ def test_engine_serves_symmetric_experts_like_transformers_on_decompressed(ct_ex
     assert (q.method, q.group_size, q.symmetric, q.checkpoint_format) == (
         "int4", GROUP, True, "compressed-tensors"
     )
-    moe = llm.engine.model.model.layers[0].mlp
-    assert moe.quantized is not None and not hasattr(moe, "w13")
+    (index, moe), *_ = llm.engine.model.moe_layers()
+    assert index == 0 and moe.quantized is not None and not hasattr(moe, "w13")
 
 
 @pytest.fixture(scope="module")
@@ -439,6 +439,7 @@ def test_fused_moe_assembles_int4_experts_per_global_id_on_an_expert_slice() -> 
     replicated); per-expert int4 pieces are keyed by global id, others are skipped, and the
     layer turns int4 once its last slot is complete."""
     from comm import NoopCommunicator
+    from moe_engine.models.layers.expert_weights import load_int4_expert
     from moe_engine.models.layers.moe import FusedMoE
     from quant.int4 import quantize_int4
 
@@ -458,7 +459,7 @@ def test_fused_moe_assembles_int4_experts_per_global_id_on_an_expert_slice() -> 
     last = max(i for i, (expert, _) in enumerate(order) if expert in (2, 5))
     for i, (expert, shard) in enumerate(order):
         assert (moe.quantized is None) == (i <= last)
-        moe.load_quantized_expert_weight(expert, shard, weights[expert, shard])
+        load_int4_expert(moe, expert, shard, weights[expert, shard])
     assert moe.quantized is not None and not hasattr(moe, "w13")
     for slot, expert in enumerate([5, 2, 5]):
         w13, w2 = _engine_weights(moe, slot)
@@ -470,4 +471,4 @@ def test_fused_moe_assembles_int4_experts_per_global_id_on_an_expert_slice() -> 
     other = FusedMoE(8, 2, hidden, inter, True, torch.float32)
     with pytest.raises(ValueError, match=r"down of expert 3: checkpoint shape \(32, 64\) does "
                                          r"not match the model's \(64, 32\)"):
-        other.load_quantized_expert_weight(3, "down", weights[3, "gate"])
+        load_int4_expert(other, 3, "down", weights[3, "gate"])

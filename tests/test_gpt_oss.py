@@ -91,8 +91,10 @@ def test_mxfp4_checkpoint_matches_transformers_dequantizing_it(gpt_oss_mxfp4_ckp
     expected = greedy_generate(hf, prompts, MAX_NEW)
     llm = LLM(model=str(gpt_oss_mxfp4_ckpt), max_model_len=64, max_num_batched_tokens=13)
     assert llm.engine.config.quant.checkpoint_format == "mxfp4"
-    for layer in llm.engine.model.model.layers:
-        assert layer.mlp.quantized.method == "mxfp4" and not hasattr(layer.mlp, "w13")
+    moes = llm.engine.model.moe_layers()
+    assert [i for i, _ in moes] == list(range(llm.engine.spec.num_layers))
+    for _, moe in moes:
+        assert moe.quantized.method == "mxfp4" and not hasattr(moe, "w13")
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected
     _assert_plan_bytes_are_the_loaded_bytes(llm)
@@ -189,17 +191,18 @@ def test_expert_parallel_slices_sum_to_the_whole_layer(ckpt_name, request):
     def build(local_experts: list[int] | None) -> GptOssForCausalLM:
         model = GptOssForCausalLM(spec, torch.float32, max_position=64)
         if local_experts is not None:
-            for layer in model.model.layers:
-                layer.mlp.shard_experts(local_experts, _SliceCommunicator(local_experts))
+            for _, moe in model.moe_layers():
+                moe.shard_experts(local_experts, _SliceCommunicator(local_experts))
         load_model(model, ckpt, torch.float32)
         return model
 
     whole, ranks = build(None), [build([6, 1, 3, 4]), build([0, 2, 5, 7])]
     hidden = torch.randn(12, spec.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        for i, layer in enumerate(whole.model.layers):
-            parts = sum(rank.model.layers[i].mlp(hidden) for rank in ranks)
-            torch.testing.assert_close(parts, layer.mlp(hidden), rtol=1e-5, atol=1e-5)
+        blocks = [dict(rank.moe_layers()) for rank in ranks]
+        for i, moe in whole.moe_layers():
+            parts = sum(rank[i](hidden) for rank in blocks)
+            torch.testing.assert_close(parts, moe(hidden), rtol=1e-5, atol=1e-5)
 
 
 def _paged_case(window: int | None, seed: int):

@@ -153,6 +153,7 @@ def test_call_rejects_what_the_kernel_would_misread():
 
 
 def test_engine_layer_uses_native_kernel_and_repacks_after_load():
+    from moe_engine.models.layers.expert_weights import load_expert
     from moe_engine.models.layers.moe import FusedMoE
 
     g = _gen()
@@ -164,7 +165,7 @@ def test_engine_layer_uses_native_kernel_and_repacks_after_load():
     first = moe(x)
     assert moe._packed is not None
     new = torch.randn(16, 32, generator=g) * 0.2
-    moe.load_expert_weight(3, "gate", new)  # a later load must not serve stale packed weights
+    load_expert(moe, 3, "gate", new)  # a later load must not serve stale packed weights
     assert moe._packed is None
     logits = moe.gate(x)
     weights, ids = torch.softmax(logits, -1).topk(2, dim=-1)

@@ -583,13 +583,13 @@ def check_ep_size(config: EngineConfig) -> None:
             file), naming both numbers; a placement file that is missing, malformed or made
             for another model or ep size, or given with ep_size 1.
     """
-    from moe_engine.plan import ModelShape
+    from moe_engine.models import model_shape
 
     ep_size = config.parallel.ep_size
     placement = config.parallel.expert_placement
     if ep_size == 1 and placement is None:
         return
-    num_experts = ModelShape.from_hf_config(config.model.hf_config()).num_experts
+    num_experts = model_shape(config.model.hf_config()).num_experts
     if placement is not None:
         if ep_size == 1:
             raise StartupError(

@@ -16,12 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig
 
 from kernels.native import NativeUnavailable, prepare_native
 from moe_engine.config import (
     EngineConfig,
-    compute_dtype,
     default_threads,
     resolve_quant_config,
 )
@@ -34,23 +32,21 @@ from moe_engine.engine.messages import (
     ModelInfo,
 )
 from moe_engine.engine.protocol import StartupProgressFn
+from moe_engine.engine.rank_context import RankContext
 from moe_engine.errors import ErrorCode, RequestError, StartupError
 from moe_engine.instrumentation import ExpertLoadRecorder, balancedness, imbalance_ratio
 from moe_engine.kv_cache import KVCacheManager, make_kv_cache_groups
-from moe_engine.loader import load_model
 from moe_engine.model_runner import ModelRunner
-from moe_engine.models import resolve_architecture
-from moe_engine.models.layers.moe import FusedMoE
+from moe_engine.models.build import build_model
 from moe_engine.parallel_sampling import ParentRequest
 from moe_engine.phase_timer import PhaseTimer
-from moe_engine.plan import make_plan
 from moe_engine.request import FinishReason, Request, SamplingParams
 from moe_engine.sampler import Sampler
 from moe_engine.scheduler import Scheduler
 from moe_engine.skew.trace import PeriodicTraceWriter
 from moe_engine.tokenizer import load_tokenizer
 from moe_engine.validation import validate_request
-from quant.compressed_tensors import CompressedTensorsConfig, parse_quantization_config
+from quant.compressed_tensors import parse_quantization_config
 from quant.mxfp4 import MXFP4_BLOCK_SIZE
 
 logger = logging.getLogger(__name__)
@@ -91,26 +87,9 @@ class StepRecord:
     num_tokens: int
 
 
-@dataclass
-class RankContext:
-    """What a rank of an expert-parallel group brings to its EngineCore.
-
-    Attributes:
-        rank: this rank's index in [0, ep_size).
-        ep_size: ranks in the group.
-        local_experts: the global expert id of each local expert slot (DESIGN.md section 6).
-        communicator: dispatch/combine across the group (`comm.TorchAllToAll` or another).
-    """
-
-    rank: int
-    ep_size: int
-    local_experts: list[int]
-    communicator: Any
-
-
-def _resolve_quant(config: EngineConfig) -> tuple[EngineConfig, CompressedTensorsConfig | None]:
-    """`config` with its QuantConfig resolved against config.json (`resolve_quant_config`), and
-    config.json's compressed-tensors config (None when it has none).
+def _resolve_quant(config: EngineConfig) -> EngineConfig:
+    """`config` with its QuantConfig resolved against config.json (`resolve_quant_config`);
+    an unsupported quantization_config is refused here, before the kernels are prepared.
 
     Raises:
         StartupError: an unsupported quantization_config, or flags that conflict with it.
@@ -118,13 +97,13 @@ def _resolve_quant(config: EngineConfig) -> tuple[EngineConfig, CompressedTensor
     try:
         hf_config = config.model.hf_config()
     except FileNotFoundError:
-        return config, None  # AutoConfig reports the missing checkpoint
+        return config  # AutoConfig reports the missing checkpoint
     try:
         quant = resolve_quant_config(config.quant, hf_config)
-        checkpoint_quant = parse_quantization_config(hf_config)
+        parse_quantization_config(hf_config)
     except ValueError as e:
         raise StartupError(str(e)) from e
-    return replace(config, quant=quant), checkpoint_quant
+    return replace(config, quant=quant)
 
 
 def _no_progress(phase: str, detail: str = "", eta_s: float | None = None) -> None:
@@ -185,55 +164,17 @@ class EngineCore:
         progress: StartupProgressFn | None = None,
     ) -> None:
         progress = progress or _no_progress
-        config, checkpoint_quant = _resolve_quant(config)
+        config = _resolve_quant(config)
         self.config = config
         self.rank_context = rank_context
         torch.set_num_threads(config.parallel.num_threads or default_threads())
         _prepare_kernels(progress)
-        progress("planning memory", "", None)
-        model_dir = config.model.model
-        # config.json only; a checkpoint's own Python code (auto_map) is never run.
-        hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
-        self.architecture, model_cls = resolve_architecture(hf_config)
-        spec = model_cls.arch_spec(hf_config)
-        self.max_model_len = config.model.max_model_len or spec.max_position_embeddings
-        self.weight_dtype = config.model.torch_dtype()
-        self.dtype = compute_dtype(self.weight_dtype)
-        if self.dtype != self.weight_dtype:
-            logger.warning(
-                "this CPU has no native bfloat16 matmul (AVX512-BF16/AMX): weights are rounded "
-                "to bfloat16 and computed in float32 (MOE_ENGINE_FORCE_BF16=1 keeps bfloat16)"
-            )
-        attention_groups = model_cls.kv_cache_groups_for(spec)
-        self.plan = make_plan(
-            spec,
-            self.dtype,
-            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-            attention_groups=attention_groups,
-            block_size=config.cache.block_size,
-            max_model_len=self.max_model_len,
-            kv_cache_memory=config.cache.kv_cache_memory,
-            num_blocks_override=config.cache.num_blocks_override,
-            ep_size=config.parallel.ep_size,
-            num_local_experts=len(rank_context.local_experts) if rank_context else None,
-            max_num_seqs=config.scheduler.max_num_seqs,
-            expert_bits_per_weight=config.quant.bits_per_weight,
-        )
-        logger.info("startup plan:\n%s", self.plan.describe())
-        self.plan.check(self.max_model_len)
-        self.spec = spec
-        self.model = model_cls(spec, self.dtype, max_position=self.max_model_len).eval()
-        if rank_context is not None:
-            for layer in self.model.model.layers:
-                if isinstance(layer.mlp, FusedMoE):
-                    layer.mlp.shard_experts(
-                        rank_context.local_experts, rank_context.communicator, rank_context.rank
-                    )
-        progress("loading weights", model_dir, None)
-        load_model(self.model, model_dir, self.weight_dtype, checkpoint_quant)
-        if config.quant.method != "none":
-            progress("quantizing experts", config.quant.method, None)
-        self._quantize_experts(config)
+        built = build_model(config, rank_context, progress)
+        self.architecture, self.spec, self.model = built.architecture, built.spec, built.model
+        self.plan, self.max_model_len = built.plan, built.max_model_len
+        self.weight_dtype, self.dtype = built.weight_dtype, built.dtype
+        spec, model_dir, hf_config = built.spec, config.model.model, built.hf_config
+        attention_groups = built.attention_groups
         self.timer = PhaseTimer()
         self.model.attach_timer(self.timer)
         ep_size = rank_context.ep_size if rank_context is not None else 1
@@ -249,9 +190,8 @@ class EngineCore:
                 spec.num_experts,
                 meta=dict(model=model_dir, top_k=spec.top_k),
             )
-        for index, layer in enumerate(self.model.model.layers):
-            if isinstance(layer.mlp, FusedMoE):
-                layer.mlp.attach_recorder(self.expert_load, index)
+        for index, moe in self.model.moe_layers():
+            moe.attach_recorder(self.expert_load, index)
         progress("loading the tokenizer", "", None)
         self.tokenizer = load_tokenizer(model_dir)
         progress("allocating the KV cache", f"{self.plan.num_blocks} blocks", None)
@@ -289,58 +229,6 @@ class EngineCore:
             num_aborted=0,
             num_rejected=0,
             num_steps=0,
-        )
-
-    def _quantize_experts(self, config: EngineConfig) -> None:
-        """Quantize the routed experts to 4 bits when --quantization asks for it.
-
-        Raises:
-            StartupError: a group size that does not divide the dimension it groups.
-        """
-        method = config.quant.method
-        if method == "none":
-            return
-        experts = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
-        if config.quant.checkpoint_format is not None:
-            self._check_prequantized(config)
-            return
-        try:
-            for moe in experts:
-                moe.quantize(method, config.quant.group_size)
-        except ValueError as e:
-            raise StartupError(f"--quantization {method}: {e}") from e
-        nbytes = sum(m.quantized.nbytes for m in experts)
-        logger.info("experts quantized to %s: %.1f MiB", method, nbytes / 2**20)
-
-    def _check_prequantized(self, config: EngineConfig) -> None:
-        """Every MoE layer got its experts 4-bit from the checkpoint (int4 at the configured
-        group size, or mxfp4).
-
-        Raises:
-            StartupError: a layer whose expert tensors were not all stored quantized, or a
-                group size other than config.json's (names the layer and both numbers).
-        """
-        q = config.quant
-        layers = [(i, x.mlp) for i, x in enumerate(self.model.model.layers)]
-        experts = [moe for _, moe in layers if isinstance(moe, FusedMoE)]
-        for index, moe in layers:
-            if not isinstance(moe, FusedMoE):
-                continue
-            where = f"layer {index} ({q.checkpoint_format} checkpoint)"
-            if moe.quantized is None:
-                raise StartupError(
-                    f"{where}: config.json declares {q.method} experts, but not all of this "
-                    f"layer's expert tensors are stored quantized"
-                )
-            if moe.quantized.group_size != q.group_size:
-                raise StartupError(
-                    f"{where}: expert group size {moe.quantized.group_size}, config.json says "
-                    f"{q.group_size}"
-                )
-        nbytes = sum(m.quantized.nbytes for m in experts)
-        logger.info(
-            "experts loaded %s (group %d, %s) from the checkpoint: %.1f MiB", q.method,
-            q.group_size, "symmetric" if q.symmetric else "asymmetric", nbytes / 2**20,
         )
 
     def add_request(

@@ -407,10 +407,10 @@ def _build_core(
 ) -> tuple[Any, Any]:
     """This rank's core (its experts only) and the expert placement."""
     from comm import ExpertPlacement, make_communicator
-    from moe_engine.engine.core import RankContext
-    from moe_engine.plan import ModelShape
+    from moe_engine.engine.rank_context import RankContext
+    from moe_engine.models import model_shape
 
-    num_experts = ModelShape.from_hf_config(config.model.hf_config()).num_experts
+    num_experts = model_shape(config.model.hf_config()).num_experts
     if config.parallel.expert_placement:
         placement = ExpertPlacement.load(config.parallel.expert_placement)
         placement.check(num_experts, world_size)

@@ -1,23 +1,47 @@
 """Qwen3-MoE (Qwen team, "Qwen3 Technical Report", 2025; HF `Qwen3MoeForCausalLM`).
 
 Llama-style decoder with per-head q/k RMSNorm, softmax-then-top-k routing renormalised when
-`norm_topk_prob`, and dense MLP layers where `mlp_only_layers` or `decoder_sparse_step` say so
-(the layer rule lives in `plan.ModelShape`, which reads the same config.json).
+`norm_topk_prob`, and dense MLP layers where `mlp_only_layers` or `decoder_sparse_step` say so.
+Checkpoint names are the base mapping's: `self_attn.{q,k,v}_proj` (stacked into `qkv_proj`),
+`mlp.gate`, `mlp.experts.{e}.{gate,up,down}_proj` or transformers 5's fused
+`mlp.experts.gate_up_proj` / `down_proj`.
 """
 
 from __future__ import annotations
 
-from moe_engine.models.layers.rotary import rope_theta_of
-from moe_engine.models.moe_decoder import ArchSpec, MoeCausalLM
-from moe_engine.plan import ModelShape
+from moe_engine.models.base import MoeCausalLM
+from moe_engine.models.config_fields import (
+    every_layer_moe,
+    moe_shape_fields,
+    sparse_step_moe_layers,
+    uniform_window_fields,
+)
 
 
 class Qwen3MoeForCausalLM(MoeCausalLM):
+    model_types = ("qwen3_moe",)
+
     @classmethod
-    def arch_spec(cls, hf_config) -> ArchSpec:
-        return ArchSpec.from_shape(
-            ModelShape.from_hf_config(hf_config.to_dict()),
-            rms_norm_eps=hf_config.rms_norm_eps,
-            rope_theta=rope_theta_of(hf_config),
+    def experts_width_field(cls, cfg: dict) -> str:
+        """`moe_intermediate_size` (`intermediate_size` in a config without it, whose layers
+        are then all MoE)."""
+        return "moe_intermediate_size" if "moe_intermediate_size" in cfg else "intermediate_size"
+
+    @classmethod
+    def shape_fields(cls, cfg: dict) -> dict:
+        """Layer i is MoE when i is not in `mlp_only_layers`, `num_experts` > 0 and
+        (i + 1) % `decoder_sparse_step` == 0; the others are dense of `intermediate_size`.
+        A window only with `use_sliding_window` (transformers drops it otherwise)."""
+        width = cls.experts_width_field(cfg)
+        moe_layers = sparse_step_moe_layers(cfg) if width != "intermediate_size" else (
+            every_layer_moe(cfg)
+        )
+        return moe_shape_fields(
+            cfg,
+            architecture=cls.__name__,
+            experts_width_field=width,
+            moe_layers=moe_layers,
             qk_norm=True,
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            **uniform_window_fields(cfg, enabled=bool(cfg.get("use_sliding_window", False))),
         )

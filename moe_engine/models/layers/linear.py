@@ -46,3 +46,40 @@ class Linear(nn.Linear):
                 self._packed = PackedLinear.pack(self.weight, self.bias)
             return self._packed(x)
         return super().forward(x)
+
+
+class MergedLinear(Linear):
+    """One `Linear` whose output rows are several checkpoint projections stacked (q; k; v, as
+    vLLM's `QKVParallelLinear` and nano-vllm's `packed_modules_mapping` merge them).
+
+    Args:
+        in_features: input width.
+        shard_sizes: output rows of each projection, by shard id in row order, e.g.
+            {"q": 512, "k": 128, "v": 128}.
+        bias, dtype: as `Linear`.
+
+    Attributes:
+        shards: shard id -> (first row, rows) of its slice of `weight` (and `bias`).
+    """
+
+    def __init__(
+        self, in_features: int, shard_sizes: dict[str, int], bias: bool, dtype: torch.dtype
+    ) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias, dtype=dtype)
+        self.shards: dict[str, tuple[int, int]] = {}
+        start = 0
+        for shard, rows in shard_sizes.items():
+            self.shards[shard] = (start, rows)
+            start += rows
+
+    def shard_view(self, param: torch.Tensor, shard: str) -> torch.Tensor:
+        """The rows of `param` (this module's weight [out, in] or bias [out]) that shard
+        `shard` fills.
+
+        Raises:
+            ValueError: an unknown shard id.
+        """
+        if shard not in self.shards:
+            raise ValueError(f"shard {shard!r} is not one of {list(self.shards)}")
+        start, rows = self.shards[shard]
+        return param.data[start : start + rows]

@@ -21,8 +21,7 @@ from moe_engine.instrumentation import ExpertLoadRecorder
 from moe_engine.models.layers.linear import Linear
 from moe_engine.models.layers.quantized_experts import QuantizedExperts
 from moe_engine.phase_timer import PhaseTimer
-from quant.int4 import SYMMETRIC_ZERO, Int4Weight
-from quant.mxfp4 import MXFP4_BLOCK_SIZE
+from quant.int4 import Int4Weight
 
 
 class _NoTimer:
@@ -88,6 +87,8 @@ class FusedMoE(nn.Module):
     With one rank every expert is local (E_local = E, slot e holds expert e). Under expert
     parallelism `shard_experts` keeps only the slots this rank's placement gives it; the router
     still scores all E experts and the communicator moves tokens to the ranks holding them.
+    Checkpoint formats (per-expert, fused, int4, MXFP4) are copied in by
+    `layers/expert_weights.py`.
 
     Args:
         num_experts: E, routed experts in the model.
@@ -137,7 +138,6 @@ class FusedMoE(nn.Module):
             self.b2 = nn.Parameter(
                 torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False
             )
-        self._mxfp4_pieces: dict[tuple[str, str], torch.Tensor] = {}  # (shard, part)
         self.w13 = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype),
             requires_grad=False,
@@ -151,7 +151,10 @@ class FusedMoE(nn.Module):
         self._slots_of: dict[int, list[int]] = {e: [e] for e in range(num_experts)}
         self.quantized: QuantizedExperts | None = None
         self._packed: PackedExperts | None = None  # native layout, made by the first forward
-        self._int4_pieces: dict[tuple[int, str], Int4Weight] = {}  # (slot, shard)
+        # checkpoint pieces the loader holds until the 4-bit experts are complete
+        # (`expert_weights.load_int4_expert`, `load_mxfp4_experts`)
+        self.pending_int4: dict[tuple[int, str], Int4Weight] = {}  # (slot, shard)
+        self.pending_mxfp4: dict[tuple[str, str], torch.Tensor] = {}  # (shard, part)
         self.load_recorder: ExpertLoadRecorder | None = None
         self.timer: PhaseTimer | None = None
         self.ep_rank: int | None = None  # set by shard_experts
@@ -258,7 +261,7 @@ class FusedMoE(nn.Module):
 
     def _packed_experts(self) -> PackedExperts | None:
         """The native kernel's copy of the float expert weights (kernels/cpu_native.py),
-        packed on first use after loading (`load_expert_weight` drops it); None when the native
+        packed on first use after loading (`reset_packed` drops it); None when the native
         kernel is unavailable or the weights are not on a CPU.
         """
         if self._packed is not None:
@@ -268,158 +271,3 @@ class FusedMoE(nn.Module):
         if self._packed is None:
             self._packed = PackedExperts.pack(self.w13.data, self.w2.data, **self._expert_extras())
         return self._packed
-
-    def load_quantized_expert_weight(self, expert: int, shard: str, weight: Int4Weight) -> None:
-        """Take one expert projection that the checkpoint stores in int4 already.
-
-        Once every projection of every local slot has arrived, the layer's experts become a
-        `QuantizedExperts` built from them (`QuantizedExperts.from_int4`) and the float w13/w2
-        are dropped.
-
-        Args:
-            expert: global expert id; projections of experts this rank does not hold are
-                skipped.
-            shard: "gate" | "up" ([I, H]) or "down" ([H, I]).
-            weight: the projection in `quant.int4`'s representation.
-
-        Raises:
-            ValueError: a shape that does not match the model's (names both), a projection
-                arriving after the layer's int4 experts were assembled, or group sizes that
-                differ.
-        """
-        hidden, size = self.gate.in_features, self.intermediate_size
-        want = (hidden, size) if shard == "down" else (size, hidden)
-        if tuple(weight.shape) != want:
-            raise ValueError(
-                f"int4 expert weight {shard} of expert {expert}: checkpoint shape "
-                f"{tuple(weight.shape)} does not match the model's {want}"
-            )
-        own = self.local_slots(expert)
-        if own and self.quantized is not None:
-            raise ValueError(f"int4 expert weight {shard} of expert {expert}: loaded twice")
-        for slot in own:
-            self._int4_pieces[(slot, shard)] = weight
-        slots = range(len(self.local_experts))
-        if len(self._int4_pieces) < 3 * len(slots):
-            return
-        pieces = self._int4_pieces
-        w13 = [_cat_rows(pieces[(s, "gate")], pieces[(s, "up")]) for s in slots]
-        self.quantized = QuantizedExperts.from_int4(w13, [pieces[(s, "down")] for s in slots])
-        for name, value in self._expert_extras().items():
-            setattr(self.quantized, name, value)
-        self._int4_pieces = {}
-        del self.w13, self.w2
-
-    def load_mxfp4_expert_weight(self, shard: str, part: str, tensor: torch.Tensor) -> bool:
-        """Take one MXFP4 tensor of all experts as a checkpoint stores it (gpt-oss
-        `*_blocks` / `*_scales`, already in the engine's row order: gate rows then up rows).
-
-        Once the blocks and scales of both projections have arrived, the layer's experts
-        become a `QuantizedExperts` over them (`QuantizedExperts.from_mxfp4`: no float round
-        trip) and the float w13/w2 are dropped.
-
-        Args:
-            shard: "gate_up" (w13: blocks [E, 2I, H // 32, 16], scales [E, 2I, H // 32]) or
-                "down" (w2: blocks [E, H, I // 32, 16], scales [E, H, I // 32]); uint8.
-            part: "blocks" or "scales".
-            tensor: the checkpoint tensor for all E experts; this rank keeps its local slots.
-
-        Returns:
-            True when this projection now has both its blocks and its scales.
-
-        Raises:
-            ValueError: an unknown shard or part, a shape that does not match the model's
-                (names both), or a tensor arriving twice.
-        """
-        if shard not in ("gate_up", "down") or part not in ("blocks", "scales"):
-            raise ValueError(f"mxfp4 expert tensor {shard}_{part}: unknown shard or part")
-        hidden, size = self.gate.in_features, self.intermediate_size
-        rows, cols = (2 * size, hidden) if shard == "gate_up" else (hidden, size)
-        want = (self.num_experts, rows, cols // MXFP4_BLOCK_SIZE)
-        if part == "blocks":
-            want = (*want, MXFP4_BLOCK_SIZE // 2)
-        if tuple(tensor.shape) != want or tensor.dtype != torch.uint8:
-            raise ValueError(
-                f"mxfp4 expert tensor {shard}_{part}: checkpoint {tensor.dtype} "
-                f"{tuple(tensor.shape)} does not match the model's uint8 {want}"
-            )
-        if (shard, part) in self._mxfp4_pieces or (
-            self.quantized is not None and self.quantized.method == "mxfp4"
-        ):
-            raise ValueError(f"mxfp4 expert tensor {shard}_{part}: loaded twice")
-        self._mxfp4_pieces[(shard, part)] = tensor[self.local_experts].contiguous()
-        pieces = self._mxfp4_pieces
-        if len(pieces) == 4:
-            self.quantized = QuantizedExperts.from_mxfp4(
-                (pieces[("gate_up", "blocks")], pieces[("gate_up", "scales")]),
-                (pieces[("down", "blocks")], pieces[("down", "scales")]),
-                **self._expert_extras(),
-            )
-            self._mxfp4_pieces = {}
-            del self.w13, self.w2
-            return True
-        other = "scales" if part == "blocks" else "blocks"
-        return (shard, other) in pieces
-
-    def load_expert_weight(self, expert: int, shard: str, tensor: torch.Tensor) -> None:
-        """Copy one checkpoint tensor into the stacked weights.
-
-        Args:
-            expert: global expert id (ignored for the all-expert shards); tensors of experts
-                this rank does not hold are skipped.
-            shard: "gate" | "up" | "down" (one expert) or "gate_up" | "down_all" (all
-                experts, transformers 5 fused layout) or "gate_up_bias" | "down_bias" (all
-                experts' biases, when the layer has them).
-            tensor: gate/up [I, H], down [H, I], gate_up [E, 2I, H], down_all [E, H, I],
-                gate_up_bias [E, 2I] (gate; up), down_bias [E, H].
-
-        Raises:
-            ValueError: on a shape mismatch, naming both shapes, or a bias the layer lacks.
-        """
-        self._packed = None
-        if shard in ("gate_up_bias", "down_bias") and self.b13 is None:
-            raise ValueError(f"expert weight {shard}: this MoE layer has no expert biases")
-        if shard in ("gate_up", "down_all", "gate_up_bias", "down_bias"):
-            names = {"gate_up": "w13", "down_all": "w2", "gate_up_bias": "b13", "down_bias": "b2"}
-            target = getattr(self, names[shard]).data
-            expected = (self.num_experts, *target.shape[1:])
-            if tuple(tensor.shape) != expected:
-                raise ValueError(
-                    f"expert weight {shard}: checkpoint shape {tuple(tensor.shape)} does not "
-                    f"match the model's {expected}"
-                )
-            target.copy_(tensor[self.local_experts])
-            return
-        size = self.intermediate_size
-        for slot in self.local_slots(expert):
-            target = {
-                "gate": self.w13.data[slot, :size],
-                "up": self.w13.data[slot, size:],
-                "down": self.w2.data[slot],
-            }[shard]
-            if target.shape != tensor.shape:
-                raise ValueError(
-                    f"expert weight {shard} of expert {expert}: checkpoint shape "
-                    f"{tuple(tensor.shape)} does not match the model's {tuple(target.shape)}"
-                )
-            target.copy_(tensor)
-
-
-def _cat_rows(a: Int4Weight, b: Int4Weight) -> Int4Weight:
-    """Stack two int4 weights along the output dimension (gate rows, then up rows); a
-    symmetric half beside an asymmetric one gets its implicit zero point 8 made explicit."""
-    if a.group_size != b.group_size:
-        raise ValueError(
-            f"int4 experts: gate has group size {a.group_size}, up has {b.group_size}"
-        )
-    zeros = None
-    if a.zeros is not None or b.zeros is not None:
-        zeros = torch.cat([_zeros_of(w) for w in (a, b)])
-    scales = torch.cat([a.scales, b.scales.to(a.scales.dtype)])
-    return Int4Weight(torch.cat([a.packed, b.packed]), scales, zeros)
-
-
-def _zeros_of(w: Int4Weight) -> torch.Tensor:
-    if w.zeros is not None:
-        return w.zeros
-    return torch.full(w.scales.shape, SYMMETRIC_ZERO, dtype=torch.uint8)

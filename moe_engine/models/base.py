@@ -1,0 +1,278 @@
+"""`MoeCausalLM`, the base of every architecture file, and `ArchSpec`, its numbers.
+
+An architecture is one file under `moe_engine/models/` with one subclass of `MoeCausalLM`
+named as config.json's "architectures" entry, registered by one line in `models/__init__.py`.
+The subclass states, as class attributes and hooks:
+- config.json -> numbers: `shape_fields(cfg)` (the `plan.ModelShape` sizes the startup
+  arithmetic needs, from the raw dict), `spec_fields(hf_config)` (what the forward pass needs
+  beyond sizes, from the transformers config), `spec_class` (an `ArchSpec` subclass when it
+  has more fields), `model_types` (config.json `model_type` values, for configs without
+  "architectures"), `experts_width_field`;
+- modules: `build_rotary`, `build_norm`, `build_attention(spec, index, ...)`,
+  `build_mlp(spec, index, ...)` and, for a layer of another structure, `build_layer`; the
+  defaults are the Llama-style blocks of `layers/decoder.py`;
+- checkpoint names: `weight_mapping` (`weight_mapping.WeightMapping`), applied by the shared
+  `WeightLoader`;
+- KV cache: `kv_cache_groups_for(spec)`, the layers by attention kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from moe_engine.kv_cache.spec import AttentionGroup
+from moe_engine.models.layers.attention import AttentionMetadata
+from moe_engine.models.layers.decoder import Attention, Backbone, DecoderLayer, DenseMLP
+from moe_engine.models.layers.linear import Linear
+from moe_engine.models.layers.moe import FusedMoE
+from moe_engine.models.layers.norm import RMSNorm
+from moe_engine.models.layers.rotary import RotaryEmbedding, rope_theta_of
+from moe_engine.models.weight_mapping import WeightLoader, WeightMapping
+from moe_engine.phase_timer import PhaseTimer
+from moe_engine.plan import ModelShape
+
+
+@dataclasses.dataclass(frozen=True)
+class ArchSpec(ModelShape):
+    """A `ModelShape` (the sizes `plan.py` does its arithmetic on) plus what the forward pass
+    needs beyond sizes. Architectures with more fields subclass it (frozen, with defaults).
+
+    Attributes:
+        rms_norm_eps: RMSNorm epsilon.
+        rope_theta: rotary base.
+    """
+
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+
+
+class MoeCausalLM(nn.Module):
+    """The whole model: embeddings, decoder layers, final norm, LM head (module names as the
+    Hugging Face checkpoints': `model.embed_tokens`, `model.layers.{i}.self_attn` / `.mlp` /
+    `.input_layernorm` / `.post_attention_layernorm`, `model.norm`, `lm_head`).
+
+    Args:
+        spec: the architecture's numbers (`arch_spec`); dtype: parameter dtype.
+        max_position: positions the rotary table covers (tokens); default the model's
+            max_position_embeddings (the engine passes max_model_len).
+    """
+
+    #: The spec dataclass `arch_spec` builds.
+    spec_class: ClassVar[type[ArchSpec]] = ArchSpec
+    #: config.json `model_type` values of this architecture (configs without "architectures").
+    model_types: ClassVar[tuple[str, ...]] = ()
+    #: How the checkpoint's names map onto the modules.
+    weight_mapping: ClassVar[WeightMapping] = WeightMapping()
+
+    def __init__(self, spec: ArchSpec, dtype: torch.dtype, max_position: int | None = None) -> None:
+        super().__init__()
+        self.spec = spec
+        rotary = self.build_rotary(spec, max_position or spec.max_position_embeddings)
+        layers = [self.build_layer(spec, i, dtype, rotary) for i in range(spec.num_layers)]
+        embed = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
+        self.model = Backbone(embed, layers, self.build_norm(spec, spec.hidden_size, dtype))
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    # -- config.json -------------------------------------------------------------------------
+
+    @classmethod
+    def shape_fields(cls, cfg: dict) -> dict:  # pragma: no cover - abstract
+        """The `ModelShape` fields from a config.json dict (`config_fields` has the common
+        readers). Reads sizes only: nothing here may need transformers' defaults.
+
+        Raises:
+            ValueError: a missing or malformed field, naming it.
+        """
+        raise NotImplementedError
+
+    @classmethod
+    def spec_fields(cls, hf_config) -> dict:
+        """The `spec_class` fields beyond `ModelShape`'s, from a transformers config; default
+        `rms_norm_eps` and `rope_theta` (plain RoPE).
+
+        Raises:
+            StartupError: a rope_type this engine does not implement.
+        """
+        return dict(rms_norm_eps=hf_config.rms_norm_eps, rope_theta=rope_theta_of(hf_config))
+
+    @classmethod
+    def experts_width_field(cls, cfg: dict) -> str:
+        """The config.json key holding one routed expert's width I (errors name it)."""
+        return "moe_intermediate_size"
+
+    @classmethod
+    def checkpoint_expert_name(cls, layer: int, expert: int, projection: str) -> str:
+        """The checkpoint module name of one expert projection ("gate" | "up" | "down") in
+        decoder layer `layer` (compressed-tensors schemes are looked up by it), e.g.
+        "model.layers.0.block_sparse_moe.experts.0.w1"."""
+        name = cls.weight_mapping.experts.name_of(projection)
+        model_name = f"model.layers.{layer}.mlp.experts.{expert}.{name}"
+        return cls.weight_mapping.checkpoint_name(model_name)
+
+    @classmethod
+    def model_shape(cls, cfg: dict) -> ModelShape:
+        """The `ModelShape` of a config.json dict (the startup plan's input)."""
+        return ModelShape(**cls.shape_fields(cfg))
+
+    @classmethod
+    def arch_spec(cls, hf_config) -> ArchSpec:
+        """The spec from a transformers config: `shape_fields` of its dict, `spec_fields`.
+
+        Raises:
+            ValueError: a missing or malformed field; StartupError: an unsupported feature.
+        """
+        return cls.spec_class(**cls.shape_fields(hf_config.to_dict()), **cls.spec_fields(hf_config))
+
+    @classmethod
+    def kv_cache_groups_for(cls, spec: ArchSpec) -> list[AttentionGroup]:
+        """The layers by attention kind, (kind, sliding window or None, layer indices), from
+        which the engine makes its KV-cache groups (`kv_cache.make_kv_cache_groups`) before the
+        model is built; default `spec.attention_groups()` (config.json `layer_types`: one
+        full-attention group with every layer unless some layers are sliding)."""
+        return spec.attention_groups()
+
+    def kv_cache_groups(self) -> list[AttentionGroup]:
+        """`kv_cache_groups_for(self.spec)`."""
+        return self.kv_cache_groups_for(self.spec)
+
+    # -- modules -----------------------------------------------------------------------------
+
+    def build_rotary(self, spec: ArchSpec, max_position: int) -> nn.Module:
+        """The rotary module every layer's attention shares; default plain RoPE over the whole
+        head."""
+        return RotaryEmbedding(spec.head_dim, max_position, spec.rope_theta)
+
+    def build_norm(self, spec: ArchSpec, size: int, dtype: torch.dtype) -> nn.Module:
+        """A norm over `size` features (the layers' two and the final one)."""
+        return RMSNorm(size, spec.rms_norm_eps, dtype=dtype)
+
+    def build_attention(
+        self, spec: ArchSpec, index: int, dtype: torch.dtype, rotary: nn.Module
+    ) -> nn.Module:
+        """Layer `index`'s attention; default `Attention`, sliding where `layer_types` says."""
+        sliding = bool(spec.layer_types) and spec.layer_types[index] == "sliding_attention"
+        return Attention(spec, dtype, rotary, spec.sliding_window if sliding else None)
+
+    def build_mlp(self, spec: ArchSpec, index: int, dtype: torch.dtype) -> nn.Module:
+        """Layer `index`'s MLP; default a softmax-top-k `FusedMoE` on `spec.moe_layers`, a
+        `DenseMLP` of `intermediate_size` elsewhere."""
+        if index not in spec.moe_layers:
+            return DenseMLP(spec.hidden_size, spec.intermediate_size, dtype)
+        return FusedMoE(
+            spec.num_experts, spec.top_k, spec.hidden_size, spec.moe_intermediate_size,
+            spec.norm_topk_prob, dtype,
+        )
+
+    def build_layer(
+        self, spec: ArchSpec, index: int, dtype: torch.dtype, rotary: nn.Module
+    ) -> nn.Module:
+        """Decoder layer `index`: the pre-norm `DecoderLayer` of the hooks above."""
+        return DecoderLayer(
+            self.build_attention(spec, index, dtype, rotary),
+            self.build_mlp(spec, index, dtype),
+            self.build_norm(spec, spec.hidden_size, dtype),
+            self.build_norm(spec, spec.hidden_size, dtype),
+        )
+
+    def moe_layers(self) -> list[tuple[int, FusedMoE]]:
+        """(decoder layer index, its `FusedMoE` block) for every layer that has one, in layer
+        order."""
+        return [
+            (i, m) for i, layer in enumerate(self.model.layers)
+            for m in layer.modules() if isinstance(m, FusedMoE)
+        ]
+
+    # -- forward -----------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> final hidden states [T, H]."""
+        h = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            h = layer(h, positions, meta, kv_cache)
+        return self.model.norm(h)
+
+    def attach_timer(self, timer: PhaseTimer) -> None:
+        """Time attention and the MoE blocks' phases of every layer into `timer`."""
+        for layer in self.model.layers:
+            layer.timer = timer
+        for _, moe in self.moe_layers():
+            moe.timer = timer
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, H] -> logits [N, vocab] float32."""
+        return self.lm_head(hidden).float()
+
+    # -- weights -----------------------------------------------------------------------------
+
+    def expected_weight_names(self) -> set[str]:
+        """Every piece `load_weights` must fill (`WeightLoader.expected_names`)."""
+        return WeightLoader(self).expected_names()
+
+    def wants_weight(self, name: str) -> bool:
+        """False for a checkpoint tensor of an expert this rank does not hold (the loader then
+        never reads it); True for everything else."""
+        return self._weight_loader().wants(name)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into the parameters through `weight_mapping`; returns the
+        pieces filled (names as in `expected_weight_names`).
+
+        Raises:
+            ValueError: an unexpected tensor name or a shape mismatch (names both shapes).
+        """
+        return WeightLoader(self).load(weights)
+
+    def _weight_loader(self) -> WeightLoader:
+        """The loader `wants_weight` asks, made once: it reads only the module tree and the
+        blocks' expert slots, which neither sharding nor loading replace (`load_weights` and
+        `expected_weight_names` make their own, as loading swaps parameters)."""
+        loader = self.__dict__.get("_wants_loader")
+        if loader is None:
+            loader = self.__dict__["_wants_loader"] = WeightLoader(self)
+        return loader
+
+    def weight_bytes_by_kind(self) -> dict[str, int]:
+        """Bytes the loaded weights take, by kind, read from the tensors themselves
+        (parameters, persistent buffers and 4-bit expert copies; a tied lm_head counts once).
+
+        Returns:
+            experts: routed experts (float w13/w2, or the 4-bit weights with their scales);
+            attention: q/k/v/o projections and q/k norms; embeddings: embed_tokens and
+            lm_head; other: router gates, dense MLPs, layer norms and the rest (bytes).
+        """
+        sizes = dict.fromkeys(("experts", "attention", "embeddings", "other"), 0)
+        tensors = list(self.named_parameters())
+        for prefix, module in self.named_modules():
+            for name, buf in module.named_buffers(recurse=False):
+                if name not in module._non_persistent_buffers_set:
+                    tensors.append((f"{prefix}.{name}", buf))
+        for name, t in tensors:
+            sizes[_weight_kind(name)] += t.numel() * t.element_size()
+        for _, moe in self.moe_layers():
+            if moe.quantized is not None:
+                sizes["experts"] += moe.quantized.nbytes
+        return sizes
+
+
+def _weight_kind(name: str) -> str:
+    """"experts", "attention", "embeddings" or "other" for a parameter or buffer name."""
+    if name.endswith((".w13", ".w2", ".b13", ".b2")):
+        return "experts"
+    if ".self_attn." in name:
+        return "attention"
+    if name.startswith(("model.embed_tokens.", "lm_head.")):
+        return "embeddings"
+    return "other"

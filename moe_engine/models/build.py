@@ -1,0 +1,190 @@
+"""`build_model`: config.json -> architecture -> startup plan -> module -> experts sharded ->
+weights loaded -> experts quantized, one rank's model ready to serve.
+
+The order is the startup's (DESIGN.md section 10): the plan is made and checked from
+config.json before any weight is read, so a configuration that cannot fit fails in seconds
+with its numbers. `EngineCore` builds its scheduler, KV cache and runner on what this returns.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoConfig
+
+from moe_engine.config import EngineConfig, compute_dtype
+from moe_engine.engine.protocol import StartupProgressFn
+from moe_engine.engine.rank_context import RankContext
+from moe_engine.errors import StartupError
+from moe_engine.kv_cache.spec import AttentionGroup
+from moe_engine.loader import load_model
+from moe_engine.models import resolve_architecture
+from moe_engine.models.base import ArchSpec, MoeCausalLM
+from moe_engine.plan import Plan, make_plan
+from quant.compressed_tensors import CompressedTensorsConfig, parse_quantization_config
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BuiltModel:
+    """One rank's loaded model and what was decided on the way.
+
+    Attributes:
+        model: the loaded model (eval mode, this rank's experts, quantized if asked).
+        spec: its numbers; architecture: the config.json architecture it runs as.
+        hf_config: the transformers config read from config.json.
+        plan: the startup plan (weights, KV blocks), already checked.
+        attention_groups: the layers by attention kind (`kv_cache_groups_for`).
+        max_model_len: longest request (tokens).
+        weight_dtype: the dtype asked for (--dtype); dtype: the one computed in
+            (`config.compute_dtype`), also the KV cache's.
+    """
+
+    model: MoeCausalLM
+    spec: ArchSpec
+    architecture: str
+    hf_config: Any
+    plan: Plan
+    attention_groups: list[AttentionGroup]
+    max_model_len: int
+    weight_dtype: torch.dtype
+    dtype: torch.dtype
+
+
+def _no_progress(phase: str, detail: str = "", eta_s: float | None = None) -> None:
+    """The progress callback of a build nobody watches."""
+
+
+def build_model(
+    config: EngineConfig,
+    rank_context: RankContext | None = None,
+    progress: StartupProgressFn | None = None,
+) -> BuiltModel:
+    """Plan, build, shard, load and quantize one rank's model.
+
+    Args:
+        config: the engine configuration, its QuantConfig already resolved against config.json
+            (`config.resolve_quant_config`).
+        rank_context: under expert parallelism, this rank's experts and communicator.
+        progress: told the phases "planning memory", "loading weights" and (when experts are
+            quantized at load) "quantizing experts".
+
+    Raises:
+        StartupError: unsupported architecture, a KV cache too small for one max_model_len
+            request, missing or mis-shaped weights, a quantization that does not fit.
+    """
+    progress = progress or _no_progress
+    progress("planning memory", "", None)
+    model_dir = config.model.model
+    # config.json only; a checkpoint's own Python code (auto_map) is never run.
+    hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    architecture, model_cls = resolve_architecture(hf_config)
+    spec = model_cls.arch_spec(hf_config)
+    max_model_len = config.model.max_model_len or spec.max_position_embeddings
+    weight_dtype = config.model.torch_dtype()
+    dtype = compute_dtype(weight_dtype)
+    if dtype != weight_dtype:
+        logger.warning(
+            "this CPU has no native bfloat16 matmul (AVX512-BF16/AMX): weights are rounded "
+            "to bfloat16 and computed in float32 (MOE_ENGINE_FORCE_BF16=1 keeps bfloat16)"
+        )
+    attention_groups = model_cls.kv_cache_groups_for(spec)
+    plan = make_plan(
+        spec,
+        dtype,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        attention_groups=attention_groups,
+        block_size=config.cache.block_size,
+        max_model_len=max_model_len,
+        kv_cache_memory=config.cache.kv_cache_memory,
+        num_blocks_override=config.cache.num_blocks_override,
+        ep_size=config.parallel.ep_size,
+        num_local_experts=len(rank_context.local_experts) if rank_context else None,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        expert_bits_per_weight=config.quant.bits_per_weight,
+    )
+    logger.info("startup plan:\n%s", plan.describe())
+    plan.check(max_model_len)
+    model = model_cls(spec, dtype, max_position=max_model_len).eval()
+    if rank_context is not None:
+        for _, moe in model.moe_layers():
+            moe.shard_experts(
+                rank_context.local_experts, rank_context.communicator, rank_context.rank
+            )
+    progress("loading weights", model_dir, None)
+    load_model(model, model_dir, weight_dtype, _checkpoint_quant(config))
+    if config.quant.method != "none":
+        progress("quantizing experts", config.quant.method, None)
+    quantize_experts(model, config)
+    return BuiltModel(
+        model, spec, architecture, hf_config, plan, attention_groups, max_model_len,
+        weight_dtype, dtype,
+    )
+
+
+def _checkpoint_quant(config: EngineConfig) -> CompressedTensorsConfig | None:
+    """config.json's compressed-tensors config (None when it has none).
+
+    Raises:
+        StartupError: an unsupported quantization_config.
+    """
+    try:
+        return parse_quantization_config(config.model.hf_config())
+    except ValueError as e:
+        raise StartupError(str(e)) from e
+
+
+def quantize_experts(model: MoeCausalLM, config: EngineConfig) -> None:
+    """Quantize the routed experts to 4 bits when --quantization asks for it (or check that
+    the checkpoint's 4-bit experts all arrived, `check_prequantized`).
+
+    Raises:
+        StartupError: a group size that does not divide the dimension it groups.
+    """
+    method = config.quant.method
+    if method == "none":
+        return
+    if config.quant.checkpoint_format is not None:
+        check_prequantized(model, config)
+        return
+    experts = [moe for _, moe in model.moe_layers()]
+    try:
+        for moe in experts:
+            moe.quantize(method, config.quant.group_size)
+    except ValueError as e:
+        raise StartupError(f"--quantization {method}: {e}") from e
+    nbytes = sum(m.quantized.nbytes for m in experts)
+    logger.info("experts quantized to %s: %.1f MiB", method, nbytes / 2**20)
+
+
+def check_prequantized(model: MoeCausalLM, config: EngineConfig) -> None:
+    """Every MoE layer got its experts 4-bit from the checkpoint (int4 at the configured
+    group size, or mxfp4).
+
+    Raises:
+        StartupError: a layer whose expert tensors were not all stored quantized, or a
+            group size other than config.json's (names the layer and both numbers).
+    """
+    q = config.quant
+    layers = model.moe_layers()
+    for index, moe in layers:
+        where = f"layer {index} ({q.checkpoint_format} checkpoint)"
+        if moe.quantized is None:
+            raise StartupError(
+                f"{where}: config.json declares {q.method} experts, but not all of this "
+                f"layer's expert tensors are stored quantized"
+            )
+        if moe.quantized.group_size != q.group_size:
+            raise StartupError(
+                f"{where}: expert group size {moe.quantized.group_size}, config.json says "
+                f"{q.group_size}"
+            )
+    nbytes = sum(moe.quantized.nbytes for _, moe in layers)
+    logger.info(
+        "experts loaded %s (group %d, %s) from the checkpoint: %.1f MiB", q.method,
+        q.group_size, "symmetric" if q.symmetric else "asymmetric", nbytes / 2**20,
+    )

@@ -1,0 +1,167 @@
+"""The Llama-style blocks the architecture files compose: attention with a fused QKV
+projection, the dense SwiGLU MLP, the pre-norm decoder layer and the backbone.
+
+Per layer: norm -> attention -> residual -> norm -> MLP (a sparse MoE block or a dense MLP) ->
+residual (Touvron et al., "LLaMA", 2023; Hugging Face `LlamaDecoderLayer`). What differs per
+architecture (biases, q/k norm, sinks, the rotary module, the MLP of each layer, the norms) is
+passed in; `models/base.py`'s `MoeCausalLM` builds these from an `ArchSpec`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_engine.models.layers.attention import AttentionMetadata, PagedAttention
+from moe_engine.models.layers.linear import Linear, MergedLinear
+from moe_engine.models.layers.norm import RMSNorm
+from moe_engine.phase_timer import PhaseTimer
+
+if TYPE_CHECKING:
+    from moe_engine.models.base import ArchSpec
+
+
+class Attention(nn.Module):
+    """Fused QKV projection, optional per-head q/k RMSNorm, rotary embedding, paged attention,
+    output projection (GQA: `num_kv_heads` key/value heads shared by `num_heads` query heads).
+
+    Args:
+        spec: the sizes (num_heads, num_kv_heads, head_dim, hidden_size, rms_norm_eps).
+        dtype: parameter dtype.
+        rotary: the rotary module, called `rotary(positions [T], q [T, Hq, D], k [T, Hkv, D])
+            -> (q, k)`; one module shared by every layer (a partial or interleaved rope is a
+            different module with the same call).
+        sliding_window: this layer's window (tokens, the query included), None for full
+            attention.
+        qkv_bias: biases on q/k/v (default `spec.attention_bias`).
+        o_bias: a bias on the output projection.
+        sinks: learned per-head sink logits in the softmax (gpt-oss).
+        qk_norm: per-head RMSNorm on queries and keys before the rope (default `spec.qk_norm`).
+
+    Checkpoint names: `q_proj`, `k_proj`, `v_proj` (stacked into `qkv_proj`, shards "q", "k",
+    "v"), `o_proj`, `q_norm`, `k_norm`, `sinks`.
+    """
+
+    def __init__(
+        self,
+        spec: ArchSpec,
+        dtype: torch.dtype,
+        rotary: nn.Module,
+        sliding_window: int | None = None,
+        *,
+        qkv_bias: bool | None = None,
+        o_bias: bool = False,
+        sinks: bool = False,
+        qk_norm: bool | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            spec.num_heads, spec.num_kv_heads, spec.head_dim
+        )
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.sizes = (q_size, kv_size, kv_size)
+        bias = spec.attention_bias if qkv_bias is None else qkv_bias
+        self.qkv_proj = MergedLinear(
+            spec.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=bias, dtype=dtype
+        )
+        self.o_proj = Linear(q_size, spec.hidden_size, bias=o_bias, dtype=dtype)
+        # learned per-head sink logits (gpt-oss), filled from the checkpoint
+        self.sinks = nn.Parameter(torch.zeros(spec.num_heads, dtype=dtype)) if sinks else None
+        self.qk_norm = spec.qk_norm if qk_norm is None else qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype)
+        self.rotary = rotary  # shared by all layers
+        self.attn = PagedAttention(
+            spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5,
+            sliding_window=sliding_window,
+        )
+
+    def forward(
+        self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache
+    ) -> torch.Tensor:
+        """h: [T, H] -> [T, H]; positions [T] int64; kv_cache: this layer's (K, V) pair."""
+        t = h.shape[0]
+        q, k, v = self.qkv_proj(h).split(self.sizes, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta, sinks=self.sinks))
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP, down(silu(gate(h)) * up(h)): the dense layers (Qwen3-MoE `mlp_only_layers`,
+    DeepSeek `first_k_dense_replace`) and shared experts.
+
+    Args:
+        hidden_size: H; intermediate_size: I; dtype: parameter dtype.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [T, H] -> [T, H]."""
+        return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: h + attn(norm1(h)), then + mlp(norm2(h)).
+
+    Args:
+        self_attn: called `(h [T, H], positions, meta, kv_cache) -> [T, H]`.
+        mlp: called `(h [T, H]) -> [T, H]` (a `FusedMoE`, a `DenseMLP`, ...).
+        input_layernorm, post_attention_layernorm: the two norms.
+
+    `timer`, when set (`MoeCausalLM.attach_timer`), times the attention phase.
+    """
+
+    def __init__(
+        self,
+        self_attn: nn.Module,
+        mlp: nn.Module,
+        input_layernorm: nn.Module,
+        post_attention_layernorm: nn.Module,
+    ) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.timer: PhaseTimer | None = None
+        self.input_layernorm = input_layernorm
+        self.post_attention_layernorm = post_attention_layernorm
+        self.mlp = mlp
+
+    def forward(
+        self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache
+    ) -> torch.Tensor:
+        """h: [T, H] -> [T, H]."""
+        if self.timer is None:
+            h = h + self.self_attn(self.input_layernorm(h), positions, meta, kv_cache)
+        else:
+            with self.timer.phase("attention"):
+                h = h + self.self_attn(self.input_layernorm(h), positions, meta, kv_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    """Embeddings, decoder layers, final norm (checkpoint prefix `model.`).
+
+    Args:
+        embed_tokens: [vocab, H] embedding; layers: the decoder layers in order; norm: the
+            final norm.
+    """
+
+    def __init__(self, embed_tokens: nn.Embedding, layers: list[nn.Module], norm: nn.Module):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+

@@ -1,0 +1,249 @@
+"""Checkpoint names -> the model's parameters: one declarative mapping per architecture,
+applied by one loading routine shared by all of them.
+
+An architecture file states how its checkpoint names differ from its module tree
+(`WeightMapping`), in the manner of vLLM's and nano-vllm's `packed_modules_mapping` /
+`stacked_params_mapping` and `FusedMoE.make_expert_params_mapping`:
+- `renames`: substrings replaced in every checkpoint name first (Mixtral
+  `.block_sparse_moe.` -> `.mlp.`, gpt-oss `.mlp.router.` -> `.mlp.gate.`);
+- `stacked_params`: checkpoint projections that fill slices of one `MergedLinear`
+  (q/k/v -> `qkv_proj`, shards "q", "k", "v");
+- `experts`: the names of a `FusedMoE` block's routed experts under `<block>.experts.`: per
+  expert (`experts.{e}.gate_proj.weight`, or Mixtral's `w1`/`w3`/`w2`) or all experts in one
+  tensor (transformers 5 `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I],
+  gpt-oss's [E, in, out] with gate/up interleaved, its `_bias` and MXFP4 `_blocks`/`_scales`).
+Every other name is a parameter (or persistent buffer) of the model by that name. Expert
+formats are copied by `layers/expert_weights.py`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from moe_engine.models.layers import expert_weights
+from moe_engine.models.layers.linear import Linear, MergedLinear
+from moe_engine.models.layers.moe import FusedMoE
+from quant.int4 import Int4Weight, dequantize_int4
+
+#: q/k/v projections stacked into the attention's `qkv_proj` (`layers/decoder.Attention`).
+QKV_STACKED = (
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+)
+
+
+@dataclass(frozen=True)
+class ExpertMapping:
+    """Checkpoint names of a `FusedMoE` block's routed experts, after `<block>.experts.`.
+
+    Attributes:
+        gate, up, down: one expert's projections, `experts.{e}.<name>.weight` ([I, H], [I, H],
+            [H, I]).
+        fused_gate_up, fused_down: all experts' projections in one tensor,
+            `experts.<name>` ([E, 2I, H] and [E, H, I] unless `fused_in_out`), with optional
+            suffixes `_bias` ([E, 2I], [E, H]), `_blocks` / `_scales` (MXFP4, rows = outputs).
+        fused_in_out: the fused weights are stored [E, in, out] (gpt-oss) and are transposed.
+        interleaved_gate_up: gate and up features alternate (gpt-oss) in the fused gate/up
+            tensors (weights, biases, blocks, scales) and are de-interleaved.
+    """
+
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+    fused_gate_up: str = "gate_up_proj"
+    fused_down: str = "down_proj"
+    fused_in_out: bool = False
+    interleaved_gate_up: bool = False
+
+    def name_of(self, projection: str) -> str:
+        """The per-expert checkpoint name of projection "gate" | "up" | "down"."""
+        return {"gate": self.gate, "up": self.up, "down": self.down}[projection]
+
+
+@dataclass(frozen=True)
+class WeightMapping:
+    """How an architecture's checkpoint names map onto its modules (see the module doc).
+
+    Attributes:
+        renames: (checkpoint substring, model substring) pairs, applied in order.
+        stacked_params: (merged module substring, checkpoint substring, shard id) triples,
+            vLLM's `stacked_params_mapping`; the merged module must be a `MergedLinear`
+            (names whose target is not one load as they are).
+        experts: the routed experts' names.
+    """
+
+    renames: tuple[tuple[str, str], ...] = ()
+    stacked_params: tuple[tuple[str, str, str], ...] = QKV_STACKED
+    experts: ExpertMapping = field(default_factory=ExpertMapping)
+
+    def model_name(self, name: str) -> str:
+        """A checkpoint name with `renames` applied."""
+        for old, new in self.renames:
+            name = name.replace(old, new)
+        return name
+
+    def checkpoint_name(self, name: str) -> str:
+        """A model name with `renames` undone (the checkpoint's module name)."""
+        for old, new in reversed(self.renames):
+            name = name.replace(new, old)
+        return name
+
+
+def expert_piece(block: str, expert: int, projection: str) -> str:
+    """The name `load_weights` reports for one expert projection:
+    "model.layers.3.mlp.experts.7.up"."""
+    return f"{block}.experts.{expert}.{projection}"
+
+
+class WeightLoader:
+    """Applies a model's `weight_mapping` to checkpoint tensors (`MoeCausalLM.load_weights`,
+    `wants_weight`, `expected_weight_names` delegate here).
+
+    Args:
+        model: the model (`MoeCausalLM`); its class's `weight_mapping` names the tensors.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.mapping: WeightMapping = model.weight_mapping
+        e = self.mapping.experts
+        names = "|".join(re.escape(n) for n in {e.gate, e.up, e.down})
+        self._expert = re.compile(rf"(.+)\.experts\.(\d+)\.({names})\.weight$")
+        self._expert_id = re.compile(r"(.+)\.experts\.(\d+)\.")
+        fused = "|".join(re.escape(n) for n in {e.fused_gate_up, e.fused_down})
+        self._fused = re.compile(rf"(.+)\.experts\.({fused})(_bias|_blocks|_scales)?$")
+        self._shard = {e.gate: "gate", e.up: "up", e.down: "down"}
+        self.moes = {n: m for n, m in model.named_modules() if isinstance(m, FusedMoE)}
+        self.merged = {n: m for n, m in model.named_modules() if isinstance(m, MergedLinear)}
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        for prefix, module in model.named_modules():
+            for name, buf in module.named_buffers(recurse=False):
+                if name not in module._non_persistent_buffers_set:
+                    self.params[f"{prefix}.{name}" if prefix else name] = buf
+
+    def expected_names(self) -> set[str]:
+        """Every piece loading must fill: parameters and persistent buffers, each merged
+        projection per shard ("...qkv_proj.weight.q"), stacked expert weights per expert and
+        projection ("model.layers.3.mlp.experts.7.up")."""
+        names = set()
+        for n in self.params:
+            module, _, _ = n.rpartition(".")
+            if module in self.merged:
+                names |= {f"{n}.{shard}" for shard in self.merged[module].shards}
+            elif not (module in self.moes and n.endswith((".w13", ".w2"))):
+                names.add(n)
+        if getattr(self.model.spec, "tie_word_embeddings", False):
+            names.discard("lm_head.weight")
+        for block, moe in self.moes.items():
+            for e in set(moe.local_experts):
+                names |= {expert_piece(block, e, p) for p in expert_weights.PROJECTIONS}
+        return names
+
+    def wants(self, name: str) -> bool:
+        """False for a per-expert checkpoint tensor of an expert this rank does not hold (or
+        of a block that is not a `FusedMoE`): the loader then never reads it."""
+        if m := self._expert_id.match(self.mapping.model_name(name)):
+            moe = self.moes.get(m[1])
+            return moe is not None and bool(moe.local_slots(int(m[2])))
+        return True
+
+    def load(self, weights: Iterable[tuple[str, torch.Tensor | Int4Weight]]) -> set[str]:
+        """Copy every tensor into its place; returns the pieces filled (`expected_names`).
+
+        Raises:
+            ValueError: an unexpected tensor name or a shape mismatch (names both shapes).
+        """
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            loaded |= self.load_one(self.mapping.model_name(name), tensor)
+        for module in self.model.modules():  # native kernels' packed copies are stale now
+            if isinstance(module, Linear | FusedMoE):
+                module.reset_packed()
+        return loaded
+
+    def load_one(self, name: str, tensor: torch.Tensor | Int4Weight) -> set[str]:
+        """One tensor under its (renamed) model name; returns the pieces it filled."""
+        if m := self._expert.match(name):
+            block, expert, shard = m[1], int(m[2]), self._shard[m[3]]
+            if isinstance(tensor, Int4Weight):
+                expert_weights.load_int4_expert(self.moes[block], expert, shard, tensor)
+            else:
+                expert_weights.load_expert(self.moes[block], expert, shard, tensor)
+            return {expert_piece(block, expert, shard)}
+        if isinstance(tensor, Int4Weight):
+            # Only routed experts run in int4; any other Linear is dequantized exactly, in the
+            # scale's dtype as compressed-tensors' own decompression does.
+            tensor = dequantize_int4(*tensor, dtype=tensor.scales.dtype)
+        if (m := self._fused.match(name)) and m[1] in self.moes:
+            return self._load_fused(name, self.moes[m[1]], m[1], m[2], m[3] or "", tensor)
+        for merged, part, shard in self.mapping.stacked_params:
+            target = name.replace(part, merged)
+            module = self.merged.get(target.rpartition(".")[0])
+            if part in name and module is not None:
+                _copy(name, module.shard_view(self.params[target], shard), tensor)
+                return {f"{target}.{shard}"}
+        if name == "lm_head.weight" and getattr(self.model.spec, "tie_word_embeddings", False):
+            return set()
+        if name not in self.params:
+            raise ValueError(
+                f"checkpoint tensor {name!r} has no place in {type(self.model).__name__}"
+            )
+        _copy(name, self.params[name].data, tensor)
+        return {name}
+
+    def _load_fused(
+        self, name: str, moe: FusedMoE, block: str, proj: str, kind: str, tensor: torch.Tensor
+    ) -> set[str]:
+        """All experts of one projection (weights, biases or MXFP4 blocks/scales)."""
+        e = self.mapping.experts
+        gate_up = proj == e.fused_gate_up
+        shard = "gate_up" if gate_up else "down"
+        pieces = {expert_piece(block, x, p) for x in moe.local_experts
+                  for p in (("gate", "up") if gate_up else ("down",))}
+        interleaved = gate_up and e.interleaved_gate_up
+        if kind in ("_blocks", "_scales"):
+            if interleaved:
+                tensor = expert_weights.deinterleave_gate_up(tensor, dim=1)  # rows = outputs
+            done = expert_weights.load_mxfp4_experts(moe, shard, kind[1:], tensor)
+            return pieces if done else set()
+        hidden, size = moe.gate.in_features, moe.intermediate_size
+        if kind == "_bias":
+            _check_shape(name, tensor, (moe.num_experts, 2 * size if gate_up else hidden))
+            if interleaved:
+                tensor = expert_weights.deinterleave_gate_up(tensor, dim=1)
+            expert_weights.load_expert_biases(moe, shard, tensor)
+            return {f"{block}.{'b13' if gate_up else 'b2'}"}
+        if e.fused_in_out:
+            want = (moe.num_experts, hidden, 2 * size) if gate_up else (
+                moe.num_experts, size, hidden
+            )
+            _check_shape(name, tensor, want)
+            tensor = tensor.transpose(1, 2)  # [E, out, in]
+        if interleaved:
+            tensor = expert_weights.deinterleave_gate_up(tensor, dim=1)
+        expert_weights.load_all_experts(moe, shard, tensor)
+        return pieces
+
+
+def _check_shape(name: str, tensor: torch.Tensor, want: tuple) -> None:
+    """Raise ValueError naming the tensor and both shapes."""
+    if tuple(tensor.shape) != want:
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects "
+            f"{want} (this architecture's layout)"
+        )
+
+
+def _copy(name: str, target: torch.Tensor, tensor: torch.Tensor) -> None:
+    if target.shape != tensor.shape:
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+            f"the model expects {tuple(target.shape)}"
+        )
+    target.copy_(tensor)
