@@ -340,11 +340,9 @@ class SigmoidGroupedTopKRouter(_Router):
         super().__init__(hidden_size, num_experts, top_k, bias, torch.float32)
         self.n_group, self.topk_group = n_group, topk_group
         self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
-        self.e_score_correction_bias: torch.Tensor | None = None
-        if correction_bias:
-            self.register_buffer(
-                "e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32)
-            )
+        # persistent (in the state dict), so it loads by name; None when absent
+        bias_buffer = torch.zeros(num_experts, dtype=torch.float32) if correction_bias else None
+        self.register_buffer("e_score_correction_bias", bias_buffer)
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, H] -> topk_weights [T, k] float32, topk_ids [T, k] int32."""
