@@ -24,9 +24,13 @@ class ExpertLoadRecorder:
         ep_size: N, ranks whose received tokens `record_rank_tokens` adds up (1: no EP).
         window_steps: steps kept by the recent-window ring (`window_counts`); >= 1.
         device: where the counters live (the model's device; default CPU).
+        n_group: the expert-group layout of group-limited routing (DeepSeek-V2/V3, GLM-4.5:
+            `n_group` groups of E / n_group contiguous ids), or None when the model has none;
+            carried into the trace meta (`layout_meta`) so that reports show per-group load.
+            Counts are routed token-expert pairs only: shared experts are never recorded.
 
     Raises:
-        ValueError: window_steps < 1 or ep_size < 1.
+        ValueError: window_steps < 1, ep_size < 1, or n_group not dividing num_experts.
     """
 
     def __init__(
@@ -36,9 +40,15 @@ class ExpertLoadRecorder:
         ep_size: int = 1,
         window_steps: int = 64,
         device: torch.device | str | None = None,
+        n_group: int | None = None,
     ) -> None:
         if window_steps < 1 or ep_size < 1:
             raise ValueError(f"window_steps ({window_steps}) and ep_size ({ep_size}) must be >= 1")
+        if n_group is not None and (n_group < 1 or num_experts % n_group):
+            raise ValueError(
+                f"n_group ({n_group}) must be >= 1 and divide num_experts ({num_experts})"
+            )
+        self.n_group = n_group
         self.moe_layers = list(moe_layers)
         self.row_of_layer = {layer: row for row, layer in enumerate(self.moe_layers)}
         self.num_experts, self.ep_size, self.window_steps = num_experts, ep_size, window_steps
@@ -75,6 +85,21 @@ class ExpertLoadRecorder:
             tokens_per_rank: [ep_size] integer tokens (a token counts once per rank it reaches).
         """
         self.rank_tokens[self.row_of_layer[layer]] += tokens_per_rank.to(self.rank_tokens.device)
+
+    def layout_meta(self) -> dict[str, int]:
+        """The trace-meta keys describing the expert layout: {"n_group": G} when the model
+        has expert groups, else {}."""
+        return {} if self.n_group is None else {"n_group": self.n_group}
+
+    def group_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """[L, E] pairs per expert (e.g. `snapshot()`) -> [L, n_group] pairs per group.
+
+        Raises:
+            ValueError: the recorder has no group layout.
+        """
+        if self.n_group is None:
+            raise ValueError("this recorder has no expert groups (n_group is None)")
+        return counts.reshape(counts.shape[0], self.n_group, -1).sum(dim=-1)
 
     def take_step_counts(self) -> torch.Tensor:
         """The counts since the previous call, i.e. one step's when called once per step.

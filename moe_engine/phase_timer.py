@@ -1,7 +1,8 @@
 """Wall time per phase of the forward pass, summed over steps (for stats and `bench/ep.py`).
 
 Phases: "attention" (the attention block of every layer), "router" (router GEMM and top-k),
-"dispatch", "experts", "combine" (the MoE block's three parts), "step" (one whole
+"dispatch", "experts", "combine" (the MoE block's three parts), "shared_experts" (the
+shared experts of models that have them, after combine), "step" (one whole
 `EngineCore.step`). On a CPU the host clock is the device clock; on a GPU these are launch
 times unless the caller synchronises, so they are meant for CPU runs and for relative splits.
 """

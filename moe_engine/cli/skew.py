@@ -1,7 +1,7 @@
 """`moe-skew`: the routing-skew profiler (DESIGN.md section 7).
 
     moe-skew report (TRACE | --server HOST:PORT) [--ep-size N] [--placement FILE] [--top K]
-                    [--moe-time-share F] [--json]
+                    [--moe-time-share F] [--n-group G] [--json]
     moe-skew plot (TRACE | --server HOST:PORT) -o FILE.png [--ep-size N] [--placement FILE]
     moe-skew plan TRACE --ep-size N --num-redundant-experts R [-o placement.json]
                   [--per-layer] [--json]
@@ -16,7 +16,10 @@ or a --placement is a what-if, predicted from the counts. A server gives no step
 time lost is n/a.
 `report` prints one row per MoE layer (imbalance by expert and by rank, hottest experts with
 their share of the layer's token-expert pairs, the straggler rank, the estimated step time lost
-waiting for it; definitions in `moe_engine/skew/report.py`) and a summary. `plan` replicates hot
+waiting for it; definitions in `moe_engine/skew/report.py`) and a summary; for a model with
+expert groups (group-limited routing: the trace's meta n_group, or `--n-group G`, which a live
+server needs) a second table gives per layer the pairs per group, the hottest group and the
+group max/mean (`moe_engine/skew/groups.py`). `plan` replicates hot
 experts and packs them onto ranks (EPLB-style greedy, `moe_engine/skew/planner.py`), prints the
 predicted rank imbalance (max / mean) per layer before (the trace's placement, else
 contiguous) and after, and writes the placement JSON; the plan is never predicted worse than
@@ -38,6 +41,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from moe_engine.cli.argtypes import int_at_least, positive_seconds, server_address
+from moe_engine.skew.groups import group_table
 from moe_engine.skew.planner import (
     Placement,
     PlacementError,
@@ -113,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument(
         "--moe-time-share", type=_fraction, help="share of a step spent in MoE blocks, for the "
         "time-lost estimate (default: the trace's measured value, else 0.5)"
+    )
+    rep.add_argument(
+        "--n-group", type=int_at_least(1), metavar="G", help="expert groups of the model "
+        "(contiguous ids, as DeepSeek-V3's n_group) for the per-group table (default: the "
+        "trace's meta n_group; a live server's report needs it given)"
     )
     rep.add_argument("--json", action="store_true", help="one JSON object")
 
@@ -198,8 +207,9 @@ def _load_data(args: argparse.Namespace) -> LoadData:
     if (args.trace is None) == (args.server is None):
         raise _UsageError("give exactly one of TRACE or --server HOST:PORT")
     placement = Placement.load(args.placement) if args.placement else None
+    n_group = getattr(args, "n_group", None)  # report only
     if args.trace is not None:
-        data = LoadData.from_trace(read_trace(args.trace), args.ep_size, placement)
+        data = LoadData.from_trace(read_trace(args.trace), args.ep_size, placement, n_group)
     else:
         info, load = load_from_server(args.server, args.timeout)
         if not load["layers"]:
@@ -223,6 +233,7 @@ def _load_data(args: argparse.Namespace) -> LoadData:
             rank_load=measured,
             placement_source=source,
             meta=dict(model=info.get("model")),
+            n_group=n_group,
         )
     if data.placement is not None and data.placement.ep_size != data.ep_size:
         if args.ep_size is None:
@@ -268,6 +279,11 @@ def cmd_report(args: argparse.Namespace) -> int:
         return 0
     header, rows = report_table(report)
     _print_table(header, rows, "routing skew per MoE layer")
+    groups = [r.groups for r in report.layers if r.groups is not None]
+    if groups and groups[0].n_group > 1:
+        print()
+        g_header, g_rows = group_table([r.layer for r in report.layers], groups)
+        _print_table(g_header, g_rows, "token-expert pairs per expert group per MoE layer")
     print()
     print("\n".join(summary_lines(report)))
     return 0

@@ -21,6 +21,8 @@ Definitions (DESIGN.md section 7; the two conventions of the field):
   step waits for its own straggler). In a layer whose MoE work takes time proportional to its
   busiest rank's load, a perfectly balanced placement would take mean / max of that time; the
   rest is waiting. It ignores communication overlap and per-expert fixed costs.
+- By expert group (models with group-limited routing, `n_group` > 1 from the trace's meta or
+  given): pairs per group, the hottest group, group max / mean (`moe_engine/skew/groups.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from moe_engine.skew.groups import GroupLoad, check_n_group
 from moe_engine.skew.planner import (
     Placement,
     PlacementError,
@@ -62,6 +65,7 @@ class LoadData:
         placement_source: where `placement` came from: "trace", "server", "file" (given), or
             None (contiguous default).
         meta: the trace's meta (model, moe_time_share, ...).
+        n_group: expert groups of the model (meta "n_group"), or None: no group view.
     """
 
     moe_layers: list[int]
@@ -74,14 +78,19 @@ class LoadData:
     rank_load: np.ndarray | None = None
     placement_source: str | None = None
     meta: dict[str, Any] | None = None
+    n_group: int | None = None
 
     @classmethod
     def from_trace(
-        cls, trace: ExpertTrace, ep_size: int | None = None, placement: Placement | None = None
+        cls,
+        trace: ExpertTrace,
+        ep_size: int | None = None,
+        placement: Placement | None = None,
+        n_group: int | None = None,
     ) -> LoadData:
         """Rank view on `ep_size` ranks (default: the trace's meta ep_size, else 1) under
         `placement` (default: the trace's meta placement when its ep_size matches, else
-        contiguous)."""
+        contiguous); group view on `n_group` groups (default: the trace's meta n_group)."""
         meta = trace.meta
         n = ep_size or int(meta.get("ep_size") or 1)
         source = None if placement is None else "file"
@@ -102,6 +111,7 @@ class LoadData:
             rank_tokens=rank_tokens,
             placement_source=source,
             meta=meta,
+            n_group=n_group or meta.get("n_group"),
         )
 
     def resolved_placement(self) -> Placement:
@@ -140,10 +150,12 @@ class LayerReport:
     step_rank_balancedness: float
     lost_s_per_step: float | None
     recv_imbalance: float | None = None
+    groups: GroupLoad | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = dict(self.__dict__)
         out["hottest"] = [dict(expert=e, share=s) for e, s in self.hottest]
+        out["groups"] = None if self.groups is None else self.groups.to_json()
         return out
 
 
@@ -168,7 +180,8 @@ def build_report(
         moe_time_share: f_moe in [0, 1] (default: meta "moe_time_share", else 0.5).
 
     Raises:
-        ValueError: moe_time_share outside [0, 1]; a measured rank load that is not [L, N].
+        ValueError: moe_time_share outside [0, 1]; a measured rank load that is not [L, N];
+            an n_group that does not divide the experts.
         PlacementError: a placement that does not fit the counts.
     """
     counts = np.asarray(data.counts, dtype=np.float64)
@@ -183,6 +196,8 @@ def build_report(
         share, share_source = DEFAULT_MOE_TIME_SHARE, "assumed"
     if not 0.0 <= share <= 1.0:
         raise ValueError(f"moe_time_share must be in [0, 1], got {share}")
+    if data.n_group is not None:
+        check_n_group(num_experts, int(data.n_group))
     placement = data.resolved_placement()
     per_row = rank_loads(counts, placement, data.moe_layers)  # [S, L, N]
     ranks = per_row.sum(axis=0)  # [L, N]
@@ -234,6 +249,7 @@ def build_report(
                 step_rank_balancedness=float(step_bal[i]),
                 lost_s_per_step=lost,
                 recv_imbalance=None if recv_imb is None else float(recv_imb[i]),
+                groups=None if data.n_group is None else GroupLoad.of(total[i], data.n_group),
             )
         )
     overall = total.sum(axis=0)
@@ -262,6 +278,11 @@ def build_report(
         ],
         mean_expert_imbalance=float(expert_imb.mean()),
         mean_rank_imbalance=float(rank_imb.mean()),
+        n_group=data.n_group,
+        mean_group_imbalance=(
+            None if data.n_group is None
+            else float(np.mean([r.groups.imbalance for r in rows if r.groups is not None]))
+        ),
         lost_s_per_step=lost_total,
         lost_fraction_of_step=(
             None if lost_total is None or not step_time else lost_total / step_time
@@ -323,6 +344,12 @@ def summary_lines(report: SkewReport) -> list[str]:
         f"mean imbalance (max/mean): by expert {s['mean_expert_imbalance']:.3f}, "
         f"by rank {s['mean_rank_imbalance']:.3f} ({by_rank})",
     ]
+    if s.get("n_group"):
+        lines.append(
+            f"mean imbalance by expert group ({s['n_group']} groups of "
+            f"{s['num_experts'] // s['n_group']} experts, max/mean): "
+            f"{s['mean_group_imbalance']:.3f}"
+        )
     if s["lost_s_per_step"] is None:
         lines.append("step time lost to stragglers: n/a (no step times in this source)")
     else:

@@ -12,7 +12,8 @@ Schema (format_version 1; docs/trace_format.md is the reference, kept in step wi
 | `num_steps`      | int64     | [S]       | engine steps aggregated into the row (>= 1)         |
 | `rank_tokens`    | int32     | [S, L, R] | optional: tokens received per EP rank (dispatch)    |
 | `meta`           | str (0-d) | []        | JSON object: model, ep_size, num_experts, top_k,    |
-|                  |           |           | placement (object or null), start_time_unix, ...    |
+|                  |           |           | placement (object or null), start_time_unix, and    |
+|                  |           |           | n_group (expert groups) when the model has groups   |
 
 A row is one engine step, or `aggregate_steps` consecutive steps summed (counts, times, tokens).
 Everything loads with `numpy.load(path, allow_pickle=False)`.
@@ -116,6 +117,14 @@ class ExpertTrace:
         if meta_experts is not None and meta_experts != num_experts:
             raise TraceFormatError(
                 f"meta num_experts is {meta_experts} but counts has {num_experts} experts"
+            )
+        n_group = self.meta.get("n_group")
+        if n_group is not None and (
+            not isinstance(n_group, int) or n_group < 1 or num_experts % n_group
+        ):
+            raise TraceFormatError(
+                f"meta n_group is {n_group!r}; it must be an integer >= 1 dividing the "
+                f"{num_experts} experts"
             )
 
 

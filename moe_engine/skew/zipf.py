@@ -103,13 +103,18 @@ def zipf_trace(
     shared_hot: bool = False,
     step_time_s: float = 0.05,
     ep_size: int = 1,
+    n_group: int | None = None,
 ) -> tuple[ExpertTrace, ZipfRouter]:
     """A whole synthetic trace: `num_steps` rows of `tokens_per_step` tokens through L layers.
 
+    Args:
+        n_group: recorded as meta "n_group" (the expert-group layout a report groups by);
+            the draws themselves ignore groups.
+
     Returns:
         (trace, router): trace.counts [S, L, E] int32, moe_layers 0..L-1, step_time_s constant,
-        meta {"model": "synthetic-zipf", "zipf_s", "seed", "top_k", "ep_size", "num_experts"};
-        router.hot_order gives each layer's experts hottest first.
+        meta {"model": "synthetic-zipf", "zipf_s", "seed", "top_k", "ep_size", "num_experts"}
+        (+ "n_group" when given); router.hot_order gives each layer's experts hottest first.
     """
     router = ZipfRouter(num_experts, top_k, s, num_layers, seed, shared_hot)
     counts = np.stack([router.step_counts(tokens_per_step).numpy() for _ in range(num_steps)])
@@ -127,6 +132,8 @@ def zipf_trace(
             ep_size=ep_size,
             num_experts=num_experts,
             shared_hot=shared_hot,
+            **({} if n_group is None else dict(n_group=n_group)),
         ),
     )
+    trace.validate()
     return trace, router

@@ -10,7 +10,6 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from comm import Communicator, NoopCommunicator
@@ -20,6 +19,8 @@ from kernels.cpu_native import PackedExperts, native_moe_available
 from moe_engine.instrumentation import ExpertLoadRecorder
 from moe_engine.models.layers.linear import Linear
 from moe_engine.models.layers.quantized_experts import QuantizedExperts
+from moe_engine.models.layers.routing import softmax_topk, topk_softmax
+from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.phase_timer import PhaseTimer
 from quant.int4 import Int4Weight
 
@@ -34,47 +35,7 @@ class _NoTimer:
 
 _NO_TIMER = _NoTimer()
 
-
-def softmax_topk(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over all experts, then the top-k, optionally renormalised to sum to 1.
-
-    The routing of Qwen3-MoE (`norm_topk_prob`) and Mixtral (always renormalised) in Hugging
-    Face `transformers`. Ties go to the lower expert id (stable sort), so identical logits still
-    give k distinct experts deterministically.
-
-    Args:
-        router_logits: [T, E] any float dtype.
-        top_k: experts per token.
-        renormalize: divide the k probabilities by their sum.
-
-    Returns:
-        topk_weights [T, k] float32, topk_ids [T, k] int32.
-    """
-    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
-    weights, ids = weights[:, :top_k], ids[:, :top_k]
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids.to(torch.int32)
-
-
-def topk_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of the logits, then softmax over those k (gpt-oss; `GptOssTopKRouter` in Hugging
-    Face `transformers`, whose `torch.topk` and softmax in the logits' dtype this repeats).
-
-    Args:
-        router_logits: [T, E] any float dtype.
-        top_k: experts per token.
-
-    Returns:
-        topk_weights [T, k] float32 (sum to 1), topk_ids [T, k] int32.
-    """
-    logits, ids = torch.topk(router_logits, top_k, dim=-1)
-    weights = F.softmax(logits, dim=-1, dtype=logits.dtype).float()
-    return weights, ids.to(torch.int32)
-
+__all__ = ["ROUTINGS", "FusedMoE", "softmax_topk", "topk_softmax"]  # routing: old callers
 
 #: Routing rules `FusedMoE` accepts: softmax over all experts then top-k (Qwen3-MoE, Mixtral),
 #: or top-k of the logits then softmax over them (gpt-oss).
@@ -102,9 +63,15 @@ class FusedMoE(nn.Module):
         expert_bias: experts have biases b13 [E_local, 2I] (gate; up) and b2 [E_local, H],
             stored and sliced per local slot like w13/w2 (gpt-oss).
         activation: plain SwiGLU (default) or gpt-oss's clamped one (`kernels.activation`).
+        router: a router module (`layers.routing`: hidden [T, H] -> topk_weights [T, k] fp32,
+            topk_ids [T, k] int32, with `num_experts`, `top_k` and its checkpoint names
+            `weight`, `bias`, `e_score_correction_bias`); it becomes `self.gate`, so
+            `mlp.gate.*` load by name. None (default): a Linear gate and `routing`.
+        shared_experts: run on this rank's own tokens beside the routed path (never
+            dispatched) and added after combine (`layers.shared_experts`); None: none.
 
     Raises:
-        ValueError: an unknown routing.
+        ValueError: an unknown routing, or a router whose num_experts / top_k differ.
     """
 
     def __init__(
@@ -121,14 +88,23 @@ class FusedMoE(nn.Module):
         router_bias: bool = False,
         expert_bias: bool = False,
         activation: SwiGLU = SILU_AND_MUL,
+        router: nn.Module | None = None,
+        shared_experts: SharedExperts | None = None,
     ) -> None:
         super().__init__()
         if routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+        if router is not None and (router.num_experts, router.top_k) != (num_experts, top_k):
+            raise ValueError(
+                f"router has {router.num_experts} experts, top_k {router.top_k}; the MoE layer "
+                f"has {num_experts}, top_k {top_k}"
+            )
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.routing, self.activation = routing, activation
         self.intermediate_size = intermediate_size
-        self.gate = Linear(hidden_size, num_experts, bias=router_bias, dtype=dtype)
+        self.router_module = router is not None
+        self.gate = router or Linear(hidden_size, num_experts, bias=router_bias, dtype=dtype)
+        self.shared_experts = shared_experts
         self.b13: nn.Parameter | None = None
         self.b2: nn.Parameter | None = None
         if expert_bias:
@@ -220,15 +196,12 @@ class FusedMoE(nn.Module):
         return {"activation": self.activation, "b13": b13, "b2": b2}
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [T, H] -> [T, H], same dtype."""
+        """hidden: [T, H] -> [T, H], same dtype: combine(experts(dispatch(hidden))) plus the
+        shared experts of this rank's own tokens."""
         timer = self.timer or _NO_TIMER
         with timer.phase("router"):
-            router_logits = self.gate(hidden)  # [T, E]
-            if self.routing == "topk_softmax":
-                topk_weights, topk_ids = topk_softmax(router_logits, self.top_k)
-            else:
-                topk_weights, topk_ids = softmax_topk(router_logits, self.top_k, self.renormalize)
-            if self.load_recorder is not None:
+            topk_weights, topk_ids = self._route(hidden)
+            if self.load_recorder is not None:  # routed pairs only, never the shared experts
                 self.load_recorder.record(self.layer_index, topk_ids)
         with timer.phase("dispatch"):
             sent = self.communicator.dispatch(hidden, topk_ids, topk_weights)
@@ -253,7 +226,20 @@ class FusedMoE(nn.Module):
                     **self._expert_extras(),
                 )
         with timer.phase("combine"):
-            return self.communicator.combine(expert_out, sent.handle)
+            out = self.communicator.combine(expert_out, sent.handle)
+        if self.shared_experts is None:
+            return out
+        with timer.phase("shared_experts"):
+            return out + self.shared_experts(hidden)
+
+    def _route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> topk_weights [T, k] float32, topk_ids [T, k] int32."""
+        if self.router_module:
+            return self.gate(hidden)
+        router_logits = self.gate(hidden)  # [T, E]
+        if self.routing == "topk_softmax":
+            return topk_softmax(router_logits, self.top_k)
+        return softmax_topk(router_logits, self.top_k, self.renormalize)
 
     def reset_packed(self) -> None:
         """Forget the native kernel's packed copy (call after changing weights in place)."""

@@ -1,0 +1,389 @@
+"""Routing: router logits -> (topk_weights [T, k] float32, topk_ids [T, k] int32), per family.
+
+| family                         | function                   | module                     |
+|--------------------------------|----------------------------|----------------------------|
+| Qwen3-MoE, Mixtral, Qwen2-MoE  | `softmax_topk`             | `SoftmaxTopKRouter`        |
+| gpt-oss                        | `topk_softmax`             | (FusedMoE's default path)  |
+| DeepSeek-V3, GLM-4.5 (noaux)   | `sigmoid_grouped_topk`     | `SigmoidGroupedTopKRouter` |
+| DeepSeek-V2                    | `softmax_grouped_topk`     | `SoftmaxGroupedTopKRouter` |
+
+Every selection breaks ties toward the lower expert id (and the lower group id when groups
+tie): `torch.topk`, which transformers uses, leaves the order of equal values unspecified, so
+selections here go through a stable descending sort instead. `topk_ids` come in descending
+order of the score that chose them.
+
+The router modules hold the checkpoint's names, so a `FusedMoE`'s `gate` attribute *is* the
+router and `model.layers.{i}.mlp.gate.weight` / `.gate.e_score_correction_bias` load by name:
+`weight` [E, H] (float32 for the grouped routers, as transformers'
+`_keep_in_fp32_modules_strict` keeps it), optional `bias` [E], and for the sigmoid router the
+persistent float32 buffer `e_score_correction_bias` [E]. Each module's forward takes hidden
+[T, H] (any float dtype) and returns (topk_weights [T, k] float32, topk_ids [T, k] int32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: `SoftmaxGroupedTopKRouter` selection methods (DeepSeek-V2 config `topk_method`).
+V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+def softmax_topk(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts, then the top-k, optionally renormalised to sum to 1.
+
+    The routing of Qwen3-MoE and Qwen2-MoE (`norm_topk_prob`) and Mixtral (always
+    renormalised) in Hugging Face `transformers`. Ties go to the lower expert id (stable sort),
+    so identical logits still give k distinct experts deterministically.
+
+    Args:
+        router_logits: [T, E] any float dtype.
+        top_k: experts per token.
+        renormalize: divide the k probabilities by their sum.
+
+    Returns:
+        topk_weights [T, k] float32, topk_ids [T, k] int32.
+    """
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :top_k], ids[:, :top_k]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def topk_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of the logits, then softmax over those k (gpt-oss; `GptOssTopKRouter` in Hugging
+    Face `transformers`, whose `torch.topk` and softmax in the logits' dtype this repeats).
+
+    Args:
+        router_logits: [T, E] any float dtype.
+        top_k: experts per token.
+
+    Returns:
+        topk_weights [T, k] float32 (sum to 1), topk_ids [T, k] int32.
+    """
+    logits, ids = torch.topk(router_logits, top_k, dim=-1)
+    weights = F.softmax(logits, dim=-1, dtype=logits.dtype).float()
+    return weights, ids.to(torch.int32)
+
+
+def check_group_limits(num_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
+    """Refuse a group-limited routing configuration that cannot be served.
+
+    Args:
+        num_experts: `n_routed_experts`; top_k: `num_experts_per_tok`;
+        n_group: groups the experts are split into (contiguous ids, E / n_group each);
+        topk_group: groups each token may use.
+
+    Raises:
+        ValueError: naming the config field, its value and the limit: n_routed_experts not
+            divisible by n_group, topk_group outside [1, n_group], or num_experts_per_tok
+            larger than topk_group * (experts per group) (the token could not get k experts
+            without using an excluded group).
+    """
+    if n_group < 1 or num_experts % n_group:
+        raise ValueError(
+            f"n_routed_experts ({num_experts}) must be divisible by n_group ({n_group}): "
+            "group-limited routing splits the experts into n_group equal groups"
+        )
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group ({topk_group}) must be in [1, n_group = {n_group}]")
+    per_group = num_experts // n_group
+    if not 1 <= top_k <= topk_group * per_group:
+        raise ValueError(
+            f"num_experts_per_tok ({top_k}) must be in [1, topk_group * experts per group = "
+            f"{topk_group} * {per_group} = {topk_group * per_group}]"
+        )
+
+
+def check_v2_routing(
+    num_experts: int, top_k: int, topk_method: str, n_group: int | None, topk_group: int | None
+) -> None:
+    """Refuse a DeepSeek-V2 routing configuration that cannot be served.
+
+    Raises:
+        ValueError: topk_method not in `V2_TOPK_METHODS`; for "group_limited_greedy", n_group
+            or topk_group missing, or limits `check_group_limits` refuses; top_k outside [1, E].
+    """
+    if topk_method not in V2_TOPK_METHODS:
+        raise ValueError(f"topk_method must be one of {V2_TOPK_METHODS}, got {topk_method!r}")
+    if topk_method == "group_limited_greedy":
+        if n_group is None or topk_group is None:
+            raise ValueError(
+                f"topk_method 'group_limited_greedy' needs n_group and topk_group, got "
+                f"n_group={n_group}, topk_group={topk_group}"
+            )
+        check_group_limits(num_experts, top_k, n_group, topk_group)
+    elif not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok ({top_k}) must be in [1, {num_experts}]")
+
+
+def _stable_topk_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """[T, k] int64 indices of the k largest of scores [T, N], the lower index first on ties."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def group_limited_mask(group_scores: torch.Tensor, topk_group: int, per_group: int) -> torch.Tensor:
+    """[T, E] bool: True for the experts of each token's best `topk_group` groups.
+
+    Args:
+        group_scores: [T, n_group] float, one score per group (lower group id wins ties).
+        topk_group: groups kept per token.
+        per_group: experts per group (E = n_group * per_group, group g = ids
+            [g * per_group, (g + 1) * per_group)).
+    """
+    kept = _stable_topk_ids(group_scores, topk_group)
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+    return mask.repeat_interleave(per_group, dim=1)
+
+
+def sigmoid_grouped_topk(
+    router_logits: torch.Tensor,
+    top_k: int,
+    e_score_correction_bias: torch.Tensor | None,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 / GLM-4.5 routing: sigmoid scores, bias for selection, group-limited top-k.
+
+    1. scores = sigmoid(router_logits) in float32;
+    2. the choice uses scores + e_score_correction_bias (the auxiliary-loss-free balancing
+       bias of the DeepSeek-V3 technical report, arXiv:2412.19437, sec. 2.1.2: it changes
+       which experts are chosen, never their weights);
+    3. each of the n_group groups scores the sum of its two largest biased scores; the best
+       topk_group groups stay and the experts of the others are masked to -inf, so they are
+       never picked, even when every biased score is negative (group-limited routing, the
+       DeepSeek-V2 paper's device-limited routing, arXiv:2405.04434, sec. 2.1.3; V3's
+       node-limited routing);
+    4. the top_k biased scores of the rest choose the experts (lower id wins ties);
+    5. weights are the *unbiased* sigmoid scores of those experts, divided by their sum
+       (+1e-20) when norm_topk_prob, then times routed_scaling_factor.
+    This is `DeepseekV3TopkRouter.forward` / `Glm4MoeTopkRouter.forward` of transformers 5.24.
+
+    Args:
+        router_logits: [T, E] (computed in float32 from the float32 router weight).
+        top_k: experts per token.
+        e_score_correction_bias: [E] float32, or None (no bias).
+        n_group, topk_group: the group limit (n_group = 1, topk_group = 1: none).
+        norm_topk_prob: renormalise the k weights.
+        routed_scaling_factor: multiplies the weights.
+
+    Returns:
+        topk_weights [T, k] float32, topk_ids [T, k] int32 (by descending biased score).
+
+    Raises:
+        ValueError: see `check_group_limits`; fewer than 2 experts per group (the group score
+            sums the top two).
+    """
+    num_tokens, num_experts = router_logits.shape
+    check_group_limits(num_experts, top_k, n_group, topk_group)
+    per_group = num_experts // n_group
+    if per_group < 2:
+        raise ValueError(
+            f"n_group ({n_group}) leaves {per_group} expert per group; the group score is the "
+            "sum of each group's two best experts, so n_routed_experts / n_group must be >= 2"
+        )
+    scores = router_logits.float().sigmoid()
+    choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias
+    if topk_group < n_group:
+        top2 = choice.view(num_tokens, n_group, per_group).topk(2, dim=-1).values
+        keep = group_limited_mask(top2.sum(dim=-1), topk_group, per_group)
+        choice = choice.masked_fill(~keep, float("-inf"))
+    ids = _stable_topk_ids(choice, top_k)
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids.to(torch.int32)
+
+
+def softmax_grouped_topk(
+    router_logits: torch.Tensor,
+    top_k: int,
+    topk_method: str,
+    n_group: int | None,
+    topk_group: int | None,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2 routing: softmax over all experts, greedy or group-limited top-k, scaled.
+
+    "greedy": the top_k softmax probabilities. "group_limited_greedy" (DeepSeek-V2 paper,
+    arXiv:2405.04434, sec. 2.1.3, device-limited routing): each group scores its largest
+    probability, the best topk_group groups stay, the top_k of their experts are chosen.
+    Weights are the probabilities times routed_scaling_factor, *not* renormalised: transformers
+    5.24's `DeepseekV2TopkRouter` drops `norm_topk_prob` (its config keeps the field, the
+    router ignores it), and this repeats that router. Excluded experts are masked to -inf
+    (transformers masks to 0.0, the same choice unless a kept probability underflows to 0).
+
+    Args:
+        router_logits: [T, E] (float32 from the float32 router weight).
+        top_k: experts per token; topk_method: one of `V2_TOPK_METHODS`.
+        n_group, topk_group: the group limit (used by "group_limited_greedy" only).
+        routed_scaling_factor: multiplies the weights.
+
+    Returns:
+        topk_weights [T, k] float32, topk_ids [T, k] int32 (by descending probability).
+
+    Raises:
+        ValueError: an unknown topk_method; for "group_limited_greedy", missing n_group /
+            topk_group or limits `check_group_limits` refuses.
+    """
+    num_tokens, num_experts = router_logits.shape
+    check_v2_routing(num_experts, top_k, topk_method, n_group, topk_group)
+    scores = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    choice = scores
+    if topk_method == "group_limited_greedy":
+        assert n_group is not None and topk_group is not None  # checked above
+        per_group = num_experts // n_group
+        group_max = scores.view(num_tokens, n_group, per_group).amax(dim=-1)
+        keep = group_limited_mask(group_max, topk_group, per_group)
+        choice = scores.masked_fill(~keep, float("-inf"))
+    ids = _stable_topk_ids(choice, top_k)
+    return scores.gather(1, ids) * routed_scaling_factor, ids.to(torch.int32)
+
+
+class _Router(nn.Module):
+    """The parameters every router module holds under the checkpoint's names.
+
+    Attributes:
+        weight: [E, H] parameter; bias: [E] parameter or None.
+    """
+
+    def __init__(
+        self, hidden_size: int, num_experts: int, top_k: int, bias: bool, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok ({top_k}) must be in [1, {num_experts}]")
+        self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
+        self.weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.zeros(num_experts, dtype=dtype), requires_grad=False)
+            if bias else None
+        )
+
+    @property
+    def in_features(self) -> int:
+        """H, as `nn.Linear` names it (for code that reads `mlp.gate.in_features`)."""
+        return self.hidden_size
+
+    def router_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H] -> router_logits [T, E] in the router weight's dtype."""
+        return F.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
+
+
+class SoftmaxTopKRouter(_Router):
+    """Softmax over all experts then top-k (`softmax_topk`): Qwen2-MoE's `Qwen2MoeTopKRouter`
+    (weight in the model dtype; `norm_topk_prob`), Qwen3-MoE, Mixtral (renormalised).
+
+    Args:
+        hidden_size: H; num_experts: E; top_k: k; norm_topk_prob: renormalise the k weights;
+        dtype: the weight's dtype (the model's, as transformers keeps it); bias: a [E] bias.
+
+    Raises:
+        ValueError: top_k outside [1, E].
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        dtype: torch.dtype = torch.float32,
+        bias: bool = False,
+    ) -> None:
+        super().__init__(hidden_size, num_experts, top_k, bias, dtype)
+        self.norm_topk_prob = norm_topk_prob
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> topk_weights [T, k] float32, topk_ids [T, k] int32."""
+        return softmax_topk(self.router_logits(hidden), self.top_k, self.norm_topk_prob)
+
+
+class SigmoidGroupedTopKRouter(_Router):
+    """DeepSeek-V3 / GLM-4.5 router (`sigmoid_grouped_topk`; transformers'
+    `DeepseekV3TopkRouter`, `Glm4MoeTopkRouter`).
+
+    Args:
+        hidden_size: H; num_experts: E (`n_routed_experts`); top_k: `num_experts_per_tok`;
+        n_group, topk_group: the group limit; norm_topk_prob; routed_scaling_factor;
+        correction_bias: hold the `e_score_correction_bias` buffer (V3 and GLM do);
+        bias: a router bias [E] (none of these families has one).
+    The weight and the bias buffer are float32 whatever the model dtype, as transformers keeps
+    them (`_keep_in_fp32_modules_strict`); the logits are float32.
+
+    Raises:
+        ValueError: see `check_group_limits`.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        norm_topk_prob: bool,
+        routed_scaling_factor: float,
+        correction_bias: bool = True,
+        bias: bool = False,
+    ) -> None:
+        check_group_limits(num_experts, top_k, n_group, topk_group)
+        super().__init__(hidden_size, num_experts, top_k, bias, torch.float32)
+        self.n_group, self.topk_group = n_group, topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
+        # persistent (in the state dict), so it loads by name; None when absent
+        bias_buffer = torch.zeros(num_experts, dtype=torch.float32) if correction_bias else None
+        self.register_buffer("e_score_correction_bias", bias_buffer)
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> topk_weights [T, k] float32, topk_ids [T, k] int32."""
+        return sigmoid_grouped_topk(
+            self.router_logits(hidden), self.top_k, self.e_score_correction_bias,
+            self.n_group, self.topk_group, self.norm_topk_prob, self.routed_scaling_factor,
+        )
+
+
+class SoftmaxGroupedTopKRouter(_Router):
+    """DeepSeek-V2 router (`softmax_grouped_topk`; transformers' `DeepseekV2TopkRouter`).
+
+    Args:
+        hidden_size: H; num_experts: E; top_k: k; topk_method: "greedy" or
+        "group_limited_greedy"; n_group, topk_group: the group limit (may be None for
+        "greedy"); routed_scaling_factor; bias: a router bias [E].
+    The weight is float32 (transformers' `_keep_in_fp32_modules_strict = ["gate.weight"]`).
+
+    Raises:
+        ValueError: an unknown topk_method, or group limits `check_group_limits` refuses.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        topk_method: str,
+        n_group: int | None,
+        topk_group: int | None,
+        routed_scaling_factor: float,
+        bias: bool = False,
+    ) -> None:
+        check_v2_routing(num_experts, top_k, topk_method, n_group, topk_group)
+        super().__init__(hidden_size, num_experts, top_k, bias, torch.float32)
+        self.topk_method, self.n_group, self.topk_group = topk_method, n_group, topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> topk_weights [T, k] float32, topk_ids [T, k] int32."""
+        return softmax_grouped_topk(
+            self.router_logits(hidden), self.top_k, self.topk_method, self.n_group,
+            self.topk_group, self.routed_scaling_factor,
+        )

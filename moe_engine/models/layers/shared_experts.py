@@ -1,0 +1,98 @@
+"""Shared experts: a SwiGLU MLP every token goes through beside the routed experts.
+
+DeepSeek-V2/V3 and GLM-4.5 add `n_shared_experts` always-active experts (DeepSeekMoE's shared
+expert isolation, arXiv:2401.06066, sec. 3.2) as one MLP of width `moe_intermediate_size *
+n_shared_experts`, ungated (transformers' `DeepseekV3MoE.shared_experts`, a `DeepseekV3MLP`).
+Qwen2-MoE has one of width `shared_expert_intermediate_size` whose output is multiplied by
+sigmoid(`shared_expert_gate`(x)), a Linear(H, 1) (`Qwen2MoeSparseMoeBlock`).
+
+In `FusedMoE` the module runs on the tokens of the rank that owns them, once, never through
+dispatch/combine; its output is added to the combined routed output (timer phase
+"shared_experts"). The `ExpertLoadRecorder` counts routed token-expert pairs only: shared
+experts are not in the per-expert or per-rank load (every token uses them, on its own rank,
+so their work per rank is that rank's token count); their cost shows as the timer phase.
+
+Checkpoint names. `FusedMoE` registers this module as `shared_experts`, so V2/V3/GLM names
+load as they are; Qwen2-MoE's names map through `shared_expert_param_name`:
+
+| checkpoint (`model.layers.{i}.mlp.` + ...)  | engine parameter (`model.layers.{i}.mlp.` + ...) |
+|---------------------------------------------|--------------------------------------------------|
+| `shared_experts.{gate,up,down}_proj.weight` | `shared_experts.{gate,up,down}_proj.weight`      |
+| `shared_expert.{gate,up,down}_proj.weight`  | `shared_experts.{gate,up,down}_proj.weight`      |
+| `shared_expert_gate.weight` [1, H]          | `shared_experts.expert_gate.weight` [1, H]       |
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_engine.models.layers.linear import Linear
+
+#: Checkpoint-name pieces (under `.mlp.`) -> the engine's (`packed_modules_mapping` style).
+SHARED_EXPERT_CHECKPOINT_NAMES = {
+    ".mlp.shared_expert_gate.": ".mlp.shared_experts.expert_gate.",
+    ".mlp.shared_expert.": ".mlp.shared_experts.",
+}
+
+
+def shared_expert_param_name(checkpoint_name: str) -> str:
+    """The engine parameter name of a shared-expert checkpoint tensor (other names unchanged).
+
+    "model.layers.3.mlp.shared_expert.up_proj.weight" -> "model.layers.3.mlp.shared_experts.
+    up_proj.weight"; "model.layers.3.mlp.shared_expert_gate.weight" ->
+    "model.layers.3.mlp.shared_experts.expert_gate.weight".
+    """
+    for piece, engine in SHARED_EXPERT_CHECKPOINT_NAMES.items():
+        if piece in checkpoint_name:
+            return checkpoint_name.replace(piece, engine, 1)
+    return checkpoint_name
+
+
+class SharedExperts(nn.Module):
+    """x [T, H] -> down_proj(silu(gate_proj(x)) * up_proj(x)) [T, H], optionally times
+    sigmoid(expert_gate(x)) [T, 1].
+
+    Args:
+        hidden_size: H.
+        intermediate_size: I, the MLP width (`moe_intermediate_size * n_shared_experts` for
+            V2/V3/GLM, `shared_expert_intermediate_size` for Qwen2-MoE).
+        dtype: parameter dtype.
+        gated: hold Qwen2-MoE's sigmoid gate `expert_gate` Linear(H, 1, bias=False).
+        bias: the projections have biases (DeepSeek-V2's `mlp_bias`; default none).
+
+    Attributes:
+        gate_proj, up_proj: Linear(H, I); down_proj: Linear(I, H); expert_gate: Linear(H, 1)
+            or None.
+
+    Raises:
+        ValueError: a non-positive size.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        gated: bool = False,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        if hidden_size < 1 or intermediate_size < 1:
+            raise ValueError(
+                f"shared experts need hidden_size ({hidden_size}) and intermediate_size "
+                f"({intermediate_size}) >= 1"
+            )
+        self.intermediate_size = intermediate_size
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+        self.expert_gate = Linear(hidden_size, 1, bias=False, dtype=dtype) if gated else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] -> [T, H], same dtype."""
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.expert_gate is not None:
+            out = torch.sigmoid(self.expert_gate(x)) * out
+        return out
