@@ -236,6 +236,8 @@ class QuantConfig:
 #: The pre-quantized expert formats `resolve_quant_config` recognises in config.json.
 CHECKPOINT_INT4_FORMAT = "compressed-tensors"
 CHECKPOINT_MXFP4_FORMAT = "mxfp4"  # gpt-oss: quantization_config {"quant_method": "mxfp4"}
+#: FP8 block-quantized checkpoints (`quant.fp8`): dequantized while loading.
+CHECKPOINT_FP8_METHOD = "fp8"
 #: model_type values whose checkpoints may store MXFP4 experts (`*_blocks` / `*_scales`).
 _MXFP4_MODEL_TYPES = ("gpt_oss",)
 
@@ -243,6 +245,9 @@ _MXFP4_MODEL_TYPES = ("gpt_oss",)
 def resolve_quant_config(quant: QuantConfig, hf_config: dict) -> QuantConfig:
     """The expert format to run: `--quantization` against what config.json says is stored.
 
+    An FP8 block-quantized checkpoint (quant_method "fp8", `quant.fp8`) is dequantized while
+    loading, so its experts arrive as float tensors: every --quantization value applies to it
+    as to a float checkpoint (none/auto: dequantized experts; int4/mxfp4: re-quantized).
     A checkpoint whose routed experts are compressed-tensors pack-quantized int4
     (`quant.compressed_tensors`) is served as stored, with --quantization none or auto, or int4
     with the checkpoint's group size; a gpt-oss checkpoint with MXFP4 experts (quant_method
@@ -266,12 +271,15 @@ def resolve_quant_config(quant: QuantConfig, hf_config: dict) -> QuantConfig:
     stored = stored_config.get("quant_method") if isinstance(stored_config, dict) else None
     if stored == CHECKPOINT_MXFP4_FORMAT:
         return _resolve_mxfp4_checkpoint(quant, hf_config)
+    if stored == CHECKPOINT_FP8_METHOD:
+        return _resolve_fp8_checkpoint(quant, hf_config)
     ct = parse_quantization_config(hf_config)
     if ct is None and hf_config.get("quantization_config"):
         method = hf_config["quantization_config"].get("quant_method")
         raise ValueError(
             f"config.json quantization_config: quant_method {method!r} is not supported "
-            f"(only {CHECKPOINT_INT4_FORMAT!r} pack-quantized int4)"
+            f"(only {CHECKPOINT_INT4_FORMAT!r} pack-quantized int4, {CHECKPOINT_FP8_METHOD!r} "
+            f"block-quantized e4m3, and {CHECKPOINT_MXFP4_FORMAT!r} for gpt-oss)"
         )
     scheme = _expert_scheme(ct, hf_config) if ct is not None else None
     if scheme is None:
@@ -297,6 +305,23 @@ def resolve_quant_config(quant: QuantConfig, hf_config: dict) -> QuantConfig:
             f"--quantization auto (or int4 with --quant-group-size {scheme.group_size})"
         )
     return QuantConfig("int4", scheme.group_size, scheme.symmetric, CHECKPOINT_INT4_FORMAT)
+
+
+def _resolve_fp8_checkpoint(quant: QuantConfig, hf_config: dict) -> QuantConfig:
+    """An FP8 block-quantized checkpoint: its quantization_config is checked here (before any
+    weight is read); its experts load dequantized, so --quantization is resolved as for a
+    float checkpoint (no value conflicts with it).
+
+    Raises:
+        ValueError: an FP8 config `quant.fp8.parse_fp8_config` refuses, or a 4-bit group that
+            does not divide the experts (`check_quant_divides`).
+    """
+    from quant.fp8 import parse_fp8_config
+
+    parse_fp8_config(hf_config)
+    if quant.method in ("int4", "mxfp4"):
+        check_quant_divides(quant, hf_config)
+    return replace(quant, method="none") if quant.method == "auto" else quant
 
 
 def check_quant_divides(quant: QuantConfig, hf_config: dict) -> None:

@@ -51,6 +51,7 @@ from moe_engine.skew.trace import PeriodicTraceWriter
 from moe_engine.tokenizer import load_tokenizer
 from moe_engine.validation import validate_request
 from quant.compressed_tensors import CompressedTensorsConfig, parse_quantization_config
+from quant.fp8 import Fp8BlockConfig, parse_fp8_config
 from quant.mxfp4 import MXFP4_BLOCK_SIZE
 
 logger = logging.getLogger(__name__)
@@ -108,9 +109,11 @@ class RankContext:
     communicator: Any
 
 
-def _resolve_quant(config: EngineConfig) -> tuple[EngineConfig, CompressedTensorsConfig | None]:
+def _resolve_quant(
+    config: EngineConfig,
+) -> tuple[EngineConfig, CompressedTensorsConfig | Fp8BlockConfig | None]:
     """`config` with its QuantConfig resolved against config.json (`resolve_quant_config`), and
-    config.json's compressed-tensors config (None when it has none).
+    config.json's compressed-tensors or FP8 config (None when it has neither).
 
     Raises:
         StartupError: an unsupported quantization_config, or flags that conflict with it.
@@ -121,7 +124,7 @@ def _resolve_quant(config: EngineConfig) -> tuple[EngineConfig, CompressedTensor
         return config, None  # AutoConfig reports the missing checkpoint
     try:
         quant = resolve_quant_config(config.quant, hf_config)
-        checkpoint_quant = parse_quantization_config(hf_config)
+        checkpoint_quant = parse_quantization_config(hf_config) or parse_fp8_config(hf_config)
     except ValueError as e:
         raise StartupError(str(e)) from e
     return replace(config, quant=quant), checkpoint_quant
