@@ -196,21 +196,29 @@ class QuantConfig:
             "compressed-tensors" when the checkpoint stores them int4 already
             (`quant.compressed_tensors`), "mxfp4" when it stores them MXFP4 (gpt-oss
             `*_blocks` / `*_scales`); set by `resolve_quant_config`.
+        scale_dtype: the int4 scales' dtype, "bfloat16", "float16" or "float32": the
+            checkpoint's weight dtype (`resolve_quant_config`), so a 16-bit checkpoint keeps
+            16-bit scales; None (unresolved) counts as float32.
     """
 
     method: str = "none"
     group_size: int = 128
     symmetric: bool = True
     checkpoint_format: str | None = None
+    scale_dtype: str | None = None
 
     @property
     def bits_per_weight(self) -> float | None:
         """Storage per expert weight (bits): 4 plus the scale's share; None when unquantized.
 
-        int4 keeps a 32-bit float scale per group; MXFP4 one 8-bit E8M0 scale per 32 values.
+        int4 keeps one `scale_dtype` scale per group (16 or 32 bits; 4.5 bits per weight for
+        16-bit scales in groups of 32), plus a uint8 zero point when asymmetric; MXFP4 one
+        8-bit E8M0 scale per 32 values. (The native kernel's layout; the torch fallback's
+        int4 matmul stores a bfloat16 scale and offset pair per group instead.)
         """
         if self.method == "int4":
-            return 4 + 32 / self.group_size
+            scale_bits = 8 * _DTYPES[self.scale_dtype or "float32"].itemsize
+            return 4 + (scale_bits + (0 if self.symmetric else 8)) / self.group_size
         if self.method == "mxfp4":
             return 4 + 8 / 32
         return None
@@ -222,6 +230,10 @@ class QuantConfig:
             )
         if self.group_size not in (32, 64, 128):
             raise ValueError(f"quant group_size must be 32, 64 or 128, got {self.group_size}")
+        if self.scale_dtype is not None and self.scale_dtype not in _DTYPES:
+            raise ValueError(
+                f"quant scale_dtype {self.scale_dtype!r} must be one of {', '.join(_DTYPES)}"
+            )
         formats = {CHECKPOINT_INT4_FORMAT: "int4", CHECKPOINT_MXFP4_FORMAT: "mxfp4"}
         if self.checkpoint_format is not None and (
             formats.get(self.checkpoint_format) != self.method
@@ -242,7 +254,9 @@ CHECKPOINT_FP8_METHOD = "fp8"
 _MXFP4_MODEL_TYPES = ("gpt_oss",)
 
 
-def resolve_quant_config(quant: QuantConfig, hf_config: dict) -> QuantConfig:
+def resolve_quant_config(
+    quant: QuantConfig, hf_config: dict, weight_dtype: torch.dtype | None = None
+) -> QuantConfig:
     """The expert format to run: `--quantization` against what config.json says is stored.
 
     An FP8 block-quantized checkpoint (quant_method "fp8", `quant.fp8`) is dequantized while
@@ -257,12 +271,24 @@ def resolve_quant_config(quant: QuantConfig, hf_config: dict) -> QuantConfig:
     Args:
         quant: the requested configuration (flags).
         hf_config: config.json as a dict.
+        weight_dtype: the dtype the checkpoint's weights load in (`ModelConfig.torch_dtype`):
+            int4 scales are kept in it (`QuantConfig.scale_dtype`); None leaves scale_dtype
+            as it is.
 
     Raises:
         ValueError: a quantization_config this engine cannot load, a group size the int4 path
             lacks, or an explicit --quantization / --quant-group-size that conflicts with the
             checkpoint (the message names both and the flag that fixes it).
     """
+    resolved = _resolve_method(quant, hf_config)
+    if weight_dtype is not None and resolved.method == "int4" and resolved.scale_dtype is None:
+        names = {dtype: name for name, dtype in _DTYPES.items()}
+        resolved = replace(resolved, scale_dtype=names.get(weight_dtype, "float32"))
+    return resolved
+
+
+def _resolve_method(quant: QuantConfig, hf_config: dict) -> QuantConfig:
+    """`resolve_quant_config` without the scale dtype."""
     from quant.compressed_tensors import parse_quantization_config
 
     if quant.checkpoint_format is not None:  # resolved already
@@ -304,7 +330,9 @@ def resolve_quant_config(quant: QuantConfig, hf_config: dict) -> QuantConfig:
             f"{asked} conflicts with the checkpoint, whose experts are {stored}; pass "
             f"--quantization auto (or int4 with --quant-group-size {scheme.group_size})"
         )
-    return QuantConfig("int4", scheme.group_size, scheme.symmetric, CHECKPOINT_INT4_FORMAT)
+    return QuantConfig(
+        "int4", scheme.group_size, scheme.symmetric, CHECKPOINT_INT4_FORMAT, quant.scale_dtype
+    )
 
 
 def _resolve_fp8_checkpoint(quant: QuantConfig, hf_config: dict) -> QuantConfig:

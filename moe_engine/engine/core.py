@@ -123,7 +123,7 @@ def _resolve_quant(
     except FileNotFoundError:
         return config, None  # AutoConfig reports the missing checkpoint
     try:
-        quant = resolve_quant_config(config.quant, hf_config)
+        quant = resolve_quant_config(config.quant, hf_config, config.model.torch_dtype())
         checkpoint_quant = parse_quantization_config(hf_config) or parse_fp8_config(hf_config)
     except ValueError as e:
         raise StartupError(str(e)) from e
@@ -307,9 +307,10 @@ class EngineCore:
         if config.quant.checkpoint_format is not None:
             self._check_prequantized(config)
             return
+        scale_dtype = getattr(torch, config.quant.scale_dtype or "float32")
         try:
             for moe in experts:
-                moe.quantize(method, config.quant.group_size)
+                moe.quantize(method, config.quant.group_size, scale_dtype)
         except ValueError as e:
             raise StartupError(f"--quantization {method}: {e}") from e
         nbytes = sum(m.quantized.nbytes for m in experts)
