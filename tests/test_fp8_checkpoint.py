@@ -355,3 +355,45 @@ def test_checkpoint_refusals_are_startup_errors(fp8_ckpt, tmp_path) -> None:
     (static / "config.json").write_text(json.dumps(config))
     with pytest.raises(StartupError, match="is torch.float8_e4m3fn: FP8 weights"):
         LLM(model=str(static), max_model_len=64)
+
+
+def test_transformers_written_fp8_checkpoint_loads(fp8_ckpt, tmp_path) -> None:
+    """The layout transformers 5.24 itself writes for an FP8 model (`save_pretrained` of the
+    checkpoint loaded pre-quantized, FP8Linear / FP8Experts holding the e4m3 tensors): per-
+    expert `experts.E.gate_proj.weight` + `weight_scale_inv` (its conversion mapping splits
+    the fused `gate_up_proj_scale_inv` back), and a quantization_config with transformers'
+    extra fields (dequantize, scale_fmt, expert_dtype, modules_to_convert: None). Loading it
+    pre-quantized on a CPU needs its GPU check skipped; nothing runs an FP8 kernel."""
+    import transformers.quantizers.quantizer_finegrained_fp8 as fp8_quantizer
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fp8_quantizer, "is_accelerate_available", lambda: True)
+        mp.setattr(fp8_quantizer.FineGrainedFP8HfQuantizer, "validate_environment",
+                   lambda self, *args, **kwargs: None)
+        model = AutoModelForCausalLM.from_pretrained(
+            fp8_ckpt, dtype=torch.float32,
+            quantization_config=FineGrainedFP8Config(dequantize=False, weight_block_size=BLOCK),
+        )
+    assert model.model.layers[0].mlp.experts.gate_up_proj.dtype == FP8_DTYPE
+    model.save_pretrained(tmp_path / "written")
+    written = load_file(tmp_path / "written" / "model.safetensors")
+    name = "model.layers.0.mlp.experts.3.gate_proj.weight"
+    assert written[name].dtype == FP8_DTYPE and name + "_scale_inv" in written
+    config = json.loads((tmp_path / "written" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "fp8"
+    ours = LLM(model=str(tmp_path / "written"), max_model_len=64).engine.model.state_dict()
+    want = LLM(model=str(fp8_ckpt), max_model_len=64).engine.model.state_dict()
+    assert all(torch.equal(ours[n], want[n]) for n in want)
+
+
+def test_experts_of_other_ranks_are_skipped_with_their_scales(fp8_ckpt) -> None:
+    """Under expert parallelism the loader never reads another rank's experts
+    (`wants_weight`): their scales are skipped with them, so nothing is left unpaired."""
+    config = parse_fp8_config(json.loads((fp8_ckpt / "config.json").read_text()))
+    stream = iterate_weights(
+        fp8_ckpt, None, progress=False, wants=lambda n: ".experts.3." not in n
+    )
+    names = [n for n, _ in dequantize_fp8_weights(stream, config, torch.float32)]
+    assert not any(".experts.3." in n for n in names)
+    assert "model.layers.0.mlp.experts.2.up_proj.weight" in names
