@@ -397,3 +397,18 @@ def test_experts_of_other_ranks_are_skipped_with_their_scales(fp8_ckpt) -> None:
     names = [n for n, _ in dequantize_fp8_weights(stream, config, torch.float32)]
     assert not any(".experts.3." in n for n in names)
     assert "model.layers.0.mlp.experts.2.up_proj.weight" in names
+
+
+def test_ue8m0_scales_as_bytes_or_floats() -> None:
+    """scale_fmt "ue8m0" (DeepSeek-V3.1): power-of-two scales, stored as float32 or as E8M0
+    bytes (2 ** (byte - 127)); bytes under scale_fmt "float" are refused."""
+    g = torch.Generator().manual_seed(6)
+    q = (torch.randn(8, 8, generator=g) * 50).to(FP8_DTYPE)
+    exponents = torch.randint(120, 135, (2, 2), generator=g)
+    as_float = torch.exp2(exponents.float() - 127)
+    want = _reference_dequant(q, as_float, (4, 4)).float()
+    as_bytes = exponents.to(torch.uint8)
+    assert torch.equal(dequantize_fp8_block("w", q, as_bytes, (4, 4), torch.float32, "ue8m0"), want)
+    assert torch.equal(dequantize_fp8_block("w", q, as_float, (4, 4), torch.float32, "ue8m0"), want)
+    with pytest.raises(ValueError, match="w_scale_inv has dtype torch.uint8"):
+        dequantize_fp8_block("w", q, as_bytes, (4, 4), torch.float32)
