@@ -124,9 +124,14 @@ def dense_weight_args(w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor,
     return DenseWeightArgs(w13.data_ptr(), w2.data_ptr(), w_bf16, e, h, i, ip, hp, pb13, pb2)
 
 
+#: The kernel's `format` for int4 scales of each dtype (csrc/moe_cpu.cpp `Q4`; 0 is MXFP4).
+INT4_SCALE_FORMATS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+
+
 class Q4WeightArgs(NamedTuple):
     """Checked packed 4-bit experts: the six pointers (zero points None when symmetric or
-    MXFP4), the format (0 MXFP4, 1 int4) and sizes."""
+    MXFP4), the format (0 MXFP4; int4 with float32, bfloat16 or float16 scales: 1, 2, 3,
+    `INT4_SCALE_FORMATS`) and sizes."""
 
     pointers: tuple[int | None, ...]
     format: int
@@ -167,10 +172,11 @@ def q4_weight_args(method: str, codes13: torch.Tensor, scales13: torch.Tensor,
     if not (i <= ip < i + TILE and h <= hp < h + TILE):
         raise RuntimeError("packed tiles do not match hidden [T, H] and intermediate")
     s13, s2 = scales13, scales2
-    scale_dtype = torch.uint8 if mxfp4 else torch.float32
-    if (s13.dtype != scale_dtype or s2.dtype != scale_dtype or not s13.is_contiguous()
+    ok_dtype = s13.dtype == torch.uint8 if mxfp4 else s13.dtype in INT4_SCALE_FORMATS
+    if (not ok_dtype or s2.dtype != s13.dtype or not s13.is_contiguous()
             or not s2.is_contiguous()):
-        raise RuntimeError("scales must be contiguous (MXFP4: uint8 E8M0, int4: float32)")
+        raise RuntimeError("scales must be contiguous and of one dtype (MXFP4: uint8 E8M0, "
+                           f"int4: float32, bfloat16 or float16), got {s13.dtype}, {s2.dtype}")
     if (s13.numel() != e * 2 * (ip // TILE) * (h // g) * TILE
             or s2.numel() != e * (hp // TILE) * (i // g) * TILE):
         raise RuntimeError("scales must be [E, 2, Ip/16, H/G, 16] and [E, Hp/16, I/G, 16]")
@@ -183,4 +189,5 @@ def q4_weight_args(method: str, codes13: torch.Tensor, scales13: torch.Tensor,
         raise RuntimeError("zero points must be uint8 shaped like the scales")
     pointers = (c13.data_ptr(), s13.data_ptr(), zeros13.data_ptr() if asym else None,
                 c2.data_ptr(), s2.data_ptr(), zeros2.data_ptr() if asym else None)
-    return Q4WeightArgs(pointers, 0 if mxfp4 else 1, g, e, h, i, ip, hp)
+    fmt = 0 if mxfp4 else INT4_SCALE_FORMATS[s13.dtype]
+    return Q4WeightArgs(pointers, fmt, g, e, h, i, ip, hp)

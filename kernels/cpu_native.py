@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from kernels.activation import SILU_AND_MUL, SwiGLU
 from kernels.cpu_moe_args import (
+    INT4_SCALE_FORMATS,
     DenseWeightArgs,
     Q4WeightArgs,
     bias_pointers,
@@ -241,16 +242,19 @@ class PackedQuantExperts:
     - "mxfp4": OCP Microscaling Formats (MX) Specification v1.0: E2M1 codes, blocks of 32
       values along the input dimension with one E8M0 scale byte each (kept as bytes).
     - "int4": `quant.int4` group-wise codes u with float scales and zero points z (8 when
-      symmetric): w = (u - z) * scale; scales are kept as float32.
+      symmetric): w = (u - z) * scale; scales are kept in their own dtype when it is float32,
+      bfloat16 or float16 (a checkpoint's 16-bit scales: 4 + 16 / G bits per weight), and
+      widened to float32 in registers only.
 
     Attributes:
         method: "mxfp4" or "int4".
         w13_codes: [E, 2, ceil(I/16), H/2, 16] uint8 (gate tiles, then up tiles).
-        w13_scales: [E, 2, ceil(I/16), H/G, 16]: uint8 E8M0 (mxfp4) or float32 (int4).
+        w13_scales: [E, 2, ceil(I/16), H/G, 16]: uint8 E8M0 (mxfp4), or `scale_dtype` (int4).
         w13_zeros: int4 asymmetric: uint8 zero points shaped like `w13_scales`; else empty.
         w2_codes: [E, ceil(H/16), I/2, 16] uint8; w2_scales, w2_zeros: [E, ceil(H/16), I/G, 16].
         intermediate: I; hidden: H; group_size: G (32 for mxfp4).
-        scale_dtype: the dtype the int4 scales arrived in (`to_int4` gives it back).
+        scale_dtype: the dtype the int4 scales arrived in (`to_int4` gives it back); they are
+            stored in it, or in float32 when it is none of float32, bfloat16, float16.
     """
 
     method: str
@@ -327,11 +331,12 @@ class PackedQuantExperts:
             raise ValueError(f"int4 experts: w13 packed {(two_i, half_h)} and w2 packed "
                              f"{(h, half_i)} (group size {group}) do not chain")
         scale_dtype = w13[0].scales.dtype
+        stored_dtype = scale_dtype if scale_dtype in INT4_SCALE_FORMATS else torch.float32
         asym = any(w.zeros is not None for w in (*w13, *w2))
 
         def stack(ws: list[Int4Weight]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
             codes = unpack_nibbles(torch.stack([w.packed for w in ws]))
-            scales = torch.stack([w.scales.float() for w in ws])
+            scales = torch.stack([w.scales.to(stored_dtype) for w in ws])
             zeros = None
             if asym:
                 zeros = torch.stack([

@@ -196,21 +196,29 @@ class QuantConfig:
             "compressed-tensors" when the checkpoint stores them int4 already
             (`quant.compressed_tensors`), "mxfp4" when it stores them MXFP4 (gpt-oss
             `*_blocks` / `*_scales`); set by `resolve_quant_config`.
+        scale_dtype: the int4 scales' dtype, "bfloat16", "float16" or "float32": the
+            checkpoint's weight dtype (`resolve_quant_config`), so a 16-bit checkpoint keeps
+            16-bit scales; None (unresolved) counts as float32.
     """
 
     method: str = "none"
     group_size: int = 128
     symmetric: bool = True
     checkpoint_format: str | None = None
+    scale_dtype: str | None = None
 
     @property
     def bits_per_weight(self) -> float | None:
         """Storage per expert weight (bits): 4 plus the scale's share; None when unquantized.
 
-        int4 keeps a 32-bit float scale per group; MXFP4 one 8-bit E8M0 scale per 32 values.
+        int4 keeps one `scale_dtype` scale per group (16 or 32 bits; 4.5 bits per weight for
+        16-bit scales in groups of 32), plus a uint8 zero point when asymmetric; MXFP4 one
+        8-bit E8M0 scale per 32 values. (The native kernel's layout; the torch fallback's
+        int4 matmul stores a bfloat16 scale and offset pair per group instead.)
         """
         if self.method == "int4":
-            return 4 + 32 / self.group_size
+            scale_bits = 8 * _DTYPES[self.scale_dtype or "float32"].itemsize
+            return 4 + (scale_bits + (0 if self.symmetric else 8)) / self.group_size
         if self.method == "mxfp4":
             return 4 + 8 / 32
         return None
@@ -222,6 +230,10 @@ class QuantConfig:
             )
         if self.group_size not in (32, 64, 128):
             raise ValueError(f"quant group_size must be 32, 64 or 128, got {self.group_size}")
+        if self.scale_dtype is not None and self.scale_dtype not in _DTYPES:
+            raise ValueError(
+                f"quant scale_dtype {self.scale_dtype!r} must be one of {', '.join(_DTYPES)}"
+            )
         formats = {CHECKPOINT_INT4_FORMAT: "int4", CHECKPOINT_MXFP4_FORMAT: "mxfp4"}
         if self.checkpoint_format is not None and (
             formats.get(self.checkpoint_format) != self.method
@@ -236,13 +248,20 @@ class QuantConfig:
 #: The pre-quantized expert formats `resolve_quant_config` recognises in config.json.
 CHECKPOINT_INT4_FORMAT = "compressed-tensors"
 CHECKPOINT_MXFP4_FORMAT = "mxfp4"  # gpt-oss: quantization_config {"quant_method": "mxfp4"}
+#: FP8 block-quantized checkpoints (`quant.fp8`): dequantized while loading.
+CHECKPOINT_FP8_METHOD = "fp8"
 #: model_type values whose checkpoints may store MXFP4 experts (`*_blocks` / `*_scales`).
 _MXFP4_MODEL_TYPES = ("gpt_oss",)
 
 
-def resolve_quant_config(quant: QuantConfig, hf_config: dict) -> QuantConfig:
+def resolve_quant_config(
+    quant: QuantConfig, hf_config: dict, weight_dtype: torch.dtype | None = None
+) -> QuantConfig:
     """The expert format to run: `--quantization` against what config.json says is stored.
 
+    An FP8 block-quantized checkpoint (quant_method "fp8", `quant.fp8`) is dequantized while
+    loading, so its experts arrive as float tensors: every --quantization value applies to it
+    as to a float checkpoint (none/auto: dequantized experts; int4/mxfp4: re-quantized).
     A checkpoint whose routed experts are compressed-tensors pack-quantized int4
     (`quant.compressed_tensors`) is served as stored, with --quantization none or auto, or int4
     with the checkpoint's group size; a gpt-oss checkpoint with MXFP4 experts (quant_method
@@ -252,12 +271,24 @@ def resolve_quant_config(quant: QuantConfig, hf_config: dict) -> QuantConfig:
     Args:
         quant: the requested configuration (flags).
         hf_config: config.json as a dict.
+        weight_dtype: the dtype the checkpoint's weights load in (`ModelConfig.torch_dtype`):
+            int4 scales are kept in it (`QuantConfig.scale_dtype`); None leaves scale_dtype
+            as it is.
 
     Raises:
         ValueError: a quantization_config this engine cannot load, a group size the int4 path
             lacks, or an explicit --quantization / --quant-group-size that conflicts with the
             checkpoint (the message names both and the flag that fixes it).
     """
+    resolved = _resolve_method(quant, hf_config)
+    if weight_dtype is not None and resolved.method == "int4" and resolved.scale_dtype is None:
+        names = {dtype: name for name, dtype in _DTYPES.items()}
+        resolved = replace(resolved, scale_dtype=names.get(weight_dtype, "float32"))
+    return resolved
+
+
+def _resolve_method(quant: QuantConfig, hf_config: dict) -> QuantConfig:
+    """`resolve_quant_config` without the scale dtype."""
     from quant.compressed_tensors import parse_quantization_config
 
     if quant.checkpoint_format is not None:  # resolved already
@@ -266,12 +297,15 @@ def resolve_quant_config(quant: QuantConfig, hf_config: dict) -> QuantConfig:
     stored = stored_config.get("quant_method") if isinstance(stored_config, dict) else None
     if stored == CHECKPOINT_MXFP4_FORMAT:
         return _resolve_mxfp4_checkpoint(quant, hf_config)
+    if stored == CHECKPOINT_FP8_METHOD:
+        return _resolve_fp8_checkpoint(quant, hf_config)
     ct = parse_quantization_config(hf_config)
     if ct is None and hf_config.get("quantization_config"):
         method = hf_config["quantization_config"].get("quant_method")
         raise ValueError(
             f"config.json quantization_config: quant_method {method!r} is not supported "
-            f"(only {CHECKPOINT_INT4_FORMAT!r} pack-quantized int4)"
+            f"(only {CHECKPOINT_INT4_FORMAT!r} pack-quantized int4, {CHECKPOINT_FP8_METHOD!r} "
+            f"block-quantized e4m3, and {CHECKPOINT_MXFP4_FORMAT!r} for gpt-oss)"
         )
     scheme = _expert_scheme(ct, hf_config) if ct is not None else None
     if scheme is None:
@@ -296,7 +330,26 @@ def resolve_quant_config(quant: QuantConfig, hf_config: dict) -> QuantConfig:
             f"{asked} conflicts with the checkpoint, whose experts are {stored}; pass "
             f"--quantization auto (or int4 with --quant-group-size {scheme.group_size})"
         )
-    return QuantConfig("int4", scheme.group_size, scheme.symmetric, CHECKPOINT_INT4_FORMAT)
+    return QuantConfig(
+        "int4", scheme.group_size, scheme.symmetric, CHECKPOINT_INT4_FORMAT, quant.scale_dtype
+    )
+
+
+def _resolve_fp8_checkpoint(quant: QuantConfig, hf_config: dict) -> QuantConfig:
+    """An FP8 block-quantized checkpoint: its quantization_config is checked here (before any
+    weight is read); its experts load dequantized, so --quantization is resolved as for a
+    float checkpoint (no value conflicts with it).
+
+    Raises:
+        ValueError: an FP8 config `quant.fp8.parse_fp8_config` refuses, or a 4-bit group that
+            does not divide the experts (`check_quant_divides`).
+    """
+    from quant.fp8 import parse_fp8_config
+
+    parse_fp8_config(hf_config)
+    if quant.method in ("int4", "mxfp4"):
+        check_quant_divides(quant, hf_config)
+    return replace(quant, method="none") if quant.method == "auto" else quant
 
 
 def check_quant_divides(quant: QuantConfig, hf_config: dict) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -18,6 +18,7 @@ from tqdm import tqdm
 from moe_engine.errors import StartupError
 from moe_engine.models import MoeCausalLM
 from quant.compressed_tensors import CompressedTensorsConfig, assemble_pack_quantized
+from quant.fp8 import Fp8BlockConfig, dequantize_fp8_weights, is_float8
 
 logger = logging.getLogger(__name__)
 
@@ -85,44 +86,77 @@ def _indexed_files(index: Path) -> list[Path]:
 
 def iterate_weights(
     model_dir: str | Path,
-    dtype: torch.dtype,
+    dtype: torch.dtype | None,
     progress: bool = True,
     wants: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor `wants(name)` accepts (default: all), floating
-    ones cast to `dtype`; tensors it refuses are never read from disk."""
+    ones cast to `dtype` (None: as stored); tensors it refuses are never read from disk.
+
+    Raises:
+        ValueError: with a `dtype`, a float8 tensor (see `cast_floating`).
+    """
     files = safetensors_files(model_dir)
+    stored = _stored_tensors(files, progress, wants)
+    return stored if dtype is None else cast_floating(stored, dtype)
+
+
+def _stored_tensors(
+    files: list[Path], progress: bool, wants: Callable[[str], bool] | None
+) -> Iterator[tuple[str, torch.Tensor]]:
     for path in tqdm(files, desc="Loading weights", unit="file", disable=not progress):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                if wants is not None and not wants(name):
-                    continue
-                tensor = f.get_tensor(name)
-                if tensor.is_floating_point():
-                    tensor = tensor.to(dtype)
-                yield name, tensor
+                if wants is None or wants(name):
+                    yield name, f.get_tensor(name)
+
+
+def cast_floating(
+    weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Cast every floating tensor of a weight stream to `dtype` (others pass through).
+
+    Raises:
+        ValueError: a float8 tensor: its values mean nothing without their block scales
+            (`quant.fp8`), so it is never cast blindly; the message names the tensor.
+    """
+    for name, tensor in weights:
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+            if is_float8(tensor):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} is {tensor.dtype}: FP8 weights are loaded "
+                    f"only with their weight_scale_inv, under config.json quantization_config "
+                    f"quant_method 'fp8'"
+                )
+            tensor = tensor.to(dtype)
+        yield name, tensor
 
 
 def load_model(
     model: MoeCausalLM,
     model_dir: str | Path,
     dtype: torch.dtype,
-    checkpoint_quant: CompressedTensorsConfig | None = None,
+    checkpoint_quant: CompressedTensorsConfig | Fp8BlockConfig | None = None,
 ) -> None:
     """Fill every parameter of `model` from the checkpoint.
 
     Args:
-        checkpoint_quant: config.json's compressed-tensors config when the checkpoint stores
-            Linears pack-quantized: their tensors are assembled into int4 weights
-            (`quant.compressed_tensors.assemble_pack_quantized`); scales are cast to `dtype`
-            like every floating tensor (as vLLM loads them in the model dtype).
+        checkpoint_quant: config.json's quantization config when the checkpoint stores
+            Linears quantized. Compressed-tensors: their tensors are assembled into int4
+            weights (`quant.compressed_tensors.assemble_pack_quantized`); scales are cast to
+            `dtype` like every floating tensor (as vLLM loads them in the model dtype). FP8
+            block-quantized: every float8 weight is paired with its scale_inv before any cast
+            and dequantized to `dtype` (`quant.fp8.dequantize_fp8_weights`).
 
     Raises:
         StartupError: a parameter the checkpoint does not provide, or a tensor that does not fit.
     """
     try:
-        weights = iterate_weights(model_dir, dtype, wants=model.wants_weight)
-        if checkpoint_quant is not None:
+        weights = iterate_weights(model_dir, None, wants=model.wants_weight)
+        if isinstance(checkpoint_quant, Fp8BlockConfig):
+            weights = dequantize_fp8_weights(weights, checkpoint_quant, dtype)
+        weights = cast_floating(weights, dtype)
+        if isinstance(checkpoint_quant, CompressedTensorsConfig):
             weights = assemble_pack_quantized(weights, checkpoint_quant)
         loaded = model.load_weights(weights)
     except ValueError as e:

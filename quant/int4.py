@@ -10,7 +10,9 @@ Storage (one packing for both variants):
 
 - ``packed``: ``[..., N, K // 2]`` uint8, two unsigned 4-bit codes ``u`` per byte, low nibble =
   even ``k``, high nibble = odd ``k`` (the MXFP4 order, :mod:`quant.packing`).
-- ``scales``: ``[..., N, K // group_size]`` float32.
+- ``scales``: ``[..., N, K // group_size]`` float32, or a 16-bit float (bfloat16/float16: a
+  checkpoint's own scale dtype, 4 + 16 / group_size bits per weight instead of 4 + 32 /
+  group_size).
 - ``zeros``: ``[..., N, K // group_size]`` uint8 in ``[0, 15]`` (asymmetric), or ``None``
   (symmetric, where the zero point is the implicit constant 8).
 
@@ -21,6 +23,10 @@ Dequantized value: ``(u - zero) * scale``.
 - Asymmetric: the group's range ``[min(w_min, 0), max(w_max, 0)]`` (0 included so the zero
   point lies in ``[0, 15]``) maps onto ``[0, 15]``: ``scale = (hi - lo) / 15``,
   ``zero = round(-lo / scale)``, ``u = clamp(round(w / scale) + zero, 0, 15)``.
+
+With 16-bit scales the scale is rounded up to its dtype first (at most 2^-8 relative for
+bfloat16, 2^-10 for float16) and the codes are computed with the stored scale, so nothing
+clips and the bound below holds for the scale actually stored.
 
 Either way ``|w - dequantized| <= scale / 2`` per element, up to fp32 rounding.
 An all-zero group stores scale 0 and dequantizes to zeros.
@@ -56,24 +62,43 @@ def _safe(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale == 0, torch.ones_like(scale), scale)
 
 
-def _quantize_symmetric(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = g.abs().amax(dim=-1) / 7.0
+def _stored_scale(scale: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
+    """``scale`` (float32) rounded up to a value of ``scale_dtype``, as float32: never below the
+    exact scale, so the group's range still fits its 15 steps."""
+    stored = scale.to(scale_dtype)
+    up = torch.nextafter(stored, torch.full_like(stored, float("inf")))
+    return torch.where(stored.float() < scale, up, stored).float()
+
+
+def _quantize_symmetric(
+    g: torch.Tensor, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = _stored_scale(g.abs().amax(dim=-1) / 7.0, scale_dtype)
     q = torch.round(g / _safe(scale).unsqueeze(-1)).clamp(-8, 7)
     return (q + SYMMETRIC_ZERO).to(torch.uint8), scale
 
 
-def _quantize_asymmetric(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize_asymmetric(
+    g: torch.Tensor, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     lo = g.amin(dim=-1).clamp(max=0.0)
     hi = g.amax(dim=-1).clamp(min=0.0)
-    scale = (hi - lo) / 15.0
+    scale = _stored_scale((hi - lo) / 15.0, scale_dtype)
     safe = _safe(scale)
     zero = torch.round(-lo / safe).clamp(0, 15)
     u = (torch.round(g / safe.unsqueeze(-1)) + zero.unsqueeze(-1)).clamp(0, 15)
     return u.to(torch.uint8), scale, zero.to(torch.uint8)
 
 
+#: Scale dtypes `quantize_int4` writes.
+INT4_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def quantize_int4(
-    w: torch.Tensor, group_size: int = 128, symmetric: bool = True
+    w: torch.Tensor,
+    group_size: int = 128,
+    symmetric: bool = True,
+    scale_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Quantize ``w`` group-wise along its last dimension to packed 4-bit codes.
 
@@ -84,28 +109,35 @@ def quantize_int4(
             divisor of ``K`` is accepted).
         symmetric: int4 in ``[-8, 7]`` with ``scale = amax / 7`` and no zero points if True;
             uint4 in ``[0, 15]`` with a zero point per group if False.
+        scale_dtype: float32, bfloat16 or float16: the scales' storage (the codes are
+            computed with the scales rounded to it).
 
     Returns:
         ``packed``: ``[..., N, K // 2]`` uint8 (low nibble = even ``k``);
-        ``scales``: ``[..., N, K // group_size]`` float32;
+        ``scales``: ``[..., N, K // group_size]`` ``scale_dtype``;
         ``zeros``: ``[..., N, K // group_size]`` uint8, or ``None`` when ``symmetric``.
 
     Raises:
         ValueError: ``w`` is not a floating tensor of at least 2 dimensions or holds Inf/NaN,
-            or ``group_size`` does not divide ``K`` (the message names both numbers).
+            or ``group_size`` does not divide ``K`` (the message names both numbers), or
+            ``scale_dtype`` is another dtype or cannot hold a scale (float16 above 65504).
     """
     if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() < 2:
         raise ValueError("w must be a floating tensor [..., N, K]")
+    if scale_dtype not in INT4_SCALE_DTYPES:
+        raise ValueError(f"scale_dtype must be one of {INT4_SCALE_DTYPES}, got {scale_dtype}")
     check_group_size(w.shape[-1], group_size)
     if not bool(torch.isfinite(w).all()):
         raise ValueError("w holds Inf or NaN; INT4 quantization needs finite weights")
     g = _grouped(w, group_size)
     if symmetric:
-        u, scales = _quantize_symmetric(g)
+        u, scales = _quantize_symmetric(g, scale_dtype)
         zeros = None
     else:
-        u, scales, zeros = _quantize_asymmetric(g)
-    return pack_nibbles(u.flatten(-2), "codes"), scales, zeros
+        u, scales, zeros = _quantize_asymmetric(g, scale_dtype)
+    if not bool(torch.isfinite(scales).all()):
+        raise ValueError(f"a group's scale overflows {scale_dtype}; use float32 scales")
+    return pack_nibbles(u.flatten(-2), "codes"), scales.to(scale_dtype), zeros
 
 
 def _check_dequantize_args(

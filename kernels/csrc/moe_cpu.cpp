@@ -28,7 +28,9 @@
 //         (vpshufb): the low and high byte of the bfloat16 of its E2M1 value (every E2M1 value
 //         is a bfloat16), so the float32 weight needs no conversion instruction.
 //       * int4 (group-wise, GPTQ/AWQ style; quant/int4.py): unsigned codes q with a zero point
-//         z (8 when symmetric) and a float32 scale per group: w = (q - z) * scale. q - z is
+//         z (8 when symmetric) and a scale per group, float32, bfloat16 or float16 as the
+//         checkpoint stores it (widened exactly in registers: a bfloat16 by a shift, a float16
+//         by vcvtph2ps; no float32 copy is kept): w = (q - z) * scale. q - z is
 //         formed in int8, unpacked into the top byte of an int32 (so exactly (q - z) * 2^24)
 //         and converted; the 2^-24 is folded into the scale (exact for |scale| >= 2^-102;
 //         the one- and two-row kernels' block sums of x * (q - z) * 2^24 stay finite for
@@ -92,7 +94,24 @@ struct DenseWeights {
 // 4-bit weights: codes [tiles][K / 2][16] (layout in the header comment), scales and zero
 // points [tiles][K / G][16].
 
-enum class Q4 { kMxfp4 = 0, kInt4 = 1 };
+// The `format` argument of moe_fused_moe_q4: MXFP4, or int4 with float32 / bfloat16 / float16
+// scales (every value but kMxfp4 is int4).
+enum class Q4 { kMxfp4 = 0, kInt4 = 1, kInt4Bf16 = 2, kInt4F16 = 3 };
+
+// Eight int4 scales of the format's dtype -> float32 (exact for all three).
+template <Q4 F>
+MOE_ENGINE_INLINE __m256 load_scales(const void* scales, int64_t at) {
+  if constexpr (F == Q4::kInt4Bf16) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+        static_cast<const uint16_t*>(scales) + at));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+  } else if constexpr (F == Q4::kInt4F16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+        static_cast<const uint16_t*>(scales) + at)));
+  } else {
+    return _mm256_loadu_ps(static_cast<const float*>(scales) + at);
+  }
+}
 
 // bfloat16 bit patterns of the 16 E2M1 values (OCP MX v1.0: codes 0-7 are 0, 0.5, 1, 1.5, 2, 3,
 // 4, 6; codes 8-15 the same with the sign bit), split into low and high bytes, repeated in both
@@ -142,7 +161,7 @@ MOE_ENGINE_INLINE __m256i arrange_zeros(const uint8_t* z) {
 template <Q4 F>
 struct Q4Weights {
   const uint8_t* codes;   // [tiles][K / 2][16]
-  const void* scales;     // MXFP4: uint8 E8M0; int4: float32; [tiles][K / G][16]
+  const void* scales;     // MXFP4: uint8 E8M0; int4: float32/bf16/fp16 (F); [tiles][K / G][16]
   const uint8_t* zeros;   // int4 asymmetric: uint8 [tiles][K / G][16]; else null (z = 8)
   int64_t K, G;
 
@@ -156,10 +175,9 @@ struct Q4Weights {
       b.t0 = e2m1_bf16_low_bytes();
       b.t1 = e2m1_bf16_high_bytes();
     } else {
-      const float* s = static_cast<const float*>(scales) + at;
       const __m256 unit = _mm256_set1_ps(1.0f / 16777216.0f);  // 2^-24
-      b.s0 = _mm256_mul_ps(_mm256_loadu_ps(s), unit);
-      b.s1 = _mm256_mul_ps(_mm256_loadu_ps(s + 8), unit);
+      b.s0 = _mm256_mul_ps(load_scales<F>(scales, at), unit);
+      b.s1 = _mm256_mul_ps(load_scales<F>(scales, at + 8), unit);
       b.t0 = zeros ? arrange_zeros(zeros + at) : _mm256_set1_epi8(8);
       b.t1 = b.t0;
     }
@@ -580,14 +598,17 @@ int32_t moe_fused_moe_q4(const void* hidden, int32_t hidden_bf16, int64_t T, int
                          int32_t threads) {
   const Activation act{clamped != 0, has_limit != 0, alpha, limit};
   auto run = [&](const float* x, const std::vector<int64_t>& offsets, float* inter, float* y) {
-    if (format == 0) {
-      run_experts(x, Q4Weights<Q4::kMxfp4>{codes13, scales13, nullptr, H, G},
-                  Q4Weights<Q4::kMxfp4>{codes2, scales2, nullptr, I, G}, b13, b2, offsets, H, I,
-                  Ip, Hp, act, inter, y, threads);
-    } else {
-      run_experts(x, Q4Weights<Q4::kInt4>{codes13, scales13, zeros13, H, G},
-                  Q4Weights<Q4::kInt4>{codes2, scales2, zeros2, I, G}, b13, b2, offsets, H, I,
-                  Ip, Hp, act, inter, y, threads);
+    auto with = [&](auto format_tag) {
+      constexpr Q4 F = decltype(format_tag)::value;
+      run_experts(x, Q4Weights<F>{codes13, scales13, F == Q4::kMxfp4 ? nullptr : zeros13, H, G},
+                  Q4Weights<F>{codes2, scales2, F == Q4::kMxfp4 ? nullptr : zeros2, I, G}, b13,
+                  b2, offsets, H, I, Ip, Hp, act, inter, y, threads);
+    };
+    switch (static_cast<Q4>(format)) {
+      case Q4::kMxfp4: with(std::integral_constant<Q4, Q4::kMxfp4>{}); break;
+      case Q4::kInt4Bf16: with(std::integral_constant<Q4, Q4::kInt4Bf16>{}); break;
+      case Q4::kInt4F16: with(std::integral_constant<Q4, Q4::kInt4F16>{}); break;
+      default: with(std::integral_constant<Q4, Q4::kInt4>{}); break;
     }
   };
   return route_run_combine_any(hidden, hidden_bf16, T, H, topk_weights, topk_ids, ids_int64, k,

@@ -47,6 +47,7 @@ from moe_engine.skew.trace import PeriodicTraceWriter
 from moe_engine.tokenizer import load_tokenizer
 from moe_engine.validation import validate_request
 from quant.compressed_tensors import parse_quantization_config
+from quant.fp8 import parse_fp8_config
 from quant.mxfp4 import MXFP4_BLOCK_SIZE
 
 logger = logging.getLogger(__name__)
@@ -99,8 +100,8 @@ def _resolve_quant(config: EngineConfig) -> EngineConfig:
     except FileNotFoundError:
         return config  # AutoConfig reports the missing checkpoint
     try:
-        quant = resolve_quant_config(config.quant, hf_config)
-        parse_quantization_config(hf_config)
+        quant = resolve_quant_config(config.quant, hf_config, config.model.torch_dtype())
+        parse_quantization_config(hf_config) or parse_fp8_config(hf_config)
     except ValueError as e:
         raise StartupError(str(e)) from e
     return replace(config, quant=quant)

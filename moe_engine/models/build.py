@@ -25,6 +25,7 @@ from moe_engine.models import resolve_architecture
 from moe_engine.models.base import ArchSpec, MoeCausalLM
 from moe_engine.plan import Plan, make_plan
 from quant.compressed_tensors import CompressedTensorsConfig, parse_quantization_config
+from quant.fp8 import Fp8BlockConfig, parse_fp8_config
 
 logger = logging.getLogger(__name__)
 
@@ -126,14 +127,15 @@ def build_model(
     )
 
 
-def _checkpoint_quant(config: EngineConfig) -> CompressedTensorsConfig | None:
-    """config.json's compressed-tensors config (None when it has none).
+def _checkpoint_quant(config: EngineConfig) -> CompressedTensorsConfig | Fp8BlockConfig | None:
+    """config.json's compressed-tensors or FP8 block config (None when it has neither).
 
     Raises:
         StartupError: an unsupported quantization_config.
     """
     try:
-        return parse_quantization_config(config.model.hf_config())
+        hf_config = config.model.hf_config()
+        return parse_quantization_config(hf_config) or parse_fp8_config(hf_config)
     except ValueError as e:
         raise StartupError(str(e)) from e
 
@@ -152,9 +154,10 @@ def quantize_experts(model: MoeCausalLM, config: EngineConfig) -> None:
         check_prequantized(model, config)
         return
     experts = [moe for _, moe in model.moe_layers()]
+    scale_dtype = getattr(torch, config.quant.scale_dtype or "float32")
     try:
         for moe in experts:
-            moe.quantize(method, config.quant.group_size)
+            moe.quantize(method, config.quant.group_size, scale_dtype)
     except ValueError as e:
         raise StartupError(f"--quantization {method}: {e}") from e
     nbytes = sum(m.quantized.nbytes for m in experts)

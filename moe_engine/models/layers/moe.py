@@ -177,14 +177,18 @@ class FusedMoE(nn.Module):
         """Count this layer's routing into `recorder` under decoder layer `layer_index`."""
         self.load_recorder, self.layer_index = recorder, layer_index
 
-    def quantize(self, method: str, group_size: int) -> None:
-        """Replace the float expert weights by a 4-bit copy (see `QuantizedExperts`).
+    def quantize(
+        self, method: str, group_size: int, scale_dtype: torch.dtype = torch.float32
+    ) -> None:
+        """Replace the float expert weights by a 4-bit copy (see `QuantizedExperts`; int4
+        scales stored in `scale_dtype`).
 
         Raises:
             ValueError: a group size that does not divide the dimension it groups.
         """
         self.quantized = QuantizedExperts(
-            self.w13.data, self.w2.data, method, group_size, **self._expert_extras()
+            self.w13.data, self.w2.data, method, group_size, scale_dtype=scale_dtype,
+            **self._expert_extras(),
         )
         del self.w13, self.w2
 

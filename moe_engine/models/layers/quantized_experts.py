@@ -43,6 +43,9 @@ class QuantizedExperts(nn.Module):
         w13: [E, 2I, H] float weights (gate rows then up rows); w2: [E, H, I].
         method: "int4" or "mxfp4".
         group_size: int4 values per scale along the input dimension (32, 64 or 128).
+        scale_dtype: int4 scales' storage: float32, or a 16-bit checkpoint's own dtype
+            (bfloat16/float16: 4 + 16 / group_size bits per weight; the native kernel reads
+            them as stored).
         activation: plain SwiGLU (default) or gpt-oss's clamped variant.
         b13: optional [E, 2I] gate/up bias; b2: optional [E, H] down bias, kept unquantized
             (the three are plain attributes: set them on an instance made by `from_int4`).
@@ -66,6 +69,7 @@ class QuantizedExperts(nn.Module):
         method: str,
         group_size: int,
         *,
+        scale_dtype: torch.dtype = torch.float32,
         activation: SwiGLU = SILU_AND_MUL,
         b13: torch.Tensor | None = None,
         b2: torch.Tensor | None = None,
@@ -74,7 +78,7 @@ class QuantizedExperts(nn.Module):
         self.activation, self.b13, self.b2 = activation, b13, b2
         if method not in QUANT_METHODS:
             raise ValueError(f"quantization must be one of none, {', '.join(QUANT_METHODS)}")
-        self.method, self.group_size = method, group_size
+        self.method, self.group_size, self.scale_dtype = method, group_size, scale_dtype
         if method == "int4":
             self._set_int4(self._quantize_int4(w13), self._quantize_int4(w2))
         else:
@@ -82,7 +86,9 @@ class QuantizedExperts(nn.Module):
 
     def _quantize_int4(self, w: torch.Tensor) -> list[Int4Weight]:
         check_group_size(w.shape[-1], self.group_size)
-        packed, scales, _ = quantize_int4(w, self.group_size, symmetric=True)
+        packed, scales, _ = quantize_int4(
+            w, self.group_size, symmetric=True, scale_dtype=self.scale_dtype
+        )
         return [Int4Weight(packed[e], scales[e], None) for e in range(len(w))]
 
     def _set_int4(self, w13: list[Int4Weight], w2: list[Int4Weight]) -> None:
