@@ -182,7 +182,7 @@ class RotaryEmbedding(nn.Module):
         interleaved: bool = False,
     ) -> None:
         super().__init__()
-        self.interleaved = interleaved
+        self.head_dim, self.yarn, self.interleaved = head_dim, yarn, interleaved
         scale = 1.0
         if yarn is None:
             inv_freq = 1.0 / (
