@@ -327,6 +327,7 @@ class Plan:
             kind = "full attention" if spec.sliding_window is None else (
                 f"sliding window {spec.sliding_window}"
             )
+            kind = "MLA latent" if spec.kind == MLA_ATTENTION else kind
             held = spec.max_blocks_held(n, self.max_num_batched_tokens)
             lines.append(
                 f"KV group {g}: {kind}, {spec.num_layers} layers, "

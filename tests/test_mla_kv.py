@@ -196,3 +196,10 @@ def test_prefix_cache_hits_on_latent_blocks_change_nothing():
     assert len(cached) == len(fresh) == 6
     for a, b in zip(cached, fresh, strict=True):
         assert float((a - b).abs().max() / b.abs().max()) < 1e-5
+
+
+def test_never_fits_names_the_latent_group():
+    spec = MLAAttentionSpec.make(BS, KV_LORA, ROPE, torch.float32, 2)
+    kv = KVCacheManager([spec], 3)
+    with pytest.raises(ValueError, match=r"needs 4 KV blocks of 4 tokens \(MLA latent 4\)"):
+        kv.check_fits(16)
