@@ -5,20 +5,28 @@ chunks, so attention can treat each kind as one batch (see models/layers/attenti
 
 KV-cache groups (kv_cache/spec.py): every group has its own block tables, slot mapping and
 attention batches (`AttentionMetadata.groups`); each layer reads its group's
-(`PagedAttention.kv_group`). Layer `group.layers[j]` of every group uses the same cache tensor
+(`KVCacheLayer.kv_group`). Layer `group.layers[j]` of every group uses the same cache tensor
 pair `j`, so the cache holds (layers per group) pairs of [num_blocks + 1, block_size,
-num_kv_heads, head_dim] tensors, block 0 being the null block.
+num_kv_heads, head_dim] tensors, block 0 being the null block; MLA groups (`MLAAttentionSpec`)
+hold one latent tensor [num_blocks + 1, block_size, kv_lora_rank + qk_rope_head_dim] per slot
+instead of a pair.
 """
 
 from __future__ import annotations
 
 import torch
 
-from moe_engine.kv_cache import KVCacheGroup, KVCacheManager, make_kv_cache_groups
+from moe_engine.kv_cache import (
+    KVCacheGroup,
+    KVCacheManager,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    make_kv_cache_groups,
+)
 from moe_engine.models import MoeCausalLM
 from moe_engine.models.layers.attention import (
     AttentionMetadata,
-    PagedAttention,
+    KVCacheLayer,
     build_attention_batch,
 )
 from moe_engine.sampler import Sampler, SamplerOutput
@@ -38,10 +46,12 @@ class ModelRunner:
             None: made from `model.kv_cache_groups()`.
 
     `kv_caches[i]` is layer i's (K, V) pair, each [num_blocks + 1, block_size, num_kv_heads,
-    head_dim]; layers in the same slot of different groups share one pair.
+    head_dim], or for an MLA group one latent tensor [num_blocks + 1, block_size,
+    kv_lora_rank + qk_rope_head_dim]; layers in the same slot of different groups share it.
 
     Raises:
-        ValueError: a layer in no group, or a group whose window differs from its layers'.
+        ValueError: a layer in no group, or a group whose kind or window differs from its
+            layers' (`KVCacheLayer.cache_kind`, `sliding_window`).
     """
 
     def __init__(
@@ -64,18 +74,25 @@ class ModelRunner:
                 num_kv_heads=spec.num_kv_heads,
                 head_dim=spec.head_dim,
                 dtype=kv_dtype,
+                kv_lora_rank=spec.kv_lora_rank,
+                qk_rope_head_dim=spec.qk_rope_head_dim,
             )
         self.kv_groups = kv_groups
-        shape = (num_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim)
         slots = [
-            (torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
+            _allocate_slot(kv_groups[0].spec, num_blocks, kv_dtype)
             for _ in range(len(kv_groups[0].layers))
         ]
-        caches: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * spec.num_layers
+        caches: list[tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None]
+        caches = [None] * spec.num_layers
         for g, group in enumerate(kv_groups):
             for j, index in enumerate(group.layers):
                 caches[index] = slots[j]
-                attn = _paged_attention(model, index)
+                attn = _kv_cache_layer(model, index)
+                if attn.cache_kind != group.spec.kind:
+                    raise ValueError(
+                        f"layer {index}: attention kind {attn.cache_kind!r}, but its KV cache "
+                        f"group {g} is {group.spec.kind!r}"
+                    )
                 if attn.sliding_window != group.spec.sliding_window:
                     raise ValueError(
                         f"layer {index}: attention window {attn.sliding_window}, but its KV "
@@ -184,13 +201,26 @@ class ModelRunner:
         return AttentionMetadata(slot_mapping=slot_mapping, batches=batches)
 
 
-def _paged_attention(model: MoeCausalLM, index: int) -> PagedAttention:
-    """The one PagedAttention module of decoder layer `index`.
+def _allocate_slot(
+    spec: KVCacheSpec, num_blocks: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+    """One layer slot's zeroed cache: a (K, V) pair of [num_blocks + 1, block_size,
+    num_kv_heads, head_dim], or for MLA one latent tensor [num_blocks + 1, block_size,
+    latent_dim] (block 0 the null block)."""
+    if isinstance(spec, MLAAttentionSpec):
+        return torch.zeros(num_blocks + 1, spec.block_size, spec.latent_dim, dtype=dtype)
+    shape = (num_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+
+
+def _kv_cache_layer(model: MoeCausalLM, index: int) -> KVCacheLayer:
+    """The one KV-cache-owning module (`PagedAttention`, `MLAAttention`) of decoder layer
+    `index`.
 
     Raises:
         ValueError: when the layer has none or several.
     """
-    found = [m for m in model.model.layers[index].modules() if isinstance(m, PagedAttention)]
+    found = [m for m in model.model.layers[index].modules() if isinstance(m, KVCacheLayer)]
     if len(found) != 1:
-        raise ValueError(f"layer {index} has {len(found)} PagedAttention modules, expected 1")
+        raise ValueError(f"layer {index} has {len(found)} KV cache attention modules, expected 1")
     return found[0]

@@ -19,6 +19,7 @@ import torch
 from moe_engine.errors import StartupError
 from moe_engine.kv_cache.spec import (
     FULL_ATTENTION,
+    MLA_ATTENTION,
     SLIDING_ATTENTION,
     AttentionGroup,
     KVCacheSpec,
@@ -62,6 +63,11 @@ class ModelShape:
         attention_sinks: one learned sink logit per query head and layer (gpt-oss).
         router_bias: the router Linear has a bias (gpt-oss).
         expert_bias: each expert has gate/up [2I] and down [H] biases (gpt-oss).
+        kv_lora_rank: multi-head latent attention (DeepSeek-V2/V3) when set: width of the
+            compressed KV latent c_kv; None: GQA as num_kv_heads / head_dim say.
+        q_lora_rank: MLA query compression width (q_a_proj -> q_b_proj); None: direct q_proj.
+        qk_rope_head_dim, qk_nope_head_dim, v_head_dim: MLA per-head widths of the roped and
+            unroped query/key parts and of the values (0 unless MLA).
     """
 
     architecture: str
@@ -86,6 +92,11 @@ class ModelShape:
     attention_sinks: bool = False
     router_bias: bool = False
     expert_bias: bool = False
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelShape:
@@ -131,15 +142,7 @@ class ModelShape:
         """Every parameter that is not a routed expert (attention, router, dense MLPs, norms,
         embeddings, lm_head)."""
         h = self.hidden_size
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        attention = 2 * h * q + 2 * h * kv
-        if self.attention_bias:
-            attention += q + 2 * kv + h
-        if self.qk_norm:
-            attention += 2 * self.head_dim
-        if self.attention_sinks:
-            attention += self.num_heads
-        per_layer = attention + 2 * h  # + input and post-attention RMSNorm
+        per_layer = self.attention_params() + 2 * h  # + input and post-attention RMSNorm
         router = self.num_experts * (h + 1 if self.router_bias else h)
         dense_mlp = 3 * h * self.intermediate_size
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
@@ -151,13 +154,44 @@ class ModelShape:
             + h  # final norm
         )
 
+    def attention_params(self) -> int:
+        """Parameters of one layer's attention block. GQA: q/k/v/o projections (+ biases, q/k
+        norms, sinks). MLA (kv_lora_rank set; transformers `DeepseekV3Attention`): q_proj
+        [H -> heads x qk_head_dim] or q_a_proj [H -> q_lora_rank] + q_a_layernorm + q_b_proj;
+        kv_a_proj_with_mqa [H -> kv_lora_rank + rope], kv_a_layernorm [kv_lora_rank],
+        kv_b_proj [kv_lora_rank -> heads x (nope + v)], o_proj [heads x v -> H]; with
+        attention_bias, biases on q_a_proj, kv_a_proj_with_mqa and o_proj."""
+        h, n = self.hidden_size, self.num_heads
+        if self.kv_lora_rank:
+            r, ql, rope = self.kv_lora_rank, self.q_lora_rank, self.qk_rope_head_dim
+            q_out = n * (self.qk_nope_head_dim + rope)
+            q = ql * (h + 1 + q_out) if ql else h * q_out
+            kv = h * (r + rope) + r + r * n * (self.qk_nope_head_dim + self.v_head_dim)
+            bias = (ql or 0) + r + rope + h if self.attention_bias else 0
+            return q + kv + n * self.v_head_dim * h + bias
+        q, kv = n * self.head_dim, self.num_kv_heads * self.head_dim
+        attention = 2 * h * q + 2 * h * kv
+        if self.attention_bias:
+            attention += q + 2 * kv + h
+        if self.qk_norm:
+            attention += 2 * self.head_dim
+        if self.attention_sinks:
+            attention += n
+        return attention
+
     def kv_elements_per_token(self) -> int:
-        """K and V values one token leaves in the cache over all layers: 2 x L x kv_heads x d."""
+        """Values one token leaves in the cache over all layers: 2 x L x kv_heads x d (K and
+        V), or L x (kv_lora_rank + qk_rope_head_dim) for MLA (the latent only)."""
+        if self.kv_lora_rank:
+            return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim)
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
     def attention_groups(self) -> list[AttentionGroup]:
         """The layers by attention kind, full attention first: (kind, sliding window or None,
-        layer indices), one entry per kind present (`layer_types`; all full when empty)."""
+        layer indices), one entry per kind present (`layer_types`; all full when empty); one
+        "mla" group of every layer when kv_lora_rank is set."""
+        if self.kv_lora_rank:
+            return [(MLA_ATTENTION, None, tuple(range(self.num_layers)))]
         types = self.layer_types or (FULL_ATTENTION,) * self.num_layers
         groups: list[AttentionGroup] = []
         for kind in (FULL_ATTENTION, SLIDING_ATTENTION):
@@ -180,8 +214,9 @@ class Plan:
         max_model_len: longest request (prompt + output, tokens).
         weight_bytes_experts: routed-expert weights held by one rank.
         weight_bytes_other: every other weight (replicated on each rank).
-        kv_bytes_per_token: K and V of one token over all layers (what a cache without
-            sliding-window groups holds per token).
+        kv_bytes_per_token: K and V (MLA: the latent) of one token over all layers (what a
+            cache without sliding-window groups holds per token): the sum of the groups'
+            `KVCacheSpec.bytes_per_token`.
         kv_bytes_per_block: bytes of one block id: the K and V of block_size tokens in one
             layer of each group slot (= `kv_bytes_per_token * block_size` with one group; with
             G equal groups, 1/G of it, as each block belongs to one group).
@@ -233,6 +268,7 @@ class Plan:
             kind = "full attention" if spec.sliding_window is None else (
                 f"sliding window {spec.sliding_window}"
             )
+            kind = "MLA latent" if spec.kind == MLA_ATTENTION else kind
             held = spec.max_blocks_held(n, self.max_num_batched_tokens)
             lines.append(
                 f"KV group {g}: {kind}, {spec.num_layers} layers, "
@@ -253,7 +289,8 @@ class Plan:
             f"{format_bytes(self.weight_bytes_experts)} experts + "
             f"{format_bytes(self.weight_bytes_other)} other"
             + (f" (per rank, ep_size {self.ep_size})" if self.ep_size > 1 else ""),
-            f"KV cache: {format_bytes(self.kv_bytes_per_token)} per token over all layers, "
+            f"KV cache: {format_bytes(self.kv_bytes_per_token)} per token over all layers"
+            + self._mla_note() + ", "
             f"{format_bytes(self.kv_bytes_per_block)} per block of {self.block_size} tokens"
             + (f" ({len(self.kv_specs)} groups)" if len(self.kv_specs) > 1 else ""),
             *(self.group_lines() if len(self.kv_specs) > 1 else []),
@@ -261,6 +298,14 @@ class Plan:
             f"{self.kv_cache_source}) = {self.max_concurrent_tokens} concurrent tokens "
             f"({fits:.1f} requests of max_model_len {self.max_model_len})",
         ])
+
+    def _mla_note(self) -> str:
+        """The describe() note for MLA latents, e.g. ' (MLA latent 576 x 61 layers)'; ''
+        when the cache holds K and V."""
+        s = self.shape
+        if not s.kv_lora_rank:
+            return ""
+        return f" (MLA latent {s.kv_lora_rank + s.qk_rope_head_dim} x {s.num_layers} layers)"
 
     def check(self, max_model_len: int | None = None) -> None:
         """Refuse a configuration in which one request of `max_model_len` tokens cannot run.
@@ -373,15 +418,17 @@ def make_plan(
         experts = math.ceil(expert_params * expert_bits_per_weight / 8)
     experts += round(shape.expert_bias_params() * share) * itemsize
     other = shape.other_params() * itemsize
-    per_token = shape.kv_elements_per_token() * itemsize
     kv_groups = make_kv_cache_groups(
         attention_groups or shape.attention_groups(),
         block_size=block_size,
         num_kv_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
         dtype=dtype,
+        kv_lora_rank=shape.kv_lora_rank,
+        qk_rope_head_dim=shape.qk_rope_head_dim,
     )
     kv_specs = tuple(g.spec for g in kv_groups)
+    per_token = sum(s.bytes_per_token for s in kv_specs)
     per_block = kv_specs[0].bytes_per_block  # every group has the same number of layers
     one_request = sum(s.max_blocks_held(max_model_len, max_num_batched_tokens) for s in kv_specs)
     if num_blocks_override is not None:

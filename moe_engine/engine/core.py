@@ -204,6 +204,8 @@ class EngineCore:
             num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
             dtype=self.dtype,
+            kv_lora_rank=spec.kv_lora_rank,
+            qk_rope_head_dim=spec.qk_rope_head_dim,
         )
         self.kv = KVCacheManager(
             [g.spec for g in kv_groups],

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from moe_engine.kv_cache.block_pool import BlockPool
-from moe_engine.kv_cache.spec import NULL_BLOCK_ID, KVCacheSpec
+from moe_engine.kv_cache.spec import MLA_ATTENTION, NULL_BLOCK_ID, KVCacheSpec
 from moe_engine.request import Request
 
 #: Parent hash of a request's first block.
@@ -346,5 +346,7 @@ class KVCacheManager:
 
 
 def _describe(spec: KVCacheSpec) -> str:
+    if spec.kind == MLA_ATTENTION:
+        return "MLA latent"
     window = spec.sliding_window
     return "full attention" if window is None else f"sliding window {window}"

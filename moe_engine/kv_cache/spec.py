@@ -13,6 +13,10 @@ Specs:
 - `SlidingWindowSpec(sliding_window=W)`: a query at position p reads keys (p - W, p]
   (W keys including itself, `transformers`' `sliding_window_overlay`); blocks wholly before the
   window of the next query are given back to the pool and replaced by the null block.
+- `MLAAttentionSpec`: multi-head latent attention (DeepSeek-V2/V3): one latent vector of
+  kv_lora_rank + qk_rope_head_dim values per token and layer (the normalised c_kv, then the
+  roped k_pe), no separate V; the cache per layer is [num_blocks + 1, block_size, latent_dim]
+  (vLLM's `MLAAttentionSpec`). Blocks behave as full attention's, so prefix caching is unchanged.
 A fixed-size linear-attention state (a `MambaSpec` later) fits the same interface: its
 `max_blocks_held` is a constant and `num_skipped_blocks` drops every block but the last.
 """
@@ -31,6 +35,8 @@ NULL_BLOCK_ID = 0
 #: Attention kinds a model may declare (`transformers` `layer_types` names map onto them).
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+#: Multi-head latent attention (DeepSeek-V2 sec. 2.1): the cache holds the compressed latent.
+MLA_ATTENTION = "mla"
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,7 @@ class KVCacheSpec:
 
     @property
     def kind(self) -> str:
-        """The attention kind (`FULL_ATTENTION` or `SLIDING_ATTENTION`)."""
+        """The attention kind (`FULL_ATTENTION`, `SLIDING_ATTENTION` or `MLA_ATTENTION`)."""
         return FULL_ATTENTION
 
     @property
@@ -131,6 +137,68 @@ class SlidingWindowSpec(KVCacheSpec):
 
 
 @dataclass(frozen=True)
+class MLAAttentionSpec(KVCacheSpec):
+    """Multi-head latent attention: per token and layer one latent vector [c_kv | k_pe] of
+    `kv_lora_rank + qk_rope_head_dim` values, shared by every head (DeepSeek-V2, Liu et al. 2024,
+    sec. 2.1 "low-rank key-value joint compression"; vLLM v1 `MLAAttentionSpec`).
+
+    The base fields read num_kv_heads = 1 and head_dim = the latent dim; blocks need the
+    whole context, as full attention's.
+
+    Attributes:
+        kv_lora_rank: width of the compressed c_kv (config.json `kv_lora_rank`).
+        qk_rope_head_dim: width of the decoupled, roped key k_pe (`qk_rope_head_dim`).
+
+    Raises:
+        ValueError: kv_lora_rank < 1, qk_rope_head_dim < 0, or num_kv_heads / head_dim other
+            than 1 / kv_lora_rank + qk_rope_head_dim.
+    """
+
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kv_lora_rank < 1 or self.qk_rope_head_dim < 0:
+            raise ValueError(
+                f"MLA cache: kv_lora_rank {self.kv_lora_rank} must be >= 1 and "
+                f"qk_rope_head_dim {self.qk_rope_head_dim} >= 0"
+            )
+        if self.num_kv_heads != 1 or self.head_dim != self.latent_dim:
+            raise ValueError(
+                f"MLA cache: num_kv_heads {self.num_kv_heads} / head_dim {self.head_dim} must be "
+                f"1 / kv_lora_rank + qk_rope_head_dim = {self.latent_dim}"
+            )
+
+    @classmethod
+    def make(
+        cls,
+        block_size: int,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        dtype: torch.dtype,
+        num_layers: int,
+    ) -> MLAAttentionSpec:
+        """The spec from the MLA dims (num_kv_heads 1, head_dim the latent dim)."""
+        latent = kv_lora_rank + qk_rope_head_dim
+        return cls(block_size, 1, latent, dtype, num_layers, kv_lora_rank, qk_rope_head_dim)
+
+    @property
+    def kind(self) -> str:
+        return MLA_ATTENTION
+
+    @property
+    def latent_dim(self) -> int:
+        """Values per token and layer: kv_lora_rank + qk_rope_head_dim."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Latent bytes one token leaves in this group's layers: layers x (kv_lora_rank +
+        qk_rope_head_dim) x itemsize (DeepSeek-V3 at bf16: 61 x 576 x 2 = 70,272 B)."""
+        return self.num_layers * self.latent_dim * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
 class KVCacheGroup:
     """One KV-cache group: its spec and its decoder-layer indices (in tensor-slot order: layer
     `layers[j]` uses the shared cache tensor pair `j`)."""
@@ -150,6 +218,8 @@ def make_kv_cache_groups(
     num_kv_heads: int,
     head_dim: int,
     dtype: torch.dtype,
+    kv_lora_rank: int | None = None,
+    qk_rope_head_dim: int = 0,
 ) -> list[KVCacheGroup]:
     """Split a model's layers into equal-sized KV-cache groups.
 
@@ -160,12 +230,17 @@ def make_kv_cache_groups(
 
     Args:
         attention_groups: (kind, window, layers) per attention kind, from
-            `MoeCausalLM.kv_cache_groups_for`; kind is "full_attention" or "sliding_attention".
-        block_size, num_kv_heads, head_dim, dtype: the cache shape.
+            `MoeCausalLM.kv_cache_groups_for`; kind is "full_attention", "sliding_attention" or
+            "mla" (window None).
+        block_size, num_kv_heads, head_dim, dtype: the cache shape (num_kv_heads and head_dim
+            unused by MLA groups).
+        kv_lora_rank, qk_rope_head_dim: the latent's parts (`MLAAttentionSpec`); needed only
+            when a group is "mla".
 
     Raises:
-        ValueError: an unknown kind, a sliding kind without a window, an empty group, or a layer
-            in two groups.
+        ValueError: an unknown kind, a sliding kind without a window, an MLA kind without
+            kv_lora_rank or beside other kinds (their cache tensors differ in shape), an empty
+            group, or a layer in two groups.
     """
     kinds = [(kind, window, tuple(layers)) for kind, window, layers in attention_groups if layers]
     if not kinds:
@@ -175,19 +250,30 @@ def make_kv_cache_groups(
         if seen & set(layers):
             raise ValueError(f"layers {sorted(seen & set(layers))} are in two attention groups")
         seen |= set(layers)
+    if any(k == MLA_ATTENTION for k, _, _ in kinds) and len({k for k, _, _ in kinds}) > 1:
+        raise ValueError(
+            f"attention kinds {sorted({k for k, _, _ in kinds})}: MLA layers cannot share "
+            f"cache tensors with other kinds (their per-layer cache shapes differ)"
+        )
     size = math.gcd(*(len(layers) for _, _, layers in kinds))
     groups = []
     for kind, window, layers in kinds:
-        if kind == FULL_ATTENTION:
-            spec: KVCacheSpec = FullAttentionSpec(block_size, num_kv_heads, head_dim, dtype, size)
+        if kind == MLA_ATTENTION:
+            if not kv_lora_rank:
+                raise ValueError("an mla group needs kv_lora_rank (config.json) >= 1")
+            spec: KVCacheSpec = MLAAttentionSpec.make(
+                block_size, kv_lora_rank, qk_rope_head_dim, dtype, size
+            )
+        elif kind == FULL_ATTENTION:
+            spec = FullAttentionSpec(block_size, num_kv_heads, head_dim, dtype, size)
         elif kind == SLIDING_ATTENTION:
             if not window:
                 raise ValueError("a sliding_attention group needs a sliding window (tokens)")
             spec = SlidingWindowSpec(block_size, num_kv_heads, head_dim, dtype, size, window)
         else:
             raise ValueError(
-                f"attention kind {kind!r} is not supported; use {FULL_ATTENTION!r} or "
-                f"{SLIDING_ATTENTION!r}"
+                f"attention kind {kind!r} is not supported; use {FULL_ATTENTION!r}, "
+                f"{SLIDING_ATTENTION!r} or {MLA_ATTENTION!r}"
             )
         groups += [KVCacheGroup(spec, layers[i : i + size]) for i in range(0, len(layers), size)]
     return groups

@@ -140,3 +140,25 @@ def layer_types_fields(cfg: dict, default_window: int) -> dict:
             f"sliding_attention layers"
         )
     return dict(layer_types=tuple(layer_types), sliding_window=int(window) if sliding else None)
+
+
+def mla_shape_fields(cfg: dict) -> dict:
+    """The MLA fields of a DeepSeek-V2/V3-style config.json (`kv_lora_rank` set: multi-head
+    latent attention, DeepSeek-V2 paper sec. 2.1), {} otherwise.
+
+    Raises:
+        ValueError: kv_lora_rank set without qk_rope_head_dim, qk_nope_head_dim or v_head_dim.
+    """
+    if not cfg.get("kv_lora_rank"):
+        return {}
+    dims = {}
+    for key in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+        if cfg.get(key) is None:
+            raise ValueError(f"config.json: kv_lora_rank is set (MLA) but {key!r} is missing")
+        dims[key] = int(cfg[key])
+    q_lora = cfg.get("q_lora_rank")
+    return dict(
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        q_lora_rank=int(q_lora) if q_lora else None,
+        **dims,
+    )

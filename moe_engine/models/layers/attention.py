@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_attention import native_attention_available, paged_decode_attention
+from moe_engine.kv_cache.spec import FULL_ATTENTION, SLIDING_ATTENTION
 
 
 @dataclass
@@ -167,7 +168,27 @@ def build_attention_batch(
     )
 
 
-class PagedAttention(torch.nn.Module):
+class KVCacheLayer(torch.nn.Module):
+    """What the ModelRunner needs of the one module per decoder layer that owns the layer's KV
+    cache slot (`PagedAttention`, `mla.MLAAttention`): the attention kind and window it
+    expects of its cache group, and the group it reads (set by the runner).
+
+    Attributes:
+        sliding_window: keys a query attends, itself included; None for full attention.
+        kv_group: index of the KV-cache group whose block tables and slot mapping it reads
+            (`AttentionMetadata.for_group`); 0 until the ModelRunner sets it.
+    """
+
+    sliding_window: int | None = None
+    kv_group: int = 0
+
+    @property
+    def cache_kind(self) -> str:
+        """The `KVCacheSpec.kind` of the group this layer's cache must belong to."""
+        return FULL_ATTENTION if self.sliding_window is None else SLIDING_ATTENTION
+
+
+class PagedAttention(KVCacheLayer):
     """Writes this step's K/V into the layer's cache and attends through the block tables.
 
     Args:

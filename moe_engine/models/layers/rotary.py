@@ -1,4 +1,5 @@
-"""Rotary position embedding (RoFormer, Su et al. 2021), "rotate half" layout as in Llama/HF.
+"""Rotary position embedding (RoFormer, Su et al. 2021), "rotate half" layout as in Llama/HF,
+or on interleaved pairs (x0, x1), (x2, x3), ... as DeepSeek's checkpoints lay out q_pe / k_pe.
 
 Optionally with YaRN context extension (Peng et al. 2023, "YaRN: Efficient Context Window
 Extension of Large Language Models"), as gpt-oss uses it: `yarn_inv_freq` follows `transformers`'
@@ -106,6 +107,15 @@ def _yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
+def yarn_softmax_scale_factor(yarn: YarnScaling | None) -> float:
+    """The extra softmax-scale factor of DeepSeek-style YaRN: mscale(factor, mscale_all_dim)^2
+    when `mscale_all_dim` is set, else 1 (DeepSeek-V2/V3 inference code; transformers
+    `yarn_apply_mscale` in modeling_deepseek_v3.py). Multiplies qk_head_dim ** -0.5."""
+    if yarn is None or not yarn.mscale_all_dim:
+        return 1.0
+    return _yarn_get_mscale(yarn.factor, yarn.mscale_all_dim) ** 2
+
+
 def yarn_inv_freq(head_dim: int, base: float, yarn: YarnScaling) -> tuple[torch.Tensor, float]:
     """YaRN's per-dimension-pair inverse frequencies and its attention factor.
 
@@ -155,12 +165,24 @@ class RotaryEmbedding(nn.Module):
         base: the rotary base (rope_theta).
         yarn: YaRN scaling (`yarn_inv_freq`; cos and sin carry its attention factor), or None
             for plain RoPE.
+        interleaved: the pairs rotated together are (x0, x1), (x2, x3), ... (DeepSeek; V3's
+            `rope_interleave`, V2's complex multiplication); the output is de-interleaved,
+            [rotated evens | rotated odds], as transformers' `apply_rotary_pos_emb_interleave`
+            returns it. V2's complex form returns the same values re-interleaved; as q and k
+            get the same permutation, q . k and so attention are unchanged. False: the
+            "rotate half" pairs (x_i, x_{i + d/2}).
     """
 
     def __init__(
-        self, head_dim: int, max_position: int, base: float, yarn: YarnScaling | None = None
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        yarn: YarnScaling | None = None,
+        interleaved: bool = False,
     ) -> None:
         super().__init__()
+        self.head_dim, self.yarn, self.interleaved = head_dim, yarn, interleaved
         scale = 1.0
         if yarn is None:
             inv_freq = 1.0 / (
@@ -194,7 +216,15 @@ class RotaryEmbedding(nn.Module):
             cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
             sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
             self._last = (positions, cos, sin)
+        if self.interleaved:
+            q, k = deinterleave(q), deinterleave(k)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """[..., d] -> [..., d]: [x0, x2, x4, ..., x1, x3, ...], so that the interleaved pairs
+    (x_2i, x_2i+1) become the rotate-half pairs (x_i, x_i+d/2)."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,257 @@
+"""Multi-head latent attention (MLA) over the paged KV cache (DeepSeek-V2/V3).
+
+DeepSeek-V2 (Liu et al. 2024, arXiv:2405.04434) sec. 2.1, "low-rank key-value joint
+compression": each token's keys and values come from one compressed latent
+c_kv = RMSNorm(W_DKV h) of `kv_lora_rank` values (r) plus one decoupled, roped key k_pe of
+`qk_rope_head_dim` values shared by all heads. Per head i,
+k_i = [W_UK_i c_kv | k_pe] and v_i = W_UV_i c_kv, where `kv_b_proj` stacks W_UK_i [nope, r]
+and W_UV_i [v, r] for every head. The cache holds only [c_kv | k_pe] per token and layer
+(`kv_cache.MLAAttentionSpec`): 576 values for DeepSeek-V3 instead of 2 x 128 heads x 128.
+
+Two ways to attend, chosen per query batch (models/layers/attention.py's batching: at most two
+batched calls per layer and step, never a loop per request):
+- Expanded (prefill chunks, and decode when `absorb` is off): the gathered latents go through
+  `kv_b_proj` into per-head keys and values, then one `scaled_dot_product_attention` with the
+  causal mask (a chunk's queries see the cached latents and the chunk's own).
+- Absorbed (decode, q_len 1): as q_i . k_i = (W_UK_i^T q_nope_i) . c_kv + q_pe_i . k_pe, the
+  query is moved into latent space once (q_lat_i = q_nope_i W_UK_i, [r]) and every head attends
+  the one shared latent [c_kv | k_pe] directly (multi-query attention with head dim r + rope),
+  with c_kv as the value; W_UV_i is applied to the r-dim output afterwards. No key or value is
+  ever expanded: the per-step cost is O(context x (r + rope)) per head instead of
+  O(context x r x heads x (nope + v)) for the expansion (DeepSeek-V2 sec. 2.1.2, "absorbed into
+  W_Q / W_O"; vLLM `MLACommonImpl` / `_forward_decode` with `W_UK_T` and `W_UV`; SGLang's
+  `forward_absorb`).
+
+The parameter names are transformers' (`DeepseekV3Attention`, `DeepseekV2Attention` in
+transformers 5.24), so checkpoints load by name.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moe_engine.kv_cache.spec import MLA_ATTENTION
+from moe_engine.models.layers.attention import AttentionBatch, AttentionMetadata, KVCacheLayer
+from moe_engine.models.layers.linear import Linear
+from moe_engine.models.layers.norm import RMSNorm
+from moe_engine.models.layers.rotary import RotaryEmbedding, yarn_softmax_scale_factor
+
+
+class MLAAttention(KVCacheLayer):
+    """One MLA layer: projections, RoPE on the decoupled part, latent cache write, attention.
+
+    Args:
+        hidden_size: width of the residual stream (H).
+        num_heads: query heads (n).
+        q_lora_rank: width of the compressed query (q_a_proj -> q_a_layernorm -> q_b_proj);
+            None: one direct q_proj (DeepSeek-V2-Lite).
+        kv_lora_rank: width r of the compressed KV latent c_kv.
+        qk_nope_head_dim, qk_rope_head_dim: per-head widths of the unroped and roped query/key
+            parts (qk_head_dim is their sum); v_head_dim: per-head value width.
+        rotary: RoPE over qk_rope_head_dim dims (shared by all layers), with
+            `interleaved=True` for DeepSeek checkpoints (V3 `rope_interleave`, V2's complex
+            form) and its YaRN scaling, if any (cos/sin carry YaRN's attention factor).
+        attention_bias: biases on q_a_proj, kv_a_proj_with_mqa and o_proj (as transformers;
+            q_proj, q_b_proj and kv_b_proj never have one).
+        norm_eps: epsilon of q_a_layernorm and kv_a_layernorm (transformers builds both with
+            its RMSNorm default 1e-6, whatever `rms_norm_eps` says).
+        softmax_scale: None: qk_head_dim ** -0.5 times YaRN's mscale(factor, mscale_all_dim)^2
+            when the rotary has YaRN with `mscale_all_dim` (transformers `yarn_apply_mscale`).
+        dtype: parameter dtype.
+        absorb: decode with weight absorption (default); False runs the expanded path for
+            decode too (the reference for tests, and the baseline of bench/mla.py). Also
+            settable on the instance.
+
+    Raises:
+        ValueError: a non-positive size, or rotary over other than qk_rope_head_dim dims.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        *,
+        q_lora_rank: int | None,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        rotary: RotaryEmbedding,
+        attention_bias: bool = False,
+        norm_eps: float = 1e-6,
+        softmax_scale: float | None = None,
+        dtype: torch.dtype = torch.float32,
+        absorb: bool = True,
+    ) -> None:
+        super().__init__()
+        sizes = dict(hidden_size=hidden_size, num_heads=num_heads, kv_lora_rank=kv_lora_rank,
+                     qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
+                     v_head_dim=v_head_dim, q_lora_rank=q_lora_rank or 1)
+        for name, value in sizes.items():
+            if value < 1:
+                raise ValueError(f"MLAAttention: {name} {value} must be >= 1")
+        if rotary.head_dim != qk_rope_head_dim:
+            raise ValueError(
+                f"MLAAttention: rotary rotates {rotary.head_dim} dims, but qk_rope_head_dim is "
+                f"{qk_rope_head_dim}"
+            )
+        self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim = qk_nope_head_dim, qk_rope_head_dim
+        self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        self.q_lora_rank = q_lora_rank
+        q_out = num_heads * self.qk_head_dim
+        if q_lora_rank is None:
+            self.q_proj = Linear(hidden_size, q_out, bias=False, dtype=dtype)
+        else:
+            self.q_a_proj = Linear(hidden_size, q_lora_rank, bias=attention_bias, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, norm_eps, dtype=dtype)
+            self.q_b_proj = Linear(q_lora_rank, q_out, bias=False, dtype=dtype)
+        self.kv_a_proj_with_mqa = Linear(
+            hidden_size, kv_lora_rank + qk_rope_head_dim, bias=attention_bias, dtype=dtype
+        )
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, norm_eps, dtype=dtype)
+        self.kv_b_proj = Linear(
+            kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False, dtype=dtype
+        )
+        self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias=attention_bias, dtype=dtype)
+        self.rotary = rotary
+        if softmax_scale is None:
+            softmax_scale = self.qk_head_dim**-0.5 * yarn_softmax_scale_factor(rotary.yarn)
+        self.scale = softmax_scale
+        self.absorb = absorb
+        self._w_uk: torch.Tensor | None = None  # [n, nope, r]
+        self._w_uv: torch.Tensor | None = None  # [n, r, v]
+        self._absorbed_key: tuple | None = None  # which kv_b_proj weight they came from
+
+    @property
+    def cache_kind(self) -> str:
+        return MLA_ATTENTION
+
+    @property
+    def latent_dim(self) -> int:
+        """Cache values per token: kv_lora_rank + qk_rope_head_dim."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def process_weights_after_loading(self) -> None:
+        """Split kv_b_proj's weight [n x (nope + v), r] into W_UK [n, nope, r] and W_UV
+        [n, r, v] for absorbed decode (vLLM `MLACommonImpl.process_weights_after_loading`).
+        Called by the first absorbed decode when not called before, and again whenever the
+        weight was replaced or changed in place since (a reload never serves stale weights)."""
+        weight = self.kv_b_proj.weight.detach()
+        w = weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
+        self._w_uk = w[:, : self.qk_nope_head_dim].contiguous()
+        self._w_uv = w[:, self.qk_nope_head_dim :].transpose(1, 2).contiguous()
+        self._absorbed_key = self._weight_key()
+
+    def _weight_key(self) -> tuple:
+        weight = self.kv_b_proj.weight
+        try:
+            version = weight._version
+        except RuntimeError:  # an inference-mode tensor keeps no version counter
+            version = None
+        return (id(weight), weight.data_ptr(), version, weight.dtype)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """h: [T, H], positions: [T] int64; kv_cache: this layer's [num_blocks + 1,
+        block_size, kv_lora_rank + qk_rope_head_dim] latent tensor (written at the group's
+        slot_mapping). Returns [T, H] in h's dtype."""
+        t, n = h.shape[0], self.num_heads
+        if self.q_lora_rank is None:
+            q = self.q_proj(h)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
+        q_nope, q_pe = q.view(t, n, self.qk_head_dim).split(
+            [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
+        )
+        c_kv, k_pe = self.kv_a_proj_with_mqa(h).split(
+            [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
+        )
+        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))
+        latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe.squeeze(1)], dim=-1)
+        meta = meta.for_group(self.kv_group)
+        kv_cache.view(-1, self.latent_dim).index_copy_(
+            0, meta.slot_mapping, latent.to(kv_cache.dtype)
+        )
+        out = h.new_empty(t, n * self.v_head_dim)
+        for batch in meta.batches:
+            rows = slice(batch.token_start, batch.token_end)
+            if batch.max_q == 1 and self.absorb:
+                out[rows] = self._decode_absorbed(q_nope[rows], q_pe[rows], kv_cache, batch)
+            else:
+                out[rows] = self._attend_expanded(q_nope[rows], q_pe[rows], kv_cache, batch)
+        return self.o_proj(out)
+
+    def _attend_expanded(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, batch: AttentionBatch
+    ) -> torch.Tensor:
+        """q_nope: [N, n, nope], q_pe: [N, n, rope] (the batch's N tokens) -> [N, n x v]: the
+        gathered latents expanded through kv_b_proj into per-head keys and values."""
+        b, n, nope = batch.seq_lens.shape[0], self.num_heads, self.qk_nope_head_dim
+        c_kv, k_pe = _gather_latent(cache, batch.block_ids, b).split(
+            [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
+        )
+        keys_len = c_kv.shape[1]
+        kv = self.kv_b_proj(c_kv.to(q_nope.dtype)).view(b, keys_len, n, nope + self.v_head_dim)
+        k_nope, values = kv.transpose(1, 2).split([nope, self.v_head_dim], dim=-1)
+        k_rope = k_pe.to(q_pe.dtype)[:, None].expand(b, n, keys_len, self.qk_rope_head_dim)
+        keys = torch.cat([k_nope, k_rope], dim=-1)  # [B, n, Lk, qk_head_dim]
+        q_pad = q_nope.new_zeros(b, batch.max_q, n, self.qk_head_dim)
+        q_pad[batch.tok_b, batch.tok_q] = torch.cat([q_nope, q_pe], dim=-1)
+        o = _sdpa(q_pad.transpose(1, 2), keys, values, batch.mask, self.scale)  # [B, n, Lq, v]
+        return o.transpose(1, 2)[batch.tok_b, batch.tok_q].reshape(-1, n * self.v_head_dim)
+
+    def _decode_absorbed(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, batch: AttentionBatch
+    ) -> torch.Tensor:
+        """One query per request: q_nope [B, n, nope], q_pe [B, n, rope] -> [B, n x v].
+
+        q_lat = q_nope W_UK ([B, n, r]); scores = ([q_lat | q_pe] . [c_kv | k_pe]) x scale
+        over the gathered latents, the n heads as the query rows of one latent head;
+        o_lat = softmax(scores) c_kv; out = o_lat W_UV."""
+        if self._absorbed_key != self._weight_key():
+            self.process_weights_after_loading()
+        b, r = q_nope.shape[0], self.kv_lora_rank
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self._w_uk)  # [n, B, r]
+        query = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1)  # [B, n, r + rope]
+        latent = _gather_latent(cache, batch.block_ids, b).to(query.dtype)[:, None]
+        # The whole latent serves as the value too (equal q/k/v widths keep SDPA on its fused
+        # kernel on a CPU, 3x the unfused one at 4k context); its first r output columns are
+        # softmax(scores) @ c_kv (FlashMLA reads V as the first r columns of K the same way).
+        o_lat = F.scaled_dot_product_attention(
+            query.unsqueeze(1), latent, latent,
+            attn_mask=batch.mask,  # [B, 1, 1, Lk], the same for every head
+            scale=self.scale,
+        )[..., :r]  # [B, 1, n, r]
+        out = torch.bmm(o_lat.squeeze(1).transpose(0, 1), self._w_uv)  # [n, B, v]
+        return out.transpose(0, 1).reshape(b, self.num_heads * self.v_head_dim)
+
+
+def _sdpa(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`scaled_dot_product_attention` of q, keys [B, n, L, qk_head_dim] and values [B, n, Lk,
+    v_head_dim]. On a CPU, values narrower than the keys are zero-padded to their width (and
+    the output cut back): the fused CPU kernel takes only equal widths, and is 1.5x the unfused
+    one on a 512-query chunk over 4k keys even with the padding."""
+    pad = keys.shape[-1] - values.shape[-1]
+    if q.device.type != "cpu" or pad <= 0:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    values = F.pad(values, (0, pad))
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return out[..., : out.shape[-1] - pad]
+
+
+def _gather_latent(cache: torch.Tensor, block_ids: torch.Tensor, rows: int) -> torch.Tensor:
+    """cache: [num_blocks, block_size, L]; block_ids: [rows * nb] -> [rows, nb * block_size, L]
+    (whole blocks copied as contiguous rows, as attention.py's `_gather_blocks`)."""
+    num_blocks, _, dim = cache.shape
+    flat = cache.view(num_blocks, -1).index_select(0, block_ids)
+    return flat.view(rows, -1, dim)
