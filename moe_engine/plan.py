@@ -68,6 +68,11 @@ class ModelShape:
         q_lora_rank: MLA query compression width (q_a_proj -> q_b_proj); None: direct q_proj.
         qk_rope_head_dim, qk_nope_head_dim, v_head_dim: MLA per-head widths of the roped and
             unroped query/key parts and of the values (0 unless MLA).
+        shared_expert_intermediate_size: width of the ungated shared-expert SwiGLU MLP of each
+            MoE layer (DeepSeek: moe_intermediate_size x n_shared_experts; 0: none).
+        router_correction_bias: each MoE layer's router holds `e_score_correction_bias` [E].
+        router_float32: the router weight (and correction bias) are float32 whatever the
+            model dtype (transformers `_keep_in_fp32_modules_strict`, `layers.routing`).
     """
 
     architecture: str
@@ -97,6 +102,9 @@ class ModelShape:
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    shared_expert_intermediate_size: int = 0
+    router_correction_bias: bool = False
+    router_float32: bool = False
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelShape:
@@ -139,11 +147,11 @@ class ModelShape:
         return len(self.moe_layers) * self.num_experts * per_expert
 
     def other_params(self) -> int:
-        """Every parameter that is not a routed expert (attention, router, dense MLPs, norms,
-        embeddings, lm_head)."""
+        """Every parameter that is not a routed expert (attention, router, shared experts,
+        dense MLPs, norms, embeddings, lm_head)."""
         h = self.hidden_size
         per_layer = self.attention_params() + 2 * h  # + input and post-attention RMSNorm
-        router = self.num_experts * (h + 1 if self.router_bias else h)
+        router = self.router_params() + 3 * h * self.shared_expert_intermediate_size
         dense_mlp = 3 * h * self.intermediate_size
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return (
@@ -153,6 +161,16 @@ class ModelShape:
             + embeddings
             + h  # final norm
         )
+
+    def router_params(self) -> int:
+        """Parameters of one MoE layer's router: weight [E, H], bias and correction bias."""
+        extra = int(self.router_bias) + int(self.router_correction_bias)
+        return self.num_experts * (self.hidden_size + extra)
+
+    def float32_params(self) -> int:
+        """Parameters among `other_params` stored float32 whatever the model dtype (the
+        routers when `router_float32`)."""
+        return len(self.moe_layers) * self.router_params() if self.router_float32 else 0
 
     def attention_params(self) -> int:
         """Parameters of one layer's attention block. GQA: q/k/v/o projections (+ biases, q/k
@@ -417,7 +435,7 @@ def make_plan(
     else:
         experts = math.ceil(expert_params * expert_bits_per_weight / 8)
     experts += round(shape.expert_bias_params() * share) * itemsize
-    other = shape.other_params() * itemsize
+    other = shape.other_params() * itemsize + shape.float32_params() * (4 - itemsize)
     kv_groups = make_kv_cache_groups(
         attention_groups or shape.attention_groups(),
         block_size=block_size,

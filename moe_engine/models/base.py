@@ -45,10 +45,15 @@ class ArchSpec(ModelShape):
     Attributes:
         rms_norm_eps: RMSNorm epsilon.
         rope_theta: rotary base.
+        num_nextn_predict_layers: multi-token-prediction layers the checkpoint ships after
+            the decoder (`model.layers.{num_layers + j}.*`, DeepSeek-V3 / GLM-4.5
+            `num_nextn_predict_layers`); the engine does not run them and the loader skips
+            their tensors unread (`WeightLoader.wants`).
     """
 
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    num_nextn_predict_layers: int = 0
 
 
 class MoeCausalLM(nn.Module):
@@ -222,8 +227,9 @@ class MoeCausalLM(nn.Module):
         return WeightLoader(self).expected_names()
 
     def wants_weight(self, name: str) -> bool:
-        """False for a checkpoint tensor of an expert this rank does not hold (the loader then
-        never reads it); True for everything else."""
+        """False for a checkpoint tensor of an expert this rank does not hold, or of a
+        multi-token-prediction layer (`num_nextn_predict_layers`): the loader then never reads
+        it; True for everything else."""
         return self._weight_loader().wants(name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

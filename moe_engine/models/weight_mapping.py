@@ -116,6 +116,12 @@ class WeightLoader:
         names = "|".join(re.escape(n) for n in {e.gate, e.up, e.down})
         self._expert = re.compile(rf"(.+)\.experts\.(\d+)\.({names})\.weight$")
         self._expert_id = re.compile(r"(.+)\.experts\.(\d+)\.")
+        self._layer = re.compile(r"model\.layers\.(\d+)\.")
+        spec = getattr(model, "spec", None)
+        num_layers = getattr(spec, "num_layers", 0)
+        mtp = getattr(spec, "num_nextn_predict_layers", 0)
+        #: decoder-layer indices of the multi-token-prediction layers (never loaded)
+        self.mtp_layers = range(num_layers, num_layers + mtp)
         fused = "|".join(re.escape(n) for n in {e.fused_gate_up, e.fused_down})
         self._fused = re.compile(rf"(.+)\.experts\.({fused})(_bias|_blocks|_scales)?$")
         self._shard = {e.gate: "gate", e.up: "up", e.down: "down"}
@@ -147,7 +153,12 @@ class WeightLoader:
 
     def wants(self, name: str) -> bool:
         """False for a per-expert checkpoint tensor of an expert this rank does not hold (or
-        of a block that is not a `FusedMoE`): the loader then never reads it."""
+        of a block that is not a `FusedMoE`), and for every tensor of a multi-token-prediction
+        layer (`model.layers.{i}.` with num_layers <= i < num_layers +
+        num_nextn_predict_layers, as transformers' `_keys_to_ignore_on_load_unexpected`
+        skips them): the loader then never reads it."""
+        if (m := self._layer.match(name)) and int(m[1]) in self.mtp_layers:
+            return False
         if m := self._expert_id.match(self.mapping.model_name(name)):
             moe = self.moes.get(m[1])
             return moe is not None and bool(moe.local_slots(int(m[2])))
