@@ -17,6 +17,7 @@ ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "moe_engine.models.mixtral",
     "GptOssForCausalLM": "moe_engine.models.gpt_oss",
     "DeepseekV3ForCausalLM": "moe_engine.models.deepseek_v3",
+    "DeepseekV2ForCausalLM": "moe_engine.models.deepseek_v2",
 }
 
 
