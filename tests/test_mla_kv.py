@@ -79,8 +79,12 @@ def test_plan_reports_deepseek_v3_latent_bytes():
     assert plan.kv_bytes_per_block == 70_272 * 16
     assert plan.num_blocks == (1 << 30) // (70_272 * 16)
     assert "68.62 KiB per token over all layers (MLA latent 576 x 61 layers)" in plan.describe()
-    # a GQA model keeps 2 x L x kv_heads x d
-    gqa = ModelShape.from_hf_config({k: v for k, v in DEEPSEEK_V3.items() if "lora" not in k})
+    # a GQA model of the same sizes keeps 2 x L x kv_heads x d (a DeepSeek-V3 config without
+    # kv_lora_rank is refused: test_deepseek.py)
+    gqa = ModelShape.from_hf_config({
+        **{k: v for k, v in DEEPSEEK_V3.items() if "lora" not in k},
+        "architectures": ["Qwen3MoeForCausalLM"],
+    })
     gqa_plan = make_plan(gqa, torch.bfloat16, block_size=16, max_model_len=4096,
                          kv_cache_memory=1 << 30, available_memory=1 << 50)
     assert gqa_plan.kv_bytes_per_token == 2 * 61 * 128 * (7168 // 128) * 2

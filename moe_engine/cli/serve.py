@@ -343,13 +343,17 @@ def check_args(args: argparse.Namespace) -> str | None:
 
 def check_checkpoint(config: EngineConfig) -> None:
     """What can be checked from the checkpoint directory alone, before the port opens: its
-    config.json (present, valid JSON), a 4-bit group size that divides the dimensions it
+    config.json (present, valid JSON, an architecture served, fields its architecture file
+    accepts: `models.model_shape`), a 4-bit group size that divides the dimensions it
     groups, and its safetensors weights (present; pickle is refused).
 
     Raises:
         FileNotFoundError, ValueError, StartupError: the message names the file, or the field
             and the flag.
     """
+    from moe_engine.models import model_shape
+
+    model_shape(config.model.hf_config())
     resolve_quant_config(config.quant, config.model.hf_config())
     safetensors_files(config.model.model)
 

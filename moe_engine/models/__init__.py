@@ -20,17 +20,37 @@ ARCHITECTURES: dict[str, str] = {
     "DeepseekV2ForCausalLM": "moe_engine.models.deepseek_v2",
 }
 
+#: Architectures refused with their reason rather than as merely unknown.
+REFUSED_ARCHITECTURES: dict[str, str] = {
+    "DeepseekV32ForCausalLM": (
+        "DeepSeek Sparse Attention (DeepSeek-V3.2's lightning indexer, which attends to "
+        "index_topk={index_topk} keys per query) is not supported: this engine implements "
+        "dense MLA only"
+    ),
+}
+
 
 def architecture_class(name: str) -> type[MoeCausalLM]:
     """The model class registered as `name` (imports its module)."""
     return getattr(importlib.import_module(ARCHITECTURES[name]), name)
 
 
-def _unsupported(archs: list) -> StartupError:
+def _unsupported(archs: list, cfg: dict | None = None) -> StartupError:
+    for arch in archs:
+        if arch in REFUSED_ARCHITECTURES:
+            reason = REFUSED_ARCHITECTURES[arch].format_map(_Fields(cfg or {}))
+            return StartupError(f"architectures {archs} in config.json: {reason}")
     return StartupError(
         f"architectures {archs} in config.json are not supported; "
         f"supported: {', '.join(sorted(ARCHITECTURES))}"
     )
+
+
+class _Fields(dict):
+    """config.json fields for a refusal's message; an absent one reads as "?"."""
+
+    def __missing__(self, key: str) -> str:
+        return "?"
 
 
 def resolve_architecture(hf_config) -> tuple[str, type[MoeCausalLM]]:
@@ -44,7 +64,7 @@ def resolve_architecture(hf_config) -> tuple[str, type[MoeCausalLM]]:
     for arch in archs:
         if arch in ARCHITECTURES:
             return arch, architecture_class(arch)
-    raise _unsupported(archs)
+    raise _unsupported(archs, hf_config.to_dict() if hasattr(hf_config, "to_dict") else None)
 
 
 def resolve_config_dict(cfg: dict) -> tuple[str, type[MoeCausalLM]]:
@@ -62,7 +82,7 @@ def resolve_config_dict(cfg: dict) -> tuple[str, type[MoeCausalLM]]:
         for arch in ARCHITECTURES:
             if cfg.get("model_type") in architecture_class(arch).model_types:
                 return arch, architecture_class(arch)
-    raise _unsupported(archs or [cfg.get("model_type")])
+    raise _unsupported(archs or [cfg.get("model_type")], cfg)
 
 
 def model_shape(cfg: dict) -> ModelShape:
@@ -77,6 +97,7 @@ def model_shape(cfg: dict) -> ModelShape:
 
 __all__ = [
     "ARCHITECTURES",
+    "REFUSED_ARCHITECTURES",
     "ArchSpec",
     "MoeCausalLM",
     "architecture_class",

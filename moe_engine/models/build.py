@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AutoConfig
 
 from moe_engine.config import EngineConfig, compute_dtype
 from moe_engine.engine.protocol import StartupProgressFn
@@ -23,6 +22,7 @@ from moe_engine.kv_cache.spec import AttentionGroup
 from moe_engine.loader import load_model
 from moe_engine.models import resolve_architecture
 from moe_engine.models.base import ArchSpec, MoeCausalLM
+from moe_engine.models.hf_config import load_hf_config
 from moe_engine.plan import Plan, make_plan
 from quant.compressed_tensors import CompressedTensorsConfig, parse_quantization_config
 from quant.fp8 import Fp8BlockConfig, parse_fp8_config
@@ -82,9 +82,12 @@ def build_model(
     progress("planning memory", "", None)
     model_dir = config.model.model
     # config.json only; a checkpoint's own Python code (auto_map) is never run.
-    hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    hf_config = load_hf_config(model_dir)
     architecture, model_cls = resolve_architecture(hf_config)
-    spec = model_cls.arch_spec(hf_config)
+    try:
+        spec = model_cls.arch_spec(hf_config)
+    except ValueError as e:  # a field the architecture refuses, named
+        raise StartupError(str(e)) from e
     max_model_len = config.model.max_model_len or spec.max_position_embeddings
     weight_dtype = config.model.torch_dtype()
     dtype = compute_dtype(weight_dtype)

@@ -136,7 +136,8 @@ class DeepseekV3ForCausalLM(MoeCausalLM):
     @classmethod
     def check_routing(cls, cfg: dict) -> None:
         """V3's routing: topk_method "noaux_tc", scoring_func "sigmoid" (the only ones
-        DeepSeek's reference MoEGate implements; absent means them), group limits.
+        DeepSeek's reference MoEGate implements; absent means them), group limits (when
+        config.json states n_group or topk_group).
 
         Raises:
             ValueError: naming the field, its value and the reason.
@@ -152,6 +153,8 @@ class DeepseekV3ForCausalLM(MoeCausalLM):
                 f"config.json: scoring_func {scoring!r} is not supported for {cls.__name__} "
                 "(supported: 'sigmoid')"
             )
+        if cfg.get("n_group") is None and cfg.get("topk_group") is None:
+            return  # transformers' defaults (8, 4) apply: checked again on its config's dict
         check_group_limits(
             num_experts_of(cfg), required_int(cfg, "num_experts_per_tok"),
             required_int(cfg, "n_group"), required_int(cfg, "topk_group"),
