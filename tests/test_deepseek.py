@@ -319,3 +319,20 @@ def test_kimi_k2_config_is_read_without_remote_code(tmp_path):
     v3_spec = cls.arch_spec(load_hf_config(v3))
     assert v3_spec.num_nextn_predict_layers == 1 and v3_spec.moe_layers[0] == 3
     assert v3_spec.rope_interleave and v3_spec.yarn.factor == 40.0
+
+
+def test_bfloat16_keeps_the_router_and_correction_bias_float32(deepseek_v3_ckpt):
+    """As transformers' `_keep_in_fp32_modules_strict`: with --dtype bfloat16 the float32
+    correction bias and router weight load unrounded (a rounded bias can change which experts
+    are chosen); the other weights are rounded to bfloat16."""
+    from safetensors.torch import load_file
+
+    stored = load_file(deepseek_v3_ckpt / "model.safetensors")
+    llm = LLM(model=str(deepseek_v3_ckpt), dtype="bfloat16", max_model_len=64)
+    params = {**dict(llm.engine.model.named_parameters()), **dict(llm.engine.model.named_buffers())}
+    for name in ("model.layers.1.mlp.gate.e_score_correction_bias",
+                 "model.layers.2.mlp.gate.weight"):
+        assert params[name].dtype == torch.float32 and torch.equal(params[name], stored[name])
+    o_proj = "model.layers.1.self_attn.o_proj.weight"
+    assert torch.equal(params[o_proj].float(), stored[o_proj].bfloat16().float())
+    assert not torch.equal(stored[o_proj].bfloat16().float(), stored[o_proj])

@@ -73,3 +73,26 @@ def test_grpc_reports_four_bit_expert_bytes_within_budget(wide_ckpt, method, gro
     assert info.expert_group_size == (32 if method == "mxfp4" else group_size)
     assert not info.expert_checkpoint_format and not info.expert_zero_points
     assert info.weight_bytes_embeddings == 2 * 512 * 128 * 4  # float32, untied, unquantized
+
+
+@pytest.mark.parametrize("ckpt_name", ["deepseek_v3_ckpt", "deepseek_v2_ckpt"])
+def test_deepseek_weight_bytes_match_the_plan(ckpt_name, request) -> None:
+    """MLA attention, dense first layer, float32 routers (with V3's correction bias) and shared
+    experts: the plan's arithmetic equals the loaded tensors, in float32 and in bfloat16 (where
+    the routers stay float32)."""
+    from moe_engine.plan import make_plan
+
+    ckpt = request.getfixturevalue(ckpt_name)
+    llm = LLM(model=str(ckpt), max_model_len=64)
+    engine = llm.engine
+    info = engine.weight_info()
+    assert info["weight_bytes_experts"] == engine.plan.weight_bytes_experts
+    total = sum(v for k, v in info.items() if k.startswith("weight_bytes_"))
+    assert total == engine.plan.weight_bytes
+    model_cls, spec = type(engine.model), engine.spec
+    assert spec.shared_expert_intermediate_size == 32 * (1 if "v3" in ckpt_name else 2)
+    bf16 = model_cls(spec, torch.bfloat16, max_position=64).weight_bytes_by_kind()
+    plan = make_plan(spec, torch.bfloat16, block_size=16, max_model_len=64, kv_cache_memory=1 << 20)
+    assert bf16["experts"] == plan.weight_bytes_experts
+    assert sum(bf16.values()) == plan.weight_bytes
+    assert spec.float32_params() > 0  # the routers: 2 bytes more each than in bfloat16

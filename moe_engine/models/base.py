@@ -73,6 +73,9 @@ class MoeCausalLM(nn.Module):
     model_types: ClassVar[tuple[str, ...]] = ()
     #: How the checkpoint's names map onto the modules.
     weight_mapping: ClassVar[WeightMapping] = WeightMapping()
+    #: Checkpoint-name endings loaded in float32 whatever --dtype (transformers'
+    #: `_keep_in_fp32_modules_strict`: routers whose float32 values choose the experts).
+    keep_in_float32: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, spec: ArchSpec, dtype: torch.dtype, max_position: int | None = None) -> None:
         super().__init__()
