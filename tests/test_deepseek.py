@@ -336,3 +336,23 @@ def test_bfloat16_keeps_the_router_and_correction_bias_float32(deepseek_v3_ckpt)
     o_proj = "model.layers.1.self_attn.o_proj.weight"
     assert torch.equal(params[o_proj].float(), stored[o_proj].bfloat16().float())
     assert not torch.equal(stored[o_proj].bfloat16().float(), stored[o_proj])
+
+
+def test_a_kimi_k2_style_checkpoint_is_served_without_its_remote_code(deepseek_v3_ckpt, tmp_path):
+    """The tiny V3 checkpoint relabelled as Kimi-K2 ships it (model_type "kimi_k2", auto_map
+    to a configuration module of its own): served as DeepseekV3ForCausalLM, token for token
+    the same, and the module never runs."""
+    kimi = tmp_path / "kimi"
+    shutil.copytree(deepseek_v3_ckpt, kimi)
+    marker = tmp_path / "remote-code-ran"
+    (kimi / "configuration_deepseek.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    cfg = json.loads((kimi / "config.json").read_text())
+    cfg.update(model_type="kimi_k2", auto_map={
+        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
+    })
+    (kimi / "config.json").write_text(json.dumps(cfg))
+    prompts = _prompts(13, [5, 40])
+    got = LLM(model=str(kimi), max_model_len=128).generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in got] == hf_greedy(deepseek_v3_ckpt, prompts, MAX_NEW)
+    assert not marker.exists()

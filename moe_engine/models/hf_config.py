@@ -24,9 +24,10 @@ def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
     """The transformers config of `model_dir`/config.json (trust_remote_code=False).
 
     Raises:
-        StartupError: config.json missing or invalid, an unsupported architecture, or a
-            config neither AutoConfig nor the architecture's config class can read (both
-            reasons given).
+        StartupError: config.json missing or invalid, or a config neither AutoConfig nor the
+            architecture's config class can read (both reasons given).
+        ValueError, KeyError: AutoConfig's own error (e.g. "trust_remote_code") when
+            config.json names no architecture this engine serves.
     """
     from moe_engine.models import resolve_config_dict
 
@@ -37,7 +38,10 @@ def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
     try:
         return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)
     except (ValueError, KeyError) as auto_error:
-        _, model_cls = resolve_config_dict(cfg)
+        try:
+            _, model_cls = resolve_config_dict(cfg)
+        except StartupError:
+            raise auto_error from None  # no architecture served here: AutoConfig's reason
         model_type = next(iter(model_cls.model_types), None)
         if model_type not in CONFIG_MAPPING:
             raise StartupError(f"config.json: {auto_error}") from auto_error
