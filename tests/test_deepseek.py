@@ -208,11 +208,15 @@ def test_grpc_streams_match_transformers(ckpt_name, ep_size, request):
         handle.close()
     assert got == expected
     assert s.kv_blocks_free == s.kv_blocks_total
+    # tokens run through the model; a preempted request's are run again when it resumes
     total_tokens = sum(GRPC_LENS) + sum(GRPC_NEW) - len(GRPC_NEW)
+    if ep_size > 1:
+        assert s.num_preemptions == 0  # 64 blocks per rank hold every stream
     assert [layer.layer for layer in load.layers] == [1, 2]  # layer 0 is dense
     for layer in load.layers:
         assert len(layer.tokens_per_expert) == 16
-        assert sum(layer.tokens_per_expert) == 4 * total_tokens
+        routed = sum(layer.tokens_per_expert)
+        assert routed == 4 * total_tokens if s.num_preemptions == 0 else routed > 4 * total_tokens
         if ep_size > 1:
             assert len(layer.tokens_per_rank) == ep_size
             assert sum(layer.tokens_per_rank) == 4 * total_tokens
