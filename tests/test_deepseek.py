@@ -360,3 +360,46 @@ def test_a_kimi_k2_style_checkpoint_is_served_without_its_remote_code(deepseek_v
     got = LLM(model=str(kimi), max_model_len=128).generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in got] == hf_greedy(deepseek_v3_ckpt, prompts, MAX_NEW)
     assert not marker.exists()
+
+
+
+def test_fp8_block_checkpoint_equals_transformers_dequantization(deepseek_v3_ckpt, tmp_path):
+    """DeepSeek-V3 as shipped: every Linear (MLA projections, dense MLP, routed and shared
+    experts) e4m3 in blocks with weight_scale_inv, routers and norms unquantized: greedy ids
+    equal transformers' own FP8 dequantization of the same checkpoint. 8 x 8 blocks divide
+    every dimension here: transformers 5.24's `Fp8Dequantize` derives the block from
+    rows // scale rows, which is wrong for partial edge blocks (and refuses DeepSeek-V3's
+    kv_a_proj_with_mqa, 576 rows = 4.5 blocks of 128); the engine's partial edges are checked
+    against a reference in test_fp8_checkpoint.py."""
+    import transformers.quantizers.quantizer_finegrained_fp8 as fp8_quantizer
+    from fixtures import greedy_generate
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    from quant.fp8 import quantize_fp8_block
+
+    fp8, block = tmp_path / "v3-fp8", (8, 8)
+    shutil.copytree(deepseek_v3_ckpt, fp8)
+    stored = {}
+    for name, w in load_file(fp8 / "model.safetensors").items():
+        if w.dim() == 2 and "embed_tokens" not in name and not name.startswith("lm_head") and (
+            ".mlp.gate." not in name
+        ):
+            stored[name], stored[f"{name}_scale_inv"] = quantize_fp8_block(w, block)
+        else:
+            stored[name] = w
+    save_file(stored, fp8 / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((fp8 / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme":
+                                  "dynamic", "weight_block_size": list(block)}
+    (fp8 / "config.json").write_text(json.dumps(cfg))
+    assert sum(n.endswith("_scale_inv") for n in stored) == 3 * 5 + 3 + 2 * (16 + 1) * 3
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fp8_quantizer, "is_accelerate_available", lambda: True)
+        hf = AutoModelForCausalLM.from_pretrained(
+            fp8, dtype=torch.float32,
+            quantization_config=FineGrainedFP8Config(dequantize=True, weight_block_size=block),
+        ).eval()
+    prompts = _prompts(17, [6, 45])
+    got = LLM(model=str(fp8), max_model_len=128).generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in got] == greedy_generate(hf, prompts, MAX_NEW)
