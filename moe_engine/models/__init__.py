@@ -16,6 +16,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "moe_engine.models.qwen3_moe",
     "MixtralForCausalLM": "moe_engine.models.mixtral",
     "GptOssForCausalLM": "moe_engine.models.gpt_oss",
+    "Glm4MoeForCausalLM": "moe_engine.models.glm4_moe",
 }
 
 
