@@ -17,6 +17,7 @@ ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "moe_engine.models.mixtral",
     "GptOssForCausalLM": "moe_engine.models.gpt_oss",
     "Glm4MoeForCausalLM": "moe_engine.models.glm4_moe",
+    "Qwen2MoeForCausalLM": "moe_engine.models.qwen2_moe",
 }
 
 
