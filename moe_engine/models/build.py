@@ -60,6 +60,21 @@ def _no_progress(phase: str, detail: str = "", eta_s: float | None = None) -> No
     """The progress callback of a build nobody watches."""
 
 
+def read_architecture(model_dir: str) -> tuple[Any, str, type[MoeCausalLM], ArchSpec]:
+    """config.json -> (transformers config, architecture name, model class, spec), reading no
+    weight: what `build_model` starts from, and what `moe-serve` checks before it starts
+    anything (`cli.serve.check_checkpoint`).
+
+    Raises:
+        StartupError: an unsupported architecture or rope type; ValueError: a config field the
+            architecture cannot serve (e.g. n_routed_experts not divisible by n_group), named.
+    """
+    # config.json only; a checkpoint's own Python code (auto_map) is never run.
+    hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    architecture, model_cls = resolve_architecture(hf_config)
+    return hf_config, architecture, model_cls, model_cls.arch_spec(hf_config)
+
+
 def build_model(
     config: EngineConfig,
     rank_context: RankContext | None = None,
@@ -81,10 +96,7 @@ def build_model(
     progress = progress or _no_progress
     progress("planning memory", "", None)
     model_dir = config.model.model
-    # config.json only; a checkpoint's own Python code (auto_map) is never run.
-    hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
-    architecture, model_cls = resolve_architecture(hf_config)
-    spec = model_cls.arch_spec(hf_config)
+    hf_config, architecture, model_cls, spec = read_architecture(model_dir)
     max_model_len = config.model.max_model_len or spec.max_position_embeddings
     weight_dtype = config.model.torch_dtype()
     dtype = compute_dtype(weight_dtype)
