@@ -270,6 +270,11 @@ def test_published_glm45_config_plan():
     plan = make_plan(shape, torch.bfloat16, block_size=16, max_model_len=4096,
                      kv_cache_memory=1 << 30)
     assert plan.kv_bytes_per_token == 92 * 2 * 8 * 128 * 2 == 376_832
+    from transformers import AutoConfig
+
+    spec = architecture_class("Glm4MoeForCausalLM").arch_spec(AutoConfig.for_model(**cfg))
+    assert (spec.rotary_dim, spec.n_group, spec.topk_group) == (64, 1, 1)  # 128 x 0.5
+    assert spec.routed_scaling_factor == 2.5 and spec.rope_theta == 1e6
 
 
 # -- refusals ----------------------------------------------------------------------------------

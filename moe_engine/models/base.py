@@ -251,7 +251,9 @@ class MoeCausalLM(nn.Module):
         Returns:
             experts: routed experts (float w13/w2, or the 4-bit weights with their scales);
             attention: q/k/v/o projections and q/k norms; embeddings: embed_tokens and
-            lm_head; other: router gates, dense MLPs, layer norms and the rest (bytes).
+            lm_head; other: router gates (and their correction biases), shared experts
+            (replicated on every rank, like the dense MLPs), dense MLPs, layer norms and the
+            rest (bytes).
         """
         sizes = dict.fromkeys(("experts", "attention", "embeddings", "other"), 0)
         tensors = list(self.named_parameters())
