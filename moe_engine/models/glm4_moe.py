@@ -124,11 +124,12 @@ class Glm4MoeForCausalLM(MoeCausalLM):
         head_dim = getattr(hf_config, "head_dim", None) or (
             hf_config.hidden_size // hf_config.num_attention_heads
         )
-        rotary_dim = int(head_dim * partial_rotary_factor_of(hf_config))
+        factor = partial_rotary_factor_of(hf_config)
+        rotary_dim = int(head_dim * factor)
         if rotary_dim % 2 or rotary_dim < 2:
             raise ValueError(
-                f"partial_rotary_factor {partial_rotary_factor_of(hf_config)} of head_dim "
-                f"{head_dim} rotates {rotary_dim} dims; it must be an even number >= 2"
+                f"partial_rotary_factor {factor} of head_dim {head_dim} rotates {rotary_dim} "
+                f"dims; it must be an even number >= 2"
             )
         return dict(
             rms_norm_eps=hf_config.rms_norm_eps,

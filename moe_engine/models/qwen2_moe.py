@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from moe_engine.kv_cache.spec import FULL_ATTENTION, SLIDING_ATTENTION
-from moe_engine.models.base import MoeCausalLM
+from moe_engine.models.base import ArchSpec, MoeCausalLM
 from moe_engine.models.config_fields import (
     check_hidden_act,
     layer_types_fields,
@@ -117,7 +117,7 @@ class Qwen2MoeForCausalLM(MoeCausalLM):
         check_hidden_act(hf_config.to_dict(), cls.__name__)
         return super().spec_fields(hf_config)
 
-    def build_mlp(self, spec, index: int, dtype: torch.dtype) -> torch.nn.Module:
+    def build_mlp(self, spec: ArchSpec, index: int, dtype: torch.dtype) -> torch.nn.Module:
         """The base dense MLP off `moe_layers`; else softmax top-k routing (router weight in
         the model dtype) and the sigmoid-gated shared expert."""
         if index not in spec.moe_layers:
