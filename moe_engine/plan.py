@@ -54,6 +54,8 @@ class ModelShape:
         tie_word_embeddings: lm_head shares the embedding matrix.
         max_position_embeddings: longest context the model was built for (tokens).
         attention_bias: q/k/v/o projections have biases.
+        o_proj_bias: the output projection has a bias; None: as `attention_bias` (False for
+            q/k/v biases only: GLM-4.5, Qwen2-MoE).
         qk_norm: per-head RMSNorm on queries and keys (Qwen3).
         norm_topk_prob: top-k routing weights are renormalised to sum to 1.
         layer_types: per layer "full_attention" or "sliding_attention" (gpt-oss); empty means
@@ -68,11 +70,15 @@ class ModelShape:
         q_lora_rank: MLA query compression width (q_a_proj -> q_b_proj); None: direct q_proj.
         qk_rope_head_dim, qk_nope_head_dim, v_head_dim: MLA per-head widths of the roped and
             unroped query/key parts and of the values (0 unless MLA).
-        shared_expert_intermediate_size: width of the ungated shared-expert SwiGLU MLP of each
-            MoE layer (DeepSeek: moe_intermediate_size x n_shared_experts; 0: none).
-        router_correction_bias: each MoE layer's router holds `e_score_correction_bias` [E].
-        router_float32: the router weight (and correction bias) are float32 whatever the
-            model dtype (transformers `_keep_in_fp32_modules_strict`, `layers.routing`).
+        shared_expert_intermediate_size: width of each MoE layer's shared-expert MLP (one
+            SwiGLU of gate/up/down, `moe_intermediate_size * n_shared_experts` for GLM-4.5 and
+            DeepSeek, `shared_expert_intermediate_size` for Qwen2-MoE); 0: none. Shared experts
+            are replicated on every rank, so they count as non-expert weights.
+        shared_expert_gate: the shared experts' output is scaled by sigmoid(Linear(H, 1))
+            (Qwen2-MoE's `shared_expert_gate`).
+        router_correction_bias: each MoE router has an `e_score_correction_bias` [E].
+        router_float32: the router weight (and correction bias) are float32 whatever the model
+            dtype (transformers' `_keep_in_fp32_modules_strict`: GLM-4.5, DeepSeek-V3).
     """
 
     architecture: str
@@ -102,7 +108,9 @@ class ModelShape:
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    o_proj_bias: bool | None = None
     shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
     router_correction_bias: bool = False
     router_float32: bool = False
 
@@ -151,25 +159,28 @@ class ModelShape:
         dense MLPs, norms, embeddings, lm_head)."""
         h = self.hidden_size
         per_layer = self.attention_params() + 2 * h  # + input and post-attention RMSNorm
-        router = self.router_params() + 3 * h * self.shared_expert_intermediate_size
+        shared = 3 * h * self.shared_expert_intermediate_size
+        if self.shared_expert_gate:
+            shared += h
         dense_mlp = 3 * h * self.intermediate_size
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return (
             self.num_layers * per_layer
-            + len(self.moe_layers) * router
+            + len(self.moe_layers) * (self.router_params() + shared)
             + self.num_dense_layers * dense_mlp
             + embeddings
             + h  # final norm
         )
 
     def router_params(self) -> int:
-        """Parameters of one MoE layer's router: weight [E, H], bias and correction bias."""
+        """Parameters of one MoE layer's router: weight [E, H], optional bias [E] and
+        `e_score_correction_bias` [E]."""
         extra = int(self.router_bias) + int(self.router_correction_bias)
         return self.num_experts * (self.hidden_size + extra)
 
     def float32_params(self) -> int:
-        """Parameters among `other_params` stored float32 whatever the model dtype (the
-        routers when `router_float32`)."""
+        """Parameters kept in float32 whatever the model dtype: the routers when
+        `router_float32` (they are part of `other_params`)."""
         return len(self.moe_layers) * self.router_params() if self.router_float32 else 0
 
     def attention_params(self) -> int:
@@ -190,7 +201,9 @@ class ModelShape:
         q, kv = n * self.head_dim, self.num_kv_heads * self.head_dim
         attention = 2 * h * q + 2 * h * kv
         if self.attention_bias:
-            attention += q + 2 * kv + h
+            attention += q + 2 * kv
+        if self.attention_bias if self.o_proj_bias is None else self.o_proj_bias:
+            attention += h
         if self.qk_norm:
             attention += 2 * self.head_dim
         if self.attention_sinks:

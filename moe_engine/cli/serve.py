@@ -343,18 +343,19 @@ def check_args(args: argparse.Namespace) -> str | None:
 
 def check_checkpoint(config: EngineConfig) -> None:
     """What can be checked from the checkpoint directory alone, before the port opens: its
-    config.json (present, valid JSON, an architecture served, fields its architecture file
-    accepts: `models.model_shape`), a 4-bit group size that divides the dimensions it
-    groups, and its safetensors weights (present; pickle is refused).
+    config.json (present, valid JSON), a 4-bit group size that divides the dimensions it
+    groups, an architecture whose config this engine serves (`build.read_architecture`: e.g.
+    routing groups, hidden_act, rope type), and its safetensors weights (present; pickle is
+    refused).
 
     Raises:
         FileNotFoundError, ValueError, StartupError: the message names the file, or the field
             and the flag.
     """
-    from moe_engine.models import model_shape
+    from moe_engine.models.build import read_architecture
 
-    model_shape(config.model.hf_config())
     resolve_quant_config(config.quant, config.model.hf_config())
+    read_architecture(config.model.model)
     safetensors_files(config.model.model)
 
 

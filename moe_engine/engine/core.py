@@ -179,7 +179,12 @@ class EngineCore:
         self.timer = PhaseTimer()
         self.model.attach_timer(self.timer)
         ep_size = rank_context.ep_size if rank_context is not None else 1
-        self.expert_load = ExpertLoadRecorder(sorted(spec.moe_layers), spec.num_experts, ep_size)
+        # group-limited routing (GLM-4.5, DeepSeek): the trace and reports show per-group load
+        n_group = getattr(spec, "n_group", None)
+        self.expert_load = ExpertLoadRecorder(
+            sorted(spec.moe_layers), spec.num_experts, ep_size,
+            n_group=n_group if n_group and n_group > 1 else None,
+        )
         self.last_step: StepRecord | None = None
         self._last_num_tokens = 0
         # One rank writes its own trace; under EP rank 0's loop writes the summed one.
@@ -189,7 +194,7 @@ class EngineCore:
                 config.expert_trace,
                 sorted(spec.moe_layers),
                 spec.num_experts,
-                meta=dict(model=model_dir, top_k=spec.top_k),
+                meta=dict(model=model_dir, top_k=spec.top_k, **self.expert_load.layout_meta()),
             )
         for index, moe in self.model.moe_layers():
             moe.attach_recorder(self.expert_load, index)

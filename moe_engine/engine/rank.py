@@ -465,7 +465,10 @@ def _serve_rank(
             sorted(spec.moe_layers),
             spec.num_experts,
             ep_size=world_size,
-            meta=dict(model=config.model.model, top_k=spec.top_k, placement=placement.to_dict()),
+            meta=dict(
+                model=config.model.model, top_k=spec.top_k, placement=placement.to_dict(),
+                **core.expert_load.layout_meta(),
+            ),
         )
     loop = LockstepLoop(
         core, rank, world_size, groups.control, groups.health, inputs, outputs,

@@ -16,6 +16,8 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "moe_engine.models.qwen3_moe",
     "MixtralForCausalLM": "moe_engine.models.mixtral",
     "GptOssForCausalLM": "moe_engine.models.gpt_oss",
+    "Glm4MoeForCausalLM": "moe_engine.models.glm4_moe",
+    "Qwen2MoeForCausalLM": "moe_engine.models.qwen2_moe",
     "DeepseekV3ForCausalLM": "moe_engine.models.deepseek_v3",
     "DeepseekV2ForCausalLM": "moe_engine.models.deepseek_v2",
 }

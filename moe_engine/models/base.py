@@ -45,15 +45,10 @@ class ArchSpec(ModelShape):
     Attributes:
         rms_norm_eps: RMSNorm epsilon.
         rope_theta: rotary base.
-        num_nextn_predict_layers: multi-token-prediction layers the checkpoint ships after
-            the decoder (`model.layers.{num_layers + j}.*`, DeepSeek-V3 / GLM-4.5
-            `num_nextn_predict_layers`); the engine does not run them and the loader skips
-            their tensors unread (`WeightLoader.wants`).
     """
 
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    num_nextn_predict_layers: int = 0
 
 
 class MoeCausalLM(nn.Module):
@@ -230,9 +225,9 @@ class MoeCausalLM(nn.Module):
         return WeightLoader(self).expected_names()
 
     def wants_weight(self, name: str) -> bool:
-        """False for a checkpoint tensor of an expert this rank does not hold, or of a
-        multi-token-prediction layer (`num_nextn_predict_layers`): the loader then never reads
-        it; True for everything else."""
+        """False for a checkpoint tensor of an expert this rank does not hold, or of a layer
+        beyond num_layers (a multi-token-prediction layer): the loader then never reads it;
+        True for everything else."""
         return self._weight_loader().wants(name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -260,7 +255,9 @@ class MoeCausalLM(nn.Module):
         Returns:
             experts: routed experts (float w13/w2, or the 4-bit weights with their scales);
             attention: q/k/v/o projections and q/k norms; embeddings: embed_tokens and
-            lm_head; other: router gates, dense MLPs, layer norms and the rest (bytes).
+            lm_head; other: router gates (and their correction biases), shared experts
+            (replicated on every rank, like the dense MLPs), dense MLPs, layer norms and the
+            rest (bytes).
         """
         sizes = dict.fromkeys(("experts", "attention", "embeddings", "other"), 0)
         tensors = list(self.named_parameters())

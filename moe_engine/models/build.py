@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from moe_engine.config import EngineConfig, compute_dtype
+from moe_engine.config import EngineConfig, compute_dtype, read_config_json
 from moe_engine.engine.protocol import StartupProgressFn
 from moe_engine.engine.rank_context import RankContext
 from moe_engine.errors import StartupError
@@ -60,6 +60,27 @@ def _no_progress(phase: str, detail: str = "", eta_s: float | None = None) -> No
     """The progress callback of a build nobody watches."""
 
 
+def read_architecture(model_dir: str) -> tuple[Any, str, type[MoeCausalLM], ArchSpec]:
+    """config.json -> (transformers config, architecture name, model class, spec), reading no
+    weight: what `build_model` starts from, and what `moe-serve` checks before it starts
+    anything (`cli.serve.check_checkpoint`).
+
+    The config.json dict is read by the architecture's `shape_fields` as written too, so a
+    field transformers would fill with its default (DeepSeek's kv_lora_rank, q_lora_rank) is
+    refused by name when it is missing.
+
+    Raises:
+        StartupError: an unsupported architecture or rope type, config.json unreadable;
+            ValueError: a config field the architecture cannot serve (e.g. n_routed_experts
+            not divisible by n_group), named.
+    """
+    # config.json only; a checkpoint's own Python code (auto_map) is never run.
+    hf_config = load_hf_config(model_dir)
+    architecture, model_cls = resolve_architecture(hf_config)
+    model_cls.model_shape(read_config_json(model_dir))
+    return hf_config, architecture, model_cls, model_cls.arch_spec(hf_config)
+
+
 def build_model(
     config: EngineConfig,
     rank_context: RankContext | None = None,
@@ -81,13 +102,7 @@ def build_model(
     progress = progress or _no_progress
     progress("planning memory", "", None)
     model_dir = config.model.model
-    # config.json only; a checkpoint's own Python code (auto_map) is never run.
-    hf_config = load_hf_config(model_dir)
-    architecture, model_cls = resolve_architecture(hf_config)
-    try:
-        spec = model_cls.arch_spec(hf_config)
-    except ValueError as e:  # a field the architecture refuses, named
-        raise StartupError(str(e)) from e
+    hf_config, architecture, model_cls, spec = read_architecture(model_dir)
     max_model_len = config.model.max_model_len or spec.max_position_embeddings
     weight_dtype = config.model.torch_dtype()
     dtype = compute_dtype(weight_dtype)

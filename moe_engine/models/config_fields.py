@@ -162,3 +162,18 @@ def mla_shape_fields(cfg: dict) -> dict:
         q_lora_rank=int(q_lora) if q_lora else None,
         **dims,
     )
+
+
+def check_hidden_act(cfg: dict, architecture: str) -> None:
+    """Refuse an MLP activation other than SiLU: the engine's dense MLPs, shared experts and
+    fused experts compute SwiGLU, silu(gate) * up (`hidden_act` default "silu").
+
+    Raises:
+        ValueError: naming `hidden_act`, its value and the architecture.
+    """
+    act = cfg.get("hidden_act") or "silu"
+    if act != "silu":
+        raise ValueError(
+            f"config.json: hidden_act {act!r} is not supported for {architecture} (the engine's "
+            f"MLPs and experts compute SwiGLU with silu; supported: 'silu')"
+        )

@@ -20,7 +20,7 @@ A Llama-style pre-norm decoder that differs in:
 - `n_shared_experts` ungated shared experts (one MLP of width moe_intermediate_size x
   n_shared_experts) beside the routed ones (`layers/shared_experts.py`);
 - `num_nextn_predict_layers` multi-token-prediction layers shipped as
-  `model.layers.{num_hidden_layers + j}.*`, skipped unread (`ArchSpec`).
+  `model.layers.{num_hidden_layers + j}.*`, skipped unread (`weight_mapping.beyond_num_layers`).
 
 Checkpoint names are transformers' (and the hub's): `self_attn.{q_proj | q_a_proj,
 q_a_layernorm, q_b_proj}`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`;
@@ -30,9 +30,9 @@ q_a_layernorm, q_b_proj}`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, 
 FP8 block checkpoints (DeepSeek-V3/R1, Kimi-K2) load through `quant/fp8.py`.
 
 Refused before any weight is read (ValueError naming the field): a missing kv_lora_rank or
-q_lora_rank key, `index_topk` (DeepSeek-V3.2's sparse indexer), a topk_method other than
-"noaux_tc", a scoring_func other than "sigmoid", and group limits `check_group_limits`
-refuses.
+q_lora_rank key, a hidden_act other than silu, `index_topk` (DeepSeek-V3.2's sparse
+indexer), a topk_method other than "noaux_tc", a scoring_func other than "sigmoid", and group
+limits `check_group_limits` refuses.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from torch import nn
 
 from moe_engine.models.base import ArchSpec, MoeCausalLM
 from moe_engine.models.config_fields import (
+    check_hidden_act,
     mla_shape_fields,
     moe_shape_fields,
     num_experts_of,
@@ -170,6 +171,7 @@ class DeepseekV3ForCausalLM(MoeCausalLM):
             ValueError: a missing or malformed field, or a refused one (module doc).
         """
         check_mla_fields(cfg)
+        check_hidden_act(cfg, cls.__name__)
         required_int(cfg, "n_routed_experts")
         cls.check_routing(cfg)
         width = required_int(cfg, "moe_intermediate_size")
@@ -188,7 +190,7 @@ class DeepseekV3ForCausalLM(MoeCausalLM):
     @classmethod
     def spec_fields(cls, hf_config) -> dict:
         """rms_norm_eps, rope_theta with YaRN, rope_interleave, the group limits and scaling
-        (transformers' defaults where config.json is silent), MTP layers to skip.
+        (transformers' defaults where config.json is silent).
 
         Raises:
             StartupError: a rope_type other than default or yarn.
@@ -202,7 +204,6 @@ class DeepseekV3ForCausalLM(MoeCausalLM):
             n_group=int(hf_config.n_group or 1),
             topk_group=int(hf_config.topk_group or 1),
             routed_scaling_factor=float(hf_config.routed_scaling_factor),
-            num_nextn_predict_layers=int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0),
         )
 
     def build_rotary(self, spec: DeepseekV3Spec, max_position: int) -> nn.Module:

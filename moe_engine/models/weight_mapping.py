@@ -13,7 +13,10 @@ An architecture file states how its checkpoint names differ from its module tree
   tensor (transformers 5 `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I],
   gpt-oss's [E, in, out] with gate/up interleaved, its `_bias` and MXFP4 `_blocks`/`_scales`).
 Every other name is a parameter (or persistent buffer) of the model by that name. Expert
-formats are copied by `layers/expert_weights.py`.
+formats are copied by `layers/expert_weights.py`. Tensors of decoder layers at or beyond the
+model's `num_layers` are skipped, never read (`beyond_num_layers`): GLM-4.5 and DeepSeek-V3
+ship their multi-token-prediction layers as `model.layers.{num_hidden_layers + j}.*`
+(`num_nextn_predict_layers`), which transformers' causal LM ignores too.
 """
 
 from __future__ import annotations
@@ -95,6 +98,16 @@ class WeightMapping:
         return name
 
 
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def beyond_num_layers(name: str, num_layers: int) -> bool:
+    """True for a checkpoint tensor of decoder layer `num_layers` or later
+    ("model.layers.46.eh_proj.weight" with 46 layers: an MTP layer), which no module holds."""
+    m = _LAYER_INDEX.match(name)
+    return m is not None and int(m[1]) >= num_layers
+
+
 def expert_piece(block: str, expert: int, projection: str) -> str:
     """The name `load_weights` reports for one expert projection:
     "model.layers.3.mlp.experts.7.up"."""
@@ -112,16 +125,11 @@ class WeightLoader:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.mapping: WeightMapping = model.weight_mapping
+        self.num_layers = len(model.model.layers)
         e = self.mapping.experts
         names = "|".join(re.escape(n) for n in {e.gate, e.up, e.down})
         self._expert = re.compile(rf"(.+)\.experts\.(\d+)\.({names})\.weight$")
         self._expert_id = re.compile(r"(.+)\.experts\.(\d+)\.")
-        self._layer = re.compile(r"model\.layers\.(\d+)\.")
-        spec = getattr(model, "spec", None)
-        num_layers = getattr(spec, "num_layers", 0)
-        mtp = getattr(spec, "num_nextn_predict_layers", 0)
-        #: decoder-layer indices of the multi-token-prediction layers (never loaded)
-        self.mtp_layers = range(num_layers, num_layers + mtp)
         fused = "|".join(re.escape(n) for n in {e.fused_gate_up, e.fused_down})
         self._fused = re.compile(rf"(.+)\.experts\.({fused})(_bias|_blocks|_scales)?$")
         self._shard = {e.gate: "gate", e.up: "up", e.down: "down"}
@@ -153,11 +161,9 @@ class WeightLoader:
 
     def wants(self, name: str) -> bool:
         """False for a per-expert checkpoint tensor of an expert this rank does not hold (or
-        of a block that is not a `FusedMoE`), and for every tensor of a multi-token-prediction
-        layer (`model.layers.{i}.` with num_layers <= i < num_layers +
-        num_nextn_predict_layers, as transformers' `_keys_to_ignore_on_load_unexpected`
-        skips them): the loader then never reads it."""
-        if (m := self._layer.match(name)) and int(m[1]) in self.mtp_layers:
+        of a block that is not a `FusedMoE`), and for a tensor of a layer beyond the model's
+        `num_layers` (`beyond_num_layers`): the loader then never reads it."""
+        if beyond_num_layers(name, self.num_layers):
             return False
         if m := self._expert_id.match(self.mapping.model_name(name)):
             moe = self.moes.get(m[1])
@@ -172,7 +178,8 @@ class WeightLoader:
         """
         loaded: set[str] = set()
         for name, tensor in weights:
-            loaded |= self.load_one(self.mapping.model_name(name), tensor)
+            if not beyond_num_layers(name, self.num_layers):
+                loaded |= self.load_one(self.mapping.model_name(name), tensor)
         for module in self.model.modules():  # native kernels' packed copies are stale now
             if isinstance(module, Linear | FusedMoE):
                 module.reset_packed()

@@ -231,3 +231,55 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def partial_rotary_factor_of(hf_config) -> float:
+    """The fraction of each head the rope rotates (`rope_parameters["partial_rotary_factor"]`,
+    or the config's own `partial_rotary_factor`; 1.0 when neither is set).
+
+    Raises:
+        StartupError: a factor outside (0, 1].
+    """
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+    factor = 1.0 if factor is None else float(factor)
+    if not 0.0 < factor <= 1.0:
+        raise StartupError(f"partial_rotary_factor {factor} must be in (0, 1]")
+    return factor
+
+
+class PartialRotaryEmbedding(nn.Module):
+    """RoPE on the first `rotary_dim` dims of each head only; the rest pass through unchanged
+    (GPT-NeoX's `rotary_pct`; GLM-4.5's `partial_rotary_factor`, transformers
+    `Glm4MoeRotaryEmbedding` + `apply_rotary_pos_emb`: frequencies base^(-2i / rotary_dim),
+    "rotate half" within those dims).
+
+    Args:
+        head_dim: dims per head (D).
+        rotary_dim: dims rotated (even, <= D), e.g. int(D * partial_rotary_factor).
+        max_position: positions [0, max_position) are precomputed.
+        base: the rotary base (rope_theta).
+
+    Raises:
+        ValueError: rotary_dim odd, below 2 or above head_dim.
+    """
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float) -> None:
+        super().__init__()
+        if rotary_dim % 2 or not 2 <= rotary_dim <= head_dim:
+            raise ValueError(
+                f"rotary_dim {rotary_dim} (head_dim x partial_rotary_factor) must be even and "
+                f"in [2, head_dim = {head_dim}]"
+            )
+        self.head_dim, self.rotary_dim = head_dim, rotary_dim
+        self.rope = RotaryEmbedding(rotary_dim, max_position, base)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] int64; q: [T, Hq, D], k: [T, Hkv, D] -> rotated (same shapes/dtypes)."""
+        r = self.rotary_dim
+        if r == self.head_dim:
+            return self.rope(positions, q, k)
+        q_rot, k_rot = self.rope(positions, q[..., :r], k[..., :r])
+        return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
