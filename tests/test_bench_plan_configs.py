@@ -19,7 +19,7 @@ def _bench():
     return module
 
 
-def test_deepseek_v3_and_kimi_k2_figures(capsys, tmp_path):
+def test_deepseek_v3_kimi_k2_and_glm45_figures(capsys, tmp_path):
     unknown = tmp_path / "unknown.json"
     unknown.write_text(json.dumps({"architectures": ["NoSuchForCausalLM"]}))
     configs = [str(_bench().CONFIGS / n) for n in ("deepseek-v3.json", "kimi-k2-instruct.json")]
@@ -31,5 +31,8 @@ def test_deepseek_v3_and_kimi_k2_figures(capsys, tmp_path):
     assert v3["weight_bytes_experts"] == 58 * 256 * 3 * 7168 * 2048 * 2  # 3 dense layers
     assert kimi["weight_bytes_experts"] == 60 * 384 * 3 * 7168 * 2048 * 2  # 1 dense layer
     assert bad["config"] == "unknown.json" and "not supported" in bad["unresolved"]
+    _bench().main(["--json", "--configs", str(_bench().CONFIGS / "glm-4.5.json")])
+    (glm,) = json.loads(capsys.readouterr().out)["configs"]
+    assert glm["kv_bytes_per_token"] == 92 * 2 * 8 * 128 * 2  # GQA: K and V
     _bench().main(["--configs", str(unknown)])
     assert "not resolved: unknown.json" in capsys.readouterr().out
