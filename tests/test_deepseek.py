@@ -320,14 +320,16 @@ def test_kimi_k2_config_is_read_without_remote_code(tmp_path):
     assert v3_spec.rope_interleave and v3_spec.yarn.factor == 40.0
 
 
-def test_bfloat16_keeps_the_router_and_correction_bias_float32(deepseek_v3_ckpt):
-    """As transformers' `_keep_in_fp32_modules_strict`: with --dtype bfloat16 the float32
-    correction bias and router weight load unrounded (a rounded bias can change which experts
-    are chosen); the other weights are rounded to bfloat16."""
+@pytest.mark.parametrize("ckpt_name", ["deepseek_v3_ckpt", "glm4_moe_ckpt"])
+def test_bfloat16_keeps_the_router_and_correction_bias_float32(ckpt_name, request):
+    """As transformers' `_keep_in_fp32_modules_strict` (DeepSeek-V3 and GLM-4.5): with --dtype
+    bfloat16 the float32 correction bias and router weight load unrounded (a rounded bias can
+    change which experts are chosen); the other weights are rounded to bfloat16."""
     from safetensors.torch import load_file
 
-    stored = load_file(deepseek_v3_ckpt / "model.safetensors")
-    llm = LLM(model=str(deepseek_v3_ckpt), dtype="bfloat16", max_model_len=64)
+    ckpt = request.getfixturevalue(ckpt_name)
+    stored = load_file(ckpt / "model.safetensors")
+    llm = LLM(model=str(ckpt), dtype="bfloat16", max_model_len=64)
     params = {**dict(llm.engine.model.named_parameters()), **dict(llm.engine.model.named_buffers())}
     for name in ("model.layers.1.mlp.gate.e_score_correction_bias",
                  "model.layers.2.mlp.gate.weight"):
