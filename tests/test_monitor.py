@@ -105,3 +105,26 @@ def test_a_gone_parent_ends_it(front_end) -> None:
         assert "parent" in monitor.reason
     finally:
         monitor.stop()
+
+
+def test_a_failed_collective_names_the_silent_front_end(front_end) -> None:
+    """A rank whose collective fails because a peer rank already left for missing heartbeats
+    (the peers' monitors race) reports the silence, not the closed connection; while the
+    front end is heartbeating, `exit_if_silent` returns and the failure is the rank's own."""
+    ctx, pub, _, hb, _ = front_end
+    monitor = _Recorded(ctx, "rank 1", os.getppid(), hb, None, timeout_s=30.0)
+    monitor.start()
+    try:
+        for _ in range(10):
+            pub.send(encode(Heartbeat(time.time())))
+            time.sleep(0.1)
+        monitor.exit_if_silent("a collective failed")
+        assert not monitor.exited.is_set() and monitor.silence_s() is None
+        time.sleep(2 * monitor_module.HEARTBEAT_INTERVAL_S + 0.6)  # the front end went quiet
+        assert monitor.silence_s() is not None and not monitor.exited.is_set()
+        monitor.exit_if_silent("a collective failed")
+        assert monitor.exited.is_set()
+        assert "no heartbeat from the front end" in monitor.reason
+        assert "a collective failed" in monitor.reason
+    finally:
+        monitor.stop()

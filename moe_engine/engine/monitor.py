@@ -69,11 +69,34 @@ class FrontEndMonitor(threading.Thread):
         self._progress: queue.SimpleQueue[StartupProgress] = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._codec = Codec()
+        #: time.monotonic() of the last heartbeat (or of startup / the end of a pause).
+        self._last_seen = time.monotonic()
 
     def report(self, phase: str, detail: str = "", eta_s: float | None = None) -> None:
         """Send a StartupProgress to the front end (thread-safe; dropped without one)."""
         if self.output_addr is not None:
             self._progress.put(StartupProgress(phase, detail, eta_s))
+
+    def silence_s(self) -> float | None:
+        """Seconds since the last heartbeat when the front end has missed at least two
+        (it has stopped or hangs), else None; always None without a heartbeat address."""
+        if self.heartbeat_addr is None:
+            return None
+        silent = time.monotonic() - self._last_seen
+        return silent if silent > 2 * HEARTBEAT_INTERVAL_S + _POLL_S else None
+
+    def exit_if_silent(self, what_failed: str) -> None:
+        """End the process naming the silent front end as the cause, when it is silent
+        (`silence_s`): a rank whose collective failed because a peer rank already left for
+        missing heartbeats reports that cause, not the peer's closed connection. Returns when
+        the front end is not silent."""
+        silent = self.silence_s()
+        if silent is not None:
+            self._exit(
+                f"no heartbeat from the front end for {silent:.1f} s (the bound is "
+                f"{self.timeout_s:.0f} s; {what_failed} as a peer left first): the front end "
+                f"is gone or hangs"
+            )
 
     def stop(self) -> None:
         """End the thread (its sockets closed, pending progress flushed) and wait for it."""
@@ -115,6 +138,7 @@ class FrontEndMonitor(threading.Thread):
             last_look = now
             while sub is not None and self._received(sub):
                 last_seen = now
+            self._last_seen = last_seen
             while push is not None and not self._progress.empty():
                 push.send(self._codec.encode(self._progress.get()))
             if os.getppid() != self.parent_pid:

@@ -478,6 +478,7 @@ def _serve_rank(
         loop.run()
         return 0
     except Exception as exc:  # noqa: BLE001 - a collective failed: report and exit
+        monitor.exit_if_silent("the step loop's collective failed")
         logger.exception("rank %d: step loop failed: %s", rank, exc)
         if rank == 0:
             local = local_world == world_size  # every rank on this node: pids are meaningful
