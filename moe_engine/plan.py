@@ -498,7 +498,8 @@ def default_kv_cache_memory(
     if left <= 0:
         raise StartupError(
             f"weights need {format_bytes(weight_bytes)} but only {format_bytes(available)} "
-            f"memory is available; free memory or use a smaller --dtype"
+            f"memory is available; free memory, store the routed experts in 4 bits "
+            f"(--quantization int4 or mxfp4), or spread them over more ranks (--ep-size)"
         )
     budget = min(DEFAULT_KV_CACHE_CAP, int(DEFAULT_KV_CACHE_FRACTION * left))
     return max(budget, min(one_request_bytes, left))

@@ -400,3 +400,20 @@ def test_fp8_block_checkpoint_equals_transformers_dequantization(deepseek_v3_ckp
     prompts = _prompts(17, [6, 45])
     got = LLM(model=str(fp8), max_model_len=128).generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in got] == greedy_generate(hf, prompts, MAX_NEW)
+
+
+@pytest.mark.parametrize(("field", "value"), [("n_group", "4"), ("kv_lora_rank", None)])
+def test_a_mistyped_config_field_is_one_line_naming_it(tmp_path, capsys, field, value):
+    """transformers' strict config validation fails as one line naming the field and value,
+    not a traceback, and moe-serve exits 1 before any weight is looked for."""
+    import json
+
+    from moe_engine.cli.serve import main
+
+    cfg = json.loads((Path(__file__).parent / "data/configs/deepseek-v3.json").read_text())
+    cfg[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["--model", str(tmp_path), "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert f"field '{field}'" in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err

@@ -217,10 +217,12 @@ def test_engine_weights_equal_transformers_fp8_dequantization(
         assert torch.equal(ours[name], theirs[name]), name
 
 
-def test_greedy_ids_equal_transformers_on_its_fp8_dequantization(fp8_ckpt, hf_fp8_model):
+def test_greedy_ids_equal_transformers_on_its_fp8_dequantization(fp8_ckpt, hf_fp8_model, caplog):
     prompts = _prompts()
     expected = greedy_generate(hf_fp8_model, prompts, 8)
-    llm = LLM(model=str(fp8_ckpt), max_model_len=256)
+    with caplog.at_level("INFO", logger="moe_engine.models.build"):
+        llm = LLM(model=str(fp8_ckpt), max_model_len=256)
+    assert "FP8 block-quantized checkpoint (e4m3" in caplog.text  # the startup log says so
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected
 

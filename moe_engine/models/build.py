@@ -135,7 +135,17 @@ def build_model(
                 rank_context.local_experts, rank_context.communicator, rank_context.rank
             )
     progress("loading weights", model_dir, None)
-    load_model(model, model_dir, weight_dtype, _checkpoint_quant(config))
+    checkpoint_quant = _checkpoint_quant(config)
+    if isinstance(checkpoint_quant, Fp8BlockConfig):
+        b0, b1 = checkpoint_quant.weight_block_size
+        logger.info(
+            "FP8 block-quantized checkpoint (e4m3, %dx%d blocks, %s scales): weights are "
+            "dequantized to %s while loading%s", b0, b1, checkpoint_quant.scale_fmt,
+            str(weight_dtype).removeprefix("torch."),
+            f", then the routed experts quantized to {config.quant.method}"
+            if config.quant.method != "none" else "",
+        )
+    load_model(model, model_dir, weight_dtype, checkpoint_quant)
     if config.quant.method != "none":
         progress("quantizing experts", config.quant.method, None)
     quantize_experts(model, config)

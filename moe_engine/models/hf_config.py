@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -24,8 +25,10 @@ def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
     """The transformers config of `model_dir`/config.json (trust_remote_code=False).
 
     Raises:
-        StartupError: config.json missing or invalid, or a config neither AutoConfig nor the
-            architecture's config class can read (both reasons given).
+        StartupError: config.json missing or invalid, a field of the wrong type (transformers'
+            strict config validation, in one line naming the field, its value and the type),
+            or a config neither AutoConfig nor the architecture's config class can read (both
+            reasons given).
         ValueError, KeyError: AutoConfig's own error (e.g. "trust_remote_code") when
             config.json names no architecture this engine serves.
     """
@@ -36,7 +39,7 @@ def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
     except (FileNotFoundError, ValueError) as e:
         raise StartupError(str(e)) from e
     try:
-        return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)
+        return _strict(AutoConfig.from_pretrained, str(model_dir), trust_remote_code=False)
     except (ValueError, KeyError) as auto_error:
         try:
             _, model_cls = resolve_config_dict(cfg)
@@ -48,9 +51,24 @@ def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
         config_class = CONFIG_MAPPING[model_type]
         fields = {k: v for k, v in cfg.items() if k not in ("auto_map", "model_type")}
         try:
-            return config_class.from_dict(fields)
+            return _strict(config_class.from_dict, fields)
         except (ValueError, TypeError, KeyError) as e:
             raise StartupError(
                 f"config.json (model_type {cfg.get('model_type')!r}): AutoConfig: {auto_error}; "
                 f"as {config_class.__name__}: {e}"
             ) from e
+
+
+def _strict(read, *args, **kwargs) -> PretrainedConfig:
+    """`read(*args, **kwargs)` with transformers' strict field validation errors (a
+    `huggingface_hub` StrictDataclassError, e.g. for `"n_group": "4"`) as one-line
+    StartupErrors instead of a traceback.
+
+    Raises:
+        StartupError: "config.json: Validation error for field 'n_group': TypeError: Field
+            'n_group' with value '4' doesn't match ... expected int, got str (value: '4')".
+    """
+    try:
+        return read(*args, **kwargs)
+    except StrictDataclassError as e:
+        raise StartupError(f"config.json: {' '.join(str(e).split())}") from None
