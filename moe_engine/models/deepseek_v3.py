@@ -32,7 +32,7 @@ FP8 block checkpoints (DeepSeek-V3/R1, Kimi-K2) load through `quant/fp8.py`.
 Refused before any weight is read (ValueError naming the field): a missing kv_lora_rank or
 q_lora_rank key, a hidden_act other than silu, `index_topk` (DeepSeek-V3.2's sparse
 indexer), a topk_method other than "noaux_tc", a scoring_func other than "sigmoid", and group
-limits `check_group_limits` refuses.
+limits `check_sigmoid_group_limits` refuses.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from moe_engine.models.layers.decoder import DenseMLP
 from moe_engine.models.layers.mla import MLAAttention
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.rotary import RotaryEmbedding, YarnScaling, rope_with_scaling_of
-from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter, check_group_limits
+from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter, check_sigmoid_group_limits
 from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.models.weight_mapping import WeightMapping
 
@@ -157,7 +157,7 @@ class DeepseekV3ForCausalLM(MoeCausalLM):
             )
         if cfg.get("n_group") is None and cfg.get("topk_group") is None:
             return  # transformers' defaults (8, 4) apply: checked again on its config's dict
-        check_group_limits(
+        check_sigmoid_group_limits(
             num_experts_of(cfg), required_int(cfg, "num_experts_per_tok"),
             required_int(cfg, "n_group"), required_int(cfg, "topk_group"),
         )

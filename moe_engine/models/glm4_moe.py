@@ -39,7 +39,7 @@ from moe_engine.models.layers.rotary import (
     partial_rotary_factor_of,
     rope_theta_of,
 )
-from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter, check_group_limits
+from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter, check_sigmoid_group_limits
 from moe_engine.models.layers.shared_experts import SharedExperts
 
 
@@ -111,19 +111,15 @@ class Glm4MoeForCausalLM(MoeCausalLM):
         Raises:
             StartupError: a rope_type other than default, a partial_rotary_factor outside
                 (0, 1]; ValueError: hidden_act other than silu, n_routed_experts not divisible
-                by n_group (and the other `check_group_limits` cases), fewer than 2 experts
+                by n_group (and the other `check_sigmoid_group_limits` cases), fewer than 2 experts
                 per group, an odd rotary_dim.
         """
         check_hidden_act(hf_config.to_dict(), cls.__name__)
         num_experts, n_group = int(hf_config.n_routed_experts), int(hf_config.n_group or 1)
         topk_group = int(hf_config.topk_group or 1)
-        check_group_limits(num_experts, int(hf_config.num_experts_per_tok), n_group, topk_group)
-        if num_experts // n_group < 2:
-            raise ValueError(
-                f"n_group ({n_group}) leaves {num_experts // n_group} expert per group; the "
-                f"group score sums each group's two best experts, so n_routed_experts "
-                f"({num_experts}) / n_group must be >= 2"
-            )
+        check_sigmoid_group_limits(
+            num_experts, int(hf_config.num_experts_per_tok), n_group, topk_group
+        )
         head_dim = getattr(hf_config, "head_dim", None) or (
             hf_config.hidden_size // hf_config.num_attention_heads
         )

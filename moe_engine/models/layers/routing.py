@@ -100,6 +100,25 @@ def check_group_limits(num_experts: int, top_k: int, n_group: int, topk_group: i
         )
 
 
+def check_sigmoid_group_limits(
+    num_experts: int, top_k: int, n_group: int, topk_group: int
+) -> None:
+    """`check_group_limits` plus the sigmoid rule's own: at least 2 experts per group (a
+    group's score is the sum of its two best biased scores, `sigmoid_grouped_topk`).
+
+    Raises:
+        ValueError: see `check_group_limits`; fewer than 2 experts per group (names
+            n_routed_experts and n_group).
+    """
+    check_group_limits(num_experts, top_k, n_group, topk_group)
+    if num_experts // n_group < 2:
+        raise ValueError(
+            f"n_group ({n_group}) leaves {num_experts // n_group} expert per group; the group "
+            f"score sums each group's two best experts, so n_routed_experts ({num_experts}) / "
+            "n_group must be >= 2"
+        )
+
+
 def check_v2_routing(
     num_experts: int, top_k: int, topk_method: str, n_group: int | None, topk_group: int | None
 ) -> None:
@@ -177,18 +196,11 @@ def sigmoid_grouped_topk(
     Returns:
         topk_weights [T, k] float32, topk_ids [T, k] int32 (by descending biased score).
 
-    Raises:
-        ValueError: see `check_group_limits`; fewer than 2 experts per group (the group score
-            sums the top two).
+    The limits are checked once, where they are read (`check_sigmoid_group_limits`, called
+    by `SigmoidGroupedTopKRouter` and the architectures' config reading), not per step.
     """
     num_tokens, num_experts = router_logits.shape
-    check_group_limits(num_experts, top_k, n_group, topk_group)
     per_group = num_experts // n_group
-    if per_group < 2:
-        raise ValueError(
-            f"n_group ({n_group}) leaves {per_group} expert per group; the group score is the "
-            "sum of each group's two best experts, so n_routed_experts / n_group must be >= 2"
-        )
     scores = router_logits.float().sigmoid()
     choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias
     if topk_group < n_group:
@@ -229,12 +241,10 @@ def softmax_grouped_topk(
     Returns:
         topk_weights [T, k] float32, topk_ids [T, k] int32 (by descending probability).
 
-    Raises:
-        ValueError: an unknown topk_method; for "group_limited_greedy", missing n_group /
-            topk_group or limits `check_group_limits` refuses.
+    The method and limits are checked once, where they are read (`check_v2_routing`, called
+    by `SoftmaxGroupedTopKRouter` and DeepSeek-V2's config reading), not per step.
     """
     num_tokens, num_experts = router_logits.shape
-    check_v2_routing(num_experts, top_k, topk_method, n_group, topk_group)
     scores = F.softmax(router_logits, dim=-1, dtype=torch.float32)
     choice = scores
     if topk_method == "group_limited_greedy":
@@ -321,7 +331,7 @@ class SigmoidGroupedTopKRouter(_Router):
     them (`_keep_in_fp32_modules_strict`); the logits are float32.
 
     Raises:
-        ValueError: see `check_group_limits`.
+        ValueError: see `check_sigmoid_group_limits`.
     """
 
     def __init__(
@@ -336,7 +346,7 @@ class SigmoidGroupedTopKRouter(_Router):
         correction_bias: bool = True,
         bias: bool = False,
     ) -> None:
-        check_group_limits(num_experts, top_k, n_group, topk_group)
+        check_sigmoid_group_limits(num_experts, top_k, n_group, topk_group)
         super().__init__(hidden_size, num_experts, top_k, bias, torch.float32)
         self.n_group, self.topk_group = n_group, topk_group
         self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
