@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from moe_engine.kv_cache.spec import AttentionGroup
+from moe_engine.models.config_fields import moe_shape_fields
 from moe_engine.models.layers.attention import AttentionMetadata
 from moe_engine.models.layers.decoder import Attention, Backbone, DecoderLayer, DenseMLP
 from moe_engine.models.layers.linear import Linear
@@ -109,6 +110,22 @@ class MoeCausalLM(nn.Module):
     def experts_width_field(cls, cfg: dict) -> str:
         """The config.json key holding one routed expert's width I (errors name it)."""
         return "moe_intermediate_size"
+
+    @classmethod
+    def moe_shape(cls, cfg: dict, *, moe_layers: tuple[int, ...], **fields) -> dict:
+        """`config_fields.moe_shape_fields` with this class's name and `experts_width_field`
+        (what every `shape_fields` passes), then `fields`, the architecture's own.
+
+        Raises:
+            ValueError: a required field missing (named).
+        """
+        return moe_shape_fields(
+            cfg,
+            architecture=cls.__name__,
+            experts_width_field=cls.experts_width_field(cfg),
+            moe_layers=moe_layers,
+            **fields,
+        )
 
     @classmethod
     def checkpoint_expert_name(cls, layer: int, expert: int, projection: str) -> str:

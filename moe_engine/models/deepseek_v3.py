@@ -46,7 +46,6 @@ from moe_engine.models.base import ArchSpec, MoeCausalLM
 from moe_engine.models.config_fields import (
     check_hidden_act,
     mla_shape_fields,
-    moe_shape_fields,
     num_experts_of,
     required_int,
 )
@@ -175,10 +174,8 @@ class DeepseekV3ForCausalLM(MoeCausalLM):
         required_int(cfg, "n_routed_experts")
         cls.check_routing(cfg)
         width = required_int(cfg, "moe_intermediate_size")
-        return moe_shape_fields(
+        return cls.moe_shape(
             cfg,
-            architecture=cls.__name__,
-            experts_width_field="moe_intermediate_size",
             moe_layers=deepseek_moe_layers(cfg),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
             shared_expert_intermediate_size=width * int(cfg.get("n_shared_experts") or 0),

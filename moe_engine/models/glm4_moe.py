@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from moe_engine.models.base import ArchSpec, MoeCausalLM
-from moe_engine.models.config_fields import check_hidden_act, moe_shape_fields, required_int
+from moe_engine.models.config_fields import check_hidden_act, required_int
 from moe_engine.models.layers.decoder import Attention, DenseMLP
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.rotary import (
@@ -91,10 +91,8 @@ class Glm4MoeForCausalLM(MoeCausalLM):
         """
         width = required_int(cfg, "moe_intermediate_size")
         shared = int(cfg.get("n_shared_experts", 1) or 0)
-        return moe_shape_fields(
+        return cls.moe_shape(
             cfg,
-            architecture=cls.__name__,
-            experts_width_field="moe_intermediate_size",
             moe_layers=first_k_dense_moe_layers(cfg),
             o_proj_bias=False,
             qk_norm=bool(cfg.get("use_qk_norm", False)),

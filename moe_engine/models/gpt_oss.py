@@ -33,7 +33,7 @@ from torch import nn
 
 from kernels.activation import SwiGLU
 from moe_engine.models.base import ArchSpec, MoeCausalLM
-from moe_engine.models.config_fields import every_layer_moe, layer_types_fields, moe_shape_fields
+from moe_engine.models.config_fields import every_layer_moe, layer_types_fields
 from moe_engine.models.layers.decoder import Attention
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.norm import RMSNorm
@@ -87,10 +87,8 @@ class GptOssForCausalLM(MoeCausalLM):
         Raises:
             ValueError: a malformed layer_types / sliding_window, a missing field.
         """
-        return moe_shape_fields(
+        return cls.moe_shape(
             cfg,
-            architecture=cls.__name__,
-            experts_width_field="intermediate_size",
             moe_layers=every_layer_moe(cfg),
             attention_bias=bool(cfg.get("attention_bias", True)),
             qk_norm=False,

@@ -9,7 +9,7 @@ always renormalised over the k chosen experts. Checkpoint names: the MoE block i
 from __future__ import annotations
 
 from moe_engine.models.base import MoeCausalLM
-from moe_engine.models.config_fields import every_layer_moe, moe_shape_fields, uniform_window_fields
+from moe_engine.models.config_fields import every_layer_moe, uniform_window_fields
 from moe_engine.models.weight_mapping import ExpertMapping, WeightMapping
 
 
@@ -27,10 +27,8 @@ class MixtralForCausalLM(MoeCausalLM):
     @classmethod
     def shape_fields(cls, cfg: dict) -> dict:
         """Every layer is MoE, of width `intermediate_size`; `sliding_window` windows all."""
-        return moe_shape_fields(
+        return cls.moe_shape(
             cfg,
-            architecture=cls.__name__,
-            experts_width_field="intermediate_size",
             moe_layers=every_layer_moe(cfg),
             qk_norm=False,
             norm_topk_prob=True,

@@ -32,7 +32,6 @@ from moe_engine.models.base import ArchSpec, MoeCausalLM
 from moe_engine.models.config_fields import (
     check_hidden_act,
     layer_types_fields,
-    moe_shape_fields,
     required_int,
     sparse_step_moe_layers,
 )
@@ -92,10 +91,8 @@ class Qwen2MoeForCausalLM(MoeCausalLM):
             ValueError: a required field missing (named), a malformed layer_types or window.
         """
         shared = int(cfg.get("shared_expert_intermediate_size", DEFAULT_SHARED_EXPERT_WIDTH) or 0)
-        return moe_shape_fields(
+        return cls.moe_shape(
             cfg,
-            architecture=cls.__name__,
-            experts_width_field="moe_intermediate_size",
             moe_layers=sparse_step_moe_layers(cfg),
             attention_bias=bool(cfg.get("qkv_bias", True)),
             o_proj_bias=False,

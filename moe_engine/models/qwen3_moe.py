@@ -12,7 +12,6 @@ from __future__ import annotations
 from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import (
     every_layer_moe,
-    moe_shape_fields,
     sparse_step_moe_layers,
     uniform_window_fields,
 )
@@ -36,10 +35,8 @@ class Qwen3MoeForCausalLM(MoeCausalLM):
         moe_layers = sparse_step_moe_layers(cfg) if width != "intermediate_size" else (
             every_layer_moe(cfg)
         )
-        return moe_shape_fields(
+        return cls.moe_shape(
             cfg,
-            architecture=cls.__name__,
-            experts_width_field=width,
             moe_layers=moe_layers,
             qk_norm=True,
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
