@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -114,10 +114,10 @@ def _stored_tensors(
 def cast_floating(
     weights: Iterable[tuple[str, torch.Tensor]],
     dtype: torch.dtype,
-    keep_float32: tuple[str, ...] = (),
+    keep_float32: Collection[str] = frozenset(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Cast every floating tensor of a weight stream to `dtype` (others pass through); those
-    whose name ends with one of `keep_float32` to float32 (`MoeCausalLM.keep_in_float32`).
+    named in `keep_float32` to float32 (`MoeCausalLM.float32_weight_names`).
 
     Raises:
         ValueError: a float8 tensor: its values mean nothing without their block scales
@@ -131,7 +131,7 @@ def cast_floating(
                     f"only with their weight_scale_inv, under config.json quantization_config "
                     f"quant_method 'fp8'"
                 )
-            tensor = tensor.to(torch.float32 if name.endswith(keep_float32) else dtype)
+            tensor = tensor.to(torch.float32 if name in keep_float32 else dtype)
         yield name, tensor
 
 
@@ -158,7 +158,7 @@ def load_model(
         weights = iterate_weights(model_dir, None, wants=model.wants_weight)
         if isinstance(checkpoint_quant, Fp8BlockConfig):
             weights = dequantize_fp8_weights(weights, checkpoint_quant, dtype)
-        weights = cast_floating(weights, dtype, model.keep_in_float32)
+        weights = cast_floating(weights, dtype, model.float32_weight_names())
         if isinstance(checkpoint_quant, CompressedTensorsConfig):
             weights = assemble_pack_quantized(weights, checkpoint_quant)
         loaded = model.load_weights(weights)

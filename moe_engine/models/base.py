@@ -69,9 +69,6 @@ class MoeCausalLM(nn.Module):
     model_types: ClassVar[tuple[str, ...]] = ()
     #: How the checkpoint's names map onto the modules.
     weight_mapping: ClassVar[WeightMapping] = WeightMapping()
-    #: Checkpoint-name endings loaded in float32 whatever --dtype (transformers'
-    #: `_keep_in_fp32_modules_strict`: routers whose float32 values choose the experts).
-    keep_in_float32: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, spec: ArchSpec, dtype: torch.dtype, max_position: int | None = None) -> None:
         super().__init__()
@@ -110,6 +107,16 @@ class MoeCausalLM(nn.Module):
     def experts_width_field(cls, cfg: dict) -> str:
         """The config.json key holding one routed expert's width I (errors name it)."""
         return "moe_intermediate_size"
+
+    def float32_weight_names(self) -> frozenset[str]:
+        """Parameters and persistent buffers the model holds in float32 while its dtype is
+        lower (the float32 routers and correction biases of DeepSeek and GLM, transformers'
+        `_keep_in_fp32_modules_strict`): the loader leaves their checkpoint tensors unrounded.
+        Empty for a float32 model."""
+        if self.lm_head.weight.dtype == torch.float32:
+            return frozenset()
+        tensors = [*self.named_parameters(), *self.named_buffers()]
+        return frozenset(name for name, t in tensors if t.dtype == torch.float32)
 
     @classmethod
     def moe_shape(cls, cfg: dict, *, moe_layers: tuple[int, ...], **fields) -> dict:

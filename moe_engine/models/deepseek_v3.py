@@ -132,7 +132,6 @@ class DeepseekV3ForCausalLM(MoeCausalLM):
     spec_class = DeepseekV3Spec
     model_types = ("deepseek_v3",)
     weight_mapping = WeightMapping(stacked_params=())
-    keep_in_float32 = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")
 
     @classmethod
     def check_routing(cls, cfg: dict) -> None:

@@ -73,9 +73,6 @@ class Glm4MoeForCausalLM(MoeCausalLM):
 
     spec_class = Glm4MoeSpec
     model_types = ("glm4_moe",)
-    #: transformers' `_keep_in_fp32_modules_strict`: the router and its correction bias stay
-    #: float32 under --dtype bfloat16 (a rounded bias can change which experts are chosen).
-    keep_in_float32 = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")
 
     @classmethod
     def shape_fields(cls, cfg: dict) -> dict:
