@@ -19,6 +19,7 @@ import signal
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from moe_engine.config import EngineConfig
@@ -178,3 +179,18 @@ __all__ = [
     "token_ids",
     "wait_idle",
 ]
+
+
+def greedy_streams(
+    stub: pb_grpc.MoeEngineStub, prompts: list[list[int]], max_new: list[int],
+    timeout_s: float = 180,
+) -> list[list[int]]:
+    """Stream every prompt at once (one thread each), greedy with ignore_eos, `max_new[i]`
+    tokens for prompt i; returns the generated ids per prompt, in prompt order."""
+
+    def one(i: int) -> list[int]:
+        req = request(prompts[i], max_tokens=max_new[i], temperature=0.0, ignore_eos=True)
+        return token_ids(list(stub.Generate(req, timeout=timeout_s)))
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, range(len(prompts))))

@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import json
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
 from fixtures import hf_greedy, hf_last_logits, make_tiny_checkpoint, tiny_config
-from grpc_helpers import ServerThread, stats, token_ids
-from grpc_helpers import request as make_request
+from grpc_helpers import ServerThread, greedy_streams, stats
 
 from moe_engine import LLM, SamplingParams
 from moe_engine.config import (
@@ -331,14 +329,7 @@ def _serve_and_stream(config: EngineConfig, prompts: list[list[int]]):
     try:
         with grpc.insecure_channel(handle.address) as channel:
             stub = pb_grpc.MoeEngineStub(channel)
-
-            def one(i: int) -> list[int]:
-                req = make_request(prompts[i], max_tokens=GRPC_NEW[i], temperature=0.0,
-                                   ignore_eos=True)
-                return token_ids(list(stub.Generate(req, timeout=180)))
-
-            with ThreadPoolExecutor(len(prompts)) as pool:
-                got = list(pool.map(one, range(len(prompts))))
+            got = greedy_streams(stub, prompts, GRPC_NEW)
             s = stats(stub)
     finally:
         handle.close()

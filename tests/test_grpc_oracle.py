@@ -15,7 +15,7 @@ import grpc
 import pytest
 import torch
 from fixtures import hf_greedy
-from grpc_helpers import ServerThread, stats, token_ids
+from grpc_helpers import ServerThread, greedy_streams, stats, token_ids
 from grpc_helpers import request as make_request
 
 from moe_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -46,15 +46,7 @@ def test_concurrent_greedy_streams_match_transformers(ckpt_name, request) -> Non
     try:
         with grpc.insecure_channel(handle.address) as channel:
             stub = pb_grpc.MoeEngineStub(channel)
-
-            def one(i: int) -> list[int]:
-                req = make_request(
-                    prompts[i], max_tokens=MAX_NEW[i], temperature=0.0, ignore_eos=True
-                )
-                return token_ids(list(stub.Generate(req, timeout=120)))
-
-            with ThreadPoolExecutor(len(prompts)) as pool:
-                got = list(pool.map(one, range(len(prompts))))
+            got = greedy_streams(stub, prompts, MAX_NEW, timeout_s=120)
             s = stats(stub)
     finally:
         handle.close()
