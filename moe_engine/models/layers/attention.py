@@ -51,6 +51,10 @@ class AttentionBatch:
         seq_lens: [B] int64 keys per row after this step (tokens); what the native decode
             kernel reads instead of gathered blocks.
         num_keys: nb * block_size, the gathered key columns of the torch path.
+        query_start_loc: [B + 1] int64, where each row's queries start in the batch's tokens
+            (cumulative query lengths; the varlen layout of the Triton kernels).
+
+    Every tensor lives on the device of the block tables (the engine's device).
 
     The masks (`mask`, `mask_for`) are built on first use only: the native decode kernel needs
     none, so a decode batch on a CPU with the native kernels builds no mask at all.
@@ -66,6 +70,7 @@ class AttentionBatch:
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     num_keys: int
+    query_start_loc: torch.Tensor | None = None
     _masks: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -73,7 +78,7 @@ class AttentionBatch:
         """[B, 1, Lq, nb * block_size] bool, True where the query may attend the key (causal,
         full attention); built once per batch."""
         if "causal" not in self._masks:
-            key_pos = torch.arange(self.num_keys)
+            key_pos = torch.arange(self.num_keys, device=self.q_pos.device)
             visible = (key_pos[None, None, :] <= self.q_pos[:, :, None]) & (
                 key_pos[None, None, :] < self.seq_lens[:, None, None]
             )
@@ -92,7 +97,7 @@ class AttentionBatch:
             return self.mask
         key = ("window", sliding_window)
         if key not in self._masks:
-            key_pos = torch.arange(self.num_keys)
+            key_pos = torch.arange(self.num_keys, device=self.q_pos.device)
             inside = key_pos > self.q_pos[:, None, :, None] - sliding_window
             self._masks[key] = self.mask & inside
         return self._masks[key]
@@ -103,7 +108,7 @@ class AttentionBatch:
         key = ("additive", sliding_window, dtype)
         if key not in self._masks:
             visible = self.mask_for(sliding_window)
-            zeros = torch.zeros(visible.shape, dtype=dtype)
+            zeros = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
             self._masks[key] = zeros.masked_fill_(~visible, float("-inf"))
         return self._masks[key]
 
@@ -149,11 +154,14 @@ def build_attention_batch(
     seq_lens = starts + q_lens
     max_q, max_k = int(q_lens.max()), int(seq_lens.max())
     b = q_lens.numel()
-    tok_b = torch.repeat_interleave(torch.arange(b), q_lens)
-    offsets = torch.cumsum(q_lens, 0) - q_lens
-    tok_q = torch.arange(int(q_lens.sum())) - offsets[tok_b]
+    device = block_tables.device
+    tok_b = torch.repeat_interleave(torch.arange(b, device=device), q_lens)
+    ends = torch.cumsum(q_lens, 0)
+    offsets = ends - q_lens
+    tok_q = torch.arange(int(ends[-1]), device=device) - offsets[tok_b]
     num_blocks = (max_k + block_size - 1) // block_size
-    q_pos = starts[:, None] + torch.arange(max_q)[None, :]  # [B, Lq] absolute positions
+    # [B, Lq] absolute positions
+    q_pos = starts[:, None] + torch.arange(max_q, device=device)[None, :]
     return AttentionBatch(
         token_start=token_start,
         token_end=token_start + int(q_lens.sum()),
@@ -165,6 +173,7 @@ def build_attention_batch(
         block_tables=block_tables,
         seq_lens=seq_lens,
         num_keys=num_blocks * block_size,
+        query_start_loc=torch.cat([ends.new_zeros(1), ends]),
     )
 
 

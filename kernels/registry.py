@@ -1,0 +1,316 @@
+"""The kernel registry: for each op, the backend that runs it, chosen once at startup.
+
+Every kernel-using module of the model (experts, paged attention, linears, norms, rotary)
+reads its backend from the one `KernelPlan` made here, at bind time (`bind_kernels` of the
+module), never per call. The choice depends on the engine's device, on what is installed and
+builds (the native CPU library, Triton), on the model (head sizes a kernel supports) and on
+`--kernel-backend`; it is logged in the startup plan and returned by `GetModelInfo`.
+
+Backends:
+- ``native-cpu``: the C++ AVX2/FMA kernels of kernels/csrc (kernels/native.py), CPU only.
+- ``torch``: plain torch ops (SDPA, cuBLAS/oneDNN GEMMs); every op, every device.
+- ``triton``: the Triton kernels (kernels/fused_moe.py, kernels/triton_attention.py), on CUDA,
+  or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, tests only: auto never
+  picks it on a CPU).
+
+`--kernel-backend` is ``auto`` (the default), one backend name (every op that backend
+implements uses it; the others keep auto's choice), or a comma list of ``op=backend`` pairs,
+optionally after a backend name (``triton,linear=torch``). An explicit backend that cannot run
+an op here is refused at startup with the reason (`KernelBackendError`), never mid-request.
+
+The idea is vLLM's attention-backend selector and fused-MoE quant methods, reduced to one
+table: `IMPLEMENTS` says which backend implements which op; `_unavailable` says why it cannot
+run here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+NATIVE_CPU, TORCH, TRITON = "native-cpu", "torch", "triton"
+#: Every backend, in auto's order of preference where several could run an op.
+BACKENDS = (NATIVE_CPU, TRITON, TORCH)
+
+#: The ops a backend is chosen for.
+OPS = (
+    "fused_moe",  # routed experts, float weights (bf16 / fp16 / fp32)
+    "fused_moe_int4",  # routed experts, int4 group-wise weights
+    "fused_moe_mxfp4",  # routed experts, MXFP4 weights
+    "attention_prefill",  # paged attention, multi-token queries (prefill chunks)
+    "attention_decode",  # paged attention, one query token per request
+    "mla_decode",  # MLA absorbed decode over the latent cache
+    "linear",  # dense projections (QKV, output, router, dense MLP, LM head)
+    "rms_norm",
+    "rotary",
+)
+
+#: Which ops each backend implements.
+IMPLEMENTS: dict[str, frozenset[str]] = {
+    NATIVE_CPU: frozenset(
+        {"fused_moe", "fused_moe_int4", "fused_moe_mxfp4", "attention_decode", "linear",
+         "rms_norm"}
+    ),
+    TORCH: frozenset(OPS),
+    TRITON: frozenset(
+        {"fused_moe", "fused_moe_int4", "fused_moe_mxfp4", "attention_prefill",
+         "attention_decode", "mla_decode"}
+    ),
+}
+
+#: The devices `--device` accepts besides "auto".
+DEVICES = ("cpu", "cuda")
+
+
+class KernelBackendError(ValueError):
+    """A `--kernel-backend` that is malformed, or asks a backend for an op it cannot run here
+    (the message names the op, the backend and why)."""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What of the model decides whether a kernel can run it.
+
+    Attributes:
+        head_dim: attention head size (query/key; MLA: qk_nope + qk_rope).
+        dtype: the compute dtype's name ("float32", "bfloat16", "float16").
+        mla: whether attention is multi-head latent attention.
+    """
+
+    head_dim: int = 64
+    dtype: str = "float32"
+    mla: bool = False
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """One op's backend and why it was chosen (for the startup log)."""
+
+    op: str
+    backend: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """The backend of every op, for one device.
+
+    Attributes:
+        device: "cpu" or "cuda".
+        choices: op -> its `KernelChoice`, for every op of `OPS`.
+    """
+
+    device: str
+    choices: dict[str, KernelChoice] = field(default_factory=dict)
+
+    def backend(self, op: str) -> str:
+        """The backend name that runs `op`.
+
+        Raises:
+            KeyError: an op not in `OPS`.
+        """
+        return self.choices[op].backend
+
+    def as_dict(self) -> dict[str, str]:
+        """op -> backend (what GetModelInfo returns)."""
+        return {op: c.backend for op, c in self.choices.items()}
+
+    def describe(self) -> str:
+        """One line for the startup plan, e.g. "kernels (cpu): fused_moe=native-cpu, ...";
+        choices that fell back say why on their own lines."""
+        pairs = ", ".join(f"{op}={c.backend}" for op, c in self.choices.items())
+        notes = [f"  {c.op}: {c.reason}" for c in self.choices.values() if c.reason]
+        return "\n".join([f"kernels ({self.device}): {pairs}", *notes])
+
+    @classmethod
+    def uniform(cls, backend: str, device: str = "cpu") -> KernelPlan:
+        """Every op on `backend` where it implements it, torch elsewhere; nothing is probed
+        (for tests that build modules directly)."""
+        choices = {
+            op: KernelChoice(op, backend if op in IMPLEMENTS[backend] else TORCH, "")
+            for op in OPS
+        }
+        return cls(device, choices)
+
+
+def parse_kernel_backend(spec: str) -> tuple[str | None, dict[str, str]]:
+    """`--kernel-backend` -> (default backend or None for auto, {op: backend}).
+
+    Raises:
+        KernelBackendError: an unknown backend or op, or a malformed item (names it and the
+            valid values).
+    """
+    default: str | None = None
+    per_op: dict[str, str] = {}
+    items = [s.strip() for s in spec.split(",") if s.strip()] or ["auto"]
+    for i, item in enumerate(items):
+        op, sep, backend = item.rpartition("=")
+        op = op.strip()
+        backend = backend.strip()
+        if backend not in (*BACKENDS, "auto"):
+            raise KernelBackendError(
+                f"--kernel-backend: unknown backend {backend!r} in {spec!r}; backends: auto, "
+                + ", ".join(BACKENDS)
+            )
+        if not sep:
+            if i:
+                raise KernelBackendError(
+                    f"--kernel-backend: a plain backend name ({item!r}) must come first in "
+                    f"{spec!r}, before the op=backend pairs"
+                )
+            default = None if backend == "auto" else backend
+            continue
+        if op not in OPS:
+            raise KernelBackendError(
+                f"--kernel-backend: unknown op {op!r} in {spec!r}; ops: {', '.join(OPS)}"
+            )
+        if backend != "auto":
+            per_op[op] = backend
+    return default, per_op
+
+
+def resolve_device(device: str) -> str:
+    """`--device` -> "cpu" or "cuda" ("auto": cuda when torch sees a CUDA device).
+
+    Raises:
+        KernelBackendError: an unknown device, or "cuda" without a CUDA device.
+    """
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in DEVICES:
+        raise KernelBackendError(f"--device must be auto, cpu or cuda; got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise KernelBackendError(
+            "--device cuda: torch sees no CUDA device (torch "
+            f"{torch.__version__}, CUDA build {torch.version.cuda}); use --device cpu"
+        )
+    return device
+
+
+#: A probe: None when the backend runs here, else why not. Injectable for tests.
+Probe = Callable[[str], "str | None"]
+
+
+def probe_backend(backend: str, device: str) -> str | None:
+    """None when `backend` can run on `device` on this machine, else why not (the native
+    library is built or loaded here, once per process: the one-time build happens at startup).
+    """
+    if backend == TORCH:
+        return None
+    if backend == NATIVE_CPU:
+        if device != "cpu":
+            return f"native-cpu runs on the CPU only (device is {device})"
+        from kernels.native import native_unavailable_reason
+
+        return native_unavailable_reason()
+    if backend == TRITON:
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed (pip install triton)"
+        if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            return "triton runs on CUDA, or on the CPU only under TRITON_INTERPRET=1"
+        return None
+    raise KernelBackendError(f"unknown backend {backend!r}")
+
+
+def _unfit(op: str, backend: str, facts: ModelFacts) -> str | None:
+    """None when `backend`'s kernel for `op` can run this model, else why not."""
+    attention = op.startswith("attention_") or op == "mla_decode"
+    if backend == NATIVE_CPU and op == "attention_decode":
+        if facts.head_dim % 8:
+            return f"the native decode kernel needs head_dim % 8 == 0, got {facts.head_dim}"
+        if facts.dtype not in ("float32", "bfloat16"):
+            return f"the native decode kernel runs float32/bfloat16, not {facts.dtype}"
+    if backend == NATIVE_CPU and facts.dtype not in ("float32", "bfloat16"):
+        return f"the native kernels run float32/bfloat16, not {facts.dtype}"
+    if backend == TRITON and attention and (facts.head_dim < 16):
+        return f"the Triton attention kernels need head_dim >= 16, got {facts.head_dim}"
+    if facts.mla and op in ("attention_prefill", "attention_decode") and backend != TORCH:
+        return "MLA layers attend through mla_decode and the torch prefill path"
+    return None
+
+
+def choose_kernels(
+    device: str,
+    spec: str = "auto",
+    facts: ModelFacts | None = None,
+    probe: Probe | None = None,
+) -> KernelPlan:
+    """The backend of every op for `device`, the model `facts` and `--kernel-backend` `spec`.
+
+    Auto: native-cpu on a CPU and triton on CUDA for the ops they implement and can run, torch
+    for the rest (a backend that cannot run is noted with its reason). A backend named in
+    `spec` wins wherever it implements the op; named for an op (``op=backend``), it must run it.
+
+    Args:
+        device: "cpu" or "cuda" (`resolve_device`).
+        spec: `--kernel-backend` (see the module docstring).
+        facts: the model's head size and dtype; None: defaults that every kernel runs.
+        probe: `probe_backend(backend, device)`-like; injectable for tests.
+
+    Raises:
+        KernelBackendError: a malformed spec; a named backend that cannot run on this machine
+            or device; an op=backend pair whose backend does not implement or cannot run the op.
+    """
+    facts = facts or ModelFacts()
+    default, per_op = parse_kernel_backend(spec)
+    reasons: dict[str, str | None] = {}
+
+    def reason(backend: str) -> str | None:
+        if backend not in reasons:
+            reasons[backend] = (probe or probe_backend)(backend, device)
+        return reasons[backend]
+
+    for backend in {default, *per_op.values()} - {None}:
+        why = reason(backend)
+        if why is not None:
+            raise KernelBackendError(f"--kernel-backend {spec}: {backend} cannot run: {why}")
+    choices = {}
+    for op in OPS:
+        if op in per_op:
+            backend = per_op[op]
+            why = _explicit_refusal(op, backend, facts)
+            if why is not None:
+                raise KernelBackendError(f"--kernel-backend {op}={backend}: {why}")
+            choices[op] = KernelChoice(op, backend, "")
+            continue
+        preferred = _auto_order(device)
+        if default is not None:
+            preferred = [default, *preferred]
+        choices[op] = _first_fit(op, preferred, facts, reason)
+    plan = KernelPlan(device, choices)
+    logger.info("%s", plan.describe())
+    return plan
+
+
+def _auto_order(device: str) -> list[str]:
+    return [NATIVE_CPU, TORCH] if device == "cpu" else [TRITON, TORCH]
+
+
+def _explicit_refusal(op: str, backend: str, facts: ModelFacts) -> str | None:
+    if op not in IMPLEMENTS[backend]:
+        have = ", ".join(b for b in BACKENDS if op in IMPLEMENTS[b])
+        return f"{backend} has no {op} kernel (backends with one: {have})"
+    return _unfit(op, backend, facts)
+
+
+def _first_fit(
+    op: str, preferred: list[str], facts: ModelFacts, reason: Callable[[str], str | None]
+) -> KernelChoice:
+    """The first backend of `preferred` (then torch) that implements, can run and fits `op`;
+    the reason records why an earlier preference was passed over."""
+    passed: list[str] = []
+    for backend in dict.fromkeys([*preferred, TORCH]):
+        if op not in IMPLEMENTS[backend]:
+            continue
+        why = reason(backend) or _unfit(op, backend, facts)
+        if why is None:
+            return KernelChoice(op, backend, "; ".join(passed))
+        passed.append(f"not {backend}: {why}")
+    raise AssertionError("torch implements every op")  # pragma: no cover
