@@ -13,11 +13,6 @@ import torch
 from kernels.native import BAD_ARGUMENT, check_status, dtype_flag, load_native
 
 
-def native_attention_available() -> bool:
-    """Whether the native decode attention is usable in this process (built on first call)."""
-    return load_native("paged_attention") is not None
-
-
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

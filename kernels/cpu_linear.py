@@ -18,11 +18,6 @@ from kernels.cpu_native import TILE, bf16_exact, pack_tiles
 from kernels.native import check_status, dtype_flag, load_native
 
 
-def native_linear_available() -> bool:
-    """Whether the native linear kernel is usable in this process (built on first call)."""
-    return load_native("linear_cpu") is not None
-
-
 @dataclass(frozen=True, eq=False)
 class PackedLinear:
     """A linear layer's weight in the native layout (frozen: the kernel's pointers to these

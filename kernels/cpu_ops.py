@@ -11,11 +11,6 @@ import torch
 from kernels.native import check_status, dtype_flag, load_native
 
 
-def native_ops_available() -> bool:
-    """Whether the fused ops are usable in this process (built on first call)."""
-    return load_native("ops_cpu") is not None
-
-
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_float32: bool = False
 ) -> torch.Tensor:

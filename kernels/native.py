@@ -20,19 +20,16 @@ kernel. Every parallel region runs `torch.get_num_threads()` OpenMP threads (pas
 in torch's own OpenMP runtime: the module's libgomp.so.1 resolves to the copy torch loaded, so
 there is one thread pool.
 
-`MOE_ENGINE_NATIVE=0` turns the native kernels off (the torch paths run instead);
-`MOE_ENGINE_NATIVE=1` makes a failed build an error instead of a logged fallback; a
-comma-separated list of kernel names (`moe_cpu,linear_cpu,paged_attention`) enables only those
-(for ablations: bench/NOTES.md).
+Whether they run is decided once, at startup, by the kernel registry (kernels/registry.py,
+`--kernel-backend`): `native_unavailable_reason` builds or loads the library and says why it
+cannot run here, if it cannot; the kernel objects call `load_native` only after that.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.machinery
 import importlib.util
 import logging
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -68,29 +65,6 @@ KERNELS = ("moe_cpu", "linear_cpu", "paged_attention", "ops_cpu")
 
 #: Statuses of the entry points (csrc/moe_engine_cpu.h kOk, kBadArgument, kOutOfMemory).
 OK, BAD_ARGUMENT, OUT_OF_MEMORY = 0, 1, 2
-
-
-def native_mode(name: str) -> str:
-    """How `MOE_ENGINE_NATIVE` treats kernel `name`: "0" (off), "1" (required) or "auto"
-    (default: on when it builds). A list of kernel names means "auto" for those, "0" for the
-    others.
-
-    Raises:
-        ValueError: a value that is none of these, naming the valid kernel names.
-    """
-    return _parse_mode(os.environ.get("MOE_ENGINE_NATIVE", "auto"), name)
-
-
-@functools.cache
-def _parse_mode(value: str, name: str) -> str:
-    mode = value.strip().lower()
-    if mode in ("0", "1", "auto"):
-        return mode
-    names = {n.strip() for n in mode.split(",") if n.strip()}
-    if not names or not names <= set(KERNELS):
-        raise ValueError(f"MOE_ENGINE_NATIVE must be 0, 1, auto or a list of {KERNELS}, "
-                         f"got {value!r}")
-    return "auto" if name in names else "0"
 
 
 def build_dir() -> Path:
@@ -196,9 +170,9 @@ def check_status(status: int, what: str) -> None:
         raise RuntimeError(f"native kernel: {what}")
 
 
-def prepare_native(progress: ProgressCallback | None = None) -> list[str]:
-    """Check `MOE_ENGINE_NATIVE` and build (or load) the kernels it enables, so that a server
-    pays the one-time build before it reports ready rather than in its first request.
+def native_unavailable_reason(progress: ProgressCallback | None = None) -> str | None:
+    """Build (or load) the native library, so that a server pays the one-time build before it
+    reports ready rather than in its first request; None when it runs here, else why not.
 
     Args:
         progress: called with (message, estimated seconds left or None) when a build starts,
@@ -206,44 +180,33 @@ def prepare_native(progress: ProgressCallback | None = None) -> list[str]:
             process's build of the same sources), and when it ends (success: ETA 0.0;
             failure: None); the estimate never rises. Not called when the kernels load from
             the cache. The same messages are logged (start and end as warnings).
-
-    Returns:
-        The enabled kernel names ([] when off or unavailable in "auto" mode).
-
-    Raises:
-        ValueError: an invalid `MOE_ENGINE_NATIVE` (the message lists the valid values).
-        NativeUnavailable: the build failed and `MOE_ENGINE_NATIVE=1`.
     """
-    enabled = [k for k in KERNELS if native_mode(k) != "0"]
-    if enabled:
-        try:
-            _library(progress)
-        except NativeUnavailable:
-            pass  # load_native below raises or logs it, per kernel mode
-    return [k for k in enabled if load_native(k) is not None]
-
-
-def load_native(name: str) -> ModuleType | None:
-    """The native module (kernel `name`'s functions: csrc/moe_engine_cpu.h's entry points, same
-    names and argument order), built on first use; None when `MOE_ENGINE_NATIVE` turns `name`
-    off, or when it cannot be built and the mode is "auto" (logged once).
-
-    Raises:
-        ValueError: an unknown kernel name or an invalid `MOE_ENGINE_NATIVE`.
-        NativeUnavailable: the build failed and `MOE_ENGINE_NATIVE=1`.
-    """
-    mode = native_mode(name)
-    if mode == "0":
-        return None
     try:
-        return _build(name)
+        _library(progress)
     except NativeUnavailable as exc:
-        if mode == "1":
-            raise
-        _warn_once(name, str(exc))
-        return None
+        return str(exc)
+    return None
 
 
-@functools.cache
-def _warn_once(name: str, reason: str) -> None:
-    logger.warning("native kernel %s unavailable, using the torch path: %s", name, reason)
+def prepare_native(progress: ProgressCallback | None = None) -> list[str]:
+    """`native_unavailable_reason`, raising instead: the kernel names once the library loads.
+
+    Raises:
+        NativeUnavailable: this CPU lacks AVX2/FMA, or the build or load failed.
+    """
+    reason = native_unavailable_reason(progress)
+    if reason is not None:
+        raise NativeUnavailable(reason)
+    return list(KERNELS)
+
+
+def load_native(name: str) -> ModuleType:
+    """The native module (kernel `name`'s functions: csrc/moe_engine_cpu.h's entry points, same
+    names and argument order), built on first use. Called by the native-cpu kernel objects,
+    which the registry chose only where the library loads.
+
+    Raises:
+        ValueError: an unknown kernel name.
+        NativeUnavailable: the library cannot be built or loaded here.
+    """
+    return _build(name)

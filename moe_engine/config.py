@@ -427,6 +427,8 @@ class EngineConfig:
     Attributes:
         expert_trace: write every step's routing counts to this NPZ trace file
             (`moe_engine.skew.trace`, docs/trace_format.md); None = no trace.
+        kernel_backend: `--kernel-backend`: "auto", a backend name, or op=backend pairs
+            (kernels/registry.py); checked at startup.
     """
 
     model: ModelConfig
@@ -435,6 +437,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
     expert_trace: str | None = None
+    kernel_backend: str = "auto"
 
 
 def native_bf16_matmul() -> bool:

@@ -34,7 +34,7 @@ class LLM:
             for the built-in demo checkpoint; never fetched from the network.
         dtype: "auto", "bfloat16" or "float32".
         max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory (bytes),
-        block_size, num_blocks_override, quantization, quant_group_size,
+        block_size, num_blocks_override, quantization, quant_group_size, kernel_backend,
         enable_prefix_caching: as the `moe-serve` flags of the same names.
 
     Raises:
@@ -54,6 +54,7 @@ class LLM:
         seed: int = 0,
         quantization: str = "none",
         quant_group_size: int = 128,
+        kernel_backend: str = "auto",
         enable_prefix_caching: bool = False,
     ) -> None:
         if model == "demo":
@@ -82,6 +83,7 @@ class LLM:
                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
                 ),
                 quant=QuantConfig(method=quantization, group_size=quant_group_size),
+                kernel_backend=kernel_backend,
             )
         )
         self._next_id = 0

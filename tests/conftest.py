@@ -28,7 +28,7 @@ from grpc_helpers import child_pids  # noqa: E402
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Build (or load) the native CPU kernels once, before any test: a server test must not pay
     for the build inside its start timeout. Progress goes to the terminal."""
-    from kernels.native import prepare_native
+    from kernels.native import native_unavailable_reason
 
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
 
@@ -37,11 +37,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             reporter.write_line(f"native kernels: {message}")
 
     start = time.monotonic()
-    enabled = prepare_native(progress=progress)
+    reason = native_unavailable_reason(progress=progress)
     if reporter is not None:
         reporter.write_line(
-            f"native kernels: {', '.join(enabled) or 'none (torch paths)'} "
-            f"ready in {time.monotonic() - start:.1f} s"
+            f"native kernels: {'ready' if reason is None else 'unavailable: ' + reason} "
+            f"in {time.monotonic() - start:.1f} s"
         )
 
 

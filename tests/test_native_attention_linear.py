@@ -9,6 +9,7 @@ import torch
 from kernels.cpu_attention import paged_decode_attention
 from kernels.cpu_linear import PackedLinear
 from kernels.native import _build
+from kernels.registry import NATIVE_CPU, TORCH, KernelPlan
 from moe_engine.models.layers.attention import attention_with_sinks
 
 
@@ -147,11 +148,15 @@ def test_linear_module_repacks_after_reset_and_matches_torch_on_large_batches():
 
     g = _gen()
     layer = Linear(16, 80, bias=True)
+    router = Linear(16, 32, bias=False)  # narrower than NATIVE_MIN_OUT_FEATURES: torch's GEMM
     x = torch.randn(5, 16, generator=g)
+    layer(x)
+    assert layer._packed is None  # unbound: torch
+    for module in (layer, router):
+        module.bind_kernels(KernelPlan.uniform(NATIVE_CPU))
     first = layer(x)
     assert layer._packed is not None  # the native path ran
     torch.testing.assert_close(first, torch.nn.functional.linear(x, layer.weight, layer.bias))
-    router = Linear(16, 32, bias=False)  # narrower than NATIVE_MIN_OUT_FEATURES: torch's GEMM
     torch.testing.assert_close(router(x), torch.nn.functional.linear(x, router.weight))
     assert router._packed is None
     with torch.no_grad():
@@ -161,19 +166,6 @@ def test_linear_module_repacks_after_reset_and_matches_torch_on_large_batches():
     big = torch.randn(NATIVE_MAX_ROWS + 1, 16, generator=g)  # the torch path
     torch.testing.assert_close(layer(big), torch.nn.functional.linear(big, layer.weight,
                                                                        layer.bias))
-
-
-def test_native_mode_selects_kernels(monkeypatch):
-    from kernels.native import load_native, native_mode
-
-    monkeypatch.setenv("MOE_ENGINE_NATIVE", "linear_cpu, paged_attention")
-    assert native_mode("linear_cpu") == "auto" and native_mode("moe_cpu") == "0"
-    assert load_native("moe_cpu") is None and load_native("linear_cpu") is not None
-    monkeypatch.setenv("MOE_ENGINE_NATIVE", "0")
-    assert load_native("linear_cpu") is None
-    monkeypatch.setenv("MOE_ENGINE_NATIVE", "fast")
-    with pytest.raises(ValueError, match="MOE_ENGINE_NATIVE"):
-        native_mode("moe_cpu")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -187,7 +179,7 @@ def test_native_rms_norm_matches_torch_path(dtype, weight_in_float32):
     norm = RMSNorm(64, 1e-5, dtype=dtype, weight_in_float32=weight_in_float32)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(64, generator=g))
-    norm._native_built = False  # the torch path: the reference
+    norm.bind_kernels(KernelPlan.uniform(TORCH))  # the torch path: the reference
     fused = torch.randn(7, 10 * 64, generator=g).to(dtype)
     inputs = [torch.randn(64, generator=g).to(dtype), torch.randn(9, 64, generator=g).to(dtype),
               fused[:, : 8 * 64].view(7, 8, 64)]  # heads sliced out of a fused QKV output
@@ -212,13 +204,3 @@ def test_native_rms_norm_rejects_what_the_kernel_would_misread():
         rms_norm(x, torch.randn(32), 1e-6)
     with pytest.raises(RuntimeError, match="contiguous last dimension"):
         rms_norm(torch.randn(2, 2, 2, 64), w, 1e-6)
-
-
-def test_engine_start_validates_native_setting(monkeypatch, qwen3_ckpt):
-    """A bad MOE_ENGINE_NATIVE is a startup error (before any request), not a crash later."""
-    from moe_engine import LLM
-    from moe_engine.errors import StartupError
-
-    monkeypatch.setenv("MOE_ENGINE_NATIVE", "bogus")
-    with pytest.raises(StartupError, match="MOE_ENGINE_NATIVE"):
-        LLM(model=str(qwen3_ckpt), max_model_len=64)

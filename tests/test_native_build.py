@@ -83,7 +83,6 @@ def _assert_progress(calls: list[tuple[str, float | None]]) -> None:
 
 def test_prepare_native_reports_progress_then_loads_from_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MOE_ENGINE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("MOE_ENGINE_NATIVE", raising=False)
     monkeypatch.setattr(nb, "CSRC", _tiny_csrc(tmp_path / "csrc"))
     monkeypatch.setattr(native_progress, "PROGRESS_INTERVAL_S", 0.02)  # a tick on every poll
     monkeypatch.setattr(native, "_loaded", None)
@@ -143,7 +142,6 @@ def test_compile_error_names_the_source_and_quotes_the_compiler(tmp_path, monkey
     monkeypatch.setattr(nb, "CSRC", csrc)
     monkeypatch.setattr(native, "_loaded", None)
     monkeypatch.setattr(native, "_failure", None)
-    monkeypatch.setenv("MOE_ENGINE_NATIVE", "1")
     with pytest.raises(native.NativeUnavailable, match=r"tiny\.cpp failed[\s\S]*error"):
         native.prepare_native(progress)
     assert progress.calls[-1][0].startswith("building native CPU kernels failed")

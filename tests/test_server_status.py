@@ -109,8 +109,8 @@ def test_starting_server_says_what_it_does_then_serves_and_logs_stats(
 def test_kernel_build_reports_do_not_repeat_the_phase_or_its_clock(report, detail) -> None:
     """The status line is "phase: detail (N s elapsed, about M s left)": the build's own
     report must not say the phase and the seconds a second time."""
-    from moe_engine.engine.core import build_detail
     from moe_engine.engine.status import StartupStatus
+    from moe_engine.models.kernel_binding import build_detail
 
     assert build_detail(report) == detail
     now = time.monotonic()

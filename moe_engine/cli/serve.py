@@ -24,6 +24,7 @@ import logging
 import re
 import sys
 
+from kernels.registry import OPS, KernelBackendError, parse_kernel_backend
 from moe_engine import __version__
 from moe_engine.config import (
     CacheConfig,
@@ -158,6 +159,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="placement JSON (from `moe-skew plan`): which experts, and replicas, each rank "
         "holds (default: experts split contiguously)",
+    )
+    p.add_argument(
+        "--kernel-backend",
+        default="auto",
+        metavar="SPEC",
+        help="kernel backend per op, chosen once at startup and logged: auto (default: "
+        "native-cpu on a CPU, triton on CUDA, torch where neither runs an op), one backend "
+        "(native-cpu, torch, triton) for every op it implements, or op=backend pairs after "
+        "it, e.g. 'torch' or 'auto,linear=torch,attention_decode=torch'. Ops: "
+        + ", ".join(OPS) + ". A backend that cannot run an op here is a startup error",
     )
     p.add_argument(
         "--expert-trace",
@@ -309,6 +320,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
             expert_placement=args.expert_placement,
         ),
         expert_trace=args.expert_trace,
+        kernel_backend=args.kernel_backend,
     )
 
 
@@ -338,6 +350,10 @@ def check_args(args: argparse.Namespace) -> str | None:
             return f"{flag} must be in 0..{_PORT_MAX}, got {value}"
     if args.nnodes > 1 and not args.rdzv_endpoint:
         return f"--nnodes {args.nnodes} needs --rdzv-endpoint host:port (node 0's address)"
+    try:
+        parse_kernel_backend(args.kernel_backend)
+    except KernelBackendError as e:
+        return str(e)
     return None
 
 

@@ -1,15 +1,15 @@
 """EngineCore: one rank's synchronous loop (schedule -> execute -> sample -> update -> outputs).
 
-Startup order (DESIGN.md section 10): native kernels (built once, then cached), config
-arithmetic (`plan.py`, fails fast with numbers), then weights with a progress bar, then the KV
-cache. Each phase is told to the `progress` callback, which the core process forwards to the
-front end as StartupProgress (what health and UNAVAILABLE messages say while it starts).
+Startup order (DESIGN.md section 10): the architecture from config.json, the kernel backends
+(kernels/registry.py; the native CPU kernels built once, then cached), config arithmetic
+(`plan.py`, fails fast with numbers), then weights with a progress bar, then the KV cache.
+Each phase is told to the `progress` callback, which the core process forwards to the front end
+as StartupProgress (what health and UNAVAILABLE messages say while it starts).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from kernels.native import NativeUnavailable, prepare_native
 from moe_engine.config import (
     EngineConfig,
     default_threads,
@@ -111,36 +110,6 @@ def _no_progress(phase: str, detail: str = "", eta_s: float | None = None) -> No
     """The progress callback of a core nobody watches start (the offline API)."""
 
 
-def build_detail(message: str) -> str:
-    """A kernel build report as the detail of the "building native CPU kernels" phase: the
-    phase's own words and the elapsed seconds (the status adds both) taken out.
-
-    "building native CPU kernels: 2/5 sources compiled, 30 s elapsed, about 9 s left"
-    -> "2/5 sources compiled"
-    """
-    detail = message.removeprefix("building native CPU kernels").lstrip(": ")
-    detail = re.sub(r"^\((\d+ sources, \d+ in parallel)\) into .*", r"\1", detail)
-    detail = re.sub(r",? \d+ s elapsed", "", detail)
-    return re.sub(r", about \d+ s( left)?", "", detail).strip(" ,:")
-
-
-def _prepare_kernels(progress: StartupProgressFn) -> None:
-    """Build (once) or load the native kernels, telling `progress` about a build.
-
-    Raises:
-        StartupError: a bad MOE_ENGINE_NATIVE, or native kernels required but unavailable.
-    """
-    progress("loading native CPU kernels", "", None)
-
-    def on_build(message: str, eta_s: float | None) -> None:
-        progress("building native CPU kernels", build_detail(message), eta_s)
-
-    try:  # the one-time kernel build happens here, before the engine reports ready
-        prepare_native(progress=on_build)
-    except (ValueError, NativeUnavailable) as exc:
-        raise StartupError(str(exc)) from exc
-
-
 class EngineCore:
     """Owns one rank's scheduler, KV cache, model runner and live requests.
 
@@ -169,11 +138,11 @@ class EngineCore:
         self.config = config
         self.rank_context = rank_context
         torch.set_num_threads(config.parallel.num_threads or default_threads())
-        _prepare_kernels(progress)
         built = build_model(config, rank_context, progress)
         self.architecture, self.spec, self.model = built.architecture, built.spec, built.model
         self.plan, self.max_model_len = built.plan, built.max_model_len
         self.weight_dtype, self.dtype = built.weight_dtype, built.dtype
+        self.kernels = built.kernels
         spec, model_dir, hf_config = built.spec, config.model.model, built.hf_config
         attention_groups = built.attention_groups
         self.timer = PhaseTimer()
@@ -516,6 +485,8 @@ class EngineCore:
             max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
             ep_size=c.parallel.ep_size,
             has_tokenizer=self.tokenizer is not None,
+            device=self.kernels.device,
+            kernel_backends=self.kernels.as_dict(),
             rank=self.rank_context.rank if self.rank_context else 0,
             local_experts=list(self.rank_context.local_experts)
             if self.rank_context

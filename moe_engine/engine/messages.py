@@ -78,6 +78,8 @@ class ModelInfo(msgspec.Struct, kw_only=True):
         rank / local_experts: the rank that answered and its global expert ids.
         experts_per_rank: every rank's expert ids (index = rank); empty for one rank.
         rank_pids: every rank's process id (expert parallelism only); pid: this rank's.
+        device: "cpu" or "cuda"; kernel_backends: op -> backend chosen at startup
+            (`kernels.registry.KernelPlan.as_dict`).
     """
 
     model: str
@@ -108,6 +110,8 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     experts_per_rank: list[list[int]] = []
     rank_pids: list[int] = []
     pid: int = 0
+    device: str = "cpu"
+    kernel_backends: dict[str, str] = {}
 
 
 class KVCacheGroupStats(msgspec.Struct, kw_only=True):

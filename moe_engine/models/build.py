@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from kernels.registry import KernelPlan, resolve_device
 from moe_engine.config import EngineConfig, compute_dtype, read_config_json
 from moe_engine.engine.protocol import StartupProgressFn
 from moe_engine.engine.rank_context import RankContext
@@ -23,6 +24,7 @@ from moe_engine.loader import load_model
 from moe_engine.models import resolve_architecture
 from moe_engine.models.base import ArchSpec, MoeCausalLM
 from moe_engine.models.hf_config import load_hf_config
+from moe_engine.models.kernel_binding import bind_kernels, model_facts, plan_kernels
 from moe_engine.plan import Plan, make_plan
 from quant.compressed_tensors import CompressedTensorsConfig, parse_quantization_config
 from quant.fp8 import Fp8BlockConfig, parse_fp8_config
@@ -43,6 +45,7 @@ class BuiltModel:
         max_model_len: longest request (tokens).
         weight_dtype: the dtype asked for (--dtype); dtype: the one computed in
             (`config.compute_dtype`), also the KV cache's.
+        kernels: the backend of every kernel op (kernels/registry.py), bound to the modules.
     """
 
     model: MoeCausalLM
@@ -54,6 +57,7 @@ class BuiltModel:
     max_model_len: int
     weight_dtype: torch.dtype
     dtype: torch.dtype
+    kernels: KernelPlan
 
 
 def _no_progress(phase: str, detail: str = "", eta_s: float | None = None) -> None:
@@ -112,6 +116,11 @@ def build_model(
             "to bfloat16 and computed in float32 (MOE_ENGINE_FORCE_BF16=1 keeps bfloat16)"
         )
     attention_groups = model_cls.kv_cache_groups_for(spec)
+    try:
+        device = resolve_device(getattr(config.model, "device", "cpu"))
+    except ValueError as e:
+        raise StartupError(str(e)) from e
+    kernels = plan_kernels(device, config.kernel_backend, model_facts(spec, dtype), progress)
     plan = make_plan(
         spec,
         dtype,
@@ -126,7 +135,7 @@ def build_model(
         max_num_seqs=config.scheduler.max_num_seqs,
         expert_bits_per_weight=config.quant.bits_per_weight,
     )
-    logger.info("startup plan:\n%s", plan.describe())
+    logger.info("startup plan:\n%s\n%s", plan.describe(), kernels.describe())
     plan.check(max_model_len)
     model = model_cls(spec, dtype, max_position=max_model_len).eval()
     if rank_context is not None:
@@ -149,9 +158,10 @@ def build_model(
     if config.quant.method != "none":
         progress("quantizing experts", config.quant.method, None)
     quantize_experts(model, config)
+    bind_kernels(model, kernels)
     return BuiltModel(
         model, spec, architecture, hf_config, plan, attention_groups, max_model_len,
-        weight_dtype, dtype,
+        weight_dtype, dtype, kernels,
     )
 
 

@@ -125,6 +125,8 @@ def model_info_to_proto(info: ModelInfo) -> pb.ModelInfo:
         expert_group_size=info.expert_group_size,
         expert_checkpoint_format=info.expert_checkpoint_format,
         expert_zero_points=info.expert_zero_points,
+        device=info.device,
+        kernel_backends=info.kernel_backends,
         experts_per_rank=[pb.RankExperts(experts=e) for e in per_rank],
     )
 

@@ -6,6 +6,11 @@ one `scaled_dot_product_attention` call reads the keys through the block tables 
 gathered with one `index_select`), with a mask that is causal from each request's start
 position. So the cost per layer is two batched calls per step, never a loop per request.
 
+That is the torch backend. The kernel registry (kernels/registry.py) binds each layer's decode
+and prefill batches once (`PagedAttention.bind_kernels`): native-cpu decode reads the cache in
+place through the block tables (kernels/cpu_attention.py); triton runs both batch kinds through
+the block tables (kernels/triton_attention.py, varlen queries by `query_start_loc`).
+
 Two gpt-oss features live here as well, both off (and free) for the other models:
 - Sliding-window layers (Beltagy et al. 2020, "Longformer"; transformers'
   `sliding_window_overlay`): a key at position k is visible to the query at position q iff
@@ -27,11 +32,13 @@ Two gpt-oss features live here as well, both off (and free) for the other models
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_attention import native_attention_available, paged_decode_attention
+from kernels.cpu_attention import paged_decode_attention
+from kernels.registry import NATIVE_CPU, TORCH, TRITON, KernelPlan
 from moe_engine.kv_cache.spec import FULL_ATTENTION, SLIDING_ATTENTION
 
 
@@ -223,7 +230,21 @@ class PagedAttention(KVCacheLayer):
         self.sliding_window = sliding_window
         #: The KV-cache group whose block tables this layer reads (set by the ModelRunner).
         self.kv_group = 0
-        self._native_built: bool | None = None  # native decode kernel usable (asked once)
+        #: Backends of decode and prefill batches (`bind_kernels`; torch until bound).
+        self.decode_backend, self.prefill_backend = TORCH, TORCH
+        #: The torch path on a CPU: sinks through the CPU flash kernel's log-sum-exp.
+        self._cpu_flash = False
+        self._triton: Any = None  # kernels.triton_attention, imported when bound to triton
+
+    def bind_kernels(self, plan: KernelPlan) -> None:
+        """Take the registry's "attention_decode" and "attention_prefill" backends."""
+        self.decode_backend = plan.backend("attention_decode")
+        self.prefill_backend = plan.backend("attention_prefill")
+        self._cpu_flash = plan.device == "cpu" and _CPU_FLASH_WITH_LSE is not None
+        if TRITON in (self.decode_backend, self.prefill_backend):
+            from kernels import triton_attention
+
+            self._triton = triton_attention
 
     def forward(
         self,
@@ -259,10 +280,17 @@ class PagedAttention(KVCacheLayer):
         batch: AttentionBatch,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
-        if batch.max_q == 1 and self._native_decode(q, k_cache):
+        backend = self.decode_backend if batch.max_q == 1 else self.prefill_backend
+        if backend == NATIVE_CPU:
             return paged_decode_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.seq_lens, self.scale,
                 sliding_window=self.sliding_window, sinks=sinks,
+            )
+        if backend == TRITON:
+            return self._triton.paged_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                scale=self.scale, max_query_len=batch.max_q, sliding_window=self.sliding_window,
+                sinks=sinks,
             )
         b = batch.seq_lens.shape[0]
         keys, values = (_gather_blocks(c, batch.block_ids, b) for c in (k_cache, v_cache))
@@ -279,19 +307,6 @@ class PagedAttention(KVCacheLayer):
         head_sinks = None if sinks is None else sinks.view(self.num_heads, 1)
         o = self._sdpa(q_pad.transpose(1, 2), keys, values, batch, head_sinks)
         return o.transpose(1, 2)[batch.tok_b, batch.tok_q]  # [B, Lq, Hq, D] -> [n, Hq, D]
-
-    def _native_decode(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        """Whether the native decode kernel (kernels/cpu_attention.py) serves this layer:
-        CPU tensors, float32/bfloat16, head_dim a multiple of 8, and the kernel built."""
-        if self._native_built is None:
-            self._native_built = native_attention_available()
-        return (
-            self._native_built
-            and q.device.type == "cpu"
-            and q.dtype in (torch.float32, torch.bfloat16)
-            and k_cache.dtype in (torch.float32, torch.bfloat16)
-            and self.head_dim % 8 == 0
-        )
 
     def _sdpa(
         self,
@@ -310,7 +325,7 @@ class PagedAttention(KVCacheLayer):
             return F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa
             )
-        if q.device.type == "cpu" and _CPU_FLASH_WITH_LSE is not None:
+        if self._cpu_flash:
             mask = batch.additive_mask_for(self.sliding_window, q.dtype)
             # GQA: the CPU kernel maps query head h to KV head h // (Hq / Hkv) itself.
             out, lse = _CPU_FLASH_WITH_LSE(q, keys, values, attn_mask=mask, scale=self.scale)

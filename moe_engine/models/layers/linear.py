@@ -1,13 +1,14 @@
-"""`Linear`: `nn.Linear` whose CPU forward runs the native packed kernel (kernels/cpu_linear.py).
+"""`Linear`: `nn.Linear` whose forward runs the backend the kernel registry chose for "linear".
 
 Every dense projection of the models (QKV, output, router, dense MLP, LM head) is one of these.
-On a CPU with the native kernels built, batches of up to `NATIVE_MAX_ROWS` rows of layers with
-at least `NATIVE_MIN_OUT_FEATURES` outputs go through a packed copy of the weight (bfloat16
-when exact: half the bytes a decode step reads; 1.3-4x torch's GEMM at 1-64 rows:
-`python bench/cpu_kernels.py --only linear`, bench/NOTES.md); larger batches (long prefill
-chunks), narrow layers (the router), other devices and a missing kernel use
-`nn.Linear.forward`. The packed copy is made on the first forward and dropped by
-`reset_packed` (the model's `load_weights` calls it, so a reload never serves stale weights).
+Bound to the native-cpu backend (`bind_kernels`; kernels/registry.py), batches of up to
+`NATIVE_MAX_ROWS` rows of layers with at least `NATIVE_MIN_OUT_FEATURES` outputs go through a
+packed copy of the weight (kernels/cpu_linear.py; bfloat16 when exact: half the bytes a decode
+step reads; 1.3-4x torch's GEMM at 1-64 rows: `python bench/cpu_kernels.py --only linear`,
+bench/NOTES.md); larger batches (long prefill chunks) and narrow layers (the router) use
+`nn.Linear.forward`, as does the torch backend (cuBLAS on CUDA) and an unbound layer. The
+packed copy is made on the first forward and dropped by `reset_packed` (the model's
+`load_weights` calls it, so a reload never serves stale weights).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.cpu_linear import PackedLinear, native_linear_available
+from kernels.cpu_linear import PackedLinear
+from kernels.registry import NATIVE_CPU, KernelPlan
 
 #: Rows above which torch's GEMM is as fast as the native kernel (bench/NOTES.md).
 NATIVE_MAX_ROWS = 1024
@@ -28,20 +30,25 @@ class Linear(nn.Linear):
     """`nn.Linear(in_features, out_features, bias, dtype=...)`; x [..., in] -> [..., out]."""
 
     _packed: PackedLinear | None = None
+    #: Bound by `bind_kernels`: this layer runs the native packed kernel (small batches).
+    _native: bool = False
+
+    def bind_kernels(self, plan: KernelPlan) -> None:
+        """Take the registry's "linear" backend: native-cpu for a float32/bfloat16 layer of at
+        least `NATIVE_MIN_OUT_FEATURES` outputs, torch otherwise."""
+        self._native = (
+            plan.backend("linear") == NATIVE_CPU
+            and self.out_features >= NATIVE_MIN_OUT_FEATURES
+            and self.weight.dtype in (torch.float32, torch.bfloat16)
+        )
+        self._packed = None
 
     def reset_packed(self) -> None:
         """Forget the packed copy (call after changing the weight in place)."""
         self._packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // max(1, x.shape[-1])
-        if (
-            x.device.type == "cpu"
-            and rows <= NATIVE_MAX_ROWS
-            and self.out_features >= NATIVE_MIN_OUT_FEATURES
-            and x.dtype in (torch.float32, torch.bfloat16)
-            and (self._packed is not None or native_linear_available())
-        ):
+        if self._native and x.numel() // max(1, x.shape[-1]) <= NATIVE_MAX_ROWS:
             if self._packed is None:
                 self._packed = PackedLinear.pack(self.weight, self.bias)
             return self._packed(x)

@@ -28,9 +28,12 @@ transformers 5.24), so checkpoints load by name.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
+from kernels.registry import TORCH, TRITON, KernelPlan
 from moe_engine.kv_cache.spec import MLA_ATTENTION
 from moe_engine.models.layers.attention import AttentionBatch, AttentionMetadata, KVCacheLayer
 from moe_engine.models.layers.linear import Linear
@@ -124,6 +127,20 @@ class MLAAttention(KVCacheLayer):
         self._w_uk: torch.Tensor | None = None  # [n, nope, r]
         self._w_uv: torch.Tensor | None = None  # [n, r, v]
         self._absorbed_key: tuple | None = None  # which kv_b_proj weight they came from
+        #: The registry's "mla_decode" backend (`bind_kernels`; torch until bound).
+        self.decode_backend = TORCH
+        self._pad_values = False  # torch prefill on a CPU: values padded to the keys' width
+        self._triton: Any = None
+
+    def bind_kernels(self, plan: KernelPlan) -> None:
+        """Take the registry's "mla_decode" backend (absorbed decode); prefill chunks stay on
+        the torch expanded path."""
+        self.decode_backend = plan.backend("mla_decode")
+        self._pad_values = plan.device == "cpu"
+        if self.decode_backend == TRITON:
+            from kernels import triton_attention
+
+            self._triton = triton_attention
 
     @property
     def cache_kind(self) -> str:
@@ -205,7 +222,7 @@ class MLAAttention(KVCacheLayer):
         keys = torch.cat([k_nope, k_rope], dim=-1)  # [B, n, Lk, qk_head_dim]
         q_pad = q_nope.new_zeros(b, batch.max_q, n, self.qk_head_dim)
         q_pad[batch.tok_b, batch.tok_q] = torch.cat([q_nope, q_pe], dim=-1)
-        o = _sdpa(q_pad.transpose(1, 2), keys, values, batch.mask, self.scale)  # [B, n, Lq, v]
+        o = _sdpa(q_pad.transpose(1, 2), keys, values, batch.mask, self.scale, self._pad_values)
         return o.transpose(1, 2)[batch.tok_b, batch.tok_q].reshape(-1, n * self.v_head_dim)
 
     def _decode_absorbed(
@@ -221,6 +238,13 @@ class MLAAttention(KVCacheLayer):
         b, r = q_nope.shape[0], self.kv_lora_rank
         q_lat = torch.bmm(q_nope.transpose(0, 1), self._w_uk)  # [n, B, r]
         query = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1)  # [B, n, r + rope]
+        if self.decode_backend == TRITON:  # reads the latents in place through the tables
+            o = self._triton.mla_decode(
+                query.contiguous(), cache, batch.block_tables, batch.seq_lens,
+                scale=self.scale, kv_lora_rank=r,
+            )  # [B, n, r]
+            out = torch.bmm(o.transpose(0, 1), self._w_uv)  # [n, B, v]
+            return out.transpose(0, 1).reshape(b, self.num_heads * self.v_head_dim)
         latent = _gather_latent(cache, batch.block_ids, b).to(query.dtype)[:, None]
         # The whole latent serves as the value too (equal q/k/v widths keep SDPA on its fused
         # kernel on a CPU, 3x the unfused one at 4k context); its first r output columns are
@@ -235,14 +259,20 @@ class MLAAttention(KVCacheLayer):
 
 
 def _sdpa(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    pad_values: bool,
 ) -> torch.Tensor:
     """`scaled_dot_product_attention` of q, keys [B, n, L, qk_head_dim] and values [B, n, Lk,
-    v_head_dim]. On a CPU, values narrower than the keys are zero-padded to their width (and
-    the output cut back): the fused CPU kernel takes only equal widths, and is 1.5x the unfused
-    one on a 512-query chunk over 4k keys even with the padding."""
+    v_head_dim] -> [B, n, Lq, v_head_dim]. With `pad_values` (on a CPU), values narrower than
+    the keys are zero-padded to their width (and the output cut back): the fused CPU kernel
+    takes only equal widths, and is 1.5x the unfused one on a 512-query chunk over 4k keys even
+    with the padding."""
     pad = keys.shape[-1] - values.shape[-1]
-    if q.device.type != "cpu" or pad <= 0:
+    if not pad_values or pad <= 0:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     values = F.pad(values, (0, pad))
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.cpu_ops import native_ops_available, rms_norm
+from kernels.cpu_ops import rms_norm
+from kernels.registry import NATIVE_CPU, KernelPlan
 
 
 class RMSNorm(nn.Module):
@@ -31,27 +32,23 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
         self.eps = eps
         self.weight_in_float32 = weight_in_float32
-        self._native_built: bool | None = None  # the fused kernel is usable (asked once)
+        #: Bound by `bind_kernels`: the registry chose the native-cpu "rms_norm" kernel.
+        self._native = False
 
-    def _native(self) -> bool:
-        if self._native_built is None:
-            self._native_built = native_ops_available()
-        return self._native_built
+    def bind_kernels(self, plan: KernelPlan) -> None:
+        """Take the registry's "rms_norm" backend (native-cpu for float32/bfloat16 weights)."""
+        self._native = plan.backend("rms_norm") == NATIVE_CPU and self.weight.dtype in (
+            torch.float32, torch.bfloat16
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., dim] any float dtype -> same shape and dtype.
 
-        On a CPU, float32/bfloat16 inputs of up to 3 dimensions go through the fused native
-        kernel (`kernels.cpu_ops.rms_norm`, same rounding), one call instead of six torch ops.
+        Bound to native-cpu, inputs of the weight's dtype and up to 3 dimensions go through the
+        fused native kernel (`kernels.cpu_ops.rms_norm`, same rounding), one call instead of
+        six torch ops.
         """
-        if (
-            x.device.type == "cpu"
-            and x.dim() <= 3
-            and x.dtype == self.weight.dtype
-            and x.dtype in (torch.float32, torch.bfloat16)
-            and x.stride(-1) == 1
-            and self._native()
-        ):
+        if self._native and x.dim() <= 3 and x.dtype == self.weight.dtype and x.stride(-1) == 1:
             return rms_norm(x, self.weight, self.eps, self.weight_in_float32)
         dtype = x.dtype
         h = x.float()

@@ -109,7 +109,14 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "architecture", "dtype", "vocab_size", "max_model_len", "num_layers", "num_experts", "num_experts_per_tok", "hidden_size", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "ep_size", "has_tokenizer", "weight_bytes_experts", "weight_bytes_attention", "weight_bytes_embeddings", "weight_bytes_other", "expert_weight_format", "expert_group_size", "expert_checkpoint_format", "expert_zero_points", "experts_per_rank")
+    __slots__ = ("model", "architecture", "dtype", "vocab_size", "max_model_len", "num_layers", "num_experts", "num_experts_per_tok", "hidden_size", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "ep_size", "has_tokenizer", "weight_bytes_experts", "weight_bytes_attention", "weight_bytes_embeddings", "weight_bytes_other", "expert_weight_format", "expert_group_size", "expert_checkpoint_format", "expert_zero_points", "device", "kernel_backends", "experts_per_rank")
+    class KernelBackendsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +140,8 @@ class ModelInfo(_message.Message):
     EXPERT_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     EXPERT_CHECKPOINT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     EXPERT_ZERO_POINTS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_PER_RANK_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
@@ -157,8 +166,10 @@ class ModelInfo(_message.Message):
     expert_group_size: int
     expert_checkpoint_format: str
     expert_zero_points: bool
+    device: str
+    kernel_backends: _containers.ScalarMap[str, str]
     experts_per_rank: _containers.RepeatedCompositeFieldContainer[RankExperts]
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., hidden_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., ep_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., weight_bytes_experts: _Optional[int] = ..., weight_bytes_attention: _Optional[int] = ..., weight_bytes_embeddings: _Optional[int] = ..., weight_bytes_other: _Optional[int] = ..., expert_weight_format: _Optional[str] = ..., expert_group_size: _Optional[int] = ..., expert_checkpoint_format: _Optional[str] = ..., expert_zero_points: _Optional[bool] = ..., experts_per_rank: _Optional[_Iterable[_Union[RankExperts, _Mapping]]] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., hidden_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., ep_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., weight_bytes_experts: _Optional[int] = ..., weight_bytes_attention: _Optional[int] = ..., weight_bytes_embeddings: _Optional[int] = ..., weight_bytes_other: _Optional[int] = ..., expert_weight_format: _Optional[str] = ..., expert_group_size: _Optional[int] = ..., expert_checkpoint_format: _Optional[str] = ..., expert_zero_points: _Optional[bool] = ..., device: _Optional[str] = ..., kernel_backends: _Optional[_Mapping[str, str]] = ..., experts_per_rank: _Optional[_Iterable[_Union[RankExperts, _Mapping]]] = ...) -> None: ...
 
 class RankExperts(_message.Message):
     __slots__ = ("experts",)

@@ -1,0 +1,80 @@
+"""Choosing and binding the model's kernels: the registry's plan (kernels/registry.py) for this
+engine's device and model, given to every kernel-using module once, after loading."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+from torch import nn
+
+from kernels.native import native_unavailable_reason
+from kernels.registry import (
+    NATIVE_CPU,
+    KernelBackendError,
+    KernelPlan,
+    ModelFacts,
+    choose_kernels,
+    probe_backend,
+)
+from moe_engine.engine.protocol import StartupProgressFn
+from moe_engine.errors import StartupError
+from moe_engine.models.base import ArchSpec
+
+logger = logging.getLogger(__name__)
+
+
+def model_facts(spec: ArchSpec, dtype: torch.dtype) -> ModelFacts:
+    """What of the model decides which kernels can run it: head size (MLA: the latent's
+    kv_lora_rank + qk_rope_head_dim, what its decode kernel attends), compute dtype, MLA."""
+    mla = bool(spec.kv_lora_rank)
+    head_dim = spec.kv_lora_rank + spec.qk_rope_head_dim if mla else spec.head_dim
+    return ModelFacts(head_dim=head_dim, dtype=str(dtype).removeprefix("torch."), mla=mla)
+
+
+def build_detail(message: str) -> str:
+    """A kernel build report as the detail of the "building native CPU kernels" phase: the
+    phase's own words and the elapsed seconds (the status adds both) taken out.
+
+    "building native CPU kernels: 2/5 sources compiled, 30 s elapsed, about 9 s left"
+    -> "2/5 sources compiled"
+    """
+    detail = message.removeprefix("building native CPU kernels").lstrip(": ")
+    detail = re.sub(r"^\((\d+ sources, \d+ in parallel)\) into .*", r"\1", detail)
+    detail = re.sub(r",? \d+ s elapsed", "", detail)
+    return re.sub(r", about \d+ s( left)?", "", detail).strip(" ,:")
+
+
+def plan_kernels(
+    device: str, kernel_backend: str, facts: ModelFacts, progress: StartupProgressFn
+) -> KernelPlan:
+    """The registry's choice for this engine (`kernels.registry.choose_kernels`), with the
+    one-time native build told to `progress` ("building native CPU kernels").
+
+    Raises:
+        StartupError: a malformed `--kernel-backend`, or one naming a backend that cannot run
+            here or an op it has no kernel for (the registry's message).
+    """
+    def on_build(message: str, eta_s: float | None) -> None:
+        progress("building native CPU kernels", build_detail(message), eta_s)
+
+    def probe(backend: str, on: str) -> str | None:
+        if backend == NATIVE_CPU and on == "cpu":
+            progress("loading native CPU kernels", "", None)
+            return native_unavailable_reason(progress=on_build)
+        return probe_backend(backend, on)
+
+    try:
+        return choose_kernels(device, kernel_backend, facts, probe=probe)
+    except KernelBackendError as exc:
+        raise StartupError(str(exc)) from exc
+
+
+def bind_kernels(model: nn.Module, plan: KernelPlan) -> None:
+    """Give `plan` to every module of `model` that has `bind_kernels` (linears, norms,
+    attention, experts); call again after weights change in place."""
+    for module in model.modules():
+        bind = getattr(module, "bind_kernels", None)
+        if bind is not None and module is not model:
+            bind(plan)
