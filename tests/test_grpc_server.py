@@ -88,6 +88,12 @@ def test_model_info(stub: pb_grpc.MoeEngineStub) -> None:
         NUM_BLOCKS,
     )
     assert info.num_experts == 8 and info.num_experts_per_tok == 2
+    # the kernel backends chosen at startup (kernels/registry.py): every op, auto on a CPU
+    from kernels.registry import OPS
+
+    assert info.device == "cpu" and set(info.kernel_backends) == set(OPS)
+    assert info.kernel_backends["linear"] == "native-cpu"
+    assert info.kernel_backends["attention_prefill"] == "torch"
 
 
 def test_generate_streams_deltas_and_usage(stub: pb_grpc.MoeEngineStub) -> None:

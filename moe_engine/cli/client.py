@@ -315,7 +315,10 @@ def message_dict(message: Any) -> dict[str, Any]:
     """
     data: dict[str, Any] = {}
     for field in message.DESCRIPTOR.fields:
-        if field.is_repeated:
+        entry = field.message_type
+        if entry is not None and entry.GetOptions().map_entry:  # map<string, string>
+            data[field.name] = dict(getattr(message, field.name))
+        elif field.is_repeated:
             values = getattr(message, field.name)
             is_message = field.type == _FD.TYPE_MESSAGE
             data[field.name] = [message_dict(v) if is_message else v for v in values]
