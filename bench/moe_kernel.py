@@ -10,7 +10,7 @@ packs) on bf16-rounded weights in the engine's compute dtype
 reported as `compute_dtype`; bf16-exact, so packed as bfloat16), "int4" (group `--group-size`,
 symmetric) and "mxfp4" are `QuantizedExperts` quantized from the same weights, which run
 `kernels.cpu_native.PackedQuantExperts` (codes decoded in registers). "torch" is the
-`MOE_ENGINE_NATIVE=0` fallback, called directly: `kernels.cpu.fused_moe_cpu`,
+torch backend (`--kernel-backend fused_moe=torch`), called directly: `kernels.cpu.fused_moe_cpu`,
 `kernels.cpu_int4.fused_moe_int4_cpu` and `kernels.cpu_mxfp4.fused_moe_mxfp4_cpu` on the same
 weights. Without a native build only the torch rows are timed. Repetitions are interleaved (one
 call of each path per round, so machine noise hits all alike); the figure is the median per
@@ -41,7 +41,7 @@ from moe_engine.config import compute_dtype
 from moe_engine.models.layers.moe import softmax_topk
 
 PATHS = ("bf16", "int4", "mxfp4")
-#: CPU paths: the native kernel (the engine's default) and the MOE_ENGINE_NATIVE=0 fallback.
+#: CPU paths: the native kernel (the engine's default) and the torch backend.
 CPU_KINDS = ("native", "torch")
 
 
