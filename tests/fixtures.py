@@ -355,3 +355,29 @@ def hf_last_logits(ckpt: Path, prompt_ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         logits = model(torch.tensor([prompt_ids], dtype=torch.long)).logits
     return logits[0, -1].float().clone()
+
+
+def dequantized_experts_copy(ckpt: Path, root: Path, method: str, group_size: int) -> Path:
+    """A copy of `ckpt` under `root` whose routed expert tensors are replaced by their int4
+    (symmetric, `group_size`) or MXFP4 quantize -> dequantize: what transformers serves as the
+    oracle of an engine quantizing the same experts at load time."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from quant.int4 import dequantize_int4, quantize_int4
+    from quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+    out = root / f"{ckpt.name}-{method}-deq"
+    shutil.copytree(ckpt, out)
+    tensors = load_file(out / "model.safetensors")
+    for name, w in tensors.items():
+        if ".experts." not in name:
+            continue
+        if method == "int4":
+            packed, scales, _ = quantize_int4(w, group_size, symmetric=True)
+            tensors[name] = dequantize_int4(packed, scales, None, dtype=w.dtype)
+        else:
+            tensors[name] = dequantize_mxfp4(*quantize_mxfp4(w), dtype=w.dtype)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out

@@ -3,34 +3,13 @@ same weights dequantized (so the only difference is the quantization, which is e
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
-from fixtures import hf_greedy, hf_last_logits, make_tiny_checkpoint
-from safetensors.torch import load_file, save_file
+from fixtures import dequantized_experts_copy, hf_greedy, hf_last_logits, make_tiny_checkpoint
 
 from moe_engine import LLM, SamplingParams
 from moe_engine.errors import StartupError
 from quant.int4 import dequantize_int4, quantize_int4
-from quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-
-
-def _dequantized_copy(ckpt, root, method: str, group_size: int):
-    """The checkpoint with every routed expert tensor replaced by its quantize->dequantize."""
-    out = root / f"{ckpt.name}-{method}-deq"
-    shutil.copytree(ckpt, out)
-    tensors = load_file(out / "model.safetensors")
-    for name, w in tensors.items():
-        if ".experts." not in name:
-            continue
-        if method == "int4":
-            packed, scales, _ = quantize_int4(w, group_size, symmetric=True)
-            tensors[name] = dequantize_int4(packed, scales, None, dtype=w.dtype)
-        else:
-            tensors[name] = dequantize_mxfp4(*quantize_mxfp4(w), dtype=w.dtype)
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    return out
 
 
 def _prompts() -> list[list[int]]:
@@ -42,7 +21,7 @@ def test_mxfp4_experts_match_transformers_on_dequantized_weights(qwen3_ckpt, tmp
     """MXFP4's CPU path dequantizes exactly: greedy tokens equal transformers on the
     dequantized checkpoint."""
     prompts = _prompts()
-    expected = hf_greedy(_dequantized_copy(qwen3_ckpt, tmp_path, "mxfp4", 32), prompts, 8)
+    expected = hf_greedy(dequantized_experts_copy(qwen3_ckpt, tmp_path, "mxfp4", 32), prompts, 8)
     llm = LLM(model=str(qwen3_ckpt), max_model_len=256, quantization="mxfp4")
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -53,7 +32,7 @@ def test_int4_experts_close_to_transformers_on_dequantized_weights(qwen3_ckpt, t
     """The int4 CPU matmul runs on bfloat16 activations: last-position logits stay within 2%
     (relative norm) of transformers on the dequantized checkpoint, and greedy first tokens
     agree."""
-    ref_ckpt = _dequantized_copy(qwen3_ckpt, tmp_path, "int4", 32)
+    ref_ckpt = dequantized_experts_copy(qwen3_ckpt, tmp_path, "int4", 32)
     llm = LLM(model=str(qwen3_ckpt), max_model_len=256, quantization="int4", quant_group_size=32)
     captured: list[torch.Tensor] = []
     compute = llm.engine.model.compute_logits
@@ -126,7 +105,7 @@ def test_quantized_serving_over_grpc(ckpt_name, method, request, tmp_path):
 
     ckpt = request.getfixturevalue(ckpt_name)
     group = 32
-    ref_ckpt = _dequantized_copy(ckpt, tmp_path, method, group)
+    ref_ckpt = dequantized_experts_copy(ckpt, tmp_path, method, group)
     prompts = _prompts()
     expected = hf_greedy(ref_ckpt, prompts, 6)
     config = EngineConfig(
@@ -163,7 +142,7 @@ def test_quantized_serving_over_grpc(ckpt_name, method, request, tmp_path):
     # unquantized model (cosine >= 0.99).
     kind = "qwen3_moe" if ckpt_name.startswith("qwen3") else "mixtral"
     plain = make_tiny_checkpoint(kind, ckpt.parent, initializer_range=0.02)
-    plain_deq = _dequantized_copy(plain, tmp_path, method, group)
+    plain_deq = dequantized_experts_copy(plain, tmp_path, method, group)
     logits, ids = _last_logits(plain, method, group, prompts, max_tokens=6)
     assert ids == hf_greedy(plain_deq, prompts, 6)
     for prompt, last in zip(prompts, logits, strict=True):
