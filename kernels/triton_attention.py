@@ -1,0 +1,567 @@
+"""Paged attention in Triton: varlen prefill and decode through the block table, MLA decode.
+
+The KV cache is paged (PagedAttention, Kwon et al., SOSP 2023): keys and values live in
+fixed-size blocks ``[num_blocks, block_size, Hkv, D]`` and each request's ``block_table`` row
+lists its blocks in order (padded with the null block 0). Each program gathers key tiles through
+the block table and keeps FlashAttention-2's online softmax (Dao, 2023): a running row maximum
+``m``, denominator ``l`` and unnormalised fp32 accumulator, rescaled tile by tile, in base 2
+(``exp2`` of logits pre-multiplied by ``log2(e)``). The launch layout follows the ideas of vLLM's
+Triton unified attention (read as a design reference, not copied): one program per (request,
+tile of ``BLOCK_Q`` queries, kv head) whose rows are the ``BLOCK_Q x G`` (query, head) pairs of
+the kv head's ``G`` query heads (GQA), so each key tile is loaded once for all of them.
+
+- :func:`paged_attention`: prefill over chunked context, mixed query lengths and decode in one
+  call (the queries of request ``b`` are its last ``q_len`` positions), causal, optional sliding
+  window and gpt-oss attention sinks. ``max_query_len == 1`` launches the decode layout (one
+  program per (request, kv head), ``BLOCK_Q = 1``), split along the keys (flash-decoding) when
+  the block table is long and the batch too small to fill the device; a reduction kernel merges
+  the splits' partial ``(acc, m, l)``.
+- :func:`mla_decode`: DeepSeek-V2/V3 absorbed MLA decode on FlashMLA's latent layout
+  ``[num_blocks, block_size, kv_lora_rank + rope_dim]``: all heads attend one shared latent per
+  token, values are its first ``kv_lora_rank`` columns.
+
+Graph-safe: no host sync; grids and scratch shapes depend only on tensor shapes and the host int
+``max_query_len``. Requests with ``seq_len == 0`` (CUDA-graph padding rows) read no key and write
+zeros. The torch references are ``moe_engine.models.layers.attention.attention_with_sinks``
+(and SDPA) and ``MLAAttention._decode_absorbed``; tests/test_triton_attention.py compares with a
+float64 torch reference under ``TRITON_INTERPRET=1`` (relative Frobenius error: fp32 < 1e-5,
+bf16/fp16 < 1e-2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MIN_TILE = 16  # tl.dot needs every tile dimension >= 16
+MIN_KEYS_PER_SPLIT = 512  # flash-decoding: a split below this many keys costs more than it hides
+MAX_KV_SPLITS = 16
+TARGET_PROGRAMS = 256  # about two waves of programs on a 132-SM H100/H200
+
+
+@dataclass(frozen=True)
+class AttentionTileConfig:
+    """Tile sizes of one launch.
+
+    Attributes:
+        block_m: prefill rows per program ((query, head) pairs: ``BLOCK_Q x G_PAD``); for decode
+            and MLA, query heads per program (MLA: ``BLOCK_H``).
+        block_n: keys per tile (any power of two >= 16; tiles may span several paged blocks).
+        num_warps, num_stages: Triton launch options.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+#: (largest head_dim, prefill config, decode config). Starting points after FlashAttention-2's
+#: and vLLM's defaults (smaller key tiles as head_dim grows keep the fp32 accumulator and the
+#: K/V tiles in registers); not yet tuned on a GPU.
+_TILE_TABLE: tuple[tuple[int, AttentionTileConfig, AttentionTileConfig], ...] = (
+    (64, AttentionTileConfig(64, 64, 4, 2), AttentionTileConfig(16, 64, 4, 2)),
+    (128, AttentionTileConfig(64, 32, 4, 2), AttentionTileConfig(16, 64, 4, 2)),
+    (256, AttentionTileConfig(32, 32, 8, 1), AttentionTileConfig(16, 32, 8, 1)),
+)
+#: MLA decode, kv_lora_rank + rope_dim = 576 in real models: 16 heads per program (FlashMLA's
+#: 64-head tiles do not fit Triton's registers with a 512-wide accumulator).
+_MLA_CONFIG = AttentionTileConfig(16, 32, 8, 1)
+
+
+def tile_config(head_dim: int, block_size: int, *, decode: bool) -> AttentionTileConfig:
+    """The tile config for ``head_dim`` and the cache's ``block_size`` (tokens).
+
+    The head_dim row of ``_TILE_TABLE`` (the last row above 256); ``block_n`` is then raised to
+    ``block_size`` when that is <= 64, so a key tile covers whole paged blocks (each block read
+    as one contiguous run).
+    """
+    row = next((r for r in _TILE_TABLE if head_dim <= r[0]), _TILE_TABLE[-1])
+    cfg = row[2] if decode else row[1]
+    if block_size <= 64 and block_size > cfg.block_n:
+        cfg = AttentionTileConfig(cfg.block_m, block_size, cfg.num_warps, cfg.num_stages)
+    return cfg
+
+
+def num_kv_splits(programs: int, max_keys: int) -> int:
+    """Flash-decoding splits (>= 1) for ``programs`` (request, head-group) programs over block
+    tables of ``max_keys`` key slots: from shapes only, so a captured graph keeps its split."""
+    if max_keys < 2 * MIN_KEYS_PER_SPLIT or programs >= TARGET_PROGRAMS:
+        return 1
+    by_length = max_keys // MIN_KEYS_PER_SPLIT
+    by_occupancy = triton.cdiv(TARGET_PROGRAMS, programs)
+    return max(1, min(MAX_KV_SPLITS, by_length, by_occupancy))
+
+
+# --- kernels --------------------------------------------------------------------------------
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """``x.to(dtype)``; with ``ROUND_BF16`` (interpreter only) fp32 rounded to nearest even bf16
+    first: the interpreter truncates where compiled Triton rounds."""
+    if ROUND_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _dot(a, b, FP32_DOT: tl.constexpr):
+    """``a @ b`` in fp32 accumulation; ``FP32_DOT`` upcasts the operands (fp32 inputs, and bf16
+    under the interpreter, whose ``tl.dot`` multiplies raw bf16 bit patterns)."""
+    if FP32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _p_cast(p, dtype: tl.constexpr, FP32_DOT: tl.constexpr):
+    """The probabilities as the P @ V operand: the value dtype (FlashAttention-2), or kept in
+    fp32 where the dot runs in fp32 anyway."""
+    if FP32_DOT:
+        return p
+    return p.to(dtype)
+
+
+@triton.jit
+def _online_softmax_step(s, m_i, l_i, acc):
+    """FlashAttention-2's update for one tile of base-2 logits ``s`` [M, N] (-inf = masked).
+    Returns the probabilities p [M, N] and the rescaled (m, l, acc); rows with no visible key
+    yet keep m = -inf, l = 0 and acc = 0 (no NaN: the shift is taken as 0 there)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    return p, m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None]
+
+
+@triton.jit
+def _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, out_off, part_row, cols,
+                mask, NUM_SPLITS: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """The normalised rows into ``out`` (one split), else the partial (acc, m, l) of this split
+    at ``part_row`` = row * NUM_SPLITS + split for the reduction."""
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + out_off, _round(o, out_ptr.dtype.element_ty, ROUND_BF16), mask=mask)
+    else:
+        tl.store(part_acc_ptr + part_row[:, None] * cols.shape[0] + cols[None, :], acc, mask=mask)
+        row_mask = tl.max(mask.to(tl.int32), 1) > 0
+        tl.store(part_ml_ptr + part_row * 2, m_i, mask=row_mask)
+        tl.store(part_ml_ptr + part_row * 2 + 1, l_i, mask=row_mask)
+
+
+@triton.jit
+def paged_attention_kernel(
+    out_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    sinks_ptr, part_acc_ptr, part_ml_ptr, scale_log2, window, max_keys,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh, stride_bt, num_q_heads,
+    GROUPS: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    FP32_DOT: tl.constexpr, ROUND_BF16: tl.constexpr,
+):  # fmt: skip
+    """One (request, q tile [x split], kv head): rows = BLOCK_Q queries x G_PAD heads."""
+    b = tl.program_id(0)
+    q_block = tl.program_id(1) // NUM_SPLITS
+    split = tl.program_id(1) % NUM_SPLITS
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + b)
+    q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + b)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    rows = tl.arange(0, BLOCK_Q * G_PAD)
+    qi = q_block * BLOCK_Q + rows // G_PAD
+    head = kv_head * GROUPS + rows % G_PAD
+    row_ok = (qi < q_len) & (rows % G_PAD < GROUPS)
+    pos = seq_len - q_len + qi  # absolute position of each row's query
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
+    token = (q_start + qi).to(tl.int64)
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=q_mask, other=0.0)  # fmt: skip
+
+    # keys [key_lo, key_hi) cover the tile's queries; split into NUM_SPLITS runs of whole tiles
+    key_hi = tl.minimum(seq_len - q_len + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len), max_keys)
+    key_lo = 0
+    if HAS_WINDOW:
+        key_lo = tl.maximum(seq_len - q_len + q_block * BLOCK_Q - window + 1, 0)
+        key_lo = key_lo // BLOCK_N * BLOCK_N
+    n_tiles = tl.cdiv(tl.maximum(key_hi - key_lo, 0), BLOCK_N)
+    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    tile_hi = tl.minimum(split * per_split + per_split, n_tiles)
+
+    m_i = tl.full([BLOCK_Q * G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
+    if HAS_SINKS and NUM_SPLITS == 1:  # with splits, the reduction adds the sink column
+        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i += 1.0
+    acc = tl.zeros([BLOCK_Q * G_PAD, HEAD_DIM_PAD], tl.float32)
+    for t in range(split * per_split, tile_hi):
+        kpos = key_lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_ok = kpos < key_hi
+        blk = tl.load(block_tables_ptr + b * stride_bt + kpos // BLOCK_SIZE, mask=k_ok, other=0)
+        blk = blk.to(tl.int64)
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k_off = blk * stride_kb + (kpos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+        k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), FP32_DOT) * scale_log2
+        visible = (kpos[None, :] <= pos[:, None]) & k_ok[None, :]
+        if HAS_WINDOW:
+            visible &= kpos[None, :] > pos[:, None] - window
+        s = tl.where(visible, s, float("-inf"))
+        p, m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc)
+        v_off = blk * stride_vb + (kpos % BLOCK_SIZE) * stride_vs + kv_head * stride_vh
+        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc += _dot(_p_cast(p, v.dtype, FP32_DOT), v, FP32_DOT)
+
+    out_off = token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    part_row = (token * num_q_heads + head) * NUM_SPLITS + split
+    _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, out_off, part_row, d,
+                q_mask, NUM_SPLITS, ROUND_BF16)  # fmt: skip
+
+
+@triton.jit
+def merge_kv_splits_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr, sinks_ptr, num_heads, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr, HAS_SINKS: tl.constexpr, ROUND_BF16: tl.constexpr,
+):  # fmt: skip
+    """One (token, head) row: merges the splits' partial (acc, m, l) (flash-decoding) and the
+    sink column, and stores acc / l."""
+    row = tl.program_id(0)
+    token, head = row // num_heads, row % num_heads
+    sp = tl.arange(0, SPLITS_PAD)
+    sp_ok = sp < NUM_SPLITS
+    part = row.to(tl.int64) * NUM_SPLITS + sp
+    m = tl.load(part_ml_ptr + part * 2, mask=sp_ok, other=float("-inf"))
+    l_split = tl.load(part_ml_ptr + part * 2 + 1, mask=sp_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.math.exp2(m - m_safe)
+    l_tot = tl.sum(l_split * w, 0)
+    if HAS_SINKS:
+        l_tot += tl.math.exp2(sink - m_safe)
+    d = tl.arange(0, DIM_PAD)
+    acc = tl.load(part_acc_ptr + part[:, None] * DIM_PAD + d[None, :], mask=sp_ok[:, None],
+                  other=0.0)  # fmt: skip
+    o = tl.sum(acc * w[:, None], 0) / tl.where(l_tot == 0.0, 1.0, l_tot)
+    dest = out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + d
+    tl.store(dest, _round(o, out_ptr.dtype.element_ty, ROUND_BF16), mask=d < DIM)
+
+
+@triton.jit
+def mla_decode_kernel(
+    out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, part_acc_ptr, part_ml_ptr,
+    scale_log2, max_keys, num_heads, stride_qb, stride_qh, stride_ob, stride_oh,
+    stride_cb, stride_cs, stride_bt,
+    RANK: tl.constexpr, RANK_PAD: tl.constexpr, ROPE: tl.constexpr, ROPE_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, FP32_DOT: tl.constexpr, ROUND_BF16: tl.constexpr,
+):  # fmt: skip
+    """One (request, BLOCK_H heads, split): scores = q_nope . c_kv + q_pe . k_pe over the
+    request's latents, values = c_kv (the latent's first RANK columns)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    h_ok = h < num_heads
+    r = tl.arange(0, RANK_PAD)
+    e = tl.arange(0, ROPE_PAD)
+    q_row = b.to(tl.int64) * stride_qb + h * stride_qh
+    out_mask = h_ok[:, None] & (r < RANK)[None, :]
+    q_nope = tl.load(q_ptr + q_row[:, None] + r[None, :], mask=out_mask, other=0.0)
+    q_pe = tl.load(q_ptr + q_row[:, None] + RANK + e[None, :],
+                   mask=h_ok[:, None] & (e < ROPE)[None, :], other=0.0)  # fmt: skip
+    key_hi = tl.minimum(tl.load(seq_lens_ptr + b), max_keys)
+    n_tiles = tl.cdiv(tl.maximum(key_hi, 0), BLOCK_N)
+    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, RANK_PAD], tl.float32)
+    for t in range(split * per_split, tl.minimum(split * per_split + per_split, n_tiles)):
+        kpos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_ok = kpos < key_hi
+        blk = tl.load(block_tables_ptr + b * stride_bt + kpos // BLOCK_SIZE, mask=k_ok, other=0)
+        row = blk.to(tl.int64) * stride_cb + (kpos % BLOCK_SIZE) * stride_cs
+        c_kv = tl.load(cache_ptr + row[:, None] + r[None, :],
+                       mask=k_ok[:, None] & (r < RANK)[None, :], other=0.0)  # fmt: skip
+        k_pe = tl.load(cache_ptr + row[:, None] + RANK + e[None, :],
+                       mask=k_ok[:, None] & (e < ROPE)[None, :], other=0.0)  # fmt: skip
+        s = _dot(q_nope, tl.trans(c_kv), FP32_DOT) + _dot(q_pe, tl.trans(k_pe), FP32_DOT)
+        s = tl.where(k_ok[None, :], s * scale_log2, float("-inf"))
+        p, m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc)
+        acc += _dot(_p_cast(p, c_kv.dtype, FP32_DOT), c_kv, FP32_DOT)
+    out_off = b.to(tl.int64) * stride_ob + h[:, None] * stride_oh + r[None, :]
+    part_row = (b.to(tl.int64) * num_heads + h) * NUM_SPLITS + split
+    _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, out_off, part_row, r,
+                out_mask, NUM_SPLITS, ROUND_BF16)  # fmt: skip
+
+
+# --- launchers ------------------------------------------------------------------------------
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _dot_flags(dtype: torch.dtype) -> tuple[bool, bool]:
+    """(FP32_DOT, ROUND_BF16): fp32 operands for fp32 inputs (IEEE, no TF32) and for 16-bit ones
+    under the interpreter (its tl.dot on bf16 multiplies bit patterns); bf16 rounding to
+    nearest even under the interpreter (it truncates)."""
+    interpret = bool(triton.knobs.runtime.interpret)
+    return dtype == torch.float32 or interpret, interpret and dtype == torch.bfloat16
+
+
+def _require(ok: bool, field: str, value: object, reason: str) -> None:
+    if not ok:
+        raise ValueError(f"{field} {value}: {reason}")
+
+
+def _check_tables(block_tables, seq_lens, device: torch.device, rows: int | None) -> None:
+    _require(block_tables.dim() == 2 and block_tables.dtype in _INDEX_DTYPES,
+             "block_tables", (tuple(block_tables.shape), block_tables.dtype),
+             "must be [B, max_blocks] int32/int64")  # fmt: skip
+    _require(block_tables.stride(-1) == 1, "block_tables.stride", block_tables.stride(),
+             "rows must be contiguous")  # fmt: skip
+    b = block_tables.shape[0]
+    _require(tuple(seq_lens.shape) == (b,) and seq_lens.dtype in _INDEX_DTYPES, "seq_lens",
+             (tuple(seq_lens.shape), seq_lens.dtype), f"must be [{b}] int32/int64")  # fmt: skip
+    _require(rows is None or rows == b, "batch rows", rows, f"must match block_tables' {b}")
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+        _require(t.device == device, f"{name}.device", t.device, f"must be q's {device}")
+
+
+def _check_paged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *,
+                 max_query_len, sliding_window, sinks, out) -> None:  # fmt: skip
+    _require(q.dim() == 3 and q.dtype in _FLOAT_DTYPES, "q", (tuple(q.shape), q.dtype),
+             "must be [T, Hq, D] float32/bfloat16/float16")  # fmt: skip
+    t, hq, d = q.shape
+    _require(k_cache.dim() == 4 and k_cache.shape[-1] == d, "k_cache.shape",
+             tuple(k_cache.shape), f"must be [num_blocks, block_size, Hkv, {d}]")  # fmt: skip
+    _require(v_cache.shape == k_cache.shape, "v_cache.shape", tuple(v_cache.shape),
+             f"must equal k_cache's {tuple(k_cache.shape)}")  # fmt: skip
+    _require(hq % k_cache.shape[2] == 0, "Hkv", k_cache.shape[2], f"must divide Hq {hq}")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if x is not None:
+            _require(x.dtype == q.dtype, f"{name}.dtype", x.dtype, f"must be q's {q.dtype}")
+            _require(x.device == q.device, f"{name}.device", x.device, f"must be q's {q.device}")
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if x is not None:
+            _require(x.stride(-1) == 1, f"{name}.stride", x.stride(), "last dim must be dense")
+    _require(out is None or out.shape == q.shape, "out.shape", None if out is None else
+             tuple(out.shape), f"must equal q's {tuple(q.shape)}")  # fmt: skip
+    _check_tables(block_tables, seq_lens, q.device, None)
+    b = block_tables.shape[0]
+    _require(tuple(query_start_loc.shape) == (b + 1,) and query_start_loc.dtype in
+             _INDEX_DTYPES and query_start_loc.device == q.device, "query_start_loc",
+             (tuple(query_start_loc.shape), query_start_loc.dtype, query_start_loc.device),
+             f"must be [{b + 1}] int32/int64 on {q.device}")  # fmt: skip
+    _require(isinstance(max_query_len, int) and max_query_len >= 1, "max_query_len",
+             max_query_len, "must be a host int >= 1")  # fmt: skip
+    _require(sliding_window is None or (isinstance(sliding_window, int) and sliding_window >= 1),
+             "sliding_window", sliding_window, "must be None or an int >= 1")  # fmt: skip
+    _require(sinks is None or (tuple(sinks.shape) == (hq,) and sinks.is_floating_point() and
+             sinks.device == q.device), "sinks", None if sinks is None else
+             (tuple(sinks.shape), sinks.dtype), f"must be [{hq}] float on {q.device}")  # fmt: skip
+
+
+def _split_scratch(rows: int, splits: int, width: int, device: torch.device):
+    """Partial acc [rows * splits, width] and (m, l) [rows * splits, 2], fp32, zeroed (rows no
+    program owns then merge to 0)."""
+    n = rows * splits
+    return (torch.zeros(n, width, dtype=torch.float32, device=device),
+            torch.zeros(n, 2, dtype=torch.float32, device=device))  # fmt: skip
+
+
+def _merge(out, part_acc, part_ml, sinks, rows, heads, splits, dim, dim_pad, round_bf16):
+    merge_kv_splits_kernel[(rows,)](
+        out, part_acc, part_ml, out if sinks is None else sinks, heads,
+        out.stride(0), out.stride(1),
+        NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), DIM=dim, DIM_PAD=dim_pad,
+        HAS_SINKS=sinks is not None, ROUND_BF16=round_bf16, num_warps=4,
+    )  # fmt: skip
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    scale: float,
+    max_query_len: int,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of a varlen batch of queries over the paged KV cache.
+
+    Args:
+        q: [T, Hq, D] float32/bfloat16/float16, the batch's query tokens, requests contiguous;
+            request b's q_len_b = query_start_loc[b + 1] - query_start_loc[b] queries are its
+            LAST q_len_b positions (query i at position seq_lens[b] - q_len_b + i).
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D] in q's dtype, Hkv dividing Hq (GQA:
+            query head h reads kv head h // (Hq // Hkv)).
+        block_tables: [B, max_blocks] int32/int64 block ids (padded with the null block 0).
+        seq_lens: [B] int32/int64 keys of each request after this step (tokens); 0 for CUDA-graph
+            padding rows (their queries get zeros, no key is read).
+        query_start_loc: [B + 1] int32/int64 cumulative query lengths.
+        scale: multiplies q . k.
+        max_query_len: host int >= 1, the longest q_len_b; 1 selects the decode launch (split
+            along the keys when ``num_kv_splits`` says so).
+        sliding_window: key k visible to the query at p iff p - window < k <= p (transformers'
+            convention); None: every earlier key.
+        sinks: optional [Hq] float per-head sink logits (gpt-oss): one more, value-less softmax
+            column exp(sinks[h]), as ``attention_with_sinks``.
+        out: optional [T, Hq, D] in q's dtype, written in place.
+
+    Returns:
+        [T, Hq, D] in q's dtype (``out`` when given); fp32 scores, softmax and accumulation.
+
+    Raises:
+        ValueError: a shape, dtype, device or layout the kernels do not take (names the field).
+    """
+    return invoke_paged_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale,
+        max_query_len=max_query_len, sliding_window=sliding_window, sinks=sinks, out=out,
+    )  # fmt: skip
+
+
+def invoke_paged_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale: float,
+    max_query_len: int, sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, config: AttentionTileConfig | None = None,
+    kv_splits: int | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """:func:`paged_attention` with the tile ``config`` and the number of ``kv_splits`` forced
+    (None: ``tile_config`` and, for decode, ``num_kv_splits``; 1 for prefill)."""
+    _check_paged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                 max_query_len=max_query_len, sliding_window=sliding_window, sinks=sinks,
+                 out=out)  # fmt: skip
+    out = torch.empty_like(q) if out is None else out
+    num_tokens, hq, d = q.shape
+    batch, (_, block_size, hkv, _) = block_tables.shape[0], k_cache.shape
+    if num_tokens == 0 or batch == 0:
+        return out
+    groups, decode = hq // hkv, max_query_len == 1
+    cfg = config or tile_config(d, block_size, decode=decode)
+    if decode:  # one program per (request, kv head): its G heads are the rows, padded to 16
+        g_pad, block_q = max(MIN_TILE, triton.next_power_of_2(groups)), 1
+    else:
+        g_pad = triton.next_power_of_2(groups)
+        block_q = min(cfg.block_m // g_pad, triton.next_power_of_2(max_query_len))
+        block_q = max(block_q, triton.cdiv(MIN_TILE, g_pad), 1)
+    max_keys = block_tables.shape[1] * block_size
+    if kv_splits is None:
+        kv_splits = num_kv_splits(batch * hkv, max_keys) if decode else 1
+    d_pad = max(MIN_TILE, triton.next_power_of_2(d))
+    fp32_dot, round_bf16 = _dot_flags(q.dtype)
+    part_acc = part_ml = out
+    if kv_splits > 1:
+        part_acc, part_ml = _split_scratch(num_tokens * hq, kv_splits, d_pad, q.device)
+    grid = (batch, triton.cdiv(max_query_len, block_q) * kv_splits, hkv)
+    paged_attention_kernel[grid](
+        out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        q if sinks is None else sinks, part_acc, part_ml, scale * LOG2E, sliding_window or 0,
+        max_keys, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0), hq,
+        GROUPS=groups, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, HEAD_DIM=d,
+        HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size, HAS_WINDOW=sliding_window is not None,
+        HAS_SINKS=sinks is not None, NUM_SPLITS=kv_splits, FP32_DOT=fp32_dot,
+        ROUND_BF16=round_bf16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if kv_splits > 1:
+        _merge(out, part_acc, part_ml, sinks, num_tokens * hq, hq, kv_splits, d, d_pad,
+               round_bf16)  # fmt: skip
+    return out
+
+
+def mla_decode(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float,
+    kv_lora_rank: int,
+    out: torch.Tensor | None = None,
+    kv_splits: int | None = None,
+) -> torch.Tensor:
+    """MLA absorbed decode (DeepSeek-V2/V3) over the paged latent cache, FlashMLA's layout.
+
+    Every head of request b attends all seq_lens[b] latents of the request (a decode query sees
+    every key): scores = (q[b, h] . latent) * scale; output = softmax(scores) @ c_kv, with c_kv
+    the latent's first ``kv_lora_rank`` columns (the rest is k_pe, the shared rope key).
+
+    Args:
+        q: [B, n_heads, kv_lora_rank + rope_dim] float32/bfloat16/float16, the absorbed query
+            (q_nope @ W_UK concatenated with q_pe).
+        latent_cache: [num_blocks, block_size, kv_lora_rank + rope_dim] in q's dtype.
+        block_tables: [B, max_blocks] int32/int64 (padded with the null block 0).
+        seq_lens: [B] int32/int64 keys per request (tokens); 0 gives zeros.
+        scale: multiplies q . latent.
+        kv_lora_rank: the value width r (512 in DeepSeek-V3).
+        out: optional [B, n_heads, kv_lora_rank] in q's dtype, written in place.
+        kv_splits: flash-decoding splits along the keys (None: ``num_kv_splits``).
+
+    Returns:
+        [B, n_heads, kv_lora_rank] in q's dtype (o_lat; the caller applies W_UV).
+
+    Raises:
+        ValueError: a shape, dtype, device or layout the kernel does not take.
+    """
+    _require(q.dim() == 3 and q.dtype in _FLOAT_DTYPES, "q", (tuple(q.shape), q.dtype),
+             "must be [B, n_heads, kv_lora_rank + rope_dim] float32/bfloat16/float16")
+    batch, heads, width = q.shape
+    _require(0 < kv_lora_rank < width, "kv_lora_rank", kv_lora_rank, f"must be in (0, {width})")
+    _require(latent_cache.dim() == 3 and latent_cache.shape[-1] == width and
+             latent_cache.dtype == q.dtype and latent_cache.device == q.device, "latent_cache",
+             (tuple(latent_cache.shape), latent_cache.dtype), f"must be [num_blocks, block_size,"
+             f" {width}] {q.dtype} on {q.device}")  # fmt: skip
+    for name, x in (("q", q), ("latent_cache", latent_cache), ("out", out)):
+        if x is not None:
+            _require(x.stride(-1) == 1, f"{name}.stride", x.stride(), "last dim must be dense")
+    _check_tables(block_tables, seq_lens, q.device, batch)
+    shape = (batch, heads, kv_lora_rank)
+    _require(out is None or (tuple(out.shape) == shape and out.dtype == q.dtype), "out",
+             None if out is None else (tuple(out.shape), out.dtype), f"must be {shape} {q.dtype}")
+    out = q.new_empty(shape) if out is None else out
+    if batch == 0 or heads == 0:
+        return out
+    block_size, cfg = latent_cache.shape[1], _MLA_CONFIG
+    max_keys = block_tables.shape[1] * block_size
+    block_h = min(cfg.block_m, max(MIN_TILE, triton.next_power_of_2(heads)))
+    head_blocks = triton.cdiv(heads, block_h)
+    kv_splits = kv_splits or num_kv_splits(batch * head_blocks, max_keys)
+    rank_pad = max(MIN_TILE, triton.next_power_of_2(kv_lora_rank))
+    rope = width - kv_lora_rank
+    fp32_dot, round_bf16 = _dot_flags(q.dtype)
+    part_acc = part_ml = out
+    if kv_splits > 1:
+        part_acc, part_ml = _split_scratch(batch * heads, kv_splits, rank_pad, q.device)
+    mla_decode_kernel[(batch, head_blocks, kv_splits)](
+        out, q, latent_cache, block_tables, seq_lens, part_acc, part_ml, scale * LOG2E,
+        max_keys, heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0),
+        RANK=kv_lora_rank, RANK_PAD=rank_pad, ROPE=rope,
+        ROPE_PAD=max(MIN_TILE, triton.next_power_of_2(rope)), BLOCK_H=block_h,
+        BLOCK_N=max(cfg.block_n, min(block_size, 64)), BLOCK_SIZE=block_size,
+        NUM_SPLITS=kv_splits, FP32_DOT=fp32_dot, ROUND_BF16=round_bf16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if kv_splits > 1:
+        _merge(out, part_acc, part_ml, None, batch * heads, heads, kv_splits, kv_lora_rank,
+               rank_pad, round_bf16)  # fmt: skip
+    return out
