@@ -176,7 +176,7 @@ def test_num_kv_splits_from_shapes() -> None:
 
 @pytest.mark.parametrize(
     "d, block_size, index_dtype",
-    [(16, 16, torch.int32), (32, 32, torch.int64), (64, 16, torch.int64)],
+    [(16, 16, torch.int32), (32, 32, torch.int64), (64, 16, torch.int64), (48, 16, torch.int32)],
 )
 def test_chunked_prefill_mixed_lengths(d: int, block_size: int, index_dtype) -> None:
     g = gen()
@@ -233,7 +233,8 @@ def mla_reference(q, latent_cache, block_tables, seq_lens, scale) -> torch.Tenso
     b, heads, _ = q.shape
     out = torch.zeros(b, heads, RANK, dtype=torch.float64)
     flat = latent_cache.view(-1, latent_cache.shape[-1])
-    for row, slots in enumerate(owned_slots(block_tables, seq_lens.tolist(), latent_cache.shape[1])):
+    block_size = latent_cache.shape[1]
+    for row, slots in enumerate(owned_slots(block_tables, seq_lens.tolist(), block_size)):
         if slots.numel():
             latent = flat[slots].double()
             probs = torch.softmax(q[row].double() @ latent.T * scale, dim=-1)
@@ -243,7 +244,11 @@ def mla_reference(q, latent_cache, block_tables, seq_lens, scale) -> torch.Tenso
 
 @pytest.mark.parametrize(
     "dtype, splits, index_dtype",
-    [(torch.float32, 1, torch.int32), (torch.float32, 3, torch.int64), (torch.bfloat16, 2, torch.int64)],
+    [
+        (torch.float32, 1, torch.int32),
+        (torch.float32, 3, torch.int64),
+        (torch.bfloat16, 2, torch.int64),
+    ],
 )
 def test_mla_decode_matches_reference(dtype, splits: int, index_dtype) -> None:
     g = gen()
