@@ -66,31 +66,48 @@ class AttentionTileConfig:
     num_stages: int
 
 
-#: (largest head_dim, prefill config, decode config). Starting points after FlashAttention-2's
-#: and vLLM's defaults (smaller key tiles as head_dim grows keep the fp32 accumulator and the
-#: K/V tiles in registers); not yet tuned on a GPU.
+#: (largest head_dim, prefill config, decode config), for 16-bit inputs. Starting points after
+#: FlashAttention-2's and vLLM's defaults (smaller tiles, more warps as head_dim grows keep the
+#: fp32 accumulator and the K/V tiles in registers). Checked by compiling for sm_90 without a
+#: GPU (ptxas, `cuobjdump -res-usage`): 185-242 registers a thread, no spills, for GQA groups of
+#: 1-16; speed not yet measured on a GPU.
 _TILE_TABLE: tuple[tuple[int, AttentionTileConfig, AttentionTileConfig], ...] = (
     (64, AttentionTileConfig(64, 64, 4, 2), AttentionTileConfig(16, 64, 4, 2)),
-    (128, AttentionTileConfig(64, 32, 4, 2), AttentionTileConfig(16, 64, 4, 2)),
+    (128, AttentionTileConfig(64, 32, 8, 2), AttentionTileConfig(16, 64, 8, 2)),
     (256, AttentionTileConfig(32, 32, 8, 1), AttentionTileConfig(16, 32, 8, 1)),
 )
 #: MLA decode, kv_lora_rank + rope_dim = 576 in real models: 16 heads per program (FlashMLA's
-#: 64-head tiles do not fit Triton's registers with a 512-wide accumulator).
+#: 64-head tiles do not fit Triton's registers with a 512-wide accumulator); 160 registers, no
+#: spills at rank 512, rope 64 on sm_90.
 _MLA_CONFIG = AttentionTileConfig(16, 32, 8, 1)
 
 
-def tile_config(head_dim: int, block_size: int, *, decode: bool) -> AttentionTileConfig:
-    """The tile config for ``head_dim`` and the cache's ``block_size`` (tokens).
+def tile_config(
+    head_dim: int, block_size: int, *, decode: bool, dtype: torch.dtype = torch.bfloat16
+) -> AttentionTileConfig:
+    """The tile config for ``head_dim``, the cache's ``block_size`` (tokens) and ``dtype``.
 
-    The head_dim row of ``_TILE_TABLE`` (the last row above 256); ``block_n`` is then raised to
-    ``block_size`` when that is <= 64, so a key tile covers whole paged blocks (each block read
-    as one contiguous run).
+    The head_dim row of ``_TILE_TABLE`` (the last row above 256); float32 halves ``block_m``
+    (prefill) and ``block_n`` (down to 16): its IEEE dots run on FMA units and spill registers
+    at the 16-bit tiles. ``block_n`` is then raised by :func:`_key_tile`.
     """
     row = next((r for r in _TILE_TABLE if head_dim <= r[0]), _TILE_TABLE[-1])
     cfg = row[2] if decode else row[1]
-    if block_size <= 64 and block_size > cfg.block_n:
-        cfg = AttentionTileConfig(cfg.block_m, block_size, cfg.num_warps, cfg.num_stages)
-    return cfg
+    block_m, block_n = cfg.block_m, cfg.block_n
+    if dtype == torch.float32:
+        block_m = block_m if decode else max(MIN_TILE, block_m // 2)
+        block_n = max(MIN_TILE, block_n // 2)
+    return AttentionTileConfig(
+        block_m, _key_tile(block_n, block_size), cfg.num_warps, cfg.num_stages
+    )
+
+
+def _key_tile(block_n: int, block_size: int) -> int:
+    """``block_n`` raised to a power-of-two ``block_size`` <= 64, so that a key tile covers whole
+    paged blocks (each block read as one contiguous run)."""
+    if block_size <= 64 and block_size & (block_size - 1) == 0:
+        return max(block_n, block_size)
+    return block_n
 
 
 def num_kv_splits(programs: int, max_keys: int) -> int:
@@ -134,12 +151,15 @@ def _check_tables(block_tables, seq_lens, device: torch.device, rows: int | None
     _require(tuple(seq_lens.shape) == (b,) and seq_lens.dtype in _INDEX_DTYPES, "seq_lens",
              (tuple(seq_lens.shape), seq_lens.dtype), f"must be [{b}] int32/int64")  # fmt: skip
     _require(rows is None or rows == b, "batch rows", rows, f"must match block_tables' {b}")
+    _require(seq_lens.is_contiguous(), "seq_lens.stride", seq_lens.stride(), "must be dense")
     for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
         _require(t.device == device, f"{name}.device", t.device, f"must be q's {device}")
 
 
 def _check_paged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *,
                  max_query_len, sliding_window, sinks, out) -> None:  # fmt: skip
+    """ValueError for what :func:`paged_attention` does not take (shapes and metadata only:
+    nothing here reads a device tensor, so the call stays graph-safe)."""
     _require(q.dim() == 3 and q.dtype in _FLOAT_DTYPES, "q", (tuple(q.shape), q.dtype),
              "must be [T, Hq, D] float32/bfloat16/float16")  # fmt: skip
     t, hq, d = q.shape
@@ -160,16 +180,18 @@ def _check_paged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *
     _check_tables(block_tables, seq_lens, q.device, None)
     b = block_tables.shape[0]
     _require(tuple(query_start_loc.shape) == (b + 1,) and query_start_loc.dtype in
-             _INDEX_DTYPES and query_start_loc.device == q.device, "query_start_loc",
+             _INDEX_DTYPES and query_start_loc.device == q.device and
+             query_start_loc.is_contiguous(), "query_start_loc",
              (tuple(query_start_loc.shape), query_start_loc.dtype, query_start_loc.device),
-             f"must be [{b + 1}] int32/int64 on {q.device}")  # fmt: skip
+             f"must be dense [{b + 1}] int32/int64 on {q.device}")  # fmt: skip
     _require(isinstance(max_query_len, int) and max_query_len >= 1, "max_query_len",
              max_query_len, "must be a host int >= 1")  # fmt: skip
     _require(sliding_window is None or (isinstance(sliding_window, int) and sliding_window >= 1),
              "sliding_window", sliding_window, "must be None or an int >= 1")  # fmt: skip
     _require(sinks is None or (tuple(sinks.shape) == (hq,) and sinks.is_floating_point() and
-             sinks.device == q.device), "sinks", None if sinks is None else
-             (tuple(sinks.shape), sinks.dtype), f"must be [{hq}] float on {q.device}")  # fmt: skip
+             sinks.device == q.device and sinks.is_contiguous()), "sinks", None if sinks is None
+             else (tuple(sinks.shape), sinks.dtype), f"must be dense [{hq}] float on {q.device}")
+
 
 
 def _split_scratch(rows: int, splits: int, width: int, device: torch.device):
@@ -226,6 +248,7 @@ def paged_attention(
 
     Returns:
         [T, Hq, D] in q's dtype (``out`` when given); fp32 scores, softmax and accumulation.
+        Tokens past query_start_loc[B] (if T is larger) belong to no request: unspecified.
 
     Raises:
         ValueError: a shape, dtype, device or layout the kernels do not take (names the field).
@@ -253,7 +276,9 @@ def invoke_paged_attention(
     if num_tokens == 0 or batch == 0:
         return out
     groups, decode = hq // hkv, max_query_len == 1
-    cfg = config or tile_config(d, block_size, decode=decode)
+    cfg = config or tile_config(d, block_size, decode=decode, dtype=q.dtype)
+    _require(cfg.block_n >= MIN_TILE and cfg.block_n & (cfg.block_n - 1) == 0, "config.block_n",
+             cfg.block_n, f"must be a power of two >= {MIN_TILE}")  # fmt: skip
     if decode:  # one program per (request, kv head): its G heads are the rows, padded to 16
         g_pad, block_q = max(MIN_TILE, triton.next_power_of_2(groups)), 1
     else:
@@ -263,6 +288,7 @@ def invoke_paged_attention(
     max_keys = block_tables.shape[1] * block_size
     if kv_splits is None:
         kv_splits = num_kv_splits(batch * hkv, max_keys) if decode else 1
+    _require(isinstance(kv_splits, int) and kv_splits >= 1, "kv_splits", kv_splits, "must be >= 1")
     d_pad = max(MIN_TILE, triton.next_power_of_2(d))
     fp32_dot, round_bf16 = _dot_flags(q.dtype)
     part_acc = part_ml = out
@@ -342,6 +368,7 @@ def mla_decode(
     block_h = min(cfg.block_m, max(MIN_TILE, triton.next_power_of_2(heads)))
     head_blocks = triton.cdiv(heads, block_h)
     kv_splits = kv_splits or num_kv_splits(batch * head_blocks, max_keys)
+    _require(isinstance(kv_splits, int) and kv_splits >= 1, "kv_splits", kv_splits, "must be >= 1")
     rank_pad = max(MIN_TILE, triton.next_power_of_2(kv_lora_rank))
     rope = width - kv_lora_rank
     fp32_dot, round_bf16 = _dot_flags(q.dtype)
@@ -354,7 +381,7 @@ def mla_decode(
         latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0),
         RANK=kv_lora_rank, RANK_PAD=rank_pad, ROPE=rope,
         ROPE_PAD=max(MIN_TILE, triton.next_power_of_2(rope)), BLOCK_H=block_h,
-        BLOCK_N=max(cfg.block_n, min(block_size, 64)), BLOCK_SIZE=block_size,
+        BLOCK_N=_key_tile(cfg.block_n, block_size), BLOCK_SIZE=block_size,
         NUM_SPLITS=kv_splits, FP32_DOT=fp32_dot, ROUND_BF16=round_bf16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

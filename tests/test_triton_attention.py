@@ -167,8 +167,14 @@ def test_num_kv_splits_from_shapes() -> None:
     assert num_kv_splits(programs=8, max_keys=256) == 1  # short tables: one split
     assert num_kv_splits(programs=512, max_keys=1 << 16) == 1  # the batch fills the device
     assert 1 < num_kv_splits(programs=8, max_keys=1 << 16) <= 16
-    assert tile_config(64, 32, decode=False).block_n % 32 == 0
-    assert tile_config(128, 16, decode=True).block_n >= 16
+    for d in (16, 64, 128, 256, 512):
+        for block_size in (16, 32, 128):
+            for dtype in (torch.float32, torch.bfloat16):
+                for decode in (False, True):
+                    cfg = tile_config(d, block_size, decode=decode, dtype=dtype)
+                    assert cfg.block_m >= 16 and cfg.block_n >= 16
+                    assert cfg.block_n & (cfg.block_n - 1) == 0  # a power of two
+                    assert block_size > 64 or cfg.block_n % block_size == 0  # whole blocks
 
 
 # --- prefill --------------------------------------------------------------------------------
