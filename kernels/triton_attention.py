@@ -5,8 +5,8 @@ fixed-size blocks ``[num_blocks, block_size, Hkv, D]`` and each request's ``bloc
 lists its blocks in order (padded with the null block 0). Each program gathers key tiles through
 the block table and keeps FlashAttention-2's online softmax (Dao, 2023): a running row maximum
 ``m``, denominator ``l`` and unnormalised fp32 accumulator, rescaled tile by tile, in base 2
-(``exp2`` of logits pre-multiplied by ``log2(e)``). The launch layout follows the ideas of vLLM's
-Triton unified attention (read as a design reference, not copied): one program per (request,
+(``exp2`` of logits pre-multiplied by ``log2(e)``). The launch layout follows the design of vLLM's
+Triton unified attention (an independent implementation): one program per (request,
 tile of ``BLOCK_Q`` queries, kv head) whose rows are the ``BLOCK_Q x G`` (query, head) pairs of
 the kv head's ``G`` query heads (GQA), so each key tile is loaded once for all of them.
 

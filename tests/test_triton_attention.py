@@ -41,12 +41,12 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
 
 
-def make_tables(g, seq_lens, block_size, index_dtype=torch.int64, spare_blocks=3):
+def make_tables(g, seq_lens, block_size, index_dtype=torch.int64, spare_blocks=3, width=None):
     """Random distinct blocks per request (block 0 is the null block, padding)."""
     need = [triton.cdiv(n, block_size) for n in seq_lens]
     num_blocks = 1 + sum(need) + spare_blocks
     perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
-    width = max(max(need), 1) + 1  # at least one padding column
+    width = width or max(max(need), 1) + 1  # at least one padding column
     tables = torch.zeros(len(seq_lens), width, dtype=index_dtype)
     for b, n in enumerate(need):
         tables[b, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=index_dtype)
@@ -72,8 +72,8 @@ def nan_unowned(cache, slots) -> torch.Tensor:
 
 
 def paged_case(g, q_lens, seq_lens, *, hq=4, hkv=2, d=32, block_size=16, dtype=torch.float32,
-               index_dtype=torch.int64, sinks=False):  # fmt: skip
-    tables, num_blocks = make_tables(g, seq_lens, block_size, index_dtype)
+               index_dtype=torch.int64, sinks=False, width=None):  # fmt: skip
+    tables, num_blocks = make_tables(g, seq_lens, block_size, index_dtype, width=width)
     slots = owned_slots(tables, seq_lens, block_size)
     k = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
     v = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
@@ -161,6 +161,14 @@ def test_decode_split_kv_matches_reference(splits: int) -> None:
     case = paged_case(g, [1, 1, 1], [70, 0, 33], hq=4, hkv=4, block_size=32, sinks=True)
     got = check_paged(case, 40, kv_splits=splits)
     assert bool((got[1] == 0).all())  # seq_len 0: zeros, sinks or not
+
+
+def test_decode_splits_chosen_from_table_width() -> None:
+    g = gen()  # 64-block tables: 1024 key slots, 2 requests x 2 kv heads -> 2 splits
+    case = paged_case(g, [1, 1], [45, 0], block_size=16, width=64, sinks=True)
+    assert num_kv_splits(2 * 2, 64 * 16) == 2
+    got = check_paged(case)
+    assert bool((got[1] == 0).all())
 
 
 def test_num_kv_splits_from_shapes() -> None:
