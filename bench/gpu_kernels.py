@@ -29,10 +29,10 @@ kernel's bandwidth is also given as a percentage of it. Times are CUDA events ar
 after `--warmup` calls, median of `--repeats`.
 
 `--dry-run`: the same code on this CPU on tiny shapes (the same layer names and token counts),
-Triton under its interpreter, one timed call per row (no warm-up) with `time.perf_counter`; it proves
-the table is produced, its numbers mean nothing. Writes `gpu_kernels.md` and `gpu_kernels.json`
-under `--out`. Exit status: 0, 1 when a kernel raised (its row says so), 2 without CUDA (not a
-dry run).
+Triton under its interpreter, one timed call per row (no warm-up) with `time.perf_counter`; it
+proves the table is produced, its numbers mean nothing. Writes `gpu_kernels.md` and
+`gpu_kernels.json` under `--out`. Exit status: 0, 1 when a kernel raised (its row says so), 2
+without CUDA (not a dry run).
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def moe_rows(shape: MoeShape, tokens_list, timer: Timer, copy_gbs: float, g) -> 
             row = {"layer": shape.name, "format": fmt, "tokens": tokens, "experts_hit": hit,
                    "weight_bytes": hit * per_expert}  # fmt: skip
             try:
-                ms = timer.median_ms(lambda fn=fn, x=x: fn(x, topk_weights, topk_ids))
+                ms = timer.median_ms(lambda fn=fn, a=(x, topk_weights, topk_ids): fn(*a))
             except Exception as exc:  # one broken kernel must not hide the others' figures
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             else:
@@ -263,7 +263,8 @@ def markdown(report: dict) -> str:
     a = report["attention"]
     lines += [
         "",
-        "| attention | batch x context | q/kv heads x dim | KV MiB | ms | GB/s | % of copy | status |",
+        "| attention | batch x context | q/kv heads x dim | KV MiB | ms | GB/s | % of copy "
+        "| status |",
         "|---|---|---|---:|---:|---:|---:|---|",
         f"| {a['name']} | {a['batch']} x {a['context']} | {a['q_heads']}/{a['kv_heads']} x "
         f"{a['head_dim']} | {a['kv_bytes'] / 2**20:.2f} " + _figures(a),
