@@ -87,9 +87,9 @@ MOE_SHAPES = (
 )
 ATTENTION = AttentionShape("qwen3-30b-a3b decode", 64, 4096, 32, 4, 128, 16)
 #: --dry-run: the same names, shapes the interpreter runs in seconds (tl.dot needs dims >= 16;
-#: MXFP4 needs K a multiple of 32).
+#: MXFP4 needs K a multiple of 32; top-1 keeps the 512-token rows to 32 M-blocks).
 DRY_MOE_SHAPES = (
-    MoeShape("qwen3-30b-a3b", 32, 32, 8, 2, 32),
+    MoeShape("qwen3-30b-a3b", 32, 32, 8, 1, 32),
     MoeShape("gpt-oss-20b", 32, 32, 4, 1, 32),
 )
 DRY_ATTENTION = AttentionShape("qwen3-30b-a3b decode", 2, 48, 4, 2, 16, 16)
@@ -279,7 +279,8 @@ def run(args: argparse.Namespace) -> dict:
     timer = Timer(device, warmup=0 if args.dry_run else args.warmup,
                   repeats=1 if args.dry_run else args.repeats)  # fmt: skip
     g = torch.Generator(device=device).manual_seed(0)
-    copy_gbs = copy_bandwidth_gbs(timer, 2**20 if args.dry_run else 2**30)
+    copy_timer = Timer(device, warmup=max(1, timer.warmup), repeats=timer.repeats)
+    copy_gbs = copy_bandwidth_gbs(copy_timer, 2**20 if args.dry_run else 2**30)
     shapes = DRY_MOE_SHAPES if args.dry_run else MOE_SHAPES
     moe = [row for s in shapes for row in moe_rows(s, args.tokens, timer, copy_gbs, g)]
     attention = attention_row(DRY_ATTENTION if args.dry_run else ATTENTION, timer, copy_gbs, g)
