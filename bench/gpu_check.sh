@@ -59,7 +59,7 @@ print(' '.join(f'{n}=={m.version(n)}' for n in sys.argv[1:]))" $WHEELS) || exit 
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
         --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 -d "$ROOT/.whl" $pins || exit 1
-    echo "carry .whl (ignored by git: add /.whl/ to .git/info/exclude); gpu_check.sh installs it"
+    echo "carry .whl (git-ignored) to the GPU machine; gpu_check.sh installs it from there"
     exit 0
 fi
 
@@ -177,12 +177,16 @@ else
 fi
 
 "$PY" - "$OUT" "$MODE" "$CPU_MIXED64_TOK_S" "${STEPS[@]}" <<'EOF' | tee -a "$LOG"
-import json, sys
+import json, re, sys
 from pathlib import Path
 out, mode, cpu_tok_s, steps = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]), sys.argv[4:]
 lines = ["# bench/gpu_check.sh summary" + (" (DRY RUN on the CPU: no GPU figures)" if mode == "dry"
                                           else ""), "", "| step | rc | seconds |", "|---|---:|---:|"]
 lines += [f"| {s.split('|')[0]} | {s.split('|')[1]} | {s.split('|')[2]} |" for s in steps]
+log = (out / "gpu_check.log").read_text().split("=== gpu-tests (")[-1].split("=== gpu-tests:")[0]
+final = re.findall(r"^(?:=+ )?(\d+ (?:passed|failed|skipped|deselected|error).*? in [\d.]+s.*)$",
+                   log, re.M)
+lines += ["", "gpu tests: " + (final[-1].strip("= ") if final else "no pytest summary line")]
 kernels = out / "gpu_kernels.md"
 lines += ["", "## Kernels", "", kernels.read_text() if kernels.is_file() else "(no table)"]
 report = out / "gpu_kernels.json"
