@@ -26,7 +26,8 @@ kernel time.
 
 Copy bandwidth: `dst.copy_(src)` of 1 GiB on the device, (read + write bytes) / time; each
 kernel's bandwidth is also given as a percentage of it. Times are CUDA events around each call,
-after `--warmup` calls, median of `--repeats`.
+after `--warmup` calls, median of `--repeats`; a MoE time is the whole `fused_moe*` call
+(`moe_align_block_size`, both grouped GEMMs, the sum over the k slots), as the model pays it.
 
 `--dry-run`: the same code on this CPU on tiny shapes (the same layer names and token counts),
 Triton under its interpreter, one timed call per row (no warm-up) with `time.perf_counter`; it
@@ -252,7 +253,8 @@ def markdown(report: dict) -> str:
         f"device {report['device']}, torch {report['torch']}, triton {report['triton']}, "
         f"copy bandwidth {report['copy_bandwidth_gbs']:.1f} GB/s (read + write)"
         + (" -- DRY RUN on the CPU (interpreter, tiny shapes): not figures" if report["dry_run"]
-           else ""),  # fmt: skip
+           else "")
+        + ("" if report["complete"] else " -- INCOMPLETE (stopped part-way)"),  # fmt: skip
         "",
         "| layer | format | tokens | experts hit | weight MiB | ms | GB/s | % of copy | status |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|",
@@ -272,7 +274,9 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
+    """Measure everything; `save(report)` after each part, so that a run stopped by a timeout
+    leaves the parts it finished (`complete` stays False)."""
     import triton
 
     device = torch.device("cpu" if args.dry_run else "cuda")
@@ -281,20 +285,28 @@ def run(args: argparse.Namespace) -> dict:
     g = torch.Generator(device=device).manual_seed(0)
     copy_timer = Timer(device, warmup=max(1, timer.warmup), repeats=timer.repeats)
     copy_gbs = copy_bandwidth_gbs(copy_timer, 2**20 if args.dry_run else 2**30)
-    shapes = DRY_MOE_SHAPES if args.dry_run else MOE_SHAPES
-    moe = [row for s in shapes for row in moe_rows(s, args.tokens, timer, copy_gbs, g)]
-    attention = attention_row(DRY_ATTENTION if args.dry_run else ATTENTION, timer, copy_gbs, g)
-    return {
+    report = {
         "dry_run": args.dry_run,
+        "complete": False,
         "device": "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(device),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "triton_interpret": bool(triton.knobs.runtime.interpret),
         "copy_bandwidth_gbs": copy_gbs,
         "repeats": timer.repeats,
-        "moe": moe,
-        "attention": attention,
+        "moe": [],
     }
+    # attention first: one kernel to compile, so a MoE step that runs out of time keeps it
+    report["attention"] = attention_row(
+        DRY_ATTENTION if args.dry_run else ATTENTION, timer, copy_gbs, g
+    )
+    save(report)
+    for shape in DRY_MOE_SHAPES if args.dry_run else MOE_SHAPES:
+        report["moe"] += moe_rows(shape, args.tokens, timer, copy_gbs, g)
+        save(report)
+    report["complete"] = True
+    save(report)
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,13 +323,17 @@ def main(argv: list[str] | None = None) -> int:
         print("bench/gpu_kernels.py: needs a CUDA GPU (torch.cuda.is_available() is False); "
               "--dry-run checks the code on the CPU", file=sys.stderr)  # fmt: skip
         return 2
-    report = run(args)
-    table = markdown(report)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "gpu_kernels.md").write_text(table)
-        (args.out / "gpu_kernels.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps(report) if args.json else table, end="" if not args.json else "\n")
+
+    def save(report: dict) -> None:
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "gpu_kernels.md").write_text(markdown(report))
+            (args.out / "gpu_kernels.json").write_text(json.dumps(report, indent=1) + "\n")
+        print(f"gpu_kernels.py: {len(report['moe'])} MoE rows measured", file=sys.stderr,
+              flush=True)  # fmt: skip
+
+    report = run(args, save)
+    print(json.dumps(report) if args.json else markdown(report), end="" if not args.json else "\n")
     failed = [r for r in report["moe"] + [report["attention"]] if "error" in r]
     return 1 if failed else 0
 

@@ -72,7 +72,7 @@ def test_dry_run_collects_the_gpu_tests_and_all_skip(dry_run) -> None:
 def test_dry_run_kernel_table_has_every_row(dry_run) -> None:
     _, out = dry_run
     report = json.loads((out / "gpu_kernels.json").read_text())
-    assert report["dry_run"] and report["triton_interpret"]
+    assert report["dry_run"] and report["triton_interpret"] and report["complete"]
     assert report["copy_bandwidth_gbs"] > 0
     got = {(r["layer"], r["format"], r["tokens"]) for r in report["moe"]}
     assert got == {(lay, f, t) for lay in LAYERS for f in FORMATS for t in TOKENS}
