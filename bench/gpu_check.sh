@@ -30,7 +30,7 @@ for arg in "$@"; do
     case "$arg" in
         --dry-run) MODE=dry ;;
         --fetch-wheels) MODE=fetch ;;
-        -h | --help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "bench/gpu_check.sh: unknown argument '$arg' (--dry-run, --fetch-wheels)" >&2; exit 2 ;;
     esac
 done
