@@ -81,24 +81,30 @@ def hot_router(hot: int) -> Router:
 
 
 def make_batches(
-    seed: int, counts: list[int], router: Router, dtype: torch.dtype = torch.float32
+    seed: int,
+    counts: list[int],
+    router: Router,
+    dtype: torch.dtype = torch.float32,
+    hidden_size: int = HIDDEN,
 ) -> list[Batch]:
     """Every rank's inputs, identical on all ranks for the same seed."""
     gen = torch.Generator().manual_seed(seed)
     batches = []
     for src, num_tokens in enumerate(counts):
-        hidden = torch.randn(num_tokens, HIDDEN, generator=gen).to(dtype)
+        hidden = torch.randn(num_tokens, hidden_size, generator=gen).to(dtype)
         ids = router(num_tokens, src, gen)
         weights = torch.rand(num_tokens, TOP_K, generator=gen) + 0.1
         batches.append(Batch(hidden, ids, weights / weights.sum(-1, keepdim=True)))
     return batches
 
 
-def make_experts(seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def make_experts(
+    seed: int, dtype: torch.dtype, hidden_size: int = HIDDEN
+) -> tuple[torch.Tensor, torch.Tensor]:
     """w13 [E, 2I, H] and w2 [E, H, I] of all experts."""
     gen = torch.Generator().manual_seed(seed + 7919)
-    w13 = torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=gen) * 0.3
-    w2 = torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, generator=gen) * 0.3
+    w13 = torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, hidden_size, generator=gen) * 0.3
+    w2 = torch.randn(NUM_EXPERTS, hidden_size, INTERMEDIATE, generator=gen) * 0.3
     return w13.to(dtype), w2.to(dtype)
 
 
@@ -595,27 +601,80 @@ def test_rank_error_is_reported_and_peers_killed() -> None:
 # ---------------------------------------------------------------- real DeepEP (GPU machines)
 
 
+#: A hidden size DeepEP's low-latency kernels are built for (they support a fixed list).
+LOW_LATENCY_HIDDEN = 2048
+
+
 def run_deepep_cases(rank: int, world: int, seed: int) -> list[str]:
+    """Normal kernels, then low-latency kernels, then "auto" switching between them."""
     torch.cuda.set_device(rank)
     placement = replica_placement(world)
-    batches = make_batches(seed, [5, 8, 0, 3, 6, 1, 4, 2][:world], hot_router(0), torch.bfloat16)
-    comm = DeepEPCommunicator(None, placement)
+    counts = [5, 8, 0, 3, 6, 1, 4, 2][:world]
+    batches = make_batches(seed, counts, hot_router(0), torch.bfloat16)
+    comm = DeepEPCommunicator(None, placement, mode="normal")
     experts = make_experts(seed, torch.bfloat16)
-    return round_trip(
+    problems = round_trip(
         comm, placement, rank, batches, experts, BF16_TOL, device="cuda", exact_order=False
     )
+    batches = make_batches(seed, counts, hot_router(0), torch.bfloat16, LOW_LATENCY_HIDDEN)
+    experts = make_experts(seed, torch.bfloat16, LOW_LATENCY_HIDDEN)
+    comm = DeepEPCommunicator(None, placement, low_latency_max_tokens=8)
+    for step, steps_batches in enumerate([batches, batches, make_batches(
+        seed + 1, [c * 4 for c in counts], hot_router(0), torch.bfloat16, LOW_LATENCY_HIDDEN
+    ), batches]):
+        problems += [f"step {step}: {p}" for p in round_trip(
+            comm, placement, rank, steps_batches, experts, BF16_TOL, device="cuda",
+            exact_order=False, check_stats=False,
+        )]
+    return problems
 
 
-@pytest.mark.gpu
-def test_deepep_real() -> None:
+def _gpu_ranks_or_skip() -> int:
     reason = deepep_unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
     world = min(torch.cuda.device_count(), 8)
     if world < 2 or NUM_EXPERTS % world:
         pytest.skip(f"needs 2, 4 or 8 CUDA devices, found {torch.cuda.device_count()}")
+    return world
+
+
+@pytest.mark.gpu
+def test_deepep_real() -> None:
+    """Real DeepEP normal and low-latency kernels (and "auto" switching, which cleans the
+    low-latency buffer after normal use) against the reference on 2+ GPUs."""
+    world = _gpu_ranks_or_skip()
     seed = random.randrange(2**31)
     per_rank = run_ranks(run_deepep_cases, world, args=(seed,), timeout_s=300, backend="nccl")
+    problems = [f"seed {seed} rank {r}: {p}" for r, res in enumerate(per_rank) for p in res]
+    assert not problems, "\n".join(problems)
+
+
+def run_nccl_cases(rank: int, world: int, seed: int) -> list[str]:
+    """TorchAllToAll over NCCL with CUDA tensors: rows, ids, weights exact and counters."""
+    torch.cuda.set_device(rank)
+    problems = []
+    for i, (name, dtype) in enumerate([("fp32", torch.float32), ("bf16", torch.bfloat16)]):
+        placement = replica_placement(world)
+        batches = make_batches(seed + i, [7, 0, 9, 1, 4, 3, 5, 2][:world], hot_router(0), dtype)
+        comm = make_communicator(None, placement, backend="torch", device="cuda")
+        tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+        problems += [f"{name}: {p}" for p in round_trip(
+            comm, placement, rank, batches, make_experts(seed, dtype), tol, device="cuda"
+        )]
+    return problems
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs 2 CUDA devices (NCCL refuses two ranks on one GPU)",
+)
+def test_torch_all_to_all_on_nccl_real() -> None:
+    world = min(torch.cuda.device_count(), 8)
+    world = max(w for w in (2, 4, 8) if w <= world)
+    seed = random.randrange(2**31)
+    per_rank = run_ranks(run_nccl_cases, world, args=(seed,), timeout_s=300, backend="nccl")
     problems = [f"seed {seed} rank {r}: {p}" for r, res in enumerate(per_rank) for p in res]
     assert not problems, "\n".join(problems)
 
