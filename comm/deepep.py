@@ -1,4 +1,5 @@
-"""The communicator on DeepEP's normal-mode (high-throughput) kernels, for CUDA machines.
+"""The communicator on DeepEP's kernels, for CUDA machines: normal (high-throughput) kernels
+for prefill-sized steps, low-latency kernels for decode-sized ones (`comm.deepep_ll`).
 
 DeepEP (github.com/deepseek-ai/DeepEP, the V1 `deep_ep.Buffer` API, documented in its README /
 docs/legacy.md and `deep_ep/buffer.py`): `get_dispatch_layout(topk_idx, num_experts)` counts the
@@ -12,6 +13,10 @@ DeepEP assumes the contiguous layout (expert e on rank e // num_local_experts). 
 placements, replicas included, are handed to it as "physical" expert ids
 `rank * slots_per_rank + slot` after `ExpertPlacement.route` has chosen each pair's replica.
 `deep_ep` is imported only when a buffer is built, never at module import.
+
+Which kernel a dispatch uses is decided from a number every rank shares (`deepep_ll.
+choose_mode`): the largest token count over the ranks, from `begin_step` when the caller
+knows it for the step, else from a 1-element all-reduce at each dispatch.
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from comm import deepep_ll
 from comm.base import DispatchResult
+from comm.deepep_ll import LOW_LATENCY_MAX_TOKENS, LowLatencyHandle
 from comm.placement import ExpertPlacement
 from comm.stats import CommCounts, CommStats
 
@@ -51,7 +58,7 @@ class DeepEPHandle:
 
 
 class DeepEPCommunicator:
-    """The `comm.base.Communicator` on `deep_ep.Buffer` (normal mode, intranode or internode).
+    """The `comm.base.Communicator` on `deep_ep.Buffer` (intranode or internode).
 
     Args:
         group: the expert-parallel process group, NCCL over CUDA devices (None: the default).
@@ -60,9 +67,13 @@ class DeepEPCommunicator:
             `dispatch` and `combine` methods). None: one is allocated at the first dispatch,
             sized by DeepEP's own hints for that hidden size (a collective: every rank reaches
             its first dispatch together, as the lockstep loop guarantees).
+        mode: "auto" (normal kernels above `low_latency_max_tokens` tokens on the largest rank,
+            low-latency at or below), "normal" or "low_latency" (always).
+        low_latency_max_tokens: the low-latency kernels' token bound per rank
+            (num_max_dispatch_tokens_per_rank, the buffer is sized for it) and the threshold.
 
     Raises:
-        ValueError: the placement's ep_size differs from the group size.
+        ValueError: the placement's ep_size differs from the group size; an unknown mode.
         ImportError: `deep_ep` does not import and no buffer was given.
 
     Activations must be bfloat16 (DeepEP's normal kernels move bf16 or FP8 rows); T = 0 on a
@@ -74,7 +85,11 @@ class DeepEPCommunicator:
         group: dist.ProcessGroup | None,
         placement: ExpertPlacement,
         buffer: Any = None,
+        *,
+        mode: str = "auto",
+        low_latency_max_tokens: int = LOW_LATENCY_MAX_TOKENS,
     ) -> None:
+        deepep_ll.choose_mode(mode, 0, low_latency_max_tokens)  # validates the mode
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
@@ -85,7 +100,11 @@ class DeepEPCommunicator:
             )
         self.placement = placement
         self.buffer = buffer
+        self.mode, self.low_latency_max_tokens = mode, low_latency_max_tokens
         self.stats = CommStats()
+        #: The kernel of the latest dispatch: "normal" or "low_latency" (None before any).
+        self.last_mode: str | None = None
+        self._step_max_tokens: int | None = None
         try:
             deep_ep = importlib.import_module("deep_ep")
         except ImportError:
@@ -95,10 +114,20 @@ class DeepEPCommunicator:
         # DeepEP >= 1.2 exports the index dtype it was built with; older builds take int64.
         self._idx_dtype = getattr(deep_ep, "topk_idx_t", torch.int64)
 
+    def begin_step(self, max_tokens_per_rank: int | None) -> None:
+        """Fix the kernel choice of the following dispatches from the largest token count
+        over the ranks in this step, skipping the per-dispatch all-reduce; every rank must pass
+        the same number (None: decide per dispatch again)."""
+        self._step_max_tokens = max_tokens_per_rank
+
     def dispatch(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> DispatchResult:
-        """Same contract as `TorchAllToAll.dispatch` (rows ordered by source rank, then token).
+        """Same contract as `TorchAllToAll.dispatch`; the rows' layout depends on the kernel.
+
+        Normal kernels: rows ordered by source rank, then token, one per (token, rank).
+        Low-latency kernels: one row per (token, local expert), the fixed-size packed layout
+        of `deepep_ll.to_dispatch_result` (rows with all ids -1 carry nothing).
 
         Args:
             hidden: [T, H] bfloat16 on the CUDA device; topk_ids: [T, k] int32 global ids;
@@ -106,16 +135,38 @@ class DeepEPCommunicator:
 
         Raises:
             TypeError: hidden is not bfloat16.
+            ValueError: mode "low_latency" with more than `low_latency_max_tokens` tokens; more
+                tokens than `begin_step` announced.
         """
         if hidden.dtype != torch.bfloat16:
             raise TypeError(
                 f"DeepEP dispatch moves bfloat16 activations, got {hidden.dtype}; "
                 "use TorchAllToAll (backend 'torch') for other dtypes"
             )
+        num_tokens, largest = hidden.shape[0], self._step_max_tokens
+        if largest is not None and num_tokens > largest:
+            raise ValueError(
+                f"begin_step said at most {largest} tokens per rank, this rank has {num_tokens}"
+            )
+        if largest is None:
+            largest = (
+                deepep_ll.max_tokens_over_ranks(num_tokens, self.group, hidden.device)
+                if self.mode == "auto"
+                else num_tokens  # a forced mode needs no agreement
+            )
+        mode = deepep_ll.choose_mode(self.mode, largest, self.low_latency_max_tokens)
         buffer = self._buffer_for(hidden)
         dest_rank, local_slot = self.placement.route(topk_ids, self.rank)
         slots = self.placement.num_local_experts
         physical = (dest_rank * slots + local_slot).to(self._idx_dtype)
+        if mode == "low_latency":
+            if self.last_mode == "normal":  # DeepEP: clean the low-latency buffer after normal use
+                buffer.clean_low_latency_buffer(
+                    self.low_latency_max_tokens, hidden.shape[1], self.world_size * slots
+                )
+            self.last_mode = mode
+            return self._dispatch_low_latency(buffer, hidden, topk_weights, dest_rank, physical)
+        self.last_mode = mode
         per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(
             physical, self.world_size * slots
         )
@@ -137,19 +188,77 @@ class DeepEPCommunicator:
         handle = DeepEPHandle(inner, hidden.shape[0], remote_rows)
         return DispatchResult(recv_x, recv_ids, recv_weights, handle)
 
-    def combine(self, expert_out: torch.Tensor, handle: DeepEPHandle) -> torch.Tensor:
+    def combine(
+        self, expert_out: torch.Tensor, handle: DeepEPHandle | LowLatencyHandle
+    ) -> torch.Tensor:
         """Same contract as `TorchAllToAll.combine`; expert_out is sent as bfloat16.
 
         Returns:
-            [T, H] bfloat16 (DeepEP adds the partial sums in float32 and rounds once).
+            [T, H] bfloat16 (DeepEP adds the partial sums in float32 and rounds once; the
+            low-latency kernel also applies the routing weights there).
         """
-        combined, _, _ = self.buffer.combine(expert_out.to(torch.bfloat16), handle.inner)
+        out = expert_out.to(torch.bfloat16)
+        if isinstance(handle, LowLatencyHandle):
+            combined, _, _ = self.buffer.low_latency_combine(
+                out.view(handle.packed_shape), handle.topk_idx, handle.topk_weights, handle.inner
+            )
+        else:
+            combined, _, _ = self.buffer.combine(out, handle.inner)
         self.stats.record_combine(handle.remote_rows * expert_out.shape[1] * 2)
         return combined
 
+    def _dispatch_low_latency(
+        self,
+        buffer: Any,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor,
+        dest_rank: torch.Tensor,
+        physical: torch.Tensor,
+    ) -> DispatchResult:
+        """One row per (token, expert) pair through `low_latency_dispatch` (bf16 transport).
+
+        The counters need host numbers: one small device-to-host copy (pairs per destination
+        rank and rows received), as the normal kernels' dispatch makes anyway.
+        """
+        num_experts = self.world_size * self.placement.num_local_experts
+        recv_x, recv_count, inner, _, _ = buffer.low_latency_dispatch(
+            hidden, physical, self.low_latency_max_tokens, num_experts, use_fp8=False
+        )
+        world, device = self.world_size, dest_rank.device
+        pairs = torch.zeros(world, dtype=torch.int64, device=device)
+        pairs.scatter_add_(0, dest_rank.reshape(-1), torch.ones_like(dest_rank.reshape(-1)))
+        in_rank = torch.zeros(dest_rank.shape[0], world, dtype=torch.bool, device=device)
+        in_rank.scatter_(1, dest_rank, True)
+        in_rank[:, self.rank] = False
+        counts = [pairs, recv_count.long().sum().view(1), in_rank.sum().view(1)]
+        host = torch.cat(counts).tolist()
+        per_rank, received, remote_tokens = host[:world], host[world], host[world + 1]
+        hidden_bytes = hidden.shape[1] * hidden.element_size()
+        remote_sent = sum(per_rank) - per_rank[self.rank]
+        self.stats.record_dispatch(
+            CommCounts(
+                dispatches=1,
+                tokens_in=hidden.shape[0],
+                tokens_sent_per_rank=per_rank,  # rows: one per (token, expert) pair
+                tokens_received=received,
+                remote_pairs=remote_sent,
+                dispatch_bytes_sent=remote_sent * hidden_bytes,
+                min_dispatch_bytes=remote_tokens * hidden_bytes,
+            )
+        )
+        remote_rows = received - per_rank[self.rank]
+        handle = LowLatencyHandle(
+            inner, physical, topk_weights.float(), tuple(recv_x.shape), remote_rows
+        )
+        return deepep_ll.to_dispatch_result(recv_x, recv_count, physical.shape[1], handle)
+
     def _buffer_for(self, hidden: torch.Tensor) -> Any:
         if self.buffer is None:
-            self.buffer = _allocate_buffer(self.group, hidden.shape[1] * 2)
+            experts = self.world_size * self.placement.num_local_experts
+            low_latency = None if self.mode == "normal" else self.low_latency_max_tokens
+            self.buffer = deepep_ll.allocate_buffer(
+                self.group, hidden.shape[1], experts, low_latency
+            )
         return self.buffer
 
     def _record_dispatch(
@@ -171,16 +280,3 @@ class DeepEPCommunicator:
                 min_dispatch_bytes=remote_sent * hidden_bytes,
             )
         )
-
-
-def _allocate_buffer(group: dist.ProcessGroup, hidden_bytes: int) -> Any:
-    """A `deep_ep.Buffer` sized as DeepEP's README does: the larger of the dispatch and
-    combine configs' NVLink and RDMA size hints for `hidden_bytes` per token."""
-    deep_ep = importlib.import_module("deep_ep")
-    world = group.size()
-    num_nvl_bytes, num_rdma_bytes = 0, 0
-    configs = (deep_ep.Buffer.get_dispatch_config(world), deep_ep.Buffer.get_combine_config(world))
-    for config in configs:
-        num_nvl_bytes = max(num_nvl_bytes, config.get_nvl_buffer_size_hint(hidden_bytes, world))
-        num_rdma_bytes = max(num_rdma_bytes, config.get_rdma_buffer_size_hint(hidden_bytes, world))
-    return deep_ep.Buffer(group, num_nvl_bytes, num_rdma_bytes)

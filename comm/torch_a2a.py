@@ -12,6 +12,11 @@ row packs [k int32 local ids | k float32 weights | hidden bytes | padding to 16 
 ids and weights need no collective of their own, and the payload is plain bytes whatever the
 hidden dtype (gloo has no all-to-all for some dtypes, e.g. int16). One combine is one
 collective (the split sizes are known from dispatch).
+
+Device tensors: every buffer is allocated on the input's device, and the counts exchange runs
+on the device too; `all_to_all_single` takes its split sizes as host lists, so each dispatch
+makes exactly one small device-to-host copy (2 x ep_size + 1 integers: the send and receive
+counts and the remote-pair count for the stats), and combine none.
 """
 
 from __future__ import annotations

@@ -81,24 +81,30 @@ def hot_router(hot: int) -> Router:
 
 
 def make_batches(
-    seed: int, counts: list[int], router: Router, dtype: torch.dtype = torch.float32
+    seed: int,
+    counts: list[int],
+    router: Router,
+    dtype: torch.dtype = torch.float32,
+    hidden_size: int = HIDDEN,
 ) -> list[Batch]:
     """Every rank's inputs, identical on all ranks for the same seed."""
     gen = torch.Generator().manual_seed(seed)
     batches = []
     for src, num_tokens in enumerate(counts):
-        hidden = torch.randn(num_tokens, HIDDEN, generator=gen).to(dtype)
+        hidden = torch.randn(num_tokens, hidden_size, generator=gen).to(dtype)
         ids = router(num_tokens, src, gen)
         weights = torch.rand(num_tokens, TOP_K, generator=gen) + 0.1
         batches.append(Batch(hidden, ids, weights / weights.sum(-1, keepdim=True)))
     return batches
 
 
-def make_experts(seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def make_experts(
+    seed: int, dtype: torch.dtype, hidden_size: int = HIDDEN
+) -> tuple[torch.Tensor, torch.Tensor]:
     """w13 [E, 2I, H] and w2 [E, H, I] of all experts."""
     gen = torch.Generator().manual_seed(seed + 7919)
-    w13 = torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=gen) * 0.3
-    w2 = torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, generator=gen) * 0.3
+    w13 = torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, hidden_size, generator=gen) * 0.3
+    w2 = torch.randn(NUM_EXPERTS, hidden_size, INTERMEDIATE, generator=gen) * 0.3
     return w13.to(dtype), w2.to(dtype)
 
 
@@ -211,6 +217,7 @@ def round_trip(
     tol: dict,
     device: str = "cpu",
     exact_order: bool = True,
+    check_stats: bool = True,
 ) -> list[str]:
     """dispatch -> local experts -> combine on `rank`; compare rows, output and counters."""
     w13, w2 = experts
@@ -234,8 +241,9 @@ def round_trip(
     problems += close("combined output", combined, reference_output(batches, rank, w13, w2), **tol)
     if combined.dtype != mine.hidden.dtype:
         problems.append(f"combined dtype {combined.dtype}, expected {mine.hidden.dtype}")
-    expected = expected_counts(mine, placement, rank, exp_hidden.shape[0])
-    problems += check_counts(comm.stats.last, expected, rank)
+    if check_stats:
+        expected = expected_counts(mine, placement, rank, exp_hidden.shape[0])
+        problems += check_counts(comm.stats.last, expected, rank)
     return problems
 
 
@@ -386,15 +394,119 @@ class FakeDeepEPBuffer:
         inner, inner_handle = handle
         return inner.combine(x, inner_handle), None, None
 
+    # low-latency kernels: one row per (token, expert), packed per local expert; rows past
+    # recv_count are NaN here (unset memory in DeepEP), so a consumer reading them shows
+
+    cleaned = 0  # clean_low_latency_buffer calls
+
+    def clean_low_latency_buffer(self, max_tokens: int, hidden: int, num_experts: int) -> None:
+        self.cleaned += 1
+
+    def low_latency_dispatch(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int, num_experts: int,
+        use_fp8: bool = True,
+    ) -> tuple:
+        if x.dtype != torch.bfloat16 or topk_idx.dtype != torch.int64 or use_fp8:
+            raise TypeError(f"x {x.dtype}, topk_idx {topk_idx.dtype}, use_fp8 {use_fp8}")
+        if x.shape[0] > max_tokens:
+            raise ValueError(f"{x.shape[0]} tokens > num_max_dispatch_tokens_per_rank {max_tokens}")
+        world = dist.get_world_size()
+        local = num_experts // world
+        inner = TorchAllToAll(None, ExpertPlacement.contiguous(num_experts, world))
+        top_k = topk_idx.shape[1]
+        pair_ids = topk_idx.reshape(-1, 1).int()
+        sent = inner.dispatch(x.repeat_interleave(top_k, 0), pair_ids, torch.ones(pair_ids.shape))
+        expert = sent.topk_ids[:, 0].long()
+        position = (torch.nn.functional.one_hot(expert, local).cumsum(0) - 1).gather(
+            1, expert[:, None]
+        )[:, 0]
+        packed = torch.full((local, max_tokens * world, x.shape[1]), float("nan"))
+        packed = packed.to(torch.bfloat16)
+        packed[expert, position] = sent.hidden
+        count = torch.bincount(expert, minlength=local).int()
+        return packed, count, (inner, sent.handle, expert, position, top_k), None, None
+
+    def low_latency_combine(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: tuple
+    ) -> tuple:
+        if x.dtype != torch.bfloat16 or topk_weights.dtype != torch.float32:
+            raise TypeError(f"x {x.dtype}, topk_weights {topk_weights.dtype}")
+        inner, inner_handle, expert, position, top_k = handle
+        back = inner.combine(x[expert, position], inner_handle).float()  # [T * k, H]
+        weighted = back * topk_weights.reshape(-1, 1)
+        return weighted.view(-1, top_k, x.shape[2]).sum(1).to(torch.bfloat16), None, None
+
 
 def case_deepep_adapter_fake(rank: int, world: int, seed: int) -> list[str]:
     """The DeepEP adapter's own logic (physical ids for replicas, id/weight conversion, stats)
     on the fake buffer; the real kernels are covered by test_deepep_real (GPU only)."""
     placement = replica_placement(world)
     batches = make_batches(seed, [5, 8, 0, 3][:world], hot_router(0), torch.bfloat16)
-    comm = DeepEPCommunicator(None, placement, buffer=FakeDeepEPBuffer())
+    comm = DeepEPCommunicator(None, placement, buffer=FakeDeepEPBuffer(), mode="normal")
     experts = make_experts(seed, torch.bfloat16)
     return round_trip(comm, placement, rank, batches, experts, BF16_TOL)
+
+
+def low_latency_problems(
+    comm: DeepEPCommunicator, placement: ExpertPlacement, rank: int, batches: list[Batch]
+) -> list[str]:
+    """The latest dispatch's counters against the pairs `rank` must receive (one row per
+    (token, local expert) pair, not per token)."""
+    problems = []
+    if comm.last_mode != "low_latency":
+        problems.append(f"dispatch used the {comm.last_mode} kernels, expected low_latency")
+    received = 0
+    for src, batch in enumerate(batches):
+        dest, _ = placement.route(batch.topk_ids, src)
+        received += int((dest == rank).sum())
+    dest, _ = placement.route(batches[rank].topk_ids, rank)
+    per_rank = [int((dest == r).sum()) for r in range(placement.ep_size)]
+    last = comm.stats.last
+    if (last.tokens_received, last.tokens_sent_per_rank) != (received, per_rank):
+        problems.append(
+            f"received {last.tokens_received} rows / sent {last.tokens_sent_per_rank}, "
+            f"expected {received} / {per_rank}"
+        )
+    return problems
+
+
+def case_deepep_low_latency_fake(rank: int, world: int, seed: int) -> list[str]:
+    """Low-latency kernels through the packed per-expert layout (NaN past the counts): the
+    same outputs as the reference; replicas, a rank with no tokens."""
+    placement = replica_placement(world)
+    batches = make_batches(seed, [5, 8, 0, 3][:world], hot_router(0), torch.bfloat16)
+    comm = DeepEPCommunicator(
+        None, placement, buffer=FakeDeepEPBuffer(), mode="low_latency", low_latency_max_tokens=8
+    )
+    experts = make_experts(seed, torch.bfloat16)
+    problems = round_trip(
+        comm, placement, rank, batches, experts, BF16_TOL, exact_order=False, check_stats=False
+    )
+    return problems + low_latency_problems(comm, placement, rank, batches)
+
+
+def case_deepep_auto_mode_fake(rank: int, world: int, seed: int) -> list[str]:
+    """"auto" takes the same kernel on every rank, from the largest rank's tokens: normal
+    while one rank has more than the threshold, low-latency below it (cleaning the buffer
+    after normal use), and `begin_step` overrides the all-reduce."""
+    placement = ExpertPlacement.contiguous(NUM_EXPERTS, world)
+    buffer = FakeDeepEPBuffer()
+    comm = DeepEPCommunicator(None, placement, buffer=buffer, low_latency_max_tokens=6)
+    experts = make_experts(seed, torch.bfloat16)
+    problems = []
+    steps = [([5, 8, 0, 3], None, "normal"), ([2, 1, 0, 6], None, "low_latency"),
+             ([2, 1, 0, 3], 7, "normal"), ([2, 1, 0, 3], 3, "low_latency")]
+    for i, (counts, announced, mode) in enumerate(steps):
+        comm.begin_step(announced)
+        batches = make_batches(seed + i, counts[:world], random_router, torch.bfloat16)
+        ll = mode == "low_latency"
+        problems += round_trip(comm, placement, rank, batches, experts, BF16_TOL,
+                               exact_order=not ll, check_stats=not ll)
+        if comm.last_mode != mode:
+            problems.append(f"step {i} {counts[:world]}: {comm.last_mode}, expected {mode}")
+    if buffer.cleaned != 2:
+        problems.append(f"clean_low_latency_buffer called {buffer.cleaned} times, expected 2")
+    return problems
 
 
 def case_factory_picks_torch_on_gloo(rank: int, world: int, seed: int) -> list[str]:
@@ -416,6 +528,8 @@ CASES: dict[str, Callable[[int, int, int], list[str]]] = {
     "bf16": case_bf16,
     "interleaved_handles": case_interleaved_handles,
     "deepep_adapter_fake": case_deepep_adapter_fake,
+    "deepep_low_latency_fake": case_deepep_low_latency_fake,
+    "deepep_auto_mode_fake": case_deepep_auto_mode_fake,
     "factory_picks_torch_on_gloo": case_factory_picks_torch_on_gloo,
 }
 
@@ -487,27 +601,80 @@ def test_rank_error_is_reported_and_peers_killed() -> None:
 # ---------------------------------------------------------------- real DeepEP (GPU machines)
 
 
+#: A hidden size DeepEP's low-latency kernels are built for (they support a fixed list).
+LOW_LATENCY_HIDDEN = 2048
+
+
 def run_deepep_cases(rank: int, world: int, seed: int) -> list[str]:
+    """Normal kernels, then low-latency kernels, then "auto" switching between them."""
     torch.cuda.set_device(rank)
     placement = replica_placement(world)
-    batches = make_batches(seed, [5, 8, 0, 3, 6, 1, 4, 2][:world], hot_router(0), torch.bfloat16)
-    comm = DeepEPCommunicator(None, placement)
+    counts = [5, 8, 0, 3, 6, 1, 4, 2][:world]
+    batches = make_batches(seed, counts, hot_router(0), torch.bfloat16)
+    comm = DeepEPCommunicator(None, placement, mode="normal")
     experts = make_experts(seed, torch.bfloat16)
-    return round_trip(
+    problems = round_trip(
         comm, placement, rank, batches, experts, BF16_TOL, device="cuda", exact_order=False
     )
+    batches = make_batches(seed, counts, hot_router(0), torch.bfloat16, LOW_LATENCY_HIDDEN)
+    experts = make_experts(seed, torch.bfloat16, LOW_LATENCY_HIDDEN)
+    comm = DeepEPCommunicator(None, placement, low_latency_max_tokens=8)
+    for step, steps_batches in enumerate([batches, batches, make_batches(
+        seed + 1, [c * 4 for c in counts], hot_router(0), torch.bfloat16, LOW_LATENCY_HIDDEN
+    ), batches]):
+        problems += [f"step {step}: {p}" for p in round_trip(
+            comm, placement, rank, steps_batches, experts, BF16_TOL, device="cuda",
+            exact_order=False, check_stats=False,
+        )]
+    return problems
 
 
-@pytest.mark.gpu
-def test_deepep_real() -> None:
+def _gpu_ranks_or_skip() -> int:
     reason = deepep_unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
     world = min(torch.cuda.device_count(), 8)
     if world < 2 or NUM_EXPERTS % world:
         pytest.skip(f"needs 2, 4 or 8 CUDA devices, found {torch.cuda.device_count()}")
+    return world
+
+
+@pytest.mark.gpu
+def test_deepep_real() -> None:
+    """Real DeepEP normal and low-latency kernels (and "auto" switching, which cleans the
+    low-latency buffer after normal use) against the reference on 2+ GPUs."""
+    world = _gpu_ranks_or_skip()
     seed = random.randrange(2**31)
     per_rank = run_ranks(run_deepep_cases, world, args=(seed,), timeout_s=300, backend="nccl")
+    problems = [f"seed {seed} rank {r}: {p}" for r, res in enumerate(per_rank) for p in res]
+    assert not problems, "\n".join(problems)
+
+
+def run_nccl_cases(rank: int, world: int, seed: int) -> list[str]:
+    """TorchAllToAll over NCCL with CUDA tensors: rows, ids, weights exact and counters."""
+    torch.cuda.set_device(rank)
+    problems = []
+    for i, (name, dtype) in enumerate([("fp32", torch.float32), ("bf16", torch.bfloat16)]):
+        placement = replica_placement(world)
+        batches = make_batches(seed + i, [7, 0, 9, 1, 4, 3, 5, 2][:world], hot_router(0), dtype)
+        comm = make_communicator(None, placement, backend="torch", device="cuda")
+        tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+        problems += [f"{name}: {p}" for p in round_trip(
+            comm, placement, rank, batches, make_experts(seed, dtype), tol, device="cuda"
+        )]
+    return problems
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs 2 CUDA devices (NCCL refuses two ranks on one GPU)",
+)
+def test_torch_all_to_all_on_nccl_real() -> None:
+    world = min(torch.cuda.device_count(), 8)
+    world = max(w for w in (2, 4, 8) if w <= world)
+    seed = random.randrange(2**31)
+    per_rank = run_ranks(run_nccl_cases, world, args=(seed,), timeout_s=300, backend="nccl")
     problems = [f"seed {seed} rank {r}: {p}" for r, res in enumerate(per_rank) for p in res]
     assert not problems, "\n".join(problems)
 

@@ -6,6 +6,8 @@ of the single engine-core process). It runs a torch elastic agent
 this node's ranks (`moe_engine.engine.rank.run_rank`) with the rendezvous settings `torchrun`
 users know: `--nnodes`, `--node-rank`, `--rdzv-endpoint` (static rendezvous: global rank =
 node_rank x ranks per node + local rank). No restarts: a rank that fails fails the engine.
+Across nodes, gloo and NCCL are pointed at the interface that routes to the rendezvous host
+(`netif.configure_socket_ifname`) unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME are set.
 
 When a rank fails, the agent stops the others and this process reports the first failure
 (rank, pid, exit status or signal) to the front end as FATAL, then exits 1.
@@ -29,6 +31,7 @@ from moe_engine.config import EngineConfig
 from moe_engine.engine import core_proc
 from moe_engine.engine.messages import Fatal, encode
 from moe_engine.engine.monitor import FRONTEND_TIMEOUT_S, FrontEndMonitor
+from moe_engine.engine.netif import configure_socket_ifname
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +97,8 @@ def launch_ranks(
 
     par = config.parallel
     endpoint = par.rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    # the ranks inherit this environment: gloo and NCCL bind the interface that reaches node 0
+    configure_socket_ifname(endpoint, par.nnodes)
     launch = LaunchConfig(
         min_nodes=par.nnodes,
         max_nodes=par.nnodes,

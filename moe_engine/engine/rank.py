@@ -73,6 +73,7 @@ from moe_engine.engine.messages import (
 )
 from moe_engine.engine.monitor import FRONTEND_TIMEOUT_S, FrontEndMonitor
 from moe_engine.engine.protocol import EngineCoreProtocol
+from moe_engine.engine.rank_groups import MeshError, RankGroups, engine_device, join_groups
 
 logger = logging.getLogger(__name__)
 
@@ -360,14 +361,18 @@ def run_rank(
     config = dataclasses.replace(
         config, parallel=dataclasses.replace(config.parallel, num_threads=threads)
     )
-    timeout = timedelta(seconds=config.parallel.collective_timeout_s)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=timeout)
-    groups = RankGroups(
-        control=dist.new_group(backend="gloo", timeout=timeout),
-        health=dist.new_group(backend="gloo", timeout=timeout),
-        startup=dist.new_group(backend="gloo", timeout=timedelta(seconds=STARTUP_TIMEOUT_S)),
-    )
+    device = engine_device(config)
+    try:
+        groups = join_groups(
+            rank, world_size, device, config.parallel.collective_timeout_s, STARTUP_TIMEOUT_S,
+            local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        )
+    except MeshError as exc:
+        logger.error("%s", exc)
+        if rank == 0:
+            _send_once(ctx, output_addr, StartupFailed("MeshError", str(exc)))
+        monitor.stop()
+        os._exit(1)
     inputs = outputs = None
     if rank == 0:
         inputs = ctx.socket(zmq.PULL)
@@ -393,17 +398,22 @@ def run_rank(
             os._exit(status)  # do not wait on collectives of dead peers
 
 
-@dataclass
-class RankGroups:
-    """The gloo groups of one rank: control messages, finding dead ranks, startup."""
-
-    control: Any
-    health: Any
-    startup: Any
+def _send_once(ctx: zmq.Context, address: str, message: CoreOutput) -> None:
+    """Send one message to the front end's output socket (before the loop's socket exists)."""
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(address)
+    sock.send(encode(message))
+    sock.close()
 
 
 def _build_core(
-    config: EngineConfig, core_factory: str, rank: int, world_size: int, progress: Any
+    config: EngineConfig,
+    core_factory: str,
+    rank: int,
+    world_size: int,
+    progress: Any,
+    device_group: Any,
 ) -> tuple[Any, Any]:
     """This rank's core (its experts only) and the expert placement."""
     from comm import ExpertPlacement, make_communicator
@@ -416,7 +426,10 @@ def _build_core(
         placement.check(num_experts, world_size)
     else:
         placement = ExpertPlacement.contiguous(num_experts, world_size)
-    communicator = make_communicator(dist.group.WORLD, placement)
+    device = engine_device(config)
+    communicator = make_communicator(
+        device_group, placement, device=device, dtype=config.model.torch_dtype()
+    )
     context = RankContext(rank, world_size, list(placement.slots[rank]), communicator)
     core = core_proc.resolve_core_factory(core_factory)(config, context, progress=progress)
     return core, placement
@@ -441,7 +454,9 @@ def _serve_rank(
 
     core, placement, error = None, None, None
     try:
-        core, placement = _build_core(config, core_factory, rank, world_size, monitor.report)
+        core, placement = _build_core(
+            config, core_factory, rank, world_size, monitor.report, groups.device
+        )
     except BaseException as exc:  # noqa: BLE001 - every startup failure goes to rank 0
         logger.exception("rank %d failed to start", rank)
         error = f"rank {rank}: {type(exc).__name__}: {exc}"
