@@ -43,6 +43,7 @@ def _model_info() -> m.ModelInfo:
         weight_bytes_embeddings=23, weight_bytes_other=24, expert_weight_format="int4",
         expert_group_size=32, expert_checkpoint_format="compressed-tensors",
         expert_zero_points=True, experts_per_rank=[[0, 1], [2, 3]], rank_pids=[5, 6],
+        device="cuda", kernel_backends={"fused_moe": "triton", "linear": "torch"},
     )
 
 
