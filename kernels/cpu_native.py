@@ -43,11 +43,6 @@ from quant.packing import pack_nibbles, unpack_nibbles
 TILE = 16
 
 
-def native_moe_available() -> bool:
-    """Whether the native MoE kernel is usable in this process (built on first call)."""
-    return load_native("moe_cpu") is not None
-
-
 def pack_tiles(w: torch.Tensor) -> torch.Tensor:
     """[E, N, K] -> [E, ceil(N / 16), K, 16]: tiles of 16 output rows, k-major, N zero-padded.
 
