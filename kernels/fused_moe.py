@@ -11,10 +11,11 @@ GEMM2 (``w2``, routed weight applied) -> sum over the ``k`` slots of each token.
 is plain SwiGLU or gpt-oss's clamped variant (:class:`kernels.activation.SwiGLU`), with optional
 per-expert biases (gpt-oss), as in Hugging Face's ``GptOssExperts``.
 
-Weights are bf16/fp16/fp32, or INT4 group-wise (the layout of :mod:`quant.int4`: ``[E, N, K // 2]``
-uint8, low nibble = even ``k``, fp32 / bf16 / fp16 scales ``[E, N, K // group_size]`` as stored,
-optional uint8 zero points, implicit zero 8 when symmetric), or MXFP4 (:mod:`quant.mxfp4`, OCP MX v1.0: E2M1 codes two per
-byte, low nibble = even ``k``, one uint8 E8M0 scale per 32 values of ``K``), dequantized in
+Weights are bf16/fp16/fp32, or INT4 group-wise (the layout of :mod:`quant.int4`:
+``[E, N, K // 2]`` uint8, low nibble = even ``k``, fp32 / bf16 / fp16 scales
+``[E, N, K // group_size]`` as stored, optional uint8 zero points, implicit zero 8 when
+symmetric), or MXFP4 (:mod:`quant.mxfp4`, OCP MX v1.0: E2M1 codes two per byte, low nibble =
+even ``k``, one uint8 E8M0 scale per 32 values of ``K``), dequantized in
 registers inside the K loop.
 
 Tile sizes per shape come from :mod:`kernels.fused_moe_configs`. Nothing in the op reads a
@@ -144,15 +145,13 @@ def _load_weight_tile(
     b_ptr, b_scale_ptr, b_zero_ptr, expert, rows, k, kn_mask,
     stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sg,
     dtype: tl.constexpr, GROUP_SIZE: tl.constexpr, WEIGHT_FORMAT: tl.constexpr,
-    HAS_ZEROS: tl.constexpr, SCALE_BF16: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, INTERPRET_BF16: tl.constexpr,
 ):  # fmt: skip
     """``[BLOCK_K, BLOCK_N]`` tile ``W[expert, rows, k].T`` in ``dtype``, dequantized here.
 
     ``WEIGHT_FORMAT``: 0 plain; 1 INT4 (``(code - zero) * scale``, :mod:`quant.int4`);
     2 MXFP4 (E2M1 code times the E8M0 scale ``2^(byte - 127)``, OCP MX v1.0, :mod:`quant.mxfp4`).
-    INT4 scales are fp32 or fp16 as stored, or, with ``SCALE_BF16``, bf16 passed as their int16
-    bit patterns and widened exactly to fp32 by a shift (the same in compiled Triton and in the
-    interpreter, which has no bf16 arithmetic).
+    INT4 scales are read in their stored dtype (fp32, bf16 or fp16) and widened to fp32 (exact).
     Both 4-bit formats hold two codes per byte, low nibble = even ``k``. The MXFP4 decode builds
     the fp32 bits of each E2M1 value (``|v| = 2^(e - 1) * (1 + m / 2)``, or ``m / 2`` when the
     exponent field ``e`` is 0) and of the scale (byte 0: the fp32 subnormal ``2^-127``; byte 255:
@@ -167,11 +166,7 @@ def _load_weight_tile(
         s_off = expert * stride_se + rows[None, :] * stride_sn
         s_off += (k // GROUP_SIZE)[:, None] * stride_sg
         if WEIGHT_FORMAT == 1:
-            if SCALE_BF16:
-                bits16 = tl.load(b_scale_ptr + s_off, mask=kn_mask, other=0).to(tl.int32)
-                scale = ((bits16 & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-            else:
-                scale = tl.load(b_scale_ptr + s_off, mask=kn_mask, other=0.0).to(tl.float32)
+            scale = tl.load(b_scale_ptr + s_off, mask=kn_mask, other=0.0).to(tl.float32)
             if HAS_ZEROS:
                 zero = tl.load(b_zero_ptr + s_off, mask=kn_mask, other=0).to(tl.float32)
             else:
@@ -213,7 +208,7 @@ def fused_moe_kernel(
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr, WEIGHT_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr,
-    SCALE_BF16: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr,
 ):  # fmt: skip
     """One (M-block, N-block) tile of ``C[pair] = epilogue(A[pair // a_row_div] @ W[expert].T)``.
 
@@ -253,14 +248,14 @@ def fused_moe_kernel(
         b = _load_weight_tile(
             b_ptr, b_scale_ptr, b_zero_ptr, expert, offs_n, k, kn_mask,
             stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sg,
-            a.dtype, GROUP_SIZE, WEIGHT_FORMAT, HAS_ZEROS, SCALE_BF16, INTERPRET_BF16,
+            a.dtype, GROUP_SIZE, WEIGHT_FORMAT, HAS_ZEROS, INTERPRET_BF16,
         )  # fmt: skip
         acc += _dot(a, b, INTERPRET_BF16)
         if ACTIVATION != 0:
             b_up = _load_weight_tile(
                 b_ptr, b_scale_ptr, b_zero_ptr, expert, offs_n + N, k, kn_mask,
                 stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sg,
-                a.dtype, GROUP_SIZE, WEIGHT_FORMAT, HAS_ZEROS, SCALE_BF16, INTERPRET_BF16,
+                a.dtype, GROUP_SIZE, WEIGHT_FORMAT, HAS_ZEROS, INTERPRET_BF16,
             )  # fmt: skip
             acc_up += _dot(a, b_up, INTERPRET_BF16)
     if HAS_BIAS:
@@ -393,10 +388,7 @@ def invoke_fused_moe_kernel(
         raise ValueError(f"bias {tuple(bias.shape)} must be [E, N_w] = {(w.shape[0], n_w)}")
     if weight_format == 1 and w_scales.dtype not in INT4_SCALE_DTYPES:
         raise ValueError(f"INT4 scales must be one of {INT4_SCALE_DTYPES}, got {w_scales.dtype}")
-    scale_bf16 = weight_format == 1 and w_scales.dtype == torch.bfloat16
     scales = w_scales if weight_format else out  # unused pointers still need a tensor
-    if scale_bf16:
-        scales = scales.view(torch.int16)  # bit patterns; widened by a shift in the kernel
     zeros = w_zeros if w_zeros is not None else scales
     bias_t = bias if bias is not None else out
     if activation is None:
@@ -421,7 +413,7 @@ def invoke_fused_moe_kernel(
         MUL_ROUTED_WEIGHT=mul_routed_weight, WEIGHT_FORMAT=weight_format,
         HAS_ZEROS=w_zeros is not None, HAS_BIAS=bias is not None, ACTIVATION=act_kind,
         HAS_LIMIT=activation is not None and activation.limit is not None,
-        SCALE_BF16=scale_bf16, INTERPRET_BF16=_interpret_bf16(a.dtype),
+        INTERPRET_BF16=_interpret_bf16(a.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
 
