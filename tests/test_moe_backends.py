@@ -257,3 +257,63 @@ def test_bind_rejects_an_unknown_backend() -> None:
     plan.choices["fused_moe"] = KernelChoice("fused_moe", "cutlass", "")
     with pytest.raises(ValueError, match="unknown backend 'cutlass'"):
         _float_moe(_gen(), gpt_oss=False).bind_kernels(plan)
+
+
+# --- kernels/fused_moe_configs.py and graph safety of the Triton path ---------------------------
+
+
+def test_tile_configs_from_the_table_or_the_default_rule() -> None:
+    from kernels.fused_moe_configs import (
+        TUNED,
+        MoeTileConfig,
+        default_config,
+        get_moe_config,
+    )
+
+    entry = TUNED[("int4", 768, 2048)]
+    assert get_moe_config(1, 768, 2048, "int4") == entry[1]
+    assert get_moe_config(2, 768, 2048, "int4") == entry[64]  # the next bucket the entry has
+    assert get_moe_config(10**6, 768, 2048, "int4") == entry[max(entry)]
+    tiny = get_moe_config(5, INTER, H, "mxfp4")  # not in the table: the rule, capped by shape
+    assert tiny == default_config(5, INTER, H, "mxfp4")
+    assert (tiny.BLOCK_SIZE_M, tiny.BLOCK_SIZE_N, tiny.BLOCK_SIZE_K) == (16, 32, 64)
+    with pytest.raises(ValueError, match="BLOCK_SIZE_N must be a power of two >= 16, got 24"):
+        MoeTileConfig(16, 24, 64)
+    with pytest.raises(ValueError, match="weight_format"):
+        get_moe_config(1, INTER, H, "fp8")
+
+
+@pytest.mark.skipif(_no_triton, reason="triton not installed")
+def test_fused_moe_with_an_explicit_tile_config() -> None:
+    from kernels.fused_moe import fused_moe
+    from kernels.fused_moe_configs import MoeTileConfig
+
+    g = _gen()
+    w13, w2 = _weights(g)
+    x = torch.randn(TOKENS, H, generator=g)
+    weights, ids = _routing(g)
+    extras = _extras(g, gpt_oss=True)
+    want = _reference(x, w13, w2, weights, ids, **extras)
+    for config in (MoeTileConfig(32, 16, 16, 2, 1), MoeTileConfig(16, 128, 32)):
+        got = fused_moe(x, w13, w2, weights, ids, config=config, **extras)
+        assert _rel(got, want) < 1e-4
+
+
+@pytest.mark.skipif(_no_triton, reason="triton not installed")
+def test_moe_align_block_size_reads_nothing_back_to_the_host(monkeypatch) -> None:
+    """No .item(), int(), bool() or .tolist() of a tensor (each a host sync on CUDA, which a
+    CUDA graph capture refuses): the output's shapes depend on the input's only."""
+    from kernels.fused_moe import moe_align_block_size
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor value was read back to the host")
+
+    _, ids = _routing(_gen())
+    for name in ("item", "tolist", "__int__", "__bool__", "__index__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    sorted_ids, expert_ids, total = moe_align_block_size(ids, 16, E)
+    monkeypatch.undo()
+    assert sorted_ids.shape[0] == expert_ids.shape[0] * 16 and total.shape == (1,)
+    assert sorted(sorted_ids[sorted_ids < ids.numel()].tolist()) == [
+        p for p in range(ids.numel()) if p != 2  # pair (1, 0) is another rank's
+    ]
