@@ -8,14 +8,14 @@ The stacked expert weights w13 [E, 2I, H] and w2 [E, H, I] are quantized once at
 
 Until `bind_kernels` the weights are held once, in the canonical stacked layout
 (`kernels.moe_backends.Int4Experts` / `Mxfp4Experts`, as non-persistent buffers, so that the
-module moves with `.to(device)`; never `.to(dtype)` it, which would cast the int4 scales too). `bind_kernels(plan)` reads `plan.backend("fused_moe_int4")`
-or `("fused_moe_mxfp4")` and converts the weights once into that backend's layout
-(`kernels.moe_backends`: native-cpu's `PackedQuantExperts`, decoded in registers; torch's
-packed int4 CPU matmul or MXFP4 table dequantization, off the CPU a dequantize-the-active-
-experts float path; triton's `fused_moe_int4` / `fused_moe_mxfp4`, on the canonical layout
-itself); the canonical copy is dropped when the bound layout is another one. Forward then calls
-the bound kernel, with the activation (plain SwiGLU or gpt-oss's clamped one) and the optional
-expert biases.
+module moves with `.to(device)`; never `.to(dtype)` it, which would cast the int4 scales too).
+`bind_kernels(plan)` reads `plan.backend("fused_moe_int4")` or `("fused_moe_mxfp4")` and
+converts the weights once into that backend's layout (`kernels.moe_backends`: native-cpu's
+`PackedQuantExperts`, decoded in registers; torch's packed int4 CPU matmul or MXFP4 table
+dequantization, off the CPU a dequantize-the-active-experts float path; triton's
+`fused_moe_int4` / `fused_moe_mxfp4`, on the canonical layout itself); the canonical copy is
+dropped when the bound layout is another one. Forward then calls the bound kernel, with the
+activation (plain SwiGLU or gpt-oss's clamped one) and the optional expert biases.
 """
 
 from __future__ import annotations
