@@ -70,21 +70,28 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int) -> d
 
 def run_cpu(args: argparse.Namespace) -> dict:
     from kernels.cpu import fused_moe_cpu
-    from kernels.cpu_int4 import fused_moe_int4_cpu
-    from kernels.cpu_mxfp4 import fused_moe_mxfp4_cpu
-    from kernels.cpu_native import PackedExperts, native_moe_available
+    from kernels.cpu_native import PackedExperts
+    from kernels.native import load_native
+    from kernels.registry import KernelPlan
     from moe_engine.models.layers.quantized_experts import QuantizedExperts
 
     g = torch.Generator().manual_seed(0)
     layer = make_layer(args, g)
     dtype = compute_dtype(torch.bfloat16)
     w13, w2 = layer["w13"].to(dtype), layer["w2"].to(dtype)
-    int4 = QuantizedExperts(layer["w13"].float(), layer["w2"].float(), "int4", args.group_size)
-    mxfp4 = QuantizedExperts(layer["w13"].float(), layer["w2"].float(), "mxfp4", 32)
-    native = native_moe_available()
+    native = load_native("moe_cpu") is not None
+
+    def experts(method: str, group: int, backend: str) -> QuantizedExperts:
+        q = QuantizedExperts(layer["w13"].float(), layer["w2"].float(), method, group)
+        q.bind_kernels(KernelPlan.uniform(backend))
+        return q
+
+    int4_torch = experts("int4", args.group_size, "torch")
+    mxfp4_torch = experts("mxfp4", 32, "torch")
+    if native:
+        int4 = experts("int4", args.group_size, "native-cpu")
+        mxfp4 = experts("mxfp4", 32, "native-cpu")
     bf16 = PackedExperts.pack(w13, w2) if native else None
-    # the torch paths' weights (unpacked exactly from the native layout when that holds them)
-    int4_torch, (mx13, mx2) = int4.weights, (mxfp4.weights["w13"][0], mxfp4.weights["w2"][0])
     kinds = CPU_KINDS if native else ("torch",)
     results = {}
     for tokens in args.tokens:
@@ -92,12 +99,8 @@ def run_cpu(args: argparse.Namespace) -> dict:
         weights, ids = softmax_topk(x.float() @ layer["router"].T, args.top_k, renormalize=True)
         fns = {
             "bf16_torch": lambda x=x, w=weights, i=ids: fused_moe_cpu(x, w13, w2, w, i),
-            "int4_torch": lambda x=x, w=weights, i=ids: fused_moe_int4_cpu(
-                x, int4_torch["w13"], int4_torch["w2"], args.group_size, w, i
-            ),
-            "mxfp4_torch": lambda x=x, w=weights, i=ids: fused_moe_mxfp4_cpu(
-                x, *mx13, *mx2, w, i
-            ),
+            "int4_torch": lambda x=x, w=weights, i=ids: int4_torch(x, w, i),
+            "mxfp4_torch": lambda x=x, w=weights, i=ids: mxfp4_torch(x, w, i),
         }
         if native:
             fns |= {

@@ -1,6 +1,7 @@
 """The CPU expert path for int4 weights: PyTorch's packed int4 matmul (w4a16), per expert.
 
-This is the torch fallback (`MOE_ENGINE_NATIVE=0`, or no native build): where the native kernel
+This is the torch backend (`--kernel-backend fused_moe_int4=torch`, or no native build):
+where the native kernel
 builds, `QuantizedExperts` runs `kernels.cpu_native.PackedQuantExperts` instead (float32
 activations, exact float32 scales and zero points).
 

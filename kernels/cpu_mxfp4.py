@@ -1,6 +1,7 @@
 """The CPU expert path for MXFP4 weights: dequantize only the experts that have tokens, then GEMM.
 
-This is the torch fallback (`MOE_ENGINE_NATIVE=0`, or no native build): where the native kernel
+This is the torch backend (`--kernel-backend fused_moe_mxfp4=torch`, or no native build):
+where the native kernel
 builds, `QuantizedExperts` runs `kernels.cpu_native.PackedQuantExperts` instead, which decodes
 the codes in registers without materialising the weights.
 

@@ -34,18 +34,13 @@ from kernels.cpu_moe_args import (
     q4_weight_args,
     route_args,
 )
-from kernels.native import check_status, load_native, native_unavailable_reason
+from kernels.native import check_status, load_native
 from quant.int4 import SYMMETRIC_ZERO, Int4Weight
 from quant.mxfp4 import MXFP4_BLOCK_SIZE
 from quant.packing import pack_nibbles, unpack_nibbles
 
 #: Output columns per packed tile (csrc/moe_cpu.cpp kTile).
 TILE = 16
-
-
-def native_moe_available() -> bool:
-    """Whether the native MoE kernel is usable in this process (built on first call)."""
-    return native_unavailable_reason() is None
 
 
 def pack_tiles(w: torch.Tensor) -> torch.Tensor:

@@ -11,11 +11,16 @@ GEMM2 (``w2``, routed weight applied) -> sum over the ``k`` slots of each token.
 is plain SwiGLU or gpt-oss's clamped variant (:class:`kernels.activation.SwiGLU`), with optional
 per-expert biases (gpt-oss), as in Hugging Face's ``GptOssExperts``.
 
-Weights are bf16/fp16/fp32, or INT4 group-wise (the layout of :mod:`quant.int4`: ``[E, N, K // 2]``
-uint8, low nibble = even ``k``, fp32 scales ``[E, N, K // group_size]``, optional uint8 zero points,
-implicit zero 8 when symmetric), or MXFP4 (:mod:`quant.mxfp4`, OCP MX v1.0: E2M1 codes two per
-byte, low nibble = even ``k``, one uint8 E8M0 scale per 32 values of ``K``), dequantized in
+Weights are bf16/fp16/fp32, or INT4 group-wise (the layout of :mod:`quant.int4`:
+``[E, N, K // 2]`` uint8, low nibble = even ``k``, fp32 / bf16 / fp16 scales
+``[E, N, K // group_size]`` as stored, optional uint8 zero points, implicit zero 8 when
+symmetric), or MXFP4 (:mod:`quant.mxfp4`, OCP MX v1.0: E2M1 codes two per byte, low nibble =
+even ``k``, one uint8 E8M0 scale per 32 values of ``K``), dequantized in
 registers inside the K loop.
+
+Tile sizes per shape come from :mod:`kernels.fused_moe_configs`. Nothing in the op reads a
+device value back to the host (buffers and the grid depend on shapes only), so a decode step
+that calls it can be captured in a CUDA graph.
 
 The plain torch version of the whole op is :func:`kernels.reference.fused_moe_reference`.
 Triton is imported here, never by ``kernels/__init__.py``; on a machine without a GPU the kernels
@@ -29,7 +34,12 @@ import triton
 import triton.language as tl
 
 from kernels.activation import SILU_AND_MUL, SwiGLU
+from kernels.fused_moe_configs import WEIGHT_FORMATS, MoeTileConfig, get_moe_config
 from quant.mxfp4 import MXFP4_BLOCK_SIZE
+
+#: Scale dtypes of INT4 weights the kernel reads (`quant.int4`; a checkpoint's 16-bit scales
+#: stay 16-bit, issue 14).
+INT4_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 MIN_BLOCK_SIZE = 16  # tl.dot needs every tile dimension >= 16
 
@@ -60,9 +70,12 @@ def moe_align_block_size(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group token-expert pairs by expert, each group padded to a multiple of ``block_size``.
 
-    Host-side bookkeeping in plain torch (vectorised: one stable argsort, a bincount and a
-    scatter; no loop over experts or tokens). vLLM does the same in a CUDA kernel; here the cost
-    is a few small torch ops, negligible next to the GEMMs.
+    Bookkeeping in plain torch on ``topk_ids``' device (vectorised: one stable argsort, a
+    scatter-add count and a scatter; no loop over experts or tokens). vLLM does the same in a
+    CUDA kernel; here the cost is a few small torch ops, negligible next to the GEMMs. Every
+    output shape depends on the input shapes only and nothing is read back to the host (no
+    ``.item()``, no ``bincount``, whose CUDA version reads the maximum back), so the call can
+    be captured in a CUDA graph.
 
     Args:
         topk_ids: ``[num_tokens, top_k]`` int32, expert ids; ids outside ``[0, num_experts)``
@@ -94,20 +107,22 @@ def moe_align_block_size(
     num_pairs = flat.numel()
     max_padded = max_num_tokens_padded(num_pairs, block_size, num_experts)
     valid = (flat >= 0) & (flat < num_experts)
-    keyed = torch.where(valid, flat, num_experts)  # invalid pairs sort last, then are cut
+    keyed = torch.where(valid, flat, num_experts)  # invalid pairs sort last, to a dump slot
     order = torch.argsort(keyed, stable=True)
-    counts = torch.bincount(keyed, minlength=num_experts + 1)[:num_experts]
+    counts_all = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts_all.scatter_add_(0, keyed, torch.ones_like(keyed))
+    counts = counts_all[:num_experts]
     padded = (counts + block_size - 1) // block_size * block_size
     padded_ends = torch.cumsum(padded, 0)
-    num_valid = int(counts.sum())
-    pairs = order[:num_valid]
-    experts = keyed[pairs]
-    rank_in_expert = (
-        torch.arange(num_valid, device=device) - (torch.cumsum(counts, 0) - counts)[experts]
-    )
-    dest = (padded_ends - padded)[experts] + rank_in_expert
-    sorted_token_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=device)
-    sorted_token_ids[dest] = pairs.to(torch.int32)
+    sorted_keys = keyed[order]
+    first_of_key = torch.cumsum(counts_all, 0) - counts_all
+    rank_in_expert = torch.arange(num_pairs, device=device) - first_of_key[sorted_keys]
+    # destination of each sorted pair; invalid pairs all go to slot max_padded, cut below
+    starts = torch.cat([padded_ends - padded, padded_ends.new_full((1,), max_padded)])
+    dest = torch.where(sorted_keys < num_experts, starts[sorted_keys] + rank_in_expert, max_padded)
+    buffer = torch.full((max_padded + 1,), num_pairs, dtype=torch.int32, device=device)
+    buffer[dest] = order.to(torch.int32)
+    sorted_token_ids = buffer[:max_padded]
     block_starts = torch.arange(0, max_padded, block_size, device=device)
     block_expert = torch.searchsorted(padded_ends, block_starts, right=True)
     expert_ids = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
@@ -136,6 +151,7 @@ def _load_weight_tile(
 
     ``WEIGHT_FORMAT``: 0 plain; 1 INT4 (``(code - zero) * scale``, :mod:`quant.int4`);
     2 MXFP4 (E2M1 code times the E8M0 scale ``2^(byte - 127)``, OCP MX v1.0, :mod:`quant.mxfp4`).
+    INT4 scales are read in their stored dtype (fp32, bf16 or fp16) and widened to fp32 (exact).
     Both 4-bit formats hold two codes per byte, low nibble = even ``k``. The MXFP4 decode builds
     the fp32 bits of each E2M1 value (``|v| = 2^(e - 1) * (1 + m / 2)``, or ``m / 2`` when the
     exponent field ``e`` is 0) and of the scale (byte 0: the fp32 subnormal ``2^-127``; byte 255:
@@ -150,7 +166,7 @@ def _load_weight_tile(
         s_off = expert * stride_se + rows[None, :] * stride_sn
         s_off += (k // GROUP_SIZE)[:, None] * stride_sg
         if WEIGHT_FORMAT == 1:
-            scale = tl.load(b_scale_ptr + s_off, mask=kn_mask, other=0.0)
+            scale = tl.load(b_scale_ptr + s_off, mask=kn_mask, other=0.0).to(tl.float32)
             if HAS_ZEROS:
                 zero = tl.load(b_zero_ptr + s_off, mask=kn_mask, other=0).to(tl.float32)
             else:
@@ -314,6 +330,8 @@ def invoke_fused_moe_kernel(
     block_size_m: int = 16,
     block_size_n: int = 64,
     block_size_k: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> None:
     """Launch :func:`fused_moe_kernel`: ``out[p] = act(A[p // top_k] @ W[expert(p)].T + bias)``.
 
@@ -332,14 +350,16 @@ def invoke_fused_moe_kernel(
             with ``block_size == block_size_m``.
         top_k: pairs per row of ``a`` (the row of pair ``p`` is ``p // top_k``).
         mul_routed_weight: multiply each output row by its pair's routing weight.
-        w_scales: INT4: ``[E, N_w, K // group_size]`` float32; MXFP4: ``[E, N_w, K // 32]``
-            uint8 E8M0; ``None`` for plain weights.
+        w_scales: INT4: ``[E, N_w, K // group_size]`` float32, bfloat16 or float16 (read as
+            stored, widened to fp32 in registers); MXFP4: ``[E, N_w, K // 32]`` uint8 E8M0;
+            ``None`` for plain weights.
         w_zeros: INT4 ``[E, N_w, K // group_size]`` uint8 zero points; ``None``: symmetric (8).
         bias: optional ``[E, N_w]`` (any float dtype), added in fp32 before the activation.
         activation: ``None`` (plain GEMM) or a :class:`kernels.activation.SwiGLU` applied in
             the epilogue to gate rows ``[0, N)`` and up rows ``[N, 2N)`` of ``w``.
         block_size_m, block_size_n, block_size_k: tile sizes (powers of two >= 16; N and K tiles
-            are shrunk to the problem when smaller).
+            are shrunk to the problem when smaller); see `kernels.fused_moe_configs`.
+        num_warps, num_stages: compiled-Triton launch options (the interpreter ignores them).
 
     Raises:
         ValueError: ``expert_ids`` does not match ``block_size_m``, or a shape or dtype does
@@ -366,6 +386,8 @@ def invoke_fused_moe_kernel(
         raise ValueError(f"MXFP4 scales {tuple(w_scales.shape)} are not one per 32 of K={k_dim}")
     if bias is not None and tuple(bias.shape) != (w.shape[0], n_w):
         raise ValueError(f"bias {tuple(bias.shape)} must be [E, N_w] = {(w.shape[0], n_w)}")
+    if weight_format == 1 and w_scales.dtype not in INT4_SCALE_DTYPES:
+        raise ValueError(f"INT4 scales must be one of {INT4_SCALE_DTYPES}, got {w_scales.dtype}")
     scales = w_scales if weight_format else out  # unused pointers still need a tensor
     zeros = w_zeros if w_zeros is not None else scales
     bias_t = bias if bias is not None else out
@@ -392,6 +414,7 @@ def invoke_fused_moe_kernel(
         HAS_ZEROS=w_zeros is not None, HAS_BIAS=bias is not None, ACTIVATION=act_kind,
         HAS_LIMIT=activation is not None and activation.limit is not None,
         INTERPRET_BF16=_interpret_bf16(a.dtype),
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
 
 
@@ -404,10 +427,11 @@ def _fused_moe(
     w2: _Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    block_size_m: int,
+    block_size_m: int | None,
     activation: SwiGLU,
     b13: torch.Tensor | None,
     b2: torch.Tensor | None,
+    config: MoeTileConfig | None,
 ) -> torch.Tensor:
     num_tokens, top_k = topk_ids.shape
     hidden_size = hidden.shape[1]
@@ -420,6 +444,16 @@ def _fused_moe(
         )
     num_pairs = num_tokens * top_k
     two_inter = w13[0].shape[1]
+    if config is None:
+        fmt = WEIGHT_FORMATS[_weight_format(w13[0], w13[1])]
+        config = get_moe_config(num_tokens, two_inter // 2, hidden_size, fmt)
+    if block_size_m is None:
+        block_size_m = config.BLOCK_SIZE_M
+    tiles = {
+        "block_size_m": block_size_m, "block_size_n": config.BLOCK_SIZE_N,
+        "block_size_k": config.BLOCK_SIZE_K, "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+    }  # fmt: skip
     align = moe_align_block_size(topk_ids, block_size_m, w13[0].shape[0])
     weights = topk_weights.float().contiguous()
     # GEMM1 with the activation in its epilogue: [pairs, I]. Dropped pairs leave garbage rows
@@ -427,13 +461,12 @@ def _fused_moe(
     act = torch.empty(num_pairs, two_inter // 2, dtype=hidden.dtype, device=hidden.device)
     invoke_fused_moe_kernel(
         hidden, w13[0], act, weights, *align, top_k=top_k, mul_routed_weight=False,
-        w_scales=w13[1], w_zeros=w13[2], bias=b13, activation=activation,
-        block_size_m=block_size_m,
+        w_scales=w13[1], w_zeros=w13[2], bias=b13, activation=activation, **tiles,
     )  # fmt: skip
     down = torch.zeros(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     invoke_fused_moe_kernel(
         act, w2[0], down, weights, *align, top_k=1, mul_routed_weight=True,
-        w_scales=w2[1], w_zeros=w2[2], bias=b2, block_size_m=block_size_m,
+        w_scales=w2[1], w_zeros=w2[2], bias=b2, **tiles,
     )  # fmt: skip
     return down.view(num_tokens, top_k, hidden_size).float().sum(dim=1).to(hidden.dtype)
 
@@ -444,11 +477,12 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    block_size_m: int = 16,
+    block_size_m: int | None = None,
     *,
     activation: SwiGLU = SILU_AND_MUL,
     b13: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
+    config: MoeTileConfig | None = None,
 ) -> torch.Tensor:
     """Mixture of SwiGLU experts with two grouped GEMM launches; same contract as the reference.
 
@@ -458,10 +492,12 @@ def fused_moe(
         w2: ``[E, H, I]`` down projection.
         topk_weights: ``[T, k]`` float32 routing weights.
         topk_ids: ``[T, k]`` int32 expert ids; ids outside ``[0, E)`` are skipped.
-        block_size_m: pairs per M-block (power of two >= 16).
+        block_size_m: pairs per M-block (power of two >= 16); None: the config's.
         activation: plain SwiGLU (default) or gpt-oss's clamped variant, applied in fp32 in
             GEMM1's epilogue.
         b13: optional ``[E, 2I]`` gate/up bias; b2: optional ``[E, H]`` down bias (gpt-oss).
+        config: tile sizes and launch options; None: `kernels.fused_moe_configs.get_moe_config`
+            for (T, I, H, weight format).
 
     Returns:
         ``[T, H]`` in hidden's dtype; the k slots are summed in fp32.
@@ -471,7 +507,7 @@ def fused_moe(
     """
     return _fused_moe(
         hidden, (w13, None, None), (w2, None, None), topk_weights, topk_ids, block_size_m,
-        activation, b13, b2,
+        activation, b13, b2, config,
     )  # fmt: skip
 
 
@@ -485,25 +521,26 @@ def fused_moe_int4(
     topk_ids: torch.Tensor,
     w13_zeros: torch.Tensor | None = None,
     w2_zeros: torch.Tensor | None = None,
-    block_size_m: int = 16,
+    block_size_m: int | None = None,
     *,
     activation: SwiGLU = SILU_AND_MUL,
     b13: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
+    config: MoeTileConfig | None = None,
 ) -> torch.Tensor:
     """:func:`fused_moe` with INT4 group-wise weights (w4a16) dequantized in registers.
 
     Args:
         hidden: ``[T, H]`` bf16, fp16 or fp32 activations (the compute dtype).
         w13_packed: ``[E, 2I, H // 2]`` uint8 (:func:`quant.int4.quantize_int4` of ``w13``).
-        w13_scales: ``[E, 2I, H // group_size]`` float32.
+        w13_scales: ``[E, 2I, H // group_size]`` float32, bfloat16 or float16 (a checkpoint's
+            16-bit scales as stored).
         w2_packed: ``[E, H, I // 2]`` uint8.
-        w2_scales: ``[E, H, I // group_size]`` float32.
+        w2_scales: ``[E, H, I // group_size]``, the same dtype.
         topk_weights, topk_ids: as in :func:`fused_moe`.
         w13_zeros, w2_zeros: uint8 zero points shaped like the scales, or ``None`` (symmetric:
             implicit zero 8).
-        block_size_m: pairs per M-block.
-        activation, b13, b2: as in :func:`fused_moe`.
+        block_size_m, activation, b13, b2, config: as in :func:`fused_moe`.
 
     Returns:
         ``[T, H]`` in hidden's dtype; equal, within GEMM rounding, to :func:`fused_moe` on
@@ -511,7 +548,7 @@ def fused_moe_int4(
     """
     return _fused_moe(
         hidden, (w13_packed, w13_scales, w13_zeros), (w2_packed, w2_scales, w2_zeros),
-        topk_weights, topk_ids, block_size_m, activation, b13, b2,
+        topk_weights, topk_ids, block_size_m, activation, b13, b2, config,
     )  # fmt: skip
 
 
@@ -523,11 +560,12 @@ def fused_moe_mxfp4(
     w2_scales: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    block_size_m: int = 16,
+    block_size_m: int | None = None,
     *,
     activation: SwiGLU = SILU_AND_MUL,
     b13: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
+    config: MoeTileConfig | None = None,
 ) -> torch.Tensor:
     """:func:`fused_moe` with MXFP4 weights (OCP MX v1.0, the gpt-oss layout) dequantized in
     registers: E2M1 codes decoded by bit operations, times the E8M0 block scale, in fp32.
@@ -539,7 +577,8 @@ def fused_moe_mxfp4(
         w13_scales: ``[E, 2I, H // 32]`` uint8 E8M0 exponents (``2^(byte - 127)``).
         w2_blocks: ``[E, H, I // 32, 16]`` (or ``[E, H, I // 2]``) uint8.
         w2_scales: ``[E, H, I // 32]`` uint8.
-        topk_weights, topk_ids, block_size_m, activation, b13, b2: as in :func:`fused_moe`.
+        topk_weights, topk_ids, block_size_m, activation, b13, b2, config: as in
+            :func:`fused_moe`.
 
     Returns:
         ``[T, H]`` in hidden's dtype; equal, within GEMM rounding, to :func:`fused_moe` on
@@ -553,5 +592,5 @@ def fused_moe_mxfp4(
             raise ValueError(f"{name} must be uint8 E8M0 exponents, got {t.dtype}")
     return _fused_moe(
         hidden, (w13_blocks, w13_scales, None), (w2_blocks, w2_scales, None),
-        topk_weights, topk_ids, block_size_m, activation, b13, b2,
+        topk_weights, topk_ids, block_size_m, activation, b13, b2, config,
     )  # fmt: skip

@@ -313,21 +313,20 @@ def _assert_close_to_reference(steps: list[tuple[float, bool]]) -> None:
 
 
 def _engine_weights(moe, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The engine's int4 expert weights read back through the packed matmul (an identity
-    input): w13 [2I, H], w2 [H, I] float32, to bfloat16 precision."""
-    from kernels.cpu_int4 import int4_linear
-
-    q = moe.quantized
+    """The engine's int4 expert weights of one slot, dequantized from the canonical layout
+    (given back exactly by whichever layout the experts are bound to): w13 [2I, H], w2 [H, I]
+    float32."""
+    c = moe.quantized.canonical()
     return tuple(
-        int4_linear(torch.eye(q.weights[n][slot][0].shape[1] * 2), q.weights[n][slot],
-                    q.group_size).t()
-        for n in ("w13", "w2")
+        dequantize_int4(p[slot], s[slot], None if z is None else z[slot], dtype=torch.float32)
+        for p, s, z in ((c.w13_packed, c.w13_scales, c.w13_zeros),
+                        (c.w2_packed, c.w2_scales, c.w2_zeros))
     )
 
 
 @pytest.mark.parametrize("variant", ["ct_experts_sym", "ct_all_linear_asym"])
 def test_engine_weights_equal_library_decompression(variant, request) -> None:
-    """Every expert weight the engine holds (read back from its CPU int4 layout) equals the
+    """Every expert weight the engine holds (read back from its bound layout) equals the
     library's decompression to bfloat16 precision, and every other pack-quantized Linear
     (attention, the dense MLP) was dequantized into float bit for bit."""
     ckpt, decompressed = request.getfixturevalue(variant)

@@ -160,7 +160,7 @@ def test_bf16_checkpoint_int4_experts_keep_bf16_scales(bf16_ckpt, tmp_path, monk
     assert engine.plan.weight_bytes_experts == weights * 4.5 / 8
     assert engine.model.weight_bytes_by_kind()["experts"] == weights * 4.5 / 8
     moe = next(m for m in engine.model.modules() if getattr(m, "quantized", None))
-    assert moe.quantized.native.w13_scales.dtype == torch.bfloat16
+    assert moe.quantized.canonical().w13_scales.dtype == torch.bfloat16
     ref_ckpt = _int4_reference_copy(bf16_ckpt, tmp_path)
     captured: list[torch.Tensor] = []
     compute = engine.model.compute_logits
@@ -202,9 +202,9 @@ def test_compressed_tensors_group32_bf16_scales_served_as_stored(
     assert engine.model.weight_bytes_by_kind()["experts"] == weights * 4.5 / 8
     library = load_file(deq / "model.safetensors")
     for index in sorted(spec.moe_layers):
-        native = engine.model.model.layers[index].mlp.quantized.native
-        assert native.w13_scales.dtype == torch.bfloat16
-        w13, w2 = native.to_int4()
+        canonical = engine.model.model.layers[index].mlp.quantized.canonical()
+        assert canonical.w13_scales.dtype == torch.bfloat16
+        w13, w2 = canonical.per_expert()
         for e in range(spec.num_experts):
             gate, up = dequantize_int4(*w13[e], dtype=torch.bfloat16).chunk(2)
             down = dequantize_int4(*w2[e], dtype=torch.bfloat16)

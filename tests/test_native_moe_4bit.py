@@ -327,17 +327,19 @@ def _layer_case(g, e=8, h=64, inter=64, t=11, k=2):
 
 
 @pytest.mark.parametrize("t", [1, 11, 50])
-def test_quantized_experts_use_the_native_kernel(t, monkeypatch):
-    from kernels.cpu_int4 import pack_int4_for_cpu
+def test_quantized_experts_use_the_native_kernel(t):
+    from kernels.registry import KernelPlan
     from moe_engine.models.layers.quantized_experts import QuantizedExperts
-    from quant.packing import unpack_nibbles
 
     g = _gen()
     w13, w2, hidden, weights, ids = _layer_case(g, t=t)
     b13, b2 = torch.randn(8, 128, generator=g), torch.randn(8, 64, generator=g)
     for method, group in (("mxfp4", 32), ("int4", 32), ("int4", 64)):
         experts = QuantizedExperts(w13, w2, method, group, activation=GPT_OSS, b13=b13, b2=b2)
-        assert experts.native is not None and experts._weights is None
+        canonical_bytes = experts.nbytes
+        experts.bind_kernels(KernelPlan.uniform("native-cpu"))
+        assert experts.backend == "native-cpu" and not experts._held  # one layout only
+        assert experts.nbytes == canonical_bytes  # tiles of 16 rows: no padding here
         if method == "mxfp4":
             q13, q2 = quantize_mxfp4(w13), quantize_mxfp4(w2)
             d13, d2 = dequantize_mxfp4(*q13, torch.float64), dequantize_mxfp4(*q2, torch.float64)
@@ -347,52 +349,58 @@ def test_quantized_experts_use_the_native_kernel(t, monkeypatch):
         got = experts(hidden, weights, ids)
         want = _reference(hidden, d13, d2, weights, ids, GPT_OSS, b13, b2)
         _check(got, want)
-        nbytes = experts.nbytes
-        # MOE_ENGINE_NATIVE=0: the torch path, on weights unpacked exactly from the native form
-        monkeypatch.setenv("MOE_ENGINE_NATIVE", "0")
+        # the canonical layout comes back exactly from the native tiles
+        canonical = experts.canonical()
+        if method == "mxfp4":
+            assert torch.equal(canonical.w13_blocks, q13[0])
+            assert torch.equal(canonical.w2_scales, q2[1])
+        else:
+            packed, scales, _ = quantize_int4(w2, group)
+            assert torch.equal(canonical.w2_packed, packed)
+            assert torch.equal(canonical.w2_scales, scales) and canonical.w2_zeros is None
+        # bound again to torch: its path, on the weights given back by the native layout
+        experts.bind_kernels(KernelPlan.uniform("torch"))
         fallback = experts(hidden, weights, ids)
-        monkeypatch.delenv("MOE_ENGINE_NATIVE")
-        assert experts.nbytes > nbytes  # both forms held now
         if method == "mxfp4":
             torch.testing.assert_close(fallback.double(), want, rtol=1e-4, atol=1e-4)
-            assert all(torch.equal(a, b) for a, b in zip(experts.weights["w13"][0], q13,
-                                                         strict=True))  # fmt: skip
         else:  # the torch int4 matmul takes bfloat16 activations
             assert (fallback.double() - want).norm() < 2e-2 * want.norm()
-            packed, scales, _ = quantize_int4(w2, group)
-            direct = pack_int4_for_cpu(unpack_nibbles(packed[3]), scales[3], group)
-            for a, b in zip(experts.weights["w2"][3], direct, strict=True):
-                assert torch.equal(a, b)
 
 
 def test_quantized_experts_from_checkpoint_formats_use_the_native_kernel():
+    from kernels.registry import KernelPlan
     from moe_engine.models.layers.quantized_experts import QuantizedExperts
 
+    native = KernelPlan.uniform("native-cpu")
     g = _gen()
     w13, w2, hidden, weights, ids = _layer_case(g, t=7)
     q13, q2 = quantize_mxfp4(w13), quantize_mxfp4(w2)
     experts = QuantizedExperts.from_mxfp4(q13, q2)
-    assert experts.native is not None
+    experts.bind_kernels(native)
+    assert experts.backend == "native-cpu"
     d13, d2 = dequantize_mxfp4(*q13, torch.float64), dequantize_mxfp4(*q2, torch.float64)
     _check(experts(hidden, weights, ids), _reference(hidden, d13, d2, weights, ids))
     l13, d13 = _int4_list(w13, 64, symmetric=False)
     l2, d2 = _int4_list(w2, 64, symmetric=False)
     experts = QuantizedExperts.from_int4(l13, l2)
     experts.b13, experts.b2 = torch.randn(8, 128, generator=g), torch.randn(8, 64, generator=g)
-    assert experts.native is not None
+    experts.bind_kernels(native)
+    assert experts.backend == "native-cpu"
     want = _reference(hidden, d13, d2, weights, ids, b13=experts.b13, b2=experts.b2)
     _check(experts(hidden, weights, ids), want)
 
 
-def test_quantized_experts_without_native_kernel_keep_the_torch_form(monkeypatch):
+def test_unbound_quantized_experts_run_torch():
+    """A module nobody bound runs torch (the engine always binds); the canonical MXFP4 layout
+    is what it reads."""
     from moe_engine.models.layers.quantized_experts import QuantizedExperts
 
-    monkeypatch.setenv("MOE_ENGINE_NATIVE", "0")
     g = _gen()
     w13, w2, hidden, weights, ids = _layer_case(g, t=5)
     experts = QuantizedExperts(w13, w2, "mxfp4", 32)
-    assert experts.native is None and experts._weights is not None
+    assert experts.backend is None
     q13, q2 = quantize_mxfp4(w13), quantize_mxfp4(w2)
     d13, d2 = dequantize_mxfp4(*q13, torch.float64), dequantize_mxfp4(*q2, torch.float64)
     want = _reference(hidden, d13, d2, weights, ids)
     torch.testing.assert_close(experts(hidden, weights, ids).double(), want, rtol=1e-4, atol=1e-4)
+    assert experts.backend == "torch" and experts._held

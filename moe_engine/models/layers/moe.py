@@ -14,8 +14,8 @@ from torch import nn
 
 from comm import Communicator, NoopCommunicator
 from kernels.activation import SILU_AND_MUL, SwiGLU
-from kernels.cpu import fused_moe_cpu
-from kernels.cpu_native import PackedExperts, native_moe_available
+from kernels.moe_backends import BoundExperts, ExpertExtras, bind_float_experts
+from kernels.registry import TORCH, KernelPlan
 from moe_engine.instrumentation import ExpertLoadRecorder
 from moe_engine.models.layers.linear import Linear
 from moe_engine.models.layers.quantized_experts import QuantizedExperts
@@ -50,6 +50,11 @@ class FusedMoE(nn.Module):
     still scores all E experts and the communicator moves tokens to the ranks holding them.
     Checkpoint formats (per-expert, fused, int4, MXFP4) are copied in by
     `layers/expert_weights.py`.
+
+    The expert kernel is chosen once, by `bind_kernels(plan)` after loading (and quantizing):
+    float experts run `plan.backend("fused_moe")`, 4-bit ones their `QuantizedExperts`' bound
+    kernel. The float parameters w13/w2 stay the canonical copy (the loader writes them in
+    place; `reset_packed` then makes the bound layout be rebuilt from them).
 
     Args:
         num_experts: E, routed experts in the model.
@@ -126,7 +131,8 @@ class FusedMoE(nn.Module):
         self.local_experts: list[int] = list(range(num_experts))
         self._slots_of: dict[int, list[int]] = {e: [e] for e in range(num_experts)}
         self.quantized: QuantizedExperts | None = None
-        self._packed: PackedExperts | None = None  # native layout, made by the first forward
+        self.kernel_backend: str | None = None  # the float experts' backend (bind_kernels)
+        self._packed: BoundExperts | None = None  # its layout; rebuilt after reset_packed
         # checkpoint pieces the loader holds until the 4-bit experts are complete
         # (`expert_weights.load_int4_expert`, `load_mxfp4_experts`)
         self.pending_int4: dict[tuple[int, str], Int4Weight] = {}  # (slot, shard)
@@ -215,20 +221,8 @@ class FusedMoE(nn.Module):
                 mine[self.ep_rank] = (sent.topk_ids >= 0).sum()
                 self.load_recorder.record_rank_tokens(self.layer_index, mine)
         with timer.phase("experts"):
-            packed = None if self.quantized is not None else self._packed_experts()
-            if self.quantized is not None:
-                expert_out = self.quantized(sent.hidden, sent.topk_weights, sent.topk_ids)
-            elif packed is not None:
-                expert_out = packed(sent.hidden, sent.topk_weights, sent.topk_ids)
-            else:
-                expert_out = fused_moe_cpu(
-                    sent.hidden,
-                    self.w13,
-                    self.w2,
-                    sent.topk_weights,
-                    sent.topk_ids,
-                    **self._expert_extras(),
-                )
+            experts = self.quantized if self.quantized is not None else self._float_experts()
+            expert_out = experts(sent.hidden, sent.topk_weights, sent.topk_ids)
         with timer.phase("combine"):
             out = self.communicator.combine(expert_out, sent.handle)
         if self.shared_experts is None:
@@ -245,19 +239,39 @@ class FusedMoE(nn.Module):
             return topk_softmax(router_logits, self.top_k)
         return softmax_topk(router_logits, self.top_k, self.renormalize)
 
+    def bind_kernels(self, plan: KernelPlan) -> None:
+        """Choose the expert kernel once: `plan.backend("fused_moe")` for float experts (the
+        layout is built now: native-cpu packs `kernels.cpu_native.PackedExperts`; torch and
+        triton read w13/w2 in place), or the 4-bit experts' own `bind_kernels` with the same
+        plan. Call after loading and quantizing, on the device the weights will stay on;
+        calling again (a new plan, or after reloading weights) rebuilds the layout.
+
+        Raises:
+            ValueError: an unknown backend. RuntimeError: native-cpu with weights off the CPU,
+                or 4-bit experts whose layout cannot be converted (`QuantizedExperts`).
+        """
+        if self.quantized is not None:
+            self.quantized.bind_kernels(plan)
+            return
+        self.kernel_backend = plan.backend("fused_moe")
+        self._packed = bind_float_experts(
+            self.kernel_backend, self.w13.data, self.w2.data, ExpertExtras(**self._expert_extras())
+        )
+
     def reset_packed(self) -> None:
-        """Forget the native kernel's packed copy (call after changing weights in place)."""
+        """The float weights were (or are about to be) changed in place: drop the bound
+        kernel's layout, so that the next forward rebuilds it from w13/w2 for the same
+        backend (no stale weights; no re-pack per loaded tensor). 4-bit experts are never
+        changed in place, so theirs stays."""
         self._packed = None
 
-    def _packed_experts(self) -> PackedExperts | None:
-        """The native kernel's copy of the float expert weights (kernels/cpu_native.py),
-        packed on first use after loading (`reset_packed` drops it); None when the native
-        kernel is unavailable or the weights are not on a CPU.
+    def _float_experts(self) -> BoundExperts:
+        """The bound float-expert kernel, rebuilt for the bound backend after `reset_packed`.
+
+        Unbound (a module built outside the engine, which always binds), the backend is torch,
+        as for every kernel-using layer.
         """
-        if self._packed is not None:
-            return self._packed
-        if self.w13.device.type != "cpu" or not native_moe_available():
-            return None
         if self._packed is None:
-            self._packed = PackedExperts.pack(self.w13.data, self.w2.data, **self._expert_extras())
+            backend = self.kernel_backend or TORCH
+            self.bind_kernels(KernelPlan.uniform(backend, self.w13.device.type))
         return self._packed

@@ -3,19 +3,19 @@
 The stacked expert weights w13 [E, 2I, H] and w2 [E, H, I] are quantized once at load time
 (or arrive quantized), about 3.8x less memory than bf16 (~4.25 bits per weight):
 - int4 (`quant.int4`, group-wise; symmetric when quantized here, a checkpoint's may be
-  asymmetric);
+  asymmetric; scales float32 or the checkpoint's 16-bit dtype, kept as stored);
 - mxfp4 (`quant.mxfp4`, OCP Microscaling Formats (MX) Specification v1.0).
 
-Where the native CPU kernel builds (`kernels.native.load_native("moe_cpu")`, the default), the
-codes are kept only in its tile layout (`kernels.cpu_native.PackedQuantExperts`) and decoded in
-registers, float32 activations and accumulation: the dequantized weights' float32 result, for
-both formats, and faster than the bf16 experts at decode sizes (bench/moe_kernel.py). With
-`MOE_ENGINE_NATIVE=0` (or no AVX2 / no compiler) the torch paths run instead:
-- int4: repacked per expert for PyTorch's packed int4 CPU matmul (`kernels.cpu_int4`),
-  bfloat16 activations around it; results match the dequantized weights to bfloat16 precision.
-- mxfp4: each step only the experts with tokens are dequantized, by table lookup into a reused
-  buffer in the compute dtype, then the float GEMM path runs (`kernels.cpu_mxfp4`).
-Both take the activation (plain SwiGLU or gpt-oss's clamped one) and optional expert biases.
+Until `bind_kernels` the weights are held once, in the canonical stacked layout
+(`kernels.moe_backends.Int4Experts` / `Mxfp4Experts`, as non-persistent buffers, so that the
+module moves with `.to(device)`; never `.to(dtype)` it, which would cast the int4 scales too).
+`bind_kernels(plan)` reads `plan.backend("fused_moe_int4")` or `("fused_moe_mxfp4")` and
+converts the weights once into that backend's layout (`kernels.moe_backends`: native-cpu's
+`PackedQuantExperts`, decoded in registers; torch's packed int4 CPU matmul or MXFP4 table
+dequantization, off the CPU a dequantize-the-active-experts float path; triton's
+`fused_moe_int4` / `fused_moe_mxfp4`, on the canonical layout itself); the canonical copy is
+dropped when the bound layout is another one. Forward then calls the bound kernel, with the
+activation (plain SwiGLU or gpt-oss's clamped one) and the optional expert biases.
 """
 
 from __future__ import annotations
@@ -24,16 +24,23 @@ import torch
 from torch import nn
 
 from kernels.activation import SILU_AND_MUL, SwiGLU
-from kernels.cpu_int4 import fused_moe_int4_cpu, pack_int4_for_cpu
-from kernels.cpu_mxfp4 import fused_moe_mxfp4_cpu
-from kernels.cpu_native import PackedQuantExperts, native_moe_available
-from kernels.native import load_native
+from kernels.moe_backends import (
+    BoundExperts,
+    Int4Experts,
+    Mxfp4Experts,
+    bind_int4_experts,
+    bind_mxfp4_experts,
+    tensors_of,
+)
+from kernels.registry import TORCH, KernelPlan
 from quant.int4 import INT4_GROUP_SIZES, Int4Weight, check_group_size, quantize_int4
 from quant.mxfp4 import MXFP4_BLOCK_SIZE, quantize_mxfp4
-from quant.packing import unpack_nibbles
 
 #: Quantization methods `--quantization` accepts, besides "none".
 QUANT_METHODS = ("int4", "mxfp4")
+
+#: The registry op of each method.
+OP_OF_METHOD = {"int4": "fused_moe_int4", "mxfp4": "fused_moe_mxfp4"}
 
 
 class QuantizedExperts(nn.Module):
@@ -44,15 +51,15 @@ class QuantizedExperts(nn.Module):
         method: "int4" or "mxfp4".
         group_size: int4 values per scale along the input dimension (32, 64 or 128).
         scale_dtype: int4 scales' storage: float32, or a 16-bit checkpoint's own dtype
-            (bfloat16/float16: 4 + 16 / group_size bits per weight; the native kernel reads
-            them as stored).
+            (bfloat16/float16: 4 + 16 / group_size bits per weight; every backend reads them
+            as stored).
         activation: plain SwiGLU (default) or gpt-oss's clamped variant.
         b13: optional [E, 2I] gate/up bias; b2: optional [E, H] down bias, kept unquantized
-            (the three are plain attributes: set them on an instance made by `from_int4`).
+            (the three are plain attributes, read on every forward).
 
     Attributes:
-        native: the weights in the native kernel's layout, or None (torch paths only).
-        weights: the torch paths' form (see `weights`).
+        bound: the `kernels.moe_backends.BoundExperts` that forward calls; None before
+            `bind_kernels`.
 
     Raises:
         ValueError: a group size (int4) or 32 (mxfp4) that does not divide H or I, naming both.
@@ -78,73 +85,84 @@ class QuantizedExperts(nn.Module):
         self.activation, self.b13, self.b2 = activation, b13, b2
         if method not in QUANT_METHODS:
             raise ValueError(f"quantization must be one of none, {', '.join(QUANT_METHODS)}")
-        self.method, self.group_size, self.scale_dtype = method, group_size, scale_dtype
+        self.method, self.group_size = method, group_size
         if method == "int4":
-            self._set_int4(self._quantize_int4(w13), self._quantize_int4(w2))
+            self._hold(Int4Experts(*self._quantize_int4(w13, scale_dtype),
+                                   *self._quantize_int4(w2, scale_dtype)))
         else:
-            self._set_mxfp4(self._quantize_mxfp4("w13", w13), self._quantize_mxfp4("w2", w2))
+            q13, q2 = self._quantize_mxfp4("w13", w13), self._quantize_mxfp4("w2", w2)
+            self._hold(Mxfp4Experts(*q13, *q2))
 
-    def _quantize_int4(self, w: torch.Tensor) -> list[Int4Weight]:
+    def _quantize_int4(self, w: torch.Tensor, scale_dtype: torch.dtype) -> tuple:
         check_group_size(w.shape[-1], self.group_size)
-        packed, scales, _ = quantize_int4(
-            w, self.group_size, symmetric=True, scale_dtype=self.scale_dtype
-        )
-        return [Int4Weight(packed[e], scales[e], None) for e in range(len(w))]
+        return quantize_int4(w, self.group_size, symmetric=True, scale_dtype=scale_dtype)
 
-    def _set_int4(self, w13: list[Int4Weight], w2: list[Int4Weight]) -> None:
-        """Keep int4 experts in the native layout when the native kernel is available, else in
-        the torch int4 matmul's."""
-        self.native: PackedQuantExperts | None = None
-        self._weights: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
-        if native_moe_available():
-            self.native = PackedQuantExperts.from_int4(w13, w2)
-        else:
-            self._weights = self._int4_torch_weights(w13, w2)
+    def _hold(self, weights: Int4Experts | Mxfp4Experts | None) -> None:
+        """Keep `weights` as the canonical layout, as non-persistent buffers named after its
+        fields (state_dict unchanged; `nbytes` counts them); None drops it."""
+        if weights is not None:
+            self._layout = type(weights)
+        for name in self._layout.__dataclass_fields__:
+            value = None if weights is None else getattr(weights, name)
+            if name in self._buffers:
+                self._buffers[name] = value
+            else:
+                self.register_buffer(name, value, persistent=False)
+        self._held = weights is not None
+        if not hasattr(self, "bound"):
+            self.bound: BoundExperts | None = None
 
-    def _int4_torch_weights(
-        self, w13: list[Int4Weight], w2: list[Int4Weight]
-    ) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
-        return {
-            name: [
-                pack_int4_for_cpu(
-                    unpack_nibbles(w.packed, "packed"), w.scales, self.group_size, w.zeros
-                )
-                for w in ws
-            ]
-            for name, ws in (("w13", w13), ("w2", w2))
-        }
+    def canonical(self) -> Int4Experts | Mxfp4Experts:
+        """The weights in the canonical stacked layout: the held copy, or given back exactly
+        by the bound layout (native-cpu unpacks its tiles).
 
-    def _set_mxfp4(
-        self, w13: tuple[torch.Tensor, torch.Tensor], w2: tuple[torch.Tensor, torch.Tensor]
-    ) -> None:
-        """Keep MXFP4 experts (blocks, scales) in the native layout when the native kernel is
-        available, else as they are (the torch path's form)."""
-        self.native = None
-        self._weights = None
-        if native_moe_available():
-            self.native = PackedQuantExperts.from_mxfp4(w13, w2)
-        else:
-            self._weights = {"w13": [w13], "w2": [w2]}
+        Raises:
+            RuntimeError: the bound layout cannot give it back (torch's int4 CPU layout rounds
+                the scales to bfloat16); quantize or load the experts again instead.
+        """
+        if self._held:
+            names = self._layout.__dataclass_fields__
+            return self._layout(*(self._buffers[n] for n in names))
+        if self.bound is None or self.bound.restore is None:
+            backend = None if self.bound is None else self.bound.backend
+            raise RuntimeError(
+                f"{self.method} experts bound to {backend} cannot give the canonical layout "
+                "back (torch's int4 CPU layout rounds the scales to bfloat16); quantize or "
+                "load them again"
+            )
+        return self.bound.restore()
 
     @property
-    def weights(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """The torch paths' form of the weights: "w13"/"w2" -> per expert the
-        `kernels.cpu_int4.pack_int4_for_cpu` pair (int4), or one (blocks, scales) pair for all
-        experts (mxfp4). When the native layout holds the weights this is unpacked from it
-        (exactly) on first use and kept, adding its bytes to `nbytes`."""
-        if self._weights is None:
-            assert self.native is not None
-            if self.method == "int4":
-                self._weights = self._int4_torch_weights(*self.native.to_int4())
-            else:
-                w13, w2 = self.native.to_mxfp4()
-                self._weights = {"w13": [w13], "w2": [w2]}
-        return self._weights
+    def backend(self) -> str | None:
+        """The bound backend ("native-cpu", "torch", "triton"), None before `bind_kernels`."""
+        return None if self.bound is None else self.bound.backend
+
+    def bind_kernels(self, plan: KernelPlan) -> None:
+        """Convert the weights once into the layout of `plan`'s backend for this method's op
+        ("fused_moe_int4" / "fused_moe_mxfp4") and make forward call it. Binding again
+        rebuilds the layout from the canonical one (restored from the bound layout when it was
+        dropped); binding the torch int4 CPU layout again to torch is a no-op (it holds what
+        it held: nothing changes 4-bit codes in place).
+
+        Raises:
+            RuntimeError: another backend after torch's int4 CPU layout (see `canonical`), or
+                native-cpu with weights not on a CPU.
+            ValueError: an unknown backend.
+        """
+        backend = plan.backend(OP_OF_METHOD[self.method])
+        if not self._held and self.bound.restore is None and backend == self.bound.backend:
+            return
+        weights = self.canonical()
+        bind = bind_int4_experts if self.method == "int4" else bind_mxfp4_experts
+        self.bound = bind(backend, weights)
+        held = {id(t) for t in self.bound.held}
+        self._hold(weights if all(id(t) in held for t in tensors_of(weights)) else None)
 
     @classmethod
     def from_int4(cls, w13: list[Int4Weight], w2: list[Int4Weight]) -> QuantizedExperts:
         """Experts from weights that are int4 already (a pre-quantized checkpoint, e.g.
-        `quant.compressed_tensors`), repacked for the CPU int4 matmul; nothing is re-quantized.
+        `quant.compressed_tensors`), stacked as they are (scales in their own dtype);
+        nothing is re-quantized.
 
         Args:
             w13: per local expert slot, gate rows then up rows: packed [2I, H // 2] uint8,
@@ -152,8 +170,9 @@ class QuantizedExperts(nn.Module):
             w2: per local expert slot: packed [H, I // 2], scales [H, I // group_size].
 
         Raises:
-            ValueError: no experts, lists of different lengths, or group sizes that differ
-                between weights or are not in `quant.int4.INT4_GROUP_SIZES` (names them).
+            ValueError: no experts, lists of different lengths, shapes that differ between
+                experts or do not chain, or group sizes that differ between weights or are not
+                in `quant.int4.INT4_GROUP_SIZES` (names them).
         """
         if not w13 or len(w13) != len(w2):
             raise ValueError(f"int4 experts: {len(w13)} w13 and {len(w2)} w2 weights")
@@ -163,10 +182,18 @@ class QuantizedExperts(nn.Module):
                 f"int4 experts: group sizes {group_sizes}; one of {INT4_GROUP_SIZES} is needed "
                 f"for every expert weight of a layer"
             )
+        shapes13, shapes2 = ({tuple(w.shape) for w in ws} for ws in (w13, w2))
+        if len(shapes13) != 1 or len(shapes2) != 1:
+            raise ValueError(f"int4 experts: w13 shapes {sorted(shapes13)}, w2 shapes "
+                             f"{sorted(shapes2)}: need one each")
+        (two_i, h), = shapes13
+        if two_i % 2 or shapes2 != {(h, two_i // 2)}:
+            raise ValueError(f"int4 experts: w13 {(two_i, h)} and w2 {sorted(shapes2)[0]} do "
+                             f"not chain (w2 must be [H, I] = {(h, two_i // 2)})")
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self.method, self.group_size = "int4", group_sizes[0]
-        self._set_int4(w13, w2)
+        self._hold(Int4Experts.stack(w13, w2))
         return self
 
     @classmethod
@@ -216,7 +243,7 @@ class QuantizedExperts(nn.Module):
         nn.Module.__init__(self)
         self.method, self.group_size = "mxfp4", MXFP4_BLOCK_SIZE
         self.activation, self.b13, self.b2 = activation, b13, b2
-        self._set_mxfp4((w13_blocks, w13_scales), (w2_blocks, w2_scales))
+        self._hold(Mxfp4Experts(w13_blocks, w13_scales, w2_blocks, w2_scales))
         return self
 
     @staticmethod
@@ -231,35 +258,22 @@ class QuantizedExperts(nn.Module):
     def forward(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        """hidden: [T, H]; topk_weights [T, k] fp32; topk_ids [T, k] int32 -> [T, H].
+        """hidden: [T, H]; topk_weights [T, k] fp32; topk_ids [T, k] int32 -> [T, H] in
+        hidden's dtype: the bound kernel.
 
-        The native kernel when it holds the weights and is enabled (`MOE_ENGINE_NATIVE` is not
-        0), else the torch path of the method.
+        Unbound (a module built outside the engine, which always binds), the first call binds
+        torch, as for every kernel-using layer.
         """
-        extra = {"activation": self.activation, "b13": self.b13, "b2": self.b2}
-        if self.native is not None and load_native("moe_cpu") is not None:
-            return self.native(hidden, topk_weights, topk_ids, **extra)
-        if self.method == "int4":
-            return fused_moe_int4_cpu(
-                hidden,
-                self.weights["w13"],
-                self.weights["w2"],
-                self.group_size,
-                topk_weights,
-                topk_ids,
-                **extra,
-            )
-        (w13, w13_scales), (w2, w2_scales) = self.weights["w13"][0], self.weights["w2"][0]
-        return fused_moe_mxfp4_cpu(
-            hidden, w13, w13_scales, w2, w2_scales, topk_weights, topk_ids, **extra
-        )
+        if self.bound is None:
+            self.bind_kernels(KernelPlan.uniform(TORCH, hidden.device.type))
+        return self.bound(hidden, topk_weights, topk_ids, activation=self.activation,
+                          b13=self.b13, b2=self.b2)
 
     @property
     def nbytes(self) -> int:
-        """Bytes the 4-bit weights and their scales take (both layouts, when both are held)."""
-        total = 0 if self.native is None else self.native.nbytes
-        if self._weights is not None:
-            total += sum(
-                t.numel() * t.element_size() for ws in self._weights.values() for p in ws for t in p
-            )
-        return total
+        """Bytes the 4-bit weights and their scales take (the canonical layout while held,
+        plus the bound layout's tensors that are not the same ones)."""
+        tensors = {id(t): t for t in self._buffers.values() if t is not None}
+        if self.bound is not None:
+            tensors.update((id(t), t) for t in self.bound.held)
+        return sum(t.numel() * t.element_size() for t in tensors.values())
