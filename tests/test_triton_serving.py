@@ -103,3 +103,20 @@ def test_mla_latent_decode_matches_transformers(deepseek_v3_ckpt):
     got, info = _serve(deepseek_v3_ckpt)
     assert info.kernel_backends["mla_decode"] == "triton"
     assert got == expected
+
+
+def test_every_module_is_bound_to_the_triton_kernels(qwen3_ckpt):
+    """What the servers above ran: the plan reached every expert and attention module."""
+    from moe_engine import LLM
+    from moe_engine.models.layers.attention import PagedAttention
+
+    for quantization, attr in (("none", "kernel_backend"), ("int4", "backend")):
+        llm = LLM(model=str(qwen3_ckpt), max_model_len=64, quantization=quantization,
+                  quant_group_size=32, kernel_backend="triton")
+        moes = [moe for _, moe in llm.engine.model.moe_layers()]
+        bound = {getattr(m.quantized if m.quantized is not None else m, attr) for m in moes}
+        assert bound == {"triton"}, (quantization, bound)
+        attention = [m for m in llm.engine.model.modules() if isinstance(m, PagedAttention)]
+        assert {(m.decode_backend, m.prefill_backend) for m in attention} == {
+            ("triton", "triton")
+        }
