@@ -206,3 +206,32 @@ def apply_sizing(plan: Plan, sizing: KVCacheSizing) -> Plan:
         kv_cache_memory=sizing.num_blocks * plan.kv_bytes_per_block,
         kv_cache_source=f"gpu_memory_utilization {sizing.utilization:g}",
     )
+
+
+def kv_plan_after_profile(
+    plan: Plan,
+    *,
+    utilization: float,
+    max_model_len: int,
+    weight_bytes: int,
+    profile: Callable[[], int],
+    memory: Callable[[], DeviceMemory],
+) -> Plan:
+    """The startup plan with its KV blocks sized on the device: `profile()` runs the profile
+    forward and returns its activation peak (bytes; `profile_activation_peak`), then
+    `memory()` reads the device (`cuda_device_memory`), and `size_kv_cache` does the rest.
+    Both are injectable, so this runs in tests without a GPU.
+
+    Returns:
+        `plan` with num_blocks, kv_cache_memory and kv_cache_source from the sizing, and the
+        sizing's terms as its `device_lines` (printed by `Plan.describe`).
+
+    Raises:
+        StartupError: from `size_kv_cache`.
+    """
+    peak = profile()
+    sizing = size_kv_cache(memory(), utilization, weight_bytes, peak, plan, max_model_len)
+    return replace(
+        apply_sizing(plan, sizing),
+        device_lines=(*plan.device_lines, *sizing.describe().splitlines()),
+    )

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kernels.native import NativeUnavailable, prepare_native
+from kernels.registry import resolve_device
 from moe_engine.config import (
     EngineConfig,
     default_threads,
@@ -35,11 +36,13 @@ from moe_engine.engine.protocol import StartupProgressFn
 from moe_engine.engine.rank_context import RankContext
 from moe_engine.errors import ErrorCode, RequestError, StartupError
 from moe_engine.instrumentation import ExpertLoadRecorder, balancedness, imbalance_ratio
-from moe_engine.kv_cache import KVCacheManager, make_kv_cache_groups
+from moe_engine.kv_cache import KVCacheGroup, KVCacheManager, make_kv_cache_groups
+from moe_engine.memory import cuda_device_memory, kv_plan_after_profile, profile_activation_peak
 from moe_engine.model_runner import ModelRunner
-from moe_engine.models.build import build_model
+from moe_engine.models.build import BuiltModel, build_model, sizes_kv_on_device
 from moe_engine.parallel_sampling import ParentRequest
 from moe_engine.phase_timer import PhaseTimer
+from moe_engine.plan import Plan
 from moe_engine.request import FinishReason, Request, SamplingParams
 from moe_engine.sampler import Sampler
 from moe_engine.scheduler import Scheduler
@@ -111,6 +114,67 @@ def _no_progress(phase: str, detail: str = "", eta_s: float | None = None) -> No
     """The progress callback of a core nobody watches start (the offline API)."""
 
 
+def engine_device(config: EngineConfig) -> torch.device:
+    """The engine's device, resolved once (`--device`; `kernels.registry.resolve_device`):
+    "cpu", or the current CUDA device (a rank sets its own with torch.cuda.set_device).
+
+    Raises:
+        StartupError: an unknown device, or cuda without a CUDA device (one line).
+    """
+    try:
+        name = resolve_device(config.device.device)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from exc
+    if name == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(name)
+
+
+def _kv_groups(built: BuiltModel, block_size: int) -> list[KVCacheGroup]:
+    """The KV-cache groups of a built model (its layers by attention kind, equal-sized)."""
+    spec = built.spec
+    return make_kv_cache_groups(
+        built.attention_groups,
+        block_size=block_size,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        dtype=built.dtype,
+        kv_lora_rank=spec.kv_lora_rank,
+        qk_rope_head_dim=spec.qk_rope_head_dim,
+    )
+
+
+def _plan_on_device(
+    config: EngineConfig, built: BuiltModel, kv_groups: list[KVCacheGroup], device: torch.device
+) -> Plan:
+    """The plan with KV blocks sized by --gpu-memory-utilization: weights as allocated, the
+    activation peak of one profile forward at max_num_batched_tokens (on a runner whose cache
+    is the null block only, dropped afterwards), then the device's memory.
+
+    Raises:
+        StartupError: one max_model_len request does not fit (`memory.size_kv_cache`).
+    """
+    weight_bytes = torch.cuda.memory_allocated(device)
+    probe = ModelRunner(
+        built.model, 0, config.cache.block_size, built.dtype, Sampler(), kv_groups, device
+    )
+    sched = config.scheduler
+
+    def run() -> None:
+        probe.profile_run(sched.max_num_batched_tokens, sched.max_num_seqs, built.max_model_len)
+
+    plan = kv_plan_after_profile(
+        built.plan,
+        utilization=config.device.gpu_memory_utilization,
+        max_model_len=built.max_model_len,
+        weight_bytes=weight_bytes,
+        profile=lambda: profile_activation_peak(run, device),
+        memory=lambda: cuda_device_memory(device),
+    )
+    logger.info("startup plan (KV cache sized on %s):\n%s", device, plan.describe())
+    return plan
+
+
 def build_detail(message: str) -> str:
     """A kernel build report as the detail of the "building native CPU kernels" phase: the
     phase's own words and the elapsed seconds (the status adds both) taken out.
@@ -168,14 +232,20 @@ class EngineCore:
         config = _resolve_quant(config)
         self.config = config
         self.rank_context = rank_context
+        #: The engine's device ("cpu" or a CUDA device), resolved once here.
+        self.device = engine_device(config)
         torch.set_num_threads(config.parallel.num_threads or default_threads())
         _prepare_kernels(progress)
-        built = build_model(config, rank_context, progress)
+        device_memory = cuda_device_memory(self.device) if self.device.type == "cuda" else None
+        built = build_model(config, rank_context, progress, self.device, device_memory)
         self.architecture, self.spec, self.model = built.architecture, built.spec, built.model
         self.plan, self.max_model_len = built.plan, built.max_model_len
         self.weight_dtype, self.dtype = built.weight_dtype, built.dtype
         spec, model_dir, hf_config = built.spec, config.model.model, built.hf_config
-        attention_groups = built.attention_groups
+        kv_groups = _kv_groups(built, config.cache.block_size)
+        if sizes_kv_on_device(config, self.device):  # before the recorder and timer attach
+            progress("profiling activation memory", str(self.device), None)
+            self.plan = built.plan = _plan_on_device(config, built, kv_groups, self.device)
         self.timer = PhaseTimer()
         self.model.attach_timer(self.timer)
         ep_size = rank_context.ep_size if rank_context is not None else 1
@@ -184,6 +254,7 @@ class EngineCore:
         self.expert_load = ExpertLoadRecorder(
             sorted(spec.moe_layers), spec.num_experts, ep_size,
             n_group=n_group if n_group and n_group > 1 else None,
+            device=self.device,
         )
         self.last_step: StepRecord | None = None
         self._last_num_tokens = 0
@@ -203,15 +274,6 @@ class EngineCore:
         progress("allocating the KV cache", f"{self.plan.num_blocks} blocks", None)
         self.vocab_size = spec.vocab_size
         self.eos_token_ids = eos_token_ids_of(model_dir, hf_config)
-        kv_groups = make_kv_cache_groups(
-            attention_groups,
-            block_size=config.cache.block_size,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            dtype=self.dtype,
-            kv_lora_rank=spec.kv_lora_rank,
-            qk_rope_head_dim=spec.qk_rope_head_dim,
-        )
         self.kv = KVCacheManager(
             [g.spec for g in kv_groups],
             self.plan.num_blocks,
@@ -226,6 +288,7 @@ class EngineCore:
             self.dtype,
             self.sampler,
             kv_groups=kv_groups,
+            device=self.device,
         )
         self._detok: dict[str, IncrementalDetokenizer] = {}
         #: Live requests with n > 1, by the client's id.

@@ -211,7 +211,9 @@ class FusedMoE(nn.Module):
             sent = self.communicator.dispatch(hidden, topk_ids, topk_weights)
             if self.load_recorder is not None and self.ep_rank is not None:
                 # expert work of this rank: the token-expert pairs its slots process
-                mine = torch.zeros(self.load_recorder.ep_size, dtype=torch.int64)
+                mine = torch.zeros(
+                    self.load_recorder.ep_size, dtype=torch.int64, device=hidden.device
+                )
                 mine[self.ep_rank] = (sent.topk_ids >= 0).sum()
                 self.load_recorder.record_rank_tokens(self.layer_index, mine)
         with timer.phase("experts"):
