@@ -22,16 +22,14 @@ class StepInputBuffers:
     """Named persistent (pinned host, device) buffer pairs.
 
     Args:
-        device: a CUDA device.
-
-    Raises:
-        ValueError: a CPU device (the CPU path needs no staging).
+        device: the engine's device (CUDA; a CPU device only in tests, which exercise the
+            staged path on a machine without a GPU: the runner itself never stages for a CPU).
+        pin_memory: stage through pinned host memory; None: on CUDA.
     """
 
-    def __init__(self, device: torch.device) -> None:
-        if device.type == "cpu":
-            raise ValueError("StepInputBuffers stage host tensors for a non-CPU device")
+    def __init__(self, device: torch.device, pin_memory: bool | None = None) -> None:
         self.device = device
+        self.pin_memory = device.type == "cuda" if pin_memory is None else pin_memory
         self._host: dict[str, torch.Tensor] = {}
         self._device: dict[str, torch.Tensor] = {}
         self._copied: torch.cuda.Event | None = None
@@ -42,7 +40,7 @@ class StepInputBuffers:
         buf = self._device.get(name)
         if buf is None or buf.numel() < numel or buf.dtype != dtype:
             capacity = max(numel, 2 * (buf.numel() if buf is not None else 0), 16)
-            self._host[name] = torch.empty(capacity, dtype=dtype, pin_memory=True)
+            self._host[name] = torch.empty(capacity, dtype=dtype, pin_memory=self.pin_memory)
             self._device[name] = torch.empty(capacity, dtype=dtype, device=self.device)
         return self._device[name]
 
@@ -53,6 +51,8 @@ class StepInputBuffers:
 
     def end_step(self) -> None:
         """Mark this step's copies (after the last `put`)."""
+        if self.device.type != "cuda":
+            return
         if self._copied is None:
             self._copied = torch.cuda.Event()
         self._copied.record()
