@@ -74,8 +74,12 @@ class ModelRunner:
         self.model = model
         #: Where the KV cache and the step's tensors live (the model's device).
         self.device = torch.device(device or "cpu")
-        #: Persistent device buffers of the step inputs; None on a CPU (host tensors as-is).
-        self._inputs = None if self.device.type == "cpu" else StepInputBuffers(self.device)
+        #: Persistent device buffers of the step inputs (`StepInputBuffers`: input_ids,
+        #: positions, seq_lens, logits_indices, slot_mapping.<g>, block_tables.<g>,
+        #: batch.<g>.<i>); None on a CPU, which uses the host tensors as they are.
+        self.input_buffers = (
+            None if self.device.type == "cpu" else StepInputBuffers(self.device)
+        )
         self.block_size = block_size
         self.sampler = sampler
         spec = model.spec
@@ -115,6 +119,25 @@ class ModelRunner:
         if missing:
             raise ValueError(f"layers {missing} are in no KV cache group")
         self.kv_caches = caches
+
+    def reserve_inputs(self, max_num_tokens: int, max_num_seqs: int, max_model_len: int) -> None:
+        """Size the persistent input buffers for the largest step up front, so that their
+        addresses never change (what a CUDA-graph capture relies on); no-op on a CPU.
+
+        Args:
+            max_num_tokens: tokens per step (max_num_batched_tokens); max_num_seqs: requests
+                per step; max_model_len: longest request (tokens), bounding a block table.
+        """
+        buffers = self.input_buffers
+        if buffers is None:
+            return
+        width = -(-max_model_len // self.block_size)
+        for name in ("input_ids", "positions", "logits_indices"):
+            buffers.reserve(name, max_num_tokens)
+        buffers.reserve("seq_lens", max_num_seqs)
+        for g in range(len(self.kv_groups)):
+            buffers.reserve(f"slot_mapping.{g}", max_num_tokens)
+            buffers.reserve(f"block_tables.{g}", max_num_seqs * width)
 
     @torch.inference_mode()
     def execute(
@@ -222,7 +245,7 @@ class ModelRunner:
         """(input_ids, positions, attention metadata, logits_indices) on the engine's device:
         the host tensors themselves on a CPU; on CUDA copies into the persistent buffers
         (`StepInputBuffers`), asynchronously, without a host sync."""
-        buffers = self._inputs
+        buffers = self.input_buffers
         if buffers is None:
             return step.input_ids, step.positions, _combined(step.metas), logits_indices
         buffers.begin_step()

@@ -71,11 +71,14 @@ def test_staged_inputs_give_the_same_tokens_across_step_sizes(qwen3_ckpt) -> Non
     want = plain.generate(prompts, params, use_tqdm=False)
     staged = LLM(model=str(qwen3_ckpt), device="cpu", **kwargs)
     buffers = StepInputBuffers(torch.device("cpu"), pin_memory=False)
-    staged.engine.runner._inputs = buffers
+    staged.engine.runner.input_buffers = buffers
+    staged.engine.runner.reserve_inputs(24, 64, 160)
+    fixed = buffers._device["input_ids"].data_ptr()
     got = staged.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in want]
     assert {"input_ids", "positions", "slot_mapping.0", "block_tables.0"} <= set(buffers._device)
+    assert buffers._device["input_ids"].data_ptr() == fixed  # reserved: never reallocated
     assert staged.engine.get_stats().num_preemptions > 0
 
 

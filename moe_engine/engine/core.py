@@ -290,6 +290,10 @@ class EngineCore:
             kv_groups=kv_groups,
             device=self.device,
         )
+        sched = config.scheduler
+        self.runner.reserve_inputs(
+            sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len
+        )
         self._detok: dict[str, IncrementalDetokenizer] = {}
         #: Live requests with n > 1, by the client's id.
         self._parents: dict[str, ParentRequest] = {}
