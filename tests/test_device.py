@@ -12,7 +12,7 @@ from fixtures import hf_greedy
 from moe_engine import LLM, SamplingParams
 from moe_engine.cli.serve import main as serve_main
 from moe_engine.config import DeviceConfig, EngineConfig, ModelConfig
-from moe_engine.engine.core import engine_device
+from moe_engine.engine.device import engine_device
 from moe_engine.errors import StartupError
 from moe_engine.request import Request
 from moe_engine.step_inputs import StepInputBuffers

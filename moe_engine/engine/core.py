@@ -18,13 +18,13 @@ from typing import Any
 import torch
 
 from kernels.native import NativeUnavailable, prepare_native
-from kernels.registry import resolve_device
 from moe_engine.config import (
     EngineConfig,
     default_threads,
     resolve_quant_config,
 )
 from moe_engine.detokenizer import IncrementalDetokenizer
+from moe_engine.engine.device import engine_device, kv_groups_of, plan_kv_on_device
 from moe_engine.engine.messages import (
     CoreStats,
     EngineCoreOutput,
@@ -36,13 +36,12 @@ from moe_engine.engine.protocol import StartupProgressFn
 from moe_engine.engine.rank_context import RankContext
 from moe_engine.errors import ErrorCode, RequestError, StartupError
 from moe_engine.instrumentation import ExpertLoadRecorder, balancedness, imbalance_ratio
-from moe_engine.kv_cache import KVCacheGroup, KVCacheManager, make_kv_cache_groups
-from moe_engine.memory import cuda_device_memory, kv_plan_after_profile, profile_activation_peak
+from moe_engine.kv_cache import KVCacheManager
+from moe_engine.memory import cuda_device_memory
 from moe_engine.model_runner import ModelRunner
-from moe_engine.models.build import BuiltModel, build_model, sizes_kv_on_device
+from moe_engine.models.build import build_model, sizes_kv_on_device
 from moe_engine.parallel_sampling import ParentRequest
 from moe_engine.phase_timer import PhaseTimer
-from moe_engine.plan import Plan
 from moe_engine.request import FinishReason, Request, SamplingParams
 from moe_engine.sampler import Sampler
 from moe_engine.scheduler import Scheduler
@@ -114,67 +113,6 @@ def _no_progress(phase: str, detail: str = "", eta_s: float | None = None) -> No
     """The progress callback of a core nobody watches start (the offline API)."""
 
 
-def engine_device(config: EngineConfig) -> torch.device:
-    """The engine's device, resolved once (`--device`; `kernels.registry.resolve_device`):
-    "cpu", or the current CUDA device (a rank sets its own with torch.cuda.set_device).
-
-    Raises:
-        StartupError: an unknown device, or cuda without a CUDA device (one line).
-    """
-    try:
-        name = resolve_device(config.device.device)
-    except ValueError as exc:
-        raise StartupError(str(exc)) from exc
-    if name == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(name)
-
-
-def _kv_groups(built: BuiltModel, block_size: int) -> list[KVCacheGroup]:
-    """The KV-cache groups of a built model (its layers by attention kind, equal-sized)."""
-    spec = built.spec
-    return make_kv_cache_groups(
-        built.attention_groups,
-        block_size=block_size,
-        num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        dtype=built.dtype,
-        kv_lora_rank=spec.kv_lora_rank,
-        qk_rope_head_dim=spec.qk_rope_head_dim,
-    )
-
-
-def _plan_on_device(
-    config: EngineConfig, built: BuiltModel, kv_groups: list[KVCacheGroup], device: torch.device
-) -> Plan:
-    """The plan with KV blocks sized by --gpu-memory-utilization: weights as allocated, the
-    activation peak of one profile forward at max_num_batched_tokens (on a runner whose cache
-    is the null block only, dropped afterwards), then the device's memory.
-
-    Raises:
-        StartupError: one max_model_len request does not fit (`memory.size_kv_cache`).
-    """
-    weight_bytes = torch.cuda.memory_allocated(device)
-    probe = ModelRunner(
-        built.model, 0, config.cache.block_size, built.dtype, Sampler(), kv_groups, device
-    )
-    sched = config.scheduler
-
-    def run() -> None:
-        probe.profile_run(sched.max_num_batched_tokens, sched.max_num_seqs, built.max_model_len)
-
-    plan = kv_plan_after_profile(
-        built.plan,
-        utilization=config.device.gpu_memory_utilization,
-        max_model_len=built.max_model_len,
-        weight_bytes=weight_bytes,
-        profile=lambda: profile_activation_peak(run, device),
-        memory=lambda: cuda_device_memory(device),
-    )
-    logger.info("startup plan (KV cache sized on %s):\n%s", device, plan.describe())
-    return plan
-
-
 def build_detail(message: str) -> str:
     """A kernel build report as the detail of the "building native CPU kernels" phase: the
     phase's own words and the elapsed seconds (the status adds both) taken out.
@@ -242,10 +180,10 @@ class EngineCore:
         self.plan, self.max_model_len = built.plan, built.max_model_len
         self.weight_dtype, self.dtype = built.weight_dtype, built.dtype
         spec, model_dir, hf_config = built.spec, config.model.model, built.hf_config
-        kv_groups = _kv_groups(built, config.cache.block_size)
+        kv_groups = kv_groups_of(built, config.cache.block_size)
         if sizes_kv_on_device(config, self.device):  # before the recorder and timer attach
             progress("profiling activation memory", str(self.device), None)
-            self.plan = built.plan = _plan_on_device(config, built, kv_groups, self.device)
+            self.plan = built.plan = plan_kv_on_device(config, built, kv_groups, self.device)
         self.timer = PhaseTimer()
         self.model.attach_timer(self.timer)
         ep_size = rank_context.ep_size if rank_context is not None else 1
