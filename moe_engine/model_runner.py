@@ -10,6 +10,13 @@ pair `j`, so the cache holds (layers per group) pairs of [num_blocks + 1, block_
 num_kv_heads, head_dim] tensors, block 0 being the null block; MLA groups (`MLAAttentionSpec`)
 hold one latent tensor [num_blocks + 1, block_size, kv_lora_rank + qk_rope_head_dim] per slot
 instead of a pair.
+
+Devices: the KV cache lives on the engine's device. Each step's small tensors (ids, positions,
+query lengths, block tables, slot mappings, gather indices) are built on the host, vectorised;
+on a CPU they are used as they are (no copy), on CUDA each is copied once into a persistent
+device buffer (`step_inputs.StepInputBuffers`, pinned and non-blocking). The step's one host
+sync is the sampler's read-back of the sampled ids (and logprobs, in the same copy).
+`profile_run` is the forward that `--gpu-memory-utilization` measures (`moe_engine.memory`).
 """
 
 from __future__ import annotations
