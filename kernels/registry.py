@@ -285,7 +285,7 @@ def choose_kernels(
             preferred = [default, *preferred]
         choices[op] = _first_fit(op, preferred, facts, reason)
     plan = KernelPlan(device, choices)
-    logger.info("%s", plan.describe())
+    logger.debug("%s", plan.describe())
     return plan
 
 

@@ -420,6 +420,40 @@ def _expert_scheme(ct, hf_config: dict):
     return ct.scheme_for(model_cls.checkpoint_expert_name(layers[0], 0, "gate"))
 
 
+#: --device values: "auto" (cuda when torch sees a CUDA device), "cpu", "cuda".
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where the engine runs and how much of the device's memory it may take.
+
+    Attributes:
+        device: "auto" (cuda when torch sees a CUDA device, else cpu), "cpu" or "cuda";
+            resolved once at EngineCore startup (`kernels.registry.resolve_device`). Weights,
+            the KV cache and each step's batch tensors live there.
+        gpu_memory_utilization: fraction in (0, 1] of the CUDA device's total memory the
+            engine may use for weights, activations and KV cache (vLLM's flag); the KV cache
+            gets what the weights and a profiled activation peak leave (`moe_engine.memory`).
+            Ignored on a CPU (the KV cache is sized by kv_cache_memory / MemAvailable there).
+    """
+
+    device: str = "auto"
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICE_CHOICES:
+            raise ValueError(
+                f"device must be one of {', '.join(DEVICE_CHOICES)}; got {self.device!r}"
+            )
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization (--gpu-memory-utilization) must be a fraction in "
+                f"(0, 1] of the device's memory, got {util!r}"
+            )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine needs, composed of the configs above.
@@ -429,6 +463,7 @@ class EngineConfig:
             (`moe_engine.skew.trace`, docs/trace_format.md); None = no trace.
         kernel_backend: `--kernel-backend`: "auto", a backend name, or op=backend pairs
             (kernels/registry.py); checked at startup.
+        device: the device and its memory budget (`DeviceConfig`).
     """
 
     model: ModelConfig
@@ -438,6 +473,7 @@ class EngineConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
     expert_trace: str | None = None
     kernel_backend: str = "auto"
+    device: DeviceConfig = field(default_factory=DeviceConfig)
 
 
 def native_bf16_matmul() -> bool:

@@ -12,7 +12,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from moe_engine.config import CacheConfig, EngineConfig, ModelConfig, QuantConfig, SchedulerConfig
+from moe_engine.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    QuantConfig,
+    SchedulerConfig,
+)
 from moe_engine.engine.core import EngineCore
 from moe_engine.errors import StartupError
 from moe_engine.model_path import resolve_model_dir
@@ -35,7 +42,8 @@ class LLM:
         dtype: "auto", "bfloat16" or "float32".
         max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory (bytes),
         block_size, num_blocks_override, quantization, quant_group_size, kernel_backend,
-        enable_prefix_caching: as the `moe-serve` flags of the same names.
+        enable_prefix_caching, device ("auto", "cpu", "cuda"), gpu_memory_utilization
+        (fraction in (0, 1]): as the `moe-serve` flags of the same names.
 
     Raises:
         StartupError: no config.json at `model`, or a configuration the engine refuses.
@@ -56,6 +64,8 @@ class LLM:
         quant_group_size: int = 128,
         kernel_backend: str = "auto",
         enable_prefix_caching: bool = False,
+        device: str = "auto",
+        gpu_memory_utilization: float = 0.9,
     ) -> None:
         if model == "demo":
             from moe_engine.demo import ensure_demo_checkpoint
@@ -70,6 +80,7 @@ class LLM:
             raise StartupError(f"model: no config.json in {str(model)!r}")
         self.engine = EngineCore(
             EngineConfig(
+                device=DeviceConfig(device, gpu_memory_utilization),
                 model=ModelConfig(
                     model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed
                 ),

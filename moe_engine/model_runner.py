@@ -10,9 +10,20 @@ pair `j`, so the cache holds (layers per group) pairs of [num_blocks + 1, block_
 num_kv_heads, head_dim] tensors, block 0 being the null block; MLA groups (`MLAAttentionSpec`)
 hold one latent tensor [num_blocks + 1, block_size, kv_lora_rank + qk_rope_head_dim] per slot
 instead of a pair.
+
+Devices: the KV cache lives on the engine's device. Each step's small tensors (ids, positions,
+query lengths, block tables, slot mappings, gather indices) are built on the host, vectorised;
+on a CPU they are used as they are (no copy), on CUDA each is copied once into a persistent
+device buffer (`step_inputs.StepInputBuffers`, pinned and non-blocking). The step's one host
+sync is the sampler's read-back of the sampled ids (and logprobs, in the same copy).
+`profile_run` is the forward that `--gpu-memory-utilization` measures (`moe_engine.memory`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -31,6 +42,7 @@ from moe_engine.models.layers.attention import (
 )
 from moe_engine.sampler import Sampler, SamplerOutput
 from moe_engine.scheduler import ScheduledRequest, SchedulerOutput
+from moe_engine.step_inputs import StepInputBuffers
 
 
 class ModelRunner:
@@ -44,6 +56,8 @@ class ModelRunner:
         sampler: picks the tokens.
         kv_groups: the KV-cache groups (as the KVCacheManager's specs, in the same order);
             None: made from `model.kv_cache_groups()`.
+        device: the engine's device (the model's): the KV cache is allocated there and each
+            step's inputs are copied there once (`StepInputBuffers`); default CPU.
 
     `kv_caches[i]` is layer i's (K, V) pair, each [num_blocks + 1, block_size, num_kv_heads,
     head_dim], or for an MLA group one latent tensor [num_blocks + 1, block_size,
@@ -62,8 +76,17 @@ class ModelRunner:
         kv_dtype: torch.dtype,
         sampler: Sampler,
         kv_groups: list[KVCacheGroup] | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         self.model = model
+        #: Where the KV cache and the step's tensors live (the model's device).
+        self.device = torch.device(device or "cpu")
+        #: Persistent device buffers of the step inputs (`StepInputBuffers`: input_ids,
+        #: positions, seq_lens, logits_indices, slot_mapping.<g>, block_tables.<g>,
+        #: batch.<g>.<i>); None on a CPU, which uses the host tensors as they are.
+        self.input_buffers = (
+            None if self.device.type == "cpu" else StepInputBuffers(self.device)
+        )
         self.block_size = block_size
         self.sampler = sampler
         spec = model.spec
@@ -79,7 +102,7 @@ class ModelRunner:
             )
         self.kv_groups = kv_groups
         slots = [
-            _allocate_slot(kv_groups[0].spec, num_blocks, kv_dtype)
+            _allocate_slot(kv_groups[0].spec, num_blocks, kv_dtype, self.device)
             for _ in range(len(kv_groups[0].layers))
         ]
         caches: list[tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None]
@@ -104,6 +127,25 @@ class ModelRunner:
             raise ValueError(f"layers {missing} are in no KV cache group")
         self.kv_caches = caches
 
+    def reserve_inputs(self, max_num_tokens: int, max_num_seqs: int, max_model_len: int) -> None:
+        """Size the persistent input buffers for the largest step up front, so that their
+        addresses never change (what a CUDA-graph capture relies on); no-op on a CPU.
+
+        Args:
+            max_num_tokens: tokens per step (max_num_batched_tokens); max_num_seqs: requests
+                per step; max_model_len: longest request (tokens), bounding a block table.
+        """
+        buffers = self.input_buffers
+        if buffers is None:
+            return
+        width = -(-max_model_len // self.block_size)
+        for name in ("input_ids", "positions", "logits_indices"):
+            buffers.reserve(name, max_num_tokens)
+        buffers.reserve("seq_lens", max_num_seqs)
+        for g in range(len(self.kv_groups)):
+            buffers.reserve(f"slot_mapping.{g}", max_num_tokens)
+            buffers.reserve(f"block_tables.{g}", max_num_seqs * width)
+
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, kv: KVCacheManager
@@ -114,15 +156,56 @@ class ModelRunner:
             (the scheduled requests that sampled a token, in row order; their sampler output).
         """
         ordered = sorted(out.scheduled, key=lambda s: s.num_tokens > 1)  # stable: decodes first
-        input_ids, positions, meta = self._prepare(ordered, kv)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
-        ends = torch.tensor([s.num_tokens for s in ordered]).cumsum(0) - 1
+        ids: list[int] = []
+        for s in ordered:
+            ids.extend(s.request.all_token_ids[s.start : s.start + s.num_tokens])
+        q_lens = torch.tensor([s.num_tokens for s in ordered], dtype=torch.int64)
+        starts = torch.tensor([s.start for s in ordered], dtype=torch.int64)
+        tables = [
+            [kv.block_table(s.request.request_id, g) for s in ordered]
+            for g in range(len(self.kv_groups))
+        ]
+        step = self._host_inputs(ids, q_lens, starts, tables)
         sampling = [i for i, s in enumerate(ordered) if s.samples]
+        logits_indices = (torch.cumsum(q_lens, 0) - 1)[sampling]
+        input_ids, positions, meta, logits_indices = self._on_device(step, logits_indices)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)
         rows = [ordered[i] for i in sampling]
         if not rows:
             return [], SamplerOutput([], [])
-        logits = self.model.compute_logits(hidden[ends[sampling]])
+        logits = self.model.compute_logits(hidden[logits_indices])
         return rows, self.sampler(logits, [s.request for s in rows])
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, max_num_seqs: int, max_model_len: int) -> None:
+        """One forward at the largest step, for the activation peak (`memory.
+        profile_activation_peak`): `num_tokens` tokens as prefill chunks of at most
+        `max_model_len`, each ending at position max_model_len - 1 (the longest keys), whose
+        block tables hold only the null block; then the logits of min(max_num_seqs,
+        num_tokens) rows and their log-softmax (the sampler's share).
+
+        Leaves nothing behind: no KVCacheManager is involved, the null block it wrote is
+        zeroed again, the MoE layers' load recorders are detached meanwhile and the
+        communicator's counters restored.
+        """
+        chunk = min(num_tokens, max_model_len)
+        chunks = [chunk] * (num_tokens // chunk)
+        if num_tokens % chunk:
+            chunks.append(num_tokens % chunk)
+        chunks.sort(key=lambda n: n > 1)  # a one-token remainder is a decode: first
+        q_lens = torch.tensor(chunks, dtype=torch.int64)
+        starts = max_model_len - q_lens
+        width = -(-max_model_len // self.block_size)
+        tables = [[[0] * width for _ in chunks] for _ in self.kv_groups]
+        step = self._host_inputs([0] * num_tokens, q_lens, starts, tables)
+        logits_indices = torch.arange(min(max_num_seqs, num_tokens), dtype=torch.int64)
+        with _quiet_moe_layers(self.model):
+            input_ids, positions, meta, logits_indices = self._on_device(step, logits_indices)
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)
+            self.model.compute_logits(hidden[logits_indices]).log_softmax(dim=-1)
+        for cache in self.kv_caches:
+            for t in (cache,) if isinstance(cache, torch.Tensor) else cache:
+                t[0].zero_()  # the null block stays all-zero
 
     @torch.inference_mode()
     def execute_idle(self) -> None:
@@ -132,85 +215,183 @@ class ModelRunner:
         """
         spec = self.model.spec
         dtype = self.model.model.embed_tokens.weight.dtype
-        empty = torch.empty(0, spec.hidden_size, dtype=dtype)
+        empty = torch.empty(0, spec.hidden_size, dtype=dtype, device=self.device)
         for _, moe in self.model.moe_layers():
             moe(empty)
 
-    def _prepare(
-        self, ordered: list[ScheduledRequest], kv: KVCacheManager
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        ids: list[int] = []
-        for s in ordered:
-            ids.extend(s.request.all_token_ids[s.start : s.start + s.num_tokens])
-        q_lens = torch.tensor([s.num_tokens for s in ordered], dtype=torch.int64)
-        starts = torch.tensor([s.start for s in ordered], dtype=torch.int64)
-        row = torch.repeat_interleave(torch.arange(len(ordered)), q_lens)
+    def _host_inputs(
+        self,
+        ids: list[int],
+        q_lens: torch.Tensor,
+        starts: torch.Tensor,
+        tables: list[list[list[int]]],
+    ) -> _HostStep:
+        """One step's inputs on the host, vectorised over the requests.
+
+        Args:
+            ids: the step's token ids, requests-contiguous, decodes first.
+            q_lens, starts: [B] int64 tokens fed and tokens already cached per request.
+            tables: per KV-cache group, each request's block ids.
+        """
+        row = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
         offsets = torch.cumsum(q_lens, 0) - q_lens
         positions = starts[row] + torch.arange(len(ids)) - offsets[row]
         num_decodes = int((q_lens == 1).sum())
+        block_tables = [_pad_tables(t) for t in tables]
         metas = [
-            self._group_metadata(g, ordered, kv, q_lens, starts, row, positions, num_decodes)
-            for g in range(len(self.kv_groups))
+            self._group_metadata(bt, q_lens, starts, row, positions, num_decodes)
+            for bt in block_tables
         ]
-        meta = metas[0]
-        if len(metas) > 1:
-            meta = AttentionMetadata(meta.slot_mapping, meta.batches, groups=metas)
-        return torch.tensor(ids, dtype=torch.int64), positions, meta
+        return _HostStep(
+            torch.tensor(ids, dtype=torch.int64), positions, metas, block_tables, starts + q_lens
+        )
+
+    def _on_device(
+        self, step: _HostStep, logits_indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """(input_ids, positions, attention metadata, logits_indices) on the engine's device:
+        the host tensors themselves on a CPU; on CUDA copies into the persistent buffers
+        (`StepInputBuffers`), asynchronously, without a host sync."""
+        buffers = self.input_buffers
+        if buffers is None:
+            return step.input_ids, step.positions, _combined(step.metas), logits_indices
+        buffers.begin_step()
+        input_ids = buffers.put("input_ids", step.input_ids)
+        positions = buffers.put("positions", step.positions)
+        logits_indices = buffers.put("logits_indices", logits_indices)
+        seq_lens = buffers.put("seq_lens", step.seq_lens)
+        metas = [
+            self._group_to_device(buffers, g, meta, step.block_tables[g], seq_lens)
+            for g, meta in enumerate(step.metas)
+        ]
+        buffers.end_step()
+        return input_ids, positions, _combined(metas), logits_indices
+
+    @staticmethod
+    def _group_to_device(
+        buffers: StepInputBuffers,
+        group: int,
+        meta: AttentionMetadata,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> AttentionMetadata:
+        """One group's host metadata as device tensors: slot mapping and block tables in
+        their persistent buffers, each batch's gather indices through one copy."""
+        slot_mapping = buffers.put(f"slot_mapping.{group}", meta.slot_mapping)
+        tables = buffers.put(f"block_tables.{group}", block_tables)
+        batches, row = [], 0
+        for i, b in enumerate(meta.batches):
+            rows = slice(row, row + b.seq_lens.numel())
+            row = rows.stop
+            tok_b, tok_q, block_ids, q_pos, query_start_loc = buffers.put_many(
+                f"batch.{group}.{i}", [b.tok_b, b.tok_q, b.block_ids, b.q_pos, b.query_start_loc]
+            )
+            batches.append(replace(
+                b, tok_b=tok_b, tok_q=tok_q, block_ids=block_ids, q_pos=q_pos,
+                block_tables=tables[rows], seq_lens=seq_lens[rows],
+                query_start_loc=query_start_loc, _masks={},
+            ))
+        return AttentionMetadata(slot_mapping=slot_mapping, batches=batches)
 
     def _group_metadata(
         self,
-        group: int,
-        ordered: list[ScheduledRequest],
-        kv: KVCacheManager,
+        block_tables: torch.Tensor,
         q_lens: torch.Tensor,
         starts: torch.Tensor,
         row: torch.Tensor,
         positions: torch.Tensor,
         num_decodes: int,
     ) -> AttentionMetadata:
-        """One KV-cache group's slot mapping and attention batches (block tables padded with
-        the null block 0)."""
-        tables = [kv.block_table(s.request.request_id, group) for s in ordered]
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+        """One KV-cache group's slot mapping and attention batches (host tensors).
+
+        Args:
+            block_tables: [B, max_blocks] int64, padded with the null block 0.
+        """
         slot_mapping = (
             block_tables[row, positions // self.block_size] * self.block_size
             + positions % self.block_size
         )
         batches = []
-        if num_decodes:
-            batches.append(
-                build_attention_batch(
-                    0,
-                    q_lens[:num_decodes],
-                    starts[:num_decodes],
-                    block_tables[:num_decodes],
-                    self.block_size,
+        for rows in (slice(0, num_decodes), slice(num_decodes, len(q_lens))):
+            if rows.stop > rows.start:
+                batches.append(
+                    build_attention_batch(
+                        rows.start,  # decodes are one token each
+                        q_lens[rows],
+                        starts[rows],
+                        block_tables[rows],
+                        self.block_size,
+                    )
                 )
-            )
-        if num_decodes < len(ordered):
-            batches.append(
-                build_attention_batch(
-                    num_decodes,
-                    q_lens[num_decodes:],
-                    starts[num_decodes:],
-                    block_tables[num_decodes:],
-                    self.block_size,
-                )
-            )
         return AttentionMetadata(slot_mapping=slot_mapping, batches=batches)
 
 
+@dataclass
+class _HostStep:
+    """One step's inputs built on the host (`ModelRunner._host_inputs`).
+
+    Attributes:
+        input_ids, positions: [T] int64.
+        metas: per KV-cache group, its attention metadata (host tensors).
+        block_tables: per group [B, max_blocks] int64 (null-block padded).
+        seq_lens: [B] int64 keys per request after the step.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metas: list[AttentionMetadata]
+    block_tables: list[torch.Tensor]
+    seq_lens: torch.Tensor
+
+
+def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
+    """Block tables [B, width] int64, each row padded with the null block 0."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+
+
+def _combined(metas: list[AttentionMetadata]) -> AttentionMetadata:
+    """The step's metadata: group 0's, carrying every group's when there are several."""
+    meta = metas[0]
+    if len(metas) > 1:
+        meta = AttentionMetadata(meta.slot_mapping, meta.batches, groups=metas)
+    return meta
+
+
+@contextmanager
+def _quiet_moe_layers(model: MoeCausalLM) -> Iterator[None]:
+    """Detach the MoE layers' load recorders and keep the communicators' counters as they
+    were, for a forward that serves no request (the profile run)."""
+    layers = [moe for _, moe in model.moe_layers()]
+    recorders = [moe.load_recorder for moe in layers]
+    stats = [getattr(moe.communicator, "stats", None) for moe in layers]
+    saved = [(s.last.copy(), s.total.copy()) if s is not None else None for s in stats]
+    for moe in layers:
+        moe.load_recorder = None
+    try:
+        yield
+    finally:
+        for moe, recorder in zip(layers, recorders, strict=True):
+            moe.load_recorder = recorder
+        for s, kept in zip(stats, saved, strict=True):
+            if s is not None and kept is not None:
+                s.last, s.total = kept
+
+
 def _allocate_slot(
-    spec: KVCacheSpec, num_blocks: int, dtype: torch.dtype
+    spec: KVCacheSpec, num_blocks: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
-    """One layer slot's zeroed cache: a (K, V) pair of [num_blocks + 1, block_size,
-    num_kv_heads, head_dim], or for MLA one latent tensor [num_blocks + 1, block_size,
-    latent_dim] (block 0 the null block)."""
+    """One layer slot's zeroed cache on `device`: a (K, V) pair of [num_blocks + 1,
+    block_size, num_kv_heads, head_dim], or for MLA one latent tensor [num_blocks + 1,
+    block_size, latent_dim] (block 0 the null block)."""
     if isinstance(spec, MLAAttentionSpec):
-        return torch.zeros(num_blocks + 1, spec.block_size, spec.latent_dim, dtype=dtype)
+        shape: tuple[int, ...] = (num_blocks + 1, spec.block_size, spec.latent_dim)
+        return torch.zeros(shape, dtype=dtype, device=device)
     shape = (num_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    return (
+        torch.zeros(shape, dtype=dtype, device=device),
+        torch.zeros(shape, dtype=dtype, device=device),
+    )
 
 
 def _kv_cache_layer(model: MoeCausalLM, index: int) -> KVCacheLayer:

@@ -259,6 +259,9 @@ class Plan:
         kv_specs: one spec per KV-cache group (`kv_cache.make_kv_cache_groups`).
         max_num_batched_tokens: the most tokens a step feeds one request (bounds what a
             sliding-window group holds during a prefill chunk); None: unbounded.
+        device_lines: extra lines for `describe` about the device's memory (the
+            `memory.KVCacheSizing` terms on CUDA; on a CPU the note that
+            --gpu-memory-utilization is ignored there).
     """
 
     shape: ModelShape
@@ -276,6 +279,7 @@ class Plan:
     kv_cache_source: str = "--kv-cache-memory"
     kv_specs: tuple[KVCacheSpec, ...] = ()
     max_num_batched_tokens: int | None = None
+    device_lines: tuple[str, ...] = ()
 
     @property
     def weight_bytes(self) -> int:
@@ -328,6 +332,7 @@ class Plan:
             f"KV blocks: {self.num_blocks} ({format_bytes(self.kv_cache_memory)}, "
             f"{self.kv_cache_source}) = {self.max_concurrent_tokens} concurrent tokens "
             f"({fits:.1f} requests of max_model_len {self.max_model_len})",
+            *self.device_lines,
         ])
 
     def _mla_note(self) -> str:
@@ -347,12 +352,7 @@ class Plan:
                 (--max-model-len, --kv-cache-memory) that fixes it.
         """
         max_model_len = max_model_len or self.max_model_len
-        if max_model_len > self.shape.max_position_embeddings:
-            raise StartupError(
-                f"max_model_len {max_model_len} tokens exceeds the model's "
-                f"max_position_embeddings {self.shape.max_position_embeddings}; "
-                f"pass --max-model-len {self.shape.max_position_embeddings} or less"
-            )
+        self.check_context(max_model_len)
         need = self.blocks_per_request(max_model_len)
         if self.num_blocks >= need:
             return
@@ -372,6 +372,21 @@ class Plan:
             f"--kv-cache-memory {need_bytes} or more"
             + (f", or --max-model-len {fits} or less." if fits >= 2 else ".")
         )
+
+    def check_context(self, max_model_len: int | None = None) -> None:
+        """Refuse a max_model_len beyond the model's max_position_embeddings (what `check`
+        tests before the blocks; alone where the blocks are sized later, on CUDA).
+
+        Raises:
+            StartupError: naming both lengths and the --max-model-len that fits.
+        """
+        max_model_len = max_model_len or self.max_model_len
+        if max_model_len > self.shape.max_position_embeddings:
+            raise StartupError(
+                f"max_model_len {max_model_len} tokens exceeds the model's "
+                f"max_position_embeddings {self.shape.max_position_embeddings}; "
+                f"pass --max-model-len {self.shape.max_position_embeddings} or less"
+            )
 
     def max_fitting_len(self) -> int:
         """The longest request (tokens, at most max_model_len) whose blocks fit in the pool;

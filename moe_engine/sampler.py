@@ -43,30 +43,37 @@ class Sampler:
         self._request_generators.pop(request_id, None)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """logits: [N, V] float32, one row per request in `requests`."""
-        greedy = torch.tensor([r.sampling_params.greedy for r in requests])
+        """logits: [N, V] float32 on the engine's device, one row per request in `requests`.
+
+        Everything stays on the logits' device until one copy brings the sampled ids, and
+        the logprobs asked for, back to the host together (the step's one host sync).
+        """
+        greedy = [r.sampling_params.greedy for r in requests]
         token_ids = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            random_rows = (~greedy).nonzero().flatten()
-            sub = [requests[i] for i in random_rows.tolist()]
-            token_ids[random_rows] = self._sample(logits[random_rows], sub)
-        ids = token_ids.tolist()
-        return SamplerOutput(ids, self._logprobs(logits, requests, ids))
+        if not all(greedy):
+            random_rows = [i for i, g in enumerate(greedy) if not g]
+            index = torch.tensor(random_rows, device=logits.device)
+            sub = [requests[i] for i in random_rows]
+            token_ids[index] = self._sample(logits[index], sub)
+        return _to_host(logits, requests, token_ids)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
+        device = logits.device
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-        logits = logits / temperature[:, None]
+        logits = logits / temperature.to(device)[:, None]
         logits = _apply_top_k_top_p(
             logits,
-            torch.tensor([p.top_k for p in params]),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            torch.tensor([p.top_k for p in params]).to(device),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device),
         )
         probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs)
+        # The generators are host ones on every device, so a seed draws the same noise (and
+        # the same tokens) on a CPU and on CUDA.
+        noise = torch.empty(probs.shape, dtype=probs.dtype)
         for i, req in enumerate(requests):
             noise[i].exponential_(generator=self._generator_for(req))
-        return (probs / noise).argmax(dim=-1)
+        return (probs / noise.to(device)).argmax(dim=-1)
 
     def _generator_for(self, req: Request) -> torch.Generator:
         seed = req.sampling_params.seed
@@ -78,25 +85,40 @@ class Sampler:
             self._request_generators[req.request_id] = gen
         return gen
 
-    @staticmethod
-    def _logprobs(
-        logits: torch.Tensor, requests: list[Request], ids: list[int]
-    ) -> list[tuple[float, dict[int, float]] | None]:
-        wanted = [r.sampling_params.logprobs for r in requests]
-        out: list[tuple[float, dict[int, float]] | None] = [None] * len(requests)
-        rows = [i for i, n in enumerate(wanted) if n is not None]
-        if not rows:
-            return out
-        logp = logits[rows].log_softmax(dim=-1)
-        k = max(wanted[i] for i in rows)
-        top_vals, top_ids = logp.topk(k, dim=-1) if k > 0 else (None, None)
-        for j, i in enumerate(rows):
-            n = wanted[i]
-            top = {}
-            if n:
-                top = dict(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist(), strict=True))
-            out[i] = (float(logp[j, ids[i]]), top)
-        return out
+
+def _to_host(
+    logits: torch.Tensor, requests: list[Request], token_ids: torch.Tensor
+) -> SamplerOutput:
+    """The sampled ids and the logprobs asked for, read back in one device-to-host copy.
+
+    Args:
+        logits: [N, V] float32; token_ids: [N] int64 sampled, on the logits' device.
+
+    The logprobs are the raw logits' log-softmax (vLLM's default); ids and float32 logprobs
+    travel as float64, which holds both exactly.
+    """
+    wanted = [r.sampling_params.logprobs for r in requests]
+    out: list[tuple[float, dict[int, float]] | None] = [None] * len(requests)
+    rows = [i for i, n in enumerate(wanted) if n is not None]
+    if not rows:
+        return SamplerOutput(token_ids.tolist(), out)
+    index = torch.tensor(rows, device=logits.device)
+    logp = logits[index].log_softmax(dim=-1)
+    sampled = logp.gather(1, token_ids[index, None]).flatten()
+    k = max(wanted[i] for i in rows)
+    parts = [token_ids.double(), sampled.double()]
+    if k > 0:
+        top_vals, top_ids = logp.topk(k, dim=-1)
+        parts += [top_vals.flatten().double(), top_ids.flatten().double()]
+    host = torch.cat(parts).tolist()
+    n, r = len(requests), len(rows)
+    ids = [int(v) for v in host[:n]]
+    top_vals_h, top_ids_h = host[n + r : n + r + r * k], host[n + r + r * k :]
+    for j, i in enumerate(rows):
+        m = wanted[i]
+        top = {int(top_ids_h[j * k + c]): top_vals_h[j * k + c] for c in range(m or 0)}
+        out[i] = (host[n + j], top)
+    return SamplerOutput(ids, out)
 
 
 def _apply_top_k_top_p(
@@ -110,7 +132,7 @@ def _apply_top_k_top_p(
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     k = torch.where(top_k < 1, vocab, top_k.clamp(max=vocab))
-    ranks = torch.arange(vocab)[None, :]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
     remove = ranks >= k[:, None]
     probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
     cum_before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens

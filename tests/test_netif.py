@@ -119,11 +119,3 @@ def test_join_groups_failure_gathers_addresses_from_the_store(monkeypatch) -> No
 def test_device_group_backend_follows_the_engine_device() -> None:
     assert rank_groups.device_backend("cuda") == "nccl"
     assert rank_groups.device_backend("cpu") == "gloo"
-
-    class Model:
-        device = "cpu"
-
-    class Config:
-        model = Model()
-
-    assert rank_groups.engine_device(Config()) == "cpu"

@@ -3,7 +3,7 @@
     moe-serve [--model PATH|ORG/NAME|demo] [--host 127.0.0.1] [--port 50051] [--version]
               [--dtype auto|bfloat16|float32] [--max-model-len N] [--max-num-seqs N]
               [--max-num-batched-tokens N] [--kv-cache-memory BYTES] [--block-size N]
-              [--enable-prefix-caching]
+              [--enable-prefix-caching] [--device auto|cpu|cuda] [--gpu-memory-utilization F]
               [--metrics-port P] [--max-message-bytes BYTES] [--log-level LEVEL]
               [--max-waiting-requests N] [--max-prompt-tokens N] [--max-concurrent-streams N]
               [--drain-timeout S] [--api-key KEY | --api-key-file PATH]
@@ -24,10 +24,12 @@ import logging
 import re
 import sys
 
-from kernels.registry import OPS, KernelBackendError, parse_kernel_backend
+from kernels.registry import OPS, KernelBackendError, parse_kernel_backend, resolve_device
 from moe_engine import __version__
 from moe_engine.config import (
+    DEVICE_CHOICES,
     CacheConfig,
+    DeviceConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
@@ -72,6 +74,44 @@ def parse_bytes(text: str) -> int:
     if match is None:
         raise argparse.ArgumentTypeError(f"expected bytes like 4294967296 or 4GiB, got {text!r}")
     return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
+
+
+def parse_fraction(text: str) -> float:
+    """--gpu-memory-utilization: a fraction in (0, 1].
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (names the value and the limit).
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(
+            f"gpu_memory_utilization must be a fraction in (0, 1] of the device's memory, "
+            f"got {text!r}"
+        )
+    return value
+
+
+def add_device_flags(p: argparse.ArgumentParser) -> None:
+    """--device and --gpu-memory-utilization (`config.DeviceConfig`)."""
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=list(DEVICE_CHOICES),
+        help="where weights, KV cache and activations live (default auto: cuda when torch "
+        "sees a CUDA device, else cpu)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=parse_fraction,
+        default=DeviceConfig.gpu_memory_utilization,
+        metavar="F",
+        help="fraction in (0, 1] of the CUDA device's memory for weights, activations and KV "
+        f"cache (default {DeviceConfig.gpu_memory_utilization}); the KV cache gets what the "
+        "weights and a profiled activation peak leave. Ignored on cpu",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
         "flag; gRPC itself refuses (RESOURCE_EXHAUSTED) only messages over 4x this or this "
         "plus 64 MiB, whichever is larger",
     )
+    add_device_flags(p)
     add_limit_flags(p)
     add_access_flags(p)
     ep = p.add_argument_group(
@@ -321,6 +362,9 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         ),
         expert_trace=args.expert_trace,
         kernel_backend=args.kernel_backend,
+        device=DeviceConfig(
+            device=args.device, gpu_memory_utilization=args.gpu_memory_utilization
+        ),
     )
 
 
@@ -398,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         options = server_options_from_args(args)  # before anything is made or loaded
         model = resolve_model(args.model)
         config = engine_config_from_args(args, model)
+        resolve_device(config.device.device)  # --device cuda without CUDA exits 1 here
         check_checkpoint(config)
         if config.parallel.node_rank > 0:
             return run_worker_node(config)

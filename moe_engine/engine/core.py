@@ -23,6 +23,7 @@ from moe_engine.config import (
     resolve_quant_config,
 )
 from moe_engine.detokenizer import IncrementalDetokenizer
+from moe_engine.engine.device import engine_device, kv_groups_of, plan_kv_on_device
 from moe_engine.engine.messages import (
     CoreStats,
     EngineCoreOutput,
@@ -34,9 +35,10 @@ from moe_engine.engine.protocol import StartupProgressFn
 from moe_engine.engine.rank_context import RankContext
 from moe_engine.errors import ErrorCode, RequestError, StartupError
 from moe_engine.instrumentation import ExpertLoadRecorder, balancedness, imbalance_ratio
-from moe_engine.kv_cache import KVCacheManager, make_kv_cache_groups
+from moe_engine.kv_cache import KVCacheManager
+from moe_engine.memory import cuda_device_memory
 from moe_engine.model_runner import ModelRunner
-from moe_engine.models.build import build_model
+from moe_engine.models.build import build_model, sizes_kv_on_device
 from moe_engine.parallel_sampling import ParentRequest
 from moe_engine.phase_timer import PhaseTimer
 from moe_engine.request import FinishReason, Request, SamplingParams
@@ -137,14 +139,20 @@ class EngineCore:
         config = _resolve_quant(config)
         self.config = config
         self.rank_context = rank_context
+        #: The engine's device ("cpu" or a CUDA device), resolved once here.
+        self.device = engine_device(config)
         torch.set_num_threads(config.parallel.num_threads or default_threads())
-        built = build_model(config, rank_context, progress)
+        device_memory = cuda_device_memory(self.device) if self.device.type == "cuda" else None
+        built = build_model(config, rank_context, progress, self.device, device_memory)
         self.architecture, self.spec, self.model = built.architecture, built.spec, built.model
         self.plan, self.max_model_len = built.plan, built.max_model_len
         self.weight_dtype, self.dtype = built.weight_dtype, built.dtype
         self.kernels = built.kernels
         spec, model_dir, hf_config = built.spec, config.model.model, built.hf_config
-        attention_groups = built.attention_groups
+        kv_groups = kv_groups_of(built, config.cache.block_size)
+        if sizes_kv_on_device(config, self.device):  # before the recorder and timer attach
+            progress("profiling activation memory", str(self.device), None)
+            self.plan = built.plan = plan_kv_on_device(config, built, kv_groups, self.device)
         self.timer = PhaseTimer()
         self.model.attach_timer(self.timer)
         ep_size = rank_context.ep_size if rank_context is not None else 1
@@ -153,6 +161,7 @@ class EngineCore:
         self.expert_load = ExpertLoadRecorder(
             sorted(spec.moe_layers), spec.num_experts, ep_size,
             n_group=n_group if n_group and n_group > 1 else None,
+            device=self.device,
         )
         self.last_step: StepRecord | None = None
         self._last_num_tokens = 0
@@ -172,15 +181,6 @@ class EngineCore:
         progress("allocating the KV cache", f"{self.plan.num_blocks} blocks", None)
         self.vocab_size = spec.vocab_size
         self.eos_token_ids = eos_token_ids_of(model_dir, hf_config)
-        kv_groups = make_kv_cache_groups(
-            attention_groups,
-            block_size=config.cache.block_size,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            dtype=self.dtype,
-            kv_lora_rank=spec.kv_lora_rank,
-            qk_rope_head_dim=spec.qk_rope_head_dim,
-        )
         self.kv = KVCacheManager(
             [g.spec for g in kv_groups],
             self.plan.num_blocks,
@@ -195,6 +195,11 @@ class EngineCore:
             self.dtype,
             self.sampler,
             kv_groups=kv_groups,
+            device=self.device,
+        )
+        sched = config.scheduler
+        self.runner.reserve_inputs(
+            sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len
         )
         self._detok: dict[str, IncrementalDetokenizer] = {}
         #: Live requests with n > 1, by the client's id.

@@ -46,6 +46,7 @@ from tqdm import tqdm
 
 from moe_engine.config import EngineConfig, default_threads
 from moe_engine.engine import core_proc
+from moe_engine.engine.device import engine_device
 from moe_engine.engine.messages import (
     AbortRequests,
     AddError,
@@ -73,7 +74,7 @@ from moe_engine.engine.messages import (
 )
 from moe_engine.engine.monitor import FRONTEND_TIMEOUT_S, FrontEndMonitor
 from moe_engine.engine.protocol import EngineCoreProtocol
-from moe_engine.engine.rank_groups import MeshError, RankGroups, engine_device, join_groups
+from moe_engine.engine.rank_groups import MeshError, RankGroups, join_groups
 
 logger = logging.getLogger(__name__)
 
@@ -361,7 +362,7 @@ def run_rank(
     config = dataclasses.replace(
         config, parallel=dataclasses.replace(config.parallel, num_threads=threads)
     )
-    device = engine_device(config)
+    device = engine_device(config).type  # moe-serve checked --device before starting ranks
     try:
         groups = join_groups(
             rank, world_size, device, config.parallel.collective_timeout_s, STARTUP_TIMEOUT_S,
@@ -426,7 +427,7 @@ def _build_core(
         placement.check(num_experts, world_size)
     else:
         placement = ExpertPlacement.contiguous(num_experts, world_size)
-    device = engine_device(config)
+    device = engine_device(config).type
     communicator = make_communicator(
         device_group, placement, device=device, dtype=config.model.torch_dtype()
     )

@@ -58,18 +58,6 @@ class RankGroups:
     device: Any
 
 
-def engine_device(config: Any) -> str:
-    """The engine's device, "cpu" or "cuda": `config.model.device` ("auto" when the config
-    has no such field) resolved by `kernels.registry.resolve_device`.
-
-    Raises:
-        KernelBackendError: an unknown device, or "cuda" where torch sees no CUDA device.
-    """
-    from kernels.registry import resolve_device
-
-    return resolve_device(getattr(config.model, "device", "auto"))
-
-
 def device_backend(device: str) -> str:
     """The torch.distributed backend of the device group: "nccl" for cuda, else "gloo"."""
     return "nccl" if device == "cuda" else "gloo"
@@ -91,7 +79,7 @@ def join_groups(
 
     Args:
         rank, world_size: this rank and the number of ranks.
-        device: the engine's device ("cpu" or "cuda", `engine_device`).
+        device: the engine's device ("cpu" or "cuda", `engine.device.engine_device(config).type`).
         timeout_s: the collectives' timeout (seconds); startup_timeout_s: the startup group's.
         local_rank: this rank's index on its node (LOCAL_RANK), its GPU on cuda.
 

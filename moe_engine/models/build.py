@@ -9,18 +9,19 @@ with its numbers. `EngineCore` builds its scheduler, KV cache and runner on what
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from kernels.registry import KernelPlan, resolve_device
+from kernels.registry import KernelPlan
 from moe_engine.config import EngineConfig, compute_dtype, read_config_json
 from moe_engine.engine.protocol import StartupProgressFn
 from moe_engine.engine.rank_context import RankContext
 from moe_engine.errors import StartupError
 from moe_engine.kv_cache.spec import AttentionGroup
 from moe_engine.loader import load_model
+from moe_engine.memory import DeviceMemory, check_weights_fit
 from moe_engine.models import resolve_architecture
 from moe_engine.models.base import ArchSpec, MoeCausalLM
 from moe_engine.models.hf_config import load_hf_config
@@ -85,12 +86,27 @@ def read_architecture(model_dir: str) -> tuple[Any, str, type[MoeCausalLM], Arch
     return hf_config, architecture, model_cls, model_cls.arch_spec(hf_config)
 
 
+def sizes_kv_on_device(config: EngineConfig, device: torch.device) -> bool:
+    """Whether the KV cache is sized by --gpu-memory-utilization after a profile run: on
+    CUDA, unless --kv-cache-memory or num_blocks_override fixes it."""
+    cache = config.cache
+    return (
+        device.type == "cuda" and cache.kv_cache_memory is None
+        and cache.num_blocks_override is None
+    )
+
+
 def build_model(
     config: EngineConfig,
     rank_context: RankContext | None = None,
     progress: StartupProgressFn | None = None,
+    device: torch.device | None = None,
+    device_memory: DeviceMemory | None = None,
 ) -> BuiltModel:
-    """Plan, build, shard, load and quantize one rank's model.
+    """Plan, build, shard, load and quantize one rank's model, then place it on `device`.
+
+    Weights are loaded (and quantized) into host memory tensor by tensor, then the model moves
+    to the device parameter by parameter (`Module.to`), so neither side ever holds two copies.
 
     Args:
         config: the engine configuration, its QuantConfig already resolved against config.json
@@ -98,29 +114,33 @@ def build_model(
         rank_context: under expert parallelism, this rank's experts and communicator.
         progress: told the phases "planning memory", "loading weights" and (when experts are
             quantized at load) "quantizing experts".
+        device: where the weights go (default CPU; `kernels.registry.resolve_device`).
+        device_memory: the CUDA device's memory before loading (`memory.cuda_device_memory`);
+            when the KV cache is sized on the device (`sizes_kv_on_device`), weights that
+            alone exceed --gpu-memory-utilization x total are refused before loading.
 
     Raises:
         StartupError: unsupported architecture, a KV cache too small for one max_model_len
-            request, missing or mis-shaped weights, a quantization that does not fit.
+            request, weights beyond the device budget, missing or mis-shaped weights, a
+            quantization that does not fit.
     """
     progress = progress or _no_progress
+    device = device or torch.device("cpu")
     progress("planning memory", "", None)
     model_dir = config.model.model
     hf_config, architecture, model_cls, spec = read_architecture(model_dir)
     max_model_len = config.model.max_model_len or spec.max_position_embeddings
     weight_dtype = config.model.torch_dtype()
-    dtype = compute_dtype(weight_dtype)
+    dtype = compute_dtype(weight_dtype) if device.type == "cpu" else weight_dtype
     if dtype != weight_dtype:
         logger.warning(
             "this CPU has no native bfloat16 matmul (AVX512-BF16/AMX): weights are rounded "
             "to bfloat16 and computed in float32 (MOE_ENGINE_FORCE_BF16=1 keeps bfloat16)"
         )
     attention_groups = model_cls.kv_cache_groups_for(spec)
-    try:
-        device = resolve_device(getattr(config.model, "device", "cpu"))
-    except ValueError as e:
-        raise StartupError(str(e)) from e
-    kernels = plan_kernels(device, config.kernel_backend, model_facts(spec, dtype), progress)
+    kernels = plan_kernels(
+        device.type, config.kernel_backend, model_facts(spec, dtype), progress
+    )
     plan = make_plan(
         spec,
         dtype,
@@ -135,8 +155,7 @@ def build_model(
         max_num_seqs=config.scheduler.max_num_seqs,
         expert_bits_per_weight=config.quant.bits_per_weight,
     )
-    logger.info("startup plan:\n%s\n%s", plan.describe(), kernels.describe())
-    plan.check(max_model_len)
+    plan = _check_plan(plan, config, device, device_memory, max_model_len, kernels)
     model = model_cls(spec, dtype, max_position=max_model_len).eval()
     if rank_context is not None:
         for _, moe in model.moe_layers():
@@ -158,11 +177,53 @@ def build_model(
     if config.quant.method != "none":
         progress("quantizing experts", config.quant.method, None)
     quantize_experts(model, config)
+    if device.type != "cpu":
+        progress("moving weights to the device", str(device), None)
+        model.to(device)
     bind_kernels(model, kernels)
     return BuiltModel(
         model, spec, architecture, hf_config, plan, attention_groups, max_model_len,
         weight_dtype, dtype, kernels,
     )
+
+
+def _check_plan(
+    plan: Plan,
+    config: EngineConfig,
+    device: torch.device,
+    device_memory: DeviceMemory | None,
+    max_model_len: int,
+    kernels: KernelPlan,
+) -> Plan:
+    """Log (with the kernel backends) and check the startup plan before any weight is read.
+
+    On a CPU (and on CUDA with --kv-cache-memory / num_blocks_override) the plan's blocks are
+    final and `Plan.check` runs. When the CUDA device sizes the KV cache, only the context
+    length and the weights against --gpu-memory-utilization x total are checked here; the
+    blocks follow the profile run (`EngineCore`, `memory.size_kv_cache`).
+
+    Raises:
+        StartupError: from `Plan.check` / `memory.check_weights_fit`.
+    """
+    util = config.device.gpu_memory_utilization
+    if device.type == "cpu":
+        plan = replace(plan, device_lines=(
+            f"device: cpu (--gpu-memory-utilization {util:g} applies to cuda only; the KV "
+            f"cache is sized from --kv-cache-memory or free host memory)",
+        ))
+    if not sizes_kv_on_device(config, device):
+        logger.info("startup plan:\n%s\n%s", plan.describe(), kernels.describe())
+        plan.check(max_model_len)
+        return plan
+    plan.check_context(max_model_len)
+    lines = plan.describe().splitlines()[:-1]  # the blocks line waits for the profile run
+    logger.info(
+        "startup plan:\n%s\nKV blocks: sized after a profile run (--gpu-memory-utilization "
+        "%g on %s)\n%s", "\n".join(lines), util, device, kernels.describe(),
+    )
+    if device_memory is not None:
+        check_weights_fit(device_memory, util, plan.weight_bytes)
+    return plan
 
 
 def _checkpoint_quant(config: EngineConfig) -> CompressedTensorsConfig | Fp8BlockConfig | None:

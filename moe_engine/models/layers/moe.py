@@ -217,7 +217,9 @@ class FusedMoE(nn.Module):
             sent = self.communicator.dispatch(hidden, topk_ids, topk_weights)
             if self.load_recorder is not None and self.ep_rank is not None:
                 # expert work of this rank: the token-expert pairs its slots process
-                mine = torch.zeros(self.load_recorder.ep_size, dtype=torch.int64)
+                mine = torch.zeros(
+                    self.load_recorder.ep_size, dtype=torch.int64, device=hidden.device
+                )
                 mine[self.ep_rank] = (sent.topk_ids >= 0).sum()
                 self.load_recorder.record_rank_tokens(self.layer_index, mine)
         with timer.phase("experts"):
@@ -251,6 +253,10 @@ class FusedMoE(nn.Module):
                 or 4-bit experts whose layout cannot be converted (`QuantizedExperts`).
         """
         if self.quantized is not None:
+            # the biases as this module holds them now (`Module.to` replaced their tensors)
+            self.quantized.b13, self.quantized.b2 = (
+                None if b is None else b.data for b in (self.b13, self.b2)
+            )
             self.quantized.bind_kernels(plan)
             return
         self.kernel_backend = plan.backend("fused_moe")

@@ -68,6 +68,8 @@ class QuantizedExperts(nn.Module):
     activation: SwiGLU = SILU_AND_MUL
     b13: torch.Tensor | None = None
     b2: torch.Tensor | None = None
+    #: The plan the weights were last bound by (`bind_kernels`).
+    _bound_plan: KernelPlan | None = None
 
     def __init__(
         self,
@@ -142,14 +144,17 @@ class QuantizedExperts(nn.Module):
         ("fused_moe_int4" / "fused_moe_mxfp4") and make forward call it. Binding again
         rebuilds the layout from the canonical one (restored from the bound layout when it was
         dropped); binding the torch int4 CPU layout again to torch is a no-op (it holds what
-        it held: nothing changes 4-bit codes in place).
+        it held: nothing changes 4-bit codes in place). The same plan object again is a no-op.
 
         Raises:
             RuntimeError: another backend after torch's int4 CPU layout (see `canonical`), or
                 native-cpu with weights not on a CPU.
             ValueError: an unknown backend.
         """
+        if self._bound_plan is plan:
+            return  # bound already by this plan (FusedMoE binds it, then the model walk)
         backend = plan.backend(OP_OF_METHOD[self.method])
+        self._bound_plan = plan
         if not self._held and self.bound.restore is None and backend == self.bound.backend:
             return
         weights = self.canonical()
