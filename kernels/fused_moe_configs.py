@@ -36,7 +36,7 @@ TOKEN_BUCKETS = (1, 8, 16, 64, 256, 1024, 4096)
 
 @dataclass(frozen=True)
 class MoeTileConfig:
-    """One launch configuration of `kernels.fused_moe.fused_moe_kernel`.
+    """One launch configuration of `kernels.fused_moe_kernels.fused_moe_kernel`.
 
     Attributes:
         BLOCK_SIZE_M: token-expert pairs per tile (also `moe_align_block_size`'s block size);
