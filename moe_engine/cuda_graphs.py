@@ -186,6 +186,8 @@ class DecodeGraphs:
 
     Attributes:
         sizes: the captured sizes, ascending. num_replays: replays per size so far.
+        static: the static input buffers by name (see the module docstring; each at least
+            [P], block_tables.<g> at least [P * W]), what every graph reads.
         capture_seconds: wall time of the capture; memory_bytes: device memory it took (CUDA:
             the drop in free memory; 0 elsewhere).
 
@@ -208,9 +210,9 @@ class DecodeGraphs:
         self.num_groups = len(runner.kv_groups)
         self.buffers = StepInputBuffers(runner.device)
         device, top = runner.device, self.sizes[-1]
-        self._static = {name: self.buffers.reserve(name, top) for name in self._names()}
+        self.static = {name: self.buffers.reserve(name, top) for name in self._names()}
         for g in range(self.num_groups):
-            self._static[f"block_tables.{g}"] = self.buffers.reserve(
+            self.static[f"block_tables.{g}"] = self.buffers.reserve(
                 f"block_tables.{g}", top * self.width
             )
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int64, device=device)
@@ -337,7 +339,7 @@ class DecodeGraphs:
 
     def _forward(self, n: int) -> Forward:
         """The model's forward over the first n rows of the static buffers."""
-        s, width = self._static, self.width
+        s, width = self.static, self.width
         metas = []
         for g in range(self.num_groups):
             block_tables = s[f"block_tables.{g}"][: n * width].view(n, width)
@@ -352,19 +354,21 @@ class DecodeGraphs:
         meta = metas[0]
         if len(metas) > 1:
             meta = AttentionMetadata(meta.slot_mapping, meta.batches, groups=metas)
-        runner, input_ids, positions = self.runner, s["input_ids"][:n], s["positions"][:n]
+        runner, input_ids, positions = self.runner, s["input_ids"], s["positions"]
 
         def forward() -> torch.Tensor:
             for m in metas:  # masks are cached per batch: an eager replay rebuilds them
                 m.batches[0]._masks.clear()
-            return runner.model(input_ids, positions, meta, runner.kv_caches)
+            # Fresh views per run: the rotary module reuses its cos/sin for the same positions
+            # tensor object, which must not carry the warm-up's lookup into the capture.
+            return runner.model(input_ids[:n], positions[:n], meta, runner.kv_caches)
 
         return forward
 
     @contextmanager
     def _masked(self) -> Iterator[None]:
         """The recorders weigh rows by the static row mask meanwhile (padding counts 0)."""
-        mask = self._static["row_mask"]
+        mask = self.static["row_mask"]
         for recorder in self._recorders:
             recorder.set_row_mask(mask)
         try:
