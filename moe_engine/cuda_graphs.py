@@ -240,7 +240,11 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self, capture: GraphCapture) -> None:
         """Capture every size, largest first, with all rows padding (the warm-up and capture
-        runs write K/V only into the scratch block and count no expert load)."""
+        runs write K/V only into the scratch block and count no expert load).
+
+        Raises:
+            RuntimeError: a capture failed (the message names the batch size).
+        """
         model = self.runner.model
         self._recorders = list({
             id(moe.load_recorder): moe.load_recorder
@@ -253,7 +257,10 @@ class DecodeGraphs:
         self._fill(self.max_size, [], none, [[] for _ in range(self.num_groups)], none)
         with self._masked():
             for n in reversed(self.sizes):
-                self._replays[n] = capture(self._forward(n))
+                try:
+                    self._replays[n] = capture(self._forward(n))
+                except RuntimeError as exc:  # e.g. a host sync inside the forward
+                    raise RuntimeError(f"decode batch size {n}: {exc}") from exc
         if cuda:
             torch.cuda.synchronize(self.runner.device)
             self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info(self.runner.device)[0])

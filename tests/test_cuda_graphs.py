@@ -29,6 +29,7 @@ from moe_engine.config import (
 )
 from moe_engine.cuda_graphs import EagerReplayCapture, capture_sizes, graphs_off_reason
 from moe_engine.engine.core import EngineCore
+from moe_engine.errors import StartupError
 from moe_engine.instrumentation import ExpertLoadRecorder
 from moe_engine.kv_cache.spec import FULL_ATTENTION, MLA_ATTENTION, SLIDING_ATTENTION
 
@@ -188,6 +189,17 @@ def test_enforce_eager_flag_and_offline_api(qwen3_ckpt, caplog) -> None:
         llm = LLM(model=str(qwen3_ckpt), device="cpu", enforce_eager=True, max_model_len=64)
     assert "CUDA graphs: off (--enforce-eager)" in caplog.text
     assert llm.engine.runner.decode_graphs is None
+
+
+class _FailingCapture(EagerReplayCapture):
+    def __call__(self, forward):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_failed_capture_stops_startup_naming_the_size_and_the_flag(qwen3_ckpt) -> None:
+    with pytest.raises(StartupError, match=r"CUDA graph capture failed at decode batch size 8: "
+                       r"operation not permitted .*; pass --enforce-eager"):  # fmt: skip
+        _engine(qwen3_ckpt, _FailingCapture())
 
 
 def test_row_mask_weighs_the_counts() -> None:

@@ -235,14 +235,24 @@ class EngineCore:
         self, off_reason: str | None, capture: GraphCapture, progress: StartupProgressFn
     ) -> None:
         """Capture the decode graphs when they apply; log the decision in one line either way.
-        The phase timer forgets the capture's forwards."""
+        The phase timer forgets the capture's forwards.
+
+        Raises:
+            StartupError: a capture failed (naming the batch size and --enforce-eager).
+        """
         if off_reason is not None:
             logger.info("CUDA graphs: off (%s)", off_reason)
             return
         sched = self.config.scheduler
         sizes = capture_sizes(sched.max_num_seqs, sched.max_num_batched_tokens)
         progress("capturing CUDA graphs", f"decode batch sizes {sizes}", None)
-        graphs = self.runner.capture_decode_graphs(sizes, self.max_model_len, capture)
+        try:
+            graphs = self.runner.capture_decode_graphs(sizes, self.max_model_len, capture)
+        except RuntimeError as exc:
+            raise StartupError(
+                f"CUDA graph capture failed at {exc}; pass --enforce-eager to run every step "
+                "eagerly"
+            ) from exc
         self.timer.reset()
         logger.info("%s", graphs.describe())
 
