@@ -436,10 +436,14 @@ class DeviceConfig:
             engine may use for weights, activations and KV cache (vLLM's flag); the KV cache
             gets what the weights and a profiled activation peak leave (`moe_engine.memory`).
             Ignored on a CPU (the KV cache is sized by kv_cache_memory / MemAvailable there).
+        enforce_eager: never capture CUDA graphs (`--enforce-eager`, vLLM's flag): every step
+            runs eagerly. By default decode-only steps replay graphs captured at startup
+            where they apply (`moe_engine.cuda_graphs`).
     """
 
     device: str = "auto"
     gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in DEVICE_CHOICES:
@@ -452,6 +456,8 @@ class DeviceConfig:
                 f"gpu_memory_utilization (--gpu-memory-utilization) must be a fraction in "
                 f"(0, 1] of the device's memory, got {util!r}"
             )
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,11 @@ step the engine calls `take_step_counts()` for that step's counts (the trace fil
 for a ring of the last `window_steps` steps (`window_counts()`, "load over a recent window").
 The summaries use the two conventions the field uses: `imbalance_ratio` = max / mean and
 `balancedness` = mean / max (DeepSeek EPLB, SGLang's expert-distribution recorder).
+
+Padded batches (CUDA-graph decode, `moe_engine.cuda_graphs`): `set_row_mask(mask)` makes each
+token row's pairs count `mask[row]` (1 or 0) instead of 1, so the padding rows of a replayed
+graph add nothing; the mask is a static device buffer the graph runner fills per replay, so the
+recording stays one `index_add_` with no host sync, capturable.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class ExpertLoadRecorder:
         #: [num_moe_layers, ep_size] int64 tokens received per rank (see record_rank_tokens).
         self.rank_tokens = torch.zeros(num_layers, ep_size, dtype=torch.int64, device=device)
         self._ones = torch.ones(0, dtype=torch.int64, device=device)
+        self._row_mask: torch.Tensor | None = None  # set_row_mask
         self._taken = torch.zeros_like(self.counts)  # counts at the last take_step_counts()
         self._taken_ranks = torch.zeros_like(self.rank_tokens)
         self._window = torch.zeros(window_steps, num_layers, num_experts, dtype=torch.int64,
@@ -64,19 +70,49 @@ class ExpertLoadRecorder:
         #: steps taken by take_step_counts() since construction or reset().
         self.num_steps = 0
 
+    def set_row_mask(self, mask: torch.Tensor | None) -> None:
+        """Weigh each token row's pairs by `mask` from now on (None: every row counts once).
+
+        Args:
+            mask: [P] int64 of 1 (a real row) and 0 (a padding row), on the counters' device,
+                P >= the tokens of every step recorded while it is set; read (not copied) by
+                each `record`, so refilling it in place changes what later records count.
+
+        Raises:
+            ValueError: a mask that is not a 1-D int64 tensor on the counters' device.
+        """
+        if mask is not None and (
+            mask.dim() != 1 or mask.dtype != torch.int64 or mask.device != self.counts.device
+        ):
+            raise ValueError(
+                f"row mask must be [P] int64 on {self.counts.device}, got "
+                f"{tuple(mask.shape)} {mask.dtype} on {mask.device}"
+            )
+        self._row_mask = mask
+
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
         """Add one step's routing of decoder layer `layer`.
 
         Args:
             topk_ids: [T, k] int32 global expert ids as the router chose them, all in [0, E).
+
+        Raises:
+            ValueError: a row mask is set (`set_row_mask`) with fewer than T rows.
         """
         ids = topk_ids.reshape(-1)
-        if self._ones.numel() < ids.numel():  # shapes only: no device sync
-            self._ones = torch.ones(
-                max(ids.numel(), 2 * self._ones.numel()), dtype=torch.int64,
-                device=self.counts.device,
-            )
-        self.counts[self.row_of_layer[layer]].index_add_(0, ids, self._ones[: ids.numel()])
+        if self._row_mask is not None:
+            t, k = topk_ids.shape
+            if t > self._row_mask.numel():
+                raise ValueError(f"{t} token rows, but the row mask has {self._row_mask.numel()}")
+            weights = self._row_mask[:t, None].expand(t, k).reshape(-1)
+        else:
+            if self._ones.numel() < ids.numel():  # shapes only: no device sync
+                self._ones = torch.ones(
+                    max(ids.numel(), 2 * self._ones.numel()), dtype=torch.int64,
+                    device=self.counts.device,
+                )
+            weights = self._ones[: ids.numel()]
+        self.counts[self.row_of_layer[layer]].index_add_(0, ids, weights)
 
     def record_rank_tokens(self, layer: int, tokens_per_rank: torch.Tensor) -> None:
         """Add the tokens that decoder layer `layer`'s dispatch delivered to each rank.

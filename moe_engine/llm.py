@@ -43,7 +43,8 @@ class LLM:
         max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory (bytes),
         block_size, num_blocks_override, quantization, quant_group_size, kernel_backend,
         enable_prefix_caching, device ("auto", "cpu", "cuda"), gpu_memory_utilization
-        (fraction in (0, 1]): as the `moe-serve` flags of the same names.
+        (fraction in (0, 1]), enforce_eager (no CUDA graphs): as the `moe-serve` flags of the
+        same names.
 
     Raises:
         StartupError: no config.json at `model`, or a configuration the engine refuses.
@@ -66,6 +67,7 @@ class LLM:
         enable_prefix_caching: bool = False,
         device: str = "auto",
         gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
     ) -> None:
         if model == "demo":
             from moe_engine.demo import ensure_demo_checkpoint
@@ -80,7 +82,7 @@ class LLM:
             raise StartupError(f"model: no config.json in {str(model)!r}")
         self.engine = EngineCore(
             EngineConfig(
-                device=DeviceConfig(device, gpu_memory_utilization),
+                device=DeviceConfig(device, gpu_memory_utilization, enforce_eager),
                 model=ModelConfig(
                     model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed
                 ),

@@ -17,6 +17,11 @@ on a CPU they are used as they are (no copy), on CUDA each is copied once into a
 device buffer (`step_inputs.StepInputBuffers`, pinned and non-blocking). The step's one host
 sync is the sampler's read-back of the sampled ids (and logprobs, in the same copy).
 `profile_run` is the forward that `--gpu-memory-utilization` measures (`moe_engine.memory`).
+
+CUDA graphs (`moe_engine.cuda_graphs`): with `scratch_block=True` the cache holds one more
+block (id num_blocks + 1, beyond the pool) for the padding rows of replayed decode graphs;
+after `capture_decode_graphs`, decode-only steps that fit the largest captured size replay a
+graph (`DecodeGraphs.run`), every other step runs eagerly as above.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from moe_engine.cuda_graphs import DecodeGraphs, GraphCapture
 from moe_engine.kv_cache import (
     KVCacheGroup,
     KVCacheManager,
@@ -58,10 +64,13 @@ class ModelRunner:
             None: made from `model.kv_cache_groups()`.
         device: the engine's device (the model's): the KV cache is allocated there and each
             step's inputs are copied there once (`StepInputBuffers`); default CPU.
+        scratch_block: give the cache one more block (`scratch_block` = num_blocks + 1),
+            never in the pool, for the padding rows of CUDA-graph decode steps.
 
-    `kv_caches[i]` is layer i's (K, V) pair, each [num_blocks + 1, block_size, num_kv_heads,
-    head_dim], or for an MLA group one latent tensor [num_blocks + 1, block_size,
-    kv_lora_rank + qk_rope_head_dim]; layers in the same slot of different groups share it.
+    `kv_caches[i]` is layer i's (K, V) pair, each [num_blocks + 1 (+ 1 scratch), block_size,
+    num_kv_heads, head_dim], or for an MLA group one latent tensor [num_blocks + 1 (+ 1),
+    block_size, kv_lora_rank + qk_rope_head_dim]; layers in the same slot of different groups
+    share it.
 
     Raises:
         ValueError: a layer in no group, or a group whose kind or window differs from its
@@ -77,6 +86,7 @@ class ModelRunner:
         sampler: Sampler,
         kv_groups: list[KVCacheGroup] | None = None,
         device: torch.device | str | None = None,
+        scratch_block: bool = False,
     ) -> None:
         self.model = model
         #: Where the KV cache and the step's tensors live (the model's device).
@@ -101,8 +111,13 @@ class ModelRunner:
                 qk_rope_head_dim=spec.qk_rope_head_dim,
             )
         self.kv_groups = kv_groups
+        #: The padding rows' KV block (beyond the pool's ids 1..num_blocks), or None.
+        self.scratch_block = num_blocks + 1 if scratch_block else None
+        #: The captured decode graphs (`capture_decode_graphs`), or None: every step eager.
+        self.decode_graphs: DecodeGraphs | None = None
+        physical = num_blocks + (1 if scratch_block else 0)
         slots = [
-            _allocate_slot(kv_groups[0].spec, num_blocks, kv_dtype, self.device)
+            _allocate_slot(kv_groups[0].spec, physical, kv_dtype, self.device)
             for _ in range(len(kv_groups[0].layers))
         ]
         caches: list[tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None]
@@ -146,6 +161,20 @@ class ModelRunner:
             buffers.reserve(f"slot_mapping.{g}", max_num_tokens)
             buffers.reserve(f"block_tables.{g}", max_num_seqs * width)
 
+    def capture_decode_graphs(
+        self, sizes: list[int], max_model_len: int, capture: GraphCapture
+    ) -> DecodeGraphs:
+        """Capture decode graphs at these batch sizes (`cuda_graphs.capture_sizes`); from now
+        on decode-only steps of at most max(sizes) requests replay them.
+
+        Raises:
+            ValueError: the runner was made without a scratch block.
+        """
+        graphs = DecodeGraphs(self, sizes, max_model_len)
+        graphs.capture(capture)
+        self.decode_graphs = graphs
+        return graphs
+
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, kv: KVCacheManager
@@ -165,11 +194,15 @@ class ModelRunner:
             [kv.block_table(s.request.request_id, g) for s in ordered]
             for g in range(len(self.kv_groups))
         ]
-        step = self._host_inputs(ids, q_lens, starts, tables)
         sampling = [i for i, s in enumerate(ordered) if s.samples]
         logits_indices = (torch.cumsum(q_lens, 0) - 1)[sampling]
-        input_ids, positions, meta, logits_indices = self._on_device(step, logits_indices)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.covers([s.num_tokens for s in ordered]):
+            hidden, logits_indices = graphs.run(ids, starts, tables, logits_indices)
+        else:
+            step = self._host_inputs(ids, q_lens, starts, tables)
+            input_ids, positions, meta, logits_indices = self._on_device(step, logits_indices)
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)
         rows = [ordered[i] for i in sampling]
         if not rows:
             return [], SamplerOutput([], [])
@@ -383,7 +416,7 @@ def _allocate_slot(
 ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     """One layer slot's zeroed cache on `device`: a (K, V) pair of [num_blocks + 1,
     block_size, num_kv_heads, head_dim], or for MLA one latent tensor [num_blocks + 1,
-    block_size, latent_dim] (block 0 the null block)."""
+    block_size, latent_dim] (block 0 the null block; num_blocks counts a scratch block)."""
     if isinstance(spec, MLAAttentionSpec):
         shape: tuple[int, ...] = (num_blocks + 1, spec.block_size, spec.latent_dim)
         return torch.zeros(shape, dtype=dtype, device=device)

@@ -4,6 +4,7 @@
               [--dtype auto|bfloat16|float32] [--max-model-len N] [--max-num-seqs N]
               [--max-num-batched-tokens N] [--kv-cache-memory BYTES] [--block-size N]
               [--enable-prefix-caching] [--device auto|cpu|cuda] [--gpu-memory-utilization F]
+              [--enforce-eager]
               [--metrics-port P] [--max-message-bytes BYTES] [--log-level LEVEL]
               [--max-waiting-requests N] [--max-prompt-tokens N] [--max-concurrent-streams N]
               [--drain-timeout S] [--api-key KEY | --api-key-file PATH]
@@ -95,7 +96,7 @@ def parse_fraction(text: str) -> float:
 
 
 def add_device_flags(p: argparse.ArgumentParser) -> None:
-    """--device and --gpu-memory-utilization (`config.DeviceConfig`)."""
+    """--device, --gpu-memory-utilization and --enforce-eager (`config.DeviceConfig`)."""
     p.add_argument(
         "--device",
         default="auto",
@@ -111,6 +112,13 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
         help="fraction in (0, 1] of the CUDA device's memory for weights, activations and KV "
         f"cache (default {DeviceConfig.gpu_memory_utilization}); the KV cache gets what the "
         "weights and a profiled activation peak leave. Ignored on cpu",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="never capture CUDA graphs: every step runs eagerly (default: decode-only steps "
+        "replay graphs captured at startup at padded batch sizes, on cuda with the triton "
+        "decode kernels and --ep-size 1)",
     )
 
 
@@ -363,7 +371,9 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         expert_trace=args.expert_trace,
         kernel_backend=args.kernel_backend,
         device=DeviceConfig(
-            device=args.device, gpu_memory_utilization=args.gpu_memory_utilization
+            device=args.device,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enforce_eager=args.enforce_eager,
         ),
     )
 

@@ -22,6 +22,12 @@ from moe_engine.config import (
     default_threads,
     resolve_quant_config,
 )
+from moe_engine.cuda_graphs import (
+    CudaGraphCapture,
+    GraphCapture,
+    capture_sizes,
+    graphs_off_reason,
+)
 from moe_engine.detokenizer import IncrementalDetokenizer
 from moe_engine.engine.device import engine_device, kv_groups_of, plan_kv_on_device
 from moe_engine.engine.messages import (
@@ -122,6 +128,9 @@ class EngineCore:
             one when nothing is scheduled) so that all ranks stay in lockstep.
         progress: told each startup phase (phase, detail, seconds left or None); any thread
             may call it (the kernel build reports from its own).
+        graph_capture: how decode graphs are captured (`moe_engine.cuda_graphs`); None: the
+            real `CudaGraphCapture`. Tests pass `EagerReplayCapture` to run the graph path on
+            a CPU. Whether graphs apply is decided once here and logged ("CUDA graphs: ...").
 
     Raises:
         StartupError: unsupported architecture, a KV cache too small for one max_model_len
@@ -134,6 +143,7 @@ class EngineCore:
         rank_context: RankContext | None = None,
         *,
         progress: StartupProgressFn | None = None,
+        graph_capture: GraphCapture | None = None,
     ) -> None:
         progress = progress or _no_progress
         config = _resolve_quant(config)
@@ -188,6 +198,12 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler(config.model.seed)
+        capture = graph_capture or CudaGraphCapture()
+        graphs_off = graphs_off_reason(
+            self.device, enforce_eager=config.device.enforce_eager, kernels=self.kernels,
+            kv_kinds=[g.spec.kind for g in kv_groups], quant_method=config.quant.method,
+            ep_size=ep_size, capture_devices=capture.device_types,
+        )  # fmt: skip
         self.runner = ModelRunner(
             self.model,
             self.plan.num_blocks,
@@ -196,11 +212,13 @@ class EngineCore:
             self.sampler,
             kv_groups=kv_groups,
             device=self.device,
+            scratch_block=graphs_off is None,
         )
         sched = config.scheduler
         self.runner.reserve_inputs(
             sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len
         )
+        self._capture_graphs(graphs_off, capture, progress)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         #: Live requests with n > 1, by the client's id.
         self._parents: dict[str, ParentRequest] = {}
@@ -212,6 +230,31 @@ class EngineCore:
             num_rejected=0,
             num_steps=0,
         )
+
+    def _capture_graphs(
+        self, off_reason: str | None, capture: GraphCapture, progress: StartupProgressFn
+    ) -> None:
+        """Capture the decode graphs when they apply; log the decision in one line either way.
+        The phase timer forgets the capture's forwards.
+
+        Raises:
+            StartupError: a capture failed (naming the batch size and --enforce-eager).
+        """
+        if off_reason is not None:
+            logger.info("CUDA graphs: off (%s)", off_reason)
+            return
+        sched = self.config.scheduler
+        sizes = capture_sizes(sched.max_num_seqs, sched.max_num_batched_tokens)
+        progress("capturing CUDA graphs", f"decode batch sizes {sizes}", None)
+        try:
+            graphs = self.runner.capture_decode_graphs(sizes, self.max_model_len, capture)
+        except RuntimeError as exc:
+            raise StartupError(
+                f"CUDA graph capture failed at {exc}; pass --enforce-eager to run every step "
+                "eagerly"
+            ) from exc
+        self.timer.reset()
+        logger.info("%s", graphs.describe())
 
     def add_request(
         self,
