@@ -174,6 +174,29 @@ def parse_kernel_backend(spec: str) -> tuple[str | None, dict[str, str]]:
     return default, per_op
 
 
+def check_kernel_backend(device: str, spec: str, probe: Probe | None = None) -> None:
+    """What of `--kernel-backend` can be refused before anything loads (`moe-serve` calls it
+    before the port opens): a malformed spec, an op=backend pair whose backend has no kernel
+    for the op, and a named backend other than native-cpu that cannot run on `device` (the
+    native library's build is the engine's first startup phase, with its progress; the
+    model-dependent checks come with the model, in `choose_kernels`).
+
+    Raises:
+        KernelBackendError: as `choose_kernels` would for these.
+    """
+    default, per_op = parse_kernel_backend(spec)
+    for op, backend in per_op.items():
+        if op not in IMPLEMENTS[backend]:
+            raise KernelBackendError(f"--kernel-backend {op}={backend}: "
+                                     + _explicit_refusal(op, backend, ModelFacts()))
+    for backend in {default, *per_op.values()} - {None}:
+        if backend == NATIVE_CPU and device == "cpu":
+            continue
+        why = (probe or probe_backend)(backend, device)
+        if why is not None:
+            raise KernelBackendError(f"--kernel-backend {spec}: {backend} cannot run: {why}")
+
+
 def resolve_device(device: str) -> str:
     """`--device` -> "cpu" or "cuda" ("auto": cuda when torch sees a CUDA device).
 
@@ -267,6 +290,10 @@ def choose_kernels(
             reasons[backend] = (probe or probe_backend)(backend, device)
         return reasons[backend]
 
+    for op, backend in per_op.items():
+        if op not in IMPLEMENTS[backend]:
+            raise KernelBackendError(f"--kernel-backend {op}={backend}: "
+                                     + _explicit_refusal(op, backend, facts))
     for backend in {default, *per_op.values()} - {None}:
         why = reason(backend)
         if why is not None:

@@ -151,3 +151,31 @@ def test_kernel_backend_errors_are_startup_errors(qwen3_ckpt):
 
     with pytest.raises(StartupError, match="triton has no linear kernel"):
         LLM(model=str(qwen3_ckpt), max_model_len=64, kernel_backend="linear=triton")
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("linear=triton", "linear=triton: triton has no linear kernel (backends with one: "
+                          "native-cpu, torch)"),
+        ("triton", "triton: triton cannot run: triton runs on CUDA, or on the CPU only under "
+                   "TRITON_INTERPRET=1"),
+    ],
+)
+def test_serve_refuses_a_backend_before_the_port_opens(spec, message, qwen3_ckpt, capsys,
+                                                       monkeypatch):
+    from moe_engine.cli.serve import main as serve_main
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # read per probe, not at import
+    assert serve_main(["--model", str(qwen3_ckpt), "--kernel-backend", spec, "--port", "0"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [f"moe-serve: error: --kernel-backend {message}"]
+
+
+def test_the_front_end_check_leaves_native_and_model_checks_to_the_engine():
+    from kernels.registry import check_kernel_backend
+
+    check_kernel_backend("cpu", "native-cpu", probe=no_native)  # built by the engine
+    check_kernel_backend("cpu", "attention_decode=native-cpu", probe=runs_everywhere)
+    with pytest.raises(KernelBackendError, match="native-cpu runs on the CPU only"):
+        check_kernel_backend("cuda", "native-cpu")

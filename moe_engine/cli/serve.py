@@ -25,7 +25,13 @@ import logging
 import re
 import sys
 
-from kernels.registry import OPS, KernelBackendError, parse_kernel_backend, resolve_device
+from kernels.registry import (
+    OPS,
+    KernelBackendError,
+    check_kernel_backend,
+    parse_kernel_backend,
+    resolve_device,
+)
 from moe_engine import __version__
 from moe_engine.config import (
     DEVICE_CHOICES,
@@ -452,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
         options = server_options_from_args(args)  # before anything is made or loaded
         model = resolve_model(args.model)
         config = engine_config_from_args(args, model)
-        resolve_device(config.device.device)  # --device cuda without CUDA exits 1 here
+        device = resolve_device(config.device.device)  # --device cuda without CUDA: exit 1
+        check_kernel_backend(device, config.kernel_backend)  # e.g. triton on a CPU: exit 1
         check_checkpoint(config)
         if config.parallel.node_rank > 0:
             return run_worker_node(config)
