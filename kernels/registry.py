@@ -124,7 +124,11 @@ class KernelPlan:
         """One line for the startup plan, e.g. "kernels (cpu): fused_moe=native-cpu, ...";
         choices that fell back say why on their own lines."""
         pairs = ", ".join(f"{op}={c.backend}" for op, c in self.choices.items())
-        notes = [f"  {c.op}: {c.reason}" for c in self.choices.values() if c.reason]
+        by_reason: dict[str, list[str]] = {}
+        for c in self.choices.values():
+            if c.reason:
+                by_reason.setdefault(c.reason, []).append(c.op)
+        notes = [f"  {', '.join(ops)}: {reason}" for reason, ops in by_reason.items()]
         return "\n".join([f"kernels ({self.device}): {pairs}", *notes])
 
     @classmethod
@@ -145,8 +149,14 @@ def parse_kernel_backend(spec: str) -> tuple[str | None, dict[str, str]]:
         KernelBackendError: an unknown backend or op, or a malformed item (names it and the
             valid values).
     """
+    if not isinstance(spec, str):
+        raise KernelBackendError(
+            f"--kernel-backend must be a string such as 'auto' or 'torch,linear=native-cpu', "
+            f"got {spec!r}"
+        )
     default: str | None = None
     per_op: dict[str, str] = {}
+    seen: set[str] = set()
     items = [s.strip() for s in spec.split(",") if s.strip()] or ["auto"]
     for i, item in enumerate(items):
         op, sep, backend = item.rpartition("=")
@@ -169,6 +179,9 @@ def parse_kernel_backend(spec: str) -> tuple[str | None, dict[str, str]]:
             raise KernelBackendError(
                 f"--kernel-backend: unknown op {op!r} in {spec!r}; ops: {', '.join(OPS)}"
             )
+        if op in seen:
+            raise KernelBackendError(f"--kernel-backend: op {op!r} is given twice in {spec!r}")
+        seen.add(op)
         if backend != "auto":
             per_op[op] = backend
     return default, per_op

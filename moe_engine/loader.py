@@ -166,7 +166,8 @@ def load_model(
         raise StartupError(str(e)) from e
     missing = sorted(model.expected_weight_names() - loaded)
     if missing:
+        names = model.checkpoint_names_of(missing[:8])
         raise StartupError(
-            f"checkpoint {str(model_dir)!r} lacks {len(missing)} weight(s), e.g. {missing[:8]}"
+            f"checkpoint {str(model_dir)!r} lacks {len(missing)} weight(s), e.g. {names}"
         )
     logger.info("loaded %d parameter tensors from %s", len(loaded), model_dir)

@@ -385,3 +385,28 @@ def test_versions_come_from_pyproject(capsys) -> None:
             main(["--version"])
         assert info.value.code == 0
         assert capsys.readouterr().out.strip() == f"{prog} {version}"
+
+
+def test_an_engine_startup_failure_is_one_error_line(qwen3_ckpt: Path, tmp_path: Path) -> None:
+    """A failure the engine core finds after the port opened (here a tensor missing from the
+    weights): exit status 1, and the log's last line is the reason; no "stopped by signal"
+    line from the core that the front end then ends."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(qwen3_ckpt, broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "moe_engine.cli.serve", "--model", str(broken), "--port", "0"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1, done.stderr
+    assert lines[-1].startswith("moe-serve: error: engine core failed to start: ")
+    assert "'model.layers.1.self_attn.k_proj.weight'" in lines[-1]
+    assert not any("stopped by signal" in line for line in lines), done.stderr

@@ -53,9 +53,11 @@ def test_auto_on_cuda_takes_triton_where_it_has_a_kernel():
 def test_a_native_build_failure_falls_back_to_torch_and_says_why():
     plan = choose_kernels("cpu", "auto", probe=no_native)
     assert set(plan.as_dict().values()) == {TORCH}
-    assert "linear: not native-cpu: building kernels/csrc failed: no C++ compiler" in (
-        plan.describe()
-    )
+    lines = plan.describe().splitlines()
+    assert lines[1:] == [  # one line per reason, naming its ops
+        "  fused_moe, fused_moe_int4, fused_moe_mxfp4, attention_decode, linear, rms_norm: "
+        "not native-cpu: building kernels/csrc failed: no C++ compiler"
+    ]
 
 
 def test_one_backend_name_covers_the_ops_it_implements():
@@ -77,6 +79,7 @@ def test_one_backend_name_covers_the_ops_it_implements():
         ("fused_moe=cuda", "unknown backend 'cuda'"),
         ("matmul=torch", "unknown op 'matmul'"),
         ("linear=torch,triton", "must come first"),
+        ("auto,linear=torch,linear=native-cpu", "op 'linear' is given twice"),
         ("linear=triton", "triton has no linear kernel (backends with one: native-cpu, torch)"),
         ("attention_prefill=native-cpu", "native-cpu has no attention_prefill kernel"),
     ],
@@ -108,6 +111,11 @@ def test_the_model_decides_too():
     mla = choose_kernels("cuda", "auto", ModelFacts(head_dim=576, mla=True),
                          probe=runs_everywhere)
     assert mla.backend("mla_decode") == TRITON and mla.backend("attention_decode") == TORCH
+
+
+def test_a_spec_that_is_not_a_string_is_refused():
+    with pytest.raises(KernelBackendError, match="must be a string .* got None"):
+        parse_kernel_backend(None)
 
 
 def test_parse_keeps_auto_and_pairs():

@@ -304,6 +304,8 @@ def cmd_show(args: argparse.Namespace, stub: pb_grpc.MoeEngineStub) -> int:
     else:
         width = max(map(len, data))
         for key, value in data.items():
+            if isinstance(value, dict):  # a proto map (kernel_backends): sorted k=v pairs
+                value = ", ".join(f"{k}={v}" for k, v in sorted(value.items()))
             print(f"{key:<{width}}  {value}")
     return 0
 

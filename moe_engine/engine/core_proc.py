@@ -252,6 +252,8 @@ def _build_and_run(
         info = model_info_of(core)
     except BaseException as exc:  # noqa: BLE001 - every startup failure goes to the parent
         outputs.send(encode(StartupFailed(type(exc).__name__, str(exc), _tb())))
+        # the front end has the reason and ends this process: no second, misleading line
+        signal.signal(signal.SIGTERM, _exit_reported)
         return 1
     # Serving: the front end drains, then tells the core to stop; a front end that is gone or
     # silent is noticed by the monitor.
@@ -271,6 +273,11 @@ def _build_and_run(
 def _stop_starting_core(signum: int, frame: object) -> None:
     """SIGTERM before READY: unwind the startup (its `finally` blocks clean up) and exit."""
     raise SystemExit(f"engine core: stopped by signal {signum} while starting")
+
+
+def _exit_reported(signum: int, frame: object) -> None:
+    """SIGTERM after the startup failure went to the front end: exit 1 without a message."""
+    raise SystemExit(1)
 
 
 def _tb() -> str:

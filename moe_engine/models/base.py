@@ -248,6 +248,11 @@ class MoeCausalLM(nn.Module):
         """Every piece `load_weights` must fill (`WeightLoader.expected_names`)."""
         return WeightLoader(self).expected_names()
 
+    def checkpoint_names_of(self, pieces: Iterable[str]) -> list[str]:
+        """`expected_weight_names` pieces as checkpoint tensor names
+        (`WeightLoader.checkpoint_names`)."""
+        return WeightLoader(self).checkpoint_names(pieces)
+
     def wants_weight(self, name: str) -> bool:
         """False for a checkpoint tensor of an expert this rank does not hold, or of a layer
         beyond num_layers (a multi-token-prediction layer): the loader then never reads it;

@@ -159,6 +159,22 @@ class WeightLoader:
                 names |= {expert_piece(block, e, p) for p in expert_weights.PROJECTIONS}
         return names
 
+    def checkpoint_names(self, pieces: Iterable[str]) -> list[str]:
+        """The checkpoint tensor names of `expected_names` pieces (what a user finds in the
+        safetensors files): "...qkv_proj.weight.k" -> "...k_proj.weight", an expert piece
+        "...experts.7.up" -> "...experts.7.up_proj.weight", renames undone."""
+        parts = {shard: (merged, part) for merged, part, shard in self.mapping.stacked_params}
+        names = []
+        for piece in pieces:
+            module, _, shard = piece.rpartition(".")
+            if module.rpartition(".")[0] in self.merged and shard in parts:
+                merged, part = parts[shard]
+                piece = module.replace(merged, part)
+            elif m := re.fullmatch(r"(.+\.experts\.\d+)\.(gate|up|down)", piece):
+                piece = f"{m[1]}.{self.mapping.experts.name_of(m[2])}.weight"
+            names.append(self.mapping.checkpoint_name(piece))
+        return names
+
     def wants(self, name: str) -> bool:
         """False for a per-expert checkpoint tensor of an expert this rank does not hold (or
         of a block that is not a `FusedMoE`), and for a tensor of a layer beyond the model's
