@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared check of the engine on one CUDA GPU (issue 15, item 7): at most ~8 minutes on
+# One prepared check of the engine on one CUDA GPU: at most ~8 minutes on
 # an H200, every step under its own `timeout`, nothing installed from a registry.
 #
 #   bench/gpu_check.sh                 # on the GPU machine; outputs under ${OUT:-./gpu_check_out}

@@ -140,6 +140,7 @@ def run_moe_engine(ckpt: Path, requests: list[BenchRequest], args: argparse.Name
         model=str(ckpt), dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
+        kernel_backend=args.kernel_backend,
         **({"device": args.device} if args.device else {}),
     )
     prompts = [r.prompt_token_ids for r in requests]
@@ -461,6 +462,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None,
                    help="moe-engine's device (LLM(device=...); default: the engine's own); "
                         "the transformers baseline stays on the CPU")
+    p.add_argument("--kernel-backend", default="auto", metavar="SPEC",
+                   help="moe-engine's kernel backends (moe-serve --kernel-backend), e.g. "
+                        "torch or auto,linear=torch for an ablation (default auto)")
     p.add_argument("--quantization", choices=["none", "int4", "mxfp4"], default="none",
                    help="4-bit routed experts for moe-engine (the baseline stays unquantized)")
     p.add_argument("--baseline-dtype", choices=sorted(_DTYPES), default=None,
@@ -545,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "workload": "mixed-64" if args.num_requests == 64 else f"mixed-64[:{args.num_requests}]",
         "checkpoint": str(ckpt), "dtype": args.dtype, "device": args.device,
+        "kernel_backend": args.kernel_backend,
         "num_requests": len(requests),
         "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
         "runs": args.runs, "warmup": args.warmup, "threads": torch.get_num_threads(),
