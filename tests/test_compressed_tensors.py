@@ -26,8 +26,9 @@ from grpc_helpers import request as make_request
 from safetensors.torch import load_file, save_file
 
 from moe_engine import LLM, SamplingParams
-from moe_engine.config import EngineConfig, ModelConfig, QuantConfig, resolve_quant_config
+from moe_engine.config import EngineConfig, ModelConfig, QuantConfig
 from moe_engine.errors import StartupError
+from moe_engine.quant_config import resolve_quant_config
 from moe_engine.server.app import ServerOptions
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc

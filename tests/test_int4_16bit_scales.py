@@ -19,7 +19,8 @@ from kernels.cpu_native import PackedQuantExperts
 from kernels.native import _build
 from kernels.reference import fused_moe_reference
 from moe_engine import LLM, SamplingParams
-from moe_engine.config import QuantConfig, resolve_quant_config
+from moe_engine.config import QuantConfig
+from moe_engine.quant_config import resolve_quant_config
 from quant.int4 import Int4Weight, dequantize_int4, quantize_int4
 
 SIXTEEN_BIT = [torch.bfloat16, torch.float16]

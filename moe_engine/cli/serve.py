@@ -42,11 +42,11 @@ from moe_engine.config import (
     ParallelConfig,
     QuantConfig,
     SchedulerConfig,
-    resolve_quant_config,
 )
 from moe_engine.errors import StartupError
 from moe_engine.loader import safetensors_files
 from moe_engine.model_path import resolve_model_dir
+from moe_engine.quant_config import resolve_quant_config
 from moe_engine.server.app import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_MAX_CONCURRENT_STREAMS,

@@ -20,7 +20,6 @@ import torch
 from moe_engine.config import (
     EngineConfig,
     default_threads,
-    resolve_quant_config,
 )
 from moe_engine.cuda_graphs import (
     CudaGraphCapture,
@@ -47,6 +46,7 @@ from moe_engine.model_runner import ModelRunner
 from moe_engine.models.build import build_model, sizes_kv_on_device
 from moe_engine.parallel_sampling import ParentRequest
 from moe_engine.phase_timer import PhaseTimer
+from moe_engine.quant_config import resolve_quant_config
 from moe_engine.request import FinishReason, Request, SamplingParams
 from moe_engine.sampler import Sampler
 from moe_engine.scheduler import Scheduler

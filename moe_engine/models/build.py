@@ -110,7 +110,7 @@ def build_model(
 
     Args:
         config: the engine configuration, its QuantConfig already resolved against config.json
-            (`config.resolve_quant_config`).
+            (`quant_config.resolve_quant_config`).
         rank_context: under expert parallelism, this rank's experts and communicator.
         progress: told the phases "planning memory", "loading weights" and (when experts are
             quantized at load) "quantizing experts".
