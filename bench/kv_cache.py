@@ -41,7 +41,7 @@ from throughput import ensure_bench_checkpoint  # noqa: E402
 
 from moe_engine.config import SchedulerConfig, cache_root  # noqa: E402
 from moe_engine.kv_cache import FULL_ATTENTION, KVCacheManager, make_kv_cache_groups  # noqa: E402
-from moe_engine.plan import ModelShape  # noqa: E402
+from moe_engine.model_shape import ModelShape  # noqa: E402
 from moe_engine.request import Request, SamplingParams  # noqa: E402
 from moe_engine.scheduler import Scheduler  # noqa: E402
 

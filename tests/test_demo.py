@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from moe_engine import demo
-from moe_engine.plan import ModelShape
+from moe_engine.model_shape import ModelShape
 
 
 @pytest.fixture(scope="module")

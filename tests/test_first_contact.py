@@ -25,7 +25,7 @@ from moe_engine.config import QuantConfig, read_config_json
 from moe_engine.errors import ErrorCode, RequestError, StartupError
 from moe_engine.loader import load_model, safetensors_files
 from moe_engine.model_path import hub_cache_dir, resolve_model_dir
-from moe_engine.plan import ModelShape
+from moe_engine.model_shape import ModelShape
 from moe_engine.quant_config import resolve_quant_config
 from moe_engine.request import SamplingParams
 from moe_engine.validation import validate_request

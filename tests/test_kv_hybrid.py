@@ -28,7 +28,8 @@ from moe_engine.kv_cache import (
     SlidingWindowSpec,
     make_kv_cache_groups,
 )
-from moe_engine.plan import ModelShape, make_plan
+from moe_engine.model_shape import ModelShape
+from moe_engine.plan import make_plan
 from moe_engine.request import FinishReason, Request
 from moe_engine.scheduler import Scheduler
 

@@ -16,7 +16,8 @@ from moe_engine.memory import (
     kv_plan_after_profile,
     size_kv_cache,
 )
-from moe_engine.plan import ModelShape, make_plan
+from moe_engine.model_shape import ModelShape
+from moe_engine.plan import make_plan
 
 GiB = 1 << 30
 

@@ -19,10 +19,11 @@ from moe_engine.kv_cache import (
     make_kv_cache_groups,
 )
 from moe_engine.model_runner import ModelRunner
+from moe_engine.model_shape import ModelShape
 from moe_engine.models.layers.attention import PagedAttention
 from moe_engine.models.layers.mla import MLAAttention
 from moe_engine.models.layers.rotary import RotaryEmbedding
-from moe_engine.plan import ModelShape, make_plan
+from moe_engine.plan import make_plan
 from moe_engine.request import Request, SamplingParams
 from moe_engine.sampler import Sampler
 from moe_engine.scheduler import Scheduler

@@ -11,7 +11,7 @@ from grpc_helpers import ServerThread
 
 from moe_engine import LLM
 from moe_engine.config import EngineConfig, ModelConfig, QuantConfig
-from moe_engine.plan import ModelShape
+from moe_engine.model_shape import ModelShape
 from moe_engine.server.app import ServerOptions
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc

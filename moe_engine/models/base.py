@@ -3,7 +3,7 @@
 An architecture is one file under `moe_engine/models/` with one subclass of `MoeCausalLM`
 named as config.json's "architectures" entry, registered by one line in `models/__init__.py`.
 The subclass states, as class attributes and hooks:
-- config.json -> numbers: `shape_fields(cfg)` (the `plan.ModelShape` sizes the startup
+- config.json -> numbers: `shape_fields(cfg)` (the `model_shape.ModelShape` sizes the startup
   arithmetic needs, from the raw dict), `spec_fields(hf_config)` (what the forward pass needs
   beyond sizes, from the transformers config), `spec_class` (an `ArchSpec` subclass when it
   has more fields), `model_types` (config.json `model_type` values, for configs without
@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from moe_engine.kv_cache.spec import AttentionGroup
+from moe_engine.model_shape import ModelShape
 from moe_engine.models.config_fields import moe_shape_fields
 from moe_engine.models.layers.attention import AttentionMetadata
 from moe_engine.models.layers.decoder import Attention, Backbone, DecoderLayer, DenseMLP
@@ -35,7 +36,6 @@ from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding, rope_theta_of
 from moe_engine.models.weight_mapping import WeightLoader, WeightMapping
 from moe_engine.phase_timer import PhaseTimer
-from moe_engine.plan import ModelShape
 
 
 @dataclasses.dataclass(frozen=True)

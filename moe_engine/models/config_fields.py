@@ -1,4 +1,4 @@
-"""Reading config.json dicts into `plan.ModelShape` fields: the parts every Llama-style MoE
+"""Reading config.json dicts into `model_shape.ModelShape` fields: the parts every Llama-style MoE
 architecture states alike, for the architecture files' `shape_fields` to compose.
 
 Keys are read as transformers 4.x and 5.x write them (a dict from config.json or from
