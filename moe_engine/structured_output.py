@@ -20,6 +20,10 @@ Generation Engine for Large Language Models", 2024), as vLLM v1 and SGLang use i
 
 Outputs are compact JSON (no whitespace between tokens of the JSON: `any_whitespace=False`,
 separators "," and ":"), which keeps a model from spending its max_tokens on whitespace.
+Compact JSON never holds a byte below 0x20 (RFC 8259 section 7: control characters inside
+strings must be escaped), yet xgrammar 0.2.9's string rule lets some through (a raw
+backspace, which `json.loads` refuses); so every grammar row's bitmask is also ANDed with a
+fixed mask of the tokens free of such bytes (`no_control_bytes_bitmask`).
 """
 
 from __future__ import annotations
@@ -50,10 +54,13 @@ class RequestGrammar:
 
     Args:
         matcher: a fresh matcher of the request's compiled grammar.
+        allowed_words: [ceil(V / 32)] int32, a fixed bitmask ANDed into every step's (None:
+            none).
     """
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, allowed_words: torch.Tensor | None = None) -> None:
         self.matcher = matcher
+        self.allowed_words = allowed_words
         self.refused = False
 
     def accept(self, token_id: int) -> None:
@@ -73,6 +80,8 @@ class RequestGrammar:
         """Write the allowed next tokens into `bitmask[row]` ([*, ceil(V / 32)] int32, bit
         t % 32 of word t // 32 set when token t is allowed)."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.allowed_words is not None:
+            bitmask[row] &= self.allowed_words
 
 
 class StructuredOutputManager:
@@ -95,6 +104,7 @@ class StructuredOutputManager:
         self.eos_token_ids = sorted(eos_token_ids)
         self.max_threads = max_threads
         self._compiler: Any = None
+        self._allowed_words: torch.Tensor | None = None
 
     @property
     def compiler(self) -> Any:
@@ -110,6 +120,7 @@ class StructuredOutputManager:
             self._compiler = xgr.GrammarCompiler(
                 info, max_threads=self.max_threads, cache_limit_bytes=GRAMMAR_CACHE_BYTES
             )
+            self._allowed_words = no_control_bytes_bitmask(info.decoded_vocab)
         return self._compiler
 
     def compile(self, params: StructuredOutputsParams) -> Any:
@@ -137,12 +148,28 @@ class StructuredOutputManager:
                 f"response_format: the JSON schema cannot be used: {reason}",
             ) from None
 
-    @staticmethod
-    def new_grammar(compiled: Any) -> RequestGrammar:
-        """A fresh per-completion grammar state of a compiled grammar."""
+    def new_grammar(self, compiled: Any) -> RequestGrammar:
+        """A fresh per-completion grammar state of a grammar `compile` returned."""
         import xgrammar as xgr
 
-        return RequestGrammar(xgr.GrammarMatcher(compiled))
+        return RequestGrammar(xgr.GrammarMatcher(compiled), self._allowed_words)
+
+
+def no_control_bytes_bitmask(decoded_vocab: list[bytes]) -> torch.Tensor:
+    """[ceil(V / 32)] int32 bitmask (xgrammar's layout) of the tokens whose bytes are all
+    >= 0x20: the only ones compact JSON may contain (special tokens keep their bit: their
+    decoded text, e.g. b"<|eos|>", has no control byte).
+
+    Args:
+        decoded_vocab: per token id, its bytes (`TokenizerInfo.decoded_vocab`, V entries).
+    """
+    vocab = len(decoded_vocab)
+    words = (vocab + 31) // 32
+    ok = torch.zeros(words * 32, dtype=torch.int64)
+    ok[:vocab] = torch.tensor([min(t, default=0x20) >= 0x20 for t in decoded_vocab])
+    weights = torch.ones(32, dtype=torch.int64) << torch.arange(32)
+    packed = (ok.view(words, 32) * weights).sum(dim=1)  # each word's bits, as uint32 values
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
 class GrammarBitmask:
