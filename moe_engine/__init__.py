@@ -5,7 +5,7 @@
 """
 
 from moe_engine.outputs import CompletionOutput, Logprob, RequestOutput
-from moe_engine.request import SamplingParams
+from moe_engine.request import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -13,6 +13,7 @@ __all__ = [
     "Logprob",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "__version__",
 ]
 

@@ -8,6 +8,7 @@ how to pick each next token and when to stop. What one step produces for a reque
 from __future__ import annotations
 
 import enum
+import json
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from moe_engine.errors import ParamError
 
 if TYPE_CHECKING:
     from moe_engine.parallel_sampling import ParentRequest
+    from moe_engine.structured_output import RequestGrammar
 
 #: The largest number of top logprobs a request may ask for per token.
 MAX_LOGPROBS = 20
@@ -40,6 +42,78 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+
+
+#: Longest JSON schema text a request may carry (characters): compiling is linear in its size,
+#: and the compiled grammar is cached by this text.
+MAX_JSON_SCHEMA_CHARS = 64 * 1024
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain a completion to JSON (vLLM's `StructuredOutputsParams`, its JSON half).
+
+    Exactly one of the two is set. The engine compiles the grammar with xgrammar when the
+    request is added (`moe_engine.structured_output`); a schema xgrammar cannot compile is
+    refused then (RequestError INVALID_ARGUMENT, field "response_format").
+
+    Attributes:
+        json: a JSON schema as JSON text (its top level an object, e.g. '{"type": "object"}');
+            the output is a JSON value that validates against it.
+        json_object: any JSON object (OpenAI's `response_format: {"type": "json_object"}`).
+
+    Raises:
+        ParamError: field "response_format": neither or both set, `json` not a string, not
+            valid JSON, not a JSON object, or over MAX_JSON_SCHEMA_CHARS characters.
+    """
+
+    json: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.json_object, bool):
+            raise ParamError(
+                "response_format", f"response_format: json_object must be a bool, got "
+                f"{self.json_object!r}",
+            )  # fmt: skip
+        if (self.json is None) == (not self.json_object):
+            raise ParamError(
+                "response_format",
+                "response_format: set exactly one of json (a JSON schema) and json_object",
+            )
+        if self.json is not None:
+            _check_schema_text(self.json)
+
+    @property
+    def cache_key(self) -> str:
+        """What the compiled grammar is cached under: the schema text ("" for json_object)."""
+        return self.json if self.json is not None else ""
+
+
+def _check_schema_text(text: object) -> None:
+    """Refuse a schema that is not the JSON text of an object (ParamError "response_format")."""
+    if not isinstance(text, str):
+        raise ParamError(
+            "response_format",
+            f"response_format: json must be a JSON schema as text, got {type(text).__name__}",
+        )
+    if len(text) > MAX_JSON_SCHEMA_CHARS:
+        raise ParamError(
+            "response_format",
+            f"response_format: the JSON schema has {len(text)} characters, at most "
+            f"{MAX_JSON_SCHEMA_CHARS}",
+        )
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise ParamError(
+            "response_format", f"response_format: the JSON schema is not valid JSON: {e}"
+        ) from None
+    if not isinstance(schema, dict):
+        raise ParamError(
+            "response_format",
+            f"response_format: a JSON schema must be a JSON object, got {type(schema).__name__}",
+        )
 
 
 class RequestStatus(enum.Enum):
@@ -75,6 +149,9 @@ class SamplingParams:
         logprobs: number of top logprobs to return per generated token (None: none).
         n: completions to generate from the prompt (parallel sampling, 1..MAX_N); they share
             the prompt's KV blocks.
+        structured_outputs: constrain the output to JSON (a schema, or any object); None: free.
+            Each completion is constrained on its own; it finishes with "stop" once its JSON
+            is complete (and the grammar took EOS). Cut by max_tokens, the text need not parse.
 
     Raises:
         ParamError: at construction, for a field of the wrong type or outside its limits
@@ -92,6 +169,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     n: int = 1
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.stop = _as_list("stop", self.stop, str)
@@ -166,6 +244,12 @@ class SamplingParams:
             if self.logprobs < 0:
                 raise ParamError("logprobs", f"logprobs must be >= 0, got {self.logprobs}")
         self._check_stop()
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ParamError(
+                "structured_outputs",
+                f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}",
+            )
 
     def _check_seed(self) -> None:
         if self.seed is None:
@@ -282,6 +366,9 @@ class Request:
         self.cache_salt = cache_salt
         #: With finish_reason STOP: the stop string or stop token id that ended the request.
         self.stop_reason: int | str | None = None
+        #: The grammar matcher of a request with `structured_outputs` (set by the engine when
+        #: the request is added, advanced with each appended token, dropped when it finishes).
+        self.grammar: RequestGrammar | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -301,8 +388,15 @@ class Request:
         return self.status == RequestStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
+        """Append a sampled token; the grammar (if any) accepts it too.
+
+        A preempted request recomputes its K/V from `all_token_ids` but appends nothing new
+        until its next sampled token, so its grammar state stays that of its output so far.
+        """
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     @property
     def external_id(self) -> str:
@@ -311,9 +405,13 @@ class Request:
 
     def check_stop_token(self) -> FinishReason | None:
         """The finish reason the last generated token causes, if any (stop strings aside);
-        a stop token id from `stop_token_ids` is also kept as `stop_reason` (EOS is not)."""
+        a stop token id from `stop_token_ids` is also kept as `stop_reason` (EOS is not).
+        A terminated grammar (structured output) stops the request whatever min_tokens and
+        ignore_eos say: it allows no further token."""
         params = self.sampling_params
         n = self.num_output_tokens
+        if self.grammar is not None and self.grammar.is_terminated:
+            return FinishReason.STOP  # the JSON is complete and its EOS taken (min_tokens aside)
         if n >= params.min_tokens:
             last = self.output_token_ids[-1]
             if not params.ignore_eos and last in self.eos_token_ids:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_engine.request import Request
+from moe_engine.structured_output import GrammarBitmask
 
 
 @dataclass
@@ -32,11 +33,14 @@ class Sampler:
 
     Args:
         seed: seeds the generator of rows without a per-request seed.
+        max_num_seqs: the most rows of one step (sizes the structured-output bitmask, which is
+            allocated on the first step with a grammar row).
     """
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, max_num_seqs: int = 64) -> None:
         self.generator = torch.Generator().manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
+        self.grammar_bitmask = GrammarBitmask(max_num_seqs)
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's generator."""
@@ -47,7 +51,10 @@ class Sampler:
 
         Everything stays on the logits' device until one copy brings the sampled ids, and
         the logprobs asked for, back to the host together (the step's one host sync).
+        Rows of requests with a grammar (structured output) are masked in place first, so
+        sampling and logprobs see only the tokens the grammar allows (as vLLM v1).
         """
+        self.grammar_bitmask.apply(logits, requests)
         greedy = [r.sampling_params.greedy for r in requests]
         token_ids = logits.argmax(dim=-1)
         if not all(greedy):

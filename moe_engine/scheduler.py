@@ -200,6 +200,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        req.grammar = None  # its matcher is no longer needed
         self.kv.free(request_id)
         parent = req.parent
         if parent is not None:

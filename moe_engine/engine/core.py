@@ -51,6 +51,7 @@ from moe_engine.request import FinishReason, Request, SamplingParams
 from moe_engine.sampler import Sampler
 from moe_engine.scheduler import Scheduler
 from moe_engine.skew.trace import PeriodicTraceWriter
+from moe_engine.structured_output import StructuredOutputManager
 from moe_engine.tokenizer import load_tokenizer
 from moe_engine.validation import validate_request
 from quant.compressed_tensors import parse_quantization_config
@@ -197,7 +198,11 @@ class EngineCore:
             enable_prefix_caching=config.cache.enable_prefix_caching,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.sampler = Sampler(config.model.seed)
+        self.sampler = Sampler(config.model.seed, config.scheduler.max_num_seqs)
+        #: Compiles structured-output grammars (builds nothing until a request asks for one).
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, self.vocab_size, self.eos_token_ids
+        )
         capture = graph_capture or CudaGraphCapture()
         graphs_off = graphs_off_reason(
             self.device, enforce_eager=config.device.enforce_eager, kernels=self.kernels,
@@ -266,15 +271,21 @@ class EngineCore:
         """Validate and queue a request; with `params.n > 1`, its n completions (a
         `ParentRequest`; outputs carry `request_id` and the completion's `index`).
 
+        With `params.structured_outputs`, the grammar is compiled here (cached by schema
+        text) and each completion gets its own matcher.
+
         Raises:
-            RequestError: a bad field (see `validate_request`), a duplicate live id
-                (ALREADY_EXISTS), or a full queue (RESOURCE_EXHAUSTED). Nothing is queued then.
+            RequestError: a bad field (see `validate_request`; "response_format" for a schema
+                that does not compile), a duplicate live id (ALREADY_EXISTS), or a full queue
+                (RESOURCE_EXHAUSTED). Nothing is queued then.
         """
         validate_request(
             prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
         self._check_new_id(request_id, params.n)
         self._check_queue(params.n)
+        so = params.structured_outputs
+        compiled = self.structured_output.compile(so) if so is not None else None
         arrival = arrival_time or time.monotonic()
         if params.n == 1:
             reqs = [Request(request_id, prompt_token_ids, params, self.eos_token_ids, arrival)]
@@ -287,6 +298,8 @@ class EngineCore:
         except ValueError as e:  # could never fit in the KV pool, even alone
             raise RequestError(ErrorCode.OUT_OF_RANGE, "max_tokens", f"max_tokens: {e}") from e
         for req in reqs:
+            if compiled is not None:
+                req.grammar = self.structured_output.new_grammar(compiled)
             self.scheduler.add_request(req)
             if self.tokenizer is not None:
                 self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)

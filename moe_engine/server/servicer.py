@@ -26,7 +26,7 @@ from moe_engine.engine.client import EngineClient
 from moe_engine.engine.messages import CoreStats, EngineCoreOutput, EngineStats, ModelInfo
 from moe_engine.errors import ErrorCode, ParamError, RequestError
 from moe_engine.instrumentation import balancedness, imbalance_ratio
-from moe_engine.request import SamplingParams
+from moe_engine.request import SamplingParams, StructuredOutputsParams
 from moe_engine.server.metrics import RequestTimer, ServerMetrics
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
@@ -72,6 +72,10 @@ def sampling_params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
     kwargs["stop"] = list(request.stop)
     kwargs["stop_token_ids"] = list(request.stop_token_ids)
     try:
+        if request.json_schema or request.json_object:
+            kwargs["structured_outputs"] = StructuredOutputsParams(
+                json=request.json_schema or None, json_object=request.json_object
+            )
         return SamplingParams(**kwargs)
     except ParamError as exc:
         raise param_error(exc) from exc
