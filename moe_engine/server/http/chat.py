@@ -117,6 +117,8 @@ async def create_chat_completion(state: HttpState, body: ChatCompletionRequest):
                  "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         if body.logprobs:
             entry["logprobs"] = chat_logprobs(state, c, 0, top)
+        if body.return_token_ids:
+            entry["token_ids"] = c.token_ids
         out.append(entry)
     completion_tokens = sum(c.num_output_tokens for c in choices)
     return JSONResponse({**meta, "object": "chat.completion", "choices": out,

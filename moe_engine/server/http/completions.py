@@ -107,6 +107,8 @@ async def create_completion(state: HttpState, body: CompletionRequest):
                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         if body.logprobs is not None:
             entry["logprobs"] = legacy_logprobs(state, c, 0, len(prefix))
+        if body.return_token_ids:
+            entry["token_ids"] = c.token_ids
         out.append(entry)
     completion_tokens = sum(c.num_output_tokens for c in choices)
     return JSONResponse({**meta, "object": "text_completion", "choices": out,

@@ -43,6 +43,8 @@ class _SamplingFields(_Body):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
+    #: vLLM's extension: also return the prompt's and each choice's token ids (not streamed).
+    return_token_ids: StrictBool = False
     # Accepted only at their neutral value (checked by the route): some clients always send them.
     presence_penalty: Number = 0.0
     frequency_penalty: Number = 0.0
