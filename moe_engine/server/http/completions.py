@@ -60,8 +60,10 @@ def legacy_logprobs(
         text = token_text(state.tokenizer, tok)
         tokens.append(text)
         token_logprobs.append(lp)
-        best = sorted(top.items(), key=lambda kv: -kv[1])
-        top_logprobs.append({token_text(state.tokenizer, t): v for t, v in best})
+        best: dict[str, float] = {}
+        for t, v in sorted(top.items(), key=lambda kv: -kv[1]):
+            best.setdefault(token_text(state.tokenizer, t), v)  # texts may repeat: keep the top
+        top_logprobs.append(best)
         text_offset.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs,
