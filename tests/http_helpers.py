@@ -8,8 +8,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from grpc_helpers import ServerThread
+
 from moe_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from moe_engine.demo import write_tokenizer
 from moe_engine.server.app import ServerOptions
@@ -32,11 +32,15 @@ def tokenizer_checkpoint(qwen3_ckpt: Path, root: Path) -> Path:
     return path
 
 
-def start_server(ckpt: Path, **options) -> ServerThread:
+def start_server(ckpt: Path, max_waiting: int | None = None, **options) -> ServerThread:
+    scheduler = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512)
+    if max_waiting is not None:
+        scheduler = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=512,
+                                    max_waiting=max_waiting)
     config = EngineConfig(
         model=ModelConfig(str(ckpt), max_model_len=MAX_MODEL_LEN),
         cache=CacheConfig(block_size=16, num_blocks_override=NUM_BLOCKS),
-        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512),
+        scheduler=scheduler,
     )
     opts = ServerOptions(
         port=0, http_port=0, api_key=API_KEY, served_model_name=MODEL,

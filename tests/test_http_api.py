@@ -14,10 +14,18 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from fixtures import hf_greedy
 from grpc_helpers import ServerThread, request
-from http_helpers import API_KEY, MAX_MODEL_LEN, MODEL, Grpc, start_server, tokenizer_checkpoint, wait_idle
+from http_helpers import (
+    API_KEY,
+    MAX_MODEL_LEN,
+    MODEL,
+    Grpc,
+    start_server,
+    tokenizer_checkpoint,
+    wait_idle,
+)
+
 from moe_engine import __version__
 
 PROMPTS = [[5, 6, 7, 8], [11, 3, 200, 9, 41, 17], [300]]

@@ -83,6 +83,10 @@ def error_bytes(exc: OpenAIError) -> bytes:
     return json.dumps(error_body(exc.status, exc.message, exc.param, exc.code)).encode()
 
 
+#: Names pydantic puts in an error's location for the branch of a union.
+_TYPE_NAMES = frozenset({"str", "int", "bool", "float", "list", "dict", "none"})
+
+
 def _field_path(loc: tuple[Any, ...]) -> str | None:
     """`("body", "messages", 0, "role")` -> `"messages[0].role"`; the pydantic union branch
     names (e.g. `list[int]`, `function-after[...]`) are dropped."""
@@ -90,7 +94,7 @@ def _field_path(loc: tuple[Any, ...]) -> str | None:
     for item in loc[1:] if loc and loc[0] == "body" else loc:
         if isinstance(item, int):
             parts.append(f"[{item}]")
-        elif "[" in str(item) or str(item).startswith(("str", "int", "bool", "float")):
+        elif "[" in str(item) or str(item) in _TYPE_NAMES:
             continue
         else:
             parts.append(("." if parts else "") + str(item))
