@@ -223,7 +223,6 @@ def test_sse_wire_format(base_url) -> None:
     assert sum(len(p["choices"]) for p in payloads) == 3  # one chunk per engine step
 
 
-@pytest.mark.slow
 def test_200_streams_with_random_disconnects_leak_nothing(base_url, rpc) -> None:
     rng = random.Random(0)
     plans = [rng.random() < 0.4 for _ in range(200)]  # True: disconnect after the first chunk
