@@ -1,6 +1,7 @@
 """`moe-serve`: serve an MoE checkpoint (the built-in demo by default) over gRPC.
 
     moe-serve [--model PATH|ORG/NAME|demo] [--host 127.0.0.1] [--port 50051] [--version]
+              [--http-port P] [--served-model-name NAME]
               [--dtype auto|bfloat16|float32] [--max-model-len N] [--max-num-seqs N]
               [--max-num-batched-tokens N] [--kv-cache-memory BYTES] [--block-size N]
               [--enable-prefix-caching] [--device auto|cpu|cuda] [--gpu-memory-utilization F]
@@ -142,6 +143,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051)")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        metavar="P",
+        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+        "/v1/models, ...) on this port, same engine (default: off); --host, the API key and "
+        "TLS flags apply to it",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the model name of the HTTP API (default: the checkpoint folder's name); "
+        "requests naming another model get 404",
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (tokens)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests per step")
@@ -344,6 +361,8 @@ def server_options_from_args(args: argparse.Namespace) -> ServerOptions:
         tls_key=args.tls_key,
         tls_ca=args.tls_ca,
         allow_insecure=args.allow_insecure,
+        http_port=args.http_port,
+        served_model_name=args.served_model_name,
     )
 
 

@@ -27,6 +27,7 @@ import signal
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -36,6 +37,7 @@ from moe_engine.config import EngineConfig
 from moe_engine.engine.client import EngineClient
 from moe_engine.engine.core_proc import DEFAULT_CORE_FACTORY
 from moe_engine.errors import RequestError, StartupError
+from moe_engine.server.http import HttpServer, HttpState, build_app
 from moe_engine.server.interceptors import (
     HEALTH_METHOD_PREFIX,
     ApiKeyInterceptor,
@@ -106,6 +108,11 @@ class ServerOptions:
         tls_cert, tls_key: PEM certificate chain and private key files: serve TLS.
         tls_ca: PEM CA file: require client certificates signed by it (mutual TLS).
         allow_insecure: allow a non-loopback `host` without an API key or client certificates.
+        http_port: port of the OpenAI-compatible HTTP API (`--http-port`; 0 picks a free one,
+            see `MoeServer.http_port`), or None for none. `host`, the API key, TLS and
+            `max_message_bytes` (the body limit) apply to it too.
+        served_model_name: the model name of the HTTP API (default: the checkpoint folder's
+            name).
 
     Raises:
         ValueError: a limit out of range, TLS files given by halves, or a non-loopback host
@@ -128,6 +135,8 @@ class ServerOptions:
     tls_key: str | None = None
     tls_ca: str | None = None
     allow_insecure: bool = False
+    http_port: int | None = None
+    served_model_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < 1024:
@@ -259,6 +268,14 @@ class MoeServer:
             max_prompt_tokens=options.max_prompt_tokens,
         )
         self.health = StatusHealthServicer(self.servicer.status_detail)
+        self.http_state = HttpState(
+            self.engine,
+            options.served_model_name or Path(config.model.model).name,
+            self._http_status,
+            self.metrics,
+            options.max_prompt_tokens,
+        )
+        self.http: HttpServer | None = None
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._metrics_http = None
@@ -273,6 +290,7 @@ class MoeServer:
         """
         await self._start_grpc()
         try:
+            await self._start_http()
             self._start_metrics()
             await self.engine.start(
                 self.config,
@@ -284,6 +302,7 @@ class MoeServer:
             # Leave nothing behind: no listening socket, no metrics thread, no core process.
             await self.engine.shutdown(timeout_s=1.0)
             self._stop_metrics()
+            await self._stop_http()
             await self._stop_grpc(0)
             raise
         self.servicer.ready = True
@@ -295,6 +314,43 @@ class MoeServer:
                 self._log_stats(self.options.log_stats_interval_s), name="stats-log"
             )
         logger.info("serving %s on %s:%d", self.config.model.model, self.options.host, self.port)
+
+    async def _start_http(self) -> None:
+        """Serve the OpenAI-compatible HTTP API when an HTTP port is configured (503 until the
+        model is loaded).
+
+        Raises:
+            StartupError: the port cannot be bound or a TLS file cannot be read.
+        """
+        opts = self.options
+        if opts.http_port is None:
+            return
+        app = build_app(
+            self.http_state,
+            max_body_bytes=opts.max_message_bytes,
+            api_key=opts.api_key,
+            health_requires_api_key=opts.health_requires_api_key,
+            on_auth_failure=self.metrics.auth_failures.inc,
+        )
+        server = HttpServer(app, opts.host, opts.http_port, tls_cert=opts.tls_cert,
+                            tls_key=opts.tls_key, tls_ca=opts.tls_ca)
+        await server.start()
+        self.http = server
+
+    @property
+    def http_port(self) -> int | None:
+        """The HTTP API's bound port (None without one)."""
+        return self.http.port if self.http is not None else None
+
+    def _http_status(self) -> tuple[bool, str]:
+        """Whether the HTTP API takes new requests, and the detail line (as gRPC's)."""
+        ready = self.servicer.ready and not self.engine.dead.is_set()
+        return ready, self.servicer.status_detail()
+
+    async def _stop_http(self) -> None:
+        if self.http is not None:
+            await self.http.stop()
+            self.http = None
 
     def _start_metrics(self) -> None:
         """Serve /metrics when a metrics port is configured.
@@ -423,13 +479,14 @@ class MoeServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._wait_until_idle(grace)
         if self.engine.num_live_requests and not self.engine.dead.is_set():
-            aborted = await self.servicer.abort_all()
+            aborted = await self.servicer.abort_all() + await self.http_state.abort_all()
             logger.warning("drain time (%.1f s) over: aborted %d live requests", grace, aborted)
             await self._wait_until_idle(_ABORT_FLUSH_S)
         for task in (self._poll_task, self._log_task):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+        await self._stop_http()
         await self._stop_grpc(1.0)
         await self.engine.shutdown()
         self._stop_metrics()

@@ -1,0 +1,127 @@
+"""What completions and chat share: SamplingParams from a body, choices' bookkeeping, usage,
+token strings, and Server-Sent Events.
+
+Streams are SSE (https://html.spec.whatwg.org/multipage/server-sent-events.html) as OpenAI's:
+`data: <json>\\n\\n` per chunk and `data: [DONE]\\n\\n` at the end.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from moe_engine.engine.messages import EngineCoreOutput
+from moe_engine.errors import ParamError
+from moe_engine.request import SamplingParams, StructuredOutputsParams
+from moe_engine.server.http.errors import OpenAIError
+from moe_engine.server.http.protocol import ChatCompletionRequest, CompletionRequest
+from moe_engine.validation import param_error
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    """One SSE event carrying `payload` as JSON."""
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def sampling_params(
+    body: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None,
+    structured_outputs: Any = None,
+) -> SamplingParams:
+    """SamplingParams from a body (OpenAI's defaults: temperature 1, top_p 1).
+
+    Raises:
+        OpenAIError: 400 for a penalty other than 0 or stream_options without stream.
+        RequestError: INVALID_ARGUMENT naming the field SamplingParams refused.
+    """
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name) != 0:
+            raise OpenAIError(
+                400, f"{name}: only 0 is supported, got {getattr(body, name)}", name,
+                "unsupported_value",
+            )
+    if body.stream_options is not None and not body.stream:
+        raise OpenAIError(
+            400, "stream_options: only allowed when stream is true", "stream_options",
+            "invalid_value",
+        )
+    kwargs: dict[str, Any] = {
+        "max_tokens": max_tokens, "min_tokens": body.min_tokens, "n": body.n,
+        "seed": body.seed, "stop": body.stop, "stop_token_ids": body.stop_token_ids,
+        "ignore_eos": body.ignore_eos, "logprobs": logprobs,
+    }
+    for name in ("temperature", "top_p", "top_k"):
+        if getattr(body, name) is not None:
+            kwargs[name] = getattr(body, name)
+    if structured_outputs is not None:
+        kwargs["structured_outputs"] = structured_outputs
+    try:
+        return SamplingParams(**kwargs)
+    except ParamError as exc:
+        raise param_error(exc) from exc
+
+
+def structured_outputs_from(body: ChatCompletionRequest) -> Any:
+    """`response_format` as `StructuredOutputsParams` (None for text or none).
+
+    Raises:
+        OpenAIError: 400 when json_schema comes without a schema.
+        ParamError: a schema that is not a JSON object (`StructuredOutputsParams`; HTTP 400).
+    """
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise OpenAIError(
+            400, "response_format: type json_schema needs json_schema.schema (a JSON schema)",
+            "response_format", "invalid_value",
+        )
+    return StructuredOutputsParams(json=json.dumps(fmt.json_schema.schema_))
+
+
+def token_text(tokenizer: Any | None, token_id: int) -> str:
+    """One token's text, or "token_id:<id>" without a tokenizer (vLLM's convention)."""
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return tokenizer.decode([token_id])
+
+
+def finish_reason(out: EngineCoreOutput) -> str | None:
+    """OpenAI's finish_reason ("stop", "length"; "abort" when the server aborted it)."""
+    return str(out.finish_reason) if out.finished and out.finish_reason is not None else None
+
+
+@dataclass
+class Choice:
+    """One choice being assembled: its text, ids, logprobs and end."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[int, float, dict[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+    stop_reason: int | str | None = None
+
+    def add(self, out: EngineCoreOutput) -> None:
+        self.text += out.new_text
+        self.token_ids += out.new_token_ids
+        if out.logprobs:
+            for tok, (lp, top) in zip(out.new_token_ids, out.logprobs, strict=False):
+                self.logprobs.append((tok, lp, top))
+        self.num_output_tokens = out.num_output_tokens
+        if out.finished:
+            self.finish_reason = finish_reason(out)
+            self.stop_reason = out.stop_reason
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
