@@ -254,3 +254,54 @@ def test_200_streams_with_random_disconnects_leak_nothing(base_url, rpc) -> None
     after = wait_idle(rpc)
     ended = (after.num_finished + after.num_aborted) - (before.num_finished + before.num_aborted)
     assert ended == 200
+
+
+def test_json_schema_outputs_parse_and_validate_under_load(base_url) -> None:
+    """response_format json_schema / json_object through the openai client: 20 schemas (the
+    structured-output module's), sampled concurrently with unconstrained chats; every output
+    finishes "stop" and parses and validates."""
+    import jsonschema
+    from test_structured_output import SCHEMAS
+
+    async def main() -> list[tuple[dict | None, str, str]]:
+        async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=API_KEY,
+                                      max_retries=0) as aclient:
+
+            async def one(i: int, schema: dict | None) -> tuple[dict | None, str, str]:
+                fmt = ({"type": "text"} if schema is None else
+                       {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}})
+                resp = await aclient.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": f"item {i}"}],
+                    max_tokens=100, temperature=1.0, seed=i, response_format=fmt,
+                )
+                choice = resp.choices[0]
+                return schema, choice.message.content, choice.finish_reason
+
+            jobs = [one(i, s) for i, s in enumerate(SCHEMAS)] + [one(100 + i, None)
+                                                                 for i in range(4)]
+            return await asyncio.gather(*jobs)
+
+    results = asyncio.run(main())
+    constrained = [(schema, text, reason) for schema, text, reason in results if schema]
+    assert len(constrained) == len(SCHEMAS) == 20
+    for schema, text, reason in constrained:
+        assert reason == "stop", (schema, text)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object_and_bad_schemas_over_http(client) -> None:
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "{"}], max_tokens=100, seed=3,
+        response_format={"type": "json_object"},
+    )
+    if resp.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(resp.choices[0].message.content), dict)
+    for schema in ({"type": "no-such-type"}, {"$ref": "#/$defs/missing"}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=5,
+                response_format={"type": "json_schema",
+                                 "json_schema": {"name": "bad", "schema": schema}},
+            )
+        assert info.value.status_code == 400
+        assert info.value.body["param"] == "response_format", info.value.body
