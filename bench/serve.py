@@ -36,13 +36,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
+import os
 import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -175,33 +177,65 @@ class RequestResult:
     message: str = ""
 
 
-async def run_one(
-    stub: pb_grpc.MoeEngineStub,
-    index: int,
-    req: ServeRequest,
-    message: pb.GenerateRequest,
-    metadata: tuple[tuple[str, str], ...],
-    timeout: float | None,
-) -> RequestResult:
-    """Stream one Generate call and time it. Never raises for an RPC error (recorded)."""
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed response as the load generator sees it: `tokens` it carries (timed as an
+    arrival when > 0), and `total`, the request's exact output tokens when the response says
+    (an HTTP stream's final usage chunk); None otherwise."""
+
+    tokens: int
+    total: int | None = None
+
+
+class TargetError(Exception):
+    """A request the server refused or broke off: `code` (a gRPC status name, or "HTTP 400"),
+    `message` (the server's details)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
+
+
+#: Streams one request: yields its `Chunk`s, raises `TargetError` for a failure.
+StreamFn = Callable[[ServeRequest], AsyncIterator[Chunk]]
+
+
+def grpc_stream(
+    stub: pb_grpc.MoeEngineStub, metadata: tuple[tuple[str, str], ...], timeout: float | None
+) -> StreamFn:
+    """`Generate` over gRPC (`to_proto`), one `Chunk` per response."""
+
+    async def stream(req: ServeRequest) -> AsyncIterator[Chunk]:
+        try:
+            call = stub.Generate(to_proto(req), timeout=timeout, metadata=metadata or None)
+            async for response in call:
+                yield Chunk(len(response.token_ids))
+        except grpc.aio.AioRpcError as err:
+            raise TargetError(err.code().name, err.details() or "") from None
+
+    return stream
+
+
+async def run_one(stream: StreamFn, index: int, req: ServeRequest) -> RequestResult:
+    """Stream one request and time it. Never raises for a refused request (recorded)."""
     result = RequestResult(index, len(req.prompt_token_ids), req.output_len)
     start = time.perf_counter()
     last = start
     try:
-        call = stub.Generate(message, timeout=timeout, metadata=metadata or None)
-        async for response in call:
+        async for chunk in stream(req):
             now = time.perf_counter()
             result.chunks += 1
-            if response.token_ids:
+            if chunk.tokens:
                 if result.ttft_s is None:
                     result.ttft_s = now - start
                 else:
                     result.itl_s.append(now - last)
                 last = now
-                result.output_tokens += len(response.token_ids)
-    except grpc.aio.AioRpcError as err:
-        result.error = err.code().name
-        result.message = err.details() or ""
+                result.output_tokens += chunk.tokens
+            if chunk.total is not None:
+                result.output_tokens = chunk.total
+    except TargetError as err:
+        result.error, result.message = err.code, err.message
         return result
     result.e2e_s = time.perf_counter() - start
     if result.output_tokens != req.output_len:
@@ -267,14 +301,12 @@ def run_metrics(
 
 
 async def run_load(
-    stub: pb_grpc.MoeEngineStub,
+    stream: StreamFn,
     requests: list[ServeRequest],
     *,
     rate: float | None,
     concurrency: int | None,
     seed: int,
-    metadata: tuple[tuple[str, str], ...],
-    timeout: float | None,
 ) -> tuple[list[RequestResult], float, float]:
     """Send `requests` as a Poisson process of `rate` req/s, or with `concurrency` in flight.
 
@@ -282,12 +314,11 @@ async def run_load(
         (results in request order, duration in seconds from the first send to the last
         stream's end, the largest lateness of a Poisson send against its schedule in seconds).
     """
-    messages = [to_proto(r) for r in requests]  # built before the clock starts
     results: list[RequestResult | None] = [None] * len(requests)
     max_lag = 0.0
 
     async def one(i: int) -> None:
-        results[i] = await run_one(stub, i, requests[i], messages[i], metadata, timeout)
+        results[i] = await run_one(stream, i, requests[i])
 
     start = time.perf_counter()
     if concurrency is not None:
@@ -334,6 +365,33 @@ async def wait_for_model(
             await asyncio.sleep(0.5)
 
 
+def _http_client(args: argparse.Namespace) -> Any:
+    """An `httpx.AsyncClient` on --http-server (with the API key), or a null context."""
+    if not args.http_server:
+        return contextlib.nullcontext(None)
+    import httpx
+
+    key = args.api_key or os.environ.get(API_KEY_ENV)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    base = args.http_server if "://" in args.http_server else f"http://{args.http_server}"
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    return httpx.AsyncClient(base_url=base, headers=headers, timeout=args.timeout,
+                             limits=limits)
+
+
+def _http_side() -> tuple[Any, Any]:
+    """bench/serve_http.py's `http_stream` and `wait_for_http` (imported beside this file, as
+    it imports this one's types under the name this module runs as)."""
+    import importlib.util
+
+    here = Path(__file__).resolve().parent
+    sys.modules.setdefault("serve", sys.modules[__name__])
+    spec = importlib.util.spec_from_file_location("serve_http", here / "serve_http.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.http_stream, module.wait_for_http
+
+
 def _fmt_rate(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
@@ -346,9 +404,15 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         channel_cm = grpc.aio.insecure_channel(args.server)
     else:
         channel_cm = grpc.aio.secure_channel(args.server, credentials)
-    async with channel_cm as channel:
+    async with channel_cm as channel, _http_client(args) as http:
         stub = pb_grpc.MoeEngineStub(channel)
         info = await wait_for_model(stub, metadata, args.wait_s)
+        if http is None:
+            stream = grpc_stream(stub, metadata, args.timeout)
+        else:
+            http_stream, wait_for_http = _http_side()
+            served = await wait_for_http(http, args.wait_s)
+            stream = http_stream(http, served)
         base = sample_requests(args.num_requests, info.vocab_size, args.seed, args.shared_prefix)
         too_long = sum(
             len(r.prompt_token_ids) + r.output_len > info.max_model_len for r in base
@@ -365,8 +429,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 ServeRequest([warm_rng.randint(3, info.vocab_size - 1) for _ in range(32)], 16)
                 for _ in range(args.warmup)
             ]
-            await run_load(stub, warm, rate=None, concurrency=len(warm), seed=args.seed,
-                           metadata=metadata, timeout=args.timeout)
+            await run_load(stream, warm, rate=None, concurrency=len(warm), seed=args.seed)
         plans: list[tuple[float | None, int | None]] = (
             [(r, None) for r in args.request_rate] if args.request_rate
             else [(None, c) for c in args.concurrency]
@@ -384,8 +447,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                   file=sys.stderr, flush=True)
             cpu0 = time.process_time()
             results, duration, max_lag = await run_load(
-                stub, requests, rate=rate, concurrency=concurrency, seed=args.seed,
-                metadata=metadata, timeout=args.timeout,
+                stream, requests, rate=rate, concurrency=concurrency, seed=args.seed
             )
             cpu = time.process_time() - cpu0
             metrics = run_metrics(results, duration, args.slo_ttft, args.slo_tpot)
@@ -412,6 +474,8 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     prompt_total = sum(len(r.prompt_token_ids) for r in base)
     return {
         "server": args.server,
+        "frontend": "http" if args.http_server else "grpc",
+        "http_server": args.http_server,
         "model": {
             "model": info.model, "architecture": info.architecture, "dtype": info.dtype,
             "vocab_size": info.vocab_size, "max_model_len": info.max_model_len,
@@ -553,6 +617,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT (default %(default)s)")
+    p.add_argument("--http-server", default=None, metavar="HOST:PORT",
+                   help="send the requests to this moe-serve --http-port instead, as streamed "
+                        "POST /v1/completions (the OpenAI API); the model's facts still come "
+                        "from GetModelInfo at --server, the same process")
     p.add_argument("--api-key", default=None,
                    help=f"API key sent with every call (default ${API_KEY_ENV}, else none)")
     p.add_argument("--tls", action="store_true", help="connect with TLS (the system's CAs)")
@@ -603,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         report = asyncio.run(benchmark(args))
-    except ValueError as exc:  # bad key / TLS flags
+    except (ValueError, TimeoutError) as exc:  # bad key / TLS flags; no HTTP answer
         print(f"bench/serve.py: error: {exc}", file=sys.stderr)
         return 2
     except grpc.aio.AioRpcError as err:
