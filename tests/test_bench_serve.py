@@ -15,6 +15,7 @@ from types import ModuleType
 
 import pytest
 from grpc_helpers import ServerThread
+from http_helpers import tokenizer_checkpoint
 
 from moe_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from moe_engine.server.app import ServerOptions
@@ -67,13 +68,15 @@ def test_sampler_is_mixed64_and_shared_prefix(serve: ModuleType) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(qwen3_ckpt: Path) -> Iterator[ServerThread]:
+def server(qwen3_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    """Both front ends (gRPC and --http-port) over one engine; a tokenizer for the HTTP side."""
+    ckpt = tokenizer_checkpoint(qwen3_ckpt, tmp_path_factory.mktemp("bench-serve"))
     config = EngineConfig(
-        model=ModelConfig(str(qwen3_ckpt), max_model_len=MAX_MODEL_LEN),
+        model=ModelConfig(str(ckpt), max_model_len=MAX_MODEL_LEN),
         cache=CacheConfig(block_size=16, num_blocks_override=256),
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
     )
-    handle = ServerThread(config, ServerOptions(port=0))
+    handle = ServerThread(config, ServerOptions(port=0, http_port=0))
     yield handle
     handle.close()
 
@@ -136,3 +139,28 @@ def test_main_against_real_server(
     client = run["client"]
     assert client["cpu_s"] >= 0 and client["max_send_lag_s"] >= 0
     assert client["responses"] == sum(r["chunks"] for r in run["requests"])
+
+
+def test_main_drives_the_http_front_end_too(
+    serve: ModuleType, server: ServerThread, capsys: pytest.CaptureFixture
+) -> None:
+    """--http-server: the same requests as streamed /v1/completions; the same counts as over
+    gRPC (the refused request is an HTTP 400 naming the context limit)."""
+    http = f"127.0.0.1:{server.server.http_port}"
+    status = serve.main([
+        "--server", server.address, "--http-server", http, "--request-rate", "20",
+        "--num-requests", str(NUM_REQUESTS), "--json",
+    ])
+    report = json.loads(capsys.readouterr().out)
+    assert status == 1 and report["frontend"] == "http" and report["http_server"] == http
+    requested = serve.sample_requests(NUM_REQUESTS, vocab_size=512, seed=0)
+    fits = [len(r.prompt_token_ids) + r.output_len <= MAX_MODEL_LEN for r in requested]
+    (run,) = report["runs"]
+    assert run["completed"] == fits.count(True) and run["failures"] == {"HTTP 400": 1}
+    for req, result, ok in zip(requested, run["requests"], fits, strict=True):
+        if ok:
+            assert result["error"] is None and result["output_tokens"] == req.output_len
+            assert 0 <= result["ttft_s"] <= result["e2e_s"]
+        else:
+            assert str(MAX_MODEL_LEN) in result["message"] or "max_model_len" in result["message"]
+    assert run["ttft_s"]["p99"] is not None and run["output_throughput"] > 0
