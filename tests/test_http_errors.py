@@ -36,7 +36,7 @@ MATRIX = [
     ("max_tokens over the context", "/v1/completions", {**OK, "max_tokens": 10**6}, AUTH, 400,
      "max_tokens"),
     ("token id out of vocab", "/v1/completions", {**OK, "prompt": [10**6]}, AUTH, 400,
-     "prompt_ids"),
+     "prompt"),
     ("empty prompt list", "/v1/completions", {**OK, "prompt": []}, AUTH, 400, "prompt"),
     ("too many logprobs", "/v1/completions", {**OK, "logprobs": 50}, AUTH, 400, "logprobs"),
     ("stream_options without stream", "/v1/completions",
@@ -59,6 +59,19 @@ MATRIX = [
      AUTH, 400, "top_logprobs"),
     ("bad response_format type", "/v1/chat/completions",
      {**CHAT, "response_format": {"type": "xml"}}, AUTH, 400, "response_format.type"),
+    ("top_logprobs over 20", "/v1/chat/completions",
+     {**CHAT, "logprobs": True, "top_logprobs": 21}, AUTH, 400, "top_logprobs"),
+    ("user message without content", "/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "user"}]}, AUTH, 400, "messages[0]"),
+    ("non-empty logit_bias", "/v1/chat/completions", {**CHAT, "logit_bias": {"5": 10}}, AUTH,
+     400, "logit_bias"),
+    ("tools", "/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, AUTH, 400,
+     "tools"),
+    ("best_of", "/v1/completions", {**OK, "best_of": 3}, AUTH, 400, "best_of"),
+    ("repetition_penalty", "/v1/completions", {**OK, "repetition_penalty": 1.2}, AUTH, 400,
+     "repetition_penalty"),
+    ("n that can never be queued", "/v1/completions", {**OK, "n": 8}, AUTH, 400, "n"),
+    ("empty body", "/v1/completions", b"", AUTH, 400, None),
     ("unknown path", "/v1/embeddings", OK, AUTH, 404, None),
     ("detokenize out of vocab", "/detokenize", {"tokens": [-1]}, AUTH, 400, "tokens"),
 ]
@@ -97,6 +110,20 @@ def test_bad_input_gets_an_openai_error_and_the_server_serves_on(
             assert param.split("[")[0].split(".")[0] in error["message"], error
         after = http.post("/v1/completions", json=OK, headers=AUTH)
         assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 2
+
+
+def test_fields_clients_send_at_no_effect_are_accepted(base_url) -> None:
+    """OpenAI bookkeeping fields and features at their neutral value: 200, same output."""
+    extra = {"store": False, "metadata": {"k": "v"}, "service_tier": "auto", "user": "u",
+             "logit_bias": {}, "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
+             "repetition_penalty": 1.0, "min_p": 0.0, "presence_penalty": 0,
+             "skip_special_tokens": True, "include_stop_str_in_output": False}
+    with httpx.Client(base_url=base_url, timeout=30, headers=AUTH) as http:
+        plain = http.post("/v1/chat/completions", json={**CHAT, "temperature": 0})
+        more = http.post("/v1/chat/completions", json={**CHAT, "temperature": 0, **extra})
+        best = http.post("/v1/completions", json={**OK, "best_of": 1, "temperature": 0})
+    assert plain.status_code == more.status_code == best.status_code == 200, more.text
+    assert more.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
 
 
 def test_streamed_body_over_the_limit_is_413(base_url) -> None:

@@ -326,6 +326,14 @@ class EngineCore:
         free_slots = max(0, self.config.scheduler.max_num_seqs - len(self.scheduler.running))
         queued = len(self.scheduler.waiting) - free_slots
         limit = self.config.scheduler.max_waiting
+        if n > limit + self.config.scheduler.max_num_seqs:  # could never be queued: not a retry
+            raise RequestError(
+                ErrorCode.INVALID_ARGUMENT,
+                "n",
+                f"n: {n} completions can never be queued: at most max_num_seqs "
+                f"{self.config.scheduler.max_num_seqs} run and max_waiting (--max-waiting-"
+                f"requests) {limit} wait",
+            )
         if queued + n > limit:
             self.counters["num_rejected"] += 1
             asked = f", and this request's n={n} completions would wait too" if n > 1 else ""

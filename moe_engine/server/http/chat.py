@@ -14,6 +14,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from moe_engine.request import MAX_LOGPROBS
 from moe_engine.server.http.common import (
     SSE_DONE,
     Choice,
@@ -84,6 +85,11 @@ async def create_chat_completion(state: HttpState, body: ChatCompletionRequest):
     if body.top_logprobs is not None and not body.logprobs:
         raise OpenAIError(400, "top_logprobs: needs logprobs true", "top_logprobs",
                           "invalid_value")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+        raise OpenAIError(
+            400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}",
+            "top_logprobs", "invalid_value",
+        )
     structured = structured_outputs_from(body)
     prompt = render_chat(state, body.messages, body.add_generation_prompt)
     max_tokens = body.max_completion_tokens or body.max_tokens

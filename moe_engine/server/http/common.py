@@ -15,7 +15,7 @@ from moe_engine.engine.messages import EngineCoreOutput
 from moe_engine.errors import ParamError
 from moe_engine.request import SamplingParams, StructuredOutputsParams
 from moe_engine.server.http.errors import OpenAIError
-from moe_engine.server.http.protocol import ChatCompletionRequest, CompletionRequest
+from moe_engine.server.http.protocol import NEUTRAL, ChatCompletionRequest, CompletionRequest
 from moe_engine.validation import param_error
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -33,14 +33,17 @@ def sampling_params(
     """SamplingParams from a body (OpenAI's defaults: temperature 1, top_p 1).
 
     Raises:
-        OpenAIError: 400 for a penalty other than 0 or stream_options without stream.
+        OpenAIError: 400 for a field of a feature not implemented here at a value other than
+            its neutral one (`protocol.NEUTRAL`), or stream_options without stream.
         RequestError: INVALID_ARGUMENT naming the field SamplingParams refused.
     """
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) != 0:
+    for name, allowed in NEUTRAL.items():
+        value = getattr(body, name, None)
+        if value not in allowed:
+            shown = ", ".join(json.dumps(a) for a in allowed if a is not None)
             raise OpenAIError(
-                400, f"{name}: only 0 is supported, got {getattr(body, name)}", name,
-                "unsupported_value",
+                400, f"{name}: this server supports only {shown}, got {json.dumps(value)}",
+                name, "unsupported_value",
             )
     if body.stream_options is not None and not body.stream:
         raise OpenAIError(

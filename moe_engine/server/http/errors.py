@@ -62,7 +62,15 @@ class OpenAIError(Exception):
     def from_request_error(cls, exc: RequestError) -> OpenAIError:
         """The HTTP error for an engine refusal (its field becomes `param`)."""
         status = HTTP_STATUS.get(exc.code, 500)
-        return cls(status, exc.message, exc.field, exc.code.value.lower())
+        field = _HTTP_FIELDS.get(exc.field, exc.field)
+        message = exc.message
+        if field != exc.field and message.startswith(exc.field):
+            message = field + message[len(exc.field):]
+        return cls(status, message, field, exc.code.value.lower())
+
+
+#: The engine's (gRPC's) field names that the HTTP API calls otherwise.
+_HTTP_FIELDS = {"prompt_ids": "prompt"}
 
 
 def error_body(status: int, message: str, param: str | None, code: str | None) -> dict[str, Any]:
@@ -111,7 +119,10 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
                            None, "invalid_json")
     field = _field_path(tuple(first["loc"]))
     if first["type"] == "extra_forbidden":
-        message = f"{field}: unknown field (unknown fields are refused, as vLLM does)"
+        message = (f"{field}: unknown field (not one this server implements; refused rather "
+                   f"than ignored)")
+    elif first["type"] == "missing" and field is None:
+        message = "the body is required: a JSON object"
     elif first["type"] == "missing":
         message = f"{field}: field required"
     elif field is None:

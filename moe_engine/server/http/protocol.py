@@ -2,16 +2,29 @@
 
 Field names and defaults are OpenAI's (https://platform.openai.com/docs/api-reference, the
 legacy Completions and the Chat Completions APIs), with vLLM's extra sampling fields (`top_k`,
-`min_tokens`, `ignore_eos`). Unknown fields are refused with HTTP 400 naming them, as vLLM's
-server does by default (OpenAI's own API ignores some): a misspelt `max_token` must not be
-dropped in silence. Integers and booleans are strict (JSON `true` is not 1, `"5"` is not 5).
+`min_tokens`, `ignore_eos`). Fields clients commonly send that change nothing here (`store`,
+`metadata`, `service_tier`, `parallel_tool_calls`, `user`) are accepted; fields of features this
+server does not implement are accepted only at their neutral value (`NEUTRAL`: an empty
+`logit_bias`, no `tools`, `repetition_penalty` 1, ...) and refused otherwise, naming the field.
+Other unknown fields are refused with HTTP 400 naming them, so that a misspelt `max_token` is
+not dropped in silence (vLLM instead accepts and logs them). Integers and booleans are strict
+(JSON `true` is not 1, `"5"` is not 5).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
 
 Number = StrictFloat | StrictInt
 
@@ -45,9 +58,28 @@ class _SamplingFields(_Body):
     user: StrictStr | None = None
     #: vLLM's extension: also return the prompt's and each choice's token ids (not streamed).
     return_token_ids: StrictBool = False
-    # Accepted only at their neutral value (checked by the route): some clients always send them.
+    # Accepted only at their neutral value (`NEUTRAL`, checked by the route): some clients
+    # always send them.
     presence_penalty: Number = 0.0
     frequency_penalty: Number = 0.0
+    logit_bias: dict[StrictStr, Number] | None = None
+    repetition_penalty: Number = 1.0
+    min_p: Number = 0.0
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    # OpenAI bookkeeping fields with no effect on the output here.
+    store: StrictBool | None = None
+    metadata: dict[StrictStr, StrictStr] | None = None
+    service_tier: StrictStr | None = None
+
+
+#: Fields of features this server does not implement, with the only values it accepts.
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": (None, {}),
+    "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "skip_special_tokens": (True,),
+    "include_stop_str_in_output": (False,), "best_of": (None, 1), "tools": (None, []),
+    "tool_choice": (None, "none", "auto"), "functions": (None, []),
+}
 
 
 PromptIds = list[StrictInt]
@@ -66,6 +98,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: StrictInt | None = 16
     logprobs: StrictInt | None = None
     echo: StrictBool = False
+    best_of: StrictInt | None = None  # NEUTRAL: only 1
 
 
 class TextPart(_Body):
@@ -74,10 +107,17 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    """One message: `content` is a string or a list of text parts (joined with newlines)."""
+    """One message: `content` is a string or a list of text parts (joined with newlines);
+    required except on an assistant turn (as OpenAI)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
     name: StrictStr | None = None
 
     def text(self) -> str:
@@ -114,6 +154,11 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: StrictInt | None = None
     response_format: ResponseFormat | None = None
     add_generation_prompt: StrictBool = True
+    # NEUTRAL only: no tool calling here.
+    tools: list[dict[StrictStr, Any]] | None = None
+    tool_choice: StrictStr | None = None
+    functions: list[dict[StrictStr, Any]] | None = None
+    parallel_tool_calls: StrictBool | None = None
 
 
 class TokenizeRequest(_Body):
