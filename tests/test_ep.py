@@ -235,8 +235,9 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 def test_ranks_exit_when_the_front_end_goes_silent(qwen3_ckpt, tmp_path) -> None:
-    """A stopped front end (alive, so no rank sees its parent die) is silent: every rank
-    notices the missing heartbeats, says so, and exits; the launcher follows."""
+    """A stopped front end (alive, so no rank sees its parent die) is silent: the ranks notice
+    the missing heartbeats, say so, and exit; the launcher follows. (The ranks share one bound:
+    the first to exit makes the launcher end the others, which may then not get to say it.)"""
     import subprocess
     import sys
     from pathlib import Path
@@ -262,8 +263,12 @@ def test_ranks_exit_when_the_front_end_goes_silent(qwen3_ckpt, tmp_path) -> None
             time.sleep(0.1)
         assert all(_gone(p) for p in pids), "a rank or the launcher outlived its front end"
         text = log.read_text()
-        for rank in (0, 1):
-            assert f"rank {rank} (pid {pids[1 + rank]}) exits: no heartbeat" in text, text[-3000:]
+        said = [f"rank {rank} (pid {pids[1 + rank]}) exits: no heartbeat" in text
+                for rank in (0, 1)]
+        assert any(said), text[-3000:]
+        for rank in (0, 1):  # a rank that did not say it was ended by the launcher first
+            pid = pids[1 + rank]
+            assert said[rank] or f"Terminating process {pid}" in text, text[-3000:]
     finally:
         parent.kill()
         parent.wait()
