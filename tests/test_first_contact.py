@@ -359,7 +359,7 @@ def test_port_in_use_is_one_line_without_grpc_log(qwen3_ckpt: Path) -> None:
 
 
 def test_check_bindable_allows_a_free_port_and_port_zero() -> None:
-    from moe_engine.server.app import check_bindable
+    from moe_engine.server.options import check_bindable
 
     check_bindable("127.0.0.1", 0)
     with socket.socket() as s:

@@ -48,12 +48,12 @@ from moe_engine.errors import StartupError
 from moe_engine.loader import safetensors_files
 from moe_engine.model_path import resolve_model_dir
 from moe_engine.quant_config import resolve_quant_config
-from moe_engine.server.app import (
+from moe_engine.server.app import serve
+from moe_engine.server.options import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_MAX_CONCURRENT_STREAMS,
     DEFAULT_MAX_MESSAGE_BYTES,
     ServerOptions,
-    serve,
 )
 from moe_engine.server.security import API_KEY_ENV, resolve_api_key
 
