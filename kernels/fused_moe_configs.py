@@ -69,6 +69,12 @@ class MoeTileConfig:
 
 _C = MoeTileConfig
 
+#: Both 4-bit formats of the Qwen3-30B-A3B experts: the same tiles (a byte per two weights).
+_QWEN3_4BIT = {
+    1: _C(16, 64, 128, 4, 3), 64: _C(16, 128, 128, 4, 3), 256: _C(32, 128, 128, 4, 2),
+    4096: _C(64, 128, 64, 8, 2),
+}
+
 #: (weight_format, N = I, K = H) -> {token bucket: config}. Defaults to be tuned (see above).
 TUNED: dict[tuple[str, int, int], dict[int, MoeTileConfig]] = {
     # Qwen3-30B-A3B experts: H 2048, I 768 (128 experts, top-8)
@@ -76,14 +82,8 @@ TUNED: dict[tuple[str, int, int], dict[int, MoeTileConfig]] = {
         1: _C(16, 64, 128, 4, 4), 16: _C(16, 64, 128, 4, 4), 64: _C(16, 128, 64, 4, 3),
         256: _C(32, 128, 64, 4, 3), 1024: _C(64, 128, 64, 8, 3), 4096: _C(128, 128, 64, 8, 3),
     },
-    ("int4", 768, 2048): {
-        1: _C(16, 64, 128, 4, 3), 64: _C(16, 128, 128, 4, 3), 256: _C(32, 128, 128, 4, 2),
-        4096: _C(64, 128, 64, 8, 2),
-    },
-    ("mxfp4", 768, 2048): {
-        1: _C(16, 64, 128, 4, 3), 64: _C(16, 128, 128, 4, 3), 256: _C(32, 128, 128, 4, 2),
-        4096: _C(64, 128, 64, 8, 2),
-    },
+    ("int4", 768, 2048): _QWEN3_4BIT,
+    ("mxfp4", 768, 2048): _QWEN3_4BIT,
     # gpt-oss-20b experts: H 2880, I 2880 (32 experts, top-4)
     ("mxfp4", 2880, 2880): {
         1: _C(16, 128, 128, 4, 3), 64: _C(16, 128, 128, 4, 3), 256: _C(32, 128, 128, 8, 2),

@@ -198,16 +198,13 @@ def check_kernel_backend(device: str, spec: str, probe: Probe | None = None) -> 
         KernelBackendError: as `choose_kernels` would for these.
     """
     default, per_op = parse_kernel_backend(spec)
-    for op, backend in per_op.items():
-        if op not in IMPLEMENTS[backend]:
-            raise KernelBackendError(f"--kernel-backend {op}={backend}: "
-                                     + _explicit_refusal(op, backend, ModelFacts()))
-    for backend in {default, *per_op.values()} - {None}:
+
+    def reason(backend: str) -> str | None:
         if backend == NATIVE_CPU and device == "cpu":
-            continue
-        why = (probe or probe_backend)(backend, device)
-        if why is not None:
-            raise KernelBackendError(f"--kernel-backend {spec}: {backend} cannot run: {why}")
+            return None  # built (and refused, if it must be) by the engine's first phase
+        return (probe or probe_backend)(backend, device)
+
+    _refuse_named(spec, default, per_op, reason)
 
 
 def resolve_device(device: str) -> str:
@@ -303,19 +300,12 @@ def choose_kernels(
             reasons[backend] = (probe or probe_backend)(backend, device)
         return reasons[backend]
 
-    for op, backend in per_op.items():
-        if op not in IMPLEMENTS[backend]:
-            raise KernelBackendError(f"--kernel-backend {op}={backend}: "
-                                     + _explicit_refusal(op, backend, facts))
-    for backend in {default, *per_op.values()} - {None}:
-        why = reason(backend)
-        if why is not None:
-            raise KernelBackendError(f"--kernel-backend {spec}: {backend} cannot run: {why}")
+    _refuse_named(spec, default, per_op, reason)
     choices = {}
     for op in OPS:
         if op in per_op:
             backend = per_op[op]
-            why = _explicit_refusal(op, backend, facts)
+            why = _unfit(op, backend, facts)  # it has the kernel (`_refuse_named`)
             if why is not None:
                 raise KernelBackendError(f"--kernel-backend {op}={backend}: {why}")
             choices[op] = KernelChoice(op, backend, "")
@@ -329,15 +319,35 @@ def choose_kernels(
     return plan
 
 
+def _refuse_named(
+    spec: str,
+    default: str | None,
+    per_op: dict[str, str],
+    reason: Callable[[str], str | None],
+) -> None:
+    """Refuse, in this order, an op=backend pair whose backend has no kernel for the op, then a
+    named backend that cannot run here (`reason`).
+
+    Raises:
+        KernelBackendError: naming the op or the backend and why.
+    """
+    for op, backend in per_op.items():
+        if op not in IMPLEMENTS[backend]:
+            raise KernelBackendError(f"--kernel-backend {op}={backend}: "
+                                     + _no_kernel(op, backend))
+    for backend in {default, *per_op.values()} - {None}:
+        why = reason(backend)
+        if why is not None:
+            raise KernelBackendError(f"--kernel-backend {spec}: {backend} cannot run: {why}")
+
+
+def _no_kernel(op: str, backend: str) -> str:
+    have = ", ".join(b for b in BACKENDS if op in IMPLEMENTS[b])
+    return f"{backend} has no {op} kernel (backends with one: {have})"
+
+
 def _auto_order(device: str) -> list[str]:
     return [NATIVE_CPU, TORCH] if device == "cpu" else [TRITON, TORCH]
-
-
-def _explicit_refusal(op: str, backend: str, facts: ModelFacts) -> str | None:
-    if op not in IMPLEMENTS[backend]:
-        have = ", ".join(b for b in BACKENDS if op in IMPLEMENTS[b])
-        return f"{backend} has no {op} kernel (backends with one: {have})"
-    return _unfit(op, backend, facts)
 
 
 def _first_fit(
