@@ -1,12 +1,10 @@
 // Shared helpers of the native CPU kernels: bfloat16 conversions, aligned scratch buffers and
-// an OpenMP parallel-for with ATen's chunking.
+// a parallel-for with ATen's chunking (on the pool of thread_pool.h).
 //
 // The kernels include no torch, ATen or pybind11 header (those made every translation unit
 // take ~35 s to compile); tensors arrive as raw pointers and sizes through the C ABI of
 // moe_engine_cpu.h, checked on the Python side (kernels/cpu_*.py).
 #pragma once
-
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -14,6 +12,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+
+#include "thread_pool.h"
 
 namespace moe_engine {
 
@@ -68,24 +68,17 @@ inline Buffer make_buffer(int64_t floats) {
 }
 
 // f(begin, end) over [0, n) in at most `threads` contiguous chunks of at least `grain` items,
-// as at::parallel_for's OpenMP backend splits it; inline when one chunk suffices or when
-// already inside a parallel region.
+// as at::parallel_for splits it; inline when one chunk suffices or inside a pool job.
 template <typename F>
 inline void parallel_for(int64_t n, int64_t grain, int threads, const F& f) {
   if (n <= 0) return;
   const int64_t chunks = (n + grain - 1) / grain;
   const int t = static_cast<int>(std::min<int64_t>(std::max(threads, 1), chunks));
-  if (t <= 1 || omp_in_parallel()) {
-    f(int64_t{0}, n);
-    return;
-  }
-#pragma omp parallel num_threads(t)
-  {
-    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t chunk = (n + nt - 1) / nt;
-    const int64_t begin = tid * chunk, end = std::min(n, begin + chunk);
+  const int64_t chunk = (n + t - 1) / t;
+  parallel_items(t, t, [&](int64_t i, int) {
+    const int64_t begin = i * chunk, end = std::min(n, begin + chunk);
     if (begin < end) f(begin, end);
-  }
+  });
 }
 
 }  // namespace moe_engine

@@ -2,10 +2,10 @@
 //
 // The Python side is kernels/cpu_linear.py (argument checks; the C ABI is moe_engine_cpu.h).
 // Work items are (row chunk, 16-column tile): a chunk of up to kChunk rows stays in L2 while
-// every tile of W streams past it, and OpenMP spreads the items over the cores (dynamic
-// schedule); each item runs the 6 x 16 micro-kernel of gemm_avx2.h down its rows. Small
-// batches (decode: a few rows) are bound by reading W, and bfloat16-packed weights halve those
-// bytes.
+// every tile of W streams past it, and the pool of thread_pool.h spreads the items over the
+// cores (claimed one at a time); each item runs the 6 x 16 micro-kernel of gemm_avx2.h down its
+// rows. Small batches (decode: a few rows) are bound by reading W, and bfloat16-packed weights
+// halve those bytes.
 
 #include <algorithm>
 #include <cstring>
@@ -23,13 +23,16 @@ using moe_engine::kTile;
 using moe_engine::tile_rows;
 
 constexpr int64_t kChunk = 96;  // rows per work item (a multiple of kRows)
+// Products reading fewer weight bytes than this run on the calling thread alone (a router of
+// 32 experts: 32 KiB in bfloat16), where waking a second thread costs more than it saves.
+constexpr int64_t kMinParallelBytes = 64 * 1024;
 
 template <typename W, typename O>
 void run_linear(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias,
                 O* y, int threads) {
   const int64_t tiles = (N + kTile - 1) / kTile, chunks = (M + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t item = 0; item < chunks * tiles; ++item) {
+  if (M <= kRows && N * K * static_cast<int64_t>(sizeof(W)) < kMinParallelBytes) threads = 1;
+  moe_engine::parallel_items(chunks * tiles, threads, [&](int64_t item, int) {
     const int64_t chunk = item / tiles, t = item % tiles;
     const int64_t end = std::min(M, (chunk + 1) * kChunk);
     const int64_t cols = std::min<int64_t>(kTile, N - t * kTile);
@@ -43,7 +46,7 @@ void run_linear(const float* x, int64_t M, int64_t K, const W* w, int64_t N, con
           out[j] = from_f32<O>(c[m * kTile + j] + (bias ? bias[t * kTile + j] : 0.0f));
       }
     }
-  }
+  });
 }
 
 }  // namespace

@@ -43,12 +43,11 @@
 //     with more than 6 rows has each 4-bit tile dequantized once into a per-thread float32
 //     tile, and the dense micro-kernel runs over all its row blocks.
 //
-// Parallelism: OpenMP over (expert, 16-column tile) work items with dynamic scheduling, so a
-// decode step with a few rows per expert still spreads over every core, and experts of uneven
-// load balance.
+// Parallelism: the pool of thread_pool.h over (expert, 16-column tile) work items, claimed one
+// at a time, so a decode step with a few rows per expert still spreads over every core, and
+// experts of uneven load balance.
 
 #include <immintrin.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -400,7 +399,7 @@ void run_experts(
     int64_t H, int64_t I, int64_t Ip, int64_t Hp, const Activation& act,
     float* inter,                   // [P, Ip] scratch
     float* y,                       // [P, Hp] out
-    int threads) {                  // OpenMP team size
+    int threads) {                  // threads of the pool (thread_pool.h)
   const int64_t E = static_cast<int64_t>(offsets.size()) - 1;
   const int64_t up_tiles = Ip / kTile, h_tiles = Hp / kTile;
   std::vector<Item> items = make_items(offsets, up_tiles);
@@ -411,11 +410,10 @@ void run_experts(
   std::unique_ptr<float[]> scratch;
   if (is_quantized<WS>::value && dequantizes) scratch.reset(new float[threads * 2 * tile_floats]);
   const int64_t n1 = static_cast<int64_t>(items.size());
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t i = 0; i < n1; ++i) {
+  moe_engine::parallel_items(n1, threads, [&](int64_t i, int worker) {
     const int64_t e = items[i].expert, t = items[i].tile, begin = items[i].begin;
     const int64_t end = items[i].end, rows = end - begin;
-    float* mine = scratch ? scratch.get() + omp_get_thread_num() * 2 * tile_floats : nullptr;
+    float* mine = scratch ? scratch.get() + worker * 2 * tile_floats : nullptr;
     const TileView<WS> gate(w13, (e * 2 + 0) * up_tiles + t, rows, mine);
     const TileView<WS> up(w13, (e * 2 + 1) * up_tiles + t, rows, mine + tile_floats);
     const int64_t cols = std::min<int64_t>(kTile, I - t * kTile);
@@ -439,14 +437,13 @@ void run_experts(
         }
       }
     }
-  }
+  });
   items = make_items(offsets, h_tiles);
   const int64_t n2 = static_cast<int64_t>(items.size());
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t i = 0; i < n2; ++i) {
+  moe_engine::parallel_items(n2, threads, [&](int64_t i, int worker) {
     const int64_t e = items[i].expert, t = items[i].tile, begin = items[i].begin;
     const int64_t end = items[i].end, rows = end - begin;
-    float* mine = scratch ? scratch.get() + omp_get_thread_num() * 2 * tile_floats : nullptr;
+    float* mine = scratch ? scratch.get() + worker * 2 * tile_floats : nullptr;
     const TileView<WS> down(w2, e * h_tiles + t, rows, mine);
     const int64_t cols = std::min<int64_t>(kTile, H - t * kTile);
     alignas(32) float bd[kTile] = {};
@@ -462,7 +459,7 @@ void run_experts(
         for (int col = 0; col < kTile; ++col) out[col] = c[m * kTile + col] + bd[col];
       }
     }
-  }
+  });
 }
 
 // Everything but the expert GEMMs: sort the pairs by expert, gather the rows (float32), call

@@ -7,8 +7,8 @@
 // Every tensor is a raw pointer to contiguous memory (unless strides are given) plus its sizes;
 // dtype flags say float32 (0) or bfloat16 (1). The Python wrappers (kernels/cpu_native.py,
 // cpu_linear.py, cpu_attention.py, cpu_ops.py) check shapes, dtypes and contiguity before the
-// call, allocate the outputs with torch and pass `threads` = torch.get_num_threads(), the
-// OpenMP team size of every parallel region.
+// call, allocate the outputs with torch and pass `threads` = torch.get_num_threads(), the most
+// threads (the caller included) of csrc/thread_pool.h's pool that a call uses.
 //
 // Return value: kOk, or kBadArgument (a value the Python side cannot check without reading
 // tensor contents, e.g. a sequence length beyond its block table), or kOutOfMemory.

@@ -15,7 +15,6 @@
 // or bfloat16 (widened in registers); OpenMP over the work items.
 
 #include <immintrin.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -101,12 +100,20 @@ void decode_attention(const Q* q, const C* k_cache, const C* v_cache, const int6
                       int64_t window, float scale, O* out, int threads) {
   const int64_t G = Hq / Hkv;
   const int64_t row_stride = Hkv * D;  // elements between consecutive slots of one block
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> qf(G * D), acc(G * D), scores, denom(G);
+  struct Scratch {
+    std::vector<float> qf, acc, scores, denom;
     std::vector<int64_t> rows;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < B * Hkv; ++item) {
+  };
+  std::vector<Scratch> scratch(std::max(threads, 1));  // one per pool worker
+  for (Scratch& s : scratch) {
+    s.qf.resize(G * D);
+    s.acc.resize(G * D);
+    s.denom.resize(G);
+  }
+  moe_engine::parallel_items(B * Hkv, threads, [&](int64_t item, int worker) {
+      Scratch& mine = scratch[worker];
+      std::vector<float>&qf = mine.qf, &acc = mine.acc, &scores = mine.scores, &denom = mine.denom;
+      std::vector<int64_t>& rows = mine.rows;
       const int64_t b = item / Hkv, h = item % Hkv;
       const int64_t L = seq_lens[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, L - window) : 0;
@@ -198,8 +205,7 @@ void decode_attention(const Q* q, const C* k_cache, const C* v_cache, const int6
         O* o = out + (b * Hq + h * G + g) * D;
         for (int64_t d = 0; d < D; ++d) o[d] = from_f32<O>(acc[g * D + d] * inv);
       }
-    }
-  }
+  });
 }
 
 template <typename C>

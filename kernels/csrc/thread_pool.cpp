@@ -1,0 +1,154 @@
+// The thread pool behind moe_engine::parallel_items (thread_pool.h explains the scheme).
+
+#include "thread_pool.h"
+
+#include <immintrin.h>
+#include <sched.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace moe_engine {
+namespace {
+
+// One parallel_items call. Shared (shared_ptr) because a worker may still hold it after the
+// caller returned; `body` is only called for claimed items < n, all finished before the caller
+// returns, so it never outlives the caller's frame.
+struct Job {
+  const ItemFn* body;
+  int64_t n;
+  int threads;                     // workers with id < threads take part
+  std::atomic<int64_t> next{0};    // next unclaimed item
+  std::atomic<int64_t> done{0};    // finished items
+};
+
+// Claim and run items of `job` as `worker` until none are left.
+void work_on(Job& job, int worker) {
+  for (;;) {
+    const int64_t i = job.next.fetch_add(1, std::memory_order_relaxed);
+    if (i >= job.n) return;
+    (*job.body)(i, worker);
+    job.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+thread_local bool in_job = false;  // the current thread is running a pool item
+
+class Pool {
+ public:
+  explicit Pool(int64_t spin_us) : spin_(std::chrono::microseconds(spin_us)) {}
+
+  void run(int64_t n, int threads, const ItemFn& body) {
+    auto job = std::make_shared<Job>();
+    job->body = &body;
+    job->n = n;
+    job->threads = threads;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      grow(threads - 1);
+      current_ = job;
+      gen_.fetch_add(1, std::memory_order_release);
+      if (sleepers_ > 0) cv_.notify_all();
+    }
+    in_job = true;
+    work_on(*job, 0);
+    in_job = false;
+    // only items some worker has claimed can still be running
+    while (job->done.load(std::memory_order_acquire) < n) _mm_pause();
+  }
+
+ private:
+  void grow(int workers) {  // under mu_
+    while (static_cast<int>(threads_.size()) < workers) {
+      const int id = static_cast<int>(threads_.size()) + 1;
+      threads_.emplace_back([this, id] { loop(id); });
+      threads_.back().detach();
+    }
+  }
+
+  void loop(int id) {
+    uint64_t seen = 0;
+    for (;;) {
+      wait_for(seen);
+      std::shared_ptr<Job> job;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        job = current_;
+        seen = gen_.load(std::memory_order_relaxed);
+      }
+      if (job && id < job->threads) {
+        in_job = true;
+        work_on(*job, id);
+        in_job = false;
+      }
+    }
+  }
+
+  // Until the generation moves past `seen`: spin for spin_ (yielding the core every 64 polls,
+  // so that another runnable thread of this process, e.g. one of torch's OpenMP workers, is
+  // never kept waiting by a spinner), then sleep.
+  void wait_for(uint64_t seen) {
+    const auto until = std::chrono::steady_clock::now() + spin_;
+    int polls = 0;
+    while (gen_.load(std::memory_order_acquire) == seen) {
+      _mm_pause();
+      if (++polls % 64 != 0) continue;
+      sched_yield();
+      if (std::chrono::steady_clock::now() >= until) {
+        std::unique_lock<std::mutex> lock(mu_);
+        ++sleepers_;
+        cv_.wait(lock, [&] { return gen_.load(std::memory_order_relaxed) != seen; });
+        --sleepers_;
+        return;
+      }
+    }
+  }
+
+  const std::chrono::microseconds spin_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::shared_ptr<Job> current_;  // guarded by mu_
+  std::atomic<uint64_t> gen_{0};  // bumped (under mu_) when current_ changes
+  int sleepers_ = 0;              // guarded by mu_
+  std::vector<std::thread> threads_;  // guarded by mu_
+};
+
+int64_t spin_us_from_env() {
+  const char* s = std::getenv("MOE_ENGINE_SPIN_US");
+  if (!s || !*s) return 200;
+  const long v = std::strtol(s, nullptr, 10);
+  return v < 0 ? 0 : v;
+}
+
+// The process's pool, made on first use; a forked child (whose copy has no threads) makes its
+// own. Leaked on purpose: detached workers may still run while static destructors do.
+Pool& pool() {
+  static std::mutex mu;
+  static Pool* p = nullptr;
+  static pid_t owner = 0;
+  std::lock_guard<std::mutex> lock(mu);
+  if (p == nullptr || owner != getpid()) {
+    p = new Pool(spin_us_from_env());
+    owner = getpid();
+  }
+  return *p;
+}
+
+}  // namespace
+
+void parallel_items_impl(int64_t n, int threads, const ItemFn& body) {
+  if (threads <= 1 || n <= 1 || in_job) {
+    for (int64_t i = 0; i < n; ++i) body(i, 0);
+    return;
+  }
+  pool().run(n, threads, body);
+}
+
+}  // namespace moe_engine
