@@ -1,4 +1,5 @@
-"""Fused small CPU ops of the decoder layer (csrc/ops_cpu.cpp): one native call each.
+"""Fused small CPU ops of the decoder layer (csrc/ops_cpu.cpp, csrc/rope_cpu.cpp): one native
+call each.
 
 torch's per-op dispatch costs about 8-10 us on the project's machine, so an RMSNorm written as
 six torch ops costs more than the arithmetic it does at decode batch sizes.
@@ -52,3 +53,79 @@ def rms_norm(
                                   weight_in_float32, bf16, y.data_ptr(),
                                   torch.get_num_threads()), "rms_norm")
     return y
+
+
+def qk_norm_rope_cache(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """A layer's attention prologue in one call (csrc/rope_cpu.cpp): split the fused QKV
+    output, RMSNorm q and k per head (when `q_norm` is given), apply rotate-half RoPE (Su et
+    al. 2021; transformers' `apply_rotary_pos_emb`), write k and v into the cache slots, return
+    q. Bit-identical to the torch path (`RMSNorm`, `RotaryEmbedding`, `index_copy_`).
+
+    Args:
+        qkv: [T, (Hq + 2 Hkv) * D] float32 or bfloat16, contiguous.
+        num_heads: Hq; num_kv_heads: Hkv (D follows from qkv's width).
+        positions: [T] int64 positions, each in [0, P).
+        cos_cache, sin_cache: [P, D] float32 tables (`RotaryEmbedding.cos_cache`).
+        q_norm, k_norm: [D] weights of qkv's dtype, or both None (no q/k norm).
+        eps: the norms' epsilon.
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D] of qkv's dtype, contiguous.
+        slot_mapping: [T] int64 flat slot (block * block_size + offset) per token.
+
+    Returns:
+        q: [T, Hq, D], qkv's dtype.
+
+    Raises:
+        RuntimeError: shapes, dtypes or layouts that do not fit, or a position or slot out of
+            range (nothing is written then).
+    """
+    lib = load_native("rope_cpu")
+    t, width = qkv.shape
+    d = width // (num_heads + 2 * num_kv_heads)
+    if width != (num_heads + 2 * num_kv_heads) * d or d % 2 or not qkv.is_contiguous():
+        raise RuntimeError(f"qkv must be contiguous [T, (Hq + 2 Hkv) * D] with D even, got "
+                           f"{tuple(qkv.shape)} for Hq={num_heads}, Hkv={num_kv_heads}")
+    bf16 = dtype_flag(qkv, "qkv")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dtype != qkv.dtype or not c.is_contiguous() or tuple(c.shape[2:]) != (
+            num_kv_heads, d
+        ):
+            raise RuntimeError(f"{name} must be contiguous [blocks, block_size, {num_kv_heads}, "
+                               f"{d}] {qkv.dtype}, got {c.dtype} {tuple(c.shape)}")
+    for name, table in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
+        if table.dtype != torch.float32 or table.dim() != 2 or table.shape[1] != d:
+            raise RuntimeError(f"{name} must be float32 [P, {d}], got {table.dtype} "
+                               f"{tuple(table.shape)}")
+    if (q_norm is None) != (k_norm is None):
+        raise RuntimeError("q_norm and k_norm are given together or not at all")
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is not None and (w.dtype != qkv.dtype or w.numel() != d or not w.is_contiguous()):
+            raise RuntimeError(f"{name} must be contiguous [{d}] {qkv.dtype}")
+    for name, idx in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if idx.dtype != torch.int64 or idx.shape != (t,) or not idx.is_contiguous():
+            raise RuntimeError(f"{name} must be contiguous int64 [{t}], got {idx.dtype} "
+                               f"{tuple(idx.shape)}")
+    q = qkv.new_empty(t, num_heads, d)
+    slots = k_cache.numel() // (num_kv_heads * d)
+    check_status(lib.moe_qk_norm_rope_cache(
+        qkv.data_ptr(), bf16, t, num_heads, num_kv_heads, d, positions.data_ptr(),
+        cos_cache.data_ptr(), sin_cache.data_ptr(), cos_cache.shape[0],
+        None if q_norm is None else q_norm.data_ptr(),
+        None if k_norm is None else k_norm.data_ptr(), eps, k_cache.data_ptr(),
+        v_cache.data_ptr(), slots, slot_mapping.data_ptr(), q.data_ptr(),
+        torch.get_num_threads()),
+        f"qk_norm_rope_cache: a position outside [0, {cos_cache.shape[0]}) or a slot outside "
+        f"[0, {slots})")
+    return q

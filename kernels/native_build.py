@@ -48,7 +48,7 @@ HEADER = "moe_engine_cpu.h"
 BINDING = "binding.cpp"
 LIBRARY = native_binding.MODULE + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
 #: Bumped with any change of csrc/moe_engine_cpu.h's prototypes (part of the cache digest).
-ABI_VERSION = 1
+ABI_VERSION = 2
 #: AVX2 + FMA + F16C (not -march=native, so a cache shared by machines of one architecture
 #: level never holds an instruction another machine lacks); no -ffast-math.
 CXXFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-DNDEBUG", "-std=c++17", "-fPIC",
@@ -60,7 +60,8 @@ LDFLAGS = ("-shared", "-pthread")
 #: for moe_cpu.cpp between a quiet and a busy machine): the estimate of a first build, until a
 #: build here has recorded its own (`last_build.json`).
 EXPECTED_COMPILE_S = {"moe_cpu.cpp": 4.0, "paged_attention.cpp": 1.8, "linear_cpu.cpp": 1.3,
-                      "thread_pool.cpp": 0.8, "ops_cpu.cpp": 0.6, "binding.cpp": 0.5}
+                      "thread_pool.cpp": 0.8, "rope_cpu.cpp": 0.8, "ops_cpu.cpp": 0.6,
+                      "binding.cpp": 0.5}
 EXPECTED_LINK_S = 0.2
 #: A build (or the wait for another process's) taking longer than this fails (seconds).
 BUILD_TIMEOUT_S = 900.0

@@ -47,14 +47,14 @@ OPS = (
     "mla_decode",  # MLA absorbed decode over the latent cache
     "linear",  # dense projections (QKV, output, router, dense MLP, LM head)
     "rms_norm",
-    "rotary",
+    "rotary",  # rope (native-cpu: with q/k norm and the KV-cache write, one call per layer)
 )
 
 #: Which ops each backend implements.
 IMPLEMENTS: dict[str, frozenset[str]] = {
     NATIVE_CPU: frozenset(
         {"fused_moe", "fused_moe_int4", "fused_moe_mxfp4", "attention_decode", "linear",
-         "rms_norm"}
+         "rms_norm", "rotary"}
     ),
     TORCH: frozenset(OPS),
     TRITON: frozenset(

@@ -34,9 +34,9 @@ def test_auto_on_cpu_takes_native_where_it_has_a_kernel_torch_elsewhere():
     plan = choose_kernels("cpu", "auto", probe=runs_everywhere)
     assert set(plan.as_dict()) == set(OPS)
     for op in ("fused_moe", "fused_moe_int4", "fused_moe_mxfp4", "attention_decode", "linear",
-               "rms_norm"):
+               "rms_norm", "rotary"):
         assert plan.backend(op) == NATIVE_CPU, op
-    for op in ("attention_prefill", "mla_decode", "rotary"):
+    for op in ("attention_prefill", "mla_decode"):
         assert plan.backend(op) == TORCH, op  # auto never takes triton on a CPU
 
 
@@ -55,8 +55,8 @@ def test_a_native_build_failure_falls_back_to_torch_and_says_why():
     assert set(plan.as_dict().values()) == {TORCH}
     lines = plan.describe().splitlines()
     assert lines[1:] == [  # one line per reason, naming its ops
-        "  fused_moe, fused_moe_int4, fused_moe_mxfp4, attention_decode, linear, rms_norm: "
-        "not native-cpu: building kernels/csrc failed: no C++ compiler"
+        "  fused_moe, fused_moe_int4, fused_moe_mxfp4, attention_decode, linear, rms_norm, "
+        "rotary: not native-cpu: building kernels/csrc failed: no C++ compiler"
     ]
 
 
@@ -146,7 +146,7 @@ def test_the_engine_binds_and_logs_its_choice(qwen3_ckpt, caplog):
     torch_llm = LLM(model=str(qwen3_ckpt), max_model_len=64, kernel_backend="torch")
     assert set(torch_llm.engine.kernels.as_dict().values()) == {TORCH}
     modules = list(torch_llm.engine.model.modules())
-    assert not any(m._native for m in modules if isinstance(m, Linear))
+    assert not any(m._native_max_rows for m in modules if isinstance(m, Linear))
     assert {m.decode_backend for m in modules if isinstance(m, PagedAttention)} == {TORCH}
     want = [o.outputs[0].token_ids for o in native.generate(prompts, params, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in torch_llm.generate(prompts, params, use_tqdm=False)]

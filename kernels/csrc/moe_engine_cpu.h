@@ -74,3 +74,16 @@ MOE_ENGINE_API int32_t moe_rms_norm(const void* x, int64_t A, int64_t B, int64_t
                                     int64_t sb, const void* weight, float eps,
                                     int32_t weight_in_float32, int32_t bf16, void* y,
                                     int32_t threads);
+
+// csrc/rope_cpu.cpp: the attention prologue of one layer. qkv [T, (Hq + 2 Hkv) D] (q heads,
+// then k heads, then v heads; float32, or bfloat16 when bf16); positions [T] int64 (each in
+// [0, P), else kBadArgument); cos, sin [P, D] float32 (the rotate-half tables); q_norm, k_norm
+// [D] of qkv's dtype, or both null (no q/k RMSNorm); k_cache, v_cache [S, Hkv, D] slots of
+// qkv's dtype; slot_mapping [T] int64 (each in [0, S), else kBadArgument). Writes the rotated
+// (normalised) q to q_out [T, Hq, D] and the rotated k and the v of token t to slot
+// slot_mapping[t] of the caches.
+MOE_ENGINE_API int32_t moe_qk_norm_rope_cache(
+    const void* qkv, int32_t bf16, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+    const int64_t* positions, const float* cos, const float* sin, int64_t P, const void* q_norm,
+    const void* k_norm, float eps, void* k_cache, void* v_cache, int64_t S,
+    const int64_t* slot_mapping, void* q_out, int32_t threads);

@@ -49,7 +49,7 @@ void rms_rows(const T* x, int64_t A, int64_t B, int64_t D, int64_t sa, int64_t s
 
 }  // namespace
 
-int32_t moe_engine_abi_version(void) { return 1; }
+int32_t moe_engine_abi_version(void) { return 2; }
 
 // The shapes are checked by kernels/cpu_ops.py.
 int32_t moe_rms_norm(const void* x, int64_t A, int64_t B, int64_t D, int64_t sa, int64_t sb,

@@ -249,22 +249,26 @@ class PagedAttention(KVCacheLayer):
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D]; kv_cache: two [num_blocks, block_size, Hkv, D];
-        sinks: optional [Hq] per-head sink logits (gpt-oss), None for plain softmax.
+        """q: [T, Hq, D], k/v: [T, Hkv, D], or both None when the caller has written them into
+        the cache (`kernels.cpu_ops.qk_norm_rope_cache`); kv_cache: two [num_blocks,
+        block_size, Hkv, D]; sinks: optional [Hq] per-head sink logits (gpt-oss), None for
+        plain softmax.
 
         Returns:
             [T, Hq * D] attention output, q's dtype.
         """
         meta = meta.for_group(self.kv_group)
         k_cache, v_cache = kv_cache
-        for cache, new in ((k_cache, k), (v_cache, v)):
-            cache.view(-1, *new.shape[1:]).index_copy_(0, meta.slot_mapping, new.to(cache.dtype))
+        if k is not None:  # None: the caller wrote this step's keys and values already
+            for cache, new in ((k_cache, k), (v_cache, v)):
+                cache.view(-1, *new.shape[1:]).index_copy_(0, meta.slot_mapping,
+                                                           new.to(cache.dtype))
         out = torch.empty_like(q)
         for batch in meta.batches:
             out[batch.token_start : batch.token_end] = self._attend(

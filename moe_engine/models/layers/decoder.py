@@ -15,9 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_ops import qk_norm_rope_cache
+from kernels.registry import NATIVE_CPU, KernelPlan
 from moe_engine.models.layers.attention import AttentionMetadata, PagedAttention
 from moe_engine.models.layers.linear import Linear, MergedLinear
 from moe_engine.models.layers.norm import RMSNorm
+from moe_engine.models.layers.rotary import RotaryEmbedding
 from moe_engine.phase_timer import PhaseTimer
 
 if TYPE_CHECKING:
@@ -43,6 +46,10 @@ class Attention(nn.Module):
 
     Checkpoint names: `q_proj`, `k_proj`, `v_proj` (stacked into `qkv_proj`, shards "q", "k",
     "v"), `o_proj`, `q_norm`, `k_norm`, `sinks`.
+
+    Bound to the native-cpu "rotary" kernel, a layer with the plain rotate-half
+    `RotaryEmbedding` runs its prologue (split, q/k norm, rope, KV-cache write) as one native
+    call (`kernels.cpu_ops.qk_norm_rope_cache`, bit-identical to the torch ops).
     """
 
     def __init__(
@@ -79,13 +86,41 @@ class Attention(nn.Module):
             spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5,
             sliding_window=sliding_window,
         )
+        #: Bound by `bind_kernels`: the prologue runs as one native call.
+        self._native_prologue = False
+
+    def bind_kernels(self, plan: KernelPlan) -> None:
+        """Take the native prologue when the registry chose native-cpu for "rotary" and this
+        layer's pieces are the ones it implements (plain rope; q/k norms of Qwen3's rounding,
+        one epsilon; float32 or bfloat16 weights)."""
+        norms_fit = not self.qk_norm or (
+            not self.q_norm.weight_in_float32 and not self.k_norm.weight_in_float32
+            and self.q_norm.eps == self.k_norm.eps
+        )
+        self._native_prologue = (
+            plan.backend("rotary") == NATIVE_CPU
+            and type(self.rotary) is RotaryEmbedding
+            and not self.rotary.interleaved
+            and norms_fit
+            and self.qkv_proj.weight.dtype in (torch.float32, torch.bfloat16)
+        )
 
     def forward(
         self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache
     ) -> torch.Tensor:
         """h: [T, H] -> [T, H]; positions [T] int64; kv_cache: this layer's (K, V) pair."""
         t = h.shape[0]
-        q, k, v = self.qkv_proj(h).split(self.sizes, dim=-1)
+        qkv = self.qkv_proj(h)
+        if self._native_prologue and qkv.dtype == kv_cache[0].dtype:
+            norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+            q = qk_norm_rope_cache(
+                qkv, self.num_heads, self.num_kv_heads, positions, self.rotary.cos_cache,
+                self.rotary.sin_cache, *norms, self.q_norm.eps if self.qk_norm else 0.0,
+                *kv_cache, meta.for_group(self.attn.kv_group).slot_mapping,
+            )
+            out = self.attn(q, None, None, kv_cache, meta, sinks=self.sinks)
+            return self.o_proj(out)
+        q, k, v = qkv.split(self.sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)

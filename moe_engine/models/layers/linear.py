@@ -2,11 +2,12 @@
 
 Every dense projection of the models (QKV, output, router, dense MLP, LM head) is one of these.
 Bound to the native-cpu backend (`bind_kernels`; kernels/registry.py), batches of up to
-`NATIVE_MAX_ROWS` rows of layers with at least `NATIVE_MIN_OUT_FEATURES` outputs go through a
-packed copy of the weight (kernels/cpu_linear.py; bfloat16 when exact: half the bytes a decode
-step reads; 1.3-4x torch's GEMM at 1-64 rows: `python bench/cpu_kernels.py --only linear`,
-bench/NOTES.md); larger batches (long prefill chunks) and narrow layers (the router) use
-`nn.Linear.forward`, as does the torch backend (cuBLAS on CUDA) and an unbound layer. The
+`NATIVE_MAX_ROWS` rows (`NARROW_MAX_ROWS` for layers of fewer than `NATIVE_MIN_OUT_FEATURES`
+outputs, the router) go through a packed copy of the weight (kernels/cpu_linear.py; bfloat16
+when exact: half the bytes a decode step reads; 1.3-4x torch's GEMM at 1-64 rows:
+`python bench/cpu_kernels.py --only linear`, bench/NOTES.md); larger batches (long prefill
+chunks) use `nn.Linear.forward`, as does the torch backend (cuBLAS on CUDA) and an unbound
+layer. The
 packed copy is made on the first forward and dropped by `reset_packed` (the model's
 `load_weights` calls it, so a reload never serves stale weights).
 """
@@ -21,26 +22,32 @@ from kernels.registry import NATIVE_CPU, KernelPlan
 
 #: Rows above which torch's GEMM is as fast as the native kernel (bench/NOTES.md).
 NATIVE_MAX_ROWS = 1024
-#: Narrower layers (a router of 32 experts: 0.3-0.9x torch at 1-8 rows,
-#: `python bench/cpu_kernels.py --only linear`) stay on torch's GEMM.
+#: Narrower layers (a router of 32 experts) are too small to split over threads: the native
+#: kernel runs them on the calling thread (csrc/linear_cpu.cpp kMinParallelBytes), 3x faster
+#: than torch's bfloat16 GEMM at 1-8 rows ([1, 512] x [512, 32]: 5.4 vs 17 us on one core,
+#: `python bench/cpu_kernels.py --only linear`), and slower beyond.
 NATIVE_MIN_OUT_FEATURES = 64
+#: Rows up to which a narrow layer runs the native kernel.
+NARROW_MAX_ROWS = 8
 
 
 class Linear(nn.Linear):
     """`nn.Linear(in_features, out_features, bias, dtype=...)`; x [..., in] -> [..., out]."""
 
     _packed: PackedLinear | None = None
-    #: Bound by `bind_kernels`: this layer runs the native packed kernel (small batches).
-    _native: bool = False
+    #: Bound by `bind_kernels`: batches of up to this many rows run the native packed kernel
+    #: (0: never).
+    _native_max_rows: int = 0
 
     def bind_kernels(self, plan: KernelPlan) -> None:
-        """Take the registry's "linear" backend: native-cpu for a float32/bfloat16 layer of at
-        least `NATIVE_MIN_OUT_FEATURES` outputs, torch otherwise."""
-        self._native = (
-            plan.backend("linear") == NATIVE_CPU
-            and self.out_features >= NATIVE_MIN_OUT_FEATURES
-            and self.weight.dtype in (torch.float32, torch.bfloat16)
+        """Take the registry's "linear" backend: native-cpu for a float32/bfloat16 layer, up to
+        `NATIVE_MAX_ROWS` rows (`NARROW_MAX_ROWS` when it has fewer than
+        `NATIVE_MIN_OUT_FEATURES` outputs), torch otherwise."""
+        native = plan.backend("linear") == NATIVE_CPU and self.weight.dtype in (
+            torch.float32, torch.bfloat16
         )
+        wide = self.out_features >= NATIVE_MIN_OUT_FEATURES
+        self._native_max_rows = (NATIVE_MAX_ROWS if wide else NARROW_MAX_ROWS) if native else 0
         self._packed = None
 
     def reset_packed(self) -> None:
@@ -48,7 +55,7 @@ class Linear(nn.Linear):
         self._packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._native and x.numel() // max(1, x.shape[-1]) <= NATIVE_MAX_ROWS:
+        if x.numel() // max(1, x.shape[-1]) <= self._native_max_rows:
             if self._packed is None:
                 self._packed = PackedLinear.pack(self.weight, self.bias)
             return self._packed(x)
