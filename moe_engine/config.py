@@ -261,17 +261,21 @@ def compute_dtype(weight_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if native_bf16_matmul() else torch.float32
 
 
-def default_threads(reserve_front_end: bool = False) -> int:
-    """Intra-op threads for the CPU path: MOE_ENGINE_THREADS, else all cores.
+def default_threads() -> int:
+    """Intra-op CPU threads: MOE_ENGINE_THREADS, else every core this process may run on.
 
-    With `reserve_front_end` (a server whose gRPC process shares the machine), one core is left
-    to the front end: intra-op threads that share every core with it stall each other
-    (measured 10x slower steps on 2 cores).
+    A server's engine core takes every core too, beside its gRPC front end: the native kernels'
+    pool (kernels/csrc/thread_pool.h) never waits for a thread the front end displaced, so
+    sharing a core costs the front end's own time only. (With OpenMP barriers it did not:
+    steps ran up to 10x slower, and an earlier default left one core to the front end, which
+    cost a third of the served throughput on 2 cores; issue 17's note has the measurements.)
     """
     if "MOE_ENGINE_THREADS" in os.environ:
         return int(os.environ["MOE_ENGINE_THREADS"])
-    cores = os.cpu_count() or 1
-    return max(1, cores - 1) if reserve_front_end else cores
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def cache_root() -> Path:

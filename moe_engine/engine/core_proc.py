@@ -202,8 +202,8 @@ def run_engine_core(
     status 1; a failure in the loop is reported as Fatal.
     """
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [core] %(message)s")
-    if config.parallel.num_threads is None:  # leave a core to the gRPC front end
-        threads = default_threads(reserve_front_end=True)
+    if config.parallel.num_threads is None:  # every core, beside the front end
+        threads = default_threads()
         config = dataclasses.replace(
             config, parallel=dataclasses.replace(config.parallel, num_threads=threads)
         )

@@ -317,11 +317,11 @@ def process_state(pid: int) -> str | None:
 
 
 def rank_threads(config: EngineConfig, local_world_size: int) -> int:
-    """Intra-op threads of one rank: the configured number, else this node's cores (less one
-    for the front end) shared among its ranks, at least 1."""
+    """Intra-op threads of one rank: the configured number, else this node's cores shared
+    among its ranks, at least 1."""
     if config.parallel.num_threads is not None:
         return config.parallel.num_threads
-    return max(1, default_threads(reserve_front_end=True) // max(1, local_world_size))
+    return max(1, default_threads() // max(1, local_world_size))
 
 
 def run_rank(
