@@ -22,7 +22,9 @@
 // lane pair: its k and k + 1 halves). The decoded weights are exactly quant/'s dequantized
 // values; with one or two rows a block's products are summed unscaled and scaled once per block
 // (q4_avx2.h's kBlockScale, unrolled over k pairs for 8 independent FMA chains), with more rows
-// the decoded weights are scaled, shared by the rows.
+// the decoded weights are scaled, shared by the rows. One and two rows with G % 8 == 0 (every
+// checkpoint's block size) run q4_avx512_x8.h's kernel instead: measured 1.6x this one's speed
+// at one row (bench/NOTES.md section 8).
 #pragma once
 
 #include <immintrin.h>
@@ -51,8 +53,8 @@ MOE_ENGINE_INLINE __m512i even_lanes_to_columns() {
 template <Q4 F>
 MOE_ENGINE_INLINE __m512 load_scales16(const void* scales, int64_t at) {
   if constexpr (F == Q4::kMxfp4) {
-    const __m512i s = _mm512_cvtepu8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(scales) + at)));
+    const auto* s8 = static_cast<const uint8_t*>(scales) + at;
+    const __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s8)));
     __m512i bits = _mm512_slli_epi32(s, 23);
     bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(s, _mm512_setzero_si512()),
                                  _mm512_set1_epi32(0x00400000));  // 2^-127, a subnormal
