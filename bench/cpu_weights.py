@@ -7,8 +7,6 @@ reads over its time, GB/s:
 
 - linears, bfloat16-packed (`kernels.cpu_linear.PackedLinear`): qkv 512 -> 768, o_proj
   512 -> 512, lm_head 512 -> 8192; bytes = N * K * 2.
-- for reference, what a read-bound loop gets from the same memory level: `Tensor.sum` over
-  float32 buffers of the qkv weight's size, rotated alike ("read (torch sum)");
 - one MoE layer's experts (32 experts, top-4, hidden 512, intermediate 256):
   bf16 (`kernels.cpu_native.PackedExperts`), int4 group 128 symmetric with float32 scales
   (the engine's `--quantization int4`), int4 with bfloat16 scales, and MXFP4
@@ -149,26 +147,11 @@ def run(rows: list[int], footprint_mb: float,
             ids = ids.to(torch.int32)
             nbytes = experts.nbytes * int(torch.unique(ids).numel()) // E
             cases.append((f"experts {name}", m, nbytes, _rotating(objs, x, weights, ids)))
-    out = [_read_row(footprint_mb, g)]
+    out = []
     for kernel, m, nbytes, call in cases:
         ms = _time_ms({v: _on(mod, call) for v, mod in variants.items()})
         out += [_row(kernel, m, v, ms[v], nbytes) for v in variants]
     return out
-
-
-def _read_row(footprint_mb: float, g: torch.Generator) -> dict:
-    """What the memory gives one call: `Tensor.sum` over a float32 buffer the size of the qkv
-    weight (786 kB), `footprint_mb` of them rotated as the weights are (a read-bound loop)."""
-    nbytes = 768 * 512 * 2
-    bufs = _copies_of(torch.randn(nbytes // 4, generator=g), footprint_mb)
-    ring = itertools.cycle(bufs)
-    ms = _time_ms({"read": lambda: next(ring).sum()})["read"]
-    return _row("read (torch sum)", 1, "-", ms, nbytes)
-
-
-def _copies_of(t: torch.Tensor, footprint_mb: float) -> list[torch.Tensor]:
-    n = max(1, int(footprint_mb * 1e6 // (t.numel() * t.element_size())))
-    return [t] + [t.clone() for _ in range(n - 1)]
 
 
 def _row(kernel: str, rows: int, variant: str, ms: float, nbytes: int) -> dict:
@@ -195,7 +178,7 @@ def main(rows: list[int], footprint_mb: float, as_json: bool,
     print(", ".join(f"{k} {v}" for k, v in head.items()) + "; GB/s of weights read (us/call)")
     print(f"{'kernel':20s} {'variant':8s} " + " ".join(f"{'M=' + str(m):>14s}" for m in rows))
     for kernel in dict.fromkeys(r["kernel"] for r in results):
-        for v in ["-"] if kernel.startswith("read") else variants:
+        for v in variants:
             cells = [f"{r['gbs']:5.1f} ({r['ms'] * 1e3:6.0f})" for r in results
                      if r["kernel"] == kernel and r["variant"] == v]
             print(f"{kernel:20s} {v:8s} " + " ".join(f"{c:>14s}" for c in cells))
