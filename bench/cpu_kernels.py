@@ -4,7 +4,9 @@ At the reference checkpoint's sizes (BENCH.md bench-qwen3-moe: hidden 512, 8 que
 of 64, 32 experts top-4 of intermediate 256, vocabulary 8192), for each kernel and batch size:
 the torch path's time, the native kernel's, their ratio, and the native kernel's GFLOP/s.
 Weights are bfloat16 values held in float32 (what a bfloat16 checkpoint computes in on a CPU
-without native bfloat16), so the native kernels read them packed as bfloat16.
+without native bfloat16), so the native kernels read them packed as bfloat16. The native
+kernels' own bandwidth at decode sizes (GB/s of weights, 4-bit experts too, each library
+variant) is `bench/cpu_weights.py`.
 
     python bench/cpu_kernels.py                  # all kernels
     python bench/cpu_kernels.py --only linear --json

@@ -4,7 +4,7 @@ torch's float32 GEMM (MKL) reaches about half of a core's FMA rate at decode bat
 the project's machine (a [8, 512] x [512, 512] product: 38 GFLOP/s on one or two cores), and a
 bfloat16 checkpoint computed in float32 reads twice the bytes it needs. `PackedLinear` holds the
 weight once, packed as 16-column tiles (`kernels.cpu_native.pack_tiles`), in bfloat16 when that
-is exact, and runs the shared AVX2 micro-kernel (csrc/gemm_avx2.h).
+is exact, and runs the shared micro-kernels (csrc/gemm.h: AVX2, or AVX-512 in that build).
 """
 
 from __future__ import annotations
@@ -97,4 +97,4 @@ class PackedLinear:
         return w.data_ptr(), dtype_flag(w, "w"), bias.data_ptr() if bias.numel() else None
 
 
-assert TILE == 16  # csrc/gemm_avx2.h kTile
+assert TILE == 16  # csrc/gemm_avx2.h and gemm_avx512.h kTile

@@ -4,7 +4,15 @@ Triton does not compile for a CPU, and torch's small matmuls leave most of a CPU
 idle at decode batch sizes (measured on the project's machine: a [8, 512] x [512, 512] float32
 GEMM reaches 38 GFLOP/s on one or two cores, against 78 per core for large ones). The hot CPU
 loops of the engine (the fused MoE experts, decode attention over the paged cache, the dense
-linears, RMSNorm) are therefore C++ with AVX2/FMA intrinsics and OpenMP.
+linears, RMSNorm) are therefore C++ with AVX2/FMA (or AVX-512) intrinsics and OpenMP.
+
+Two variants of the library are built from the same sources (kernels/native_build.py
+`ISA_FLAGS`): "avx2" and "avx512" (512-bit micro-kernels: csrc/gemm_avx512.h, q4_avx512.h).
+`choose_isa` picks one per process, once, from the CPU's features (`/proc/cpuinfo` flags:
+avx512f, avx512bw, avx512vl and avx512dq for "avx512"; else torch's CPU capability), unless
+`MOE_ENGINE_CPU_ISA` (auto, avx2, avx512) names one; a variant this CPU cannot run is refused
+with the flags it lacks. The choice is logged when the library loads and shown in the kernel
+registry's startup plan (`loaded_isa`).
 
 They include no torch header: they export the C ABI of csrc/moe_engine_cpu.h (raw pointers and
 sizes), wrapped by a small Python module generated from that header (`kernels.native_binding`:
@@ -27,11 +35,13 @@ cannot run here, if it cannot; the kernel objects call `load_native` only after 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import importlib.util
 import logging
+import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -48,12 +58,83 @@ class NativeUnavailable(RuntimeError):
     """The native kernels cannot be used here (the reason is the message)."""
 
 
-def _cpu_supported() -> str | None:
-    """None when this CPU runs the AVX2/FMA build, else why not."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AVX2", "AVX512"):
-        return f"CPU capability {capability} lacks AVX2/FMA"
+#: The environment variable that overrides the variant: auto (default), avx2 or avx512.
+ISA_ENV = "MOE_ENGINE_CPU_ISA"
+#: The CPU flags (as /proc/cpuinfo spells them) each variant needs.
+ISA_CPU_FLAGS = {
+    "avx2": ("avx2", "fma", "f16c"),
+    "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
+}
+#: torch.backends.cpu.get_cpu_capability() values that imply each variant's flags (the
+#: fallback where /proc/cpuinfo cannot be read; torch's AVX512 needs F, BW, VL and DQ).
+_CAPABILITIES = {"avx2": ("AVX2", "AVX512"), "avx512": ("AVX512",)}
+
+
+def cpu_flags() -> frozenset[str] | None:
+    """This CPU's feature flags from /proc/cpuinfo (Linux; those the kernel enabled, so
+    AVX-512 is absent where the OS does not save its registers), or None where unreadable."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
     return None
+
+
+def isa_unsupported_reason(isa: str, flags: frozenset[str] | None = None) -> str | None:
+    """None when this CPU runs variant `isa`, else why not (the flags it lacks).
+
+    Args:
+        isa: "avx2" or "avx512".
+        flags: the CPU's flags; default `cpu_flags()` (torch's capability when unreadable).
+    """
+    flags = cpu_flags() if flags is None else flags
+    if flags is None:
+        capability = torch.backends.cpu.get_cpu_capability()
+        if capability in _CAPABILITIES[isa]:
+            return None
+        return f"torch's CPU capability is {capability}, below {isa}"
+    missing = [f for f in ISA_CPU_FLAGS[isa] if f not in flags]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    return None
+
+
+def choose_isa(requested: str | None = None,
+               flags: frozenset[str] | None = None) -> tuple[str, str]:
+    """(variant, why) for this process: the requested one, or under "auto" the widest this CPU
+    runs (avx512, else avx2).
+
+    Args:
+        requested: "auto", "avx2" or "avx512"; default `$MOE_ENGINE_CPU_ISA`, else "auto".
+        flags: the CPU's flags; default `cpu_flags()`.
+
+    Raises:
+        ValueError: an unknown name, or a variant named that this CPU cannot run (the message
+            names the flags it lacks).
+        NativeUnavailable: under "auto", a CPU without AVX2/FMA/F16C.
+    """
+    env = os.environ.get(ISA_ENV, "")
+    requested = (requested or env or "auto").strip().lower()
+    where = f"{ISA_ENV}={env}" if env and requested == env.strip().lower() else requested
+    if requested == "auto":
+        no512 = isa_unsupported_reason("avx512", flags)
+        if no512 is None:
+            return "avx512", f"auto: this CPU has {', '.join(ISA_CPU_FLAGS['avx512'][3:])}"
+        if isa_unsupported_reason("avx2", flags) is None:
+            return "avx2", f"auto: not avx512, {no512}"
+        raise NativeUnavailable(f"the native kernels need AVX2/FMA/F16C: "
+                                f"{isa_unsupported_reason('avx2', flags)}")
+    if requested not in ISA_CPU_FLAGS:
+        raise ValueError(f"{where}: unknown instruction set {requested!r}; use auto, "
+                         f"{', '.join(ISA_CPU_FLAGS)}")
+    why = isa_unsupported_reason(requested, flags)
+    if why is not None:
+        raise ValueError(f"{where}: cannot run the {requested} kernels here: {why} "
+                         f"(unset {ISA_ENV} or set it to auto)")
+    return requested, where
 
 
 #: A build progress callback: (message, estimated seconds left or None). `prepare_native` calls
@@ -90,6 +171,10 @@ def _build(name: str) -> ModuleType:
 _lock = threading.Lock()
 _loaded: ModuleType | None = None
 _failure: NativeUnavailable | None = None
+_loaded_isa: str | None = None
+
+#: csrc/moe_engine_cpu.h `moe_engine_vector_bits` of each variant's build.
+VECTOR_BITS = {"avx2": 256, "avx512": 512}
 
 
 def _library(progress: ProgressCallback | None = None) -> ModuleType:
@@ -103,6 +188,8 @@ def _library(progress: ProgressCallback | None = None) -> ModuleType:
     Raises:
         NativeUnavailable: this CPU lacks AVX2/FMA, or the build or load failed (the message
             has the compiler's output).
+        ValueError: `MOE_ENGINE_CPU_ISA` names an unknown variant or one this CPU cannot run
+            (`choose_isa`; not remembered, so that a corrected environment is read again).
     """
     global _loaded, _failure
     if _loaded is not None:  # the per-call path: no lock
@@ -121,16 +208,26 @@ def _library(progress: ProgressCallback | None = None) -> ModuleType:
 
 
 def _load(progress: ProgressCallback | None) -> ModuleType:
-    reason = _cpu_supported()
-    if reason is not None:
-        raise NativeUnavailable(reason)
+    global _loaded_isa
+    isa, why = choose_isa()
+    module = _open(isa, progress)
+    _loaded_isa = f"{isa} ({why})"
+    logger.info("native CPU kernels: the %s build (%s)", isa, why)
+    return module
+
+
+def _open(isa: str, progress: ProgressCallback | None) -> ModuleType:
+    """Build (or find cached) and load variant `isa`'s module, checking its ABI version and
+    vector width."""
     report = Reporter(progress)
     try:
-        path = ensure_library(build_dir(), report)
+        path = ensure_library(build_dir(), report, isa=isa)
     except (BuildError, OSError) as exc:
         if report.active:
             report.failed(str(exc))
-        raise NativeUnavailable(f"building kernels/csrc failed: {exc}") from exc
+        raise NativeUnavailable(f"building kernels/csrc ({isa}) failed: {exc}") from exc
+    if path in _by_path:
+        return _by_path[path]
     try:  # torch is imported: its libgomp.so.1 is the one the module binds to
         loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
         spec = importlib.util.spec_from_file_location(MODULE, path, loader=loader)
@@ -141,7 +238,58 @@ def _load(progress: ProgressCallback | None) -> ModuleType:
     if module.moe_engine_abi_version() != ABI_VERSION:
         raise NativeUnavailable(f"{path} has ABI version {module.moe_engine_abi_version()}, "
                                 f"kernels/native.py expects {ABI_VERSION}")
+    bits = module.moe_engine_vector_bits()
+    if bits != VECTOR_BITS[isa]:
+        raise NativeUnavailable(f"{path} was built for {bits}-bit vectors, not {isa}'s "
+                                f"{VECTOR_BITS[isa]}")
+    _by_path[path] = module
     return module
+
+
+#: Each loaded build by path: CPython keeps one copy of a single-phase extension module's
+#: dictionary per (path, name) and, importing the same path again, copies it into whatever
+#: module `sys.modules` holds under the name, i.e. the variant loaded last; so a build is
+#: imported once and reused.
+_by_path: dict[Path, ModuleType] = {}
+
+
+_variants: dict[str, ModuleType] = {}
+
+
+def load_variant(isa: str) -> ModuleType:
+    """Variant `isa`'s module, built and loaded (once per process) beside the one the kernels
+    use: for tests and benchmarks that compare the variants in one process (each module is its
+    own shared object, loaded with RTLD_LOCAL, so the two sets of C symbols do not mix).
+
+    Raises:
+        ValueError: an unknown variant, or one this CPU cannot run (`choose_isa`).
+        NativeUnavailable: its build or load failed.
+    """
+    isa, _ = choose_isa(isa)
+    with _lock:
+        if isa not in _variants:
+            _variants[isa] = _open(isa, None)
+        return _variants[isa]
+
+
+@contextlib.contextmanager
+def using(module: ModuleType) -> Iterator[None]:
+    """Within the block, `load_native` returns `module` (a `load_variant` result) instead of
+    the process's library: for tests and benchmarks that run the same kernel objects on each
+    variant in turn; not for concurrent use (one module-level slot)."""
+    global _loaded
+    before = _loaded
+    _loaded = module
+    try:
+        yield
+    finally:
+        _loaded = before
+
+
+def loaded_isa() -> str | None:
+    """The variant of the loaded library and why it was chosen, e.g. "avx512 (auto: this CPU
+    has avx512f, ...)"; None before it loads (or where it cannot)."""
+    return _loaded_isa if _loaded is not None else None
 
 
 def dtype_flag(t: torch.Tensor, what: str) -> int:
@@ -180,6 +328,10 @@ def native_unavailable_reason(progress: ProgressCallback | None = None) -> str |
             process's build of the same sources), and when it ends (success: ETA 0.0;
             failure: None); the estimate never rises. Not called when the kernels load from
             the cache. The same messages are logged (start and end as warnings).
+
+    Raises:
+        ValueError: `MOE_ENGINE_CPU_ISA` names an unknown variant or one this CPU cannot run
+            (a configuration error, refused rather than fallen back from).
     """
     try:
         _library(progress)
@@ -193,6 +345,7 @@ def prepare_native(progress: ProgressCallback | None = None) -> list[str]:
 
     Raises:
         NativeUnavailable: this CPU lacks AVX2/FMA, or the build or load failed.
+        ValueError: as `native_unavailable_reason`.
     """
     reason = native_unavailable_reason(progress)
     if reason is not None:

@@ -1,19 +1,25 @@
 """Compile kernels/csrc/*.cpp into one shared library, cached per source version.
 
-The sources are plain C++ (AVX2/FMA intrinsics, OpenMP) behind the C ABI of
+The sources are plain C++ (AVX2/FMA or AVX-512 intrinsics, OpenMP) behind the C ABI of
 csrc/moe_engine_cpu.h, without torch's headers, so the system compiler builds each translation
 unit in a second or three (including `torch/extension.h` made each take ~35 s), plus the Python
 module over that ABI (`kernels.native_binding`, generated from the header; Python.h only). One
 compiler process per source runs in parallel (as many as this process may use cores), then one
 link makes the extension module `_moe_engine_cpu<EXT_SUFFIX>`.
 
-Cache: `<root>/moe_engine_cpu_<digest>/`, the digest covering every source and header, the
-binding generator, the flags, the ABI version, the compiler's identity (`--version`) and the
-Python ABI (EXT_SUFFIX, include directory), so an edit, another compiler or another Python
-rebuilds. A build happens in a temporary directory beside it, renamed into place when complete
-(an interrupted build leaves nothing that looks finished); processes that need the same build at
-once (expert-parallel ranks, parallel test workers) take an exclusive `fcntl.flock` on
-`<root>/moe_engine_cpu_<digest>.lock`, so one builds and the others wait, then load its result.
+Variants: the same sources build for one instruction set each (`ISAS`): "avx2" (AVX2 + FMA +
+F16C, every x86-64 CPU the kernels run on) and "avx512" (adds AVX-512 F/BW/VL/DQ; the headers
+pick 512-bit micro-kernels under `__AVX512F__`, csrc/gemm.h). Which one a process loads is
+decided once, from the CPU's features, by kernels/native.py `choose_isa`.
+
+Cache: `<root>/moe_engine_cpu_<isa>_<digest>/`, the digest covering every source and header,
+the binding generator, the variant's flags, the ABI version, the compiler's identity
+(`--version`) and the Python ABI (EXT_SUFFIX, include directory), so an edit, another
+compiler, another variant or another Python rebuilds. A build happens in a temporary
+directory beside it, renamed into place when complete (an interrupted build leaves nothing that
+looks finished); processes that need the same build at once (expert-parallel ranks, parallel
+test workers) take an exclusive `fcntl.flock` on `<root>/moe_engine_cpu_<isa>_<digest>.lock`,
+so one builds and the others wait, then load its result.
 
 Progress (`kernels.native_progress.Reporter`): reported when a build starts, at least every
 `PROGRESS_INTERVAL_S` while it runs (compiling or waiting for another process's build) and when
@@ -49,10 +55,30 @@ BINDING = "binding.cpp"
 LIBRARY = native_binding.MODULE + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
 #: Bumped with any change of csrc/moe_engine_cpu.h's prototypes (part of the cache digest).
 ABI_VERSION = 2
-#: AVX2 + FMA + F16C (not -march=native, so a cache shared by machines of one architecture
-#: level never holds an instruction another machine lacks); no -ffast-math.
-CXXFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-DNDEBUG", "-std=c++17", "-fPIC",
-            "-fvisibility=hidden")
+#: The flags of every variant; no -ffast-math.
+BASE_CXXFLAGS = ("-O3", "-pthread", "-DNDEBUG", "-std=c++17", "-fPIC", "-fvisibility=hidden")
+#: Instruction-set flags per variant, named (not -march=native), so that a cache shared by
+#: machines of one architecture level never holds an instruction another machine lacks.
+ISA_FLAGS = {
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+    "avx512": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+               "-mavx512dq"),
+}
+#: The variants, the portable one first.
+ISAS = tuple(ISA_FLAGS)
+
+
+def cxxflags(isa: str) -> tuple[str, ...]:
+    """The compiler flags of variant `isa`.
+
+    Raises:
+        ValueError: an unknown variant (names the known ones).
+    """
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"unknown instruction set {isa!r}; variants: {', '.join(ISAS)}")
+    return BASE_CXXFLAGS[:1] + ISA_FLAGS[isa] + BASE_CXXFLAGS[1:]
+
+
 #: No OpenMP: the kernels run on their own pool (csrc/thread_pool.h), whose caller never waits
 #: for a thread the OS has not scheduled (an OpenMP barrier does).
 LDFLAGS = ("-shared", "-pthread")
@@ -114,26 +140,30 @@ def sources(csrc: Path, build: Path) -> list[Path]:
     return sorted(paths, key=lambda p: -EXPECTED_COMPILE_S.get(p.name, 1.0))
 
 
-def build_name(compiler_identity: str, csrc: Path) -> str:
-    """`moe_engine_cpu_<digest>`: digest of the ABI version, flags, compiler identity, Python
-    ABI, the binding generator and every source and header's name and bytes."""
-    key = (f"{ABI_VERSION}\0{CXXFLAGS}\0{LDFLAGS}\0{compiler_identity}\0{LIBRARY}\0"
+def build_name(compiler_identity: str, csrc: Path, isa: str = "avx2") -> str:
+    """`moe_engine_cpu_<isa>_<digest>`: digest of the ABI version, variant `isa`'s flags,
+    compiler identity, Python ABI, the binding generator and every source and header's name
+    and bytes."""
+    key = (f"{ABI_VERSION}\0{cxxflags(isa)}\0{LDFLAGS}\0{compiler_identity}\0{LIBRARY}\0"
            f"{sysconfig.get_paths()['include']}")
     digest = hashlib.sha256(key.encode())
     generator = Path(native_binding.__file__)
     for path in [*sorted(csrc.glob("*.cpp")), *sorted(csrc.glob("*.h")), generator]:
         digest.update(b"\0" + path.name.encode() + b"\0" + path.read_bytes())
-    return f"moe_engine_cpu_{digest.hexdigest()[:16]}"
+    return f"moe_engine_cpu_{isa}_{digest.hexdigest()[:16]}"
 
 
-def ensure_library(root: Path, report: Reporter, csrc: Path | None = None) -> Path:
-    """The built extension module for the current sources under `root`, building it when
-    missing.
+def ensure_library(root: Path, report: Reporter, csrc: Path | None = None,
+                   isa: str = "avx2") -> Path:
+    """The built extension module of variant `isa` for the current sources under `root`,
+    building it when missing.
 
     Args:
         root: the cache directory (`kernels.native.build_dir()`).
         report: progress of a build (or of the wait for another process's).
         csrc: the sources' directory; default `CSRC` (kernels/csrc).
+        isa: the variant, one of `ISAS` (this machine must run it: `kernels.native`
+            checks the CPU first).
 
     Returns at once (without reporting) when the build is cached; otherwise waits for the
     build's lock, builds (or finds that the lock's holder built it) and reports progress.
@@ -141,11 +171,13 @@ def ensure_library(root: Path, report: Reporter, csrc: Path | None = None) -> Pa
     Raises:
         BuildError: no compiler or Python.h, a compile or link error (with the compiler's
             output), or a build or wait over `BUILD_TIMEOUT_S`.
+        ValueError: an unknown variant.
     """
     csrc = csrc or CSRC
+    flags = cxxflags(isa)
     cxx, identity = find_compiler()
     python_include()
-    name = build_name(identity, csrc)
+    name = build_name(identity, csrc, isa)
     final = root / name
     if (final / LIBRARY).is_file():
         return final / LIBRARY
@@ -156,7 +188,7 @@ def ensure_library(root: Path, report: Reporter, csrc: Path | None = None) -> Pa
             return final / LIBRARY
         for stale in root.glob(f"{name}.tmp*"):  # left by a builder that died
             shutil.rmtree(stale, ignore_errors=True)
-        _build(cxx, identity, csrc, root, final, lock, report)
+        _build(cxx, identity, flags, csrc, root, final, lock, report)
     return final / LIBRARY
 
 
@@ -185,8 +217,8 @@ def _build_lock(path: Path, report: Reporter) -> Iterator[object]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _build(cxx: str, identity: str, csrc: Path, root: Path, final: Path, lock,
-           report: Reporter) -> None:
+def _build(cxx: str, identity: str, flags: tuple[str, ...], csrc: Path, root: Path,
+           final: Path, lock, report: Reporter) -> None:
     """Compile and link into a temporary directory, then rename it to `final`."""
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f"{final.name}.tmp"))
     tmp.chmod(0o755)
@@ -199,13 +231,13 @@ def _build(cxx: str, identity: str, csrc: Path, root: Path, final: Path, lock,
         lock.write(json.dumps({"pid": os.getpid(), "started": time.time(),
                                "expected_s": report.eta()}))
         lock.flush()
-        seconds = _compile_all(cxx, srcs, [f"-I{csrc}", f"-I{python_include()}"], tmp, jobs,
-                               report)
+        seconds = _compile_all([cxx, *flags], srcs, [f"-I{csrc}", f"-I{python_include()}"],
+                               tmp, jobs, report)
         link_start = time.monotonic()
         objects = [str(tmp / f"{s.stem}.o") for s in srcs]
         _link([cxx, *objects, *LDFLAGS, "-o", str(tmp / LIBRARY)], tmp / "link.log", report,
               seconds)
-        record = {"compiler": cxx, "identity": identity, "cxxflags": list(CXXFLAGS),
+        record = {"compiler": cxx, "identity": identity, "cxxflags": list(flags),
                   "jobs": jobs, "compile_s": seconds,
                   "link_s": round(time.monotonic() - link_start, 3),
                   "total_s": round(report.elapsed(), 3)}
@@ -221,9 +253,10 @@ def _build(cxx: str, identity: str, csrc: Path, root: Path, final: Path, lock,
     report.done(final)
 
 
-def _compile_all(cxx: str, srcs: list[Path], includes: list[str], out: Path, jobs: int,
-                 report: Reporter) -> dict[str, float]:
-    """Run one compiler per source, `jobs` at a time; returns seconds per source name.
+def _compile_all(compiler: list[str], srcs: list[Path], includes: list[str], out: Path,
+                 jobs: int, report: Reporter) -> dict[str, float]:
+    """Run one compiler per source (`compiler`: its path and flags), `jobs` at a time; returns
+    seconds per source name.
 
     Raises:
         BuildError: a source failed to compile (the others are stopped), or the time ran out.
@@ -236,7 +269,7 @@ def _compile_all(cxx: str, srcs: list[Path], includes: list[str], out: Path, job
             while pending and len(running) < jobs:
                 src = pending.pop(0)
                 log = out / f"{src.stem}.log"
-                cmd = [cxx, *CXXFLAGS, *includes, "-c", str(src), "-o", str(out / f"{src.stem}.o")]
+                cmd = [*compiler, *includes, "-c", str(src), "-o", str(out / f"{src.stem}.o")]
                 with open(log, "wb") as sink:
                     proc = _spawn(cmd, sink)
                 running[src.name] = (proc, time.monotonic(), log)

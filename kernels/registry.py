@@ -7,7 +7,9 @@ builds (the native CPU library, Triton), on the model (head sizes a kernel suppo
 `--kernel-backend`; it is logged in the startup plan and returned by `GetModelInfo`.
 
 Backends:
-- ``native-cpu``: the C++ AVX2/FMA kernels of kernels/csrc (kernels/native.py), CPU only.
+- ``native-cpu``: the C++ kernels of kernels/csrc (kernels/native.py), CPU only, in the build
+  for this CPU's instruction set (avx2 or avx512, `kernels.native.choose_isa`), which the plan
+  names (`KernelPlan.native_isa`).
 - ``torch``: plain torch ops (SDPA, cuBLAS/oneDNN GEMMs); every op, every device.
 - ``triton``: the Triton kernels (kernels/fused_moe.py, kernels/triton_attention.py), on CUDA,
   or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, tests only: auto never
@@ -103,10 +105,14 @@ class KernelPlan:
     Attributes:
         device: "cpu" or "cuda".
         choices: op -> its `KernelChoice`, for every op of `OPS`.
+        native_isa: where an op runs native-cpu, the library variant and why it was chosen
+            (`kernels.native.loaded_isa`, e.g. "avx512 (auto: this CPU has avx512f, ...)");
+            else "".
     """
 
     device: str
     choices: dict[str, KernelChoice] = field(default_factory=dict)
+    native_isa: str = ""
 
     def backend(self, op: str) -> str:
         """The backend name that runs `op`.
@@ -117,8 +123,16 @@ class KernelPlan:
         return self.choices[op].backend
 
     def as_dict(self) -> dict[str, str]:
-        """op -> backend (what GetModelInfo returns)."""
+        """op -> backend."""
         return {op: c.backend for op, c in self.choices.items()}
+
+    def info(self) -> dict[str, str]:
+        """What GetModelInfo returns as kernel_backends: `as_dict`, plus "native_cpu_isa" ->
+        "avx2" or "avx512" where an op runs native-cpu."""
+        out = self.as_dict()
+        if self.native_isa:
+            out["native_cpu_isa"] = self.native_isa.split()[0]
+        return out
 
     def describe(self) -> str:
         """One line for the startup plan, e.g. "kernels (cpu): fused_moe=native-cpu, ...";
@@ -129,6 +143,8 @@ class KernelPlan:
             if c.reason:
                 by_reason.setdefault(c.reason, []).append(c.op)
         notes = [f"  {', '.join(ops)}: {reason}" for reason, ops in by_reason.items()]
+        if self.native_isa:
+            notes.append(f"  native-cpu build: {self.native_isa}")
         return "\n".join([f"kernels ({self.device}): {pairs}", *notes])
 
     @classmethod
@@ -314,7 +330,7 @@ def choose_kernels(
         if default is not None:
             preferred = [default, *preferred]
         choices[op] = _first_fit(op, preferred, facts, reason)
-    plan = KernelPlan(device, choices)
+    plan = KernelPlan(device, choices, _native_isa(choices))
     logger.debug("%s", plan.describe())
     return plan
 
@@ -339,6 +355,15 @@ def _refuse_named(
         why = reason(backend)
         if why is not None:
             raise KernelBackendError(f"--kernel-backend {spec}: {backend} cannot run: {why}")
+
+
+def _native_isa(choices: dict[str, KernelChoice]) -> str:
+    """The loaded native library's variant where an op chose native-cpu, else ""."""
+    if not any(c.backend == NATIVE_CPU for c in choices.values()):
+        return ""
+    from kernels.native import loaded_isa
+
+    return loaded_isa() or ""
 
 
 def _no_kernel(op: str, backend: str) -> str:

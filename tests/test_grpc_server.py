@@ -88,10 +88,13 @@ def test_model_info(stub: pb_grpc.MoeEngineStub) -> None:
         NUM_BLOCKS,
     )
     assert info.num_experts == 8 and info.num_experts_per_tok == 2
-    # the kernel backends chosen at startup (kernels/registry.py): every op, auto on a CPU
+    # the kernel backends chosen at startup (kernels/registry.py): every op, auto on a CPU,
+    # and the native library's variant (kernels/native.py choose_isa)
+    from kernels.native import choose_isa
     from kernels.registry import OPS
 
-    assert info.device == "cpu" and set(info.kernel_backends) == set(OPS)
+    assert info.device == "cpu" and set(info.kernel_backends) == {*OPS, "native_cpu_isa"}
+    assert info.kernel_backends["native_cpu_isa"] == choose_isa()[0]
     assert info.kernel_backends["linear"] == "native-cpu"
     assert info.kernel_backends["attention_prefill"] == "torch"
 

@@ -38,6 +38,7 @@ TINY_HEADER = """\
 #define MOE_ENGINE_API __attribute__((visibility("default")))
 #endif
 MOE_ENGINE_API int32_t moe_engine_abi_version(void);
+MOE_ENGINE_API int32_t moe_engine_vector_bits(void);
 // a pointer, two integers and a float, as the real entry points take them
 MOE_ENGINE_API int32_t tiny_scale(const float* x, int64_t n, float s, float* y,
                                   int32_t threads);
@@ -46,6 +47,11 @@ MOE_ENGINE_API int32_t tiny_scale(const float* x, int64_t n, float s, float* y,
 TINY_SOURCE = """\
 #include "moe_engine_cpu.h"
 int32_t moe_engine_abi_version(void) { return %d; }
+#ifdef __AVX512F__
+int32_t moe_engine_vector_bits(void) { return 512; }
+#else
+int32_t moe_engine_vector_bits(void) { return 256; }
+#endif
 int32_t tiny_scale(const float* x, int64_t n, float s, float* y, int32_t threads) {
   if (n < 0) return 1;
 #pragma omp parallel for num_threads(threads)
@@ -254,8 +260,9 @@ def test_reported_estimates_follow_the_pace_and_end_at_zero(tmp_path):
 def test_binding_generator_follows_the_header():
     header = (nb.CSRC / nb.HEADER).read_text()
     protos = prototypes(header)
-    assert set(protos) == {"moe_engine_abi_version", "moe_fused_moe", "moe_fused_moe_q4",
-                           "moe_linear", "moe_paged_decode_attention", "moe_rms_norm"}
+    assert set(protos) == {"moe_engine_abi_version", "moe_engine_vector_bits", "moe_fused_moe",
+                           "moe_fused_moe_q4", "moe_linear", "moe_paged_decode_attention",
+                           "moe_qk_norm_rope_cache", "moe_rms_norm"}
     kinds = "".join(p.kind for p in protos["moe_rms_norm"])
     assert kinds == "piiiiipfiipi"
     assert "py_moe_fused_moe_q4" in binding_source(header)

@@ -5,17 +5,15 @@
 // k step loads 16 contiguous weights (float32, or bfloat16 widened in registers: a bfloat16 is
 // the high half of a float32) and broadcasts one activation per row into 2 x M float32
 // accumulators (Goto & van de Geijn, "Anatomy of High-Performance Matrix Multiplication",
-// ACM TOMS 2008: a 6 x 16 register block uses 12 of AVX2's 16 vector registers).
+// ACM TOMS 2008: a 6 x 16 register block uses 12 of AVX2's 16 vector registers). gemm.h
+// includes this header in the AVX2 build and gemm_avx512.h in the AVX-512 one.
 #pragma once
 
 #include <immintrin.h>
 
 #include <cstdint>
 
-// Forced inlining: GCC's inliner budgets grow with the translation unit, and these small units
-// (no torch headers) otherwise keep the micro-kernels out of line (measured 45% slower on the
-// 4-bit MoE at 64 tokens).
-#define MOE_ENGINE_INLINE inline __attribute__((always_inline))
+#include "gemm_common.h"
 
 namespace moe_engine {
 
@@ -30,26 +28,46 @@ MOE_ENGINE_INLINE __m256 widen_bf16(const uint16_t* p) {
 MOE_ENGINE_INLINE __m256 load_w(const float* p) { return _mm256_loadu_ps(p); }
 MOE_ENGINE_INLINE __m256 load_w(const uint16_t* p) { return widen_bf16(p); }
 
+// The k steps in flight per row block: at one or two rows, 2 x M accumulators are too few
+// independent FMA chains to hide the FMA latency (4 cycles, 2 FMA ports: 8 chains keep both
+// busy; measured 11 GB/s of bf16 weights at one row before, see bench/NOTES.md section 8), so
+// U k steps accumulate into U separate sets, summed at the end.
+template <int M>
+constexpr int kUnroll = M == 1 ? 4 : (M == 2 ? 2 : 1);
+
 // c[m * 16 + j] = sum_k a[m * lda + k] * w[k * 16 + j], m < M, j < 16.
 template <int M, typename W>
 MOE_ENGINE_INLINE void micro_kernel(const float* a, int64_t lda, const W* w, int64_t K, float* c) {
-  __m256 lo[M], hi[M];
-  for (int m = 0; m < M; ++m) {
-    lo[m] = _mm256_setzero_ps();
-    hi[m] = _mm256_setzero_ps();
+  constexpr int U = kUnroll<M>;
+  __m256 lo[U][M], hi[U][M];
+  for (int u = 0; u < U; ++u) {
+    for (int m = 0; m < M; ++m) {
+      lo[u][m] = _mm256_setzero_ps();
+      hi[u][m] = _mm256_setzero_ps();
+    }
   }
-  for (int64_t k = 0; k < K; ++k) {
+  auto step = [&](int u, int64_t k) MOE_ENGINE_LAMBDA_INLINE {
     const __m256 w0 = load_w(w + k * kTile);
     const __m256 w1 = load_w(w + k * kTile + 8);
     for (int m = 0; m < M; ++m) {
       const __m256 x = _mm256_broadcast_ss(a + m * lda + k);
-      lo[m] = _mm256_fmadd_ps(x, w0, lo[m]);
-      hi[m] = _mm256_fmadd_ps(x, w1, hi[m]);
+      lo[u][m] = _mm256_fmadd_ps(x, w0, lo[u][m]);
+      hi[u][m] = _mm256_fmadd_ps(x, w1, hi[u][m]);
     }
+  };
+  int64_t k = 0;
+  for (; k + U <= K; k += U) {
+    prefetch_weights<U>(w + k * kTile);
+    for (int u = 0; u < U; ++u) step(u, k + u);
   }
+  for (; k < K; ++k) step(0, k);
   for (int m = 0; m < M; ++m) {
-    _mm256_storeu_ps(c + m * kTile, lo[m]);
-    _mm256_storeu_ps(c + m * kTile + 8, hi[m]);
+    for (int u = 1; u < U; ++u) {
+      lo[0][m] = _mm256_add_ps(lo[0][m], lo[u][m]);
+      hi[0][m] = _mm256_add_ps(hi[0][m], hi[u][m]);
+    }
+    _mm256_storeu_ps(c + m * kTile, lo[0][m]);
+    _mm256_storeu_ps(c + m * kTile + 8, hi[0][m]);
   }
 }
 

@@ -3,15 +3,15 @@
 // The Python side is kernels/cpu_linear.py (argument checks; the C ABI is moe_engine_cpu.h).
 // Work items are (row chunk, 16-column tile): a chunk of up to kChunk rows stays in L2 while
 // every tile of W streams past it, and the pool of thread_pool.h spreads the items over the
-// cores (claimed one at a time); each item runs the 6 x 16 micro-kernel of gemm_avx2.h down its
-// rows. Small batches (decode: a few rows) are bound by reading W, and bfloat16-packed weights
-// halve those bytes.
+// cores (claimed one at a time); each item runs the kRows x 16 micro-kernel of gemm.h down its
+// rows (6 rows in the AVX2 build, 12 in the AVX-512 one). Small batches (decode: a few rows)
+// are bound by reading W, and bfloat16-packed weights halve those bytes.
 
 #include <algorithm>
 #include <cstring>
 
 #include "cpu_common.h"
-#include "gemm_avx2.h"
+#include "gemm.h"
 #include "moe_engine_cpu.h"
 
 namespace {

@@ -27,6 +27,10 @@ enum { kOk = 0, kBadArgument = 1, kOutOfMemory = 2 };
 // Version of this ABI (bumped when a prototype changes).
 MOE_ENGINE_API int32_t moe_engine_abi_version(void);
 
+// The vector width the library was built for, in bits: 256 (the AVX2 variant) or 512 (the
+// AVX-512 one; kernels/native_build.py ISA_FLAGS).
+MOE_ENGINE_API int32_t moe_engine_vector_bits(void);
+
 // csrc/moe_cpu.cpp. hidden [T, H]; w13 packed [E, 2, Ip/16, H, 16], w2 [E, Hp/16, I, 16]
 // (float32, or bfloat16 when w_bf16); topk_weights [T, k] float32; topk_ids [T, k] int32, or
 // int64 when ids_int64 (ids outside [0, E) skipped); b13 [E, 2I] / b2 [E, H] float32 or both

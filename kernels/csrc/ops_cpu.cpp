@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "cpu_common.h"
+#include "gemm.h"
 #include "moe_engine_cpu.h"
 
 namespace {
@@ -50,6 +51,9 @@ void rms_rows(const T* x, int64_t A, int64_t B, int64_t D, int64_t sa, int64_t s
 }  // namespace
 
 int32_t moe_engine_abi_version(void) { return 2; }
+
+// gemm.h: 512 in the AVX-512 variant, 256 in the AVX2 one.
+int32_t moe_engine_vector_bits(void) { return MOE_ENGINE_VECTOR_BITS; }
 
 // The shapes are checked by kernels/cpu_ops.py.
 int32_t moe_rms_norm(const void* x, int64_t A, int64_t B, int64_t D, int64_t sa, int64_t sb,

@@ -555,7 +555,7 @@ class EngineCore:
             ep_size=c.parallel.ep_size,
             has_tokenizer=self.tokenizer is not None,
             device=self.kernels.device,
-            kernel_backends=self.kernels.as_dict(),
+            kernel_backends=self.kernels.info(),
             rank=self.rank_context.rank if self.rank_context else 0,
             local_experts=list(self.rank_context.local_experts)
             if self.rank_context

@@ -78,8 +78,9 @@ class ModelInfo(msgspec.Struct, kw_only=True):
         rank / local_experts: the rank that answered and its global expert ids.
         experts_per_rank: every rank's expert ids (index = rank); empty for one rank.
         rank_pids: every rank's process id (expert parallelism only); pid: this rank's.
-        device: "cpu" or "cuda"; kernel_backends: op -> backend chosen at startup
-            (`kernels.registry.KernelPlan.as_dict`).
+        device: "cpu" or "cuda"; kernel_backends: op -> backend chosen at startup, and
+            "native_cpu_isa" -> the native library's variant where it runs
+            (`kernels.registry.KernelPlan.info`).
     """
 
     model: str

@@ -1,0 +1,199 @@
+"""Weight bandwidth of the native CPU kernels at decode and small-batch sizes.
+
+A decode step is bound by reading the weights: each linear and each used expert is read once
+per step. This times the native kernels alone (no torch path beside them) on the reference
+checkpoint's shapes (BENCH.md bench-qwen3-moe) and reports the bytes of weights each call
+reads over its time, GB/s:
+
+- linears, bfloat16-packed (`kernels.cpu_linear.PackedLinear`): qkv 512 -> 768, o_proj
+  512 -> 512, lm_head 512 -> 8192; bytes = N * K * 2.
+- one MoE layer's experts (32 experts, top-4, hidden 512, intermediate 256):
+  bf16 (`kernels.cpu_native.PackedExperts`), int4 group 128 symmetric with float32 scales
+  (the engine's `--quantization int4`), int4 with bfloat16 scales, and MXFP4
+  (`PackedQuantExperts`); bytes = the packed bytes of every expert the routing uses (an expert
+  with several rows is read once).
+
+Weights: random bfloat16 values (scale 0.02); routing: softmax top-4 of random logits.
+`--footprint-mb` of copies of each weight set are rotated call by call so that a call finds its
+weights in L3, not in the 2 MiB L2 that the previous call left them in (0: one copy, L2-hot).
+`--variants avx2 avx512` loads both builds of the native library (`kernels.native
+.load_variant`) and alternates them batch by batch on the same weights, so that the machine's
+load hits both alike; by default the process's own variant runs (`MOE_ENGINE_CPU_ISA`). Times:
+median of 5 batches' mean per call, a batch lasting about 60 ms.
+
+    python bench/cpu_weights.py --rows 1 2 4 8 64 --threads 1 --variants avx2 avx512
+    python bench/cpu_weights.py --threads 2 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import time
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+
+from kernels.cpu_linear import PackedLinear
+from kernels.cpu_native import PackedExperts, PackedQuantExperts
+from kernels.native import load_native, loaded_isa, using
+from quant.int4 import Int4Weight, quantize_int4
+from quant.mxfp4 import quantize_mxfp4
+
+E, H, INTER, TOP_K = 32, 512, 256, 4
+LINEARS = (("qkv", 768, 512), ("o_proj", 512, 512), ("lm_head", 8192, 512))
+
+
+def _time_ms(fns: dict[str, Callable[[], object]], min_seconds: float = 0.3
+             ) -> dict[str, float]:
+    """Per function, the median of 5 batches' mean milliseconds per call; the batches of the
+    functions alternate (round by round), so that the machine's load hits them alike. A batch
+    is as many calls as take the first function about min_seconds / 5."""
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    first = next(iter(fns.values()))
+    start, n = time.perf_counter(), 0
+    while time.perf_counter() - start < min_seconds / 5:
+        first()
+        n += 1
+    means: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(5):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            for _ in range(n):
+                fn()
+            means[name].append((time.perf_counter() - t) / n * 1e3)
+    return {name: sorted(m)[2] for name, m in means.items()}
+
+
+def _copies(obj: object, nbytes: int, footprint_mb: float) -> list[object]:
+    """`obj` and clones of its tensor fields, as many as make `footprint_mb` (at least one)."""
+    n = max(1, int(footprint_mb * 1e6 // max(nbytes, 1)))
+    out = [obj]
+    for _ in range(n - 1):
+        fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+        out.append(dataclasses.replace(obj, **{
+            k: v.clone() for k, v in fields.items() if isinstance(v, torch.Tensor)}))
+    return out
+
+
+def _rotating(objs: list[object], *args: torch.Tensor) -> Callable[[], object]:
+    ring = itertools.cycle(objs)
+    return lambda: next(ring)(*args)
+
+
+def _on(variant: ModuleType | None, fn: Callable[[], object]) -> Callable[[], object]:
+    """`fn` run on `variant`'s module (`kernels.native.using`), or on the process's own."""
+    if variant is None:
+        return fn
+
+    def run() -> object:
+        with using(variant):
+            return fn()
+
+    return run
+
+
+def _int4(w13: torch.Tensor, w2: torch.Tensor, scale_dtype: torch.dtype) -> PackedQuantExperts:
+    def per_expert(w: torch.Tensor) -> list[Int4Weight]:
+        packed, scales, zeros = quantize_int4(w.float(), 128, symmetric=True,
+                                              scale_dtype=scale_dtype)
+        return [Int4Weight(packed[e], scales[e], None) for e in range(len(w))]
+
+    return PackedQuantExperts.from_int4(per_expert(w13), per_expert(w2))
+
+
+def expert_sets(g: torch.Generator) -> dict[str, object]:
+    """name -> packed experts of one layer, all from the same bf16 weights."""
+    w13 = (torch.randn(E, 2 * INTER, H, generator=g) * 0.02).bfloat16()
+    w2 = (torch.randn(E, H, INTER, generator=g) * 0.02).bfloat16()
+    return {
+        "bf16": PackedExperts.pack(w13, w2),
+        "int4": _int4(w13, w2, torch.float32),
+        "int4_bf16s": _int4(w13, w2, torch.bfloat16),
+        "mxfp4": PackedQuantExperts.from_mxfp4(quantize_mxfp4(w13.float()),
+                                               quantize_mxfp4(w2.float())),
+    }
+
+
+def run(rows: list[int], footprint_mb: float,
+        variants: dict[str, ModuleType | None]) -> list[dict]:
+    """One row per (kernel, batch rows, variant): ms per call, weight bytes per call, GB/s.
+
+    Args:
+        variants: name -> native module (`kernels.native.load_variant`), or None for the
+            process's own (`load_native`); timed alternately.
+    """
+    g = torch.Generator().manual_seed(0)
+    cases = []  # (kernel, rows, weight bytes, the call)
+    for name, n, k in LINEARS:
+        packed = PackedLinear.pack((torch.randn(n, k, generator=g) * 0.02).bfloat16())
+        nbytes = packed.weight.numel() * packed.weight.element_size()
+        objs = _copies(packed, nbytes, footprint_mb)
+        for m in rows:
+            cases.append((f"linear {name}", m, nbytes,
+                          _rotating(objs, torch.randn(m, k, generator=g))))
+    router = torch.randn(E, H, generator=g)
+    for name, experts in expert_sets(g).items():
+        objs = _copies(experts, experts.nbytes, footprint_mb)
+        for m in rows:
+            x = torch.randn(m, H, generator=g)
+            weights, ids = torch.softmax(x @ router.T, -1).topk(TOP_K, dim=-1)
+            ids = ids.to(torch.int32)
+            nbytes = experts.nbytes * int(torch.unique(ids).numel()) // E
+            cases.append((f"experts {name}", m, nbytes, _rotating(objs, x, weights, ids)))
+    out = []
+    for kernel, m, nbytes, call in cases:
+        ms = _time_ms({v: _on(mod, call) for v, mod in variants.items()})
+        out += [_row(kernel, m, v, ms[v], nbytes) for v in variants]
+    return out
+
+
+def _row(kernel: str, rows: int, variant: str, ms: float, nbytes: int) -> dict:
+    return {"kernel": kernel, "rows": rows, "variant": variant, "ms": round(ms, 4),
+            "weight_bytes": nbytes, "gbs": round(nbytes / ms / 1e6, 1)}
+
+
+def main(rows: list[int], footprint_mb: float, as_json: bool,
+         variant_names: list[str] | None = None) -> None:
+    """Time and print (a table, or JSON with `as_json`); `variant_names`: the library
+    variants to alternate (`kernels.native.load_variant`), default the process's own."""
+    variants: dict[str, ModuleType | None] = {"default": None}
+    if variant_names:
+        from kernels.native import load_variant
+
+        variants = {v: load_variant(v) for v in variant_names}
+    results = run(rows, footprint_mb, variants)
+    load_native("linear_cpu")
+    head = {"threads": torch.get_num_threads(), "isa": loaded_isa(), "footprint_mb": footprint_mb,
+            "load": os.getloadavg()[0]}
+    if as_json:
+        print(json.dumps({**head, "results": results}, indent=1))
+        return
+    print(", ".join(f"{k} {v}" for k, v in head.items()) + "; GB/s of weights read (us/call)")
+    print(f"{'kernel':20s} {'variant':8s} " + " ".join(f"{'M=' + str(m):>14s}" for m in rows))
+    for kernel in dict.fromkeys(r["kernel"] for r in results):
+        for v in variants:
+            cells = [f"{r['gbs']:5.1f} ({r['ms'] * 1e3:6.0f})" for r in results
+                     if r["kernel"] == kernel and r["variant"] == v]
+            print(f"{kernel:20s} {v:8s} " + " ".join(f"{c:>14s}" for c in cells))
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 64])
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads first")
+    p.add_argument("--footprint-mb", type=float, default=64.0,
+                   help="MB of weight copies rotated (0: one copy, L2-hot)")
+    p.add_argument("--variants", nargs="+", choices=["avx2", "avx512"], default=None,
+                   help="library variants to alternate (default: the process's own)")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    main(a.rows, a.footprint_mb, a.json, a.variants)
