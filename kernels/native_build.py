@@ -53,6 +53,11 @@ ABI_VERSION = 1
 #: level never holds an instruction another machine lacks); no -ffast-math.
 CXXFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-DNDEBUG", "-std=c++17", "-fPIC",
             "-fvisibility=hidden")
+#: Extra flags of single sources, appended to CXXFLAGS: the AMX kernels (AMX-TILE, AMX-BF16 and
+#: AVX-512 for their epilogues) are their own translation units, called only after
+#: csrc/amx_detect.cpp's runtime check, so the rest of the library keeps the flags above.
+AMX_FLAGS = ("-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512vl")
+SOURCE_FLAGS = {"amx_gemm.cpp": AMX_FLAGS, "amx_moe.cpp": AMX_FLAGS}
 #: No OpenMP: the kernels run on their own pool (csrc/thread_pool.h), whose caller never waits
 #: for a thread the OS has not scheduled (an OpenMP barrier does).
 LDFLAGS = ("-shared", "-pthread")
@@ -116,7 +121,8 @@ def sources(csrc: Path, build: Path) -> list[Path]:
 def build_name(compiler_identity: str, csrc: Path) -> str:
     """`moe_engine_cpu_<digest>`: digest of the ABI version, flags, compiler identity, Python
     ABI, the binding generator and every source and header's name and bytes."""
-    key = (f"{ABI_VERSION}\0{CXXFLAGS}\0{LDFLAGS}\0{compiler_identity}\0{LIBRARY}\0"
+    key = (f"{ABI_VERSION}\0{CXXFLAGS}\0{sorted(SOURCE_FLAGS.items())}\0{LDFLAGS}\0"
+           f"{compiler_identity}\0{LIBRARY}\0"
            f"{sysconfig.get_paths()['include']}")
     digest = hashlib.sha256(key.encode())
     generator = Path(native_binding.__file__)
@@ -235,7 +241,8 @@ def _compile_all(cxx: str, srcs: list[Path], includes: list[str], out: Path, job
             while pending and len(running) < jobs:
                 src = pending.pop(0)
                 log = out / f"{src.stem}.log"
-                cmd = [cxx, *CXXFLAGS, *includes, "-c", str(src), "-o", str(out / f"{src.stem}.o")]
+                cmd = [cxx, *CXXFLAGS, *SOURCE_FLAGS.get(src.name, ()), *includes, "-c", str(src),
+                       "-o", str(out / f"{src.stem}.o")]
                 with open(log, "wb") as sink:
                     proc = _spawn(cmd, sink)
                 running[src.name] = (proc, time.monotonic(), log)
