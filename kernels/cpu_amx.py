@@ -32,9 +32,9 @@ logger = logging.getLogger(__name__)
 #: Output columns per packed tile; K values per tile step (csrc/amx_gemm.h kCols, kDepth).
 COLS, DEPTH = 16, 32
 #: Rows from which `AmxLinear` beats the AVX2 linear (bench/NOTES.md, "AMX bf16 kernels").
-LINEAR_MIN_ROWS = 4
+LINEAR_MIN_ROWS = 1
 #: Mean rows per active expert from which `AmxExperts` beats the AVX2 fused MoE (same note).
-MOE_MIN_ROWS_PER_EXPERT = 2
+MOE_MIN_ROWS_PER_EXPERT = 4
 
 _REASONS = {1: "the CPU lacks AMX-TILE/AMX-BF16", 2: "the CPU lacks AVX512F/AVX512BW",
             3: "the OS does not enable the AVX-512/AMX register state (XCR0)",

@@ -41,7 +41,11 @@ void run_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int6
   if (M <= amx::kRows && N * K * 2 < kMinParallelBytes) threads = 1;
   moe_engine::parallel_items(chunks * groups, threads, [&](int64_t item, int) {
     amx::configure_tiles();
-    const int64_t chunk = item / groups, g = item % groups;
+    // Weights larger than the activations: consecutive items share a column group (its
+    // weights stay in L2 while the row chunks pass); else they share a row chunk.
+    const bool by_group = N * K > M * K;
+    const int64_t chunk = by_group ? item % chunks : item / groups;
+    const int64_t g = by_group ? item / chunks : item % groups;
     const int64_t t0 = g * amx::kMaxColTiles;
     const int n = static_cast<int>(std::min<int64_t>(amx::kMaxColTiles, col_tiles - t0));
     const uint16_t* b[amx::kMaxColTiles];

@@ -9,8 +9,8 @@ bench/NOTES.md); larger batches (long prefill chunks) and narrow layers (the rou
 `nn.Linear.forward`, as does the torch backend (cuBLAS on CUDA) and an unbound layer. Where
 the CPU has AMX-BF16 (`kernels.cpu_amx.amx_unavailable_reason`, decided once per process), a
 bfloat16 layer's batches of `cpu_amx.LINEAR_MIN_ROWS` to `NATIVE_MAX_ROWS` rows run the AMX
-kernel instead (`AmxLinear`; 3-18x the AVX2 kernel from 1 to 1024 rows, bench/NOTES.md "AMX
-bf16 kernels"), the router included. The packed copies are made on the first forward and
+kernel instead (`AmxLinear`; 1.3-3.5x the AVX2 kernel at 1 row, 7-22x from 16 rows, one
+thread: bench/NOTES.md "AMX bf16 kernels"), the router included. The packed copies are made on the first forward and
 dropped by `reset_packed` (the model's `load_weights` calls it, so a reload never serves stale
 weights).
 """
