@@ -76,6 +76,18 @@ def _decide() -> str | None:
     return None if status == 0 else _REASONS.get(status, f"moe_amx_available: {status}")
 
 
+def require_amx() -> None:
+    """Make sure this process may run the AMX kernels (the first call asks Linux for the
+    tile-data state; a tile instruction without it kills the process with SIGILL).
+
+    Raises:
+        RuntimeError: they cannot run here (the reason inside).
+    """
+    reason = amx_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"the AMX kernels cannot run here: {reason}")
+
+
 def amx_fits(weight: torch.Tensor) -> bool:
     """Whether a weight [..., N, K] can run on the AMX kernels here: bfloat16, K % 32 == 0
     (the models' dimensions are), and AMX available."""
@@ -157,8 +169,9 @@ class AmxLinear:
         """(weight pointer, bias pointer or None), checked once.
 
         Raises:
-            RuntimeError: a weight or bias the kernel does not take.
+            RuntimeError: a weight or bias the kernel does not take, or no AMX here.
         """
+        require_amx()
         w, n, k, bias = self.weight, self.out_features, self.in_features, self.bias
         want = (-(-n // COLS), k // 2, COLS, 2)
         if tuple(w.shape) != want or w.dtype != torch.bfloat16 or not w.is_contiguous():

@@ -107,8 +107,10 @@ class AmxExperts:
         """(b13, b2) pointers or (None, None), after checking every packed tensor once.
 
         Raises:
-            RuntimeError: packed weights or biases of another shape, dtype or layout.
+            RuntimeError: packed weights or biases of another shape, dtype or layout, or no
+                AMX here.
         """
+        cpu_amx.require_amx()
         e, i, h = self.experts, self.intermediate, self.hidden
         it, ht, hk, ik = -(-i // 16), -(-h // 16), -(-h // 32) * 16, -(-i // 32) * 16
         for name, t, want in (("w13", self.w13, (e, 2, it, hk, 16, 2)),

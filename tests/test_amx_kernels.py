@@ -172,3 +172,16 @@ def test_the_decision_is_logged_once(monkeypatch, caplog):
         cpu_amx.amx_unavailable_reason()
     assert [r.getMessage() for r in caplog.records] == [
         "AMX bf16 kernels off: disabled by MOE_ENGINE_AMX=0"]
+
+
+def test_kernels_refuse_to_run_where_amx_was_not_granted(monkeypatch):
+    """A tile instruction without Linux's tile-data grant kills the process (SIGILL): the
+    wrappers check the process-wide decision first."""
+    g = _gen()
+    lin = AmxLinear.pack(_bf16(16, 32, g=g))
+    hidden, w13, w2, weights, ids, _, _ = _moe_case(g, 4, 64, 32, 4, 2)
+    monkeypatch.setattr(cpu_amx, "_decided", ["the CPU lacks AMX-TILE/AMX-BF16"])
+    with pytest.raises(RuntimeError, match="cannot run here"):
+        lin(_bf16(2, 32, g=g))
+    with pytest.raises(RuntimeError, match="cannot run here"):
+        AmxExperts.pack(w13, w2)(hidden, weights, ids)
