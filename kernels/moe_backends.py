@@ -25,6 +25,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from kernels import cpu_amx
 from kernels.activation import SILU_AND_MUL, SwiGLU
 from kernels.reference import fused_moe_reference
 from quant.int4 import SYMMETRIC_ZERO, Int4Weight, dequantize_int4
@@ -189,7 +190,9 @@ def bind_float_experts(
 
     native-cpu packs a copy (`PackedExperts.pack`: 16-column k-major tiles, float32 weights
     that are bfloat16-exact as bfloat16; the activation and biases are taken at pack time, so
-    a reload needs a new bind); torch and triton read `w13`/`w2` and the biases in place.
+    a reload needs a new bind), and bfloat16 experts on an AMX CPU a second one for the AMX
+    kernel (`cpu_amx_moe.AmxOrNative`, chosen per call by rows per expert); torch and triton
+    read `w13`/`w2` and the biases in place.
 
     Raises:
         ValueError: an unknown backend. RuntimeError: native-cpu with weights not on a CPU.
@@ -201,6 +204,11 @@ def bind_float_experts(
 
         _check_cpu(backend, w13)
         packed = PackedExperts.pack(w13, w2, **kw)
+        if w13.dtype == torch.bfloat16 and cpu_amx.amx_fits(w13):
+            from kernels.cpu_amx_moe import AmxExperts, AmxOrNative
+
+            both = AmxOrNative(packed, AmxExperts.pack(w13, w2, **kw))
+            return BoundExperts(backend, both, both.held)
         return BoundExperts(backend, packed, (packed.w13, packed.w2, packed.b13, packed.b2))
     if backend == TRITON:
         from kernels.fused_moe import fused_moe

@@ -54,7 +54,7 @@ HEADER = "moe_engine_cpu.h"
 BINDING = "binding.cpp"
 LIBRARY = native_binding.MODULE + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
 #: Bumped with any change of csrc/moe_engine_cpu.h's prototypes (part of the cache digest).
-ABI_VERSION = 2
+ABI_VERSION = 3
 #: The flags of every variant; no -ffast-math.
 BASE_CXXFLAGS = ("-O3", "-pthread", "-DNDEBUG", "-std=c++17", "-fPIC", "-fvisibility=hidden")
 #: Instruction-set flags per variant, named (not -march=native), so that a cache shared by
@@ -79,6 +79,11 @@ def cxxflags(isa: str) -> tuple[str, ...]:
     return BASE_CXXFLAGS[:1] + ISA_FLAGS[isa] + BASE_CXXFLAGS[1:]
 
 
+#: Extra flags of single sources, appended to the variant's: the AMX kernels (AMX-TILE,
+#: AMX-BF16 and AVX-512 for their epilogues) are their own translation units, called only after
+#: csrc/amx_detect.cpp's runtime check, so the rest of the library keeps its variant's flags.
+AMX_FLAGS = ("-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512vl")
+SOURCE_FLAGS = {"amx_gemm.cpp": AMX_FLAGS, "amx_moe.cpp": AMX_FLAGS}
 #: No OpenMP: the kernels run on their own pool (csrc/thread_pool.h), whose caller never waits
 #: for a thread the OS has not scheduled (an OpenMP barrier does).
 LDFLAGS = ("-shared", "-pthread")
@@ -144,7 +149,8 @@ def build_name(compiler_identity: str, csrc: Path, isa: str = "avx2") -> str:
     """`moe_engine_cpu_<isa>_<digest>`: digest of the ABI version, variant `isa`'s flags,
     compiler identity, Python ABI, the binding generator and every source and header's name
     and bytes."""
-    key = (f"{ABI_VERSION}\0{cxxflags(isa)}\0{LDFLAGS}\0{compiler_identity}\0{LIBRARY}\0"
+    key = (f"{ABI_VERSION}\0{cxxflags(isa)}\0{sorted(SOURCE_FLAGS.items())}\0{LDFLAGS}\0"
+           f"{compiler_identity}\0{LIBRARY}\0"
            f"{sysconfig.get_paths()['include']}")
     digest = hashlib.sha256(key.encode())
     generator = Path(native_binding.__file__)
@@ -269,7 +275,8 @@ def _compile_all(compiler: list[str], srcs: list[Path], includes: list[str], out
             while pending and len(running) < jobs:
                 src = pending.pop(0)
                 log = out / f"{src.stem}.log"
-                cmd = [*compiler, *includes, "-c", str(src), "-o", str(out / f"{src.stem}.o")]
+                cmd = [*compiler, *SOURCE_FLAGS.get(src.name, ()), *includes, "-c", str(src),
+                       "-o", str(out / f"{src.stem}.o")]
                 with open(log, "wb") as sink:
                     proc = _spawn(cmd, sink)
                 running[src.name] = (proc, time.monotonic(), log)

@@ -261,6 +261,12 @@ def compute_dtype(weight_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if native_bf16_matmul() else torch.float32
 
 
+def amx_allowed() -> bool:
+    """Whether the AMX bf16 kernels may run where the CPU has them (kernels/cpu_amx.py):
+    yes unless MOE_ENGINE_AMX=0."""
+    return os.environ.get("MOE_ENGINE_AMX", "1") != "0"
+
+
 def default_threads() -> int:
     """Intra-op CPU threads: MOE_ENGINE_THREADS, else every core this process may run on.
 

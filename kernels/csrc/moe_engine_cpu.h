@@ -91,3 +91,28 @@ MOE_ENGINE_API int32_t moe_qk_norm_rope_cache(
     const int64_t* positions, const float* cos, const float* sin, int64_t P, const void* q_norm,
     const void* k_norm, float eps, void* k_cache, void* v_cache, int64_t S,
     const int64_t* slot_mapping, void* q_out, int32_t threads);
+
+// csrc/amx_detect.cpp: 0 when this process may run the AMX kernels below (CPU has AMX-TILE,
+// AMX-BF16, AVX512F/BW; the OS enables their state; Linux granted the tile data state, asked
+// for on the first call), else why not: 1 no AMX-BF16, 2 no AVX512F/BW, 3 the OS does not
+// enable the state, 4 the tile data permission was refused. Call before any moe_amx_* kernel.
+MOE_ENGINE_API int32_t moe_amx_available(void);
+
+// csrc/amx_gemm.cpp. x [M, K] bfloat16, K % 32 == 0 (else kBadArgument); w packed VNNI
+// [ceil(N/16), K/2, 16, 2] bfloat16 (kernels/cpu_amx.py pack_vnni); bias [N] float32 or null,
+// added to the float32 sums before the one rounding; y [M, N] float32, or bfloat16 when y_bf16.
+MOE_ENGINE_API int32_t moe_amx_linear(const void* x, int64_t M, int64_t K, const void* w,
+                                      int64_t N, const float* bias, void* y, int32_t y_bf16,
+                                      int32_t threads);
+
+// csrc/amx_moe.cpp, bfloat16 experts on AMX. hidden [T, H] bfloat16; w13 packed VNNI [E, 2,
+// ceil(I/16), ceil(H/32) * 16, 16, 2] (gate tiles, then up tiles), w2 [E, ceil(H/16),
+// ceil(I/32) * 16, 16, 2] bfloat16 (kernels/cpu_amx.py pack_vnni, K zero-padded); the rest as
+// moe_fused_moe; out [T, H] bfloat16 (every row written).
+MOE_ENGINE_API int32_t moe_amx_fused_moe(const void* hidden, int64_t T, int64_t H,
+                                         const void* w13, const void* w2, int64_t E, int64_t I,
+                                         const float* topk_weights, const void* topk_ids,
+                                         int32_t ids_int64, int64_t k, const float* b13,
+                                         const float* b2, int32_t clamped, float alpha,
+                                         int32_t has_limit, float limit, void* out,
+                                         int32_t threads);

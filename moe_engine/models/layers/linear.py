@@ -7,9 +7,12 @@ outputs, the router) go through a packed copy of the weight (kernels/cpu_linear.
 when exact: half the bytes a decode step reads; 1.3-4x torch's GEMM at 1-64 rows:
 `python bench/cpu_kernels.py --only linear`, bench/NOTES.md); larger batches (long prefill
 chunks) use `nn.Linear.forward`, as does the torch backend (cuBLAS on CUDA) and an unbound
-layer. The
-packed copy is made on the first forward and dropped by `reset_packed` (the model's
-`load_weights` calls it, so a reload never serves stale weights).
+layer. Where the CPU has AMX-BF16 (`kernels.cpu_amx.amx_unavailable_reason`, decided once per
+process), a bfloat16 layer's batches of `cpu_amx.LINEAR_MIN_ROWS` to `NATIVE_MAX_ROWS` rows run
+the AMX kernel instead (`AmxLinear`; 1.3-3.5x the AVX2 kernel at 1 row, 7-22x from 16 rows,
+one thread: bench/NOTES.md "AMX bf16 kernels"), the router included. The packed copies are
+made on the first forward and dropped by `reset_packed` (the model's `load_weights` calls it,
+so a reload never serves stale weights).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels import cpu_amx
+from kernels.cpu_amx import AmxLinear
 from kernels.cpu_linear import PackedLinear
 from kernels.registry import NATIVE_CPU, KernelPlan
 
@@ -35,27 +40,41 @@ class Linear(nn.Linear):
     """`nn.Linear(in_features, out_features, bias, dtype=...)`; x [..., in] -> [..., out]."""
 
     _packed: PackedLinear | None = None
+    _amx_packed: AmxLinear | None = None
     #: Bound by `bind_kernels`: batches of up to this many rows run the native packed kernel
     #: (0: never).
     _native_max_rows: int = 0
+    #: Bound by `bind_kernels`: bfloat16 batches run the AMX kernel (`cpu_amx.amx_fits`).
+    _amx: bool = False
 
     def bind_kernels(self, plan: KernelPlan) -> None:
         """Take the registry's "linear" backend: native-cpu for a float32/bfloat16 layer, up to
         `NATIVE_MAX_ROWS` rows (`NARROW_MAX_ROWS` when it has fewer than
-        `NATIVE_MIN_OUT_FEATURES` outputs), torch otherwise."""
-        native = plan.backend("linear") == NATIVE_CPU and self.weight.dtype in (
-            torch.float32, torch.bfloat16
-        )
+        `NATIVE_MIN_OUT_FEATURES` outputs), torch otherwise; and, on native-cpu, the AMX
+        kernel for a bfloat16 layer where `cpu_amx.amx_fits` (any width)."""
+        native = plan.backend("linear") == NATIVE_CPU
+        fits = self.weight.dtype in (torch.float32, torch.bfloat16)
         wide = self.out_features >= NATIVE_MIN_OUT_FEATURES
-        self._native_max_rows = (NATIVE_MAX_ROWS if wide else NARROW_MAX_ROWS) if native else 0
-        self._packed = None
+        self._native_max_rows = (
+            (NATIVE_MAX_ROWS if wide else NARROW_MAX_ROWS) if native and fits else 0
+        )
+        self._amx = native and cpu_amx.amx_fits(self.weight)
+        self.reset_packed()
 
     def reset_packed(self) -> None:
-        """Forget the packed copy (call after changing the weight in place)."""
+        """Forget the packed copies (call after changing the weight in place)."""
         self._packed = None
+        self._amx_packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() // max(1, x.shape[-1]) <= self._native_max_rows:
+        rows = x.numel() // max(1, x.shape[-1])
+        if rows > NATIVE_MAX_ROWS:
+            return super().forward(x)
+        if self._amx and x.dtype == torch.bfloat16 and rows >= cpu_amx.LINEAR_MIN_ROWS:
+            if self._amx_packed is None:
+                self._amx_packed = AmxLinear.pack(self.weight, self.bias)
+            return self._amx_packed(x)
+        if rows <= self._native_max_rows:
             if self._packed is None:
                 self._packed = PackedLinear.pack(self.weight, self.bias)
             return self._packed(x)

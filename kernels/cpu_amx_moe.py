@@ -1,0 +1,156 @@
+"""The fused MoE of bfloat16 experts on Intel AMX (csrc/amx_moe.cpp), where the CPU has it.
+
+`AmxExperts.pack` lays each expert's projections out in the VNNI pair layout of TDPBF16PS
+(`kernels.cpu_amx.pack_vnni`), once at bind time; `__call__` runs, in one native call, what
+`kernels.cpu_native.PackedExperts` runs (routing-sorted gate/up GEMMs, SwiGLU in float32, down
+GEMM, weighted sum in float32) with bfloat16 tiles: the result of
+`kernels.reference.fused_moe_reference` within bfloat16 rounding (the SwiGLU output is rounded
+once to bfloat16 to feed the down projection; the float32 kernel keeps it float32).
+
+`AmxOrNative` is what a layer binds on an AMX CPU: per call, the AMX kernel when the batch
+gives the active experts at least `cpu_amx.MOE_MIN_ROWS_PER_EXPERT` rows on average (measured
+crossover, bench/NOTES.md "AMX bf16 kernels"), the AVX2 kernel below that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from kernels import cpu_amx
+from kernels.activation import SILU_AND_MUL, SwiGLU
+from kernels.cpu_amx import pack_vnni
+from kernels.cpu_moe_args import route_args
+from kernels.cpu_native import PackedExperts, bias_args
+from kernels.native import check_status, load_native
+
+
+@dataclass(frozen=True, eq=False)
+class AmxExperts:
+    """One layer's bfloat16 experts packed for csrc/amx_moe.cpp (frozen: pointers are checked
+    and taken once).
+
+    Attributes:
+        w13: [E, 2, ceil(I/16), ceil(H/32) * 16, 16, 2] bfloat16: gate tiles, then up tiles.
+        w2: [E, ceil(H/16), ceil(I/32) * 16, 16, 2] bfloat16.
+        b13: [E, 2I] float32 (gate, then up) or empty; b2: [E, H] float32 or empty.
+        intermediate: I; hidden: H; activation: plain or gpt-oss's clamped SwiGLU.
+    """
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    b13: torch.Tensor
+    b2: torch.Tensor
+    intermediate: int
+    hidden: int
+    activation: SwiGLU
+
+    @classmethod
+    def pack(cls, w13: torch.Tensor, w2: torch.Tensor, *, activation: SwiGLU = SILU_AND_MUL,
+             b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> AmxExperts:
+        """Pack `w13` [E, 2I, H] (gate rows then up rows) and `w2` [E, H, I], rounded to
+        bfloat16 (lossless for a bfloat16 layer).
+
+        Raises:
+            ValueError: shapes that do not fit together.
+        """
+        if w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != w2.shape[0] or w13.shape[1] % 2:
+            raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)}: expected "
+                             "[E, 2I, H] and [E, H, I]")
+        e, two_i, h = w13.shape
+        i = two_i // 2
+        if w2.shape[1:] != (h, i):
+            raise ValueError(f"w2 {tuple(w2.shape)} must be [E, H, I] = [{e}, {h}, {i}]")
+        w13, w2 = w13.detach().to(torch.bfloat16), w2.detach().to(torch.bfloat16)
+        gate_up = torch.stack([pack_vnni(w13[:, :i]), pack_vnni(w13[:, i:])], dim=1)
+        pb13, pb2 = bias_args(b13, b2)
+        return cls(gate_up.contiguous(), pack_vnni(w2), pb13.clone(), pb2.clone(), i, h,
+                   activation)
+
+    @property
+    def experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed weights and biases."""
+        return sum(t.numel() * t.element_size() for t in (self.w13, self.w2, self.b13, self.b2))
+
+    def __call__(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H] bfloat16; topk_weights [T, k] float32; topk_ids [T, k] int32/int64
+        (ids outside [0, E) skipped: other ranks' experts) -> [T, H] bfloat16 (zero rows for
+        tokens with no pair here).
+
+        Raises:
+            RuntimeError: hidden not bfloat16, or shapes that do not match.
+        """
+        if hidden.dtype != torch.bfloat16:
+            raise RuntimeError(f"hidden must be bfloat16, got {hidden.dtype}")
+        lib = load_native("moe_cpu")
+        b13, b2 = self._bias_pointers
+        r = route_args(hidden, topk_weights, topk_ids, self.hidden)
+        act = self.activation
+        out = torch.empty_like(r.hidden)
+        check_status(lib.moe_amx_fused_moe(
+            r.hidden.data_ptr(), r.hidden.shape[0], self.hidden, self.w13.data_ptr(),
+            self.w2.data_ptr(), self.experts, self.intermediate, r.weights.data_ptr(),
+            r.ids.data_ptr(), r.ids_int64, r.k, b13, b2, act.clamped, float(act.alpha or 0.0),
+            act.limit is not None, float(act.limit or 0.0), out.data_ptr(),
+            torch.get_num_threads()), "amx fused_moe")
+        return out
+
+    @cached_property
+    def _bias_pointers(self) -> tuple[int | None, int | None]:
+        """(b13, b2) pointers or (None, None), after checking every packed tensor once.
+
+        Raises:
+            RuntimeError: packed weights or biases of another shape, dtype or layout, or no
+                AMX here.
+        """
+        cpu_amx.require_amx()
+        e, i, h = self.experts, self.intermediate, self.hidden
+        it, ht, hk, ik = -(-i // 16), -(-h // 16), -(-h // 32) * 16, -(-i // 32) * 16
+        for name, t, want in (("w13", self.w13, (e, 2, it, hk, 16, 2)),
+                              ("w2", self.w2, (e, ht, ik, 16, 2))):
+            if tuple(t.shape) != want or t.dtype != torch.bfloat16 or not t.is_contiguous():
+                raise RuntimeError(f"{name} must be packed bfloat16 {list(want)}, got "
+                                   f"{t.dtype} {tuple(t.shape)}")
+        if not self.b13.numel():
+            return None, None
+        for name, t, want in (("b13", self.b13, (e, 2 * i)), ("b2", self.b2, (e, h))):
+            if tuple(t.shape) != want or t.dtype != torch.float32 or not t.is_contiguous():
+                raise RuntimeError(f"{name} must be float32 {list(want)}, got {t.dtype} "
+                                   f"{tuple(t.shape)}")
+        return self.b13.data_ptr(), self.b2.data_ptr()
+
+
+@dataclass(frozen=True, eq=False)
+class AmxOrNative:
+    """A bfloat16 layer's experts on an AMX CPU: `amx` for bfloat16 batches with at least
+    `min_rows` rows per active expert on average, `native` (the AVX2 kernel) otherwise.
+
+    Attributes:
+        native: the AVX2 layout (`PackedExperts`); amx: the AMX one (`AmxExperts`).
+        min_rows: the crossover, rows per active expert (`cpu_amx.MOE_MIN_ROWS_PER_EXPERT`).
+    """
+
+    native: PackedExperts
+    amx: AmxExperts
+    min_rows: int = cpu_amx.MOE_MIN_ROWS_PER_EXPERT
+
+    @property
+    def held(self) -> tuple[torch.Tensor, ...]:
+        return (self.native.w13, self.native.w2, self.native.b13, self.native.b2,
+                self.amx.w13, self.amx.w2)
+
+    def __call__(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor) -> torch.Tensor:
+        """As `PackedExperts.__call__`."""
+        pairs = topk_ids.numel()
+        active = min(pairs, self.amx.experts)  # at most: a lower bound of rows per expert
+        if hidden.dtype == torch.bfloat16 and pairs >= self.min_rows * max(1, active):
+            return self.amx(hidden, topk_weights, topk_ids)
+        return self.native(hidden, topk_weights, topk_ids)

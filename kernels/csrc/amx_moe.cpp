@@ -1,0 +1,243 @@
+// Fused Mixture-of-Experts on Intel AMX for bfloat16 activations and experts: route, gate/up
+// GEMM, SwiGLU, down GEMM, weighted sum. The Python side is kernels/cpu_amx_moe.py
+// `AmxExperts` (VNNI packing, argument checks); compiled with the AMX flags of
+// kernels/native_build.py SOURCE_FLAGS, called only after moe_amx_available() said yes.
+//
+// The structure of moe_cpu.cpp's route_run_combine / run_experts (itself vLLM's fused_moe and
+// SGLang's CPU MoE): sort the (token, expert) pairs by expert (stable), gather each expert's
+// rows, run its two projections on those rows only, then every token sums its pairs' outputs
+// times their router weights. What differs is the GEMMs (the tile blocks of amx_gemm.h) and
+// the layout they need:
+//   - each expert's rows start at a multiple of 16 (a tile's rows); the padding rows are zero
+//     and their results are never read;
+//   - the gathered rows stay bfloat16 (the A operand), K padded with zeros to a multiple of 32;
+//   - the SwiGLU output, computed in float32 from the float32 gate and up sums exactly as
+//     moe_cpu.cpp's Activation does, is rounded once to bfloat16 (round to nearest even) to be
+//     the down projection's A operand: one rounding where moe_cpu.cpp keeps float32 (the
+//     reference in bfloat16, transformers' Qwen3-MoE / Mixtral experts, rounds the gate, the up,
+//     the SiLU and the product each to bfloat16);
+//   - the down projection's float32 sums (+ bias) are combined in float32 as moe_cpu.cpp does,
+//     then rounded once to bfloat16.
+// Parallelism: the pool of thread_pool.h over (expert, row chunk, column group) work items.
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <new>
+#include <vector>
+
+#include "amx_gemm.h"
+#include "cpu_common.h"
+#include "moe_engine_cpu.h"
+
+namespace {
+
+namespace amx = moe_engine::amx;
+using moe_engine::f32_to_bf16;
+
+constexpr int64_t kChunk = 128;  // rows per work item (a multiple of 32)
+
+// moe_cpu.cpp's Activation, the same float32 expressions (plain SwiGLU, or gpt-oss's clamped).
+struct Activation {
+  bool clamped;
+  bool has_limit;
+  float alpha;
+  float limit;
+
+  MOE_AMX_INLINE float operator()(float gate, float up) const {
+    if (!clamped) return gate / (1.0f + std::exp(-gate)) * up;
+    if (has_limit) {
+      gate = std::min(gate, limit);
+      up = std::max(-limit, std::min(up, limit));
+    }
+    return (up + 1.0f) * (gate / (1.0f + std::exp(-alpha * gate)));
+  }
+};
+
+struct Dims {
+  int64_t T, H, E, I, k;
+  int64_t Hk, Ik;  // K of the two GEMMs: H and I rounded up to a multiple of 32
+  int64_t It, Ht;  // column tiles: ceil(I / 16) (of gate, of up), ceil(H / 16)
+};
+
+struct Item {
+  int32_t expert;
+  int32_t group;
+  int64_t begin, end;  // padded rows [begin, end) of this item, multiples of 16
+};
+
+// (expert, row chunk, group) items for every expert with rows, `groups` column groups each.
+std::vector<Item> make_items(const std::vector<int64_t>& offsets, int64_t groups) {
+  std::vector<Item> items;
+  for (size_t e = 0; e + 1 < offsets.size(); ++e) {
+    for (int64_t r = offsets[e]; r < offsets[e + 1]; r += kChunk) {
+      const int64_t end = std::min(offsets[e + 1], r + kChunk);
+      for (int64_t g = 0; g < groups; ++g) items.push_back({int32_t(e), int32_t(g), r, end});
+    }
+  }
+  return items;
+}
+
+// inter [rows][Ik] bfloat16 = act(x w_gate^T + b_gate, x w_up^T + b_up) over padded rows;
+// items: two gate tiles and the two up tiles of the same columns.
+void gate_up(const uint16_t* xs, const uint16_t* w13, const float* b13,
+             const std::vector<int64_t>& offsets, const Dims& d, const Activation& act,
+             uint16_t* inter, int threads) {
+  const int64_t groups = (d.It + 1) / 2;
+  const std::vector<Item> items = make_items(offsets, groups);
+  moe_engine::parallel_items(static_cast<int64_t>(items.size()), threads, [&](int64_t i, int) {
+    amx::configure_tiles();
+    const Item& it = items[i];
+    const int64_t e = it.expert, t0 = it.group * 2;
+    const int n = static_cast<int>(std::min<int64_t>(2, d.It - t0));
+    const uint16_t* b[4];
+    for (int j = 0; j < n; ++j) {
+      b[j] = w13 + ((e * 2 + 0) * d.It + t0 + j) * d.Hk * amx::kCols;
+      b[n + j] = w13 + ((e * 2 + 1) * d.It + t0 + j) * d.Hk * amx::kCols;
+    }
+    constexpr int64_t ldc = 64;
+    alignas(64) float c[2 * amx::kRows * ldc];
+    for (int64_t r = it.begin; r < it.end; r += 2 * amx::kRows) {
+      const int rows = it.end - r > amx::kRows ? 2 : 1;
+      const uint16_t* a[2] = {xs + r * d.Hk, xs + (r + amx::kRows) * d.Hk};
+      amx::block(a, rows, d.Hk, b, 2 * n, d.Hk, c, ldc);
+      for (int64_t m = 0; m < rows * amx::kRows; ++m) {
+        uint16_t* out = inter + (r + m) * d.Ik;
+        for (int j = 0; j < n; ++j) {
+          const int64_t col0 = (t0 + j) * amx::kCols;
+          const int64_t cols = std::min<int64_t>(amx::kCols, d.I - col0);
+          const float* g = c + m * ldc + j * amx::kCols;
+          const float* u = c + m * ldc + (n + j) * amx::kCols;
+          for (int64_t cc = 0; cc < cols; ++cc) {
+            const float bg = b13 ? b13[e * 2 * d.I + col0 + cc] : 0.0f;
+            const float bu = b13 ? b13[e * 2 * d.I + d.I + col0 + cc] : 0.0f;
+            out[col0 + cc] = f32_to_bf16(act(g[cc] + bg, u[cc] + bu));
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+// y [rows][Ht * 16] float32 = inter w_down^T + b_down over padded rows.
+void down(const uint16_t* inter, const uint16_t* w2, const float* b2,
+          const std::vector<int64_t>& offsets, const Dims& d, float* y, int threads) {
+  const int64_t groups = (d.Ht + amx::kMaxColTiles - 1) / amx::kMaxColTiles;
+  const int64_t ldy = d.Ht * amx::kCols;
+  const std::vector<Item> items = make_items(offsets, groups);
+  moe_engine::parallel_items(static_cast<int64_t>(items.size()), threads, [&](int64_t i, int) {
+    amx::configure_tiles();
+    const Item& it = items[i];
+    const int64_t e = it.expert, t0 = it.group * amx::kMaxColTiles;
+    const int n = static_cast<int>(std::min<int64_t>(amx::kMaxColTiles, d.Ht - t0));
+    const uint16_t* b[amx::kMaxColTiles];
+    for (int j = 0; j < n; ++j) b[j] = w2 + (e * d.Ht + t0 + j) * d.Ik * amx::kCols;
+    constexpr int64_t ldc = amx::kMaxColTiles * amx::kCols;
+    alignas(64) float c[2 * amx::kRows * ldc];
+    for (int64_t r = it.begin; r < it.end; r += 2 * amx::kRows) {
+      const int rows = it.end - r > amx::kRows ? 2 : 1;
+      const uint16_t* a[2] = {inter + r * d.Ik, inter + (r + amx::kRows) * d.Ik};
+      amx::block(a, rows, d.Ik, b, n, d.Ik, c, ldc);
+      for (int64_t m = 0; m < rows * amx::kRows; ++m) {
+        for (int j = 0; j < n; ++j) {
+          const int64_t col0 = (t0 + j) * amx::kCols;
+          const int cols = static_cast<int>(std::min<int64_t>(amx::kCols, d.H - col0));
+          amx::store_row16(c + m * ldc + j * amx::kCols, b2 ? b2 + e * d.H + col0 : nullptr,
+                           cols, y + (r + m) * ldy + col0);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+template <typename Id>
+void route_run_combine(const uint16_t* hidden, const uint16_t* w13, const uint16_t* w2,
+                       const float* wt, const Id* id, const float* b13, const float* b2,
+                       const Dims& d, const Activation& act, uint16_t* out, int threads) {
+  const int64_t E = d.E, k = d.k, pairs = d.T * d.k;
+  // Sort the pairs by expert (stable: token order within an expert), each expert's rows
+  // starting at a multiple of 16.
+  std::vector<int64_t> offsets(E + 1, 0);
+  for (int64_t p = 0; p < pairs; ++p)
+    if (id[p] >= 0 && id[p] < E) ++offsets[id[p] + 1];
+  for (int64_t e = 0; e < E; ++e) {
+    offsets[e + 1] = offsets[e] + (offsets[e + 1] + amx::kRows - 1) / amx::kRows * amx::kRows;
+  }
+  const int64_t P = offsets[E];
+  if (P == 0) {
+    std::memset(out, 0, d.T * d.H * sizeof(uint16_t));
+    return;
+  }
+  std::vector<int64_t> fill(offsets.begin(), offsets.end() - 1);
+  std::vector<int64_t> row_of_pair(pairs, -1), token_of_row(P, -1);
+  for (int64_t p = 0; p < pairs; ++p) {
+    if (id[p] < 0 || id[p] >= E) continue;
+    const int64_t r = fill[id[p]]++;
+    row_of_pair[p] = r;
+    token_of_row[r] = p / k;
+  }
+  std::vector<uint16_t> xs(P * d.Hk), inter(P * d.Ik);
+  std::vector<float> y(P * d.Ht * amx::kCols);
+  moe_engine::parallel_for(P, 64, threads, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      uint16_t* dst = xs.data() + r * d.Hk;
+      const int64_t t = token_of_row[r];
+      if (t >= 0) std::memcpy(dst, hidden + t * d.H, d.H * sizeof(uint16_t));
+      std::fill(dst + (t >= 0 ? d.H : 0), dst + d.Hk, uint16_t{0});
+      std::fill(inter.data() + r * d.Ik + d.I, inter.data() + (r + 1) * d.Ik, uint16_t{0});
+    }
+  });
+  gate_up(xs.data(), w13, b13, offsets, d, act, inter.data(), threads);
+  down(inter.data(), w2, b2, offsets, d, y.data(), threads);
+  // Every token sums its pairs' rows times their router weights (float32, then bfloat16).
+  const int64_t ldy = d.Ht * amx::kCols;
+  moe_engine::parallel_for(d.T, 16, threads, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(d.H);
+    for (int64_t t = begin; t < end; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      bool any = false;
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t r = row_of_pair[t * k + j];
+        if (r < 0) continue;
+        any = true;
+        const float w = wt[t * k + j];
+        const float* row = y.data() + r * ldy;
+        for (int64_t h = 0; h < d.H; ++h) acc[h] += w * row[h];
+      }
+      uint16_t* dst = out + t * d.H;
+      for (int64_t h = 0; h < d.H; ++h) dst[h] = any ? f32_to_bf16(acc[h]) : 0;
+    }
+  });
+}
+
+}  // namespace
+
+// Shapes and dtypes are checked by kernels/cpu_amx_moe.py `AmxExperts.__call__`.
+int32_t moe_amx_fused_moe(const void* hidden, int64_t T, int64_t H, const void* w13,
+                          const void* w2, int64_t E, int64_t I, const float* topk_weights,
+                          const void* topk_ids, int32_t ids_int64, int64_t k, const float* b13,
+                          const float* b2, int32_t clamped, float alpha, int32_t has_limit,
+                          float limit, void* out, int32_t threads) {
+  if (T == 0) return kOk;
+  const Activation act{clamped != 0, has_limit != 0, alpha, limit};
+  const auto up32 = [](int64_t v) { return (v + amx::kDepth - 1) / amx::kDepth * amx::kDepth; };
+  const auto tiles = [](int64_t v) { return (v + amx::kCols - 1) / amx::kCols; };
+  const Dims d{T, H, E, I, k, up32(H), up32(I), tiles(I), tiles(H)};
+  const auto* h = static_cast<const uint16_t*>(hidden);
+  const auto* p13 = static_cast<const uint16_t*>(w13);
+  const auto* p2 = static_cast<const uint16_t*>(w2);
+  auto* o = static_cast<uint16_t*>(out);
+  try {
+    if (ids_int64)
+      route_run_combine(h, p13, p2, topk_weights, static_cast<const int64_t*>(topk_ids), b13,
+                        b2, d, act, o, threads);
+    else
+      route_run_combine(h, p13, p2, topk_weights, static_cast<const int32_t*>(topk_ids), b13,
+                        b2, d, act, o, threads);
+  } catch (const std::bad_alloc&) {
+    return kOutOfMemory;
+  }
+  return kOk;
+}
