@@ -15,7 +15,9 @@ Rows:
   - `transformers-static-batching` (`--baseline transformers`): `generate` in this process,
     static batches of 8 (batch1: batches of 1);
   - `vllm-cpu-bf16`, `vllm-cpu-fp32` (`--baseline vllm`): vLLM's CPU build in each dtype, each
-    in its own runner process (bench/vllm_peer.py, bench/vllm_runner.py);
+    in its own runner process (bench/vllm_peer.py, bench/vllm_runner.py), in its best
+    configuration (both cores, tcmalloc + Intel OpenMP) and, as `vllm-cpu-*-default`, in its
+    own default binding (one compute thread, the faster one when the machine is busy);
   - any other registered peer (`PEERS`): a runner speaking bench/peer_runner.py's protocol.
 
     python bench/throughput.py --table --baseline vllm      # the table (many minutes)
@@ -69,6 +71,8 @@ logger = logging.getLogger("bench.throughput")
 #: flags, as bench/vllm_peer.py) and its runner (the protocol of bench/peer_runner.py).
 PEERS: dict[str, PeerFamily] = {"vllm": vllm_peer.VLLM}
 BASELINES = ("transformers", *PEERS)
+#: Keys of a row's info the printed report leaves to the JSON (they repeat others).
+_REPEATED_INFO = ("preload", "ld_preload", "num_requests", "dtype")
 MODE_TITLES = {"batched": "mixed-64 batched", "batch1": "batch 1, first 8 one at a time"}
 
 
@@ -184,7 +188,8 @@ def print_report(result: dict) -> None:
     for name, row in result["engines"].items():
         runs = "; ".join(f"{m} {row[m]['runs_s']} s" for m in result["modes"]
                          if row.get(m, {}).get("runs_s"))
-        print(f"  {name}: {runs}  {json.dumps(row.get('info', {}))}")
+        info = {k: v for k, v in row.get("info", {}).items() if k not in _REPEATED_INFO}
+        print(f"  {name}: {runs}  {json.dumps(info)}")
     for names, load in result["idle_cpu"].items():
         if load["share"] is not None:
             print(f"  idle CPU of [{names}] while others ran: {load['share']} cores "
@@ -237,6 +242,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where bench-qwen3-moe is made once (default: $MOE_ENGINE_CACHE or "
                         "~/.cache/moe-engine)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--json-out", type=Path, default=None,
+                   help="also write the JSON object to this file (with the printed report)")
     args = p.parse_args(argv)
     args.modes = _listed(args.modes or ("batched,batch1" if args.table else "batched"))
     args.quantization = args.quantization or ("none,int4" if args.table else "none")
@@ -303,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         "modes": args.modes, "runs": args.runs, "warmup": args.warmup,
         "threads": torch.get_num_threads(), "alternating": True, **measured,
     }
+    if args.json_out:
+        args.json_out.write_text(json.dumps(result, indent=1) + "\n")
     if args.json:
         print(json.dumps(result))
     else:

@@ -31,6 +31,10 @@ ROW_PREFIX = "vllm-cpu"
 KVCACHE_GIB = 1
 #: The configurations `--vllm-config` names; see `vllm_cpu_env`.
 CONFIGS = ("default", "both-cores", "best")
+#: The rows run unless `--vllm-config` says otherwise: `best` is the fastest on a quiet
+#: machine, `default` (one compute thread) when other processes compete for the two cores
+#: (bench/NOTES.md section 8), so the best of both is the baseline either way.
+DEFAULT_CONFIGS = ("best", "default")
 #: Intel OpenMP settings of the `best` configuration (bench/NOTES.md section 8 has the
 #: measurements that chose them): threads sleep as soon as a parallel region ends, so an
 #: idle runner takes no CPU from the engine being timed.
@@ -111,32 +115,41 @@ def parse_env_pairs(items: list[str] | None) -> dict[str, str]:
 
 
 def vllm_launches(ctx: PeerContext) -> list[PeerLaunch]:
-    """One launch per dtype of `ctx.args.vllm_dtypes` (comma-separated, default both), named
-    `vllm-cpu-bf16` / `vllm-cpu-fp32`, in the environment of `ctx.args.vllm_config` plus
-    `ctx.args.vllm_env`.
+    """One launch per dtype of `ctx.args.vllm_dtypes` and configuration of
+    `ctx.args.vllm_config` (both comma-separated; default both dtypes, DEFAULT_CONFIGS), named
+    `vllm-cpu-bf16` / `vllm-cpu-fp32` for `best` and `vllm-cpu-bf16-default` etc. for the
+    others, in that configuration's environment plus `ctx.args.vllm_env`.
 
     Raises:
-        ValueError: a dtype vLLM's CPU build is not benchmarked in.
+        ValueError: a dtype vLLM's CPU build is not benchmarked in, or an unknown config.
         RuntimeError: the venv could not be made.
     """
     args = ctx.args
     dtypes = [d.strip() for d in args.vllm_dtypes.split(",") if d.strip()]
+    configs = [c.strip() for c in args.vllm_config.split(",") if c.strip()]
     for dtype in dtypes:
         if dtype not in VLLM_DTYPES:
             raise ValueError(f"--vllm-dtypes: {dtype!r} is not one of {sorted(VLLM_DTYPES)}")
+    for config in configs:
+        if config not in CONFIGS:
+            raise ValueError(f"--vllm-config: {config!r} is not one of {CONFIGS}")
     venv = Path(args.vllm_venv)
     python = ensure_vllm_venv(venv)
-    env, settings = vllm_cpu_env(venv, args.vllm_config, parse_env_pairs(args.vllm_env))
-    return [
-        PeerLaunch(
-            name=f"{ROW_PREFIX}-{VLLM_DTYPES[dtype]}",
-            argv=[str(python), str(BENCH_DIR / "vllm_runner.py"), "--model", str(ctx.ckpt),
-                  "--requests", str(ctx.requests_path), "--dtype", dtype,
-                  "--max-model-len", str(args.max_model_len)],
-            env=env, compute_dtype=dtype, settings=settings,
-        )
-        for dtype in dtypes
-    ]
+    launches = []
+    for config in configs:
+        env, settings = vllm_cpu_env(venv, config, parse_env_pairs(args.vllm_env))
+        suffix = "" if config == "best" else f"-{config}"
+        launches += [
+            PeerLaunch(
+                name=f"{ROW_PREFIX}-{VLLM_DTYPES[dtype]}{suffix}",
+                argv=[str(python), str(BENCH_DIR / "vllm_runner.py"), "--model", str(ctx.ckpt),
+                      "--requests", str(ctx.requests_path), "--dtype", dtype,
+                      "--max-model-len", str(args.max_model_len)],
+                env=env, compute_dtype=dtype, settings=settings,
+            )
+            for dtype in dtypes
+        ]
+    return launches
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -147,9 +160,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: $VLLM_CPU_VENV or bench/.venvs/vllm-cpu)")
     p.add_argument("--vllm-dtypes", default=",".join(VLLM_DTYPES),
                    help="vLLM rows, one runner process per dtype (default bfloat16,float32)")
-    p.add_argument("--vllm-config", choices=CONFIGS, default="best",
-                   help="best = both cores + tcmalloc and Intel OpenMP preloaded + BEST_KMP; "
-                        "both-cores = no preload; default = vLLM's own thread binding")
+    p.add_argument("--vllm-config", default=",".join(DEFAULT_CONFIGS),
+                   help="comma-separated, a row per config and dtype: best = both cores + "
+                        "tcmalloc and Intel OpenMP preloaded + BEST_KMP; both-cores = no "
+                        "preload; default = vLLM's own binding (one core kept for its front "
+                        f"end, one compute thread); default {','.join(DEFAULT_CONFIGS)}")
     p.add_argument("--vllm-env", action="append", metavar="NAME=VALUE",
                    help="extra environment for the vLLM runners (repeatable), to try settings")
 

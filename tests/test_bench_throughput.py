@@ -281,13 +281,19 @@ def _runners(mods: argparse.Namespace, tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setattr(mods.vllm_peer, "ensure_vllm_venv", lambda venv: Path(sys.executable))
     requests = mods.workload.mixed_workload(n)
     path = mods.workload.write_requests_file(requests)
-    args = argparse.Namespace(vllm_venv=tmp_path, vllm_config="best", max_model_len=1024,
+    args = argparse.Namespace(vllm_venv=tmp_path, vllm_config="best,default", max_model_len=1024,
                               vllm_dtypes="bfloat16,float32", vllm_env=["KMP_BLOCKTIME=3"])
-    launches = mods.vllm_peer.vllm_launches(
-        mods.peer_runner.PeerContext(tmp_path / "ckpt", path, args))
-    assert [x.name for x in launches] == ["vllm-cpu-bf16", "vllm-cpu-fp32"]
+    ctx = mods.peer_runner.PeerContext(tmp_path / "ckpt", path, args)
+    launches = mods.vllm_peer.vllm_launches(ctx)
+    assert [x.name for x in launches] == ["vllm-cpu-bf16", "vllm-cpu-fp32",
+                                          "vllm-cpu-bf16-default", "vllm-cpu-fp32-default"]
     assert all(x.env["KMP_BLOCKTIME"] == "3" for x in launches)
-    return [mods.peer_runner.PeerRunner(x, requests) for x in launches]
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in launches[2].env
+    for bad in ({"vllm_config": "fastest"}, {"vllm_dtypes": "float16"}):
+        with pytest.raises(ValueError, match="is not one of"):
+            mods.vllm_peer.vllm_launches(mods.peer_runner.PeerContext(
+                ctx.ckpt, path, argparse.Namespace(**{**vars(args), **bad})))
+    return [mods.peer_runner.PeerRunner(x, requests) for x in launches[:2]]
 
 
 def test_vllm_runner_protocol_both_modes(mods: argparse.Namespace, tmp_path: Path,
@@ -332,3 +338,13 @@ def test_vllm_runner_reports_short_outputs_and_bad_modes(
     finally:
         for runner in runners:
             runner.close()
+
+
+def test_vllm_settings_parse_variant(tp: ModuleType) -> None:
+    vs = _load("vllm_settings")
+    assert vs.parse_variant("aff=best:KMP_BLOCKTIME=1;KMP_AFFINITY=granularity=fine,compact") \
+        == ("aff", "best", {"KMP_BLOCKTIME": "1", "KMP_AFFINITY": "granularity=fine,compact"})
+    assert vs.parse_variant("d=default") == ("d", "default", {})
+    for bad in ("nolabel", "x=fastest", "x=best:NOEQUALS"):
+        with pytest.raises(ValueError):
+            vs.parse_variant(bad)
