@@ -246,6 +246,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also write the JSON object to this file (with the printed report)")
     args = p.parse_args(argv)
     args.modes = _listed(args.modes or ("batched,batch1" if args.table else "batched"))
+    if args.quantization is None and args.engines:  # `--engines moe-engine-int4` runs int4
+        named = [w.removeprefix(ENGINE).lstrip("-") or "none" for w in _listed(args.engines)
+                 if not is_peer(w)]
+        args.quantization = ",".join(named) if named else None
     args.quantization = args.quantization or ("none,int4" if args.table else "none")
     if args.runs < 1 or args.warmup < 0:
         p.error("--runs must be >= 1 and --warmup >= 0")

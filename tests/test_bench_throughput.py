@@ -219,8 +219,10 @@ def test_ratios_table_and_row_selection(tp: ModuleType) -> None:
     assert len(lines) == 5 and lines[2].startswith("| moe-engine | bfloat16 | 900.0 | 1.20x |")
     assert "**750.0**" in lines[4] and "failed: E: x" in lines[4] and "**250.0**" in lines[3]
     args = tp.parse_args(["--engines", "moe-engine,vllm-cpu-fp32"])
-    assert tp.selected_baselines(args) == ["vllm"]
+    assert tp.selected_baselines(args) == ["vllm"] and args.quantization == "none"
     assert tp.row_selected("vllm-cpu-fp32", args) and not tp.row_selected("vllm-cpu-bf16", args)
+    args = tp.parse_args(["--engines", "moe-engine-int4,transformers-static-batching"])
+    assert args.quantization == "int4" and tp.selected_baselines(args) == ["transformers"]
     args = tp.parse_args(["--table", "--baseline", "all"])
     assert args.modes == ["batched", "batch1"] and args.quantization == "none,int4"
     assert tp.selected_baselines(args) == list(tp.BASELINES)
