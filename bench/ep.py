@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from throughput import ensure_bench_checkpoint, mixed_workload  # noqa: E402
+from workload import ensure_bench_checkpoint, mixed_workload  # noqa: E402
 
 from moe_engine.config import (  # noqa: E402
     CacheConfig,

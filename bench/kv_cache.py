@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from throughput import ensure_bench_checkpoint  # noqa: E402
+from workload import ensure_bench_checkpoint  # noqa: E402
 
 from moe_engine.config import SchedulerConfig, cache_root  # noqa: E402
 from moe_engine.kv_cache import FULL_ATTENTION, KVCacheManager, make_kv_cache_groups  # noqa: E402
