@@ -36,8 +36,8 @@ LINEAR_MIN_ROWS = 1
 #: Mean rows per active expert from which `AmxExperts` beats the AVX2 fused MoE (same note).
 MOE_MIN_ROWS_PER_EXPERT = 4
 
-_REASONS = {1: "the CPU lacks AMX-TILE/AMX-BF16", 2: "the CPU lacks AVX512F/AVX512BW",
-            3: "the OS does not enable the AVX-512/AMX register state (XCR0)",
+_REASONS = {1: "the CPU lacks AMX-TILE/AMX-BF16",
+            3: "the OS does not enable the AMX tile state (XCR0)",
             4: "Linux refused the AMX tile-data permission (arch_prctl ARCH_REQ_XCOMP_PERM)"}
 _lock = threading.Lock()
 _decided: list[str | None] = []

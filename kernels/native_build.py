@@ -53,10 +53,12 @@ ABI_VERSION = 1
 #: level never holds an instruction another machine lacks); no -ffast-math.
 CXXFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-DNDEBUG", "-std=c++17", "-fPIC",
             "-fvisibility=hidden")
-#: Extra flags of single sources, appended to CXXFLAGS: the AMX kernels (AMX-TILE, AMX-BF16 and
-#: AVX-512 for their epilogues) are their own translation units, called only after
-#: csrc/amx_detect.cpp's runtime check, so the rest of the library keeps the flags above.
-AMX_FLAGS = ("-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512vl")
+#: Extra flags of single sources, appended to CXXFLAGS: the AMX kernels are their own
+#: translation units, called only after csrc/amx_detect.cpp's runtime check. Only the AMX
+#: flags (which enable the tile intrinsics and nothing the compiler emits by itself): inline
+#: functions and templates these units share with the others (std::vector, cpu_common.h) are
+#: merged by the linker into one copy, which must not hold an instruction an AVX2 CPU lacks.
+AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
 SOURCE_FLAGS = {"amx_gemm.cpp": AMX_FLAGS, "amx_moe.cpp": AMX_FLAGS}
 #: No OpenMP: the kernels run on their own pool (csrc/thread_pool.h), whose caller never waits
 #: for a thread the OS has not scheduled (an OpenMP barrier does).

@@ -75,10 +75,10 @@ MOE_ENGINE_API int32_t moe_rms_norm(const void* x, int64_t A, int64_t B, int64_t
                                     int32_t weight_in_float32, int32_t bf16, void* y,
                                     int32_t threads);
 
-// csrc/amx_detect.cpp: 0 when this process may run the AMX kernels below (CPU has AMX-TILE,
-// AMX-BF16, AVX512F/BW; the OS enables their state; Linux granted the tile data state, asked
-// for on the first call), else why not: 1 no AMX-BF16, 2 no AVX512F/BW, 3 the OS does not
-// enable the state, 4 the tile data permission was refused. Call before any moe_amx_* kernel.
+// csrc/amx_detect.cpp: 0 when this process may run the AMX kernels below (CPU has AMX-TILE
+// and AMX-BF16; the OS enables their state; Linux granted the tile data state, asked for on
+// the first call), else why not: 1 no AMX-BF16, 3 the OS does not enable the state, 4 the
+// tile data permission was refused. Call before any moe_amx_* kernel.
 MOE_ENGINE_API int32_t moe_amx_available(void);
 
 // csrc/amx_gemm.cpp. x [M, K] bfloat16, K % 32 == 0 (else kBadArgument); w packed VNNI
