@@ -10,9 +10,10 @@ over weights packed once, at bind time, into the VNNI pair layout the instructio
 
 Whether they run is decided once per process, in `amx_unavailable_reason` (CPU features, the
 OS, Linux's tile-data permission, `MOE_ENGINE_AMX`; logged once); the layers then use them for
-batches at or above the crossovers measured in bench/NOTES.md ("AMX bf16 kernels"):
-`LINEAR_MIN_ROWS` rows for a dense linear, `MOE_MIN_ROWS_PER_EXPERT` (token, expert) pairs per
-active expert for the fused MoE; below those the AVX2 kernels stay.
+batches within the crossovers measured in bench/NOTES.md ("AMX bf16 kernels"):
+`LINEAR_MIN_ROWS` to `LINEAR_MAX_ROWS` rows for a dense linear (torch's GEMM above), from
+`MOE_MIN_ROWS_PER_EXPERT` (token, expert) pairs per active expert for the fused MoE (the AVX2
+kernel below).
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ logger = logging.getLogger(__name__)
 
 #: Output columns per packed tile; K values per tile step (csrc/amx_gemm.h kCols, kDepth).
 COLS, DEPTH = 16, 32
-#: Rows from which `AmxLinear` beats the AVX2 linear (bench/NOTES.md, "AMX bf16 kernels").
-LINEAR_MIN_ROWS = 1
+#: Rows from which `AmxLinear` beats the AVX2 linear, and above which torch's bf16 GEMM (oneDNN,
+#: AMX too) is as fast or faster (bench/NOTES.md, "AMX bf16 kernels").
+LINEAR_MIN_ROWS, LINEAR_MAX_ROWS = 1, 256
 #: Mean rows per active expert from which `AmxExperts` beats the AVX2 fused MoE (same note).
 MOE_MIN_ROWS_PER_EXPERT = 4
 
-_REASONS = {1: "the CPU lacks AMX-TILE/AMX-BF16", 2: "the CPU lacks AVX512F/AVX512BW",
-            3: "the OS does not enable the AVX-512/AMX register state (XCR0)",
+_REASONS = {1: "the CPU lacks AMX-TILE/AMX-BF16",
+            3: "the OS does not enable the AMX tile state (XCR0)",
             4: "Linux refused the AMX tile-data permission (arch_prctl ARCH_REQ_XCOMP_PERM)"}
 _lock = threading.Lock()
 _decided: list[str | None] = []
@@ -56,8 +58,9 @@ def amx_unavailable_reason() -> str | None:
         if not _decided:
             _decided.append(_decide())
             if _decided[0] is None:
-                logger.info("AMX bf16 kernels on: linear from %d rows, fused MoE from %d rows "
-                            "per expert", LINEAR_MIN_ROWS, MOE_MIN_ROWS_PER_EXPERT)
+                logger.info("AMX bf16 kernels on: linear at %d-%d rows, fused MoE from %d rows "
+                            "per expert", LINEAR_MIN_ROWS, LINEAR_MAX_ROWS,
+                            MOE_MIN_ROWS_PER_EXPERT)
             else:
                 logger.info("AMX bf16 kernels off: %s", _decided[0])
     return _decided[0]

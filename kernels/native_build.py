@@ -54,7 +54,7 @@ HEADER = "moe_engine_cpu.h"
 BINDING = "binding.cpp"
 LIBRARY = native_binding.MODULE + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
 #: Bumped with any change of csrc/moe_engine_cpu.h's prototypes (part of the cache digest).
-ABI_VERSION = 3
+ABI_VERSION = 4
 #: The flags of every variant; no -ffast-math.
 BASE_CXXFLAGS = ("-O3", "-pthread", "-DNDEBUG", "-std=c++17", "-fPIC", "-fvisibility=hidden")
 #: Instruction-set flags per variant, named (not -march=native), so that a cache shared by
@@ -79,10 +79,13 @@ def cxxflags(isa: str) -> tuple[str, ...]:
     return BASE_CXXFLAGS[:1] + ISA_FLAGS[isa] + BASE_CXXFLAGS[1:]
 
 
-#: Extra flags of single sources, appended to the variant's: the AMX kernels (AMX-TILE,
-#: AMX-BF16 and AVX-512 for their epilogues) are their own translation units, called only after
-#: csrc/amx_detect.cpp's runtime check, so the rest of the library keeps its variant's flags.
-AMX_FLAGS = ("-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512vl")
+#: Extra flags of single sources, appended to the variant's: the AMX kernels are their own
+#: translation units, called only after csrc/amx_detect.cpp's runtime check. Only the AMX
+#: flags (which enable the tile intrinsics and nothing the compiler emits by itself): inline
+#: functions and templates these units share with the others (std::vector, cpu_common.h) are
+#: merged by the linker into one copy, which must not hold an instruction the variant's CPU
+#: lacks.
+AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
 SOURCE_FLAGS = {"amx_gemm.cpp": AMX_FLAGS, "amx_moe.cpp": AMX_FLAGS}
 #: No OpenMP: the kernels run on their own pool (csrc/thread_pool.h), whose caller never waits
 #: for a thread the OS has not scheduled (an OpenMP barrier does).

@@ -185,3 +185,21 @@ def test_kernels_refuse_to_run_where_amx_was_not_granted(monkeypatch):
         lin(_bf16(2, 32, g=g))
     with pytest.raises(RuntimeError, match="cannot run here"):
         AmxExperts.pack(w13, w2)(hidden, weights, ids)
+
+
+def test_linear_layer_runs_amx_between_its_crossovers(monkeypatch):
+    from kernels.registry import KernelPlan
+    from moe_engine.models.layers.linear import Linear
+
+    layer = Linear(64, 48, bias=False, dtype=torch.bfloat16)
+    layer.bind_kernels(KernelPlan.uniform("native-cpu"))
+    calls = []
+    monkeypatch.setattr(AmxLinear, "__call__", lambda self, x: calls.append(len(x)) or x)
+    g = _gen()
+    for rows in (1, cpu_amx.LINEAR_MAX_ROWS, cpu_amx.LINEAR_MAX_ROWS + 1):
+        layer(_bf16(rows, 64, g=g))
+    layer(_bf16(3, 64, g=g))
+    assert calls == [1, cpu_amx.LINEAR_MAX_ROWS, 3]
+    float_layer = Linear(64, 48, bias=False, dtype=torch.float32)
+    float_layer.bind_kernels(KernelPlan.uniform("native-cpu"))
+    assert not float_layer._amx  # float32 compute: the AVX2 kernel

@@ -3,9 +3,8 @@
 // so calling it is safe on any CPU the library loads on.
 //
 // Needed, per the Intel SDM vol. 1 ch. 13 and 18 and Linux Documentation/arch/x86/xstate.rst:
-// CPUID.(7,0).EDX AMX-TILE (bit 24) and AMX-BF16 (bit 22); AVX512F and AVX512BW (EBX bits 16,
-// 30; the kernels' epilogues); XCR0 enabling opmask/ZMM state (bits 5-7) and the tile
-// configuration (bit 17); and, on Linux, arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+// CPUID.(7,0).EDX AMX-TILE (bit 24) and AMX-BF16 (bit 22); XCR0 enabling the tile
+// configuration and tile data state (bits 17, 18); and, on Linux, arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
 // granting this process the tile data state (bit 18), after which every thread of the process
 // may use it. Without the grant the first tile instruction raises SIGILL.
 
@@ -28,11 +27,10 @@ int32_t detect() {
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 1;
   const bool amx = (d >> 24 & 1) && (d >> 22 & 1);
   if (!amx) return 1;
-  if (!((b >> 16 & 1) && (b >> 30 & 1))) return 2;
   if (!__get_cpuid(1, &a, &b, &c, &d) || !(c >> 27 & 1)) return 3;  // OSXSAVE
   unsigned lo, hi;
   __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  if ((lo & 0xE0) != 0xE0 || !(lo >> 17 & 1)) return 3;
+  if (!(lo >> 17 & 1) || !(lo >> 18 & 1)) return 3;
   if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) return 4;
   unsigned long perm = 0;
   if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &perm) != 0 || !(perm >> 18 & 1)) return 4;

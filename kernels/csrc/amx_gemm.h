@@ -1,6 +1,6 @@
 // bfloat16 GEMM blocks on Intel AMX (Advanced Matrix Extensions: AMX-TILE + AMX-BF16), for the
-// translation units compiled with -mamx-tile -mamx-bf16 -mavx512f -mavx512bw -mavx512vl
-// (amx_gemm.cpp, amx_moe.cpp; kernels/native_build.py SOURCE_FLAGS). Nothing here may run
+// translation units compiled with -mamx-tile -mamx-bf16 (amx_gemm.cpp, amx_moe.cpp;
+// kernels/native_build.py SOURCE_FLAGS) on top of the library's AVX2 flags. Nothing here may run
 // before moe_amx_available() (amx_detect.cpp) said yes in this process: that call also asks
 // Linux for the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM), without which the first tile
 // instruction faults.
@@ -26,9 +26,13 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cpu_common.h"
+
 #define MOE_AMX_INLINE inline __attribute__((always_inline))
 
 namespace moe_engine::amx {
+
+using moe_engine::f32_to_bf16;
 
 constexpr int64_t kRows = 16;   // rows of an A or C tile
 constexpr int64_t kCols = 16;   // output columns of a B or C tile
@@ -135,31 +139,52 @@ MOE_AMX_INLINE void block(const uint16_t* const* a, int rows, int64_t lda,
   }
 }
 
-// bfloat16 bits of 16 float32 values, rounded to nearest even, NaN to 0x7FC0: c10::BFloat16's
-// rounding (cpu_common.h f32_to_bf16), so results match torch's bfloat16 tensors.
-MOE_AMX_INLINE __m256i round_bf16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(
-      _mm512_add_epi32(_mm512_add_epi32(u, lsb), _mm512_set1_epi32(0x7FFF)), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
+// The epilogues are AVX2 (the library's baseline), not AVX-512: these translation units add
+// only the AMX flags, so every inline function and template they share with the rest of the
+// library (std::vector, cpu_common.h) compiles to the same baseline code, whichever copy the
+// linker keeps.
+
+// bfloat16 bits of 8 float32 values in the low halves of 8 int32, rounded to nearest even,
+// NaN to 0x7FC0: c10::BFloat16's rounding (cpu_common.h f32_to_bf16), so results match what
+// torch's bfloat16 tensors hold.
+MOE_AMX_INLINE __m256i round_bf16(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(u, lsb), _mm256_set1_epi32(0x7FFF)), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
 }
 
-// dst[0..cols) = src[0..cols) (+ bias) as float32 or bfloat16 bits, cols <= 16.
+// dst[0..cols) = src[0..cols) (+ bias[0..cols)) as float32 or bfloat16 bits, cols <= 16.
 MOE_AMX_INLINE void store_row16(const float* src, const float* bias, int cols, float* dst) {
-  const __mmask16 m = static_cast<__mmask16>((1u << cols) - 1);
-  __m512 v = _mm512_maskz_loadu_ps(m, src);
-  if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias));
-  _mm512_mask_storeu_ps(dst, m, v);
+  if (cols == kCols) {
+    __m256 lo = _mm256_loadu_ps(src), hi = _mm256_loadu_ps(src + 8);
+    if (bias) {
+      lo = _mm256_add_ps(lo, _mm256_loadu_ps(bias));
+      hi = _mm256_add_ps(hi, _mm256_loadu_ps(bias + 8));
+    }
+    _mm256_storeu_ps(dst, lo);
+    _mm256_storeu_ps(dst + 8, hi);
+    return;
+  }
+  for (int j = 0; j < cols; ++j) dst[j] = src[j] + (bias ? bias[j] : 0.0f);
 }
 
 MOE_AMX_INLINE void store_row16(const float* src, const float* bias, int cols, uint16_t* dst) {
-  const __mmask16 m = static_cast<__mmask16>((1u << cols) - 1);
-  __m512 v = _mm512_maskz_loadu_ps(m, src);
-  if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias));
-  _mm256_mask_storeu_epi16(dst, m, round_bf16(v));
+  if (cols == kCols) {
+    __m256 lo = _mm256_loadu_ps(src), hi = _mm256_loadu_ps(src + 8);
+    if (bias) {
+      lo = _mm256_add_ps(lo, _mm256_loadu_ps(bias));
+      hi = _mm256_add_ps(hi, _mm256_loadu_ps(bias + 8));
+    }
+    // packus interleaves the 128-bit lanes: (lo 0-3, hi 0-3, lo 4-7, hi 4-7); permute back
+    const __m256i packed = _mm256_packus_epi32(round_bf16(lo), round_bf16(hi));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                        _mm256_permute4x64_epi64(packed, 0xD8));
+    return;
+  }
+  for (int j = 0; j < cols; ++j) dst[j] = f32_to_bf16(src[j] + (bias ? bias[j] : 0.0f));
 }
 
 }  // namespace moe_engine::amx

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <new>
 #include <vector>
 
@@ -178,19 +179,23 @@ void route_run_combine(const uint16_t* hidden, const uint16_t* w13, const uint16
     row_of_pair[p] = r;
     token_of_row[r] = p / k;
   }
-  std::vector<uint16_t> xs(P * d.Hk), inter(P * d.Ik);
-  std::vector<float> y(P * d.Ht * amx::kCols);
+  // Uninitialised (the gather writes every row of xs, padding included, and inter's padding
+  // columns; gate_up writes the rest of inter, down all of y that is read): zeroing them cost
+  // more than the GEMMs' epilogues at 2048 tokens.
+  const std::unique_ptr<uint16_t[]> xs(new uint16_t[P * d.Hk]);
+  const std::unique_ptr<uint16_t[]> inter(new uint16_t[P * d.Ik]);
+  const moe_engine::Buffer y = moe_engine::make_buffer(P * d.Ht * amx::kCols);
   moe_engine::parallel_for(P, 64, threads, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      uint16_t* dst = xs.data() + r * d.Hk;
+      uint16_t* dst = xs.get() + r * d.Hk;
       const int64_t t = token_of_row[r];
       if (t >= 0) std::memcpy(dst, hidden + t * d.H, d.H * sizeof(uint16_t));
       std::fill(dst + (t >= 0 ? d.H : 0), dst + d.Hk, uint16_t{0});
-      std::fill(inter.data() + r * d.Ik + d.I, inter.data() + (r + 1) * d.Ik, uint16_t{0});
+      std::fill(inter.get() + r * d.Ik + d.I, inter.get() + (r + 1) * d.Ik, uint16_t{0});
     }
   });
-  gate_up(xs.data(), w13, b13, offsets, d, act, inter.data(), threads);
-  down(inter.data(), w2, b2, offsets, d, y.data(), threads);
+  gate_up(xs.get(), w13, b13, offsets, d, act, inter.get(), threads);
+  down(inter.get(), w2, b2, offsets, d, y.get(), threads);
   // Every token sums its pairs' rows times their router weights (float32, then bfloat16).
   const int64_t ldy = d.Ht * amx::kCols;
   moe_engine::parallel_for(d.T, 16, threads, [&](int64_t begin, int64_t end) {
@@ -203,7 +208,7 @@ void route_run_combine(const uint16_t* hidden, const uint16_t* w13, const uint16
         if (r < 0) continue;
         any = true;
         const float w = wt[t * k + j];
-        const float* row = y.data() + r * ldy;
+        const float* row = y.get() + r * ldy;
         for (int64_t h = 0; h < d.H; ++h) acc[h] += w * row[h];
       }
       uint16_t* dst = out + t * d.H;

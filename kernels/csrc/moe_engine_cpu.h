@@ -92,10 +92,10 @@ MOE_ENGINE_API int32_t moe_qk_norm_rope_cache(
     const void* k_norm, float eps, void* k_cache, void* v_cache, int64_t S,
     const int64_t* slot_mapping, void* q_out, int32_t threads);
 
-// csrc/amx_detect.cpp: 0 when this process may run the AMX kernels below (CPU has AMX-TILE,
-// AMX-BF16, AVX512F/BW; the OS enables their state; Linux granted the tile data state, asked
-// for on the first call), else why not: 1 no AMX-BF16, 2 no AVX512F/BW, 3 the OS does not
-// enable the state, 4 the tile data permission was refused. Call before any moe_amx_* kernel.
+// csrc/amx_detect.cpp: 0 when this process may run the AMX kernels below (CPU has AMX-TILE
+// and AMX-BF16; the OS enables their state; Linux granted the tile data state, asked for on
+// the first call), else why not: 1 no AMX-BF16, 3 the OS does not enable the state, 4 the
+// tile data permission was refused. Call before any moe_amx_* kernel.
 MOE_ENGINE_API int32_t moe_amx_available(void);
 
 // csrc/amx_gemm.cpp. x [M, K] bfloat16, K % 32 == 0 (else kBadArgument); w packed VNNI

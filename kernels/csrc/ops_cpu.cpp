@@ -50,7 +50,7 @@ void rms_rows(const T* x, int64_t A, int64_t B, int64_t D, int64_t sa, int64_t s
 
 }  // namespace
 
-int32_t moe_engine_abi_version(void) { return 3; }
+int32_t moe_engine_abi_version(void) { return 4; }
 
 // gemm.h: 512 in the AVX-512 variant, 256 in the AVX2 one.
 int32_t moe_engine_vector_bits(void) { return MOE_ENGINE_VECTOR_BITS; }

@@ -8,9 +8,10 @@ when exact: half the bytes a decode step reads; 1.3-4x torch's GEMM at 1-64 rows
 `python bench/cpu_kernels.py --only linear`, bench/NOTES.md); larger batches (long prefill
 chunks) use `nn.Linear.forward`, as does the torch backend (cuBLAS on CUDA) and an unbound
 layer. Where the CPU has AMX-BF16 (`kernels.cpu_amx.amx_unavailable_reason`, decided once per
-process), a bfloat16 layer's batches of `cpu_amx.LINEAR_MIN_ROWS` to `NATIVE_MAX_ROWS` rows run
-the AMX kernel instead (`AmxLinear`; 1.3-3.5x the AVX2 kernel at 1 row, 7-22x from 16 rows,
-one thread: bench/NOTES.md "AMX bf16 kernels"), the router included. The packed copies are
+process), a bfloat16 layer's batches of `cpu_amx.LINEAR_MIN_ROWS` to `cpu_amx.LINEAR_MAX_ROWS`
+rows run the AMX kernel instead (`AmxLinear`; 1.4-2.9x the AVX2 kernel at 1-4 rows, 5.7-9.6x
+at 16, 11-17x from 64, one thread: bench/NOTES.md "AMX bf16 kernels"), the router included,
+and larger batches torch's GEMM (oneDNN's AMX kernel, as fast there). The packed copies are
 made on the first forward and dropped by `reset_packed` (the model's `load_weights` calls it,
 so a reload never serves stale weights).
 """
@@ -71,6 +72,8 @@ class Linear(nn.Linear):
         if rows > NATIVE_MAX_ROWS:
             return super().forward(x)
         if self._amx and x.dtype == torch.bfloat16 and rows >= cpu_amx.LINEAR_MIN_ROWS:
+            if rows > cpu_amx.LINEAR_MAX_ROWS:  # oneDNN's AMX GEMM is as fast from here
+                return super().forward(x)
             if self._amx_packed is None:
                 self._amx_packed = AmxLinear.pack(self.weight, self.bias)
             return self._amx_packed(x)
