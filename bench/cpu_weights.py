@@ -21,7 +21,14 @@ weights in L3, not in the 2 MiB L2 that the previous call left them in (0: one c
 load hits both alike; by default the process's own variant runs (`MOE_ENGINE_CPU_ISA`). Times:
 median of 5 batches' mean per call, a batch lasting about 60 ms.
 
+`--baseline PATH` adds a library built from another commit (e.g. the one before this
+benchmark: check it out, load its kernels once so they build, and pass the
+`_moe_engine_cpu*.so` of its `$MOE_ENGINE_CACHE/native/moe_engine_cpu_<digest>/`), alternated
+first; `--repeat N` sweeps N times and reports per cell the median (each sweep is itself the
+median of 5 batches).
+
     python bench/cpu_weights.py --rows 1 2 4 8 64 --threads 1 --variants avx2 avx512
+    python bench/cpu_weights.py --threads 1 --baseline OLD.so --variants avx2 avx512 --repeat 3
     python bench/cpu_weights.py --threads 2 --json
 """
 
@@ -29,9 +36,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.machinery
+import importlib.util
 import itertools
 import json
 import os
+import statistics
 import time
 from collections.abc import Callable
 from types import ModuleType
@@ -40,7 +50,8 @@ import torch
 
 from kernels.cpu_linear import PackedLinear
 from kernels.cpu_native import PackedExperts, PackedQuantExperts
-from kernels.native import load_native, loaded_isa, using
+from kernels.native import load_native, load_variant, loaded_isa, using
+from kernels.native_binding import MODULE
 from quant.int4 import Int4Weight, quantize_int4
 from quant.mxfp4 import quantize_mxfp4
 
@@ -159,29 +170,75 @@ def _row(kernel: str, rows: int, variant: str, ms: float, nbytes: int) -> dict:
             "weight_bytes": nbytes, "gbs": round(nbytes / ms / 1e6, 1)}
 
 
-def main(rows: list[int], footprint_mb: float, as_json: bool,
-         variant_names: list[str] | None = None) -> None:
-    """Time and print (a table, or JSON with `as_json`); `variant_names`: the library
-    variants to alternate (`kernels.native.load_variant`), default the process's own."""
-    variants: dict[str, ModuleType | None] = {"default": None}
-    if variant_names:
-        from kernels.native import load_variant
+def load_baseline(path: str) -> ModuleType:
+    """A native library built from another commit (the `_moe_engine_cpu*.so` in its build
+    directory under `$MOE_ENGINE_CACHE/native/`), loaded as a module beside this one's. Not
+    checked against this ABI: the entry points timed here (moe_linear, moe_fused_moe,
+    moe_fused_moe_q4) kept their prototypes from ABI 1 to 2."""
+    loader = importlib.machinery.ExtensionFileLoader(MODULE, path)
+    spec = importlib.util.spec_from_file_location(MODULE, path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
 
-        variants = {v: load_variant(v) for v in variant_names}
-    results = run(rows, footprint_mb, variants)
+
+def median_runs(runs: list[list[dict]]) -> list[dict]:
+    """Per (kernel, rows, variant), the row of the median time over `runs` (same order)."""
+    out = []
+    for rows in zip(*runs, strict=True):
+        ms = statistics.median(r["ms"] for r in rows)
+        out.append(_row(rows[0]["kernel"], rows[0]["rows"], rows[0]["variant"], ms,
+                        rows[0]["weight_bytes"]))
+    return out
+
+
+def table(results: list[dict]) -> list[str]:
+    """Markdown rows: kernel, M, weight MB per call, GB/s (us per call) per variant, and the
+    last variant's speed over the first's."""
+    variants = list(dict.fromkeys(r["variant"] for r in results))
+    lines = ["| kernel | M | MB read | " + " | ".join(variants)
+             + f" | {variants[-1]} / {variants[0]} |", "|---" * (len(variants) + 4) + "|"]
+    cells: dict[tuple[str, int], dict[str, dict]] = {}
+    for r in results:
+        cells.setdefault((r["kernel"], r["rows"]), {})[r["variant"]] = r
+    for (kernel, m), by in cells.items():
+        first, last = by[variants[0]], by[variants[-1]]
+        lines.append(f"| {kernel} | {m} | {first['weight_bytes'] / 1e6:.2f} | " + " | ".join(
+            f"{by[v]['gbs']:.1f} ({by[v]['ms'] * 1e3:.0f})" for v in variants)
+            + f" | {first['ms'] / last['ms']:.2f}x |")
+    return lines
+
+
+def main(rows: list[int], footprint_mb: float, as_json: bool,
+         variant_names: list[str] | None = None, baseline: str | None = None,
+         repeat: int = 1) -> None:
+    """Time and print a markdown table (or JSON with `as_json`).
+
+    Args:
+        variant_names: the library variants to alternate (`kernels.native.load_variant`);
+            default the process's own.
+        baseline: a library built from another commit (`load_baseline`), alternated first.
+        repeat: sweeps; each cell is the median over them.
+    """
     load_native("linear_cpu")
-    head = {"threads": torch.get_num_threads(), "isa": loaded_isa(), "footprint_mb": footprint_mb,
-            "load": os.getloadavg()[0]}
+    variants: dict[str, ModuleType | None] = {}
+    if baseline:
+        variants["baseline"] = load_baseline(baseline)
+    if variant_names:
+        variants |= {v: load_variant(v) for v in variant_names}
+    else:
+        variants["default"] = None
+    load = os.getloadavg()[0]
+    results = median_runs([run(rows, footprint_mb, variants) for _ in range(repeat)])
+    head = {"threads": torch.get_num_threads(), "isa": loaded_isa(),
+            "footprint_mb": footprint_mb, "repeat": repeat,
+            "load": f"{load:.1f} -> {os.getloadavg()[0]:.1f}"}
     if as_json:
         print(json.dumps({**head, "results": results}, indent=1))
         return
-    print(", ".join(f"{k} {v}" for k, v in head.items()) + "; GB/s of weights read (us/call)")
-    print(f"{'kernel':20s} {'variant':8s} " + " ".join(f"{'M=' + str(m):>14s}" for m in rows))
-    for kernel in dict.fromkeys(r["kernel"] for r in results):
-        for v in variants:
-            cells = [f"{r['gbs']:5.1f} ({r['ms'] * 1e3:6.0f})" for r in results
-                     if r["kernel"] == kernel and r["variant"] == v]
-            print(f"{kernel:20s} {v:8s} " + " ".join(f"{c:>14s}" for c in cells))
+    print(", ".join(f"{k} {v}" for k, v in head.items())
+          + "; GB/s of weights read (us per call)")
+    print("\n".join(table(results)))
 
 
 if __name__ == "__main__":
@@ -192,8 +249,11 @@ if __name__ == "__main__":
                    help="MB of weight copies rotated (0: one copy, L2-hot)")
     p.add_argument("--variants", nargs="+", choices=["avx2", "avx512"], default=None,
                    help="library variants to alternate (default: the process's own)")
+    p.add_argument("--baseline", default=None,
+                   help="path of a library built from another commit, alternated first")
+    p.add_argument("--repeat", type=int, default=1, help="sweeps (median over them)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    main(a.rows, a.footprint_mb, a.json, a.variants)
+    main(a.rows, a.footprint_mb, a.json, a.variants, a.baseline, a.repeat)

@@ -57,7 +57,7 @@ MOE_ENGINE_INLINE void micro_kernel(const float* a, int64_t lda, const W* w, int
   };
   int64_t k = 0;
   for (; k + U <= K; k += U) {
-    prefetch_weights<U>(w + k * kTile);
+    if constexpr (U > 1) prefetch_weights<U>(w + k * kTile);  // decode sizes: read-bound
     for (int u = 0; u < U; ++u) step(u, k + u);
   }
   for (; k < K; ++k) step(0, k);
