@@ -38,22 +38,7 @@ using moe_engine::f32_to_bf16;
 
 constexpr int64_t kChunk = 128;  // rows per work item (a multiple of 32)
 
-// moe_cpu.cpp's Activation, the same float32 expressions (plain SwiGLU, or gpt-oss's clamped).
-struct Activation {
-  bool clamped;
-  bool has_limit;
-  float alpha;
-  float limit;
-
-  MOE_AMX_INLINE float operator()(float gate, float up) const {
-    if (!clamped) return gate / (1.0f + std::exp(-gate)) * up;
-    if (has_limit) {
-      gate = std::min(gate, limit);
-      up = std::max(-limit, std::min(up, limit));
-    }
-    return (up + 1.0f) * (gate / (1.0f + std::exp(-alpha * gate)));
-  }
-};
+using moe_engine::Activation;  // cpu_common.h
 
 struct Dims {
   int64_t T, H, E, I, k;

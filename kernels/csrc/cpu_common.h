@@ -81,4 +81,24 @@ inline void parallel_for(int64_t n, int64_t grain, int threads, const F& f) {
   });
 }
 
+// The experts' activation of (gate, up), shared by every fused-MoE kernel (moe_cpu.cpp,
+// amx_moe.cpp): plain SwiGLU, silu(gate) * up (Shazeer 2020, "GLU Variants Improve
+// Transformer"), or gpt-oss's clamped variant, (up + 1) * gate * sigmoid(alpha * gate) with
+// gate clamped above and up on both sides at `limit` (transformers' `GptOssExperts`).
+struct Activation {
+  bool clamped;     // gpt-oss: (up + 1) * gate * sigmoid(alpha * gate)
+  bool has_limit;   // gpt-oss clamp of gate (max) and up (both sides)
+  float alpha;
+  float limit;
+
+  inline __attribute__((always_inline)) float operator()(float gate, float up) const {
+    if (!clamped) return gate / (1.0f + std::exp(-gate)) * up;
+    if (has_limit) {
+      gate = std::min(gate, limit);
+      up = std::max(-limit, std::min(up, limit));
+    }
+    return (up + 1.0f) * (gate / (1.0f + std::exp(-alpha * gate)));
+  }
+};
+
 }  // namespace moe_engine

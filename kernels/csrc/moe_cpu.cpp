@@ -83,21 +83,7 @@ struct DenseWeights {
 // ---------------------------------------------------------------------------------------------
 // The expert computation, shared by every weight format.
 
-struct Activation {
-  bool clamped;     // gpt-oss: (up + 1) * gate * sigmoid(alpha * gate)
-  bool has_limit;   // gpt-oss clamp of gate (max) and up (both sides)
-  float alpha;
-  float limit;
-
-  MOE_ENGINE_INLINE float operator()(float gate, float up) const {
-    if (!clamped) return gate / (1.0f + std::exp(-gate)) * up;
-    if (has_limit) {
-      gate = std::min(gate, limit);
-      up = std::max(-limit, std::min(up, limit));
-    }
-    return (up + 1.0f) * (gate / (1.0f + std::exp(-alpha * gate)));
-  }
-};
+using moe_engine::Activation;  // cpu_common.h
 
 struct Item {
   int32_t expert;
