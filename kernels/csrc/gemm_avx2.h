@@ -30,7 +30,7 @@ MOE_ENGINE_INLINE __m256 load_w(const uint16_t* p) { return widen_bf16(p); }
 
 // The k steps in flight per row block: at one or two rows, 2 x M accumulators are too few
 // independent FMA chains to hide the FMA latency (4 cycles, 2 FMA ports: 8 chains keep both
-// busy; measured 11 GB/s of bf16 weights at one row before, see bench/NOTES.md section 8), so
+// busy; measured 11 GB/s of bf16 weights at one row before, see bench/NOTES.md section 11), so
 // U k steps accumulate into U separate sets, summed at the end.
 template <int M>
 constexpr int kUnroll = M == 1 ? 4 : (M == 2 ? 2 : 1);

@@ -19,7 +19,7 @@ namespace moe_engine {
 // prefetcher does not cross 4 KiB pages (Intel 64 and IA-32 Architectures Optimization
 // Reference Manual, "Data Prefetching"), so each new page would start cold. 2 KiB ahead
 // measured 30-40% faster than none at one and two rows from L3 on the project's machine
-// (bench/NOTES.md section 8); reading past a tile's end only touches the next tile. The AVX2
+// (bench/NOTES.md section 11); reading past a tile's end only touches the next tile. The AVX2
 // kernels prefetch only at those decode sizes (at 4-6 rows, compute-bound, the extra loads
 // cost 10%: bench/native_micro.cpp).
 constexpr int64_t kPrefetchBytes = 2048;

@@ -24,7 +24,7 @@
 // (q4_avx2.h's kBlockScale, unrolled over k pairs for 8 independent FMA chains), with more rows
 // the decoded weights are scaled, shared by the rows. One and two rows with G % 8 == 0 (every
 // checkpoint's block size) run q4_avx512_x8.h's kernel instead: measured 1.6x this one's speed
-// at one row (bench/NOTES.md section 8).
+// at one row (bench/NOTES.md section 11).
 #pragma once
 
 #include <immintrin.h>
