@@ -4,7 +4,8 @@ Triton does not compile for a CPU, and torch's small matmuls leave most of a CPU
 idle at decode batch sizes (measured on the project's machine: a [8, 512] x [512, 512] float32
 GEMM reaches 38 GFLOP/s on one or two cores, against 78 per core for large ones). The hot CPU
 loops of the engine (the fused MoE experts, decode attention over the paged cache, the dense
-linears, RMSNorm) are therefore C++ with AVX2/FMA (or AVX-512) intrinsics and OpenMP.
+linears, RMSNorm) are therefore C++ with AVX2/FMA (or AVX-512) intrinsics on their own thread
+pool (csrc/thread_pool.h).
 
 Two variants of the library are built from the same sources (kernels/native_build.py
 `ISA_FLAGS`): "avx2" and "avx512" (512-bit micro-kernels: csrc/gemm_avx512.h, q4_avx512.h).
@@ -24,9 +25,9 @@ under `$MOE_ENGINE_CACHE/native/`, keyed by a digest of the sources, headers, fl
 and Python ABI (an edited source rebuilds; concurrent processes wait on the build's file lock);
 loading a cached build takes milliseconds. The wrappers in kernels/cpu_*.py check shapes and
 dtypes, allocate outputs with torch and pass `tensor.data_ptr()`; the GIL is released during a
-kernel. Every parallel region runs `torch.get_num_threads()` OpenMP threads (passed per call),
-in torch's own OpenMP runtime: the module's libgomp.so.1 resolves to the copy torch loaded, so
-there is one thread pool.
+kernel. A call uses up to `torch.get_num_threads()` threads (passed per call) of the module's
+pool, whose caller never waits for a thread the OS has not scheduled (an OpenMP barrier does;
+bench/NOTES.md section 8); torch's own ops keep torch's OpenMP pool.
 
 Whether they run is decided once, at startup, by the kernel registry (kernels/registry.py,
 `--kernel-backend`): `native_unavailable_reason` builds or loads the library and says why it
