@@ -127,12 +127,14 @@ def test_core_exits_when_parent_dies(tmp_path: Path) -> None:
 
 
 def test_queue_full_is_resource_exhausted(qwen3_ckpt: Path) -> None:
+    # r1 must still run when r3 arrives: the tiny model decodes 200 tokens in about 0.1 s,
+    # so r1 asks for 1000 (the 64 blocks hold 1024 tokens)
     config = EngineConfig(
-        ModelConfig(str(qwen3_ckpt), max_model_len=256),
+        ModelConfig(str(qwen3_ckpt), max_model_len=1024),
         CacheConfig(num_blocks_override=64),
         SchedulerConfig(max_num_seqs=1, max_waiting=1),
     )
-    long = SamplingParams(max_tokens=200, ignore_eos=True)
+    long = SamplingParams(max_tokens=1000, ignore_eos=True)
 
     async def main() -> None:
         client = EngineClient()
@@ -142,7 +144,7 @@ def test_queue_full_is_resource_exhausted(qwen3_ckpt: Path) -> None:
             await anext(first)  # r1 runs and holds the only sequence slot
             second = client.generate("r2", [6] * 4, long)
             second_task = asyncio.create_task(anext(second))
-            await asyncio.sleep(0.2)  # r2 waits
+            await asyncio.sleep(0.05)  # r2 is sent, and waits
             with pytest.raises(RequestError) as info:
                 await anext(client.generate("r3", [7] * 4, long))
             assert info.value.code == ErrorCode.RESOURCE_EXHAUSTED
