@@ -190,8 +190,9 @@ def bind_float_experts(
 
     native-cpu packs a copy (`PackedExperts.pack`: 16-column k-major tiles, float32 weights
     that are bfloat16-exact as bfloat16; the activation and biases are taken at pack time, so
-    a reload needs a new bind), and bfloat16 experts on an AMX CPU a second one for the AMX
-    kernel (`cpu_amx_moe.AmxOrNative`, chosen per call by rows per expert); torch and triton
+    a reload needs a new bind), and, with MOE_ENGINE_AMX=all (`amx_moe_allowed`), bfloat16
+    experts on an AMX CPU a second one for the AMX kernel (`cpu_amx_moe.AmxOrNative`, chosen
+    per call by rows per expert); torch and triton
     read `w13`/`w2` and the biases in place.
 
     Raises:
@@ -204,7 +205,9 @@ def bind_float_experts(
 
         _check_cpu(backend, w13)
         packed = PackedExperts.pack(w13, w2, **kw)
-        if w13.dtype == torch.bfloat16 and cpu_amx.amx_fits(w13):
+        from moe_engine.config import amx_moe_allowed
+
+        if w13.dtype == torch.bfloat16 and amx_moe_allowed() and cpu_amx.amx_fits(w13):
             from kernels.cpu_amx_moe import AmxExperts, AmxOrNative
 
             both = AmxOrNative(packed, AmxExperts.pack(w13, w2, **kw))

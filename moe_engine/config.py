@@ -267,6 +267,14 @@ def amx_allowed() -> bool:
     return os.environ.get("MOE_ENGINE_AMX", "1") != "0"
 
 
+def amx_moe_allowed() -> bool:
+    """Whether the AMX fused MoE may run (MOE_ENGINE_AMX=all; off by default). It rounds the
+    SwiGLU output to bfloat16 for its down projection, where the native kernel keeps float32,
+    and takes over only from 4 rows per expert, so with it a request's greedy tokens depend on
+    the batch it runs in (tests/test_structured_output.py's free requests changed)."""
+    return os.environ.get("MOE_ENGINE_AMX") == "all"
+
+
 def default_threads() -> int:
     """Intra-op CPU threads: MOE_ENGINE_THREADS, else every core this process may run on.
 

@@ -292,9 +292,12 @@ def test_deadline_aborts_request(stub: pb_grpc.MoeEngineStub) -> None:
     """A deadline a third of the time the same request takes to finish here (however fast
     the machine) ends it with DEADLINE_EXCEEDED and aborts it in the engine."""
     long = request([12] * 4, max_tokens=250, ignore_eos=True)
-    t0 = time.monotonic()
-    collect(stub, long)
-    deadline_s = max((time.monotonic() - t0) / 3, 0.05)
+    took = []
+    for _ in range(2):  # the faster of two: a load spike in one would make the deadline loose
+        t0 = time.monotonic()
+        collect(stub, long)
+        took.append(time.monotonic() - t0)
+    deadline_s = max(min(took) / 3, 0.05)
     start = stats(stub)
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as info:
