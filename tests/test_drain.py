@@ -1,13 +1,15 @@
 """SIGTERM drains `moe-serve` (one rank, and two expert-parallel ranks started by torch's elastic
 launcher), as a user runs it: a subprocess on the tiny checkpoint.
 
-With one batch slot (--max-num-seqs 1), a short request runs while three long ones queue behind
+With one batch slot (--max-num-seqs 1), a short request runs while eight long ones queue behind
 it. On SIGTERM: health turns NOT_SERVING and new requests get UNAVAILABLE at once; the short
 request finishes; when --drain-timeout runs out, whatever is left is aborted (each stream ends
 with one finish_reason "abort" response); the process exits 0 and leaves no child behind.
-Three long requests of 1016 tokens cannot all finish in the 3-second drain (6 s at ep 2) unless
-the engine steps faster than 1 ms (2 ms at ep 2; it takes about 5 ms, and over 10 ms at ep 2,
-on the project's 2-core machine), while the 60-token short one has 50 ms (100 ms) per step.
+Eight long requests of 1016 tokens cannot all finish in the 3-second drain (6 s at ep 2) unless
+the engine steps faster than 0.37 ms (0.74 ms at ep 2; a batch-1 step of the tiny checkpoint
+takes about 1 ms on a quiet AVX-512 core and 5 ms on a loaded 2-core machine), while the
+60-token short one has 50 ms (100 ms) per step. (Three long requests were not enough once the
+native kernels got faster: all three finished inside the drain.)
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 DRAIN_TIMEOUT_S = {1: 3.0, 2: 6.0}
 SHORT_TOKENS = 60
 LONG_TOKENS = 1016
+NUM_LONG = 8
 
 
 def _children(pid: int) -> set[int]:
@@ -131,7 +134,7 @@ def test_sigterm_drains_then_aborts_and_exits_0(qwen3_ckpt: Path, ep_size: int) 
             assert short.started.wait(60) and short.error is None
             longs = [
                 _Stream(stub, request([8 + i] * 4, max_tokens=LONG_TOKENS, ignore_eos=True))
-                for i in range(3)
+                for i in range(NUM_LONG)
             ]
             for stream in longs:
                 stream.start()
