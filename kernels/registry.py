@@ -50,13 +50,14 @@ OPS = (
     "linear",  # dense projections (QKV, output, router, dense MLP, LM head)
     "rms_norm",
     "rotary",  # rope (native-cpu: with q/k norm and the KV-cache write, one call per layer)
+    "router_topk",  # the routers' stable top-k expert selection
 )
 
 #: Which ops each backend implements.
 IMPLEMENTS: dict[str, frozenset[str]] = {
     NATIVE_CPU: frozenset(
         {"fused_moe", "fused_moe_int4", "fused_moe_mxfp4", "attention_decode", "linear",
-         "rms_norm", "rotary"}
+         "rms_norm", "rotary", "router_topk"}
     ),
     TORCH: frozenset(OPS),
     TRITON: frozenset(

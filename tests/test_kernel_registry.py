@@ -34,7 +34,7 @@ def test_auto_on_cpu_takes_native_where_it_has_a_kernel_torch_elsewhere():
     plan = choose_kernels("cpu", "auto", probe=runs_everywhere)
     assert set(plan.as_dict()) == set(OPS)
     for op in ("fused_moe", "fused_moe_int4", "fused_moe_mxfp4", "attention_decode", "linear",
-               "rms_norm", "rotary"):
+               "rms_norm", "rotary", "router_topk"):
         assert plan.backend(op) == NATIVE_CPU, op
     for op in ("attention_prefill", "mla_decode"):
         assert plan.backend(op) == TORCH, op  # auto never takes triton on a CPU
@@ -56,7 +56,7 @@ def test_a_native_build_failure_falls_back_to_torch_and_says_why():
     lines = plan.describe().splitlines()
     assert lines[1:] == [  # one line per reason, naming its ops
         "  fused_moe, fused_moe_int4, fused_moe_mxfp4, attention_decode, linear, rms_norm, "
-        "rotary: not native-cpu: building kernels/csrc failed: no C++ compiler"
+        "rotary, router_topk: not native-cpu: building kernels/csrc failed: no C++ compiler"
     ]
 
 

@@ -79,6 +79,13 @@ MOE_ENGINE_API int32_t moe_rms_norm(const void* x, int64_t A, int64_t B, int64_t
                                     int32_t weight_in_float32, int32_t bf16, void* y,
                                     int32_t threads);
 
+// csrc/ops_cpu.cpp: the k largest of each row of scores [T, N] float32 (contiguous), in
+// descending order, the lower index first among equal values and NaN above every number:
+// exactly the first k of a stable descending sort (torch.sort(descending=True, stable=True)).
+// values [T, k] float32, ids [T, k] int32; 1 <= k <= N <= 4096, else kBadArgument.
+MOE_ENGINE_API int32_t moe_stable_topk(const float* scores, int64_t T, int64_t N, int64_t k,
+                                       float* values, int32_t* ids, int32_t threads);
+
 // csrc/rope_cpu.cpp: the attention prologue of one layer. qkv [T, (Hq + 2 Hkv) D] (q heads,
 // then k heads, then v heads; float32, or bfloat16 when bf16); positions [T] int64 (each in
 // [0, P), else kBadArgument); cos, sin [P, D] float32 (the rotate-half tables); q_norm, k_norm

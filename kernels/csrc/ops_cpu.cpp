@@ -9,7 +9,13 @@
 // Normalization"), statistics in float32, with the rounding of Hugging Face transformers'
 // Qwen3/Mixtral `RMSNorm`: the normalised value is cast to x's dtype before the multiply by the
 // weight (or, with weight_in_float32, the product is formed in float32 and cast once: gpt-oss).
+//
+// stable_topk: the router's expert selection. k passes of an argmax over the row, each pass
+// taking the first (lowest-index) maximum among the values not yet taken: the first k entries of
+// a stable descending sort (the order Hugging Face transformers' torch.topk leaves unspecified
+// for ties), without sorting all N. O(k N) per row; k <= 8 and N <= 256 for the models served.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -48,9 +54,28 @@ void rms_rows(const T* x, int64_t A, int64_t B, int64_t D, int64_t sa, int64_t s
   });
 }
 
+// Whether a ranks above b in a descending sort: larger, or NaN over a number (torch.sort).
+inline bool ranks_above(float a, float b) {
+  return a > b || (std::isnan(a) && !std::isnan(b));
+}
+
+void topk_row(const float* row, int64_t N, int64_t k, float* values, int32_t* ids) {
+  bool taken[4096];
+  std::fill(taken, taken + N, false);
+  for (int64_t j = 0; j < k; ++j) {
+    int64_t best = -1;
+    for (int64_t n = 0; n < N; ++n) {
+      if (!taken[n] && (best < 0 || ranks_above(row[n], row[best]))) best = n;
+    }
+    taken[best] = true;
+    values[j] = row[best];
+    ids[j] = static_cast<int32_t>(best);
+  }
+}
+
 }  // namespace
 
-int32_t moe_engine_abi_version(void) { return 4; }
+int32_t moe_engine_abi_version(void) { return 5; }
 
 // gemm.h: 512 in the AVX-512 variant, 256 in the AVX2 one.
 int32_t moe_engine_vector_bits(void) { return MOE_ENGINE_VECTOR_BITS; }
@@ -67,5 +92,16 @@ int32_t moe_rms_norm(const void* x, int64_t A, int64_t B, int64_t D, int64_t sa,
     rms_rows(static_cast<const float*>(x), A, B, D, sa, sb, static_cast<const float*>(weight),
              eps, weight_in_float32 != 0, static_cast<float*>(y), threads);
   }
+  return kOk;
+}
+
+int32_t moe_stable_topk(const float* scores, int64_t T, int64_t N, int64_t k, float* values,
+                        int32_t* ids, int32_t threads) {
+  if (k < 1 || k > N || N > 4096 || T < 0) return kBadArgument;
+  moe_engine::parallel_for(T, 256, threads, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      topk_row(scores + t * N, N, k, values + t * k, ids + t * k);
+    }
+  });
   return kOk;
 }

@@ -22,6 +22,8 @@ persistent float32 buffer `e_score_correction_bias` [E]. Each module's forward t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,8 +32,19 @@ from torch import nn
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 
 
+#: `select(scores [T, N] float32, k) -> (values [T, k] float32, ids [T, k] int32/int64)`: the k
+#: largest of each row, descending, the lower index first on ties.
+TopK = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def sort_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`TopK` through a stable descending sort (torch ops; any device)."""
+    values, ids = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[:, :k], ids[:, :k]
+
+
 def softmax_topk(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, select: TopK = sort_topk
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over all experts, then the top-k, optionally renormalised to sum to 1.
 
@@ -43,13 +56,15 @@ def softmax_topk(
         router_logits: [T, E] any float dtype.
         top_k: experts per token.
         renormalize: divide the k probabilities by their sum.
+        select: the top-k selection (`sort_topk`, or the native-cpu `kernels.cpu_ops.
+            stable_topk` that `FusedMoE.bind_kernels` takes for the "router_topk" op: the
+            same ids and values, bit for bit).
 
     Returns:
         topk_weights [T, k] float32, topk_ids [T, k] int32.
     """
     probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
-    weights, ids = weights[:, :top_k], ids[:, :top_k]
+    weights, ids = select(probs, top_k)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids.to(torch.int32)
