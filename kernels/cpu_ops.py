@@ -55,11 +55,15 @@ def rms_norm(
     return y
 
 
-def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def stable_topk(scores: torch.Tensor, k: int, renormalize: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest scores of each row, descending, the lower index first on ties (NaN above
     every number): what `torch.sort(scores, descending=True, stable=True)[..., :k]` gives, as
     one native pass per row instead of a full sort (csrc/ops_cpu.cpp `moe_stable_topk`; a
-    [2048, 32] sort took 1.5-2.8 ms on the project's 2 cores).
+    [2048, 32] sort took 1.5-2.8 ms on the project's 2 cores). With `renormalize` the values
+    are then divided by their row's sum by the torch ops `routing.sort_topk` uses (torch's
+    float sum over a short last dimension is not always left to right: 5-7 values are not,
+    measured, so a native sum would not be bit-identical).
 
     Args:
         scores: [T, N] float32 (router probabilities), 1 <= k <= N <= 4096.
@@ -82,6 +86,8 @@ def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     ids = torch.empty(t, k, dtype=torch.int32)
     check_status(lib.moe_stable_topk(scores.data_ptr(), t, n, k, values.data_ptr(),
                                      ids.data_ptr(), torch.get_num_threads()), "stable_topk")
+    if renormalize:
+        values = values / values.sum(dim=-1, keepdim=True)
     return values, ids
 
 

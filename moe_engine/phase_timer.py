@@ -10,8 +10,24 @@ times unless the caller synchronises, so they are meant for CPU runs and for rel
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+
+
+class _Phase:
+    """One timed `with` block of a `PhaseTimer` (a plain context manager: about a third of a
+    generator-based `contextmanager`'s overhead, and the MoE block enters five per layer)."""
+
+    __slots__ = ("timer", "name", "start")
+
+    def __init__(self, timer: PhaseTimer, name: str) -> None:
+        self.timer, self.name, self.start = timer, name, 0.0
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        seconds, calls = self.timer.seconds, self.timer.calls
+        seconds[self.name] = seconds.get(self.name, 0.0) + time.perf_counter() - self.start
+        calls[self.name] = calls.get(self.name, 0) + 1
 
 
 class PhaseTimer:
@@ -26,15 +42,10 @@ class PhaseTimer:
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
 
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Time the body of a `with` block under `name` (about 1 us of overhead)."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-            self.calls[name] = self.calls.get(name, 0) + 1
+    def phase(self, name: str) -> _Phase:
+        """Time the body of a `with` block under `name` (well under 1 us of overhead); an
+        exception in the body is timed too and propagates."""
+        return _Phase(self, name)
 
     def snapshot(self) -> dict[str, float]:
         """A copy of `seconds`."""

@@ -24,9 +24,9 @@ def _gen() -> torch.Generator:
     return torch.Generator().manual_seed(torch.seed() % (2**31))
 
 
-def _same(scores: torch.Tensor, k: int) -> None:
-    values, ids = stable_topk(scores, k)
-    want_values, want_ids = sort_topk(scores, k)
+def _same(scores: torch.Tensor, k: int, renormalize: bool = False) -> None:
+    values, ids = stable_topk(scores, k, renormalize)
+    want_values, want_ids = sort_topk(scores, k, renormalize)
     assert ids.dtype == torch.int32 and values.dtype == torch.float32
     assert torch.equal(ids.long(), want_ids)
     assert torch.equal(values.view(torch.int32), want_values.contiguous().view(torch.int32))
@@ -36,7 +36,9 @@ def _same(scores: torch.Tensor, k: int) -> None:
                                    (3, 256, 8), (5, 5, 5), (300, 128, 1)])
 def test_matches_a_stable_descending_sort(t, n, k):
     g = _gen()
-    _same(torch.softmax(torch.randn(t, n, generator=g), -1), k)
+    probs = torch.softmax(torch.randn(t, n, generator=g) * 3, -1)
+    _same(probs, k)
+    _same(probs, k, renormalize=True)
     # ties everywhere: few distinct values, signed zeros
     tied = torch.randint(-2, 3, (t, n), generator=g).float() * 0.5
     tied[tied == 0] = torch.where(torch.rand(int((tied == 0).sum()), generator=g) < 0.5,
@@ -50,6 +52,12 @@ def test_nan_ranks_above_every_number_as_in_torch_sort():
     scores[torch.rand(16, 32, generator=g) < 0.2] = float("nan")
     scores[3] = float("nan")
     _same(scores, 6)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 6, 8, 9, 16])
+def test_renormalized_values_equal_the_sort_paths(k):
+    g = _gen()
+    _same(torch.rand(4000, 64, generator=g) ** 4, k, renormalize=True)
 
 
 def test_softmax_topk_is_bit_identical_with_either_selection():
@@ -78,7 +86,7 @@ def test_fused_moe_binds_the_registry_choice(monkeypatch):
                    renormalize=True, dtype=torch.float32)
     calls = []
     monkeypatch.setattr("moe_engine.models.layers.moe.stable_topk",
-                        lambda s, k: calls.append(k) or sort_topk(s, k))
+                        lambda s, k, r: calls.append(k) or sort_topk(s, k, r))
     moe.bind_kernels(KernelPlan.uniform("torch"))
     moe._route(torch.randn(3, 32))
     assert calls == []

@@ -32,15 +32,20 @@ from torch import nn
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 
 
-#: `select(scores [T, N] float32, k) -> (values [T, k] float32, ids [T, k] int32/int64)`: the k
-#: largest of each row, descending, the lower index first on ties.
-TopK = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+#: `select(scores [T, N] float32, k, renormalize) -> (values [T, k] float32, ids [T, k]
+#: int32/int64)`: the k largest of each row, descending, the lower index first on ties; with
+#: renormalize the values divided by their row's sum.
+TopK = Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]]
 
 
-def sort_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_topk(scores: torch.Tensor, k: int, renormalize: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """`TopK` through a stable descending sort (torch ops; any device)."""
     values, ids = torch.sort(scores, dim=-1, descending=True, stable=True)
-    return values[:, :k], ids[:, :k]
+    values, ids = values[:, :k], ids[:, :k]
+    if renormalize:
+        values = values / values.sum(dim=-1, keepdim=True)
+    return values, ids
 
 
 def softmax_topk(
@@ -64,9 +69,7 @@ def softmax_topk(
         topk_weights [T, k] float32, topk_ids [T, k] int32.
     """
     probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = select(probs, top_k)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights, ids = select(probs, top_k, renormalize)
     return weights, ids.to(torch.int32)
 
 
