@@ -283,13 +283,62 @@ def default_threads() -> int:
     sharing a core costs the front end's own time only. (With OpenMP barriers it did not:
     steps ran up to 10x slower, and an earlier default left one core to the front end, which
     cost a third of the served throughput on 2 cores; issue 17's note has the measurements.)
+
+    Raises:
+        ValueError: MOE_ENGINE_THREADS is not a positive integer.
     """
-    if "MOE_ENGINE_THREADS" in os.environ:
-        return int(os.environ["MOE_ENGINE_THREADS"])
+    threads = _env_int("MOE_ENGINE_THREADS", minimum=1)
+    if threads is not None:
+        return threads
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def _env_int(name: str, minimum: int) -> int | None:
+    """Environment variable `name` as an integer >= minimum, or None when unset or empty.
+
+    Raises:
+        ValueError: naming the variable, its value and the limit.
+    """
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ValueError(f"{name}={os.environ[name]!r}: must be an integer >= {minimum}")
+    return value
+
+
+#: Values MOE_ENGINE_AMX accepts (`amx_allowed`, `amx_moe_allowed`).
+AMX_SETTINGS = ("0", "1", "all")
+
+
+def check_cpu_environment() -> None:
+    """Check the CPU knobs of the environment before anything starts (moe-serve calls it
+    before its port opens): MOE_ENGINE_THREADS (integer >= 1), MOE_ENGINE_SPIN_US (integer
+    >= 0; the kernels' pool would read anything else as 0), MOE_ENGINE_AMX (one of
+    `AMX_SETTINGS`), MOE_ENGINE_CPU_ISA (`kernels.native.choose_isa`: auto, avx2, avx512, one
+    this CPU runs).
+
+    Raises:
+        ValueError: the first bad one, naming the variable, its value and what it accepts.
+    """
+    _env_int("MOE_ENGINE_THREADS", minimum=1)
+    _env_int("MOE_ENGINE_SPIN_US", minimum=0)
+    amx = os.environ.get("MOE_ENGINE_AMX")
+    if amx is not None and amx not in AMX_SETTINGS:
+        raise ValueError(f"MOE_ENGINE_AMX={amx!r}: must be one of {', '.join(AMX_SETTINGS)}")
+    from kernels.native import NativeUnavailable, choose_isa
+
+    try:
+        choose_isa()
+    except NativeUnavailable:  # no AVX2 under auto: the torch kernels run, as logged later
+        pass
 
 
 def cache_root() -> Path:

@@ -43,6 +43,7 @@ from moe_engine.config import (
     ParallelConfig,
     QuantConfig,
     SchedulerConfig,
+    check_cpu_environment,
 )
 from moe_engine.errors import StartupError
 from moe_engine.loader import safetensors_files
@@ -474,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     level = getattr(logging, args.log_level)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        check_cpu_environment()  # MOE_ENGINE_THREADS=abc and the like: exit 1, port closed
         options = server_options_from_args(args)  # before anything is made or loaded
         model = resolve_model(args.model)
         config = engine_config_from_args(args, model)
