@@ -5,7 +5,7 @@ checkpoint, made by bench/llamacpp_gguf.py), each a `bench/llamacpp_runner.py` p
 python of the venv `bench/setup_llamacpp.sh` makes (run on demand), loading the shared library
 that script built from the llama-cpp-python sdist. Rows are named `llama.cpp-<type>`; every
 further `--llamacpp-config` adds a row per type named `llama.cpp-<type>-<config>` (for trying
-settings side by side, as bench/NOTES.md section 10 did).
+settings side by side, as bench/NOTES.md section 12 did).
 
 A config is `key=value` items joined by commas. Keys are the runner's options with `_` for `-`
 (RUNNER_KEYS), `env.NAME=VALUE` sets an environment variable of the runner, and a `TYPE:` prefix
@@ -34,11 +34,16 @@ ROW_PREFIX = "llama.cpp"
 #: kv_unified is a switch (`kv_unified=1`).
 RUNNER_KEYS = ("threads", "threads_batch", "n_batch", "n_ubatch", "flash_attn", "type_k",
                "type_v", "seq_order", "extra_bufts", "kv_unified")
-#: The settings bench/NOTES.md section 10 measured best on the project's machine (2 cores,
-#: AVX-512 + AMX). OMP_WAIT_POLICY=passive: ggml's OpenMP threads sleep between graphs, so an
-#: idle runner takes no CPU from the row being timed (llama.cpp's own barrier inside a graph
-#: still spins, as it always does).
-DEFAULT_CONFIG = "threads=2,flash_attn=off"
+#: The settings bench/NOTES.md section 12 measured best on the project's machine (2 cores,
+#: AVX-512 + AMX): every CPU this process may use as a thread (2 beat 1 by 1.5-2x), flash
+#: attention off (on: 20-30% slower), ggml-cpu's extra buffer types on (AMX / repacked Q8_0 and
+#: Q4_0: 15-35% faster; no effect on f32 and bf16), n_ubatch 512 (128 and 2048 no better), one
+#: KV stream per sequence (a unified KV cache: 3-4x slower), and for the f32 row an f32 KV cache
+#: (as fast as f16 and token-exact with moe-engine in float32; f16 KV is not). OpenMP keeps its
+#: default wait policy: libgomp spins briefly, then sleeps, so an idle runner takes no CPU
+#: (measured 0.0 cores), while OMP_WAIT_POLICY=passive halved the throughput.
+DEFAULT_CONFIG = (f"threads={len(os.sched_getaffinity(0))},flash_attn=off,extra_bufts=on,"
+                  "n_ubatch=512,f32:type_k=f32,f32:type_v=f32")
 
 
 def parse_config(text: str, gguf_type: str) -> tuple[list[str], dict[str, str]]:

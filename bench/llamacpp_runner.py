@@ -7,8 +7,8 @@ LLAMA_CPP_LIB_PATH before the import). The model is one GGUF (`bench/llamacpp_gg
 ids go in as they are (the GGUF's tokenizer is never used) and every token is chosen here by
 argmax over the logits (greedy; no EOS check, so each request gets exactly its output_len).
 
-Two modes, both timed around the decoding alone (model and contexts are made before "ready",
-except the batch-1 context, made untimed on its first use):
+Two modes, both timed around the decoding alone (the model and both contexts are made before
+"ready"):
   - batched (default): ALL requests at once in one context with `n_seq_max` = number of
     requests, one sequence id per request (given out longest output first, `seq_order`):
     every prompt is prefilled through `llama_batch`es of up to `--n-batch` tokens (prompts
@@ -126,7 +126,7 @@ class Engine:
         else:
             n_ctx = n * self.seq_cells
         self.ctx = self._context(n_ctx, n)
-        self.ctx1 = None
+        self.ctx1 = self._context(self.seq_cells, 1)
         self.batch = TokenBatch(ll, max(args.n_batch, n))
 
     def _context(self, n_ctx: int, n_seq: int) -> Any:
@@ -205,8 +205,7 @@ class Engine:
         return by_request
 
     def run_batch1(self, num_requests: int) -> list[list[int]]:
-        if self.ctx1 is None:
-            self.ctx1 = self._context(self.seq_cells, 1)
+        """The first `num_requests` requests one after another, each alone in `ctx1`."""
         outs = []
         for r in self.requests[:num_requests]:
             self.ll.llama_memory_clear(self.ll.llama_get_memory(self.ctx1), True)
@@ -215,8 +214,7 @@ class Engine:
 
     def close(self) -> None:
         for ctx in (self.ctx, self.ctx1):
-            if ctx:
-                self.ll.llama_free(ctx)
+            self.ll.llama_free(ctx)
         self.ll.llama_model_free(self.model)
 
 
@@ -310,12 +308,14 @@ def main() -> int:
     p.add_argument("--requests", required=True, help="JSON file of the workload's requests")
     p.add_argument("--lib-dir", default=None,
                    help="folder of libllama.so (default: $LLAMA_CPP_LIB_PATH, else the package's)")
-    p.add_argument("--threads", type=int, default=2, help="n_threads (one-token batches)")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                   help="n_threads (one-token batches; default: the CPUs this process may use)")
     p.add_argument("--threads-batch", type=int, default=None,
                    help="n_threads_batch (batches of > 1 token; default --threads)")
     p.add_argument("--n-batch", type=int, default=2048, help="tokens per llama_decode")
     p.add_argument("--n-ubatch", type=int, default=512, help="tokens per compute graph")
-    p.add_argument("--flash-attn", choices=sorted(FLASH_ATTN), default="auto")
+    p.add_argument("--flash-attn", choices=sorted(FLASH_ATTN), default="off",
+                   help="off measured 20-30%% faster than on here (bench/NOTES.md section 12)")
     p.add_argument("--type-k", choices=sorted(KV_TYPES), default="f16")
     p.add_argument("--type-v", choices=sorted(KV_TYPES), default="f16")
     p.add_argument("--seq-order", choices=["longest-first", "arrival"], default="longest-first",
