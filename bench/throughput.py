@@ -18,9 +18,14 @@ Rows:
     in its own runner process (bench/vllm_peer.py, bench/vllm_runner.py), in its best
     configuration (both cores, tcmalloc + Intel OpenMP) and, as `vllm-cpu-*-default`, in its
     own default binding (one compute thread, the faster one when the machine is busy);
+  - `llama.cpp-f32`, `llama.cpp-bf16`, `llama.cpp-q8_0`, `llama.cpp-q4_0` (`--baseline
+    llamacpp`): llama.cpp built from the llama-cpp-python sdist (bench/setup_llamacpp.sh), one
+    runner process per GGUF of the same checkpoint (bench/llamacpp_peer.py,
+    bench/llamacpp_runner.py), all requests in one batch;
   - any other registered peer (`PEERS`): a runner speaking bench/peer_runner.py's protocol.
 
     python bench/throughput.py --table --baseline vllm      # the table (many minutes)
+    python bench/throughput.py --table --baseline vllm,llamacpp
     python bench/throughput.py --table --baseline all --json
     python bench/throughput.py --num-requests 8 --runs 1 --warmup 0   # smoke run
     python bench/throughput.py --engines moe-engine --json  # one row, one JSON object
@@ -42,6 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import llamacpp_peer  # noqa: E402
 import vllm_peer  # noqa: E402
 from local_engines import (  # noqa: E402
     DTYPES,
@@ -69,7 +75,7 @@ logger = logging.getLogger("bench.throughput")
 
 #: `--baseline` name -> the peer. Adding one is an entry here plus its module (its rows and
 #: flags, as bench/vllm_peer.py) and its runner (the protocol of bench/peer_runner.py).
-PEERS: dict[str, PeerFamily] = {"vllm": vllm_peer.VLLM}
+PEERS: dict[str, PeerFamily] = {"vllm": vllm_peer.VLLM, "llamacpp": llamacpp_peer.LLAMACPP}
 BASELINES = ("transformers", *PEERS)
 #: Keys of a row's info the printed report leaves to the JSON (they repeat others).
 _REPEATED_INFO = ("preload", "ld_preload", "num_requests", "dtype")
