@@ -114,6 +114,7 @@ def _installed_f32_gguf(lp: ModuleType) -> tuple[Path, Path] | None:
     return (root, ggufs[0]) if ggufs and python.is_file() else None
 
 
+@pytest.mark.slow  # loads the bench checkpoint's f32 GGUF (458 MB) in a real runner
 def test_real_runner_both_modes_and_idle(lp: ModuleType, tmp_path: Path) -> None:
     found = _installed_f32_gguf(lp)
     if found is None:
