@@ -38,7 +38,6 @@ constexpr int64_t kRows = 16;   // rows of an A or C tile
 constexpr int64_t kCols = 16;   // output columns of a B or C tile
 constexpr int64_t kDepth = 32;  // bfloat16 values of K per tile step
 constexpr int kMaxColTiles = 4;
-constexpr int64_t kPrefetch = 4;  // k steps ahead that block_1xn prefetches the weights
 
 // LDTILECFG's 64-byte operand, palette 1.
 struct alignas(64) TileConfig {
@@ -70,12 +69,10 @@ MOE_AMX_INLINE void block_1xn(const uint16_t* a0, int64_t lda, const uint16_t* c
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
+  // One row tile: bound by streaming the weights, which the hardware prefetchers fetch
+  // alone (n sequential streams); a software prefetch of each tile's slice 2-8 k steps ahead
+  // measured 10-20% slower here (bench/NOTES.md section 9, "small batches").
   for (int64_t k = 0; k < K; k += kDepth) {
-    // One row tile: bound by streaming the weights; fetch their slice 4 steps ahead.
-    for (int j = 0; j < n; ++j) {
-      const char* next = reinterpret_cast<const char*>(b[j] + (k + kPrefetch * kDepth) * 16);
-      for (int line = 0; line < 16; ++line) _mm_prefetch(next + line * 64, _MM_HINT_T0);
-    }
     _tile_loadd(4, a0 + k, sa);
     _tile_loadd(5, b[0] + k * 16, 64);
     _tile_dpbf16ps(0, 4, 5);
