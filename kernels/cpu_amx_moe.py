@@ -9,8 +9,8 @@ once to bfloat16 to feed the down projection; the float32 kernel keeps it float3
 
 A bfloat16 layer on an AMX CPU binds this kernel alone, for every batch size
 (`kernels.moe_backends.bind_float_experts`): from 8 rows per expert it is 2-4x the AVX2
-kernel, at 1-2 rows per expert about even (bench/NOTES.md "AMX bf16 kernels"), and one kernel
-for all sizes keeps a token's result independent of the batch it runs in (each output element
+kernel, at 1-2 rows per expert 0.85-1.3x (bench/NOTES.md section 9, "small batches"), and one
+kernel for all sizes keeps a token's result independent of the batch it runs in (each output element
 accumulates over K in the same order whatever the tile blocking; tests/test_amx_kernels.py).
 """
 

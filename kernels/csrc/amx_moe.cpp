@@ -11,11 +11,12 @@
 //   - each expert's rows start at a multiple of 16 (a tile's rows); the padding rows are zero
 //     and their results are never read;
 //   - the gathered rows stay bfloat16 (the A operand), K padded with zeros to a multiple of 32;
-//   - the SwiGLU output, computed in float32 from the float32 gate and up sums exactly as
-//     moe_cpu.cpp's Activation does, is rounded once to bfloat16 (round to nearest even) to be
-//     the down projection's A operand: one rounding where moe_cpu.cpp keeps float32 (the
-//     reference in bfloat16, transformers' Qwen3-MoE / Mixtral experts, rounds the gate, the up,
-//     the SiLU and the product each to bfloat16);
+//   - the SwiGLU output, computed in float32 from the float32 gate and up sums in the
+//     operation order of moe_cpu.cpp's Activation (exp by a vector Cephes expf, within 2 ulp
+//     of std::exp; only on rows that hold pairs), is rounded once to bfloat16 (round to
+//     nearest even) to be the down projection's A operand: one rounding where moe_cpu.cpp
+//     keeps float32 (the reference in bfloat16, transformers' Qwen3-MoE / Mixtral experts,
+//     rounds the gate, the up, the SiLU and the product each to bfloat16);
 //   - the down projection's float32 sums (+ bias) are combined in float32 as moe_cpu.cpp does,
 //     then rounded once to bfloat16.
 // Parallelism: the pool of thread_pool.h over (expert, row chunk, column group) work items.
@@ -237,8 +238,8 @@ void route_run_combine(const uint16_t* hidden, const uint16_t* w13, const uint16
     token_of_row[r] = p / k;
   }
   // Uninitialised (the gather writes every row of xs, padding included, and inter's padding
-  // rows and columns; gate_up writes the rest of inter, down all of y that is read): zeroing them cost
-  // more than the GEMMs' epilogues at 2048 tokens.
+  // rows and columns; gate_up writes the rest of inter, down all of y that is read): zeroing
+  // them cost more than the GEMMs' epilogues at 2048 tokens.
   const std::unique_ptr<uint16_t[]> xs(new uint16_t[P * d.Hk]);
   const std::unique_ptr<uint16_t[]> inter(new uint16_t[P * d.Ik]);
   const moe_engine::Buffer y = moe_engine::make_buffer(P * d.Ht * amx::kCols);
