@@ -48,13 +48,16 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Every tile 16 x 64 bytes. Loaded at the start of each work item: the thread may have run a
-// oneDNN AMX kernel (another configuration, or released tiles) since the last item.
-MOE_AMX_INLINE void configure_tiles() {
+// Every tile 64 bytes wide; the B tiles (tmm5-7) 16 rows, tmm0-4 (the C tiles and block_1xn's
+// A tile) `m` rows, 1 <= m <= 16: a 1 x n block of m < 16 real rows then loads, multiplies and
+// stores only those (each row's sums are the same whatever m: rows are independent). block_2xn
+// needs m = 16 (its second A tile is tmm5). Loaded at the start of each work item: the thread
+// may have run a oneDNN AMX kernel (another configuration, or released tiles) since then.
+MOE_AMX_INLINE void configure_tiles(int m = kRows) {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
+    cfg.rows[t] = t <= 4 ? m : 16;
   }
   _tile_loadconfig(&cfg);
 }
