@@ -11,9 +11,8 @@ over weights packed once, at bind time, into the VNNI pair layout the instructio
 Whether they run is decided once per process, in `amx_unavailable_reason` (CPU features, the
 OS, Linux's tile-data permission, `MOE_ENGINE_AMX`; logged once); the layers then use them for
 batches within the crossovers measured in bench/NOTES.md ("AMX bf16 kernels"):
-`LINEAR_MIN_ROWS` to `LINEAR_MAX_ROWS` rows for a dense linear (torch's GEMM above), from
-`MOE_MIN_ROWS_PER_EXPERT` (token, expert) pairs per active expert for the fused MoE (the AVX2
-kernel below).
+`LINEAR_MIN_ROWS` to `LINEAR_MAX_ROWS` rows for a dense linear (torch's GEMM above), and every
+batch for the fused MoE (kernels/cpu_amx_moe.py).
 """
 
 from __future__ import annotations
@@ -35,8 +34,6 @@ COLS, DEPTH = 16, 32
 #: Rows from which `AmxLinear` beats the AVX2 linear, and above which torch's bf16 GEMM (oneDNN,
 #: AMX too) is as fast or faster (bench/NOTES.md, "AMX bf16 kernels").
 LINEAR_MIN_ROWS, LINEAR_MAX_ROWS = 1, 256
-#: Mean rows per active expert from which `AmxExperts` beats the AVX2 fused MoE (same note).
-MOE_MIN_ROWS_PER_EXPERT = 4
 
 _REASONS = {1: "the CPU lacks AMX-TILE/AMX-BF16",
             3: "the OS does not enable the AMX tile state (XCR0)",
@@ -58,9 +55,8 @@ def amx_unavailable_reason() -> str | None:
         if not _decided:
             _decided.append(_decide())
             if _decided[0] is None:
-                logger.info("AMX bf16 kernels on: linear at %d-%d rows, fused MoE from %d rows "
-                            "per expert", LINEAR_MIN_ROWS, LINEAR_MAX_ROWS,
-                            MOE_MIN_ROWS_PER_EXPERT)
+                logger.info("AMX bf16 kernels on: linear at %d-%d rows, fused MoE at every "
+                            "batch size", LINEAR_MIN_ROWS, LINEAR_MAX_ROWS)
             else:
                 logger.info("AMX bf16 kernels off: %s", _decided[0])
     return _decided[0]

@@ -7,9 +7,11 @@ GEMM, weighted sum in float32) with bfloat16 tiles: the result of
 `kernels.reference.fused_moe_reference` within bfloat16 rounding (the SwiGLU output is rounded
 once to bfloat16 to feed the down projection; the float32 kernel keeps it float32).
 
-`AmxOrNative` is what a layer binds on an AMX CPU: per call, the AMX kernel when the batch
-gives the active experts at least `cpu_amx.MOE_MIN_ROWS_PER_EXPERT` rows on average (measured
-crossover, bench/NOTES.md "AMX bf16 kernels"), the AVX2 kernel below that.
+A bfloat16 layer on an AMX CPU binds this kernel alone, for every batch size
+(`kernels.moe_backends.bind_float_experts`): from 8 rows per expert it is 2-4x the AVX2
+kernel, at 1-2 rows per expert 0.85-1.3x (bench/NOTES.md section 9, "small batches"), and one
+kernel for all sizes keeps a token's result independent of the batch it runs in (each output element
+accumulates over K in the same order whatever the tile blocking; tests/test_amx_kernels.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from kernels import cpu_amx
 from kernels.activation import SILU_AND_MUL, SwiGLU
 from kernels.cpu_amx import pack_vnni
 from kernels.cpu_moe_args import route_args
-from kernels.cpu_native import PackedExperts, bias_args
+from kernels.cpu_native import bias_args
 from kernels.native import check_status, load_native
 
 
@@ -125,32 +127,3 @@ class AmxExperts:
                 raise RuntimeError(f"{name} must be float32 {list(want)}, got {t.dtype} "
                                    f"{tuple(t.shape)}")
         return self.b13.data_ptr(), self.b2.data_ptr()
-
-
-@dataclass(frozen=True, eq=False)
-class AmxOrNative:
-    """A bfloat16 layer's experts on an AMX CPU: `amx` for bfloat16 batches with at least
-    `min_rows` rows per active expert on average, `native` (the AVX2 kernel) otherwise.
-
-    Attributes:
-        native: the AVX2 layout (`PackedExperts`); amx: the AMX one (`AmxExperts`).
-        min_rows: the crossover, rows per active expert (`cpu_amx.MOE_MIN_ROWS_PER_EXPERT`).
-    """
-
-    native: PackedExperts
-    amx: AmxExperts
-    min_rows: int = cpu_amx.MOE_MIN_ROWS_PER_EXPERT
-
-    @property
-    def held(self) -> tuple[torch.Tensor, ...]:
-        return (self.native.w13, self.native.w2, self.native.b13, self.native.b2,
-                self.amx.w13, self.amx.w2)
-
-    def __call__(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
-                 topk_ids: torch.Tensor) -> torch.Tensor:
-        """As `PackedExperts.__call__`."""
-        pairs = topk_ids.numel()
-        active = min(pairs, self.amx.experts)  # at most: a lower bound of rows per expert
-        if hidden.dtype == torch.bfloat16 and pairs >= self.min_rows * max(1, active):
-            return self.amx(hidden, topk_weights, topk_ids)
-        return self.native(hidden, topk_weights, topk_ids)

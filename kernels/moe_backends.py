@@ -188,11 +188,11 @@ def bind_float_experts(
 ) -> BoundExperts:
     """Float experts (w13 [E, 2I, H], w2 [E, H, I], the layer's parameters) on `backend`.
 
-    native-cpu packs a copy (`PackedExperts.pack`: 16-column k-major tiles, float32 weights
-    that are bfloat16-exact as bfloat16; the activation and biases are taken at pack time, so
-    a reload needs a new bind), and, with MOE_ENGINE_AMX=all (`amx_moe_allowed`), bfloat16
-    experts on an AMX CPU a second one for the AMX kernel (`cpu_amx_moe.AmxOrNative`, chosen
-    per call by rows per expert); torch and triton
+    native-cpu packs a copy, once (the activation and biases are taken at pack time, so a
+    reload needs a new bind): bfloat16 experts on a CPU that runs the AMX kernels
+    (`cpu_amx.amx_fits`) in the AMX tile layout (`cpu_amx_moe.AmxExperts`, for every batch
+    size, so that a token's result never depends on the batch around it), others for the
+    AVX2/AVX-512 kernel (`PackedExperts.pack`: 16-column k-major tiles); torch and triton
     read `w13`/`w2` and the biases in place.
 
     Raises:
@@ -204,14 +204,12 @@ def bind_float_experts(
         from kernels.cpu_native import PackedExperts
 
         _check_cpu(backend, w13)
+        if cpu_amx.amx_fits(w13) and cpu_amx.amx_fits(w2):
+            from kernels.cpu_amx_moe import AmxExperts
+
+            amx = AmxExperts.pack(w13, w2, **kw)
+            return BoundExperts(backend, amx, (amx.w13, amx.w2, amx.b13, amx.b2))
         packed = PackedExperts.pack(w13, w2, **kw)
-        from moe_engine.config import amx_moe_allowed
-
-        if w13.dtype == torch.bfloat16 and amx_moe_allowed() and cpu_amx.amx_fits(w13):
-            from kernels.cpu_amx_moe import AmxExperts, AmxOrNative
-
-            both = AmxOrNative(packed, AmxExperts.pack(w13, w2, **kw))
-            return BoundExperts(backend, both, both.held)
         return BoundExperts(backend, packed, (packed.w13, packed.w2, packed.b13, packed.b2))
     if backend == TRITON:
         from kernels.fused_moe import fused_moe

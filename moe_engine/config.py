@@ -262,17 +262,9 @@ def compute_dtype(weight_dtype: torch.dtype) -> torch.dtype:
 
 
 def amx_allowed() -> bool:
-    """Whether the AMX bf16 kernels may run where the CPU has them (kernels/cpu_amx.py):
-    yes unless MOE_ENGINE_AMX=0."""
+    """Whether the AMX bf16 kernels (linear and fused MoE, kernels/cpu_amx.py) may run where
+    the CPU has them: yes unless MOE_ENGINE_AMX=0."""
     return os.environ.get("MOE_ENGINE_AMX", "1") != "0"
-
-
-def amx_moe_allowed() -> bool:
-    """Whether the AMX fused MoE may run (MOE_ENGINE_AMX=all; off by default). It rounds the
-    SwiGLU output to bfloat16 for its down projection, where the native kernel keeps float32,
-    and takes over only from 4 rows per expert, so with it a request's greedy tokens depend on
-    the batch it runs in (tests/test_structured_output.py's free requests changed)."""
-    return os.environ.get("MOE_ENGINE_AMX") == "all"
 
 
 def default_threads() -> int:

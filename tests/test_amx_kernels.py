@@ -16,8 +16,7 @@ import torch
 from kernels import cpu_amx
 from kernels.activation import SILU_AND_MUL, SwiGLU
 from kernels.cpu_amx import AmxLinear, amx_unavailable_reason, pack_vnni
-from kernels.cpu_amx_moe import AmxExperts, AmxOrNative
-from kernels.cpu_native import PackedExperts
+from kernels.cpu_amx_moe import AmxExperts
 from kernels.reference import fused_moe_reference
 
 pytestmark = pytest.mark.skipif(amx_unavailable_reason() is not None,
@@ -151,17 +150,39 @@ def test_fused_moe_int64_ids_and_many_rows_per_expert():
     assert ((experts(hidden, weights, ids).double() - ref).abs() <= bound).all()
 
 
-def test_amx_or_native_switches_at_the_crossover(monkeypatch):
+@pytest.mark.parametrize("h,inter,e,k", [(64, 32, 4, 2), (512, 256, 32, 4)])
+def test_fused_moe_row_does_not_depend_on_the_batch(h, inter, e, k):
+    """The one kernel runs every batch size (kernels/moe_backends.py), so a token's output must
+    be bit-identical alone, in a decode-sized batch and in a prefill-sized one (1 x 4 and
+    2 x 2 tile blocking, one and many rows per expert, other tokens' experts around it)."""
     g = _gen()
-    hidden, w13, w2, weights, ids, _, _ = _moe_case(g, 16, 64, 32, 4, 2)
-    both = AmxOrNative(PackedExperts.pack(w13, w2), AmxExperts.pack(w13, w2), min_rows=4)
-    calls = []
-    monkeypatch.setattr(AmxExperts, "__call__", lambda self, *a: calls.append("amx") or 0)
-    monkeypatch.setattr(PackedExperts, "__call__", lambda self, *a: calls.append("native") or 0)
-    both(hidden, weights, ids)            # 32 pairs over 4 experts: 8 per expert
-    both(hidden[:7], weights[:7], ids[:7])  # 14 pairs: below 4 per expert
-    both(hidden.float(), weights, ids)    # float32 activations: the AVX2 kernel
-    assert calls == ["amx", "native", "native"]
+    hidden, w13, w2, weights, ids, _, _ = _moe_case(g, 600, h, inter, e, k)
+    experts = AmxExperts.pack(w13, w2)
+    full = experts(hidden, weights, ids)
+    for rows in (1, 2, 7, 33, 128, 600):
+        start = 599 - rows + 1 if rows < 600 else 0
+        part = experts(hidden[start:], weights[start:], ids[start:])
+        assert torch.equal(part, full[start:]), rows
+    alone = torch.stack([experts(hidden[t:t + 1], weights[t:t + 1], ids[t:t + 1])[0]
+                         for t in (0, 5, 299, 599)])
+    assert torch.equal(alone, full[[0, 5, 299, 599]])
+
+
+def test_experts_refuse_float32_activations():
+    g = _gen()
+    hidden, w13, w2, weights, ids, _, _ = _moe_case(g, 4, 64, 32, 4, 2)
+    with pytest.raises(RuntimeError, match="hidden must be bfloat16"):
+        AmxExperts.pack(w13, w2)(hidden.float(), weights, ids)
+
+
+def test_bound_float_experts_take_the_amx_kernel_alone():
+    from kernels.moe_backends import ExpertExtras, bind_float_experts
+
+    g = _gen()
+    _, w13, w2, _, _, _, _ = _moe_case(g, 1, 64, 32, 4, 2)
+    bound = bind_float_experts("native-cpu", w13, w2, ExpertExtras())
+    assert isinstance(bound.run, AmxExperts)
+    assert len(bound.held) == 4  # one packed layout, not the AVX2 one beside it
 
 
 def test_the_decision_is_logged_once(monkeypatch, caplog):

@@ -154,6 +154,6 @@ def test_bfloat16_on_amx_agrees_with_transformers_as_the_avx2_path_does(qwen3_ck
 
     avx2, _ = agreement("0")
     assert calls == {"linear": 0, "moe": 0}
-    amx, first = agreement("all")  # the AMX fused MoE is opt-in (config.amx_moe_allowed)
+    amx, first = agreement("1")
     assert calls["linear"] > 0 and calls["moe"] > 0
     assert amx >= avx2 and first >= len(prompts) - 1, (amx, avx2, first)

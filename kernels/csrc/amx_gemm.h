@@ -38,7 +38,6 @@ constexpr int64_t kRows = 16;   // rows of an A or C tile
 constexpr int64_t kCols = 16;   // output columns of a B or C tile
 constexpr int64_t kDepth = 32;  // bfloat16 values of K per tile step
 constexpr int kMaxColTiles = 4;
-constexpr int64_t kPrefetch = 4;  // k steps ahead that block_1xn prefetches the weights
 
 // LDTILECFG's 64-byte operand, palette 1.
 struct alignas(64) TileConfig {
@@ -49,13 +48,16 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Every tile 16 x 64 bytes. Loaded at the start of each work item: the thread may have run a
-// oneDNN AMX kernel (another configuration, or released tiles) since the last item.
-MOE_AMX_INLINE void configure_tiles() {
+// Every tile 64 bytes wide; the B tiles (tmm5-7) 16 rows, tmm0-4 (the C tiles and block_1xn's
+// A tile) `m` rows, 1 <= m <= 16: a 1 x n block of m < 16 real rows then loads, multiplies and
+// stores only those (each row's sums are the same whatever m: rows are independent). block_2xn
+// needs m = 16 (its second A tile is tmm5). Loaded at the start of each work item: the thread
+// may have run a oneDNN AMX kernel (another configuration, or released tiles) since then.
+MOE_AMX_INLINE void configure_tiles(int m = kRows) {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
+    cfg.rows[t] = t <= 4 ? m : 16;
   }
   _tile_loadconfig(&cfg);
 }
@@ -70,12 +72,10 @@ MOE_AMX_INLINE void block_1xn(const uint16_t* a0, int64_t lda, const uint16_t* c
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
+  // One row tile: bound by streaming the weights, which the hardware prefetchers fetch
+  // alone (n sequential streams); a software prefetch of each tile's slice 2-8 k steps ahead
+  // measured 10-20% slower here (bench/NOTES.md section 9, "small batches").
   for (int64_t k = 0; k < K; k += kDepth) {
-    // One row tile: bound by streaming the weights; fetch their slice 4 steps ahead.
-    for (int j = 0; j < n; ++j) {
-      const char* next = reinterpret_cast<const char*>(b[j] + (k + kPrefetch * kDepth) * 16);
-      for (int line = 0; line < 16; ++line) _mm_prefetch(next + line * 64, _MM_HINT_T0);
-    }
     _tile_loadd(4, a0 + k, sa);
     _tile_loadd(5, b[0] + k * 16, 64);
     _tile_dpbf16ps(0, 4, 5);
