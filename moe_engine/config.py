@@ -306,8 +306,8 @@ def _env_int(name: str, minimum: int) -> int | None:
     return value
 
 
-#: Values MOE_ENGINE_AMX accepts (`amx_allowed`, `amx_moe_allowed`).
-AMX_SETTINGS = ("0", "1", "all")
+#: Values MOE_ENGINE_AMX accepts (`amx_allowed`): 0 off, 1 on where the CPU has AMX-BF16.
+AMX_SETTINGS = ("0", "1")
 
 
 def check_cpu_environment() -> None:

@@ -15,7 +15,8 @@ from moe_engine.config import check_cpu_environment, default_threads
     ("MOE_ENGINE_THREADS", "0", "MOE_ENGINE_THREADS='0': must be an integer >= 1"),
     ("MOE_ENGINE_SPIN_US", "-5", "MOE_ENGINE_SPIN_US='-5': must be an integer >= 0"),
     ("MOE_ENGINE_SPIN_US", "2e3", "MOE_ENGINE_SPIN_US='2e3': must be an integer >= 0"),
-    ("MOE_ENGINE_AMX", "yes", "MOE_ENGINE_AMX='yes': must be one of 0, 1, all"),
+    ("MOE_ENGINE_AMX", "all", "MOE_ENGINE_AMX='all': must be one of 0, 1"),
+    ("MOE_ENGINE_AMX", "yes", "MOE_ENGINE_AMX='yes': must be one of 0, 1"),
     ("MOE_ENGINE_CPU_ISA", "sse2", "MOE_ENGINE_CPU_ISA=sse2: unknown instruction set"),
 ])
 def test_a_bad_value_is_refused_naming_it(monkeypatch, name, value, message):
