@@ -13,8 +13,8 @@ def test_counts_equal_bincount_of_produced_topk_ids(qwen3_nonorm_ckpt, monkeypat
     produced: list[torch.Tensor] = []
     real = moe_module.softmax_topk
 
-    def spy(logits, top_k, renormalize):
-        weights, ids = real(logits, top_k, renormalize)
+    def spy(logits, top_k, renormalize, *select):
+        weights, ids = real(logits, top_k, renormalize, *select)
         produced.append(ids.clone())
         return weights, ids
 
