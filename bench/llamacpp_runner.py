@@ -44,6 +44,7 @@ import time
 from typing import Any, TextIO
 
 import numpy as np
+from runner_io import run_runner, send  # bench/, beside this script
 
 #: ggml_type ids of the KV cache types offered (ggml.h `enum ggml_type`).
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
@@ -52,9 +53,6 @@ FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 KV_PAD = 256
 
 
-def _send(proto: TextIO, obj: dict[str, Any]) -> None:
-    proto.write(json.dumps(obj) + "\n")
-    proto.flush()
 
 
 class TokenBatch:
@@ -269,7 +267,7 @@ def serve(args: argparse.Namespace, proto: TextIO) -> None:
     ll.llama_backend_init()
     engine = Engine(ll, args, requests)
     load_s = time.perf_counter() - t0
-    _send(proto, {"event": "ready", "llama_cpp_python_version": llama_cpp.__version__,
+    send(proto, {"event": "ready", "llama_cpp_python_version": llama_cpp.__version__,
                   "gguf": args.model, "load_s": round(load_s, 2), "num_requests": len(requests),
                   "config": engine.config(),
                   "system_info": ll.llama_print_system_info().decode().strip()})
@@ -297,7 +295,7 @@ def serve(args: argparse.Namespace, proto: TextIO) -> None:
                                      "output_tokens": sum(len(t) for t in token_ids)}
             if cmd.get("return_token_ids"):
                 reply["token_ids"] = token_ids
-            _send(proto, reply)
+            send(proto, reply)
     finally:
         engine.close()
 
@@ -326,15 +324,7 @@ def main() -> int:
     p.add_argument("--kv-unified", action="store_true",
                    help="one KV buffer for all sequences (default: one stream per sequence)")
     args = p.parse_args()
-    # Keep the protocol channel private: fd 1 -> stderr for everything else.
-    proto = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    try:
-        serve(args, proto)
-    except Exception as exc:  # reported to the driver, which keeps the other engines' figures
-        _send(proto, {"event": "error", "error": f"{type(exc).__name__}: {exc}"})
-        raise
-    return 0
+    return run_runner(serve, args)
 
 
 if __name__ == "__main__":

@@ -41,13 +41,12 @@ import sys
 import time
 from typing import Any, TextIO
 
+from runner_io import run_runner, send  # bench/, beside this script
+
 #: Requests a batch1 run takes when the command does not say.
 BATCH1_REQUESTS = 8
 
 
-def _send(proto: TextIO, obj: dict[str, Any]) -> None:
-    proto.write(json.dumps(obj) + "\n")
-    proto.flush()
 
 
 def _groups(cmd: dict[str, Any], n: int) -> list[list[int]]:
@@ -90,7 +89,7 @@ def serve(args: argparse.Namespace, proto: TextIO) -> None:
                        ignore_eos=True, detokenize=False)
         for r in requests
     ]
-    _send(proto, {"event": "ready", "vllm_version": vllm.__version__,
+    send(proto, {"event": "ready", "vllm_version": vllm.__version__,
                   "torch_version": torch.__version__, "load_s": round(load_s, 2),
                   "ld_preload": os.environ.get("LD_PRELOAD", ""),
                   "dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
@@ -119,7 +118,7 @@ def serve(args: argparse.Namespace, proto: TextIO) -> None:
                                  "output_tokens": sum(len(t) for t in token_ids)}
         if cmd.get("return_token_ids"):
             reply["token_ids"] = token_ids
-        _send(proto, reply)
+        send(proto, reply)
 
 
 def main() -> int:
@@ -129,15 +128,7 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16", help="vLLM's dtype (bfloat16, float32)")
     p.add_argument("--max-model-len", type=int, default=1024)
     args = p.parse_args()
-    # Keep the protocol channel private: fd 1 (inherited by vLLM's engine process) -> stderr.
-    proto = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    try:
-        serve(args, proto)
-    except Exception as exc:  # reported to the driver, which keeps the other engines' figures
-        _send(proto, {"event": "error", "error": f"{type(exc).__name__}: {exc}"})
-        raise
-    return 0
+    return run_runner(serve, args)
 
 
 if __name__ == "__main__":

@@ -5,25 +5,15 @@ and an f32 GGUF exist, the real runner through bench/peer_runner.py in both mode
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-import sys
 import time
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from bench_loader import BENCH, load_bench
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+_load = load_bench
 
 
 @pytest.fixture(scope="module")

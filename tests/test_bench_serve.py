@@ -4,34 +4,26 @@ gRPC server on the tiny Qwen3-MoE checkpoint (max_model_len 384, so the first mi
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import random
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from bench_loader import load_bench
 from grpc_helpers import ServerThread
 from http_helpers import tokenizer_checkpoint
 
 from moe_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from moe_engine.server.app import ServerOptions
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 MAX_MODEL_LEN = 384
 NUM_REQUESTS = 8
 
 
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+_load = load_bench
 
 
 @pytest.fixture(scope="module")
