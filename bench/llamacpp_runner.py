@@ -44,7 +44,7 @@ import time
 from typing import Any, TextIO
 
 import numpy as np
-from runner_io import run_runner, send  # bench/, beside this script
+from runner_io import run_commands, run_runner, send  # bench/, beside this script
 
 #: ggml_type ids of the KV cache types offered (ggml.h `enum ggml_type`).
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
@@ -272,14 +272,7 @@ def serve(args: argparse.Namespace, proto: TextIO) -> None:
                   "config": engine.config(),
                   "system_info": ll.llama_print_system_info().decode().strip()})
     try:
-        for line in sys.stdin:
-            if not line.strip():
-                continue
-            cmd = json.loads(line)
-            if cmd.get("cmd") == "quit":
-                return
-            if cmd.get("cmd") != "run":
-                raise ValueError(f"unknown command {cmd!r}")
+        for cmd in run_commands(sys.stdin):
             mode = cmd.get("mode", "batched")
             if mode not in ("batched", "batch1"):
                 raise ValueError(f"unknown mode {mode!r}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TextIO
 
 
@@ -18,6 +18,24 @@ def send(proto: TextIO, obj: dict[str, Any]) -> None:
     """Write one protocol line and flush it."""
     proto.write(json.dumps(obj) + "\n")
     proto.flush()
+
+
+def run_commands(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+    """The `{"cmd": "run", ...}` commands of the driver's lines (stdin), in order, until
+    `{"cmd": "quit"}` or the end; blank lines are skipped.
+
+    Raises:
+        ValueError: any other command.
+    """
+    for line in lines:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        if cmd.get("cmd") == "quit":
+            return
+        if cmd.get("cmd") != "run":
+            raise ValueError(f"unknown command {cmd!r}")
+        yield cmd
 
 
 def run_runner(serve: Callable[[argparse.Namespace, TextIO], None],

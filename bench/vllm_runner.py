@@ -41,7 +41,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from runner_io import run_runner, send  # bench/, beside this script
+from runner_io import run_commands, run_runner, send  # bench/, beside this script
 
 #: Requests a batch1 run takes when the command does not say.
 BATCH1_REQUESTS = 8
@@ -94,14 +94,7 @@ def serve(args: argparse.Namespace, proto: TextIO) -> None:
                   "ld_preload": os.environ.get("LD_PRELOAD", ""),
                   "dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
                   "num_requests": len(requests)})
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        cmd = json.loads(line)
-        if cmd.get("cmd") == "quit":
-            return
-        if cmd.get("cmd") != "run":
-            raise ValueError(f"unknown command {cmd!r}")
+    for cmd in run_commands(sys.stdin):
         seconds, token_ids = 0.0, []
         for group in _groups(cmd, len(requests)):
             t0 = time.perf_counter()
