@@ -161,7 +161,7 @@ def check_v2_routing(
 
 def _stable_topk_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
     """[T, k] int64 indices of the k largest of scores [T, N], the lower index first on ties."""
-    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    return sort_topk(scores, k)[1]
 
 
 def group_limited_mask(group_scores: torch.Tensor, topk_group: int, per_group: int) -> torch.Tensor:
