@@ -40,6 +40,7 @@ import signal
 import subprocess
 import sysconfig
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -280,9 +281,8 @@ def _compile_all(compiler: list[str], srcs: list[Path], includes: list[str], out
                 log = out / f"{src.stem}.log"
                 cmd = [*compiler, *SOURCE_FLAGS.get(src.name, ()), *includes, "-c", str(src),
                        "-o", str(out / f"{src.stem}.o")]
-                with open(log, "wb") as sink:
-                    proc = _spawn(cmd, sink)
-                running[src.name] = (proc, time.monotonic(), log)
+                with _stop_signals_held(), open(log, "wb") as sink:
+                    running[src.name] = (_spawn(cmd, sink), time.monotonic(), log)
             for name, (proc, started, log) in list(running.items()):
                 if proc.poll() is None:
                     continue
@@ -310,9 +310,10 @@ def _link(cmd: list[str], log: Path, report: Reporter, done: Mapping[str, float]
         BuildError: the link failed (its output inside) or the build's time ran out.
     """
     start = time.monotonic()
-    with open(log, "wb") as sink:
-        proc = _spawn(cmd, sink)
+    proc = None
     try:
+        with _stop_signals_held(), open(log, "wb") as sink:
+            proc = _spawn(cmd, sink)
         while proc.poll() is None:
             if _time_left(report) <= 0:
                 raise BuildError(f"linking {LIBRARY}: the build took over "
@@ -321,11 +322,40 @@ def _link(cmd: list[str], log: Path, report: Reporter, done: Mapping[str, float]
                 report.linking(done, time.monotonic() - start)
             time.sleep(_POLL_S)
     finally:
-        if proc.poll() is None:
+        if proc is not None and proc.poll() is None:
             _kill_group(proc)
     if proc.returncode != 0:
         raise BuildError(f"linking {LIBRARY} failed (exit {proc.returncode}; "
                          f"{' '.join(cmd)}):\n{_tail(log)}")
+
+
+_STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
+
+
+@contextlib.contextmanager
+def _stop_signals_held() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM while a compiler starts and is recorded, then deliver them.
+
+    A stop signal raises inside the builder (the core's SIGTERM handler raises SystemExit); one
+    that landed between the fork and the record would leave a compiler nobody kills, and its
+    children outlive the build (PR_SET_PDEATHSIG ends only the direct child). Held, it reaches
+    the previous handler when this block ends, and the caller's `finally` then stops every
+    compiler. Python runs signal handlers in the main thread only: elsewhere nothing is held
+    (nothing raises there).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: held.append(signum))
+                for sig in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for signum in held:
+            signal.raise_signal(signum)
 
 
 def _spawn(cmd: list[str], sink) -> subprocess.Popen:
@@ -346,7 +376,7 @@ def _child_setup() -> None:
     """In the child before exec: default SIGINT/SIGTERM (an engine core ignores them, and
     ignored signals survive exec), and SIGKILL when the building process dies (Linux prctl
     PR_SET_PDEATHSIG), the fallback for a builder killed outright."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in _STOP_SIGNALS:
         with contextlib.suppress(ValueError, OSError):
             signal.signal(sig, signal.SIG_DFL)
     with contextlib.suppress(OSError, AttributeError):

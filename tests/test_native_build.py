@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -325,3 +326,26 @@ def test_a_builder_killed_mid_build_leaves_no_compiler_running(tmp_path):
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_a_stop_signal_during_a_compiler_start_waits_until_it_is_recorded(tmp_path):
+    """SIGTERM that lands while a compiler starts (the race that once left a compiler's child
+    behind) raises only once the compiler is recorded, so the builder's cleanup sees it."""
+
+    def stop(signum, frame):
+        raise SystemExit(f"stopped by {signum}")
+
+    before = signal.signal(signal.SIGTERM, stop)
+    running = {}
+    try:
+        with pytest.raises(SystemExit, match="stopped by 15"):
+            with nb._stop_signals_held(), open(tmp_path / "log", "wb") as sink:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.2)  # the handler would have run by now
+                running["x"] = nb._spawn(["sleep", "30"], sink)
+        assert "x" in running and process_alive(running["x"].pid)
+        assert signal.getsignal(signal.SIGTERM) is stop
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        for proc in running.values():
+            nb._kill_group(proc)
