@@ -1,5 +1,5 @@
 """Fused small CPU ops of the decoder layer (csrc/ops_cpu.cpp, csrc/rope_cpu.cpp): one native
-call each (RMSNorm; the router's stable top-k; the attention prologue).
+call each (RMSNorm; the softmax-then-top-k routing; the attention prologue).
 
 torch's per-op dispatch costs about 8-10 us on the project's machine, so an RMSNorm written as
 six torch ops costs more than the arithmetic it does at decode batch sizes.
@@ -55,40 +55,39 @@ def rms_norm(
     return y
 
 
-def stable_topk(scores: torch.Tensor, k: int, renormalize: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest scores of each row, descending, the lower index first on ties (NaN above
-    every number): what `torch.sort(scores, descending=True, stable=True)[..., :k]` gives, as
-    one native pass per row instead of a full sort (csrc/ops_cpu.cpp `moe_stable_topk`; a
-    [2048, 32] sort took 1.5-2.8 ms on the project's 2 cores). With `renormalize` the values
-    are then divided by their row's sum by the torch ops `routing.sort_topk` uses (torch's
-    float sum over a short last dimension is not always left to right: 5-7 values are not,
-    measured, so a native sum would not be bit-identical).
+def router_softmax_topk(logits: torch.Tensor, k: int, renormalize: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax-then-top-k routing in one native call (csrc/ops_cpu.cpp
+    `moe_router_softmax_topk`): softmax over the experts in float32, the k largest
+    probabilities in descending order (the lower expert id first on ties, NaN above every
+    number: the first k of a stable descending sort), then, with `renormalize`, divided by
+    their sum. The routing of Qwen3-MoE and Mixtral in transformers (`routing.softmax_topk`
+    is the torch version); within a relative 2e-6 of a float64 softmax, not bit-identical
+    to torch's.
 
     Args:
-        scores: [T, N] float32 (router probabilities), 1 <= k <= N <= 4096.
+        logits: [T, E] float32 or bfloat16 router logits, 1 <= k <= E <= 4096.
 
     Returns:
-        values [T, k] float32, ids [T, k] int32.
+        topk_weights [T, k] float32, topk_ids [T, k] int32.
 
     Raises:
         RuntimeError: the native ops are unavailable, or shapes/dtypes that do not fit.
     """
     lib = load_native("ops_cpu")
-    if scores.dim() != 2 or scores.dtype != torch.float32:
-        raise RuntimeError(f"scores must be [T, N] float32, got {scores.dtype} "
-                           f"{tuple(scores.shape)}")
-    t, n = scores.shape
-    if not 1 <= k <= n <= 4096:
-        raise RuntimeError(f"k = {k} must be in [1, N = {n}] and N <= 4096")
-    scores = scores.contiguous()
-    values = torch.empty(t, k, dtype=torch.float32)
+    if logits.dim() != 2:
+        raise RuntimeError(f"logits must be [T, E], got {tuple(logits.shape)}")
+    bf16 = dtype_flag(logits, "logits")
+    t, e = logits.shape
+    if not 1 <= k <= e <= 4096:
+        raise RuntimeError(f"k = {k} must be in [1, E = {e}] and E <= 4096")
+    logits = logits.contiguous()
+    weights = torch.empty(t, k, dtype=torch.float32)
     ids = torch.empty(t, k, dtype=torch.int32)
-    check_status(lib.moe_stable_topk(scores.data_ptr(), t, n, k, values.data_ptr(),
-                                     ids.data_ptr(), torch.get_num_threads()), "stable_topk")
-    if renormalize:
-        values = values / values.sum(dim=-1, keepdim=True)
-    return values, ids
+    check_status(lib.moe_router_softmax_topk(logits.data_ptr(), bf16, t, e, k, renormalize,
+                                             weights.data_ptr(), ids.data_ptr(),
+                                             torch.get_num_threads()), "router_softmax_topk")
+    return weights, ids
 
 
 def qk_norm_rope_cache(

@@ -50,14 +50,15 @@ OPS = (
     "linear",  # dense projections (QKV, output, router, dense MLP, LM head)
     "rms_norm",
     "rotary",  # rope (native-cpu: with q/k norm and the KV-cache write, one call per layer)
-    "router_topk",  # the routers' stable top-k expert selection
+    "router_topk",  # softmax-top-k routing: the softmax and the stable top-k selection
+    "decode_layer",  # a whole decoder layer of a decode step (native-cpu: one call)
 )
 
 #: Which ops each backend implements.
 IMPLEMENTS: dict[str, frozenset[str]] = {
     NATIVE_CPU: frozenset(
         {"fused_moe", "fused_moe_int4", "fused_moe_mxfp4", "attention_decode", "linear",
-         "rms_norm", "rotary", "router_topk"}
+         "rms_norm", "rotary", "router_topk", "decode_layer"}
     ),
     TORCH: frozenset(OPS),
     TRITON: frozenset(
@@ -279,6 +280,8 @@ def _unfit(op: str, backend: str, facts: ModelFacts) -> str | None:
             return f"the native decode kernel runs float32/bfloat16, not {facts.dtype}"
     if backend == NATIVE_CPU and facts.dtype not in ("float32", "bfloat16"):
         return f"the native kernels run float32/bfloat16, not {facts.dtype}"
+    if backend == NATIVE_CPU and op == "decode_layer" and (facts.dtype != "bfloat16" or facts.mla):
+        return "the native decode layer runs bfloat16 models without MLA"
     if backend == TRITON and attention and (facts.head_dim < 16):
         return f"the Triton attention kernels need head_dim >= 16, got {facts.head_dim}"
     if facts.mla and op in ("attention_prefill", "attention_decode") and backend != TORCH:

@@ -11,14 +11,17 @@ from moe_engine.instrumentation import balancedness, imbalance_ratio
 
 def test_counts_equal_bincount_of_produced_topk_ids(qwen3_nonorm_ckpt, monkeypatch):
     produced: list[torch.Tensor] = []
-    real = moe_module.softmax_topk
 
-    def spy(logits, top_k, renormalize, *select):
-        weights, ids = real(logits, top_k, renormalize, *select)
-        produced.append(ids.clone())
-        return weights, ids
+    def spy(real):
+        def routed(logits, top_k, renormalize):
+            weights, ids = real(logits, top_k, renormalize)
+            produced.append(ids.clone())
+            return weights, ids
+        return routed
 
-    monkeypatch.setattr(moe_module, "softmax_topk", spy)
+    # the torch routing and the native one (what a native-cpu FusedMoE calls)
+    for name in ("softmax_topk", "router_softmax_topk"):
+        monkeypatch.setattr(moe_module, name, spy(getattr(moe_module, name)))
     llm = LLM(model=str(qwen3_nonorm_ckpt), max_model_len=256, max_num_batched_tokens=32)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 50, 90)]

@@ -79,12 +79,15 @@ MOE_ENGINE_API int32_t moe_rms_norm(const void* x, int64_t A, int64_t B, int64_t
                                     int32_t weight_in_float32, int32_t bf16, void* y,
                                     int32_t threads);
 
-// csrc/ops_cpu.cpp: the k largest of each row of scores [T, N] float32 (contiguous), in
-// descending order, the lower index first among equal values and NaN above every number:
-// exactly the first k of a stable descending sort (torch.sort(descending=True, stable=True)).
-// values [T, k] float32, ids [T, k] int32; 1 <= k <= N <= 4096, else kBadArgument.
-MOE_ENGINE_API int32_t moe_stable_topk(const float* scores, int64_t T, int64_t N, int64_t k,
-                                       float* values, int32_t* ids, int32_t threads);
+// csrc/ops_cpu.cpp: softmax-then-top-k routing. logits [T, E] (float32, or bfloat16 when bf16,
+// contiguous); softmax in float32, then the k largest probabilities in descending order, the
+// lower index first among equal values and NaN above every number (the first k of a stable
+// descending sort: torch.sort(descending=True, stable=True)), then (renormalize) divided by
+// their sum. weights [T, k] float32, ids [T, k] int32; 1 <= k <= E <=
+// 4096, else kBadArgument.
+MOE_ENGINE_API int32_t moe_router_softmax_topk(const void* logits, int32_t bf16, int64_t T,
+                                               int64_t E, int64_t k, int32_t renormalize,
+                                               float* weights, int32_t* ids, int32_t threads);
 
 // csrc/rope_cpu.cpp: the attention prologue of one layer. qkv [T, (Hq + 2 Hkv) D] (q heads,
 // then k heads, then v heads; float32, or bfloat16 when bf16); positions [T] int64 (each in
@@ -123,3 +126,23 @@ MOE_ENGINE_API int32_t moe_amx_fused_moe(const void* hidden, int64_t T, int64_t 
                                          const float* b2, int32_t clamped, float alpha,
                                          int32_t has_limit, float limit, void* out,
                                          int32_t threads);
+
+// csrc/decode_layer.cpp: one pre-norm MoE decoder layer of a decode step (T requests, one token
+// each), bfloat16 throughout, as the calls above in order: h [T, H] (the residual stream,
+// updated in place); norm1, norm2 [H] (the layer's two RMSNorms, epsilon eps); w_qkv packed
+// for moe_amx_linear ([ceil(N/16), H/2, 16, 2], N = (Hq + 2 Hkv) D), b_qkv [N] or null; the
+// prologue's arguments as moe_qk_norm_rope_cache (q_norm/k_norm may be null); the attention's
+// as moe_paged_decode_attention (no sinks; B = T); w_o packed [ceil(H/16), Hq D/2, 16, 2],
+// b_o [H] or null; w_router packed [ceil(E/16), H/2, 16, 2] (no bias); the routing as
+// moe_router_softmax_topk, written to topk_weights [T, k] float32 and topk_ids [T, k] int32;
+// the experts as moe_amx_fused_moe (plain SwiGLU, no biases). Shapes are checked by
+// kernels/cpu_decode_layer.py.
+MOE_ENGINE_API int32_t moe_decode_layer(
+    void* h, int64_t T, int64_t H, const void* norm1, const void* norm2, float eps,
+    const void* w_qkv, const float* b_qkv, int64_t Hq, int64_t Hkv, int64_t D,
+    const int64_t* positions, const float* cos, const float* sin, int64_t P, const void* q_norm,
+    const void* k_norm, float qk_eps, void* k_cache, void* v_cache, int64_t S,
+    const int64_t* slot_mapping, const int64_t* block_tables, int64_t W, const int64_t* seq_lens,
+    int64_t block_size, int64_t window, float scale, const void* w_o, const float* b_o,
+    const void* w_router, int64_t E, int64_t k, int32_t renormalize, const void* w13,
+    const void* w2, int64_t I, float* topk_weights, int32_t* topk_ids, int32_t threads);

@@ -10,10 +10,19 @@
 // Qwen3/Mixtral `RMSNorm`: the normalised value is cast to x's dtype before the multiply by the
 // weight (or, with weight_in_float32, the product is formed in float32 and cast once: gpt-oss).
 //
-// stable_topk: the router's expert selection. k passes of an argmax over the row, each pass
+// The routers' top-k expert selection (topk_row): k passes of an argmax over the row, each pass
 // taking the first (lowest-index) maximum among the values not yet taken: the first k entries of
 // a stable descending sort (the order Hugging Face transformers' torch.topk leaves unspecified
 // for ties), without sorting all N. O(k N) per row; k <= 8 and N <= 256 for the models served.
+//
+// router_softmax_topk: the softmax-then-top-k routing of Qwen3-MoE and Mixtral (transformers'
+// `Qwen3MoeSparseMoeBlock`): softmax over the E logits in float32 (the row's
+// maximum subtracted, std::exp, the sum taken left to right, each term divided by it), the
+// stable top-k above, then optionally the k values divided by their left-to-right sum. Not
+// bit-identical to torch's vectorised softmax (within a relative 2e-6 of a float64 one,
+// tests/test_router_topk.py); a native-cpu FusedMoE routes every step through it (the decode
+// layer of decode_layer.cpp included), so a token's experts do not depend on the step it runs
+// in.
 
 #include <algorithm>
 #include <cmath>
@@ -73,9 +82,35 @@ void topk_row(const float* row, int64_t N, int64_t k, float* values, int32_t* id
   }
 }
 
+template <typename T>
+void router_rows(const T* logits, int64_t rows, int64_t E, int64_t k, bool renormalize,
+                 float* weights, int32_t* ids, int threads) {
+  moe_engine::parallel_for(rows, 64, threads, [&](int64_t begin, int64_t end) {
+    float probs[4096];
+    for (int64_t t = begin; t < end; ++t) {
+      const T* row = logits + t * E;
+      float top = -INFINITY;
+      for (int64_t e = 0; e < E; ++e) top = std::max(top, to_f32(row[e]));
+      float sum = 0.0f;
+      for (int64_t e = 0; e < E; ++e) {
+        probs[e] = std::exp(to_f32(row[e]) - top);  // NaN in, NaN out: as torch's softmax
+        sum += probs[e];
+      }
+      for (int64_t e = 0; e < E; ++e) probs[e] /= sum;
+      float* w = weights + t * k;
+      topk_row(probs, E, k, w, ids + t * k);
+      if (renormalize) {
+        float picked = 0.0f;
+        for (int64_t j = 0; j < k; ++j) picked += w[j];
+        for (int64_t j = 0; j < k; ++j) w[j] /= picked;
+      }
+    }
+  });
+}
+
 }  // namespace
 
-int32_t moe_engine_abi_version(void) { return 5; }
+int32_t moe_engine_abi_version(void) { return 6; }
 
 // gemm.h: 512 in the AVX-512 variant, 256 in the AVX2 one.
 int32_t moe_engine_vector_bits(void) { return MOE_ENGINE_VECTOR_BITS; }
@@ -95,13 +130,16 @@ int32_t moe_rms_norm(const void* x, int64_t A, int64_t B, int64_t D, int64_t sa,
   return kOk;
 }
 
-int32_t moe_stable_topk(const float* scores, int64_t T, int64_t N, int64_t k, float* values,
-                        int32_t* ids, int32_t threads) {
-  if (k < 1 || k > N || N > 4096 || T < 0) return kBadArgument;
-  moe_engine::parallel_for(T, 256, threads, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      topk_row(scores + t * N, N, k, values + t * k, ids + t * k);
-    }
-  });
+int32_t moe_router_softmax_topk(const void* logits, int32_t bf16, int64_t T, int64_t E,
+                                int64_t k, int32_t renormalize, float* weights, int32_t* ids,
+                                int32_t threads) {
+  if (k < 1 || k > E || E > 4096 || T < 0) return kBadArgument;
+  if (bf16) {
+    router_rows(static_cast<const bf16_t*>(logits), T, E, k, renormalize != 0, weights, ids,
+                threads);
+  } else {
+    router_rows(static_cast<const float*>(logits), T, E, k, renormalize != 0, weights, ids,
+                threads);
+  }
   return kOk;
 }

@@ -73,8 +73,10 @@ def plan_kernels(
 
 def bind_kernels(model: nn.Module, plan: KernelPlan) -> None:
     """Give `plan` to every module of `model` that has `bind_kernels` (linears, norms,
-    attention, experts); call again after weights change in place."""
-    for module in model.modules():
+    attention, experts, decoder layers), children before their parents (a decoder layer's
+    native decode step reads how its modules were bound); call again after weights change in
+    place."""
+    for module in reversed(list(model.modules())):
         bind = getattr(module, "bind_kernels", None)
         if bind is not None and module is not model:
             bind(plan)

@@ -9,19 +9,27 @@ passed in; `models/base.py`'s `MoeCausalLM` builds these from an `ArchSpec`.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_decode_layer import MAX_ROWS as MAX_DECODE_ROWS
+from kernels.cpu_decode_layer import DecodeLayerKernel
 from kernels.cpu_ops import qk_norm_rope_cache
 from kernels.registry import NATIVE_CPU, KernelPlan
-from moe_engine.models.layers.attention import AttentionMetadata, PagedAttention
+from moe_engine.models.layers.attention import AttentionBatch, AttentionMetadata, PagedAttention
 from moe_engine.models.layers.linear import Linear, MergedLinear
+from moe_engine.models.layers.native_decode import decode_kernel, decode_misfit
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding
 from moe_engine.phase_timer import PhaseTimer
+
+logger = logging.getLogger(__name__)
+_NO_PHASE = contextlib.nullcontext()
 
 if TYPE_CHECKING:
     from moe_engine.models.base import ArchSpec
@@ -157,7 +165,14 @@ class DecoderLayer(nn.Module):
         mlp: called `(h [T, H]) -> [T, H]` (a `FusedMoE`, a `DenseMLP`, ...).
         input_layernorm, post_attention_layernorm: the two norms.
 
-    `timer`, when set (`MoeCausalLM.attach_timer`), times the attention phase.
+    `timer`, when set (`MoeCausalLM.attach_timer`), times the attention phase (and a native
+    decode step, which has no phases of its own, as "decode_layer").
+
+    Bound to native-cpu for "decode_layer", a decode-only step of up to
+    `cpu_decode_layer.MAX_ROWS` tokens runs the whole layer as one native call
+    (`kernels.cpu_decode_layer.DecodeLayerKernel`, the residual stream bit-identical to this
+    module path) where the layer's modules are the ones it implements
+    (`native_decode.decode_misfit`).
     """
 
     def __init__(
@@ -173,17 +188,48 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = input_layernorm
         self.post_attention_layernorm = post_attention_layernorm
         self.mlp = mlp
+        #: Bound by `bind_kernels`: the native decode step, or None (the module path).
+        self._decode_kernel: DecodeLayerKernel | None = None
+
+    def bind_kernels(self, plan: KernelPlan) -> None:
+        """Take the native decode step where the registry chose native-cpu for "decode_layer"
+        and the children (bound first, `kernel_binding.bind_kernels`) fit it; its kernel holds
+        their packed weights, so bind again after changing weights (as the experts' layout
+        asks too)."""
+        why = decode_misfit(self, plan)
+        self._decode_kernel = decode_kernel(self) if why is None else None
+        if why is not None and plan.backend("decode_layer") == NATIVE_CPU:
+            logger.debug("decoder layer: module path for decode steps (%s)", why)
 
     def forward(
         self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache
     ) -> torch.Tensor:
         """h: [T, H] -> [T, H]."""
+        kernel = self._decode_kernel
+        if kernel is not None and h.shape[0] <= MAX_DECODE_ROWS and h.dtype == torch.bfloat16:
+            group = meta.for_group(self.self_attn.attn.kv_group)
+            batch = group.batches[0] if len(group.batches) == 1 else None
+            if batch is not None and batch.max_q == 1 and h.shape[0] == batch.token_end:
+                return self._decode(kernel, h, positions, group.slot_mapping, batch, kv_cache)
         if self.timer is None:
             h = h + self.self_attn(self.input_layernorm(h), positions, meta, kv_cache)
         else:
             with self.timer.phase("attention"):
                 h = h + self.self_attn(self.input_layernorm(h), positions, meta, kv_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+    def _decode(self, kernel: DecodeLayerKernel, h: torch.Tensor, positions: torch.Tensor,
+                slot_mapping: torch.Tensor, batch: AttentionBatch, kv_cache) -> torch.Tensor:
+        """The whole layer for a decode-only step, as one native call; records the routing
+        as `FusedMoE.forward` does."""
+        with self.timer.phase("decode_layer") if self.timer is not None else _NO_PHASE:
+            out, _, topk_ids = kernel(h, positions, kv_cache, slot_mapping, batch.block_tables,
+                                      batch.seq_lens)
+        recorder = self.mlp.load_recorder
+        if recorder is not None:
+            recorder.record(self.mlp.layer_index, topk_ids)
+        return out
 
 
 class Backbone(nn.Module):

@@ -67,6 +67,13 @@ class Linear(nn.Linear):
         self._packed = None
         self._amx_packed = None
 
+    def amx_packed(self) -> AmxLinear:
+        """The weight (and bias) packed for the AMX kernel, made on first use and kept until
+        `reset_packed`."""
+        if self._amx_packed is None:
+            self._amx_packed = AmxLinear.pack(self.weight, self.bias)
+        return self._amx_packed
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
         if rows > NATIVE_MAX_ROWS:
@@ -74,9 +81,7 @@ class Linear(nn.Linear):
         if self._amx and x.dtype == torch.bfloat16 and rows >= cpu_amx.LINEAR_MIN_ROWS:
             if rows > cpu_amx.LINEAR_MAX_ROWS:  # oneDNN's AMX GEMM is as fast from here
                 return super().forward(x)
-            if self._amx_packed is None:
-                self._amx_packed = AmxLinear.pack(self.weight, self.bias)
-            return self._amx_packed(x)
+            return self.amx_packed()(x)
         if rows <= self._native_max_rows:
             if self._packed is None:
                 self._packed = PackedLinear.pack(self.weight, self.bias)

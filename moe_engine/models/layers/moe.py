@@ -13,13 +13,13 @@ from torch import nn
 
 from comm import Communicator, NoopCommunicator
 from kernels.activation import SILU_AND_MUL, SwiGLU
-from kernels.cpu_ops import stable_topk
+from kernels.cpu_ops import router_softmax_topk
 from kernels.moe_backends import BoundExperts, ExpertExtras, bind_float_experts
 from kernels.registry import NATIVE_CPU, TORCH, KernelPlan
 from moe_engine.instrumentation import ExpertLoadRecorder
 from moe_engine.models.layers.linear import Linear
 from moe_engine.models.layers.quantized_experts import QuantizedExperts
-from moe_engine.models.layers.routing import TopK, softmax_topk, sort_topk, topk_softmax
+from moe_engine.models.layers.routing import softmax_topk, topk_softmax
 from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.phase_timer import PhaseTimer
 from quant.int4 import Int4Weight
@@ -133,8 +133,8 @@ class FusedMoE(nn.Module):
         self._slots_of: dict[int, list[int]] = {e: [e] for e in range(num_experts)}
         self.quantized: QuantizedExperts | None = None
         self.kernel_backend: str | None = None  # the float experts' backend (bind_kernels)
-        #: softmax_topk's selection: the "router_topk" op's kernel (bind_kernels).
-        self._select: TopK = sort_topk
+        #: Route softmax_topk through the native "router_topk" kernel (bind_kernels).
+        self._native_router = False
         self._packed: BoundExperts | None = None  # its layout; rebuilt after reset_packed
         # checkpoint pieces the loader holds until the 4-bit experts are complete
         # (`expert_weights.load_int4_expert`, `load_mxfp4_experts`)
@@ -242,11 +242,14 @@ class FusedMoE(nn.Module):
         router_logits = self.gate(hidden)  # [T, E]
         if self.routing == "topk_softmax":
             return topk_softmax(router_logits, self.top_k)
-        return softmax_topk(router_logits, self.top_k, self.renormalize, self._select)
+        if self._native_router:
+            return router_softmax_topk(router_logits, self.top_k, self.renormalize)
+        return softmax_topk(router_logits, self.top_k, self.renormalize)
 
     def bind_kernels(self, plan: KernelPlan) -> None:
-        """Choose the kernels once: the routing's top-k (`plan.backend("router_topk")`:
-        native-cpu's `kernels.cpu_ops.stable_topk`, else a torch sort), and the experts':
+        """Choose the kernels once: the softmax-top-k routing (`plan.backend("router_topk")`:
+        native-cpu's `kernels.cpu_ops.router_softmax_topk`, else torch's softmax and a
+        stable sort), and the experts':
         `plan.backend("fused_moe")` for float experts (the
         layout is built now: native-cpu packs `kernels.cpu_native.PackedExperts`; torch and
         triton read w13/w2 in place), or the 4-bit experts' own `bind_kernels` with the same
@@ -257,8 +260,8 @@ class FusedMoE(nn.Module):
             ValueError: an unknown backend. RuntimeError: native-cpu with weights off the CPU,
                 or 4-bit experts whose layout cannot be converted (`QuantizedExperts`).
         """
-        self._select = (stable_topk if plan.backend("router_topk") == NATIVE_CPU
-                        and self.gate.weight.device.type == "cpu" else sort_topk)
+        self._native_router = (plan.backend("router_topk") == NATIVE_CPU
+                               and self.gate.weight.device.type == "cpu")
         if self.quantized is not None:
             # the biases as this module holds them now (`Module.to` replaced their tensors)
             self.quantized.b13, self.quantized.b2 = (

@@ -22,8 +22,6 @@ persistent float32 buffer `e_score_correction_bias` [E]. Each module's forward t
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,15 +30,12 @@ from torch import nn
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 
 
-#: `select(scores [T, N] float32, k, renormalize) -> (values [T, k] float32, ids [T, k]
-#: int32/int64)`: the k largest of each row, descending, the lower index first on ties; with
-#: renormalize the values divided by their row's sum.
-TopK = Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]]
-
 
 def sort_topk(scores: torch.Tensor, k: int, renormalize: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`TopK` through a stable descending sort (torch ops; any device)."""
+    """The k largest of each row of scores [T, N] float32, descending, the lower index first on
+    ties, through a stable descending sort (torch ops; any device); with `renormalize` the
+    values divided by their row's sum. Returns (values [T, k] float32, ids [T, k] int64)."""
     values, ids = torch.sort(scores, dim=-1, descending=True, stable=True)
     values, ids = values[:, :k], ids[:, :k]
     if renormalize:
@@ -49,27 +44,26 @@ def sort_topk(scores: torch.Tensor, k: int, renormalize: bool = False
 
 
 def softmax_topk(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, select: TopK = sort_topk
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over all experts, then the top-k, optionally renormalised to sum to 1.
 
     The routing of Qwen3-MoE and Qwen2-MoE (`norm_topk_prob`) and Mixtral (always
     renormalised) in Hugging Face `transformers`. Ties go to the lower expert id (stable sort),
-    so identical logits still give k distinct experts deterministically.
+    so identical logits still give k distinct experts deterministically. On a CPU bound to
+    native-cpu for "router_topk", `FusedMoE` routes through `kernels.cpu_ops.
+    router_softmax_topk` instead (one call, the same selection rule).
 
     Args:
         router_logits: [T, E] any float dtype.
         top_k: experts per token.
         renormalize: divide the k probabilities by their sum.
-        select: the top-k selection (`sort_topk`, or the native-cpu `kernels.cpu_ops.
-            stable_topk` that `FusedMoE.bind_kernels` takes for the "router_topk" op: the
-            same ids and values, bit for bit).
 
     Returns:
         topk_weights [T, k] float32, topk_ids [T, k] int32.
     """
     probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = select(probs, top_k, renormalize)
+    weights, ids = sort_topk(probs, top_k, renormalize)
     return weights, ids.to(torch.int32)
 
 

@@ -1,0 +1,174 @@
+"""A whole pre-norm MoE decoder layer of a decode step in one native call (csrc/decode_layer.cpp).
+
+At decode batch sizes a layer's kernels (RMSNorm, the AMX QKV / output / router linears, the
+attention prologue, paged decode attention, the router, the AMX fused MoE) take about 120 us
+on the project's 2-core AMX machine; the Python and torch ops between them took about as long
+again (bench/NOTES.md section 14). `DecodeLayerKernel` holds one layer's packed weights and
+runs those same kernels from C++, in the same order, with the same roundings: the residual
+stream comes out bit-identical to the module path's (tests/test_decode_layer.py).
+
+It covers the layers of Qwen3-MoE and Mixtral as the engine runs them on an AMX CPU in
+bfloat16: plain RoPE, optional q/k RMSNorm, no attention sinks, softmax-then-top-k routing
+without a router bias, plain-SwiGLU bfloat16 experts without biases on one rank.
+`moe_engine.models.layers.decoder.native_decode_kernel` decides whether a layer fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.cpu_amx import AmxLinear
+from kernels.cpu_amx_moe import AmxExperts
+from kernels.native import check_status, load_native
+
+#: Decode rows per call: the AMX linears' range (`cpu_amx.LINEAR_MAX_ROWS`).
+MAX_ROWS = 256
+
+
+@dataclass(frozen=True)
+class DecodeLayerKernel:
+    """One decoder layer's weights as csrc/decode_layer.cpp takes them (bfloat16 throughout).
+
+    Attributes:
+        norm1, norm2: [H] bfloat16, the input and post-attention RMSNorm weights; eps theirs.
+        qkv, o, router: the packed QKV [(Hq + 2 Hkv) D, H], output [H, Hq D] and router
+            [E, H] projections (the router without a bias).
+        num_heads, num_kv_heads, head_dim: Hq, Hkv, D.
+        cos, sin: [P, D] float32 rotate-half tables; q_norm, k_norm: [D] bfloat16 or None;
+            qk_eps: their epsilon.
+        scale: the attention's softmax scale; window: sliding window in tokens, 0 for full.
+        experts: the packed experts (plain SwiGLU, no biases); top_k; renormalize.
+    """
+
+    norm1: torch.Tensor
+    norm2: torch.Tensor
+    eps: float
+    qkv: AmxLinear
+    o: AmxLinear
+    router: AmxLinear
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    qk_eps: float
+    scale: float
+    window: int
+    experts: AmxExperts
+    top_k: int
+    renormalize: bool
+
+    def __post_init__(self) -> None:
+        """Check what the C kernel trusts, once.
+
+        Raises:
+            ValueError: a weight of another shape, dtype or layout than the layer's sizes ask.
+        """
+        h, d = self.qkv.in_features, self.head_dim
+        for name, w in (("norm1", self.norm1), ("norm2", self.norm2),
+                        ("q_norm", self.q_norm), ("k_norm", self.k_norm)):
+            size = h if name.startswith("norm") else d
+            if w is not None and (w.shape != (size,) or w.dtype != torch.bfloat16
+                                  or not w.is_contiguous()):
+                raise ValueError(f"{name} must be contiguous bfloat16 [{size}], got {w.dtype} "
+                                 f"{tuple(w.shape)}")
+        if (self.q_norm is None) != (self.k_norm is None):
+            raise ValueError("q_norm and k_norm come together")
+        q_n = self.num_heads * d
+        want = {"qkv": (q_n + 2 * self.num_kv_heads * d, h), "o": (h, q_n),
+                "router": (self.experts.experts, h)}
+        for name, (n, k) in want.items():
+            lin = getattr(self, name)
+            if (lin.out_features, lin.in_features) != (n, k):
+                raise ValueError(f"{name} must be [{n}, {k}], got "
+                                 f"[{lin.out_features}, {lin.in_features}]")
+        if self.router.bias.numel():
+            raise ValueError("the router must have no bias")
+        if self.experts.hidden != h or self.experts.b13.numel() or self.experts.activation.clamped:
+            raise ValueError("experts must be plain SwiGLU without biases, hidden size "
+                             f"{h} (got {self.experts.hidden})")
+        for name, t in (("cos", self.cos), ("sin", self.sin)):
+            if t.dim() != 2 or t.shape[1] != d or t.dtype != torch.float32 or not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous float32 [P, {d}], got {t.dtype} "
+                                 f"{tuple(t.shape)}")
+        if not 1 <= self.top_k <= self.experts.experts:
+            raise ValueError(f"top_k {self.top_k} must be in [1, {self.experts.experts}]")
+
+    def __call__(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run the layer on T decode tokens, one per request.
+
+        Args:
+            h: [T, H] bfloat16 residual stream (not modified), 1 <= T <= `MAX_ROWS`.
+            positions, slot_mapping, seq_lens: [T] int64 (a token's position, its cache slot,
+                its request's keys after this step).
+            kv_cache: this layer's (K, V), each [num_blocks, block_size, Hkv, D] bfloat16.
+            block_tables: [T, W] int64.
+
+        Returns:
+            (the layer's output [T, H] bfloat16, topk_weights [T, k] float32, topk_ids [T, k]
+            int32).
+
+        Raises:
+            RuntimeError: inputs that do not fit, or a position, slot or sequence length the
+                kernel rejects (nothing is written then unless the cache write ran).
+        """
+        t, hidden = h.shape
+        k_cache, v_cache = kv_cache
+        if (h.dtype != torch.bfloat16 or hidden != self.qkv.in_features or not 1 <= t <= MAX_ROWS
+                or k_cache.dtype != torch.bfloat16 or not k_cache.is_contiguous()
+                or not v_cache.is_contiguous() or k_cache.shape != v_cache.shape
+                or tuple(k_cache.shape[2:]) != (self.num_kv_heads, self.head_dim)):
+            raise RuntimeError(f"decode layer: h {h.dtype} {tuple(h.shape)} or caches "
+                               f"{tuple(k_cache.shape)} do not fit")
+        for name, v in (("positions", positions), ("slot_mapping", slot_mapping),
+                        ("seq_lens", seq_lens)):
+            if v.shape != (t,) or v.dtype != torch.int64 or not v.is_contiguous():
+                raise RuntimeError(f"{name} must be contiguous int64 [{t}], got {v.dtype} "
+                                   f"{tuple(v.shape)}")
+        if (block_tables.dim() != 2 or block_tables.shape[0] != t
+                or not block_tables.is_contiguous()):
+            raise RuntimeError(f"block_tables must be contiguous [{t}, W], got "
+                               f"{tuple(block_tables.shape)}")
+        out = h.contiguous().clone()
+        weights = torch.empty(t, self.top_k, dtype=torch.float32)
+        ids = torch.empty(t, self.top_k, dtype=torch.int32)
+        check_status(self._call(out, t, positions, k_cache, v_cache, slot_mapping, block_tables,
+                                seq_lens, weights, ids), "decode layer")
+        return out, weights, ids
+
+    def _call(self, out, t, positions, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+              weights, ids) -> int:
+        lib = load_native("decode_layer")
+        qkv_w, qkv_b = self.qkv._weight_args
+        o_w, o_b = self.o._weight_args
+        router_w, _ = self.router._weight_args
+        _ = self.experts._bias_pointers  # checks the packed experts once
+        blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+        return lib.moe_decode_layer(
+            out.data_ptr(), t, self.qkv.in_features, self.norm1.data_ptr(),
+            self.norm2.data_ptr(), self.eps, qkv_w, qkv_b, self.num_heads, self.num_kv_heads,
+            self.head_dim, positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(),
+            self.cos.shape[0], _ptr(self.q_norm), _ptr(self.k_norm), self.qk_eps,
+            k_cache.data_ptr(), v_cache.data_ptr(), blocks * block_size, slot_mapping.data_ptr(),
+            block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), block_size,
+            self.window, self.scale, o_w, o_b, router_w, self.experts.experts, self.top_k,
+            self.renormalize, self.experts.w13.data_ptr(), self.experts.w2.data_ptr(),
+            self.experts.intermediate, weights.data_ptr(), ids.data_ptr(),
+            torch.get_num_threads(),
+        )
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()

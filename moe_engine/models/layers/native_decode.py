@@ -1,0 +1,75 @@
+"""Whether a decoder layer's decode step can run as one native call, and that call's kernel.
+
+`kernels.cpu_decode_layer.DecodeLayerKernel` runs a whole pre-norm MoE layer (norm, QKV,
+prologue, decode attention, output projection, norm, router, experts, both residual adds) from
+C++ with the kernels the layer's modules were bound to; this module checks that those modules
+are the ones it implements, and builds the kernel from their packed weights. The "decode_layer"
+op of the kernel registry turns it on (native-cpu) or off (torch: the module path).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from comm.noop import NoopCommunicator
+from kernels.cpu_amx_moe import AmxExperts
+from kernels.cpu_decode_layer import DecodeLayerKernel
+from kernels.registry import NATIVE_CPU, KernelPlan
+from moe_engine.models.layers.moe import FusedMoE
+from moe_engine.models.layers.norm import RMSNorm
+from moe_engine.models.layers.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from moe_engine.models.layers.decoder import DecoderLayer
+
+
+def decode_misfit(layer: DecoderLayer, plan: KernelPlan) -> str | None:
+    """Why `layer` (its children already bound to `plan`) cannot take the native decode step;
+    None when it can."""
+    from moe_engine.models.layers.decoder import Attention
+
+    if plan.backend("decode_layer") != NATIVE_CPU:
+        return "the registry chose torch for decode_layer"
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if type(attn) is not Attention or type(mlp) is not FusedMoE:
+        return "not an Attention + FusedMoE layer"
+    if not all(type(n) is RMSNorm and n._native and not n.weight_in_float32
+               and n.weight.dtype == torch.bfloat16 for n in norms) or norms[0].eps != norms[1].eps:
+        return "norms other than two bfloat16 RMSNorms of one epsilon"
+    if (not attn._native_prologue or attn.sinks is not None or type(attn.rotary) is not
+            RotaryEmbedding or attn.attn.decode_backend != NATIVE_CPU):
+        return "attention without the native prologue and decode kernel, or with sinks"
+    if mlp.router_module or not (attn.qkv_proj._amx and attn.o_proj._amx and mlp.gate._amx):
+        return "projections or router not on the AMX kernel"
+    if mlp.gate.bias is not None or mlp.routing != "softmax_topk" or not mlp._native_router:
+        return "routing other than the native softmax-top-k without a router bias"
+    if (mlp.shared_experts is not None or mlp.quantized is not None or mlp.ep_rank is not None
+            or type(mlp.communicator) is not NoopCommunicator):
+        return "shared, quantized or expert-parallel experts"
+    experts = getattr(mlp._packed, "run", None)
+    if not isinstance(experts, AmxExperts) or experts.activation.clamped or experts.b13.numel():
+        return "experts not plain-SwiGLU AMX experts without biases"
+    return None
+
+
+def decode_kernel(layer: DecoderLayer) -> DecodeLayerKernel:
+    """The layer's kernel over its modules' packed weights (the linears' AMX copies are made
+    now if the layer has not run yet).
+
+    Raises:
+        ValueError: packed weights that do not fit the kernel (`DecodeLayerKernel`).
+    """
+    attn, mlp = layer.self_attn, layer.mlp
+    q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
+    return DecodeLayerKernel(
+        norm1=layer.input_layernorm.weight, norm2=layer.post_attention_layernorm.weight,
+        eps=layer.input_layernorm.eps, qkv=attn.qkv_proj.amx_packed(), o=attn.o_proj.amx_packed(),
+        router=mlp.gate.amx_packed(), num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+        head_dim=attn.head_dim, cos=attn.rotary.cos_cache, sin=attn.rotary.sin_cache,
+        q_norm=q_norm, k_norm=k_norm, qk_eps=attn.q_norm.eps if attn.qk_norm else 0.0,
+        scale=attn.attn.scale, window=attn.attn.sliding_window or 0, experts=mlp._packed.run,
+        top_k=mlp.top_k, renormalize=mlp.renormalize,
+    )

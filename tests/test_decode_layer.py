@@ -1,0 +1,79 @@
+"""The native decode layer (kernels/cpu_decode_layer.py, csrc/decode_layer.cpp) against the
+module path it replaces: a bfloat16 Qwen3-MoE served both ways gives bit-identical greedy
+tokens and log-probabilities (batch 1 and batched decode steps, the dense layer staying on the
+module path), the same expert-load counts, and the kernel refuses inputs it cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu_amx import amx_unavailable_reason
+from kernels.cpu_decode_layer import DecodeLayerKernel
+from moe_engine import LLM
+from moe_engine.models.layers.decoder import DecoderLayer
+from moe_engine.request import SamplingParams
+
+pytestmark = pytest.mark.skipif(amx_unavailable_reason() is not None,
+                                reason=f"AMX kernels unavailable: {amx_unavailable_reason()}")
+
+PROMPTS = [[3, 17, 5, 9, 11, 2, 40], [8, 8, 1], [60, 12, 33, 7, 7, 19, 4, 25, 90, 13, 6]]
+
+
+def _serve(ckpt, backend: str, monkeypatch) -> tuple[list, list, torch.Tensor, int]:
+    calls = []
+
+    def counted(self, *args, _call=DecodeLayerKernel.__call__):
+        calls.append(args[0].shape[0])
+        return _call(self, *args)
+
+    monkeypatch.setattr(DecodeLayerKernel, "__call__", counted)
+    llm = LLM(model=str(ckpt), dtype="bfloat16", max_model_len=128, kernel_backend=backend)
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+    outs = [llm.generate([p], sp, use_tqdm=False)[0] for p in PROMPTS[:1]]  # batch 1
+    outs += llm.generate(PROMPTS, sp, use_tqdm=False)  # batched decode steps
+    ids = [o.outputs[0].token_ids for o in outs]
+    logprobs = [o.outputs[0].logprobs for o in outs]
+    counts = llm.engine.expert_load.counts.clone()
+    return ids, logprobs, counts, len(calls)
+
+
+def test_native_decode_layer_is_bit_identical_to_the_module_path(qwen3_ckpt, monkeypatch):
+    want_ids, want_lp, want_counts, module_calls = _serve(qwen3_ckpt, "decode_layer=torch",
+                                                          monkeypatch)
+    got_ids, got_lp, got_counts, native_calls = _serve(qwen3_ckpt, "auto", monkeypatch)
+    assert module_calls == 0
+    # 2 MoE layers of 3 (layer 1 is dense), 7 decode steps per request: batch 1, then batched
+    assert native_calls >= 2 * 7 * 2
+    assert got_ids == want_ids
+    assert got_lp == want_lp
+    assert torch.equal(got_counts, want_counts) and got_counts.sum() > 0
+
+
+def test_only_moe_layers_of_the_bfloat16_model_take_it(qwen3_ckpt):
+    llm = LLM(model=str(qwen3_ckpt), dtype="bfloat16", max_model_len=64)
+    layers = [m for m in llm.engine.model.modules() if isinstance(m, DecoderLayer)]
+    assert [layer._decode_kernel is not None for layer in layers] == [True, False, True]
+    llm32 = LLM(model=str(qwen3_ckpt), max_model_len=64)  # float32: the module path
+    assert all(m._decode_kernel is None for m in llm32.engine.model.modules()
+               if isinstance(m, DecoderLayer))
+
+
+def test_the_kernel_refuses_inputs_it_cannot_run(qwen3_ckpt):
+    llm = LLM(model=str(qwen3_ckpt), dtype="bfloat16", max_model_len=64)
+    layer = next(m for m in llm.engine.model.modules()
+                 if isinstance(m, DecoderLayer) and m._decode_kernel is not None)
+    kernel, kv = layer._decode_kernel, llm.engine.runner.kv_caches[0]
+    h = torch.zeros(2, kernel.qkv.in_features, dtype=torch.bfloat16)
+    ok = dict(positions=torch.zeros(2, dtype=torch.int64), kv_cache=kv,
+              slot_mapping=torch.zeros(2, dtype=torch.int64),
+              block_tables=torch.zeros(2, 4, dtype=torch.int64),
+              seq_lens=torch.ones(2, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="decode layer: h torch.float32"):
+        kernel(h.float(), **ok)
+    with pytest.raises(RuntimeError, match=r"positions must be contiguous int64 \[2\]"):
+        kernel(h, **{**ok, "positions": torch.zeros(3, dtype=torch.int64)})
+    with pytest.raises(RuntimeError, match="block_tables must be contiguous"):
+        kernel(h, **{**ok, "block_tables": torch.zeros(3, 4, dtype=torch.int64)})
+    with pytest.raises(RuntimeError, match="native kernel: decode layer"):
+        kernel(h, **{**ok, "seq_lens": torch.full((2,), 10_000, dtype=torch.int64)})
