@@ -9,18 +9,21 @@ stream comes out bit-identical to the module path's (tests/test_decode_layer.py)
 
 It covers the layers of Qwen3-MoE and Mixtral as the engine runs them on an AMX CPU in
 bfloat16: plain RoPE, optional q/k RMSNorm, no attention sinks, softmax-then-top-k routing
-without a router bias, plain-SwiGLU bfloat16 experts without biases on one rank.
+without a router bias, plain-SwiGLU experts without biases on one rank, bfloat16 (the AMX
+kernel) or 4-bit (`--quantization int4` / MXFP4: the native 4-bit kernel).
 `moe_engine.models.layers.decoder.native_decode_kernel` decides whether a layer fits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from kernels.cpu_amx import AmxLinear
 from kernels.cpu_amx_moe import AmxExperts
+from kernels.cpu_native import PackedQuantExperts
 from kernels.native import check_status, load_native
 
 #: Decode rows per call: the AMX linears' range (`cpu_amx.LINEAR_MAX_ROWS`).
@@ -39,7 +42,8 @@ class DecodeLayerKernel:
         cos, sin: [P, D] float32 rotate-half tables; q_norm, k_norm: [D] bfloat16 or None;
             qk_eps: their epsilon.
         scale: the attention's softmax scale; window: sliding window in tokens, 0 for full.
-        experts: the packed experts (plain SwiGLU, no biases); top_k; renormalize.
+        experts: the packed experts (plain SwiGLU, no biases): bfloat16 for the AMX kernel, or
+            4-bit for the native one; top_k; renormalize.
     """
 
     norm1: torch.Tensor
@@ -58,7 +62,7 @@ class DecodeLayerKernel:
     qk_eps: float
     scale: float
     window: int
-    experts: AmxExperts
+    experts: AmxExperts | PackedQuantExperts
     top_k: int
     renormalize: bool
 
@@ -79,8 +83,9 @@ class DecodeLayerKernel:
         if (self.q_norm is None) != (self.k_norm is None):
             raise ValueError("q_norm and k_norm come together")
         q_n = self.num_heads * d
+        num_experts, experts_hidden, _ = self._experts
         want = {"qkv": (q_n + 2 * self.num_kv_heads * d, h), "o": (h, q_n),
-                "router": (self.experts.experts, h)}
+                "router": (num_experts, h)}
         for name, (n, k) in want.items():
             lin = getattr(self, name)
             if (lin.out_features, lin.in_features) != (n, k):
@@ -88,15 +93,35 @@ class DecodeLayerKernel:
                                  f"[{lin.out_features}, {lin.in_features}]")
         if self.router.bias.numel():
             raise ValueError("the router must have no bias")
-        if self.experts.hidden != h or self.experts.b13.numel() or self.experts.activation.clamped:
-            raise ValueError("experts must be plain SwiGLU without biases, hidden size "
-                             f"{h} (got {self.experts.hidden})")
+        if experts_hidden != h:
+            raise ValueError(f"experts of hidden size {experts_hidden}, not the layer's {h}")
         for name, t in (("cos", self.cos), ("sin", self.sin)):
             if t.dim() != 2 or t.shape[1] != d or t.dtype != torch.float32 or not t.is_contiguous():
                 raise ValueError(f"{name} must be contiguous float32 [P, {d}], got {t.dtype} "
                                  f"{tuple(t.shape)}")
-        if not 1 <= self.top_k <= self.experts.experts:
-            raise ValueError(f"top_k {self.top_k} must be in [1, {self.experts.experts}]")
+        if not 1 <= self.top_k <= num_experts:
+            raise ValueError(f"top_k {self.top_k} must be in [1, {num_experts}]")
+
+    @cached_property
+    def _experts(self) -> tuple[int, int, tuple]:
+        """(E, H, the kernel's experts arguments from w13 to Hp), checked once.
+
+        Raises:
+            ValueError: AMX experts with biases or gpt-oss's activation, or experts of
+                another kind.
+        """
+        e = self.experts
+        if isinstance(e, AmxExperts):
+            if e.b13.numel() or e.activation.clamped:
+                raise ValueError("AMX experts must be plain SwiGLU without biases")
+            _ = e._bias_pointers  # checks the packed tensors
+            return e.experts, e.hidden, (e.w13.data_ptr(), e.w2.data_ptr(), e.intermediate, 0,
+                                         None, None, None, None, None, None, 0, 0, 0, 0)
+        if isinstance(e, PackedQuantExperts):
+            w = e._weight_args
+            return w.experts, w.hidden, (None, None, w.intermediate, 1, *w.pointers, w.format,
+                                         w.group_size, w.padded_intermediate, w.padded_hidden)
+        raise ValueError(f"experts must be AmxExperts or PackedQuantExperts, got {type(e)}")
 
     def __call__(
         self,
@@ -154,7 +179,7 @@ class DecodeLayerKernel:
         qkv_w, qkv_b = self.qkv._weight_args
         o_w, o_b = self.o._weight_args
         router_w, _ = self.router._weight_args
-        _ = self.experts._bias_pointers  # checks the packed experts once
+        num_experts, _, experts = self._experts
         blocks, block_size = k_cache.shape[0], k_cache.shape[1]
         return lib.moe_decode_layer(
             out.data_ptr(), t, self.qkv.in_features, self.norm1.data_ptr(),
@@ -163,9 +188,8 @@ class DecodeLayerKernel:
             self.cos.shape[0], _ptr(self.q_norm), _ptr(self.k_norm), self.qk_eps,
             k_cache.data_ptr(), v_cache.data_ptr(), blocks * block_size, slot_mapping.data_ptr(),
             block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), block_size,
-            self.window, self.scale, o_w, o_b, router_w, self.experts.experts, self.top_k,
-            self.renormalize, self.experts.w13.data_ptr(), self.experts.w2.data_ptr(),
-            self.experts.intermediate, weights.data_ptr(), ids.data_ptr(),
+            self.window, self.scale, o_w, o_b, router_w, num_experts, self.top_k,
+            self.renormalize, *experts, weights.data_ptr(), ids.data_ptr(),
             torch.get_num_threads(),
         )
 

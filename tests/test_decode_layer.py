@@ -20,7 +20,8 @@ pytestmark = pytest.mark.skipif(amx_unavailable_reason() is not None,
 PROMPTS = [[3, 17, 5, 9, 11, 2, 40], [8, 8, 1], [60, 12, 33, 7, 7, 19, 4, 25, 90, 13, 6]]
 
 
-def _serve(ckpt, backend: str, monkeypatch) -> tuple[list, list, torch.Tensor, int]:
+def _serve(ckpt, backend: str, quantization: str, monkeypatch
+           ) -> tuple[list, list, torch.Tensor, int]:
     calls = []
 
     def counted(self, *args, _call=DecodeLayerKernel.__call__):
@@ -28,7 +29,8 @@ def _serve(ckpt, backend: str, monkeypatch) -> tuple[list, list, torch.Tensor, i
         return _call(self, *args)
 
     monkeypatch.setattr(DecodeLayerKernel, "__call__", counted)
-    llm = LLM(model=str(ckpt), dtype="bfloat16", max_model_len=128, kernel_backend=backend)
+    llm = LLM(model=str(ckpt), dtype="bfloat16", max_model_len=128, kernel_backend=backend,
+              quantization=quantization)
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
     outs = [llm.generate([p], sp, use_tqdm=False)[0] for p in PROMPTS[:1]]  # batch 1
     outs += llm.generate(PROMPTS, sp, use_tqdm=False)  # batched decode steps
@@ -38,10 +40,14 @@ def _serve(ckpt, backend: str, monkeypatch) -> tuple[list, list, torch.Tensor, i
     return ids, logprobs, counts, len(calls)
 
 
-def test_native_decode_layer_is_bit_identical_to_the_module_path(qwen3_ckpt, monkeypatch):
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_native_decode_layer_is_bit_identical_to_the_module_path(qwen3_ckpt, quantization,
+                                                                 monkeypatch):
+    """bfloat16 experts (the AMX kernel) and int4 ones (the native 4-bit kernel)."""
     want_ids, want_lp, want_counts, module_calls = _serve(qwen3_ckpt, "decode_layer=torch",
-                                                          monkeypatch)
-    got_ids, got_lp, got_counts, native_calls = _serve(qwen3_ckpt, "auto", monkeypatch)
+                                                          quantization, monkeypatch)
+    got_ids, got_lp, got_counts, native_calls = _serve(qwen3_ckpt, "auto", quantization,
+                                                       monkeypatch)
     assert module_calls == 0
     # 2 MoE layers of 3 (layer 1 is dense), 7 decode steps per request: batch 1, then batched
     assert native_calls >= 2 * 7 * 2

@@ -14,7 +14,8 @@
 //   x = rms_norm(h)                                  moe_rms_norm
 //   logits = x W_router^T                            moe_amx_linear, bfloat16 out
 //   topk_weights, topk_ids = route(logits)           moe_router_softmax_topk
-//   h = h + experts(x, topk)                         moe_amx_fused_moe; a bfloat16 add
+//   h = h + experts(x, topk)                         moe_amx_fused_moe (bfloat16 experts) or
+//                                                    moe_fused_moe_q4 (4-bit); a bfloat16 add
 //
 // The residual adds round float32(h) + float32(y) to bfloat16 (round to nearest even), which
 // is what torch's bfloat16 `h + y` computes. Scratch lives in per-thread buffers that grow to
@@ -65,7 +66,10 @@ int32_t moe_decode_layer(void* h, int64_t T, int64_t H, const void* norm1, const
                          const int64_t* seq_lens, int64_t block_size, int64_t window,
                          float scale, const void* w_o, const float* b_o, const void* w_router,
                          int64_t E, int64_t k, int32_t renormalize, const void* w13,
-                         const void* w2, int64_t I, float* topk_weights, int32_t* topk_ids,
+                         const void* w2, int64_t I, int32_t q4, const uint8_t* codes13,
+                         const void* scales13, const uint8_t* zeros13, const uint8_t* codes2,
+                         const void* scales2, const uint8_t* zeros2, int32_t format, int64_t G,
+                         int64_t Ip, int64_t Hp, float* topk_weights, int32_t* topk_ids,
                          int32_t threads) {
   if (T <= 0) return T == 0 ? kOk : kBadArgument;
   const int64_t q_n = Hq * D, qkv_n = (Hq + 2 * Hkv) * D;
@@ -103,7 +107,11 @@ int32_t moe_decode_layer(void* h, int64_t T, int64_t H, const void* norm1, const
     status = moe_router_softmax_topk(s.logits.data(), 1, T, E, k, renormalize, topk_weights,
                                      topk_ids, threads);
   }
-  if (status == kOk) {
+  if (status == kOk && q4) {
+    status = moe_fused_moe_q4(s.x.data(), 1, T, H, codes13, scales13, zeros13, codes2, scales2,
+                              zeros2, format, G, E, I, Ip, Hp, topk_weights, topk_ids, 0, k,
+                              nullptr, nullptr, 0, 0.0f, 0, 0.0f, s.y.data(), threads);
+  } else if (status == kOk) {
     status = moe_amx_fused_moe(s.x.data(), T, H, w13, w2, E, I, topk_weights, topk_ids, 0, k,
                                nullptr, nullptr, 0, 0.0f, 0, 0.0f, s.y.data(), threads);
   }

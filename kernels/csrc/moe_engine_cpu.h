@@ -135,7 +135,8 @@ MOE_ENGINE_API int32_t moe_amx_fused_moe(const void* hidden, int64_t T, int64_t 
 // as moe_paged_decode_attention (no sinks; B = T); w_o packed [ceil(H/16), Hq D/2, 16, 2],
 // b_o [H] or null; w_router packed [ceil(E/16), H/2, 16, 2] (no bias); the routing as
 // moe_router_softmax_topk, written to topk_weights [T, k] float32 and topk_ids [T, k] int32;
-// the experts as moe_amx_fused_moe (plain SwiGLU, no biases). Shapes are checked by
+// the experts (plain SwiGLU, no biases) as moe_amx_fused_moe (w13, w2) or, when q4, as
+// moe_fused_moe_q4 (codes13 ... Hp; w13/w2 unused). Shapes are checked by
 // kernels/cpu_decode_layer.py.
 MOE_ENGINE_API int32_t moe_decode_layer(
     void* h, int64_t T, int64_t H, const void* norm1, const void* norm2, float eps,
@@ -145,4 +146,7 @@ MOE_ENGINE_API int32_t moe_decode_layer(
     const int64_t* slot_mapping, const int64_t* block_tables, int64_t W, const int64_t* seq_lens,
     int64_t block_size, int64_t window, float scale, const void* w_o, const float* b_o,
     const void* w_router, int64_t E, int64_t k, int32_t renormalize, const void* w13,
-    const void* w2, int64_t I, float* topk_weights, int32_t* topk_ids, int32_t threads);
+    const void* w2, int64_t I, int32_t q4, const uint8_t* codes13, const void* scales13,
+    const uint8_t* zeros13, const uint8_t* codes2, const void* scales2, const uint8_t* zeros2,
+    int32_t format, int64_t G, int64_t Ip, int64_t Hp, float* topk_weights, int32_t* topk_ids,
+    int32_t threads);

@@ -16,6 +16,7 @@ import torch
 from comm.noop import NoopCommunicator
 from kernels.cpu_amx_moe import AmxExperts
 from kernels.cpu_decode_layer import DecodeLayerKernel
+from kernels.cpu_native import PackedQuantExperts
 from kernels.registry import NATIVE_CPU, KernelPlan
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.norm import RMSNorm
@@ -46,13 +47,20 @@ def decode_misfit(layer: DecoderLayer, plan: KernelPlan) -> str | None:
         return "projections or router not on the AMX kernel"
     if mlp.gate.bias is not None or mlp.routing != "softmax_topk" or not mlp._native_router:
         return "routing other than the native softmax-top-k without a router bias"
-    if (mlp.shared_experts is not None or mlp.quantized is not None or mlp.ep_rank is not None
+    if (mlp.shared_experts is not None or mlp.ep_rank is not None
             or type(mlp.communicator) is not NoopCommunicator):
-        return "shared, quantized or expert-parallel experts"
-    experts = getattr(mlp._packed, "run", None)
-    if not isinstance(experts, AmxExperts) or experts.activation.clamped or experts.b13.numel():
-        return "experts not plain-SwiGLU AMX experts without biases"
+        return "shared or expert-parallel experts"
+    if mlp.activation.clamped or mlp.b13 is not None or mlp.b2 is not None:
+        return "experts with biases or gpt-oss's activation"
+    if not isinstance(_experts_kernel(mlp), AmxExperts | PackedQuantExperts):
+        return "experts on neither the AMX nor the native 4-bit kernel"
     return None
+
+
+def _experts_kernel(mlp: FusedMoE) -> object:
+    """The object a FusedMoE's experts run through (`BoundExperts.run`), or None unbound."""
+    bound = mlp.quantized.bound if mlp.quantized is not None else mlp._packed
+    return getattr(bound, "run", None)
 
 
 def decode_kernel(layer: DecoderLayer) -> DecodeLayerKernel:
@@ -70,6 +78,6 @@ def decode_kernel(layer: DecoderLayer) -> DecodeLayerKernel:
         router=mlp.gate.amx_packed(), num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
         head_dim=attn.head_dim, cos=attn.rotary.cos_cache, sin=attn.rotary.sin_cache,
         q_norm=q_norm, k_norm=k_norm, qk_eps=attn.q_norm.eps if attn.qk_norm else 0.0,
-        scale=attn.attn.scale, window=attn.attn.sliding_window or 0, experts=mlp._packed.run,
+        scale=attn.attn.scale, window=attn.attn.sliding_window or 0, experts=_experts_kernel(mlp),
         top_k=mlp.top_k, renormalize=mlp.renormalize,
     )
