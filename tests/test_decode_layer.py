@@ -30,7 +30,7 @@ def _serve(ckpt, backend: str, quantization: str, monkeypatch
 
     monkeypatch.setattr(DecodeLayerKernel, "__call__", counted)
     llm = LLM(model=str(ckpt), dtype="bfloat16", max_model_len=128, kernel_backend=backend,
-              quantization=quantization)
+              quantization=quantization, quant_group_size=32)
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
     outs = [llm.generate([p], sp, use_tqdm=False)[0] for p in PROMPTS[:1]]  # batch 1
     outs += llm.generate(PROMPTS, sp, use_tqdm=False)  # batched decode steps
