@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 import torch
 
@@ -132,66 +133,109 @@ class DecodeLayerKernel:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Run the layer on T decode tokens, one per request.
+        """Run the layer on T decode tokens, one per request, into new tensors.
 
         Args:
             h: [T, H] bfloat16 residual stream (not modified), 1 <= T <= `MAX_ROWS`.
-            positions, slot_mapping, seq_lens: [T] int64 (a token's position, its cache slot,
-                its request's keys after this step).
+            positions, slot_mapping, seq_lens, block_tables: as `decode_step_args`.
             kv_cache: this layer's (K, V), each [num_blocks, block_size, Hkv, D] bfloat16.
-            block_tables: [T, W] int64.
 
         Returns:
             (the layer's output [T, H] bfloat16, topk_weights [T, k] float32, topk_ids [T, k]
             int32).
 
         Raises:
+            RuntimeError: as `run`, and `decode_step_args`.
+        """
+        step = decode_step_args(positions, slot_mapping, block_tables, seq_lens)
+        out = h.contiguous().clone()
+        weights = torch.empty(step.rows, self.top_k, dtype=torch.float32)
+        ids = torch.empty(step.rows, self.top_k, dtype=torch.int32)
+        self.run(out, step, kv_cache, weights, ids)
+        return out, weights, ids
+
+    def run(self, h: torch.Tensor, step: DecodeStepArgs,
+            kv_cache: tuple[torch.Tensor, torch.Tensor], topk_weights: torch.Tensor,
+            topk_ids: torch.Tensor) -> None:
+        """Run the layer in place: h [T, H] bfloat16 contiguous (T = step.rows) becomes the
+        layer's output; topk_weights [T, k] float32 and topk_ids [T, k] int32 (contiguous)
+        receive the routing.
+
+        Raises:
             RuntimeError: inputs that do not fit, or a position, slot or sequence length the
                 kernel rejects (nothing is written then unless the cache write ran).
         """
-        t, hidden = h.shape
         k_cache, v_cache = kv_cache
-        if (h.dtype != torch.bfloat16 or hidden != self.qkv.in_features or not 1 <= t <= MAX_ROWS
-                or k_cache.dtype != torch.bfloat16 or not k_cache.is_contiguous()
-                or not v_cache.is_contiguous() or k_cache.shape != v_cache.shape
+        t, k = step.rows, self.top_k
+        if (h.dtype != torch.bfloat16 or h.shape != (t, self.qkv.in_features)
+                or not h.is_contiguous() or k_cache.dtype != torch.bfloat16
+                or not k_cache.is_contiguous() or not v_cache.is_contiguous()
+                or k_cache.shape != v_cache.shape
                 or tuple(k_cache.shape[2:]) != (self.num_kv_heads, self.head_dim)):
             raise RuntimeError(f"decode layer: h {h.dtype} {tuple(h.shape)} or caches "
                                f"{tuple(k_cache.shape)} do not fit")
-        for name, v in (("positions", positions), ("slot_mapping", slot_mapping),
-                        ("seq_lens", seq_lens)):
-            if v.shape != (t,) or v.dtype != torch.int64 or not v.is_contiguous():
-                raise RuntimeError(f"{name} must be contiguous int64 [{t}], got {v.dtype} "
-                                   f"{tuple(v.shape)}")
-        if (block_tables.dim() != 2 or block_tables.shape[0] != t
-                or not block_tables.is_contiguous()):
-            raise RuntimeError(f"block_tables must be contiguous [{t}, W], got "
-                               f"{tuple(block_tables.shape)}")
-        out = h.contiguous().clone()
-        weights = torch.empty(t, self.top_k, dtype=torch.float32)
-        ids = torch.empty(t, self.top_k, dtype=torch.int32)
-        check_status(self._call(out, t, positions, k_cache, v_cache, slot_mapping, block_tables,
-                                seq_lens, weights, ids), "decode layer")
-        return out, weights, ids
-
-    def _call(self, out, t, positions, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
-              weights, ids) -> int:
+        if (topk_weights.shape != (t, k) or topk_ids.shape != (t, k)
+                or topk_weights.dtype != torch.float32 or topk_ids.dtype != torch.int32
+                or not topk_weights.is_contiguous() or not topk_ids.is_contiguous()):
+            raise RuntimeError(f"decode layer: topk outputs must be contiguous [{t}, {k}] "
+                               "float32 and int32")
         lib = load_native("decode_layer")
         qkv_w, qkv_b = self.qkv._weight_args
         o_w, o_b = self.o._weight_args
         router_w, _ = self.router._weight_args
         num_experts, _, experts = self._experts
         blocks, block_size = k_cache.shape[0], k_cache.shape[1]
-        return lib.moe_decode_layer(
-            out.data_ptr(), t, self.qkv.in_features, self.norm1.data_ptr(),
+        check_status(lib.moe_decode_layer(
+            h.data_ptr(), t, self.qkv.in_features, self.norm1.data_ptr(),
             self.norm2.data_ptr(), self.eps, qkv_w, qkv_b, self.num_heads, self.num_kv_heads,
-            self.head_dim, positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(),
+            self.head_dim, step.positions, self.cos.data_ptr(), self.sin.data_ptr(),
             self.cos.shape[0], _ptr(self.q_norm), _ptr(self.k_norm), self.qk_eps,
-            k_cache.data_ptr(), v_cache.data_ptr(), blocks * block_size, slot_mapping.data_ptr(),
-            block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), block_size,
-            self.window, self.scale, o_w, o_b, router_w, num_experts, self.top_k,
-            self.renormalize, *experts, weights.data_ptr(), ids.data_ptr(),
-            torch.get_num_threads(),
-        )
+            k_cache.data_ptr(), v_cache.data_ptr(), blocks * block_size, step.slot_mapping,
+            step.block_tables, step.width, step.seq_lens, block_size, self.window, self.scale,
+            o_w, o_b, router_w, num_experts, k, self.renormalize, *experts,
+            topk_weights.data_ptr(), topk_ids.data_ptr(), torch.get_num_threads(),
+        ), "decode layer")
+
+
+class DecodeStepArgs(NamedTuple):
+    """One decode step's inputs as the kernel takes them (pointers into tensors the caller
+    keeps alive), checked once by `decode_step_args` for every layer of a KV-cache group."""
+
+    rows: int
+    positions: int
+    slot_mapping: int
+    block_tables: int
+    width: int
+    seq_lens: int
+
+
+def decode_step_args(positions: torch.Tensor, slot_mapping: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor) -> DecodeStepArgs:
+    """Check a decode step's inputs once.
+
+    Args:
+        positions, slot_mapping, seq_lens: [T] int64, 1 <= T <= `MAX_ROWS` (each token's
+            position, its cache slot, its request's keys after this step).
+        block_tables: [T, W] int64.
+
+    Raises:
+        RuntimeError: a tensor of another shape, dtype or layout (named).
+    """
+    t = positions.shape[0] if positions.dim() == 1 else -1
+    if not 1 <= t <= MAX_ROWS:
+        raise RuntimeError(f"positions must be [T] with 1 <= T <= {MAX_ROWS}, got "
+                           f"{tuple(positions.shape)}")
+    for name, v in (("positions", positions), ("slot_mapping", slot_mapping),
+                    ("seq_lens", seq_lens)):
+        if v.shape != (t,) or v.dtype != torch.int64 or not v.is_contiguous():
+            raise RuntimeError(f"{name} must be contiguous int64 [{t}], got {v.dtype} "
+                               f"{tuple(v.shape)}")
+    if (block_tables.dim() != 2 or block_tables.shape[0] != t
+            or block_tables.dtype != torch.int64 or not block_tables.is_contiguous()):
+        raise RuntimeError(f"block_tables must be contiguous int64 [{t}, W], got "
+                           f"{tuple(block_tables.shape)}")
+    return DecodeStepArgs(t, positions.data_ptr(), slot_mapping.data_ptr(),
+                          block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr())
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -45,6 +45,7 @@ from moe_engine.models.layers.attention import (
     AttentionMetadata,
     KVCacheLayer,
     build_attention_batch,
+    build_decode_batch,
 )
 from moe_engine.sampler import Sampler, SamplerOutput
 from moe_engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -189,7 +190,8 @@ class ModelRunner:
         for s in ordered:
             ids.extend(s.request.all_token_ids[s.start : s.start + s.num_tokens])
         q_lens = torch.tensor([s.num_tokens for s in ordered], dtype=torch.int64)
-        starts = torch.tensor([s.start for s in ordered], dtype=torch.int64)
+        start_list = [s.start for s in ordered]
+        starts = torch.tensor(start_list, dtype=torch.int64)
         tables = [
             [kv.block_table(s.request.request_id, g) for s in ordered]
             for g in range(len(self.kv_groups))
@@ -200,7 +202,10 @@ class ModelRunner:
         if graphs is not None and graphs.covers([s.num_tokens for s in ordered]):
             hidden, logits_indices = graphs.run(ids, starts, tables, logits_indices)
         else:
-            step = self._host_inputs(ids, q_lens, starts, tables)
+            if len(ids) == len(ordered):  # decodes only: one token per request
+                step = self._decode_host_inputs(ids, start_list, tables)
+            else:
+                step = self._host_inputs(ids, q_lens, starts, tables)
             input_ids, positions, meta, logits_indices = self._on_device(step, logits_indices)
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
         rows = [ordered[i] for i in sampling]
@@ -278,6 +283,25 @@ class ModelRunner:
         return _HostStep(
             torch.tensor(ids, dtype=torch.int64), positions, metas, block_tables, starts + q_lens
         )
+
+    def _decode_host_inputs(
+        self, ids: list[int], starts: list[int], tables: list[list[list[int]]]
+    ) -> _HostStep:
+        """`_host_inputs` of a step of decodes only, from plain ints (each request's one token
+        sits at position `starts[i]`): the same tensors in fewer ops."""
+        bs = self.block_size
+        positions = torch.tensor(starts, dtype=torch.int64)
+        block_tables = [_pad_tables(t) for t in tables]
+        metas = []
+        for table, padded in zip(tables, block_tables, strict=True):
+            slots = [(row[p // bs] if p // bs < len(row) else 0) * bs + p % bs  # as padded
+                     for row, p in zip(table, starts, strict=True)]
+            metas.append(AttentionMetadata(
+                slot_mapping=torch.tensor(slots, dtype=torch.int64),
+                batches=[build_decode_batch(starts, padded, bs)],
+            ))
+        return _HostStep(torch.tensor(ids, dtype=torch.int64), positions, metas, block_tables,
+                         positions + 1)
 
     def _on_device(
         self, step: _HostStep, logits_indices: torch.Tensor

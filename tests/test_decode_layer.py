@@ -24,11 +24,11 @@ def _serve(ckpt, backend: str, quantization: str, monkeypatch
            ) -> tuple[list, list, torch.Tensor, int]:
     calls = []
 
-    def counted(self, *args, _call=DecodeLayerKernel.__call__):
+    def counted(self, *args, _run=DecodeLayerKernel.run):
         calls.append(args[0].shape[0])
-        return _call(self, *args)
+        return _run(self, *args)
 
-    monkeypatch.setattr(DecodeLayerKernel, "__call__", counted)
+    monkeypatch.setattr(DecodeLayerKernel, "run", counted)
     llm = LLM(model=str(ckpt), dtype="bfloat16", max_model_len=128, kernel_backend=backend,
               quantization=quantization, quant_group_size=32)
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
@@ -77,8 +77,15 @@ def test_the_kernel_refuses_inputs_it_cannot_run(qwen3_ckpt):
               seq_lens=torch.ones(2, dtype=torch.int64))
     with pytest.raises(RuntimeError, match="decode layer: h torch.float32"):
         kernel(h.float(), **ok)
-    with pytest.raises(RuntimeError, match=r"positions must be contiguous int64 \[2\]"):
-        kernel(h, **{**ok, "positions": torch.zeros(3, dtype=torch.int64)})
+    with pytest.raises(RuntimeError, match=r"slot_mapping must be contiguous int64 \[2\]"):
+        kernel(h, **{**ok, "slot_mapping": torch.zeros(3, dtype=torch.int64)})
+    with pytest.raises(RuntimeError, match=r"decode layer: h .* \(2, 64\)"):  # 3 rows wanted
+        kernel(h, **{**ok, **{n: torch.zeros(3, dtype=torch.int64) for n in ("positions",
+                                                                          "slot_mapping")},
+                  "block_tables": torch.zeros(3, 4, dtype=torch.int64),
+                  "seq_lens": torch.ones(3, dtype=torch.int64)})
+    with pytest.raises(RuntimeError, match=r"decode layer: h .* \(3, 64\)"):
+        kernel(torch.zeros(3, 64, dtype=torch.bfloat16), **ok)
     with pytest.raises(RuntimeError, match="block_tables must be contiguous"):
         kernel(h, **{**ok, "block_tables": torch.zeros(3, 4, dtype=torch.int64)})
     with pytest.raises(RuntimeError, match="native kernel: decode layer"):

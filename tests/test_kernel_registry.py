@@ -38,6 +38,14 @@ def test_auto_on_cpu_takes_native_where_it_has_a_kernel_torch_elsewhere():
         assert plan.backend(op) == NATIVE_CPU, op
     for op in ("attention_prefill", "mla_decode"):
         assert plan.backend(op) == TORCH, op  # auto never takes triton on a CPU
+    # the native decode layer runs bfloat16 models without MLA only
+    assert plan.backend("decode_layer") == TORCH
+    assert "runs bfloat16 models without MLA" in plan.describe()
+    bf16 = choose_kernels("cpu", "auto", ModelFacts(dtype="bfloat16"), probe=runs_everywhere)
+    assert bf16.backend("decode_layer") == NATIVE_CPU
+    mla = choose_kernels("cpu", "auto", ModelFacts(dtype="bfloat16", mla=True),
+                         probe=runs_everywhere)
+    assert mla.backend("decode_layer") == TORCH
 
 
 def test_auto_on_cuda_takes_triton_where_it_has_a_kernel():
@@ -56,7 +64,8 @@ def test_a_native_build_failure_falls_back_to_torch_and_says_why():
     lines = plan.describe().splitlines()
     assert lines[1:] == [  # one line per reason, naming its ops
         "  fused_moe, fused_moe_int4, fused_moe_mxfp4, attention_decode, linear, rms_norm, "
-        "rotary, router_topk: not native-cpu: building kernels/csrc failed: no C++ compiler"
+        "rotary, router_topk, decode_layer: not native-cpu: building kernels/csrc failed: no C++ "
+        "compiler"
     ]
 
 

@@ -32,6 +32,7 @@ from moe_engine.models.layers.attention import AttentionMetadata
 from moe_engine.models.layers.decoder import Attention, Backbone, DecoderLayer, DenseMLP
 from moe_engine.models.layers.linear import Linear
 from moe_engine.models.layers.moe import FusedMoE
+from moe_engine.models.layers.native_decode import DecodeStep
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding, rope_theta_of
 from moe_engine.models.weight_mapping import WeightLoader, WeightMapping
@@ -225,10 +226,18 @@ class MoeCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] int64 -> final hidden states [T, H]."""
+        """input_ids, positions: [T] int64 -> final hidden states [T, H]. Layers with a native
+        decode kernel share one `DecodeStep` (a decode step's checked inputs) and update h in
+        place (the embedding's fresh output)."""
         h = self.model.embed_tokens(input_ids)
+        step = None
+        if any(getattr(layer, "_decode_kernel", None) is not None for layer in self.model.layers):
+            step = DecodeStep.of(h, positions, meta, self.spec.top_k)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            h = layer(h, positions, meta, kv_cache)
+            if step is not None and getattr(layer, "_decode_kernel", None) is not None:
+                h = layer(h, positions, meta, kv_cache, step)
+            else:
+                h = layer(h, positions, meta, kv_cache)
         return self.model.norm(h)
 
     def attach_timer(self, timer: PhaseTimer) -> None:

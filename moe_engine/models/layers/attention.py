@@ -184,6 +184,37 @@ def build_attention_batch(
     )
 
 
+def build_decode_batch(starts: list[int], block_tables: torch.Tensor,
+                       block_size: int) -> AttentionBatch:
+    """`build_attention_batch` for a batch of decodes only (one query token per request, the
+    batch starting at token 0), from the host's plain ints: the same tensors in fewer ops
+    (a decode step's host work is per-op overhead at small batches).
+
+    Args:
+        starts: tokens already cached per request (each query's position), B >= 1 of them.
+        block_tables: [B, max_blocks] int64, padded with 0.
+        block_size: tokens per block.
+    """
+    b = len(starts)
+    device = block_tables.device
+    start = torch.tensor(starts, dtype=torch.int64, device=device)
+    num_blocks = (max(starts) + block_size) // block_size  # ceil((max start + 1) / size)
+    rows = torch.arange(b + 1, device=device)
+    return AttentionBatch(
+        token_start=0,
+        token_end=b,
+        tok_b=rows[:b],
+        tok_q=torch.zeros(b, dtype=torch.int64, device=device),
+        block_ids=block_tables[:, :num_blocks].reshape(-1),
+        max_q=1,
+        q_pos=start[:, None],
+        block_tables=block_tables,
+        seq_lens=start + 1,
+        num_keys=num_blocks * block_size,
+        query_start_loc=rows,
+    )
+
+
 class KVCacheLayer(torch.nn.Module):
     """What the ModelRunner needs of the one module per decoder layer that owns the layer's KV
     cache slot (`PagedAttention`, `mla.MLAAttention`): the attention kind and window it

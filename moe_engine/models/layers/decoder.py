@@ -17,13 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_decode_layer import MAX_ROWS as MAX_DECODE_ROWS
 from kernels.cpu_decode_layer import DecodeLayerKernel
 from kernels.cpu_ops import qk_norm_rope_cache
 from kernels.registry import NATIVE_CPU, KernelPlan
-from moe_engine.models.layers.attention import AttentionBatch, AttentionMetadata, PagedAttention
+from moe_engine.models.layers.attention import AttentionMetadata, PagedAttention
 from moe_engine.models.layers.linear import Linear, MergedLinear
-from moe_engine.models.layers.native_decode import decode_kernel, decode_misfit
+from moe_engine.models.layers.native_decode import DecodeStep, decode_kernel, decode_misfit
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding
 from moe_engine.phase_timer import PhaseTimer
@@ -169,10 +168,10 @@ class DecoderLayer(nn.Module):
     decode step, which has no phases of its own, as "decode_layer").
 
     Bound to native-cpu for "decode_layer", a decode-only step of up to
-    `cpu_decode_layer.MAX_ROWS` tokens runs the whole layer as one native call
-    (`kernels.cpu_decode_layer.DecodeLayerKernel`, the residual stream bit-identical to this
-    module path) where the layer's modules are the ones it implements
-    (`native_decode.decode_misfit`).
+    `cpu_decode_layer.MAX_ROWS` tokens (`MoeCausalLM.forward` passes its `DecodeStep`) runs
+    the whole layer as one native call (`kernels.cpu_decode_layer.DecodeLayerKernel`, the
+    residual stream bit-identical to this module path) where the layer's modules are the ones
+    it implements (`native_decode.decode_misfit`).
     """
 
     def __init__(
@@ -202,34 +201,31 @@ class DecoderLayer(nn.Module):
             logger.debug("decoder layer: module path for decode steps (%s)", why)
 
     def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache,
+        step: DecodeStep | None = None,
     ) -> torch.Tensor:
-        """h: [T, H] -> [T, H]."""
+        """h: [T, H] -> [T, H]. Given a `DecodeStep` whose group holds only decodes, a layer
+        with a native decode kernel runs it on h in place and returns h."""
         kernel = self._decode_kernel
-        if kernel is not None and h.shape[0] <= MAX_DECODE_ROWS and h.dtype == torch.bfloat16:
-            group = meta.for_group(self.self_attn.attn.kv_group)
-            batch = group.batches[0] if len(group.batches) == 1 else None
-            if batch is not None and batch.max_q == 1 and h.shape[0] == batch.token_end:
-                return self._decode(kernel, h, positions, group.slot_mapping, batch, kv_cache)
+        if kernel is not None and step is not None:
+            args = step.args(self.self_attn.attn.kv_group)
+            if args is not None:
+                with self.timer.phase("decode_layer") if self.timer is not None else _NO_PHASE:
+                    kernel.run(h, args, kv_cache, step.topk_weights, step.topk_ids)
+                recorder = self.mlp.load_recorder  # as FusedMoE.forward records the routing
+                if recorder is not None:
+                    recorder.record(self.mlp.layer_index, step.topk_ids)
+                return h
         if self.timer is None:
             h = h + self.self_attn(self.input_layernorm(h), positions, meta, kv_cache)
         else:
             with self.timer.phase("attention"):
                 h = h + self.self_attn(self.input_layernorm(h), positions, meta, kv_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
-
-
-    def _decode(self, kernel: DecodeLayerKernel, h: torch.Tensor, positions: torch.Tensor,
-                slot_mapping: torch.Tensor, batch: AttentionBatch, kv_cache) -> torch.Tensor:
-        """The whole layer for a decode-only step, as one native call; records the routing
-        as `FusedMoE.forward` does."""
-        with self.timer.phase("decode_layer") if self.timer is not None else _NO_PHASE:
-            out, _, topk_ids = kernel(h, positions, kv_cache, slot_mapping, batch.block_tables,
-                                      batch.seq_lens)
-        recorder = self.mlp.load_recorder
-        if recorder is not None:
-            recorder.record(self.mlp.layer_index, topk_ids)
-        return out
 
 
 class Backbone(nn.Module):

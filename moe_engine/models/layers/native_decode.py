@@ -15,7 +15,7 @@ import torch
 
 from comm.noop import NoopCommunicator
 from kernels.cpu_amx_moe import AmxExperts
-from kernels.cpu_decode_layer import DecodeLayerKernel
+from kernels.cpu_decode_layer import MAX_ROWS, DecodeLayerKernel, DecodeStepArgs, decode_step_args
 from kernels.cpu_native import PackedQuantExperts
 from kernels.registry import NATIVE_CPU, KernelPlan
 from moe_engine.models.layers.moe import FusedMoE
@@ -23,7 +23,48 @@ from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
+    from moe_engine.models.layers.attention import AttentionMetadata
     from moe_engine.models.layers.decoder import DecoderLayer
+
+
+class DecodeStep:
+    """A decode-only step's inputs for the layers' native kernels (`MoeCausalLM.forward` makes
+    one per step where a layer has a kernel): each KV-cache group's arguments checked once for
+    all its layers, and the routing outputs every layer writes in turn.
+
+    Args:
+        positions: [T] int64; meta: the step's attention metadata.
+        top_k: the experts per token of the model's MoE layers.
+    """
+
+    def __init__(self, positions: torch.Tensor, meta: AttentionMetadata, top_k: int) -> None:
+        t = positions.shape[0]
+        self.positions, self.meta = positions, meta
+        self.topk_weights = torch.empty(t, top_k, dtype=torch.float32)
+        self.topk_ids = torch.empty(t, top_k, dtype=torch.int32)
+        self._args: dict[int, DecodeStepArgs | None] = {}
+
+    @classmethod
+    def of(cls, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+           top_k: int) -> DecodeStep | None:
+        """The step's `DecodeStep` when its rows fit the kernel (1 to `MAX_ROWS` bfloat16
+        rows), else None."""
+        if h.dtype != torch.bfloat16 or not 1 <= h.shape[0] <= MAX_ROWS:
+            return None
+        return cls(positions, meta, top_k)
+
+    def args(self, group: int) -> DecodeStepArgs | None:
+        """KV-cache group `group`'s checked arguments; None when its tokens are not all
+        decodes (a step with a prefill chunk runs the module path)."""
+        if group not in self._args:
+            meta = self.meta.for_group(group)
+            batch = meta.batches[0] if len(meta.batches) == 1 else None
+            t = self.positions.shape[0]
+            decodes = batch is not None and batch.max_q == 1 and batch.token_end == t
+            self._args[group] = decode_step_args(
+                self.positions, meta.slot_mapping, batch.block_tables, batch.seq_lens
+            ) if decodes else None
+        return self._args[group]
 
 
 def decode_misfit(layer: DecoderLayer, plan: KernelPlan) -> str | None:
