@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <new>
+#include <type_traits>
 
 #include "cpu_common.h"
 #include "moe_engine_cpu.h"
@@ -24,12 +25,23 @@ using moe_engine::bf16_t;
 using moe_engine::from_f32;
 using moe_engine::to_f32;
 
-// v rounded to T, as a torch op of dtype T rounds its result. The empty asm makes v a value in
-// a register, so that a product is rounded before it is added (no contraction into an FMA).
+// v rounded to T, as a torch op of dtype T rounds its result. For float32 the empty asm makes v
+// a value in a register, so that a product is rounded before it is added (no contraction into
+// an FMA); a bfloat16 rounding goes through the value's bits (integer operations), which no
+// contraction crosses, so it needs no barrier and its loops vectorise.
 template <typename T>
 inline T round_to(float v) {
-  asm("" : "+x"(v));
+  if constexpr (std::is_same_v<T, float>) asm("" : "+x"(v));
   return from_f32<T>(v);
+}
+
+// One rotated value: x * cos + rot * sin, each product and the sum rounded to T, cos and sin
+// rounded to T first.
+template <typename T>
+inline T rope_one(float x, float rot, float c, float s) {
+  const float a = to_f32(round_to<T>(x * to_f32(round_to<T>(c))));
+  const float b = to_f32(round_to<T>(rot * to_f32(round_to<T>(s))));
+  return round_to<T>(a + b);
 }
 
 // One head's D values: RMSNorm (if w) then rotate-half RoPE with cos/sin rows c, s -> out.
@@ -46,13 +58,14 @@ void norm_rope_head(const T* x, int64_t D, const T* w, float eps, const float* c
       scratch[d] = to_f32(round_to<T>(to_f32(w[d]) * h));
     }
   }
+  // out = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[half:], x[:half]); the two
+  // halves in separate loops (no per-element select)
   const int64_t half = D / 2;
-  for (int64_t d = 0; d < D; ++d) {
-    const float cd = to_f32(round_to<T>(c[d])), sd = to_f32(round_to<T>(s[d]));
-    const float rot = d < half ? -scratch[d + half] : scratch[d - half];
-    const float a = to_f32(round_to<T>(scratch[d] * cd));
-    const float b = to_f32(round_to<T>(rot * sd));
-    out[d] = round_to<T>(a + b);
+  for (int64_t d = 0; d < half; ++d) {
+    out[d] = rope_one<T>(scratch[d], -scratch[d + half], c[d], s[d]);
+  }
+  for (int64_t d = half; d < D; ++d) {
+    out[d] = rope_one<T>(scratch[d], scratch[d - half], c[d], s[d]);
   }
 }
 
