@@ -40,17 +40,20 @@ def _serve(ckpt, backend: str, quantization: str, monkeypatch
     return ids, logprobs, counts, len(calls)
 
 
-@pytest.mark.parametrize("quantization", ["none", "int4"])
-def test_native_decode_layer_is_bit_identical_to_the_module_path(qwen3_ckpt, quantization,
-                                                                 monkeypatch):
-    """bfloat16 experts (the AMX kernel) and int4 ones (the native 4-bit kernel)."""
-    want_ids, want_lp, want_counts, module_calls = _serve(qwen3_ckpt, "decode_layer=torch",
+@pytest.mark.parametrize("arch,quantization,moe_layers", [
+    ("qwen3", "none", 2), ("qwen3", "int4", 2), ("mixtral", "none", 2),
+])
+def test_native_decode_layer_is_bit_identical_to_the_module_path(request, arch, quantization,
+                                                                 moe_layers, monkeypatch):
+    """Qwen3-MoE (q/k norms, a dense layer between its MoE layers) with bfloat16 experts (the
+    AMX kernel) and int4 ones (the native 4-bit kernel); Mixtral (no q/k norm)."""
+    ckpt = request.getfixturevalue(f"{arch}_ckpt")
+    want_ids, want_lp, want_counts, module_calls = _serve(ckpt, "decode_layer=torch",
                                                           quantization, monkeypatch)
-    got_ids, got_lp, got_counts, native_calls = _serve(qwen3_ckpt, "auto", quantization,
-                                                       monkeypatch)
+    got_ids, got_lp, got_counts, native_calls = _serve(ckpt, "auto", quantization, monkeypatch)
     assert module_calls == 0
-    # 2 MoE layers of 3 (layer 1 is dense), 7 decode steps per request: batch 1, then batched
-    assert native_calls >= 2 * 7 * 2
+    # every MoE layer, 7 decode steps per request: batch 1, then batched
+    assert native_calls >= moe_layers * 7 * 2
     assert got_ids == want_ids
     assert got_lp == want_lp
     assert torch.equal(got_counts, want_counts) and got_counts.sum() > 0
