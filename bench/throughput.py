@@ -43,7 +43,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
+# what `import moe_engine` sets (its docstring), before torch loads libgomp: this script
+# imports torch first
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

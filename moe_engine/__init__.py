@@ -2,10 +2,21 @@
 
 `LLM` and `SamplingParams` are the offline API (results are `RequestOutput`s of
 `CompletionOutput`s, as vLLM's); `moe-serve` / `moe-client` the served one.
+
+Importing it sets `OMP_WAIT_POLICY=PASSIVE` unless the environment names a policy: the
+engine's CPU kernels run on their own thread pool (kernels/csrc/thread_pool.h), and torch's
+OpenMP workers, which by default spin after every torch op, took the core from them (mixed-64
+batched 16-25% slower, prefill 22%; bench/NOTES.md section 14). libgomp reads the variable
+when torch loads: in a process that imported torch first it reaches only the processes this
+one starts (the engine core of `moe-serve`, expert-parallel ranks).
 """
 
-from moe_engine.outputs import CompletionOutput, Logprob, RequestOutput
-from moe_engine.request import SamplingParams, StructuredOutputsParams
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from moe_engine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from moe_engine.request import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 __all__ = [
     "LLM",

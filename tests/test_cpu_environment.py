@@ -4,6 +4,11 @@ variable, its value and what it accepts."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from moe_engine.cli.serve import main as serve_main
@@ -42,3 +47,17 @@ def test_good_values_pass_and_threads_are_read(monkeypatch):
     assert default_threads() == 3
     monkeypatch.setenv("MOE_ENGINE_THREADS", "")
     assert default_threads() >= 1
+
+
+@pytest.mark.parametrize("given,want", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_importing_the_engine_makes_torch_openmp_workers_sleep_unless_told(given, want):
+    """`import moe_engine` sets OMP_WAIT_POLICY=PASSIVE before torch loads (a policy the
+    environment names stays), so that torch's OpenMP workers do not spin on the cores the
+    engine's own pool needs."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given is not None:
+        env["OMP_WAIT_POLICY"] = given
+    code = "import moe_engine, os; print(os.environ['OMP_WAIT_POLICY'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).parent.parent).stdout.split()
+    assert out[0] == want
