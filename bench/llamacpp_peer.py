@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from llamacpp_gguf import DEFAULT_ROOT, GGUF_TYPES, ensure_ggufs
-from peer_runner import PeerContext, PeerFamily, PeerLaunch
+from peer_runner import PeerContext, PeerFamily, PeerLaunch, peer_environ
 
 logger = logging.getLogger("bench.llamacpp_peer")
 
@@ -146,7 +146,7 @@ def llamacpp_launches(ctx: PeerContext) -> list[PeerLaunch]:
                 argv=[str(python), str(BENCH_DIR / "llamacpp_runner.py"), "--model",
                       str(ggufs[gguf_type]), "--requests", str(ctx.requests_path),
                       "--lib-dir", str(lib_dir), *flags],
-                env={**os.environ, "LLAMA_CPP_LIB_PATH": str(lib_dir), **extra},
+                env=peer_environ(LLAMA_CPP_LIB_PATH=str(lib_dir), **extra),
                 compute_dtype=gguf_type, settings=settings))
     return launches
 

@@ -44,8 +44,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 # what `import moe_engine` sets (its docstring), before torch loads libgomp: this script
-# imports torch first
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# imports torch first (peers' runners get the environment without it: `peer_environ`)
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ["MOE_ENGINE_OMP_WAIT_POLICY_DEFAULT"] = "1"
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

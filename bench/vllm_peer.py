@@ -16,7 +16,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from peer_runner import PeerContext, PeerFamily, PeerLaunch, cpu_list, find_tcmalloc
+from peer_runner import (
+    PeerContext,
+    PeerFamily,
+    PeerLaunch,
+    cpu_list,
+    find_tcmalloc,
+    peer_environ,
+)
 
 logger = logging.getLogger("bench.vllm_peer")
 
@@ -58,7 +65,7 @@ def vllm_cpu_env(venv: Path, config: str = "best", extra: dict[str, str] | None 
     """
     if config not in CONFIGS:
         raise ValueError(f"unknown vLLM config {config!r}; choose from {CONFIGS}")
-    env = dict(os.environ)
+    env = peer_environ()
     settings = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(KVCACHE_GIB)}
     if config in ("both-cores", "best"):
         settings["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(os.sched_getaffinity(0))

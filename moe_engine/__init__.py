@@ -8,12 +8,16 @@ engine's CPU kernels run on their own thread pool (kernels/csrc/thread_pool.h), 
 OpenMP workers, which by default spin after every torch op, took the core from them (mixed-64
 batched 16-25% slower, prefill 22%; bench/NOTES.md section 14). libgomp reads the variable
 when torch loads: in a process that imported torch first it reaches only the processes this
-one starts (the engine core of `moe-serve`, expert-parallel ranks).
+one starts (the engine core of `moe-serve`, expert-parallel ranks). It also sets
+`MOE_ENGINE_OMP_WAIT_POLICY_DEFAULT=1` then, so that a benchmark can give peer engines the
+environment without it (bench/peer_runner.py `peer_environ`).
 """
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ["MOE_ENGINE_OMP_WAIT_POLICY_DEFAULT"] = "1"
 
 from moe_engine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from moe_engine.request import SamplingParams, StructuredOutputsParams  # noqa: E402

@@ -142,3 +142,19 @@ def test_real_runner_both_modes_and_idle(lp: ModuleType, tmp_path: Path) -> None
         runner.close()
         path.unlink(missing_ok=True)
     assert runner.proc.returncode == 0
+
+
+def test_peers_do_not_inherit_the_engines_openmp_wait_policy(tp: ModuleType, monkeypatch) -> None:
+    """OMP_WAIT_POLICY=PASSIVE is moe-engine's setting for its own process (`import moe_engine`
+    marks it as its default); a peer's runner gets the environment without it, but with a
+    policy the user set, and with what the peer's own row names."""
+    import peer_runner
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("MOE_ENGINE_OMP_WAIT_POLICY_DEFAULT", "1")
+    env = peer_runner.peer_environ(LLAMA_CPP_LIB_PATH="/x")
+    assert "OMP_WAIT_POLICY" not in env and "MOE_ENGINE_OMP_WAIT_POLICY_DEFAULT" not in env
+    assert env["LLAMA_CPP_LIB_PATH"] == "/x"
+    assert peer_runner.peer_environ(OMP_WAIT_POLICY="passive")["OMP_WAIT_POLICY"] == "passive"
+    monkeypatch.delenv("MOE_ENGINE_OMP_WAIT_POLICY_DEFAULT")
+    assert peer_runner.peer_environ()["OMP_WAIT_POLICY"] == "PASSIVE"  # the user's own
