@@ -7,12 +7,38 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from moe_engine.quant_config import DTYPES, QuantConfig
+
+_UNITS = {
+    "": 1,
+    "k": 1000,
+    "m": 1000**2,
+    "g": 1000**3,
+    "t": 1000**4,
+    "ki": 1024,
+    "mi": 1024**2,
+    "gi": 1024**3,
+    "ti": 1024**4,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count: a plain integer or with a unit ("512MiB", "4G", "4GiB", "1.5GB"; K/M/G/T
+    powers of 1000, Ki/Mi/Gi/Ti of 1024).
+
+    Raises:
+        ValueError: anything else (names the text).
+    """
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]i?)?b?\s*", text.lower())
+    if match is None:
+        raise ValueError(f"expected bytes like 4294967296 or 4GiB, got {text!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
 
 
 @dataclass(frozen=True)
@@ -107,6 +133,11 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.kv_cache_memory is not None and (
+            not isinstance(self.kv_cache_memory, int) or isinstance(self.kv_cache_memory, bool)
+        ):
+            raise ValueError(f"kv_cache_memory must be a byte count (int), got "
+                             f"{self.kv_cache_memory!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
 

@@ -19,6 +19,7 @@ from moe_engine.config import (
     ModelConfig,
     QuantConfig,
     SchedulerConfig,
+    parse_bytes,
 )
 from moe_engine.engine.core import EngineCore
 from moe_engine.errors import StartupError
@@ -40,7 +41,8 @@ class LLM:
             whose snapshot is in the local hub cache (`~/.cache/huggingface/hub`), or "demo"
             for the built-in demo checkpoint; never fetched from the network.
         dtype: "auto", "bfloat16" or "float32".
-        max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory (bytes),
+        max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory (bytes, or text
+            such as "2GiB"),
         block_size, num_blocks_override, quantization, quant_group_size, kernel_backend,
         enable_prefix_caching, device ("auto", "cpu", "cuda"), gpu_memory_utilization
         (fraction in (0, 1]), enforce_eager (no CUDA graphs): as the `moe-serve` flags of the
@@ -57,7 +59,7 @@ class LLM:
         max_model_len: int | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
-        kv_cache_memory: int | None = None,
+        kv_cache_memory: int | str | None = None,
         block_size: int = 16,
         num_blocks_override: int | None = None,
         seed: int = 0,
@@ -88,7 +90,7 @@ class LLM:
                 ),
                 cache=CacheConfig(
                     block_size=block_size,
-                    kv_cache_memory=kv_cache_memory,
+                    kv_cache_memory=_bytes("kv_cache_memory", kv_cache_memory),
                     num_blocks_override=num_blocks_override,
                     enable_prefix_caching=enable_prefix_caching,
                 ),
@@ -276,6 +278,20 @@ class LLM:
                 f"{field}: text given but the checkpoint has no tokenizer; pass token ids"
             )
         return tok
+
+
+def _bytes(field: str, value: int | str | None) -> int | None:
+    """A byte count given as `moe-serve` takes it (an int, or text like "4GiB").
+
+    Raises:
+        ValueError: text that is not a byte count (names the field).
+    """
+    if not isinstance(value, str):
+        return value
+    try:
+        return parse_bytes(value)
+    except ValueError as exc:
+        raise ValueError(f"{field}: {exc}") from None
 
 
 def _is_token_ids(value: object) -> bool:

@@ -5,6 +5,8 @@ module path), the same expert-load counts, and the kernel refuses inputs it cann
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -59,10 +61,13 @@ def test_native_decode_layer_is_bit_identical_to_the_module_path(request, arch, 
     assert torch.equal(got_counts, want_counts) and got_counts.sum() > 0
 
 
-def test_only_moe_layers_of_the_bfloat16_model_take_it(qwen3_ckpt):
+def test_only_moe_layers_of_the_bfloat16_model_take_it(qwen3_ckpt, caplog):
+    caplog.set_level(logging.INFO, logger="moe_engine.models.kernel_binding")
     llm = LLM(model=str(qwen3_ckpt), dtype="bfloat16", max_model_len=64)
     layers = [m for m in llm.engine.model.modules() if isinstance(m, DecoderLayer)]
     assert [layer._decode_kernel is not None for layer in layers] == [True, False, True]
+    assert ("decode steps: 2 of 3 decoder layers run as one native call each" in caplog.text
+            and "module path: not an Attention + FusedMoE layer" in caplog.text)
     llm32 = LLM(model=str(qwen3_ckpt), max_model_len=64)  # float32: the module path
     assert all(m._decode_kernel is None for m in llm32.engine.model.modules()
                if isinstance(m, DecoderLayer))

@@ -242,3 +242,14 @@ def test_a_missing_checkpoint_is_refused_without_the_network(model: str) -> None
 def test_a_directory_without_config_json_is_refused(tmp_path) -> None:
     with pytest.raises(StartupError, match="no config.json"):
         LLM(model=str(tmp_path))
+
+
+def test_kv_cache_memory_takes_the_servers_byte_counts(qwen3_ckpt):
+    """`kv_cache_memory` as `moe-serve --kv-cache-memory` takes it: an int or text with a unit;
+    anything else is refused naming the field."""
+    llm = LLM(model=str(qwen3_ckpt), max_model_len=64, kv_cache_memory="2MiB")
+    assert llm.engine.config.cache.kv_cache_memory == 2 * 1024**2
+    with pytest.raises(ValueError, match="kv_cache_memory: expected bytes like"):
+        LLM(model=str(qwen3_ckpt), max_model_len=64, kv_cache_memory="lots")
+    with pytest.raises(ValueError, match="kv_cache_memory must be a byte count"):
+        LLM(model=str(qwen3_ckpt), max_model_len=64, kv_cache_memory=2.5)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import re
 import sys
 
 from kernels.registry import (
@@ -45,6 +44,7 @@ from moe_engine.config import (
     SchedulerConfig,
     check_cpu_environment,
 )
+from moe_engine.config import parse_bytes as config_parse_bytes
 from moe_engine.errors import StartupError
 from moe_engine.loader import safetensors_files
 from moe_engine.model_path import resolve_model_dir
@@ -60,29 +60,18 @@ from moe_engine.server.security import API_KEY_ENV, resolve_api_key
 
 logger = logging.getLogger("moe_engine.serve")
 
-_UNITS = {
-    "": 1,
-    "k": 1000,
-    "m": 1000**2,
-    "g": 1000**3,
-    "t": 1000**4,
-    "ki": 1024,
-    "mi": 1024**2,
-    "gi": 1024**3,
-    "ti": 1024**4,
-}
 
 
 def parse_bytes(text: str) -> int:
-    """A byte count: a plain integer or with a unit ("512MiB", "4G", "4GiB", "1.5GB").
+    """`config.parse_bytes` for argparse.
 
     Raises:
-        argparse.ArgumentTypeError: for anything else.
+        argparse.ArgumentTypeError: anything but a byte count.
     """
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]i?)?b?\s*", text.lower())
-    if match is None:
-        raise argparse.ArgumentTypeError(f"expected bytes like 4294967296 or 4GiB, got {text!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
+    try:
+        return config_parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_fraction(text: str) -> float:

@@ -9,6 +9,7 @@ import re
 import torch
 from torch import nn
 
+from kernels.cpu_decode_layer import MAX_ROWS as MAX_DECODE_ROWS
 from kernels.native import native_unavailable_reason
 from kernels.registry import (
     NATIVE_CPU,
@@ -80,3 +81,13 @@ def bind_kernels(model: nn.Module, plan: KernelPlan) -> None:
         bind = getattr(module, "bind_kernels", None)
         if bind is not None and module is not model:
             bind(plan)
+    if plan.backend("decode_layer") == NATIVE_CPU:
+        layers = [m for m in model.modules() if hasattr(m, "_decode_kernel")]
+        native = sum(m._decode_kernel is not None for m in layers)
+        others = sorted({m.decode_misfit for m in layers if m._decode_kernel is None})
+        logger.info(
+            "decode steps: %d of %d decoder layers run as one native call each (steps of "
+            "decodes only, up to %d rows; other steps and layers run module by module)%s",
+            native, len(layers), MAX_DECODE_ROWS,
+            "".join(f"; module path: {why}" for why in others),
+        )

@@ -10,7 +10,6 @@ passed in; `models/base.py`'s `MoeCausalLM` builds these from an `ArchSpec`.
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,7 +26,6 @@ from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding
 from moe_engine.phase_timer import PhaseTimer
 
-logger = logging.getLogger(__name__)
 _NO_PHASE = contextlib.nullcontext()
 
 if TYPE_CHECKING:
@@ -187,8 +185,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = input_layernorm
         self.post_attention_layernorm = post_attention_layernorm
         self.mlp = mlp
-        #: Bound by `bind_kernels`: the native decode step, or None (the module path).
+        #: Bound by `bind_kernels`: the native decode step, or None (the module path), and
+        #: why not (`native_decode.decode_misfit`).
         self._decode_kernel: DecodeLayerKernel | None = None
+        self.decode_misfit: str | None = "not bound"
 
     def bind_kernels(self, plan: KernelPlan) -> None:
         """Take the native decode step where the registry chose native-cpu for "decode_layer"
@@ -197,8 +197,7 @@ class DecoderLayer(nn.Module):
         asks too)."""
         why = decode_misfit(self, plan)
         self._decode_kernel = decode_kernel(self) if why is None else None
-        if why is not None and plan.backend("decode_layer") == NATIVE_CPU:
-            logger.debug("decoder layer: module path for decode steps (%s)", why)
+        self.decode_misfit = why
 
     def forward(
         self,
