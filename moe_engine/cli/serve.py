@@ -230,7 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
         "native-cpu on a CPU, triton on CUDA, torch where neither runs an op), one backend "
         "(native-cpu, torch, triton) for every op it implements, or op=backend pairs after "
         "it, e.g. 'torch' or 'auto,linear=torch,attention_decode=torch'. Ops: "
-        + ", ".join(OPS) + ". A backend that cannot run an op here is a startup error",
+        + ", ".join(OPS) + " (decode_layer: a decode step's whole MoE decoder layer as one "
+        "native-cpu call, for bfloat16 models; decode_layer=torch runs it module by module). A "
+        "backend that cannot run an op here is a startup error",
     )
     p.add_argument(
         "--expert-trace",
