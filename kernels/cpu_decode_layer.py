@@ -11,7 +11,7 @@ It covers the layers of Qwen3-MoE and Mixtral as the engine runs them on an AMX 
 bfloat16: plain RoPE, optional q/k RMSNorm, no attention sinks, softmax-then-top-k routing
 without a router bias, plain-SwiGLU experts without biases on one rank, bfloat16 (the AMX
 kernel) or 4-bit (`--quantization int4` / MXFP4: the native 4-bit kernel).
-`moe_engine.models.layers.decoder.native_decode_kernel` decides whether a layer fits.
+`moe_engine.models.layers.native_decode.decode_misfit` decides whether a layer fits.
 """
 
 from __future__ import annotations
@@ -104,6 +104,12 @@ class DecodeLayerKernel:
             raise ValueError(f"top_k {self.top_k} must be in [1, {num_experts}]")
 
     @cached_property
+    def _linear_args(self) -> tuple[int, int | None, int, int | None, int]:
+        """(QKV weight, its bias or None, O weight, its bias or None, router weight) pointers,
+        checked once (`AmxLinear._weight_args`)."""
+        return (*self.qkv._weight_args, *self.o._weight_args, self.router._weight_args[0])
+
+    @cached_property
     def _experts(self) -> tuple[int, int, tuple]:
         """(E, H, the kernel's experts arguments from w13 to Hp), checked once.
 
@@ -123,36 +129,6 @@ class DecodeLayerKernel:
             return w.experts, w.hidden, (None, None, w.intermediate, 1, *w.pointers, w.format,
                                          w.group_size, w.padded_intermediate, w.padded_hidden)
         raise ValueError(f"experts must be AmxExperts or PackedQuantExperts, got {type(e)}")
-
-    def __call__(
-        self,
-        h: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Run the layer on T decode tokens, one per request, into new tensors.
-
-        Args:
-            h: [T, H] bfloat16 residual stream (not modified), 1 <= T <= `MAX_ROWS`.
-            positions, slot_mapping, seq_lens, block_tables: as `decode_step_args`.
-            kv_cache: this layer's (K, V), each [num_blocks, block_size, Hkv, D] bfloat16.
-
-        Returns:
-            (the layer's output [T, H] bfloat16, topk_weights [T, k] float32, topk_ids [T, k]
-            int32).
-
-        Raises:
-            RuntimeError: as `run`, and `decode_step_args`.
-        """
-        step = decode_step_args(positions, slot_mapping, block_tables, seq_lens)
-        out = h.contiguous().clone()
-        weights = torch.empty(step.rows, self.top_k, dtype=torch.float32)
-        ids = torch.empty(step.rows, self.top_k, dtype=torch.int32)
-        self.run(out, step, kv_cache, weights, ids)
-        return out, weights, ids
 
     def run(self, h: torch.Tensor, step: DecodeStepArgs,
             kv_cache: tuple[torch.Tensor, torch.Tensor], topk_weights: torch.Tensor,
@@ -180,9 +156,7 @@ class DecodeLayerKernel:
             raise RuntimeError(f"decode layer: topk outputs must be contiguous [{t}, {k}] "
                                "float32 and int32")
         lib = load_native("decode_layer")
-        qkv_w, qkv_b = self.qkv._weight_args
-        o_w, o_b = self.o._weight_args
-        router_w, _ = self.router._weight_args
+        qkv_w, qkv_b, o_w, o_b, router_w = self._linear_args
         num_experts, _, experts = self._experts
         blocks, block_size = k_cache.shape[0], k_cache.shape[1]
         check_status(lib.moe_decode_layer(

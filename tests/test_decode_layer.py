@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from kernels.cpu_amx import amx_unavailable_reason
-from kernels.cpu_decode_layer import DecodeLayerKernel
+from kernels.cpu_decode_layer import DecodeLayerKernel, decode_step_args
 from moe_engine import LLM
 from moe_engine.models.layers.decoder import DecoderLayer
 from moe_engine.request import SamplingParams
 
-pytestmark = pytest.mark.skipif(amx_unavailable_reason() is not None,
-                                reason=f"AMX kernels unavailable: {amx_unavailable_reason()}")
+needs_amx = pytest.mark.skipif(amx_unavailable_reason() is not None,
+                               reason=f"AMX kernels unavailable: {amx_unavailable_reason()}")
 
 PROMPTS = [[3, 17, 5, 9, 11, 2, 40], [8, 8, 1], [60, 12, 33, 7, 7, 19, 4, 25, 90, 13, 6]]
 
@@ -42,6 +42,7 @@ def _serve(ckpt, backend: str, quantization: str, monkeypatch
     return ids, logprobs, counts, len(calls)
 
 
+@needs_amx
 @pytest.mark.parametrize("arch,quantization,moe_layers", [
     ("qwen3", "none", 2), ("qwen3", "int4", 2), ("mixtral", "none", 2),
 ])
@@ -61,6 +62,7 @@ def test_native_decode_layer_is_bit_identical_to_the_module_path(request, arch, 
     assert torch.equal(got_counts, want_counts) and got_counts.sum() > 0
 
 
+@needs_amx
 def test_only_moe_layers_of_the_bfloat16_model_take_it(qwen3_ckpt, caplog):
     caplog.set_level(logging.INFO, logger="moe_engine.models.kernel_binding")
     llm = LLM(model=str(qwen3_ckpt), dtype="bfloat16", max_model_len=64)
@@ -73,28 +75,52 @@ def test_only_moe_layers_of_the_bfloat16_model_take_it(qwen3_ckpt, caplog):
                if isinstance(m, DecoderLayer))
 
 
+@needs_amx
 def test_the_kernel_refuses_inputs_it_cannot_run(qwen3_ckpt):
     llm = LLM(model=str(qwen3_ckpt), dtype="bfloat16", max_model_len=64)
     layer = next(m for m in llm.engine.model.modules()
                  if isinstance(m, DecoderLayer) and m._decode_kernel is not None)
     kernel, kv = layer._decode_kernel, llm.engine.runner.kv_caches[0]
+
+    def run(h, positions, kv_cache, slot_mapping, block_tables, seq_lens):
+        step = decode_step_args(positions, slot_mapping, block_tables, seq_lens)
+        kernel.run(h.clone(), step, kv_cache, torch.empty(step.rows, kernel.top_k),
+                   torch.empty(step.rows, kernel.top_k, dtype=torch.int32))
     h = torch.zeros(2, kernel.qkv.in_features, dtype=torch.bfloat16)
     ok = dict(positions=torch.zeros(2, dtype=torch.int64), kv_cache=kv,
               slot_mapping=torch.zeros(2, dtype=torch.int64),
               block_tables=torch.zeros(2, 4, dtype=torch.int64),
               seq_lens=torch.ones(2, dtype=torch.int64))
     with pytest.raises(RuntimeError, match="decode layer: h torch.float32"):
-        kernel(h.float(), **ok)
+        run(h.float(), **ok)
     with pytest.raises(RuntimeError, match=r"slot_mapping must be contiguous int64 \[2\]"):
-        kernel(h, **{**ok, "slot_mapping": torch.zeros(3, dtype=torch.int64)})
+        run(h, **{**ok, "slot_mapping": torch.zeros(3, dtype=torch.int64)})
     with pytest.raises(RuntimeError, match=r"decode layer: h .* \(2, 64\)"):  # 3 rows wanted
-        kernel(h, **{**ok, **{n: torch.zeros(3, dtype=torch.int64) for n in ("positions",
+        run(h, **{**ok, **{n: torch.zeros(3, dtype=torch.int64) for n in ("positions",
                                                                           "slot_mapping")},
                   "block_tables": torch.zeros(3, 4, dtype=torch.int64),
                   "seq_lens": torch.ones(3, dtype=torch.int64)})
     with pytest.raises(RuntimeError, match=r"decode layer: h .* \(3, 64\)"):
-        kernel(torch.zeros(3, 64, dtype=torch.bfloat16), **ok)
+        run(torch.zeros(3, 64, dtype=torch.bfloat16), **ok)
     with pytest.raises(RuntimeError, match="block_tables must be contiguous"):
-        kernel(h, **{**ok, "block_tables": torch.zeros(3, 4, dtype=torch.int64)})
+        run(h, **{**ok, "block_tables": torch.zeros(3, 4, dtype=torch.int64)})
     with pytest.raises(RuntimeError, match="native kernel: decode layer"):
-        kernel(h, **{**ok, "seq_lens": torch.full((2,), 10_000, dtype=torch.int64)})
+        run(h, **{**ok, "seq_lens": torch.full((2,), 10_000, dtype=torch.int64)})
+
+
+def test_the_decodes_only_batch_is_the_general_one():
+    """`build_decode_batch` (a decodes-only step's metadata from plain ints) builds the tensors
+    `build_attention_batch` builds for the same step."""
+    from moe_engine.models.layers.attention import build_attention_batch, build_decode_batch
+
+    starts = [0, 5, 31, 16, 47]
+    tables = torch.tensor([[7, 0, 0, 0], [3, 0, 0, 0], [4, 9, 0, 0], [1, 2, 0, 0],
+                           [5, 6, 8, 11]])
+    want = build_attention_batch(0, torch.ones(5, dtype=torch.int64), torch.tensor(starts),
+                                 tables, 16)
+    got = build_decode_batch(starts, tables, 16)
+    for name in ("token_start", "token_end", "max_q", "num_keys"):
+        assert getattr(got, name) == getattr(want, name), name
+    for name in ("tok_b", "tok_q", "block_ids", "q_pos", "block_tables", "seq_lens",
+                 "query_start_loc"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name

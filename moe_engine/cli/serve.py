@@ -61,7 +61,6 @@ from moe_engine.server.security import API_KEY_ENV, resolve_api_key
 logger = logging.getLogger("moe_engine.serve")
 
 
-
 def parse_bytes(text: str) -> int:
     """`config.parse_bytes` for argparse.
 

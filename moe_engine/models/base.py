@@ -226,18 +226,14 @@ class MoeCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] int64 -> final hidden states [T, H]. Layers with a native
-        decode kernel share one `DecodeStep` (a decode step's checked inputs) and update h in
-        place (the embedding's fresh output)."""
+        """input_ids, positions: [T] int64 -> final hidden states [T, H]. The layers share one
+        `DecodeStep` (a decode step's checked inputs, None where no native kernel could take
+        the step); one with a native decode kernel updates h in place (the embedding's fresh
+        output)."""
         h = self.model.embed_tokens(input_ids)
-        step = None
-        if any(getattr(layer, "_decode_kernel", None) is not None for layer in self.model.layers):
-            step = DecodeStep.of(h, positions, meta, self.spec.top_k)
+        step = DecodeStep.of(h, positions, meta, self.spec.top_k)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            if step is not None and getattr(layer, "_decode_kernel", None) is not None:
-                h = layer(h, positions, meta, kv_cache, step)
-            else:
-                h = layer(h, positions, meta, kv_cache)
+            h = layer(h, positions, meta, kv_cache, step)
         return self.model.norm(h)
 
     def attach_timer(self, timer: PhaseTimer) -> None:

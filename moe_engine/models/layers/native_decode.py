@@ -28,9 +28,10 @@ if TYPE_CHECKING:
 
 
 class DecodeStep:
-    """A decode-only step's inputs for the layers' native kernels (`MoeCausalLM.forward` makes
-    one per step where a layer has a kernel): each KV-cache group's arguments checked once for
-    all its layers, and the routing outputs every layer writes in turn.
+    """A step's inputs for the layers' native decode kernels (`MoeCausalLM.forward` makes one
+    per bfloat16 step of at most `MAX_ROWS` tokens and gives it to every layer): each KV-cache
+    group's arguments checked once for all its layers, on first use, and the routing outputs
+    every native layer writes in turn (made with the first group that holds only decodes).
 
     Args:
         positions: [T] int64; meta: the step's attention metadata.
@@ -38,10 +39,9 @@ class DecodeStep:
     """
 
     def __init__(self, positions: torch.Tensor, meta: AttentionMetadata, top_k: int) -> None:
-        t = positions.shape[0]
-        self.positions, self.meta = positions, meta
-        self.topk_weights = torch.empty(t, top_k, dtype=torch.float32)
-        self.topk_ids = torch.empty(t, top_k, dtype=torch.int32)
+        self.positions, self.meta, self.top_k = positions, meta, top_k
+        self.topk_weights: torch.Tensor | None = None  # [T, k] float32, with the first args
+        self.topk_ids: torch.Tensor | None = None  # [T, k] int32
         self._args: dict[int, DecodeStepArgs | None] = {}
 
     @classmethod
@@ -64,6 +64,9 @@ class DecodeStep:
             self._args[group] = decode_step_args(
                 self.positions, meta.slot_mapping, batch.block_tables, batch.seq_lens
             ) if decodes else None
+            if decodes and self.topk_ids is None:
+                self.topk_weights = torch.empty(t, self.top_k, dtype=torch.float32)
+                self.topk_ids = torch.empty(t, self.top_k, dtype=torch.int32)
         return self._args[group]
 
 
