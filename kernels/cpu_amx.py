@@ -1,4 +1,5 @@
-"""bfloat16 kernels on Intel AMX (csrc/amx_gemm.cpp, csrc/amx_moe.cpp), where the CPU has it.
+"""bfloat16 kernels on Intel AMX (csrc/amx_gemm.cpp, csrc/amx_moe.cpp, csrc/amx_attention.cpp),
+where the CPU has it.
 
 On a CPU with AMX-BF16 the engine computes a bfloat16 checkpoint in bfloat16
 (`moe_engine.config.compute_dtype`), and the AVX2 kernels (bfloat16 widened to float32, FMA)
@@ -56,7 +57,8 @@ def amx_unavailable_reason() -> str | None:
             _decided.append(_decide())
             if _decided[0] is None:
                 logger.info("AMX bf16 kernels on: linear at %d-%d rows, fused MoE at every "
-                            "batch size", LINEAR_MIN_ROWS, LINEAR_MAX_ROWS)
+                            "batch size, decode attention's scores (bf16 KV cache, blocks of "
+                            "a multiple of 16)", LINEAR_MIN_ROWS, LINEAR_MAX_ROWS)
             else:
                 logger.info("AMX bf16 kernels off: %s", _decided[0])
     return _decided[0]

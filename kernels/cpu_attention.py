@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.cpu_amx import amx_unavailable_reason
 from kernels.native import BAD_ARGUMENT, check_status, dtype_flag, load_native
 
 
@@ -23,8 +24,16 @@ def paged_decode_attention(
     *,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    amx: bool | None = None,
 ) -> torch.Tensor:
     """softmax(q K^T * scale) V for one query per sequence, keys read through block tables.
+
+    With bfloat16 q and cache, D a multiple of 32 up to 256, at most 16 query heads per KV
+    head and blocks of a multiple of 16 slots, the scores q . k run on AMX tiles where the
+    process runs the AMX kernels (`kernels.cpu_amx.amx_unavailable_reason`; csrc/
+    amx_attention.cpp: bfloat16 products summed in float32, then times `scale`); otherwise,
+    and for the probability-weighted values always, in float32 FMAs (AVX-512 in the AVX-512
+    build).
 
     Args:
         q: [B, Hq, D] float32 or bfloat16, D a multiple of 8.
@@ -38,6 +47,9 @@ def paged_decode_attention(
             itself and window - 1 earlier tokens); None: full attention.
         sinks: optional [Hq] per-head sink logits (gpt-oss): one more softmax term without a
             value.
+        amx: False keeps the scores off the AMX tiles; None (default) or True: on them where
+            the shapes fit and this process runs the AMX kernels (True does not force them on
+            a CPU without AMX).
 
     Returns:
         [B, Hq, D] in q's dtype.
@@ -83,7 +95,8 @@ def paged_decode_attention(
     status = lib.moe_paged_decode_attention(
         q.data_ptr(), q_bf16, k_cache.data_ptr(), v_cache.data_ptr(), cache_bf16,
         block_tables.data_ptr(), table_shape[1], seq_lens.data_ptr(), sink_ptr, b, hq,
-        hkv, d, block_size, int(sliding_window or 0), float(scale), out.data_ptr(),
+        hkv, d, block_size, int(sliding_window or 0), float(scale),
+        int(amx is not False and amx_unavailable_reason() is None), out.data_ptr(),
         torch.get_num_threads())
     if status == BAD_ARGUMENT:
         raise RuntimeError(f"seq_lens out of the block table: each must be in [1, W * "

@@ -55,7 +55,7 @@ HEADER = "moe_engine_cpu.h"
 BINDING = "binding.cpp"
 LIBRARY = native_binding.MODULE + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
 #: Bumped with any change of csrc/moe_engine_cpu.h's prototypes (part of the cache digest).
-ABI_VERSION = 6
+ABI_VERSION = 7
 #: The flags of every variant; no -ffast-math.
 BASE_CXXFLAGS = ("-O3", "-pthread", "-DNDEBUG", "-std=c++17", "-fPIC", "-fvisibility=hidden")
 #: Instruction-set flags per variant, named (not -march=native), so that a cache shared by
@@ -87,7 +87,8 @@ def cxxflags(isa: str) -> tuple[str, ...]:
 #: merged by the linker into one copy, which must not hold an instruction the variant's CPU
 #: lacks.
 AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
-SOURCE_FLAGS = {"amx_gemm.cpp": AMX_FLAGS, "amx_moe.cpp": AMX_FLAGS}
+SOURCE_FLAGS = {"amx_gemm.cpp": AMX_FLAGS, "amx_moe.cpp": AMX_FLAGS,
+                "amx_attention.cpp": AMX_FLAGS}
 #: No OpenMP: the kernels run on their own pool (csrc/thread_pool.h), whose caller never waits
 #: for a thread the OS has not scheduled (an OpenMP barrier does).
 LDFLAGS = ("-shared", "-pthread")
@@ -96,7 +97,8 @@ LDFLAGS = ("-shared", "-pthread")
 #: build here has recorded its own (`last_build.json`).
 EXPECTED_COMPILE_S = {"moe_cpu.cpp": 4.0, "paged_attention.cpp": 1.8, "linear_cpu.cpp": 1.3,
                       "thread_pool.cpp": 0.8, "rope_cpu.cpp": 0.8, "ops_cpu.cpp": 0.6,
-                      "decode_layer.cpp": 0.6, "binding.cpp": 0.5}
+                      "decode_layer.cpp": 0.6, "binding.cpp": 0.5,
+                      "amx_attention.cpp": 0.5}
 EXPECTED_LINK_S = 0.2
 #: A build (or the wait for another process's) taking longer than this fails (seconds).
 BUILD_TIMEOUT_S = 900.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.cpu_amx import amx_unavailable_reason
 from kernels.cpu_attention import paged_decode_attention
 from kernels.cpu_linear import PackedLinear
 from kernels.native import _build
@@ -83,6 +84,27 @@ def test_decode_attention_sliding_window_and_sinks():
                                      sliding_window=window, sinks=s)
         want = _reference(q, k_cache, v_cache, tables, lens, 0.3, window, s)
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d", "block_size"),
+                         [(8, 2, 64, 16), (16, 1, 32, 32), (6, 3, 128, 16), (4, 2, 256, 16)])
+def test_decode_attention_scores_on_amx_tiles(hq, hkv, d, block_size):
+    """bf16 shapes the AMX scores take (csrc/amx_attention.cpp): whole 16-key tiles, keys
+    outside [first, L) discarded (a window starting inside a tile, lengths ending inside one),
+    against float64, and within bf16 rounding of the float32-FMA scores (amx=False)."""
+    if amx_unavailable_reason() is not None:
+        pytest.skip(f"AMX kernels off here: {amx_unavailable_reason()}")
+    g = _gen()
+    lens = [1, 15, 16, 17, 33, block_size * 3 + 5, int(torch.randint(2, 200, (1,), generator=g))]
+    k_cache, v_cache, tables = _paged(g, lens, hkv, d, block_size, torch.bfloat16)
+    q = torch.randn(len(lens), hq, d, generator=g).bfloat16()
+    for window in (None, 7, 20):
+        args = (q, k_cache, v_cache, tables, torch.tensor(lens), d**-0.5)
+        got = paged_decode_attention(*args, sliding_window=window)
+        off = paged_decode_attention(*args, sliding_window=window, amx=False)
+        want = _reference(q, k_cache, v_cache, tables, lens, d**-0.5, window)
+        torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got.double(), off.double(), rtol=2e-2, atol=2e-2)
 
 
 def test_decode_attention_rejects_bad_arguments():

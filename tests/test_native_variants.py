@@ -200,6 +200,30 @@ def test_decode_sizes_of_the_bench_model(variant, method):
             _reference(hidden, d13, d2, weights, ids.int()), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("amx", [False, None])
+def test_decode_attention(variant, dtype, amx):
+    """Paged decode attention (the AVX-512 build's 16-column values pass, D 16 and 80 taking
+    its one-register tail; bf16 with D 64 the AMX scores where the process runs them) against
+    a float64 reference, with a sliding window."""
+    from test_native_attention_linear import _paged
+    from test_native_attention_linear import _reference as attention_reference
+
+    from kernels.cpu_attention import paged_decode_attention
+
+    g = _gen()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for hq, hkv, d, block_size in ((8, 2, 64, 16), (6, 2, 80, 8), (4, 4, 16, 16)):
+        lens = [1, 17, int(torch.randint(2, 120, (1,), generator=g))]
+        k_cache, v_cache, tables = _paged(g, lens, hkv, d, block_size, dtype)
+        q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
+        for window in (None, 9):
+            got = paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens),
+                                         d**-0.5, sliding_window=window, amx=amx)
+            want = attention_reference(q, k_cache, v_cache, tables, lens, d**-0.5, window)
+            torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
 # ------------------------------------------------------------------------------------------
 # The choice of variant
 

@@ -65,12 +65,14 @@ MOE_ENGINE_API int32_t moe_linear(const float* x, int64_t M, int64_t K, const vo
 // csrc/paged_attention.cpp. q [B, Hq, D] (float32, or bfloat16 when q_bf16); k_cache, v_cache
 // [num_blocks, block_size, Hkv, D] (float32, or bfloat16 when cache_bf16); block_tables [B, W]
 // int64; seq_lens [B] int64 (kBadArgument unless each is in [1, W * block_size]); sinks [Hq]
-// float32 or null; window 0 for full attention; out [B, Hq, D] in q's dtype.
+// float32 or null; window 0 for full attention; amx nonzero: the caller allows the AMX kernels
+// (moe_amx_available() said yes), and bfloat16 q and cache with amx_scores_fit shapes
+// (amx_attention.h) take their scores on tiles; out [B, Hq, D] in q's dtype.
 MOE_ENGINE_API int32_t moe_paged_decode_attention(
     const void* q, int32_t q_bf16, const void* k_cache, const void* v_cache, int32_t cache_bf16,
     const int64_t* block_tables, int64_t W, const int64_t* seq_lens, const float* sinks,
     int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size, int64_t window,
-    float scale, void* out, int32_t threads);
+    float scale, int32_t amx, void* out, int32_t threads);
 
 // csrc/ops_cpu.cpp. x: A x B rows of D values (row (a, b) at x + a * sa + b * sb elements),
 // float32, or bfloat16 when bf16; weight [D] of x's dtype; y [A * B, D] contiguous, x's dtype.

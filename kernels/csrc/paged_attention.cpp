@@ -20,8 +20,10 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "amx_attention.h"
 #include "cpu_common.h"
 #include "moe_engine_cpu.h"
 
@@ -93,12 +95,65 @@ inline float max_of(const float* s, int64_t n, float init) {
   return mx;
 }
 
+#if defined(__AVX512F__)
+// The AVX-512 build's values pass (D a multiple of 16): 16 columns per register, four query
+// heads at once, so each value row is widened once for four heads.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// acc[g][d0 .. d0 + 16 NV) = sum_j p[g][j] v_j[d0 ..] for heads g0 .. g0 + 3 (< G; a head
+// past G repeats the last one and is not stored).
+template <int NV, typename C>
+inline void values_block(const float* scores, int64_t n, const C* v_cache, const int64_t* rows,
+                         int64_t g0, int64_t G, int64_t D, int64_t d0, float* acc) {
+  const float* p[4];
+  for (int i = 0; i < 4; ++i) p[i] = scores + std::min<int64_t>(g0 + i, G - 1) * n;
+  __m512 a[4][NV];
+  for (int i = 0; i < 4; ++i)
+    for (int v = 0; v < NV; ++v) a[i][v] = _mm512_setzero_ps();
+  constexpr int64_t kAhead = 8;  // value rows prefetched ahead (blocks lie anywhere)
+  for (int64_t j = 0; j < n; ++j) {
+    const C* vr = v_cache + rows[j] + d0;
+    if (j + kAhead < n) {
+      const char* next = reinterpret_cast<const char*>(v_cache + rows[j + kAhead] + d0);
+      for (int64_t off = 0; off < NV * 16 * int64_t(sizeof(C)); off += 64)
+        _mm_prefetch(next + off, _MM_HINT_T0);
+    }
+    __m512 x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = load16(vr + 16 * v);
+    for (int i = 0; i < 4; ++i) {
+      const __m512 w = _mm512_set1_ps(p[i][j]);
+      for (int v = 0; v < NV; ++v) a[i][v] = _mm512_fmadd_ps(w, x[v], a[i][v]);
+    }
+  }
+  for (int i = 0; i < 4 && g0 + i < G; ++i)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + (g0 + i) * D + d0 + 16 * v, a[i][v]);
+}
+
+template <typename C>
+inline void weighted_values_512(const float* scores, int64_t n, const C* v_cache,
+                                const int64_t* rows, int64_t G, int64_t D, float* acc) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    int64_t d0 = 0;
+    for (; d0 + 64 <= D; d0 += 64)
+      values_block<4>(scores, n, v_cache, rows, g0, G, D, d0, acc);
+    for (; d0 < D; d0 += 16) values_block<1>(scores, n, v_cache, rows, g0, G, D, d0, acc);
+  }
+}
+#endif
+
 template <typename Q, typename C, typename O>
 void decode_attention(const Q* q, const C* k_cache, const C* v_cache, const int64_t* tables,
                       int64_t table_width, const int64_t* seq_lens, const float* sinks,
                       int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
-                      int64_t window, float scale, O* out, int threads) {
+                      int64_t window, float scale, bool amx, O* out, int threads) {
   const int64_t G = Hq / Hkv;
+  // the scores on AMX tiles: bfloat16 queries and cache only (the tiles multiply bfloat16)
+  constexpr bool kBf16 = std::is_same_v<Q, bf16_t> && std::is_same_v<C, uint16_t>;
+  const bool amx_scores = kBf16 && amx && moe_engine::amx_scores_fit(D, G, block_size);
   const int64_t row_stride = Hkv * D;  // elements between consecutive slots of one block
   struct Scratch {
     std::vector<float> qf, acc, scores, denom;
@@ -118,19 +173,29 @@ void decode_attention(const Q* q, const C* k_cache, const C* v_cache, const int6
       const int64_t L = seq_lens[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, L - window) : 0;
       const int64_t n = L - first;
-      for (int64_t g = 0; g < G; ++g)
+      for (int64_t g = 0; g < (amx_scores ? 0 : G); ++g)
         for (int64_t d = 0; d < D; ++d)
           qf[g * D + d] = to_f32(q[(b * Hq + h * G + g) * D + d]) * scale;
       scores.resize(G * std::max<int64_t>(n, 1));
       const int64_t* table = tables + b * table_width;
-      // element offset of each visible key's row of head h (one division per key and item)
+      // element offset of each visible key's row of head h, block by block
       rows.resize(std::max<int64_t>(n, 1));
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t pos = first + j;
-        rows[j] = (table[pos / block_size] * block_size + pos % block_size) * row_stride + h * D;
+      for (int64_t pos = first, j = 0; pos < L;) {
+        const int64_t in_block = pos % block_size, len = std::min(block_size - in_block, L - pos);
+        const int64_t base = (table[pos / block_size] * block_size + in_block) * row_stride + h * D;
+        for (int64_t o = 0; o < len; ++o) rows[j + o] = base + o * row_stride;
+        pos += len;
+        j += len;
       }
       // pass 1: scores[g][j] = q_g . k_{first + j}
-      for (int64_t j = 0; j < n; ++j) {
+      if constexpr (kBf16) {
+        if (amx_scores) {
+          moe_engine::amx_decode_scores(reinterpret_cast<const uint16_t*>(q) + (b * Hq + h * G) * D,
+                                        k_cache, table, block_size, row_stride, h * D, D, G,
+                                        first, L, scale, scores.data());
+        }
+      }
+      for (int64_t j = 0; j < (amx_scores ? 0 : n); ++j) {
         const C* kr = k_cache + rows[j];
         if (j + 4 < n) _mm_prefetch(reinterpret_cast<const char*>(k_cache + rows[j + 4]),
                                     _MM_HINT_T0);
@@ -165,8 +230,15 @@ void decode_attention(const Q* q, const C* k_cache, const C* v_cache, const int6
         const float mx = max_of(sg, n, sink);
         denom[g] = exp_shift_sum(sg, n, mx) + (sinks ? std::exp(sink - mx) : 0.0f);
       }
-      // pass 2: acc[g] = sum_j p[g][j] * v_{first + j}, two heads x 32 columns in registers
-      for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      // pass 2: acc[g] = sum_j p[g][j] * v_{first + j}
+#if defined(__AVX512F__)
+      const bool wide = D % 16 == 0;
+      if (wide) weighted_values_512(scores.data(), n, v_cache, rows.data(), G, D, acc.data());
+#else
+      const bool wide = false;
+#endif
+      // (AVX2: two heads x 32 columns in registers)
+      for (int64_t d0 = 0; d0 < (wide ? 0 : D); d0 += 32) {
         const int nv = static_cast<int>(std::min<int64_t>(32, D - d0) / 8);
         for (int64_t g = 0; g < G; g += 2) {
           const float* p0 = scores.data() + g * n;
@@ -212,13 +284,13 @@ template <typename C>
 void dispatch_q(const void* q, bool q_bf16, const C* kc, const C* vc, const int64_t* tables,
                 int64_t W, const int64_t* lens, const float* sinks, int64_t B, int64_t Hq,
                 int64_t Hkv, int64_t D, int64_t block_size, int64_t window, float scale,
-                void* out, int threads) {
+                bool amx, void* out, int threads) {
   if (q_bf16)
     decode_attention(static_cast<const bf16_t*>(q), kc, vc, tables, W, lens, sinks, B, Hq, Hkv,
-                     D, block_size, window, scale, static_cast<bf16_t*>(out), threads);
+                     D, block_size, window, scale, amx, static_cast<bf16_t*>(out), threads);
   else
     decode_attention(static_cast<const float*>(q), kc, vc, tables, W, lens, sinks, B, Hq, Hkv,
-                     D, block_size, window, scale, static_cast<float*>(out), threads);
+                     D, block_size, window, scale, amx, static_cast<float*>(out), threads);
 }
 
 }  // namespace
@@ -230,16 +302,17 @@ int32_t moe_paged_decode_attention(const void* q, int32_t q_bf16, const void* k_
                                    const int64_t* block_tables, int64_t W,
                                    const int64_t* seq_lens, const float* sinks, int64_t B,
                                    int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
-                                   int64_t window, float scale, void* out, int32_t threads) {
+                                   int64_t window, float scale, int32_t amx, void* out,
+                                   int32_t threads) {
   for (int64_t b = 0; b < B; ++b)
     if (seq_lens[b] < 1 || seq_lens[b] > W * block_size) return kBadArgument;
   if (cache_bf16)
     dispatch_q(q, q_bf16, static_cast<const uint16_t*>(k_cache),
                static_cast<const uint16_t*>(v_cache), block_tables, W, seq_lens, sinks, B, Hq,
-               Hkv, D, block_size, window, scale, out, threads);
+               Hkv, D, block_size, window, scale, amx != 0, out, threads);
   else
     dispatch_q(q, q_bf16, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache),
-               block_tables, W, seq_lens, sinks, B, Hq, Hkv, D, block_size, window, scale, out,
-               threads);
+               block_tables, W, seq_lens, sinks, B, Hq, Hkv, D, block_size, window, scale,
+               amx != 0, out, threads);
   return kOk;
 }
