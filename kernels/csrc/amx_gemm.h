@@ -147,14 +147,7 @@ MOE_AMX_INLINE void block(const uint16_t* const* a, int rows, int64_t lda,
 // bfloat16 bits of 8 float32 values in the low halves of 8 int32, rounded to nearest even,
 // NaN to 0x7FC0: c10::BFloat16's rounding (cpu_common.h f32_to_bf16), so results match what
 // torch's bfloat16 tensors hold.
-MOE_AMX_INLINE __m256i round_bf16(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(
-      _mm256_add_epi32(_mm256_add_epi32(u, lsb), _mm256_set1_epi32(0x7FFF)), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-}
+MOE_AMX_INLINE __m256i round_bf16(__m256 v) { return moe_engine::round_bf16x8(v); }
 
 // dst[0..cols) = src[0..cols) (+ bias[0..cols)) as float32 or bfloat16 bits, cols <= 16.
 MOE_AMX_INLINE void store_row16(const float* src, const float* bias, int cols, float* dst) {

@@ -6,6 +6,8 @@
 // moe_engine_cpu.h, checked on the Python side (kernels/cpu_*.py).
 #pragma once
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -50,6 +52,59 @@ inline float from_f32<float>(float v) {
 template <>
 inline bf16_t from_f32<bf16_t>(float v) {
   return bf16_t{f32_to_bf16(v)};
+}
+
+// 8 bfloat16 values widened to float32 (exact).
+inline __m256 load_bf16x8(const bf16_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load_f32x8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_f32x8(const bf16_t* p) { return load_bf16x8(p); }
+inline float load_f32(const float* p) { return *p; }
+inline float load_f32(const bf16_t* p) { return bf16_to_f32(p->bits); }
+
+// bfloat16 bits of 8 float32 values in the low halves of 8 int32, rounded to nearest even, NaN
+// to 0x7FC0: f32_to_bf16 on each lane.
+inline __m256i round_bf16x8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(u, lsb), _mm256_set1_epi32(0x7FFF)), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+}
+
+// 8 float32 values stored as float32, or rounded to bfloat16 (round_bf16x8).
+inline void store_f32x8(float* dst, __m256 v) { _mm256_storeu_ps(dst, v); }
+inline void store_f32x8(bf16_t* dst, __m256 v) {
+  const __m256i r = round_bf16x8(v);  // 8 x int32, each < 2^16
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), packed);
+}
+
+// sum_d x[d]^2 in float32, in one fixed order whatever the build or the caller (RMSNorm's
+// statistic: ops_cpu.cpp rms_norm and rope_cpu.cpp's q/k norm must agree bit for bit): 16
+// lane-wise sums, x[d] into lane d % 16 by fused multiply-add, up to the last multiple of 16;
+// lanes i and i + 8 added, then the 8 as ((0+1)+(2+3))+((4+5)+(6+7)); then the tail in order,
+// each by std::fma.
+template <typename T>
+inline float sum_squares(const T* x, int64_t D) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    const __m256 v0 = load_f32x8(x + d), v1 = load_f32x8(x + d + 8);
+    a0 = _mm256_fmadd_ps(v0, v0, a0);
+    a1 = _mm256_fmadd_ps(v1, v1, a1);
+  }
+  alignas(32) float l[8];
+  _mm256_store_ps(l, _mm256_add_ps(a0, a1));
+  float sum = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+  for (; d < D; ++d) {
+    const float v = load_f32(x + d);
+    sum = std::fma(v, v, sum);
+  }
+  return sum;
 }
 
 // An uninitialised float32 buffer aligned to 64 bytes (a cache line), freed on scope exit.

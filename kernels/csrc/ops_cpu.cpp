@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cpu_common.h"
 #include "gemm.h"
@@ -41,17 +42,26 @@ using moe_engine::to_f32;
 template <typename T>
 void rms_rows(const T* x, int64_t A, int64_t B, int64_t D, int64_t sa, int64_t sb,
               const T* w, float eps, bool weight_in_float32, T* y, int threads) {
+  using moe_engine::load_f32x8;
+  using moe_engine::store_f32x8;
+  constexpr bool kBf16 = std::is_same_v<T, bf16_t>;
   moe_engine::parallel_for(A * B, 64, threads, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* row = x + (r / B) * sa + (r % B) * sb;
       T* out = y + r * D;
-      float sum = 0.0f;
-      for (int64_t d = 0; d < D; ++d) {
-        const float v = to_f32(row[d]);
-        sum += v * v;
-      }
+      const float sum = moe_engine::sum_squares(row, D);
       const float inv = 1.0f / std::sqrt(sum / static_cast<float>(D) + eps);
-      for (int64_t d = 0; d < D; ++d) {
+      // out = w * h (weight_in_float32 or float32), else w * bf16(h); h = x * inv
+      const __m256 vinv = _mm256_set1_ps(inv);
+      int64_t d = 0;
+      for (; d + 8 <= D; d += 8) {
+        __m256 h = _mm256_mul_ps(load_f32x8(row + d), vinv);
+        if (kBf16 && !weight_in_float32) {
+          h = _mm256_castsi256_ps(_mm256_slli_epi32(moe_engine::round_bf16x8(h), 16));
+        }
+        store_f32x8(out + d, _mm256_mul_ps(load_f32x8(w + d), h));
+      }
+      for (; d < D; ++d) {
         const float h = to_f32(row[d]) * inv;
         if (weight_in_float32) {
           out[d] = from_f32<T>(to_f32(w[d]) * h);

@@ -50,8 +50,7 @@ void norm_rope_head(const T* x, int64_t D, const T* w, float eps, const float* c
                     const float* s, float* scratch, T* out) {
   for (int64_t d = 0; d < D; ++d) scratch[d] = to_f32(x[d]);
   if (w) {
-    float sum = 0.0f;
-    for (int64_t d = 0; d < D; ++d) sum += scratch[d] * scratch[d];
+    const float sum = moe_engine::sum_squares(scratch, D);  // as ops_cpu.cpp's rms_norm
     const float inv = 1.0f / std::sqrt(sum / static_cast<float>(D) + eps);
     for (int64_t d = 0; d < D; ++d) {
       const float h = to_f32(round_to<T>(scratch[d] * inv));
