@@ -4,7 +4,10 @@ Each step's tokens are laid out flat; the model runner groups the requests into 
 batches: single-token queries (decodes) and multi-token queries (prefill chunks). For each batch
 one `scaled_dot_product_attention` call reads the keys through the block tables (whole blocks
 gathered with one `index_select`), with a mask that is causal from each request's start
-position. So the cost per layer is two batched calls per step, never a loop per request.
+position. So the cost per layer is two batched calls per step, never a loop per request;
+except for a CPU's prefill chunks of full attention without sinks, which attend one request at a
+time over its own keys (`prefill_rows`: the padded, masked batch did about 6x the work of the
+causal triangles on the bench's mixed prompt lengths).
 
 That is the torch backend. The kernel registry (kernels/registry.py) binds each layer's decode
 and prefill batches once (`PagedAttention.bind_kernels`): native-cpu decode reads the cache in
@@ -40,6 +43,7 @@ import torch.nn.functional as F
 from kernels.cpu_attention import paged_decode_attention
 from kernels.registry import NATIVE_CPU, TORCH, TRITON, KernelPlan
 from moe_engine.kv_cache.spec import FULL_ATTENTION, SLIDING_ATTENTION
+from moe_engine.models.layers.prefill_rows import prefill_rows
 
 
 @dataclass
@@ -327,6 +331,9 @@ class PagedAttention(KVCacheLayer):
                 scale=self.scale, max_query_len=batch.max_q, sliding_window=self.sliding_window,
                 sinks=sinks,
             )
+        if (batch.max_q > 1 and sinks is None and self.sliding_window is None
+                and q.device.type == "cpu"):
+            return prefill_rows(q, k_cache, v_cache, batch, self.scale)
         b = batch.seq_lens.shape[0]
         keys, values = (_gather_blocks(c, batch.block_ids, b) for c in (k_cache, v_cache))
         if batch.max_q == 1:
