@@ -206,12 +206,19 @@ void down(const uint16_t* inter, const uint16_t* w2, const float* b2,
     const int n = static_cast<int>(std::min<int64_t>(amx::kMaxColTiles, d.Ht - t0));
     const uint16_t* b[amx::kMaxColTiles];
     for (int j = 0; j < n; ++j) b[j] = w2 + (e * d.Ht + t0 + j) * d.Ik * amx::kCols;
+    // No bias and every column of the group inside H: y's rows (padding rows too, never
+    // read) take the tiles' float32 sums as they are, which the copy below would write.
+    const bool direct = b2 == nullptr && (t0 + n) * amx::kCols <= d.H;
     constexpr int64_t ldc = amx::kMaxColTiles * amx::kCols;
     alignas(64) float c[2 * amx::kRows * ldc];
     for (int64_t r = it.begin; r < it.end; r += 2 * amx::kRows) {
       const int rows = it.end - r > amx::kRows ? 2 : 1;
       const uint16_t* a[2] = {inter + r * d.Ik, inter + (r + amx::kRows) * d.Ik};
       config_rows = configure_rows(rows, it.used - r, config_rows);
+      if (direct) {  // the sums are y's values: the tiles store into y itself
+        amx::block(a, rows, d.Ik, b, n, d.Ik, y + r * ldy + t0 * amx::kCols, ldy);
+        continue;
+      }
       amx::block(a, rows, d.Ik, b, n, d.Ik, c, ldc);
       for (int64_t m = 0; m < std::min<int64_t>(rows * amx::kRows, it.used - r); ++m) {
         for (int j = 0; j < n; ++j) {
