@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <new>
@@ -233,6 +234,41 @@ void down(const uint16_t* inter, const uint16_t* w2, const float* b2,
   });
 }
 
+// A grow-only, uninitialised, 64-byte-aligned array of T.
+template <typename T>
+class Grown {
+ public:
+  // At least n elements (contents unspecified); throws std::bad_alloc.
+  T* get(int64_t n) {
+    if (n > capacity_) {
+      const size_t bytes = (static_cast<size_t>(n) * sizeof(T) + 63) / 64 * 64;
+      T* p = static_cast<T*>(std::aligned_alloc(64, bytes));
+      if (!p) throw std::bad_alloc();
+      data_.reset(p);
+      capacity_ = n;
+    }
+    return data_.get();
+  }
+
+ private:
+  struct Free {
+    void operator()(T* p) const { std::free(p); }
+  };
+  std::unique_ptr<T, Free> data_;
+  int64_t capacity_ = 0;
+};
+
+// The gathered rows, the SwiGLU output and the down projection's sums of one call, kept per
+// calling thread so that a step's calls (one per layer) reuse the same pages: allocated fresh,
+// a 2048-token prefill's 28 MB per layer were mapped and faulted in by every call, and an
+// 8192-token step's 112 MB (over glibc's 32 MB mmap ceiling) made 4096- and 8192-token chunks
+// slower per token than 2048 (bench/NOTES.md section 15). The largest call's size stays held.
+struct Scratch {
+  Grown<uint16_t> xs, inter;
+  Grown<float> y;
+};
+thread_local Scratch thread_scratch;
+
 template <typename Id>
 void route_run_combine(const uint16_t* hidden, const uint16_t* w13, const uint16_t* w2,
                        const float* wt, const Id* id, const float* b13, const float* b2,
@@ -261,26 +297,28 @@ void route_run_combine(const uint16_t* hidden, const uint16_t* w13, const uint16
   }
   // Uninitialised (the gather writes every row of xs, padding included, and inter's padding
   // rows and columns; gate_up writes the rest of inter, down all of y that is read): zeroing
-  // them cost more than the GEMMs' epilogues at 2048 tokens.
-  const std::unique_ptr<uint16_t[]> xs(new uint16_t[P * d.Hk]);
-  const std::unique_ptr<uint16_t[]> inter(new uint16_t[P * d.Ik]);
-  const moe_engine::Buffer y = moe_engine::make_buffer(P * d.Ht * amx::kCols);
+  // them cost more than the GEMMs' epilogues at 2048 tokens. Reused across calls on this
+  // thread (`Scratch`).
+  Scratch& scratch = thread_scratch;
+  uint16_t* const xs = scratch.xs.get(P * d.Hk);
+  uint16_t* const inter = scratch.inter.get(P * d.Ik);
+  float* const y = scratch.y.get(P * d.Ht * amx::kCols);
   moe_engine::parallel_for(P, 64, threads, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      uint16_t* dst = xs.get() + r * d.Hk;
+      uint16_t* dst = xs + r * d.Hk;
       const int64_t t = token_of_row[r];
       if (t >= 0) std::memcpy(dst, hidden + t * d.H, d.H * sizeof(uint16_t));
       std::fill(dst + (t >= 0 ? d.H : 0), dst + d.Hk, uint16_t{0});
       // padding columns; and padding rows whole (gate_up's epilogue skips them)
-      std::fill(inter.get() + r * d.Ik + (t >= 0 ? d.I : 0), inter.get() + (r + 1) * d.Ik,
+      std::fill(inter + r * d.Ik + (t >= 0 ? d.I : 0), inter + (r + 1) * d.Ik,
                 uint16_t{0});
     }
   });
-  gate_up(xs.get(), w13, b13, make_items(offsets, counts, (d.It + 1) / 2), d, act,
-          inter.get(), threads);
-  down(inter.get(), w2, b2,
+  gate_up(xs, w13, b13, make_items(offsets, counts, (d.It + 1) / 2), d, act,
+          inter, threads);
+  down(inter, w2, b2,
        make_items(offsets, counts, (d.Ht + amx::kMaxColTiles - 1) / amx::kMaxColTiles), d,
-       y.get(), threads);
+       y, threads);
   // Every token sums its pairs' rows times their router weights (float32, then bfloat16).
   const int64_t ldy = d.Ht * amx::kCols;
   moe_engine::parallel_for(d.T, 16, threads, [&](int64_t begin, int64_t end) {
@@ -293,7 +331,7 @@ void route_run_combine(const uint16_t* hidden, const uint16_t* w13, const uint16
         if (r < 0) continue;
         any = true;
         const float w = wt[t * k + j];
-        const float* row = y.get() + r * ldy;
+        const float* row = y + r * ldy;
         for (int64_t h = 0; h < d.H; ++h) acc[h] += w * row[h];
       }
       uint16_t* dst = out + t * d.H;
