@@ -234,38 +234,14 @@ void down(const uint16_t* inter, const uint16_t* w2, const float* b2,
   });
 }
 
-// A grow-only, uninitialised, 64-byte-aligned array of T.
-template <typename T>
-class Grown {
- public:
-  // At least n elements (contents unspecified); throws std::bad_alloc.
-  T* get(int64_t n) {
-    if (n > capacity_) {
-      const size_t bytes = (static_cast<size_t>(n) * sizeof(T) + 63) / 64 * 64;
-      T* p = static_cast<T*>(std::aligned_alloc(64, bytes));
-      if (!p) throw std::bad_alloc();
-      data_.reset(p);
-      capacity_ = n;
-    }
-    return data_.get();
-  }
-
- private:
-  struct Free {
-    void operator()(T* p) const { std::free(p); }
-  };
-  std::unique_ptr<T, Free> data_;
-  int64_t capacity_ = 0;
-};
-
 // The gathered rows, the SwiGLU output and the down projection's sums of one call, kept per
 // calling thread so that a step's calls (one per layer) reuse the same pages: allocated fresh,
 // a 2048-token prefill's 28 MB per layer were mapped and faulted in by every call, and an
 // 8192-token step's 112 MB (over glibc's 32 MB mmap ceiling) made 4096- and 8192-token chunks
 // slower per token than 2048 (bench/NOTES.md section 15). The largest call's size stays held.
 struct Scratch {
-  Grown<uint16_t> xs, inter;
-  Grown<float> y;
+  moe_engine::Grown<uint16_t> xs, inter;
+  moe_engine::Grown<float> y;
 };
 thread_local Scratch thread_scratch;
 

@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <new>
 
 #include "thread_pool.h"
 
@@ -121,6 +122,31 @@ inline Buffer make_buffer(int64_t floats) {
   if (!p) throw std::bad_alloc();
   return Buffer(p);
 }
+
+// A grow-only, uninitialised, 64-byte-aligned array of T: a kernel's scratch kept across calls
+// (thread_local in the kernel's unit), so that the calls of a step reuse pages already mapped.
+template <typename T>
+class Grown {
+ public:
+  // At least n elements (contents unspecified); throws std::bad_alloc.
+  T* get(int64_t n) {
+    if (n > capacity_) {
+      const size_t bytes = (static_cast<size_t>(n) * sizeof(T) + 63) / 64 * 64;
+      T* p = static_cast<T*>(std::aligned_alloc(64, bytes));
+      if (!p) throw std::bad_alloc();
+      data_.reset(p);
+      capacity_ = n;
+    }
+    return data_.get();
+  }
+
+ private:
+  struct Free {
+    void operator()(T* p) const { std::free(p); }
+  };
+  std::unique_ptr<T, Free> data_;
+  int64_t capacity_ = 0;
+};
 
 // f(begin, end) over [0, n) in at most `threads` contiguous chunks of at least `grain` items,
 // as at::parallel_for splits it; inline when one chunk suffices or inside a pool job.

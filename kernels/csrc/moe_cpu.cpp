@@ -212,6 +212,13 @@ void run_experts(
 }
 
 // Everything but the expert GEMMs: sort the pairs by expert, gather the rows (float32), call
+// The gathered rows (float32), the activation and the down sums of one call, per calling thread
+// (grow-only): fresh allocations were mapped and faulted in by every layer's call.
+struct Scratch {
+  moe_engine::Grown<float> x, inter, y;
+};
+thread_local Scratch thread_scratch;
+
 // run(x, offsets, inter, y), then sum every token's pairs times their router weights.
 // hidden [T, H] (Hidden: float or bf16_t); topk_weights [T, k] float32; topk_ids [T, k] (Id:
 // int32_t or int64_t; ids outside [0, E) are skipped); out [T, H] of Hidden, every row written.
@@ -237,10 +244,11 @@ void route_run_combine(const Hidden* hidden, int64_t T, int64_t H, const float* 
     std::memset(out, 0, T * H * sizeof(Hidden));
     return;
   }
-  const moe_engine::Buffer x = moe_engine::make_buffer(P * H);
-  const moe_engine::Buffer inter = moe_engine::make_buffer(P * Ip);
-  const moe_engine::Buffer y = moe_engine::make_buffer(P * Hp);
-  float* xs = x.get();
+  // Uninitialised, reused across calls on this thread (as amx_moe.cpp's `Scratch`).
+  Scratch& scratch = thread_scratch;
+  float* const xs = scratch.x.get(P * H);
+  float* const inter = scratch.inter.get(P * Ip);
+  float* const ys_out = scratch.y.get(P * Hp);
   moe_engine::parallel_for(P, 64, threads, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* dst = xs + r * H;
@@ -253,10 +261,10 @@ void route_run_combine(const Hidden* hidden, int64_t T, int64_t H, const float* 
     }
   });
 
-  run(static_cast<const float*>(xs), offsets, inter.get(), y.get());
+  run(static_cast<const float*>(xs), offsets, inter, ys_out);
 
   // Every token sums its pairs' rows times their router weights (float32, then hidden's dtype).
-  const float* ys = y.get();
+  const float* ys = ys_out;
   moe_engine::parallel_for(T, 16, threads, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(H);
     for (int64_t t = begin; t < end; ++t) {
