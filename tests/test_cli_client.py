@@ -76,6 +76,26 @@ def test_good_connection_flags() -> None:
     assert "port is required" in parser.format_help()
 
 
+@pytest.mark.parametrize("command", [["stats"], ["info"], ["health", "--wait", "5"],
+                                     ["generate", "hi"], ["batch", "reqs.jsonl"]])
+def test_connection_flags_after_the_subcommand(command: list[str]) -> None:
+    """`moe-client health --server H:P` works as `moe-client --server H:P health`; given on
+    both sides, the one after the subcommand wins; absent after it, the one before stays."""
+    parser = client.build_parser()
+    after = parser.parse_args([*command, "--server", "h:7", "--timeout", "2", "--tls",
+                               "--api-key", "k"])
+    assert (after.server, after.timeout, after.tls, after.api_key) == ("h:7", 2.0, True, "k")
+    both = parser.parse_args(["--server", "a:1", "--timeout", "3", *command, "--server", "b:2"])
+    assert (both.server, both.timeout, both.tls) == ("b:2", 3.0, False)
+    before = parser.parse_args(["--server", "a:1", *command])
+    assert before.server == "a:1" and before.api_key is None
+
+
+def test_bad_server_after_the_subcommand_names_the_flag(capsys) -> None:
+    err = parse_error(capsys, "health", "--server", "nohost")
+    assert "argument --server:" in err and "has no port" in err, err
+
+
 def test_stop_takes_one_value_per_flag(capsys) -> None:
     """`--stop $'\\n' "Hello"`: the prompt is not swallowed as a second stop string."""
     parser = client.build_parser()

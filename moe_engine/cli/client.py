@@ -69,29 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate, batch, stats, info and health subcommands."""
     p = _Parser(prog="moe-client", description="Client for moe-serve.")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    p.add_argument(
-        "--server",
-        type=server_address,
-        default="127.0.0.1:50051",
-        metavar="HOST:PORT",
-        help="server address; the port is required ([::1]:PORT for IPv6; default %(default)s)",
-    )
-    p.add_argument(
-        "--timeout",
-        type=positive_seconds,
-        default=None,
-        metavar="SECONDS",
-        help="deadline per call, seconds > 0 (default: none)",
-    )
-    p.add_argument(
-        "--api-key",
-        default=None,
-        help=f"API key sent with every call (default ${API_KEY_ENV}, else none)",
-    )
-    p.add_argument("--tls", action="store_true", help="connect with TLS (the system's CAs)")
-    p.add_argument("--tls-ca", default=None, help="PEM CA of the server's certificate (TLS)")
-    p.add_argument("--tls-cert", default=None, help="PEM client certificate (mutual TLS)")
-    p.add_argument("--tls-key", default=None, help="PEM key of --tls-cert")
+    _add_connection_flags(p, None)
     sub = p.add_subparsers(dest="command", required=True)
 
     add_generate_parser(sub)
@@ -101,7 +79,47 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=help_text)
         s.add_argument("--json", action="store_true", help="print one JSON object")
     add_health_parser(sub)
+    # The same flags after the subcommand too (`moe-client health --server H:P`): given there,
+    # they override the ones before it; absent, they leave them alone (SUPPRESS).
+    for subparser in sub.choices.values():
+        _add_connection_flags(subparser, argparse.SUPPRESS)
     return p
+
+
+def _add_connection_flags(p: argparse.ArgumentParser, suppress: str | None) -> None:
+    """--server, --timeout, --api-key and the TLS flags on `p`; with `suppress`
+    (argparse.SUPPRESS) an absent flag sets nothing (a subcommand's copy of the flags)."""
+
+    def default(value: object) -> object:
+        return suppress if suppress is not None else value
+
+    p.add_argument(
+        "--server",
+        type=server_address,
+        default=default("127.0.0.1:50051"),
+        metavar="HOST:PORT",
+        help="server address; the port is required ([::1]:PORT for IPv6) (default: "
+             "127.0.0.1:50051)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=positive_seconds,
+        default=default(None),
+        metavar="SECONDS",
+        help="deadline per call, seconds > 0 (default: none)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=default(None),
+        help=f"API key sent with every call (default: ${API_KEY_ENV}, else none)",
+    )
+    p.add_argument("--tls", action="store_true", default=default(False),
+                   help="connect with TLS, the system's CAs (default: off)")
+    p.add_argument("--tls-ca", default=default(None),
+                   help="PEM CA of the server's certificate, implies TLS (default: none)")
+    p.add_argument("--tls-cert", default=default(None),
+                   help="PEM client certificate, mutual TLS (default: none)")
+    p.add_argument("--tls-key", default=default(None), help="PEM key of --tls-cert (default: none)")
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
