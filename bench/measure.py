@@ -88,7 +88,9 @@ def measure_alternating(engines: dict[str, BenchEngine], modes: list[str], warmu
             engine = engines[name]
             others = _one_per_process(engines, engine)
             settle(others, settle_s)
-            before, t0 = _cpu(others), time.perf_counter()
+            # the idle window brackets both CPU readings, nothing else
+            t0 = time.perf_counter()
+            before = _cpu(others)
             try:
                 res: RunResult = engine.run(mode, return_token_ids=last and mode == "batched")
             except Exception as exc:  # report the other engines' figures anyway
@@ -96,8 +98,9 @@ def measure_alternating(engines: dict[str, BenchEngine], modes: list[str], warmu
                 results[name][mode] = {"output_tokens_per_s": None,
                                        "error": f"{type(exc).__name__}: {exc}"}
                 continue
+            after = _cpu(others)
             wall = time.perf_counter() - t0
-            for other, a, b in zip(others, before, _cpu(others), strict=True):
+            for other, a, b in zip(others, before, after, strict=True):
                 if a is not None and b is not None:
                     idle[other.pid].cpu_s += b - a
                     idle[other.pid].wall_s += wall
