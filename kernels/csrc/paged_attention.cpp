@@ -145,6 +145,82 @@ inline void weighted_values_512(const float* scores, int64_t n, const C* v_cache
 }
 #endif
 
+// The scores in float32 FMAs (AVX2): scores[g * n + j] = qf_g . k_j, qf [G][D] float32 (q
+// times the scale), key j's row at k_cache + rows[j].
+template <typename C>
+void scores_fma(const float* qf, const C* k_cache, const int64_t* rows, int64_t n, int64_t G,
+                int64_t D, float* scores) {
+  for (int64_t j = 0; j < n; ++j) {
+    const C* kr = k_cache + rows[j];
+    if (j + 4 < n) _mm_prefetch(reinterpret_cast<const char*>(k_cache + rows[j + 4]),
+                                _MM_HINT_T0);
+    int64_t g = 0;
+    for (; g + 4 <= G; g += 4) {  // four heads at once, reduced together by hadd
+      const float* qg = qf + g * D;
+      __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 kv = load8(kr + d);
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), kv, s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + D + d), kv, s1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 2 * D + d), kv, s2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 3 * D + d), kv, s3);
+      }
+      const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
+      alignas(16) float four[4];
+      _mm_store_ps(four, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+      for (int i = 0; i < 4; ++i) scores[(g + i) * n + j] = four[i];
+    }
+    for (; g < G; ++g) {
+      __m256 s = _mm256_setzero_ps();
+      const float* qg = qf + g * D;
+      for (int64_t d = 0; d < D; d += 8)
+        s = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), load8(kr + d), s);
+      scores[g * n + j] = hsum(s);
+    }
+  }
+}
+
+// The values pass in AVX2 FMAs: acc[g][d] = sum_j p[g][j] v_j[d], p = scores [G][n], value j's
+// row at v_cache + rows[j]; two heads x 32 columns in registers.
+template <typename C>
+void weighted_values_256(const float* scores, int64_t n, const C* v_cache, const int64_t* rows,
+                         int64_t G, int64_t D, float* acc) {
+  for (int64_t d0 = 0; d0 < D; d0 += 32) {
+    const int nv = static_cast<int>(std::min<int64_t>(32, D - d0) / 8);
+    for (int64_t g = 0; g < G; g += 2) {
+      const float* p0 = scores + g * n;
+      const float* p1 = g + 1 < G ? p0 + n : p0;
+      __m256 a0[4], a1[4];
+      for (int v = 0; v < 4; ++v) a0[v] = a1[v] = _mm256_setzero_ps();
+      if (nv == 4) {
+        for (int64_t j = 0; j < n; ++j) {
+          const C* vr = v_cache + rows[j] + d0;
+          const __m256 w0 = _mm256_set1_ps(p0[j]), w1 = _mm256_set1_ps(p1[j]);
+          for (int v = 0; v < 4; ++v) {
+            const __m256 x = load8(vr + 8 * v);
+            a0[v] = _mm256_fmadd_ps(w0, x, a0[v]);
+            a1[v] = _mm256_fmadd_ps(w1, x, a1[v]);
+          }
+        }
+      } else {
+        for (int64_t j = 0; j < n; ++j) {
+          const C* vr = v_cache + rows[j] + d0;
+          const __m256 w0 = _mm256_set1_ps(p0[j]), w1 = _mm256_set1_ps(p1[j]);
+          for (int v = 0; v < nv; ++v) {
+            const __m256 x = load8(vr + 8 * v);
+            a0[v] = _mm256_fmadd_ps(w0, x, a0[v]);
+            a1[v] = _mm256_fmadd_ps(w1, x, a1[v]);
+          }
+        }
+      }
+      for (int v = 0; v < nv; ++v) {
+        _mm256_storeu_ps(acc + g * D + d0 + 8 * v, a0[v]);
+        if (g + 1 < G) _mm256_storeu_ps(acc + (g + 1) * D + d0 + 8 * v, a1[v]);
+      }
+    }
+  }
+}
+
 template <typename Q, typename C, typename O>
 void decode_attention(const Q* q, const C* k_cache, const C* v_cache, const int64_t* tables,
                       int64_t table_width, const int64_t* seq_lens, const float* sinks,
@@ -173,9 +249,11 @@ void decode_attention(const Q* q, const C* k_cache, const C* v_cache, const int6
       const int64_t L = seq_lens[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, L - window) : 0;
       const int64_t n = L - first;
-      for (int64_t g = 0; g < (amx_scores ? 0 : G); ++g)
-        for (int64_t d = 0; d < D; ++d)
-          qf[g * D + d] = to_f32(q[(b * Hq + h * G + g) * D + d]) * scale;
+      if (!amx_scores) {  // the FMA scores read q times the scale in float32
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t d = 0; d < D; ++d)
+            qf[g * D + d] = to_f32(q[(b * Hq + h * G + g) * D + d]) * scale;
+      }
       scores.resize(G * std::max<int64_t>(n, 1));
       const int64_t* table = tables + b * table_width;
       // element offset of each visible key's row of head h, block by block
@@ -189,40 +267,12 @@ void decode_attention(const Q* q, const C* k_cache, const C* v_cache, const int6
       }
       // pass 1: scores[g][j] = q_g . k_{first + j}
       if constexpr (kBf16) {
-        if (amx_scores) {
+        if (amx_scores)
           moe_engine::amx_decode_scores(reinterpret_cast<const uint16_t*>(q) + (b * Hq + h * G) * D,
                                         k_cache, table, block_size, row_stride, h * D, D, G,
                                         first, L, scale, scores.data());
-        }
       }
-      for (int64_t j = 0; j < (amx_scores ? 0 : n); ++j) {
-        const C* kr = k_cache + rows[j];
-        if (j + 4 < n) _mm_prefetch(reinterpret_cast<const char*>(k_cache + rows[j + 4]),
-                                    _MM_HINT_T0);
-        int64_t g = 0;
-        for (; g + 4 <= G; g += 4) {  // four heads at once, reduced together by hadd
-          const float* qg = qf.data() + g * D;
-          __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-          for (int64_t d = 0; d < D; d += 8) {
-            const __m256 kv = load8(kr + d);
-            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), kv, s0);
-            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + D + d), kv, s1);
-            s2 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 2 * D + d), kv, s2);
-            s3 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 3 * D + d), kv, s3);
-          }
-          const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
-          alignas(16) float four[4];
-          _mm_store_ps(four, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
-          for (int i = 0; i < 4; ++i) scores[(g + i) * n + j] = four[i];
-        }
-        for (; g < G; ++g) {
-          __m256 s = _mm256_setzero_ps();
-          const float* qg = qf.data() + g * D;
-          for (int64_t d = 0; d < D; d += 8)
-            s = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), load8(kr + d), s);
-          scores[g * n + j] = hsum(s);
-        }
-      }
+      if (!amx_scores) scores_fma(qf.data(), k_cache, rows.data(), n, G, D, scores.data());
       // softmax per query head (the sink, when given, is one more logit without a value)
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * n;
@@ -232,46 +282,14 @@ void decode_attention(const Q* q, const C* k_cache, const C* v_cache, const int6
       }
       // pass 2: acc[g] = sum_j p[g][j] * v_{first + j}
 #if defined(__AVX512F__)
-      const bool wide = D % 16 == 0;
-      if (wide) weighted_values_512(scores.data(), n, v_cache, rows.data(), G, D, acc.data());
-#else
-      const bool wide = false;
-#endif
-      // (AVX2: two heads x 32 columns in registers)
-      for (int64_t d0 = 0; d0 < (wide ? 0 : D); d0 += 32) {
-        const int nv = static_cast<int>(std::min<int64_t>(32, D - d0) / 8);
-        for (int64_t g = 0; g < G; g += 2) {
-          const float* p0 = scores.data() + g * n;
-          const float* p1 = g + 1 < G ? p0 + n : p0;
-          __m256 a0[4], a1[4];
-          for (int v = 0; v < 4; ++v) a0[v] = a1[v] = _mm256_setzero_ps();
-          if (nv == 4) {
-            for (int64_t j = 0; j < n; ++j) {
-              const C* vr = v_cache + rows[j] + d0;
-              const __m256 w0 = _mm256_set1_ps(p0[j]), w1 = _mm256_set1_ps(p1[j]);
-              for (int v = 0; v < 4; ++v) {
-                const __m256 x = load8(vr + 8 * v);
-                a0[v] = _mm256_fmadd_ps(w0, x, a0[v]);
-                a1[v] = _mm256_fmadd_ps(w1, x, a1[v]);
-              }
-            }
-          } else {
-            for (int64_t j = 0; j < n; ++j) {
-              const C* vr = v_cache + rows[j] + d0;
-              const __m256 w0 = _mm256_set1_ps(p0[j]), w1 = _mm256_set1_ps(p1[j]);
-              for (int v = 0; v < nv; ++v) {
-                const __m256 x = load8(vr + 8 * v);
-                a0[v] = _mm256_fmadd_ps(w0, x, a0[v]);
-                a1[v] = _mm256_fmadd_ps(w1, x, a1[v]);
-              }
-            }
-          }
-          for (int v = 0; v < nv; ++v) {
-            _mm256_storeu_ps(acc.data() + g * D + d0 + 8 * v, a0[v]);
-            if (g + 1 < G) _mm256_storeu_ps(acc.data() + (g + 1) * D + d0 + 8 * v, a1[v]);
-          }
-        }
+      if (D % 16 == 0) {
+        weighted_values_512(scores.data(), n, v_cache, rows.data(), G, D, acc.data());
+      } else {
+        weighted_values_256(scores.data(), n, v_cache, rows.data(), G, D, acc.data());
       }
+#else
+      weighted_values_256(scores.data(), n, v_cache, rows.data(), G, D, acc.data());
+#endif
       for (int64_t g = 0; g < G; ++g) {
         const float inv = denom[g] > 0.0f ? 1.0f / denom[g] : 0.0f;
         O* o = out + (b * Hq + h * G + g) * D;
