@@ -65,6 +65,34 @@ def test_matches_float64_reference(t, h, inter, e, k):
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("t", [1, 61])
+def test_every_work_item_runs_once_whatever_the_thread_count(t):
+    """The pool's items (expert x 16-column tile x row chunk) are claimed a few at a time
+    (csrc/thread_pool.cpp `claim_batch`): with 1 to 5 threads, item counts that no batch size
+    divides, every item must run exactly once, so the output is bit-identical to one thread's
+    (items write disjoint outputs; a skipped item would leave the previous call's values in the
+    kernel's reused scratch, so a call on other inputs comes first) and to the float64
+    reference."""
+    # 13 tiles of the intermediate and 20 of the hidden size per expert: 78-240 items a phase
+    hidden, w13, w2, weights, ids, _, _ = _case(_gen(), t, 320, 200, 6, 6)
+    packed = PackedExperts.pack(w13, w2)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = packed(hidden, weights, ids)
+        other = torch.randn_like(hidden)
+        for threads in (2, 3, 5):
+            for _ in range(3):
+                torch.set_num_threads(1)
+                packed(other, weights, ids)  # every item: the reused scratch holds other's values
+                torch.set_num_threads(threads)
+                torch.testing.assert_close(packed(hidden, weights, ids), one, rtol=0, atol=0)
+    finally:
+        torch.set_num_threads(before)
+    want = _reference(hidden, w13, w2, weights, ids)
+    torch.testing.assert_close(one.double(), want, rtol=1e-4, atol=1e-4)
+
+
 def test_remote_slots_zero_tokens_and_idle_experts():
     g = _gen()
     hidden, w13, w2, weights, ids, _, _ = _case(g, 19, 32, 16, 8, 2)

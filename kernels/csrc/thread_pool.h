@@ -8,9 +8,10 @@
 // region while another process ran (bench/NOTES.md, "Parallel regions under contention").
 //
 // `parallel_items(n, threads, body)` instead publishes the job and works on it itself: items
-// are claimed one at a time from an atomic counter by the caller and by whichever pool workers
-// are awake, and the caller returns once every item is FINISHED, so it only waits for items a
-// worker has actually claimed (each a small piece of work). A worker that wakes up late finds
+// are claimed from an atomic counter, a few at a time (about 8 claims per thread:
+// thread_pool.cpp `claim_batch`), by the caller and by whichever pool workers are awake, and
+// the caller returns once every item is FINISHED, so it only waits for items a worker has
+// actually claimed (a small share of the work). A worker that wakes up late finds
 // nothing left and goes back to waiting. This is the work-claiming scheme of ATen's and
 // llama.cpp's thread pools (ggml-cpu's `ggml_graph_compute_thread` claims chunks from an atomic
 // counter) with the straggler-free completion rule made explicit.
