@@ -71,7 +71,7 @@ def test_every_work_item_runs_once_whatever_the_thread_count(t):
     (csrc/thread_pool.cpp `claim_batch`): with 1 to 5 threads, item counts that no batch size
     divides, every item must run exactly once, so the output is bit-identical to one thread's
     (items write disjoint outputs; a skipped item would leave the previous call's values in the
-    kernel's reused scratch, so a call on other inputs comes first) and to the float64
+    kernel's reused scratch, so a call on other tokens comes first) and to the float64
     reference."""
     # 13 tiles of the intermediate and 20 of the hidden size per expert: 78-240 items a phase
     hidden, w13, w2, weights, ids, _, _ = _case(_gen(), t, 320, 200, 6, 6)
@@ -80,11 +80,13 @@ def test_every_work_item_runs_once_whatever_the_thread_count(t):
     try:
         torch.set_num_threads(1)
         one = packed(hidden, weights, ids)
-        other = torch.randn_like(hidden)
         for threads in (2, 3, 5):
             for _ in range(3):
+                # a call on other tokens (another count, so other row offsets) first, on one
+                # thread: every item of it runs, and the reused scratch holds its values
+                other, _, _, other_weights, other_ids, _, _ = _case(_gen(), t + 7, 320, 200, 6, 6)
                 torch.set_num_threads(1)
-                packed(other, weights, ids)  # every item: the reused scratch holds other's values
+                packed(other, other_weights, other_ids)
                 torch.set_num_threads(threads)
                 torch.testing.assert_close(packed(hidden, weights, ids), one, rtol=0, atol=0)
     finally:
