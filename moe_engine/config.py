@@ -150,11 +150,17 @@ class SchedulerConfig:
         max_num_seqs: most requests in one step.
         max_num_batched_tokens: most tokens (prefill chunks + decodes) in one step.
         max_waiting: most requests queued before new ones are refused (RESOURCE_EXHAUSTED).
+        stream_interval: a request's new tokens are sent to its stream every this many tokens
+            (the first token and the final output always at once; vLLM's and SGLang's
+            `--stream-interval`). 1 sends every token as it is sampled; larger values cut the
+            messages per token (core to front end, front end to client) at the cost of
+            burstier streams. Generated tokens never change.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_waiting: int = 4096
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -165,6 +171,8 @@ class SchedulerConfig:
             )
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1 requests, got {self.max_waiting}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1 tokens, got {self.stream_interval}")
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
     moe-serve [--model PATH|ORG/NAME|demo] [--host 127.0.0.1] [--port 50051] [--version]
               [--http-port P] [--served-model-name NAME]
               [--dtype auto|bfloat16|float32] [--max-model-len N] [--max-num-seqs N]
-              [--max-num-batched-tokens N] [--kv-cache-memory BYTES] [--block-size N]
+              [--max-num-batched-tokens N] [--stream-interval N] [--kv-cache-memory BYTES]
+              [--block-size N]
               [--enable-prefix-caching] [--device auto|cpu|cuda] [--gpu-memory-utilization F]
               [--enforce-eager]
               [--metrics-port P] [--max-message-bytes BYTES] [--log-level LEVEL]
@@ -152,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (tokens)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    p.add_argument(
+        "--stream-interval", type=int, default=1, metavar="N",
+        help="send each request's new tokens every N tokens (default 1: every token; the "
+        "first token and the last output at once): fewer messages per token, burstier streams",
+    )
     p.add_argument(
         "--kv-cache-memory",
         type=parse_bytes,
@@ -374,6 +380,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_waiting=args.max_waiting_requests,
+            stream_interval=args.stream_interval,
         ),
         quant=QuantConfig(method=args.quantization, group_size=args.quant_group_size),
         parallel=ParallelConfig(

@@ -225,6 +225,10 @@ class EngineCore:
         )
         self._capture_graphs(graphs_off, capture, progress)
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        #: Tokens (and their logprobs) sampled but not yet sent, per request id: with
+        #: `stream_interval` > 1 a request's output waits for that many tokens.
+        self._unsent: dict[str, tuple[list[int], list]] = {}
+        self.stream_interval = config.scheduler.stream_interval
         #: Live requests with n > 1, by the client's id.
         self._parents: dict[str, ParentRequest] = {}
         self.counters = dict(
@@ -356,7 +360,8 @@ class EngineCore:
                 if req is None:
                     continue
                 self.counters["num_aborted"] += 1
-                outputs.append(self._output(req, [], None, final=True))
+                ids, lps = self._unsent.pop(req.request_id, ([], []))
+                outputs.append(self._output(req, ids, lps or None, final=True))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -399,9 +404,24 @@ class EngineCore:
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             self._check_stop_strings(req)
-            lp = logprobs.get(req.request_id)
-            outputs.append(self._output(req, [req.output_token_ids[-1]], lp, final=req.is_finished))
+            out = self._buffered(req, req.output_token_ids[-1], logprobs.get(req.request_id))
+            if out is not None:
+                outputs.append(out)
         return outputs
+
+    def _buffered(self, req: Request, token: int, lp) -> EngineCoreOutput | None:
+        """`token` (and its logprobs entry, if asked for) added to what the request has not
+        sent yet; its output once `stream_interval` tokens wait, at its first token, or when it
+        finished; else None."""
+        ids, lps = self._unsent.setdefault(req.request_id, ([], []))
+        ids.append(token)
+        if lp is not None:
+            lps.append(lp)
+        final = req.is_finished
+        if not final and req.num_output_tokens > 1 and len(ids) < self.stream_interval:
+            return None
+        del self._unsent[req.request_id]
+        return self._output(req, ids, lps or None, final=final)
 
     def _check_stop_strings(self, req: Request) -> None:
         """Detokenize the request's new token; a stop string it completes ends the request
@@ -418,7 +438,8 @@ class EngineCore:
         req.finish_reason = FinishReason.STOP
         req.stop_reason = detok.stop_string
 
-    def _output(self, req: Request, new_ids: list[int], lp, final: bool) -> EngineCoreOutput:
+    def _output(self, req: Request, new_ids: list[int], lps: list | None, final: bool
+                ) -> EngineCoreOutput:
         detok = self._detok.get(req.request_id)
         text = detok.take_delta(final) if detok is not None else ""
         if final:
@@ -436,7 +457,7 @@ class EngineCore:
             finish_reason=req.finish_reason if final else None,
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
-            logprobs=[lp] if lp is not None else None,
+            logprobs=lps,
             index=req.index,
             stop_reason=req.stop_reason if final else None,
         )
