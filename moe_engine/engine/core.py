@@ -229,6 +229,9 @@ class EngineCore:
         #: `stream_interval` > 1 a request's output waits for that many tokens.
         self._unsent: dict[str, tuple[list[int], list]] = {}
         self.stream_interval = config.scheduler.stream_interval
+        if self.stream_interval > 1:
+            logger.info("stream interval: a request's tokens are sent every %d tokens (the first "
+                        "at once, the rest with the final output)", self.stream_interval)
         #: Live requests with n > 1, by the client's id.
         self._parents: dict[str, ParentRequest] = {}
         self.counters = dict(

@@ -3,7 +3,8 @@
 The messages go through the tokenizer's chat template (`apply_chat_template`, rendered to text,
 then tokenized without added special tokens, as vLLM and `LLM.chat` do). Without
 `max_tokens` / `max_completion_tokens` a reply may fill the rest of the context (vLLM's
-default). A stream sends the role first, then one chunk per engine step.
+default). A stream sends the role first, then one chunk per engine output (each step's, or
+every `--stream-interval` tokens).
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ async def _stream(
     state: HttpState, streams: PromptStreams, meta: dict[str, Any], body: ChatCompletionRequest,
     prompt_tokens: int, include_usage: bool,
 ) -> AsyncIterator[bytes]:
-    """SSE chunks: the role of every choice first, then one chunk per engine step."""
+    """SSE chunks: the role of every choice first, then one chunk per engine output."""
     chunk = {**meta, "object": "chat.completion.chunk"}
     choices = [Choice(i) for i in range(body.n)]
     top = body.top_logprobs or 0

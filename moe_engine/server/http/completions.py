@@ -129,7 +129,8 @@ async def _stream(
     state: HttpState, streams: PromptStreams, meta: dict[str, Any], body: CompletionRequest,
     echo: list[str], prompt_tokens: int, include_usage: bool,
 ) -> AsyncIterator[bytes]:
-    """SSE chunks, one per engine step (a chunk holds every choice that step advanced)."""
+    """SSE chunks, one per engine output (each step's, or every `--stream-interval` tokens; a
+    chunk holds every choice that output advanced)."""
     n = body.n
     choices = [Choice(i) for i in range(n * len(echo))]
     offsets = [0] * len(choices)
