@@ -363,8 +363,7 @@ class EngineCore:
                 if req is None:
                     continue
                 self.counters["num_aborted"] += 1
-                ids, lps = self._unsent.pop(req.request_id, ([], []))
-                outputs.append(self._output(req, ids, lps or None, final=True))
+                outputs.append(self._flush(req, final=True))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -423,7 +422,11 @@ class EngineCore:
         final = req.is_finished
         if not final and req.num_output_tokens > 1 and len(ids) < self.stream_interval:
             return None
-        del self._unsent[req.request_id]
+        return self._flush(req, final)
+
+    def _flush(self, req: Request, final: bool) -> EngineCoreOutput:
+        """The request's output carrying every token (and logprobs entry) not yet sent."""
+        ids, lps = self._unsent.pop(req.request_id, ([], []))
         return self._output(req, ids, lps or None, final=final)
 
     def _check_stop_strings(self, req: Request) -> None:
