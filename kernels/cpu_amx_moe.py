@@ -1,4 +1,5 @@
-"""The fused MoE of bfloat16 experts on Intel AMX (csrc/amx_moe.cpp), where the CPU has it.
+"""The fused MoE of bfloat16 experts on Intel AMX (csrc/amx_moe.cpp), where the CPU has it, or
+on AVX512-BF16 (the same blocks, csrc/bf16_dot.cpp; `kernels.cpu_amx.bf16_backend`).
 
 `AmxExperts.pack` lays each expert's projections out in the VNNI pair layout of TDPBF16PS
 (`kernels.cpu_amx.pack_vnni`), once at bind time; `__call__` runs, in one native call, what
@@ -81,13 +82,15 @@ class AmxExperts:
         return sum(t.numel() * t.element_size() for t in (self.w13, self.w2, self.b13, self.b2))
 
     def __call__(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
-                 topk_ids: torch.Tensor) -> torch.Tensor:
+                 topk_ids: torch.Tensor, *, tiles: bool | None = None) -> torch.Tensor:
         """hidden [T, H] bfloat16; topk_weights [T, k] float32; topk_ids [T, k] int32/int64
         (ids outside [0, E) skipped: other ranks' experts) -> [T, H] bfloat16 (zero rows for
-        tokens with no pair here).
+        tokens with no pair here). `tiles`: this process's backend (None), AMX tiles (True)
+        or AVX512-BF16 (False).
 
         Raises:
-            RuntimeError: hidden not bfloat16, or shapes that do not match.
+            RuntimeError: hidden not bfloat16, shapes that do not match, or a backend that
+                cannot run here.
         """
         if hidden.dtype != torch.bfloat16:
             raise RuntimeError(f"hidden must be bfloat16, got {hidden.dtype}")
@@ -101,7 +104,7 @@ class AmxExperts:
             self.w2.data_ptr(), self.experts, self.intermediate, r.weights.data_ptr(),
             r.ids.data_ptr(), r.ids_int64, r.k, b13, b2, act.clamped, float(act.alpha or 0.0),
             act.limit is not None, float(act.limit or 0.0), out.data_ptr(),
-            torch.get_num_threads()), "amx fused_moe")
+            cpu_amx.tiles_flag(tiles), torch.get_num_threads()), "amx fused_moe")
         return out
 
     @cached_property

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_amx import amx_unavailable_reason
+from kernels.cpu_amx import uses_tiles
 from kernels.native import BAD_ARGUMENT, check_status, dtype_flag, load_native
 
 
@@ -30,7 +30,7 @@ def paged_decode_attention(
 
     With bfloat16 q and cache, D a multiple of 32 up to 256, at most 16 query heads per KV
     head and blocks of a multiple of 16 slots, the scores q . k run on AMX tiles where the
-    process runs the AMX kernels (`kernels.cpu_amx.amx_unavailable_reason`; csrc/
+    process runs the AMX tiles (`kernels.cpu_amx.uses_tiles`; csrc/
     amx_attention.cpp: bfloat16 products summed in float32, then times `scale`); otherwise,
     and for the probability-weighted values always, in float32 FMAs (AVX-512 in the AVX-512
     build).
@@ -96,7 +96,7 @@ def paged_decode_attention(
         q.data_ptr(), q_bf16, k_cache.data_ptr(), v_cache.data_ptr(), cache_bf16,
         block_tables.data_ptr(), table_shape[1], seq_lens.data_ptr(), sink_ptr, b, hq,
         hkv, d, block_size, int(sliding_window or 0), float(scale),
-        int(amx is not False and amx_unavailable_reason() is None), out.data_ptr(),
+        int(amx is not False and uses_tiles()), out.data_ptr(),
         torch.get_num_threads())
     if status == BAD_ARGUMENT:
         raise RuntimeError(f"seq_lens out of the block table: each must be in [1, W * "

@@ -7,10 +7,11 @@ again (bench/NOTES.md section 14). `DecodeLayerKernel` holds one layer's packed 
 runs those same kernels from C++, in the same order, with the same roundings: the residual
 stream comes out bit-identical to the module path's (tests/test_decode_layer.py).
 
-It covers the layers of Qwen3-MoE and Mixtral as the engine runs them on an AMX CPU in
-bfloat16: plain RoPE, optional q/k RMSNorm, no attention sinks, softmax-then-top-k routing
-without a router bias, plain-SwiGLU experts without biases on one rank, bfloat16 (the AMX
-kernel) or 4-bit (`--quantization int4` / MXFP4: the native 4-bit kernel).
+It covers the layers of Qwen3-MoE and Mixtral as the engine runs them on an AMX (or
+AVX512-BF16) CPU in bfloat16: plain RoPE, optional q/k RMSNorm, no attention sinks,
+softmax-then-top-k routing without a router bias, plain-SwiGLU experts without biases on one
+rank, bfloat16 (the AMX kernel) or 4-bit (`--quantization int4` / MXFP4: the native 4-bit
+kernel).
 `moe_engine.models.layers.native_decode.decode_misfit` decides whether a layer fits.
 """
 
@@ -22,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.cpu_amx import AmxLinear
+from kernels.cpu_amx import AmxLinear, tiles_flag
 from kernels.cpu_amx_moe import AmxExperts
 from kernels.cpu_native import PackedQuantExperts
 from kernels.native import check_status, load_native
@@ -132,14 +133,17 @@ class DecodeLayerKernel:
 
     def run(self, h: torch.Tensor, step: DecodeStepArgs,
             kv_cache: tuple[torch.Tensor, torch.Tensor], topk_weights: torch.Tensor,
-            topk_ids: torch.Tensor) -> None:
+            topk_ids: torch.Tensor, *, tiles: bool | None = None) -> None:
         """Run the layer in place: h [T, H] bfloat16 contiguous (T = step.rows) becomes the
         layer's output; topk_weights [T, k] float32 and topk_ids [T, k] int32 (contiguous)
-        receive the routing.
+        receive the routing. `tiles`: this process's backend (None), AMX tiles (True) or
+        AVX512-BF16 (False) for the linears and bfloat16 experts (and, on the tiles, the
+        attention's scores).
 
         Raises:
-            RuntimeError: inputs that do not fit, or a position, slot or sequence length the
-                kernel rejects (nothing is written then unless the cache write ran).
+            RuntimeError: inputs that do not fit, a backend that cannot run here, or a
+                position, slot or sequence length the kernel rejects (nothing is written then
+                unless the cache write ran).
         """
         k_cache, v_cache = kv_cache
         t, k = step.rows, self.top_k
@@ -167,7 +171,8 @@ class DecodeLayerKernel:
             k_cache.data_ptr(), v_cache.data_ptr(), blocks * block_size, step.slot_mapping,
             step.block_tables, step.width, step.seq_lens, block_size, self.window, self.scale,
             o_w, o_b, router_w, num_experts, k, self.renormalize, *experts,
-            topk_weights.data_ptr(), topk_ids.data_ptr(), torch.get_num_threads(),
+            topk_weights.data_ptr(), topk_ids.data_ptr(), tiles_flag(tiles),
+            torch.get_num_threads(),
         ), "decode layer")
 
 

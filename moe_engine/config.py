@@ -300,10 +300,11 @@ def compute_dtype(weight_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if native_bf16_matmul() else torch.float32
 
 
-def amx_allowed() -> bool:
-    """Whether the AMX bf16 kernels (linear and fused MoE, kernels/cpu_amx.py) may run where
-    the CPU has them: yes unless MOE_ENGINE_AMX=0."""
-    return os.environ.get("MOE_ENGINE_AMX", "1") != "0"
+def amx_setting() -> str:
+    """MOE_ENGINE_AMX (one of `AMX_SETTINGS`, default "1"): where the bf16 kernels (linear and
+    fused MoE, kernels/cpu_amx.py) may run: "1" on AMX tiles where the CPU has them, else on
+    AVX512-BF16 where it has that; "avx512-bf16" never on the tiles; "0" neither."""
+    return os.environ.get("MOE_ENGINE_AMX") or "1"
 
 
 def default_threads() -> int:
@@ -345,8 +346,9 @@ def _env_int(name: str, minimum: int) -> int | None:
     return value
 
 
-#: Values MOE_ENGINE_AMX accepts (`amx_allowed`): 0 off, 1 on where the CPU has AMX-BF16.
-AMX_SETTINGS = ("0", "1")
+#: Values MOE_ENGINE_AMX accepts (`amx_setting`): 0 off, 1 on (AMX tiles, else AVX512-BF16),
+#: avx512-bf16 (never the tiles).
+AMX_SETTINGS = ("0", "1", "avx512-bf16")
 
 
 def check_cpu_environment() -> None:

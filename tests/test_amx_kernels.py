@@ -1,6 +1,7 @@
 """The AMX bf16 kernels (kernels/csrc/amx_gemm.cpp, amx_moe.cpp) against float64 torch
-references, on fresh random inputs each run; skipped, with the reason, on a CPU or OS without
-AMX-BF16 (`kernels.cpu_amx.amx_unavailable_reason`).
+references, on fresh random inputs each run, on each backend this CPU runs (the AMX tiles;
+AVX512-BF16, csrc/bf16_dot.cpp); skipped, with the reason, on a CPU or OS with neither
+(`kernels.cpu_amx.amx_unavailable_reason`), and each backend where it cannot run.
 
 Error bounds: a bfloat16 output is its float32 sum rounded once (half an ulp: <= 2^-9 of its
 magnitude, 2^-8 used); the float32 sums differ from float64 by at most K * 2^-24 of the sum of
@@ -23,6 +24,16 @@ pytestmark = pytest.mark.skipif(amx_unavailable_reason() is not None,
                                 reason=f"AMX kernels unavailable: {amx_unavailable_reason()}")
 
 GPT_OSS = SwiGLU(alpha=1.702, limit=7.0)
+
+
+@pytest.fixture(params=[True, False], ids=["amx-tiles", "avx512-bf16"])
+def tiles(request) -> bool:
+    """The backend under test: the AMX tiles (True) or AVX512-BF16 (False)."""
+    if request.param and cpu_amx.reason_no_tiles():
+        pytest.skip(f"AMX tiles unavailable: {cpu_amx.reason_no_tiles()}")
+    if not request.param and not cpu_amx.dot_available():
+        pytest.skip("AVX512-BF16 unavailable: the CPU lacks it")
+    return request.param
 ROWS = (1, 3, 5, 15, 16, 17, 31, 33, 47, 64, 70)
 
 
@@ -47,13 +58,13 @@ def test_pack_vnni_unpacks_to_the_weight():
 
 @pytest.mark.parametrize("n,k", [(16, 32), (40, 64), (100, 96), (776, 512)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_matches_float64(n, k, bias):
+def test_linear_matches_float64(n, k, bias, tiles):
     g = _gen()
     w, b = _bf16(n, k, g=g, scale=k**-0.5), (torch.randn(n, generator=g) if bias else None)
     lin = AmxLinear.pack(w, b)
     for m in ROWS:
         x = _bf16(m, k, g=g)
-        y = lin(x)
+        y = lin(x, tiles=tiles)
         assert y.dtype == torch.bfloat16 and y.shape == (m, n)
         xd, wd = x.double(), w.double()
         ref = xd @ wd.T + (b.double() if bias else 0)
@@ -66,11 +77,11 @@ def test_linear_matches_float64(n, k, bias):
         assert (y == ref.bfloat16()).float().mean() > 0.99, f"m={m}"
 
 
-def test_linear_bias_is_added_before_the_rounding_as_torch_does():
+def test_linear_bias_is_added_before_the_rounding_as_torch_does(tiles):
     g = _gen()
     w, b = _bf16(48, 64, g=g), _bf16(48, g=g)
     x = _bf16(9, 64, g=g)
-    assert torch.equal(AmxLinear.pack(w, b)(x), torch.nn.functional.linear(x, w, b))
+    assert torch.equal(AmxLinear.pack(w, b)(x, tiles=tiles), torch.nn.functional.linear(x, w, b))
 
 
 def test_linear_keeps_leading_dimensions_and_refuses_other_inputs():
@@ -124,11 +135,11 @@ def _moe_bound(hidden, w13, w2, weights, ids, act, b13):
     (64, 100, 8, 2, True, GPT_OSS),
     (512, 256, 32, 4, False, SILU_AND_MUL),
 ])
-def test_fused_moe_matches_float64(t, h, inter, e, k, bias, act):
+def test_fused_moe_matches_float64(t, h, inter, e, k, bias, act, tiles):
     g = _gen()
     hidden, w13, w2, weights, ids, b13, b2 = _moe_case(g, t, h, inter, e, k, bias=bias)
     experts = AmxExperts.pack(w13, w2, activation=act, b13=b13, b2=b2)
-    y = experts(hidden, weights, ids)
+    y = experts(hidden, weights, ids, tiles=tiles)
     assert y.dtype == torch.bfloat16 and y.shape == (t, h)
     ref = fused_moe_reference(hidden.double(), w13.double(), w2.double(), weights.double(), ids,
                               activation=act, b13=None if b13 is None else b13.double(),
@@ -140,31 +151,32 @@ def test_fused_moe_matches_float64(t, h, inter, e, k, bias, act):
         assert not y[1].any()  # no pair on this rank
 
 
-def test_fused_moe_int64_ids_and_many_rows_per_expert():
+def test_fused_moe_int64_ids_and_many_rows_per_expert(tiles):
     g = _gen()
     hidden, w13, w2, weights, ids, _, _ = _moe_case(g, 300, 64, 32, 4, 2)
     experts = AmxExperts.pack(w13, w2)
-    assert torch.equal(experts(hidden, weights, ids), experts(hidden, weights, ids.long()))
+    y = experts(hidden, weights, ids, tiles=tiles)
+    assert torch.equal(y, experts(hidden, weights, ids.long(), tiles=tiles))
     ref = fused_moe_reference(hidden.double(), w13.double(), w2.double(), weights.double(), ids)
     bound = 2**-8 * ref.abs() + _moe_bound(hidden, w13, w2, weights, ids, SILU_AND_MUL, None)
-    assert ((experts(hidden, weights, ids).double() - ref).abs() <= bound).all()
+    assert ((y.double() - ref).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("h,inter,e,k", [(64, 32, 4, 2), (512, 256, 32, 4)])
-def test_fused_moe_row_does_not_depend_on_the_batch(h, inter, e, k):
+def test_fused_moe_row_does_not_depend_on_the_batch(h, inter, e, k, tiles):
     """The one kernel runs every batch size (kernels/moe_backends.py), so a token's output must
     be bit-identical alone, in a decode-sized batch and in a prefill-sized one (1 x 4 and
     2 x 2 tile blocking, one and many rows per expert, other tokens' experts around it)."""
     g = _gen()
     hidden, w13, w2, weights, ids, _, _ = _moe_case(g, 600, h, inter, e, k)
     experts = AmxExperts.pack(w13, w2)
-    full = experts(hidden, weights, ids)
+    full = experts(hidden, weights, ids, tiles=tiles)
     for rows in (1, 2, 7, 33, 128, 600):
         start = 599 - rows + 1 if rows < 600 else 0
-        part = experts(hidden[start:], weights[start:], ids[start:])
+        part = experts(hidden[start:], weights[start:], ids[start:], tiles=tiles)
         assert torch.equal(part, full[start:]), rows
-    alone = torch.stack([experts(hidden[t:t + 1], weights[t:t + 1], ids[t:t + 1])[0]
-                         for t in (0, 5, 299, 599)])
+    alone = torch.stack([experts(hidden[t:t + 1], weights[t:t + 1], ids[t:t + 1],
+                                 tiles=tiles)[0] for t in (0, 5, 299, 599)])
     assert torch.equal(alone, full[[0, 5, 299, 599]])
 
 
@@ -201,7 +213,7 @@ def test_kernels_refuse_to_run_where_amx_was_not_granted(monkeypatch):
     g = _gen()
     lin = AmxLinear.pack(_bf16(16, 32, g=g))
     hidden, w13, w2, weights, ids, _, _ = _moe_case(g, 4, 64, 32, 4, 2)
-    monkeypatch.setattr(cpu_amx, "_decided", ["the CPU lacks AMX-TILE/AMX-BF16"])
+    monkeypatch.setattr(cpu_amx, "_decided", [(None, "the CPU lacks AMX-TILE/AMX-BF16")])
     with pytest.raises(RuntimeError, match="cannot run here"):
         lin(_bf16(2, 32, g=g))
     with pytest.raises(RuntimeError, match="cannot run here"):
@@ -224,3 +236,31 @@ def test_linear_layer_runs_amx_between_its_crossovers(monkeypatch):
     float_layer = Linear(64, 48, bias=False, dtype=torch.float32)
     float_layer.bind_kernels(KernelPlan.uniform("native-cpu"))
     assert not float_layer._amx  # float32 compute: the AVX2 kernel
+
+
+def test_avx512_bf16_setting_keeps_the_kernels_off_the_tiles(monkeypatch, caplog):
+    if not cpu_amx.dot_available():
+        pytest.skip("AVX512-BF16 unavailable: the CPU lacks it")
+    monkeypatch.setattr(cpu_amx, "_decided", [])
+    monkeypatch.setenv("MOE_ENGINE_AMX", "avx512-bf16")
+    with caplog.at_level("INFO", logger="kernels.cpu_amx"):
+        assert cpu_amx.bf16_backend() == cpu_amx.DOT and not cpu_amx.uses_tiles()
+        assert cpu_amx.amx_unavailable_reason() is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "bf16 kernels on AVX512-BF16 (VDPBF16PS; MOE_ENGINE_AMX=avx512-bf16): linear at "
+        f"1-{cpu_amx.LINEAR_MAX_ROWS} rows, fused MoE at every batch size"]
+    with pytest.raises(RuntimeError, match="AMX tiles cannot run here: MOE_ENGINE_AMX"):
+        AmxLinear.pack(_bf16(16, 32, g=_gen()))(_bf16(2, 32, g=_gen()), tiles=True)
+
+
+def test_both_backends_compute_the_same_sums_up_to_their_order():
+    """Where the CPU has both: the tiles and VDPBF16PS multiply the same bfloat16 pairs and
+    sum in float32, so their outputs differ by the sums' order only (a bfloat16 ulp or so)."""
+    if cpu_amx.reason_no_tiles() or not cpu_amx.dot_available():
+        pytest.skip("needs both the AMX tiles and AVX512-BF16")
+    g = _gen()
+    lin = AmxLinear.pack(_bf16(96, 512, g=g, scale=512**-0.5))
+    x = _bf16(40, 512, g=g)
+    a, b = lin(x, tiles=True).float(), lin(x, tiles=False).float()
+    assert ((a - b).abs() <= 2**-7 * a.abs() + 1e-6).all()
+    assert (a == b).float().mean() > 0.9

@@ -119,13 +119,13 @@ def test_fused_expert_layout_loads_the_same_model(qwen3_ckpt, tmp_path):
 @pytest.mark.skipif(amx_unavailable_reason() is not None,
                     reason=f"AMX kernels unavailable: {amx_unavailable_reason()}")
 def test_bfloat16_on_amx_agrees_with_transformers_as_the_avx2_path_does(qwen3_ckpt, monkeypatch):
-    """Where the CPU has AMX-BF16 a bfloat16 model's linears and experts run the AMX kernels
-    (kernels/cpu_amx.py). bfloat16 is not token-exact with transformers on either path (each
-    rounds at other points: transformers after every op, the engine's kernels once per GEMM;
-    transformers' own float32 and bfloat16 runs differ too), so the check is comparative: with
-    the AMX kernels (which must run, prefill and decode) at least as many prompts' 10 greedy
-    tokens equal transformers' in bfloat16 as on the AVX2 kernels, and the first token of all
-    but one."""
+    """Where the CPU has AMX-BF16 (or AVX512-BF16) a bfloat16 model's linears and experts run
+    the AMX kernels (kernels/cpu_amx.py; on tiles, or on VDPBF16PS, each checked here). bfloat16
+    is not token-exact with transformers on either path (each rounds at other points:
+    transformers after every op, the engine's kernels once per GEMM; transformers' own float32
+    and bfloat16 runs differ too), so the check is comparative: with the AMX kernels (which must
+    run, prefill and decode) at least as many prompts' 10 greedy tokens equal transformers' in
+    bfloat16 as on the AVX2 kernels, and the first token of all but one."""
     from transformers import AutoModelForCausalLM
 
     from kernels import cpu_amx
@@ -157,3 +157,7 @@ def test_bfloat16_on_amx_agrees_with_transformers_as_the_avx2_path_does(qwen3_ck
     amx, first = agreement("1")
     assert calls["linear"] > 0 and calls["moe"] > 0
     assert amx >= avx2 and first >= len(prompts) - 1, (amx, avx2, first)
+    if cpu_amx.uses_tiles() and cpu_amx.dot_available():  # and the AVX512-BF16 backend
+        dot, first = agreement(cpu_amx.DOT)
+        assert not cpu_amx.uses_tiles()
+        assert dot >= avx2 and first >= len(prompts) - 1, (dot, avx2, first)

@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "bf16_dot.h"
 #include "cpu_common.h"
 
 #define MOE_AMX_INLINE inline __attribute__((always_inline))
@@ -127,9 +128,16 @@ MOE_AMX_INLINE void block_2xn(const uint16_t* a0, const uint16_t* a1, int64_t ld
 }
 
 // c [rows * 16][ldc] float32 = A (row tile r at a[r]) times column tiles b[0..n), n <= 4,
-// rows 1 or 2.
-MOE_AMX_INLINE void block(const uint16_t* const* a, int rows, int64_t lda,
-                          const uint16_t* const* b, int n, int64_t K, float* c, int64_t ldc) {
+// rows 1 or 2. On the tiles (`tiles`: configured by configure_tiles) every row of the row
+// tiles is computed; else on AVX512-BF16 (bf16_dot.h) only the first `valid` rows, which are
+// all the callers read.
+MOE_AMX_INLINE void block(bool tiles, const uint16_t* const* a, int rows, int valid,
+                          int64_t lda, const uint16_t* const* b, int n, int64_t K, float* c,
+                          int64_t ldc) {
+  if (!tiles) {
+    if (valid > 0) dot_block_rows(a, valid, lda, b, n, K, c, ldc);
+    return;
+  }
   if (rows == 1) {
     block_1xn(a[0], lda, b, n, K, c, ldc);
     return;

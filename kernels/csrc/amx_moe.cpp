@@ -1,7 +1,8 @@
 // Fused Mixture-of-Experts on Intel AMX for bfloat16 activations and experts: route, gate/up
 // GEMM, SwiGLU, down GEMM, weighted sum. The Python side is kernels/cpu_amx_moe.py
 // `AmxExperts` (VNNI packing, argument checks); compiled with the AMX flags of
-// kernels/native_build.py SOURCE_FLAGS, called only after moe_amx_available() said yes.
+// kernels/native_build.py SOURCE_FLAGS, called only after moe_amx_available() said yes, or,
+// with `tiles` 0 (the same blocks on AVX512-BF16, bf16_dot.cpp), moe_bf16_dot_available().
 //
 // The structure of moe_cpu.cpp's route_run_combine / run_experts (itself vLLM's fused_moe and
 // SGLang's CPU MoE): sort the (token, expert) pairs by expert (stable), gather each expert's
@@ -159,9 +160,9 @@ int configure_rows(int tiles, int64_t used, int current) {
 // items: two gate tiles and the two up tiles of the same columns.
 void gate_up(const uint16_t* xs, const uint16_t* w13, const float* b13,
              const std::vector<Item>& items, const Dims& d, const Activation& act,
-             uint16_t* inter, int threads) {
+             uint16_t* inter, bool tiles, int threads) {
   moe_engine::parallel_items(static_cast<int64_t>(items.size()), threads, [&](int64_t i, int) {
-    amx::configure_tiles();
+    if (tiles) amx::configure_tiles();
     int config_rows = amx::kRows;
     const Item& it = items[i];
     const int64_t e = it.expert, t0 = it.group * 2;
@@ -176,9 +177,10 @@ void gate_up(const uint16_t* xs, const uint16_t* w13, const float* b13,
     for (int64_t r = it.begin; r < it.end; r += 2 * amx::kRows) {
       const int rows = it.end - r > amx::kRows ? 2 : 1;
       const uint16_t* a[2] = {xs + r * d.Hk, xs + (r + amx::kRows) * d.Hk};
-      config_rows = configure_rows(rows, it.used - r, config_rows);
-      amx::block(a, rows, d.Hk, b, 2 * n, d.Hk, c, ldc);
-      for (int64_t m = 0; m < std::min<int64_t>(rows * amx::kRows, it.used - r); ++m) {
+      const int valid = static_cast<int>(std::min<int64_t>(rows * amx::kRows, it.used - r));
+      if (tiles) config_rows = configure_rows(rows, it.used - r, config_rows);
+      amx::block(tiles, a, rows, valid, d.Hk, b, 2 * n, d.Hk, c, ldc);
+      for (int64_t m = 0; m < valid; ++m) {
         uint16_t* out = inter + (r + m) * d.Ik;
         for (int j = 0; j < n; ++j) {
           const int64_t col0 = (t0 + j) * amx::kCols;
@@ -191,16 +193,16 @@ void gate_up(const uint16_t* xs, const uint16_t* w13, const float* b13,
         }
       }
     }
-    _tile_release();
+    if (tiles) _tile_release();
   });
 }
 
 // y [rows][Ht * 16] float32 = inter w_down^T + b_down over padded rows.
 void down(const uint16_t* inter, const uint16_t* w2, const float* b2,
-          const std::vector<Item>& items, const Dims& d, float* y, int threads) {
+          const std::vector<Item>& items, const Dims& d, float* y, bool tiles, int threads) {
   const int64_t ldy = d.Ht * amx::kCols;
   moe_engine::parallel_items(static_cast<int64_t>(items.size()), threads, [&](int64_t i, int) {
-    amx::configure_tiles();
+    if (tiles) amx::configure_tiles();
     int config_rows = amx::kRows;
     const Item& it = items[i];
     const int64_t e = it.expert, t0 = it.group * amx::kMaxColTiles;
@@ -215,13 +217,15 @@ void down(const uint16_t* inter, const uint16_t* w2, const float* b2,
     for (int64_t r = it.begin; r < it.end; r += 2 * amx::kRows) {
       const int rows = it.end - r > amx::kRows ? 2 : 1;
       const uint16_t* a[2] = {inter + r * d.Ik, inter + (r + amx::kRows) * d.Ik};
-      config_rows = configure_rows(rows, it.used - r, config_rows);
+      const int valid = static_cast<int>(std::min<int64_t>(rows * amx::kRows, it.used - r));
+      if (tiles) config_rows = configure_rows(rows, it.used - r, config_rows);
       if (direct) {  // the sums are y's values: the tiles store into y itself
-        amx::block(a, rows, d.Ik, b, n, d.Ik, y + r * ldy + t0 * amx::kCols, ldy);
+        amx::block(tiles, a, rows, valid, d.Ik, b, n, d.Ik, y + r * ldy + t0 * amx::kCols,
+                   ldy);
         continue;
       }
-      amx::block(a, rows, d.Ik, b, n, d.Ik, c, ldc);
-      for (int64_t m = 0; m < std::min<int64_t>(rows * amx::kRows, it.used - r); ++m) {
+      amx::block(tiles, a, rows, valid, d.Ik, b, n, d.Ik, c, ldc);
+      for (int64_t m = 0; m < valid; ++m) {
         for (int j = 0; j < n; ++j) {
           const int64_t col0 = (t0 + j) * amx::kCols;
           const int cols = static_cast<int>(std::min<int64_t>(amx::kCols, d.H - col0));
@@ -230,7 +234,7 @@ void down(const uint16_t* inter, const uint16_t* w2, const float* b2,
         }
       }
     }
-    _tile_release();
+    if (tiles) _tile_release();
   });
 }
 
@@ -248,7 +252,8 @@ thread_local Scratch thread_scratch;
 template <typename Id>
 void route_run_combine(const uint16_t* hidden, const uint16_t* w13, const uint16_t* w2,
                        const float* wt, const Id* id, const float* b13, const float* b2,
-                       const Dims& d, const Activation& act, uint16_t* out, int threads) {
+                       const Dims& d, const Activation& act, uint16_t* out, bool tiles,
+                       int threads) {
   const int64_t E = d.E, k = d.k, pairs = d.T * d.k;
   // Sort the pairs by expert (stable: token order within an expert), each expert's rows
   // starting at a multiple of 16.
@@ -291,10 +296,10 @@ void route_run_combine(const uint16_t* hidden, const uint16_t* w13, const uint16
     }
   });
   gate_up(xs, w13, b13, make_items(offsets, counts, (d.It + 1) / 2), d, act,
-          inter, threads);
+          inter, tiles, threads);
   down(inter, w2, b2,
        make_items(offsets, counts, (d.Ht + amx::kMaxColTiles - 1) / amx::kMaxColTiles), d,
-       y, threads);
+       y, tiles, threads);
   // Every token sums its pairs' rows times their router weights (float32, then bfloat16).
   const int64_t ldy = d.Ht * amx::kCols;
   moe_engine::parallel_for(d.T, 16, threads, [&](int64_t begin, int64_t end) {
@@ -323,12 +328,12 @@ int32_t moe_amx_fused_moe(const void* hidden, int64_t T, int64_t H, const void* 
                           const void* w2, int64_t E, int64_t I, const float* topk_weights,
                           const void* topk_ids, int32_t ids_int64, int64_t k, const float* b13,
                           const float* b2, int32_t clamped, float alpha, int32_t has_limit,
-                          float limit, void* out, int32_t threads) {
+                          float limit, void* out, int32_t tiles, int32_t threads) {
   if (T == 0) return kOk;
   const Activation act{clamped != 0, has_limit != 0, alpha, limit};
   const auto up32 = [](int64_t v) { return (v + amx::kDepth - 1) / amx::kDepth * amx::kDepth; };
-  const auto tiles = [](int64_t v) { return (v + amx::kCols - 1) / amx::kCols; };
-  const Dims d{T, H, E, I, k, up32(H), up32(I), tiles(I), tiles(H)};
+  const auto col_tiles = [](int64_t v) { return (v + amx::kCols - 1) / amx::kCols; };
+  const Dims d{T, H, E, I, k, up32(H), up32(I), col_tiles(I), col_tiles(H)};
   const auto* h = static_cast<const uint16_t*>(hidden);
   const auto* p13 = static_cast<const uint16_t*>(w13);
   const auto* p2 = static_cast<const uint16_t*>(w2);
@@ -336,10 +341,10 @@ int32_t moe_amx_fused_moe(const void* hidden, int64_t T, int64_t H, const void* 
   try {
     if (ids_int64)
       route_run_combine(h, p13, p2, topk_weights, static_cast<const int64_t*>(topk_ids), b13,
-                        b2, d, act, o, threads);
+                        b2, d, act, o, tiles != 0, threads);
     else
       route_run_combine(h, p13, p2, topk_weights, static_cast<const int32_t*>(topk_ids), b13,
-                        b2, d, act, o, threads);
+                        b2, d, act, o, tiles != 0, threads);
   } catch (const std::bad_alloc&) {
     return kOutOfMemory;
   }

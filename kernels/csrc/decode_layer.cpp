@@ -70,7 +70,7 @@ int32_t moe_decode_layer(void* h, int64_t T, int64_t H, const void* norm1, const
                          const void* scales13, const uint8_t* zeros13, const uint8_t* codes2,
                          const void* scales2, const uint8_t* zeros2, int32_t format, int64_t G,
                          int64_t Ip, int64_t Hp, float* topk_weights, int32_t* topk_ids,
-                         int32_t threads) {
+                         int32_t tiles, int32_t threads) {
   if (T <= 0) return T == 0 ? kOk : kBadArgument;
   const int64_t q_n = Hq * D, qkv_n = (Hq + 2 * Hkv) * D;
   try {
@@ -82,7 +82,8 @@ int32_t moe_decode_layer(void* h, int64_t T, int64_t H, const void* norm1, const
   uint16_t* hh = static_cast<uint16_t*>(h);
   int32_t status = moe_rms_norm(h, T, 1, H, H, H, norm1, eps, 0, 1, s.x.data(), threads);
   if (status == kOk) {
-    status = moe_amx_linear(s.x.data(), T, H, w_qkv, qkv_n, b_qkv, s.qkv.data(), 1, threads);
+    status = moe_amx_linear(s.x.data(), T, H, w_qkv, qkv_n, b_qkv, s.qkv.data(), 1, tiles,
+                            threads);
   }
   if (status == kOk) {
     status = moe_qk_norm_rope_cache(s.qkv.data(), 1, T, Hq, Hkv, D, positions, cos, sin, P,
@@ -92,16 +93,17 @@ int32_t moe_decode_layer(void* h, int64_t T, int64_t H, const void* norm1, const
   if (status == kOk) {
     status = moe_paged_decode_attention(s.q.data(), 1, k_cache, v_cache, 1, block_tables, W,
                                         seq_lens, nullptr, T, Hq, Hkv, D, block_size, window,
-                                        scale, 1, s.attn.data(), threads);
+                                        scale, tiles, s.attn.data(), threads);
   }
   if (status == kOk) {
-    status = moe_amx_linear(s.attn.data(), T, q_n, w_o, H, b_o, s.y.data(), 1, threads);
+    status = moe_amx_linear(s.attn.data(), T, q_n, w_o, H, b_o, s.y.data(), 1, tiles, threads);
   }
   if (status != kOk) return status;
   add_into(hh, s.y.data(), T * H);
   status = moe_rms_norm(h, T, 1, H, H, H, norm2, eps, 0, 1, s.x.data(), threads);
   if (status == kOk) {
-    status = moe_amx_linear(s.x.data(), T, H, w_router, E, nullptr, s.logits.data(), 1, threads);
+    status = moe_amx_linear(s.x.data(), T, H, w_router, E, nullptr, s.logits.data(), 1, tiles,
+                            threads);
   }
   if (status == kOk) {
     status = moe_router_softmax_topk(s.logits.data(), 1, T, E, k, renormalize, topk_weights,
@@ -113,7 +115,7 @@ int32_t moe_decode_layer(void* h, int64_t T, int64_t H, const void* norm1, const
                               nullptr, nullptr, 0, 0.0f, 0, 0.0f, s.y.data(), threads);
   } else if (status == kOk) {
     status = moe_amx_fused_moe(s.x.data(), T, H, w13, w2, E, I, topk_weights, topk_ids, 0, k,
-                               nullptr, nullptr, 0, 0.0f, 0, 0.0f, s.y.data(), threads);
+                               nullptr, nullptr, 0, 0.0f, 0, 0.0f, s.y.data(), tiles, threads);
   }
   if (status != kOk) return status;
   add_into(hh, s.y.data(), T * H);

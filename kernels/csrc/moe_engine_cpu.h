@@ -110,12 +110,20 @@ MOE_ENGINE_API int32_t moe_qk_norm_rope_cache(
 // tile data permission was refused. Call before any moe_amx_* kernel.
 MOE_ENGINE_API int32_t moe_amx_available(void);
 
+// csrc/bf16_dot.cpp: 0 when this CPU and OS run the AVX512-BF16 (VDPBF16PS) blocks that the
+// kernels below take with `tiles` 0 (CPUID AVX512F, AVX512BW and AVX512_BF16; XCR0 saving the
+// opmask and zmm state), else 1. Call before any of them with tiles 0.
+MOE_ENGINE_API int32_t moe_bf16_dot_available(void);
+
 // csrc/amx_gemm.cpp. x [M, K] bfloat16, K % 32 == 0 (else kBadArgument); w packed VNNI
 // [ceil(N/16), K/2, 16, 2] bfloat16 (kernels/cpu_amx.py pack_vnni); bias [N] float32 or null,
 // added to the float32 sums before the one rounding; y [M, N] float32, or bfloat16 when y_bf16.
+// tiles nonzero: on the AMX tiles (moe_amx_available() said yes); 0: the same products and
+// sums on AVX512-BF16 (moe_bf16_dot_available() said yes). The same holds for the `tiles` of
+// moe_amx_fused_moe and moe_decode_layer.
 MOE_ENGINE_API int32_t moe_amx_linear(const void* x, int64_t M, int64_t K, const void* w,
                                       int64_t N, const float* bias, void* y, int32_t y_bf16,
-                                      int32_t threads);
+                                      int32_t tiles, int32_t threads);
 
 // csrc/amx_moe.cpp, bfloat16 experts on AMX. hidden [T, H] bfloat16; w13 packed VNNI [E, 2,
 // ceil(I/16), ceil(H/32) * 16, 16, 2] (gate tiles, then up tiles), w2 [E, ceil(H/16),
@@ -127,7 +135,7 @@ MOE_ENGINE_API int32_t moe_amx_fused_moe(const void* hidden, int64_t T, int64_t 
                                          int32_t ids_int64, int64_t k, const float* b13,
                                          const float* b2, int32_t clamped, float alpha,
                                          int32_t has_limit, float limit, void* out,
-                                         int32_t threads);
+                                         int32_t tiles, int32_t threads);
 
 // csrc/decode_layer.cpp: one pre-norm MoE decoder layer of a decode step (T requests, one token
 // each), bfloat16 throughout, as the calls above in order: h [T, H] (the residual stream,
@@ -138,7 +146,8 @@ MOE_ENGINE_API int32_t moe_amx_fused_moe(const void* hidden, int64_t T, int64_t 
 // b_o [H] or null; w_router packed [ceil(E/16), H/2, 16, 2] (no bias); the routing as
 // moe_router_softmax_topk, written to topk_weights [T, k] float32 and topk_ids [T, k] int32;
 // the experts (plain SwiGLU, no biases) as moe_amx_fused_moe (w13, w2) or, when q4, as
-// moe_fused_moe_q4 (codes13 ... Hp; w13/w2 unused). Shapes are checked by
+// moe_fused_moe_q4 (codes13 ... Hp; w13/w2 unused); tiles as moe_amx_linear (and, nonzero,
+// the attention's scores on the tiles where amx_scores_fit). Shapes are checked by
 // kernels/cpu_decode_layer.py.
 MOE_ENGINE_API int32_t moe_decode_layer(
     void* h, int64_t T, int64_t H, const void* norm1, const void* norm2, float eps,
@@ -151,4 +160,4 @@ MOE_ENGINE_API int32_t moe_decode_layer(
     const void* w2, int64_t I, int32_t q4, const uint8_t* codes13, const void* scales13,
     const uint8_t* zeros13, const uint8_t* codes2, const void* scales2, const uint8_t* zeros2,
     int32_t format, int64_t G, int64_t Ip, int64_t Hp, float* topk_weights, int32_t* topk_ids,
-    int32_t threads);
+    int32_t tiles, int32_t threads);
