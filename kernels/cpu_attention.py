@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_amx import uses_tiles
+from kernels.cpu_amx import DOT, TILES, bf16_backend
 from kernels.native import BAD_ARGUMENT, check_status, dtype_flag, load_native
 
 
@@ -28,12 +28,12 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """softmax(q K^T * scale) V for one query per sequence, keys read through block tables.
 
-    With bfloat16 q and cache, D a multiple of 32 up to 256, at most 16 query heads per KV
-    head and blocks of a multiple of 16 slots, the scores q . k run on AMX tiles where the
-    process runs the AMX tiles (`kernels.cpu_amx.uses_tiles`; csrc/
-    amx_attention.cpp: bfloat16 products summed in float32, then times `scale`); otherwise,
-    and for the probability-weighted values always, in float32 FMAs (AVX-512 in the AVX-512
-    build).
+    With bfloat16 q and cache and D a multiple of 32 up to 256, the scores q . k are bfloat16
+    products summed in float32, then times `scale`, where this process runs the bf16 kernels
+    (`kernels.cpu_amx.bf16_backend`): on AMX tiles for at most 16 query heads per KV head and
+    blocks of a multiple of 16 slots (csrc/amx_attention.cpp), or with VDPBF16PS for 1, 2, 4,
+    8 or 16 query heads per KV head (csrc/bf16_dot.cpp); otherwise, and for the
+    probability-weighted values always, in float32 FMAs (AVX-512 in the AVX-512 build).
 
     Args:
         q: [B, Hq, D] float32 or bfloat16, D a multiple of 8.
@@ -47,9 +47,9 @@ def paged_decode_attention(
             itself and window - 1 earlier tokens); None: full attention.
         sinks: optional [Hq] per-head sink logits (gpt-oss): one more softmax term without a
             value.
-        amx: False keeps the scores off the AMX tiles; None (default) or True: on them where
-            the shapes fit and this process runs the AMX kernels (True does not force them on
-            a CPU without AMX).
+        amx: False keeps the scores on float32 FMAs; None (default) or True: on the bf16
+            kernels where the shapes fit and this process runs them (True does not force them
+            on a CPU without them).
 
     Returns:
         [B, Hq, D] in q's dtype.
@@ -96,10 +96,18 @@ def paged_decode_attention(
         q.data_ptr(), q_bf16, k_cache.data_ptr(), v_cache.data_ptr(), cache_bf16,
         block_tables.data_ptr(), table_shape[1], seq_lens.data_ptr(), sink_ptr, b, hq,
         hkv, d, block_size, int(sliding_window or 0), float(scale),
-        int(amx is not False and uses_tiles()), out.data_ptr(),
+        _scores_kind(amx), out.data_ptr(),
         torch.get_num_threads())
     if status == BAD_ARGUMENT:
         raise RuntimeError(f"seq_lens out of the block table: each must be in [1, W * "
                            f"block_size] = [1, {table_shape[1] * block_size}]")
     check_status(status, "paged_decode_attention")
     return out
+
+
+def _scores_kind(amx: bool | None) -> int:
+    """The kernel's `amx` argument: 1 the scores on AMX tiles, 2 on AVX512-BF16 (this
+    process's bf16 backend, `kernels.cpu_amx.bf16_backend`), 0 float32 FMAs (`amx` False)."""
+    if amx is False:
+        return 0
+    return {TILES: 1, DOT: 2}.get(bf16_backend(), 0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_amx import amx_unavailable_reason, reason_no_tiles, uses_tiles
+from kernels.cpu_amx import amx_unavailable_reason, bf16_backend
 from kernels.cpu_attention import paged_decode_attention
 from kernels.cpu_linear import PackedLinear
 from kernels.native import _build
@@ -88,12 +88,14 @@ def test_decode_attention_sliding_window_and_sinks():
 
 @pytest.mark.parametrize(("hq", "hkv", "d", "block_size"),
                          [(8, 2, 64, 16), (16, 1, 32, 32), (6, 3, 128, 16), (4, 2, 256, 16)])
-def test_decode_attention_scores_on_amx_tiles(hq, hkv, d, block_size):
-    """bf16 shapes the AMX scores take (csrc/amx_attention.cpp): whole 16-key tiles, keys
-    outside [first, L) discarded (a window starting inside a tile, lengths ending inside one),
-    against float64, and within bf16 rounding of the float32-FMA scores (amx=False)."""
-    if not uses_tiles():
-        pytest.skip(f"AMX tiles off here: {reason_no_tiles() or amx_unavailable_reason()}")
+def test_decode_attention_scores_on_the_bf16_kernels(hq, hkv, d, block_size):
+    """bf16 shapes the AMX scores take (csrc/amx_attention.cpp: whole 16-key tiles, keys
+    outside [first, L) discarded, a window starting inside a tile, lengths ending inside one),
+    and, where the CPU has no AMX, the AVX512-BF16 ones (csrc/bf16_dot.cpp: 16 / G keys at a
+    time, a last partial group), against float64, and within bf16 rounding of the
+    float32-FMA scores (amx=False)."""
+    if bf16_backend() is None:
+        pytest.skip(f"bf16 kernels off here: {amx_unavailable_reason()}")
     g = _gen()
     lens = [1, 15, 16, 17, 33, block_size * 3 + 5, int(torch.randint(2, 200, (1,), generator=g))]
     k_cache, v_cache, tables = _paged(g, lens, hkv, d, block_size, torch.bfloat16)

@@ -120,4 +120,78 @@ void dot_block_rows(const uint16_t* const* a, int rows, int64_t lda, const uint1
 
 }  // namespace moe_engine::amx
 
+namespace {
+
+// lane i = the sum of a[i]'s 16 lanes, in a fixed order: pairs within 128-bit lanes, then
+// pairs of those, then across the four 128-bit lanes (as q4_avx512_x8.h's x8_store_columns).
+inline __attribute__((always_inline)) __m512 sum_lanes16(const __m512 (&a)[16]) {
+  __m512 r1[8], r2[4];
+  for (int i = 0; i < 8; ++i) {
+    r1[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                          _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // 128-bit lane: partial sums of a[4i .. 4i + 4)
+    const __m512d c = _mm512_castps_pd(r1[2 * i]), d = _mm512_castps_pd(r1[2 * i + 1]);
+    r2[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)),
+                          _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
+  }
+  auto fold = [](__m512 x, __m512 y) __attribute__((always_inline)) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  return fold(fold(r2[0], r2[1]), fold(r2[2], r2[3]));
+}
+
+// 16 / G keys at a time: their G scores each are the 16 accumulators of sum_lanes16.
+template <int G>
+void dot_scores(const uint16_t* q, const uint16_t* k_cache, const int64_t* rows, int64_t n,
+                int64_t D, float scale, float* scores) {
+  constexpr int kKeys = 16 / G;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < n; j0 += kKeys) {
+    const int keys = static_cast<int>(std::min<int64_t>(kKeys, n - j0));
+    const uint16_t* k[kKeys];
+    for (int jj = 0; jj < kKeys; ++jj) k[jj] = k_cache + rows[j0 + std::min(jj, keys - 1)];
+    if (j0 + 2 * kKeys <= n) {  // the next group's rows: slots 256 bytes and more apart
+      for (int jj = 0; jj < kKeys; ++jj) {
+        const char* next = reinterpret_cast<const char*>(k_cache + rows[j0 + kKeys + jj]);
+        for (int64_t off = 0; off < D * 2; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+      }
+    }
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 32) {
+      for (int jj = 0; jj < kKeys; ++jj) {
+        const __m512bh kv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(k[jj] + d));
+        for (int g = 0; g < G; ++g) {
+          const __m512bh qv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + g * D + d));
+          acc[jj * G + g] = _mm512_dpbf16_ps(acc[jj * G + g], kv, qv);
+        }
+      }
+    }
+    alignas(64) float out[16];
+    _mm512_store_ps(out, _mm512_mul_ps(sum_lanes16(acc), vscale));
+    for (int jj = 0; jj < keys; ++jj) {
+      for (int g = 0; g < G; ++g) scores[g * n + j0 + jj] = out[jj * G + g];
+    }
+  }
+}
+
+}  // namespace
+
+namespace moe_engine {
+
+void dot_decode_scores(const uint16_t* q, const uint16_t* k_cache, const int64_t* rows,
+                       int64_t n, int64_t G, int64_t D, float scale, float* scores) {
+  switch (G) {
+    case 1: dot_scores<1>(q, k_cache, rows, n, D, scale, scores); break;
+    case 2: dot_scores<2>(q, k_cache, rows, n, D, scale, scores); break;
+    case 4: dot_scores<4>(q, k_cache, rows, n, D, scale, scores); break;
+    case 8: dot_scores<8>(q, k_cache, rows, n, D, scale, scores); break;
+    default: dot_scores<16>(q, k_cache, rows, n, D, scale, scores); break;
+  }
+}
+
+}  // namespace moe_engine
+
 #pragma GCC pop_options

@@ -93,7 +93,7 @@ int32_t moe_decode_layer(void* h, int64_t T, int64_t H, const void* norm1, const
   if (status == kOk) {
     status = moe_paged_decode_attention(s.q.data(), 1, k_cache, v_cache, 1, block_tables, W,
                                         seq_lens, nullptr, T, Hq, Hkv, D, block_size, window,
-                                        scale, tiles, s.attn.data(), threads);
+                                        scale, tiles ? 1 : 2, s.attn.data(), threads);
   }
   if (status == kOk) {
     status = moe_amx_linear(s.attn.data(), T, q_n, w_o, H, b_o, s.y.data(), 1, tiles, threads);

@@ -65,9 +65,11 @@ MOE_ENGINE_API int32_t moe_linear(const float* x, int64_t M, int64_t K, const vo
 // csrc/paged_attention.cpp. q [B, Hq, D] (float32, or bfloat16 when q_bf16); k_cache, v_cache
 // [num_blocks, block_size, Hkv, D] (float32, or bfloat16 when cache_bf16); block_tables [B, W]
 // int64; seq_lens [B] int64 (kBadArgument unless each is in [1, W * block_size]); sinks [Hq]
-// float32 or null; window 0 for full attention; amx nonzero: the caller allows the AMX kernels
+// float32 or null; window 0 for full attention; amx 1: the caller allows the AMX kernels
 // (moe_amx_available() said yes), and bfloat16 q and cache with amx_scores_fit shapes
-// (amx_attention.h) take their scores on tiles; out [B, Hq, D] in q's dtype.
+// (amx_attention.h) take their scores on tiles; amx 2: the AVX512-BF16 ones
+// (moe_bf16_dot_available() said yes) for dot_scores_fit shapes (bf16_dot.h); 0: float32 FMA
+// scores; out [B, Hq, D] in q's dtype.
 MOE_ENGINE_API int32_t moe_paged_decode_attention(
     const void* q, int32_t q_bf16, const void* k_cache, const void* v_cache, int32_t cache_bf16,
     const int64_t* block_tables, int64_t W, const int64_t* seq_lens, const float* sinks,
@@ -146,8 +148,8 @@ MOE_ENGINE_API int32_t moe_amx_fused_moe(const void* hidden, int64_t T, int64_t 
 // b_o [H] or null; w_router packed [ceil(E/16), H/2, 16, 2] (no bias); the routing as
 // moe_router_softmax_topk, written to topk_weights [T, k] float32 and topk_ids [T, k] int32;
 // the experts (plain SwiGLU, no biases) as moe_amx_fused_moe (w13, w2) or, when q4, as
-// moe_fused_moe_q4 (codes13 ... Hp; w13/w2 unused); tiles as moe_amx_linear (and, nonzero,
-// the attention's scores on the tiles where amx_scores_fit). Shapes are checked by
+// moe_fused_moe_q4 (codes13 ... Hp; w13/w2 unused); tiles as moe_amx_linear (and the
+// attention's scores on the tiles, amx 1, or on AVX512-BF16, amx 2). Shapes are checked by
 // kernels/cpu_decode_layer.py.
 MOE_ENGINE_API int32_t moe_decode_layer(
     void* h, int64_t T, int64_t H, const void* norm1, const void* norm2, float eps,

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "amx_attention.h"
+#include "bf16_dot.h"
 #include "cpu_common.h"
 #include "moe_engine_cpu.h"
 
@@ -225,11 +226,13 @@ template <typename Q, typename C, typename O>
 void decode_attention(const Q* q, const C* k_cache, const C* v_cache, const int64_t* tables,
                       int64_t table_width, const int64_t* seq_lens, const float* sinks,
                       int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
-                      int64_t window, float scale, bool amx, O* out, int threads) {
+                      int64_t window, float scale, int amx, O* out, int threads) {
   const int64_t G = Hq / Hkv;
-  // the scores on AMX tiles: bfloat16 queries and cache only (the tiles multiply bfloat16)
+  // the scores on AMX tiles (amx 1) or AVX512-BF16 (amx 2): bfloat16 queries and cache only
+  // (both multiply bfloat16)
   constexpr bool kBf16 = std::is_same_v<Q, bf16_t> && std::is_same_v<C, uint16_t>;
-  const bool amx_scores = kBf16 && amx && moe_engine::amx_scores_fit(D, G, block_size);
+  const bool amx_scores = kBf16 && amx == 1 && moe_engine::amx_scores_fit(D, G, block_size);
+  const bool dot_scores = kBf16 && amx == 2 && moe_engine::dot_scores_fit(D, G);
   const int64_t row_stride = Hkv * D;  // elements between consecutive slots of one block
   struct Scratch {
     std::vector<float> qf, acc, scores, denom;
@@ -249,7 +252,7 @@ void decode_attention(const Q* q, const C* k_cache, const C* v_cache, const int6
       const int64_t L = seq_lens[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, L - window) : 0;
       const int64_t n = L - first;
-      if (!amx_scores) {  // the FMA scores read q times the scale in float32
+      if (!amx_scores && !dot_scores) {  // the FMA scores read q times the scale in float32
         for (int64_t g = 0; g < G; ++g)
           for (int64_t d = 0; d < D; ++d)
             qf[g * D + d] = to_f32(q[(b * Hq + h * G + g) * D + d]) * scale;
@@ -267,12 +270,15 @@ void decode_attention(const Q* q, const C* k_cache, const C* v_cache, const int6
       }
       // pass 1: scores[g][j] = q_g . k_{first + j}
       if constexpr (kBf16) {
+        const uint16_t* qh = reinterpret_cast<const uint16_t*>(q) + (b * Hq + h * G) * D;
         if (amx_scores)
-          moe_engine::amx_decode_scores(reinterpret_cast<const uint16_t*>(q) + (b * Hq + h * G) * D,
-                                        k_cache, table, block_size, row_stride, h * D, D, G,
+          moe_engine::amx_decode_scores(qh, k_cache, table, block_size, row_stride, h * D, D, G,
                                         first, L, scale, scores.data());
+        if (dot_scores)
+          moe_engine::dot_decode_scores(qh, k_cache, rows.data(), n, G, D, scale, scores.data());
       }
-      if (!amx_scores) scores_fma(qf.data(), k_cache, rows.data(), n, G, D, scores.data());
+      if (!amx_scores && !dot_scores)
+        scores_fma(qf.data(), k_cache, rows.data(), n, G, D, scores.data());
       // softmax per query head (the sink, when given, is one more logit without a value)
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * n;
@@ -302,7 +308,7 @@ template <typename C>
 void dispatch_q(const void* q, bool q_bf16, const C* kc, const C* vc, const int64_t* tables,
                 int64_t W, const int64_t* lens, const float* sinks, int64_t B, int64_t Hq,
                 int64_t Hkv, int64_t D, int64_t block_size, int64_t window, float scale,
-                bool amx, void* out, int threads) {
+                int amx, void* out, int threads) {
   if (q_bf16)
     decode_attention(static_cast<const bf16_t*>(q), kc, vc, tables, W, lens, sinks, B, Hq, Hkv,
                      D, block_size, window, scale, amx, static_cast<bf16_t*>(out), threads);
@@ -327,10 +333,10 @@ int32_t moe_paged_decode_attention(const void* q, int32_t q_bf16, const void* k_
   if (cache_bf16)
     dispatch_q(q, q_bf16, static_cast<const uint16_t*>(k_cache),
                static_cast<const uint16_t*>(v_cache), block_tables, W, seq_lens, sinks, B, Hq,
-               Hkv, D, block_size, window, scale, amx != 0, out, threads);
+               Hkv, D, block_size, window, scale, amx, out, threads);
   else
     dispatch_q(q, q_bf16, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache),
                block_tables, W, seq_lens, sinks, B, Hq, Hkv, D, block_size, window, scale,
-               amx != 0, out, threads);
+               amx, out, threads);
   return kOk;
 }
