@@ -114,6 +114,23 @@ class ExpertLoadRecorder:
             weights = self._ones[: ids.numel()]
         self.counts[self.row_of_layer[layer]].index_add_(0, ids, weights)
 
+    def record_layers(self, layers: list[int], topk_ids: torch.Tensor) -> None:
+        """Add one step's routing of several decoder layers in one `index_add_` (the native
+        decode layers, `moe_engine.models.layers.native_decode.DecodeStep`); as `record` per
+        layer, without a row mask.
+
+        Args:
+            layers: decoder-layer indices, each an MoE layer of this recorder.
+            topk_ids: [len(layers), T, k] int32 global expert ids, all in [0, E).
+        """
+        rows = torch.tensor([self.row_of_layer[x] for x in layers], dtype=torch.int64)
+        flat = (topk_ids.to(torch.int64) + (rows * self.num_experts)[:, None, None]).reshape(-1)
+        if self._ones.numel() < flat.numel():
+            self._ones = torch.ones(max(flat.numel(), 2 * self._ones.numel()),
+                                    dtype=torch.int64, device=self.counts.device)
+        self.counts.view(-1).index_add_(0, flat.to(self.counts.device),
+                                        self._ones[: flat.numel()])
+
     def record_rank_tokens(self, layer: int, tokens_per_rank: torch.Tensor) -> None:
         """Add the tokens that decoder layer `layer`'s dispatch delivered to each rank.
 

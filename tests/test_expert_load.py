@@ -6,7 +6,7 @@ import torch
 
 import moe_engine.models.layers.moe as moe_module
 from moe_engine import LLM, SamplingParams
-from moe_engine.instrumentation import balancedness, imbalance_ratio
+from moe_engine.instrumentation import ExpertLoadRecorder, balancedness, imbalance_ratio
 
 
 def test_counts_equal_bincount_of_produced_topk_ids(qwen3_nonorm_ckpt, monkeypatch):
@@ -42,3 +42,16 @@ def test_imbalance_formulas_on_hand_made_tables():
     load = torch.tensor([[4, 4, 4, 4], [10, 0, 0, 2], [0, 0, 0, 0]])
     assert imbalance_ratio(load).tolist() == [1.0, 10 / 3, 0.0]
     assert balancedness(load).tolist() == [1.0, 0.3, 0.0]
+
+
+def test_record_layers_counts_as_record_does_layer_by_layer():
+    """The native decode layers' one `index_add_` per step (`record_layers`) adds what one
+    `record` per layer adds."""
+    g = torch.Generator().manual_seed(3)
+    a, b = ExpertLoadRecorder([1, 3, 4], 8), ExpertLoadRecorder([1, 3, 4], 8)
+    ids = torch.randint(0, 8, (2, 5, 2), generator=g, dtype=torch.int32)
+    for layer, layer_ids in zip([4, 1], ids, strict=True):
+        a.record(layer, layer_ids)
+    b.record_layers([4, 1], ids)
+    assert torch.equal(a.counts, b.counts) and b.counts.sum() == 20
+    assert not b.counts[1].any()  # layer 3: nothing routed

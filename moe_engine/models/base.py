@@ -231,9 +231,12 @@ class MoeCausalLM(nn.Module):
         the step); one with a native decode kernel updates h in place (the embedding's fresh
         output)."""
         h = self.model.embed_tokens(input_ids)
-        step = DecodeStep.of(h, positions, meta, self.spec.top_k)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        layers = self.model.layers
+        step = DecodeStep.of(h, positions, meta, self.spec.top_k, len(layers))
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
             h = layer(h, positions, meta, kv_cache, step)
+        if step is not None:  # the native layers' routing, as FusedMoE.forward records its own
+            step.record_routing()
         return self.model.norm(h)
 
     def attach_timer(self, timer: PhaseTimer) -> None:

@@ -213,11 +213,10 @@ class DecoderLayer(nn.Module):
         if kernel is not None and step is not None:
             args = step.args(self.self_attn.attn.kv_group)
             if args is not None:
+                # counted once a step, for all layers (DecodeStep.record_routing)
+                ids = step.topk_ids(self.mlp.layer_index, self.mlp.load_recorder)
                 with self.timer.phase("decode_layer") if self.timer is not None else _NO_PHASE:
-                    kernel.run(h, args, kv_cache, step.topk_weights, step.topk_ids)
-                recorder = self.mlp.load_recorder  # as FusedMoE.forward records the routing
-                if recorder is not None:
-                    recorder.record(self.mlp.layer_index, step.topk_ids)
+                    kernel.run(h, args, kv_cache, step.topk_weights, ids)
                 return h
         if self.timer is None:
             h = h + self.self_attn(self.input_layernorm(h), positions, meta, kv_cache)

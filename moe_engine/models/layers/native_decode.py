@@ -23,6 +23,7 @@ from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
+    from moe_engine.instrumentation import ExpertLoadRecorder
     from moe_engine.models.layers.attention import AttentionMetadata
     from moe_engine.models.layers.decoder import DecoderLayer
 
@@ -31,27 +32,34 @@ class DecodeStep:
     """A step's inputs for the layers' native decode kernels (`MoeCausalLM.forward` makes one
     per bfloat16 step of at most `MAX_ROWS` tokens and gives it to every layer): each KV-cache
     group's arguments checked once for all its layers, on first use, and the routing outputs
-    every native layer writes in turn (made with the first group that holds only decodes).
+    of the native layers (one [T, k] slice per layer, made with the first group that holds
+    only decodes), which `record_routing` adds to the expert-load counters in one operation
+    once the layers have run.
 
     Args:
         positions: [T] int64; meta: the step's attention metadata.
         top_k: the experts per token of the model's MoE layers.
+        num_layers: the model's decoder layers (one routing slice each).
     """
 
-    def __init__(self, positions: torch.Tensor, meta: AttentionMetadata, top_k: int) -> None:
+    def __init__(self, positions: torch.Tensor, meta: AttentionMetadata, top_k: int,
+                 num_layers: int) -> None:
         self.positions, self.meta, self.top_k = positions, meta, top_k
+        self.num_layers = num_layers
         self.topk_weights: torch.Tensor | None = None  # [T, k] float32, with the first args
-        self.topk_ids: torch.Tensor | None = None  # [T, k] int32
+        self._ids: torch.Tensor | None = None  # [num_layers, T, k] int32
+        self._routed: list[int] = []  # layers whose slice of _ids holds their routing
+        self._recorder: ExpertLoadRecorder | None = None  # theirs
         self._args: dict[int, DecodeStepArgs | None] = {}
 
     @classmethod
     def of(cls, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-           top_k: int) -> DecodeStep | None:
+           top_k: int, num_layers: int) -> DecodeStep | None:
         """The step's `DecodeStep` when its rows fit the kernel (1 to `MAX_ROWS` bfloat16
         rows), else None."""
         if h.dtype != torch.bfloat16 or not 1 <= h.shape[0] <= MAX_ROWS:
             return None
-        return cls(positions, meta, top_k)
+        return cls(positions, meta, top_k, num_layers)
 
     def args(self, group: int) -> DecodeStepArgs | None:
         """KV-cache group `group`'s checked arguments; None when its tokens are not all
@@ -64,10 +72,27 @@ class DecodeStep:
             self._args[group] = decode_step_args(
                 self.positions, meta.slot_mapping, batch.block_tables, batch.seq_lens
             ) if decodes else None
-            if decodes and self.topk_ids is None:
+            if decodes and self._ids is None:
                 self.topk_weights = torch.empty(t, self.top_k, dtype=torch.float32)
-                self.topk_ids = torch.empty(t, self.top_k, dtype=torch.int32)
+                self._ids = torch.empty(self.num_layers, t, self.top_k, dtype=torch.int32)
         return self._args[group]
+
+    def topk_ids(self, layer: int, recorder: ExpertLoadRecorder | None) -> torch.Tensor:
+        """Decoder layer `layer`'s [T, k] int32 routing buffer (after a group's `args` said
+        yes); the layer's kernel writes it, and `record_routing` adds it to `recorder` (the
+        layer's, or None: not recorded)."""
+        assert self._ids is not None, "args() made no routing buffers"
+        if recorder is not None:
+            self._routed.append(layer)
+            self._recorder = recorder
+        return self._ids[layer]
+
+    def record_routing(self) -> None:
+        """Add the native layers' routing to their recorder in one `index_add_` (as
+        `FusedMoE.forward` records the module path's, layer by layer)."""
+        if self._routed:
+            layers = self._routed
+            self._recorder.record_layers(layers, self._ids[layers])
 
 
 def decode_misfit(layer: DecoderLayer, plan: KernelPlan) -> str | None:
