@@ -57,8 +57,8 @@ OPS = (
 #: Which ops each backend implements.
 IMPLEMENTS: dict[str, frozenset[str]] = {
     NATIVE_CPU: frozenset(
-        {"fused_moe", "fused_moe_int4", "fused_moe_mxfp4", "attention_decode", "linear",
-         "rms_norm", "rotary", "router_topk", "decode_layer"}
+        {"fused_moe", "fused_moe_int4", "fused_moe_mxfp4", "attention_prefill",
+         "attention_decode", "linear", "rms_norm", "rotary", "router_topk", "decode_layer"}
     ),
     TORCH: frozenset(OPS),
     TRITON: frozenset(
@@ -280,6 +280,14 @@ def _unfit(op: str, backend: str, facts: ModelFacts) -> str | None:
             return f"the native decode kernel runs float32/bfloat16, not {facts.dtype}"
     if backend == NATIVE_CPU and facts.dtype not in ("float32", "bfloat16"):
         return f"the native kernels run float32/bfloat16, not {facts.dtype}"
+    if backend == NATIVE_CPU and op == "attention_prefill":
+        if facts.dtype != "bfloat16" or facts.head_dim % 32 or facts.head_dim > 256:
+            return (f"the native prefill attention runs bfloat16 with head_dim % 32 == 0 up to "
+                    f"256, not {facts.dtype} with head_dim {facts.head_dim}")
+        from kernels import cpu_amx
+
+        if cpu_amx.bf16_backend() is None or not cpu_amx.dot_available():
+            return "the native prefill attention needs AVX512-BF16"
     if backend == NATIVE_CPU and op == "decode_layer" and (facts.dtype != "bfloat16" or facts.mla):
         return "the native decode layer runs bfloat16 models without MLA"
     if backend == TRITON and attention and (facts.head_dim < 16):

@@ -63,9 +63,9 @@ def test_a_native_build_failure_falls_back_to_torch_and_says_why():
     assert set(plan.as_dict().values()) == {TORCH}
     lines = plan.describe().splitlines()
     assert lines[1:] == [  # one line per reason, naming its ops
-        "  fused_moe, fused_moe_int4, fused_moe_mxfp4, attention_decode, linear, rms_norm, "
-        "rotary, router_topk, decode_layer: not native-cpu: building kernels/csrc failed: no C++ "
-        "compiler"
+        "  fused_moe, fused_moe_int4, fused_moe_mxfp4, attention_prefill, attention_decode, "
+        "linear, rms_norm, rotary, router_topk, decode_layer: not native-cpu: building "
+        "kernels/csrc failed: no C++ compiler"
     ]
 
 
@@ -90,7 +90,7 @@ def test_one_backend_name_covers_the_ops_it_implements():
         ("linear=torch,triton", "must come first"),
         ("auto,linear=torch,linear=native-cpu", "op 'linear' is given twice"),
         ("linear=triton", "triton has no linear kernel (backends with one: native-cpu, torch)"),
-        ("attention_prefill=native-cpu", "native-cpu has no attention_prefill kernel"),
+        ("mla_decode=native-cpu", "native-cpu has no mla_decode kernel"),
     ],
 )
 def test_refusals_name_the_op_the_backend_and_why(spec, message):
@@ -106,6 +106,25 @@ def test_a_backend_that_cannot_run_here_is_refused_with_its_reason(monkeypatch):
         choose_kernels("cuda", "native-cpu")
     with pytest.raises(KernelBackendError, match="native-cpu cannot run: .*no C\\+\\+ compiler"):
         choose_kernels("cpu", "linear=native-cpu", probe=no_native)
+
+
+def test_native_prefill_attention_takes_bfloat16_models_where_the_cpu_has_avx512_bf16(
+        monkeypatch):
+    from kernels import cpu_amx
+
+    bf16 = ModelFacts(head_dim=64, dtype="bfloat16")
+    monkeypatch.setattr(cpu_amx, "_decided", [(cpu_amx.DOT, None)])
+    monkeypatch.setattr(cpu_amx, "dot_available", lambda: True)
+    assert choose_kernels("cpu", "auto", bf16, probe=runs_everywhere).backend(
+        "attention_prefill") == NATIVE_CPU
+    plan = choose_kernels("cpu", "auto", ModelFacts(head_dim=64), probe=runs_everywhere)
+    assert plan.backend("attention_prefill") == TORCH  # float32
+    assert "runs bfloat16 with head_dim % 32 == 0 up to 256, not float32" in plan.describe()
+    monkeypatch.setattr(cpu_amx, "dot_available", lambda: False)
+    plan = choose_kernels("cpu", "auto", bf16, probe=runs_everywhere)
+    assert plan.backend("attention_prefill") == TORCH
+    assert "attention_prefill: " in plan.describe()
+    assert "the native prefill attention needs AVX512-BF16" in plan.describe()
 
 
 def test_the_model_decides_too():

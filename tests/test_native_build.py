@@ -264,7 +264,7 @@ def test_binding_generator_follows_the_header():
     assert set(protos) == {"moe_engine_abi_version", "moe_engine_vector_bits", "moe_fused_moe",
                            "moe_fused_moe_q4", "moe_linear", "moe_paged_decode_attention",
                            "moe_qk_norm_rope_cache", "moe_rms_norm", "moe_amx_available",
-                           "moe_bf16_dot_available",
+                           "moe_bf16_dot_available", "moe_prefill_attention",
                            "moe_amx_linear", "moe_amx_fused_moe",
                            "moe_router_softmax_topk", "moe_decode_layer"}
     kinds = "".join(p.kind for p in protos["moe_rms_norm"])

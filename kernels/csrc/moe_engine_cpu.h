@@ -76,6 +76,21 @@ MOE_ENGINE_API int32_t moe_paged_decode_attention(
     int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size, int64_t window,
     float scale, int32_t amx, void* out, int32_t threads);
 
+// csrc/prefill_attention.cpp (AVX512-BF16; moe_bf16_dot_available() must have said yes):
+// causal attention of a batch of prefill chunks over their requests' cached keys. q [T, Hq, D]
+// bfloat16 (request b's Lq = query_start_loc[b + 1] - query_start_loc[b] query tokens from
+// row query_start_loc[b], at positions seq_lens[b] - Lq ..); k_cache, v_cache [num_blocks,
+// block_size, Hkv, D] bfloat16 holding every request's keys (this step's included);
+// block_tables [B, W] int64; seq_lens [B] int64 in [1, W * block_size] and Lq in [0, seq_len]
+// (else kBadArgument); sinks [Hq] float32 or null; window 0 for full attention; D a multiple of
+// 32 up to 256 and Hq / Hkv <= 16 (else kBadArgument); out [T, Hq, D] bfloat16 (rows of
+// every query written).
+MOE_ENGINE_API int32_t moe_prefill_attention(
+    const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
+    int64_t W, const int64_t* seq_lens, const int64_t* query_start_loc, const float* sinks,
+    int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size, int64_t window,
+    float scale, void* out, int32_t threads);
+
 // csrc/ops_cpu.cpp. x: A x B rows of D values (row (a, b) at x + a * sa + b * sb elements),
 // float32, or bfloat16 when bf16; weight [D] of x's dtype; y [A * B, D] contiguous, x's dtype.
 MOE_ENGINE_API int32_t moe_rms_norm(const void* x, int64_t A, int64_t B, int64_t D, int64_t sa,

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_attention import paged_decode_attention
+from kernels.cpu_prefill_attention import paged_prefill_attention
 from kernels.registry import NATIVE_CPU, TORCH, TRITON, KernelPlan
 from moe_engine.kv_cache.spec import FULL_ATTENTION, SLIDING_ATTENTION
 from moe_engine.models.layers.prefill_rows import prefill_rows
@@ -272,9 +273,12 @@ class PagedAttention(KVCacheLayer):
         self._triton: Any = None  # kernels.triton_attention, imported when bound to triton
 
     def bind_kernels(self, plan: KernelPlan) -> None:
-        """Take the registry's "attention_decode" and "attention_prefill" backends."""
+        """Take the registry's "attention_decode" and "attention_prefill" backends (native-cpu
+        prefill: bfloat16 caches and at most 16 query heads per KV head, else torch)."""
         self.decode_backend = plan.backend("attention_decode")
         self.prefill_backend = plan.backend("attention_prefill")
+        if self.prefill_backend == NATIVE_CPU and self.num_heads // self.num_kv_heads > 16:
+            self.prefill_backend = TORCH  # the native kernel's limit (cpu_prefill_attention)
         self._cpu_flash = plan.device == "cpu" and _CPU_FLASH_WITH_LSE is not None
         if TRITON in (self.decode_backend, self.prefill_backend):
             from kernels import triton_attention
@@ -320,6 +324,14 @@ class PagedAttention(KVCacheLayer):
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         backend = self.decode_backend if batch.max_q == 1 else self.prefill_backend
+        if backend == NATIVE_CPU and batch.max_q > 1:
+            if q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16:
+                return paged_prefill_attention(
+                    q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
+                    batch.query_start_loc, self.scale, sliding_window=self.sliding_window,
+                    sinks=sinks,
+                )
+            backend = TORCH  # a float cache: the torch path below
         if backend == NATIVE_CPU:
             return paged_decode_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.seq_lens, self.scale,
