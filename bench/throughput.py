@@ -108,6 +108,18 @@ def selected_baselines(args: argparse.Namespace) -> list[str]:
     return list(BASELINES) if "all" in chosen else chosen
 
 
+def inherited_omp_note(args: argparse.Namespace) -> str | None:
+    """A warning for the report when the user's own OMP_WAIT_POLICY (not moe-engine's default,
+    which `peer_runner.peer_environ` strips) reaches the peers' runners; else None."""
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    if (not policy or os.environ.get("MOE_ENGINE_OMP_WAIT_POLICY_DEFAULT")
+            or not any(f in PEERS for f in selected_baselines(args))):
+        return None
+    return (f"note: OMP_WAIT_POLICY={policy} from this shell reaches the peers' runners "
+            "(llama.cpp's OpenMP ran 6-12x slower at batch 1 under PASSIVE, bench/NOTES.md "
+            "section 17); unset it to measure the peers' best")
+
+
 def row_selected(name: str, args: argparse.Namespace) -> bool:
     """Whether `--engines` (row names; an entry also selects the rows it prefixes, e.g.
     `vllm-cpu` both dtypes) keeps row `name`; everything is kept without `--engines`."""
@@ -193,7 +205,10 @@ def print_report(result: dict) -> None:
           f"{result['threads']} threads; median of {result['runs']} runs after "
           f"{result['warmup']} warm-up, rows alternating; {result['date']}; load average "
           f"{load['start'][0]:.2f} at start, {load['end'][0]:.2f} at end")
-    print(f"command: {result['command']}\n")
+    print(f"command: {result['command']}")
+    if result.get("note"):
+        print(result["note"])
+    print()
     print(markdown_table(result))
     print("\nbest peer (bold): " + ", ".join(f"{m}: {n}" for m, n in result["best_peer"].items()))
     for name, row in result["engines"].items():
@@ -311,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     ):
         raise RuntimeError(f"mixed-64 drifted: {prompt_tokens} prompt, {output_tokens} output")
     ckpt = ensure_bench_checkpoint(args.cache_dir)
+    note = inherited_omp_note(args)
+    if note:
+        logging.getLogger("bench.throughput").warning("%s", note)
     load_start = os.getloadavg()
     measured = run_benchmark(args, requests, ckpt)
     result = {
@@ -324,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch1_output_tokens": sum(r.output_len for r in mode_requests(requests, "batch1")),
         "modes": args.modes, "runs": args.runs, "warmup": args.warmup,
         "threads": torch.get_num_threads(), "alternating": True, **measured,
+        **({"note": note} if note else {}),
     }
     if args.json_out:
         args.json_out.write_text(json.dumps(result, indent=1) + "\n")

@@ -341,3 +341,15 @@ def test_vllm_settings_parse_variant(tp: ModuleType) -> None:
     for bad in ("nolabel", "x=fastest", "x=best:NOEQUALS"):
         with pytest.raises(ValueError):
             vs.parse_variant(bad)
+
+
+def test_a_users_omp_wait_policy_reaching_the_peers_is_noted(tp: ModuleType, monkeypatch) -> None:
+    """The shell's OMP_WAIT_POLICY reaches llama.cpp's and vLLM's runners (peer_environ keeps
+    the user's own); the report says so. moe-engine's default is stripped: no note."""
+    peers = tp.parse_args(["--baseline", "vllm,llamacpp"])
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.delenv("MOE_ENGINE_OMP_WAIT_POLICY_DEFAULT", raising=False)
+    assert "OMP_WAIT_POLICY=PASSIVE from this shell" in tp.inherited_omp_note(peers)
+    assert tp.inherited_omp_note(tp.parse_args(["--engines", "moe-engine"])) is None
+    monkeypatch.setenv("MOE_ENGINE_OMP_WAIT_POLICY_DEFAULT", "1")
+    assert tp.inherited_omp_note(peers) is None
