@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from moe_engine.quant_config import DTYPES, QuantConfig
+from moe_engine.spec_decode.config import SpeculativeConfig
 
 _UNITS = {
     "": 1,
@@ -268,6 +269,7 @@ class EngineConfig:
         kernel_backend: `--kernel-backend`: "auto", a backend name, or op=backend pairs
             (kernels/registry.py); checked at startup.
         device: the device and its memory budget (`DeviceConfig`).
+        speculative: draft tokens per step (`SpeculativeConfig`; off by default).
     """
 
     model: ModelConfig
@@ -278,6 +280,7 @@ class EngineConfig:
     expert_trace: str | None = None
     kernel_backend: str = "auto"
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
 def native_bf16_matmul() -> bool:

@@ -26,6 +26,11 @@ from moe_engine.errors import StartupError
 from moe_engine.model_path import resolve_model_dir
 from moe_engine.outputs import RequestOutput, RequestOutputBuilder
 from moe_engine.request import SamplingParams
+from moe_engine.spec_decode.config import (
+    DEFAULT_DISABLE_BY_BATCH_SIZE,
+    SpeculativeConfig,
+    make_speculative_config,
+)
 
 #: One prompt: text, token ids, or vLLM's TextPrompt / TokensPrompt dicts.
 PromptType = str | Sequence[int] | dict[str, Any]
@@ -45,8 +50,9 @@ class LLM:
             such as "2GiB"),
         block_size, num_blocks_override, quantization, quant_group_size, kernel_backend,
         enable_prefix_caching, device ("auto", "cpu", "cuda"), gpu_memory_utilization
-        (fraction in (0, 1]), enforce_eager (no CUDA graphs): as the `moe-serve` flags of the
-        same names.
+        (fraction in (0, 1]), enforce_eager (no CUDA graphs), speculative_method ("ngram" or
+        None), num_speculative_tokens, ngram_min, ngram_max,
+        speculative_disable_by_batch_size: as the `moe-serve` flags of the same names.
 
     Raises:
         StartupError: no config.json at `model`, or a configuration the engine refuses.
@@ -70,6 +76,11 @@ class LLM:
         device: str = "auto",
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
+        speculative_method: str | None = None,
+        num_speculative_tokens: int | None = None,
+        ngram_min: int = 1,
+        ngram_max: int = 4,
+        speculative_disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE,
     ) -> None:
         if model == "demo":
             from moe_engine.demo import ensure_demo_checkpoint
@@ -99,6 +110,10 @@ class LLM:
                 ),
                 quant=QuantConfig(method=quantization, group_size=quant_group_size),
                 kernel_backend=kernel_backend,
+                speculative=_speculative_config(
+                    speculative_method, num_speculative_tokens, ngram_min, ngram_max,
+                    speculative_disable_by_batch_size,
+                ),
             )
         )
         self._next_id = 0
@@ -345,3 +360,17 @@ def _progress_bar(total: int, use_tqdm: bool | Callable[..., Any]):
         dynamic_ncols=True,
         postfix=f"est. speed input: {0:.2f} toks/s, output: {0:.2f} toks/s",
     )
+
+
+def _speculative_config(
+    method: str | None, k: int | None, ngram_min: int, ngram_max: int, disable_by: int
+) -> SpeculativeConfig:
+    """The SpeculativeConfig of `LLM`'s arguments.
+
+    Raises:
+        StartupError: a value out of range (the message names the argument).
+    """
+    try:
+        return make_speculative_config(method, k, ngram_min, ngram_max, disable_by)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None

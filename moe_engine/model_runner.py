@@ -47,8 +47,9 @@ from moe_engine.models.layers.attention import (
     build_attention_batch,
     build_decode_batch,
 )
-from moe_engine.sampler import Sampler, SamplerOutput
+from moe_engine.sampler import Sampler, StepSamples
 from moe_engine.scheduler import ScheduledRequest, SchedulerOutput
+from moe_engine.spec_decode.verify import sample_with_drafts
 from moe_engine.step_inputs import StepInputBuffers
 
 
@@ -179,16 +180,19 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, kv: KVCacheManager
-    ) -> tuple[list[ScheduledRequest], SamplerOutput]:
+    ) -> tuple[list[ScheduledRequest], StepSamples]:
         """Run one step.
 
         Returns:
-            (the scheduled requests that sampled a token, in row order; their sampler output).
+            (the scheduled requests that sampled a token, in row order; per request the
+            tokens it emits: one, or with drafts the accepted ones and one more).
         """
         ordered = sorted(out.scheduled, key=lambda s: s.num_tokens > 1)  # stable: decodes first
         ids: list[int] = []
         for s in ordered:
-            ids.extend(s.request.all_token_ids[s.start : s.start + s.num_tokens])
+            fed = s.num_tokens - len(s.draft_token_ids)
+            ids.extend(s.request.all_token_ids[s.start : s.start + fed])
+            ids.extend(s.draft_token_ids)
         q_lens = torch.tensor([s.num_tokens for s in ordered], dtype=torch.int64)
         start_list = [s.start for s in ordered]
         starts = torch.tensor(start_list, dtype=torch.int64)
@@ -197,7 +201,7 @@ class ModelRunner:
             for g in range(len(self.kv_groups))
         ]
         sampling = [i for i, s in enumerate(ordered) if s.samples]
-        logits_indices = (torch.cumsum(q_lens, 0) - 1)[sampling]
+        logits_indices = _logits_indices(q_lens, [ordered[i] for i in sampling], sampling)
         graphs = self.decode_graphs
         if graphs is not None and graphs.covers([s.num_tokens for s in ordered]):
             hidden, logits_indices = graphs.run(ids, starts, tables, logits_indices)
@@ -210,9 +214,11 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
         rows = [ordered[i] for i in sampling]
         if not rows:
-            return [], SamplerOutput([], [])
+            return [], StepSamples([], [], [])
         logits = self.model.compute_logits(hidden[logits_indices])
-        return rows, self.sampler(logits, [s.request for s in rows])
+        if not any(s.draft_token_ids for s in rows):
+            return rows, StepSamples.of(self.sampler(logits, [s.request for s in rows]))
+        return rows, sample_with_drafts(self.sampler, logits, rows)
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, max_num_seqs: int, max_model_len: int) -> None:
@@ -399,6 +405,25 @@ class _HostStep:
     metas: list[AttentionMetadata]
     block_tables: list[torch.Tensor]
     seq_lens: torch.Tensor
+
+
+def _logits_indices(
+    q_lens: torch.Tensor, rows: list[ScheduledRequest], sampling: list[int]
+) -> torch.Tensor:
+    """[sum over `rows` of 1 + drafts] int64: the token positions whose logits are needed, per
+    sampling row its last token's, or with drafts its last 1 + drafts tokens' (the real
+    token's, then each draft's), in row order.
+
+    Args:
+        q_lens: [B] int64 tokens per scheduled request; sampling: the rows that sample.
+    """
+    ends = torch.cumsum(q_lens, 0)[sampling] - 1
+    counts = torch.tensor([1 + len(s.draft_token_ids) for s in rows], dtype=torch.int64)
+    if int(counts.sum()) == len(rows):
+        return ends
+    last = torch.repeat_interleave(ends, counts)
+    back = torch.repeat_interleave(torch.cumsum(counts, 0), counts) - 1
+    return last - (back - torch.arange(len(last)))
 
 
 def _pad_tables(tables: list[list[int]]) -> torch.Tensor:

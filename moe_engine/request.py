@@ -369,6 +369,10 @@ class Request:
         #: The grammar matcher of a request with `structured_outputs` (set by the engine when
         #: the request is added, advanced with each appended token, dropped when it finishes).
         self.grammar: RequestGrammar | None = None
+        #: Draft tokens proposed for the next step (speculative decoding): fed after the
+        #: request's last token and verified by that step's forward; never part of
+        #: `all_token_ids` (nor of any prefix-cache hash) until accepted.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:

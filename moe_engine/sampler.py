@@ -28,6 +28,35 @@ class SamplerOutput:
     logprobs: list[tuple[float, dict[int, float]] | None]
 
 
+#: One generated token's logprobs: (its logprob, {top token id: logprob}).
+LogprobEntry = tuple[float, dict[int, float]]
+
+
+@dataclass
+class StepSamples:
+    """What one step emits per sampling row (`ModelRunner.execute`).
+
+    Attributes:
+        token_ids: per row, its new tokens: one, or with drafts the accepted drafts and one
+            more (the correction, or the bonus token when every draft was accepted).
+        logprobs: per row, None (not asked for) or one entry per new token.
+        num_accepted: per row, drafts accepted (0 for a row without drafts).
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[LogprobEntry] | None]
+    num_accepted: list[int]
+
+    @classmethod
+    def of(cls, out: SamplerOutput) -> StepSamples:
+        """One token per row, from the plain sampler."""
+        return cls(
+            [[t] for t in out.token_ids],
+            [None if lp is None else [lp] for lp in out.logprobs],
+            [0] * len(out.token_ids),
+        )
+
+
 class Sampler:
     """Samples one token per row of logits.
 

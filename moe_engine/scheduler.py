@@ -20,6 +20,7 @@ scheduled its whole prompt: they find every shared block instead of computing it
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from moe_engine.config import SchedulerConfig
@@ -33,18 +34,23 @@ class ScheduledRequest:
 
     Attributes:
         request: the request.
-        num_tokens: tokens fed this step (prefill chunk length, or 1 for a decode).
+        num_tokens: tokens fed this step (prefill chunk length, or 1 for a decode; with
+            speculative decoding 1 + the drafts).
         start: position of the first fed token (= tokens already in the KV cache).
+        draft_token_ids: the drafts fed after the request's last token (the last
+            len(draft_token_ids) of the num_tokens), verified by this step.
     """
 
     request: Request
     num_tokens: int
     start: int
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this step reaches the end of the request's tokens, so a token is sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        fed = self.num_tokens - len(self.draft_token_ids)
+        return self.start + fed == self.request.num_tokens
 
 
 @dataclass
@@ -121,17 +127,31 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n, drafts = self._running_tokens(req, budget)
+            if drafts and not self.kv.allocate_slots(req, n):
+                n, drafts = n - len(drafts), []  # drafts go before anyone is preempted
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
                 if victim is req:
                     return budget
-            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
+            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens, drafts))
             budget -= n
             i += 1
         return budget
+
+    @staticmethod
+    def _running_tokens(req: Request, budget: int) -> tuple[int, list[int]]:
+        """(tokens to feed, drafts among them) for a running request: its uncomputed tokens,
+        plus its drafts when it decodes (the budget counts them; the drafts are taken from
+        the request, so a step that does not verify them never sees them again)."""
+        left = req.num_tokens - req.num_computed_tokens
+        drafts, req.spec_token_ids = req.spec_token_ids, []
+        if left != 1 or not drafts:
+            return min(left, budget), []
+        drafts = drafts[: budget - 1]
+        return 1 + len(drafts), drafts
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -150,22 +170,35 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def update(
-        self, out: SchedulerOutput, sampled: dict[str, int]
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, int | list[int]],
+        on_token: Callable[[Request], None] | None = None,
     ) -> tuple[list[Request], list[Request]]:
         """Advance the step's requests and append the sampled tokens.
 
+        A request whose step verified drafts gets its accepted drafts and one more token (a
+        list); its computed tokens advance past the accepted ones only, so the rejected
+        drafts' K/V slots are overwritten by the next step (their blocks stay the request's).
+        Tokens are appended one at a time and a stop condition ends the request at once: the
+        tokens after it are dropped.
+
         Args:
             out: the step that ran.
-            sampled: request id -> sampled token id, for the requests whose step `samples`.
+            sampled: request id -> sampled token id (or ids: accepted drafts + 1), for the
+                requests whose step `samples`.
+            on_token: called after each appended token of a request that is still running
+                (the engine's stop-string check, which may finish the request).
 
         Returns:
-            (requests that got a new token, those of them that finished by token or length).
+            (requests that got new tokens, those of them that finished by token or length).
         """
         advanced: list[Request] = []
         finished: list[Request] = []
@@ -173,17 +206,33 @@ class Scheduler:
             req = s.request
             if req.is_finished:  # aborted while the step ran
                 continue
-            req.num_computed_tokens += s.num_tokens
+            tokens = sampled.get(req.request_id) if s.samples else None
+            tokens = [tokens] if isinstance(tokens, int) else tokens
+            rejected = len(s.draft_token_ids) - (len(tokens) - 1) if tokens else 0
+            req.num_computed_tokens += s.num_tokens - rejected
             self.kv.remove_skipped_blocks(req)
             if not s.samples:
                 continue
-            req.append_token(sampled[req.request_id])
             advanced.append(req)
+            if self._append(req, tokens, on_token):
+                finished.append(req)
+        return advanced, finished
+
+    def _append(
+        self, req: Request, tokens: list[int], on_token: Callable[[Request], None] | None
+    ) -> bool:
+        """Append `tokens` until one ends the request; True when a token id or the length
+        limit ended it (a stop string found by `on_token` finishes it there too)."""
+        for token in tokens:
+            req.append_token(token)
             reason = req.check_stop_token()
             if reason is not None:
                 self.finish_request(req.request_id, reason)
-                finished.append(req)
-        return advanced, finished
+            if on_token is not None:
+                on_token(req)
+            if req.is_finished:
+                return reason is not None
+        return False
 
     def finish_request(self, request_id: str, reason: FinishReason) -> Request | None:
         """End a request and free its blocks; returns it, or None when unknown or done.

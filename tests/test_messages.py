@@ -25,13 +25,19 @@ def _core_stats(base: int, rank: int = 0) -> m.CoreStats:
     numbers = {
         name: base + i
         for i, name in enumerate(m.CoreStats.__struct_fields__)
-        if name not in ("kv_groups", "phase_seconds", "rank")
+        if name not in ("kv_groups", "phase_seconds", "rank", _PER_POS)
     }
     group = m.KVCacheGroupStats(
         group=1, kind="sliding_attention", sliding_window=8, num_layers=2,
         kv_bytes_per_token=64, blocks_used=base,
     )
-    return m.CoreStats(**numbers, kv_groups=[group], phase_seconds={"step": 0.5}, rank=rank)
+    return m.CoreStats(
+        **numbers, kv_groups=[group], phase_seconds={"step": 0.5}, rank=rank,
+        spec_decode_num_accepted_tokens_per_pos=[base, base + 1] + [base] * (rank % 2),
+    )  # fmt: skip
+
+
+_PER_POS = "spec_decode_num_accepted_tokens_per_pos"
 
 
 def _model_info() -> m.ModelInfo:
@@ -140,6 +146,8 @@ def test_sum_stats_adds_every_counter() -> None:
     for name in ("num_running", "prompt_tokens_total", "tokens_received", "num_steps"):
         assert getattr(total, name) == getattr(a, name) + getattr(b, name)
     assert total.kv_cache_usage == total.kv_blocks_used / total.kv_blocks_total
+    # drafts accepted per position: summed position by position, ranks may differ in length
+    assert total.spec_decode_num_accepted_tokens_per_pos == [110, 112, 100]
 
 
 def test_cores_provide_the_protocol() -> None:

@@ -14,6 +14,8 @@
               [--allow-insecure]
               [--ep-size N] [--collective-timeout S] [--expert-placement FILE]
               [--nnodes N --node-rank K --rdzv-endpoint HOST:PORT]
+              [--speculative-method ngram [--num-speculative-tokens K] [--ngram-min N]
+               [--ngram-max N] [--speculative-disable-by-batch-size N]]
 
 Ready when the gRPC health service (grpc.health.v1) says SERVING. SIGTERM or Ctrl-C drains and
 exits 0; a startup failure exits 1 with the reason (numbers and the flag that fixes it).
@@ -58,6 +60,7 @@ from moe_engine.server.options import (
     ServerOptions,
 )
 from moe_engine.server.security import API_KEY_ENV, resolve_api_key
+from moe_engine.spec_decode.config import add_speculative_arguments, speculative_config_from_args
 
 logger = logging.getLogger("moe_engine.serve")
 
@@ -262,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
         "local port)",
     )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_speculative_arguments(p)
     return p
 
 
@@ -382,6 +386,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
             max_waiting=args.max_waiting_requests,
             stream_interval=args.stream_interval,
         ),
+        speculative=speculative_config_from_args(args),
         quant=QuantConfig(method=args.quantization, group_size=args.quant_group_size),
         parallel=ParallelConfig(
             ep_size=args.ep_size,

@@ -51,6 +51,7 @@ from moe_engine.request import FinishReason, Request, SamplingParams
 from moe_engine.sampler import Sampler
 from moe_engine.scheduler import Scheduler
 from moe_engine.skew.trace import PeriodicTraceWriter
+from moe_engine.spec_decode.drafter import Drafter
 from moe_engine.structured_output import StructuredOutputManager
 from moe_engine.tokenizer import load_tokenizer
 from moe_engine.validation import validate_request
@@ -232,6 +233,17 @@ class EngineCore:
         if self.stream_interval > 1:
             logger.info("stream interval: a request's tokens are sent every %d tokens (the first "
                         "at once, the rest with the final output)", self.stream_interval)
+        spec = config.speculative
+        #: Proposes each running request's draft tokens after every step (speculative
+        #: decoding), None when off.
+        self.drafter = Drafter(spec) if spec.enabled else None
+        if self.drafter is not None:
+            logger.info(
+                "speculative decoding: %s, %d draft tokens per request and step (n-grams %d..%d)%s",
+                spec.method, spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max,
+                f", off at {spec.disable_by_batch_size}+ running requests"
+                if spec.disable_by_batch_size else "",
+            )  # fmt: skip
         #: Live requests with n > 1, by the client's id.
         self._parents: dict[str, ParentRequest] = {}
         self.counters = dict(
@@ -399,26 +411,35 @@ class EngineCore:
         rows, sampled = self.runner.execute(out, self.kv)
         tokens = {s.request.request_id: t for s, t in zip(rows, sampled.token_ids, strict=True)}
         logprobs = {s.request.request_id: lp for s, lp in zip(rows, sampled.logprobs, strict=True)}
-        advanced, _ = self.scheduler.update(out, tokens)
-        self.counters["generation_tokens_total"] += len(advanced)
+        before = {s.request.request_id: s.request.num_output_tokens for s in rows}
+        if self.drafter is not None:
+            for s, a in zip(rows, sampled.num_accepted, strict=True):
+                if s.draft_token_ids:
+                    self.drafter.record(len(s.draft_token_ids), a)
+        advanced, _ = self.scheduler.update(out, tokens, on_token=self._check_stop_strings)
         outputs = []
         for req in advanced:
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            self._check_stop_strings(req)
-            out = self._buffered(req, req.output_token_ids[-1], logprobs.get(req.request_id))
+            new = req.output_token_ids[before[req.request_id] :]
+            self.counters["generation_tokens_total"] += len(new)
+            lps = logprobs.get(req.request_id)
+            out = self._buffered(req, new, lps[: len(new)] if lps is not None else None)
             if out is not None:
                 outputs.append(out)
+        if self.drafter is not None:
+            self.drafter.propose(self.scheduler.running)
         return outputs
 
-    def _buffered(self, req: Request, token: int, lp) -> EngineCoreOutput | None:
-        """`token` (and its logprobs entry, if asked for) added to what the request has not
-        sent yet; its output once `stream_interval` tokens wait, at its first token, or when it
-        finished; else None."""
-        ids, lps = self._unsent.setdefault(req.request_id, ([], []))
-        ids.append(token)
-        if lp is not None:
-            lps.append(lp)
+    def _buffered(self, req: Request, tokens: list[int], lps: list | None
+                  ) -> EngineCoreOutput | None:
+        """`tokens` (and their logprobs entries, if asked for) added to what the request has
+        not sent yet; its output once `stream_interval` tokens wait, at its first token, or when
+        it finished; else None."""
+        ids, unsent_lps = self._unsent.setdefault(req.request_id, ([], []))
+        ids.extend(tokens)
+        if lps is not None:
+            unsent_lps.extend(lps)
         final = req.is_finished
         if not final and req.num_output_tokens > 1 and len(ids) < self.stream_interval:
             return None
@@ -490,7 +511,20 @@ class EngineCore:
             tokens_in=comm.tokens_in if comm else 0,
             tokens_received=comm.tokens_received if comm else 0,
             phase_seconds=self.timer.snapshot(),
+            **self._spec_stats(),
             rank=self.rank_context.rank if self.rank_context else 0,
+        )
+
+    def _spec_stats(self) -> dict[str, Any]:
+        """The speculative-decoding counters of `CoreStats` (zeros when it is off)."""
+        if self.drafter is None:
+            return {}
+        s = self.drafter.stats
+        return dict(
+            spec_decode_num_drafts=s.num_drafts,
+            spec_decode_num_draft_tokens=s.num_draft_tokens,
+            spec_decode_num_accepted_tokens=s.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(s.accepted_per_pos),
         )
 
     def _kv_group_stats(self) -> list[KVCacheGroupStats]:

@@ -141,6 +141,9 @@ class CoreStats(msgspec.Struct, kw_only=True):
             tokens_received (tokens): the expert-parallel communicator's counters
             (`comm.stats.CommCounts`), 0 for one rank.
         kv_groups: per KV-cache group; phase_seconds: wall seconds per forward phase.
+        spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens: request-steps that
+            verified drafts, drafts verified, drafts accepted (`SpecDecodeStats`);
+            spec_decode_num_accepted_tokens_per_pos: per draft position, drafts accepted.
         rank: the rank these are from.
     """
 
@@ -166,12 +169,22 @@ class CoreStats(msgspec.Struct, kw_only=True):
     tokens_received: int = 0
     kv_groups: list[KVCacheGroupStats] = []
     phase_seconds: dict[str, float] = {}
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
     rank: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
         """kv_blocks_used / kv_blocks_total, in [0, 1] (0 without blocks)."""
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def spec_decode_mean_acceptance_length(self) -> float:
+        """1 + accepted / request-steps with drafts (0 before any)."""
+        n = self.spec_decode_num_drafts
+        return 1.0 + self.spec_decode_num_accepted_tokens / n if n else 0.0
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
@@ -191,6 +204,11 @@ def sum_stats(per_rank: list[CoreStats]) -> CoreStats:
         if isinstance(getattr(first, name), int):
             summed[name] = sum(getattr(s, name) for s in per_rank)
     summed["rank"] = 0
+    per_pos = [s.spec_decode_num_accepted_tokens_per_pos for s in per_rank]
+    width = max(len(p) for p in per_pos)
+    summed["spec_decode_num_accepted_tokens_per_pos"] = [
+        sum(p[i] for p in per_pos if i < len(p)) for i in range(width)
+    ]
     groups = [s.kv_groups for s in per_rank]
     if all(len(g) == len(groups[0]) for g in groups):
         summed["kv_groups"] = [

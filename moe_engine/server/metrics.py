@@ -167,7 +167,26 @@ class ServerMetrics:
             ["layer", "by"],
             registry=r,
         )
-        self._last_totals: dict[int, int] = {}
+        self.spec_drafts = Counter(
+            "moe_engine_spec_decode_num_drafts",
+            "Request-steps that verified draft tokens (speculative decoding).",
+            registry=r,
+        )
+        self.spec_draft_tokens = Counter(
+            "moe_engine_spec_decode_num_draft_tokens", "Draft tokens verified (tokens).",
+            registry=r,
+        )
+        self.spec_accepted_tokens = Counter(
+            "moe_engine_spec_decode_num_accepted_tokens", "Draft tokens accepted (tokens).",
+            registry=r,
+        )
+        self.spec_accepted_per_pos = Counter(
+            "moe_engine_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0 = a step's first draft).",
+            ["position"],
+            registry=r,
+        )
+        self._last_totals: dict[int | tuple[int, int], int] = {}
 
     def update_from_stats(self, stats: EngineStats) -> None:
         """Refresh gauges and counters from the engine's stats (totals over its ranks)."""
@@ -183,15 +202,25 @@ class ServerMetrics:
             (self.requests_aborted, t.num_aborted),
             (self.prefix_cache_queries, t.prefix_cache_queries),
             (self.prefix_cache_hits, t.prefix_cache_hits),
+            (self.spec_drafts, t.spec_decode_num_drafts),
+            (self.spec_draft_tokens, t.spec_decode_num_draft_tokens),
+            (self.spec_accepted_tokens, t.spec_decode_num_accepted_tokens),
         )
         for counter, value in totals:
-            delta = value - self._last_totals.get(id(counter), 0)
-            if delta > 0:
-                counter.inc(delta)
-            self._last_totals[id(counter)] = value
+            self._advance(counter, id(counter), value)
+        for pos, value in enumerate(t.spec_decode_num_accepted_tokens_per_pos):
+            counter = self.spec_accepted_per_pos.labels(position=str(pos))
+            self._advance(counter, (id(self.spec_accepted_per_pos), pos), value)
         for group in t.kv_groups:
             labels = dict(group=str(group.group), kind=group.kind)
             self.kv_group_blocks_used.labels(**labels).set(group.blocks_used)
+
+    def _advance(self, counter: Any, key: int | tuple[int, int], value: int) -> None:
+        """Move a counter up to the engine's total `value` (it only counts increments)."""
+        delta = value - self._last_totals.get(key, 0)
+        if delta > 0:
+            counter.inc(delta)
+        self._last_totals[key] = value
 
     def update_from_expert_load(self, load: ExpertLoad) -> None:
         """Refresh the per-layer skew gauges from the engine's expert load.
@@ -300,8 +329,31 @@ class StatsLogger:
         if queries > 0:
             hits = t.prefix_cache_hits - before.prefix_cache_hits
             line += f", prefix cache hit rate: {100 * hits / queries:.1f}%"
+        line += _spec_decode_part(t, before)
         self.log.info("%s", line)
         return line
+
+
+def _spec_decode_part(t: CoreStats, before: CoreStats) -> str:
+    """The speculative-decoding part of the periodic line over the interval (vLLM's "SpecDecoding
+    metrics"): mean acceptance length, drafts accepted, per-position acceptance rate; "" when
+    the interval verified no drafts."""
+    drafts = t.spec_decode_num_drafts - before.spec_decode_num_drafts
+    if drafts <= 0:
+        return ""
+    proposed = t.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = t.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    old = before.spec_decode_num_accepted_tokens_per_pos
+    per_pos = [
+        (v - (old[i] if i < len(old) else 0)) / drafts
+        for i, v in enumerate(t.spec_decode_num_accepted_tokens_per_pos)
+    ]
+    rates = ", ".join(f"{r:.2f}" for r in per_pos)
+    return (
+        f", spec decode: mean acceptance length {1 + accepted / drafts:.2f}, accepted "
+        f"{accepted}/{proposed} draft tokens ({100 * accepted / max(proposed, 1):.1f}%), "
+        f"per-position acceptance rate [{rates}]"
+    )
 
 
 @dataclass

@@ -187,6 +187,11 @@ def server_stats_to_proto(stats: EngineStats) -> pb.ServerStats:
             )
             for g in t.kv_groups
         ],
+        spec_decode_num_drafts=t.spec_decode_num_drafts,
+        spec_decode_num_draft_tokens=t.spec_decode_num_draft_tokens,
+        spec_decode_num_accepted_tokens=t.spec_decode_num_accepted_tokens,
+        spec_decode_num_accepted_tokens_per_pos=t.spec_decode_num_accepted_tokens_per_pos,
+        spec_decode_mean_acceptance_length=t.spec_decode_mean_acceptance_length,
     )
 
 

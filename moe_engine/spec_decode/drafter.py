@@ -1,0 +1,89 @@
+"""Drafter: after each step, the draft tokens every running request carries into the next one,
+and the counters of what the verification accepted (vLLM's `SpecDecodingStats`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moe_engine.request import Request
+from moe_engine.spec_decode.config import SpeculativeConfig
+from moe_engine.spec_decode.ngram import NgramProposer
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters since startup.
+
+    Attributes:
+        num_drafts: request-steps that verified drafts.
+        num_draft_tokens: drafts verified; num_accepted_tokens: drafts accepted (tokens).
+        accepted_per_pos: [num_speculative_tokens] drafts accepted at each position (the
+            first draft of a step at 0); position i counts only steps that reached it.
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verifying request-step emits on average (accepted drafts + 1); 0 before
+        any (vLLM's mean acceptance length)."""
+        if not self.num_drafts:
+            return 0.0
+        return 1.0 + self.num_accepted_tokens / self.num_drafts
+
+
+class Drafter:
+    """Proposes each running request's drafts for the next step.
+
+    A request gets drafts when it decodes next (its prompt is done), has no grammar, and the
+    batch is below `disable_by_batch_size`; at most `num_speculative_tokens`, and never more
+    than its `max_tokens` leaves room for (a step emits the accepted drafts and one more), so
+    its KV never grows past prompt + max_tokens - 1 tokens.
+
+    Args:
+        config: the speculative config (enabled).
+    """
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.proposer = NgramProposer(
+            config.num_speculative_tokens, config.ngram_min, config.ngram_max
+        )
+        self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+
+    def propose(self, running: list[Request]) -> None:
+        """Set `spec_token_ids` of the running requests (cleared for those without)."""
+        limit = self.config.disable_by_batch_size
+        off = limit > 0 and len(running) >= limit
+        eligible = [] if off else [r for r in running if _may_draft(r)]
+        for req in running:
+            req.spec_token_ids = []
+        if not eligible:
+            return
+        room = [r.sampling_params.max_tokens - r.num_output_tokens - 1 for r in eligible]
+        drafts = self.proposer.propose([r.all_token_ids for r in eligible], room)
+        for req, d in zip(eligible, drafts, strict=True):
+            req.spec_token_ids = d
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        """Count one request-step that verified `num_drafts` drafts and accepted the first
+        `num_accepted` of them."""
+        s = self.stats
+        s.num_drafts += 1
+        s.num_draft_tokens += num_drafts
+        s.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            s.accepted_per_pos[pos] += 1
+
+
+def _may_draft(req: Request) -> bool:
+    """Decoding next (every token but the last computed), unfinished and without a grammar."""
+    return (
+        not req.is_finished
+        and req.grammar is None
+        and req.num_tokens - req.num_computed_tokens == 1
+    )
