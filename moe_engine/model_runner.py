@@ -49,6 +49,7 @@ from moe_engine.models.layers.attention import (
 )
 from moe_engine.sampler import Sampler, StepSamples
 from moe_engine.scheduler import ScheduledRequest, SchedulerOutput
+from moe_engine.spec_decode.mtp import MTPDrafter
 from moe_engine.spec_decode.verify import sample_with_drafts
 from moe_engine.step_inputs import StepInputBuffers
 
@@ -68,6 +69,9 @@ class ModelRunner:
             step's inputs are copied there once (`StepInputBuffers`); default CPU.
         scratch_block: give the cache one more block (`scratch_block` = num_blocks + 1),
             never in the pool, for the padding rows of CUDA-graph decode steps.
+        num_speculative_tokens, disable_drafts_at: with MTP layers in the model, the drafts
+            per request and step its `MTPDrafter` proposes, and the step size (sampling
+            requests) from which it proposes none (0: never off).
 
     `kv_caches[i]` is layer i's (K, V) pair, each [num_blocks + 1 (+ 1 scratch), block_size,
     num_kv_heads, head_dim], or for an MLA group one latent tensor [num_blocks + 1 (+ 1),
@@ -89,6 +93,8 @@ class ModelRunner:
         kv_groups: list[KVCacheGroup] | None = None,
         device: torch.device | str | None = None,
         scratch_block: bool = False,
+        num_speculative_tokens: int = 0,
+        disable_drafts_at: int = 0,
     ) -> None:
         self.model = model
         #: Where the KV cache and the step's tensors live (the model's device).
@@ -123,7 +129,8 @@ class ModelRunner:
             for _ in range(len(kv_groups[0].layers))
         ]
         caches: list[tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None]
-        caches = [None] * spec.num_layers
+        num_mtp = getattr(spec, "num_mtp_layers", 0)  # an ArchSpec's (a bare ModelShape: 0)
+        caches = [None] * (spec.num_layers + num_mtp)
         for g, group in enumerate(kv_groups):
             for j, index in enumerate(group.layers):
                 caches[index] = slots[j]
@@ -142,7 +149,14 @@ class ModelRunner:
         missing = [i for i, c in enumerate(caches) if c is None]
         if missing:
             raise ValueError(f"layers {missing} are in no KV cache group")
-        self.kv_caches = caches
+        self.kv_caches = caches[: spec.num_layers]
+        #: The MTP layers' caches (layers num_layers.. of the first group), [] without them.
+        self.mtp_kv_caches = caches[spec.num_layers :]
+        #: Proposes MTP drafts after each step (`spec_decode.mtp`), None without MTP layers.
+        self.mtp = (
+            MTPDrafter(self, num_speculative_tokens, disable_drafts_at)
+            if num_mtp else None
+        )
 
     def reserve_inputs(self, max_num_tokens: int, max_num_seqs: int, max_model_len: int) -> None:
         """Size the persistent input buffers for the largest step up front, so that their
@@ -213,12 +227,18 @@ class ModelRunner:
             input_ids, positions, meta, logits_indices = self._on_device(step, logits_indices)
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
         rows = [ordered[i] for i in sampling]
-        if not rows:
-            return [], StepSamples([], [], [])
-        logits = self.model.compute_logits(hidden[logits_indices])
-        if not any(s.draft_token_ids for s in rows):
-            return rows, StepSamples.of(self.sampler(logits, [s.request for s in rows]))
-        return rows, sample_with_drafts(self.sampler, logits, rows)
+        samples = StepSamples([], [], [])
+        if rows:
+            logits = self.model.compute_logits(hidden[logits_indices])
+            if not any(s.draft_token_ids for s in rows):
+                samples = StepSamples.of(self.sampler(logits, [s.request for s in rows]))
+            else:
+                samples = sample_with_drafts(self.sampler, logits, rows)
+        if self.mtp is not None:
+            emitted = {s.request.request_id: t for s, t in zip(rows, samples.token_ids,
+                                                               strict=True)}
+            samples.proposals = self.mtp.propose(ordered, hidden, emitted, tables, rows)
+        return rows, samples
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, max_num_seqs: int, max_model_len: int) -> None:
@@ -478,12 +498,15 @@ def _allocate_slot(
 
 def _kv_cache_layer(model: MoeCausalLM, index: int) -> KVCacheLayer:
     """The one KV-cache-owning module (`PagedAttention`, `MLAAttention`) of decoder layer
-    `index`.
+    `index` (num_layers + j: MTP layer j).
 
     Raises:
         ValueError: when the layer has none or several.
     """
-    found = [m for m in model.model.layers[index].modules() if isinstance(m, KVCacheLayer)]
+    num_layers = len(model.model.layers)
+    layers = model.model.layers
+    layer = layers[index] if index < num_layers else model.mtp_layers[index - num_layers]
+    found = [m for m in layer.modules() if isinstance(m, KVCacheLayer)]
     if len(found) != 1:
         raise ValueError(f"layer {index} has {len(found)} KV cache attention modules, expected 1")
     return found[0]

@@ -41,11 +41,14 @@ class StepSamples:
             more (the correction, or the bonus token when every draft was accepted).
         logprobs: per row, None (not asked for) or one entry per new token.
         num_accepted: per row, drafts accepted (0 for a row without drafts).
+        proposals: with MTP drafts (`spec_decode.mtp`), per row the drafts proposed for its
+            next step ([] where none); None otherwise.
     """
 
     token_ids: list[list[int]]
     logprobs: list[list[LogprobEntry] | None]
     num_accepted: list[int]
+    proposals: list[list[int]] | None = None
 
     @classmethod
     def of(cls, out: SamplerOutput) -> StepSamples:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from moe_engine.config import SchedulerConfig
 from moe_engine.kv_cache import KVCacheManager
+from moe_engine.kv_cache.manager import PrefixHit
 from moe_engine.request import FinishReason, Request, RequestStatus
 
 
@@ -75,11 +76,18 @@ class Scheduler:
     Args:
         config: the batch limits.
         kv_cache_manager: where blocks come from.
+        num_lookahead_tokens: KV slots each scheduled request also gets past its step's
+            tokens (MTP drafts write ahead, `SpeculativeConfig.num_lookahead_tokens`), never
+            past its prompt + max_tokens - 1; they are not computed, so never hashed.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+        num_lookahead_tokens: int = 0,
+    ) -> None:  # fmt: skip
         self.config = config
         self.kv = kv_cache_manager
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -128,9 +136,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n, drafts = self._running_tokens(req, budget)
-            if drafts and not self.kv.allocate_slots(req, n):
+            if drafts and not self._allocate(req, n):
                 n, drafts = n - len(drafts), []  # drafts go before anyone is preempted
-            while not self.kv.allocate_slots(req, n):
+            while not self._allocate(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
@@ -158,7 +166,7 @@ class Scheduler:
             req = self.waiting[0]  # waiting requests hold no blocks: num_computed_tokens is 0
             hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - hit.num_tokens, budget)
-            if not self.kv.allocate_slots(req, n, hit):
+            if not self._allocate(req, n, hit):
                 break
             req.num_computed_tokens = hit.num_tokens
             self.waiting.popleft()
@@ -166,6 +174,12 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
             budget -= n
+
+    def _allocate(self, req: Request, n: int, hit: PrefixHit | None = None) -> bool:
+        """`KVCacheManager.allocate_slots` for n tokens plus the lookahead that fits."""
+        done = req.num_computed_tokens + (hit.num_tokens if hit is not None else 0) + n
+        ahead = max(0, min(self.num_lookahead_tokens, self.max_context(req) - done))
+        return self.kv.allocate_slots(req, n, hit, num_lookahead_tokens=ahead)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)

@@ -198,7 +198,9 @@ class EngineCore:
             self.plan.num_blocks,
             enable_prefix_caching=config.cache.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv, config.speculative.num_lookahead_tokens
+        )
         self.sampler = Sampler(config.model.seed, config.scheduler.max_num_seqs)
         #: Compiles structured-output grammars (builds nothing until a request asks for one).
         self.structured_output = StructuredOutputManager(
@@ -219,6 +221,8 @@ class EngineCore:
             kv_groups=kv_groups,
             device=self.device,
             scratch_block=graphs_off is None,
+            num_speculative_tokens=config.speculative.num_speculative_tokens,
+            disable_drafts_at=config.speculative.disable_by_batch_size,
         )
         sched = config.scheduler
         self.runner.reserve_inputs(
@@ -239,8 +243,9 @@ class EngineCore:
         self.drafter = Drafter(spec) if spec.enabled else None
         if self.drafter is not None:
             logger.info(
-                "speculative decoding: %s, %d draft tokens per request and step (n-grams %d..%d)%s",
-                spec.method, spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max,
+                "speculative decoding: %s, %d draft tokens per request and step%s%s",
+                spec.method, spec.num_speculative_tokens,
+                f" (n-grams {spec.ngram_min}..{spec.ngram_max})" if spec.method == "ngram" else "",
                 f", off at {spec.disable_by_batch_size}+ running requests"
                 if spec.disable_by_batch_size else "",
             )  # fmt: skip
@@ -428,7 +433,11 @@ class EngineCore:
             if out is not None:
                 outputs.append(out)
         if self.drafter is not None:
-            self.drafter.propose(self.scheduler.running)
+            proposals = None
+            if sampled.proposals is not None:
+                proposals = {s.request.request_id: d
+                             for s, d in zip(rows, sampled.proposals, strict=True)}
+            self.drafter.propose(self.scheduler.running, proposals)
         return outputs
 
     def _buffered(self, req: Request, tokens: list[int], lps: list | None

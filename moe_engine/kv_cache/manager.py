@@ -232,7 +232,11 @@ class KVCacheManager:
         return blocks[:run]  # a shorter run from block 0 is a hit too: nothing precedes it
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        hit: PrefixHit | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> bool:
         """Make room for `num_new_tokens` more tokens after the request's computed ones.
 
@@ -244,6 +248,9 @@ class KVCacheManager:
             request: the request; `request.num_computed_tokens` tokens are in the cache.
             num_new_tokens: tokens this step feeds (after the hit, if any).
             hit: from `get_computed_blocks`, for a request that holds no blocks yet.
+            num_lookahead_tokens: slots past the new tokens that the step writes but does
+                not compute (MTP drafts' KV, vLLM's lookahead); their blocks are never
+                entered in the prefix-cache map for them.
 
         Returns:
             False (nothing taken) when the pool has too few free blocks.
@@ -260,7 +267,7 @@ class KVCacheManager:
         new_counts = []
         needed = 0
         for spec, table, cached in zip(self.specs, tables, hit_blocks, strict=True):
-            n = max(spec.blocks_needed(total) - len(table) - len(cached), 0)
+            n = max(spec.blocks_needed(total + num_lookahead_tokens) - len(table) - len(cached), 0)
             new_counts.append(n)
             needed += n + sum(1 for b in cached if self.pool.is_free(b))
         if needed > self.pool.num_free_blocks:

@@ -32,6 +32,7 @@ from moe_engine.models.layers.attention import AttentionMetadata
 from moe_engine.models.layers.decoder import Attention, Backbone, DecoderLayer, DenseMLP
 from moe_engine.models.layers.linear import Linear
 from moe_engine.models.layers.moe import FusedMoE
+from moe_engine.models.layers.mtp import MTPLayer
 from moe_engine.models.layers.native_decode import DecodeStep
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding, rope_theta_of
@@ -47,10 +48,13 @@ class ArchSpec(ModelShape):
     Attributes:
         rms_norm_eps: RMSNorm epsilon.
         rope_theta: rotary base.
+        num_mtp_layers: multi-token-prediction layers built beside the decoder (0 unless
+            speculative decoding asks for them: `--speculative-method mtp`).
     """
 
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    num_mtp_layers: int = 0
 
 
 class MoeCausalLM(nn.Module):
@@ -70,6 +74,9 @@ class MoeCausalLM(nn.Module):
     model_types: ClassVar[tuple[str, ...]] = ()
     #: How the checkpoint's names map onto the modules.
     weight_mapping: ClassVar[WeightMapping] = WeightMapping()
+    #: The config.json field counting the checkpoint's MTP layers (None: the architecture
+    #: has none this engine can build, `build_mtp_layer`).
+    mtp_layers_field: ClassVar[str | None] = None
 
     def __init__(self, spec: ArchSpec, dtype: torch.dtype, max_position: int | None = None) -> None:
         super().__init__()
@@ -81,6 +88,10 @@ class MoeCausalLM(nn.Module):
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        #: The MTP layers (`layers/mtp.py`), empty unless `spec.num_mtp_layers`.
+        self.mtp_layers = nn.ModuleList(
+            self.build_mtp_layer(spec, j, dtype, rotary) for j in range(spec.num_mtp_layers)
+        )
 
     # -- config.json -------------------------------------------------------------------------
 
@@ -163,8 +174,10 @@ class MoeCausalLM(nn.Module):
         """The layers by attention kind, (kind, sliding window or None, layer indices), from
         which the engine makes its KV-cache groups (`kv_cache.make_kv_cache_groups`) before the
         model is built; default `spec.attention_groups()` (config.json `layer_types`: one
-        full-attention group with every layer unless some layers are sliding)."""
-        return spec.attention_groups()
+        full-attention group with every layer unless some layers are sliding). MTP layers
+        (`num_mtp_layers`) join the first group as layers num_layers.. (their KV sits at the
+        same positions and block ids as the main model's)."""
+        return with_mtp_layers(spec.attention_groups(), spec)
 
     def kv_cache_groups(self) -> list[AttentionGroup]:
         """`kv_cache_groups_for(self.spec)`."""
@@ -208,6 +221,24 @@ class MoeCausalLM(nn.Module):
             self.build_norm(spec, spec.hidden_size, dtype),
             self.build_norm(spec, spec.hidden_size, dtype),
         )
+
+    def build_mtp_layer(
+        self, spec: ArchSpec, j: int, dtype: torch.dtype, rotary: nn.Module
+    ) -> nn.Module:
+        """MTP layer `j` (`layers/mtp.py`, decoder index num_layers + j): the architecture's
+        own block, its attention as the last decoder layer's (same kind), an MoE MLP when the
+        model has routed experts (DeepSeek-V3's and GLM-4.5's MTP layers are MoE layers)."""
+        index = spec.num_layers + j
+        mlp_spec = dataclasses.replace(spec, moe_layers=(index,)) if spec.moe_layers else spec
+        norm = self.build_norm
+        return MTPLayer(
+            self.build_attention(spec, spec.num_layers - 1, dtype, rotary),
+            self.build_mlp(mlp_spec, index, dtype),
+            norm(spec, spec.hidden_size, dtype), norm(spec, spec.hidden_size, dtype),
+            enorm=norm(spec, spec.hidden_size, dtype), hnorm=norm(spec, spec.hidden_size, dtype),
+            head_norm=norm(spec, spec.hidden_size, dtype), hidden_size=spec.hidden_size,
+            dtype=dtype,
+        )  # fmt: skip
 
     def moe_layers(self) -> list[tuple[int, FusedMoE]]:
         """(decoder layer index, its `FusedMoE` block) for every layer that has one, in layer
@@ -308,6 +339,16 @@ class MoeCausalLM(nn.Module):
             if moe.quantized is not None:
                 sizes["experts"] += moe.quantized.nbytes
         return sizes
+
+
+def with_mtp_layers(groups: list[AttentionGroup], spec: ArchSpec) -> list[AttentionGroup]:
+    """`groups` with the MTP layers' indices (num_layers..) added to the first one (full
+    attention or MLA, which every architecture with MTP layers uses throughout)."""
+    if not spec.num_mtp_layers:
+        return groups
+    kind, window, layers = groups[0]
+    mtp = tuple(range(spec.num_layers, spec.num_layers + spec.num_mtp_layers))
+    return [(kind, window, layers + mtp), *groups[1:]]
 
 
 def _weight_kind(name: str) -> str:

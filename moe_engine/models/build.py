@@ -129,6 +129,7 @@ def build_model(
     progress("planning memory", "", None)
     model_dir = config.model.model
     hf_config, architecture, model_cls, spec = read_architecture(model_dir)
+    spec = with_mtp(spec, model_cls, hf_config, config)
     max_model_len = config.model.max_model_len or spec.max_position_embeddings
     weight_dtype = config.model.torch_dtype()
     dtype = compute_dtype(weight_dtype) if device.type == "cpu" else weight_dtype
@@ -185,6 +186,60 @@ def build_model(
         model, spec, architecture, hf_config, plan, attention_groups, max_model_len,
         weight_dtype, dtype, kernels,
     )
+
+
+def with_mtp(
+    spec: ArchSpec, model_cls: type[MoeCausalLM], hf_config: Any, config: EngineConfig
+) -> ArchSpec:
+    """`spec` with the checkpoint's MTP layers (`num_mtp_layers`) when speculative decoding
+    asks for them (`--speculative-method mtp`); else as it is.
+
+    Raises:
+        StartupError: the architecture has no MTP layers this engine builds, config.json says
+            the checkpoint has none, or expert parallelism is on (not supported with MTP).
+    """
+    if config.speculative.method != "mtp":
+        return spec
+    field = model_cls.mtp_layers_field
+    count = int(getattr(hf_config, field, 0) or 0) if field else 0
+    if count < 1:
+        why = (f"config.json {field} is {count}" if field
+               else f"{spec.architecture} has no multi-token-prediction layers")
+        raise StartupError(
+            f"speculative_method 'mtp': {why} (MTP drafts need the checkpoint's MTP layers, as "
+            "DeepSeek-V3 and GLM-4.5 ship them); use speculative_method 'ngram'"
+        )  # fmt: skip
+    if not _has_layer(config.model.model, spec.num_layers):
+        raise StartupError(
+            f"speculative_method 'mtp': config.json {field} is {count}, but the checkpoint has "
+            f"no model.layers.{spec.num_layers}.* tensors (transformers drops the MTP layers "
+            "when it saves a model); use speculative_method 'ngram'"
+        )
+    if config.parallel.ep_size > 1:
+        raise StartupError(
+            f"speculative_method 'mtp' with ep_size {config.parallel.ep_size}: MTP drafts run "
+            "with expert parallelism off only (ep_size 1); n-gram drafts work at any ep_size"
+        )
+    logger.info(
+        "MTP drafts: %d MTP layer(s) from the checkpoint (%s), the first chained for up to %d "
+        "drafts; their KV cache joins the first KV-cache group", count, field,
+        config.speculative.num_speculative_tokens,
+    )  # fmt: skip
+    return replace(spec, num_mtp_layers=count)
+
+
+def _has_layer(model_dir: str, index: int) -> bool:
+    """Whether the checkpoint holds any tensor of decoder layer `index` (names only read)."""
+    from safetensors import safe_open
+
+    from moe_engine.loader import safetensors_files
+
+    prefix = f"model.layers.{index}."
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            if any(k.startswith(prefix) for k in f.keys()):  # noqa: SIM118
+                return True
+    return False
 
 
 def _check_plan(

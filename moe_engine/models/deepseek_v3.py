@@ -20,7 +20,9 @@ A Llama-style pre-norm decoder that differs in:
 - `n_shared_experts` ungated shared experts (one MLP of width moe_intermediate_size x
   n_shared_experts) beside the routed ones (`layers/shared_experts.py`);
 - `num_nextn_predict_layers` multi-token-prediction layers shipped as
-  `model.layers.{num_hidden_layers + j}.*`, skipped unread (`weight_mapping.beyond_num_layers`).
+  `model.layers.{num_hidden_layers + j}.*`: built and loaded for `--speculative-method mtp`
+  (`layers/mtp.py`, `MoeCausalLM.build_mtp_layer`), else skipped unread
+  (`weight_mapping.beyond_num_layers`).
 
 Checkpoint names are transformers' (and the hub's): `self_attn.{q_proj | q_a_proj,
 q_a_layernorm, q_b_proj}`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`;
@@ -132,6 +134,7 @@ class DeepseekV3ForCausalLM(MoeCausalLM):
     spec_class = DeepseekV3Spec
     model_types = ("deepseek_v3",)
     weight_mapping = WeightMapping(stacked_params=())
+    mtp_layers_field = "num_nextn_predict_layers"
 
     @classmethod
     def check_routing(cls, cfg: dict) -> None:

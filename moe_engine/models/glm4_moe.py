@@ -18,9 +18,9 @@ stacked into `qkv_proj`), `self_attn.{q,k}_norm`, `mlp.gate.weight`,
 `mlp.gate.e_score_correction_bias`, `mlp.experts.{e}.{gate,up,down}_proj.weight` (or
 transformers 5's fused `mlp.experts.gate_up_proj` / `down_proj`), `mlp.shared_experts.*`.
 Released checkpoints also hold the multi-token-prediction layer(s) as
-`model.layers.{num_hidden_layers + j}.*` (`num_nextn_predict_layers`); the shared loader skips
-them (`weight_mapping.beyond_num_layers`), as transformers does. KV cache: one full-attention
-group of every layer.
+`model.layers.{num_hidden_layers + j}.*` (`num_nextn_predict_layers`): built and loaded for
+`--speculative-method mtp` (`layers/mtp.py`), else skipped unread as transformers does. KV
+cache: one full-attention group of every layer.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ class Glm4MoeForCausalLM(MoeCausalLM):
 
     spec_class = Glm4MoeSpec
     model_types = ("glm4_moe",)
+    mtp_layers_field = "num_nextn_predict_layers"
 
     @classmethod
     def shape_fields(cls, cfg: dict) -> dict:

@@ -16,7 +16,9 @@ Every other name is a parameter (or persistent buffer) of the model by that name
 formats are copied by `layers/expert_weights.py`. Tensors of decoder layers at or beyond the
 model's `num_layers` are skipped, never read (`beyond_num_layers`): GLM-4.5 and DeepSeek-V3
 ship their multi-token-prediction layers as `model.layers.{num_hidden_layers + j}.*`
-(`num_nextn_predict_layers`), which transformers' causal LM ignores too.
+(`num_nextn_predict_layers`), which transformers' causal LM ignores too; a model built with
+MTP layers (`--speculative-method mtp`) reads them into `mtp_layers.{j}.*`
+(`mtp_model_name`).
 """
 
 from __future__ import annotations
@@ -108,6 +110,23 @@ def beyond_num_layers(name: str, num_layers: int) -> bool:
     return m is not None and int(m[1]) >= num_layers
 
 
+#: An MTP layer's copies of the main model's tensors (the same values), never read.
+MTP_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def mtp_model_name(name: str, num_layers: int, num_mtp_layers: int) -> str | None:
+    """The model name of an MTP layer's checkpoint tensor ("model.layers.{num_layers + j}.X"
+    -> "mtp_layers.{j}.X", `layers/mtp.py`); None for any other name beyond num_layers, and
+    for the layer's copies of the embedding and LM head (`MTP_SHARED_COPIES`)."""
+    m = _LAYER_INDEX.match(name)
+    if m is None or not 0 <= int(m[1]) - num_layers < num_mtp_layers:
+        return None
+    rest = name[m.end() :]
+    if rest in MTP_SHARED_COPIES:
+        return None
+    return f"mtp_layers.{int(m[1]) - num_layers}.{rest}"
+
+
 def expert_piece(block: str, expert: int, projection: str) -> str:
     """The name `load_weights` reports for one expert projection:
     "model.layers.3.mlp.experts.7.up"."""
@@ -126,6 +145,7 @@ class WeightLoader:
         self.model = model
         self.mapping: WeightMapping = model.weight_mapping
         self.num_layers = len(model.model.layers)
+        self.num_mtp_layers = len(getattr(model, "mtp_layers", ()))
         e = self.mapping.experts
         names = "|".join(re.escape(n) for n in {e.gate, e.up, e.down})
         self._expert = re.compile(rf"(.+)\.experts\.(\d+)\.({names})\.weight$")
@@ -172,6 +192,8 @@ class WeightLoader:
                 piece = module.replace(merged, part)
             elif m := re.fullmatch(r"(.+\.experts\.\d+)\.(gate|up|down)", piece):
                 piece = f"{m[1]}.{self.mapping.experts.name_of(m[2])}.weight"
+            if m := re.match(r"mtp_layers\.(\d+)\.", piece):
+                piece = f"model.layers.{self.num_layers + int(m[1])}.{piece[m.end():]}"
             names.append(self.mapping.checkpoint_name(piece))
         return names
 
@@ -180,7 +202,9 @@ class WeightLoader:
         of a block that is not a `FusedMoE`), and for a tensor of a layer beyond the model's
         `num_layers` (`beyond_num_layers`): the loader then never reads it."""
         if beyond_num_layers(name, self.num_layers):
-            return False
+            name = mtp_model_name(name, self.num_layers, self.num_mtp_layers)
+            if name is None:
+                return False
         if m := self._expert_id.match(self.mapping.model_name(name)):
             moe = self.moes.get(m[1])
             return moe is not None and bool(moe.local_slots(int(m[2])))
@@ -194,8 +218,11 @@ class WeightLoader:
         """
         loaded: set[str] = set()
         for name, tensor in weights:
-            if not beyond_num_layers(name, self.num_layers):
-                loaded |= self.load_one(self.mapping.model_name(name), tensor)
+            if beyond_num_layers(name, self.num_layers):
+                name = mtp_model_name(name, self.num_layers, self.num_mtp_layers)
+                if name is None:
+                    continue
+            loaded |= self.load_one(self.mapping.model_name(name), tensor)
         for module in self.model.modules():  # native kernels' packed copies are stale now
             if isinstance(module, Linear | FusedMoE):
                 module.reset_packed()

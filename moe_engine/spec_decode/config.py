@@ -8,7 +8,7 @@ import argparse
 from dataclasses import dataclass
 
 #: Draft methods the engine implements.
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "mtp")
 #: Most draft tokens one request may carry into a step.
 MAX_SPECULATIVE_TOKENS = 16
 #: Drafts per request and step when a method is given without a count.
@@ -24,8 +24,10 @@ class SpeculativeConfig:
     and greedy output is the same as without speculation.
 
     Attributes:
-        method: None (off) or "ngram" (prompt lookup: the continuation of the latest earlier
-            occurrence of the request's longest suffix n-gram, vLLM's `ngram`).
+        method: None (off), "ngram" (prompt lookup: the continuation of the latest earlier
+            occurrence of the request's longest suffix n-gram, vLLM's `ngram`) or "mtp" (the
+            checkpoint's multi-token-prediction layer, chained: DeepSeek-V3, GLM-4.5;
+            `spec_decode/mtp.py`).
         num_speculative_tokens: drafts per request and step (1..MAX_SPECULATIVE_TOKENS).
         ngram_min, ngram_max: the n-gram lengths tried, longest first (tokens, 1 <= min <= max).
         disable_by_batch_size: no drafts in a step where this many requests or more are
@@ -74,6 +76,12 @@ class SpeculativeConfig:
     def enabled(self) -> bool:
         return self.method is not None
 
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a request needs past its step's tokens: an MTP chain writes the MTP
+        layer's KV of K - 1 positions ahead (`spec_decode/mtp.py`); 0 for n-gram drafts."""
+        return self.num_speculative_tokens - 1 if self.method == "mtp" else 0
+
 
 def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     """`moe-serve`'s speculative decoding flags (vLLM's names, flattened)."""
@@ -81,7 +89,9 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--speculative-method", choices=SPECULATIVE_METHODS, default=None,
         help="propose draft tokens and verify them in one forward (greedy output unchanged): "
-        "ngram = prompt lookup in the request's own tokens (default: off)",
+        "ngram = prompt lookup in the request's own tokens; mtp = the checkpoint's "
+        "multi-token-prediction layer (DeepSeek-V3, GLM-4.5: num_nextn_predict_layers) "
+        "(default: off)",
     )  # fmt: skip
     g.add_argument(
         "--num-speculative-tokens", type=int, default=None, metavar="K",

@@ -50,13 +50,24 @@ class Drafter:
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        self.proposer = NgramProposer(
-            config.num_speculative_tokens, config.ngram_min, config.ngram_max
+        #: The n-gram proposer; None for MTP drafts, which the model runner proposes
+        #: (`spec_decode/mtp.py`) and `propose` receives.
+        self.proposer = (
+            NgramProposer(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
+            if config.method == "ngram" else None
         )
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
 
-    def propose(self, running: list[Request]) -> None:
-        """Set `spec_token_ids` of the running requests (cleared for those without)."""
+    def propose(
+        self, running: list[Request], proposals: dict[str, list[int]] | None = None
+    ) -> None:
+        """Set `spec_token_ids` of the running requests (cleared for those without).
+
+        Args:
+            running: the running requests after the step.
+            proposals: with MTP drafts, request id -> the drafts the step's MTP passes
+                proposed (trimmed here as n-gram drafts are).
+        """
         limit = self.config.disable_by_batch_size
         off = limit > 0 and len(running) >= limit
         eligible = [] if off else [r for r in running if _may_draft(r)]
@@ -65,7 +76,12 @@ class Drafter:
         if not eligible:
             return
         room = [r.sampling_params.max_tokens - r.num_output_tokens - 1 for r in eligible]
-        drafts = self.proposer.propose([r.all_token_ids for r in eligible], room)
+        if self.proposer is None:
+            got = proposals or {}
+            drafts = [got.get(r.request_id, [])[: max(n, 0)] for r, n in zip(eligible, room,
+                                                                             strict=True)]
+        else:
+            drafts = self.proposer.propose([r.all_token_ids for r in eligible], room)
         for req, d in zip(eligible, drafts, strict=True):
             req.spec_token_ids = d
 
