@@ -38,14 +38,14 @@ MAX_TOKENS = 16
 NUM_LAYERS = 3  # the tiny DeepSeek-V3's (tests/fixtures.py)
 
 
-def _mtp_tensors(seed: int = 7) -> dict[str, torch.Tensor]:
+def _mtp_tensors(kind: str = "deepseek_v3", seed: int = 7) -> dict[str, torch.Tensor]:
     """A random MTP layer under its checkpoint names (`model.layers.3.*`): the decoder block of
     a 4-layer model of the same config (layer 3 is an MoE layer), enorm / hnorm /
     shared_head.norm drawn around 1, eh_proj [H, 2H]."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    big = AutoModelForCausalLM.from_config(tiny_config("deepseek_v3", num_hidden_layers=4))
+    big = AutoModelForCausalLM.from_config(tiny_config(kind, num_hidden_layers=4))
     prefix = f"model.layers.{NUM_LAYERS}."
     out = {k: v.detach().clone() for k, v in big.state_dict().items() if k.startswith(prefix)}
     for name in out:
@@ -62,10 +62,14 @@ def _mtp_tensors(seed: int = 7) -> dict[str, torch.Tensor]:
 def mtp_ckpt(deepseek_v3_ckpt: Path, tmp_path_factory) -> Path:
     """The tiny DeepSeek-V3 plus an MTP layer and its copies of the embedding and LM head
     (as DeepSeek ships them), config.json num_nextn_predict_layers 1."""
-    path = tmp_path_factory.mktemp("mtp") / "deepseek_v3-mtp"
-    shutil.copytree(deepseek_v3_ckpt, path)
+    return _with_mtp_layer(deepseek_v3_ckpt, "deepseek_v3", tmp_path_factory.mktemp("mtp"))
+
+
+def _with_mtp_layer(ckpt: Path, kind: str, root: Path) -> Path:
+    path = root / f"{kind}-mtp"
+    shutil.copytree(ckpt, path)
     weights = load_file(path / "model.safetensors")
-    extra = _mtp_tensors()
+    extra = _mtp_tensors(kind)
     prefix = f"model.layers.{NUM_LAYERS}."
     extra[f"{prefix}embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
     extra[f"{prefix}shared_head.head.weight"] = weights["lm_head.weight"].clone()
@@ -211,6 +215,16 @@ def test_greedy_equals_transformers(mtp_ckpt, want, k):
     engine = _engine(mtp_ckpt, k, budget=12)  # prompts up to 33 tokens: chunked prefill
     assert _run(engine, _prompts()) == want
     assert engine.drafter.stats.num_draft_tokens > 0
+
+
+def test_glm4_moe_greedy_equals_transformers(glm4_moe_ckpt, tmp_path):
+    """GLM-4.5's MTP layer (same layout, GQA attention with q/k norm and partial rotary)."""
+    ckpt = _with_mtp_layer(glm4_moe_ckpt, "glm4_moe", tmp_path)
+    engine = _engine(ckpt, 2)
+    free = engine.kv.num_free_blocks
+    assert _run(engine, _prompts()) == hf_greedy(glm4_moe_ckpt, _prompts(), MAX_TOKENS)
+    assert engine.drafter.stats.num_draft_tokens > 0
+    assert engine.kv.num_free_blocks == free
 
 
 def test_prefix_caching_and_preemption(mtp_ckpt, want):
