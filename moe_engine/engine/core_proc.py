@@ -251,9 +251,10 @@ def _build_and_run(
         core = resolve_core_factory(core_factory)(config, progress=monitor.report)
         info = model_info_of(core)
     except BaseException as exc:  # noqa: BLE001 - every startup failure goes to the parent
-        outputs.send(encode(StartupFailed(type(exc).__name__, str(exc), _tb())))
-        # the front end has the reason and ends this process: no second, misleading line
+        # the front end gets the reason and ends this process: no second, misleading line
+        # (the handler goes first: the SIGTERM may come before send() returns)
         signal.signal(signal.SIGTERM, _exit_reported)
+        outputs.send(encode(StartupFailed(type(exc).__name__, str(exc), _tb())))
         return 1
     # Serving: the front end drains, then tells the core to stop; a front end that is gone or
     # silent is noticed by the monitor.
