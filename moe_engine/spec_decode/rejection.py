@@ -115,8 +115,12 @@ def _verify_random(
     exponential-race sample per request from its residual or its bonus row."""
     probs = _target_probs(logits, which, offsets, requests, drafts)
     device = logits.device
+    # request j's rows of `probs` start at starts[j] (its drafts' rows, then its bonus row)
+    starts = [0]
+    for i in which:
+        starts.append(starts[-1] + len(drafts[i]) + 1)
     draft_rows = torch.tensor(
-        [r for j, i in enumerate(which) for r in _rows_of(j, which, drafts)[:-1]],
+        [starts[j] + c for j, i in enumerate(which) for c in range(len(drafts[i]))],
         dtype=torch.int64, device=device,
     )  # fmt: skip
     draft_ids = torch.tensor(
@@ -126,13 +130,12 @@ def _verify_random(
     last_rows, removed, pos = [], [], 0
     for j, i in enumerate(which):
         gen = sampler._generator_for(requests[i])
-        rows = _rows_of(j, which, drafts)
         m = 0
         while m < len(drafts[i]) and torch.rand(1, generator=gen).item() < p_draft[pos + m]:
             m += 1
         pos += len(drafts[i])
         rejected = m < len(drafts[i])
-        last_rows.append(rows[m])
+        last_rows.append(starts[j] + m)
         removed.append(drafts[i][m] if rejected else -1)
         out.token_ids[i] = list(drafts[i][:m])
         out.rows[i] = [offsets[i] + c for c in range(m + 1)]
@@ -140,12 +143,6 @@ def _verify_random(
     final = _sample_final(sampler, probs, last_rows, removed, [requests[i] for i in which])
     for i, t in zip(which, final, strict=True):
         out.token_ids[i].append(t)
-
-
-def _rows_of(j: int, which: list[int], drafts: Sequence[Sequence[int]]) -> list[int]:
-    """Rows of `_target_probs`' output that belong to the j-th random request."""
-    start = sum(len(drafts[i]) + 1 for i in which[:j])
-    return list(range(start, start + len(drafts[which[j]]) + 1))
 
 
 def _target_probs(
