@@ -86,11 +86,17 @@ class DequantWorkspace:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
 
     def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A flat ``[numel]`` view of buffer ``name`` (contents undefined)."""
+        """A flat ``[numel]`` view of buffer ``name`` (contents undefined).
+
+        Buffers are allocated as normal (not inference) tensors even under
+        ``torch.inference_mode``: the shared workspace outlives the call that grew it, and a later
+        caller outside inference mode must still be able to write into it.
+        """
         key = (name, dtype, device)
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=dtype, device=device)
+            with torch.inference_mode(False):
+                buf = torch.empty(numel, dtype=dtype, device=device)
             self._buffers[key] = buf
         return buf[:numel]
 

@@ -64,6 +64,20 @@ def test_table_layout_and_errors():
         )  # fmt: skip
 
 
+def test_workspace_grown_under_inference_mode_is_writable_outside_it():
+    """The shared workspace outlives the call that grew it: a server's step loop grows it under
+    ``torch.inference_mode`` and a later plain caller (a test, an eval loop) writes into it."""
+    g = _gen()
+    moe = _moe(g, 5)
+    q13, q2 = quantize_mxfp4(moe["w13"]), quantize_mxfp4(moe["w2"])
+    args = (moe["hidden"], *q13, *q2, moe["topk_weights"], moe["topk_ids"])
+    workspace = DequantWorkspace()
+    with torch.inference_mode():
+        inside = fused_moe_mxfp4_cpu(*args, workspace=workspace)
+    outside = fused_moe_mxfp4_cpu(*args, workspace=workspace)
+    torch.testing.assert_close(outside, inside, rtol=0, atol=0)
+
+
 def _moe(g: torch.Generator, tokens: int, dtype: torch.dtype = torch.float32) -> dict:
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)]).to(torch.int32)
     return {

@@ -3,7 +3,8 @@
 One server for the module: 16 batch slots, a waiting queue of WAITING_LIMIT
 (--max-waiting-requests), 512 KV blocks of 16 tokens.
 
-- Load: 500 concurrent streaming requests (16 greedy tokens each) all complete or are refused
+- Load: 500 concurrent streaming requests (16 greedy tokens each), sent once 32 long streams
+  fill every batch slot and the queue, all complete or are refused
   with RESOURCE_EXHAUSTED naming the limit; none is lost or duplicated; the counters in
   GetServerStats and Prometheus agree; afterwards every KV block is free and, after a warm-up
   round, another round grows neither the front end's resident memory (this process, which also
@@ -37,6 +38,9 @@ MAX_NUM_SEQS = 16
 WAITING_LIMIT = 16
 NUM_LOAD = 500
 LOAD_TOKENS = 16
+#: Long streams that fill every batch slot and the queue before each burst.
+NUM_BLOCKERS = MAX_NUM_SEQS + WAITING_LIMIT
+BLOCKER_TOKENS = 200
 #: Resident memory growth allowed over one load round after a warm-up round (MiB, per process).
 RSS_BOUND_MIB = 48
 NUM_CHAOS = 200
@@ -81,40 +85,66 @@ def rss_mib(pid: int | str = "self") -> float:
         raise RuntimeError(f"no VmRSS in /proc/{pid}/status") from None
 
 
-async def _load_round(address: str, tag: str) -> list[tuple[str, object, str, list]]:
-    """NUM_LOAD concurrent streams; (request_id, status code or None, details, responses)."""
+async def _stream(stub, req: pb.GenerateRequest) -> tuple[str, object, str, list]:
+    """One stream to its end: (request_id, status code or None, details, responses)."""
+    responses: list = []
+    try:
+        async for r in stub.Generate(req, timeout=120):
+            responses.append(r)
+    except grpc.aio.AioRpcError as err:
+        return req.request_id, err.code(), err.details() or "", responses
+    return req.request_id, None, "", responses
+
+
+async def _fill_batch_and_queue(stub, tag: str) -> list[asyncio.Task]:
+    """Start NUM_BLOCKERS long streams and wait until they fill every batch slot and the whole
+    waiting queue, so that the burst after them is refused in part whatever the machine's speed
+    (a fast engine could otherwise drain a slowly arriving burst)."""
+    tasks = [
+        asyncio.create_task(_stream(stub, request(
+            [3 + i], max_tokens=BLOCKER_TOKENS, temperature=0.0, ignore_eos=True,
+            request_id=f"{tag}-blocker-{i}",
+        )))
+        for i in range(NUM_BLOCKERS)
+    ]  # fmt: skip
+    deadline = time.monotonic() + 30
+    while True:
+        s = await stub.GetServerStats(pb.GetServerStatsRequest())
+        if (s.num_running, s.num_waiting) == (MAX_NUM_SEQS, WAITING_LIMIT):
+            return tasks
+        assert time.monotonic() < deadline, s
+        await asyncio.sleep(0.002)
+
+
+async def _load_round(address: str, tag: str) -> tuple[list, list]:
+    """NUM_LOAD concurrent streams behind a full batch and queue; (blockers, burst) results as
+    (request_id, status code or None, details, responses)."""
     rng = random.Random(tag)
     async with grpc.aio.insecure_channel(address) as channel:
         aio_stub = pb_grpc.MoeEngineStub(channel)
-
-        async def one(i: int) -> tuple[str, object, str, list]:
-            rid = f"{tag}-{i}"
-            prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 12))]
-            req = request(
-                prompt, max_tokens=LOAD_TOKENS, temperature=0.0, ignore_eos=True, request_id=rid
+        blockers = await _fill_batch_and_queue(aio_stub, tag)
+        burst = [
+            request(
+                [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 12))],
+                max_tokens=LOAD_TOKENS, temperature=0.0, ignore_eos=True, request_id=f"{tag}-{i}",
             )
-            responses: list = []
-            try:
-                async for r in aio_stub.Generate(req, timeout=120):
-                    responses.append(r)
-            except grpc.aio.AioRpcError as err:
-                return rid, err.code(), err.details() or "", responses
-            return rid, None, "", responses
-
-        return await asyncio.gather(*(one(i) for i in range(NUM_LOAD)))
+            for i in range(NUM_LOAD)
+        ]  # fmt: skip
+        results = await asyncio.gather(*(_stream(aio_stub, r) for r in burst))
+        return list(await asyncio.gather(*blockers)), list(results)
 
 
-def _check_round(results: list) -> tuple[int, int]:
+def _check_round(results: list, tokens: int = LOAD_TOKENS) -> tuple[int, int]:
     """Every request completed once or was refused; returns (completed, rejected)."""
-    assert len({rid for rid, *_ in results}) == NUM_LOAD
+    assert len({rid for rid, *_ in results}) == len(results)
     completed = rejected = 0
     for rid, code, details, responses in results:
         if code is None:
             assert responses and all(r.request_id == rid for r in responses)
             assert [r.finished for r in responses] == [False] * (len(responses) - 1) + [True]
             assert responses[-1].finish_reason == "length"
-            assert sum(len(r.token_ids) for r in responses) == LOAD_TOKENS
-            assert responses[-1].usage.completion_tokens == LOAD_TOKENS
+            assert sum(len(r.token_ids) for r in responses) == tokens
+            assert responses[-1].usage.completion_tokens == tokens
             completed += 1
         else:
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (rid, code, details)
@@ -142,10 +172,11 @@ def test_load_500_streams_complete_or_are_rejected(
     rss: list[tuple[float, float]] = []
     t0 = time.monotonic()
     for round_index in range(2):  # a warm-up round, then the measured one
-        results = asyncio.run(_load_round(server.address, f"load{round_index}"))
+        blockers, results = asyncio.run(_load_round(server.address, f"load{round_index}"))
+        assert _check_round(blockers, BLOCKER_TOKENS) == (NUM_BLOCKERS, 0)
         completed, rejected = _check_round(results)
-        assert completed > 0 and rejected > 0, (completed, rejected)
-        totals[0] += completed
+        assert rejected > 0, (completed, rejected)  # the burst met a full queue
+        totals[0] += completed + NUM_BLOCKERS
         totals[1] += rejected
         wait_idle(stub, NUM_BLOCKS)
         rss.append((rss_mib(), rss_mib(core_pid)))
