@@ -222,6 +222,8 @@ class ModelRunner:
         else:
             if len(ids) == len(ordered):  # decodes only: one token per request
                 step = self._decode_host_inputs(ids, start_list, tables)
+            elif all(s.num_tokens == 1 + len(s.draft_token_ids) for s in ordered):
+                step = self._verify_host_inputs(ids, ordered, tables)
             else:
                 step = self._host_inputs(ids, q_lens, starts, tables)
             input_ids, positions, meta, logits_indices = self._on_device(step, logits_indices)
@@ -328,6 +330,28 @@ class ModelRunner:
             ))
         return _HostStep(torch.tensor(ids, dtype=torch.int64), positions, metas, block_tables,
                          positions + 1)
+
+    def _verify_host_inputs(
+        self, ids: list[int], ordered: list[ScheduledRequest], tables: list[list[list[int]]]
+    ) -> _HostStep:
+        """`_host_inputs` of a step of decodes and draft verifications only (each request feeds
+        its one real token and its drafts): every token becomes its own decode row over its
+        request's block table, with keys up to its own position. All rows' keys and values
+        are written before any row attends (the module path and the native decode layer both
+        write the step's slot mapping first), so row j of a request sees the real token and
+        drafts 1..j: the causal attention of a (1 + k)-token query, computed by the decode
+        kernels a decode step uses (and, in bfloat16, the native decode layer), which keeps a
+        verified token's logits those of the same token decoded one step at a time.
+
+        Attention layers only: a layer with per-request recurrent state (linear attention)
+        would need the request's tokens as one row.
+        """
+        starts = [s.start + j for s in ordered for j in range(s.num_tokens)]
+        token_tables = [
+            [table for table, s in zip(group, ordered, strict=True) for _ in range(s.num_tokens)]
+            for group in tables
+        ]
+        return self._decode_host_inputs(ids, starts, token_tables)
 
     def _on_device(
         self, step: _HostStep, logits_indices: torch.Tensor

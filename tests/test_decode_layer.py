@@ -63,6 +63,38 @@ def test_native_decode_layer_is_bit_identical_to_the_module_path(request, arch, 
 
 
 @needs_amx
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_draft_verification_runs_on_the_native_layer_bit_identically(qwen3_ckpt, quantization,
+                                                                     monkeypatch):
+    """With n-gram drafts a step verifies 1 + k tokens per request; each token runs as its own
+    decode row of the native layer (`ModelRunner._verify_host_inputs`), so the tokens and
+    log-probabilities equal those of decoding one token per step, bit for bit."""
+    prompts = [[3, 17, 5, 9] * 4, [8, 8, 1, 8, 8, 1, 8], [60, 12, 33, 7, 60, 12, 33]]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    results, run = [], DecodeLayerKernel.run
+    for method in (None, "ngram"):
+        rows: list[int] = []
+
+        def counted(self, *args, _run=run, rows=rows):
+            rows.append(args[0].shape[0])
+            return _run(self, *args)
+
+        monkeypatch.setattr(DecodeLayerKernel, "run", counted)
+        llm = LLM(model=str(qwen3_ckpt), dtype="bfloat16", max_model_len=128,
+                  quantization=quantization, quant_group_size=32, speculative_method=method,
+                  num_speculative_tokens=3 if method else None)
+        outs = [llm.generate([p], sp, use_tqdm=False)[0] for p in prompts]  # batch 1
+        results.append(([o.outputs[0].token_ids for o in outs],
+                         [o.outputs[0].logprobs for o in outs], rows))
+    (want_ids, want_lp, plain_rows), (got_ids, got_lp, spec_rows) = results
+    assert set(plain_rows) == {1}
+    assert max(spec_rows) > 1  # verification steps took the native layer
+    assert len(spec_rows) < len(plain_rows)  # and saved steps
+    assert got_ids == want_ids
+    assert got_lp == want_lp
+
+
+@needs_amx
 def test_only_moe_layers_of_the_bfloat16_model_take_it(qwen3_ckpt, caplog):
     caplog.set_level(logging.INFO, logger="moe_engine.models.kernel_binding")
     llm = LLM(model=str(qwen3_ckpt), dtype="bfloat16", max_model_len=64)

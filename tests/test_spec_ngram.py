@@ -18,6 +18,10 @@ def test_examples() -> None:
     # max_drafts caps, and 0 gives none
     assert p.propose([[5, 6, 7, 5, 6]], [1]) == [[7]]
     assert p.propose([[5, 6, 7, 5, 6]], [0]) == [[]]
+    # fewer tokens follow the match than K: the loop it found repeats (period 3, then 1)
+    assert NgramProposer(4, 1, 2).propose([[1, 2, 3, 1, 2]], [9]) == [[3, 1, 2, 3]]
+    assert NgramProposer(3, 1, 3).propose([[4, 9, 9, 9]], [9]) == [[9, 9, 9]]
+    assert propose_ngram_reference([1, 2, 3, 1, 2], 4, 1, 2) == [3, 1, 2, 3]
     # too short to hold a match
     assert p.propose([[4], []], [3, 3]) == [[], []]
 

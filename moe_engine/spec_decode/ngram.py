@@ -24,8 +24,11 @@ class NgramProposer:
 
     For n from `max_n` down to `min_n`: if the request's last n tokens occur earlier in its
     last `max_lookback` tokens, the drafts are the tokens that followed the latest such
-    occurrence (at most `num_speculative_tokens`, at most what follows it). No match at any n:
-    no drafts.
+    occurrence (at most `num_speculative_tokens`). When fewer tokens follow it than that, the
+    sequence is read as repeating with the period the match found (the d tokens from the
+    match to the end), so a loop shorter than K still fills K drafts: after ``1 2 3 1 2`` the
+    suffix ``1 2`` matched d = 3 tokens back proposes ``3 1 2 3`` (vLLM stops at ``3``). No
+    match at any n: no drafts.
 
     Args:
         num_speculative_tokens: the most drafts per request (>= 1).
@@ -78,11 +81,10 @@ class NgramProposer:
             return out
         tokens = _right_aligned([token_ids[i] for i in active], self.max_lookback)
         follow = self._match(tokens)
-        width = tokens.shape[1]
         for row, i in enumerate(active):
             start = follow[row]
             if start >= 0:
-                out[i] = tokens[row, start : min(width, start + limits[i])].tolist()
+                out[i] = _continuation(tokens[row, start:].tolist(), limits[i])
         return out
 
     def _match(self, tokens: np.ndarray) -> np.ndarray:
@@ -106,6 +108,13 @@ class NgramProposer:
             latest = windows.shape[1] - 1 - hits[:, ::-1].argmax(axis=1)
             follow = np.where(found, latest + n, follow)
         return follow
+
+
+def _continuation(follow: list[int], k: int) -> list[int]:
+    """The first k tokens of `follow` repeated: what follows a match d = len(follow) >= 1
+    tokens before the end, continued with period d."""
+    d = len(follow)
+    return [follow[j % d] for j in range(k)]
 
 
 def _right_aligned(token_ids: Sequence[Sequence[int]], max_lookback: int) -> np.ndarray:
@@ -135,5 +144,6 @@ def propose_ngram_reference(
         suffix = tokens[size - n :]
         for start in range(size - n - 1, -1, -1):
             if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + k]
+                follow = tokens[start + n :]
+                return [follow[j % len(follow)] for j in range(k)]
     return []
