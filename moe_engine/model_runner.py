@@ -40,6 +40,7 @@ from moe_engine.kv_cache import (
     MLAAttentionSpec,
     make_kv_cache_groups,
 )
+from moe_engine.kv_cache.state import MambaSpec
 from moe_engine.models import MoeCausalLM
 from moe_engine.models.layers.attention import (
     AttentionMetadata,
@@ -47,6 +48,7 @@ from moe_engine.models.layers.attention import (
     build_attention_batch,
     build_decode_batch,
 )
+from moe_engine.models.layers.gated_delta_net import LinearAttentionMetadata
 from moe_engine.sampler import Sampler, StepSamples
 from moe_engine.scheduler import ScheduledRequest, SchedulerOutput
 from moe_engine.spec_decode.mtp import MTPDrafter
@@ -95,6 +97,7 @@ class ModelRunner:
         scratch_block: bool = False,
         num_speculative_tokens: int = 0,
         disable_drafts_at: int = 0,
+        num_state_slots: int = 0,
     ) -> None:
         self.model = model
         #: Where the KV cache and the step's tensors live (the model's device).
@@ -146,6 +149,15 @@ class ModelRunner:
                         f"cache group {g} has window {group.spec.sliding_window}"
                     )
                 attn.kv_group = g
+        linear = spec.linear_attention_layers()
+        #: The linear-attention layers' per-request state (`kv_cache.state`), None without.
+        self.state_spec = (
+            MambaSpec(linear, *spec.linear_state_shapes(), kv_dtype) if linear else None
+        )
+        if self.state_spec is not None:
+            states = self.state_spec.allocate(num_state_slots, self.device)
+            for index, state in zip(linear, states, strict=True):
+                caches[index] = state
         missing = [i for i, c in enumerate(caches) if c is None]
         if missing:
             raise ValueError(f"layers {missing} are in no KV cache group")
@@ -227,6 +239,11 @@ class ModelRunner:
             else:
                 step = self._host_inputs(ids, q_lens, starts, tables)
             input_ids, positions, meta, logits_indices = self._on_device(step, logits_indices)
+            if self.state_spec is not None:
+                meta.linear = LinearAttentionMetadata.of(
+                    [kv.state_slot(s.request.request_id) for s in ordered],
+                    [s.num_tokens for s in ordered], start_list,
+                )
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
         rows = [ordered[i] for i in sampling]
         samples = StepSamples([], [], [])
@@ -267,6 +284,9 @@ class ModelRunner:
         logits_indices = torch.arange(min(max_num_seqs, num_tokens), dtype=torch.int64)
         with _quiet_moe_layers(self.model):
             input_ids, positions, meta, logits_indices = self._on_device(step, logits_indices)
+            if self.state_spec is not None:  # every chunk on the null slot, zeroed below
+                zeros = [0] * len(chunks)
+                meta.linear = LinearAttentionMetadata.of(zeros, chunks, zeros)
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
             self.model.compute_logits(hidden[logits_indices]).log_softmax(dim=-1)
         for cache in self.kv_caches:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from moe_engine.kv_cache.spec import (
     FULL_ATTENTION,
+    LINEAR_ATTENTION,
     MLA_ATTENTION,
     SLIDING_ATTENTION,
     AttentionGroup,
@@ -61,6 +62,12 @@ class ModelShape:
         router_correction_bias: each MoE router has an `e_score_correction_bias` [E].
         router_float32: the router weight (and correction bias) are float32 whatever the model
             dtype (transformers' `_keep_in_fp32_modules_strict`: GLM-4.5, DeepSeek-V3).
+        attn_output_gate: q_proj also yields a per-head gate, the attention output times
+            sigmoid(gate) (Qwen3-Next's gated attention: q_proj [H -> 2 x heads x D]).
+        linear_num_key_heads, linear_num_value_heads, linear_key_head_dim,
+        linear_value_head_dim, linear_conv_kernel_dim: the Gated DeltaNet layers (layer_types
+            "linear_attention"; Qwen3-Next): q/k heads Hk of Dk dims, value heads Hv of Dv,
+            the causal conv1d's width W; 0 without such layers.
     """
 
     architecture: str
@@ -95,6 +102,12 @@ class ModelShape:
     shared_expert_gate: bool = False
     router_correction_bias: bool = False
     router_float32: bool = False
+    attn_output_gate: bool = False
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelShape:
@@ -140,14 +153,17 @@ class ModelShape:
         """Every parameter that is not a routed expert (attention, router, shared experts,
         dense MLPs, norms, embeddings, lm_head)."""
         h = self.hidden_size
-        per_layer = self.attention_params() + 2 * h  # + input and post-attention RMSNorm
+        linear = len(self.linear_attention_layers())
+        mixers = (self.num_layers - linear) * self.attention_params()
+        mixers += linear * self.linear_attention_params()
         shared = 3 * h * self.shared_expert_intermediate_size
         if self.shared_expert_gate:
             shared += h
         dense_mlp = 3 * h * self.intermediate_size
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return (
-            self.num_layers * per_layer
+            mixers
+            + self.num_layers * 2 * h  # input and post-attention RMSNorm
             + len(self.moe_layers) * (self.router_params() + shared)
             + self.num_dense_layers * dense_mlp
             + embeddings
@@ -181,7 +197,7 @@ class ModelShape:
             bias = (ql or 0) + r + rope + h if self.attention_bias else 0
             return q + kv + n * self.v_head_dim * h + bias
         q, kv = n * self.head_dim, self.num_kv_heads * self.head_dim
-        attention = 2 * h * q + 2 * h * kv
+        attention = 2 * h * q + 2 * h * kv + (h * q if self.attn_output_gate else 0)
         if self.attention_bias:
             attention += q + 2 * kv
         if self.attention_bias if self.o_proj_bias is None else self.o_proj_bias:
@@ -192,12 +208,39 @@ class ModelShape:
             attention += n
         return attention
 
+    def linear_attention_layers(self) -> tuple[int, ...]:
+        """Indices of the Gated DeltaNet layers (`layer_types` "linear_attention")."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION)
+
+    def linear_conv_channels(self) -> int:
+        """C = 2 Hk Dk + Hv Dv: the channels of a linear layer's causal conv1d (q, k, v)."""
+        k = self.linear_num_key_heads * self.linear_key_head_dim
+        return 2 * k + self.linear_num_value_heads * self.linear_value_head_dim
+
+    def linear_attention_params(self) -> int:
+        """Parameters of one Gated DeltaNet layer (transformers `Qwen3NextGatedDeltaNet`):
+        in_proj_qkvz [H -> 2 Hk Dk + 2 Hv Dv], in_proj_ba [H -> 2 Hv], conv1d [C, W],
+        dt_bias and A_log [Hv], the gated norm [Dv], out_proj [Hv Dv -> H]."""
+        h, hv, dv = self.hidden_size, self.linear_num_value_heads, self.linear_value_head_dim
+        c = self.linear_conv_channels()
+        qkvz = h * (c + hv * dv)
+        return qkvz + h * 2 * hv + c * self.linear_conv_kernel_dim + 2 * hv + dv + hv * dv * h
+
+    def linear_state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """One linear layer's per-request state: the conv state [C, W - 1] (the last W - 1
+        inputs) and the recurrent state [Hv, Dk, Dv]."""
+        conv = (self.linear_conv_channels(), self.linear_conv_kernel_dim - 1)
+        hv, dk = self.linear_num_value_heads, self.linear_key_head_dim
+        return conv, (hv, dk, self.linear_value_head_dim)
+
     def kv_elements_per_token(self) -> int:
-        """Values one token leaves in the cache over all layers: 2 x L x kv_heads x d (K and
-        V), or L x (kv_lora_rank + qk_rope_head_dim) for MLA (the latent only)."""
+        """Values one token leaves in the cache over all attention layers: 2 x L x kv_heads x d
+        (K and V), or L x (kv_lora_rank + qk_rope_head_dim) for MLA (the latent only); linear
+        layers keep a fixed state instead (`linear_state_shapes`)."""
         if self.kv_lora_rank:
             return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim)
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+        layers = self.num_layers - len(self.linear_attention_layers())
+        return 2 * layers * self.num_kv_heads * self.head_dim
 
     def attention_groups(self) -> list[AttentionGroup]:
         """The layers by attention kind, full attention first: (kind, sliding window or None,

@@ -62,6 +62,11 @@ class Plan:
         device_lines: extra lines for `describe` about the device's memory (the
             `memory.KVCacheSizing` terms on CUDA; on a CPU the note that
             --gpu-memory-utilization is ignored there).
+        state_bytes_per_request: a request's linear-attention state over all linear layers
+            (conv state in `dtype`, recurrent state in float32; `kv_cache.state.MambaSpec`);
+            0 without linear layers.
+        num_state_slots: state slots, one per running request (max_num_seqs); their memory
+            comes out of the same budget as the KV blocks.
     """
 
     shape: ModelShape
@@ -80,6 +85,14 @@ class Plan:
     kv_specs: tuple[KVCacheSpec, ...] = ()
     max_num_batched_tokens: int | None = None
     device_lines: tuple[str, ...] = ()
+    state_bytes_per_request: int = 0
+    num_state_slots: int = 0
+
+    @property
+    def state_memory(self) -> int:
+        """Bytes the linear-attention state slots take (null slot included)."""
+        slots = self.num_state_slots + 1 if self.num_state_slots else 0
+        return self.state_bytes_per_request * slots
 
     @property
     def weight_bytes(self) -> int:
@@ -132,8 +145,28 @@ class Plan:
             f"KV blocks: {self.num_blocks} ({format_bytes(self.kv_cache_memory)}, "
             f"{self.kv_cache_source}) = {self.max_concurrent_tokens} concurrent tokens "
             f"({fits:.1f} requests of max_model_len {self.max_model_len})",
+            *self._state_lines(),
             *self.device_lines,
         ])
+
+    def _state_lines(self) -> list[str]:
+        """The describe() lines of the linear-attention state ([] without linear layers)."""
+        if not self.state_bytes_per_request:
+            return []
+        per_token = max(self.kv_bytes_per_token, 1)
+        return [
+            f"linear-attention state: {format_bytes(self.state_bytes_per_request)} per request "
+            f"over {len(self.shape.linear_attention_layers())} layers (conv {self.dtype_name}, "
+            f"recurrent float32; the KV of "
+            f"{self.state_bytes_per_request / per_token:.0f} tokens), "
+            f"{self.num_state_slots} slots (max_num_seqs) = {format_bytes(self.state_memory)} "
+            f"beside the KV blocks; concurrent requests: {self.num_state_slots} by their state, "
+            f"{self.max_concurrent_tokens // self.max_model_len} of max_model_len by the KV"
+        ]
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
 
     def _mla_note(self) -> str:
         """The describe() note for MLA latents, e.g. ' (MLA latent 576 x 61 layers)'; ''
@@ -274,16 +307,20 @@ def make_plan(
         qk_rope_head_dim=shape.qk_rope_head_dim,
     )
     kv_specs = tuple(g.spec for g in kv_groups)
+    state_slots, state_bytes, state_memory = _state_budget(shape, dtype, max_num_seqs)
     per_token = sum(s.bytes_per_token for s in kv_specs)
     per_block = kv_specs[0].bytes_per_block  # every group has the same number of layers
     one_request = sum(s.max_blocks_held(max_model_len, max_num_batched_tokens) for s in kv_specs)
     if num_blocks_override is not None:
         num_blocks, source = num_blocks_override, "num_blocks_override"
     elif kv_cache_memory is not None:
-        num_blocks, source = kv_cache_memory // per_block, "--kv-cache-memory"
+        num_blocks = max(kv_cache_memory - state_memory, 0) // per_block
+        source = "--kv-cache-memory"
     else:
-        budget = default_kv_cache_memory(experts + other, per_block * one_request, available_memory)
-        num_blocks, source = budget // per_block, "derived from free memory"
+        budget = default_kv_cache_memory(
+            experts + other, per_block * one_request + state_memory, available_memory
+        )
+        num_blocks, source = max(budget - state_memory, 0) // per_block, "derived from free memory"
         if max_num_seqs is not None:
             most = max_num_seqs * one_request
             if most < num_blocks:
@@ -294,7 +331,27 @@ def make_plan(
         kv_bytes_per_token=per_token, kv_bytes_per_block=per_block, num_blocks=num_blocks,
         max_concurrent_tokens=num_blocks * block_size, kv_cache_memory=num_blocks * per_block,
         kv_cache_source=source, kv_specs=kv_specs, max_num_batched_tokens=max_num_batched_tokens,
+        state_bytes_per_request=state_bytes, num_state_slots=state_slots,
     )
+
+
+def _state_budget(shape: ModelShape, dtype: torch.dtype, max_num_seqs: int | None
+                  ) -> tuple[int, int, int]:
+    """(state slots, bytes per request, bytes of all slots with the null one) of the
+    linear-attention layers; zeros without them. One slot per running request.
+
+    Raises:
+        StartupError: linear layers without max_num_seqs to size the slots by.
+    """
+    layers = shape.linear_attention_layers()
+    if not layers:
+        return 0, 0, 0
+    if not max_num_seqs:
+        raise StartupError("a model with linear-attention layers needs max_num_seqs to size "
+                           "its state slots")
+    (c, w), (hv, dk, dv) = shape.linear_state_shapes()
+    per_request = len(layers) * (c * w * dtype.itemsize + hv * dk * dv * 4)
+    return max_num_seqs, per_request, per_request * (max_num_seqs + 1)
 
 
 def default_kv_cache_memory(

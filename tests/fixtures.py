@@ -165,6 +165,26 @@ _KINDS: dict[str, dict[str, Any]] = {
         "mlp_only_layers": [1],
         "qkv_bias": True,
     },
+    # Qwen3-Next: 4 layers, Gated DeltaNet except layer 1 (gated full attention), layer 2 a
+    # dense MLP; 2 q/k and 4 value heads of 16 dims in the linear layers, conv width 4;
+    # partial rope on 4 of 16 dims (the default factor 0.25); a gated shared expert.
+    "qwen3_next": {
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention",
+                        "linear_attention"],
+        "intermediate_size": 96,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "num_experts": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [2],
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+    },
 }
 
 
@@ -177,6 +197,8 @@ _DRAWN_BIASES: dict[str, tuple[str, ...]] = {
     "deepseek_v3": ("e_score_correction_bias",),
     "glm4_moe": ("e_score_correction_bias", "bias"),
     "qwen2_moe": ("bias",),
+    # zero-centred norms start at 0 (y = x / rms): draw them so that (1 + w) is tested
+    "qwen3_next": ("layernorm.weight", "q_norm.weight", "k_norm.weight", "model.norm.weight"),
 }
 
 

@@ -41,6 +41,7 @@ from moe_engine.engine.rank_context import RankContext
 from moe_engine.errors import ErrorCode, RequestError, StartupError
 from moe_engine.instrumentation import ExpertLoadRecorder, balancedness, imbalance_ratio
 from moe_engine.kv_cache import KVCacheManager
+from moe_engine.kv_cache.state import StateSlotPool
 from moe_engine.memory import cuda_device_memory
 from moe_engine.model_runner import ModelRunner
 from moe_engine.models.build import build_model, sizes_kv_on_device
@@ -197,6 +198,8 @@ class EngineCore:
             [g.spec for g in kv_groups],
             self.plan.num_blocks,
             enable_prefix_caching=config.cache.enable_prefix_caching,
+            state_slots=StateSlotPool(self.plan.num_state_slots) if self.plan.num_state_slots
+            else None,
         )
         self.scheduler = Scheduler(
             config.scheduler, self.kv, config.speculative.num_lookahead_tokens
@@ -223,6 +226,7 @@ class EngineCore:
             scratch_block=graphs_off is None,
             num_speculative_tokens=config.speculative.num_speculative_tokens,
             disable_drafts_at=config.speculative.disable_by_batch_size,
+            num_state_slots=self.plan.num_state_slots,
         )
         sched = config.scheduler
         self.runner.reserve_inputs(

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from moe_engine.kv_cache.block_pool import BlockPool
 from moe_engine.kv_cache.spec import MLA_ATTENTION, NULL_BLOCK_ID, KVCacheSpec
+from moe_engine.kv_cache.state import StateSlotPool
 from moe_engine.request import Request
 
 #: Parent hash of a request's first block.
@@ -85,13 +86,20 @@ class KVCacheManager:
         specs: one spec per KV-cache group (same block_size).
         num_blocks: usable blocks in the pool (block 0, the null block, comes on top).
         enable_prefix_caching: reuse cached full blocks of earlier requests.
+        state_slots: with linear-attention layers, the pool of their per-request state slots
+            (`kv_cache.state`): a request takes one with its first blocks and returns it with
+            them, and no request ever reuses another's blocks (their state is not in them).
 
     Raises:
         ValueError: no groups, or groups with different block sizes.
     """
 
     def __init__(
-        self, specs: list[KVCacheSpec], num_blocks: int, enable_prefix_caching: bool = False
+        self,
+        specs: list[KVCacheSpec],
+        num_blocks: int,
+        enable_prefix_caching: bool = False,
+        state_slots: StateSlotPool | None = None,
     ) -> None:
         if not specs:
             raise ValueError("at least one KV cache group is needed")
@@ -101,7 +109,13 @@ class KVCacheManager:
         self.specs = specs
         self.block_size = specs[0].block_size
         self.pool = BlockPool(num_blocks)
+        if enable_prefix_caching and state_slots is not None:
+            raise ValueError(
+                "enable_prefix_caching: a model with linear-attention layers cannot reuse "
+                "cached blocks (the layers' state is not in them)"
+            )
         self.enable_prefix_caching = enable_prefix_caching
+        self.state_slots = state_slots
         self._sliding = [g for g, s in enumerate(specs) if s.sliding_window is not None]
         # request_id -> per-group list of block ids
         self.block_tables: dict[str, list[list[int]]] = {}
@@ -146,7 +160,10 @@ class KVCacheManager:
 
     def shares_blocks(self, request: Request) -> bool:
         """True when the request's full blocks are hashed, cached and looked up: with prefix
-        caching on, or for a completion of a parallel-sampling request (`cache_salt`)."""
+        caching on, or for a completion of a parallel-sampling request (`cache_salt`); never
+        with linear-attention state slots."""
+        if self.state_slots is not None:
+            return False
         return self.enable_prefix_caching or request.cache_salt is not None
 
     def block_hashes(self, request: Request) -> list[bytes]:
@@ -272,6 +289,8 @@ class KVCacheManager:
             needed += n + sum(1 for b in cached if self.pool.is_free(b))
         if needed > self.pool.num_free_blocks:
             return False
+        if self.state_slots is not None and self.state_slots.allocate(rid) is None:
+            return False
         for table, cached in zip(tables, hit_blocks, strict=True):  # before any eviction
             self.pool.touch(cached)
             table.extend(cached)
@@ -329,11 +348,24 @@ class KVCacheManager:
         in the prefix-cache map until reallocated."""
         self._hashes.pop(request_id, None)
         self._num_cached.pop(request_id, None)
+        if self.state_slots is not None:
+            self.state_slots.free(request_id)
         tables = self.block_tables.pop(request_id, None)
         if tables is None:
             return
         for table in tables:
             self.pool.free(table)
+
+    def state_slot(self, request_id: str) -> int:
+        """The request's linear-attention state slot (`kv_cache.state`).
+
+        Raises:
+            KeyError: no state slots, or the request holds none.
+        """
+        slot = None if self.state_slots is None else self.state_slots.slot_of(request_id)
+        if slot is None:
+            raise KeyError(f"request {request_id!r} holds no state slot")
+        return slot
 
     def block_table(self, request_id: str, group: int = 0) -> list[int]:
         """The request's block ids in one group, in token order (null blocks included)."""

@@ -37,6 +37,8 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 #: Multi-head latent attention (DeepSeek-V2 sec. 2.1): the cache holds the compressed latent.
 MLA_ATTENTION = "mla"
+#: Linear attention (Gated DeltaNet): no paged KV, a fixed state per request (`kv_cache.state`).
+LINEAR_ATTENTION = "linear_attention"
 
 
 @dataclass(frozen=True)

@@ -130,6 +130,7 @@ def build_model(
     model_dir = config.model.model
     hf_config, architecture, model_cls, spec = read_architecture(model_dir)
     spec = with_mtp(spec, model_cls, hf_config, config)
+    check_linear_attention(spec, config)
     max_model_len = config.model.max_model_len or spec.max_position_embeddings
     weight_dtype = config.model.torch_dtype()
     dtype = compute_dtype(weight_dtype) if device.type == "cpu" else weight_dtype
@@ -226,6 +227,32 @@ def with_mtp(
         config.speculative.num_speculative_tokens,
     )  # fmt: skip
     return replace(spec, num_mtp_layers=count)
+
+
+def check_linear_attention(spec: ArchSpec, config: EngineConfig) -> None:
+    """Refuse what a model with linear-attention layers cannot do: their per-request state
+    covers exactly the tokens the request computed, so neither cached blocks (prefix caching)
+    nor rejected drafts (speculative decoding, which would need the state before the drafts
+    back) can be handled without state snapshots, which this engine does not keep.
+
+    Raises:
+        StartupError: naming the flag, the layers and the reason.
+    """
+    linear = spec.linear_attention_layers()
+    if not linear:
+        return
+    which = f"{len(linear)} of its {spec.num_layers} layers are linear attention (Gated DeltaNet)"
+    if config.cache.enable_prefix_caching:
+        raise StartupError(
+            f"--enable-prefix-caching: {spec.architecture}: {which}, whose per-request state "
+            f"is not in the KV blocks a prefix hit would reuse; serve it without prefix caching"
+        )
+    if config.speculative.enabled:
+        raise StartupError(
+            f"--speculative-method {config.speculative.method}: {spec.architecture}: {which}, "
+            f"whose state cannot be rolled back past rejected drafts; serve it without "
+            f"speculative decoding"
+        )
 
 
 def _has_layer(model_dir: str, index: int) -> bool:

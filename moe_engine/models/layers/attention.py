@@ -135,11 +135,14 @@ class AttentionMetadata:
         groups: with several KV-cache groups, one metadata per group (its own slot_mapping
             and batches, from its own block tables); the fields above are group 0's. None: one
             group, this metadata itself.
+        linear: the requests' state slots for linear-attention layers
+            (`gated_delta_net.LinearAttentionMetadata`); None in a model without them.
     """
 
     slot_mapping: torch.Tensor
     batches: list[AttentionBatch]
     groups: list[AttentionMetadata] | None = None
+    linear: object | None = None
 
     def for_group(self, group: int) -> AttentionMetadata:
         """The metadata of KV-cache group `group` (a layer's `PagedAttention.kv_group`)."""

@@ -56,3 +56,46 @@ class RMSNorm(nn.Module):
         if self.weight_in_float32:
             return (self.weight.float() * h).to(dtype)
         return self.weight * h.to(dtype)
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """y = (1 + weight) * x / sqrt(mean(x^2) + eps), computed in float32 and rounded once to
+    x's dtype (Qwen3-Next, transformers `Qwen3NextRMSNorm`: the stored weight is centred on
+    zero, initialised to zeros).
+
+    Args:
+        dim: size of the last dimension; eps: added to the mean square; dtype: weight dtype.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., dim] -> same shape and dtype."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """y = (weight * rmsnorm(x)) * silu(gate): the norm before a Gated DeltaNet layer's
+    output projection (transformers `Qwen3NextRMSNormGated`: the normalised x is rounded to
+    its dtype, times the weight, times silu(gate) in float32, rounded once more).
+
+    Args:
+        dim: size of the last dimension; eps: added to the mean square; dtype: weight dtype.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x, gate: [..., dim] -> [..., dim] in x's dtype."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(x.dtype)
+        return (h * torch.nn.functional.silu(gate.float())).to(x.dtype)

@@ -1,0 +1,115 @@
+"""Per-request state of linear-attention layers, beside the paged KV cache.
+
+A Gated DeltaNet layer (Qwen3-Next) keeps no per-token keys and values: each request carries a
+fixed state per layer, the causal conv1d's last W - 1 inputs and the delta rule's recurrent
+matrix (Yang et al. 2024, "Gated Delta Networks", arXiv:2412.06464). As vLLM's `MambaSpec`
+and SGLang's `MambaPool`, the engine holds these states in slots: slot 0 is the null slot
+(padding, never a request's), slots 1..num_slots are handed to running requests by the
+`KVCacheManager`, one slot for all of a request's linear layers, taken with its first blocks
+and returned with them (finish, abort, preemption: the state is dropped and recomputed with
+the prompt).
+
+The state is exact only for the tokens the request computed itself, so a model with these
+layers never reuses another request's KV blocks (no prefix-cache hits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_engine.kv_cache.spec import LINEAR_ATTENTION
+
+#: The padding rows' slot: all zeros, never handed out.
+NULL_STATE_SLOT = 0
+
+
+@dataclass(frozen=True)
+class MambaSpec:
+    """The state one request holds in each linear-attention layer.
+
+    Attributes:
+        layers: the decoder-layer indices of the linear layers.
+        conv_shape: (C, W - 1), the conv state (the last W - 1 conv inputs, oldest first).
+        ssm_shape: (Hv, Dk, Dv), the recurrent state (per value head a Dk x Dv matrix).
+        conv_dtype: the conv state's dtype (the model's).
+        ssm_dtype: the recurrent state's dtype, float32 by default as SGLang keeps it (a
+            bfloat16 state rounds every decode step's update).
+    """
+
+    layers: tuple[int, ...]
+    conv_shape: tuple[int, int]
+    ssm_shape: tuple[int, int, int]
+    conv_dtype: torch.dtype
+    ssm_dtype: torch.dtype = torch.float32
+
+    @property
+    def kind(self) -> str:
+        """`LINEAR_ATTENTION`."""
+        return LINEAR_ATTENTION
+
+    @property
+    def bytes_per_layer(self) -> int:
+        """One request's state in one layer (bytes)."""
+        conv = self.conv_shape[0] * self.conv_shape[1] * self.conv_dtype.itemsize
+        hv, dk, dv = self.ssm_shape
+        return conv + hv * dk * dv * self.ssm_dtype.itemsize
+
+    @property
+    def bytes_per_request(self) -> int:
+        """One request's state over all linear layers (bytes)."""
+        return self.bytes_per_layer * len(self.layers)
+
+    def allocate(
+        self, num_slots: int, device: torch.device | str = "cpu"
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per linear layer, its zeroed (conv [num_slots + 1, C, W - 1], recurrent
+        [num_slots + 1, Hv, Dk, Dv]) tensors; row 0 is the null slot."""
+        return [
+            (
+                torch.zeros(num_slots + 1, *self.conv_shape, dtype=self.conv_dtype, device=device),
+                torch.zeros(num_slots + 1, *self.ssm_shape, dtype=self.ssm_dtype, device=device),
+            )
+            for _ in self.layers
+        ]
+
+
+class StateSlotPool:
+    """Hands out state slots 1..num_slots, one per request id.
+
+    Args:
+        num_slots: slots for requests (the null slot comes on top).
+
+    Raises:
+        ValueError: num_slots below 1.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots: {num_slots} is below 1")
+        self.num_slots = num_slots
+        self._free = list(range(num_slots, 0, -1))  # pop() hands out 1 first
+        self._slots: dict[str, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        """Slots no request holds."""
+        return len(self._free)
+
+    def slot_of(self, request_id: str) -> int | None:
+        """The request's slot, or None when it holds none."""
+        return self._slots.get(request_id)
+
+    def allocate(self, request_id: str) -> int | None:
+        """The request's slot, taking a free one if it holds none; None when none is free."""
+        slot = self._slots.get(request_id)
+        if slot is None and self._free:
+            slot = self._slots[request_id] = self._free.pop()
+        return slot
+
+    def free(self, request_id: str) -> None:
+        """Return the request's slot (no-op when it holds none)."""
+        slot = self._slots.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
