@@ -137,3 +137,10 @@ def qwen2_moe_ckpt(tiny_ckpt_root: Path) -> Path:
     """Qwen2-MoE, float32: 3 layers (layer 1 dense), q/k/v biases, 8 experts softmax top-2 not
     renormalised, a sigmoid-gated shared expert of width 48."""
     return make_tiny_checkpoint("qwen2_moe", tiny_ckpt_root)
+
+
+@pytest.fixture(scope="session")
+def qwen3_next_ckpt(tiny_ckpt_root: Path) -> Path:
+    """Qwen3-Next, float32: 4 layers, Gated DeltaNet except layer 1 (gated full attention),
+    layer 2 a dense MLP, 8 experts top-2 renormalised and a gated shared expert."""
+    return make_tiny_checkpoint("qwen3_next", tiny_ckpt_root)

@@ -525,6 +525,8 @@ class EngineCore:
             tokens_received=comm.tokens_received if comm else 0,
             phase_seconds=self.timer.snapshot(),
             **self._spec_stats(),
+            state_slots_total=self.kv.state_slots.num_slots if self.kv.state_slots else 0,
+            state_slots_free=self.kv.state_slots.num_free if self.kv.state_slots else 0,
             rank=self.rank_context.rank if self.rank_context else 0,
         )
 

@@ -144,6 +144,8 @@ class CoreStats(msgspec.Struct, kw_only=True):
         spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens: request-steps that
             verified drafts, drafts verified, drafts accepted (`SpecDecodeStats`);
             spec_decode_num_accepted_tokens_per_pos: per draft position, drafts accepted.
+        state_slots_total, state_slots_free: linear-attention state slots (`kv_cache.state`;
+            0 without linear layers).
         rank: the rank these are from.
     """
 
@@ -173,6 +175,8 @@ class CoreStats(msgspec.Struct, kw_only=True):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = []
+    state_slots_total: int = 0
+    state_slots_free: int = 0
     rank: int = 0
 
     @property

@@ -192,6 +192,8 @@ def server_stats_to_proto(stats: EngineStats) -> pb.ServerStats:
         spec_decode_num_accepted_tokens=t.spec_decode_num_accepted_tokens,
         spec_decode_num_accepted_tokens_per_pos=t.spec_decode_num_accepted_tokens_per_pos,
         spec_decode_mean_acceptance_length=t.spec_decode_mean_acceptance_length,
+        state_slots_total=t.state_slots_total,
+        state_slots_free=t.state_slots_free,
     )
 
 
