@@ -55,7 +55,7 @@ import torch
 
 from kernels.registry import TRITON, KernelPlan
 from moe_engine.instrumentation import ExpertLoadRecorder
-from moe_engine.kv_cache.spec import MLA_ATTENTION
+from moe_engine.kv_cache.spec import LINEAR_ATTENTION, MLA_ATTENTION
 from moe_engine.models.layers.attention import AttentionBatch, AttentionMetadata
 from moe_engine.step_inputs import StepInputBuffers
 
@@ -160,7 +160,7 @@ def graphs_off_reason(
 
     Returns:
         e.g. "--enforce-eager", "cpu", "ep_size 2: TorchAllToAll reads split sizes on the
-        host", "attention_decode=torch" (each op whose backend is not graph-safe), or None.
+        host", "linear-attention layers (...)", "attention_decode=torch" (each op whose backend is not graph-safe), or None.
     """
     device_type = torch.device(device).type
     if enforce_eager:
@@ -169,6 +169,8 @@ def graphs_off_reason(
         return device_type
     if ep_size > 1:
         return f"ep_size {ep_size}: TorchAllToAll reads split sizes on the host"
+    if LINEAR_ATTENTION in kv_kinds:
+        return "linear-attention layers (their state slots are gathered per step on the host)"
     ops = ["mla_decode" if kind == MLA_ATTENTION else "attention_decode" for kind in kv_kinds]
     ops.append(EXPERT_OPS.get(quant_method, "fused_moe"))
     unsafe = [f"{op}={kernels.backend(op)}" for op in dict.fromkeys(ops)

@@ -314,13 +314,17 @@ def make_plan(
     if num_blocks_override is not None:
         num_blocks, source = num_blocks_override, "num_blocks_override"
     elif kv_cache_memory is not None:
-        num_blocks = max(kv_cache_memory - state_memory, 0) // per_block
+        _check_state_fits(kv_cache_memory, "--kv-cache-memory", state_bytes, state_slots,
+                          per_block * one_request)
+        num_blocks = (kv_cache_memory - state_memory) // per_block
         source = "--kv-cache-memory"
     else:
         budget = default_kv_cache_memory(
             experts + other, per_block * one_request + state_memory, available_memory
         )
-        num_blocks, source = max(budget - state_memory, 0) // per_block, "derived from free memory"
+        _check_state_fits(budget, "derived from free memory", state_bytes, state_slots,
+                          per_block * one_request)
+        num_blocks, source = (budget - state_memory) // per_block, "derived from free memory"
         if max_num_seqs is not None:
             most = max_num_seqs * one_request
             if most < num_blocks:
@@ -332,6 +336,25 @@ def make_plan(
         max_concurrent_tokens=num_blocks * block_size, kv_cache_memory=num_blocks * per_block,
         kv_cache_source=source, kv_specs=kv_specs, max_num_batched_tokens=max_num_batched_tokens,
         state_bytes_per_request=state_bytes, num_state_slots=state_slots,
+    )
+
+
+def _check_state_fits(budget: int, source: str, per_request: int, slots: int,
+                      one_request_kv: int) -> None:
+    """Refuse a budget that the state slots fill before one max_model_len request's KV fits.
+
+    Raises:
+        StartupError: naming the state bytes, max_num_seqs, the budget and what fits.
+    """
+    if not per_request or per_request * (slots + 1) + one_request_kv <= budget:
+        return
+    fits = (budget - one_request_kv) // per_request - 1
+    advice = f"lower --max-num-seqs to {fits} or less, or " if fits >= 1 else ""
+    raise StartupError(
+        f"the linear-attention state of max_num_seqs {slots} requests ({slots} + 1 null slots "
+        f"x {format_bytes(per_request)} = {format_bytes(per_request * (slots + 1))}) and one "
+        f"max_model_len request's KV ({format_bytes(one_request_kv)}) exceed the KV-cache "
+        f"budget {format_bytes(budget)} ({source}); {advice}raise --kv-cache-memory"
     )
 
 

@@ -147,6 +147,14 @@ def test_plan_takes_the_state_out_of_the_kv_budget(qwen3_next_ckpt):
     assert plan.num_blocks == (budget - plan.state_memory) // plan.kv_bytes_per_block
     text = plan.describe()
     assert "linear-attention state:" in text and "8 slots (max_num_seqs)" in text
+    # a budget the slots fill before one max_model_len request's KV fits: refused, with the
+    # max_num_seqs that fits ((budget - 16 blocks of 4 KiB) // per_request - 1 null slot)
+    small = 40 * per_request
+    with pytest.raises(StartupError) as err:
+        make_plan(shape, torch.float32, block_size=16, max_model_len=256,
+                  kv_cache_memory=small, max_num_seqs=64)
+    fits = (small - 16 * plan.kv_bytes_per_block) // per_request - 1
+    assert f"lower --max-num-seqs to {fits} or less" in str(err.value)
 
 
 def test_state_slot_pool_and_the_manager():

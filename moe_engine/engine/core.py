@@ -212,7 +212,9 @@ class EngineCore:
         capture = graph_capture or CudaGraphCapture()
         graphs_off = graphs_off_reason(
             self.device, enforce_eager=config.device.enforce_eager, kernels=self.kernels,
-            kv_kinds=[g.spec.kind for g in kv_groups], quant_method=config.quant.method,
+            kv_kinds=[g.spec.kind for g in kv_groups]
+            + (["linear_attention"] if self.plan.num_state_slots else []),
+            quant_method=config.quant.method,
             ep_size=ep_size, capture_devices=capture.device_types,
         )  # fmt: skip
         self.runner = ModelRunner(
