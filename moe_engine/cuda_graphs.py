@@ -160,7 +160,8 @@ def graphs_off_reason(
 
     Returns:
         e.g. "--enforce-eager", "cpu", "ep_size 2: TorchAllToAll reads split sizes on the
-        host", "linear-attention layers (...)", "attention_decode=torch" (each op whose backend is not graph-safe), or None.
+        host", "linear-attention layers (...)", "attention_decode=torch" (each op whose
+        backend is not graph-safe), or None.
     """
     device_type = torch.device(device).type
     if enforce_eager:
