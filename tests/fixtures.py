@@ -185,6 +185,21 @@ _KINDS: dict[str, dict[str, Any]] = {
         "linear_value_head_dim": 16,
         "linear_conv_kernel_dim": 4,
     },
+    # Qwen3.5-MoE's text model: Qwen3-Next's layers (full attention at layer 1 here), every
+    # layer MoE, the linear layers' four split input projections.
+    "qwen3_5_moe_text": {
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention",
+                        "linear_attention"],
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "num_experts": 8,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+    },
 }
 
 
@@ -199,6 +214,8 @@ _DRAWN_BIASES: dict[str, tuple[str, ...]] = {
     "qwen2_moe": ("bias",),
     # zero-centred norms start at 0 (y = x / rms): draw them so that (1 + w) is tested
     "qwen3_next": ("layernorm.weight", "q_norm.weight", "k_norm.weight", "model.norm.weight"),
+    "qwen3_5_moe_text": ("layernorm.weight", "q_norm.weight", "k_norm.weight",
+                         "model.norm.weight"),
 }
 
 

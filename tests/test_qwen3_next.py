@@ -1,7 +1,7 @@
 """Qwen3-Next (`Qwen3NextForCausalLM`: Gated DeltaNet linear attention + gated full attention)
-against transformers 5.24 on a tiny float32 random checkpoint (tests/fixtures.py kind
-"qwen3_next"), offline through `LLM`; the gRPC, ep 2 and chaos side is
-tests/test_qwen3_next_server.py.
+and Qwen3.5-MoE's text model (`Qwen3_5MoeForCausalLM`) against transformers 5.24 on tiny
+float32 random checkpoints (tests/fixtures.py kinds "qwen3_next", "qwen3_5_moe_text"),
+offline through `LLM`; the gRPC, ep 2 and chaos side is tests/test_qwen3_next_server.py.
 
 - greedy ids equal `transformers.generate` for prompts of 1..300 tokens with a 32-token budget
   (prefills chunked, each chunk continuing the state the last one left) and a small block pool
@@ -20,7 +20,7 @@ import json
 
 import pytest
 import torch
-from fixtures import hf_greedy, hf_last_logits
+from fixtures import hf_greedy, hf_last_logits, make_tiny_checkpoint
 
 from moe_engine import LLM, SamplingParams
 from moe_engine.errors import StartupError
@@ -188,6 +188,19 @@ def test_refused_at_startup_naming_the_flag(qwen3_next_ckpt, flags, named):
     with pytest.raises(StartupError) as err:
         LLM(model=str(qwen3_next_ckpt), max_model_len=64, **flags)
     assert named in str(err.value) and "3 of its 4 layers are linear attention" in str(err.value)
+
+
+def test_qwen3_5_moe_text_matches_transformers(tiny_ckpt_root):
+    """Qwen3.5-MoE's text model (`Qwen3_5MoeForCausalLM`): the split linear projections, every
+    layer MoE; greedy ids equal transformers with chunked prefill."""
+    ckpt = make_tiny_checkpoint("qwen3_5_moe_text", tiny_ckpt_root)
+    prompts = _prompts([1, 33, 200], seed=6)
+    expected = hf_greedy(ckpt, prompts, 8)
+    llm = LLM(model=str(ckpt), max_num_batched_tokens=32, max_model_len=256)
+    assert llm.engine.architecture == "Qwen3_5MoeForCausalLM"
+    assert llm.engine.spec.moe_layers == (0, 1, 2, 3)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected
 
 
 def test_pieces_match_transformers(qwen3_next_ckpt):

@@ -21,6 +21,7 @@ ARCHITECTURES: dict[str, str] = {
     "DeepseekV3ForCausalLM": "moe_engine.models.deepseek_v3",
     "DeepseekV2ForCausalLM": "moe_engine.models.deepseek_v2",
     "Qwen3NextForCausalLM": "moe_engine.models.qwen3_next",
+    "Qwen3_5MoeForCausalLM": "moe_engine.models.qwen3_next",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.

@@ -117,6 +117,8 @@ class Qwen3NextForCausalLM(Qwen2MoeForCausalLM):
 
     model_types = ("qwen3_next",)
     spec_class = Qwen3NextSpec
+    #: The linear layers' four plain input projections (Qwen3.5-MoE) instead of two.
+    split_linear_projections = False
 
     @classmethod
     def shape_fields(cls, cfg: dict) -> dict:
@@ -188,6 +190,32 @@ class Qwen3NextForCausalLM(Qwen2MoeForCausalLM):
                 spec.hidden_size, spec.linear_num_key_heads, spec.linear_num_value_heads,
                 spec.linear_key_head_dim, spec.linear_value_head_dim,
                 spec.linear_conv_kernel_dim, spec.rms_norm_eps, dtype,
+                split_projections=self.split_linear_projections,
             )  # fmt: skip
             return LinearAttentionDecoderLayer(mixer, mlp, *norms)
         return DecoderLayer(GatedAttention(spec, dtype, rotary), mlp, *norms)
+
+
+class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
+    """The text model of Qwen3.5-MoE (transformers `Qwen3_5MoeForCausalLM`, config
+    `model_type` "qwen3_5_moe_text"): Qwen3-Next's layers, except that every layer is MoE, the
+    top-k weights are always renormalised, and the linear layers' q|k|v, z, b and a come from
+    four plain projections. Its interleaved multimodal rope (`mrope_section`) gives text
+    tokens, whose three position streams are equal, the plain partial rope.
+    """
+
+    model_types = ("qwen3_5_moe_text",)
+    split_linear_projections = True
+
+    @classmethod
+    def shape_fields(cls, cfg: dict) -> dict:
+        """Qwen3-Next's fields with every layer MoE and `norm_topk_prob` true (the router
+        renormalises unconditionally).
+
+        Raises:
+            ValueError: a required field missing (named), a malformed layer_types.
+        """
+        fields = super().shape_fields(
+            {**cfg, "mlp_only_layers": [], "decoder_sparse_step": 1}
+        )
+        return {**fields, "norm_topk_prob": True}

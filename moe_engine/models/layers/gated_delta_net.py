@@ -71,13 +71,17 @@ class GatedDeltaNet(nn.Module):
         hidden_size: H; num_k_heads, num_v_heads: Hk, Hv (Hv a multiple of Hk);
         head_k_dim, head_v_dim: Dk, Dv; conv_kernel: W; eps: the gated norm's epsilon;
         dtype: parameter dtype.
+        split_projections: four plain projections `in_proj_qkv`, `in_proj_z`, `in_proj_b`,
+            `in_proj_a` (Qwen3.5-MoE) instead of Qwen3-Next's two per-key-head interleaved
+            `in_proj_qkvz` and `in_proj_ba`.
 
-    Checkpoint names: `in_proj_qkvz`, `in_proj_ba`, `conv1d.weight` [C, 1, W], `dt_bias`,
-    `A_log`, `norm.weight`, `out_proj`.
+    Checkpoint names: `in_proj_qkvz`, `in_proj_ba` (or the four split ones), `conv1d.weight`
+    [C, 1, W], `dt_bias`, `A_log`, `norm.weight`, `out_proj`.
     """
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
-                 head_v_dim: int, conv_kernel: int, eps: float, dtype: torch.dtype) -> None:
+                 head_v_dim: int, conv_kernel: int, eps: float, dtype: torch.dtype,
+                 split_projections: bool = False) -> None:
         super().__init__()
         if num_v_heads % num_k_heads:
             raise ValueError(f"linear_num_value_heads {num_v_heads} is not a multiple of "
@@ -85,8 +89,16 @@ class GatedDeltaNet(nn.Module):
         self.hk, self.hv, self.dk, self.dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         channels = 2 * self.key_dim + self.value_dim
-        self.in_proj_qkvz = Linear(hidden_size, channels + self.value_dim, bias=False, dtype=dtype)
-        self.in_proj_ba = Linear(hidden_size, 2 * num_v_heads, bias=False, dtype=dtype)
+        self.split_projections = split_projections
+        if split_projections:
+            self.in_proj_qkv = Linear(hidden_size, channels, bias=False, dtype=dtype)
+            self.in_proj_z = Linear(hidden_size, self.value_dim, bias=False, dtype=dtype)
+            self.in_proj_b = Linear(hidden_size, num_v_heads, bias=False, dtype=dtype)
+            self.in_proj_a = Linear(hidden_size, num_v_heads, bias=False, dtype=dtype)
+        else:
+            self.in_proj_qkvz = Linear(hidden_size, channels + self.value_dim, bias=False,
+                                       dtype=dtype)
+            self.in_proj_ba = Linear(hidden_size, 2 * num_v_heads, bias=False, dtype=dtype)
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.zeros(channels, 1, conv_kernel, dtype=dtype))
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads, dtype=dtype))
@@ -98,8 +110,11 @@ class GatedDeltaNet(nn.Module):
         """h [T, H] -> (mixed q|k|v [T, C], z [T, Hv, Dv], b [T, Hv], a [T, Hv]), undoing the
         per-key-head layout of the checkpoint's projections (transformers
         `fix_query_key_value_ordering`: per q/k head, its q, k, then its Hv / Hk value heads'
-        v and z; b and a likewise)."""
+        v and z; b and a likewise); the split projections are already in that order."""
         t, r = h.shape[0], self.hv // self.hk
+        if self.split_projections:
+            z = self.in_proj_z(h).view(t, self.hv, self.dv)
+            return self.in_proj_qkv(h), z, self.in_proj_b(h), self.in_proj_a(h)
         qkvz = self.in_proj_qkvz(h).view(t, self.hk, 2 * self.dk + 2 * r * self.dv)
         q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
         b, a = self.in_proj_ba(h).view(t, self.hk, 2 * r).split([r, r], dim=-1)
