@@ -213,7 +213,8 @@ class ModelRunner:
             (the scheduled requests that sampled a token, in row order; per request the
             tokens it emits: one, or with drafts the accepted ones and one more).
         """
-        ordered = sorted(out.scheduled, key=lambda s: s.num_tokens > 1)  # stable: decodes first
+        # stable: decodes first, then draft verifications, then prefill chunks
+        ordered = sorted(out.scheduled, key=_row_kind)
         ids: list[int] = []
         for s in ordered:
             fed = s.num_tokens - len(s.draft_token_ids)
@@ -234,7 +235,7 @@ class ModelRunner:
         else:
             if len(ids) == len(ordered):  # decodes only: one token per request
                 step = self._decode_host_inputs(ids, start_list, tables)
-            elif all(s.num_tokens == 1 + len(s.draft_token_ids) for s in ordered):
+            elif any(s.draft_token_ids for s in ordered):
                 step = self._verify_host_inputs(ids, ordered, tables)
             else:
                 step = self._host_inputs(ids, q_lens, starts, tables)
@@ -354,24 +355,31 @@ class ModelRunner:
     def _verify_host_inputs(
         self, ids: list[int], ordered: list[ScheduledRequest], tables: list[list[list[int]]]
     ) -> _HostStep:
-        """`_host_inputs` of a step of decodes and draft verifications only (each request feeds
-        its one real token and its drafts): every token becomes its own decode row over its
-        request's block table, with keys up to its own position. All rows' keys and values
-        are written before any row attends (the module path and the native decode layer both
-        write the step's slot mapping first), so row j of a request sees the real token and
-        drafts 1..j: the causal attention of a (1 + k)-token query, computed by the decode
-        kernels a decode step uses (and, in bfloat16, the native decode layer), which keeps a
-        verified token's logits those of the same token decoded one step at a time.
+        """`_host_inputs` of a step with draft verifications (each verifying request feeds its
+        one real token and its drafts; `ordered` has them after the decodes and before any
+        prefill chunk): every verified token becomes its own decode row over its request's
+        block table, with keys up to its own position. All rows' keys and values are written
+        before any row attends (the module path and the native decode layer both write the
+        step's slot mapping first), so row j of a request sees the real token and drafts
+        1..j: the causal attention of a (1 + k)-token query, computed by the decode kernels a
+        decode step uses (in bfloat16 the native decode layer when no prefill chunk shares the
+        step), which keeps a verified token's logits those of the same token decoded one step
+        at a time. Prefill chunks stay one row each, in the prefill batch.
 
         Attention layers only: a layer with per-request recurrent state (linear attention)
         would need the request's tokens as one row.
         """
-        starts = [s.start + j for s in ordered for j in range(s.num_tokens)]
-        token_tables = [
-            [table for table, s in zip(group, ordered, strict=True) for _ in range(s.num_tokens)]
-            for group in tables
-        ]
-        return self._decode_host_inputs(ids, starts, token_tables)
+        q_lens, starts, row_of = [], [], []
+        for i, s in enumerate(ordered):
+            rows = s.num_tokens if s.draft_token_ids else 1
+            q_lens += [1] * rows if s.draft_token_ids else [s.num_tokens]
+            starts += [s.start + j for j in range(rows)]
+            row_of += [i] * rows
+        row_tables = [[group[i] for i in row_of] for group in tables]
+        if len(q_lens) == len(ids):
+            return self._decode_host_inputs(ids, starts, row_tables)
+        return self._host_inputs(ids, torch.tensor(q_lens, dtype=torch.int64),
+                                 torch.tensor(starts, dtype=torch.int64), row_tables)
 
     def _on_device(
         self, step: _HostStep, logits_indices: torch.Tensor
@@ -469,6 +477,14 @@ class _HostStep:
     metas: list[AttentionMetadata]
     block_tables: list[torch.Tensor]
     seq_lens: torch.Tensor
+
+
+def _row_kind(s: ScheduledRequest) -> int:
+    """A scheduled request's place in the step's rows: 0 one-token decodes, 1 draft
+    verifications, 2 prefill chunks."""
+    if s.num_tokens == 1:
+        return 0
+    return 1 if s.draft_token_ids else 2
 
 
 def _logits_indices(
