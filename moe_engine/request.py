@@ -373,6 +373,10 @@ class Request:
         #: request's last token and verified by that step's forward; never part of
         #: `all_token_ids` (nor of any prefix-cache hash) until accepted.
         self.spec_token_ids: list[int] = []
+        #: The most drafts this request takes next (None: num_speculative_tokens) and the
+        #: steps it skips drafting, both set from its last verification (`Drafter.record`).
+        self.draft_limit: int | None = None
+        self.draft_cooldown = 0
 
     @property
     def num_prompt_tokens(self) -> int:

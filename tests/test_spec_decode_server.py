@@ -51,6 +51,7 @@ from moe_engine.engine.core import EngineCore
 from moe_engine.request import SamplingParams
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
 from moe_engine.spec_decode.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
+from moe_engine.spec_decode.drafter import DRAFT_COOLDOWN_STEPS
 from moe_engine.spec_decode.ngram import propose_ngram_reference
 from moe_engine.tokenizer import load_tokenizer
 
@@ -102,20 +103,27 @@ def _expected(ckpt: Path) -> list[list[int]]:
 def _plan(prompt: list[int], output: list[int]) -> list[tuple[list[int], int]]:
     """The steps a greedy request with n-gram drafts takes: per step, the tokens it emits and
     the drafts it verified. The first token comes from the prefill (no drafts); then each step
-    verifies the n-gram drafts of the tokens so far (at most what max_tokens leaves room for),
+    verifies the n-gram drafts of the tokens so far (at most what max_tokens leaves room for,
+    and at most the request's draft limit: m + 1 after m of k drafts were accepted, k + 1
+    after all were; no drafts for DRAFT_COOLDOWN_STEPS steps after a single rejected one),
     accepts the prefix that equals the greedy output and emits it plus one more token."""
     steps = [(output[:1], 0)]
-    n = 1
+    n, limit, rest = 1, K, 0
     while n < len(output):
         room = len(output) - n - 1
-        drafts = (
-            propose_ngram_reference(prompt + output[:n], min(K, room), NGRAM_MIN, NGRAM_MAX)
-            if room > 0
-            else []
-        )
+        drafts: list[int] = []
+        if rest:
+            rest -= 1
+        elif room > 0:
+            drafts = propose_ngram_reference(
+                prompt + output[:n], min(limit, room), NGRAM_MIN, NGRAM_MAX
+            )
         m = 0
         while m < len(drafts) and drafts[m] == output[n + m]:
             m += 1
+        if drafts:
+            limit = min(K, len(drafts) + 1) if m == len(drafts) else m + 1
+            rest = DRAFT_COOLDOWN_STEPS if m < len(drafts) == 1 else 0
         steps.append((output[n : n + m + 1], len(drafts)))
         n += m + 1
     return steps

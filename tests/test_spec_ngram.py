@@ -61,3 +61,35 @@ def test_errors_name_the_argument() -> None:
         NgramProposer(2, 2, 1)
     with pytest.raises(ValueError, match="max_drafts: 1 entries for 2"):
         NgramProposer(2, 1, 2).propose([[1], [2]], [1])
+
+
+def test_draft_length_adapts_to_what_is_accepted() -> None:
+    """`Drafter`: m + 1 drafts after m of k were accepted, one more after all were, none for
+    DRAFT_COOLDOWN_STEPS steps after a single rejected draft; the counters see every step."""
+    from moe_engine.request import Request, SamplingParams
+    from moe_engine.spec_decode.config import SpeculativeConfig
+    from moe_engine.spec_decode.drafter import DRAFT_COOLDOWN_STEPS, Drafter
+
+    drafter = Drafter(SpeculativeConfig("ngram", 4, 1, 3, 0))
+    req = Request("r", [1, 2, 1, 2, 1, 2, 1], SamplingParams(max_tokens=100))
+    req.num_computed_tokens = req.num_tokens - 1  # decoding next
+
+    def drafts() -> list[int]:
+        drafter.propose([req])
+        return req.spec_token_ids
+
+    assert drafts() == [2, 1, 2, 1]
+    drafter.record(req, 4, 1)
+    assert drafts() == [2, 1]
+    drafter.record(req, 2, 2)
+    assert drafts() == [2, 1, 2]
+    drafter.record(req, 3, 0)
+    assert drafts() == [2]
+    drafter.record(req, 1, 0)
+    assert [drafts() for _ in range(DRAFT_COOLDOWN_STEPS)] == [[]] * DRAFT_COOLDOWN_STEPS
+    assert drafts() == [2]
+    drafter.record(req, 1, 1)
+    assert drafts() == [2, 1]
+    s = drafter.stats
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (5, 11, 4)
+    assert s.accepted_per_pos == [3, 1, 0, 0]

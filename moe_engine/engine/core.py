@@ -426,7 +426,7 @@ class EngineCore:
         if self.drafter is not None:
             for s, a in zip(rows, sampled.num_accepted, strict=True):
                 if s.draft_token_ids:
-                    self.drafter.record(len(s.draft_token_ids), a)
+                    self.drafter.record(s.request, len(s.draft_token_ids), a)
         advanced, _ = self.scheduler.update(out, tokens, on_token=self._check_stop_strings)
         outputs = []
         for req in advanced:

@@ -36,6 +36,10 @@ class SpecDecodeStats:
         return 1.0 + self.num_accepted_tokens / self.num_drafts
 
 
+#: Steps a request proposes no drafts after one draft was proposed and rejected.
+DRAFT_COOLDOWN_STEPS = 4
+
+
 class Drafter:
     """Proposes each running request's drafts for the next step.
 
@@ -43,6 +47,14 @@ class Drafter:
     batch is below `disable_by_batch_size`; at most `num_speculative_tokens`, and never more
     than its `max_tokens` leaves room for (a step emits the accepted drafts and one more), so
     its KV never grows past prompt + max_tokens - 1 tokens.
+
+    Each request's draft length adapts to what its verifications accept (additive increase,
+    cut on rejection): after m of k drafts were accepted it may propose m + 1 next time, one
+    more after all were accepted (up to `num_speculative_tokens`); when its single draft is
+    rejected it proposes none for `DRAFT_COOLDOWN_STEPS` steps. A verified draft costs a row of
+    the step's forward whether or not it is accepted (about 1.4x the step at K = 4 here,
+    bench/NOTES.md section 18), so a request whose drafts keep failing stops paying for them,
+    whatever the batch size. Outputs never depend on it (only which tokens are verified when).
 
     Args:
         config: the speculative config (enabled).
@@ -75,7 +87,9 @@ class Drafter:
             req.spec_token_ids = []
         if not eligible:
             return
-        room = [r.sampling_params.max_tokens - r.num_output_tokens - 1 for r in eligible]
+        k = self.config.num_speculative_tokens
+        room = [min(r.sampling_params.max_tokens - r.num_output_tokens - 1,
+                    k if r.draft_limit is None else r.draft_limit) for r in eligible]
         if self.proposer is None:
             got = proposals or {}
             drafts = [got.get(r.request_id, [])[: max(n, 0)] for r, n in zip(eligible, room,
@@ -85,9 +99,16 @@ class Drafter:
         for req, d in zip(eligible, drafts, strict=True):
             req.spec_token_ids = d
 
-    def record(self, num_drafts: int, num_accepted: int) -> None:
+    def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """Count one request-step that verified `num_drafts` drafts and accepted the first
-        `num_accepted` of them."""
+        `num_accepted` of them, and set the request's next draft limit (class docstring)."""
+        k = self.config.num_speculative_tokens
+        if num_accepted == num_drafts:
+            request.draft_limit = min(k, num_drafts + 1)
+        else:
+            request.draft_limit = num_accepted + 1
+            if num_drafts == 1:  # its one draft failed: rest a few steps
+                request.draft_cooldown = DRAFT_COOLDOWN_STEPS
         s = self.stats
         s.num_drafts += 1
         s.num_draft_tokens += num_drafts
@@ -97,7 +118,11 @@ class Drafter:
 
 
 def _may_draft(req: Request) -> bool:
-    """Decoding next (every token but the last computed), unfinished and without a grammar."""
+    """Decoding next (every token but the last computed), unfinished, without a grammar and
+    not resting after a rejected draft (counts its rest down)."""
+    if req.draft_cooldown > 0 and req.num_tokens - req.num_computed_tokens == 1:
+        req.draft_cooldown -= 1
+        return False
     return (
         not req.is_finished
         and req.grammar is None
