@@ -14,7 +14,7 @@ MAX_SPECULATIVE_TOKENS = 16
 #: Drafts per request and step when a method is given without a count.
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 #: `--speculative-disable-by-batch-size` by default (bench/NOTES.md section 18).
-DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+DEFAULT_DISABLE_BY_BATCH_SIZE = 64
 
 
 @dataclass(frozen=True)
