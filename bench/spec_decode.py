@@ -341,7 +341,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         cells = [e["workload"], str(e["batch"]), e["k"], f"{e['decode_tok_s']:.1f}",
                  f"{e['ratio_vs_off']:.2f}x" if e["ratio_vs_off"] else "-",
                  f"{e['e2e_tok_s']:.1f}", f"{e['ms_per_step']:.2f}",
-                 f"{spec['mean_acceptance_length']:.2f}" if spec else "-",
+                 f"{spec['mean_acceptance_length']:.2f}" if spec and spec["num_drafts"] else "-",
                  f"{spec['drafts_per_step']:.2f}" if spec else "-",
                  " / ".join(f"{a:.2f}" for a in spec["accepted_per_pos_rate"]) if spec else "-",
                  "-" if e["greedy_mismatches"] is None else str(e["greedy_mismatches"])]

@@ -159,7 +159,8 @@ class Plan:
             f"over {len(self.shape.linear_attention_layers())} layers (conv {self.dtype_name}, "
             f"recurrent float32; the KV of "
             f"{self.state_bytes_per_request / per_token:.0f} tokens), "
-            f"{self.num_state_slots} slots (max_num_seqs) = {format_bytes(self.state_memory)} "
+            f"{self.num_state_slots} slots (max_num_seqs) + 1 null slot = "
+            f"{format_bytes(self.state_memory)} "
             f"beside the KV blocks; concurrent requests: {self.num_state_slots} by their state, "
             f"{self.max_concurrent_tokens // self.max_model_len} of max_model_len by the KV"
         ]

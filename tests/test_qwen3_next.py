@@ -146,7 +146,7 @@ def test_plan_takes_the_state_out_of_the_kv_budget(qwen3_next_ckpt):
     assert plan.kv_bytes_per_token == 256
     assert plan.num_blocks == (budget - plan.state_memory) // plan.kv_bytes_per_block
     text = plan.describe()
-    assert "linear-attention state:" in text and "8 slots (max_num_seqs)" in text
+    assert "linear-attention state:" in text and "8 slots (max_num_seqs) + 1 null slot" in text
     # a budget the slots fill before one max_model_len request's KV fits: refused, with the
     # max_num_seqs that fits ((budget - 16 blocks of 4 KiB) // per_request - 1 null slot)
     small = 40 * per_request
@@ -183,6 +183,8 @@ def test_state_slot_pool_and_the_manager():
 @pytest.mark.parametrize("flags,named", [
     (dict(enable_prefix_caching=True), "--enable-prefix-caching"),
     (dict(speculative_method="ngram", num_speculative_tokens=2), "--speculative-method ngram"),
+    # refused as a hybrid first (the model has no MTP layers either, whose refusal says ngram)
+    (dict(speculative_method="mtp", num_speculative_tokens=1), "--speculative-method mtp"),
 ])
 def test_refused_at_startup_naming_the_flag(qwen3_next_ckpt, flags, named):
     with pytest.raises(StartupError) as err:

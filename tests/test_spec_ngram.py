@@ -93,3 +93,15 @@ def test_draft_length_adapts_to_what_is_accepted() -> None:
     s = drafter.stats
     assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (5, 11, 4)
     assert s.accepted_per_pos == [3, 1, 0, 0]
+
+
+def test_speculative_flags_are_checked_without_a_method() -> None:
+    """A bad n-gram or disable-by value is refused even with speculation off (never ignored)."""
+    from moe_engine.spec_decode.config import SpeculativeConfig
+
+    with pytest.raises(ValueError, match="ngram_max: 3 is below ngram_min 5"):
+        SpeculativeConfig(None, 0, 5, 3)
+    with pytest.raises(ValueError, match="speculative_disable_by_batch_size: -1 is below 0"):
+        SpeculativeConfig(None, 0, 1, 4, -1)
+    with pytest.raises(ValueError, match="num_speculative_tokens: 4 without a speculative_method"):
+        SpeculativeConfig(None, 4)

@@ -129,8 +129,8 @@ def build_model(
     progress("planning memory", "", None)
     model_dir = config.model.model
     hf_config, architecture, model_cls, spec = read_architecture(model_dir)
+    check_linear_attention(spec, config)  # before MTP: its refusal would advise ngram
     spec = with_mtp(spec, model_cls, hf_config, config)
-    check_linear_attention(spec, config)
     max_model_len = config.model.max_model_len or spec.max_position_embeddings
     weight_dtype = config.model.torch_dtype()
     dtype = compute_dtype(weight_dtype) if device.type == "cpu" else weight_dtype

@@ -45,6 +45,15 @@ class SpeculativeConfig:
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
+        # checked with or without a method: a flag that is given is never silently ignored
+        if self.ngram_min < 1:
+            raise ValueError(f"ngram_min: {self.ngram_min} is below 1")
+        if self.ngram_max < self.ngram_min:
+            raise ValueError(f"ngram_max: {self.ngram_max} is below ngram_min {self.ngram_min}")
+        if self.disable_by_batch_size < 0:
+            raise ValueError(
+                f"speculative_disable_by_batch_size: {self.disable_by_batch_size} is below 0"
+            )
         if self.method is None:
             if self.num_speculative_tokens:
                 raise ValueError(
@@ -62,14 +71,6 @@ class SpeculativeConfig:
             raise ValueError(
                 f"num_speculative_tokens: {k} is outside 1..{MAX_SPECULATIVE_TOKENS} (required "
                 f"with speculative_method {self.method!r})"
-            )
-        if self.ngram_min < 1:
-            raise ValueError(f"ngram_min: {self.ngram_min} is below 1")
-        if self.ngram_max < self.ngram_min:
-            raise ValueError(f"ngram_max: {self.ngram_max} is below ngram_min {self.ngram_min}")
-        if self.disable_by_batch_size < 0:
-            raise ValueError(
-                f"speculative_disable_by_batch_size: {self.disable_by_batch_size} is below 0"
             )
 
     @property
