@@ -129,8 +129,8 @@ class GatedDeltaNet(nn.Module):
         lin: LinearAttentionMetadata = meta.linear
         conv_state, ssm_state = state
         if lin.fresh.numel():
-            conv_state[lin.fresh] = 0
-            ssm_state[lin.fresh] = 0
+            conv_state.index_fill_(0, lin.fresh, 0)
+            ssm_state.index_fill_(0, lin.fresh, 0)
         mixed, z, b, a = self._project(h)
         mixed = self._conv(mixed, conv_state, lin)
         t = h.shape[0]
@@ -151,9 +151,9 @@ class GatedDeltaNet(nn.Module):
         nd = lin.num_decodes
         if nd:
             slots = lin.slots[:nd]
-            states = conv_state[slots]
+            states = conv_state.index_select(0, slots)
             out[:nd] = causal_conv1d_decode(mixed[:nd], states, weight, None)
-            conv_state[slots] = states
+            conv_state.index_copy_(0, slots, states)
         start = nd
         for row in range(nd, len(lin.q_lens)):
             end = start + lin.q_lens[row]
@@ -172,10 +172,10 @@ class GatedDeltaNet(nn.Module):
         nd = lin.num_decodes
         if nd:
             slots = lin.slots[:nd]
-            states = ssm_state[slots]
+            states = ssm_state.index_select(0, slots)
             out[:nd] = recurrent_gated_delta_rule(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd],
                                                   states)
-            ssm_state[slots] = states
+            ssm_state.index_copy_(0, slots, states)
         start = nd
         for row in range(nd, len(lin.q_lens)):
             end = start + lin.q_lens[row]
