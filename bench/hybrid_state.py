@@ -51,20 +51,20 @@ import json
 import logging
 import os
 import random
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import moe_engine  # noqa: E402, F401  (first: it sets OMP_WAIT_POLICY before torch loads)
 
 # isort: split
 import torch  # noqa: E402
+from workload import ensure_random_checkpoint  # noqa: E402
 
 from moe_engine.models import model_shape  # noqa: E402
 from moe_engine.plan import format_bytes, make_plan  # noqa: E402
@@ -276,40 +276,14 @@ def arithmetic(context: int, budget: int, block_size: int, budget_text: str = ""
 # -- part 2: measured decode steps ----------------------------------------------------------
 
 
-def ensure_checkpoint(cache_dir: Path, name: str, cfg: dict[str, Any], dtype: torch.dtype
-                      ) -> Path:
-    """`cache_dir/name`, a random-weight Qwen3-Next checkpoint of `cfg` (seed 0), made once
-    (atomically: in a temporary directory, then renamed)."""
-    final = cache_dir / name
-    if (final / "config.json").is_file():
-        return final
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    logger.info("creating %s", final)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=cache_dir))
-    try:
-        config = AutoConfig.for_model("qwen3_next", **cfg)
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        model.save_pretrained(tmp, safe_serialization=True)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
 def make_checkpoints(cache_dir: Path, dtype_name: str) -> dict[str, Path]:
     dtype = getattr(torch, dtype_name)
     return {
-        HYBRID: ensure_checkpoint(cache_dir, f"bench-hybrid-qwen3-next-{dtype_name}",
-                                  SMALL_CONFIG, dtype),
-        FULL_ATTN: ensure_checkpoint(cache_dir, f"bench-hybrid-full-attn-{dtype_name}",
-                                     all_full_attention(SMALL_CONFIG), dtype),
+        HYBRID: ensure_random_checkpoint(cache_dir, f"bench-hybrid-qwen3-next-{dtype_name}",
+                                         "qwen3_next", SMALL_CONFIG, dtype),
+        FULL_ATTN: ensure_random_checkpoint(cache_dir, f"bench-hybrid-full-attn-{dtype_name}",
+                                            "qwen3_next", all_full_attention(SMALL_CONFIG),
+                                            dtype),
     }
 
 

@@ -142,18 +142,27 @@ def write_requests_file(requests: list[BenchRequest]) -> Path:
 
 def ensure_bench_checkpoint(cache_dir: Path) -> Path:
     """`cache_dir/bench-qwen3-moe`, created on first use (seed 0, bf16, 229 MB), atomically."""
-    final = cache_dir / CHECKPOINT_NAME
+    return ensure_random_checkpoint(cache_dir, CHECKPOINT_NAME, "qwen3_moe", BENCH_CONFIG,
+                                    torch.bfloat16)
+
+
+def ensure_random_checkpoint(cache_dir: Path, name: str, model_type: str, config: dict,
+                             dtype: torch.dtype) -> Path:
+    """`cache_dir/name`: a random-weight `model_type` checkpoint of `config` (transformers
+    `from_config`, seed 0, saved in `dtype`), made on first use, atomically (in a temporary
+    directory, then renamed; a concurrent maker's result is kept)."""
+    final = cache_dir / name
     if (final / "config.json").is_file():
         return final
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cache_dir.mkdir(parents=True, exist_ok=True)
     logger.info("creating %s", final)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{CHECKPOINT_NAME}.tmp-", dir=cache_dir))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=cache_dir))
     try:
-        cfg = AutoConfig.for_model("qwen3_moe", **BENCH_CONFIG)
+        cfg = AutoConfig.for_model(model_type, **config)
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
         model.save_pretrained(tmp, safe_serialization=True)
         try:
             os.rename(tmp, final)
