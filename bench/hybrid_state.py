@@ -64,7 +64,7 @@ import moe_engine  # noqa: E402, F401  (first: it sets OMP_WAIT_POLICY before to
 
 # isort: split
 import torch  # noqa: E402
-from workload import ensure_random_checkpoint  # noqa: E402
+from workload import add_greedy_requests, ensure_random_checkpoint  # noqa: E402
 
 from moe_engine.models import model_shape  # noqa: E402
 from moe_engine.plan import format_bytes, make_plan  # noqa: E402
@@ -339,17 +339,8 @@ def run_once(row: Row, prompts: list[list[int]], output_len: int) -> dict[str, A
         RuntimeError: a request produced other than `output_len` tokens, or no decode step
             ran after the prefills.
     """
-    from moe_engine.request import SamplingParams
-
     engine = row.llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, min_tokens=output_len,
-                            ignore_eos=True)
-    ids = []
-    for p in prompts:
-        rid = f"{row.name}-{row.counter}"
-        row.counter += 1
-        engine.add_request(rid, p, params)
-        ids.append(rid)
+    ids = add_greedy_requests(row, prompts, output_len)
     got: dict[str, int] = dict.fromkeys(ids, 0)
     decode_times: list[float] = []
     mixer_times: dict[str, list[float]] = {k: [] for k in MixerTimer.KINDS}

@@ -57,8 +57,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from workload import add_greedy_requests  # noqa: E402
+
 import moe_engine  # noqa: E402, F401  (first: it sets OMP_WAIT_POLICY before torch loads)
-from moe_engine.request import SamplingParams  # noqa: E402
 
 logger = logging.getLogger("bench.spec_decode")
 
@@ -195,14 +196,7 @@ def run_batch(row: Row, prompts: list[list[int]], output_len: int) -> RunOut:
         RuntimeError: a request produced a number of tokens other than `output_len`.
     """
     engine = row.llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, min_tokens=output_len,
-                            ignore_eos=True)
-    ids = []
-    for p in prompts:
-        rid = f"{row.name}-{row.counter}"
-        row.counter += 1
-        engine.add_request(rid, p, params)
-        ids.append(rid)
+    ids = add_greedy_requests(row, prompts, output_len)
     out: dict[str, list[int]] = {rid: [] for rid in ids}
     before = _snapshot(row)
     t_decode = None

@@ -172,3 +172,20 @@ def ensure_random_checkpoint(cache_dir: Path, name: str, model_type: str, config
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def add_greedy_requests(row: Any, prompts: list[list[int]], output_len: int) -> list[str]:
+    """Add every prompt to `row.llm.engine` as a greedy request of exactly `output_len` tokens
+    (ignore EOS), ids `f"{row.name}-{n}"` from the row's running `counter`; returns the ids in
+    prompt order (the benches that step `EngineCore` themselves)."""
+    from moe_engine.request import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, min_tokens=output_len,
+                            ignore_eos=True)
+    ids = []
+    for p in prompts:
+        rid = f"{row.name}-{row.counter}"
+        row.counter += 1
+        row.llm.engine.add_request(rid, p, params)
+        ids.append(rid)
+    return ids
