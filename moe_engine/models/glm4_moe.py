@@ -36,7 +36,7 @@ from moe_engine.models.layers.decoder import Attention, DenseMLP
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.rotary import (
     PartialRotaryEmbedding,
-    partial_rotary_factor_of,
+    partial_rotary_dim_of,
     rope_theta_of,
 )
 from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter, check_sigmoid_group_limits
@@ -116,16 +116,7 @@ class Glm4MoeForCausalLM(MoeCausalLM):
         check_sigmoid_group_limits(
             num_experts, int(hf_config.num_experts_per_tok), n_group, topk_group
         )
-        head_dim = getattr(hf_config, "head_dim", None) or (
-            hf_config.hidden_size // hf_config.num_attention_heads
-        )
-        factor = partial_rotary_factor_of(hf_config)
-        rotary_dim = int(head_dim * factor)
-        if rotary_dim % 2 or rotary_dim < 2:
-            raise ValueError(
-                f"partial_rotary_factor {factor} of head_dim {head_dim} rotates {rotary_dim} "
-                f"dims; it must be an even number >= 2"
-            )
+        rotary_dim = partial_rotary_dim_of(hf_config)
         return dict(
             rms_norm_eps=hf_config.rms_norm_eps,
             rope_theta=rope_theta_of(hf_config),

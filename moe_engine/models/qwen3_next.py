@@ -39,7 +39,7 @@ from moe_engine.models.layers.linear import MergedLinear
 from moe_engine.models.layers.norm import ZeroCenteredRMSNorm
 from moe_engine.models.layers.rotary import (
     PartialRotaryEmbedding,
-    partial_rotary_factor_of,
+    partial_rotary_dim_of,
     rope_theta_of,
 )
 from moe_engine.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -158,16 +158,7 @@ class Qwen3NextForCausalLM(Qwen2MoeForCausalLM):
                 (0, 1]; ValueError: hidden_act other than silu, an odd rotary_dim.
         """
         check_hidden_act(hf_config.to_dict(), cls.__name__)
-        head_dim = getattr(hf_config, "head_dim", None) or (
-            hf_config.hidden_size // hf_config.num_attention_heads
-        )
-        factor = partial_rotary_factor_of(hf_config)
-        rotary_dim = int(head_dim * factor)
-        if rotary_dim % 2 or rotary_dim < 2:
-            raise ValueError(
-                f"partial_rotary_factor {factor} of head_dim {head_dim} rotates {rotary_dim} "
-                f"dims; it must be an even number >= 2"
-            )
+        rotary_dim = partial_rotary_dim_of(hf_config)
         return dict(rms_norm_eps=hf_config.rms_norm_eps, rope_theta=rope_theta_of(hf_config),
                     rotary_dim=rotary_dim)
 

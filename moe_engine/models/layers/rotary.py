@@ -248,6 +248,26 @@ def partial_rotary_factor_of(hf_config) -> float:
     return factor
 
 
+def partial_rotary_dim_of(hf_config) -> int:
+    """The dims of each head the rope rotates: int(head_dim x `partial_rotary_factor_of`),
+    head_dim as the config states it (or hidden_size / num_attention_heads).
+
+    Raises:
+        StartupError: a factor outside (0, 1]; ValueError: an odd count or one below 2.
+    """
+    head_dim = getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads
+    )
+    factor = partial_rotary_factor_of(hf_config)
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim % 2 or rotary_dim < 2:
+        raise ValueError(
+            f"partial_rotary_factor {factor} of head_dim {head_dim} rotates {rotary_dim} "
+            f"dims; it must be an even number >= 2"
+        )
+    return rotary_dim
+
+
 class PartialRotaryEmbedding(nn.Module):
     """RoPE on the first `rotary_dim` dims of each head only; the rest pass through unchanged
     (GPT-NeoX's `rotary_pct`; GLM-4.5's `partial_rotary_factor`, transformers
