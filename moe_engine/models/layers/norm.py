@@ -51,8 +51,7 @@ class RMSNorm(nn.Module):
         if self._native and x.dim() <= 3 and x.dtype == self.weight.dtype and x.stride(-1) == 1:
             return rms_norm(x, self.weight, self.eps, self.weight_in_float32)
         dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = _normalized(x, self.eps)
         if self.weight_in_float32:
             return (self.weight.float() * h).to(dtype)
         return self.weight * h.to(dtype)
@@ -74,9 +73,7 @@ class ZeroCenteredRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., dim] -> same shape and dtype."""
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+        return (_normalized(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -95,7 +92,11 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """x, gate: [..., dim] -> [..., dim] in x's dtype."""
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight * h.to(x.dtype)
+        h = self.weight * _normalized(x, self.eps).to(x.dtype)
         return (h * torch.nn.functional.silu(gate.float())).to(x.dtype)
+
+
+def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dimension, in float32."""
+    h = x.float()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
