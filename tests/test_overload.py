@@ -25,6 +25,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from chaos import run_with_chaos
 from grpc_helpers import ServerThread, free_port, request, stats, wait_idle
 
 from moe_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -217,103 +218,22 @@ def _normal_requests() -> list[pb.GenerateRequest]:
     ]
 
 
-async def _generate(stub, req: pb.GenerateRequest, **kw) -> list[pb.GenerateResponse]:
-    return [r async for r in stub.Generate(req, **kw)]
-
-
-def _tokens(responses: list[pb.GenerateResponse]) -> list[int]:
-    return [t for r in responses for t in r.token_ids]
-
-
-def _check_one_final(responses: list[pb.GenerateResponse], rid: str) -> None:
-    assert responses and all(r.request_id == rid for r in responses)
-    assert [r.finished for r in responses] == [False] * (len(responses) - 1) + [True]
-
-
-async def _chaos_one(stub, rng: random.Random, i: int) -> str:
-    """One disruptive request; returns what happened to it."""
-    rid = f"chaos-{i}"
-    prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 60))]
-    max_tokens = rng.randint(1, 120)
-    req = request(prompt, max_tokens=max_tokens, ignore_eos=True, request_id=rid,
-                  temperature=rng.choice([0.0, 0.8]), seed=i)  # fmt: skip
-    kind = rng.choice(["cancel", "timeout", "abort", "abort-twice"])
-    after = rng.randint(0, 6)
-    if kind == "timeout":
-        try:
-            responses = await _generate(stub, req, timeout=rng.uniform(0.005, 0.3))
-        except grpc.aio.AioRpcError as err:
-            assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
-            return "timed out"
-        _check_one_final(responses, rid)
-        return "finished"
-    call = stub.Generate(req)
-    responses: list = []
-    if after == 0:
-        await asyncio.sleep(rng.uniform(0, 0.02))
-    else:
-        async for r in call:
-            responses.append(r)
-            if len(responses) >= after or r.finished:
-                break
-    if kind == "cancel":
-        call.cancel()
-        return "cancelled"
-    answers = [await stub.Abort(pb.AbortRequest(request_id=rid))]
-    if kind == "abort-twice":
-        answers.append(await stub.Abort(pb.AbortRequest(request_id=rid)))
-    if not (responses and responses[-1].finished):
-        async for r in call:
-            responses.append(r)
-    _check_one_final(responses, rid)
-    reason = responses[-1].finish_reason
-    assert sum(a.aborted for a in answers) == (reason == "abort"), (answers, reason)
-    if reason != "abort":
-        assert reason == "length" and len(_tokens(responses)) == max_tokens
-        assert all(not a.aborted and a.detail for a in answers), answers
-    return f"abort -> {reason}"
-
-
 def test_chaos_leaves_normal_requests_exact_and_no_leak(
     server: ServerThread, stub: pb_grpc.MoeEngineStub
 ) -> None:
     normal = _normal_requests()
 
-    async def run(with_chaos: bool) -> tuple[list[list[int]], dict[str, int]]:
-        outcomes: dict[str, int] = {}
-        async with grpc.aio.insecure_channel(server.address) as channel:
-            aio_stub = pb_grpc.MoeEngineStub(channel)
-            gate = asyncio.Semaphore(CHAOS_IN_FLIGHT)
-            rng = random.Random(99)
-
-            async def normal_one(req: pb.GenerateRequest) -> list[int]:
-                async with gate:
-                    responses = await _generate(aio_stub, req, timeout=120)
-                _check_one_final(responses, req.request_id)
-                assert responses[-1].finish_reason == "length"
-                return _tokens(responses)
-
-            async def chaos_one(i: int) -> None:
-                async with gate:
-                    outcome = await _chaos_one(aio_stub, rng, i)
-                outcomes[outcome] = outcomes.get(outcome, 0) + 1
-
-            tasks = [normal_one(r) for r in normal]
-            chaos = [chaos_one(i) for i in range(NUM_CHAOS)] if with_chaos else []
-            jobs = tasks + chaos
-            random.Random(7).shuffle(jobs)  # interleave normal and chaos requests
-            order = {id(t): k for k, t in enumerate(tasks)}
-            results = await asyncio.wait_for(asyncio.gather(*jobs), 240)
-            tokens = [[] for _ in tasks]
-            for job, result in zip(jobs, results, strict=True):
-                if id(job) in order:
-                    tokens[order[id(job)]] = result
-            return tokens, outcomes
+    def run(with_chaos: bool) -> tuple[list[list[int]], dict[str, int]]:
+        return asyncio.run(run_with_chaos(
+            server.address, normal, NUM_CHAOS if with_chaos else 0, in_flight=CHAOS_IN_FLIGHT,
+            chaos_seed=99, shuffle_seed=7, vocab=VOCAB, max_prompt=60, max_tokens=120,
+            kinds=["cancel", "timeout", "abort", "abort-twice"],
+        ))  # fmt: skip
 
     start = stats(stub)
-    reference, _ = asyncio.run(run(with_chaos=False))
+    reference, _ = run(with_chaos=False)
     t0 = time.monotonic()
-    observed, outcomes = asyncio.run(run(with_chaos=True))
+    observed, outcomes = run(with_chaos=True)
     elapsed = time.monotonic() - t0
     print(f"\nchaos: {NUM_CHAOS} disrupted + {NUM_NORMAL} normal in {elapsed:.1f} s: {outcomes}")
     assert sum(outcomes.values()) == NUM_CHAOS

@@ -32,8 +32,9 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from chaos import run_with_chaos
 from fixtures import dequantized_experts_copy, hf_greedy
-from grpc_helpers import ServerThread, greedy_streams, request, stats, token_ids, wait_idle
+from grpc_helpers import ServerThread, greedy_streams, request, stats, wait_idle
 
 from moe_engine.config import (
     CacheConfig,
@@ -131,59 +132,6 @@ def _normal_requests() -> list[pb.GenerateRequest]:
     ]
 
 
-def _check_one_final(responses: list[pb.GenerateResponse], rid: str) -> None:
-    assert responses and all(r.request_id == rid for r in responses)
-    assert [r.finished for r in responses] == [False] * (len(responses) - 1) + [True]
-
-
-async def _chaos_one(stub, rng: random.Random, i: int) -> str:
-    """One request of a seeded random kind (cancel 1/3, deadline 1/3, Abort RPC 1/6, left
-    alone 1/6); returns what happened to it."""
-    rid = f"chaos-{i}"
-    prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 120))]
-    max_tokens = rng.randint(1, 24)
-    req = request(prompt, max_tokens=max_tokens, ignore_eos=True, request_id=rid,
-                  temperature=rng.choice([0.0, 0.8]), seed=i)  # fmt: skip
-    kind = rng.choice(["cancel", "cancel", "timeout", "timeout", "abort", "normal"])
-    after = rng.randint(0, 6)
-    if kind == "timeout":
-        try:
-            responses = [r async for r in stub.Generate(req, timeout=rng.uniform(0.005, 0.3))]
-        except grpc.aio.AioRpcError as err:
-            assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
-            return "timed out"
-        _check_one_final(responses, rid)
-        return "finished"
-    call = stub.Generate(req, timeout=120)
-    responses: list[pb.GenerateResponse] = []
-    if kind == "normal":
-        responses = [r async for r in call]
-        _check_one_final(responses, rid)
-        assert responses[-1].finish_reason == "length"
-        assert len(token_ids(responses)) == max_tokens
-        return "finished"
-    if after == 0:
-        await asyncio.sleep(rng.uniform(0, 0.02))
-    else:
-        async for r in call:
-            responses.append(r)
-            if len(token_ids(responses)) >= after or r.finished:
-                break
-    if kind == "cancel":
-        call.cancel()
-        return "cancelled"
-    answer = await stub.Abort(pb.AbortRequest(request_id=rid))
-    if not (responses and responses[-1].finished):
-        async for r in call:
-            responses.append(r)
-    _check_one_final(responses, rid)
-    reason = responses[-1].finish_reason
-    assert answer.aborted == (reason == "abort"), (answer, reason)
-    if reason != "abort":
-        assert reason == "length" and len(token_ids(responses)) == max_tokens
-    return f"abort -> {reason}"
-
-
 def test_chaos_leaves_normal_requests_exact_and_every_slot_free(
     server: ServerThread, stub: pb_grpc.MoeEngineStub, qwen3_next_ckpt: Path
 ) -> None:
@@ -192,40 +140,14 @@ def test_chaos_leaves_normal_requests_exact_and_every_slot_free(
         qwen3_next_ckpt, [list(r.prompt_ids.ids) for r in normal], [r.max_tokens for r in normal]
     )
 
-    async def run() -> tuple[list[list[int]], dict[str, int]]:
-        outcomes: dict[str, int] = {}
-        async with grpc.aio.insecure_channel(server.address) as channel:
-            aio_stub = pb_grpc.MoeEngineStub(channel)
-            gate = asyncio.Semaphore(CHAOS_IN_FLIGHT)
-            rng = random.Random(77)
-
-            async def normal_one(req: pb.GenerateRequest) -> list[int]:
-                async with gate:
-                    responses = [r async for r in aio_stub.Generate(req, timeout=120)]
-                _check_one_final(responses, req.request_id)
-                assert responses[-1].finish_reason == "length"
-                return token_ids(responses)
-
-            async def chaos_one(i: int) -> None:
-                async with gate:
-                    outcome = await _chaos_one(aio_stub, rng, i)
-                outcomes[outcome] = outcomes.get(outcome, 0) + 1
-
-            tasks = [normal_one(r) for r in normal]
-            jobs = tasks + [chaos_one(i) for i in range(NUM_CHAOS)]
-            random.Random(5).shuffle(jobs)  # interleave normal and chaos requests
-            order = {id(t): k for k, t in enumerate(tasks)}
-            results = await asyncio.wait_for(asyncio.gather(*jobs), 240)
-            tokens: list[list[int]] = [[] for _ in tasks]
-            for job, result in zip(jobs, results, strict=True):
-                if id(job) in order:
-                    tokens[order[id(job)]] = result
-            return tokens, outcomes
-
     start = stats(stub)
     _assert_all_free(start, MAX_NUM_SEQS)
     t0 = time.monotonic()
-    observed, outcomes = asyncio.run(run())
+    observed, outcomes = asyncio.run(run_with_chaos(
+        server.address, normal, NUM_CHAOS, in_flight=CHAOS_IN_FLIGHT, chaos_seed=77,
+        shuffle_seed=5, vocab=VOCAB, max_prompt=120, max_tokens=24,
+        kinds=["cancel", "cancel", "timeout", "timeout", "abort", "normal"],
+    ))  # fmt: skip
     elapsed = time.monotonic() - t0
     end = stats(stub)
     print(f"\nchaos: {NUM_CHAOS} disrupted + {NUM_NORMAL} normal in {elapsed:.1f} s: {outcomes}, "
