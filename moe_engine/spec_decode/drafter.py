@@ -82,7 +82,14 @@ class Drafter:
         """
         limit = self.config.disable_by_batch_size
         off = limit > 0 and len(running) >= limit
-        eligible = [] if off else [r for r in running if _may_draft(r)]
+        eligible = []
+        for req in [] if off else running:
+            if not _may_draft(req):
+                continue
+            if req.draft_cooldown:  # resting after a rejected draft: one step less
+                req.draft_cooldown -= 1
+            else:
+                eligible.append(req)
         for req in running:
             req.spec_token_ids = []
         if not eligible:
@@ -118,11 +125,7 @@ class Drafter:
 
 
 def _may_draft(req: Request) -> bool:
-    """Decoding next (every token but the last computed), unfinished, without a grammar and
-    not resting after a rejected draft (counts its rest down)."""
-    if req.draft_cooldown > 0 and req.num_tokens - req.num_computed_tokens == 1:
-        req.draft_cooldown -= 1
-        return False
+    """Decoding next (every token but the last computed), unfinished and without a grammar."""
     return (
         not req.is_finished
         and req.grammar is None

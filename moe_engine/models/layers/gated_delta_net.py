@@ -41,7 +41,8 @@ class LinearAttentionMetadata:
     one token each, first).
 
     Attributes:
-        slots: [B] int64, each request's state slot (`KVCacheManager.state_slot`).
+        slots: [B] int64, each request's state slot (`KVCacheManager.state_slot`);
+            slot_list: the same as host ints (the prefill rows index with them).
         q_lens: tokens each request feeds this step.
         num_decodes: the leading requests that feed one token (batched recurrent step).
         fresh: [F] int64, the slots of requests starting at token 0 (a new request or one
@@ -49,6 +50,7 @@ class LinearAttentionMetadata:
     """
 
     slots: torch.Tensor
+    slot_list: list[int]
     q_lens: list[int]
     num_decodes: int
     fresh: torch.Tensor
@@ -60,8 +62,8 @@ class LinearAttentionMetadata:
         while num_decodes < len(q_lens) and q_lens[num_decodes] == 1:
             num_decodes += 1
         fresh = [s for s, start in zip(slots, starts, strict=True) if start == 0]
-        return cls(torch.tensor(slots, dtype=torch.int64), list(q_lens), num_decodes,
-                   torch.tensor(fresh, dtype=torch.int64))
+        return cls(torch.tensor(slots, dtype=torch.int64), list(slots), list(q_lens),
+                   num_decodes, torch.tensor(fresh, dtype=torch.int64))
 
 
 class GatedDeltaNet(nn.Module):
@@ -157,7 +159,7 @@ class GatedDeltaNet(nn.Module):
         start = nd
         for row in range(nd, len(lin.q_lens)):
             end = start + lin.q_lens[row]
-            slot = int(lin.slots[row])
+            slot = lin.slot_list[row]
             out[start:end] = causal_conv1d_prefill(mixed[start:end], conv_state[slot], weight,
                                                    None)
             start = end
@@ -179,7 +181,7 @@ class GatedDeltaNet(nn.Module):
         start = nd
         for row in range(nd, len(lin.q_lens)):
             end = start + lin.q_lens[row]
-            slot = int(lin.slots[row])
+            slot = lin.slot_list[row]
             part = slice(start, end)
             out[part], final = chunk_gated_delta_rule(q[part], k[part], v[part], g[part],
                                                       beta[part], ssm_state[slot])
