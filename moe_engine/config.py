@@ -52,12 +52,15 @@ class ModelConfig:
         max_model_len: longest prompt + output (tokens); None means the model's
             max_position_embeddings.
         seed: seed for weight-independent randomness (sampling without a per-request seed).
+        weight_version: the version string of the weights loaded at startup, reported with
+            every output until an update replaces it (SGLang's `--weight-version`).
     """
 
     model: str
     dtype: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    weight_version: str = "default"
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:

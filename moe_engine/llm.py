@@ -23,6 +23,7 @@ from moe_engine.config import (
 )
 from moe_engine.engine.core import EngineCore
 from moe_engine.errors import StartupError
+from moe_engine.llm_weights import WeightUpdateMethods
 from moe_engine.model_path import resolve_model_dir
 from moe_engine.outputs import RequestOutput, RequestOutputBuilder
 from moe_engine.request import SamplingParams
@@ -38,7 +39,7 @@ PromptType = str | Sequence[int] | dict[str, Any]
 Conversation = list[dict[str, Any]]
 
 
-class LLM:
+class LLM(WeightUpdateMethods):
     """Runs an `EngineCore` in this process until every prompt is done.
 
     Args:
@@ -52,7 +53,9 @@ class LLM:
         enable_prefix_caching, device ("auto", "cpu", "cuda"), gpu_memory_utilization
         (fraction in (0, 1]), enforce_eager (no CUDA graphs), speculative_method ("ngram" or
         None), num_speculative_tokens, ngram_min, ngram_max,
-        speculative_disable_by_batch_size: as the `moe-serve` flags of the same names.
+        speculative_disable_by_batch_size, weight_version: as the `moe-serve` flags of the
+        same names. Weight updates: `update_weights_from_disk`,
+        `init_weight_update_group` / `update_weights_from_distributed` (`llm_weights.py`).
 
     Raises:
         StartupError: no config.json at `model`, or a configuration the engine refuses.
@@ -81,6 +84,7 @@ class LLM:
         ngram_min: int = 1,
         ngram_max: int = 4,
         speculative_disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE,
+        weight_version: str = "default",
     ) -> None:
         if model == "demo":
             from moe_engine.demo import ensure_demo_checkpoint
@@ -97,7 +101,8 @@ class LLM:
             EngineConfig(
                 device=DeviceConfig(device, gpu_memory_utilization, enforce_eager),
                 model=ModelConfig(
-                    model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed
+                    model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed,
+                    weight_version=weight_version,
                 ),
                 cache=CacheConfig(
                     block_size=block_size,

@@ -77,6 +77,7 @@ class RequestOutput:
         prompt_logprobs: always None (prompt logprobs are not computed).
         outputs: one CompletionOutput per completion, by index.
         finished: True when every completion has finished.
+        weight_version: the weights that computed the last tokens (`LLM.update_weights_*`).
     """
 
     request_id: str
@@ -85,6 +86,7 @@ class RequestOutput:
     prompt_logprobs: None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    weight_version: str = ""
 
 
 class RequestOutputBuilder:
@@ -119,6 +121,7 @@ class RequestOutputBuilder:
         completion = self.output.outputs[delta.index]
         completion.token_ids.extend(delta.new_token_ids)
         completion.text += delta.new_text
+        self.output.weight_version = delta.weight_version
         if delta.logprobs and completion.logprobs is not None:
             for token_id, (logprob, top) in zip(delta.new_token_ids, delta.logprobs, strict=True):
                 completion.logprobs.append(self._logprob_dict(token_id, logprob, top))

@@ -181,6 +181,15 @@ class Scheduler:
         ahead = max(0, min(self.num_lookahead_tokens, self.max_context(req) - done))
         return self.kv.allocate_slots(req, n, hit, num_lookahead_tokens=ahead)
 
+    def retract_running(self) -> int:
+        """Send every running request back to the head of the queue (in order) with its KV
+        freed, as a preemption (recomputed when scheduled again); returns how many."""
+        retracted = self.running
+        self.running = []
+        for req in reversed(retracted):
+            self._preempt(req)
+        return len(retracted)
+
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0

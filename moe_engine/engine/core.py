@@ -56,6 +56,7 @@ from moe_engine.spec_decode.drafter import Drafter
 from moe_engine.structured_output import StructuredOutputManager
 from moe_engine.tokenizer import load_tokenizer
 from moe_engine.validation import validate_request
+from moe_engine.weight_update.control import RolloutControl
 from quant.compressed_tensors import parse_quantization_config
 from quant.fp8 import parse_fp8_config
 from quant.mxfp4 import MXFP4_BLOCK_SIZE
@@ -257,6 +258,8 @@ class EngineCore:
             )  # fmt: skip
         #: Live requests with n > 1, by the client's id.
         self._parents: dict[str, ParentRequest] = {}
+        #: Pause state, weight version and weight updates (`moe_engine.weight_update`).
+        self.rollout = RolloutControl(self, config.model.weight_version)
         self.counters = dict(
             prompt_tokens_total=0,
             generation_tokens_total=0,
@@ -390,7 +393,13 @@ class EngineCore:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        """Whether a step would run a request (False while generation is paused)."""
+        return not self.rollout.paused and self.scheduler.num_unfinished > 0
+
+    @property
+    def weight_version(self) -> str:
+        """The version of the weights serving now."""
+        return self.rollout.weight_version
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one scheduler step; returns this step's output deltas."""
@@ -413,6 +422,10 @@ class EngineCore:
         return outputs
 
     def _step(self) -> list[EngineCoreOutput]:
+        if self.rollout.paused:  # an expert-parallel step while paused: take part, run nothing
+            if self.rank_context is not None:
+                self.runner.execute_idle()
+            return []
         out = self.scheduler.schedule()
         self._last_num_tokens = out.total_num_tokens
         if out.is_empty:
@@ -502,6 +515,7 @@ class EngineCore:
             logprobs=lps,
             index=req.index,
             stop_reason=req.stop_reason if final else None,
+            weight_version=self.rollout.weight_version,
         )
 
     def get_stats(self) -> CoreStats:
@@ -634,6 +648,7 @@ class EngineCore:
             has_tokenizer=self.tokenizer is not None,
             device=self.kernels.device,
             kernel_backends=self.kernels.info(),
+            weight_version=self.rollout.weight_version,
             rank=self.rank_context.rank if self.rank_context else 0,
             local_experts=list(self.rank_context.local_experts)
             if self.rank_context

@@ -28,6 +28,13 @@ import zmq
 from tqdm import tqdm
 
 from moe_engine.config import EngineConfig, default_threads
+from moe_engine.engine.control import (
+    DestroyWeightUpdateGroup,
+    InitWeightUpdateGroup,
+    PauseGeneration,
+    ResumeGeneration,
+    UpdateWeights,
+)
 from moe_engine.engine.messages import (
     AbortRequests,
     AddError,
@@ -169,6 +176,11 @@ class CoreLoop:
                 self._send(ExpertLoadReply(rid, core.get_expert_load()))
             case GetModelInfo(reply_id=rid):
                 self._send(ModelInfoReply(rid, model_info_of(core)))
+            case (PauseGeneration() | ResumeGeneration() | InitWeightUpdateGroup()
+                  | DestroyWeightUpdateGroup() | UpdateWeights()):
+                reply, outputs = core.rollout.handle(message)
+                self._send_outputs(outputs)
+                self._send(reply)
             case Shutdown():
                 self.running = False
             case Heartbeat():

@@ -13,6 +13,8 @@ inputs (front end -> core; the PUSH socket the core's PULL binds)
     GetModelInfo        "info"         -> ModelInfoReply (ModelInfo)
     Shutdown            "shutdown"     leave the loop and exit 0
     Heartbeat           "heartbeat"    on its own PUB socket, every second (`monitor.py`)
+    PauseGeneration, ResumeGeneration, InitWeightUpdateGroup, DestroyWeightUpdateGroup,
+    UpdateWeights       RL weight updates (`control.py`) -> ControlReply
 outputs (core -> front end; the PUSH socket that connects to the front end's PULL)
     StartupProgress     "progress"     while the core starts: phase, detail, seconds left
     Ready               "ready"        once the model is loaded (ModelInfo)
@@ -20,7 +22,7 @@ outputs (core -> front end; the PUSH socket that connects to the front end's PUL
     EngineCoreOutputs   "outputs"      one per step (and per abort) with outputs
     AddError            "add_error"    a refused EngineCoreRequest
     Fatal               "fatal"        the step loop failed; the process exits with status 1
-    StatsReply, ExpertLoadReply, ModelInfoReply  answers, matched by reply_id
+    StatsReply, ExpertLoadReply, ModelInfoReply, ControlReply  answers, matched by reply_id
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 
 import msgspec
 
+from moe_engine.engine.control import ControlInput, ControlReply
 from moe_engine.errors import ErrorCode
 from moe_engine.request import FinishReason, SamplingParams
 
@@ -52,6 +55,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
             completion, and the request is done when all n have sent a finished output.
         stop_reason: set with finish_reason "stop": the stop string or the stop token id
             (from `stop_token_ids`) that ended the completion; None for EOS (as vLLM).
+        weight_version: the weights that computed these tokens (`UpdateWeights`).
     """
 
     request_id: str
@@ -65,6 +69,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     error: str | None = None
     index: int = 0
     stop_reason: int | str | None = None
+    weight_version: str = ""
 
 
 class ModelInfo(msgspec.Struct, kw_only=True):
@@ -81,6 +86,7 @@ class ModelInfo(msgspec.Struct, kw_only=True):
         device: "cpu" or "cuda"; kernel_backends: op -> backend chosen at startup, and
             "native_cpu_isa" -> the native library's variant where it runs
             (`kernels.registry.KernelPlan.info`).
+        weight_version: the weights serving now (`--weight-version`, then each update's).
     """
 
     model: str
@@ -113,6 +119,7 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     pid: int = 0
     device: str = "cpu"
     kernel_backends: dict[str, str] = {}
+    weight_version: str = ""
 
 
 class KVCacheGroupStats(msgspec.Struct, kw_only=True):
@@ -304,7 +311,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True):
 
 CoreInput = (
     EngineCoreRequest | AbortRequests | GetStats | GetExpertLoad | GetModelInfo | Shutdown
-    | Heartbeat
+    | Heartbeat | ControlInput
 )
 
 # ---------------------------------------------------------------------- outputs
@@ -373,9 +380,9 @@ class ModelInfoReply(msgspec.Struct, tag="info_reply", array_like=True):
 
 CoreOutput = (
     StartupProgress | Ready | StartupFailed | EngineCoreOutputs | AddError | Fatal | StatsReply
-    | ExpertLoadReply | ModelInfoReply
+    | ExpertLoadReply | ModelInfoReply | ControlReply
 )
-Reply = StatsReply | ExpertLoadReply | ModelInfoReply
+Reply = StatsReply | ExpertLoadReply | ModelInfoReply | ControlReply
 
 # ---------------------------------------------------------------------- codec
 

@@ -46,6 +46,7 @@ from tqdm import tqdm
 
 from moe_engine.config import EngineConfig, default_threads
 from moe_engine.engine import core_proc
+from moe_engine.engine.control import ControlInput, ControlReply, merge_replies
 from moe_engine.engine.device import engine_device
 from moe_engine.engine.messages import (
     AbortRequests,
@@ -92,7 +93,9 @@ class RankReport:
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     add_errors: list[AddError] = field(default_factory=list)
-    replies: dict[int, CoreStats | ExpertLoad | ModelInfo] = field(default_factory=dict)
+    replies: dict[int, CoreStats | ExpertLoad | ModelInfo | ControlReply] = field(
+        default_factory=dict
+    )
     busy: bool = False
     step: Any = None  # this rank's StepRecord when an expert trace is written
 
@@ -238,6 +241,8 @@ class LockstepLoop:
             if isinstance(message, GetStats | GetExpertLoad | GetModelInfo):
                 answers: list[Any] = [r.replies[message.reply_id] for r in reports]
                 self._send(_reply(message, answers))
+            elif isinstance(message, ControlInput):
+                self._send(merge_replies([r.replies[message.reply_id] for r in reports]))
 
     def _send(self, message: CoreOutput) -> None:
         assert self.outputs is not None
@@ -261,9 +266,20 @@ class LockstepLoop:
                 report.replies[rid] = core.get_expert_load()
             case GetModelInfo(reply_id=rid):
                 report.replies[rid] = core_proc.model_info_of(core)
+            case _ if isinstance(message, ControlInput):
+                reply, outputs = core.rollout.handle(message, agree=self._agree)
+                report.replies[message.reply_id] = reply
+                report.outputs.extend(outputs)
             case Shutdown():
                 return True
         return False
+
+    def _agree(self, ok: bool) -> bool:
+        """True when every rank is `ok` (an all-reduce MAX of a refusal flag on the control
+        group): a weight update commits on all ranks or on none."""
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return int(flag.item()) == 0
 
     def unresponsive_ranks(self, rank_pids: list[int]) -> str:
         """After a failed collective: which ranks no longer answer, as text for the error.

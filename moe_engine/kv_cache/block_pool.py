@@ -111,6 +111,15 @@ class BlockPool:
         if block is not None:
             self._block_key[block] = None
 
+    def clear_cache(self) -> int:
+        """Empty the prefix-cache map (every block stays where it is, in use or free, but can
+        no longer be found); returns how many blocks it held."""
+        n = len(self._cached)
+        for block in self._cached.values():
+            self._block_key[block] = None
+        self._cached.clear()
+        return n
+
     def get_cached_block(self, key: Hashable) -> int | None:
         """The block cached under `key`, or None."""
         return self._cached.get(key)

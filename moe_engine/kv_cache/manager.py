@@ -124,6 +124,10 @@ class KVCacheManager:
         #: Tokens looked up in the prefix cache by admitted requests, and tokens found there.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        #: The parent hash of every new hash chain: `ROOT_BLOCK_HASH`, re-derived by each
+        #: `reset_prefix_cache` so that no chain begun before it matches one begun after.
+        self._root = ROOT_BLOCK_HASH
+        self._num_resets = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -178,12 +182,21 @@ class KVCacheManager:
         if hashes:
             parent = hashes[-1]
         elif salt is None:
-            parent = ROOT_BLOCK_HASH
+            parent = self._root
         else:
-            parent = hash_block_tokens(ROOT_BLOCK_HASH, (), ("cache_salt", salt))
+            parent = hash_block_tokens(self._root, (), ("cache_salt", salt))
         for i in range(len(hashes), len(ids) // bs):
             parent = hash_block_tokens(parent, ids[i * bs : (i + 1) * bs])
             hashes.append(parent)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (new weights: the K/V in them is stale); returns how
+        many blocks the map held. Requests still running keep their blocks; the hash chains
+        of their later blocks continue from before the reset, and a request admitted after
+        it starts a new chain, so it never finds K/V computed before the reset."""
+        self._num_resets += 1
+        self._root = hash_block_tokens(ROOT_BLOCK_HASH, (), ("reset", self._num_resets))
+        return self.pool.clear_cache()
 
     def forget_prefix(self, request: Request) -> None:
         """Take a salted request's prompt blocks out of the prefix-cache map (when its last

@@ -197,6 +197,20 @@ class WeightLoader:
             names.append(self.mapping.checkpoint_name(piece))
         return names
 
+    def match_expert(self, name: str) -> re.Match | None:
+        """A per-expert weight's (renamed) name matched: (block, expert id, checkpoint
+        projection name), else None."""
+        return self._expert.match(name)
+
+    def match_fused(self, name: str) -> re.Match | None:
+        """An all-experts tensor's (renamed) name matched: (block, projection, suffix or
+        None), else None (the block may still not be a `FusedMoE`)."""
+        return self._fused.match(name)
+
+    def shard_of(self, projection: str) -> str:
+        """"gate" | "up" | "down" for a checkpoint projection name (`ExpertMapping`)."""
+        return self._shard[projection]
+
     def wants(self, name: str) -> bool:
         """False for a per-expert checkpoint tensor of an expert this rank does not hold (or
         of a block that is not a `FusedMoE`), and for a tensor of a layer beyond the model's

@@ -251,6 +251,25 @@ class QuantizedExperts(nn.Module):
         self._hold(Mxfp4Experts(w13_blocks, w13_scales, w2_blocks, w2_scales))
         return self
 
+    @classmethod
+    def from_layout(
+        cls,
+        weights: Int4Experts | Mxfp4Experts,
+        *,
+        activation: SwiGLU = SILU_AND_MUL,
+        b13: torch.Tensor | None = None,
+        b2: torch.Tensor | None = None,
+    ) -> QuantizedExperts:
+        """Experts over weights already in the canonical layout (a weight update's
+        re-quantized copy, `moe_engine.weight_update.staging`), held as they are."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.method = "int4" if isinstance(weights, Int4Experts) else "mxfp4"
+        self.group_size = weights.group_size
+        self.activation, self.b13, self.b2 = activation, b13, b2
+        self._hold(weights)
+        return self
+
     @staticmethod
     def _quantize_mxfp4(name: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if w.shape[-1] % MXFP4_BLOCK_SIZE:
