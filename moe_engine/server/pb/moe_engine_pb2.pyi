@@ -75,7 +75,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "usage", "logprobs", "index")
+    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "usage", "logprobs", "index", "weight_version")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class GenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -92,7 +93,8 @@ class GenerateResponse(_message.Message):
     usage: Usage
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     index: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
+    weight_version: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ..., weight_version: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -113,7 +115,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "architecture", "dtype", "vocab_size", "max_model_len", "num_layers", "num_experts", "num_experts_per_tok", "hidden_size", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "ep_size", "has_tokenizer", "weight_bytes_experts", "weight_bytes_attention", "weight_bytes_embeddings", "weight_bytes_other", "expert_weight_format", "expert_group_size", "expert_checkpoint_format", "expert_zero_points", "device", "kernel_backends", "experts_per_rank")
+    __slots__ = ("model", "architecture", "dtype", "vocab_size", "max_model_len", "num_layers", "num_experts", "num_experts_per_tok", "hidden_size", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "ep_size", "has_tokenizer", "weight_bytes_experts", "weight_bytes_attention", "weight_bytes_embeddings", "weight_bytes_other", "expert_weight_format", "expert_group_size", "expert_checkpoint_format", "expert_zero_points", "device", "kernel_backends", "experts_per_rank", "weight_version")
     class KernelBackendsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +149,7 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     KERNEL_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_PER_RANK_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     dtype: str
@@ -173,7 +176,8 @@ class ModelInfo(_message.Message):
     device: str
     kernel_backends: _containers.ScalarMap[str, str]
     experts_per_rank: _containers.RepeatedCompositeFieldContainer[RankExperts]
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., hidden_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., ep_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., weight_bytes_experts: _Optional[int] = ..., weight_bytes_attention: _Optional[int] = ..., weight_bytes_embeddings: _Optional[int] = ..., weight_bytes_other: _Optional[int] = ..., expert_weight_format: _Optional[str] = ..., expert_group_size: _Optional[int] = ..., expert_checkpoint_format: _Optional[str] = ..., expert_zero_points: _Optional[bool] = ..., device: _Optional[str] = ..., kernel_backends: _Optional[_Mapping[str, str]] = ..., experts_per_rank: _Optional[_Iterable[_Union[RankExperts, _Mapping]]] = ...) -> None: ...
+    weight_version: str
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., hidden_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., ep_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., weight_bytes_experts: _Optional[int] = ..., weight_bytes_attention: _Optional[int] = ..., weight_bytes_embeddings: _Optional[int] = ..., weight_bytes_other: _Optional[int] = ..., expert_weight_format: _Optional[str] = ..., expert_group_size: _Optional[int] = ..., expert_checkpoint_format: _Optional[str] = ..., expert_zero_points: _Optional[bool] = ..., device: _Optional[str] = ..., kernel_backends: _Optional[_Mapping[str, str]] = ..., experts_per_rank: _Optional[_Iterable[_Union[RankExperts, _Mapping]]] = ..., weight_version: _Optional[str] = ...) -> None: ...
 
 class RankExperts(_message.Message):
     __slots__ = ("experts",)
@@ -318,3 +322,95 @@ class ExpertLoad(_message.Message):
     ep_size: int
     window_steps: int
     def __init__(self, layers: _Optional[_Iterable[_Union[LayerExpertLoad, _Mapping]]] = ..., ep_size: _Optional[int] = ..., window_steps: _Optional[int] = ...) -> None: ...
+
+class PauseGenerationRequest(_message.Message):
+    __slots__ = ("mode",)
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    def __init__(self, mode: _Optional[str] = ...) -> None: ...
+
+class ResumeGenerationRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TensorMeta(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class UpdateWeightsFromDisk(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class UpdateWeightsFromDistributed(_message.Message):
+    __slots__ = ("tensors", "group_name", "bucket_bytes")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    group_name: str
+    bucket_bytes: int
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., group_name: _Optional[str] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("weight_version", "from_disk", "from_distributed", "flush_cache")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FROM_DISK_FIELD_NUMBER: _ClassVar[int]
+    FROM_DISTRIBUTED_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_CACHE_FIELD_NUMBER: _ClassVar[int]
+    weight_version: str
+    from_disk: UpdateWeightsFromDisk
+    from_distributed: UpdateWeightsFromDistributed
+    flush_cache: bool
+    def __init__(self, weight_version: _Optional[str] = ..., from_disk: _Optional[_Union[UpdateWeightsFromDisk, _Mapping]] = ..., from_distributed: _Optional[_Union[UpdateWeightsFromDistributed, _Mapping]] = ..., flush_cache: _Optional[bool] = ...) -> None: ...
+
+class InitWeightUpdateGroupRequest(_message.Message):
+    __slots__ = ("master_address", "master_port", "rank_offset", "world_size", "backend", "group_name", "timeout_s")
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    backend: str
+    group_name: str
+    timeout_s: float
+    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., group_name: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class DestroyWeightUpdateGroupRequest(_message.Message):
+    __slots__ = ("group_name",)
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    group_name: str
+    def __init__(self, group_name: _Optional[str] = ...) -> None: ...
+
+class WeightControlResponse(_message.Message):
+    __slots__ = ("weight_version", "paused", "num_aborted", "num_kept", "num_retracted", "num_tensors", "num_bytes", "seconds")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    NUM_ABORTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_KEPT_FIELD_NUMBER: _ClassVar[int]
+    NUM_RETRACTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    weight_version: str
+    paused: bool
+    num_aborted: int
+    num_kept: int
+    num_retracted: int
+    num_tensors: int
+    num_bytes: int
+    seconds: float
+    def __init__(self, weight_version: _Optional[str] = ..., paused: _Optional[bool] = ..., num_aborted: _Optional[int] = ..., num_kept: _Optional[int] = ..., num_retracted: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...

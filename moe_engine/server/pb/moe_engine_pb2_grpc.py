@@ -59,6 +59,31 @@ class MoeEngineStub:
                 request_serializer=moe__engine__pb2.GetExpertLoadRequest.SerializeToString,
                 response_deserializer=moe__engine__pb2.ExpertLoad.FromString,
                 _registered_method=True)
+        self.PauseGeneration = channel.unary_unary(
+                '/moe_engine.v1.MoeEngine/PauseGeneration',
+                request_serializer=moe__engine__pb2.PauseGenerationRequest.SerializeToString,
+                response_deserializer=moe__engine__pb2.WeightControlResponse.FromString,
+                _registered_method=True)
+        self.ResumeGeneration = channel.unary_unary(
+                '/moe_engine.v1.MoeEngine/ResumeGeneration',
+                request_serializer=moe__engine__pb2.ResumeGenerationRequest.SerializeToString,
+                response_deserializer=moe__engine__pb2.WeightControlResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeights = channel.unary_unary(
+                '/moe_engine.v1.MoeEngine/UpdateWeights',
+                request_serializer=moe__engine__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=moe__engine__pb2.WeightControlResponse.FromString,
+                _registered_method=True)
+        self.InitWeightUpdateGroup = channel.unary_unary(
+                '/moe_engine.v1.MoeEngine/InitWeightUpdateGroup',
+                request_serializer=moe__engine__pb2.InitWeightUpdateGroupRequest.SerializeToString,
+                response_deserializer=moe__engine__pb2.WeightControlResponse.FromString,
+                _registered_method=True)
+        self.DestroyWeightUpdateGroup = channel.unary_unary(
+                '/moe_engine.v1.MoeEngine/DestroyWeightUpdateGroup',
+                request_serializer=moe__engine__pb2.DestroyWeightUpdateGroupRequest.SerializeToString,
+                response_deserializer=moe__engine__pb2.WeightControlResponse.FromString,
+                _registered_method=True)
 
 
 class MoeEngineServicer:
@@ -100,6 +125,48 @@ class MoeEngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PauseGeneration(self, request, context):
+        """RL rollouts (SGLang's pause_generation / update_weights_from_disk /
+        update_weights_from_distributed). Administrative: with --api-key they need the key like
+        every call. Stop stepping; mode says what happens to the requests in flight.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeGeneration(self, request, context):
+        """Step again (a no-op when not paused).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeights(self, request, context):
+        """Replace weights, atomically: every tensor's name, dtype and shape is checked against the
+        model before any weight changes; a refused or failed update changes nothing
+        (INVALID_ARGUMENT: a bad name, shape or dtype; UNAVAILABLE: the trainer or the group failed
+        mid-transfer). Afterwards every response carries the new weight_version and the prefix
+        cache is flushed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InitWeightUpdateGroup(self, request, context):
+        """Join a trainer's torch.distributed group (moe_engine.rl.WeightSync creates it); returns
+        once every member joined.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DestroyWeightUpdateGroup(self, request, context):
+        """Leave it (a no-op when not joined).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MoeEngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +194,31 @@ def add_MoeEngineServicer_to_server(servicer, server):
                     servicer.GetExpertLoad,
                     request_deserializer=moe__engine__pb2.GetExpertLoadRequest.FromString,
                     response_serializer=moe__engine__pb2.ExpertLoad.SerializeToString,
+            ),
+            'PauseGeneration': grpc.unary_unary_rpc_method_handler(
+                    servicer.PauseGeneration,
+                    request_deserializer=moe__engine__pb2.PauseGenerationRequest.FromString,
+                    response_serializer=moe__engine__pb2.WeightControlResponse.SerializeToString,
+            ),
+            'ResumeGeneration': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeGeneration,
+                    request_deserializer=moe__engine__pb2.ResumeGenerationRequest.FromString,
+                    response_serializer=moe__engine__pb2.WeightControlResponse.SerializeToString,
+            ),
+            'UpdateWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=moe__engine__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=moe__engine__pb2.WeightControlResponse.SerializeToString,
+            ),
+            'InitWeightUpdateGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.InitWeightUpdateGroup,
+                    request_deserializer=moe__engine__pb2.InitWeightUpdateGroupRequest.FromString,
+                    response_serializer=moe__engine__pb2.WeightControlResponse.SerializeToString,
+            ),
+            'DestroyWeightUpdateGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.DestroyWeightUpdateGroup,
+                    request_deserializer=moe__engine__pb2.DestroyWeightUpdateGroupRequest.FromString,
+                    response_serializer=moe__engine__pb2.WeightControlResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +356,141 @@ class MoeEngine:
             '/moe_engine.v1.MoeEngine/GetExpertLoad',
             moe__engine__pb2.GetExpertLoadRequest.SerializeToString,
             moe__engine__pb2.ExpertLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PauseGeneration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moe_engine.v1.MoeEngine/PauseGeneration',
+            moe__engine__pb2.PauseGenerationRequest.SerializeToString,
+            moe__engine__pb2.WeightControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeGeneration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moe_engine.v1.MoeEngine/ResumeGeneration',
+            moe__engine__pb2.ResumeGenerationRequest.SerializeToString,
+            moe__engine__pb2.WeightControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moe_engine.v1.MoeEngine/UpdateWeights',
+            moe__engine__pb2.UpdateWeightsRequest.SerializeToString,
+            moe__engine__pb2.WeightControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InitWeightUpdateGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moe_engine.v1.MoeEngine/InitWeightUpdateGroup',
+            moe__engine__pb2.InitWeightUpdateGroupRequest.SerializeToString,
+            moe__engine__pb2.WeightControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DestroyWeightUpdateGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moe_engine.v1.MoeEngine/DestroyWeightUpdateGroup',
+            moe__engine__pb2.DestroyWeightUpdateGroupRequest.SerializeToString,
+            moe__engine__pb2.WeightControlResponse.FromString,
             options,
             channel_credentials,
             insecure,
