@@ -420,3 +420,26 @@ def dequantized_experts_copy(ckpt: Path, root: Path, method: str, group_size: in
             tensors[name] = dequantize_mxfp4(*quantize_mxfp4(w), dtype=w.dtype)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     return out
+
+
+def perturbed_checkpoint(ckpt: Path, root: Path, *, seed: int = 1, scale: float = 0.05,
+                         only: tuple[str, ...] | None = None) -> Path:
+    """A copy of `ckpt` (saved by transformers, float32) whose parameters each have
+    `scale * randn` added under `torch.manual_seed(seed)`: the "next RL step" of a weight
+    update. With `only`, just the parameters whose names contain one of those substrings
+    change (a partial update); the file then holds every tensor still, so tests pick the
+    changed ones themselves. Reused when it exists."""
+    from transformers import AutoModelForCausalLM
+
+    tag = "all" if only is None else "-".join(o.strip(".").replace(".", "_") for o in only)
+    path = Path(root) / f"{Path(ckpt).name}-perturbed-s{seed}-{tag}"
+    if (path / "config.json").is_file():
+        return path
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if only is None or any(o in name for o in only):
+                p.add_(torch.randn_like(p) * scale)
+    model.save_pretrained(path)
+    return path

@@ -199,11 +199,10 @@ class RolloutControl:
         if msg.source not in WEIGHT_SOURCES:
             raise WeightUpdateError("source", f"source: {msg.source!r} is not one of "
                                               f"{', '.join(WEIGHT_SOURCES)}")
-        if not msg.weight_version:
-            raise WeightUpdateError("weight_version", "weight_version: must not be empty")
         core = self.core
         staged = StagedWeights(core.model, core.weight_dtype, core.dtype)
         if msg.source == "disk":
+            _check_version(msg)
             disk = DiskUpdate(msg.path, core.architecture)
             targets = resolve_targets(core.model, disk.metas)
             index = {m.name: i for i, m in enumerate(disk.metas)}
@@ -224,6 +223,7 @@ class RolloutControl:
                                                   f"{msg.group_name!r} is joined "
                                                   f"(InitWeightUpdateGroup first)")
         try:
+            _check_version(msg)
             self._targets = resolve_targets(self.core.model, msg.tensors)
             layout = bucket_layout(msg.tensors, msg.bucket_bytes)
         except (WeightUpdateError, ValueError) as exc:
@@ -252,3 +252,8 @@ class RolloutControl:
                 f"{first[:300]} (the group is left; InitWeightUpdateGroup again)",
             ) from None
 
+
+
+def _check_version(msg: UpdateWeights) -> None:
+    if not msg.weight_version:
+        raise WeightUpdateError("weight_version", "weight_version: must not be empty")
