@@ -3,7 +3,7 @@
 `start` spawns the core process (`core_proc.run_engine_core`, multiprocessing spawn) and waits
 until it reports the model loaded, keeping what it reports meanwhile in `startup_status`;
 `generate` streams one request's outputs; `abort`, `get_stats` and `model_info` serve the other
-RPCs. Requests are validated here first (the limits come with Ready), so most bad requests never
+RPCs, and `control` the RL rollout ones (pause, resume, weight updates: `control.py`). Requests are validated here first (the limits come with Ready), so most bad requests never
 reach the step loop. The messages are the typed structs of `messages.py`. From the start a
 heartbeat goes out every second on a socket of its own, so that a core whose front end is gone
 or hangs exits by itself (`monitor.py`).
@@ -26,14 +26,16 @@ import signal
 import tempfile
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from moe_engine.config import EngineConfig
 from moe_engine.engine import core_proc
+from moe_engine.engine.control import ControlInput, ControlReply
 from moe_engine.engine.messages import (
     AbortRequests,
     AddError,
@@ -416,20 +418,52 @@ class EngineClient:
         assert isinstance(reply, ModelInfoReply)
         return reply.info
 
-    async def _request_reply(
-        self, query: type[GetStats | GetExpertLoad | GetModelInfo], timeout_s: float
-    ) -> Any:
+    async def control(
+        self, make: Callable[[int], ControlInput], timeout_s: float
+    ) -> ControlReply:
+        """Send one RL control message and wait for its answer (`control.py`: pause, resume,
+        join or leave a weight-update group, new weights).
+
+        Args:
+            make: builds the message from its reply id, e.g.
+                `lambda rid: UpdateWeights(rid, "step-3", "disk", path=...)`.
+            timeout_s: how long to wait for the answer (seconds); an update may take minutes.
+                When it passes the core still finishes what it started (the answer is dropped).
+
+        Returns:
+            The core's reply; a refusal has `code` set (with `field` and `message`), and the
+            caller reports it. `model_info.weight_version` follows every reply's version.
+
+        Raises:
+            RequestError: UNAVAILABLE when the core is down or does not answer in time.
+        """
+        reply = await self._request_reply(make, timeout_s)
+        assert isinstance(reply, ControlReply)
+        info = self.model_info
+        if info is not None and reply.weight_version and (
+            reply.weight_version != info.weight_version
+        ):
+            self.model_info = msgspec.structs.replace(info, weight_version=reply.weight_version)
+        return reply
+
+    async def _request_reply(self, make: Callable[[int], CoreInput], timeout_s: float) -> Any:
+        """Send `make(reply_id)` and wait up to `timeout_s` for the reply with that id.
+
+        Raises:
+            RequestError: UNAVAILABLE when the core is down, unreachable or silent too long.
+        """
         self._check_alive()
         reply_id = next(self._reply_ids)
+        message = make(reply_id)
         future = asyncio.get_running_loop().create_future()
         self._replies[reply_id] = future
-        self._send(query(reply_id))
         try:
+            self._send(message)
             return await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
             raise RequestError(
                 ErrorCode.UNAVAILABLE, "engine",
-                f"engine core did not answer {query.__name__} within {timeout_s:.0f} s",
+                f"engine core did not answer {type(message).__name__} within {timeout_s:.0f} s",
             ) from None
         finally:
             self._replies.pop(reply_id, None)
@@ -484,7 +518,7 @@ class EngineClient:
                 queue = self._streams.get(rid)
                 if queue is not None:
                     queue.put_nowait(RequestError(code, field, text))
-            case StatsReply() | ExpertLoadReply() | ModelInfoReply():
+            case StatsReply() | ExpertLoadReply() | ModelInfoReply() | ControlReply():
                 future = self._replies.get(message.reply_id)
                 if future is not None and not future.done():
                     future.set_result(message)

@@ -211,6 +211,7 @@ class EngineCore:
             self.tokenizer, self.vocab_size, self.eos_token_ids
         )
         capture = graph_capture or CudaGraphCapture()
+        self._graph_capture = capture
         graphs_off = graphs_off_reason(
             self.device, enforce_eager=config.device.enforce_eager, kernels=self.kernels,
             kv_kinds=[g.spec.kind for g in kv_groups]
@@ -293,6 +294,15 @@ class EngineCore:
             ) from exc
         self.timer.reset()
         logger.info("%s", graphs.describe())
+
+    def recapture_graphs(self) -> None:
+        """Capture the decode graphs again, at the same sizes (after a weight update: the
+        captured graphs read the old tensors' addresses); a no-op without graphs."""
+        graphs = self.runner.decode_graphs
+        if graphs is not None:
+            self.runner.capture_decode_graphs(graphs.sizes, self.max_model_len,
+                                              self._graph_capture)
+            logger.info("CUDA graphs captured again for the new weights: %s", graphs.sizes)
 
     def add_request(
         self,

@@ -168,6 +168,7 @@ class RolloutControl:
             staged.commit(self.core.kernels)
         except WeightUpdateError as exc:
             return self._refusal(msg, exc)
+        self.core.recapture_graphs()
         dropped = self.core.kv.reset_prefix_cache() if msg.flush_cache else 0
         old, self.weight_version = self.weight_version, msg.weight_version
         seconds = time.perf_counter() - start
@@ -200,7 +201,7 @@ class RolloutControl:
             raise WeightUpdateError("source", f"source: {msg.source!r} is not one of "
                                               f"{', '.join(WEIGHT_SOURCES)}")
         core = self.core
-        staged = StagedWeights(core.model, core.weight_dtype, core.dtype)
+        staged = StagedWeights(core.model, core.weight_dtype, core.dtype, core.device)
         if msg.source == "disk":
             _check_version(msg)
             disk = DiskUpdate(msg.path, core.architecture)

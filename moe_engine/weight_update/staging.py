@@ -48,13 +48,16 @@ class StagedWeights:
         model: the serving model (this rank's experts).
         weight_dtype: the checkpoint dtype weights are rounded to (`--dtype`).
         compute_dtype: the model's parameter dtype (float32 where the CPU lacks bf16 math).
+        device: where the model's weights are (staged tensors are made there).
     """
 
     def __init__(
-        self, model: MoeCausalLM, weight_dtype: torch.dtype, compute_dtype: torch.dtype
+        self, model: MoeCausalLM, weight_dtype: torch.dtype, compute_dtype: torch.dtype,
+        device: torch.device | None = None,
     ) -> None:
         self.model = model
         self.weight_dtype, self.compute_dtype = weight_dtype, compute_dtype
+        self.device = device or torch.device("cpu")
         self.loader = WeightLoader(model)
         self.keep_float32 = model.float32_weight_names()
         #: parameter name -> its whole new value (float blocks' w13/w2/b13/b2 included)
@@ -99,7 +102,7 @@ class StagedWeights:
         mine = tensor[moe.local_experts]
         if target.kind in ("_blocks", "_scales"):
             parts = self.packed.setdefault(target.block, {})
-            parts[(target.shard, target.kind[1:])] = mine.contiguous()
+            parts[(target.shard, target.kind[1:])] = mine.to(self.device).contiguous()
             return
         if target.kind == "_bias":
             name = f"{target.block}.{'b13' if target.shard == 'gate_up' else 'b2'}"
@@ -137,9 +140,9 @@ class StagedWeights:
     def _cast(self, name: str | None, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A new tensor: rounded as the startup loader rounds checkpoint tensors, in `dtype`."""
         if not tensor.is_floating_point():
-            return tensor.clone()
+            return tensor.to(self.device, copy=True)
         stored = torch.float32 if name in self.keep_float32 else self.weight_dtype
-        return tensor.to(stored).to(dtype, copy=True)
+        return tensor.to(self.device, stored).to(dtype, copy=True)
 
     # ------------------------------------------------------------------ commit
 
