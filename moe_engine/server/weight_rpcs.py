@@ -1,0 +1,292 @@
+"""The RL rollout RPCs of the gRPC servicer: PauseGeneration, ResumeGeneration, UpdateWeights,
+InitWeightUpdateGroup, DestroyWeightUpdateGroup (SGLang's pause_generation /
+update_weights_from_disk / update_weights_from_distributed; semantics in
+`moe_engine.weight_update.control`).
+
+Each request is checked here first for what needs no model (a pause mode, a required
+weight_version, a port, ranks that fit the group), then converted to its control message
+(`engine.control`) and sent to the core through `EngineClient.control`; the core's refusal (a
+tensor of the wrong shape, a name the model lacks, a folder that is not a checkpoint) becomes the
+gRPC status of the same name with the message naming the tensor or field, and that field in the
+trailing metadata `moe-field`, as every other refusal of the servicer. A refused update changed
+nothing. The checks and conversions are module functions, so the HTTP admin endpoints share them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import grpc
+
+from moe_engine.engine.client import EngineClient
+from moe_engine.engine.control import (
+    PAUSE_MODES,
+    ControlInput,
+    ControlReply,
+    DestroyWeightUpdateGroup,
+    InitWeightUpdateGroup,
+    PauseGeneration,
+    ResumeGeneration,
+    TensorMeta,
+    UpdateWeights,
+)
+from moe_engine.errors import ErrorCode, RequestError
+from moe_engine.server.interceptors import FIELD_METADATA_KEY
+from moe_engine.server.pb import moe_engine_pb2 as pb
+from moe_engine.weight_update.group import BACKENDS
+
+#: How long the front end waits for the core to answer a pause or resume (seconds).
+PAUSE_TIMEOUT_S = 30.0
+#: ... an update or a group join (seconds; a join waits for every member, up to its own
+#: timeout_s, and a big update reads or receives gigabytes).
+UPDATE_TIMEOUT_S = 600.0
+#: Beyond a join's own timeout_s, how long the front end waits for its answer (seconds).
+JOIN_SLACK_S = 60.0
+#: Defaults of the proto's unset fields (the control messages' own).
+DEFAULT_MODE = "keep"
+DEFAULT_GROUP = "weight_update"
+DEFAULT_BACKEND = "gloo"
+DEFAULT_JOIN_TIMEOUT_S = 60.0
+#: Longest weight_version accepted (characters): every later response carries it.
+MAX_WEIGHT_VERSION_CHARS = 256
+_PORT_MAX = 65535
+
+
+def _invalid(field: str, message: str) -> RequestError:
+    return RequestError(ErrorCode.INVALID_ARGUMENT, field, message)
+
+
+def check_mode(mode: str) -> str:
+    """The pause mode (`DEFAULT_MODE` when empty).
+
+    Raises:
+        RequestError: INVALID_ARGUMENT ("mode") for a mode not in abort, keep, retract.
+    """
+    mode = mode or DEFAULT_MODE
+    if mode not in PAUSE_MODES:
+        raise _invalid("mode", f"mode: {mode!r} is not one of {', '.join(PAUSE_MODES)}")
+    return mode
+
+
+def check_weight_version(version: str) -> str:
+    """`version` if it can name the weights.
+
+    Raises:
+        RequestError: INVALID_ARGUMENT ("weight_version") when empty or too long.
+    """
+    if not version:
+        raise _invalid(
+            "weight_version",
+            "weight_version: required (the version every later response carries), got ''",
+        )
+    if len(version) > MAX_WEIGHT_VERSION_CHARS:
+        raise _invalid(
+            "weight_version",
+            f"weight_version: {len(version)} characters, at most {MAX_WEIGHT_VERSION_CHARS}",
+        )
+    return version
+
+
+def disk_update(reply_id: int, path: str, weight_version: str, flush_cache: bool
+                ) -> UpdateWeights:
+    """The UpdateWeights message of an update from the checkpoint folder `path`.
+
+    Raises:
+        RequestError: INVALID_ARGUMENT naming weight_version or path (empty).
+    """
+    check_weight_version(weight_version)
+    if not path:
+        raise _invalid("path", "path: required (a checkpoint folder on the server), got ''")
+    return UpdateWeights(reply_id, weight_version, "disk", path=path, flush_cache=flush_cache)
+
+
+def update_message(request: pb.UpdateWeightsRequest) -> Callable[[int], UpdateWeights]:
+    """The UpdateWeights message `request` describes (as a factory of its reply id).
+
+    Raises:
+        RequestError: INVALID_ARGUMENT naming the field: weight_version empty, no source,
+            no path, no tensors, a negative dimension.
+    """
+    version = check_weight_version(request.weight_version)
+    flush = request.flush_cache if request.HasField("flush_cache") else True
+    source = request.WhichOneof("source")
+    if source == "from_disk":
+        path = request.from_disk.path
+        disk_update(0, path, version, flush)  # the checks
+        return lambda rid: disk_update(rid, path, version, flush)
+    if source == "from_distributed":
+        dist = request.from_distributed
+        if not dist.tensors:
+            raise _invalid("tensors", "tensors: from_distributed names no tensor")
+        tensors = []
+        for meta in dist.tensors:
+            if not meta.name:
+                raise _invalid("tensors", "tensors: a tensor has no name")
+            if any(d < 0 for d in meta.shape):
+                raise _invalid(meta.name, f"tensor {meta.name!r}: shape {list(meta.shape)} has "
+                                          f"a negative dimension")
+            tensors.append(TensorMeta(meta.name, meta.dtype, list(meta.shape)))
+        group, bucket = dist.group_name or DEFAULT_GROUP, dist.bucket_bytes
+        return lambda rid: UpdateWeights(rid, version, "distributed", tensors=tensors,
+                                         group_name=group, bucket_bytes=bucket,
+                                         flush_cache=flush)
+    raise _invalid("source", "source: set from_disk (a checkpoint folder) or from_distributed "
+                             "(tensors a trainer broadcasts)")
+
+
+def join_message(request: pb.InitWeightUpdateGroupRequest, ep_size: int
+                 ) -> Callable[[int], InitWeightUpdateGroup]:
+    """The InitWeightUpdateGroup message `request` describes (a factory of its reply id); the
+    engine's `ep_size` ranks take ranks rank_offset .. rank_offset + ep_size - 1.
+
+    Raises:
+        RequestError: INVALID_ARGUMENT naming the field: no master_address, a port outside
+            1..65535, world_size < 2, ranks outside [1, world_size), an unknown backend, a
+            timeout that is not a positive number.
+    """
+    r = request
+    if not r.master_address:
+        raise _invalid("master_address", "master_address: required (the trainer's TCPStore "
+                                         "host), got ''")
+    if not 1 <= r.master_port <= _PORT_MAX:
+        raise _invalid("master_port", f"master_port: must be in 1..{_PORT_MAX}, got "
+                                      f"{r.master_port}")
+    if r.world_size < 2:
+        raise _invalid("world_size", f"world_size: must be >= 2 (the trainer and this engine's "
+                                     f"{ep_size} rank(s)), got {r.world_size}")
+    last = r.rank_offset + ep_size - 1
+    if r.rank_offset < 1 or last > r.world_size - 1:
+        span = f"{r.rank_offset}" if ep_size == 1 else f"{r.rank_offset}..{last}"
+        raise _invalid("rank_offset", f"rank_offset: this engine's {ep_size} rank(s) would be "
+                                      f"rank {span}, outside [1, {r.world_size - 1}] (rank 0 is "
+                                      f"the trainer; world_size {r.world_size})")
+    backend = r.backend or DEFAULT_BACKEND
+    if backend not in BACKENDS:
+        raise _invalid("backend", f"backend: {backend!r} is not one of {', '.join(BACKENDS)}")
+    timeout = r.timeout_s or DEFAULT_JOIN_TIMEOUT_S
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise _invalid("timeout_s", f"timeout_s: must be a finite number of seconds > 0, got "
+                                    f"{r.timeout_s}")
+    address, port, offset, world = r.master_address, r.master_port, r.rank_offset, r.world_size
+    group = r.group_name or DEFAULT_GROUP
+    return lambda rid: InitWeightUpdateGroup(rid, address, port, offset, world, backend, group,
+                                             timeout)
+
+
+def check_reply(reply: ControlReply) -> ControlReply:
+    """`reply` when the core did what was asked.
+
+    Raises:
+        RequestError: the core's refusal (its code, field and message).
+    """
+    if reply.code is not None:
+        raise RequestError(reply.code, reply.field, reply.message)
+    return reply
+
+
+def response_of(reply: ControlReply) -> pb.WeightControlResponse:
+    """The WeightControlResponse of a reply, field by field."""
+    return pb.WeightControlResponse(
+        weight_version=reply.weight_version,
+        paused=reply.paused,
+        num_aborted=reply.num_aborted,
+        num_kept=reply.num_kept,
+        num_retracted=reply.num_retracted,
+        num_tensors=reply.num_tensors,
+        num_bytes=reply.num_bytes,
+        seconds=reply.seconds,
+    )
+
+
+async def abort_rpc(context: grpc.aio.ServicerContext, exc: RequestError) -> None:
+    """End the RPC with the status named as `exc.code` and `exc.field` in `moe-field` (the
+    servicer's own `_abort`; raises grpc's AbortError)."""
+    status = getattr(grpc.StatusCode, exc.code.name, grpc.StatusCode.INTERNAL)
+    await context.abort(status, exc.message, trailing_metadata=((FIELD_METADATA_KEY, exc.field),))
+
+
+class WeightControlRpcs:
+    """The five RL rollout RPCs, mixed into `MoeEngineServicer` (which provides `engine` and
+    `_check_ready`). Pause, update and join need a serving engine; resume and leaving a group
+    are also served while the server drains (so paused requests can finish)."""
+
+    engine: EngineClient
+
+    def _check_ready(self, draining_ok: bool = False) -> None:  # pragma: no cover - servicer's
+        raise NotImplementedError
+
+    async def PauseGeneration(  # noqa: N802 - gRPC method name
+        self, request: pb.PauseGenerationRequest, context: grpc.aio.ServicerContext
+    ) -> pb.WeightControlResponse:
+        async def call() -> ControlReply:
+            self._check_ready()
+            mode = check_mode(request.mode)
+            return await self.engine.control(lambda rid: PauseGeneration(rid, mode),
+                                             PAUSE_TIMEOUT_S)
+
+        return await self._answer(context, call)
+
+    async def ResumeGeneration(  # noqa: N802
+        self, request: pb.ResumeGenerationRequest, context: grpc.aio.ServicerContext
+    ) -> pb.WeightControlResponse:
+        async def call() -> ControlReply:
+            self._check_ready(draining_ok=True)
+            return await self.engine.control(ResumeGeneration, PAUSE_TIMEOUT_S)
+
+        return await self._answer(context, call)
+
+    async def UpdateWeights(  # noqa: N802
+        self, request: pb.UpdateWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.WeightControlResponse:
+        async def call() -> ControlReply:
+            self._check_ready()
+            return await self.engine.control(update_message(request), UPDATE_TIMEOUT_S)
+
+        return await self._answer(context, call)
+
+    async def InitWeightUpdateGroup(  # noqa: N802
+        self, request: pb.InitWeightUpdateGroupRequest, context: grpc.aio.ServicerContext
+    ) -> pb.WeightControlResponse:
+        async def call() -> ControlReply:
+            self._check_ready()
+            info = self.engine.model_info
+            make = join_message(request, info.ep_size if info is not None else 1)
+            timeout = max(UPDATE_TIMEOUT_S, (request.timeout_s or 0.0) + JOIN_SLACK_S)
+            return await self.engine.control(make, timeout)
+
+        return await self._answer(context, call)
+
+    async def DestroyWeightUpdateGroup(  # noqa: N802
+        self, request: pb.DestroyWeightUpdateGroupRequest, context: grpc.aio.ServicerContext
+    ) -> pb.WeightControlResponse:
+        async def call() -> ControlReply:
+            self._check_ready(draining_ok=True)
+            group = request.group_name or DEFAULT_GROUP
+            return await self.engine.control(lambda rid: DestroyWeightUpdateGroup(rid, group),
+                                             PAUSE_TIMEOUT_S)
+
+        return await self._answer(context, call)
+
+    async def _answer(
+        self, context: grpc.aio.ServicerContext, call: Callable[[], object]
+    ) -> pb.WeightControlResponse:
+        """`call()`'s reply as a response; a refusal (ours or the core's) as its status."""
+        try:
+            reply = check_reply(await call())
+        except RequestError as exc:
+            await abort_rpc(context, exc)
+        return response_of(reply)
+
+
+__all__ = [
+    "ControlInput",
+    "WeightControlRpcs",
+    "check_mode",
+    "check_reply",
+    "check_weight_version",
+    "disk_update",
+    "join_message",
+    "response_of",
+    "update_message",
+]
