@@ -50,6 +50,7 @@ def _model_info() -> m.ModelInfo:
         expert_group_size=32, expert_checkpoint_format="compressed-tensors",
         expert_zero_points=True, experts_per_rank=[[0, 1], [2, 3]], rank_pids=[5, 6],
         device="cuda", kernel_backends={"fused_moe": "triton", "linear": "torch"},
+        weight_version="step-7",
     )
 
 

@@ -206,3 +206,41 @@ def test_a_refused_list_sends_nothing(llm, new_ckpt) -> None:
     assert trainer.exitcode == 0 and "weight_update" in llm.engine.rollout.groups
     llm.destroy_weight_update_group()
     assert llm.weight_version == "default"
+
+
+@pytest.mark.parametrize("ckpt_name", ["gpt_oss_ckpt", "deepseek_v3_ckpt", "mixtral_ckpt"])
+def test_other_architectures_from_disk(ckpt_name, request, root) -> None:
+    """gpt-oss (fused [E, in, out] experts with interleaved gate/up and biases, sinks),
+    DeepSeek-V3 (MLA: the absorbed decode weights are split again; float32 router and
+    correction bias; shared experts), Mixtral (w1/w3/w2 per expert): equal transformers on
+    the new weights."""
+    ckpt = request.getfixturevalue(ckpt_name)
+    new = perturbed_checkpoint(ckpt, root)
+    llm = LLM(str(ckpt), max_model_len=128)
+    assert _greedy(llm) == hf_greedy(ckpt, PROMPTS, N)
+    llm.update_weights_from_disk(str(new), "v1")
+    assert _greedy(llm) == hf_greedy(new, PROMPTS, N)
+
+
+def test_bfloat16_native_kernels_are_repacked(qwen3_ckpt, new_ckpt) -> None:
+    """bf16: the native packed linears, fused experts and one-call decode layers hold packed
+    copies of the weights; after an update the engine equals a fresh bf16 engine on the new
+    checkpoint (the update rounds float32 tensors to bf16 as loading does)."""
+    kw = dict(max_model_len=128, dtype="bfloat16")
+    llm = LLM(str(qwen3_ckpt), **kw)
+    before = _greedy(llm)
+    llm.update_weights_from_disk(str(new_ckpt), "bf16")
+    assert _greedy(llm) == _greedy(LLM(str(new_ckpt), **kw)) != before
+
+
+def test_mxfp4_blocks_are_taken_packed(gpt_oss_ckpt, gpt_oss_mxfp4_ckpt, root) -> None:
+    """A gpt-oss engine serving its checkpoint's MXFP4 experts takes an update's
+    `*_blocks` / `*_scales` as stored: equal to a fresh start on the new MXFP4 checkpoint."""
+    from fixtures import make_mxfp4_experts_checkpoint
+
+    new = make_mxfp4_experts_checkpoint(perturbed_checkpoint(gpt_oss_ckpt, root), root)
+    llm = LLM(str(gpt_oss_mxfp4_ckpt), max_model_len=128)
+    before = _greedy(llm)
+    reply = llm.update_weights_from_disk(str(new), "mx")
+    assert reply.num_tensors == len(checkpoint_tensors(str(new)))
+    assert _greedy(llm) == _greedy(LLM(str(new), max_model_len=128)) != before

@@ -3,7 +3,8 @@
 `start` spawns the core process (`core_proc.run_engine_core`, multiprocessing spawn) and waits
 until it reports the model loaded, keeping what it reports meanwhile in `startup_status`;
 `generate` streams one request's outputs; `abort`, `get_stats` and `model_info` serve the other
-RPCs, and `control` the RL rollout ones (pause, resume, weight updates: `control.py`). Requests are validated here first (the limits come with Ready), so most bad requests never
+RPCs, and `control` the RL rollout ones (pause, resume, weight updates: `control.py`).
+Requests are validated here first (the limits come with Ready), so most bad requests never
 reach the step loop. The messages are the typed structs of `messages.py`. From the start a
 heartbeat goes out every second on a socket of its own, so that a core whose front end is gone
 or hangs exits by itself (`monitor.py`).

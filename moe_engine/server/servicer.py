@@ -30,6 +30,7 @@ from moe_engine.request import SamplingParams, StructuredOutputsParams
 from moe_engine.server.metrics import RequestTimer, ServerMetrics
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.server.weight_rpcs import WeightControlRpcs
 from moe_engine.validation import param_error
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ def response_from_output(out: EngineCoreOutput) -> pb.GenerateResponse:
             prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens
         ),
         index=out.index,
+        weight_version=out.weight_version,
     )
     if out.logprobs:
         for token_id, (logprob, top) in zip(out.new_token_ids, out.logprobs, strict=False):
@@ -132,6 +134,7 @@ def model_info_to_proto(info: ModelInfo) -> pb.ModelInfo:
         device=info.device,
         kernel_backends=info.kernel_backends,
         experts_per_rank=[pb.RankExperts(experts=e) for e in per_rank],
+        weight_version=info.weight_version,
     )
 
 
@@ -197,8 +200,9 @@ def server_stats_to_proto(stats: EngineStats) -> pb.ServerStats:
     )
 
 
-class MoeEngineServicer(pb_grpc.MoeEngineServicer):
-    """Serves Generate / Abort / GetModelInfo / GetServerStats / GetExpertLoad.
+class MoeEngineServicer(WeightControlRpcs, pb_grpc.MoeEngineServicer):
+    """Serves Generate / Abort / GetModelInfo / GetServerStats / GetExpertLoad, and the RL
+    rollout RPCs (`weight_rpcs.WeightControlRpcs`: pause, resume, weight updates).
 
     Args:
         engine: a started (or starting) EngineClient.

@@ -15,9 +15,10 @@ nothing. The checks and conversions are module functions, so the HTTP admin endp
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
+import msgspec
 
 from moe_engine.engine.client import EngineClient
 from moe_engine.engine.control import (
@@ -101,20 +102,18 @@ def disk_update(reply_id: int, path: str, weight_version: str, flush_cache: bool
     return UpdateWeights(reply_id, weight_version, "disk", path=path, flush_cache=flush_cache)
 
 
-def update_message(request: pb.UpdateWeightsRequest) -> Callable[[int], UpdateWeights]:
-    """The UpdateWeights message `request` describes (as a factory of its reply id).
+def update_message(request: pb.UpdateWeightsRequest) -> UpdateWeights:
+    """The UpdateWeights message `request` describes (reply id 0: see `with_reply_id`).
 
     Raises:
         RequestError: INVALID_ARGUMENT naming the field: weight_version empty, no source,
-            no path, no tensors, a negative dimension.
+            no path, no tensors, a tensor without a name or with a negative dimension.
     """
     version = check_weight_version(request.weight_version)
     flush = request.flush_cache if request.HasField("flush_cache") else True
     source = request.WhichOneof("source")
     if source == "from_disk":
-        path = request.from_disk.path
-        disk_update(0, path, version, flush)  # the checks
-        return lambda rid: disk_update(rid, path, version, flush)
+        return disk_update(0, request.from_disk.path, version, flush)
     if source == "from_distributed":
         dist = request.from_distributed
         if not dist.tensors:
@@ -127,18 +126,17 @@ def update_message(request: pb.UpdateWeightsRequest) -> Callable[[int], UpdateWe
                 raise _invalid(meta.name, f"tensor {meta.name!r}: shape {list(meta.shape)} has "
                                           f"a negative dimension")
             tensors.append(TensorMeta(meta.name, meta.dtype, list(meta.shape)))
-        group, bucket = dist.group_name or DEFAULT_GROUP, dist.bucket_bytes
-        return lambda rid: UpdateWeights(rid, version, "distributed", tensors=tensors,
-                                         group_name=group, bucket_bytes=bucket,
-                                         flush_cache=flush)
+        return UpdateWeights(0, version, "distributed", tensors=tensors,
+                             group_name=dist.group_name or DEFAULT_GROUP,
+                             bucket_bytes=dist.bucket_bytes, flush_cache=flush)
     raise _invalid("source", "source: set from_disk (a checkpoint folder) or from_distributed "
                              "(tensors a trainer broadcasts)")
 
 
 def join_message(request: pb.InitWeightUpdateGroupRequest, ep_size: int
-                 ) -> Callable[[int], InitWeightUpdateGroup]:
-    """The InitWeightUpdateGroup message `request` describes (a factory of its reply id); the
-    engine's `ep_size` ranks take ranks rank_offset .. rank_offset + ep_size - 1.
+                 ) -> InitWeightUpdateGroup:
+    """The InitWeightUpdateGroup message `request` describes (reply id 0); the engine's
+    `ep_size` ranks take ranks rank_offset .. rank_offset + ep_size - 1.
 
     Raises:
         RequestError: INVALID_ARGUMENT naming the field: no master_address, a port outside
@@ -168,10 +166,14 @@ def join_message(request: pb.InitWeightUpdateGroupRequest, ep_size: int
     if not (math.isfinite(timeout) and timeout > 0):
         raise _invalid("timeout_s", f"timeout_s: must be a finite number of seconds > 0, got "
                                     f"{r.timeout_s}")
-    address, port, offset, world = r.master_address, r.master_port, r.rank_offset, r.world_size
-    group = r.group_name or DEFAULT_GROUP
-    return lambda rid: InitWeightUpdateGroup(rid, address, port, offset, world, backend, group,
-                                             timeout)
+    return InitWeightUpdateGroup(0, r.master_address, r.master_port, r.rank_offset,
+                                 r.world_size, backend, r.group_name or DEFAULT_GROUP, timeout)
+
+
+def with_reply_id(message: ControlInput) -> Callable[[int], ControlInput]:
+    """`message` as `EngineClient.control` takes it: a factory of the same message with the
+    reply id it is given."""
+    return lambda rid: msgspec.structs.replace(message, reply_id=rid)
 
 
 def check_reply(reply: ControlReply) -> ControlReply:
@@ -212,9 +214,7 @@ class WeightControlRpcs:
     are also served while the server drains (so paused requests can finish)."""
 
     engine: EngineClient
-
-    def _check_ready(self, draining_ok: bool = False) -> None:  # pragma: no cover - servicer's
-        raise NotImplementedError
+    _check_ready: Callable[..., None]
 
     async def PauseGeneration(  # noqa: N802 - gRPC method name
         self, request: pb.PauseGenerationRequest, context: grpc.aio.ServicerContext
@@ -241,7 +241,8 @@ class WeightControlRpcs:
     ) -> pb.WeightControlResponse:
         async def call() -> ControlReply:
             self._check_ready()
-            return await self.engine.control(update_message(request), UPDATE_TIMEOUT_S)
+            message = update_message(request)
+            return await self.engine.control(with_reply_id(message), UPDATE_TIMEOUT_S)
 
         return await self._answer(context, call)
 
@@ -251,9 +252,9 @@ class WeightControlRpcs:
         async def call() -> ControlReply:
             self._check_ready()
             info = self.engine.model_info
-            make = join_message(request, info.ep_size if info is not None else 1)
-            timeout = max(UPDATE_TIMEOUT_S, (request.timeout_s or 0.0) + JOIN_SLACK_S)
-            return await self.engine.control(make, timeout)
+            message = join_message(request, info.ep_size if info is not None else 1)
+            timeout = max(UPDATE_TIMEOUT_S, message.timeout_s + JOIN_SLACK_S)
+            return await self.engine.control(with_reply_id(message), timeout)
 
         return await self._answer(context, call)
 
@@ -269,7 +270,7 @@ class WeightControlRpcs:
         return await self._answer(context, call)
 
     async def _answer(
-        self, context: grpc.aio.ServicerContext, call: Callable[[], object]
+        self, context: grpc.aio.ServicerContext, call: Callable[[], Awaitable[ControlReply]]
     ) -> pb.WeightControlResponse:
         """`call()`'s reply as a response; a refusal (ours or the core's) as its status."""
         try:
@@ -278,15 +279,3 @@ class WeightControlRpcs:
             await abort_rpc(context, exc)
         return response_of(reply)
 
-
-__all__ = [
-    "ControlInput",
-    "WeightControlRpcs",
-    "check_mode",
-    "check_reply",
-    "check_weight_version",
-    "disk_update",
-    "join_message",
-    "response_of",
-    "update_message",
-]
