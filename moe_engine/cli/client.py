@@ -7,6 +7,10 @@
     moe-client [--server HOST:PORT] stats [--json]
     moe-client [--server HOST:PORT] info [--json]
     moe-client [--server HOST:PORT] health [--wait S] [--service NAME] [--json]
+    moe-client [--server HOST:PORT] pause [--mode abort|keep|retract] [--json]
+    moe-client [--server HOST:PORT] resume [--json]
+    moe-client [--server HOST:PORT] update-weights --from-disk PATH --weight-version V
+               [--keep-prefix-cache] [--json]
     moe-client --version
 
 Common flags: --server HOST:PORT (the port is required, gRPC would otherwise pick 443; default
@@ -22,7 +26,10 @@ prints one JSON object (request_id, token_ids, text, finish_reason, usage). `bat
 request object per line ("prompt" or "prompt_ids", sampling fields by their proto names), runs
 them concurrently and prints one JSON line per finished request (index, token_ids, finish_reason,
 usage, ttft_s, e2e_s), then a summary line (wall_s, output_tokens, output_tokens_per_s); a
-batch line's "stop" may be one string. On an error status the code and message go to stderr and
+batch line's "stop" may be one string. `pause`, `resume` and `update-weights` (RL rollouts:
+`cli/weights.py`) print the server's answer on one line (weight_version, paused, the requests
+the pause aborted / kept / retracted, the tensors, bytes and seconds of an update); `info`
+shows the weight_version serving now. On an error status the code and message go to stderr and
 the exit status is 1 (when nothing answers at the address, the message says the server may not
 be running there); `health` prints SERVING, NOT_SERVING or UNKNOWN (with the server's detail,
 e.g. what it is loading) and exits 0 only when SERVING; a bad flag or batch line is one line
@@ -48,6 +55,9 @@ from moe_engine.cli.connection import connection_from_args, open_channel
 from moe_engine.cli.health import add_health_parser, cmd_health
 from moe_engine.cli.request_fields import build_request, int_type, parse_ids, utf8_text
 from moe_engine.cli.rpc_errors import error_text, fail
+from moe_engine.cli.weights import COMMANDS as WEIGHT_COMMANDS
+from moe_engine.cli.weights import add_weight_parsers, cmd_weights
+from moe_engine.cli.weights import check_args as check_weight_args
 from moe_engine.errors import ParamError
 from moe_engine.request import SamplingParams
 from moe_engine.server.pb import moe_engine_pb2 as pb
@@ -66,7 +76,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """moe-client's parser: the common flags (--server, --timeout, --api-key, TLS) and the
-    generate, batch, stats, info and health subcommands."""
+    generate, batch, stats, info, health, pause, resume and update-weights subcommands."""
     p = _Parser(prog="moe-client", description="Client for moe-serve.")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     _add_connection_flags(p, None)
@@ -79,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=help_text)
         s.add_argument("--json", action="store_true", help="print one JSON object")
     add_health_parser(sub)
+    add_weight_parsers(sub)
     # The same flags after the subcommand too (`moe-client health --server H:P`): given there,
     # they override the ones before it; absent, they leave them alone (SUPPRESS).
     for subparser in sub.choices.values():
@@ -374,12 +385,19 @@ def _run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"moe-client generate: error: {exc}", file=sys.stderr)
             return 2
+    if args.command in WEIGHT_COMMANDS:
+        problem = check_weight_args(args)
+        if problem is not None:
+            print(f"moe-client {args.command}: error: {problem}", file=sys.stderr)
+            return 2
     with open_channel(args.server, credentials, metadata) as channel:
         stub = pb_grpc.MoeEngineStub(channel)
         if args.command == "generate":
             return cmd_generate(args, stub, request)
         if args.command == "health":
             return cmd_health(args, channel, lambda err: error_text(err, args.server))
+        if args.command in WEIGHT_COMMANDS:
+            return cmd_weights(args, stub)
         return cmd_show(args, stub)
 
 

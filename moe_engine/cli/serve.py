@@ -16,6 +16,7 @@
               [--nnodes N --node-rank K --rdzv-endpoint HOST:PORT]
               [--speculative-method ngram [--num-speculative-tokens K] [--ngram-min N]
                [--ngram-max N] [--speculative-disable-by-batch-size N]]
+              [--weight-version V]
 
 Ready when the gRPC health service (grpc.health.v1) says SERVING. SIGTERM or Ctrl-C drains and
 exits 0; a startup failure exits 1 with the reason (numbers and the flag that fixes it).
@@ -60,6 +61,7 @@ from moe_engine.server.options import (
     ServerOptions,
 )
 from moe_engine.server.security import API_KEY_ENV, resolve_api_key
+from moe_engine.server.weight_rpcs import MAX_WEIGHT_VERSION_CHARS
 from moe_engine.spec_decode.config import add_speculative_arguments, speculative_config_from_args
 
 logger = logging.getLogger("moe_engine.serve")
@@ -264,6 +266,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="host:port of node 0's rendezvous (required with --nnodes > 1; default: a free "
         "local port)",
     )
+    p.add_argument(
+        "--weight-version",
+        default=ModelConfig.weight_version,
+        metavar="V",
+        help="the version string of the weights loaded at startup, carried by every response "
+        "and GetModelInfo until an UpdateWeights call names a new one (SGLang's "
+        f"--weight-version; default {ModelConfig.weight_version!r})",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_speculative_arguments(p)
     return p
@@ -374,7 +384,8 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         ValueError: a flag value out of range (the message names it).
     """
     return EngineConfig(
-        model=ModelConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len),
+        model=ModelConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
+                          weight_version=args.weight_version),
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory,
@@ -430,6 +441,11 @@ def check_args(args: argparse.Namespace) -> str | None:
     for flag, value in (("--port", args.port), ("--metrics-port", args.metrics_port)):
         if value is not None and not 0 <= value <= _PORT_MAX:
             return f"{flag} must be in 0..{_PORT_MAX}, got {value}"
+    if not args.weight_version:
+        return "--weight-version must not be empty"
+    if len(args.weight_version) > MAX_WEIGHT_VERSION_CHARS:
+        return (f"--weight-version is {len(args.weight_version)} characters, at most "
+                f"{MAX_WEIGHT_VERSION_CHARS}")
     if args.nnodes > 1 and not args.rdzv_endpoint:
         return f"--nnodes {args.nnodes} needs --rdzv-endpoint host:port (node 0's address)"
     try:

@@ -26,6 +26,7 @@ from fastapi import FastAPI
 
 from moe_engine import __version__
 from moe_engine.errors import StartupError
+from moe_engine.server.http.admin import router as admin_router
 from moe_engine.server.http.errors import OpenAIError, error_bytes, install_handlers
 from moe_engine.server.http.routes import router
 from moe_engine.server.http.state import HttpState
@@ -47,6 +48,7 @@ def build_app(
     app.state.http = state
     install_handlers(app)
     app.include_router(router)
+    app.include_router(admin_router)  # SGLang's RL endpoints: /pause_generation, ...
     open_paths = () if health_requires_api_key else _OPEN_PATHS
     return AccessMiddleware(app, max_body_bytes, api_key, open_paths, on_auth_failure)
 

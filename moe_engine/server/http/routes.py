@@ -1,5 +1,6 @@
 """The endpoints: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
-/health, /version (the last four as vLLM's server names them)."""
+/health, /version (the last four as vLLM's server names them). SGLang's RL admin endpoints
+(/pause_generation, /continue_generation, /update_weights_from_disk) are in `admin.py`."""
 
 from __future__ import annotations
 
