@@ -409,3 +409,27 @@ def test_http_admin_endpoints(server, stub, new_ckpt, root) -> None:
     assert done.json()["success"] is True and done.json()["weight_version"] == "http-1"
     assert _info(stub).weight_version == "http-1"
     assert _greedy(stub) == hf_greedy(new_ckpt, PROMPTS, N)
+
+
+def test_a_paused_server_drains_by_resuming(qwen3_ckpt) -> None:
+    """Stopping a paused server resumes generation for the drain: the request in flight
+    finishes ("length", all its tokens) within the grace time instead of being aborted."""
+    config = EngineConfig(
+        model=ModelConfig(str(qwen3_ckpt), max_model_len=MAX_MODEL_LEN),
+        cache=CacheConfig(block_size=16, num_blocks_override=NUM_BLOCKS),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
+    )
+    handle = ServerThread(config, ServerOptions(port=0, log_stats_interval_s=None))
+    try:
+        with grpc.insecure_channel(handle.address) as channel:
+            own = pb_grpc.MoeEngineStub(channel)
+            stream = Stream(own, _greedy_req([7, 8, 9], 60))
+            stream.wait_tokens(2)
+            own.PauseGeneration(pb.PauseGenerationRequest(mode="keep"), timeout=30)
+            stream.settle()
+            assert not stream.responses[-1].finished
+            handle.run(handle.server.stop(grace_s=20.0), timeout=60)
+            responses = stream.join()
+    finally:
+        handle.close()
+    assert responses[-1].finish_reason == "length" and len(stream.tokens) == 60

@@ -113,6 +113,8 @@ class EngineClient:
         self._rank_load: list[int] = [0]
         self._rank_of: dict[str, int] = {}
         self._reply_ids = itertools.count()
+        #: Whether the core was paused at its last control reply (`PauseGeneration`).
+        self.paused = False
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._ready: asyncio.Future | None = None
         self._reader: asyncio.Task | None = None
@@ -440,6 +442,7 @@ class EngineClient:
         """
         reply = await self._request_reply(make, timeout_s)
         assert isinstance(reply, ControlReply)
+        self.paused = reply.paused
         info = self.model_info
         if info is not None and reply.weight_version and (
             reply.weight_version != info.weight_version

@@ -32,6 +32,7 @@ from grpc_reflection.v1alpha import reflection
 
 from moe_engine.config import EngineConfig
 from moe_engine.engine.client import EngineClient
+from moe_engine.engine.control import ResumeGeneration
 from moe_engine.engine.core_proc import DEFAULT_CORE_FACTORY
 from moe_engine.errors import RequestError, StartupError
 from moe_engine.server.http import HttpServer, HttpState, build_app
@@ -317,6 +318,7 @@ class MoeServer:
         self.servicer.ready = False
         self.servicer.unavailable_reason = "the server is shutting down"
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._resume_to_drain()
         await self._wait_until_idle(grace)
         if self.engine.num_live_requests and not self.engine.dead.is_set():
             aborted = await self.servicer.abort_all() + await self.http_state.abort_all()
@@ -330,6 +332,17 @@ class MoeServer:
         await self._stop_grpc(1.0)
         await self.engine.shutdown()
         self._stop_metrics()
+
+    async def _resume_to_drain(self) -> None:
+        """A paused engine steps again, so that the drain lets its live requests finish
+        instead of waiting out the grace time (RL's PauseGeneration)."""
+        if not self.engine.paused or self.engine.dead.is_set():
+            return
+        try:
+            await self.engine.control(ResumeGeneration, 30.0)
+            logger.info("generation resumed for the drain")
+        except RequestError as exc:
+            logger.warning("could not resume generation for the drain: %s", exc.message)
 
     async def _wait_until_idle(self, timeout_s: float) -> None:
         """Wait until no request is live in the front end, or `timeout_s` seconds."""
