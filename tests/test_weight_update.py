@@ -244,3 +244,41 @@ def test_mxfp4_blocks_are_taken_packed(gpt_oss_ckpt, gpt_oss_mxfp4_ckpt, root) -
     reply = llm.update_weights_from_disk(str(new), "mx")
     assert reply.num_tensors == len(checkpoint_tensors(str(new)))
     assert _greedy(llm) == _greedy(LLM(str(new), max_model_len=128)) != before
+
+
+def test_a_partial_update_of_int4_experts(qwen3_ckpt, root) -> None:
+    """Some experts of one layer from disk into int4 experts: only their rows are quantized
+    again; equal to a fresh int4 engine on a checkpoint where only those experts changed."""
+    changed = ("layers.2.mlp.experts.1.", "layers.2.mlp.experts.6.")
+    target = perturbed_checkpoint(qwen3_ckpt, root, seed=3, only=changed)
+    part = root / "partial-int4"
+    part.mkdir(exist_ok=True)
+    tensors = {n: t for n, t in checkpoint_tensors(str(target)).items()
+               if any(c in n for c in changed)}
+    assert len(tensors) == 6, sorted(tensors)
+    save_file(tensors, str(part / "model.safetensors"))
+    kw = dict(max_model_len=128, quantization="int4", quant_group_size=32)
+    llm = LLM(str(qwen3_ckpt), **kw)
+    llm.update_weights_from_disk(str(part), "partial-int4")
+    fresh = LLM(str(target), **kw)
+    assert _greedy(llm) == _greedy(fresh)
+    # the codes themselves: bit-identical to quantizing the new checkpoint at startup
+    for (_, mine), (_, theirs) in zip(llm.engine.model.moe_layers(),
+                                      fresh.engine.model.moe_layers(), strict=True):
+        a, b = mine.quantized.canonical(), theirs.quantized.canonical()
+        assert all(torch.equal(getattr(a, f), getattr(b, f))
+                   for f in ("w13_packed", "w13_scales", "w2_packed", "w2_scales"))
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_the_in_place_commit_of_device_models(qwen3_ckpt, new_ckpt, quantization) -> None:
+    """The commit a GPU model uses (values copied into the serving tensors, which keep their
+    addresses), run on this CPU: the same outputs as a fresh start on the new weights."""
+    kw = dict(max_model_len=128, quantization=quantization, quant_group_size=32)
+    llm = LLM(str(qwen3_ckpt), **kw)
+    llm.engine.rollout.in_place = True
+    q = llm.engine.model.model.layers[0].self_attn.qkv_proj.weight
+    address = q.data_ptr()
+    llm.update_weights_from_disk(str(new_ckpt), "in-place")
+    assert q.data_ptr() == address
+    assert _greedy(llm) == _greedy(LLM(str(new_ckpt), **kw))

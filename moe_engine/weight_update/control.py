@@ -65,6 +65,9 @@ class RolloutControl:
         self.paused = False
         self.groups: dict[str, WeightGroup] = {}
         self.ep_rank = core.rank_context.rank if core.rank_context is not None else 0
+        #: Commit by copying into the serving tensors (a GPU model: `StagedWeights.commit`)
+        #: rather than swapping the staged host tensors in (a CPU model).
+        self.in_place = core.device.type != "cpu"
 
     def handle(self, msg: ControlInput, agree: Agree | None = None
                ) -> tuple[ControlReply, list]:
@@ -165,7 +168,7 @@ class RolloutControl:
             return self.reply(msg.reply_id, code=ErrorCode.INVALID_ARGUMENT, field="ranks",
                               message="update refused by another rank; nothing changed")
         try:
-            staged.commit(self.core.kernels)
+            staged.commit(self.core.kernels, in_place=self.in_place)
         except WeightUpdateError as exc:
             return self._refusal(msg, exc)
         self.core.recapture_graphs()
@@ -201,7 +204,7 @@ class RolloutControl:
             raise WeightUpdateError("source", f"source: {msg.source!r} is not one of "
                                               f"{', '.join(WEIGHT_SOURCES)}")
         core = self.core
-        staged = StagedWeights(core.model, core.weight_dtype, core.dtype, core.device)
+        staged = StagedWeights(core.model, core.weight_dtype, core.dtype)
         if msg.source == "disk":
             _check_version(msg)
             disk = DiskUpdate(msg.path, core.architecture)

@@ -1,12 +1,15 @@
-"""An update's new weights, held beside the serving ones until all have arrived, then swapped in.
+"""An update's new weights, held beside the serving ones until all have arrived, then made to serve.
 
 `StagedWeights.add` takes each tensor as it arrives (from disk or from the trainer) into a
-new copy of its parameter: the serving weights do not change while an update is received, so
-a transfer that fails half-way leaves them as they were. `commit` swaps every staged tensor in
-(`param.data = new`), re-quantizes the 4-bit experts the update touched, and rebinds the
-kernels (their packed copies are of the old weights); anything failing there swaps the old
-tensors back. Memory: one extra copy of every parameter the update touches (the whole model
-for a full update; under expert parallelism, this rank's experts only), freed at commit.
+new host-memory copy of its parameter: the serving weights do not change while an update is
+received, so a transfer that fails half-way leaves them as they were. `commit` then, for a
+model in host memory, swaps every staged tensor in (`param.data = new`; anything failing
+there swaps the old tensors back), and for a model on a GPU copies the staged values into the
+serving tensors (no second copy of the weights in device memory, which the KV cache fills;
+the tensors keep their addresses); it re-quantizes the 4-bit experts the update touched and
+rebinds the kernels (their packed copies are of the old weights). Memory: one host copy of
+every parameter the update touches (the whole model for a full update; under expert
+parallelism, this rank's experts only), freed at commit.
 
 Casting follows the startup loader (`loader.cast_floating`): a tensor is rounded to the
 checkpoint dtype (`--dtype`), or kept float32 where the model keeps a parameter float32
@@ -40,6 +43,9 @@ from moe_engine.weight_update.targets import (
 from quant.int4 import SYMMETRIC_ZERO, quantize_int4
 from quant.mxfp4 import quantize_mxfp4
 
+#: Where updates are staged: host memory (a GPU's memory is the KV cache's).
+STAGE_DEVICE = torch.device("cpu")
+
 
 class StagedWeights:
     """New values for some of `model`'s weights, not yet serving.
@@ -48,16 +54,16 @@ class StagedWeights:
         model: the serving model (this rank's experts).
         weight_dtype: the checkpoint dtype weights are rounded to (`--dtype`).
         compute_dtype: the model's parameter dtype (float32 where the CPU lacks bf16 math).
-        device: where the model's weights are (staged tensors are made there).
+
+    Staged tensors are always in host memory (`STAGE_DEVICE`), whatever the model's device.
     """
 
     def __init__(
-        self, model: MoeCausalLM, weight_dtype: torch.dtype, compute_dtype: torch.dtype,
-        device: torch.device | None = None,
+        self, model: MoeCausalLM, weight_dtype: torch.dtype, compute_dtype: torch.dtype
     ) -> None:
         self.model = model
         self.weight_dtype, self.compute_dtype = weight_dtype, compute_dtype
-        self.device = device or torch.device("cpu")
+        self.device = STAGE_DEVICE
         self.loader = WeightLoader(model)
         self.keep_float32 = model.float32_weight_names()
         #: parameter name -> its whole new value (float blocks' w13/w2/b13/b2 included)
@@ -134,7 +140,7 @@ class StagedWeights:
     def _staged(self, name: str) -> torch.Tensor:
         """The staged copy of parameter `name`, made from the serving one on first use."""
         if name not in self.params:
-            self.params[name] = self.loader.params[name].detach().clone()
+            self.params[name] = self.loader.params[name].detach().to(self.device, copy=True)
         return self.params[name]
 
     def _cast(self, name: str | None, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -146,15 +152,37 @@ class StagedWeights:
 
     # ------------------------------------------------------------------ commit
 
-    def commit(self, plan: KernelPlan) -> None:
-        """Make the staged weights serve: swap them in, rebind every kernel. All or nothing.
+    def commit(self, plan: KernelPlan, in_place: bool = False) -> None:
+        """Make the staged weights serve and rebind every kernel.
+
+        Args:
+            in_place: copy the staged values into the serving tensors (a model on a GPU: no
+                second copy of the weights on the device, and the tensors keep their
+                addresses, which captured CUDA graphs read), instead of swapping the staged
+                tensors in (host memory: nothing is copied twice, and all or nothing).
 
         Raises:
             WeightUpdateError: a 4-bit layer that cannot be re-quantized in part (nothing
-                changed then). Whatever rebinding raises, after the old weights are back.
+                changed then). Swapping: whatever rebinding raises, after the old weights are
+                back. In place, a copy of checked tensors fails only on a device error, which
+                ends the engine.
         """
         quantized = {block: self._requantized(block)
-                     for block in {*self.expert_rows, *self.packed}}
+                     for block in {*self.expert_rows, *self.packed}}  # on the host, first
+        if in_place:
+            for name, value in self.params.items():
+                self.loader.params[name].data.copy_(value)
+            for block, experts in quantized.items():
+                moe = self.loader.moes[block]
+                moe.quantized = None  # the old layer's device memory goes first
+                moe.quantized = experts.to(_device_of(moe))
+            rebind(self.model, plan)
+        else:
+            self._swap(quantized, plan)
+        self.params, self.expert_rows, self.packed = {}, {}, {}
+
+    def _swap(self, quantized: dict[str, QuantizedExperts], plan: KernelPlan) -> None:
+        """Swap the staged tensors and layers in; on any failure swap the old ones back."""
         old_data: dict[str, torch.Tensor] = {}
         old_quant: dict[str, QuantizedExperts | None] = {}
         try:
@@ -173,7 +201,6 @@ class StagedWeights:
                 self.loader.moes[block].quantized = experts
             rebind(self.model, plan)
             raise
-        self.params, self.expert_rows, self.packed = {}, {}, {}
 
     def _requantized(self, block: str) -> QuantizedExperts:
         """Block `block`'s 4-bit experts with the staged slots' rows quantized into a copy.
@@ -188,29 +215,42 @@ class StagedWeights:
             canonical = old.canonical()
         except RuntimeError as exc:
             raise WeightUpdateError(block, f"{block}: {exc}") from None
-        fields = {f.name: _clone(getattr(canonical, f.name)) for f in dataclasses.fields(canonical)}
+        fields = {f.name: _host_copy(getattr(canonical, f.name))
+                  for f in dataclasses.fields(canonical)}
         for part in self.packed.get(block, {}).items():
             (shard, kind), tensor = part
             fields[f"{'w13' if shard == 'gate_up' else 'w2'}_{kind}"] = tensor
         size = self.loader.moes[block].intermediate_size
+        rows_of = {"gate": slice(0, size), "up": slice(size, 2 * size), "down": slice(None)}
+        by_proj: dict[str, dict[int, torch.Tensor]] = {}
         for (slot, proj), value in self.expert_rows.get(block, {}).items():
-            prefix = "w2" if proj == "down" else "w13"
-            rows = {"gate": slice(0, size), "up": slice(size, 2 * size)}.get(proj, slice(None))
-            if old.method == "mxfp4":
-                codes = dict(zip(("blocks", "scales"), quantize_mxfp4(value), strict=True))
-            else:
-                scales = fields[f"{prefix}_scales"]
-                packed, new_scales, _ = quantize_int4(
-                    value, old.group_size, symmetric=True, scale_dtype=scales.dtype
-                )
-                codes = {"packed": packed, "scales": new_scales}
-                if fields[f"{prefix}_zeros"] is not None:  # an asymmetric checkpoint's layer
-                    fields[f"{prefix}_zeros"][slot, rows] = SYMMETRIC_ZERO
-            for kind, code in codes.items():
-                fields[f"{prefix}_{kind}"][slot, rows] = code
+            by_proj.setdefault(proj, {})[slot] = value
+        for proj, values in by_proj.items():  # one quantization call per projection
+            prefix, rows = ("w2" if proj == "down" else "w13"), rows_of[proj]
+            slots = torch.tensor(sorted(values), dtype=torch.long, device=self.device)
+            stacked = torch.stack([values[s] for s in sorted(values)])  # [S, rows, cols]
+            for kind, code in self._codes(old, fields, prefix, stacked).items():
+                fields[f"{prefix}_{kind}"][:, rows].index_copy_(0, slots, code)
         return QuantizedExperts.from_layout(
             type(canonical)(**fields), activation=old.activation, b13=old.b13, b2=old.b2
         )
+
+    @staticmethod
+    def _codes(old: QuantizedExperts, fields: dict, prefix: str, stacked: torch.Tensor
+               ) -> dict[str, torch.Tensor]:
+        """The 4-bit codes of `stacked` [S, rows, cols] float in `old`'s format: MXFP4
+        blocks and scales, or int4 packed codes and scales (symmetric, the layer's group
+        size and scale dtype; zero points 8 where the layer stores them)."""
+        if old.method == "mxfp4":
+            return dict(zip(("blocks", "scales"), quantize_mxfp4(stacked), strict=True))
+        scales = fields[f"{prefix}_scales"]
+        packed, new_scales, _ = quantize_int4(
+            stacked, old.group_size, symmetric=True, scale_dtype=scales.dtype
+        )
+        codes = {"packed": packed, "scales": new_scales}
+        if fields[f"{prefix}_zeros"] is not None:  # an asymmetric checkpoint's layer
+            codes["zeros"] = torch.full_like(new_scales, SYMMETRIC_ZERO, dtype=torch.uint8)
+        return codes
 
 
 def rebind(model: MoeCausalLM, plan: KernelPlan) -> None:
@@ -221,7 +261,16 @@ def rebind(model: MoeCausalLM, plan: KernelPlan) -> None:
         if isinstance(module, Linear | FusedMoE):
             module.reset_packed()
     bind_kernels(model, plan)
+    for module in model.modules():
+        split = getattr(module, "process_weights_after_loading", None)
+        if split is not None:  # MLA's absorbed decode weights, from kv_b_proj
+            split()
 
 
-def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.clone()
+def _host_copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.to(STAGE_DEVICE, copy=True)
+
+
+def _device_of(moe: FusedMoE) -> torch.device:
+    """Where a MoE block's weights are (its router's)."""
+    return moe.gate.weight.device
