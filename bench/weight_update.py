@@ -15,9 +15,10 @@ changes the weights:
     it touches (all of them) on the fly.
   - `distributed-bf16`: a trainer process (`trainer_main` below, spawned) is rank 0 of a
     weight-update group over gloo on loopback; per update it broadcasts the checkpoint's
-    tensors (already in its memory, sorted by name) in buckets of `--bucket-mib` (256 MiB),
-    while the engine runs `llm.update_weights_from_distributed(metas, version)` with the same
-    list. The group is formed once (timed once, reported apart) and reused by every update.
+    tensors (already in its memory, sorted by name) in buckets of `--bucket-mib` (32 MiB,
+    `moe_engine.rl.WeightSync`'s default over gloo), while the engine runs
+    `llm.update_weights_from_distributed(metas, version)` with the same list. The group is
+    formed once (timed once, reported apart) and reused by every update.
 
 Figures per row, median of `--runs` (3) timed updates after one warm-up update, the rows
 taking turns update after update:
@@ -629,7 +630,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "checkpoint); its perturbed copy is made under --cache-dir")
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated of {','.join(ROWS)}")
     p.add_argument("--runs", type=int, default=3, help="timed updates per row (median)")
-    p.add_argument("--bucket-mib", type=float, default=256.0,
+    p.add_argument("--bucket-mib", type=float, default=32.0,
                    help="bytes per broadcast of the distributed row (MiB)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--quant-group-size", type=int, default=128, help="of the int4 row")

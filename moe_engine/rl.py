@@ -33,7 +33,7 @@ from moe_engine.engine.control import TensorMeta
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
 from moe_engine.server.security import auth_metadata
-from moe_engine.weight_update.buckets import DEFAULT_BUCKET_BYTES, bucket_layout, pack
+from moe_engine.weight_update.buckets import bucket_layout, default_bucket_bytes, pack
 from moe_engine.weight_update.group import WeightGroup
 from moe_engine.weight_update.targets import meta_of
 
@@ -59,7 +59,7 @@ class WeightSync:
             host); master_port: its port (None: a free one).
         backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors).
         group_name: names the group on the engine (several trainers may use several).
-        bucket_bytes: bytes per broadcast (default 256 MiB).
+        bucket_bytes: bytes per broadcast (None: 32 MiB over gloo, 256 MiB over NCCL).
         timeout_s: joining and every collective (seconds).
         api_key: the engine's --api-key, if it has one.
         device: where buckets are packed (default: the CPU for gloo, the current CUDA device
@@ -78,12 +78,13 @@ class WeightSync:
         master_port: int | None = None,
         backend: str = "gloo",
         group_name: str = "weight_update",
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        bucket_bytes: int | None = None,
         timeout_s: float = 60.0,
         api_key: str | None = None,
         device: torch.device | None = None,
     ) -> None:
-        self.group_name, self.bucket_bytes, self.timeout_s = group_name, bucket_bytes, timeout_s
+        self.group_name, self.timeout_s = group_name, timeout_s
+        self.bucket_bytes = bucket_bytes or default_bucket_bytes(backend)
         self.device = device or torch.device("cpu" if backend == "gloo" else "cuda")
         self._channel = grpc.insecure_channel(engine)
         self._stub = pb_grpc.MoeEngineStub(self._channel)

@@ -35,7 +35,7 @@ from moe_engine.engine.control import (
     UpdateWeights,
 )
 from moe_engine.errors import ErrorCode
-from moe_engine.weight_update.buckets import bucket_layout, unpack
+from moe_engine.weight_update.buckets import bucket_layout, default_bucket_bytes, unpack
 from moe_engine.weight_update.disk import DiskUpdate
 from moe_engine.weight_update.group import WeightGroup
 from moe_engine.weight_update.staging import StagedWeights
@@ -229,7 +229,8 @@ class RolloutControl:
         try:
             _check_version(msg)
             self._targets = resolve_targets(self.core.model, msg.tensors)
-            layout = bucket_layout(msg.tensors, msg.bucket_bytes)
+            layout = bucket_layout(msg.tensors,
+                                   msg.bucket_bytes or default_bucket_bytes(group.backend))
         except (WeightUpdateError, ValueError) as exc:
             self._transfer(msg, group, lambda: group.agree(True))
             if isinstance(exc, WeightUpdateError):
