@@ -409,6 +409,12 @@ def test_http_admin_endpoints(server, stub, new_ckpt, root) -> None:
     assert done.json()["success"] is True and done.json()["weight_version"] == "http-1"
     assert _info(stub).weight_version == "http-1"
     assert _greedy(stub) == hf_greedy(new_ckpt, PROMPTS, N)
+    # the OpenAI API's choices say which weights computed them (an extension field)
+    completion = httpx.post(f"{base}/v1/completions", headers=auth, timeout=60, json={
+        "model": server.server.http_state.served_model_name, "prompt": PROMPTS[0],
+        "max_tokens": 3, "temperature": 0})
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["choices"][0]["weight_version"] == "http-1"
 
 
 def test_a_paused_server_drains_by_resuming(qwen3_ckpt) -> None:

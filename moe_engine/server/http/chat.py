@@ -121,7 +121,8 @@ async def create_chat_completion(state: HttpState, body: ChatCompletionRequest):
     out = []
     for c in choices:
         entry = {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                 "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                 "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                 "weight_version": c.weight_version}
         if body.logprobs:
             entry["logprobs"] = chat_logprobs(state, c, 0, top)
         if body.return_token_ids:
@@ -153,7 +154,8 @@ async def _stream(
                 c.add(out)
                 entry = {"index": c.index, "delta": {"content": out.new_text},
                          "logprobs": chat_logprobs(state, c, start, top) if body.logprobs else None,
-                         "finish_reason": c.finish_reason if out.finished else None}
+                         "finish_reason": c.finish_reason if out.finished else None,
+                         "weight_version": c.weight_version}
                 entries.append(entry)
             yield sse({**chunk, "choices": entries})
         if include_usage:

@@ -109,9 +109,13 @@ class Choice:
     finish_reason: str | None = None
     num_output_tokens: int = 0
     stop_reason: int | str | None = None
+    #: The weights that computed the latest tokens (an extension field of each choice, as
+    #: SGLang's meta_info carries it for RL rollouts).
+    weight_version: str = ""
 
     def add(self, out: EngineCoreOutput) -> None:
         self.text += out.new_text
+        self.weight_version = out.weight_version
         self.token_ids += out.new_token_ids
         if out.logprobs:
             for tok, (lp, top) in zip(out.new_token_ids, out.logprobs, strict=False):

@@ -106,7 +106,8 @@ async def create_completion(state: HttpState, body: CompletionRequest):
     for c in choices:
         prefix = echo[c.index // body.n]
         entry = {"index": c.index, "text": prefix + c.text, "logprobs": None,
-                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                 "weight_version": c.weight_version}
         if body.logprobs is not None:
             entry["logprobs"] = legacy_logprobs(state, c, 0, len(prefix))
         if body.return_token_ids:
@@ -146,7 +147,8 @@ async def _stream(
                 c.add(out)
                 text = prefix + out.new_text
                 entry = {"index": c.index, "text": text, "logprobs": None,
-                         "finish_reason": c.finish_reason if out.finished else None}
+                         "finish_reason": c.finish_reason if out.finished else None,
+                         "weight_version": c.weight_version}
                 if body.logprobs is not None:
                     entry["logprobs"] = legacy_logprobs(
                         state, c, start, offsets[c.index] + len(prefix)
