@@ -13,7 +13,8 @@ changes the weights:
     nothing drops caches, so "read" comes out of the page cache, not from the disk.
   - `disk-int4`: the same with `quantization="int4"`: the update re-quantizes every expert
     it touches (all of them) on the fly.
-  - `distributed-bf16`: a trainer process (`trainer_main` below, spawned) is rank 0 of a
+  - `distributed-bf16`: a trainer process (`trainer_main` of
+    bench/weight_update_trainer.py, spawned) is rank 0 of a
     weight-update group over gloo on loopback; per update it broadcasts the checkpoint's
     tensors (already in its memory, sorted by name) in buckets of `--bucket-mib` (32 MiB,
     `moe_engine.rl.WeightSync`'s default over gloo), while the engine runs
@@ -55,334 +56,58 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import json
 import logging
-import multiprocessing
 import os
-import queue
 import random
 import re
-import shutil
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the trainer's module
 
 import moe_engine  # noqa: E402, F401  (first: it sets OMP_WAIT_POLICY before torch loads)
 
 # isort: split
 import torch  # noqa: E402
-from safetensors import safe_open  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
+from weight_update_report import print_report, yes_no  # noqa: E402
+from weight_update_trainer import (  # noqa: E402
+    GROUP_NAME,
+    GROUP_TIMEOUT_S,
+    PERTURB_SCALE,
+    PERTURB_SEED,
+    Row,
+    Trainer,
+    UpdatePhases,
+    checkpoint_facts,
+    checkpoint_tensors,
+    ensure_perturbed,
+    free_port,
+    proc_kib,
+    update_once,
+)
 
-from moe_engine.loader import safetensors_files  # noqa: E402
-from moe_engine.weight_update.buckets import bucket_layout, nbytes_of, pack  # noqa: E402
-from moe_engine.weight_update.group import WeightGroup  # noqa: E402
+from moe_engine.weight_update.buckets import bucket_layout  # noqa: E402
 from moe_engine.weight_update.targets import meta_of  # noqa: E402
 
 logger = logging.getLogger("bench.weight_update")
 
 MiB = 1 << 20
-#: The perturbation of the "next RL step": floating tensors + SCALE x randn under SEED.
-PERTURB_SEED, PERTURB_SCALE = 1, 0.01
 #: The arithmetic's model: 1T parameters in bf16.
 TARGET_PARAMS = 10**12
 TARGET_BYTES = 2 * TARGET_PARAMS
 #: Stated link rates for comparison (Gb/s; arithmetic, not measured).
 LINK_GBPS = (25, 100, 400)
-GROUP_NAME = "weight_update"
-GROUP_TIMEOUT_S = 120.0
 #: Rows (`--rows`): name -> (source, quantization).
 ROWS = {"disk-bf16": ("disk", "none"), "disk-int4": ("disk", "int4"),
         "distributed-bf16": ("distributed", "none")}
 
 
-# -- checkpoints ----------------------------------------------------------------------------
-
-
-def checkpoint_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every safetensors file of `path`, in sorted name order."""
-    tensors: dict[str, torch.Tensor] = {}
-    for file in safetensors_files(path):
-        tensors.update(load_file(str(file)))
-    return dict(sorted(tensors.items()))
-
-
-def checkpoint_facts(path: str | Path) -> dict[str, int]:
-    """Tensors, parameters and bytes of a checkpoint, from its files' headers."""
-    tensors = params = nbytes = 0
-    for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                piece = f.get_slice(name)
-                n = 1
-                for d in piece.get_shape():
-                    n *= d
-                tensors += 1
-                params += n
-                nbytes += n * _SAFETENSORS_ITEMSIZE.get(piece.get_dtype(), 4)
-    return {"tensors": tensors, "params": params, "bytes": nbytes}
-
-
-_SAFETENSORS_ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "U8": 1, "I8": 1, "I32": 4, "I64": 8,
-                         "F64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-
-
-def ensure_perturbed(src: Path, cache_dir: Path, seed: int = PERTURB_SEED,
-                     scale: float = PERTURB_SCALE) -> Path:
-    """`cache_dir/<src name>-perturbed-s<seed>`: `src`'s files with `scale * randn` added to
-    every floating tensor (file by file in `safetensors_files` order, names sorted, one
-    generator seeded `seed`; rounded back to the tensor's dtype), the other files (config.json,
-    an index) copied. Made once, atomically; remade when it was made from another folder."""
-    final = cache_dir / f"{src.name}-perturbed-s{seed}"
-    made_from = {"source": str(src.resolve()), "seed": seed, "scale": scale}
-    marker = final / "perturbed_from.json"
-    if marker.is_file() and json.loads(marker.read_text()) == made_from:
-        return final
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    logger.info("creating %s", final)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache_dir))
-    try:
-        files = safetensors_files(src)
-        for entry in src.iterdir():
-            if entry.is_file() and entry.suffix != ".safetensors":
-                shutil.copy2(entry, tmp / entry.name)
-        gen = torch.Generator().manual_seed(seed)
-        for file in files:
-            tensors = load_file(str(file))
-            out = {}
-            for name in sorted(tensors):
-                t = tensors[name]
-                if t.is_floating_point():
-                    noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
-                    t = (t.float() + scale * noise).to(t.dtype)
-                out[name] = t.contiguous()
-            save_file(out, str(tmp / file.name), metadata={"format": "pt"})
-        (tmp / marker.name).write_text(json.dumps(made_from) + "\n")
-        shutil.rmtree(final, ignore_errors=True)  # a stale copy (made from another folder)
-        os.rename(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
-# -- the engine's phases --------------------------------------------------------------------
-
-
-class UpdatePhases:
-    """Seconds an update spends in the engine's functions, by wrapping them (class attributes
-    and `staging.rebind`), restored by `uninstall`. Keys: "read" (inside `DiskUpdate.tensors`),
-    "receive" (inside `RolloutControl._receive`), "stage" (`StagedWeights.add`), "commit"
-    (`StagedWeights.commit`), and within commit "requantize" (`StagedWeights._requantized`)
-    and "rebind" (`staging.rebind`)."""
-
-    KEYS = ("read", "receive", "stage", "commit", "requantize", "rebind")
-
-    def __init__(self) -> None:
-        self.totals = dict.fromkeys(self.KEYS, 0.0)
-        self._undo: list[tuple[Any, str, Any]] = []
-
-    def install(self) -> UpdatePhases:
-        from moe_engine.weight_update import staging
-        from moe_engine.weight_update.control import RolloutControl
-        from moe_engine.weight_update.disk import DiskUpdate
-
-        self._wrap_iter(DiskUpdate, "tensors", "read")
-        self._wrap_iter(RolloutControl, "_receive", "receive")
-        self._wrap(staging.StagedWeights, "add", "stage")
-        self._wrap(staging.StagedWeights, "commit", "commit")
-        self._wrap(staging.StagedWeights, "_requantized", "requantize")
-        self._wrap(staging, "rebind", "rebind")
-        return self
-
-    def uninstall(self) -> None:
-        for owner, attr, orig in reversed(self._undo):
-            setattr(owner, attr, orig)
-        self._undo = []
-
-    def take(self) -> dict[str, float]:
-        """Seconds per key since the last take."""
-        out, self.totals = self.totals, dict.fromkeys(self.KEYS, 0.0)
-        return out
-
-    def _wrap(self, owner: Any, attr: str, key: str) -> None:
-        orig = getattr(owner, attr)
-        totals = self
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                totals.totals[key] += time.perf_counter() - t
-
-        self._undo.append((owner, attr, orig))
-        setattr(owner, attr, timed)
-
-    def _wrap_iter(self, owner: Any, attr: str, key: str) -> None:
-        """Time only the generator's own work (each `next`), not its consumer's."""
-        orig = getattr(owner, attr)
-        totals = self
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            it = iter(orig(*args, **kwargs))
-            while True:
-                t = time.perf_counter()
-                try:
-                    item = next(it)
-                except StopIteration:
-                    return
-                finally:
-                    totals.totals[key] += time.perf_counter() - t
-                yield item
-
-        self._undo.append((owner, attr, orig))
-        setattr(owner, attr, timed)
-
-
-def _status_kib(field: str) -> int | None:
-    try:
-        m = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
-    except OSError:
-        return None
-    return int(m.group(1)) if m else None
-
-
-def reset_peak_rss() -> bool:
-    """Reset this process's peak RSS (VmHWM) to its RSS; False where Linux does not let it."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return True
-
-
-# -- the trainer ----------------------------------------------------------------------------
-
-
-def trainer_main(paths: dict[str, str], commands: Any, results: Any) -> None:
-    """Rank 0 of the weight-update group, in its own (spawned) process.
-
-    Loads every checkpoint of `paths` (key -> folder; all safetensors files, names sorted)
-    into memory, says ("ready", seconds), then obeys `commands`: ("join", port, world_size)
-    hosts the store and forms the group -> ("joined", seconds); ("send", key, bucket_bytes)
-    waits for the engine's verdict on the list, then packs and broadcasts every bucket ->
-    ("sent", {"handshake_s", "transfer_s", "buckets", "bytes"}) or ("refused", None);
-    ("stop",) leaves. An error is reported as ("error", text) before the process exits 1.
-    One torch thread: packing is a copy, and the engine computes on the same cores."""
-    torch.set_num_threads(1)
-    try:
-        t0 = time.perf_counter()
-        tensors = {k: checkpoint_tensors(p) for k, p in paths.items()}
-        metas = {k: [meta_of(n, t) for n, t in ts.items()] for k, ts in tensors.items()}
-        values = {k: list(ts.values()) for k, ts in tensors.items()}
-        results.put(("ready", time.perf_counter() - t0))
-        group: WeightGroup | None = None
-        while True:
-            cmd = commands.get()
-            if cmd[0] == "stop":
-                break
-            if cmd[0] == "join":
-                _, port, world_size = cmd
-                t0 = time.perf_counter()
-                group = WeightGroup("127.0.0.1", port, 0, world_size, "gloo", GROUP_NAME,
-                                    GROUP_TIMEOUT_S)
-                results.put(("joined", time.perf_counter() - t0))
-            elif cmd[0] == "send":
-                assert group is not None, "send before join"
-                _, key, bucket_bytes = cmd
-                t0 = time.perf_counter()
-                ok = group.agree(False)
-                t1 = time.perf_counter()
-                if not ok:
-                    results.put(("refused", None))
-                    continue
-                layout = bucket_layout(metas[key], bucket_bytes)
-                for bucket in layout:
-                    group.broadcast(pack(bucket, values[key]))
-                t2 = time.perf_counter()
-                results.put(("sent", {"handshake_s": t1 - t0, "transfer_s": t2 - t1,
-                                      "buckets": len(layout),
-                                      "bytes": sum(nbytes_of(m) for m in metas[key])}))
-        if group is not None:
-            group.close()
-    except BaseException as exc:
-        results.put(("error", f"{type(exc).__name__}: {exc}"))
-        raise
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Trainer:
-    """The parent's handle on a `trainer_main` process (spawned; the target is imported as
-    module `weight_update` from bench/, which the child's sys.path has, however this file was
-    loaded)."""
-
-    def __init__(self, paths: dict[str, Path]) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self.commands, self.results = ctx.Queue(), ctx.Queue()
-        target = importlib.import_module("weight_update").trainer_main
-        self.proc = ctx.Process(target=target, name="bench-weight-trainer", daemon=True,
-                                args=({k: str(p) for k, p in paths.items()}, self.commands,
-                                      self.results))
-        t0 = time.perf_counter()
-        self.proc.start()
-        self.load_s = self.expect("ready", 300.0)  # the checkpoints, inside the child
-        self.ready_s = time.perf_counter() - t0  # the process started, imports, checkpoints
-
-    def expect(self, kind: str, timeout_s: float = GROUP_TIMEOUT_S) -> Any:
-        """The trainer's next report, which must be `kind`.
-
-        Raises:
-            RuntimeError: another report, an error, the process gone, or nothing in time.
-        """
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                got, value = self.results.get(timeout=0.5)
-                break
-            except queue.Empty:
-                if not self.proc.is_alive():
-                    raise RuntimeError(f"the trainer exited ({self.proc.exitcode}) before "
-                                       f"{kind!r}") from None
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"no {kind!r} from the trainer in {timeout_s:.0f} s"
-                                       ) from None
-        if got != kind:
-            raise RuntimeError(f"the trainer said {got!r} ({value}), expected {kind!r}")
-        return value
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            self.commands.put(("stop",))
-            self.proc.join(30)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(10)
-
-
 # -- rows -----------------------------------------------------------------------------------
-
-
-class Row:
-    """One engine and its updates."""
-
-    def __init__(self, name: str, llm: Any, source: str, quantization: str) -> None:
-        self.name, self.llm, self.source, self.quantization = name, llm, source, quantization
-        self.updates = 0
-        self.runs: list[dict[str, Any]] = []
-        self.check: dict[str, Any] = {}
 
 
 def load_llm(path: Path, args: argparse.Namespace, quantization: str) -> Any:
@@ -405,49 +130,6 @@ def greedy(llm: Any, prompts: list[list[int]], output_len: int) -> list[list[int
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def update_once(row: Row, ckpts: dict[str, Path], metas: dict[str, list], phases: UpdatePhases,
-                trainer: Trainer | None, bucket_bytes: int) -> dict[str, Any]:
-    """The row's next update (to the perturbed copy when it has had an even number, else the
-    original), timed."""
-    key = "perturbed" if row.updates % 2 == 0 else "original"
-    version = f"v{row.updates}"
-    row.updates += 1
-    phases.take()
-    peak_ok = reset_peak_rss()
-    rss_before = _status_kib("VmRSS")
-    t0 = time.perf_counter()
-    if row.source == "disk":
-        reply = row.llm.update_weights_from_disk(str(ckpts[key]), version)
-        sent = None
-    else:
-        assert trainer is not None
-        trainer.commands.put(("send", key, bucket_bytes))
-        reply = row.llm.update_weights_from_distributed(metas[key], version,
-                                                        bucket_bytes=bucket_bytes)
-    wall = time.perf_counter() - t0
-    if row.source == "distributed":
-        sent = trainer.expect("sent")
-    hwm = _status_kib("VmHWM")
-    ph = phases.take()
-    moved = ph["read"] + ph["receive"]
-    rec = {
-        "to": key, "version": version, "seconds": reply.seconds, "wall_s": wall,
-        "num_tensors": reply.num_tensors, "num_bytes": reply.num_bytes,
-        "gb_s": reply.num_bytes / reply.seconds / 1e9,
-        "phases": {**ph, "other": max(reply.seconds - moved - ph["stage"] - ph["commit"], 0.0)},
-        "peak_rss_over_before_mib": ((hwm - rss_before) / 1024 if peak_ok and hwm is not None
-                                     and rss_before is not None else None),
-    }
-    if sent is not None:
-        rec["trainer"] = {**sent, "gb_s": sent["bytes"] / sent["transfer_s"] / 1e9}
-    logger.info("%s -> %s (%s): %.3f s, %.3f GB/s (read %.3f, receive %.3f, stage %.3f, "
-                "commit %.3f: requantize %.3f, rebind %.3f)%s", row.name, key, version,
-                reply.seconds, rec["gb_s"], ph["read"], ph["receive"], ph["stage"],
-                ph["commit"], ph["requantize"], ph["rebind"],
-                f"; trainer {sent['transfer_s']:.3f} s" if sent else "")
-    return rec
 
 
 def _median(xs: list[float]) -> float:
@@ -506,95 +188,6 @@ def arithmetic(rows: list[dict[str, Any]]) -> dict[str, Any]:
 # -- report ---------------------------------------------------------------------------------
 
 
-def _yes(flag: bool | None) -> str:
-    return {True: "yes", False: "no", None: "-"}[flag]
-
-
-def _s(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3f}"
-
-
-def markdown_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| row | experts | seconds | runs (s) | GB/s | read / receive s | stage s | "
-             "commit s (requantize, rebind) | other s | trainer s | trainer GB/s | "
-             "peak RSS + (first) | outputs equal a fresh start |",
-             "|---|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---|"]
-    for r in rows:
-        p = r["phases"]
-        moved = p["read"] if r["source"] == "disk" else p["receive"]
-        t = r.get("trainer")
-        rss = r["peak_rss_over_before_mib_first"]
-        lines.append(
-            f"| {r['row']} | {r['experts']} | {r['seconds']:.3f} | "
-            f"{' / '.join(f'{x:.3f}' for x in r['runs_s'])} | {r['gb_s']:.3f} | "
-            f"{moved:.3f} | {p['stage']:.3f} | {p['commit']:.3f} ({p['requantize']:.3f}, "
-            f"{p['rebind']:.3f}) | {p['other']:.3f} | {_s(t['transfer_s'] if t else None)} | "
-            f"{_s(t['gb_s'] if t else None)} | "
-            f"{'-' if rss is None else f'{rss:.0f} MiB'} | {_yes(r['equal'])} |")
-    return "\n".join(lines)
-
-
-def arithmetic_table(a: dict[str, Any]) -> str:
-    tb = a["bytes"] / 1e12
-    lines = [f"| rate | GB/s | {a['params'] / 1e12:.0f}T parameters in bf16 ({tb:.1f} TB) |",
-             "|---|---:|---:|"]
-    for m in a["measured"]:
-        lines.append(f"| measured: {m['rate']} | {m['gb_s']:.3f} | {m['seconds']:,.0f} s |")
-    for link in a["links"]:
-        lines.append(f"| stated link {link['gbit_s']} Gb/s (arithmetic) | {link['gb_s']:.3f} | "
-                     f"{link['seconds']:,.0f} s |")
-    return "\n".join(lines)
-
-
-def print_report(res: dict[str, Any]) -> None:
-    load, m, c = res["load_average"], res["machine"], res["checkpoint"]
-    print(f"command: {res['command']}")
-    print(f"{res['date']}; {m['cpu']}, {m['cores']} cores ({m['bf16']}), {m['threads']} torch "
-          f"threads, {m['memory_gib']:.0f} GiB, torch {m['torch']}; load average "
-          f"{' '.join(f'{x:.2f}' for x in load['start'])} at start, "
-          f"{' '.join(f'{x:.2f}' for x in load['end'])} at end; {res['duration_s']:.0f} s")
-    print(f"checkpoint {c['path']} ({c['params'] / 1e6:.1f} M parameters, {c['tensors']} "
-          f"tensors, {c['bytes'] / 1e6:.0f} MB); perturbed copy {res['perturbed']}; dtype "
-          f"{res['dtype']}, int4 group size {res['quant_group_size']}")
-    print(f"median of {res['runs']} updates after 1 warm-up, rows taking turns, updates "
-          f"alternating between the perturbed copy and the original; page cache warm (both "
-          f"folders read in the warm-up round, no cache dropped): 'read' comes out of the "
-          f"page cache, not from the disk")
-    if res.get("group"):
-        g = res["group"]
-        print(f"distributed: gloo on loopback, buckets of {g['bucket_bytes'] / MiB:g} MiB "
-              f"({g['buckets']} per update); trainer process started with both checkpoints "
-              f"in its memory in {g['trainer_ready_s']:.1f} s (loading them "
-              f"{g['trainer_load_s']:.1f} s); group formed once in {g['form_s']:.3f} s "
-              f"(init_weight_update_group; not in the rows)")
-    print()
-    print(markdown_table(res["rows"]))
-    print()
-    print("seconds: the engine's own (ControlReply.seconds); GB/s: bytes taken (as received) / "
-          "seconds, decimal; the split by wrapping the engine's functions (monkeypatched): "
-          "read = DiskUpdate.tensors, receive = RolloutControl._receive (handshake + "
-          "broadcasts), stage = StagedWeights.add, commit = StagedWeights.commit (requantize = "
-          "_requantized, rebind = staging.rebind); trainer s: pack + broadcast after the "
-          "handshake; peak RSS +: VmHWM over VmRSS before the row's first update (the staged "
-          "copy, and the checkpoint pages safetensors maps while reading; the rows share this "
-          "process, so a later row may reuse memory an earlier one freed)")
-    for r in res["rows"]:
-        print(f"  {r['row']}: outputs equal a fresh start: {_yes(r['equal'])} (after the "
-              f"update to the perturbed copy, {r['check_version']}; the update changed the "
-              f"outputs: {_yes(r['changed'])})")
-    print()
-    print("arithmetic, not measured: the same update for a 1T-parameter model at each rate")
-    print()
-    print(arithmetic_table(res["arithmetic"]))
-    print()
-    print("  a broadcast sends every byte to every engine rank (under expert parallelism a "
-          "rank keeps only its experts but receives every bucket), so the time is bound by "
-          "one link's rate, not divided by the number of ranks")
-
-
-# -- main -----------------------------------------------------------------------------------
-
-
 def machine_facts() -> dict[str, Any]:
     cpu, flags = "unknown CPU", set()
     try:
@@ -607,18 +200,10 @@ def machine_facts() -> dict[str, Any]:
         pass
     bf16 = ("AMX" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags
             else "no native bf16")
-    mem = _meminfo_kib("MemTotal")
+    mem = proc_kib("MemTotal", "/proc/meminfo")
     return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "bf16": bf16,
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "memory_gib": (mem or 0) / 2**20}
-
-
-def _meminfo_kib(field: str) -> int | None:
-    try:
-        m = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)
-    except OSError:
-        return None
-    return int(m.group(1)) if m else None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -659,40 +244,65 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s: %(message)s")
-    started = time.perf_counter()
-    load_start = os.getloadavg()
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+def resolve_checkpoint(args: argparse.Namespace) -> Path:
+    """`--model`, else the demo checkpoint (`--quick`), else bench-qwen3-moe (made once)."""
     if args.model is not None:
-        ckpt = args.model.resolve()
-    elif args.quick:
+        return args.model.resolve()
+    if args.quick:
         from moe_engine.demo import ensure_demo_checkpoint
 
-        ckpt = Path(ensure_demo_checkpoint(str(args.cache_dir)))
-    else:
-        from workload import ensure_bench_checkpoint
+        return Path(ensure_demo_checkpoint(str(args.cache_dir)))
+    from workload import ensure_bench_checkpoint
 
-        ckpt = ensure_bench_checkpoint(args.cache_dir)
-    ckpts = {"original": ckpt, "perturbed": ensure_perturbed(ckpt, args.cache_dir)}
-    prompts = prompts_for(ckpt)
+    return ensure_bench_checkpoint(args.cache_dir)
 
-    # the oracle first: a fresh engine on the perturbed copy, per quantization
-    quants = sorted({ROWS[r][1] for r in args.row_list})
+
+def fresh_outputs(perturbed: Path, args: argparse.Namespace, prompts: list[list[int]],
+                  quants: list[str]) -> dict[str, list[list[int]]]:
+    """The oracle: greedy outputs of a fresh engine on the perturbed copy, per quantization."""
     reference = {}
     for q in quants:
-        fresh = load_llm(ckpts["perturbed"], args, q)
+        fresh = load_llm(perturbed, args, q)
         reference[q] = greedy(fresh, prompts, args.output_len)
         del fresh
+    return reference
 
-    rows: list[Row] = []
-    for name in args.row_list:
-        source, q = ROWS[name]
-        rows.append(Row(name, load_llm(ckpt, args, q), source, q))
+
+def form_group(llm: Any, trainer: Trainer, metas: dict[str, list],
+               bucket_bytes: int) -> dict[str, Any]:
+    """The weight-update group of `llm` (ranks 1..) and the trainer (rank 0), formed once."""
+    port = free_port()
+    trainer.commands.put(("join", port, 2))
+    t0 = time.perf_counter()
+    llm.init_weight_update_group("127.0.0.1", port, rank_offset=1, world_size=2,
+                                 backend="gloo", group_name=GROUP_NAME,
+                                 timeout_s=GROUP_TIMEOUT_S)
+    form_s = time.perf_counter() - t0
+    return {"form_s": round(form_s, 4), "trainer_join_s": round(trainer.expect("joined"), 4),
+            "trainer_ready_s": round(trainer.ready_s, 2),
+            "trainer_load_s": round(trainer.load_s, 2),
+            "bucket_bytes": bucket_bytes,
+            "buckets": len(bucket_layout(metas["original"], bucket_bytes))}
+
+
+def check_row(row: Row, rec: dict[str, Any], after: list[list[int]],
+              reference: dict[str, list[list[int]]], before: list[list[int]]) -> None:
+    """After the warm-up update (to the perturbed copy): equal to a fresh start, and changed."""
+    row.check = {"version": rec["version"],
+                 "equal": after == reference[row.quantization],
+                 "changed": after != before,
+                 "peak_rss_over_before_mib": (
+                     None if rec["peak_rss_over_before_mib"] is None
+                     else round(rec["peak_rss_over_before_mib"], 1))}
+    logger.info("%s: outputs equal a fresh start: %s", row.name, yes_no(row.check["equal"]))
+
+
+def run_updates(rows: list[Row], ckpts: dict[str, Path], args: argparse.Namespace,
+                prompts: list[list[int]],
+                reference: dict[str, list[list[int]]]) -> dict[str, Any] | None:
+    """One warm-up round (checked) and `--runs` timed rounds, the rows taking turns; the
+    trainer and its group where a row is distributed. Returns the group's facts (or None)."""
     before = {row.name: greedy(row.llm, prompts, args.output_len) for row in rows}
-
     metas: dict[str, list] = {}
     trainer: Trainer | None = None
     group: dict[str, Any] | None = None
@@ -703,32 +313,13 @@ def main(argv: list[str] | None = None) -> int:
                 metas[key] = [meta_of(n, t) for n, t in checkpoint_tensors(path).items()]
             trainer = Trainer(ckpts)
             llm = next(r for r in rows if r.source == "distributed").llm
-            port = _free_port()
-            trainer.commands.put(("join", port, 2))
-            t0 = time.perf_counter()
-            llm.init_weight_update_group("127.0.0.1", port, rank_offset=1, world_size=2,
-                                         backend="gloo", group_name=GROUP_NAME,
-                                         timeout_s=GROUP_TIMEOUT_S)
-            form_s = time.perf_counter() - t0
-            group = {"form_s": round(form_s, 4), "trainer_join_s": round(trainer.expect("joined"),
-                                                                         4),
-                     "trainer_ready_s": round(trainer.ready_s, 2),
-                     "trainer_load_s": round(trainer.load_s, 2),
-                     "bucket_bytes": args.bucket_bytes,
-                     "buckets": len(bucket_layout(metas["original"], args.bucket_bytes))}
+            group = form_group(llm, trainer, metas, args.bucket_bytes)
         for rnd in range(1 + args.runs):
             for row in rows:
                 rec = update_once(row, ckpts, metas, phases, trainer, args.bucket_bytes)
                 if rnd == 0:  # the warm-up: to the perturbed copy; the check
                     after = greedy(row.llm, prompts, args.output_len)
-                    row.check = {"version": rec["version"],
-                                 "equal": after == reference[row.quantization],
-                                 "changed": after != before[row.name],
-                                 "peak_rss_over_before_mib": (
-                                     None if rec["peak_rss_over_before_mib"] is None
-                                     else round(rec["peak_rss_over_before_mib"], 1))}
-                    logger.info("%s: outputs equal a fresh start: %s", row.name,
-                                _yes(row.check["equal"]))
+                    check_row(row, rec, after, reference, before[row.name])
                 else:
                     row.runs.append(rec)
         for row in rows:
@@ -738,6 +329,27 @@ def main(argv: list[str] | None = None) -> int:
         phases.uninstall()
         if trainer is not None:
             trainer.close()
+    return group
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s: %(message)s")
+    started = time.perf_counter()
+    load_start = os.getloadavg()
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    ckpt = resolve_checkpoint(args)
+    ckpts = {"original": ckpt, "perturbed": ensure_perturbed(ckpt, args.cache_dir)}
+    prompts = prompts_for(ckpt)
+    quants = sorted({ROWS[r][1] for r in args.row_list})
+    reference = fresh_outputs(ckpts["perturbed"], args, prompts, quants)  # the oracle first
+
+    rows: list[Row] = []
+    for name in args.row_list:
+        source, q = ROWS[name]
+        rows.append(Row(name, load_llm(ckpt, args, q), source, q))
+    group = run_updates(rows, ckpts, args, prompts, reference)
 
     table = [summarize(r) for r in rows]
     res: dict[str, Any] = {
