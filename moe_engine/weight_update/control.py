@@ -216,7 +216,7 @@ class RolloutControl:
                 staged.add(targets[index[name]], tensor)
             return staged, len(disk.metas)
         for i, tensor in self._receive(msg):
-            staged.add(self._targets[i], tensor)
+            staged.add(self._targets[i], tensor, owned=True)  # views into our own buckets
         return staged, len(msg.tensors)
 
     def _receive(self, msg: UpdateWeights) -> Iterator[tuple[int, torch.Tensor]]:

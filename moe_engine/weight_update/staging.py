@@ -75,10 +75,15 @@ class StagedWeights:
         #: bytes of the tensors this rank took (as received)
         self.num_bytes = 0
 
-    def add(self, target: Target, tensor: torch.Tensor) -> None:
-        """Stage one tensor (already checked against the model by `resolve_targets`)."""
+    def add(self, target: Target, tensor: torch.Tensor, owned: bool = False) -> None:
+        """Stage one tensor (already checked against the model by `resolve_targets`).
+
+        Args:
+            owned: `tensor` is this update's own memory (a view into a received bucket): a
+                whole parameter of the same dtype then keeps it as it is, uncopied.
+        """
         if isinstance(target, ParamTarget):
-            self._add_param(target, tensor)
+            self._add_param(target, tensor, owned)
         elif isinstance(target, ExpertTarget):
             moe = self.loader.moes[target.block]
             value = self._cast(None, tensor, self.compute_dtype)
@@ -90,12 +95,12 @@ class StagedWeights:
             return
         self.num_bytes += tensor.numel() * tensor.element_size()
 
-    def _add_param(self, target: ParamTarget, tensor: torch.Tensor) -> None:
+    def _add_param(self, target: ParamTarget, tensor: torch.Tensor, owned: bool) -> None:
         param = self.loader.params[target.param]
-        value = self._cast(target.param, tensor, param.dtype)
         if target.shard is None:
-            self.params[target.param] = value
+            self.params[target.param] = self._cast(target.param, tensor, param.dtype, not owned)
             return
+        value = self._cast(target.param, tensor, param.dtype)
         module = self.loader.merged[target.param.rpartition(".")[0]]
         module.shard_view(self._staged(target.param), target.shard).copy_(value)
 
@@ -143,12 +148,14 @@ class StagedWeights:
             self.params[name] = self.loader.params[name].detach().to(self.device, copy=True)
         return self.params[name]
 
-    def _cast(self, name: str | None, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """A new tensor: rounded as the startup loader rounds checkpoint tensors, in `dtype`."""
+    def _cast(self, name: str | None, tensor: torch.Tensor, dtype: torch.dtype,
+              copy: bool = True) -> torch.Tensor:
+        """`tensor` rounded as the startup loader rounds checkpoint tensors, in `dtype`, in
+        host memory: a new tensor, or with `copy=False` `tensor` itself when nothing changes."""
         if not tensor.is_floating_point():
-            return tensor.to(self.device, copy=True)
+            return tensor.to(self.device, copy=copy)
         stored = torch.float32 if name in self.keep_float32 else self.weight_dtype
-        return tensor.to(self.device, stored).to(dtype, copy=True)
+        return tensor.to(self.device, stored).to(dtype, copy=copy)
 
     # ------------------------------------------------------------------ commit
 
