@@ -28,10 +28,11 @@ taking turns update after update:
     tensors taken, as received) / seconds, decimal GB;
   - the split, timed by wrapping the engine's functions in this process (monkeypatching,
     nothing changed in them): "read" = time inside `DiskUpdate.tensors` (safetensors ->
-    tensors), "receive" = time inside `RolloutControl._receive` (the handshake and every
-    bucket's broadcast), "stage" = `StagedWeights.add` (cast and copy into the staged
-    copies), "commit" = `StagedWeights.commit` (swap in, re-quantize 4-bit experts, rebind =
-    repack the native kernels' weights; its "requantize" and "rebind" parts shown too),
+    tensors), "receive" = time inside `RolloutControl._handshake` and `_receive` (the
+    handshake and every bucket's broadcast), "stage" = `StagedWeights.add` (cast and copy
+    into the staged copies), "commit" = `StagedWeights.commit` (swap in, re-quantize 4-bit
+    experts, rebind = repack the native kernels' weights; its "requantize" and "rebind"
+    parts shown too),
     "other" = the rest (resolving names, reading headers, the flush);
   - distributed: the trainer's own wall time for the update after the handshake (pack +
     broadcast of every bucket) and its GB/s;

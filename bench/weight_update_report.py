@@ -56,7 +56,7 @@ def print_report(res: dict[str, Any]) -> None:
     print()
     print("seconds: the engine's own (ControlReply.seconds); GB/s: bytes taken (as received) / "
           "seconds, decimal; the split by wrapping the engine's functions (monkeypatched): "
-          "read = DiskUpdate.tensors, receive = RolloutControl._receive (handshake + "
+          "read = DiskUpdate.tensors, receive = RolloutControl._handshake + _receive (handshake + "
           "broadcasts), stage = StagedWeights.add, commit = StagedWeights.commit (requantize = "
           "_requantized, rebind = staging.rebind); trainer s: pack + broadcast after the "
           "handshake; peak RSS +: VmHWM over VmRSS before the row's first update (the staged "

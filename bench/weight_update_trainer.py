@@ -131,9 +131,9 @@ def _write_perturbed(src: Path, dst: Path, seed: int, scale: float) -> None:
 class UpdatePhases:
     """Seconds an update spends in the engine's functions, by wrapping them (class attributes
     and `staging.rebind`), restored by `uninstall`. Keys: "read" (inside `DiskUpdate.tensors`),
-    "receive" (inside `RolloutControl._receive`), "stage" (`StagedWeights.add`), "commit"
-    (`StagedWeights.commit`), and within commit "requantize" (`StagedWeights._requantized`)
-    and "rebind" (`staging.rebind`)."""
+    "receive" (inside `RolloutControl._handshake` and `_receive`), "stage"
+    (`StagedWeights.add`), "commit" (`StagedWeights.commit`), and within commit
+    "requantize" (`StagedWeights._requantized`) and "rebind" (`staging.rebind`)."""
 
     KEYS = ("read", "receive", "stage", "commit", "requantize", "rebind")
 
@@ -147,6 +147,7 @@ class UpdatePhases:
         from moe_engine.weight_update.disk import DiskUpdate
 
         self._wrap_iter(DiskUpdate, "tensors", "read")
+        self._wrap(RolloutControl, "_handshake", "receive")
         self._wrap_iter(RolloutControl, "_receive", "receive")
         self._wrap(staging.StagedWeights, "add", "stage")
         self._wrap(staging.StagedWeights, "commit", "commit")

@@ -35,11 +35,16 @@ from moe_engine.engine.control import (
     UpdateWeights,
 )
 from moe_engine.errors import ErrorCode
-from moe_engine.weight_update.buckets import bucket_layout, default_bucket_bytes, unpack
+from moe_engine.weight_update.buckets import (
+    Bucket,
+    bucket_layout,
+    default_bucket_bytes,
+    unpack,
+)
 from moe_engine.weight_update.disk import DiskUpdate
 from moe_engine.weight_update.group import WeightGroup
 from moe_engine.weight_update.staging import StagedWeights
-from moe_engine.weight_update.targets import Skip, WeightUpdateError, resolve_targets
+from moe_engine.weight_update.targets import Skip, Target, WeightUpdateError, resolve_targets
 
 logger = logging.getLogger(__name__)
 
@@ -215,12 +220,18 @@ class RolloutControl:
             for name, tensor in disk.tensors(wanted):
                 staged.add(targets[index[name]], tensor)
             return staged, len(disk.metas)
-        for i, tensor in self._receive(msg):
-            staged.add(self._targets[i], tensor, owned=True)  # views into our own buckets
+        group, targets, layout = self._handshake(msg)
+        for i, tensor in self._receive(msg, group, layout):
+            staged.add(targets[i], tensor, owned=True)  # views into our own buckets
         return staged, len(msg.tensors)
 
-    def _receive(self, msg: UpdateWeights) -> Iterator[tuple[int, torch.Tensor]]:
-        """The handshake, then each bucket the trainer broadcasts, unpacked."""
+    def _handshake(self, msg: UpdateWeights) -> tuple[WeightGroup, list[Target], list[Bucket]]:
+        """Check the trainer's list and tell the group whether this rank takes it (every
+        member answers, so a refusal sends nothing); (the group, the targets, the buckets).
+
+        Raises:
+            WeightUpdateError: no such group, a refused list, or another member refused.
+        """
         group = self.groups.get(msg.group_name)
         if group is None:
             raise WeightUpdateError("group_name", f"group_name: no weight-update group "
@@ -228,7 +239,7 @@ class RolloutControl:
                                                   f"(InitWeightUpdateGroup first)")
         try:
             _check_version(msg)
-            self._targets = resolve_targets(self.core.model, msg.tensors)
+            targets = resolve_targets(self.core.model, msg.tensors)
             layout = bucket_layout(msg.tensors,
                                    msg.bucket_bytes or default_bucket_bytes(group.backend))
         except (WeightUpdateError, ValueError) as exc:
@@ -238,6 +249,11 @@ class RolloutControl:
             raise WeightUpdateError("tensors", f"tensors: {exc}") from None
         if not self._transfer(msg, group, lambda: group.agree(False)):
             raise WeightUpdateError("tensors", "another member of the group refused the update")
+        return group, targets, layout
+
+    def _receive(self, msg: UpdateWeights, group: WeightGroup, layout: list[Bucket]
+                 ) -> Iterator[tuple[int, torch.Tensor]]:
+        """Each bucket the trainer broadcasts, unpacked: (index in the update, tensor)."""
         for k, bucket in enumerate(layout):
             buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
             self._transfer(msg, group, lambda b=buf: group.broadcast(b),
