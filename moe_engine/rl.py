@@ -109,6 +109,7 @@ class WeightSync:
                 joined.result()  # the engine refused to join: raise why, do not wait it out
         self.group: WeightGroup | None = forming.result()
         joined.result()
+        self._joined, self._closed = True, False
 
     def push(
         self,
@@ -125,10 +126,16 @@ class WeightSync:
                 dtype: nothing was sent) or failed it; it still serves its previous weights.
             RuntimeError: this side's group failed (the engine is gone mid-transfer).
         """
-        if self.group is None:
+        if self._closed:
             raise RuntimeError("WeightSync is closed")
+        if self.group is None:
+            raise RuntimeError(
+                "the weight-update group is unusable after an earlier failure of this "
+                "WeightSync; close() it and make a new one (the engine then joins afresh)"
+            )
         items = list(state_dict.items() if isinstance(state_dict, Mapping) else state_dict)
-        tensors = [t.detach() for _, t in items]
+        _check_push(items, weight_version)
+        tensors = [t.detach().to(self.device) for _, t in items]
         metas = [meta_of(name, t) for (name, _), t in zip(items, tensors, strict=True)]
         request = pb.UpdateWeightsRequest(
             weight_version=weight_version, flush_cache=flush_cache,
@@ -142,8 +149,12 @@ class WeightSync:
         if not self._handshake(answer):
             answer.result()  # raises the engine's refusal
             raise WeightSyncError(grpc.StatusCode.INVALID_ARGUMENT, "the engine refused")
-        for bucket in bucket_layout(metas, self.bucket_bytes):
-            self.group.broadcast(pack(bucket, [t.to(self.device) for t in tensors]))
+        try:
+            for bucket in bucket_layout(metas, self.bucket_bytes):
+                self.group.broadcast(pack(bucket, tensors))
+        except Exception:
+            self.group = None  # a peer is gone mid-transfer: the group cannot be used again
+            raise
         return answer.result()
 
     def _handshake(self, answer: Future) -> bool:
@@ -161,16 +172,23 @@ class WeightSync:
         return verdict.result()
 
     def close(self) -> None:
-        """Tell the engine to leave the group and drop ours (safe to call twice)."""
-        if self.group is not None:
-            try:
+        """Tell the engine to leave the group and drop ours (safe to call twice; an engine
+        that is gone is not waited for)."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        try:
+            if self._joined:
                 self._call(self._stub.DestroyWeightUpdateGroup,
                            pb.DestroyWeightUpdateGroupRequest(group_name=self.group_name), 30.0)
-            finally:
+        except WeightSyncError:
+            pass  # the engine is gone or stopping: it holds no group worth leaving
+        finally:
+            if self.group is not None:
                 self.group.close()
                 self.group = None
-        self._pool.shutdown(wait=False)
-        self._channel.close()
+            self._pool.shutdown(wait=False)
+            self._channel.close()
 
     def __enter__(self) -> WeightSync:
         return self
@@ -208,6 +226,21 @@ class _Background:
         if self._error:
             raise self._error[0]
         return self._value[0]
+
+
+def _check_push(items: list, weight_version: str) -> None:
+    """Refuse, before anything is sent, what the engine would refuse before the handshake
+    (which would leave the group unusable).
+
+    Raises:
+        ValueError: no tensor, or a weight_version that is empty, over 256 characters or not
+            printable.
+    """
+    if not items:
+        raise ValueError("push: the state dict names no tensor")
+    if not weight_version or len(weight_version) > 256 or not weight_version.isprintable():
+        raise ValueError(f"push: weight_version must be 1-256 printable characters, got "
+                         f"{weight_version[:40]!r}")
 
 
 def _free_port(host: str) -> int:

@@ -25,7 +25,8 @@ def _core_stats(base: int, rank: int = 0) -> m.CoreStats:
     numbers = {
         name: base + i
         for i, name in enumerate(m.CoreStats.__struct_fields__)
-        if name not in ("kv_groups", "phase_seconds", "rank", _PER_POS)
+        if name not in ("kv_groups", "phase_seconds", "rank", _PER_POS, "paused",
+                        "weight_version")
     }
     group = m.KVCacheGroupStats(
         group=1, kind="sliding_attention", sliding_window=8, num_layers=2,
@@ -33,6 +34,7 @@ def _core_stats(base: int, rank: int = 0) -> m.CoreStats:
     )
     return m.CoreStats(
         **numbers, kv_groups=[group], phase_seconds={"step": 0.5}, rank=rank,
+        paused=bool(rank % 2), weight_version=f"v{base}",
         spec_decode_num_accepted_tokens_per_pos=[base, base + 1] + [base] * (rank % 2),
     )  # fmt: skip
 

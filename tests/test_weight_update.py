@@ -99,7 +99,8 @@ def _bad_folder(root: Path, name: str, tensors: dict, config_from: Path | None =
     return path
 
 
-@pytest.mark.parametrize("case", ["shape", "name", "dtype", "architecture", "path", "version"])
+@pytest.mark.parametrize("case", ["shape", "name", "dtype", "architecture", "path", "version",
+                                  "stacked", "layer", "truncated", "nan"])
 def test_a_bad_update_changes_nothing(llm, qwen3_ckpt, new_ckpt, gpt_oss_ckpt, root, case
                                       ) -> None:
     good = checkpoint_tensors(str(new_ckpt))
@@ -120,6 +121,24 @@ def test_a_bad_update_changes_nothing(llm, qwen3_ckpt, new_ckpt, gpt_oss_ckpt, r
         want = ("GptOssForCausalLM", "Qwen3MoeForCausalLM")
     elif case == "path":
         path, want = root / "missing", ("missing", "not a folder")
+    elif case == "stacked":  # a q_proj name the model has no parameter for
+        extra = {"model.layers.0.self_attn.q_proj.bias": good[q][:, 0].clone()}
+        path = _bad_folder(root, "bad-stacked", {**good, **extra})
+        want = ("q_proj.bias", "no place")
+    elif case == "layer":  # beyond the last layer (the checkpoint declares no MTP layer)
+        extra = {"model.layers.99.self_attn.q_proj.weight": good[q].clone()}
+        path = _bad_folder(root, "bad-layer", {**good, **extra})
+        want = ("layers.99", "the model has 3 layers")
+    elif case == "truncated":  # still being written
+        path = _bad_folder(root, "bad-truncated", good)
+        data = (path / "model.safetensors").read_bytes()
+        (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+        want = ("model.safetensors", "cannot be read as safetensors")
+    elif case == "nan":
+        nan = good[q].clone()
+        nan[3, 5] = float("nan")
+        path = _bad_folder(root, "bad-nan", {**good, q: nan})
+        want = (q, "Inf or NaN")
     else:
         path, want = new_ckpt, ("weight_version", "empty")
     with pytest.raises(RequestError) as info:
@@ -282,3 +301,24 @@ def test_the_in_place_commit_of_device_models(qwen3_ckpt, new_ckpt, quantization
     llm.update_weights_from_disk(str(new_ckpt), "in-place")
     assert q.data_ptr() == address
     assert _greedy(llm) == _greedy(LLM(str(new_ckpt), **kw))
+
+
+def test_a_trainer_sending_nan_is_refused_after_the_transfer(llm, new_ckpt) -> None:
+    """A diverged step (a NaN in one tensor of an early bucket): the engine still receives
+    every bucket (the trainer is not left hanging), then refuses naming the tensor; the
+    group stays usable and nothing changed."""
+    tensors = checkpoint_tensors(str(new_ckpt))
+    name = next(iter(tensors))  # sorted: the first bucket
+    nan = tensors[name].clone()
+    nan.view(-1)[0] = float("nan")
+    before = _greedy(llm)
+    port = free_port()
+    trainer = _trainer(port, new_ckpt, 64 * 1024, overrides={name: nan})
+    llm.init_weight_update_group("127.0.0.1", port, 1, 2)
+    metas = [meta_of(n, t) for n, t in tensors.items()]
+    with pytest.raises(RequestError, match="Inf or NaN"):
+        llm.update_weights_from_distributed(metas, "never", bucket_bytes=64 * 1024)
+    trainer.join(30)
+    assert trainer.exitcode == 0 and "weight_update" in llm.engine.rollout.groups
+    llm.destroy_weight_update_group()
+    assert llm.weight_version == "default" and _greedy(llm) == before

@@ -110,3 +110,30 @@ def test_from_disk_at_every_rank(served, qwen3_ckpt, new_ckpt) -> None:
     ), timeout=300)
     assert _versions(stub) == {"disk-2"}
     wait_idle(stub, free)
+
+
+def test_a_trainer_that_restarts_without_closing_joins_again(served, qwen3_ckpt, new_ckpt
+                                                            ) -> None:
+    """A trainer that died between init and close left its group on the engine: a new
+    WeightSync of the same group name replaces it (no ALREADY_EXISTS), and a push the client
+    refuses itself (empty version, no tensor) sends nothing and leaves its group usable."""
+    handle, stub, free = served
+    crashed = WeightSync(handle.address, timeout_s=30)
+    crashed.group.close()  # as if the process died: no DestroyWeightUpdateGroup
+    crashed.group = None
+    sync = WeightSync(handle.address, timeout_s=30)
+    try:
+        with pytest.raises(ValueError, match="weight_version"):
+            sync.push(_state(new_ckpt), "")
+        with pytest.raises(ValueError, match="no tensor"):
+            sync.push({}, "v")
+        sync.push(_state(new_ckpt), "again")
+        assert _versions(stub) == {"again"}
+        sync.push(_state(qwen3_ckpt), "back")
+    finally:
+        sync.close()
+        sync.close()  # twice is fine
+    assert greedy_streams(stub, PROMPTS, MAX_NEW) == [
+        hf_greedy(qwen3_ckpt, [p], n)[0] for p, n in zip(PROMPTS, MAX_NEW, strict=True)
+    ]
+    wait_idle(stub, free)

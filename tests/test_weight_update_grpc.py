@@ -327,8 +327,10 @@ def test_pause_keep_holds_requests_until_resume(stub) -> None:
     assert len(stream.responses) == got and not later.responses
     assert not stream.responses[-1].finished
     s = _stats(stub)
-    assert (s.num_running, s.num_waiting) == (1, 1), s
+    assert (s.num_running, s.num_waiting, s.paused) == (1, 1, True), s
+    assert s.weight_version == "default"
     assert _resume(stub).paused is False
+    assert _stats(stub).paused is False
     responses, later_responses = stream.join(), later.join()
     assert responses[-1].finish_reason == "length" and stream.tokens == want
     assert later_responses[-1].finish_reason == "length" and later.tokens == want_later

@@ -553,6 +553,8 @@ class EngineCore:
             **self._spec_stats(),
             state_slots_total=self.kv.state_slots.num_slots if self.kv.state_slots else 0,
             state_slots_free=self.kv.state_slots.num_free if self.kv.state_slots else 0,
+            paused=self.rollout.paused,
+            weight_version=self.rollout.weight_version,
             rank=self.rank_context.rank if self.rank_context else 0,
         )
 

@@ -153,6 +153,7 @@ class CoreStats(msgspec.Struct, kw_only=True):
             spec_decode_num_accepted_tokens_per_pos: per draft position, drafts accepted.
         state_slots_total, state_slots_free: linear-attention state slots (`kv_cache.state`;
             0 without linear layers).
+        paused: generation is paused (`PauseGeneration`); weight_version: the weights now.
         rank: the rank these are from.
     """
 
@@ -184,6 +185,8 @@ class CoreStats(msgspec.Struct, kw_only=True):
     spec_decode_num_accepted_tokens_per_pos: list[int] = []
     state_slots_total: int = 0
     state_slots_free: int = 0
+    paused: bool = False
+    weight_version: str = ""
     rank: int = 0
 
     @property
@@ -212,9 +215,12 @@ def sum_stats(per_rank: list[CoreStats]) -> CoreStats:
     first = per_rank[0]
     summed: dict[str, Any] = {}
     for name in first.__struct_fields__:
-        if isinstance(getattr(first, name), int):
+        value = getattr(first, name)
+        if isinstance(value, int) and not isinstance(value, bool):
             summed[name] = sum(getattr(s, name) for s in per_rank)
     summed["rank"] = 0
+    summed["paused"] = any(s.paused for s in per_rank)
+    summed["weight_version"] = first.weight_version
     per_pos = [s.spec_decode_num_accepted_tokens_per_pos for s in per_rank]
     width = max(len(p) for p in per_pos)
     summed["spec_decode_num_accepted_tokens_per_pos"] = [

@@ -197,6 +197,8 @@ def server_stats_to_proto(stats: EngineStats) -> pb.ServerStats:
         spec_decode_mean_acceptance_length=t.spec_decode_mean_acceptance_length,
         state_slots_total=t.state_slots_total,
         state_slots_free=t.state_slots_free,
+        paused=t.paused,
+        weight_version=t.weight_version,
     )
 
 

@@ -86,7 +86,28 @@ def check_weight_version(version: str) -> str:
             "weight_version",
             f"weight_version: {len(version)} characters, at most {MAX_WEIGHT_VERSION_CHARS}",
         )
+    if not version.isprintable():
+        raise _invalid("weight_version", f"weight_version: {version!r} holds control "
+                                         f"characters (it goes into logs and every response)")
     return version
+
+
+#: Longest group name the front end passes on (it keys the trainer's TCPStore).
+MAX_GROUP_NAME_CHARS = 128
+
+
+def check_group_name(name: str) -> str:
+    """`name` (default "weight_update" when empty) if it can name a group.
+
+    Raises:
+        RequestError: INVALID_ARGUMENT ("group_name") when too long or not printable.
+    """
+    name = name or DEFAULT_GROUP
+    if len(name) > MAX_GROUP_NAME_CHARS or not name.isprintable():
+        raise _invalid("group_name", f"group_name: {name[:40]!r}{'...' if len(name) > 40 else ''}"
+                                     f" must be printable and at most {MAX_GROUP_NAME_CHARS} "
+                                     f"characters ({len(name)})")
+    return name
 
 
 def disk_update(reply_id: int, path: str, weight_version: str, flush_cache: bool
@@ -127,7 +148,7 @@ def update_message(request: pb.UpdateWeightsRequest) -> UpdateWeights:
                                           f"a negative dimension")
             tensors.append(TensorMeta(meta.name, meta.dtype, list(meta.shape)))
         return UpdateWeights(0, version, "distributed", tensors=tensors,
-                             group_name=dist.group_name or DEFAULT_GROUP,
+                             group_name=check_group_name(dist.group_name),
                              bucket_bytes=dist.bucket_bytes, flush_cache=flush)
     raise _invalid("source", "source: set from_disk (a checkpoint folder) or from_distributed "
                              "(tensors a trainer broadcasts)")
@@ -167,7 +188,7 @@ def join_message(request: pb.InitWeightUpdateGroupRequest, ep_size: int
         raise _invalid("timeout_s", f"timeout_s: must be a finite number of seconds > 0, got "
                                     f"{r.timeout_s}")
     return InitWeightUpdateGroup(0, r.master_address, r.master_port, r.rank_offset,
-                                 r.world_size, backend, r.group_name or DEFAULT_GROUP, timeout)
+                                 r.world_size, backend, check_group_name(r.group_name), timeout)
 
 
 def with_reply_id(message: ControlInput) -> Callable[[int], ControlInput]:
@@ -263,7 +284,7 @@ class WeightControlRpcs:
     ) -> pb.WeightControlResponse:
         async def call() -> ControlReply:
             self._check_ready(draining_ok=True)
-            group = request.group_name or DEFAULT_GROUP
+            group = check_group_name(request.group_name)
             return await self.engine.control(lambda rid: DestroyWeightUpdateGroup(rid, group),
                                              PAUSE_TIMEOUT_S)
 

@@ -73,6 +73,10 @@ class RolloutControl:
         #: Commit by copying into the serving tensors (a GPU model: `StagedWeights.commit`)
         #: rather than swapping the staged host tensors in (a CPU model).
         self.in_place = core.device.type != "cpu"
+        field = type(core.model).mtp_layers_field
+        #: MTP layers config.json declares (their tensors are skipped when not run).
+        self.checkpoint_mtp_layers = int(core.config.model.hf_config().get(field) or 0) if (
+            field) else 0
 
     def handle(self, msg: ControlInput, agree: Agree | None = None
                ) -> tuple[ControlReply, list]:
@@ -129,10 +133,15 @@ class RolloutControl:
 
     def init_group(self, msg: InitWeightUpdateGroup) -> ControlReply:
         """Join the trainer's group (blocks until every member joined, up to timeout_s)."""
-        if msg.group_name in self.groups:
-            return self.reply(msg.reply_id, code=ErrorCode.ALREADY_EXISTS, field="group_name",
-                              message=f"group_name: {msg.group_name!r} is joined already; "
-                                      f"destroy it first")
+        if msg.backend == "nccl" and self.core.device.type != "cuda":
+            return self.reply(msg.reply_id, code=ErrorCode.INVALID_ARGUMENT, field="backend",
+                              message=f"backend: nccl needs an engine on a GPU; this one runs "
+                                      f"on {self.core.device.type}: use gloo")
+        stale = self.groups.pop(msg.group_name, None)
+        if stale is not None:  # a trainer that restarted without leaving: its group is dead
+            stale.close()
+            logger.warning("weight-update group %r joined again: the previous one is left",
+                           msg.group_name)
         device = self.core.device if msg.backend == "nccl" else torch.device("cpu")
         try:
             group = WeightGroup(
@@ -165,17 +174,20 @@ class RolloutControl:
         start = time.perf_counter()
         try:
             staged, num_tensors = self._stage(msg)
-        except WeightUpdateError as exc:
+            staged.prepare()
+        except Exception as exc:  # noqa: BLE001 - nothing changed yet: refuse, keep serving
             if agree is not None:
                 agree(False)
-            return self._refusal(msg, exc)
+            return self._refusal(msg, _as_update_error(exc))
         if agree is not None and not agree(True):
             return self.reply(msg.reply_id, code=ErrorCode.INVALID_ARGUMENT, field="ranks",
                               message="update refused by another rank; nothing changed")
         try:
             staged.commit(self.core.kernels, in_place=self.in_place)
-        except WeightUpdateError as exc:
-            return self._refusal(msg, exc)
+        except Exception as exc:
+            if self.in_place:  # a device error part-way through the copies: not recoverable
+                raise
+            return self._refusal(msg, _as_update_error(exc))  # swapped back
         self.core.recapture_graphs()
         dropped = self.core.kv.reset_prefix_cache() if msg.flush_cache else 0
         old, self.weight_version = self.weight_version, msg.weight_version
@@ -213,16 +225,25 @@ class RolloutControl:
         if msg.source == "disk":
             _check_version(msg)
             disk = DiskUpdate(msg.path, core.architecture)
-            targets = resolve_targets(core.model, disk.metas)
+            targets = resolve_targets(core.model, disk.metas, self.checkpoint_mtp_layers)
             index = {m.name: i for i, m in enumerate(disk.metas)}
             wanted = {m.name for m, t in zip(disk.metas, targets, strict=True)
                       if not isinstance(t, Skip)}
             for name, tensor in disk.tensors(wanted):
+                _check_finite(name, tensor)
                 staged.add(targets[index[name]], tensor)
             return staged, len(disk.metas)
         group, targets, layout = self._handshake(msg)
-        for i, tensor in self._receive(msg, group, layout):
-            staged.add(targets[i], tensor, owned=True)  # views into our own buckets
+        bad: WeightUpdateError | None = None
+        for i, tensor in self._receive(msg, group, layout):  # every bucket, even after a bad one
+            try:
+                _check_finite(msg.tensors[i].name, tensor)
+            except WeightUpdateError as exc:
+                bad = bad or exc
+            if bad is None:
+                staged.add(targets[i], tensor, owned=True)  # views into our own buckets
+        if bad is not None:
+            raise bad
         return staged, len(msg.tensors)
 
     def _handshake(self, msg: UpdateWeights) -> tuple[WeightGroup, list[Target], list[Bucket]]:
@@ -239,7 +260,7 @@ class RolloutControl:
                                                   f"(InitWeightUpdateGroup first)")
         try:
             _check_version(msg)
-            targets = resolve_targets(self.core.model, msg.tensors)
+            targets = resolve_targets(self.core.model, msg.tensors, self.checkpoint_mtp_layers)
             layout = bucket_layout(msg.tensors,
                                    msg.bucket_bytes or default_bucket_bytes(group.backend))
         except (WeightUpdateError, ValueError) as exc:
@@ -273,6 +294,20 @@ class RolloutControl:
                 f"{first[:300]} (the group is left; InitWeightUpdateGroup again)",
             ) from None
 
+
+
+def _as_update_error(exc: Exception) -> WeightUpdateError:
+    """`exc` as the refusal the reply carries (an unexpected error is logged in full)."""
+    if isinstance(exc, WeightUpdateError):
+        return exc
+    logger.error("weight update failed", exc_info=exc)
+    return WeightUpdateError("update", f"update failed: {type(exc).__name__}: {exc}")
+
+
+def _check_finite(name: str, tensor: torch.Tensor) -> None:
+    """Refuse a floating tensor holding Inf or NaN (a diverged trainer step) by name."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise WeightUpdateError(name, f"tensor {name!r} holds Inf or NaN values")
 
 
 def _check_version(msg: UpdateWeights) -> None:

@@ -8,7 +8,9 @@ come from the files' headers, so the whole update is checked before any tensor i
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,7 +45,9 @@ class DiskUpdate:
     def __init__(self, path: str, architecture: str) -> None:
         root = Path(path)
         if not root.is_dir():
-            raise WeightUpdateError("path", f"path: {path!r} is not a folder")
+            where = "" if root.is_absolute() else (
+                f" (a relative path is taken from the server's working directory, {os.getcwd()})")
+            raise WeightUpdateError("path", f"path: {path!r} is not a folder{where}")
         _check_architecture(root, architecture)
         try:
             self.files = safetensors_files(root)
@@ -52,7 +56,7 @@ class DiskUpdate:
         self.file_of: dict[str, Path] = {}
         self.metas: list[TensorMeta] = []
         for file in self.files:
-            with safe_open(str(file), framework="pt") as f:
+            with _reading(file), safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                     piece = f.get_slice(name)
                     dtype = _DTYPES.get(piece.get_dtype(), piece.get_dtype().lower())
@@ -60,12 +64,31 @@ class DiskUpdate:
                     self.file_of[name] = file
 
     def tensors(self, wanted: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) for each name in `wanted`, file by file (nothing else is read)."""
+        """(name, tensor) for each name in `wanted`, file by file (nothing else is read).
+
+        Raises:
+            WeightUpdateError ("path"): a file that cannot be read (truncated, changed).
+        """
         for file in self.files:
-            with safe_open(str(file), framework="pt") as f:
+            with _reading(file), safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118
                     if name in wanted:
                         yield name, f.get_tensor(name)
+
+
+@contextlib.contextmanager
+def _reading(file: Path) -> Iterator[None]:
+    """A safetensors error (a truncated file, one still being written, not safetensors at
+    all) as the update's refusal, naming the file."""
+    try:
+        yield
+    except WeightUpdateError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, ...
+        raise WeightUpdateError(
+            "path", f"path: {file} cannot be read as safetensors ({type(exc).__name__}: "
+            f"{str(exc)[:200]}); is it still being written?",
+        ) from None
 
 
 def _check_architecture(root: Path, architecture: str) -> None:

@@ -74,6 +74,7 @@ class StagedWeights:
         self.packed: dict[str, dict[tuple[str, str], torch.Tensor]] = {}
         #: bytes of the tensors this rank took (as received)
         self.num_bytes = 0
+        self._quantized: dict[str, QuantizedExperts] | None = None
 
     def add(self, target: Target, tensor: torch.Tensor, owned: bool = False) -> None:
         """Stage one tensor (already checked against the model by `resolve_targets`).
@@ -159,6 +160,18 @@ class StagedWeights:
 
     # ------------------------------------------------------------------ commit
 
+    def prepare(self) -> dict[str, QuantizedExperts]:
+        """The touched 4-bit layers' new experts, built in host memory (once; `commit` calls
+        it, an expert-parallel rank before agreeing, so that every refusal comes first).
+
+        Raises:
+            WeightUpdateError: a 4-bit layer that cannot be re-quantized in part.
+        """
+        if self._quantized is None:
+            self._quantized = {block: self._requantized(block)
+                               for block in {*self.expert_rows, *self.packed}}
+        return self._quantized
+
     def commit(self, plan: KernelPlan, in_place: bool = False) -> None:
         """Make the staged weights serve and rebind every kernel.
 
@@ -174,8 +187,7 @@ class StagedWeights:
                 back. In place, a copy of checked tensors fails only on a device error, which
                 ends the engine.
         """
-        quantized = {block: self._requantized(block)
-                     for block in {*self.expert_rows, *self.packed}}  # on the host, first
+        quantized = self.prepare()
         if in_place:
             for name, value in self.params.items():
                 self.loader.params[name].data.copy_(value)
@@ -186,7 +198,7 @@ class StagedWeights:
             rebind(self.model, plan)
         else:
             self._swap(quantized, plan)
-        self.params, self.expert_rows, self.packed = {}, {}, {}
+        self.params, self.expert_rows, self.packed, self._quantized = {}, {}, {}, {}
 
     def _swap(self, quantized: dict[str, QuantizedExperts], plan: KernelPlan) -> None:
         """Swap the staged tensors and layers in; on any failure swap the old ones back."""

@@ -77,8 +77,16 @@ class Skip:
 Target = ParamTarget | ExpertTarget | FusedExpertTarget | Skip
 
 
-def resolve_targets(model: MoeCausalLM, metas: list[TensorMeta]) -> list[Target]:
+def resolve_targets(
+    model: MoeCausalLM, metas: list[TensorMeta], checkpoint_mtp_layers: int = 0
+) -> list[Target]:
     """The target of every tensor, in order.
+
+    Args:
+        checkpoint_mtp_layers: MTP layers the served checkpoint declares (config.json
+            `num_nextn_predict_layers` / `num_mtp_layers`): tensors of those layers are
+            skipped when the model does not run them, as the startup loader skips them; any
+            other layer beyond `num_hidden_layers` is refused.
 
     Raises:
         WeightUpdateError: an empty update, a name given twice, a name the model's checkpoint
@@ -93,16 +101,22 @@ def resolve_targets(model: MoeCausalLM, metas: list[TensorMeta]) -> list[Target]
             raise WeightUpdateError(meta.name, f"tensor {meta.name!r} appears twice in the update")
         seen.add(meta.name)
     loader = WeightLoader(model)
-    return [_resolve(loader, meta) for meta in metas]
+    return [_resolve(loader, meta, checkpoint_mtp_layers) for meta in metas]
 
 
-def _resolve(loader: WeightLoader, meta: TensorMeta) -> Target:
+def _resolve(loader: WeightLoader, meta: TensorMeta, checkpoint_mtp_layers: int) -> Target:
     name = meta.name
     if beyond_num_layers(name, loader.num_layers):
         mtp = mtp_model_name(name, loader.num_layers, loader.num_mtp_layers)
-        if mtp is None:
-            return Skip("a layer beyond num_hidden_layers the model does not run")
-        name = mtp
+        if mtp is not None:
+            name = mtp
+        elif beyond_num_layers(name, loader.num_layers + checkpoint_mtp_layers):
+            raise WeightUpdateError(
+                meta.name, f"tensor {meta.name!r}: the model has {loader.num_layers} layers"
+                f"{f' and {checkpoint_mtp_layers} MTP layers' if checkpoint_mtp_layers else ''}",
+            )
+        else:
+            return Skip("an MTP layer of the checkpoint the model does not run")
     name = loader.mapping.model_name(name)
     if m := loader.match_expert(name):
         return _expert(loader, meta, m[1], int(m[2]), loader.shard_of(m[3]))
@@ -111,7 +125,7 @@ def _resolve(loader: WeightLoader, meta: TensorMeta) -> Target:
     for merged, part, shard in loader.mapping.stacked_params:
         target = name.replace(part, merged)
         module = loader.merged.get(target.rpartition(".")[0])
-        if part in name and module is not None:
+        if part in name and module is not None and target in loader.params:
             rows = module.shards[shard][1]
             want = (rows, *loader.params[target].shape[1:])
             _check(meta, want, _float_dtype(meta))

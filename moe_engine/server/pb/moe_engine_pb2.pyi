@@ -190,7 +190,7 @@ class GetServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "num_preemptions", "prompt_tokens_total", "generation_tokens_total", "num_finished", "num_aborted", "kv_cache_usage", "num_rejected", "ep_size", "dispatch_bytes_sent", "combine_bytes_sent", "min_dispatch_bytes", "tokens_dispatched", "tokens_received", "ranks", "prefix_cache_queries", "prefix_cache_hits", "kv_cached_blocks", "kv_groups", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "spec_decode_mean_acceptance_length", "state_slots_total", "state_slots_free")
+    __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "num_preemptions", "prompt_tokens_total", "generation_tokens_total", "num_finished", "num_aborted", "kv_cache_usage", "num_rejected", "ep_size", "dispatch_bytes_sent", "combine_bytes_sent", "min_dispatch_bytes", "tokens_dispatched", "tokens_received", "ranks", "prefix_cache_queries", "prefix_cache_hits", "kv_cached_blocks", "kv_groups", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "spec_decode_mean_acceptance_length", "state_slots_total", "state_slots_free", "paused", "weight_version")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +221,8 @@ class ServerStats(_message.Message):
     SPEC_DECODE_MEAN_ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     STATE_SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     STATE_SLOTS_FREE_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_blocks_total: int
@@ -251,7 +253,9 @@ class ServerStats(_message.Message):
     spec_decode_mean_acceptance_length: float
     state_slots_total: int
     state_slots_free: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_aborted: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_rejected: _Optional[int] = ..., ep_size: _Optional[int] = ..., dispatch_bytes_sent: _Optional[int] = ..., combine_bytes_sent: _Optional[int] = ..., min_dispatch_bytes: _Optional[int] = ..., tokens_dispatched: _Optional[int] = ..., tokens_received: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStats, _Mapping]]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ..., kv_groups: _Optional[_Iterable[_Union[KVCacheGroupStats, _Mapping]]] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., spec_decode_mean_acceptance_length: _Optional[float] = ..., state_slots_total: _Optional[int] = ..., state_slots_free: _Optional[int] = ...) -> None: ...
+    paused: bool
+    weight_version: str
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_aborted: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_rejected: _Optional[int] = ..., ep_size: _Optional[int] = ..., dispatch_bytes_sent: _Optional[int] = ..., combine_bytes_sent: _Optional[int] = ..., min_dispatch_bytes: _Optional[int] = ..., tokens_dispatched: _Optional[int] = ..., tokens_received: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStats, _Mapping]]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ..., kv_groups: _Optional[_Iterable[_Union[KVCacheGroupStats, _Mapping]]] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., spec_decode_mean_acceptance_length: _Optional[float] = ..., state_slots_total: _Optional[int] = ..., state_slots_free: _Optional[int] = ..., paused: _Optional[bool] = ..., weight_version: _Optional[str] = ...) -> None: ...
 
 class KVCacheGroupStats(_message.Message):
     __slots__ = ("group", "kind", "sliding_window", "num_layers", "kv_bytes_per_token", "blocks_used")
