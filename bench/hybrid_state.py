@@ -64,7 +64,11 @@ import moe_engine  # noqa: E402, F401  (first: it sets OMP_WAIT_POLICY before to
 
 # isort: split
 import torch  # noqa: E402
-from workload import add_greedy_requests, ensure_random_checkpoint  # noqa: E402
+from workload import (  # noqa: E402
+    add_greedy_requests,
+    apply_quick_defaults,
+    ensure_random_checkpoint,
+)
 
 from moe_engine.models import model_shape  # noqa: E402
 from moe_engine.plan import format_bytes, make_plan  # noqa: E402
@@ -612,11 +616,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json-out", type=Path, default=None, help="also write it to this file")
     args = p.parse_args(argv)
     if args.quick:
-        given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])}
-        for flag, value in (("--contexts", "256,1024"), ("--batches", "1"), ("--output-len", 8),
-                            ("--runs", 1)):
-            if flag not in given:
-                setattr(args, flag[2:].replace("-", "_"), value)
+        apply_quick_defaults(args, argv, {"--contexts": "256,1024", "--batches": "1",
+                                          "--output-len": 8, "--runs": 1})
     from moe_engine.config import parse_bytes
 
     try:

@@ -57,7 +57,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from workload import add_greedy_requests  # noqa: E402
+from workload import add_greedy_requests, apply_quick_defaults  # noqa: E402
 
 import moe_engine  # noqa: E402, F401  (first: it sets OMP_WAIT_POLICY before torch loads)
 
@@ -438,14 +438,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json-out", type=Path, default=None, help="also write it to this file")
     args = p.parse_args(argv)
     if args.quick:
-        given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])}
-        for flag, value in (("--batches", "1,2"), ("--ks", "off,2"), ("--large-batches", "4"),
-                            ("--large-ks", "2"), ("--prompt-len", [24, 48]),
-                            ("--output-len", 8), ("--runs", 1), ("--warmup", 0),
-                            ("--kv-cache-memory", "64MiB"), ("--max-model-len", 256),
-                            ("--dtype", "float32")):
-            if flag not in given:
-                setattr(args, flag[2:].replace("-", "_"), value)
+        apply_quick_defaults(args, argv, {
+            "--batches": "1,2", "--ks": "off,2", "--large-batches": "4", "--large-ks": "2",
+            "--prompt-len": [24, 48], "--output-len": 8, "--runs": 1, "--warmup": 0,
+            "--kv-cache-memory": "64MiB", "--max-model-len": 256, "--dtype": "float32",
+        })
     try:
         args.ks_list = parse_ks(args.ks)
         args.large_ks_list = parse_ks(args.large_ks)

@@ -232,10 +232,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json-out", type=Path, default=None, help="also write it to this file")
     args = p.parse_args(argv)
     if args.quick:
-        given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])}
-        for flag, value in (("--runs", 1), ("--quant-group-size", 32), ("--output-len", 8)):
-            if flag not in given:
-                setattr(args, flag[2:].replace("-", "_"), value)
+        from workload import apply_quick_defaults
+
+        apply_quick_defaults(args, argv, {"--runs": 1, "--quant-group-size": 32,
+                                          "--output-len": 8})
     args.row_list = [r.strip() for r in args.rows.split(",") if r.strip()]
     if not args.row_list or any(r not in ROWS for r in args.row_list):
         p.error(f"--rows: {args.rows!r}; choose from {','.join(ROWS)}")

@@ -189,3 +189,14 @@ def add_greedy_requests(row: Any, prompts: list[list[int]], output_len: int) -> 
         row.llm.engine.add_request(rid, p, params)
         ids.append(rid)
     return ids
+
+
+def apply_quick_defaults(args: Any, argv: list[str] | None, defaults: dict[str, Any]) -> None:
+    """A bench's `--quick`: set each `--flag` of `defaults` on `args` unless the command line
+    gave it (`argv`, or sys.argv when None)."""
+    import sys
+
+    given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])}
+    for flag, value in defaults.items():
+        if flag not in given:
+            setattr(args, flag[2:].replace("-", "_"), value)
