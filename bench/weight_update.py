@@ -87,11 +87,11 @@ from weight_update_trainer import (  # noqa: E402
     checkpoint_facts,
     checkpoint_tensors,
     ensure_perturbed,
-    free_port,
     proc_kib,
     update_once,
 )
 
+from moe_engine.engine.launcher import free_port  # noqa: E402
 from moe_engine.weight_update.buckets import bucket_layout  # noqa: E402
 from moe_engine.weight_update.targets import meta_of  # noqa: E402
 

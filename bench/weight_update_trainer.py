@@ -25,7 +25,6 @@ import os
 import queue
 import re
 import shutil
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -274,13 +273,6 @@ def _send(group: WeightGroup, metas: list, values: list[torch.Tensor],
     t2 = time.perf_counter()
     return ("sent", {"handshake_s": t1 - t0, "transfer_s": t2 - t1, "buckets": len(layout),
                      "bytes": sum(nbytes_of(m) for m in metas)})
-
-
-def free_port() -> int:
-    """A free TCP port on loopback (for the group's store)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Trainer:

@@ -8,13 +8,15 @@ The same operations as the server's `UpdateWeights` / `InitWeightUpdateGroup` RP
 from __future__ import annotations
 
 from moe_engine.engine.control import (
+    DEFAULT_BACKEND,
+    DEFAULT_GROUP_NAME,
+    DEFAULT_GROUP_TIMEOUT_S,
     ControlReply,
     DestroyWeightUpdateGroup,
     InitWeightUpdateGroup,
     TensorMeta,
     UpdateWeights,
 )
-from moe_engine.errors import RequestError
 
 
 class WeightUpdateMethods:
@@ -46,7 +48,8 @@ class WeightUpdateMethods:
 
     def init_weight_update_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-        backend: str = "gloo", group_name: str = "weight_update", timeout_s: float = 60.0,
+        backend: str = DEFAULT_BACKEND, group_name: str = DEFAULT_GROUP_NAME,
+        timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
     ) -> ControlReply:
         """Join the trainer's weight-update group (`moe_engine.rl.WeightSync` makes it);
         blocks until every member joined.
@@ -62,7 +65,7 @@ class WeightUpdateMethods:
 
     def update_weights_from_distributed(
         self, tensors: list[TensorMeta], weight_version: str,
-        group_name: str = "weight_update", bucket_bytes: int = 0, flush_cache: bool = True,
+        group_name: str = DEFAULT_GROUP_NAME, bucket_bytes: int = 0, flush_cache: bool = True,
     ) -> ControlReply:
         """Receive `tensors` (in this order, in buckets of `bucket_bytes`) from the trainer's
         broadcast and swap them in, atomically.
@@ -76,12 +79,10 @@ class WeightUpdateMethods:
             bucket_bytes=bucket_bytes, flush_cache=flush_cache,
         ))
 
-    def destroy_weight_update_group(self, group_name: str = "weight_update") -> None:
+    def destroy_weight_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> None:
         """Leave the weight-update group (a no-op when not joined)."""
         self._control(DestroyWeightUpdateGroup(0, group_name))
 
     def _control(self, message) -> ControlReply:
         reply, _ = self.engine.rollout.handle(message)
-        if reply.code is not None:
-            raise RequestError(reply.code, reply.field, reply.message)
-        return reply
+        return reply.checked()

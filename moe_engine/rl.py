@@ -21,7 +21,6 @@ Names are the checkpoint's (a transformers model's `state_dict()` keys are).
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,7 +28,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import grpc
 import torch
 
-from moe_engine.engine.control import TensorMeta
+from moe_engine.engine.control import (
+    DEFAULT_BACKEND,
+    DEFAULT_GROUP_NAME,
+    DEFAULT_GROUP_TIMEOUT_S,
+    TensorMeta,
+    weight_version_problem,
+)
+from moe_engine.engine.launcher import free_port
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
 from moe_engine.server.security import auth_metadata
@@ -76,10 +82,10 @@ class WeightSync:
         *,
         master_address: str = "127.0.0.1",
         master_port: int | None = None,
-        backend: str = "gloo",
-        group_name: str = "weight_update",
+        backend: str = DEFAULT_BACKEND,
+        group_name: str = DEFAULT_GROUP_NAME,
         bucket_bytes: int | None = None,
-        timeout_s: float = 60.0,
+        timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
         api_key: str | None = None,
         device: torch.device | None = None,
     ) -> None:
@@ -92,7 +98,7 @@ class WeightSync:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync")
         info = self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), 30.0)
         self.world_size = 1 + max(1, info.ep_size)
-        port = master_port or _free_port(master_address)
+        port = master_port or free_port(master_address)
         joined = self._pool.submit(self._call, self._stub.InitWeightUpdateGroup,
                                    pb.InitWeightUpdateGroupRequest(
                                        master_address=master_address, master_port=port,
@@ -233,20 +239,14 @@ def _check_push(items: list, weight_version: str) -> None:
     (which would leave the group unusable).
 
     Raises:
-        ValueError: no tensor, or a weight_version that is empty, over 256 characters or not
-            printable.
+        ValueError: no tensor, or a weight_version the engine refuses
+            (`control.weight_version_problem`).
     """
     if not items:
         raise ValueError("push: the state dict names no tensor")
-    if not weight_version or len(weight_version) > 256 or not weight_version.isprintable():
-        raise ValueError(f"push: weight_version must be 1-256 printable characters, got "
-                         f"{weight_version[:40]!r}")
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    problem = weight_version_problem(weight_version)
+    if problem is not None:
+        raise ValueError(f"push: {problem}")
 
 
 __all__ = ["TensorMeta", "WeightSync", "WeightSyncError"]

@@ -49,6 +49,7 @@ from moe_engine.config import (
     check_cpu_environment,
 )
 from moe_engine.config import parse_bytes as config_parse_bytes
+from moe_engine.engine.control import weight_version_problem
 from moe_engine.errors import StartupError
 from moe_engine.loader import safetensors_files
 from moe_engine.model_path import resolve_model_dir
@@ -61,7 +62,6 @@ from moe_engine.server.options import (
     ServerOptions,
 )
 from moe_engine.server.security import API_KEY_ENV, resolve_api_key
-from moe_engine.server.weight_rpcs import MAX_WEIGHT_VERSION_CHARS
 from moe_engine.spec_decode.config import add_speculative_arguments, speculative_config_from_args
 
 logger = logging.getLogger("moe_engine.serve")
@@ -441,11 +441,9 @@ def check_args(args: argparse.Namespace) -> str | None:
     for flag, value in (("--port", args.port), ("--metrics-port", args.metrics_port)):
         if value is not None and not 0 <= value <= _PORT_MAX:
             return f"{flag} must be in 0..{_PORT_MAX}, got {value}"
-    if not args.weight_version:
-        return "--weight-version must not be empty"
-    if len(args.weight_version) > MAX_WEIGHT_VERSION_CHARS:
-        return (f"--weight-version is {len(args.weight_version)} characters, at most "
-                f"{MAX_WEIGHT_VERSION_CHARS}")
+    problem = weight_version_problem(args.weight_version)
+    if problem is not None:
+        return "--" + problem.replace("weight_version", "weight-version", 1)
     if args.nnodes > 1 and not args.rdzv_endpoint:
         return f"--nnodes {args.nnodes} needs --rdzv-endpoint host:port (node 0's address)"
     try:

@@ -20,13 +20,12 @@ import grpc
 
 from moe_engine.cli.request_fields import utf8_text
 from moe_engine.cli.rpc_errors import fail
+from moe_engine.engine.control import DEFAULT_PAUSE_MODE, PAUSE_MODES
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
 
 #: The subcommands of this module.
 COMMANDS = ("pause", "resume", "update-weights")
-#: Pause modes (the server's `control.PAUSE_MODES`; not imported: the client stays light).
-PAUSE_MODES = ("abort", "keep", "retract")
 #: The response fields each subcommand prints, in order.
 _SHOWN = {
     "pause": ("weight_version", "paused", "num_aborted", "num_kept", "num_retracted"),
@@ -41,7 +40,7 @@ def add_weight_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--mode",
         choices=PAUSE_MODES,
-        default="keep",
+        default=DEFAULT_PAUSE_MODE,
         help="what happens to requests in flight: abort them (finish_reason abort), keep them "
         "(their KV cache stays; they continue after resume), or retract them (recomputed "
         "after resume, on the weights serving then) (default: keep)",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import msgspec
 
-from moe_engine.errors import ErrorCode
+from moe_engine.errors import ErrorCode, RequestError
 
 #: Pause modes: end in-flight requests with finish_reason "abort"; keep them (their KV stays,
 #: decoding continues on the new weights after resume); retract them (KV freed, recomputed on
@@ -27,6 +27,27 @@ from moe_engine.errors import ErrorCode
 PAUSE_MODES = ("abort", "keep", "retract")
 #: Where `UpdateWeights` reads the tensors.
 WEIGHT_SOURCES = ("disk", "distributed")
+#: The defaults every side uses (messages, RPCs, HTTP, `LLM`, `moe_engine.rl`).
+DEFAULT_PAUSE_MODE = "keep"
+DEFAULT_GROUP_NAME = "weight_update"
+DEFAULT_BACKEND = "gloo"
+DEFAULT_GROUP_TIMEOUT_S = 60.0
+#: Longest weight_version (characters): every later response and log line carries it.
+MAX_WEIGHT_VERSION_CHARS = 256
+
+
+def weight_version_problem(version: str) -> str | None:
+    """Why `version` cannot name weights (empty, over `MAX_WEIGHT_VERSION_CHARS`, control
+    characters, which would split log lines), as a message naming the field; None if it can."""
+    if not version:
+        return "weight_version: required, must not be empty (every later response carries it)"
+    if len(version) > MAX_WEIGHT_VERSION_CHARS:
+        return (f"weight_version: {len(version)} characters, at most "
+                f"{MAX_WEIGHT_VERSION_CHARS}")
+    if not version.isprintable():
+        return (f"weight_version: {version!r} holds control characters (it goes into logs "
+                f"and every response)")
+    return None
 
 
 class TensorMeta(msgspec.Struct, array_like=True, frozen=True):
@@ -43,7 +64,7 @@ class PauseGeneration(msgspec.Struct, tag="pause", array_like=True):
     requests in flight. New requests are still accepted and wait."""
 
     reply_id: int
-    mode: str = "keep"
+    mode: str = DEFAULT_PAUSE_MODE
 
 
 class ResumeGeneration(msgspec.Struct, tag="resume", array_like=True):
@@ -63,16 +84,16 @@ class InitWeightUpdateGroup(msgspec.Struct, tag="init_weight_group", array_like=
     master_port: int
     rank_offset: int
     world_size: int
-    backend: str = "gloo"
-    group_name: str = "weight_update"
-    timeout_s: float = 60.0
+    backend: str = DEFAULT_BACKEND
+    group_name: str = DEFAULT_GROUP_NAME
+    timeout_s: float = DEFAULT_GROUP_TIMEOUT_S
 
 
 class DestroyWeightUpdateGroup(msgspec.Struct, tag="destroy_weight_group", array_like=True):
     """Leave the weight-update group `group_name` (a no-op when not joined)."""
 
     reply_id: int
-    group_name: str = "weight_update"
+    group_name: str = DEFAULT_GROUP_NAME
 
 
 class UpdateWeights(msgspec.Struct, tag="update_weights", array_like=True):
@@ -91,7 +112,7 @@ class UpdateWeights(msgspec.Struct, tag="update_weights", array_like=True):
     source: str
     path: str = ""
     tensors: list[TensorMeta] = []
-    group_name: str = "weight_update"
+    group_name: str = DEFAULT_GROUP_NAME
     bucket_bytes: int = 0
     flush_cache: bool = True
 
@@ -121,6 +142,26 @@ class ControlReply(msgspec.Struct, tag="control_reply", array_like=True):
     num_tensors: int = 0
     num_bytes: int = 0
     seconds: float = 0.0
+
+    def checked(self) -> ControlReply:
+        """This reply when the core did what was asked.
+
+        Raises:
+            RequestError: the core's refusal (its code, field and message).
+        """
+        if self.code is not None:
+            raise RequestError(self.code, self.field, self.message)
+        return self
+
+    def result(self) -> dict:
+        """What a caller reports of a done request: version, pause state, counts, seconds
+        (the WeightControlResponse fields; the HTTP endpoints' body)."""
+        return {name: getattr(self, name) for name in RESULT_FIELDS}
+
+
+#: `ControlReply.result`'s fields.
+RESULT_FIELDS = ("weight_version", "paused", "num_aborted", "num_kept", "num_retracted",
+                 "num_tensors", "num_bytes", "seconds")
 
 
 ControlInput = (

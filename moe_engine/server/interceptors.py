@@ -1,4 +1,5 @@
-"""grpc.aio server interceptors: the API-key check and a clear status for undecodable requests.
+"""grpc.aio server interceptors: the API-key check and a clear status for undecodable requests;
+and the one way every handler ends a refused call (`abort_with_refusal`).
 
 `ApiKeyInterceptor` runs first: a call without `authorization: Bearer <key>` matching the
 server's key (compared in constant time, `hmac.compare_digest`) gets UNAUTHENTICATED before its
@@ -18,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from moe_engine.errors import ErrorCode, RequestError
 from moe_engine.server.security import API_KEY_ENV, AUTH_METADATA_KEY, AUTH_SCHEME
 
 logger = logging.getLogger(__name__)
@@ -26,6 +28,21 @@ logger = logging.getLogger(__name__)
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
 #: Trailing metadata key naming the field at fault (the servicer uses the same key).
 FIELD_METADATA_KEY = "moe-field"
+#: The gRPC status of each refusal code.
+STATUS_OF = {
+    ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.OUT_OF_RANGE: grpc.StatusCode.OUT_OF_RANGE,
+    ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorCode.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+async def abort_with_refusal(context: grpc.aio.ServicerContext, exc: RequestError) -> None:
+    """End the RPC with the status for `exc` and its field in the `moe-field` trailing
+    metadata (raises grpc's AbortError)."""
+    status = STATUS_OF.get(exc.code, grpc.StatusCode.INTERNAL)
+    await context.abort(status, exc.message, trailing_metadata=((FIELD_METADATA_KEY, exc.field),))
 
 _Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
 

@@ -27,6 +27,7 @@ from moe_engine.engine.messages import CoreStats, EngineCoreOutput, EngineStats,
 from moe_engine.errors import ErrorCode, ParamError, RequestError
 from moe_engine.instrumentation import balancedness, imbalance_ratio
 from moe_engine.request import SamplingParams, StructuredOutputsParams
+from moe_engine.server.interceptors import abort_with_refusal
 from moe_engine.server.metrics import RequestTimer, ServerMetrics
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
@@ -35,18 +36,9 @@ from moe_engine.validation import param_error
 
 logger = logging.getLogger(__name__)
 
-#: Trailing metadata key carrying the name of the field at fault.
-FIELD_METADATA_KEY = "moe-field"
 #: How long Abort waits for the request's stream to end, to say whether it was aborted (s).
 ABORT_WAIT_S = 5.0
 
-_STATUS = {
-    ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorCode.OUT_OF_RANGE: grpc.StatusCode.OUT_OF_RANGE,
-    ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ErrorCode.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
-    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-}
 #: Optional scalar fields of GenerateRequest copied into SamplingParams when set.
 _OPTIONAL_PARAMS = (
     "max_tokens",
@@ -246,7 +238,7 @@ class MoeEngineServicer(WeightControlRpcs, pb_grpc.MoeEngineServicer):
             self._check_prompt_len(prompt)
             params = sampling_params_from_proto(request)
         except RequestError as exc:
-            await _abort(context, exc)
+            await abort_with_refusal(context, exc)
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         # A duplicate live id is not tracked: the engine refuses it (ALREADY_EXISTS).
         ended = None if request_id in self._live else asyncio.get_running_loop().create_future()
@@ -268,7 +260,7 @@ class MoeEngineServicer(WeightControlRpcs, pb_grpc.MoeEngineServicer):
                         if last and self.metrics is not None:
                             self.metrics.observe_finished(timer, str(out.finish_reason))
                 except RequestError as exc:
-                    await _abort(context, exc)
+                    await abort_with_refusal(context, exc)
         finally:
             if ended is not None:
                 if not ended.done():
@@ -314,7 +306,7 @@ class MoeEngineServicer(WeightControlRpcs, pb_grpc.MoeEngineServicer):
         try:
             self._check_ready(draining_ok=True)
         except RequestError as exc:
-            await _abort(context, exc)
+            await abort_with_refusal(context, exc)
         assert self.engine.model_info is not None  # _check_ready
         return model_info_to_proto(self.engine.model_info)
 
@@ -325,7 +317,7 @@ class MoeEngineServicer(WeightControlRpcs, pb_grpc.MoeEngineServicer):
             self._check_ready(draining_ok=True)
             stats = await self.engine.get_stats()
         except RequestError as exc:
-            await _abort(context, exc)
+            await abort_with_refusal(context, exc)
         return server_stats_to_proto(stats)
 
     async def GetExpertLoad(  # noqa: N802
@@ -335,7 +327,7 @@ class MoeEngineServicer(WeightControlRpcs, pb_grpc.MoeEngineServicer):
             self._check_ready(draining_ok=True)
             load = await self.engine.get_expert_load()
         except RequestError as exc:
-            await _abort(context, exc)
+            await abort_with_refusal(context, exc)
         counts = load.window_counts if request.window else load.counts
         table = torch.tensor(counts, dtype=torch.float64)
         ratios, balanced = imbalance_ratio(table).tolist(), balancedness(table).tolist()
@@ -437,8 +429,3 @@ def _check_request_id(request_id: str) -> None:
             f"request_id: {len(request_id)} characters, at most {MAX_REQUEST_ID_CHARS}",
         )
 
-
-async def _abort(context: grpc.aio.ServicerContext, exc: RequestError) -> None:
-    """End the RPC with the status for `exc` (raises grpc's AbortError)."""
-    status = _STATUS.get(exc.code, grpc.StatusCode.INTERNAL)
-    await context.abort(status, exc.message, trailing_metadata=((FIELD_METADATA_KEY, exc.field),))

@@ -22,6 +22,10 @@ import msgspec
 
 from moe_engine.engine.client import EngineClient
 from moe_engine.engine.control import (
+    DEFAULT_BACKEND,
+    DEFAULT_GROUP_NAME,
+    DEFAULT_GROUP_TIMEOUT_S,
+    DEFAULT_PAUSE_MODE,
     PAUSE_MODES,
     ControlInput,
     ControlReply,
@@ -31,9 +35,10 @@ from moe_engine.engine.control import (
     ResumeGeneration,
     TensorMeta,
     UpdateWeights,
+    weight_version_problem,
 )
 from moe_engine.errors import ErrorCode, RequestError
-from moe_engine.server.interceptors import FIELD_METADATA_KEY
+from moe_engine.server.interceptors import abort_with_refusal
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.weight_update.group import BACKENDS
 
@@ -44,13 +49,6 @@ PAUSE_TIMEOUT_S = 30.0
 UPDATE_TIMEOUT_S = 600.0
 #: Beyond a join's own timeout_s, how long the front end waits for its answer (seconds).
 JOIN_SLACK_S = 60.0
-#: Defaults of the proto's unset fields (the control messages' own).
-DEFAULT_MODE = "keep"
-DEFAULT_GROUP = "weight_update"
-DEFAULT_BACKEND = "gloo"
-DEFAULT_JOIN_TIMEOUT_S = 60.0
-#: Longest weight_version accepted (characters): every later response carries it.
-MAX_WEIGHT_VERSION_CHARS = 256
 _PORT_MAX = 65535
 
 
@@ -59,36 +57,27 @@ def _invalid(field: str, message: str) -> RequestError:
 
 
 def check_mode(mode: str) -> str:
-    """The pause mode (`DEFAULT_MODE` when empty).
+    """The pause mode (`DEFAULT_PAUSE_MODE` when empty).
 
     Raises:
         RequestError: INVALID_ARGUMENT ("mode") for a mode not in abort, keep, retract.
     """
-    mode = mode or DEFAULT_MODE
+    mode = mode or DEFAULT_PAUSE_MODE
     if mode not in PAUSE_MODES:
         raise _invalid("mode", f"mode: {mode!r} is not one of {', '.join(PAUSE_MODES)}")
     return mode
 
 
 def check_weight_version(version: str) -> str:
-    """`version` if it can name the weights.
+    """`version` if it can name the weights (`control.weight_version_problem`).
 
     Raises:
-        RequestError: INVALID_ARGUMENT ("weight_version") when empty or too long.
+        RequestError: INVALID_ARGUMENT ("weight_version") when empty, too long or not
+            printable.
     """
-    if not version:
-        raise _invalid(
-            "weight_version",
-            "weight_version: required (the version every later response carries), got ''",
-        )
-    if len(version) > MAX_WEIGHT_VERSION_CHARS:
-        raise _invalid(
-            "weight_version",
-            f"weight_version: {len(version)} characters, at most {MAX_WEIGHT_VERSION_CHARS}",
-        )
-    if not version.isprintable():
-        raise _invalid("weight_version", f"weight_version: {version!r} holds control "
-                                         f"characters (it goes into logs and every response)")
+    problem = weight_version_problem(version)
+    if problem is not None:
+        raise _invalid("weight_version", problem)
     return version
 
 
@@ -102,7 +91,7 @@ def check_group_name(name: str) -> str:
     Raises:
         RequestError: INVALID_ARGUMENT ("group_name") when too long or not printable.
     """
-    name = name or DEFAULT_GROUP
+    name = name or DEFAULT_GROUP_NAME
     if len(name) > MAX_GROUP_NAME_CHARS or not name.isprintable():
         raise _invalid("group_name", f"group_name: {name[:40]!r}{'...' if len(name) > 40 else ''}"
                                      f" must be printable and at most {MAX_GROUP_NAME_CHARS} "
@@ -183,7 +172,7 @@ def join_message(request: pb.InitWeightUpdateGroupRequest, ep_size: int
     backend = r.backend or DEFAULT_BACKEND
     if backend not in BACKENDS:
         raise _invalid("backend", f"backend: {backend!r} is not one of {', '.join(BACKENDS)}")
-    timeout = r.timeout_s or DEFAULT_JOIN_TIMEOUT_S
+    timeout = r.timeout_s or DEFAULT_GROUP_TIMEOUT_S
     if not (math.isfinite(timeout) and timeout > 0):
         raise _invalid("timeout_s", f"timeout_s: must be a finite number of seconds > 0, got "
                                     f"{r.timeout_s}")
@@ -195,38 +184,6 @@ def with_reply_id(message: ControlInput) -> Callable[[int], ControlInput]:
     """`message` as `EngineClient.control` takes it: a factory of the same message with the
     reply id it is given."""
     return lambda rid: msgspec.structs.replace(message, reply_id=rid)
-
-
-def check_reply(reply: ControlReply) -> ControlReply:
-    """`reply` when the core did what was asked.
-
-    Raises:
-        RequestError: the core's refusal (its code, field and message).
-    """
-    if reply.code is not None:
-        raise RequestError(reply.code, reply.field, reply.message)
-    return reply
-
-
-def response_of(reply: ControlReply) -> pb.WeightControlResponse:
-    """The WeightControlResponse of a reply, field by field."""
-    return pb.WeightControlResponse(
-        weight_version=reply.weight_version,
-        paused=reply.paused,
-        num_aborted=reply.num_aborted,
-        num_kept=reply.num_kept,
-        num_retracted=reply.num_retracted,
-        num_tensors=reply.num_tensors,
-        num_bytes=reply.num_bytes,
-        seconds=reply.seconds,
-    )
-
-
-async def abort_rpc(context: grpc.aio.ServicerContext, exc: RequestError) -> None:
-    """End the RPC with the status named as `exc.code` and `exc.field` in `moe-field` (the
-    servicer's own `_abort`; raises grpc's AbortError)."""
-    status = getattr(grpc.StatusCode, exc.code.name, grpc.StatusCode.INTERNAL)
-    await context.abort(status, exc.message, trailing_metadata=((FIELD_METADATA_KEY, exc.field),))
 
 
 class WeightControlRpcs:
@@ -295,8 +252,8 @@ class WeightControlRpcs:
     ) -> pb.WeightControlResponse:
         """`call()`'s reply as a response; a refusal (ours or the core's) as its status."""
         try:
-            reply = check_reply(await call())
+            reply = (await call()).checked()
         except RequestError as exc:
-            await abort_rpc(context, exc)
-        return response_of(reply)
+            await abort_with_refusal(context, exc)
+        return pb.WeightControlResponse(**reply.result())
 

@@ -33,6 +33,7 @@ from moe_engine.engine.control import (
     PauseGeneration,
     ResumeGeneration,
     UpdateWeights,
+    weight_version_problem,
 )
 from moe_engine.errors import ErrorCode
 from moe_engine.weight_update.buckets import (
@@ -311,5 +312,6 @@ def _check_finite(name: str, tensor: torch.Tensor) -> None:
 
 
 def _check_version(msg: UpdateWeights) -> None:
-    if not msg.weight_version:
-        raise WeightUpdateError("weight_version", "weight_version: must not be empty")
+    problem = weight_version_problem(msg.weight_version)
+    if problem is not None:
+        raise WeightUpdateError("weight_version", problem)

@@ -14,6 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from moe_engine.engine.control import DEFAULT_BACKEND, DEFAULT_GROUP_NAME, DEFAULT_GROUP_TIMEOUT_S
+
 #: Backends a group may use.
 BACKENDS = ("gloo", "nccl")
 
@@ -39,9 +41,9 @@ class WeightGroup:
         master_port: int,
         rank: int,
         world_size: int,
-        backend: str = "gloo",
-        group_name: str = "weight_update",
-        timeout_s: float = 60.0,
+        backend: str = DEFAULT_BACKEND,
+        group_name: str = DEFAULT_GROUP_NAME,
+        timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
         device: torch.device | None = None,
     ) -> None:
         if backend not in BACKENDS:

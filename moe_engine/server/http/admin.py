@@ -21,7 +21,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import StrictBool, StrictStr
 
-from moe_engine.engine.control import ControlReply, PauseGeneration, ResumeGeneration
+from moe_engine.engine.control import (
+    DEFAULT_PAUSE_MODE,
+    ControlReply,
+    PauseGeneration,
+    ResumeGeneration,
+)
 from moe_engine.errors import ErrorCode, RequestError
 from moe_engine.server.http.errors import HTTP_STATUS
 from moe_engine.server.http.protocol import _Body
@@ -30,7 +35,6 @@ from moe_engine.server.weight_rpcs import (
     PAUSE_TIMEOUT_S,
     UPDATE_TIMEOUT_S,
     check_mode,
-    check_reply,
     disk_update,
     with_reply_id,
 )
@@ -44,7 +48,7 @@ _HTTP_FIELDS = {"path": "model_path"}
 
 
 class PauseGenerationBody(_Body):
-    mode: StrictStr = "keep"
+    mode: StrictStr = DEFAULT_PAUSE_MODE
 
 
 class ContinueGenerationBody(_Body):
@@ -87,18 +91,13 @@ def _answer(state: HttpState, reply: ControlReply | None, message: str,
         body["field"] = field
         return JSONResponse(body, status_code=HTTP_STATUS.get(error.code, 500))
     assert reply is not None
-    body.update(
-        paused=reply.paused, num_aborted=reply.num_aborted, num_kept=reply.num_kept,
-        num_retracted=reply.num_retracted, num_tensors=reply.num_tensors,
-        num_bytes=reply.num_bytes, seconds=reply.seconds,
-    )
-    return JSONResponse(body)
+    return JSONResponse({**body, **reply.result()})
 
 
 async def _run(state: HttpState, call: Callable[[], Awaitable[ControlReply]],
                done: str) -> JSONResponse:
     try:
-        reply = check_reply(await call())
+        reply = (await call()).checked()
     except RequestError as exc:
         return _answer(state, None, "", exc)
     return _answer(state, reply, done)
