@@ -38,7 +38,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from moe_engine.loader import safetensors_files
-from moe_engine.weight_update.buckets import bucket_layout, nbytes_of, pack
+from moe_engine.weight_update.buckets import nbytes_of
 from moe_engine.weight_update.group import WeightGroup
 from moe_engine.weight_update.targets import meta_of
 
@@ -267,11 +267,9 @@ def _send(group: WeightGroup, metas: list, values: list[torch.Tensor],
     t1 = time.perf_counter()
     if not ok:
         return ("refused", None)
-    layout = bucket_layout(metas, bucket_bytes)
-    for bucket in layout:
-        group.broadcast(pack(bucket, values))
+    buckets = group.send(metas, values, bucket_bytes)
     t2 = time.perf_counter()
-    return ("sent", {"handshake_s": t1 - t0, "transfer_s": t2 - t1, "buckets": len(layout),
+    return ("sent", {"handshake_s": t1 - t0, "transfer_s": t2 - t1, "buckets": buckets,
                      "bytes": sum(nbytes_of(m) for m in metas)})
 
 

@@ -39,7 +39,7 @@ from moe_engine.engine.launcher import free_port
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
 from moe_engine.server.security import auth_metadata
-from moe_engine.weight_update.buckets import bucket_layout, default_bucket_bytes, pack
+from moe_engine.weight_update.buckets import default_bucket_bytes
 from moe_engine.weight_update.group import WeightGroup
 from moe_engine.weight_update.targets import meta_of
 
@@ -156,8 +156,7 @@ class WeightSync:
             answer.result()  # raises the engine's refusal
             raise WeightSyncError(grpc.StatusCode.INVALID_ARGUMENT, "the engine refused")
         try:
-            for bucket in bucket_layout(metas, self.bucket_bytes):
-                self.group.broadcast(pack(bucket, tensors))
+            self.group.send(metas, tensors, self.bucket_bytes)
         except Exception:
             self.group = None  # a peer is gone mid-transfer: the group cannot be used again
             raise

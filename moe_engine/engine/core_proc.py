@@ -28,13 +28,7 @@ import zmq
 from tqdm import tqdm
 
 from moe_engine.config import EngineConfig, default_threads
-from moe_engine.engine.control import (
-    DestroyWeightUpdateGroup,
-    InitWeightUpdateGroup,
-    PauseGeneration,
-    ResumeGeneration,
-    UpdateWeights,
-)
+from moe_engine.engine.control import ControlInput
 from moe_engine.engine.messages import (
     AbortRequests,
     AddError,
@@ -176,8 +170,7 @@ class CoreLoop:
                 self._send(ExpertLoadReply(rid, core.get_expert_load()))
             case GetModelInfo(reply_id=rid):
                 self._send(ModelInfoReply(rid, model_info_of(core)))
-            case (PauseGeneration() | ResumeGeneration() | InitWeightUpdateGroup()
-                  | DestroyWeightUpdateGroup() | UpdateWeights()):
+            case _ if isinstance(message, ControlInput):
                 reply, outputs = core.rollout.handle(message)
                 self._send_outputs(outputs)
                 self._send(reply)

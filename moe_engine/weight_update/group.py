@@ -14,7 +14,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from moe_engine.engine.control import DEFAULT_BACKEND, DEFAULT_GROUP_NAME, DEFAULT_GROUP_TIMEOUT_S
+from moe_engine.engine.control import (
+    DEFAULT_BACKEND,
+    DEFAULT_GROUP_NAME,
+    DEFAULT_GROUP_TIMEOUT_S,
+    TensorMeta,
+)
+from moe_engine.weight_update.buckets import bucket_layout, pack
 
 #: Backends a group may use.
 BACKENDS = ("gloo", "nccl")
@@ -83,6 +89,16 @@ class WeightGroup:
         options = dist.BroadcastOptions()
         options.rootRank = 0
         self.group.broadcast([buf], options).wait()
+
+    def send(self, metas: list[TensorMeta], tensors: list[torch.Tensor], bucket_bytes: int
+             ) -> int:
+        """The trainer's transfer: `tensors` (described by `metas`, in order) packed into the
+        buckets both sides compute (`buckets.bucket_layout`) and broadcast one by one; returns
+        how many buckets went."""
+        layout = bucket_layout(metas, bucket_bytes)
+        for bucket in layout:
+            self.broadcast(pack(bucket, tensors))
+        return len(layout)
 
     def close(self) -> None:
         """Leave the group (drop the process group and the store connection)."""

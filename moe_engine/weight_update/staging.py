@@ -63,7 +63,6 @@ class StagedWeights:
     ) -> None:
         self.model = model
         self.weight_dtype, self.compute_dtype = weight_dtype, compute_dtype
-        self.device = STAGE_DEVICE
         self.loader = WeightLoader(model)
         self.keep_float32 = model.float32_weight_names()
         #: parameter name -> its whole new value (float blocks' w13/w2/b13/b2 included)
@@ -114,7 +113,7 @@ class StagedWeights:
         mine = tensor[moe.local_experts]
         if target.kind in ("_blocks", "_scales"):
             parts = self.packed.setdefault(target.block, {})
-            parts[(target.shard, target.kind[1:])] = mine.to(self.device).contiguous()
+            parts[(target.shard, target.kind[1:])] = mine.to(STAGE_DEVICE).contiguous()
             return
         if target.kind == "_bias":
             name = f"{target.block}.{'b13' if target.shard == 'gate_up' else 'b2'}"
@@ -146,7 +145,7 @@ class StagedWeights:
     def _staged(self, name: str) -> torch.Tensor:
         """The staged copy of parameter `name`, made from the serving one on first use."""
         if name not in self.params:
-            self.params[name] = self.loader.params[name].detach().to(self.device, copy=True)
+            self.params[name] = self.loader.params[name].detach().to(STAGE_DEVICE, copy=True)
         return self.params[name]
 
     def _cast(self, name: str | None, tensor: torch.Tensor, dtype: torch.dtype,
@@ -154,9 +153,9 @@ class StagedWeights:
         """`tensor` rounded as the startup loader rounds checkpoint tensors, in `dtype`, in
         host memory: a new tensor, or with `copy=False` `tensor` itself when nothing changes."""
         if not tensor.is_floating_point():
-            return tensor.to(self.device, copy=copy)
+            return tensor.to(STAGE_DEVICE, copy=copy)
         stored = torch.float32 if name in self.keep_float32 else self.weight_dtype
-        return tensor.to(self.device, stored).to(dtype, copy=copy)
+        return tensor.to(STAGE_DEVICE, stored).to(dtype, copy=copy)
 
     # ------------------------------------------------------------------ commit
 
@@ -246,7 +245,7 @@ class StagedWeights:
             by_proj.setdefault(proj, {})[slot] = value
         for proj, values in by_proj.items():  # one quantization call per projection
             prefix, rows = ("w2" if proj == "down" else "w13"), rows_of[proj]
-            slots = torch.tensor(sorted(values), dtype=torch.long, device=self.device)
+            slots = torch.tensor(sorted(values), dtype=torch.long, device=STAGE_DEVICE)
             stacked = torch.stack([values[s] for s in sorted(values)])  # [S, rows, cols]
             for kind, code in self._codes(old, fields, prefix, stacked).items():
                 fields[f"{prefix}_{kind}"][:, rows].index_copy_(0, slots, code)
