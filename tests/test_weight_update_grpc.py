@@ -49,13 +49,17 @@ def new_ckpt(qwen3_ckpt: Path, root: Path) -> Path:
     return perturbed_checkpoint(qwen3_ckpt, root)
 
 
-@pytest.fixture(scope="module")
-def server(qwen3_ckpt: Path) -> Iterator[ServerThread]:
-    config = EngineConfig(
-        model=ModelConfig(str(qwen3_ckpt), max_model_len=MAX_MODEL_LEN),
+def _config(ckpt: Path) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(str(ckpt), max_model_len=MAX_MODEL_LEN),
         cache=CacheConfig(block_size=16, num_blocks_override=NUM_BLOCKS),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
     )
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_ckpt: Path) -> Iterator[ServerThread]:
+    config = _config(qwen3_ckpt)
     options = ServerOptions(port=0, http_port=0, api_key=API_KEY, log_stats_interval_s=None)
     handle = ServerThread(config, options)
     yield handle
@@ -422,12 +426,7 @@ def test_http_admin_endpoints(server, stub, new_ckpt, root) -> None:
 def test_a_paused_server_drains_by_resuming(qwen3_ckpt) -> None:
     """Stopping a paused server resumes generation for the drain: the request in flight
     finishes ("length", all its tokens) within the grace time instead of being aborted."""
-    config = EngineConfig(
-        model=ModelConfig(str(qwen3_ckpt), max_model_len=MAX_MODEL_LEN),
-        cache=CacheConfig(block_size=16, num_blocks_override=NUM_BLOCKS),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
-    )
-    handle = ServerThread(config, ServerOptions(port=0, log_stats_interval_s=None))
+    handle = ServerThread(_config(qwen3_ckpt), ServerOptions(port=0, log_stats_interval_s=None))
     try:
         with grpc.insecure_channel(handle.address) as channel:
             own = pb_grpc.MoeEngineStub(channel)
