@@ -64,6 +64,7 @@ from local_engines import (  # noqa: E402
 )
 from measure import greedy_agreement, measure_alternating  # noqa: E402
 from peer_runner import PeerContext, PeerFamily, PeerRunner  # noqa: E402
+from served_engine import SERVED_ROWS, ServedRow  # noqa: E402
 from workload import (  # noqa: E402, F401  (re-exported for bench/ep.py, kv_cache.py, serve.py)
     MIXED64_OUTPUT_TOKENS,
     MIXED64_PROMPT_TOKENS,
@@ -138,6 +139,9 @@ def load_rows(ckpt: Path, requests: list[BenchRequest], requests_path: Path,
     for q in _listed(args.quantization):
         makers.append((engine_row_name(q),
                        lambda q=q: MoeEngineRow(ckpt, requests, args, q)))
+    if args.served:
+        for name in SERVED_ROWS:
+            makers.append((name, lambda name=name: ServedRow(name, ckpt, requests, args)))
     families = selected_baselines(args)
     if "transformers" in families:
         makers.append((HF_STATIC, lambda: HFStaticRow(
@@ -174,6 +178,16 @@ def add_ratios(engines: dict[str, dict], modes: list[str]) -> dict[str, str | No
             if figure and best[mode]:
                 engines[name][mode]["ratio_vs_best_peer"] = round(figure / peers[best[mode]], 2)
     return best
+
+
+def add_served_ratios(engines: dict[str, dict], modes: list[str]) -> None:
+    """Each served row's figure gets `ratio_vs_offline`: its tok/s over the offline row's."""
+    for name in SERVED_ROWS:
+        for mode in modes:
+            figure = engines.get(name, {}).get(mode, {}).get("output_tokens_per_s")
+            offline = engines.get(ENGINE, {}).get(mode, {}).get("output_tokens_per_s")
+            if figure and offline:
+                engines[name][mode]["ratio_vs_offline"] = round(figure / offline, 2)
 
 
 def markdown_table(result: dict) -> str:
@@ -216,6 +230,11 @@ def print_report(result: dict) -> None:
                          if row.get(m, {}).get("runs_s"))
         info = {k: v for k, v in row.get("info", {}).items() if k not in _REPEATED_INFO}
         print(f"  {name}: {runs}  {json.dumps(info)}")
+    for name, row in result["engines"].items():
+        ratios = [f"{m} {row[m]['ratio_vs_offline']:.2f}x" for m in result["modes"]
+                  if row.get(m, {}).get("ratio_vs_offline")]
+        if ratios:
+            print(f"  {name} against the offline {ENGINE}: {', '.join(ratios)}")
     for names, load in result["idle_cpu"].items():
         if load["share"] is not None:
             print(f"  idle CPU of [{names}] while others ran: {load['share']} cores "
@@ -253,6 +272,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantization", default=None,
                    help="comma-separated moe-engine rows by routed-expert format, of none, int4, "
                         "mxfp4 (default none; with --table none,int4)")
+    p.add_argument("--served", action="store_true",
+                   help="also moe-engine behind its gRPC front end (moe-serve in its own "
+                        "process, this process the client): rows moe-engine-grpc (final_only "
+                        "requests) and moe-engine-grpc-stream (every step streamed), each "
+                        "with its ratio to the offline row; on with --table")
     p.add_argument("--baseline-dtype", choices=sorted(DTYPES), default=None,
                    help="dtype of the transformers baseline (default: --dtype)")
     p.add_argument("--batch-size", type=int, default=8, help="transformers static batch size")
@@ -272,9 +296,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also write the JSON object to this file (with the printed report)")
     args = p.parse_args(argv)
     args.modes = _listed(args.modes or ("batched,batch1" if args.table else "batched"))
+    served = [w for w in _listed(args.engines or "") if w in SERVED_ROWS]
+    args.served = args.served or args.table or bool(served)
     if args.quantization is None and args.engines:  # `--engines moe-engine-int4` runs int4
         named = [w.removeprefix(ENGINE).lstrip("-") or "none" for w in _listed(args.engines)
-                 if not is_peer(w)]
+                 if not is_peer(w) and w not in SERVED_ROWS]
         args.quantization = ",".join(named) if named else None
     args.quantization = args.quantization or ("none,int4" if args.table else "none")
     if args.runs < 1 or args.warmup < 0:
@@ -309,6 +335,7 @@ def run_benchmark(args: argparse.Namespace, requests: list[BenchRequest], ckpt: 
     order = [n for n in engines if not is_peer(n)] + [n for n in engines if is_peer(n)]
     engines = {n: engines[n] for n in order}
     best = add_ratios(engines, args.modes)
+    add_served_ratios(engines, args.modes)
     ratio = engines.get(ENGINE, {}).get("batched", {}).get("ratio_vs_best_peer")
     return {"engines": engines, "best_peer": best, "baseline": best.get("batched"),
             "ratio": ratio, "idle_cpu": measured["idle"], "greedy_agreement": agreement}

@@ -125,6 +125,12 @@ class RequestStatus(enum.Enum):
     FINISHED = enum.auto()
 
 
+#: `SamplingParams.output_kind`: an output per step (or `--stream-interval`), or one at the end.
+OUTPUT_DELTA = "delta"
+OUTPUT_FINAL_ONLY = "final_only"
+OUTPUT_KINDS = (OUTPUT_DELTA, OUTPUT_FINAL_ONLY)
+
+
 @dataclass
 class SamplingParams:
     """How to choose tokens and when to stop (vLLM's `SamplingParams`, the fields it shares).
@@ -152,6 +158,11 @@ class SamplingParams:
         structured_outputs: constrain the output to JSON (a schema, or any object); None: free.
             Each completion is constrained on its own; it finishes with "stop" once its JSON
             is complete (and the grammar took EOS). Cut by max_tokens, the text need not parse.
+        output_kind: "delta" (an output per step, or every `--stream-interval` tokens, with
+            the tokens since the previous one) or "final_only" (one output per completion, when
+            it finishes, with all its tokens and text: what a caller that does not stream needs;
+            vLLM's `RequestOutputKind.FINAL_ONLY`, which its OpenAI server uses for
+            `stream: false`). The tokens are the same either way.
 
     Raises:
         ParamError: at construction, for a field of the wrong type or outside its limits
@@ -170,6 +181,7 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: str = OUTPUT_DELTA
 
     def __post_init__(self) -> None:
         self.stop = _as_list("stop", self.stop, str)
@@ -244,6 +256,11 @@ class SamplingParams:
             if self.logprobs < 0:
                 raise ParamError("logprobs", f"logprobs must be >= 0, got {self.logprobs}")
         self._check_stop()
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ParamError(
+                "output_kind",
+                f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}",
+            )
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ParamError(

@@ -115,6 +115,28 @@ def test_generate_streams_deltas_and_usage(stub: pb_grpc.MoeEngineStub) -> None:
     assert again == tokens
 
 
+def test_final_only_is_one_response_with_every_token(stub: pb_grpc.MoeEngineStub) -> None:
+    fields = dict(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    streamed = collect(stub, request([5, 6, 7, 8, 9], **fields))
+    assert len(streamed) >= 2 and all(r.ttft_s == 0 for r in streamed[:-1])
+    start = time.perf_counter()
+    (whole,) = collect(stub, request([5, 6, 7, 8, 9], final_only=True, **fields))
+    e2e = time.perf_counter() - start
+    assert whole.finished and whole.finish_reason == "length"
+    assert list(whole.token_ids) == [t for r in streamed for t in r.token_ids]
+    assert whole.text == "".join(r.text for r in streamed)
+    assert [(lp.token_id, lp.logprob) for lp in whole.logprobs] == [
+        (lp.token_id, lp.logprob) for r in streamed for lp in r.logprobs
+    ]
+    assert whole.usage.completion_tokens == 12
+    assert 0 < whole.ttft_s < e2e and 0 < streamed[-1].ttft_s
+    # n = 2: one finished response per completion.
+    pair = collect(stub, request([5, 6], max_tokens=5, n=2, seed=3, final_only=True,
+                                 ignore_eos=True))
+    assert sorted(r.index for r in pair) == [0, 1]
+    assert all(r.finished and len(r.token_ids) == 5 for r in pair)
+
+
 def test_defaults_and_logprobs(stub: pb_grpc.MoeEngineStub) -> None:
     responses = collect(stub, request([9, 10], ignore_eos=True))
     assert responses[-1].usage.completion_tokens == 16  # max_tokens unset -> 16
@@ -368,9 +390,10 @@ def test_cli_generate_json(server: ServerThread, stub) -> None:
 
 def test_cli_batch_stats_info(server: ServerThread, tmp_path: Path) -> None:
     lines = [
-        {"prompt_ids": [5, 6, 7], "max_tokens": 4, "ignore_eos": True},
+        {"prompt_ids": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "temperature": 0},
         {"prompt_ids": [8] * 20, "max_tokens": 9, "ignore_eos": True, "temperature": 0.7},
-        {"prompt_ids": [9, 10], "max_tokens": 2, "min_tokens": 1, "ignore_eos": True},
+        {"prompt_ids": [9, 10], "max_tokens": 2, "min_tokens": 1, "ignore_eos": True,
+         "temperature": 0},
     ]
     path = tmp_path / "requests.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
@@ -386,6 +409,14 @@ def test_cli_batch_stats_info(server: ServerThread, tmp_path: Path) -> None:
         assert 0 < r["ttft_s"] <= r["e2e_s"]
     assert summary["output_tokens"] == 15 and summary["output_tokens_per_s"] > 0
     assert summary["wall_s"] > 0
+    # --stream: every step's tokens as they come; greedy lines give the same tokens.
+    proc = run_cli("--server", server.address, "batch", str(path), "--stream")
+    assert proc.returncode == 0, proc.stderr
+    streamed = {r["index"]: r for r in map(json.loads, proc.stdout.splitlines()[:-1])}
+    final = {r["index"]: r for r in results}
+    for i in (0, 2):
+        assert streamed[i]["token_ids"] == final[i]["token_ids"]
+        assert 0 < streamed[i]["ttft_s"] <= streamed[i]["e2e_s"]
     for command in ("stats", "info"):
         proc = run_cli("--server", server.address, command, "--json")
         assert proc.returncode == 0, proc.stderr

@@ -10,6 +10,7 @@ import torch
 
 from moe_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from moe_engine.engine.core import EngineCore
+from moe_engine.errors import ParamError
 from moe_engine.request import SamplingParams
 
 PROMPT_LENS = [5, 17, 40]
@@ -30,10 +31,11 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, 200, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def _run(engine: EngineCore, logprobs: int | None = None):
+def _run(engine: EngineCore, logprobs: int | None = None, output_kind: str = "delta"):
     """Every output per request id, in order, until all finish."""
     for i, (prompt, n) in enumerate(zip(_prompts(), MAX_TOKENS, strict=True)):
-        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=logprobs)
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=logprobs,
+                                output_kind=output_kind)
         engine.add_request(f"r{i}", prompt, params)
     outs: dict[str, list] = {}
     while engine.has_unfinished_requests():
@@ -81,6 +83,36 @@ def test_abort_delivers_unsent_tokens(qwen3_ckpt):
     assert last.finished and str(last.finish_reason) == "abort"
     assert sent + last.new_token_ids == generated
     assert not engine._unsent and not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("interval", [1, 4])
+def test_final_only_sends_one_output_with_every_token(qwen3_ckpt, every_token, interval):
+    got = _run(_engine(qwen3_ckpt, interval), logprobs=2, output_kind="final_only")
+    for rid, outs in every_token.items():
+        (out,) = got[rid]
+        assert out.finished and out.num_output_tokens == len(out.new_token_ids)
+        assert out.new_token_ids == [t for o in outs for t in o.new_token_ids]
+        assert out.logprobs == [lp for o in outs for lp in o.logprobs]
+        assert out.decode_s is not None and out.decode_s >= 0
+        assert all(o.decode_s is None for o in outs)  # deltas carry none
+
+
+def test_final_only_abort_delivers_every_token(qwen3_ckpt):
+    engine = _engine(qwen3_ckpt, 1)
+    engine.add_request("a", _prompts()[0], SamplingParams(
+        max_tokens=50, temperature=0, ignore_eos=True, output_kind="final_only"))
+    while engine.scheduler.requests["a"].num_output_tokens < 5:
+        assert engine.step() == []
+    generated = list(engine.scheduler.requests["a"].output_token_ids)
+    (last,) = engine.abort_requests(["a"])
+    assert last.finished and str(last.finish_reason) == "abort"
+    assert last.new_token_ids == generated
+    assert not engine._unsent and not engine.has_unfinished_requests()
+
+
+def test_bad_output_kind_is_refused():
+    with pytest.raises(ParamError, match="output_kind must be one of delta, final_only, got 'x'"):
+        SamplingParams(output_kind="x")
 
 
 def test_interval_below_one_is_refused():

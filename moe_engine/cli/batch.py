@@ -4,6 +4,10 @@ Each non-empty line is one request object ("prompt" or "prompt_ids", sampling fi
 proto names; "stop" may be one string). Every line is checked before anything is sent. One
 JSON line is printed per finished request (index, token_ids, finish_reason, usage, ttft_s,
 e2e_s, or index and error), then a summary line (wall_s, output_tokens, output_tokens_per_s).
+
+A batch needs each request's result, not its tokens as they come, so requests are sent with
+`final_only` (one response per completion; ttft_s is then the server's measurement, from the
+finished response); `--stream` streams every step's tokens instead (ttft_s measured here).
 """
 
 from __future__ import annotations
@@ -35,6 +39,12 @@ def add_batch_parser(sub: argparse._SubParsersAction) -> None:
         type=int_at_least(1),
         default=16,
         help="requests in flight, >= 1 (default: %(default)s)",
+    )
+    b.add_argument(
+        "--stream",
+        action="store_true",
+        help="stream each request's tokens step by step (default: one response per "
+        "completion when it finishes, final_only)",
     )
 
 
@@ -103,7 +113,7 @@ async def _run_one(
     try:
         async for response in stub.Generate(request, timeout=timeout, metadata=metadata or None):
             if ttft is None and response.token_ids:
-                ttft = time.perf_counter() - start
+                ttft = response.ttft_s if request.final_only else time.perf_counter() - start
             completions.add(response)
     except grpc.RpcError as err:
         message = error_text(err, server).removeprefix(f"{err.code().name}: ")  # code apart
@@ -124,12 +134,15 @@ async def run_batch(
     *,
     credentials: grpc.ChannelCredentials | None = None,
     metadata: tuple[tuple[str, str], ...] = (),
+    stream: bool = False,
 ) -> int:
     """Run `requests` with at most `concurrency` in flight; print results as they finish.
 
     `credentials` (TLS, None for plaintext) and `metadata` (e.g. the API key) apply to every
-    call.
+    call. Without `stream`, every request is sent `final_only` (one response per completion).
     """
+    for request in requests:
+        request.final_only = request.final_only or not stream
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     semaphore = asyncio.Semaphore(concurrency)
@@ -194,5 +207,6 @@ def cmd_batch(
             args.timeout,
             credentials=credentials,
             metadata=metadata,
+            stream=args.stream,
         )
     )

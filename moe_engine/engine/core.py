@@ -48,7 +48,7 @@ from moe_engine.models.build import build_model, sizes_kv_on_device
 from moe_engine.parallel_sampling import ParentRequest
 from moe_engine.phase_timer import PhaseTimer
 from moe_engine.quant_config import resolve_quant_config
-from moe_engine.request import FinishReason, Request, SamplingParams
+from moe_engine.request import OUTPUT_FINAL_ONLY, FinishReason, Request, SamplingParams
 from moe_engine.sampler import Sampler
 from moe_engine.scheduler import Scheduler
 from moe_engine.skew.trace import PeriodicTraceWriter
@@ -473,12 +473,14 @@ class EngineCore:
                   ) -> EngineCoreOutput | None:
         """`tokens` (and their logprobs entries, if asked for) added to what the request has
         not sent yet; its output once `stream_interval` tokens wait, at its first token, or when
-        it finished; else None."""
+        it finished (only then for `output_kind` "final_only"); else None."""
         ids, unsent_lps = self._unsent.setdefault(req.request_id, ([], []))
         ids.extend(tokens)
         if lps is not None:
             unsent_lps.extend(lps)
         final = req.is_finished
+        if not final and req.sampling_params.output_kind == OUTPUT_FINAL_ONLY:
+            return None
         if not final and req.num_output_tokens > 1 and len(ids) < self.stream_interval:
             return None
         return self._flush(req, final)
@@ -526,7 +528,16 @@ class EngineCore:
             index=req.index,
             stop_reason=req.stop_reason if final else None,
             weight_version=self.rollout.weight_version,
+            decode_s=self._decode_s(req) if final else None,
         )
+
+    @staticmethod
+    def _decode_s(req: Request) -> float | None:
+        """Seconds from the request's first token to now (None before one): a final-only
+        request's front end dates its first token from it."""
+        if req.sampling_params.output_kind != OUTPUT_FINAL_ONLY or req.first_token_time is None:
+            return None
+        return time.monotonic() - req.first_token_time
 
     def get_stats(self) -> CoreStats:
         """Queue, KV and token counters (see the contract in the server's GetServerStats)."""

@@ -56,6 +56,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
         stop_reason: set with finish_reason "stop": the stop string or the stop token id
             (from `stop_token_ids`) that ended the completion; None for EOS (as vLLM).
         weight_version: the weights that computed these tokens (`UpdateWeights`).
+        decode_s: on the finished output of an `output_kind` "final_only" request, seconds
+            from its first token to this output (the front end dates the first token, and so
+            the time to first token, from it); None otherwise.
     """
 
     request_id: str
@@ -70,6 +73,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     index: int = 0
     stop_reason: int | str | None = None
     weight_version: str = ""
+    decode_s: float | None = None
 
 
 class ModelInfo(msgspec.Struct, kw_only=True):

@@ -368,10 +368,12 @@ class RequestTimer:
     _tokens_by_index: dict[int, int] = field(default_factory=dict, repr=False)
 
     def record(self, out: EngineCoreOutput) -> None:
-        """Note an output: the first one with tokens fixes the time to first token."""
+        """Note an output: the first one with tokens fixes the time to first token (on a
+        final-only output, `decode_s` before it arrived)."""
         now = time.monotonic()
         if out.new_token_ids and self.first_token_s is None:
-            self.first_token_s = now
+            # A final-only output arrives at the end; the core says how long after the first.
+            self.first_token_s = now - (out.decode_s or 0.0)
         self.last_output_s = now
         before = self._tokens_by_index.get(out.index, 0)
         self._tokens_by_index[out.index] = out.num_output_tokens

@@ -26,7 +26,7 @@ from moe_engine.engine.client import EngineClient
 from moe_engine.engine.messages import CoreStats, EngineCoreOutput, EngineStats, ModelInfo
 from moe_engine.errors import ErrorCode, ParamError, RequestError
 from moe_engine.instrumentation import balancedness, imbalance_ratio
-from moe_engine.request import SamplingParams, StructuredOutputsParams
+from moe_engine.request import OUTPUT_FINAL_ONLY, SamplingParams, StructuredOutputsParams
 from moe_engine.server.interceptors import abort_with_refusal
 from moe_engine.server.metrics import RequestTimer, ServerMetrics
 from moe_engine.server.pb import moe_engine_pb2 as pb
@@ -64,6 +64,8 @@ def sampling_params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
     }
     kwargs["stop"] = list(request.stop)
     kwargs["stop_token_ids"] = list(request.stop_token_ids)
+    if request.final_only:
+        kwargs["output_kind"] = OUTPUT_FINAL_ONLY
     try:
         if request.json_schema or request.json_object:
             kwargs["structured_outputs"] = StructuredOutputsParams(
@@ -256,7 +258,10 @@ class MoeEngineServicer(WeightControlRpcs, pb_grpc.MoeEngineServicer):
                         last = out.finished and left == 0
                         if last and ended is not None and not ended.done():
                             ended.set_result(str(out.finish_reason))
-                        yield response_from_output(out)
+                        response = response_from_output(out)
+                        if out.finished and timer.first_token_s is not None:
+                            response.ttft_s = timer.first_token_s - timer.arrival_s
+                        yield response
                         if last and self.metrics is not None:
                             self.metrics.observe_finished(timer, str(out.finish_reason))
                 except RequestError as exc:

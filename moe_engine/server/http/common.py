@@ -13,7 +13,12 @@ from typing import Any
 
 from moe_engine.engine.messages import EngineCoreOutput
 from moe_engine.errors import ParamError
-from moe_engine.request import SamplingParams, StructuredOutputsParams
+from moe_engine.request import (
+    OUTPUT_DELTA,
+    OUTPUT_FINAL_ONLY,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from moe_engine.server.http.errors import OpenAIError
 from moe_engine.server.http.protocol import NEUTRAL, ChatCompletionRequest, CompletionRequest
 from moe_engine.validation import param_error
@@ -30,7 +35,8 @@ def sampling_params(
     body: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None,
     structured_outputs: Any = None,
 ) -> SamplingParams:
-    """SamplingParams from a body (OpenAI's defaults: temperature 1, top_p 1).
+    """SamplingParams from a body (OpenAI's defaults: temperature 1, top_p 1); a body that does
+    not stream asks for final-only outputs.
 
     Raises:
         OpenAIError: 400 for a field of a feature not implemented here at a value other than
@@ -54,6 +60,8 @@ def sampling_params(
         "max_tokens": max_tokens, "min_tokens": body.min_tokens, "n": body.n,
         "seed": body.seed, "stop": body.stop, "stop_token_ids": body.stop_token_ids,
         "ignore_eos": body.ignore_eos, "logprobs": logprobs,
+        # A whole response needs one output per choice, not one per step (as vLLM's server).
+        "output_kind": OUTPUT_DELTA if body.stream else OUTPUT_FINAL_ONLY,
     }
     for name in ("temperature", "top_p", "top_k"):
         if getattr(body, name) is not None:
