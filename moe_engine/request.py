@@ -394,6 +394,9 @@ class Request:
         #: steps it skips drafting, both set from its last verification (`Drafter.record`).
         self.draft_limit: int | None = None
         self.draft_cooldown = 0
+        #: Prefill-only (prefill/decode disaggregation): when it finishes, its blocks are
+        #: kept (`Scheduler.held`) until sent to a decode instance.
+        self.hold_kv = False
 
     @property
     def num_prompt_tokens(self) -> int:

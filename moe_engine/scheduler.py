@@ -92,6 +92,13 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        #: Prefill-only requests that finished and keep their blocks until sent to a decode
+        #: instance (`Request.hold_kv`; `release_held`).
+        self.held: dict[str, Request] = {}
+        #: Decode side: requests whose prompt blocks are allocated while their K/V arrives
+        #: from a prefill instance (`park_for_remote_kv`, `remote_kv_arrived`); in `requests`,
+        #: in neither queue.
+        self.awaiting_kv: dict[str, Request] = {}
 
     @property
     def num_unfinished(self) -> int:
@@ -266,17 +273,69 @@ class Scheduler:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        if req.status == RequestStatus.RUNNING:
+        if self.awaiting_kv.pop(request_id, None) is not None:
+            pass
+        elif req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.grammar = None  # its matcher is no longer needed
-        self.kv.free(request_id)
+        if req.hold_kv and reason != FinishReason.ABORT:
+            self.held[request_id] = req  # its blocks go to a decode instance first
+        else:
+            self.kv.free(request_id)
         parent = req.parent
         if parent is not None:
             parent.num_finished += 1
             if parent.finished:
                 self.kv.forget_prefix(req)
+        return req
+
+    def release_held(self, request_id: str) -> bool:
+        """Free a held prefill's blocks (sent, or given up); False when none is held."""
+        if self.held.pop(request_id, None) is None:
+            return False
+        self.kv.free(request_id)
+        return True
+
+    def park_for_remote_kv(self, request_id: str) -> int | None:
+        """Decode side: take a just-added request out of the queue and allocate blocks for
+        its whole prompt, whose K/V a prefill instance writes into them; a prefix-cache hit
+        keeps the blocks this instance already holds. Nothing is entered in the prefix-cache
+        map until the K/V arrived (`remote_kv_arrived`), so no other request reads the blocks
+        before.
+
+        Returns:
+            The prompt tokens the hit already covers (the blocks before them need no
+            transfer), or None when the batch or the pool has no room now (the request is
+            then left queued, as any new request).
+        """
+        req = self.requests[request_id]
+        if len(self.running) + len(self.awaiting_kv) >= self.config.max_num_seqs:
+            return None
+        hit = self.kv.get_computed_blocks(req)
+        if not self.kv.allocate_slots(req, req.num_prompt_tokens - hit.num_tokens, hit,
+                                      cache_blocks=False):
+            return None
+        self.waiting.remove(req)
+        self.awaiting_kv[request_id] = req
+        return hit.num_tokens
+
+    def remote_kv_arrived(self, request_id: str, first_token: int,
+                          on_token: Callable[[Request], None] | None = None) -> Request:
+        """Decode side: the prompt's K/V is in the parked request's blocks; it runs from here
+        with the prefill's first token appended (which may already end it).
+
+        Raises:
+            KeyError: the request is not parked (aborted meanwhile, or never parked).
+        """
+        req = self.awaiting_kv.pop(request_id)
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.kv.cache_computed(req)
+        self.kv.remove_skipped_blocks(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._append(req, [first_token], on_token)
         return req

@@ -490,6 +490,19 @@ class EngineCore:
         ids, lps = self._unsent.pop(req.request_id, ([], []))
         return self._output(req, ids, lps or None, final=final)
 
+    def emit_tokens(self, req: Request, tokens: list[int]) -> list[EngineCoreOutput]:
+        """The output for tokens appended outside a step (a disaggregated request's first
+        token, from its prefill instance: `disagg.handoff.DecodeHandoff`)."""
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        self.counters["generation_tokens_total"] += len(tokens)
+        out = self._buffered(req, tokens, None)
+        return [out] if out is not None else []
+
+    def check_stop_strings(self, req: Request) -> None:
+        """`_check_stop_strings`, for tokens appended outside a step."""
+        self._check_stop_strings(req)
+
     def _check_stop_strings(self, req: Request) -> None:
         """Detokenize the request's new token; a stop string it completes ends the request
         with "stop", also when the same token reached max_tokens (vLLM: a stop string

@@ -267,6 +267,7 @@ class KVCacheManager:
         num_new_tokens: int,
         hit: PrefixHit | None = None,
         num_lookahead_tokens: int = 0,
+        cache_blocks: bool = True,
     ) -> bool:
         """Make room for `num_new_tokens` more tokens after the request's computed ones.
 
@@ -281,6 +282,8 @@ class KVCacheManager:
             num_lookahead_tokens: slots past the new tokens that the step writes but does
                 not compute (MTP drafts' KV, vLLM's lookahead); their blocks are never
                 entered in the prefix-cache map for them.
+            cache_blocks: False leaves the new full blocks out of the prefix-cache map (K/V
+                that arrives from another instance later; `cache_computed` enters them).
 
         Returns:
             False (nothing taken) when the pool has too few free blocks.
@@ -314,9 +317,16 @@ class KVCacheManager:
         if hit is not None and self.enable_prefix_caching:
             self.prefix_cache_queries += hit.num_queried
             self.prefix_cache_hits += hit.num_tokens
-        if self.shares_blocks(request):
+        if cache_blocks and self.shares_blocks(request):
             self._cache_full_blocks(request, tables, total)
         return True
+
+    def cache_computed(self, request: Request) -> None:
+        """Enter the request's full computed blocks in the prefix-cache map (after K/V that
+        `allocate_slots(cache_blocks=False)` left out arrived)."""
+        tables = self.block_tables.get(request.request_id)
+        if tables is not None and self.shares_blocks(request):
+            self._cache_full_blocks(request, tables, request.num_computed_tokens)
 
     def remove_skipped_blocks(self, request: Request) -> None:
         """Give back the sliding-window blocks no query after the request's computed tokens
