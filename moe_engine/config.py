@@ -179,6 +179,37 @@ class SchedulerConfig:
             raise ValueError(f"stream_interval must be >= 1 tokens, got {self.stream_interval}")
 
 
+#: `--disaggregation-mode` values: one instance does both, or only prefills, or only decodes.
+DISAGG_MODES = ("none", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """Prefill/decode disaggregation (`moe_engine.disagg`).
+
+    Attributes:
+        mode: "none", "prefill" (run prompts to their first token and send their KV blocks
+            to a decode instance) or "decode" (take requests whose KV a prefill instance
+            sends, then decode).
+        backend: the KV transfer engine (`disagg.transfer.BACKENDS`).
+        host: the address peers reach this instance's transfer engine at.
+        timeout_s: a transfer to a hung peer fails after this long; a decode instance drops a
+            request whose K/V has not arrived this long after it was placed.
+    """
+
+    mode: str = "none"
+    backend: str = "mooncake-tcp"
+    host: str = "127.0.0.1"
+    timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in DISAGG_MODES:
+            raise ValueError(f"disaggregation mode must be one of {', '.join(DISAGG_MODES)}, "
+                             f"got {self.mode!r}")
+        if not self.timeout_s >= 5:
+            raise ValueError(f"kv transfer timeout must be >= 5 s, got {self.timeout_s}")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Ranks and threads.
@@ -273,6 +304,7 @@ class EngineConfig:
             (kernels/registry.py); checked at startup.
         device: the device and its memory budget (`DeviceConfig`).
         speculative: draft tokens per step (`SpeculativeConfig`; off by default).
+        disagg: prefill/decode disaggregation (`DisaggConfig`; off by default).
     """
 
     model: ModelConfig
@@ -284,6 +316,7 @@ class EngineConfig:
     kernel_backend: str = "auto"
     device: DeviceConfig = field(default_factory=DeviceConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
 
 def native_bf16_matmul() -> bool:

@@ -39,8 +39,10 @@ from kernels.registry import (
 from moe_engine import __version__
 from moe_engine.config import (
     DEVICE_CHOICES,
+    DISAGG_MODES,
     CacheConfig,
     DeviceConfig,
+    DisaggConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
@@ -49,6 +51,7 @@ from moe_engine.config import (
     check_cpu_environment,
 )
 from moe_engine.config import parse_bytes as config_parse_bytes
+from moe_engine.disagg.transfer import BACKENDS
 from moe_engine.engine.control import weight_version_problem
 from moe_engine.errors import StartupError
 from moe_engine.loader import safetensors_files
@@ -170,6 +173,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="bytes for the KV cache, e.g. 2GiB (default: derived from free memory)",
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument(
+        "--disaggregation-mode", choices=DISAGG_MODES, default="none",
+        help="prefill/decode disaggregation behind moe-router: prefill (run prompts to their "
+        "first token, write their KV blocks to a decode instance) or decode (take requests "
+        "whose KV a prefill instance writes, then decode); default none: both",
+    )
+    p.add_argument("--kv-transfer-backend", choices=BACKENDS, default="mooncake-tcp",
+                   help="the KV transfer engine (default: %(default)s)")
+    p.add_argument("--kv-transfer-host", default="127.0.0.1",
+                   help="address peers reach this instance's transfer engine at (default: "
+                   "%(default)s)")
+    p.add_argument("--kv-transfer-timeout-s", type=float, default=30.0,
+                   help="a transfer to a hung peer fails, and a decode instance drops a request "
+                   "whose KV has not arrived, after this many seconds (>= 5; default "
+                   "%(default)s)")
     p.add_argument(
         "--enable-prefix-caching",
         action="store_true",
@@ -409,6 +427,8 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         ),
         expert_trace=args.expert_trace,
         kernel_backend=args.kernel_backend,
+        disagg=DisaggConfig(mode=args.disaggregation_mode, backend=args.kv_transfer_backend,
+                            host=args.kv_transfer_host, timeout_s=args.kv_transfer_timeout_s),
         device=DeviceConfig(
             device=args.device,
             gpu_memory_utilization=args.gpu_memory_utilization,

@@ -20,7 +20,9 @@ handled yet (refused where the instance starts).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
+
+import msgspec
 
 from moe_engine.disagg.kv_layout import KVCacheDescriptor, block_copies, describe, slot_tensors
 from moe_engine.disagg.transfer import KVTransfer
@@ -30,8 +32,7 @@ from moe_engine.errors import ErrorCode, RequestError
 from moe_engine.request import SamplingParams
 
 
-@dataclass(frozen=True)
-class KVPlacement:
+class KVPlacement(msgspec.Struct, frozen=True):
     """Where a decode instance wants a request's prompt K/V.
 
     Attributes:
@@ -50,6 +51,7 @@ def kv_transfer_for(core: EngineCore, hostname: str = "127.0.0.1",
                     backend: str = "mooncake-tcp", timeout_s: float = 30.0
                     ) -> tuple[KVTransfer, KVCacheDescriptor]:
     """Register a core's KV cache with the transfer engine; (transfer, its descriptor).
+    Keep the transfer object: its engine stops listening (peers' writes fail) once it is freed.
 
     Raises:
         ValueError: the model keeps linear-attention state (not moved yet) or runs expert

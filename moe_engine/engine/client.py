@@ -55,6 +55,8 @@ from moe_engine.engine.messages import (
     Heartbeat,
     ModelInfo,
     ModelInfoReply,
+    PrepareDecode,
+    PrepareDecodeReply,
     Ready,
     Shutdown,
     StartupFailed,
@@ -304,6 +306,9 @@ class EngineClient:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        *,
+        kv_placement: bytes | None = None,
+        remote_first_token: int | None = None,
     ) -> AsyncIterator[EngineCoreOutput]:
         """Submit one request and yield its outputs (deltas) until the finished one (with
         `params.n` > 1: until each of its n completions has sent its finished output; every
@@ -314,6 +319,8 @@ class EngineClient:
             prompt_token_ids: the prompt, token ids in [0, vocab_size).
             params: sampling parameters.
             arrival_time: when the request arrived (time.time() seconds; default now).
+            kv_placement, remote_first_token: a prefill/decode split's fields
+                (`EngineCoreRequest`; the router sets them).
 
         Raises:
             RequestError: the request is refused (bad field, out of range, duplicate live id,
@@ -352,7 +359,8 @@ class EngineClient:
         self._streams[request_id] = queue
         arrival = time.time() if arrival_time is None else arrival_time
         rank = min(range(len(self._rank_load)), key=self._rank_load.__getitem__)  # least loaded
-        add = EngineCoreRequest(request_id, list(prompt_token_ids), params, arrival, rank)
+        add = EngineCoreRequest(request_id, list(prompt_token_ids), params, arrival, rank,
+                                kv_placement, remote_first_token)
         try:
             self._send(add)
         except RequestError:
@@ -450,6 +458,27 @@ class EngineClient:
             self.model_info = msgspec.structs.replace(info, weight_version=reply.weight_version)
         return reply
 
+    async def prepare_decode(self, request_id: str, prompt_token_ids: list[int],
+                             params: SamplingParams, timeout_s: float = 30.0) -> bytes:
+        """Decode instance: park a request with its prompt's blocks allocated; returns where
+        its K/V goes (`disagg.handoff.KVPlacement`, msgpack) for the prefill instance.
+
+        Raises:
+            RequestError: the request is refused (a bad field; RESOURCE_EXHAUSTED when there
+                is no room now; INVALID_ARGUMENT on an instance not in decode mode) or the
+                core is down (UNAVAILABLE).
+        """
+        info = self.model_info
+        if info is not None:
+            validate_request(prompt_token_ids, params, vocab_size=info.vocab_size,
+                             max_model_len=info.max_model_len)
+        add = EngineCoreRequest(request_id, list(prompt_token_ids), params, time.time())
+        reply = await self._request_reply(lambda rid: PrepareDecode(rid, add), timeout_s)
+        assert isinstance(reply, PrepareDecodeReply)
+        if reply.code:
+            raise RequestError(ErrorCode(reply.code), reply.field, reply.message)
+        return reply.placement
+
     async def _request_reply(self, make: Callable[[int], CoreInput], timeout_s: float) -> Any:
         """Send `make(reply_id)` and wait up to `timeout_s` for the reply with that id.
 
@@ -522,7 +551,8 @@ class EngineClient:
                 queue = self._streams.get(rid)
                 if queue is not None:
                     queue.put_nowait(RequestError(code, field, text))
-            case StatsReply() | ExpertLoadReply() | ModelInfoReply() | ControlReply():
+            case (StatsReply() | ExpertLoadReply() | ModelInfoReply() | ControlReply()
+                  | PrepareDecodeReply()):
                 future = self._replies.get(message.reply_id)
                 if future is not None and not future.done():
                     future.set_result(message)

@@ -44,6 +44,8 @@ from moe_engine.engine.messages import (
     Heartbeat,
     ModelInfo,
     ModelInfoReply,
+    PrepareDecode,
+    PrepareDecodeReply,
     Ready,
     Shutdown,
     StartupFailed,
@@ -120,8 +122,13 @@ class CoreLoop:
         outputs: the connected PUSH socket.
     """
 
-    def __init__(self, core: EngineCoreProtocol, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
+    def __init__(self, core: EngineCoreProtocol, inputs: zmq.Socket, outputs: zmq.Socket,
+                 role: Any = None) -> None:
         self.core = core
+        #: This instance's part in a prefill/decode split (`disagg.role.PrefillRole` or
+        #: `DecodeRole`, imported only where one runs), None without.
+        self.role = role
+        self._mode = getattr(role, "mode", "none")
         self.inputs = inputs
         self.outputs = outputs
         self.running = True
@@ -135,7 +142,18 @@ class CoreLoop:
             if self._poller.poll(0 if busy else _IDLE_POLL_MS):
                 self._drain_inputs()
             if self.running and self.core.has_unfinished_requests():
-                self._send_outputs(self.core.step())
+                self._after_step(self.core.step())
+            if self._mode == "decode":
+                self.role.expire()
+
+    def _after_step(self, outputs: list[EngineCoreOutput]) -> None:
+        """Send a step's outputs; a prefill instance first writes its finished prefills'
+        K/V to their decode instances (a failed write goes out as the request's refusal)."""
+        if self._mode == "prefill":
+            outputs, failed = self.role.after_step(outputs)
+            for refusal in failed:
+                self._send(refusal)
+        self._send_outputs(outputs)
 
     def _drain_inputs(self) -> None:
         while self.running:
@@ -159,10 +177,19 @@ class CoreLoop:
         core = self.core
         match message:
             case EngineCoreRequest():
-                refusal = add_request(core, message)
+                refusal = self._add(message)
                 if refusal is not None:
                     self._send(refusal)
+            case PrepareDecode() if self._mode == "decode":
+                self._send(self.role.prepare(message))
+            case PrepareDecode(reply_id=rid):
+                self._send(PrepareDecodeReply(
+                    rid, b"", ErrorCode.INVALID_ARGUMENT, "disaggregation_mode",
+                    "disaggregation_mode: PrepareDecode needs an instance started with "
+                    "--disaggregation-mode decode"))
             case AbortRequests(request_ids=ids):
+                if self.role is not None:
+                    self.role.forget(ids)
                 self._send_outputs(core.abort_requests(ids))
             case GetStats(reply_id=rid):
                 self._send(StatsReply(rid, engine_stats([core.get_stats()])))
@@ -178,6 +205,21 @@ class CoreLoop:
                 self.running = False
             case Heartbeat():
                 pass  # heartbeats have their own socket; one here is harmless
+
+    def _add(self, message: EngineCoreRequest) -> AddError | None:
+        """A new request, as this instance's role takes it."""
+        if self._mode == "prefill":
+            return self.role.add(message)
+        if self._mode == "decode":
+            outputs, refusal = self.role.add(message)
+            self._send_outputs(outputs)
+            return refusal
+        if message.kv_placement is not None or message.remote_first_token is not None:
+            return AddError(message.request_id, ErrorCode.INVALID_ARGUMENT,
+                            "disaggregation_mode",
+                            "disaggregation_mode: kv_placement / remote_first_token need an "
+                            "instance started with --disaggregation-mode prefill or decode")
+        return add_request(self.core, message)
 
     def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         if outputs:
@@ -254,6 +296,11 @@ def _build_and_run(
 ) -> int:
     try:
         core = resolve_core_factory(core_factory)(config, progress=monitor.report)
+        role = None
+        if config.disagg.mode != "none":
+            from moe_engine.disagg.role import make_role
+
+            role = make_role(core, config.disagg)
         info = model_info_of(core)
     except BaseException as exc:  # noqa: BLE001 - every startup failure goes to the parent
         # the front end gets the reason and ends this process: no second, misleading line
@@ -266,7 +313,7 @@ def _build_and_run(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     outputs.send(encode(Ready(info)))
     try:
-        CoreLoop(core, inputs, outputs).run()
+        CoreLoop(core, inputs, outputs, role).run()
     except BaseException as exc:  # noqa: BLE001 - report, then exit non-zero
         logger.exception("engine core loop failed")
         outputs.send(encode(Fatal(f"{type(exc).__name__}: {exc}", _tb())))

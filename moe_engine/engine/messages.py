@@ -276,13 +276,29 @@ class ExpertLoad(msgspec.Struct, kw_only=True):
 
 
 class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True):
-    """Add one request. arrival_time: time.time() seconds; rank: the target rank (0 for one)."""
+    """Add one request. arrival_time: time.time() seconds; rank: the target rank (0 for one).
+
+    Disaggregation (`moe_engine.disagg`): on a prefill instance `kv_placement` (a decode
+    instance's `PrepareDecodeReply.placement`) makes it a prefill whose blocks are written
+    there before its one output; on a decode instance `remote_first_token` continues the
+    request `PrepareDecode` parked, whose K/V has arrived, from that token.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float
     rank: int = 0
+    kv_placement: bytes | None = None
+    remote_first_token: int | None = None
+
+
+class PrepareDecode(msgspec.Struct, tag="prepare_decode", array_like=True):
+    """Decode instance: validate `request`, allocate its prompt's blocks and say where they
+    are (answered by PrepareDecodeReply)."""
+
+    reply_id: int
+    request: EngineCoreRequest
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -321,7 +337,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True):
 
 CoreInput = (
     EngineCoreRequest | AbortRequests | GetStats | GetExpertLoad | GetModelInfo | Shutdown
-    | Heartbeat | ControlInput
+    | Heartbeat | ControlInput | PrepareDecode
 )
 
 # ---------------------------------------------------------------------- outputs
@@ -388,11 +404,22 @@ class ModelInfoReply(msgspec.Struct, tag="info_reply", array_like=True):
     info: ModelInfo
 
 
+class PrepareDecodeReply(msgspec.Struct, tag="prepare_decode_reply", array_like=True):
+    """Where the parked request's K/V goes (`disagg.handoff.KVPlacement`, msgpack), or the
+    refusal (code, field, message as AddError's; placement empty then)."""
+
+    reply_id: int
+    placement: bytes = b""
+    code: str = ""
+    field: str = ""
+    message: str = ""
+
+
 CoreOutput = (
     StartupProgress | Ready | StartupFailed | EngineCoreOutputs | AddError | Fatal | StatsReply
-    | ExpertLoadReply | ModelInfoReply | ControlReply
+    | ExpertLoadReply | ModelInfoReply | ControlReply | PrepareDecodeReply
 )
-Reply = StatsReply | ExpertLoadReply | ModelInfoReply | ControlReply
+Reply = StatsReply | ExpertLoadReply | ModelInfoReply | ControlReply | PrepareDecodeReply
 
 # ---------------------------------------------------------------------- codec
 

@@ -248,7 +248,12 @@ class MoeEngineServicer(WeightControlRpcs, pb_grpc.MoeEngineServicer):
             self._live[request_id] = ended
         timer = RequestTimer()
         left = params.n  # completions still running; the request ends with the last one
-        stream = self.engine.generate(request_id, prompt, params, arrival_time=time.time())
+        stream = self.engine.generate(
+            request_id, prompt, params, arrival_time=time.time(),
+            kv_placement=request.kv_placement or None,
+            remote_first_token=request.remote_first_token
+            if request.HasField("remote_first_token") else None,
+        )
         try:
             async with aclosing(stream):
                 try:
@@ -271,6 +276,25 @@ class MoeEngineServicer(WeightControlRpcs, pb_grpc.MoeEngineServicer):
                 if not ended.done():
                     ended.set_result("")
                 del self._live[request_id]
+
+    async def PrepareDecode(  # noqa: N802
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DecodePlacement:
+        """Park a request on this decode instance; its KV placement for the prefill side."""
+        try:
+            self._check_ready()
+            self._check_size(request)
+            _check_request_id(request.request_id)
+            if not request.request_id:
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, "request_id",
+                                   "request_id: PrepareDecode needs the request's id")
+            prompt = self._prompt_ids(request)
+            self._check_prompt_len(prompt)
+            params = sampling_params_from_proto(request)
+            placement = await self.engine.prepare_decode(request.request_id, prompt, params)
+        except RequestError as exc:
+            await abort_with_refusal(context, exc)
+        return pb.DecodePlacement(placement=placement)
 
     async def Abort(  # noqa: N802
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext

@@ -13,7 +13,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "prompt_ids", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "n", "json_schema", "json_object", "final_only")
+    __slots__ = ("request_id", "text", "prompt_ids", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "n", "json_schema", "json_object", "final_only", "kv_placement", "remote_first_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,8 @@ class GenerateRequest(_message.Message):
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
     FINAL_ONLY_FIELD_NUMBER: _ClassVar[int]
+    KV_PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     prompt_ids: TokenIds
@@ -48,7 +50,15 @@ class GenerateRequest(_message.Message):
     json_schema: str
     json_object: bool
     final_only: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., final_only: _Optional[bool] = ...) -> None: ...
+    kv_placement: bytes
+    remote_first_token: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., final_only: _Optional[bool] = ..., kv_placement: _Optional[bytes] = ..., remote_first_token: _Optional[int] = ...) -> None: ...
+
+class DecodePlacement(_message.Message):
+    __slots__ = ("placement",)
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    placement: bytes
+    def __init__(self, placement: _Optional[bytes] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")

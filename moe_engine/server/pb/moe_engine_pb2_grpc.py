@@ -84,6 +84,11 @@ class MoeEngineStub:
                 request_serializer=moe__engine__pb2.DestroyWeightUpdateGroupRequest.SerializeToString,
                 response_deserializer=moe__engine__pb2.WeightControlResponse.FromString,
                 _registered_method=True)
+        self.PrepareDecode = channel.unary_unary(
+                '/moe_engine.v1.MoeEngine/PrepareDecode',
+                request_serializer=moe__engine__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=moe__engine__pb2.DecodePlacement.FromString,
+                _registered_method=True)
 
 
 class MoeEngineServicer:
@@ -167,6 +172,16 @@ class MoeEngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareDecode(self, request, context):
+        """Prefill/decode disaggregation (moe-serve --disaggregation-mode decode; the router calls
+        it): validate the request, allocate blocks for its prompt and say where they are. The
+        request then waits (not scheduled) until a Generate with remote_first_token continues it,
+        or it is dropped after --kv-transfer-timeout-s.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MoeEngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -219,6 +234,11 @@ def add_MoeEngineServicer_to_server(servicer, server):
                     servicer.DestroyWeightUpdateGroup,
                     request_deserializer=moe__engine__pb2.DestroyWeightUpdateGroupRequest.FromString,
                     response_serializer=moe__engine__pb2.WeightControlResponse.SerializeToString,
+            ),
+            'PrepareDecode': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareDecode,
+                    request_deserializer=moe__engine__pb2.GenerateRequest.FromString,
+                    response_serializer=moe__engine__pb2.DecodePlacement.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -491,6 +511,33 @@ class MoeEngine:
             '/moe_engine.v1.MoeEngine/DestroyWeightUpdateGroup',
             moe__engine__pb2.DestroyWeightUpdateGroupRequest.SerializeToString,
             moe__engine__pb2.WeightControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareDecode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moe_engine.v1.MoeEngine/PrepareDecode',
+            moe__engine__pb2.GenerateRequest.SerializeToString,
+            moe__engine__pb2.DecodePlacement.FromString,
             options,
             channel_credentials,
             insecure,
