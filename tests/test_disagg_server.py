@@ -41,10 +41,11 @@ PROMPT_LENS = [1, 5, 16, 17, 40, 150, 300]
 NUM_BLOCKS = 128
 
 
-def _server(ckpt: Path, mode: str) -> ServerThread:
+def _server(ckpt: Path, mode: str, prefix_caching: bool = False) -> ServerThread:
     config = EngineConfig(
         model=ModelConfig(str(ckpt), max_model_len=512),
-        cache=CacheConfig(block_size=16, num_blocks_override=NUM_BLOCKS),
+        cache=CacheConfig(block_size=16, num_blocks_override=NUM_BLOCKS,
+                          enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
         disagg=DisaggConfig(mode=mode, timeout_s=10),
     )
@@ -82,11 +83,17 @@ class RouterThread:
         self.thread.join(30)
 
 
-@pytest.fixture(scope="module")
-def split(qwen3_ckpt: Path) -> Iterator[tuple[ServerThread, ServerThread, RouterThread]]:
-    p, d = _server(qwen3_ckpt, "prefill"), _server(qwen3_ckpt, "decode")
+#: (checkpoint fixture, prefix caching): gpt-oss has sliding-window layers (window 8).
+SPLITS = [("qwen3_ckpt", False), ("gpt_oss_ckpt", True)]
+
+
+@pytest.fixture(scope="module", params=SPLITS, ids=[f"{c}-prefix{int(p)}" for c, p in SPLITS])
+def split(request) -> Iterator[tuple[ServerThread, ServerThread, RouterThread, Path]]:
+    name, prefix = request.param
+    ckpt = request.getfixturevalue(name)
+    p, d = _server(ckpt, "prefill", prefix), _server(ckpt, "decode", prefix)
     router = RouterThread([p.address], [d.address])
-    yield p, d, router
+    yield p, d, router, ckpt
     router.close()
     p.close()
     d.close()
@@ -110,12 +117,13 @@ def _wait_free(server: ServerThread, value: int, timeout_s: float = 15) -> int:
     return free
 
 
-def test_router_greedy_equals_transformers(qwen3_ckpt: Path, split, stub) -> None:
-    p, d, _ = split
-    start = (_free(p), _free(d))
+def _greedy_through(stub, ckpt: Path, servers: list[ServerThread]) -> None:
+    """Prompts of PROMPT_LENS at once through the router: transformers' greedy tokens, and
+    every instance's free blocks back to their start (twice: prefix-cache hits the second)."""
+    start = [_free(s) for s in servers]
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in PROMPT_LENS]
-    expected = hf_greedy(qwen3_ckpt, prompts, 6)
+    expected = hf_greedy(ckpt, prompts, 6)
 
     def one(prompt: list[int]) -> list[int]:
         req = request(prompt, max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -125,14 +133,35 @@ def test_router_greedy_equals_transformers(qwen3_ckpt: Path, split, stub) -> Non
         assert float(meta["moe-prefill-s"]) > 0 and float(meta["moe-decode-s"]) >= 0
         return tokens
 
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        got = list(pool.map(one, prompts))
-    assert got == expected
-    assert (_wait_free(p, start[0]), _wait_free(d, start[1])) == start
+    for _ in range(2):
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(one, prompts))
+        assert got == expected
+        assert [_wait_free(s, f) for s, f in zip(servers, start, strict=True)] == start
+
+
+def test_router_greedy_equals_transformers(split, stub) -> None:
+    p, d, _, ckpt = split
+    _greedy_through(stub, ckpt, [p, d])
+
+
+def test_two_prefill_and_two_decode_instances(qwen3_ckpt: Path) -> None:
+    servers = [_server(qwen3_ckpt, m) for m in ("prefill", "prefill", "decode", "decode")]
+    router = RouterThread([s.address for s in servers[:2]], [s.address for s in servers[2:]])
+    try:
+        with grpc.insecure_channel(router.address) as channel:
+            _greedy_through(pb_grpc.MoeEngineStub(channel), qwen3_ckpt, servers)
+        for s in servers:  # least in flight: every instance served some of the requests
+            with grpc.insecure_channel(s.address) as channel:
+                assert stats(pb_grpc.MoeEngineStub(channel)).prompt_tokens_total > 0
+    finally:
+        router.close()
+        for s in servers:
+            s.close()
 
 
 def test_instances_refuse_requests_not_from_the_router(split) -> None:
-    p, d, _ = split
+    p, d, _, _ = split
     for server, field in ((p, "kv_placement"), (d, "remote_first_token")):
         with grpc.insecure_channel(server.address) as channel:
             direct = pb_grpc.MoeEngineStub(channel)
@@ -143,7 +172,7 @@ def test_instances_refuse_requests_not_from_the_router(split) -> None:
 
 
 def test_bad_input_through_the_router(split, stub) -> None:
-    _, d, _ = split
+    d = split[1]
     start = _free(d)
     with pytest.raises(grpc.RpcError) as info:
         list(stub.Generate(request([5] * 600, max_tokens=4), timeout=30))
