@@ -15,7 +15,8 @@ The sequence (vLLM's and SGLang's disaggregated prefill, with the decode side al
 Aborts on either side free the blocks; a transfer that fails leaves the decode request
 parked, and the caller aborts it (its blocks were never in the prefix-cache map, so nothing
 partially written is ever read). Expert parallelism and linear-attention state models are not
-handled yet (refused where the instance starts).
+handled yet (`kv_transfer_for` refuses them). Served, `disagg.role` drives these from the
+engine core process and `disagg.router` pairs the instances.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import time
 import msgspec
 
 from moe_engine.config import DisaggConfig
+from moe_engine.disagg.arithmetic import transfer_table
 from moe_engine.disagg.handoff import DecodeHandoff, KVPlacement, PrefillHandoff, kv_transfer_for
 from moe_engine.disagg.transfer import TransferError
 from moe_engine.engine.core import EngineCore
@@ -149,9 +150,22 @@ class DecodeRole:
 
 
 def make_role(core: EngineCore, config: DisaggConfig) -> PrefillRole | DecodeRole | None:
-    """The role `config.mode` asks for (None for "none")."""
-    if config.mode == "prefill":
-        return PrefillRole(core, config)
-    if config.mode == "decode":
-        return DecodeRole(core, config)
-    return None
+    """The role `config.mode` asks for (None for "none"); logs the transfer arithmetic."""
+    if config.mode == "none":
+        return None
+    role = PrefillRole(core, config) if config.mode == "prefill" else DecodeRole(core, config)
+    logger.info("disaggregation: %s instance, %s", config.mode, transfer_line(core))
+    return role
+
+
+def transfer_line(core: EngineCore, prompt_len: int = 1024) -> str:
+    """The startup plan's line: KV bytes per prompt token and what a `prompt_len`-token
+    prompt moves, at each default link rate (`disagg.arithmetic`; `moe-disagg plan` for
+    more)."""
+    specs = [g.spec for g in core.runner.kv_groups]
+    (row,) = transfer_table(specs, [prompt_len])
+    links = " / ".join(f"{s * 1e3:.2f}" for s in row.link_s.values())
+    rates = " / ".join(f"{g:g}" for g in row.link_s)
+    return (f"{sum(s.bytes_per_token for s in specs)} B of KV per prompt token; a "
+            f"{prompt_len}-token prompt moves {row.num_bytes / 2**20:.2f} MiB: {links} ms at "
+            f"{rates} Gb/s (line rate; moe-disagg plan --model ... for other lengths)")
