@@ -65,11 +65,25 @@ def test_cli_plan_measures_prefill(qwen3_ckpt: Path, capsys) -> None:
 
 
 def test_cli_plan_refusals(tmp_path: Path, capsys) -> None:
-    with pytest.raises(SystemExit):
-        disagg.main(["plan", "--model", "x", "--link-gbps", "0"])
-    assert "--link-gbps: every value must be > 0" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        disagg.main(["plan", "--model", "x", "--prompt-lens", "a,b"])
-    assert "--prompt-lens: expected comma-separated numbers" in capsys.readouterr().err
+    for flag, value, why in (("--link-gbps", "0", "every value must be a finite number > 0"),
+                             ("--link-gbps", "nan", "every value must be a finite number > 0"),
+                             ("--link-gbps", "25,,100", "expected comma-separated numbers"),
+                             ("--prompt-lens", "a,b", "expected comma-separated numbers"),
+                             ("--block-size", "0", "must be a power of two >= 1"),
+                             ("--block-size", "-1", "must be a power of two >= 1")):
+        with pytest.raises(SystemExit):
+            disagg.main(["plan", "--model", "x", flag, value])
+        assert f"argument {flag}: {why}" in capsys.readouterr().err
     assert disagg.main(["plan", "--model", str(tmp_path)]) == 2
     assert f"--model {tmp_path}" in capsys.readouterr().err
+    config = str(CONFIGS / "deepseek-v3.json")
+    assert disagg.main(["plan", "--model", config, "--measure-prefill"]) == 2
+    assert "--measure-prefill needs a checkpoint folder" in capsys.readouterr().err
+
+
+def test_cli_plan_prompts_beyond_the_context(qwen3_ckpt: Path, capsys) -> None:
+    assert disagg.main(["plan", "--model", str(qwen3_ckpt), "--prompt-lens", "8,5000",
+                        "--measure-prefill", "--dtype", "float32", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert [r["prompt_len"] for r in json.loads(captured.out)["rows"]] == [8]
+    assert "reach the model's max_position_embeddings" in captured.err

@@ -75,14 +75,15 @@ def format_table(rows: Sequence[TransferRow]) -> str:
     the transfer's share of it at each link) where measured."""
     links = list(rows[0].link_s) if rows else []
     measured = any(r.prefill_s is not None for r in rows)
-    head = ["prompt tokens", "KV moved"] + [f"{g:g} Gb/s" for g in links]
+    head = ["prompt tokens", "KV moved"] + [
+        f"{g:g} Gb/s" + (" (% of prefill)" if measured else "") for g in links]
     if measured:
         head.append("prefill (measured)")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [str(r.prompt_len), f"{r.num_bytes / 2**20:.2f} MiB"]
         for g in links:
-            share = f" ({r.link_s[g] / r.prefill_s:.2f}x)" if r.prefill_s else ""
+            share = f" ({100 * r.link_s[g] / r.prefill_s:.2g}%)" if r.prefill_s else ""
             cells.append(_ms(r.link_s[g]) + share)
         if measured:
             cells.append(_ms(r.prefill_s) if r.prefill_s is not None else "-")
