@@ -78,7 +78,7 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
-@pytest.mark.parametrize("name", ["qwen3_ckpt", "gpt_oss_ckpt"])
+@pytest.mark.parametrize("name", ["qwen3_ckpt", "gpt_oss_ckpt", "deepseek_v3_ckpt"])
 def test_split_equals_transformers(request, name: str, prefix_caching: bool) -> None:
     ckpt = request.getfixturevalue(name)
     pair = Pair(ckpt, prefix_caching)

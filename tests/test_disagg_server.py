@@ -3,7 +3,8 @@
 moved by Mooncake's TCP transfer engine. Greedy outputs through the router equal transformers
 (prompts of 1..300 tokens, concurrently); both instances' blocks return to their start; a
 prefill instance whose core is killed mid-request ends the request with UNAVAILABLE and the
-decode instance gets its blocks back; refusals name the field."""
+decode instance gets its blocks back, and the router serves again once a prefill instance is
+back on that address; refusals name the field. DeepSeek-V3 moves its MLA latents."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ PROMPT_LENS = [1, 5, 16, 17, 40, 150, 300]
 NUM_BLOCKS = 128
 
 
-def _server(ckpt: Path, mode: str, prefix_caching: bool = False) -> ServerThread:
+def _server(ckpt: Path, mode: str, prefix_caching: bool = False, port: int = 0
+            ) -> ServerThread:
     config = EngineConfig(
         model=ModelConfig(str(ckpt), max_model_len=512),
         cache=CacheConfig(block_size=16, num_blocks_override=NUM_BLOCKS,
@@ -49,7 +51,7 @@ def _server(ckpt: Path, mode: str, prefix_caching: bool = False) -> ServerThread
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
         disagg=DisaggConfig(mode=mode, timeout_s=10),
     )
-    return ServerThread(config, ServerOptions(port=0, stats_poll_s=0.2))
+    return ServerThread(config, ServerOptions(port=port, stats_poll_s=0.2))
 
 
 class RouterThread:
@@ -84,7 +86,7 @@ class RouterThread:
 
 
 #: (checkpoint fixture, prefix caching): gpt-oss has sliding-window layers (window 8).
-SPLITS = [("qwen3_ckpt", False), ("gpt_oss_ckpt", True)]
+SPLITS = [("qwen3_ckpt", False), ("gpt_oss_ckpt", True), ("deepseek_v3_ckpt", False)]
 
 
 @pytest.fixture(scope="module", params=SPLITS, ids=[f"{c}-prefix{int(p)}" for c, p in SPLITS])
@@ -182,7 +184,8 @@ def test_bad_input_through_the_router(split, stub) -> None:
 
 
 def test_killed_prefill_ends_request_and_frees_decode_blocks(qwen3_ckpt: Path) -> None:
-    p, d = _server(qwen3_ckpt, "prefill"), _server(qwen3_ckpt, "decode")
+    port = free_port()
+    p, d = _server(qwen3_ckpt, "prefill", port=port), _server(qwen3_ckpt, "decode")
     router = RouterThread([p.address], [d.address])
     try:
         start = _free(d)
@@ -209,6 +212,14 @@ def test_killed_prefill_ends_request_and_frees_decode_blocks(qwen3_ckpt: Path) -
             caller.join(60)
             assert result["code"] == grpc.StatusCode.UNAVAILABLE, result
             assert "prefill instance" in result["details"] and result["s"] < 60
+            assert _wait_free(d, start) == start
+            # a prefill instance back on the same address: the router serves again
+            p.close()
+            p = _server(qwen3_ckpt, "prefill", port=port)
+            again = list(stub.Generate(request([5, 6, 7], max_tokens=3, temperature=0.0,
+                                               ignore_eos=True), timeout=60))
+            assert [t for r in again for t in r.token_ids] == hf_greedy(
+                qwen3_ckpt, [[5, 6, 7]], 3)[0]
             assert _wait_free(d, start) == start
     finally:
         router.close()
