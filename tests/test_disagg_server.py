@@ -86,7 +86,8 @@ class RouterThread:
 
 
 #: (checkpoint fixture, prefix caching): gpt-oss has sliding-window layers (window 8).
-SPLITS = [("qwen3_ckpt", False), ("gpt_oss_ckpt", True), ("deepseek_v3_ckpt", False)]
+SPLITS = [("qwen3_ckpt", False), ("qwen3_ckpt", True), ("gpt_oss_ckpt", True),
+          ("deepseek_v3_ckpt", False)]
 
 
 @pytest.fixture(scope="module", params=SPLITS, ids=[f"{c}-prefix{int(p)}" for c, p in SPLITS])
