@@ -5,8 +5,9 @@
 #
 # 1. not split: one `moe-serve` on the bench checkpoint;
 # 2. split: `moe-serve --disaggregation-mode prefill` + `... decode` + `moe-router`;
-# each driven by `bench/serve.py --request-rate RATES --num-requests 64` (the mixed-64
-# distribution: prompts of 32-256 tokens, outputs of 16-256), all greedy. Every instance gets the
+# each driven by `bench/serve.py --request-rate RATES --num-requests 64 --long-prompts 0.125:768`
+# (the mixed-64 distribution: prompts of 32-256 tokens, outputs of 16-256, with one request in
+# eight on average given a 768-token prompt), all greedy. Every instance gets the
 # same limits (--max-model-len 1024, --kv-cache-memory 1GiB). On a 2-core machine both split
 # instances share the same two cores as the single one had, so the split cannot show its point
 # (separate compute for prefill and decode) here: it measures the hand-off's cost. Reports go to
@@ -34,7 +35,7 @@ echo "[disagg_serve] not split: moe-serve on :50071"
 moe-serve "${flags[@]}" --port 50071 & pids+=($!)
 wait_up 127.0.0.1:50071
 python3 "$here/serve.py" --server 127.0.0.1:50071 --request-rate "${rates[@]}" \
-    --num-requests 64 --output "$out/single.json" > /dev/null
+    --num-requests 64 --long-prompts 0.125:768 --output "$out/single.json" > /dev/null
 cleanup; pids=()
 
 echo "[disagg_serve] split: prefill :50072, decode :50073, moe-router :50070"
@@ -46,7 +47,7 @@ moe-router --prefill 127.0.0.1:50072 --decode 127.0.0.1:50073 --port 50070 --log
     & pids+=($!)
 wait_up 127.0.0.1:50070
 python3 "$here/serve.py" --server 127.0.0.1:50070 --request-rate "${rates[@]}" \
-    --num-requests 64 --output "$out/split.json" > /dev/null
+    --num-requests 64 --long-prompts 0.125:768 --output "$out/split.json" > /dev/null
 cleanup; pids=()
 
 python3 - "$out" <<'EOF'

@@ -77,7 +77,8 @@ class ServeRequest:
 
 
 def sample_requests(
-    num_requests: int, vocab_size: int, seed: int = 0, shared_prefix: float = 0.0
+    num_requests: int, vocab_size: int, seed: int = 0, shared_prefix: float = 0.0,
+    long_prompts: tuple[float, int] | None = None,
 ) -> list[ServeRequest]:
     """`num_requests` requests of the mixed-64 distribution (BENCH.md), in arrival order.
 
@@ -90,8 +91,13 @@ def sample_requests(
     same ids (a common prefix drawn from its own seeded generator), for prefix-caching runs;
     lengths are unchanged.
 
+    With `long_prompts` (F, L), each request is, with probability F (its own seeded generator,
+    so the mixed-64 draws are unchanged), a long one: its prompt is extended with further ids
+    to L tokens (a mix of long and short prompts, as disaggregation is meant for).
+
     Raises:
-        ValueError: num_requests < 1, vocab_size < 4, or shared_prefix outside [0, 1).
+        ValueError: num_requests < 1, vocab_size < 4, shared_prefix outside [0, 1), or a
+            long-prompt fraction outside (0, 1] or length below 1.
     """
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
@@ -99,6 +105,9 @@ def sample_requests(
         raise ValueError(f"vocab_size must be >= 4 (ids start at 3), got {vocab_size}")
     if not 0.0 <= shared_prefix < 1.0:
         raise ValueError(f"shared_prefix must be in [0, 1), got {shared_prefix}")
+    if long_prompts is not None and not (0 < long_prompts[0] <= 1 and long_prompts[1] >= 1):
+        raise ValueError(f"long_prompts must be (fraction in (0, 1], length >= 1), "
+                         f"got {long_prompts}")
     low, high = TOKEN_ID_RANGE
     span = min(high, vocab_size - 1) - low + 1
 
@@ -107,11 +116,14 @@ def sample_requests(
 
     rng = random.Random(seed)
     prefix_rng = random.Random(f"{seed}:shared-prefix")
+    long_rng = random.Random(f"{seed}:long-prompts")
     common = [draw(prefix_rng) for _ in range(PROMPT_LEN_RANGE[1])]
     requests = []
     for _ in range(num_requests):
         prompt = [draw(rng) for _ in range(rng.randint(*PROMPT_LEN_RANGE))]
         output_len = rng.randint(*OUTPUT_LEN_RANGE)
+        if long_prompts is not None and long_rng.random() < long_prompts[0]:
+            prompt += [draw(long_rng) for _ in range(long_prompts[1] - len(prompt))]
         k = int(shared_prefix * len(prompt))
         prompt[:k] = common[:k]
         requests.append(ServeRequest(prompt, output_len))
@@ -413,7 +425,8 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             http_stream, wait_for_http = _http_side()
             served = await wait_for_http(http, args.wait_s)
             stream = http_stream(http, served)
-        base = sample_requests(args.num_requests, info.vocab_size, args.seed, args.shared_prefix)
+        base = sample_requests(args.num_requests, info.vocab_size, args.seed, args.shared_prefix,
+                               args.long_prompts)
         too_long = sum(
             len(r.prompt_token_ids) + r.output_len > info.max_model_len for r in base
         )
@@ -438,7 +451,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         for k, (rate, concurrency) in enumerate(plans):
             requests = (
                 sample_requests(args.num_requests, info.vocab_size, args.seed + k,
-                                args.shared_prefix)
+                                args.shared_prefix, args.long_prompts)
                 if args.new_prompts_per_run else base
             )
             label = (f"rate {_fmt_rate(rate)} req/s" if rate is not None
@@ -483,11 +496,14 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "max_num_batched_tokens": info.max_num_batched_tokens,
         },
         "workload": {
-            "name": "mixed-64" if args.num_requests == DEFAULT_NUM_REQUESTS
-            else f"mixed-64 distribution, {args.num_requests} requests",
+            "name": ("mixed-64" if args.num_requests == DEFAULT_NUM_REQUESTS
+                     else f"mixed-64 distribution, {args.num_requests} requests")
+            + (f", {args.long_prompts[0]:g} of them with {args.long_prompts[1]}-token prompts"
+               if args.long_prompts else ""),
             "num_requests": args.num_requests,
             "seed": args.seed,
             "shared_prefix": args.shared_prefix,
+            "long_prompts": list(args.long_prompts) if args.long_prompts else None,
             "new_prompts_per_run": args.new_prompts_per_run,
             "prompt_tokens": prompt_total,
             "output_tokens": sum(r.output_len for r in base),
@@ -610,6 +626,18 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _long_prompts(text: str) -> tuple[float, int]:
+    """`F:LEN` for --long-prompts: a fraction in (0, 1] and a length >= 1 (tokens)."""
+    frac, sep, length = text.partition(":")
+    try:
+        value = (float(frac), int(length))
+    except ValueError:
+        value = None
+    if not sep or value is None or not (0 < value[0] <= 1 and value[1] >= 1):
+        raise argparse.ArgumentTypeError(
+            f"expected F:LEN with F in (0, 1] and LEN >= 1 tokens (e.g. 0.125:768), got {text!r}")
+    return value
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -637,6 +665,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
     p.add_argument("--shared-prefix", type=_fraction, default=0.0, metavar="F",
                    help="fraction of each prompt that is a prefix common to all (default 0)")
+    p.add_argument("--long-prompts", type=_long_prompts, default=None, metavar="F:LEN",
+                   help="make a fraction F of the requests long: their prompts extended to "
+                        "LEN tokens (e.g. 0.125:768; default none)")
     p.add_argument("--new-prompts-per-run", action="store_true",
                    help="run k draws its prompts with seed + k (no prefix-cache reuse between "
                         "runs); default: every run sends the same requests")

@@ -78,6 +78,15 @@ class Sampler:
         """Drop a finished request's generator."""
         self._request_generators.pop(request_id, None)
 
+    def skip_draw(self, req: Request, vocab_size: int) -> None:
+        """Advance a seeded, non-greedy request's generator past one token's noise (a
+        [vocab_size] float32 draw, what `_sample` takes per token), as if this sampler had
+        drawn a token another instance drew (a disaggregated request's first token), so the
+        same seed gives the same tokens as on one instance. Nothing for other requests."""
+        if req.sampling_params.seed is not None and not req.sampling_params.greedy:
+            torch.empty(vocab_size, dtype=torch.float32).exponential_(
+                generator=self._generator_for(req))
+
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: [N, V] float32 on the engine's device, one row per request in `requests`.
 

@@ -53,6 +53,20 @@ def test_sampler_is_mixed64_and_shared_prefix(serve: ModuleType) -> None:
         assert pre.output_len == plain.output_len
         assert pre.prompt_token_ids[:k] == longest[:k]
         assert pre.prompt_token_ids[k:] == plain.prompt_token_ids[k:]
+    # Long prompts: about F of the requests grow to LEN ids, starting with their drawn prompt;
+    # the rest and every output length stay mixed-64's.
+    mixed = serve.sample_requests(400, vocab_size=8192, seed=0)
+    longs = serve.sample_requests(400, vocab_size=8192, seed=0, long_prompts=(0.25, 700))
+    grown = 0
+    for plain, req in zip(mixed, longs, strict=True):
+        assert req.output_len == plain.output_len
+        assert req.prompt_token_ids[:len(plain.prompt_token_ids)] == plain.prompt_token_ids
+        if len(req.prompt_token_ids) != len(plain.prompt_token_ids):
+            assert len(req.prompt_token_ids) == 700
+            grown += 1
+    assert 60 < grown < 140  # 100 expected
+    with pytest.raises(ValueError, match="long_prompts"):
+        serve.sample_requests(4, vocab_size=8192, long_prompts=(0.0, 700))
     gaps = serve.poisson_arrivals(2000, 4.0, seed=0)
     assert gaps[0] == 0.0 and all(b >= a for a, b in zip(gaps, gaps[1:], strict=False))
     assert 0.2 < gaps[-1] / 2000 < 0.3  # mean gap 1 / rate = 0.25 s

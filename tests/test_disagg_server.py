@@ -55,10 +55,11 @@ def _server(ckpt: Path, mode: str, prefix_caching: bool = False, port: int = 0
 
 
 class RouterThread:
-    """moe-router on its own loop in a thread."""
+    """moe-router on its own loop in a thread (`serve_router`'s keyword options: http_port,
+    tokenizer, served_model_name)."""
 
-    def __init__(self, prefill: list[str], decode: list[str]):
-        self.port = free_port()
+    def __init__(self, prefill: list[str], decode: list[str], **options):
+        self.port, self.options = free_port(), options
         self.loop = asyncio.new_event_loop()
         self.ready, self.stop = threading.Event(), None
         self.thread = threading.Thread(target=self._run, args=(prefill, decode), daemon=True)
@@ -73,7 +74,8 @@ class RouterThread:
             self.stop = asyncio.Event()
             ready = asyncio.Event()
             task = asyncio.create_task(serve_router(prefill, decode, port=self.port,
-                                                    ready=ready, stop=self.stop))
+                                                    ready=ready, stop=self.stop,
+                                                    **self.options))
             await ready.wait()
             self.ready.set()
             await task

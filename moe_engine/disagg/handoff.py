@@ -141,9 +141,12 @@ class DecodeHandoff:
         first = hit // core.kv.block_size
         return KVPlacement(self.cache, tables, [first] * len(tables))
 
-    def arrived(self, request_id: str, first_token: int) -> list[EngineCoreOutput]:
+    def arrived(self, request_id: str, first_token: int,
+                first_logprobs: tuple[float, dict[int, float]] | None = None
+                ) -> list[EngineCoreOutput]:
         """The K/V is in: decode from here; returns the first token's output (finished when
-        that token already ends the request).
+        that token already ends the request), with `first_logprobs` (the prefill's entry for
+        it) when the request asks for logprobs.
 
         Raises:
             KeyError: the request is not parked (aborted meanwhile).
@@ -151,7 +154,10 @@ class DecodeHandoff:
         core = self.core
         req = core.scheduler.remote_kv_arrived(request_id, first_token,
                                                on_token=core.check_stop_strings)
-        return core.emit_tokens(req, [first_token])
+        lps = [first_logprobs] if req.sampling_params.logprobs is not None else None
+        if lps == [None]:
+            lps = [(0.0, {})]  # a caller that sent no entry: keep tokens and entries aligned
+        return core.emit_tokens(req, [first_token], lps)
 
     def abort(self, request_id: str) -> list[EngineCoreOutput]:
         """End a parked (or running) request and free its blocks."""

@@ -127,7 +127,8 @@ class DecodeRole:
                                 "PrepareDecode placed; send it through the router")
         self._parked_at.pop(msg.request_id, None)
         try:
-            return self.handoff.arrived(msg.request_id, msg.remote_first_token), None
+            return self.handoff.arrived(msg.request_id, msg.remote_first_token,
+                                        msg.remote_first_logprobs), None
         except KeyError:
             return [], AddError(msg.request_id, ErrorCode.UNAVAILABLE, "remote_first_token",
                                 f"remote_first_token: request {msg.request_id!r} is not "

@@ -309,6 +309,7 @@ class EngineClient:
         *,
         kv_placement: bytes | None = None,
         remote_first_token: int | None = None,
+        remote_first_logprobs: tuple[float, dict[int, float]] | None = None,
     ) -> AsyncIterator[EngineCoreOutput]:
         """Submit one request and yield its outputs (deltas) until the finished one (with
         `params.n` > 1: until each of its n completions has sent its finished output; every
@@ -319,8 +320,8 @@ class EngineClient:
             prompt_token_ids: the prompt, token ids in [0, vocab_size).
             params: sampling parameters.
             arrival_time: when the request arrived (time.time() seconds; default now).
-            kv_placement, remote_first_token: a prefill/decode split's fields
-                (`EngineCoreRequest`; the router sets them).
+            kv_placement, remote_first_token, remote_first_logprobs: a prefill/decode
+                split's fields (`EngineCoreRequest`; the router sets them).
 
         Raises:
             RequestError: the request is refused (bad field, out of range, duplicate live id,
@@ -360,7 +361,7 @@ class EngineClient:
         arrival = time.time() if arrival_time is None else arrival_time
         rank = min(range(len(self._rank_load)), key=self._rank_load.__getitem__)  # least loaded
         add = EngineCoreRequest(request_id, list(prompt_token_ids), params, arrival, rank,
-                                kv_placement, remote_first_token)
+                                kv_placement, remote_first_token, remote_first_logprobs)
         try:
             self._send(add)
         except RequestError:

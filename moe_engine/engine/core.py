@@ -490,13 +490,18 @@ class EngineCore:
         ids, lps = self._unsent.pop(req.request_id, ([], []))
         return self._output(req, ids, lps or None, final=final)
 
-    def emit_tokens(self, req: Request, tokens: list[int]) -> list[EngineCoreOutput]:
+    def emit_tokens(self, req: Request, tokens: list[int], lps: list | None = None
+                    ) -> list[EngineCoreOutput]:
         """The output for tokens appended outside a step (a disaggregated request's first
-        token, from its prefill instance: `disagg.handoff.DecodeHandoff`)."""
+        token, from its prefill instance: `disagg.handoff.DecodeHandoff`), with their logprobs
+        entries `lps` when the request asks for logprobs. A seeded request's generator skips
+        each token's draw, so its later tokens are the ones one instance would sample."""
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         self.counters["generation_tokens_total"] += len(tokens)
-        out = self._buffered(req, tokens, None)
+        for _ in tokens:
+            self.sampler.skip_draw(req, self.vocab_size)
+        out = self._buffered(req, tokens, lps)
         return [out] if out is not None else []
 
     def check_stop_strings(self, req: Request) -> None:

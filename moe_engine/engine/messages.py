@@ -281,7 +281,9 @@ class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True):
     Disaggregation (`moe_engine.disagg`): on a prefill instance `kv_placement` (a decode
     instance's `PrepareDecodeReply.placement`) makes it a prefill whose blocks are written
     there before its one output; on a decode instance `remote_first_token` continues the
-    request `PrepareDecode` parked, whose K/V has arrived, from that token.
+    request `PrepareDecode` parked, whose K/V has arrived, from that token, with
+    `remote_first_logprobs` its logprobs entry (`EngineCoreOutput.logprobs`' shape) when the
+    request asks for logprobs.
     """
 
     request_id: str
@@ -291,6 +293,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True):
     rank: int = 0
     kv_placement: bytes | None = None
     remote_first_token: int | None = None
+    remote_first_logprobs: tuple[float, dict[int, float]] | None = None
 
 
 class PrepareDecode(msgspec.Struct, tag="prepare_decode", array_like=True):

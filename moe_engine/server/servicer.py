@@ -90,6 +90,10 @@ def response_from_output(out: EngineCoreOutput) -> pb.GenerateResponse:
         index=out.index,
         weight_version=out.weight_version,
     )
+    if isinstance(out.stop_reason, str):
+        response.stop_string = out.stop_reason
+    elif isinstance(out.stop_reason, int):
+        response.stop_token_id = out.stop_reason
     if out.logprobs:
         for token_id, (logprob, top) in zip(out.new_token_ids, out.logprobs, strict=False):
             entry = response.logprobs.add(token_id=token_id, logprob=logprob)
@@ -253,6 +257,7 @@ class MoeEngineServicer(WeightControlRpcs, pb_grpc.MoeEngineServicer):
             kv_placement=request.kv_placement or None,
             remote_first_token=request.remote_first_token
             if request.HasField("remote_first_token") else None,
+            remote_first_logprobs=_first_logprobs(request),
         )
         try:
             async with aclosing(stream):
@@ -447,6 +452,14 @@ class MoeEngineServicer(WeightControlRpcs, pb_grpc.MoeEngineServicer):
 
 #: Longest client-chosen request id (characters): ids are logged and kept per live request.
 MAX_REQUEST_ID_CHARS = 256
+
+
+def _first_logprobs(request: pb.GenerateRequest) -> tuple[float, dict[int, float]] | None:
+    """A decode request's `remote_first_logprob` as an EngineCoreOutput logprobs entry."""
+    if not request.HasField("remote_first_logprob"):
+        return None
+    entry = request.remote_first_logprob
+    return entry.logprob, {t.token_id: t.logprob for t in entry.top_logprobs}
 
 
 def _check_request_id(request_id: str) -> None:

@@ -41,14 +41,17 @@ _OPEN_PATHS = ("/health", "/version")
 def build_app(
     state: HttpState, *, max_body_bytes: int, api_key: str | None = None,
     health_requires_api_key: bool = False, on_auth_failure: Callable[[], None] | None = None,
+    admin: bool = True,
 ) -> Any:
-    """The ASGI app: FastAPI with the routes and error handlers, inside AccessMiddleware."""
+    """The ASGI app: FastAPI with the routes and error handlers, inside AccessMiddleware;
+    `admin` False leaves out the RL admin endpoints (the router: they act on one engine)."""
     app = FastAPI(title="moe-engine", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.http = state
     install_handlers(app)
     app.include_router(router)
-    app.include_router(admin_router)  # SGLang's RL endpoints: /pause_generation, ...
+    if admin:
+        app.include_router(admin_router)  # SGLang's RL endpoints: /pause_generation, ...
     open_paths = () if health_requires_api_key else _OPEN_PATHS
     return AccessMiddleware(app, max_body_bytes, api_key, open_paths, on_auth_failure)
 
