@@ -103,7 +103,7 @@ class RouterEngine:
 
     async def start(self, wait_s: float = 600.0) -> None:
         """Wait for a decode instance's model info (they may still be loading), then load the
-        tokenizer.
+        tokenizer; `model_info` is set last (the HTTP API takes requests from then on).
 
         Raises:
             RequestError: UNAVAILABLE when no decode instance answered within `wait_s`.
@@ -111,14 +111,13 @@ class RouterEngine:
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                self.model_info = model_info_from_proto(await self.pairing.model_info())
+                info = model_info_from_proto(await self.pairing.model_info())
                 break
             except BackendError as exc:
                 if time.monotonic() > deadline:
                     raise exc.as_request_error() from None
                 await asyncio.sleep(0.5)
-        path = self.tokenizer_path or (self.model_info.model if self.model_info.has_tokenizer
-                                       else None)
+        path = self.tokenizer_path or (info.model if info.has_tokenizer else None)
         if path is not None:
             from moe_engine.tokenizer import load_tokenizer
 
@@ -126,6 +125,7 @@ class RouterEngine:
             if self.tokenizer is None:
                 logger.warning("moe-router: no tokenizer at %s (pass --tokenizer): the HTTP "
                                "API takes token-id prompts only", path)
+        self.model_info = info
 
     def encode(self, text: str) -> list[int]:
         """Tokenise a text prompt.
