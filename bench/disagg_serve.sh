@@ -2,6 +2,7 @@
 # TTFT and TPOT (p50 / p99) of the same Poisson load, split against not split (issue 21).
 #
 #   bash bench/disagg_serve.sh [RATES...]        # default rates 2 4 (requests/s), 64 requests
+#   SPLIT_PIN=1 bash bench/disagg_serve.sh       # prefill pinned to CPU 0, decode to CPU 1
 #
 # 1. not split: one `moe-serve` on the bench checkpoint;
 # 2. split: `moe-serve --disaggregation-mode prefill` + `... decode` + `moe-router`;
@@ -38,9 +39,12 @@ python3 "$here/serve.py" --server 127.0.0.1:50071 --request-rate "${rates[@]}" \
     --num-requests 64 --long-prompts 0.125:768 --output "$out/single.json" > /dev/null
 cleanup; pids=()
 
-echo "[disagg_serve] split: prefill :50072, decode :50073, moe-router :50070"
-moe-serve "${flags[@]}" --port 50072 --disaggregation-mode prefill & pids+=($!)
-moe-serve "${flags[@]}" --port 50073 --disaggregation-mode decode & pids+=($!)
+echo "[disagg_serve] split: prefill :50072, decode :50073, moe-router :50070" \
+     "($([[ -n "${SPLIT_PIN:-}" ]] && echo "prefill on CPU 0, decode on CPU 1" || echo "both on every core"))"
+pin_p=() pin_d=()  # SPLIT_PIN: one core each (the engine then runs one thread per instance)
+if [[ -n "${SPLIT_PIN:-}" ]]; then pin_p=(taskset -c 0) pin_d=(taskset -c 1); fi
+"${pin_p[@]}" moe-serve "${flags[@]}" --port 50072 --disaggregation-mode prefill & pids+=($!)
+"${pin_d[@]}" moe-serve "${flags[@]}" --port 50073 --disaggregation-mode decode & pids+=($!)
 wait_up 127.0.0.1:50072
 wait_up 127.0.0.1:50073
 moe-router --prefill 127.0.0.1:50072 --decode 127.0.0.1:50073 --port 50070 --log-level WARNING \
