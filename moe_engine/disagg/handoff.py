@@ -14,9 +14,11 @@ The sequence (vLLM's and SGLang's disaggregated prefill, with the decode side al
 
 Aborts on either side free the blocks; a transfer that fails leaves the decode request
 parked, and the caller aborts it (its blocks were never in the prefix-cache map, so nothing
-partially written is ever read). Expert parallelism and linear-attention state models are not
-handled yet (`kv_transfer_for` refuses them). Served, `disagg.role` drives these from the
-engine core process and `disagg.router` pairs the instances.
+partially written is ever read). Under expert parallelism each rank has its own cache and
+transfer engine: a placement names the decode rank's cache, and a prefill rank writes its own
+blocks there. Linear-attention state models are not handled yet (`kv_transfer_for` refuses).
+Served, `disagg.role` drives these from the engine core process and `disagg.router` pairs the
+instances.
 """
 
 from __future__ import annotations
@@ -54,17 +56,16 @@ def kv_transfer_for(core: EngineCore, hostname: str = "127.0.0.1",
     """Register a core's KV cache with the transfer engine; (transfer, its descriptor).
     Keep the transfer object: its engine stops listening (peers' writes fail) once it is freed.
 
+    Under expert parallelism every rank calls this for its own KV cache (each rank owns its
+    requests and their blocks), so each has its own transfer engine and session.
+
     Raises:
-        ValueError: the model keeps linear-attention state (not moved yet) or runs expert
-            parallel (not handled yet).
+        ValueError: the model keeps linear-attention state (not moved yet).
         RuntimeError: Mooncake is missing or refused to start.
     """
     if core.kv.state_slots is not None:
         raise ValueError("disaggregation: models with linear-attention state slots "
                          "(Qwen3-Next) are not supported yet")
-    if core.rank_context is not None:
-        raise ValueError("disaggregation: expert parallelism (--ep-size > 1) is not supported "
-                         "yet")
     runner = core.runner
     transfer = KVTransfer(slot_tensors(runner.kv_caches), hostname, backend, timeout_s)
     desc = describe(transfer.session, runner.kv_caches, runner.kv_groups,

@@ -114,6 +114,10 @@ class EngineClient:
         self._replies: dict[int, asyncio.Future] = {}
         self._rank_load: list[int] = [0]
         self._rank_of: dict[str, int] = {}
+        #: Decode instance: request_id -> (the rank PrepareDecode parked it on, when the core
+        #: drops it unless its K/V came: time.monotonic() seconds).
+        self._parked: dict[str, tuple[int, float]] = {}
+        self._parked_timeout_s = 30.0
         self._reply_ids = itertools.count()
         #: Whether the core was paused at its last control reply (`PauseGeneration`).
         self.paused = False
@@ -155,6 +159,7 @@ class EngineClient:
         ep_size = config.parallel.ep_size
         check_ep_size(config)
         self._rank_load = [0] * ep_size
+        self._parked_timeout_s = config.disagg.timeout_s
         loop = asyncio.get_running_loop()
         self._ready = loop.create_future()
         self.startup_status = StartupStatus()
@@ -359,7 +364,12 @@ class EngineClient:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         arrival = time.time() if arrival_time is None else arrival_time
-        rank = min(range(len(self._rank_load)), key=self._rank_load.__getitem__)  # least loaded
+        rank = self._parked.pop(request_id, (None, 0.0))[0] if remote_first_token is not None \
+            else None  # a parked request continues on the rank that holds its blocks
+        if rank is not None:
+            self._rank_load[rank] -= 1
+        else:
+            rank = self._least_loaded_rank()
         add = EngineCoreRequest(request_id, list(prompt_token_ids), params, arrival, rank,
                                 kv_placement, remote_first_token, remote_first_logprobs)
         try:
@@ -396,6 +406,16 @@ class EngineClient:
         if request_id not in self._streams or request_id in self._aborting:
             return False
         self._aborting.add(request_id)
+        self._try_send(AbortRequests([request_id]))
+        return True
+
+    def abort_parked(self, request_id: str) -> bool:
+        """Decode instance: abort a request PrepareDecode parked (no stream yet), so its
+        blocks are freed now rather than after the transfer timeout; False when none is."""
+        entry = self._parked.pop(request_id, None)
+        if entry is None:
+            return False
+        self._rank_load[entry[0]] -= 1
         self._try_send(AbortRequests([request_id]))
         return True
 
@@ -473,12 +493,31 @@ class EngineClient:
         if info is not None:
             validate_request(prompt_token_ids, params, vocab_size=info.vocab_size,
                              max_model_len=info.max_model_len)
-        add = EngineCoreRequest(request_id, list(prompt_token_ids), params, time.time())
-        reply = await self._request_reply(lambda rid: PrepareDecode(rid, add), timeout_s)
-        assert isinstance(reply, PrepareDecodeReply)
-        if reply.code:
-            raise RequestError(ErrorCode(reply.code), reply.field, reply.message)
+        self._expire_parked()
+        rank = self._least_loaded_rank()
+        add = EngineCoreRequest(request_id, list(prompt_token_ids), params, time.time(), rank)
+        # counted at once: concurrent PrepareDecodes spread over the ranks; the blocks are held
+        # there until the request continues, is aborted or expires
+        self._rank_load[rank] += 1
+        try:
+            reply = await self._request_reply(lambda rid: PrepareDecode(rid, add), timeout_s)
+            assert isinstance(reply, PrepareDecodeReply)
+            if reply.code:
+                raise RequestError(ErrorCode(reply.code), reply.field, reply.message)
+        except BaseException:
+            self._rank_load[rank] -= 1
+            raise
+        self._parked[request_id] = (rank, time.monotonic() + self._parked_timeout_s)
         return reply.placement
+
+    def _least_loaded_rank(self) -> int:
+        return min(range(len(self._rank_load)), key=self._rank_load.__getitem__)
+
+    def _expire_parked(self) -> None:
+        """Forget parked requests the core has dropped by now (their K/V never came)."""
+        now = time.monotonic()
+        for rid in [r for r, (_, t) in self._parked.items() if t < now]:
+            self._rank_load[self._parked.pop(rid)[0]] -= 1
 
     async def _request_reply(self, make: Callable[[int], CoreInput], timeout_s: float) -> Any:
         """Send `make(reply_id)` and wait up to `timeout_s` for the reply with that id.

@@ -113,6 +113,49 @@ def refusal_of_frame(frame: bytes, exc: Exception) -> AddError | None:
     return AddError(str(raw[1]), ErrorCode.INVALID_ARGUMENT, field, text)
 
 
+def role_add(core: EngineCoreProtocol, role: Any, message: EngineCoreRequest
+             ) -> tuple[list[EngineCoreOutput], AddError | None]:
+    """A new request, as this instance's disaggregation role takes it (`role` None: a plain
+    instance, which refuses the split's fields); (outputs it produced at once, the refusal)."""
+    mode = getattr(role, "mode", "none")
+    if mode == "prefill":
+        return [], role.add(message)
+    if mode == "decode":
+        return role.add(message)
+    if message.kv_placement is not None or message.remote_first_token is not None:
+        return [], AddError(message.request_id, ErrorCode.INVALID_ARGUMENT,
+                            "disaggregation_mode",
+                            "disaggregation_mode: kv_placement / remote_first_token need an "
+                            "instance started with --disaggregation-mode prefill or decode")
+    return [], add_request(core, message)
+
+
+def role_prepare(role: Any, message: PrepareDecode) -> PrepareDecodeReply:
+    """PrepareDecode's answer: the decode role's placement, or the refusal of an instance
+    that is not a decode instance."""
+    if getattr(role, "mode", "none") == "decode":
+        return role.prepare(message)
+    return PrepareDecodeReply(
+        message.reply_id, b"", ErrorCode.INVALID_ARGUMENT, "disaggregation_mode",
+        "disaggregation_mode: PrepareDecode needs an instance started with "
+        "--disaggregation-mode decode")
+
+
+def role_after_step(role: Any, outputs: list[EngineCoreOutput]
+                    ) -> tuple[list[EngineCoreOutput], list[AddError]]:
+    """A step's outputs to send, and refusals: a prefill role first writes its finished
+    prefills' K/V to their decode instances (a failed write becomes the request's refusal)."""
+    if getattr(role, "mode", "none") == "prefill":
+        return role.after_step(outputs)
+    return outputs, []
+
+
+def role_tick(role: Any) -> None:
+    """Once per loop iteration: a decode role drops parked requests whose K/V is late."""
+    if getattr(role, "mode", "none") == "decode":
+        role.expire()
+
+
 class CoreLoop:
     """Runs one engine core: drains inputs, steps while there is work, pushes outputs.
 
@@ -128,7 +171,6 @@ class CoreLoop:
         #: This instance's part in a prefill/decode split (`disagg.role.PrefillRole` or
         #: `DecodeRole`, imported only where one runs), None without.
         self.role = role
-        self._mode = getattr(role, "mode", "none")
         self.inputs = inputs
         self.outputs = outputs
         self.running = True
@@ -142,18 +184,11 @@ class CoreLoop:
             if self._poller.poll(0 if busy else _IDLE_POLL_MS):
                 self._drain_inputs()
             if self.running and self.core.has_unfinished_requests():
-                self._after_step(self.core.step())
-            if self._mode == "decode":
-                self.role.expire()
-
-    def _after_step(self, outputs: list[EngineCoreOutput]) -> None:
-        """Send a step's outputs; a prefill instance first writes its finished prefills'
-        K/V to their decode instances (a failed write goes out as the request's refusal)."""
-        if self._mode == "prefill":
-            outputs, failed = self.role.after_step(outputs)
-            for refusal in failed:
-                self._send(refusal)
-        self._send_outputs(outputs)
+                outputs, failed = role_after_step(self.role, self.core.step())
+                for refusal in failed:
+                    self._send(refusal)
+                self._send_outputs(outputs)
+            role_tick(self.role)
 
     def _drain_inputs(self) -> None:
         while self.running:
@@ -177,16 +212,12 @@ class CoreLoop:
         core = self.core
         match message:
             case EngineCoreRequest():
-                refusal = self._add(message)
+                outputs, refusal = role_add(core, self.role, message)
+                self._send_outputs(outputs)
                 if refusal is not None:
                     self._send(refusal)
-            case PrepareDecode() if self._mode == "decode":
-                self._send(self.role.prepare(message))
-            case PrepareDecode(reply_id=rid):
-                self._send(PrepareDecodeReply(
-                    rid, b"", ErrorCode.INVALID_ARGUMENT, "disaggregation_mode",
-                    "disaggregation_mode: PrepareDecode needs an instance started with "
-                    "--disaggregation-mode decode"))
+            case PrepareDecode():
+                self._send(role_prepare(self.role, message))
             case AbortRequests(request_ids=ids):
                 if self.role is not None:
                     self.role.forget(ids)
@@ -205,21 +236,6 @@ class CoreLoop:
                 self.running = False
             case Heartbeat():
                 pass  # heartbeats have their own socket; one here is harmless
-
-    def _add(self, message: EngineCoreRequest) -> AddError | None:
-        """A new request, as this instance's role takes it."""
-        if self._mode == "prefill":
-            return self.role.add(message)
-        if self._mode == "decode":
-            outputs, refusal = self.role.add(message)
-            self._send_outputs(outputs)
-            return refusal
-        if message.kv_placement is not None or message.remote_first_token is not None:
-            return AddError(message.request_id, ErrorCode.INVALID_ARGUMENT,
-                            "disaggregation_mode",
-                            "disaggregation_mode: kv_placement / remote_first_token need an "
-                            "instance started with --disaggregation-mode prefill or decode")
-        return add_request(self.core, message)
 
     def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         if outputs:

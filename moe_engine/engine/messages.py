@@ -298,7 +298,8 @@ class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True):
 
 class PrepareDecode(msgspec.Struct, tag="prepare_decode", array_like=True):
     """Decode instance: validate `request`, allocate its prompt's blocks and say where they
-    are (answered by PrepareDecodeReply)."""
+    are (answered by PrepareDecodeReply). Under expert parallelism `request.rank` answers: the
+    rank whose KV cache takes the request (its later EngineCoreRequest goes there too)."""
 
     reply_id: int
     request: EngineCoreRequest

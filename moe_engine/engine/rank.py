@@ -65,6 +65,8 @@ from moe_engine.engine.messages import (
     GetStats,
     ModelInfo,
     ModelInfoReply,
+    PrepareDecode,
+    PrepareDecodeReply,
     Ready,
     Shutdown,
     StartupFailed,
@@ -93,7 +95,8 @@ class RankReport:
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     add_errors: list[AddError] = field(default_factory=list)
-    replies: dict[int, CoreStats | ExpertLoad | ModelInfo | ControlReply] = field(
+    replies: dict[int, CoreStats | ExpertLoad | ModelInfo | ControlReply | PrepareDecodeReply
+                  ] = field(
         default_factory=dict
     )
     busy: bool = False
@@ -148,6 +151,8 @@ class LockstepLoop:
         inputs, outputs: rank 0's ZeroMQ sockets (None on the other ranks).
         trace: rank 0's expert-trace writer (`PeriodicTraceWriter`), None otherwise.
         tracing: whether an expert trace is written (every rank then reports its step).
+        role: this rank's part in a prefill/decode split (`disagg.role`, over its own KV
+            cache and transfer engine), None without one.
     """
 
     def __init__(
@@ -161,8 +166,9 @@ class LockstepLoop:
         outputs: zmq.Socket | None = None,
         trace: Any = None,
         tracing: bool = False,
+        role: Any = None,
     ) -> None:
-        self.core = core
+        self.core, self.role = core, role
         self.trace, self.tracing = trace, tracing
         self.rank, self.world_size = rank, world_size
         self.group, self.health_group = group, health_group
@@ -186,9 +192,12 @@ class LockstepLoop:
             if stop:
                 return
             if do_step:
-                report.outputs.extend(self.core.step())
+                outputs, failed = core_proc.role_after_step(self.role, self.core.step())
+                report.outputs.extend(outputs)
+                report.add_errors.extend(failed)
                 if self.tracing:
                     report.step = self.core.last_step
+            core_proc.role_tick(self.role)
             report.busy = self.core.has_unfinished_requests()
             gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
             dist.gather_object(report, gathered, dst=0, group=self.group)
@@ -238,7 +247,10 @@ class LockstepLoop:
             for error in r.add_errors:
                 self._send(error)
         for message in messages:
-            if isinstance(message, GetStats | GetExpertLoad | GetModelInfo):
+            if isinstance(message, PrepareDecode):  # answered by its target rank only
+                self._send(next(r.replies[message.reply_id] for r in reports
+                                if message.reply_id in r.replies))
+            elif isinstance(message, GetStats | GetExpertLoad | GetModelInfo):
                 answers: list[Any] = [r.replies[message.reply_id] for r in reports]
                 self._send(_reply(message, answers))
             elif isinstance(message, ControlInput):
@@ -255,10 +267,15 @@ class LockstepLoop:
         core = self.core
         match message:
             case EngineCoreRequest(rank=target) if target == self.rank:
-                refusal = core_proc.add_request(core, message)
+                outputs, refusal = core_proc.role_add(core, self.role, message)
+                report.outputs.extend(outputs)
                 if refusal is not None:
                     report.add_errors.append(refusal)
+            case PrepareDecode(request=req) if req.rank == self.rank:
+                report.replies[message.reply_id] = core_proc.role_prepare(self.role, message)
             case AbortRequests(request_ids=ids):
+                if self.role is not None:
+                    self.role.forget(ids)
                 report.outputs.extend(core.abort_requests(ids))
             case GetStats(reply_id=rid):
                 report.replies[rid] = msgspec.structs.replace(core.get_stats(), rank=self.rank)
@@ -452,6 +469,22 @@ def _build_core(
     return core, placement
 
 
+def _build_role(core: Any, config: EngineConfig, local: bool) -> Any:
+    """This rank's disaggregation role over its own KV cache (None without a split). A rank
+    on another node than the front end registers its cache at the address that routes to the
+    rendezvous host (unless the configured --kv-transfer-host is a loopback address)."""
+    if config.disagg.mode == "none":
+        return None
+    from moe_engine.disagg.role import make_role
+    from moe_engine.engine.netif import is_loopback, route_source_address
+
+    disagg = config.disagg
+    if not local and not is_loopback(disagg.host):
+        disagg = dataclasses.replace(
+            disagg, host=route_source_address(os.environ.get("MASTER_ADDR", "127.0.0.1")))
+    return make_role(core, disagg)
+
+
 def _serve_rank(
     config: EngineConfig,
     core_factory: str,
@@ -469,11 +502,12 @@ def _serve_rank(
         if outputs is not None:
             outputs.send(encode(message))
 
-    core, placement, error = None, None, None
+    core, placement, error, role = None, None, None, None
     try:
         core, placement = _build_core(
             config, core_factory, rank, world_size, monitor.report, groups.device
         )
+        role = _build_role(core, config, local=config.parallel.node_rank == 0)
     except BaseException as exc:  # noqa: BLE001 - every startup failure goes to rank 0
         logger.exception("rank %d failed to start", rank)
         error = f"rank {rank}: {type(exc).__name__}: {exc}"
@@ -504,7 +538,7 @@ def _serve_rank(
         )
     loop = LockstepLoop(
         core, rank, world_size, groups.control, groups.health, inputs, outputs,
-        trace=trace, tracing=bool(config.expert_trace),
+        trace=trace, tracing=bool(config.expert_trace), role=role,
     )
     try:
         loop.run()

@@ -308,6 +308,9 @@ class MoeEngineServicer(WeightControlRpcs, pb_grpc.MoeEngineServicer):
         # names requests that come without an id) is OK with aborted = false.
         rid = request.request_id
         ended = self._live.get(rid)
+        if ended is None and self.engine.abort_parked(rid):
+            return pb.AbortResponse(aborted=True,
+                                    detail="aborted while it waited for its K/V (decode instance)")
         if ended is None:
             return pb.AbortResponse(
                 aborted=False, detail=f"request_id {rid!r} is not live (unknown, or finished)"
