@@ -11,7 +11,8 @@ It covers the layers of Qwen3-MoE and Mixtral as the engine runs them on an AMX 
 AVX512-BF16) CPU in bfloat16: plain RoPE, optional q/k RMSNorm, no attention sinks,
 softmax-then-top-k routing without a router bias, plain-SwiGLU experts without biases on one
 rank, bfloat16 (the AMX kernel) or 4-bit (`--quantization int4` / MXFP4: the native 4-bit
-kernel).
+kernel); the QKV and output projections bfloat16 on the AMX kernel or 4-bit
+(`--quantized-layers all`: `PackedQuantLinear`, csrc/linear_q4_cpu.cpp).
 `moe_engine.models.layers.native_decode.decode_misfit` decides whether a layer fits.
 """
 
@@ -25,6 +26,7 @@ import torch
 
 from kernels.cpu_amx import AmxLinear, tiles_flag
 from kernels.cpu_amx_moe import AmxExperts
+from kernels.cpu_linear_q4 import PackedQuantLinear
 from kernels.cpu_native import PackedQuantExperts
 from kernels.native import check_status, load_native
 
@@ -39,7 +41,8 @@ class DecodeLayerKernel:
     Attributes:
         norm1, norm2: [H] bfloat16, the input and post-attention RMSNorm weights; eps theirs.
         qkv, o, router: the packed QKV [(Hq + 2 Hkv) D, H], output [H, Hq D] and router
-            [E, H] projections (the router without a bias).
+            [E, H] projections (the router without a bias); qkv and o AMX-packed bfloat16 or
+            4-bit (`PackedQuantLinear`), the router AMX-packed.
         num_heads, num_kv_heads, head_dim: Hq, Hkv, D.
         cos, sin: [P, D] float32 rotate-half tables; q_norm, k_norm: [D] bfloat16 or None;
             qk_eps: their epsilon.
@@ -51,8 +54,8 @@ class DecodeLayerKernel:
     norm1: torch.Tensor
     norm2: torch.Tensor
     eps: float
-    qkv: AmxLinear
-    o: AmxLinear
+    qkv: AmxLinear | PackedQuantLinear
+    o: AmxLinear | PackedQuantLinear
     router: AmxLinear
     num_heads: int
     num_kv_heads: int
@@ -105,10 +108,11 @@ class DecodeLayerKernel:
             raise ValueError(f"top_k {self.top_k} must be in [1, {num_experts}]")
 
     @cached_property
-    def _linear_args(self) -> tuple[int, int | None, int, int | None, int]:
-        """(QKV weight, its bias or None, O weight, its bias or None, router weight) pointers,
-        checked once (`AmxLinear._weight_args`)."""
-        return (*self.qkv._weight_args, *self.o._weight_args, self.router._weight_args[0])
+    def _linear_args(self) -> tuple[tuple, tuple, int]:
+        """((QKV weight, bias or None, format, scales, group), the same of O, the router's
+        weight pointer), checked once (`AmxLinear._weight_args`, `PackedQuantLinear.
+        weight_args`); format -1 (no scales, group 0) for an AMX-packed projection."""
+        return _projection_args(self.qkv), _projection_args(self.o), self.router._weight_args[0]
 
     @cached_property
     def _experts(self) -> tuple[int, int, tuple]:
@@ -160,7 +164,8 @@ class DecodeLayerKernel:
             raise RuntimeError(f"decode layer: topk outputs must be contiguous [{t}, {k}] "
                                "float32 and int32")
         lib = load_native("decode_layer")
-        qkv_w, qkv_b, o_w, o_b, router_w = self._linear_args
+        (qkv_w, qkv_b, qkv_fmt, qkv_s, qkv_g), (o_w, o_b, o_fmt, o_s, o_g), router_w = (
+            self._linear_args)
         num_experts, _, experts = self._experts
         blocks, block_size = k_cache.shape[0], k_cache.shape[1]
         check_status(lib.moe_decode_layer(
@@ -171,9 +176,19 @@ class DecodeLayerKernel:
             k_cache.data_ptr(), v_cache.data_ptr(), blocks * block_size, step.slot_mapping,
             step.block_tables, step.width, step.seq_lens, block_size, self.window, self.scale,
             o_w, o_b, router_w, num_experts, k, self.renormalize, *experts,
-            topk_weights.data_ptr(), topk_ids.data_ptr(), tiles_flag(tiles),
-            torch.get_num_threads(),
+            topk_weights.data_ptr(), topk_ids.data_ptr(), qkv_fmt, qkv_s, qkv_g, o_fmt, o_s,
+            o_g, tiles_flag(tiles), torch.get_num_threads(),
         ), "decode layer")
+
+
+def _projection_args(lin: AmxLinear | PackedQuantLinear) -> tuple:
+    """(weight pointer, bias pointer or None, format, scales pointer or None, group) of one
+    projection as moe_decode_layer takes it: format -1 for AMX-packed bfloat16."""
+    if isinstance(lin, PackedQuantLinear):
+        codes, scales, fmt, bias = lin.weight_args
+        return codes, bias, fmt, scales, lin.group_size
+    weight, bias = lin._weight_args
+    return weight, bias, -1, None, 0
 
 
 class DecodeStepArgs(NamedTuple):

@@ -55,7 +55,7 @@ HEADER = "moe_engine_cpu.h"
 BINDING = "binding.cpp"
 LIBRARY = native_binding.MODULE + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
 #: Bumped with any change of csrc/moe_engine_cpu.h's prototypes (part of the cache digest).
-ABI_VERSION = 8
+ABI_VERSION = 9
 #: The flags of every variant; no -ffast-math.
 BASE_CXXFLAGS = ("-O3", "-pthread", "-DNDEBUG", "-std=c++17", "-fPIC", "-fvisibility=hidden")
 #: Instruction-set flags per variant, named (not -march=native), so that a cache shared by
@@ -96,6 +96,7 @@ LDFLAGS = ("-shared", "-pthread")
 #: for moe_cpu.cpp between a quiet and a busy machine): the estimate of a first build, until a
 #: build here has recorded its own (`last_build.json`).
 EXPECTED_COMPILE_S = {"moe_cpu.cpp": 4.0, "paged_attention.cpp": 1.8, "linear_cpu.cpp": 1.3,
+                      "linear_q4_cpu.cpp": 1.5,
                       "thread_pool.cpp": 0.8, "rope_cpu.cpp": 0.8, "ops_cpu.cpp": 0.6,
                       "decode_layer.cpp": 0.6, "binding.cpp": 0.5,
                       "amx_attention.cpp": 0.5}

@@ -49,10 +49,10 @@ class LLM(WeightUpdateMethods):
         dtype: "auto", "bfloat16" or "float32".
         max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory (bytes, or text
             such as "2GiB"),
-        block_size, num_blocks_override, quantization, quant_group_size, kernel_backend,
-        enable_prefix_caching, device ("auto", "cpu", "cuda"), gpu_memory_utilization
-        (fraction in (0, 1]), enforce_eager (no CUDA graphs), speculative_method ("ngram" or
-        None), num_speculative_tokens, ngram_min, ngram_max,
+        block_size, num_blocks_override, quantization, quant_group_size, quantized_layers,
+        kernel_backend, enable_prefix_caching, device ("auto", "cpu", "cuda"),
+        gpu_memory_utilization (fraction in (0, 1]), enforce_eager (no CUDA graphs),
+        speculative_method ("ngram" or None), num_speculative_tokens, ngram_min, ngram_max,
         speculative_disable_by_batch_size, weight_version: as the `moe-serve` flags of the
         same names. Weight updates: `update_weights_from_disk`,
         `init_weight_update_group` / `update_weights_from_distributed` (`llm_weights.py`).
@@ -74,6 +74,7 @@ class LLM(WeightUpdateMethods):
         seed: int = 0,
         quantization: str = "none",
         quant_group_size: int = 128,
+        quantized_layers: str = "experts",
         kernel_backend: str = "auto",
         enable_prefix_caching: bool = False,
         device: str = "auto",
@@ -113,7 +114,9 @@ class LLM(WeightUpdateMethods):
                 scheduler=SchedulerConfig(
                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
                 ),
-                quant=QuantConfig(method=quantization, group_size=quant_group_size),
+                quant=QuantConfig(
+                    method=quantization, group_size=quant_group_size, layers=quantized_layers
+                ),
                 kernel_backend=kernel_backend,
                 speculative=_speculative_config(
                     speculative_method, num_speculative_tokens, ngram_min, ngram_max,

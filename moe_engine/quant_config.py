@@ -35,6 +35,11 @@ class QuantConfig:
         scale_dtype: the int4 scales' dtype, "bfloat16", "float16" or "float32": the
             checkpoint's weight dtype (`resolve_quant_config`), so a 16-bit checkpoint keeps
             16-bit scales; None (unresolved) counts as float32.
+        layers: "experts" (the default: only the routed experts are 4-bit) or "all": the
+            dense projections too (attention QKV and output, dense and shared-expert MLPs, the
+            LM head; not the router, the gates, the embeddings or MLA's kv_b_proj), quantized
+            at load time with `method` (int4: symmetric, `group_size`; mxfp4), as a Q4_0 GGUF
+            holds them (`--quantized-layers`).
     """
 
     method: str = "none"
@@ -42,6 +47,7 @@ class QuantConfig:
     symmetric: bool = True
     checkpoint_format: str | None = None
     scale_dtype: str | None = None
+    layers: str = "experts"
 
     @property
     def bits_per_weight(self) -> float | None:
@@ -70,6 +76,16 @@ class QuantConfig:
             raise ValueError(
                 f"quant scale_dtype {self.scale_dtype!r} must be one of {', '.join(DTYPES)}"
             )
+        if self.layers not in QUANTIZED_LAYERS:
+            raise ValueError(
+                f"quantized_layers must be one of {', '.join(QUANTIZED_LAYERS)}; got "
+                f"{self.layers!r}"
+            )
+        if self.layers == "all" and self.method == "none":
+            raise ValueError(
+                "quantized_layers 'all' (--quantized-layers all) needs --quantization int4 or "
+                "mxfp4 (or auto with a 4-bit checkpoint); got --quantization none"
+            )
         formats = {CHECKPOINT_INT4_FORMAT: "int4", CHECKPOINT_MXFP4_FORMAT: "mxfp4"}
         if self.checkpoint_format is not None and (
             formats.get(self.checkpoint_format) != self.method
@@ -81,6 +97,8 @@ class QuantConfig:
             )
 
 
+#: `QuantConfig.layers` values (`--quantized-layers`).
+QUANTIZED_LAYERS = ("experts", "all")
 #: The pre-quantized expert formats `resolve_quant_config` recognises in config.json.
 CHECKPOINT_INT4_FORMAT = "compressed-tensors"
 CHECKPOINT_MXFP4_FORMAT = "mxfp4"  # gpt-oss: quantization_config {"quant_method": "mxfp4"}
@@ -147,7 +165,7 @@ def _resolve_method(quant: QuantConfig, hf_config: dict) -> QuantConfig:
     if scheme is None:
         if quant.method in ("int4", "mxfp4"):
             check_quant_divides(quant, hf_config)
-        return replace(quant, method="none") if quant.method == "auto" else quant
+        return _auto_to_none(quant)
     stored = (
         f"int4 group {scheme.group_size} {'symmetric' if scheme.symmetric else 'asymmetric'} "
         f"({CHECKPOINT_INT4_FORMAT} pack-quantized, config group {scheme.name!r})"
@@ -167,8 +185,26 @@ def _resolve_method(quant: QuantConfig, hf_config: dict) -> QuantConfig:
             f"--quantization auto (or int4 with --quant-group-size {scheme.group_size})"
         )
     return QuantConfig(
-        "int4", scheme.group_size, scheme.symmetric, CHECKPOINT_INT4_FORMAT, quant.scale_dtype
+        "int4", scheme.group_size, scheme.symmetric, CHECKPOINT_INT4_FORMAT, quant.scale_dtype,
+        quant.layers,
     )
+
+
+def _auto_to_none(quant: QuantConfig) -> QuantConfig:
+    """"auto" over a checkpoint without 4-bit experts: "none" (others stand).
+
+    Raises:
+        ValueError: --quantized-layers all with auto there (no method to quantize with).
+    """
+    if quant.method != "auto":
+        return quant
+    if quant.layers == "all":
+        raise ValueError(
+            "--quantized-layers all with --quantization auto: this checkpoint's experts are "
+            "not 4-bit, so there is no method to quantize the dense layers with; pass "
+            "--quantization int4 or mxfp4"
+        )
+    return replace(quant, method="none")
 
 
 def _resolve_fp8_checkpoint(quant: QuantConfig, hf_config: dict) -> QuantConfig:
@@ -185,7 +221,7 @@ def _resolve_fp8_checkpoint(quant: QuantConfig, hf_config: dict) -> QuantConfig:
     parse_fp8_config(hf_config)
     if quant.method in ("int4", "mxfp4"):
         check_quant_divides(quant, hf_config)
-    return replace(quant, method="none") if quant.method == "auto" else quant
+    return _auto_to_none(quant)
 
 
 def check_quant_divides(quant: QuantConfig, hf_config: dict) -> None:
@@ -240,7 +276,7 @@ def _resolve_mxfp4_checkpoint(quant: QuantConfig, hf_config: dict) -> QuantConfi
             "--quantization int4 conflicts with the checkpoint, whose experts are mxfp4 "
             "(quantization_config quant_method 'mxfp4'); pass --quantization auto (or mxfp4)"
         )
-    return QuantConfig("mxfp4", 32, True, CHECKPOINT_MXFP4_FORMAT)
+    return QuantConfig("mxfp4", 32, True, CHECKPOINT_MXFP4_FORMAT, layers=quant.layers)
 
 
 def _expert_scheme(ct, hf_config: dict):

@@ -11,6 +11,7 @@ continuations depend on the prompt and do not collapse into one repeated token.
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -396,10 +397,17 @@ def hf_last_logits(ckpt: Path, prompt_ids: list[int]) -> torch.Tensor:
     return logits[0, -1].float().clone()
 
 
-def dequantized_experts_copy(ckpt: Path, root: Path, method: str, group_size: int) -> Path:
-    """A copy of `ckpt` under `root` whose routed expert tensors are replaced by their int4
-    (symmetric, `group_size`) or MXFP4 quantize -> dequantize: what transformers serves as the
-    oracle of an engine quantizing the same experts at load time."""
+#: Checkpoint tensors `--quantized-layers all` quantizes besides the experts (the attention
+#: projections, dense MLPs, the LM head; not the router `mlp.gate`: moe_engine.models.dense_quant).
+DENSE_QUANTIZED = re.compile(r"(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|lm_head)\.weight$")
+
+
+def dequantized_experts_copy(ckpt: Path, root: Path, method: str, group_size: int,
+                             *, dense: bool = False) -> Path:
+    """A copy of `ckpt` under `root` whose routed expert tensors (and with `dense` the
+    `DENSE_QUANTIZED` ones) are replaced by their int4 (symmetric, `group_size`) or MXFP4
+    quantize -> dequantize: what transformers serves as the oracle of an engine quantizing the
+    same layers at load time."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -407,11 +415,11 @@ def dequantized_experts_copy(ckpt: Path, root: Path, method: str, group_size: in
     from quant.int4 import dequantize_int4, quantize_int4
     from quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
-    out = root / f"{ckpt.name}-{method}-deq"
+    out = root / f"{ckpt.name}-{method}-{'all' if dense else 'experts'}-deq"
     shutil.copytree(ckpt, out)
     tensors = load_file(out / "model.safetensors")
     for name, w in tensors.items():
-        if ".experts." not in name:
+        if ".experts." not in name and not (dense and DENSE_QUANTIZED.search(name)):
             continue
         if method == "int4":
             packed, scales, _ = quantize_int4(w, group_size, symmetric=True)

@@ -31,8 +31,9 @@ def _serve(ckpt, backend: str, quantization: str, monkeypatch
         return _run(self, *args)
 
     monkeypatch.setattr(DecodeLayerKernel, "run", counted)
+    method, _, layers = quantization.partition("+")  # "int4+all": --quantized-layers all
     llm = LLM(model=str(ckpt), dtype="bfloat16", max_model_len=128, kernel_backend=backend,
-              quantization=quantization, quant_group_size=32)
+              quantization=method, quant_group_size=32, quantized_layers=layers or "experts")
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
     outs = [llm.generate([p], sp, use_tqdm=False)[0] for p in PROMPTS[:1]]  # batch 1
     outs += llm.generate(PROMPTS, sp, use_tqdm=False)  # batched decode steps
@@ -44,12 +45,15 @@ def _serve(ckpt, backend: str, quantization: str, monkeypatch
 
 @needs_amx
 @pytest.mark.parametrize("arch,quantization,moe_layers", [
-    ("qwen3", "none", 2), ("qwen3", "int4", 2), ("mixtral", "none", 2),
+    ("qwen3", "none", 2), ("qwen3", "int4", 2), ("qwen3", "int4+all", 2),
+    ("qwen3", "mxfp4+all", 2), ("mixtral", "none", 2),
 ])
 def test_native_decode_layer_is_bit_identical_to_the_module_path(request, arch, quantization,
                                                                  moe_layers, monkeypatch):
     """Qwen3-MoE (q/k norms, a dense layer between its MoE layers) with bfloat16 experts (the
-    AMX kernel) and int4 ones (the native 4-bit kernel); Mixtral (no q/k norm)."""
+    AMX kernel) and int4 ones (the native 4-bit kernel), and with its QKV and output
+    projections 4-bit too (--quantized-layers all: csrc/linear_q4_cpu.cpp); Mixtral (no q/k
+    norm)."""
     ckpt = request.getfixturevalue(f"{arch}_ckpt")
     want_ids, want_lp, want_counts, module_calls = _serve(ckpt, "decode_layer=torch",
                                                           quantization, monkeypatch)

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from kernels.cpu_linear import PackedLinear
+from kernels.cpu_linear_q4 import PackedQuantLinear
 from kernels.cpu_native import PackedExperts, PackedQuantExperts
 from kernels.native import (
     ISA_ENV,
@@ -74,6 +75,34 @@ def test_linear_every_row_count(variant, n, k, bf16_weights):
         want = x.double() @ w.double().t() + b.double()
         torch.testing.assert_close(packed(x).double(), want, rtol=1e-5, atol=1e-4,
                                    msg=lambda s, m=m: f"{variant}, {m} rows: {s}")
+
+
+@pytest.mark.parametrize(("method", "scale_dtype", "n", "k", "group"), [
+    ("int4", torch.float32, 37, 30, 6), ("int4", torch.bfloat16, 50, 64, 32),
+    ("int4", torch.float16, 16, 40, 8), ("mxfp4", None, 37, 64, 32),
+])
+def test_4bit_linear_every_row_count(variant, method, scale_dtype, n, k, group):
+    """`--quantized-layers all`'s projections (csrc/linear_q4_cpu.cpp): 1-13 rows (the 4-bit
+    micro-kernels), 97 and 200 (tiles dequantized per row chunk); float32 and bfloat16 inputs;
+    against x @ quant/'s own dequantization of the same weight in float64."""
+    g = _gen()
+    w = torch.randn(n, k, generator=g) / k**0.5
+    b = torch.randn(n, generator=g)
+    if method == "int4":
+        want_w = dequantize_int4(*quantize_int4(w, group, scale_dtype=scale_dtype),
+                                 dtype=torch.float64)
+    else:
+        want_w = dequantize_mxfp4(*quantize_mxfp4(w), torch.float64)
+    packed = PackedQuantLinear.quantize(w, b, method, group, scale_dtype or torch.float32)
+    assert torch.equal(packed.dequantized.double(), want_w)
+    for m in (*ROWS, 97, 200):
+        for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+            x = torch.randn(m, k, generator=g).to(dtype)
+            got = packed(x)
+            assert got.dtype == dtype and got.shape == (m, n)
+            want = x.double() @ want_w.t() + b.double()
+            torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol,
+                                       msg=lambda s, m=m, d=dtype: f"{variant}, {m} rows {d}: {s}")
 
 
 def _one_expert_routing(g: torch.Generator, t: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,10 +7,12 @@
 // C++:
 //
 //   x = rms_norm(h)                                  moe_rms_norm
-//   qkv = x W_qkv^T (+ b)                            moe_amx_linear, bfloat16 out
+//   qkv = x W_qkv^T (+ b)                            moe_amx_linear, bfloat16 out (or
+//                                                    moe_linear_q4 for 4-bit projections)
 //   q = rope(norm(q)); cache <- rope(norm(k)), v     moe_qk_norm_rope_cache
 //   a = paged decode attention(q, cache)             moe_paged_decode_attention
-//   h = h + a W_o^T (+ b)                            moe_amx_linear; a bfloat16 add
+//   h = h + a W_o^T (+ b)                            moe_amx_linear (or moe_linear_q4); a
+//                                                    bfloat16 add
 //   x = rms_norm(h)                                  moe_rms_norm
 //   logits = x W_router^T                            moe_amx_linear, bfloat16 out
 //   topk_weights, topk_ids = route(logits)           moe_router_softmax_topk
@@ -55,6 +57,16 @@ struct Scratch {
 
 thread_local Scratch scratch;
 
+// y [T, N] bfloat16 = x [T, K] bfloat16 W^T (+ b): the AMX-packed weight w (format < 0) or the
+// 4-bit tiles w / scales of moe_linear_q4's format, group G.
+int32_t project(const uint16_t* x, int64_t T, int64_t K, const void* w, const float* b,
+                int64_t N, int32_t format, const void* scales, int64_t G, uint16_t* y,
+                int32_t tiles, int32_t threads) {
+  if (format < 0) return moe_amx_linear(x, T, K, w, N, b, y, 1, tiles, threads);
+  return moe_linear_q4(x, 1, T, K, static_cast<const uint8_t*>(w), scales, nullptr, format, G,
+                       N, b, y, 1, threads);
+}
+
 }  // namespace
 
 int32_t moe_decode_layer(void* h, int64_t T, int64_t H, const void* norm1, const void* norm2,
@@ -70,7 +82,9 @@ int32_t moe_decode_layer(void* h, int64_t T, int64_t H, const void* norm1, const
                          const void* scales13, const uint8_t* zeros13, const uint8_t* codes2,
                          const void* scales2, const uint8_t* zeros2, int32_t format, int64_t G,
                          int64_t Ip, int64_t Hp, float* topk_weights, int32_t* topk_ids,
-                         int32_t tiles, int32_t threads) {
+                         int32_t qkv_format, const void* qkv_scales, int64_t qkv_G,
+                         int32_t o_format, const void* o_scales, int64_t o_G, int32_t tiles,
+                         int32_t threads) {
   if (T <= 0) return T == 0 ? kOk : kBadArgument;
   const int64_t q_n = Hq * D, qkv_n = (Hq + 2 * Hkv) * D;
   try {
@@ -82,8 +96,8 @@ int32_t moe_decode_layer(void* h, int64_t T, int64_t H, const void* norm1, const
   uint16_t* hh = static_cast<uint16_t*>(h);
   int32_t status = moe_rms_norm(h, T, 1, H, H, H, norm1, eps, 0, 1, s.x.data(), threads);
   if (status == kOk) {
-    status = moe_amx_linear(s.x.data(), T, H, w_qkv, qkv_n, b_qkv, s.qkv.data(), 1, tiles,
-                            threads);
+    status = project(s.x.data(), T, H, w_qkv, b_qkv, qkv_n, qkv_format, qkv_scales, qkv_G,
+                     s.qkv.data(), tiles, threads);
   }
   if (status == kOk) {
     status = moe_qk_norm_rope_cache(s.qkv.data(), 1, T, Hq, Hkv, D, positions, cos, sin, P,
@@ -96,7 +110,8 @@ int32_t moe_decode_layer(void* h, int64_t T, int64_t H, const void* norm1, const
                                         scale, tiles ? 1 : 2, s.attn.data(), threads);
   }
   if (status == kOk) {
-    status = moe_amx_linear(s.attn.data(), T, q_n, w_o, H, b_o, s.y.data(), 1, tiles, threads);
+    status = project(s.attn.data(), T, q_n, w_o, b_o, H, o_format, o_scales, o_G, s.y.data(),
+                     tiles, threads);
   }
   if (status != kOk) return status;
   add_into(hh, s.y.data(), T * H);

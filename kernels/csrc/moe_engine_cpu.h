@@ -62,6 +62,15 @@ MOE_ENGINE_API int32_t moe_linear(const float* x, int64_t M, int64_t K, const vo
                                   int32_t w_bf16, int64_t N, const float* bias, void* y,
                                   int32_t y_bf16, int32_t threads);
 
+// csrc/linear_q4_cpu.cpp. x [M, K] float32, or bfloat16 when x_bf16; codes [ceil(N/16), K/2, 16]
+// uint8 and scales / zeros [ceil(N/16), K/G, 16] as moe_fused_moe_q4's (format, G alike);
+// bias [N] float32 or null; y [M, N] float32, or bfloat16 when y_bf16.
+MOE_ENGINE_API int32_t moe_linear_q4(const void* x, int32_t x_bf16, int64_t M, int64_t K,
+                                     const uint8_t* codes, const void* scales,
+                                     const uint8_t* zeros, int32_t format, int64_t G, int64_t N,
+                                     const float* bias, void* y, int32_t y_bf16,
+                                     int32_t threads);
+
 // csrc/paged_attention.cpp. q [B, Hq, D] (float32, or bfloat16 when q_bf16); k_cache, v_cache
 // [num_blocks, block_size, Hkv, D] (float32, or bfloat16 when cache_bf16); block_tables [B, W]
 // int64; seq_lens [B] int64 (kBadArgument unless each is in [1, W * block_size]); sinks [Hq]
@@ -163,9 +172,11 @@ MOE_ENGINE_API int32_t moe_amx_fused_moe(const void* hidden, int64_t T, int64_t 
 // b_o [H] or null; w_router packed [ceil(E/16), H/2, 16, 2] (no bias); the routing as
 // moe_router_softmax_topk, written to topk_weights [T, k] float32 and topk_ids [T, k] int32;
 // the experts (plain SwiGLU, no biases) as moe_amx_fused_moe (w13, w2) or, when q4, as
-// moe_fused_moe_q4 (codes13 ... Hp; w13/w2 unused); tiles as moe_amx_linear (and the
-// attention's scores on the tiles, amx 1, or on AVX512-BF16, amx 2). Shapes are checked by
-// kernels/cpu_decode_layer.py.
+// moe_fused_moe_q4 (codes13 ... Hp; w13/w2 unused); qkv_format / o_format -1 for the AMX-packed
+// w_qkv / w_o above, or moe_linear_q4's format when they are 4-bit tiles instead (w_qkv / w_o
+// the codes, qkv_scales / o_scales the scales, qkv_G / o_G the groups; symmetric); tiles as
+// moe_amx_linear (and the attention's scores on the tiles, amx 1, or on AVX512-BF16, amx 2).
+// Shapes are checked by kernels/cpu_decode_layer.py.
 MOE_ENGINE_API int32_t moe_decode_layer(
     void* h, int64_t T, int64_t H, const void* norm1, const void* norm2, float eps,
     const void* w_qkv, const float* b_qkv, int64_t Hq, int64_t Hkv, int64_t D,
@@ -177,4 +188,5 @@ MOE_ENGINE_API int32_t moe_decode_layer(
     const void* w2, int64_t I, int32_t q4, const uint8_t* codes13, const void* scales13,
     const uint8_t* zeros13, const uint8_t* codes2, const void* scales2, const uint8_t* zeros2,
     int32_t format, int64_t G, int64_t Ip, int64_t Hp, float* topk_weights, int32_t* topk_ids,
-    int32_t tiles, int32_t threads);
+    int32_t qkv_format, const void* qkv_scales, int64_t qkv_G, int32_t o_format,
+    const void* o_scales, int64_t o_G, int32_t tiles, int32_t threads);

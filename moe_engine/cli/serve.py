@@ -212,6 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="int4 values per scale (default 128)",
     )
     p.add_argument(
+        "--quantized-layers",
+        default="experts",
+        choices=["experts", "all"],
+        help="which layers --quantization makes 4-bit (default experts): all also quantizes "
+        "the dense projections (attention QKV and output, dense and shared-expert MLPs, the "
+        "LM head; not the router or the embeddings), as a Q4_0 GGUF holds them: a batch-1 "
+        "decode step reads about half the bytes of experts-only int4",
+    )
+    p.add_argument(
         "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port"
     )
     p.add_argument(
@@ -416,7 +425,11 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
             stream_interval=args.stream_interval,
         ),
         speculative=speculative_config_from_args(args),
-        quant=QuantConfig(method=args.quantization, group_size=args.quant_group_size),
+        quant=QuantConfig(
+            method=args.quantization,
+            group_size=args.quant_group_size,
+            layers=args.quantized_layers,
+        ),
         parallel=ParallelConfig(
             ep_size=args.ep_size,
             collective_timeout_s=args.collective_timeout,

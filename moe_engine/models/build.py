@@ -24,6 +24,7 @@ from moe_engine.loader import load_model
 from moe_engine.memory import DeviceMemory, check_weights_fit
 from moe_engine.models import resolve_architecture
 from moe_engine.models.base import ArchSpec, MoeCausalLM
+from moe_engine.models.dense_quant import quantize_dense_layers
 from moe_engine.models.hf_config import load_hf_config
 from moe_engine.models.kernel_binding import bind_kernels, model_facts, plan_kernels
 from moe_engine.plan import Plan, make_plan
@@ -323,7 +324,8 @@ def _checkpoint_quant(config: EngineConfig) -> CompressedTensorsConfig | Fp8Bloc
 
 def quantize_experts(model: MoeCausalLM, config: EngineConfig) -> None:
     """Quantize the routed experts to 4 bits when --quantization asks for it (or check that
-    the checkpoint's 4-bit experts all arrived, `check_prequantized`).
+    the checkpoint's 4-bit experts all arrived, `check_prequantized`), and with
+    --quantized-layers all the dense projections too (`dense_quant.quantize_dense_layers`).
 
     Raises:
         StartupError: a group size that does not divide the dimension it groups.
@@ -331,11 +333,13 @@ def quantize_experts(model: MoeCausalLM, config: EngineConfig) -> None:
     method = config.quant.method
     if method == "none":
         return
+    scale_dtype = getattr(torch, config.quant.scale_dtype or "float32")
     if config.quant.checkpoint_format is not None:
         check_prequantized(model, config)
+        if config.quant.layers == "all":
+            quantize_dense_layers(model, method, config.quant.group_size, scale_dtype)
         return
     experts = [moe for _, moe in model.moe_layers()]
-    scale_dtype = getattr(torch, config.quant.scale_dtype or "float32")
     try:
         for moe in experts:
             moe.quantize(method, config.quant.group_size, scale_dtype)
@@ -343,6 +347,8 @@ def quantize_experts(model: MoeCausalLM, config: EngineConfig) -> None:
         raise StartupError(f"--quantization {method}: {e}") from e
     nbytes = sum(m.quantized.nbytes for m in experts)
     logger.info("experts quantized to %s: %.1f MiB", method, nbytes / 2**20)
+    if config.quant.layers == "all":
+        quantize_dense_layers(model, method, config.quant.group_size, scale_dtype)
 
 
 def check_prequantized(model: MoeCausalLM, config: EngineConfig) -> None:

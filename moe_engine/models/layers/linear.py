@@ -14,6 +14,13 @@ at 16, 11-17x from 64, one thread: bench/NOTES.md "AMX bf16 kernels"), the route
 and larger batches torch's GEMM (oneDNN's AMX kernel, as fast there). The packed copies are
 made on the first forward and dropped by `reset_packed` (the model's `load_weights` calls it,
 so a reload never serves stale weights).
+
+`quantize` (`--quantized-layers all`) makes a layer compute with 4-bit weights
+(kernels/cpu_linear_q4.py: int4 group-wise or MXFP4 codes, as the experts' kernel reads them):
+bound to native-cpu, every batch of up to `NATIVE_MAX_ROWS` rows runs the 4-bit kernel, and
+larger ones (and every batch on another backend) torch's GEMM over the dequantized values, so
+the layer computes with the same weights whatever the batch. `weight` keeps the checkpoint's
+values: the 4-bit copy is derived from it like the packed ones (a weight update re-quantizes).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from torch import nn
 from kernels import cpu_amx
 from kernels.cpu_amx import AmxLinear
 from kernels.cpu_linear import PackedLinear
+from kernels.cpu_linear_q4 import PackedQuantLinear
 from kernels.registry import NATIVE_CPU, KernelPlan
 
 #: Rows above which torch's GEMM is as fast as the native kernel (bench/NOTES.md).
@@ -47,6 +55,24 @@ class Linear(nn.Linear):
     _native_max_rows: int = 0
     #: Bound by `bind_kernels`: bfloat16 batches run the AMX kernel (`cpu_amx.amx_fits`).
     _amx: bool = False
+    #: Set by `quantize`: (method, group size, scale dtype) of the 4-bit weights, else None.
+    quant_scheme: tuple[str, int, torch.dtype] | None = None
+    _q4_packed: PackedQuantLinear | None = None
+    _q4_dense: torch.Tensor | None = None
+    #: Bound by `bind_kernels`: a quantized layer on native-cpu runs the 4-bit kernel.
+    _q4: bool = False
+
+    def quantize(self, method: str, group_size: int, scale_dtype: torch.dtype) -> None:
+        """Compute with 4-bit weights from now on: "int4" (symmetric, `group_size` values per
+        `scale_dtype` scale) or "mxfp4" (blocks of 32). Quantizes once now, so a misfit fails
+        at startup; call `bind_kernels` after.
+
+        Raises:
+            ValueError: an unknown method or a group size that does not divide in_features.
+        """
+        self.quant_scheme = (method, group_size, scale_dtype)
+        self.reset_packed()
+        self.q4_packed()
 
     def bind_kernels(self, plan: KernelPlan) -> None:
         """Take the registry's "linear" backend: native-cpu for a float32/bfloat16 layer, up to
@@ -59,13 +85,31 @@ class Linear(nn.Linear):
         self._native_max_rows = (
             (NATIVE_MAX_ROWS if wide else NARROW_MAX_ROWS) if native and fits else 0
         )
-        self._amx = native and cpu_amx.amx_fits(self.weight)
+        self._amx = native and cpu_amx.amx_fits(self.weight) and self.quant_scheme is None
+        self._q4 = native and self.quant_scheme is not None
         self.reset_packed()
 
     def reset_packed(self) -> None:
         """Forget the packed copies (call after changing the weight in place)."""
         self._packed = None
         self._amx_packed = None
+        self._q4_packed = None
+        self._q4_dense = None
+
+    def q4_packed(self) -> PackedQuantLinear:
+        """The 4-bit weights (`quantize`), made on first use and kept until `reset_packed`."""
+        if self._q4_packed is None:
+            assert self.quant_scheme is not None, "quantize() was not called"
+            method, group, scale_dtype = self.quant_scheme
+            self._q4_packed = PackedQuantLinear.quantize(self.weight, self.bias, method, group,
+                                                         scale_dtype)
+        return self._q4_packed
+
+    def _dequantized_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ the 4-bit weights' dequantized values.T (+ bias), torch's GEMM in x's dtype."""
+        if self._q4_dense is None:
+            self._q4_dense = self.q4_packed().dequantized.to(self.weight.device, x.dtype)
+        return nn.functional.linear(x, self._q4_dense, self.bias)
 
     def amx_packed(self) -> AmxLinear:
         """The weight (and bias) packed for the AMX kernel, made on first use and kept until
@@ -76,6 +120,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
+        if self.quant_scheme is not None:
+            if self._q4 and rows <= NATIVE_MAX_ROWS:
+                return self.q4_packed()(x)
+            return self._dequantized_forward(x)
         if rows > NATIVE_MAX_ROWS:
             return super().forward(x)
         if self._amx and x.dtype == torch.bfloat16 and rows >= cpu_amx.LINEAR_MIN_ROWS:

@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from comm.noop import NoopCommunicator
+from kernels.cpu_amx import AmxLinear
 from kernels.cpu_amx_moe import AmxExperts
 from kernels.cpu_decode_layer import MAX_ROWS, DecodeLayerKernel, DecodeStepArgs, decode_step_args
+from kernels.cpu_linear_q4 import PackedQuantLinear
 from kernels.cpu_native import PackedQuantExperts
 from kernels.registry import NATIVE_CPU, KernelPlan
 from moe_engine.models.layers.moe import FusedMoE
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
     from moe_engine.instrumentation import ExpertLoadRecorder
     from moe_engine.models.layers.attention import AttentionMetadata
     from moe_engine.models.layers.decoder import DecoderLayer
+    from moe_engine.models.layers.linear import Linear
 
 
 class DecodeStep:
@@ -112,8 +115,9 @@ def decode_misfit(layer: DecoderLayer, plan: KernelPlan) -> str | None:
     if (not attn._native_prologue or attn.sinks is not None or type(attn.rotary) is not
             RotaryEmbedding or attn.attn.decode_backend != NATIVE_CPU):
         return "attention without the native prologue and decode kernel, or with sinks"
-    if mlp.router_module or not (attn.qkv_proj._amx and attn.o_proj._amx and mlp.gate._amx):
-        return "projections or router not on the AMX kernel"
+    projections_fit = all(p._amx or p._q4 for p in (attn.qkv_proj, attn.o_proj))
+    if mlp.router_module or not (projections_fit and mlp.gate._amx):
+        return "projections not on the AMX or 4-bit kernel, or router not on the AMX kernel"
     if mlp.gate.bias is not None or mlp.routing != "softmax_topk" or not mlp._native_router:
         return "routing other than the native softmax-top-k without a router bias"
     if (mlp.shared_experts is not None or mlp.ep_rank is not None
@@ -132,6 +136,12 @@ def _experts_kernel(mlp: FusedMoE) -> object:
     return getattr(bound, "run", None)
 
 
+def _projection(lin: Linear) -> AmxLinear | PackedQuantLinear:
+    """A projection's weights as the decode kernel takes them: 4-bit when quantized (and
+    bound to the 4-bit kernel), else AMX-packed."""
+    return lin.q4_packed() if lin._q4 else lin.amx_packed()
+
+
 def decode_kernel(layer: DecoderLayer) -> DecodeLayerKernel:
     """The layer's kernel over its modules' packed weights (the linears' AMX copies are made
     now if the layer has not run yet).
@@ -143,7 +153,7 @@ def decode_kernel(layer: DecoderLayer) -> DecodeLayerKernel:
     q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
     return DecodeLayerKernel(
         norm1=layer.input_layernorm.weight, norm2=layer.post_attention_layernorm.weight,
-        eps=layer.input_layernorm.eps, qkv=attn.qkv_proj.amx_packed(), o=attn.o_proj.amx_packed(),
+        eps=layer.input_layernorm.eps, qkv=_projection(attn.qkv_proj), o=_projection(attn.o_proj),
         router=mlp.gate.amx_packed(), num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
         head_dim=attn.head_dim, cos=attn.rotary.cos_cache, sin=attn.rotary.sin_cache,
         q_norm=q_norm, k_norm=k_norm, qk_eps=attn.q_norm.eps if attn.qk_norm else 0.0,
