@@ -24,7 +24,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def engine_row_name(quantization: str) -> str:
-    """`none` -> `moe-engine`, `int4` -> `moe-engine-int4`."""
+    """`none` -> `moe-engine`, `int4` -> `moe-engine-int4`, `int4-all` (--quantized-layers
+    all) -> `moe-engine-int4-all`."""
     return ENGINE if quantization == "none" else f"{ENGINE}-{quantization}"
 
 
@@ -61,7 +62,8 @@ class InProcessEngine:
 
 class MoeEngineRow(InProcessEngine):
     """moe-engine's offline `LLM` with `quantization` of the routed experts (`none`, `int4`,
-    `mxfp4`) and the engine options of throughput.py's `args`.
+    `mxfp4`; `int4-all` / `mxfp4-all`: the dense projections too, --quantized-layers all) and
+    the engine options of throughput.py's `args`.
 
     Raises (from `run`):
         RuntimeError: a request produced a number of tokens other than its output_len.
@@ -76,7 +78,8 @@ class MoeEngineRow(InProcessEngine):
         self.llm = LLM(
             model=str(ckpt), dtype=args.dtype, max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            kv_cache_memory=args.kv_cache_memory, quantization=quantization,
+            kv_cache_memory=args.kv_cache_memory, quantization=quantization.removesuffix("-all"),
+            quantized_layers="all" if quantization.endswith("-all") else "experts",
             kernel_backend=args.kernel_backend,
             **({"device": args.device} if args.device else {}),
         )

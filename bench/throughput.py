@@ -270,8 +270,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kernel-backend", default="auto", metavar="SPEC",
                    help="moe-engine's kernel backends (moe-serve --kernel-backend)")
     p.add_argument("--quantization", default=None,
-                   help="comma-separated moe-engine rows by routed-expert format, of none, int4, "
-                        "mxfp4 (default none; with --table none,int4)")
+                   help="comma-separated moe-engine rows by 4-bit format, of none, int4, "
+                        "mxfp4, int4-all, mxfp4-all (-all: --quantized-layers all, the dense "
+                        "projections too; default none; with --table none,int4,int4-all)")
     p.add_argument("--served", action="store_true",
                    help="also moe-engine behind its gRPC front end (moe-serve in its own "
                         "process, this process the client): rows moe-engine-grpc (final_only "
@@ -302,7 +303,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         named = [w.removeprefix(ENGINE).lstrip("-") or "none" for w in _listed(args.engines)
                  if not is_peer(w) and w not in SERVED_ROWS]
         args.quantization = ",".join(named) if named else None
-    args.quantization = args.quantization or ("none,int4" if args.table else "none")
+    args.quantization = args.quantization or ("none,int4,int4-all" if args.table else "none")
     if args.runs < 1 or args.warmup < 0:
         p.error("--runs must be >= 1 and --warmup >= 0")
     if unknown := [m for m in args.modes if m not in MODES]:

@@ -215,8 +215,10 @@ def test_ratios_table_and_row_selection(tp: ModuleType) -> None:
     args = tp.parse_args(["--engines", "moe-engine-int4,transformers-static-batching"])
     assert args.quantization == "int4" and tp.selected_baselines(args) == ["transformers"]
     args = tp.parse_args(["--table", "--baseline", "all"])
-    assert args.modes == ["batched", "batch1"] and args.quantization == "none,int4"
+    assert args.modes == ["batched", "batch1"] and args.quantization == "none,int4,int4-all"
     assert tp.selected_baselines(args) == list(tp.BASELINES)
+    args = tp.parse_args(["--engines", "moe-engine-int4-all"])
+    assert args.quantization == "int4-all"
     with pytest.raises(SystemExit):
         tp.parse_args(["--baseline", "nope"])
 

@@ -262,7 +262,8 @@ def test_binding_generator_follows_the_header():
     header = (nb.CSRC / nb.HEADER).read_text()
     protos = prototypes(header)
     assert set(protos) == {"moe_engine_abi_version", "moe_engine_vector_bits", "moe_fused_moe",
-                           "moe_fused_moe_q4", "moe_linear", "moe_paged_decode_attention",
+                           "moe_fused_moe_q4", "moe_linear", "moe_linear_q4",
+                           "moe_paged_decode_attention",
                            "moe_qk_norm_rope_cache", "moe_rms_norm", "moe_amx_available",
                            "moe_bf16_dot_available", "moe_prefill_attention",
                            "moe_amx_linear", "moe_amx_fused_moe",
