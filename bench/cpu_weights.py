@@ -6,7 +6,10 @@ checkpoint's shapes (BENCH.md bench-qwen3-moe) and reports the bytes of weights 
 reads over its time, GB/s:
 
 - linears, bfloat16-packed (`kernels.cpu_linear.PackedLinear`): qkv 512 -> 768, o_proj
-  512 -> 512, lm_head 512 -> 8192; bytes = N * K * 2.
+  512 -> 512, lm_head 512 -> 8192; bytes = N * K * 2. The same shapes in 4 bits
+  (`kernels.cpu_linear_q4.PackedQuantLinear`, as `--quantized-layers all` holds them): int4
+  group 128 with bfloat16 scales (a bf16 checkpoint's `--quantization int4`) and MXFP4; bytes =
+  codes + scales, bfloat16 inputs (as a bf16 model's layers give them).
 - one MoE layer's experts (32 experts, top-4, hidden 512, intermediate 256):
   bf16 (`kernels.cpu_native.PackedExperts`), int4 group 128 symmetric with float32 scales
   (the engine's `--quantization int4`), int4 with bfloat16 scales, and MXFP4
@@ -49,6 +52,7 @@ from types import ModuleType
 import torch
 
 from kernels.cpu_linear import PackedLinear
+from kernels.cpu_linear_q4 import PackedQuantLinear
 from kernels.cpu_native import PackedExperts, PackedQuantExperts
 from kernels.native import load_native, load_variant, loaded_isa, using
 from kernels.native_binding import MODULE
@@ -143,12 +147,19 @@ def run(rows: list[int], footprint_mb: float,
     g = torch.Generator().manual_seed(0)
     cases = []  # (kernel, rows, weight bytes, the call)
     for name, n, k in LINEARS:
-        packed = PackedLinear.pack((torch.randn(n, k, generator=g) * 0.02).bfloat16())
+        weight = (torch.randn(n, k, generator=g) * 0.02).bfloat16()
+        packed = PackedLinear.pack(weight)
         nbytes = packed.weight.numel() * packed.weight.element_size()
         objs = _copies(packed, nbytes, footprint_mb)
         for m in rows:
             cases.append((f"linear {name}", m, nbytes,
                           _rotating(objs, torch.randn(m, k, generator=g))))
+        for method in ("int4", "mxfp4"):
+            q4 = PackedQuantLinear.quantize(weight, None, method, 128, torch.bfloat16)
+            objs = _copies(q4, q4.nbytes, footprint_mb)
+            for m in rows:
+                cases.append((f"linear {name} {method}", m, q4.nbytes,
+                              _rotating(objs, torch.randn(m, k, generator=g).bfloat16())))
     router = torch.randn(E, H, generator=g)
     for name, experts in expert_sets(g).items():
         objs = _copies(experts, experts.nbytes, footprint_mb)

@@ -17,6 +17,7 @@ from functools import cached_property
 
 import torch
 
+from kernels.cpu_amx import bf16_backend
 from kernels.cpu_moe_args import INT4_SCALE_FORMATS
 from kernels.cpu_native import TILE, pack_q4_tiles, pack_tiles, unpack_q4_tiles, unpack_tiles
 from kernels.native import check_status, dtype_flag, load_native
@@ -26,6 +27,11 @@ from quant.packing import pack_nibbles, unpack_nibbles
 
 #: The methods `PackedQuantLinear.quantize` takes.
 METHODS = ("int4", "mxfp4")
+#: The kernel's format bit for VDPBF16PS products at one bfloat16 row (csrc/linear_q4_cpu.cpp
+#: `kDotFlag`): set where this process's bfloat16 kernels run on AVX512-BF16 or AMX
+#: (`kernels.cpu_amx.bf16_backend`, decided and logged once); the kernel ignores it for float32
+#: inputs, more rows, group sizes not a multiple of 16 and the AVX2 build.
+DOT_FLAG = 16
 
 
 @dataclass(frozen=True, eq=False)
@@ -130,7 +136,8 @@ class PackedQuantLinear:
     @cached_property
     def weight_args(self) -> tuple[int, int, int, int | None]:
         """(codes pointer, scales pointer, the kernel's format, bias pointer or None), checked
-        once: format 0 MXFP4, 1 / 2 / 3 int4 with float32 / bfloat16 / float16 scales.
+        once: format 0 MXFP4, 1 / 2 / 3 int4 with float32 / bfloat16 / float16 scales, plus
+        `DOT_FLAG` where `bf16_backend()` runs the bfloat16 kernels.
 
         Raises:
             RuntimeError: tensors the kernel does not take.
@@ -149,4 +156,6 @@ class PackedQuantLinear:
                                f"or float16; mxfp4: uint8), got {s.dtype} {tuple(s.shape)}")
         if b.numel() and (b.numel() != n or b.dtype != torch.float32 or not b.is_contiguous()):
             raise RuntimeError(f"bias must be float32 [{n}], got {b.dtype} {tuple(b.shape)}")
+        if bf16_backend() is not None:
+            fmt |= DOT_FLAG
         return c.data_ptr(), s.data_ptr(), fmt, b.data_ptr() if b.numel() else None

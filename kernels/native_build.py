@@ -55,7 +55,7 @@ HEADER = "moe_engine_cpu.h"
 BINDING = "binding.cpp"
 LIBRARY = native_binding.MODULE + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
 #: Bumped with any change of csrc/moe_engine_cpu.h's prototypes (part of the cache digest).
-ABI_VERSION = 9
+ABI_VERSION = 10
 #: The flags of every variant; no -ffast-math.
 BASE_CXXFLAGS = ("-O3", "-pthread", "-DNDEBUG", "-std=c++17", "-fPIC", "-fvisibility=hidden")
 #: Instruction-set flags per variant, named (not -march=native), so that a cache shared by

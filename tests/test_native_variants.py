@@ -20,14 +20,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import cpu_amx
 from kernels.cpu_linear import PackedLinear
-from kernels.cpu_linear_q4 import PackedQuantLinear
+from kernels.cpu_linear_q4 import DOT_FLAG, PackedQuantLinear
 from kernels.cpu_native import PackedExperts, PackedQuantExperts
 from kernels.native import (
     ISA_ENV,
     VECTOR_BITS,
+    check_status,
     choose_isa,
     isa_unsupported_reason,
+    load_native,
     load_variant,
     using,
 )
@@ -103,6 +106,53 @@ def test_4bit_linear_every_row_count(variant, method, scale_dtype, n, k, group):
             want = x.double() @ want_w.t() + b.double()
             torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol,
                                        msg=lambda s, m=m, d=dtype: f"{variant}, {m} rows {d}: {s}")
+
+
+def _q4_row(packed: PackedQuantLinear, x: torch.Tensor, dot: bool, threads: int = 2
+            ) -> torch.Tensor:
+    """moe_linear_q4 of one bfloat16 row x [1, K] into float32 [1, N], with or without the
+    format's VDPBF16PS bit, on the variant in use."""
+    lib = load_native("linear_q4_cpu")
+    codes, scales, fmt, bias = packed.weight_args
+    fmt = (fmt & ~DOT_FLAG) | (DOT_FLAG if dot else 0)
+    y = torch.empty(1, packed.out_features)
+    check_status(lib.moe_linear_q4(x.data_ptr(), 1, 1, packed.in_features, codes, scales, None,
+                                   fmt, packed.group_size, packed.out_features, bias,
+                                   y.data_ptr(), 0, threads), "linear_q4")
+    return y
+
+
+@pytest.mark.parametrize(("method", "scale_dtype", "n", "k", "group"), [
+    ("int4", torch.bfloat16, 50, 256, 128), ("int4", torch.float32, 37, 96, 32),
+    ("int4", torch.float16, 16, 64, 16), ("mxfp4", None, 40, 128, 32),
+    ("int4", torch.bfloat16, 21, 64, 8),  # G % 16 != 0: the float32 kernel
+])
+def test_4bit_linear_one_bf16_row_on_vdpbf16ps(variant, method, scale_dtype, n, k, group):
+    """A bfloat16 row with the format's DOT_FLAG (csrc/linear_q4_cpu.cpp `dot_tile`, the
+    batch-1 decode of `--quantized-layers all` where the bf16 kernels run): float32 outputs
+    against float64, equal on 1 and 2 threads. The path is told apart by VDPBF16PS treating
+    denormal inputs as zero: rows of denormals give exact zeros on it, and not on the float32
+    kernel (the AVX2 build, groups not a multiple of 16)."""
+    if not cpu_amx.dot_available():
+        pytest.skip("AVX512-BF16 unavailable: the CPU lacks it")
+    g = _gen()
+    w = torch.randn(n, k, generator=g) / k**0.5
+    b = torch.randn(n, generator=g)
+    packed = PackedQuantLinear.quantize(w, b, method, group, scale_dtype or torch.float32)
+    want_w = packed.dequantized.double()
+    for _ in range(3):
+        x = torch.randn(1, k, generator=g).bfloat16()
+        want = x.double() @ want_w.t() + b.double()
+        got = _q4_row(packed, x, dot=True)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(_q4_row(packed, x, dot=False), got, rtol=1e-5, atol=1e-5)
+        assert torch.equal(_q4_row(packed, x, dot=True, threads=1), got)
+    unbiased = PackedQuantLinear.quantize(w * 1e4, None, method, group,
+                                          scale_dtype or torch.float32)
+    tiny = torch.full((1, k), 2e-39).bfloat16()  # bfloat16 denormals
+    on_dot = variant == "avx512" and group % 16 == 0
+    assert bool((_q4_row(unbiased, tiny, dot=True) == 0).all()) == on_dot
+    assert bool((_q4_row(unbiased, tiny, dot=False) != 0).any())
 
 
 def _one_expert_routing(g: torch.Generator, t: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -120,7 +120,7 @@ void router_rows(const T* logits, int64_t rows, int64_t E, int64_t k, bool renor
 
 }  // namespace
 
-int32_t moe_engine_abi_version(void) { return 9; }
+int32_t moe_engine_abi_version(void) { return 10; }
 
 // gemm.h: 512 in the AVX-512 variant, 256 in the AVX2 one.
 int32_t moe_engine_vector_bits(void) { return MOE_ENGINE_VECTOR_BITS; }
