@@ -7,11 +7,13 @@ print(outs[0].outputs[0].text)
 
 from __future__ import annotations
 
+import logging
 import numbers
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from moe_engine import TORCH_LOADED_WITHOUT_WAIT_POLICY
 from moe_engine.config import (
     CacheConfig,
     DeviceConfig,
@@ -38,6 +40,15 @@ PromptType = str | Sequence[int] | dict[str, Any]
 #: A chat conversation: [{"role": "user", "content": "..."}, ...].
 Conversation = list[dict[str, Any]]
 
+
+logger = logging.getLogger(__name__)
+
+#: Logged by `LLM` on a CPU when torch was imported before moe_engine with no OMP_WAIT_POLICY.
+WAIT_POLICY_WARNING = (
+    "torch was imported before moe_engine with OMP_WAIT_POLICY unset, so torch's OpenMP "
+    "workers in this process spin after every torch op on the cores the engine's kernels use "
+    "(mixed-64 measured 27% slower): import moe_engine before torch, or set "
+    "OMP_WAIT_POLICY=PASSIVE in the environment")
 
 class LLM(WeightUpdateMethods):
     """Runs an `EngineCore` in this process until every prompt is done.
@@ -125,6 +136,8 @@ class LLM(WeightUpdateMethods):
             )
         )
         self._next_id = 0
+        if TORCH_LOADED_WITHOUT_WAIT_POLICY and self.engine.device.type == "cpu":
+            logger.warning(WAIT_POLICY_WARNING)
 
     def get_tokenizer(self):
         """The checkpoint's tokenizer (transformers), or None when it ships none."""

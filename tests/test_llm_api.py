@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+import moe_engine.llm as llm_module
 from moe_engine import LLM, CompletionOutput, Logprob, RequestOutput, SamplingParams
 from moe_engine.demo import write_tokenizer
 from moe_engine.errors import ParamError, RequestError, StartupError
@@ -253,3 +257,30 @@ def test_kv_cache_memory_takes_the_servers_byte_counts(qwen3_ckpt):
         LLM(model=str(qwen3_ckpt), max_model_len=64, kv_cache_memory="lots")
     with pytest.raises(ValueError, match="kv_cache_memory must be a byte count"):
         LLM(model=str(qwen3_ckpt), max_model_len=64, kv_cache_memory=2.5)
+
+
+@pytest.mark.parametrize(("order", "env", "late"), [
+    ("import torch, moe_engine", {}, True),
+    ("import moe_engine, torch", {}, False),
+    ("import torch, moe_engine", {"OMP_WAIT_POLICY": "ACTIVE"}, False),
+])
+def test_torch_loaded_first_without_a_wait_policy_is_detected(order, env, late) -> None:
+    """The PASSIVE policy `import moe_engine` sets reaches only a torch loaded after it."""
+    base = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", f"{order}; "
+                          "print(moe_engine.TORCH_LOADED_WITHOUT_WAIT_POLICY)"],
+                         env={**base, **env}, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(late)
+
+
+def test_llm_warns_when_torch_came_first_without_a_wait_policy(qwen3_ckpt, monkeypatch,
+                                                               caplog) -> None:
+    monkeypatch.setattr(llm_module, "TORCH_LOADED_WITHOUT_WAIT_POLICY", True)
+    with caplog.at_level("WARNING", logger="moe_engine.llm"):
+        LLM(model=str(qwen3_ckpt), max_model_len=64)
+    assert llm_module.WAIT_POLICY_WARNING in [r.getMessage() for r in caplog.records]
+    monkeypatch.setattr(llm_module, "TORCH_LOADED_WITHOUT_WAIT_POLICY", False)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="moe_engine.llm"):
+        LLM(model=str(qwen3_ckpt), max_model_len=64)
+    assert llm_module.WAIT_POLICY_WARNING not in [r.getMessage() for r in caplog.records]
