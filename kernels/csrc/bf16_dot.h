@@ -25,8 +25,11 @@ inline bool dot_scores_fit(int64_t D, int64_t G) {
 // scores[g * n + j] = scale * sum_d q[g][d] * k_cache[rows[j] + d] for g < G, j < n: q [G][D]
 // bfloat16 (one KV head's query heads), keys in a bfloat16 cache at element offsets rows[j].
 // Products exact, sums float32 (VDPBF16PS, denormals flushed), then times scale: the
-// arithmetic of amx_decode_scores. Requires dot_scores_fit(D, G) and moe_bf16_dot_available().
-void dot_decode_scores(const uint16_t* q, const uint16_t* k_cache, const int64_t* rows,
-                       int64_t n, int64_t G, int64_t D, float scale, float* scores);
+// arithmetic of amx_decode_scores. v_cache (or null): the value cache whose rows[j] the caller
+// reads next, prefetched into L2 beside the keys. Requires dot_scores_fit(D, G) and
+// moe_bf16_dot_available().
+void dot_decode_scores(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                       const int64_t* rows, int64_t n, int64_t G, int64_t D, float scale,
+                       float* scores);
 
 }  // namespace moe_engine

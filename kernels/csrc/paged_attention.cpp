@@ -115,7 +115,7 @@ inline void values_block(const float* scores, int64_t n, const C* v_cache, const
   __m512 a[4][NV];
   for (int i = 0; i < 4; ++i)
     for (int v = 0; v < NV; ++v) a[i][v] = _mm512_setzero_ps();
-  constexpr int64_t kAhead = 8;  // value rows prefetched ahead (blocks lie anywhere)
+  constexpr int64_t kAhead = 32;  // value rows prefetched ahead (blocks lie anywhere; 8 before)
   for (int64_t j = 0; j < n; ++j) {
     const C* vr = v_cache + rows[j] + d0;
     if (j + kAhead < n) {
@@ -222,6 +222,9 @@ void weighted_values_256(const float* scores, int64_t n, const C* v_cache, const
   }
 }
 
+// Keys of the next work item that an item prefetches (decode_attention).
+constexpr int64_t kNextKeys = 32;
+
 template <typename Q, typename C, typename O>
 void decode_attention(const Q* q, const C* k_cache, const C* v_cache, const int64_t* tables,
                       int64_t table_width, const int64_t* seq_lens, const float* sinks,
@@ -244,6 +247,20 @@ void decode_attention(const Q* q, const C* k_cache, const C* v_cache, const int6
     s.acc.resize(G * D);
     s.denom.resize(G);
   }
+  // The first keys of work item `item` (a pool worker usually claims the next item next):
+  // requested while the current item computes, so that its start does not wait on DRAM.
+  auto prefetch_first_keys = [&](int64_t item) {
+    const int64_t b = item / Hkv, h = item % Hkv, L = seq_lens[b];
+    const int64_t first = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+    const int64_t* table = tables + b * table_width;
+    for (int64_t pos = first; pos < std::min(L, first + kNextKeys); ++pos) {
+      const int64_t at =
+          (table[pos / block_size] * block_size + pos % block_size) * row_stride + h * D;
+      const char* key = reinterpret_cast<const char*>(k_cache + at);
+      for (int64_t off = 0; off < D * int64_t(sizeof(C)); off += 64)
+        _mm_prefetch(key + off, _MM_HINT_T1);
+    }
+  };
   moe_engine::parallel_items(B * Hkv, threads, [&](int64_t item, int worker) {
       Scratch& mine = scratch[worker];
       std::vector<float>&qf = mine.qf, &acc = mine.acc, &scores = mine.scores, &denom = mine.denom;
@@ -268,6 +285,7 @@ void decode_attention(const Q* q, const C* k_cache, const C* v_cache, const int6
         pos += len;
         j += len;
       }
+      if (item + 1 < B * Hkv) prefetch_first_keys(item + 1);
       // pass 1: scores[g][j] = q_g . k_{first + j}
       if constexpr (kBf16) {
         const uint16_t* qh = reinterpret_cast<const uint16_t*>(q) + (b * Hq + h * G) * D;
@@ -275,7 +293,8 @@ void decode_attention(const Q* q, const C* k_cache, const C* v_cache, const int6
           moe_engine::amx_decode_scores(qh, k_cache, table, block_size, row_stride, h * D, D, G,
                                         first, L, scale, scores.data());
         if (dot_scores)
-          moe_engine::dot_decode_scores(qh, k_cache, rows.data(), n, G, D, scale, scores.data());
+          moe_engine::dot_decode_scores(qh, k_cache, v_cache, rows.data(), n, G, D, scale,
+                                        scores.data());
       }
       if (!amx_scores && !dot_scores)
         scores_fma(qf.data(), k_cache, rows.data(), n, G, D, scores.data());
