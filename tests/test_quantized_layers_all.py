@@ -109,3 +109,22 @@ def test_flag_errors_name_the_flag(qwen3_ckpt):
     with pytest.raises((ValueError, StartupError), match="quantized_layers must be one of"):
         LLM(model=str(qwen3_ckpt), max_model_len=64, quantization="int4",
             quantized_layers="attention")
+
+
+def test_weight_bytes_count_the_4bit_copies_beside_the_weights(qwen3_ckpt):
+    """The dense layers keep their weight (for weight updates) and hold a 4-bit copy: the
+    reported bytes (ModelInfo's weight_bytes_*) grow by exactly the copies."""
+    experts_only = LLM(model=str(qwen3_ckpt), max_model_len=64, quantization="int4",
+                       quant_group_size=GROUP).engine.model.weight_bytes_by_kind()
+    model = _llm(qwen3_ckpt, "int4").engine.model
+    copies = {"attention": 0, "embeddings": 0, "other": 0}
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and module.quant_scheme is not None:
+            kind = "attention" if ".self_attn." in name else (
+                "embeddings" if name == "lm_head" else "other")
+            copies[kind] += module.q4_packed().nbytes
+    assert copies["attention"] > 0 and copies["embeddings"] > 0
+    got = model.weight_bytes_by_kind()
+    assert got["experts"] == experts_only["experts"]
+    for kind, extra in copies.items():
+        assert got[kind] == experts_only[kind] + extra, kind

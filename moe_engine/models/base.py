@@ -320,6 +320,9 @@ class MoeCausalLM(nn.Module):
         """Bytes the loaded weights take, by kind, read from the tensors themselves
         (parameters, persistent buffers and 4-bit expert copies; a tied lm_head counts once).
 
+        With `--quantized-layers all` a dense projection counts its float weight and its 4-bit
+        copy (`Linear.quantized_copy_bytes`): both are held.
+
         Returns:
             experts: routed experts (float w13/w2, or the 4-bit weights with their scales);
             attention: q/k/v/o projections and q/k norms; embeddings: embed_tokens and
@@ -335,6 +338,9 @@ class MoeCausalLM(nn.Module):
                     tensors.append((f"{prefix}.{name}", buf))
         for name, t in tensors:
             sizes[_weight_kind(name)] += t.numel() * t.element_size()
+        for prefix, module in self.named_modules():
+            if isinstance(module, Linear):
+                sizes[_weight_kind(f"{prefix}.weight")] += module.quantized_copy_bytes()
         for _, moe in self.moe_layers():
             if moe.quantized is not None:
                 sizes["experts"] += moe.quantized.nbytes

@@ -96,6 +96,15 @@ class Linear(nn.Linear):
         self._q4_packed = None
         self._q4_dense = None
 
+    def quantized_copy_bytes(self) -> int:
+        """Bytes of the copies `quantize` adds beside the weight, which stays for weight
+        updates: the 4-bit codes and scales, and the dequantized weight once a batch beyond the
+        4-bit kernel (or another backend) has made it; 0 when not quantized."""
+        size = self._q4_packed.nbytes if self._q4_packed is not None else 0
+        if self._q4_dense is not None:
+            size += self._q4_dense.numel() * self._q4_dense.element_size()
+        return size
+
     def q4_packed(self) -> PackedQuantLinear:
         """The 4-bit weights (`quantize`), made on first use and kept until `reset_packed`."""
         if self._q4_packed is None:
