@@ -170,6 +170,17 @@ class ModelShape:
             + h  # final norm
         )
 
+    def dense_projection_params(self) -> int:
+        """An upper bound on the parameters `--quantized-layers all` gives a 4-bit copy: every
+        non-expert parameter but the norms, the routers and the input embedding (the LM head
+        counts, tied or not; the few kept in float, such as MLA's kv_b_proj, biases and q/k
+        norms, are included, so the bound is a little high)."""
+        h = self.hidden_size
+        norms = self.num_layers * 2 * h + h
+        routers = len(self.moe_layers) * self.router_params()
+        lm_head = self.vocab_size * h if self.tie_word_embeddings else 0
+        return self.other_params() - norms - routers - self.vocab_size * h + lm_head
+
     def router_params(self) -> int:
         """Parameters of one MoE layer's router: weight [E, H], optional bias [E] and
         `e_score_correction_bias` [E]."""

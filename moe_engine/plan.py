@@ -248,6 +248,7 @@ def make_plan(
     available_memory: int | None = None,
     max_num_seqs: int | None = None,
     expert_bits_per_weight: float | None = None,
+    dense_bits_per_weight: float | None = None,
     max_num_batched_tokens: int | None = None,
     attention_groups: list[AttentionGroup] | None = None,
 ) -> Plan:
@@ -269,6 +270,9 @@ def make_plan(
             max_model_len can ever hold are reserved.
         expert_bits_per_weight: storage of routed experts when quantized (e.g. 4.25 for int4 at
             group 128 with fp32 scales, or MXFP4); None = `dtype`.
+        dense_bits_per_weight: with `--quantized-layers all`, the 4-bit copies' storage that
+            the dense projections hold beside their `dtype` weights (counted in `other`, from
+            `ModelShape.dense_projection_params`); None: no copies.
         max_num_batched_tokens: the step's token budget: the longest prefill chunk, which
             bounds a sliding-window group's blocks per request; None: unbounded.
         attention_groups: the model's layers by attention kind (`MoeCausalLM.
@@ -298,6 +302,8 @@ def make_plan(
         experts = math.ceil(expert_params * expert_bits_per_weight / 8)
     experts += round(shape.expert_bias_params() * share) * itemsize
     other = shape.other_params() * itemsize + shape.float32_params() * (4 - itemsize)
+    if dense_bits_per_weight is not None:
+        other += math.ceil(shape.dense_projection_params() * dense_bits_per_weight / 8)
     kv_groups = make_kv_cache_groups(
         attention_groups or shape.attention_groups(),
         block_size=block_size,

@@ -128,3 +128,16 @@ def test_weight_bytes_count_the_4bit_copies_beside_the_weights(qwen3_ckpt):
     assert got["experts"] == experts_only["experts"]
     for kind, extra in copies.items():
         assert got[kind] == experts_only[kind] + extra, kind
+
+
+def test_the_startup_plan_budgets_the_4bit_copies(qwen3_ckpt):
+    """The plan (made from config.json before loading) counts the copies, never fewer bytes
+    than the loaded model holds, so the KV budget does not take their memory."""
+    engines = {layers: LLM(model=str(qwen3_ckpt), max_model_len=64, quantization="int4",
+                           quant_group_size=GROUP, quantized_layers=layers).engine
+               for layers in ("experts", "all")}
+    held = {k: sum(v for kind, v in e.model.weight_bytes_by_kind().items() if kind != "experts")
+            for k, e in engines.items()}
+    planned = {k: e.plan.weight_bytes_other for k, e in engines.items()}
+    assert planned["all"] - planned["experts"] >= held["all"] - held["experts"] > 0
+    assert planned["all"] - planned["experts"] <= 1.2 * (held["all"] - held["experts"])

@@ -157,6 +157,8 @@ def build_model(
         num_local_experts=len(rank_context.local_experts) if rank_context else None,
         max_num_seqs=config.scheduler.max_num_seqs,
         expert_bits_per_weight=config.quant.bits_per_weight,
+        dense_bits_per_weight=(config.quant.bits_per_weight or 4.5)
+        if config.quant.layers == "all" else None,
     )
     plan = _check_plan(plan, config, device, device_memory, max_model_len, kernels)
     model = model_cls(spec, dtype, max_position=max_model_len).eval()

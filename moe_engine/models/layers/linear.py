@@ -98,9 +98,12 @@ class Linear(nn.Linear):
 
     def quantized_copy_bytes(self) -> int:
         """Bytes of the copies `quantize` adds beside the weight, which stays for weight
-        updates: the 4-bit codes and scales, and the dequantized weight once a batch beyond the
-        4-bit kernel (or another backend) has made it; 0 when not quantized."""
-        size = self._q4_packed.nbytes if self._q4_packed is not None else 0
+        updates: the 4-bit codes and scales (made now if `bind_kernels` dropped them: the
+        first forward would), and the dequantized weight once a batch beyond the 4-bit kernel
+        (or another backend) has made it; 0 when not quantized."""
+        if self.quant_scheme is None:
+            return 0
+        size = self.q4_packed().nbytes
         if self._q4_dense is not None:
             size += self._q4_dense.numel() * self._q4_dense.element_size()
         return size
