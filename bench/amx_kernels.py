@@ -1,4 +1,4 @@
-"""AMX bf16 kernels (kernels/cpu_amx.py) against the AVX2 native kernels and torch's bfloat16
+"""AMX bf16 kernels (kernels/dense/amx.py) against the AVX2 native kernels and torch's bfloat16
 path (oneDNN, itself AMX here), side by side in one run, min of N.
 
 Per shape and batch size, each engine's microseconds per call: the engines alternate within
@@ -21,10 +21,10 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import fused_moe_cpu
-from kernels.cpu_amx import AmxLinear, amx_unavailable_reason
-from kernels.cpu_linear import PackedLinear
-from kernels.cpu_native import PackedExperts
+from kernels.dense.amx import AmxLinear, amx_unavailable_reason
+from kernels.dense.native_linear import PackedLinear
+from kernels.moe.native import PackedExperts
+from kernels.moe.torch_cpu import fused_moe_cpu
 
 LINEAR_SHAPES = ((768, 512), (512, 512), (8192, 512), (32, 512))  # qkv, o, lm_head, router
 LINEAR_ROWS = (1, 4, 8, 16, 64, 256, 1024)
@@ -65,7 +65,7 @@ def bench_linear(rows: tuple[int, ...], rounds: int, round_s: float) -> list[dic
 
 
 def bench_moe(tokens: tuple[int, ...], rounds: int, round_s: float) -> list[dict]:
-    from kernels.cpu_amx_moe import AmxExperts
+    from kernels.moe.amx import AmxExperts
 
     e, h, i, top_k = 32, 512, 256, 4
     g = torch.Generator().manual_seed(0)

@@ -23,10 +23,10 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import fused_moe_cpu
-from kernels.cpu_attention import paged_decode_attention
-from kernels.cpu_linear import PackedLinear
-from kernels.cpu_native import PackedExperts
+from kernels.attention.native_decode import paged_decode_attention
+from kernels.dense.native_linear import PackedLinear
+from kernels.moe.native import PackedExperts
+from kernels.moe.torch_cpu import fused_moe_cpu
 
 
 def _time_ms(fn: Callable[[], object], min_seconds: float = 0.3) -> float:

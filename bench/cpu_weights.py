@@ -5,13 +5,13 @@ per step. This times the native kernels alone (no torch path beside them) on the
 checkpoint's shapes (BENCH.md bench-qwen3-moe) and reports the bytes of weights each call
 reads over its time, GB/s:
 
-- linears, bfloat16-packed (`kernels.cpu_linear.PackedLinear`): qkv 512 -> 768, o_proj
+- linears, bfloat16-packed (`kernels.dense.native_linear.PackedLinear`): qkv 512 -> 768, o_proj
   512 -> 512, lm_head 512 -> 8192; bytes = N * K * 2. The same shapes in 4 bits
-  (`kernels.cpu_linear_q4.PackedQuantLinear`, as `--quantized-layers all` holds them): int4
+  (`kernels.dense.native_linear_q4.PackedQuantLinear`, as `--quantized-layers all` holds them): int4
   group 128 with bfloat16 scales (a bf16 checkpoint's `--quantization int4`) and MXFP4; bytes =
   codes + scales, bfloat16 inputs (as a bf16 model's layers give them).
 - one MoE layer's experts (32 experts, top-4, hidden 512, intermediate 256):
-  bf16 (`kernels.cpu_native.PackedExperts`), int4 group 128 symmetric with float32 scales
+  bf16 (`kernels.moe.native.PackedExperts`), int4 group 128 symmetric with float32 scales
   (the engine's `--quantization int4`), int4 with bfloat16 scales, and MXFP4
   (`PackedQuantExperts`); bytes = the packed bytes of every expert the routing uses (an expert
   with several rows is read once).
@@ -19,7 +19,7 @@ reads over its time, GB/s:
 Weights: random bfloat16 values (scale 0.02); routing: softmax top-4 of random logits.
 `--footprint-mb` of copies of each weight set are rotated call by call so that a call finds its
 weights in L3, not in the 2 MiB L2 that the previous call left them in (0: one copy, L2-hot).
-`--variants avx2 avx512` loads both builds of the native library (`kernels.native
+`--variants avx2 avx512` loads both builds of the native library (`kernels.native.library
 .load_variant`) and alternates them batch by batch on the same weights, so that the machine's
 load hits both alike; by default the process's own variant runs (`MOE_ENGINE_CPU_ISA`). Times:
 median of 5 batches' mean per call, a batch lasting about 60 ms.
@@ -51,11 +51,11 @@ from types import ModuleType
 
 import torch
 
-from kernels.cpu_linear import PackedLinear
-from kernels.cpu_linear_q4 import PackedQuantLinear
-from kernels.cpu_native import PackedExperts, PackedQuantExperts
-from kernels.native import load_native, load_variant, loaded_isa, using
-from kernels.native_binding import MODULE
+from kernels.dense.native_linear import PackedLinear
+from kernels.dense.native_linear_q4 import PackedQuantLinear
+from kernels.moe.native import PackedExperts, PackedQuantExperts
+from kernels.native.binding import MODULE
+from kernels.native.library import load_native, load_variant, loaded_isa, using
 from quant.int4 import Int4Weight, quantize_int4
 from quant.mxfp4 import quantize_mxfp4
 
@@ -103,7 +103,7 @@ def _rotating(objs: list[object], *args: torch.Tensor) -> Callable[[], object]:
 
 
 def _on(variant: ModuleType | None, fn: Callable[[], object]) -> Callable[[], object]:
-    """`fn` run on `variant`'s module (`kernels.native.using`), or on the process's own."""
+    """`fn` run on `variant`'s module (`kernels.native.library.using`), or on the process's own."""
     if variant is None:
         return fn
 
@@ -141,7 +141,7 @@ def run(rows: list[int], footprint_mb: float,
     """One row per (kernel, batch rows, variant): ms per call, weight bytes per call, GB/s.
 
     Args:
-        variants: name -> native module (`kernels.native.load_variant`), or None for the
+        variants: name -> native module (`kernels.native.library.load_variant`), or None for the
             process's own (`load_native`); timed alternately.
     """
     g = torch.Generator().manual_seed(0)
@@ -226,7 +226,7 @@ def main(rows: list[int], footprint_mb: float, as_json: bool,
     """Time and print a markdown table (or JSON with `as_json`).
 
     Args:
-        variant_names: the library variants to alternate (`kernels.native.load_variant`);
+        variant_names: the library variants to alternate (`kernels.native.library.load_variant`);
             default the process's own.
         baseline: a library built from another commit (`load_baseline`), alternated first.
         repeat: sweeps; each cell is the median over them.

@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from workload import ensure_bench_checkpoint  # noqa: E402
 
-from moe_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from moe_engine.core.engine_core import EngineCore  # noqa: E402
 from moe_engine.disagg.arithmetic import format_table, transfer_table  # noqa: E402
 from moe_engine.disagg.handoff import DecodeHandoff, PrefillHandoff, kv_transfer_for  # noqa: E402
-from moe_engine.engine.core import EngineCore  # noqa: E402
 from moe_engine.request import SamplingParams  # noqa: E402
+from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 
 
 def _core(ckpt: Path, max_len: int) -> EngineCore:
@@ -77,7 +77,7 @@ def one_round(single: EngineCore, pre: PrefillHandoff, dec: DecodeHandoff, rid: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moe_engine.demo import default_cache_dir
+    from moe_engine.startup.demo import default_cache_dir
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt-lens", default="128,512,2048")

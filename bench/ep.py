@@ -32,7 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from workload import ensure_bench_checkpoint, mixed_workload  # noqa: E402
 
-from moe_engine.config import (  # noqa: E402
+from moe_engine.engine.client import EngineClient  # noqa: E402
+from moe_engine.engine.messages import EngineStats  # noqa: E402
+from moe_engine.request import SamplingParams  # noqa: E402
+from moe_engine.startup.config import (  # noqa: E402
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -40,9 +43,6 @@ from moe_engine.config import (  # noqa: E402
     SchedulerConfig,
     cache_root,
 )
-from moe_engine.engine.client import EngineClient  # noqa: E402
-from moe_engine.engine.messages import EngineStats  # noqa: E402
-from moe_engine.request import SamplingParams  # noqa: E402
 
 PHASES = ("attention", "router", "dispatch", "experts", "combine")
 

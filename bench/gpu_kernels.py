@@ -3,7 +3,7 @@
     python bench/gpu_kernels.py [--out DIR] [--repeats 20] [--json]
     python bench/gpu_kernels.py --dry-run --out DIR   # CPU, TRITON_INTERPRET=1, tiny shapes
 
-Fused MoE (`kernels.fused_moe.fused_moe` bf16, `fused_moe_int4` w4a16 symmetric,
+Fused MoE (`kernels.moe.fused_moe.fused_moe` bf16, `fused_moe_int4` w4a16 symmetric,
 `fused_moe_mxfp4`) at 1, 8, 64 and 512 tokens for two layer shapes:
 
 - `qwen3-30b-a3b`: hidden 2048, moe_intermediate 768, 128 experts, top-8 (Qwen3-30B-A3B's
@@ -18,7 +18,8 @@ bf16 values; int4 packed codes + float32 scales; MXFP4 packed codes + uint8 E8M0
 Activations are not counted. A 256 MiB buffer is zeroed before each timed call so that no
 weight is served from L2 (60 MB on an H200; triton.testing.do_bench does the same).
 
-Decode attention (`kernels.triton_attention.paged_attention`, imported lazily; a "missing" row
+Decode attention (`kernels.attention.triton_attention.paged_attention`, imported lazily; a
+"missing" row
 when it is not there): batch 64, one query token per sequence over 4096 tokens of context,
 Qwen3-30B-A3B's attention (32 query heads, 4 KV heads, head_dim 128), bf16 cache in blocks of
 16 tokens placed in shuffled blocks. KV bandwidth = K and V bytes of every context token /
@@ -142,7 +143,7 @@ def expert_bytes(*tensors: torch.Tensor | None) -> int:
 def make_experts(shape: MoeShape, device: torch.device, g: torch.Generator) -> dict:
     """bf16 weights (std 0.02, as an initialised checkpoint) and each format's kernel inputs:
     {format: (per-expert bytes, fn(hidden, topk_weights, topk_ids) -> [T, H])}."""
-    from kernels.fused_moe import fused_moe, fused_moe_int4, fused_moe_mxfp4
+    from kernels.moe.fused_moe import fused_moe, fused_moe_int4, fused_moe_mxfp4
     from quant.int4 import quantize_int4
     from quant.mxfp4 import quantize_mxfp4
 
@@ -222,9 +223,10 @@ def attention_row(shape: AttentionShape, timer: Timer, copy_gbs: float, g) -> di
            "q_heads": shape.num_q_heads, "kv_heads": shape.num_kv_heads,
            "head_dim": shape.head_dim, "kv_bytes": kv_bytes}  # fmt: skip
     try:
-        from kernels.triton_attention import paged_attention
+        from kernels.attention.triton_attention import paged_attention
     except ImportError as exc:
-        row["missing"] = f"kernels.triton_attention.paged_attention not importable ({exc})"
+        module = "kernels.attention.triton_attention"
+        row["missing"] = f"{module}.paged_attention not importable ({exc})"
         return row
     inputs = attention_inputs(shape, timer.device, g)
     scale = shape.head_dim**-0.5

@@ -5,7 +5,7 @@ Two parts (the issue's bench for `Qwen3NextForCausalLM`):
 1. Arithmetic, no weights: the published Qwen3-Next-80B-A3B config.json (`QWEN3_NEXT_80B`
    below: 48 layers, every 4th gated full attention, the other 36 Gated DeltaNet; bfloat16)
    and the same config with every layer full attention, read by `moe_engine.models.model_shape`
-   and planned by `moe_engine.plan.make_plan` as `moe-serve --kv-cache-memory 4GiB
+   and planned by `moe_engine.startup.plan.make_plan` as `moe-serve --kv-cache-memory 4GiB
    --max-num-seqs B --max-model-len 4096` plans them (blocks of 16 tokens). Per model: KV
    bytes per token, the linear-attention state per request (conv state in bfloat16, recurrent
    state in float32, as `kv_cache.state.MambaSpec` stores it; and what it would be with a
@@ -71,7 +71,7 @@ from workload import (  # noqa: E402
 )
 
 from moe_engine.models import model_shape  # noqa: E402
-from moe_engine.plan import format_bytes, make_plan  # noqa: E402
+from moe_engine.startup.plan import format_bytes, make_plan  # noqa: E402
 
 logger = logging.getLogger("bench.hybrid_state")
 
@@ -590,7 +590,7 @@ def parse_ints(text: str) -> list[int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from moe_engine.demo import default_cache_dir
+    from moe_engine.startup.demo import default_cache_dir
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", default="1024,16384",
@@ -618,7 +618,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         apply_quick_defaults(args, argv, {"--contexts": "256,1024", "--batches": "1",
                                           "--output-len": 8, "--runs": 1})
-    from moe_engine.config import parse_bytes
+    from moe_engine.startup.config import parse_bytes
 
     try:
         args.context_list = sorted(set(parse_ints(args.contexts)))

@@ -39,11 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from workload import ensure_bench_checkpoint  # noqa: E402
 
-from moe_engine.config import SchedulerConfig, cache_root  # noqa: E402
 from moe_engine.kv_cache import FULL_ATTENTION, KVCacheManager, make_kv_cache_groups  # noqa: E402
-from moe_engine.model_shape import ModelShape  # noqa: E402
 from moe_engine.request import Request, SamplingParams  # noqa: E402
 from moe_engine.scheduler import Scheduler  # noqa: E402
+from moe_engine.startup.config import SchedulerConfig, cache_root  # noqa: E402
+from moe_engine.startup.model_shape import ModelShape  # noqa: E402
 
 GiB = 1 << 30
 #: gpt-oss-20b's config.json fields that shape the KV cache (the rest is irrelevant here).

@@ -1,5 +1,5 @@
-"""Expert-path micro-benchmark: `kernels.cpu.fused_moe_cpu` against the per-expert loop of
-`kernels.reference.fused_moe_reference`, side by side in one run, on the bench-qwen3-moe expert
+"""Expert-path micro-benchmark: `kernels.moe.torch_cpu.fused_moe_cpu` against the per-expert loop of
+`kernels.moe.reference.fused_moe_reference`, side by side in one run, on the bench-qwen3-moe expert
 shape (32 experts, top-4, hidden 512, expert intermediate 256).
 
     python bench/moe_cpu.py [--tokens 64 2048] [--dtype float32] [--json]
@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from kernels.cpu import fused_moe_cpu
-from kernels.reference import fused_moe_reference
+from kernels.moe.reference import fused_moe_reference
+from kernels.moe.torch_cpu import fused_moe_cpu
 from moe_engine.models.layers.moe import softmax_topk
 
 

@@ -4,19 +4,21 @@
     python bench/moe_kernel.py --device cuda      # the Triton kernels on a GPU
 
 CPU (default): each format through two paths. "native" is what the engine runs when the native
-kernel builds (the default): "bf16" is `kernels.cpu_native.PackedExperts` (what `FusedMoE`
+kernel builds (the default): "bf16" is `kernels.moe.native.PackedExperts` (what `FusedMoE`
 packs) on bf16-rounded weights in the engine's compute dtype
-(`moe_engine.config.compute_dtype(bfloat16)`: float32 on CPUs without native bf16 matmul,
+(`moe_engine.startup.config.compute_dtype(bfloat16)`: float32 on CPUs without native bf16 matmul,
 reported as `compute_dtype`; bf16-exact, so packed as bfloat16), "int4" (group `--group-size`,
 symmetric) and "mxfp4" are `QuantizedExperts` quantized from the same weights, which run
-`kernels.cpu_native.PackedQuantExperts` (codes decoded in registers). "torch" is the
-torch backend (`--kernel-backend fused_moe=torch`), called directly: `kernels.cpu.fused_moe_cpu`,
-`kernels.cpu_int4.fused_moe_int4_cpu` and `kernels.cpu_mxfp4.fused_moe_mxfp4_cpu` on the same
+`kernels.moe.native.PackedQuantExperts` (codes decoded in registers). "torch" is the
+torch backend (`--kernel-backend fused_moe=torch`), called directly:
+`kernels.moe.torch_cpu.fused_moe_cpu`,
+`kernels.moe.torch_int4.fused_moe_int4_cpu` and `kernels.moe.torch_mxfp4.fused_moe_mxfp4_cpu` on
+the same
 weights. Without a native build only the torch rows are timed. Repetitions are interleaved (one
 call of each path per round, so machine noise hits all alike); the figure is the median per
 call. Ratios are speedups over bf16 native (bf16 native ms / path ms; > 1 is faster).
 
-CUDA (`--device cuda`): `kernels.fused_moe.fused_moe` (bf16), `fused_moe_int4` and
+CUDA (`--device cuda`): `kernels.moe.fused_moe.fused_moe` (bf16), `fused_moe_int4` and
 `fused_moe_mxfp4` timed with CUDA events, and the achieved weight bandwidth: bytes of the expert
 weights the step touches (experts with at least one token, their packed weights, scales and
 zero points) over the time, against the copy bandwidth of the device (read + write bytes of a
@@ -37,8 +39,8 @@ from collections.abc import Callable
 
 import torch
 
-from moe_engine.config import compute_dtype
 from moe_engine.models.layers.moe import softmax_topk
+from moe_engine.startup.config import compute_dtype
 
 PATHS = ("bf16", "int4", "mxfp4")
 #: CPU paths: the native kernel (the engine's default) and the torch backend.
@@ -69,9 +71,9 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int) -> d
 
 
 def run_cpu(args: argparse.Namespace) -> dict:
-    from kernels.cpu import fused_moe_cpu
-    from kernels.cpu_native import PackedExperts
-    from kernels.native import load_native
+    from kernels.moe.native import PackedExperts
+    from kernels.moe.torch_cpu import fused_moe_cpu
+    from kernels.native.library import load_native
     from kernels.registry import KernelPlan
     from moe_engine.models.layers.quantized_experts import QuantizedExperts
 
@@ -155,7 +157,7 @@ def cuda_median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 
 def run_cuda(args: argparse.Namespace) -> dict:
-    from kernels.fused_moe import fused_moe, fused_moe_int4, fused_moe_mxfp4
+    from kernels.moe.fused_moe import fused_moe, fused_moe_int4, fused_moe_mxfp4
     from quant.int4 import quantize_int4
     from quant.mxfp4 import quantize_mxfp4
 

@@ -2,10 +2,10 @@
 // register-blocked dense micro-kernel does per row count, what the 4-bit kernels decode per
 // 64 code bytes, and what a plain load loop reads from L3/DRAM (the memory's limit).
 //
-// Built against kernels/csrc with one variant's flags (kernels/native_build.py ISA_FLAGS):
+// Built against kernels/native/csrc with one variant's flags (kernels/native/build.py ISA_FLAGS):
 //
-//   FLAGS=$(python -c "from kernels.native_build import cxxflags; print(*cxxflags('avx512'))")
-//   g++ $FLAGS -Ikernels/csrc bench/native_micro.cpp -o /tmp/native_micro && /tmp/native_micro
+//   FLAGS=$(python -c "from kernels.native.build import cxxflags; print(*cxxflags('avx512'))")
+//   g++ $FLAGS -Ikernels/native/csrc bench/native_micro.cpp -o /tmp/native_micro && /tmp/native_micro
 //
 // (the AVX2 build: cxxflags('avx2'); its 4-bit line has no 64-byte-chunk kernel). Each figure
 // is the best of 30 repetitions (the machine is shared: the best is the least disturbed).

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe_engine.errors import StartupError  # noqa: E402
 from moe_engine.models import model_shape  # noqa: E402
-from moe_engine.plan import GiB, make_plan  # noqa: E402
+from moe_engine.startup.plan import GiB, make_plan  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "tests" / "data" / "configs"
 

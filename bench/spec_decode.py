@@ -400,7 +400,7 @@ def print_report(result: dict[str, Any]) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from moe_engine.demo import default_cache_dir
+    from moe_engine.startup.demo import default_cache_dir
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None,
@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         ckpt = args.model
     elif args.quick:
-        from moe_engine.demo import ensure_demo_checkpoint
+        from moe_engine.startup.demo import ensure_demo_checkpoint
 
         ckpt = str(ensure_demo_checkpoint(str(args.cache_dir)))
     else:

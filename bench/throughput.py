@@ -246,7 +246,7 @@ def print_report(result: dict) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from moe_engine.demo import default_cache_dir
+    from moe_engine.startup.demo import default_cache_dir
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--table", action="store_true",

@@ -48,7 +48,7 @@ def parse_variant(text: str) -> tuple[str, str, dict[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moe_engine.demo import default_cache_dir
+    from moe_engine.startup.demo import default_cache_dir
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", choices=sorted(vllm_peer.VLLM_DTYPES), default="bfloat16")

@@ -208,7 +208,7 @@ def machine_facts() -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from moe_engine.demo import default_cache_dir
+    from moe_engine.startup.demo import default_cache_dir
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=None,
@@ -250,7 +250,7 @@ def resolve_checkpoint(args: argparse.Namespace) -> Path:
     if args.model is not None:
         return args.model.resolve()
     if args.quick:
-        from moe_engine.demo import ensure_demo_checkpoint
+        from moe_engine.startup.demo import ensure_demo_checkpoint
 
         return Path(ensure_demo_checkpoint(str(args.cache_dir)))
     from workload import ensure_bench_checkpoint

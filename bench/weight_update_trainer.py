@@ -37,7 +37,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from moe_engine.loader import safetensors_files
+from moe_engine.models.loader import safetensors_files
 from moe_engine.weight_update.buckets import nbytes_of
 from moe_engine.weight_update.group import WeightGroup
 from moe_engine.weight_update.targets import meta_of

@@ -7,11 +7,14 @@ builds (the native CPU library, Triton), on the model (head sizes a kernel suppo
 `--kernel-backend`; it is logged in the startup plan and returned by `GetModelInfo`.
 
 Backends:
-- ``native-cpu``: the C++ kernels of kernels/csrc (kernels/native.py), CPU only, in the build
-  for this CPU's instruction set (avx2 or avx512, `kernels.native.choose_isa`), which the plan
+- ``native-cpu``: the C++ kernels of kernels/csrc (kernels/native/library.py), CPU only, in the
+build
+  for this CPU's instruction set (avx2 or avx512, `kernels.native.library.choose_isa`), which the
+  plan
   names (`KernelPlan.native_isa`).
 - ``torch``: plain torch ops (SDPA, cuBLAS/oneDNN GEMMs); every op, every device.
-- ``triton``: the Triton kernels (kernels/fused_moe.py, kernels/triton_attention.py), on CUDA,
+- ``triton``: the Triton kernels (kernels/moe/fused_moe.py, kernels/attention/triton_attention.py),
+on CUDA,
   or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, tests only: auto never
   picks it on a CPU).
 
@@ -108,7 +111,7 @@ class KernelPlan:
         device: "cpu" or "cuda".
         choices: op -> its `KernelChoice`, for every op of `OPS`.
         native_isa: where an op runs native-cpu, the library variant and why it was chosen
-            (`kernels.native.loaded_isa`, e.g. "avx512 (auto: this CPU has avx512f, ...)");
+            (`kernels.native.library.loaded_isa`, e.g. "avx512 (auto: this CPU has avx512f, ...)");
             else "".
     """
 
@@ -258,7 +261,7 @@ def probe_backend(backend: str, device: str) -> str | None:
     if backend == NATIVE_CPU:
         if device != "cpu":
             return f"native-cpu runs on the CPU only (device is {device})"
-        from kernels.native import native_unavailable_reason
+        from kernels.native.library import native_unavailable_reason
 
         return native_unavailable_reason()
     if backend == TRITON:
@@ -284,7 +287,7 @@ def _unfit(op: str, backend: str, facts: ModelFacts) -> str | None:
         if facts.dtype != "bfloat16" or facts.head_dim % 32 or facts.head_dim > 256:
             return (f"the native prefill attention runs bfloat16 with head_dim % 32 == 0 up to "
                     f"256, not {facts.dtype} with head_dim {facts.head_dim}")
-        from kernels import cpu_amx
+        from kernels.dense import amx as cpu_amx
 
         if cpu_amx.bf16_backend() is None or not cpu_amx.dot_available():
             return "the native prefill attention needs AVX512-BF16"
@@ -373,7 +376,7 @@ def _native_isa(choices: dict[str, KernelChoice]) -> str:
     """The loaded native library's variant where an op chose native-cpu, else ""."""
     if not any(c.backend == NATIVE_CPU for c in choices.values()):
         return ""
-    from kernels.native import loaded_isa
+    from kernels.native.library import loaded_isa
 
     return loaded_isa() or ""
 

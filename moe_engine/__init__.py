@@ -18,14 +18,14 @@ import os
 import sys
 
 #: Whether torch was loaded before this package with no `OMP_WAIT_POLICY` in the environment,
-#: so that the policy set here came too late for this process (`moe_engine.llm` warns).
+#: so that the policy set here came too late for this process (`moe_engine.offline.llm` warns).
 TORCH_LOADED_WITHOUT_WAIT_POLICY = "OMP_WAIT_POLICY" not in os.environ and "torch" in sys.modules
 
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     os.environ["MOE_ENGINE_OMP_WAIT_POLICY_DEFAULT"] = "1"
 
-from moe_engine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from moe_engine.offline.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from moe_engine.request import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 __all__ = [
@@ -66,7 +66,7 @@ __version__ = _version()
 def __getattr__(name: str):
     # LLM pulls in torch and transformers: import it only when asked for.
     if name == "LLM":
-        from moe_engine.llm import LLM
+        from moe_engine.offline.llm import LLM
 
         return LLM
     raise AttributeError(name)

@@ -9,7 +9,7 @@ for a ring of the last `window_steps` steps (`window_counts()`, "load over a rec
 The summaries use the two conventions the field uses: `imbalance_ratio` = max / mean and
 `balancedness` = mean / max (DeepSeek EPLB, SGLang's expert-distribution recorder).
 
-Padded batches (CUDA-graph decode, `moe_engine.cuda_graphs`): `set_row_mask(mask)` makes each
+Padded batches (CUDA-graph decode, `moe_engine.runner.cuda_graphs`): `set_row_mask(mask)` makes each
 token row's pairs count `mask[row]` (1 or 0) instead of 1, so the padding rows of a replayed
 graph add nothing; the mask is a static device buffer the graph runner fills per replay, so the
 recording stays one `index_add_` with no host sync, capturable.

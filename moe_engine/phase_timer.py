@@ -3,7 +3,7 @@
 Phases: "attention" (the attention block of every layer), "router" (router GEMM and top-k),
 "dispatch", "experts", "combine" (the MoE block's three parts), "shared_experts" (the
 shared experts of models that have them, after combine), "decode_layer" (a decoder layer's
-decode step run as one native call, `DecoderLayer` with `kernels.cpu_decode_layer`: no split
+decode step run as one native call, `DecoderLayer` with `kernels.decode_layer.native`: no split
 of its own), "step" (one whole `EngineCore.step`). On a CPU the host clock is the device
 clock; on a GPU these are launch times unless the caller synchronises, so they are meant for
 CPU runs and for relative splits.

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from moe_engine.errors import ParamError
 
 if TYPE_CHECKING:
-    from moe_engine.parallel_sampling import ParentRequest
+    from moe_engine.core.parallel_sampling import ParentRequest
     from moe_engine.structured_output import RequestGrammar
 
 #: The largest number of top logprobs a request may ask for per token.

@@ -28,19 +28,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import grpc
 import torch
 
-from moe_engine.engine.control import (
-    DEFAULT_BACKEND,
-    DEFAULT_GROUP_NAME,
-    DEFAULT_GROUP_TIMEOUT_S,
-    TensorMeta,
-    weight_version_problem,
-)
 from moe_engine.engine.launcher import free_port
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
 from moe_engine.server.security import auth_metadata
 from moe_engine.weight_update.buckets import default_bucket_bytes
 from moe_engine.weight_update.group import WeightGroup
+from moe_engine.weight_update.messages import (
+    DEFAULT_BACKEND,
+    DEFAULT_GROUP_NAME,
+    DEFAULT_GROUP_TIMEOUT_S,
+    TensorMeta,
+    weight_version_problem,
+)
 from moe_engine.weight_update.targets import meta_of
 
 #: How long an UpdateWeights or InitWeightUpdateGroup RPC may take beyond the group timeout (s).

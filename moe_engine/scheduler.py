@@ -10,7 +10,7 @@ With prefix caching, a request taken from the queue first looks up its cached pr
 (`KVCacheManager.get_computed_blocks`): those tokens count as computed, so its first chunk, the
 token budget and the blocks it needs cover only the uncached rest.
 
-Parallel sampling (`moe_engine.parallel_sampling`): the completions of one request are
+Parallel sampling (`moe_engine.core.parallel_sampling`): the completions of one request are
 Requests of their own, queued together, that share the prompt's full blocks through that
 lookup. The first (the lead) is admitted first, and a prefill chunk cut by the token budget
 leaves no budget for anyone after it, so the others are admitted only once the lead has
@@ -23,10 +23,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from moe_engine.config import SchedulerConfig
 from moe_engine.kv_cache import KVCacheManager
 from moe_engine.kv_cache.manager import PrefixHit
 from moe_engine.request import FinishReason, Request, RequestStatus
+from moe_engine.startup.config import SchedulerConfig
 
 
 @dataclass

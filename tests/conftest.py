@@ -28,7 +28,7 @@ from grpc_helpers import child_pids  # noqa: E402
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Build (or load) the native CPU kernels once, before any test: a server test must not pay
     for the build inside its start timeout. Progress goes to the terminal."""
-    from kernels.native import native_unavailable_reason
+    from kernels.native.library import native_unavailable_reason
 
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
 

@@ -22,11 +22,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from moe_engine.config import EngineConfig
 from moe_engine.engine.core_proc import DEFAULT_CORE_FACTORY
 from moe_engine.server.app import MoeServer, ServerOptions
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.startup.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

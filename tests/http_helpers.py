@@ -10,11 +10,11 @@ import grpc
 import pytest
 from grpc_helpers import ServerThread
 
-from moe_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from moe_engine.demo import write_tokenizer
 from moe_engine.server.app import ServerOptions
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from moe_engine.startup.demo import write_tokenizer
 
 API_KEY = "test-key"
 MODEL = "tiny-qwen3"

@@ -1,7 +1,7 @@
 """The AMX bf16 kernels (kernels/csrc/amx_gemm.cpp, amx_moe.cpp) against float64 torch
 references, on fresh random inputs each run, on each backend this CPU runs (the AMX tiles;
 AVX512-BF16, csrc/bf16_dot.cpp); skipped, with the reason, on a CPU or OS with neither
-(`kernels.cpu_amx.amx_unavailable_reason`), and each backend where it cannot run.
+(`kernels.dense.amx.amx_unavailable_reason`), and each backend where it cannot run.
 
 Error bounds: a bfloat16 output is its float32 sum rounded once (half an ulp: <= 2^-9 of its
 magnitude, 2^-8 used); the float32 sums differ from float64 by at most K * 2^-24 of the sum of
@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_amx
-from kernels.activation import SILU_AND_MUL, SwiGLU
-from kernels.cpu_amx import AmxLinear, amx_unavailable_reason, pack_vnni
-from kernels.cpu_amx_moe import AmxExperts
-from kernels.reference import fused_moe_reference
+from kernels.dense import amx as cpu_amx
+from kernels.dense.amx import AmxLinear, amx_unavailable_reason, pack_vnni
+from kernels.moe.activation import SILU_AND_MUL, SwiGLU
+from kernels.moe.amx import AmxExperts
+from kernels.moe.reference import fused_moe_reference
 
 pytestmark = pytest.mark.skipif(amx_unavailable_reason() is not None,
                                 reason=f"AMX kernels unavailable: {amx_unavailable_reason()}")
@@ -167,7 +167,7 @@ def test_fused_moe_int64_ids_and_many_rows_per_expert(tiles):
 
 @pytest.mark.parametrize("h,inter,e,k", [(64, 32, 4, 2), (512, 256, 32, 4)])
 def test_fused_moe_row_does_not_depend_on_the_batch(h, inter, e, k, tiles):
-    """The one kernel runs every batch size (kernels/moe_backends.py), so a token's output must
+    """The one kernel runs every batch size (kernels/moe/backends.py), so a token's output must
     be bit-identical alone, in a decode-sized batch and in a prefill-sized one (1 x 4 and
     2 x 2 tile blocking, one and many rows per expert, other tokens' experts around it)."""
     g = _gen()
@@ -191,7 +191,7 @@ def test_experts_refuse_float32_activations():
 
 
 def test_bound_float_experts_take_the_amx_kernel_alone():
-    from kernels.moe_backends import ExpertExtras, bind_float_experts
+    from kernels.moe.backends import ExpertExtras, bind_float_experts
 
     g = _gen()
     _, w13, w2, _, _, _, _ = _moe_case(g, 1, 64, 32, 4, 2)
@@ -203,7 +203,7 @@ def test_bound_float_experts_take_the_amx_kernel_alone():
 def test_the_decision_is_logged_once(monkeypatch, caplog):
     monkeypatch.setattr(cpu_amx, "_decided", [])
     monkeypatch.setenv("MOE_ENGINE_AMX", "0")
-    with caplog.at_level("INFO", logger="kernels.cpu_amx"):
+    with caplog.at_level("INFO", logger="kernels.dense.amx"):
         assert cpu_amx.amx_unavailable_reason() == "disabled by MOE_ENGINE_AMX=0"
         cpu_amx.amx_unavailable_reason()
     assert [r.getMessage() for r in caplog.records] == [
@@ -246,7 +246,7 @@ def test_avx512_bf16_setting_keeps_the_kernels_off_the_tiles(monkeypatch, caplog
         pytest.skip("AVX512-BF16 unavailable: the CPU lacks it")
     monkeypatch.setattr(cpu_amx, "_decided", [])
     monkeypatch.setenv("MOE_ENGINE_AMX", "avx512-bf16")
-    with caplog.at_level("INFO", logger="kernels.cpu_amx"):
+    with caplog.at_level("INFO", logger="kernels.dense.amx"):
         assert cpu_amx.bf16_backend() == cpu_amx.DOT and not cpu_amx.uses_tiles()
         assert cpu_amx.amx_unavailable_reason() is None
     assert [r.getMessage() for r in caplog.records] == [

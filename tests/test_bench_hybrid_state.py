@@ -13,7 +13,7 @@ import torch
 from bench_loader import load_bench
 
 from moe_engine.models import model_shape
-from moe_engine.plan import make_plan
+from moe_engine.startup.plan import make_plan
 
 GIB = 1 << 30
 #: Qwen3-Next-80B-A3B, by hand: 48 layers, 12 full attention (2 KV heads of 256), 36 Gated

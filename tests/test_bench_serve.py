@@ -16,8 +16,8 @@ from bench_loader import load_bench
 from grpc_helpers import ServerThread
 from http_helpers import tokenizer_checkpoint
 
-from moe_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from moe_engine.server.app import ServerOptions
+from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 MAX_MODEL_LEN = 384
 NUM_REQUESTS = 8

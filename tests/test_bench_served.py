@@ -11,7 +11,7 @@ from types import ModuleType
 import pytest
 from bench_loader import load_bench
 
-from moe_engine.llm import LLM
+from moe_engine.offline.llm import LLM
 from moe_engine.request import SamplingParams
 
 

@@ -32,8 +32,8 @@ from comm import (
     deepep_unavailable_reason,
     make_communicator,
 )
-from kernels.cpu import fused_moe_cpu
-from kernels.reference import fused_moe_reference
+from kernels.moe.reference import fused_moe_reference
+from kernels.moe.torch_cpu import fused_moe_cpu
 
 NUM_EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 16, 17, 12, 4  # odd H exercises row padding
 WATCHDOG_S = 120.0

@@ -26,12 +26,12 @@ from grpc_helpers import request as make_request
 from safetensors.torch import load_file, save_file
 
 from moe_engine import LLM, SamplingParams
-from moe_engine.config import EngineConfig, ModelConfig, QuantConfig
 from moe_engine.errors import StartupError
-from moe_engine.quant_config import resolve_quant_config
 from moe_engine.server.app import ServerOptions
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.startup.config import EngineConfig, ModelConfig, QuantConfig
+from moe_engine.startup.quant_config import resolve_quant_config
 from quant.compressed_tensors import (
     PackQuantizedScheme,
     assemble_pack_quantized,
@@ -274,7 +274,8 @@ def _prompts() -> list[list[int]]:
 
 
 #: |logprob difference| between the engine and transformers that nine steps in ten stay under:
-#: the int4 CPU matmul (`kernels.cpu_int4`) runs on bfloat16 activations, so the engine's logits
+#: the int4 CPU matmul (`kernels.moe.torch_int4`) runs on bfloat16 activations, so the engine's
+#: logits
 #: differ from the float oracle by bfloat16 rounding (median ~0.04, p99 ~0.2 over 960 steps on
 #: these tiny models with initializer_range 0.5); rarely that rounding flips a router's top-k
 #: choice and one step differs by more (1.3 seen once). A layout error moves every step by

@@ -1,4 +1,4 @@
-"""The MXFP4 CPU expert path (`kernels.cpu_mxfp4`): the table decode equals
+"""The MXFP4 CPU expert path (`kernels.moe.torch_mxfp4`): the table decode equals
 `quant.mxfp4.dequantize_mxfp4` bit for bit, and the layer equals the float path on the
 dequantized weights, on fresh random inputs."""
 
@@ -9,15 +9,15 @@ import math
 import pytest
 import torch
 
-from kernels.activation import SwiGLU
-from kernels.cpu import fused_moe_cpu
-from kernels.cpu_mxfp4 import (
+from kernels.moe.activation import SwiGLU
+from kernels.moe.reference import fused_moe_reference
+from kernels.moe.torch_cpu import fused_moe_cpu
+from kernels.moe.torch_mxfp4 import (
     DequantWorkspace,
     dequantize_mxfp4_experts,
     fused_moe_mxfp4_cpu,
     mxfp4_pair_table,
 )
-from kernels.reference import fused_moe_reference
 from moe_engine.models.layers.quantized_experts import QuantizedExperts
 from quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 

@@ -1,4 +1,4 @@
-"""The native decode layer (kernels/cpu_decode_layer.py, csrc/decode_layer.cpp) against the
+"""The native decode layer (kernels/decode_layer/native.py, csrc/decode_layer.cpp) against the
 module path it replaces: a bfloat16 Qwen3-MoE served both ways gives bit-identical greedy
 tokens and log-probabilities (batch 1 and batched decode steps, the dense layer staying on the
 module path), the same expert-load counts, and the kernel refuses inputs it cannot run."""
@@ -10,8 +10,8 @@ import logging
 import pytest
 import torch
 
-from kernels.cpu_amx import amx_unavailable_reason
-from kernels.cpu_decode_layer import DecodeLayerKernel, decode_step_args
+from kernels.decode_layer.native import DecodeLayerKernel, decode_step_args
+from kernels.dense.amx import amx_unavailable_reason
 from moe_engine import LLM
 from moe_engine.models.layers.decoder import DecoderLayer
 from moe_engine.request import SamplingParams

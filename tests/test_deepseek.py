@@ -27,20 +27,20 @@ from grpc_helpers import ServerThread, greedy_streams, stats
 
 from moe_engine import LLM, SamplingParams
 from moe_engine.cli.serve import main as serve_main
-from moe_engine.config import (
+from moe_engine.models import model_shape, resolve_architecture
+from moe_engine.models.hf_config import load_hf_config
+from moe_engine.models.layers.mla import MLAAttention
+from moe_engine.server.app import ServerOptions
+from moe_engine.server.pb import moe_engine_pb2 as pb
+from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.startup.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
-from moe_engine.models import model_shape, resolve_architecture
-from moe_engine.models.hf_config import load_hf_config
-from moe_engine.models.layers.mla import MLAAttention
-from moe_engine.plan import make_plan
-from moe_engine.server.app import ServerOptions
-from moe_engine.server.pb import moe_engine_pb2 as pb
-from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.startup.plan import make_plan
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 ARCHS = ["deepseek_v3_ckpt", "deepseek_v2_ckpt"]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_engine import demo
-from moe_engine.model_shape import ModelShape
+from moe_engine.startup import demo
+from moe_engine.startup.model_shape import ModelShape
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,11 @@ from fixtures import hf_greedy
 
 from moe_engine import LLM, SamplingParams
 from moe_engine.cli.serve import main as serve_main
-from moe_engine.config import DeviceConfig, EngineConfig, ModelConfig
-from moe_engine.engine.device import engine_device
+from moe_engine.core.device import engine_device
 from moe_engine.errors import StartupError
 from moe_engine.request import Request
-from moe_engine.step_inputs import StepInputBuffers
+from moe_engine.runner.step_inputs import StepInputBuffers
+from moe_engine.startup.config import DeviceConfig, EngineConfig, ModelConfig
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")

@@ -20,7 +20,10 @@ from fixtures import hf_greedy
 from grpc_helpers import ServerThread, request, stats
 from test_disagg_server import NUM_BLOCKS, PROMPT_LENS, RouterThread, _server
 
-from moe_engine.config import (
+from moe_engine.disagg.transfer import mooncake_unavailable_reason
+from moe_engine.server.app import ServerOptions
+from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.startup.config import (
     CacheConfig,
     DisaggConfig,
     EngineConfig,
@@ -28,9 +31,6 @@ from moe_engine.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from moe_engine.disagg.transfer import mooncake_unavailable_reason
-from moe_engine.server.app import ServerOptions
-from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.skipif(mooncake_unavailable_reason() is not None,
                                 reason=str(mooncake_unavailable_reason()))

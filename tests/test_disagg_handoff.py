@@ -13,13 +13,13 @@ import pytest
 import torch
 from fixtures import hf_greedy
 
-from moe_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from moe_engine.core.engine_core import EngineCore
 from moe_engine.disagg.handoff import DecodeHandoff, KVPlacement, PrefillHandoff, kv_transfer_for
 from moe_engine.disagg.kv_layout import _runs
 from moe_engine.disagg.transfer import TransferError, mooncake_unavailable_reason
-from moe_engine.engine.core import EngineCore
 from moe_engine.errors import RequestError
 from moe_engine.request import SamplingParams
+from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 pytestmark = pytest.mark.skipif(mooncake_unavailable_reason() is not None,
                                 reason=str(mooncake_unavailable_reason()))

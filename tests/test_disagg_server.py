@@ -23,17 +23,17 @@ import torch
 from fixtures import hf_greedy
 from grpc_helpers import ServerThread, free_port, request, stats
 
-from moe_engine.config import (
+from moe_engine.disagg.router import serve_router
+from moe_engine.disagg.transfer import mooncake_unavailable_reason
+from moe_engine.server.app import ServerOptions
+from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.startup.config import (
     CacheConfig,
     DisaggConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
 )
-from moe_engine.disagg.router import serve_router
-from moe_engine.disagg.transfer import mooncake_unavailable_reason
-from moe_engine.server.app import ServerOptions
-from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.skipif(mooncake_unavailable_reason() is not None,
                                 reason=str(mooncake_unavailable_reason()))

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from moe_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from moe_engine.engine.client import EngineClient
 from moe_engine.errors import ErrorCode, RequestError, StartupError
 from moe_engine.request import FinishReason, SamplingParams
+from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -95,7 +95,7 @@ def test_core_exits_when_parent_dies(tmp_path: Path) -> None:
         f"""
         import asyncio, sys
         sys.path[:0] = [{str(TESTS)!r}, {str(REPO)!r}]
-        from moe_engine.config import EngineConfig, ModelConfig
+        from moe_engine.startup.config import EngineConfig, ModelConfig
         from moe_engine.engine.client import EngineClient
 
         async def main():
@@ -186,7 +186,7 @@ _EXIT_MARGIN_S = 12.0
 _SILENT_FRONT_END = """
 import asyncio, sys, time
 sys.path[:0] = [{tests!r}, {repo!r}]
-from moe_engine.config import EngineConfig, ModelConfig
+from moe_engine.startup.config import EngineConfig, ModelConfig
 from moe_engine.engine.client import EngineClient
 
 async def main():
@@ -284,7 +284,7 @@ def test_startup_progress_reaches_the_client(monkeypatch: pytest.MonkeyPatch) ->
 _LEFT_RUNNING = """
 import asyncio, sys, threading
 sys.path[:0] = [{tests!r}, {repo!r}]
-from moe_engine.config import EngineConfig, ModelConfig
+from moe_engine.startup.config import EngineConfig, ModelConfig
 from moe_engine.engine.client import EngineClient
 
 if __name__ == "__main__":

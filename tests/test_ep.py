@@ -24,16 +24,16 @@ from grpc_helpers import ServerThread, stats, token_ids
 from grpc_helpers import request as make_request
 
 from moe_engine import LLM, SamplingParams
-from moe_engine.config import (
+from moe_engine.server.app import ServerOptions
+from moe_engine.server.pb import moe_engine_pb2 as pb
+from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.startup.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
-from moe_engine.server.app import ServerOptions
-from moe_engine.server.pb import moe_engine_pb2 as pb
-from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
 
 PROMPT_LENS = [3, 17, 40, 9, 64, 25]
 MAX_NEW = [8, 6, 10, 7, 5, 9]
@@ -217,7 +217,7 @@ def test_hung_rank_ends_server_within_timeout_and_leaves_no_process(qwen3_ckpt) 
 _SILENT_EP_FRONT_END = """
 import asyncio, sys, time
 sys.path[:0] = [{tests!r}, {repo!r}]
-from moe_engine.config import EngineConfig, ModelConfig, ParallelConfig
+from moe_engine.startup.config import EngineConfig, ModelConfig, ParallelConfig
 from moe_engine.engine.client import EngineClient
 
 async def main():

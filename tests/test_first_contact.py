@@ -21,14 +21,14 @@ import torch
 
 import moe_engine
 from moe_engine.cli import serve as serve_cli
-from moe_engine.config import QuantConfig, read_config_json
+from moe_engine.core.validation import validate_request
 from moe_engine.errors import ErrorCode, RequestError, StartupError
-from moe_engine.loader import load_model, safetensors_files
-from moe_engine.model_path import hub_cache_dir, resolve_model_dir
-from moe_engine.model_shape import ModelShape
-from moe_engine.quant_config import resolve_quant_config
+from moe_engine.models.loader import load_model, safetensors_files
 from moe_engine.request import SamplingParams
-from moe_engine.validation import validate_request
+from moe_engine.startup.config import QuantConfig, read_config_json
+from moe_engine.startup.model_path import hub_cache_dir, resolve_model_dir
+from moe_engine.startup.model_shape import ModelShape
+from moe_engine.startup.quant_config import resolve_quant_config
 
 REPO = Path(__file__).resolve().parent.parent
 HUB_ID = "Qwen/Qwen3-30B-A3B"
@@ -164,8 +164,8 @@ def test_hub_id_in_the_cache_loads_its_snapshot_through_symlinks(
 ) -> None:
     from transformers import AutoConfig
 
+    from moe_engine.core.tokenizer import load_tokenizer
     from moe_engine.models import resolve_architecture
-    from moe_engine.tokenizer import load_tokenizer
 
     source = hub_env / "source"
     source.mkdir()
@@ -315,9 +315,9 @@ def test_tokenizer_length_warning_does_not_leak(tmp_path: Path) -> None:
     transformers' loggers do not propagate to the root: the handler goes on theirs."""
     from transformers import AutoTokenizer
 
+    from moe_engine.core import engine_core
+    from moe_engine.core.tokenizer import load_tokenizer
     from moe_engine.engine import client as engine_client
-    from moe_engine.engine import core as engine_core
-    from moe_engine.tokenizer import load_tokenizer
 
     assert engine_client.load_tokenizer is load_tokenizer
     assert engine_core.load_tokenizer is load_tokenizer

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fixtures import hf_greedy, hf_last_logits
 
-from moe_engine.model_shape import ModelShape
+from moe_engine.startup.model_shape import ModelShape
 
 
 def prompts(n: int, vocab: int = 512) -> list[list[int]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference import fused_moe_reference
+from kernels.moe.reference import fused_moe_reference
 
 
 def naive_moe(hidden, w13, w2, topk_weights, topk_ids):
@@ -36,7 +36,7 @@ def test_matches_float64_loop_including_skipped_slots():
 
 
 def test_cpu_path_matches_reference_balanced_skewed_and_remote_slots():
-    from kernels.cpu import fused_moe_cpu
+    from kernels.moe.torch_cpu import fused_moe_cpu
 
     g = torch.Generator().manual_seed(torch.seed() % (2**31))
     t, h, inter, e, k = 37, 16, 8, 8, 2

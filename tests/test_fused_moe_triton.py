@@ -1,4 +1,4 @@
-"""Triton fused MoE (`kernels.fused_moe`) against the float64 torch reference, on the CPU.
+"""Triton fused MoE (`kernels.moe.fused_moe`) against the float64 torch reference, on the CPU.
 
 The kernels run under Triton's interpreter (`TRITON_INTERPRET=1`, set below before the first
 `triton` import), on tiny fresh random shapes each run. Tolerances (relative Frobenius error of
@@ -18,8 +18,8 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from kernels.activation import SILU_AND_MUL, SwiGLU  # noqa: E402
-from kernels.fused_moe import (  # noqa: E402
+from kernels.moe.activation import SILU_AND_MUL, SwiGLU  # noqa: E402
+from kernels.moe.fused_moe import (  # noqa: E402
     fused_moe,
     fused_moe_int4,
     fused_moe_mxfp4,
@@ -27,7 +27,7 @@ from kernels.fused_moe import (  # noqa: E402
     max_num_tokens_padded,
     moe_align_block_size,
 )
-from kernels.reference import fused_moe_reference  # noqa: E402
+from kernels.moe.reference import fused_moe_reference  # noqa: E402
 from quant.int4 import dequantize_int4, quantize_int4  # noqa: E402
 from quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
 
@@ -201,7 +201,7 @@ def test_fused_moe_rejects_bad_block_size() -> None:
 
 
 def test_interpreter_is_on_and_kernels_do_not_import_the_engine() -> None:
-    import kernels.fused_moe as module
+    import kernels.moe.fused_moe as module
 
     assert triton.knobs.runtime.interpret  # really interpreted on this CPU-only machine
     source = open(module.__file__).read()

@@ -25,10 +25,10 @@ from grpc_helpers import ServerThread, request, stats, wait_idle
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moe_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from moe_engine.server.app import ServerOptions
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 MAX_MODEL_LEN = 48
 NUM_BLOCKS = 64

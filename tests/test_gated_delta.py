@@ -1,4 +1,5 @@
-"""kernels.gated_delta: the chunked and recurrent gated delta rule against a float64 per-token
+"""kernels.attention.gated_delta: the chunked and recurrent gated delta rule against a float64
+per-token
 reference and against transformers' qwen3_next torch path; the causal conv1d in pieces."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
-from kernels.gated_delta import (
+from kernels.attention.gated_delta import (
     causal_conv1d_decode,
     causal_conv1d_prefill,
     chunk_gated_delta_rule,

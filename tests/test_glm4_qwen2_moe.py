@@ -27,19 +27,19 @@ from fixtures import hf_greedy, hf_last_logits, make_tiny_checkpoint, tiny_confi
 from grpc_helpers import ServerThread, greedy_streams, stats
 
 from moe_engine import LLM, SamplingParams
-from moe_engine.config import (
+from moe_engine.models import architecture_class, model_shape
+from moe_engine.models.base import _weight_kind
+from moe_engine.server.app import ServerOptions
+from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.skew.trace import read_trace
+from moe_engine.startup.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
-from moe_engine.models import architecture_class, model_shape
-from moe_engine.models.base import _weight_kind
-from moe_engine.plan import make_plan
-from moe_engine.server.app import ServerOptions
-from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
-from moe_engine.skew.trace import read_trace
+from moe_engine.startup.plan import make_plan
 
 ARCHS = ["glm4_moe_ckpt", "qwen2_moe_ckpt"]
 ARCH_OF = {"glm4_moe": "Glm4MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}

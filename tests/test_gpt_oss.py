@@ -117,10 +117,10 @@ def test_gpt_oss_20b_config_plan(tmp_path):
 
     from transformers import AutoConfig
 
-    from moe_engine.config import QuantConfig
     from moe_engine.models.gpt_oss import GptOssForCausalLM
-    from moe_engine.plan import make_plan
-    from moe_engine.quant_config import resolve_quant_config
+    from moe_engine.startup.config import QuantConfig
+    from moe_engine.startup.plan import make_plan
+    from moe_engine.startup.quant_config import resolve_quant_config
 
     layer_types = ["sliding_attention", "full_attention"] * 12
     config = {
@@ -183,8 +183,8 @@ def test_expert_parallel_slices_sum_to_the_whole_layer(ckpt_name, request):
     scales sliced by global id) add up to the unsharded MoE block."""
     from transformers import AutoConfig
 
-    from moe_engine.loader import load_model
     from moe_engine.models.gpt_oss import GptOssForCausalLM
+    from moe_engine.models.loader import load_model
 
     ckpt = request.getfixturevalue(ckpt_name)
     spec = GptOssForCausalLM.arch_spec(AutoConfig.from_pretrained(ckpt))

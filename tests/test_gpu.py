@@ -19,9 +19,9 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernels.activation import SILU_AND_MUL, SwiGLU  # noqa: E402
-from kernels.fused_moe import fused_moe, fused_moe_int4, fused_moe_mxfp4  # noqa: E402
-from kernels.reference import fused_moe_reference  # noqa: E402
+from kernels.moe.activation import SILU_AND_MUL, SwiGLU  # noqa: E402
+from kernels.moe.fused_moe import fused_moe, fused_moe_int4, fused_moe_mxfp4  # noqa: E402
+from kernels.moe.reference import fused_moe_reference  # noqa: E402
 from quant.int4 import dequantize_int4, quantize_int4  # noqa: E402
 from quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
 
@@ -133,9 +133,9 @@ def test_fused_moe_gpt_oss_activation_and_biases_on_cuda(fmt: str) -> None:
 @pytest.fixture
 def paged_attention():
     try:
-        from kernels.triton_attention import paged_attention
+        from kernels.attention.triton_attention import paged_attention
     except ImportError as exc:
-        pytest.skip(f"kernels.triton_attention.paged_attention does not import ({exc})")
+        pytest.skip(f"kernels.attention.triton_attention.paged_attention does not import ({exc})")
     return paged_attention
 
 

@@ -84,7 +84,7 @@ def test_dry_run_kernel_table_has_every_row(dry_run) -> None:
     attention = report["attention"]
     assert "error" not in attention, attention
     assert "ms" in attention or attention["missing"].startswith(
-        "kernels.triton_attention.paged_attention not importable"
+        "kernels.attention.triton_attention.paged_attention not importable"
     )
     table = (out / "gpu_kernels.md").read_text()
     for lay, f, t in got:

@@ -18,9 +18,9 @@ from fixtures import hf_greedy
 from grpc_helpers import ServerThread, greedy_streams, stats, token_ids
 from grpc_helpers import request as make_request
 
-from moe_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from moe_engine.server.app import ServerOptions
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 PROMPT_LENS = [1, 3, 16, 31, 64, 100, 200, 300]
 MAX_NEW = [8, 12, 6, 10, 9, 5, 12, 7]

@@ -18,10 +18,10 @@ from fixtures import hf_greedy
 from grpc_helpers import ServerThread, stats, wait_idle
 from grpc_helpers import request as make_request
 
-from moe_engine.config import CacheConfig, EngineConfig, ModelConfig
 from moe_engine.server.app import ServerOptions
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig
 
 NUM_BLOCKS = 12
 PROMPT = [random.Random(5).randrange(3, 500) for _ in range(64)]  # 4 full blocks of 16

@@ -28,10 +28,10 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from moe_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from moe_engine.server.app import SERVICE_NAME, ServerOptions
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 256
@@ -89,8 +89,8 @@ def test_model_info(stub: pb_grpc.MoeEngineStub) -> None:
     )
     assert info.num_experts == 8 and info.num_experts_per_tok == 2
     # the kernel backends chosen at startup (kernels/registry.py): every op, auto on a CPU,
-    # and the native library's variant (kernels/native.py choose_isa)
-    from kernels.native import choose_isa
+    # and the native library's variant (kernels/native/library.py choose_isa)
+    from kernels.native.library import choose_isa
     from kernels.registry import OPS
 
     assert info.device == "cpu" and set(info.kernel_backends) == {*OPS, "native_cpu_isa"}

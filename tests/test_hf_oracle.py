@@ -12,7 +12,7 @@ import pytest
 import torch
 from fixtures import greedy_generate, hf_greedy, hf_last_logits
 
-from kernels.cpu_amx import amx_unavailable_reason
+from kernels.dense.amx import amx_unavailable_reason
 from moe_engine import LLM, SamplingParams
 
 PROMPT_LENS = [1, 2, 7, 16, 17, 40, 129, 300]
@@ -120,7 +120,7 @@ def test_fused_expert_layout_loads_the_same_model(qwen3_ckpt, tmp_path):
                     reason=f"AMX kernels unavailable: {amx_unavailable_reason()}")
 def test_bfloat16_on_amx_agrees_with_transformers_as_the_avx2_path_does(qwen3_ckpt, monkeypatch):
     """Where the CPU has AMX-BF16 (or AVX512-BF16) a bfloat16 model's linears and experts run
-    the AMX kernels (kernels/cpu_amx.py; on tiles, or on VDPBF16PS, each checked here). bfloat16
+    the AMX kernels (kernels/dense/amx.py; on tiles, or on VDPBF16PS, each checked here). bfloat16
     is not token-exact with transformers on either path (each rounds at other points:
     transformers after every op, the engine's kernels once per GEMM; transformers' own float32
     and bfloat16 runs differ too), so the check is comparative: with the AMX kernels (which must
@@ -128,8 +128,8 @@ def test_bfloat16_on_amx_agrees_with_transformers_as_the_avx2_path_does(qwen3_ck
     bfloat16 as on the AVX2 kernels, and the first token of all but one."""
     from transformers import AutoModelForCausalLM
 
-    from kernels import cpu_amx
-    from kernels.cpu_amx_moe import AmxExperts
+    from kernels.dense import amx as cpu_amx
+    from kernels.moe.amx import AmxExperts
 
     prompts = _prompts(512, seed=5)
     hf = AutoModelForCausalLM.from_pretrained(str(qwen3_ckpt), dtype=torch.bfloat16).eval()

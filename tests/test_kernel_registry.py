@@ -110,7 +110,7 @@ def test_a_backend_that_cannot_run_here_is_refused_with_its_reason(monkeypatch):
 
 def test_native_prefill_attention_takes_bfloat16_models_where_the_cpu_has_avx512_bf16(
         monkeypatch):
-    from kernels import cpu_amx
+    from kernels.dense import amx as cpu_amx
 
     bf16 = ModelFacts(head_dim=64, dtype="bfloat16")
     monkeypatch.setattr(cpu_amx, "_decided", [(cpu_amx.DOT, None)])

@@ -17,7 +17,6 @@ import torch
 from fixtures import hf_greedy, make_tiny_checkpoint
 
 from moe_engine import LLM, SamplingParams
-from moe_engine.config import SchedulerConfig
 from moe_engine.errors import ErrorCode, RequestError, StartupError
 from moe_engine.kv_cache import (
     FULL_ATTENTION,
@@ -28,10 +27,11 @@ from moe_engine.kv_cache import (
     SlidingWindowSpec,
     make_kv_cache_groups,
 )
-from moe_engine.model_shape import ModelShape
-from moe_engine.plan import make_plan
 from moe_engine.request import FinishReason, Request
 from moe_engine.scheduler import Scheduler
+from moe_engine.startup.config import SchedulerConfig
+from moe_engine.startup.model_shape import ModelShape
+from moe_engine.startup.plan import make_plan
 
 BS = 4
 WINDOW = 10  # not a multiple of BS

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-import moe_engine.llm as llm_module
+import moe_engine.offline.llm as llm_module
 from moe_engine import LLM, CompletionOutput, Logprob, RequestOutput, SamplingParams
-from moe_engine.demo import write_tokenizer
 from moe_engine.errors import ParamError, RequestError, StartupError
+from moe_engine.startup.demo import write_tokenizer
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
@@ -276,11 +276,11 @@ def test_torch_loaded_first_without_a_wait_policy_is_detected(order, env, late) 
 def test_llm_warns_when_torch_came_first_without_a_wait_policy(qwen3_ckpt, monkeypatch,
                                                                caplog) -> None:
     monkeypatch.setattr(llm_module, "TORCH_LOADED_WITHOUT_WAIT_POLICY", True)
-    with caplog.at_level("WARNING", logger="moe_engine.llm"):
+    with caplog.at_level("WARNING", logger="moe_engine.offline.llm"):
         LLM(model=str(qwen3_ckpt), max_model_len=64)
     assert llm_module.WAIT_POLICY_WARNING in [r.getMessage() for r in caplog.records]
     monkeypatch.setattr(llm_module, "TORCH_LOADED_WITHOUT_WAIT_POLICY", False)
     caplog.clear()
-    with caplog.at_level("WARNING", logger="moe_engine.llm"):
+    with caplog.at_level("WARNING", logger="moe_engine.offline.llm"):
         LLM(model=str(qwen3_ckpt), max_model_len=64)
     assert llm_module.WAIT_POLICY_WARNING not in [r.getMessage() for r in caplog.records]

@@ -8,16 +8,16 @@ import torch
 
 from moe_engine import LLM
 from moe_engine.cli.serve import main as serve_main
-from moe_engine.config import DeviceConfig
 from moe_engine.errors import StartupError
-from moe_engine.memory import (
+from moe_engine.startup.config import DeviceConfig
+from moe_engine.startup.memory import (
     DeviceMemory,
     check_weights_fit,
     kv_plan_after_profile,
     size_kv_cache,
 )
-from moe_engine.model_shape import ModelShape
-from moe_engine.plan import make_plan
+from moe_engine.startup.model_shape import ModelShape
+from moe_engine.startup.plan import make_plan
 
 GiB = 1 << 30
 

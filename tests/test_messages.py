@@ -8,16 +8,16 @@ import msgspec
 import pytest
 from fake_core import FakeEngineCore
 
-from moe_engine.config import EngineConfig, ModelConfig
+from moe_engine.core.protocol import EngineCoreProtocol
 from moe_engine.engine import messages as m
 from moe_engine.engine.core_proc import refusal_of_frame
-from moe_engine.engine.protocol import EngineCoreProtocol
 from moe_engine.engine.status import StartupStatus
 from moe_engine.errors import ErrorCode, ParamError
 from moe_engine.request import FinishReason, SamplingParams
 from moe_engine.server.metrics import StatsLogger
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.servicer import model_info_to_proto, server_stats_to_proto
+from moe_engine.startup.config import EngineConfig, ModelConfig
 
 
 def _core_stats(base: int, rank: int = 0) -> m.CoreStats:
@@ -154,7 +154,7 @@ def test_sum_stats_adds_every_counter() -> None:
 
 
 def test_cores_provide_the_protocol() -> None:
-    from moe_engine.engine.core import EngineCore
+    from moe_engine.core.engine_core import EngineCore
 
     fake = FakeEngineCore(EngineConfig(ModelConfig(model="/fake")))
     assert isinstance(fake, EngineCoreProtocol)

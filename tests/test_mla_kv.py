@@ -10,7 +10,6 @@ import torch
 from mla_helpers import HEADS, HIDDEN, KV_LORA, MAX_POS, NOPE, ROPE, V, hf_config
 from torch import nn
 
-from moe_engine.config import SchedulerConfig
 from moe_engine.kv_cache import (
     FULL_ATTENTION,
     MLA_ATTENTION,
@@ -18,15 +17,16 @@ from moe_engine.kv_cache import (
     MLAAttentionSpec,
     make_kv_cache_groups,
 )
-from moe_engine.model_runner import ModelRunner
-from moe_engine.model_shape import ModelShape
 from moe_engine.models.layers.attention import PagedAttention
 from moe_engine.models.layers.mla import MLAAttention
 from moe_engine.models.layers.rotary import RotaryEmbedding
-from moe_engine.plan import make_plan
 from moe_engine.request import Request, SamplingParams
-from moe_engine.sampler import Sampler
+from moe_engine.runner.model_runner import ModelRunner
+from moe_engine.runner.sampler import Sampler
 from moe_engine.scheduler import Scheduler
+from moe_engine.startup.config import SchedulerConfig
+from moe_engine.startup.model_shape import ModelShape
+from moe_engine.startup.plan import make_plan
 
 #: DeepSeek-V3's config.json (huggingface.co/deepseek-ai/DeepSeek-V3), the fields read here.
 DEEPSEEK_V3 = {

@@ -1,10 +1,10 @@
 """Routed experts bound to each kernel backend (`FusedMoE.bind_kernels`,
-`QuantizedExperts.bind_kernels`, kernels/moe_backends.py) against the float64 reference.
+`QuantizedExperts.bind_kernels`, kernels/moe/backends.py) against the float64 reference.
 
 Every weight format (float32; int4 with float32 or bfloat16 scales, symmetric or asymmetric;
 MXFP4) on every backend (native-cpu, torch, triton under `TRITON_INTERPRET=1`), on fresh random
 tiny shapes (H 64, I 32, 4 experts, top-2, a pair of another rank), with plain SwiGLU and with
-gpt-oss's clamped SwiGLU and expert biases. The reference is `kernels.reference
+gpt-oss's clamped SwiGLU and expert biases. The reference is `kernels.moe.reference
 .fused_moe_reference` in float64 on the weights the kernels hold (the dequantized 4-bit values,
 exact in float64). Tolerance, relative Frobenius error of the [T, H] output: 1e-4 (float32
 arithmetic), except torch's int4 CPU matmul, which takes bfloat16 activations and rounds the
@@ -21,8 +21,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first triton import
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels.activation import SILU_AND_MUL, SwiGLU  # noqa: E402
-from kernels.reference import fused_moe_reference  # noqa: E402
+from kernels.moe.activation import SILU_AND_MUL, SwiGLU  # noqa: E402
+from kernels.moe.reference import fused_moe_reference  # noqa: E402
 from kernels.registry import KernelChoice, KernelPlan  # noqa: E402
 from moe_engine.models.layers.expert_weights import load_all_experts  # noqa: E402
 from moe_engine.models.layers.moe import FusedMoE  # noqa: E402
@@ -258,11 +258,12 @@ def test_bind_rejects_an_unknown_backend() -> None:
         _float_moe(_gen(), gpt_oss=False).bind_kernels(plan)
 
 
-# --- kernels/fused_moe_configs.py and graph safety of the Triton path ---------------------------
+# --- kernels/moe/fused_moe_configs.py and graph safety of the Triton path
+# ---------------------------
 
 
 def test_tile_configs_from_the_table_or_the_default_rule() -> None:
-    from kernels.fused_moe_configs import (
+    from kernels.moe.fused_moe_configs import (
         TUNED,
         MoeTileConfig,
         default_config,
@@ -284,8 +285,8 @@ def test_tile_configs_from_the_table_or_the_default_rule() -> None:
 
 @pytest.mark.skipif(_no_triton, reason="triton not installed")
 def test_fused_moe_with_an_explicit_tile_config() -> None:
-    from kernels.fused_moe import fused_moe
-    from kernels.fused_moe_configs import MoeTileConfig
+    from kernels.moe.fused_moe import fused_moe
+    from kernels.moe.fused_moe_configs import MoeTileConfig
 
     g = _gen()
     w13, w2 = _weights(g)
@@ -302,7 +303,7 @@ def test_fused_moe_with_an_explicit_tile_config() -> None:
 def test_moe_align_block_size_reads_nothing_back_to_the_host(monkeypatch) -> None:
     """No .item(), int(), bool() or .tolist() of a tensor (each a host sync on CUDA, which a
     CUDA graph capture refuses): the output's shapes depend on the input's only."""
-    from kernels.fused_moe import moe_align_block_size
+    from kernels.moe.fused_moe import moe_align_block_size
 
     def refuse(*args, **kwargs):
         raise AssertionError("a tensor value was read back to the host")

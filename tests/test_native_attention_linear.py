@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_amx import amx_unavailable_reason, bf16_backend
-from kernels.cpu_attention import paged_decode_attention
-from kernels.cpu_linear import PackedLinear
-from kernels.native import _build
+from kernels.attention.native_decode import paged_decode_attention
+from kernels.dense.amx import amx_unavailable_reason, bf16_backend
+from kernels.dense.native_linear import PackedLinear
+from kernels.native.library import _build
 from kernels.registry import NATIVE_CPU, TORCH, KernelPlan
 from moe_engine.models.layers.attention import attention_with_sinks
 
@@ -200,7 +200,7 @@ def test_linear_module_repacks_after_reset_and_matches_torch_on_large_batches():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("weight_in_float32", [False, True])
 def test_native_rms_norm_matches_torch_path(dtype, weight_in_float32):
-    from kernels.cpu_ops import rms_norm
+    from kernels.dense.ops import rms_norm
     from moe_engine.models.layers.norm import RMSNorm
 
     _build("ops_cpu")
@@ -221,7 +221,7 @@ def test_native_rms_norm_matches_torch_path(dtype, weight_in_float32):
 
 
 def test_native_rms_norm_rejects_what_the_kernel_would_misread():
-    from kernels.cpu_ops import rms_norm
+    from kernels.dense.ops import rms_norm
 
     _build("ops_cpu")
     x, w = torch.randn(4, 64), torch.randn(64)

@@ -1,5 +1,5 @@
-"""The native kernels' build (kernels/native_build.py), progress (kernels/native_progress.py),
-binding (kernels/native_binding.py) and loading (kernels/native.py): cache, lock, progress
+"""The native kernels' build (kernels/native/build.py), progress (kernels/native/progress.py),
+binding (kernels/native/binding.py) and loading (kernels/native/library.py): cache, lock, progress
 reports, error messages.
 
 Builds here compile a one-function stand-in for kernels/csrc (about a second) into fresh
@@ -22,11 +22,11 @@ import pytest
 import torch
 from grpc_helpers import child_pids, process_alive
 
-import kernels.native as native
-import kernels.native_build as nb
-import kernels.native_progress as native_progress
-from kernels.native_binding import binding_source, prototypes
-from kernels.native_progress import Reporter, estimate_left
+import kernels.native.build as nb
+import kernels.native.library as native
+import kernels.native.progress as native_progress
+from kernels.native.binding import binding_source, prototypes
+from kernels.native.progress import Reporter, estimate_left
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -194,8 +194,8 @@ def test_waiting_for_another_builder_reports_then_builds(tmp_path, monkeypatch):
 _RACE = """\
 import sys, time
 from pathlib import Path
-import kernels.native_build as nb
-from kernels.native_progress import Reporter
+import kernels.native.build as nb
+from kernels.native.progress import Reporter
 messages = []
 path = nb.ensure_library(Path(sys.argv[1]), Reporter(lambda m, e: messages.append(m)),
                          Path(sys.argv[2]))
@@ -279,7 +279,7 @@ def test_native_pool_is_made_once_and_links_no_openmp():
     """The kernels run on csrc/thread_pool.h's pool: at most threads - 1 workers, started by
     the first parallel call and reused by every later one; the module itself needs no OpenMP
     runtime (an OpenMP barrier would wait for threads the OS has not scheduled)."""
-    from kernels.cpu_ops import rms_norm
+    from kernels.dense.ops import rms_norm
 
     lib = native._build("ops_cpu")
     if not Path("/proc/self/task").exists():

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.activation import SILU_AND_MUL, SwiGLU
-from kernels.cpu_native import PackedExperts, pack_tiles
-from kernels.native import _build
-from kernels.reference import fused_moe_reference
+from kernels.moe.activation import SILU_AND_MUL, SwiGLU
+from kernels.moe.native import PackedExperts, pack_tiles
+from kernels.moe.reference import fused_moe_reference
+from kernels.native.library import _build
 
 GPT_OSS = SwiGLU(alpha=1.702, limit=7.0)
 

@@ -1,6 +1,6 @@
 """The native CPU MoE kernel on 4-bit experts (MXFP4, int4) against a float64 reference.
 
-The reference is `kernels.reference.fused_moe_reference` in float64 on the dequantized weights
+The reference is `kernels.moe.reference.fused_moe_reference` in float64 on the dequantized weights
 (`quant.mxfp4.dequantize_mxfp4`, `quant.int4.dequantize_int4`); the kernel decodes the same
 values in registers and accumulates in float32, so results agree to float32 rounding. Fresh
 random inputs each run; the kernel must build here (a build failure is a test failure, not a
@@ -16,16 +16,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.activation import SILU_AND_MUL, SwiGLU
-from kernels.cpu_native import (
+from kernels.moe.activation import SILU_AND_MUL, SwiGLU
+from kernels.moe.native import (
     PackedQuantExperts,
     pack_q4_tiles,
     pack_tiles,
     unpack_q4_tiles,
     unpack_tiles,
 )
-from kernels.native import _build
-from kernels.reference import fused_moe_reference
+from kernels.moe.reference import fused_moe_reference
+from kernels.native.library import _build
 from quant.int4 import Int4Weight, dequantize_int4, quantize_int4
 from quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 

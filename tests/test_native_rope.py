@@ -1,4 +1,4 @@
-"""The native attention prologue (kernels/cpu_ops.py `qk_norm_rope_cache`, csrc/rope_cpu.cpp)
+"""The native attention prologue (kernels/dense/ops.py `qk_norm_rope_cache`, csrc/rope_cpu.cpp)
 against the torch path it replaces: RMSNorm of q/k per head, rotate-half RoPE, KV-cache write,
 bit for bit, in float32 and bfloat16."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_ops import qk_norm_rope_cache
+from kernels.dense.ops import qk_norm_rope_cache
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding
 

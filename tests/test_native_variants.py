@@ -1,8 +1,8 @@
 """Each build of the native CPU kernels against a float64 torch reference, and the runtime choice
 between them.
 
-kernels/native_build.py builds the same sources twice (`ISAS`: "avx2", and "avx512" with
-512-bit micro-kernels); kernels/native.py picks one per process (`choose_isa`,
+kernels/native/build.py builds the same sources twice (`ISAS`: "avx2", and "avx512" with
+512-bit micro-kernels); kernels/native/library.py picks one per process (`choose_isa`,
 `MOE_ENGINE_CPU_ISA`). Every kernel test here runs once per variant through the `variant`
 fixture: `load_variant` builds and loads that build beside the process's own, and `using` makes
 the kernel objects call it. The AVX-512 variant is skipped, naming the flags the CPU lacks,
@@ -20,11 +20,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_amx
-from kernels.cpu_linear import PackedLinear
-from kernels.cpu_linear_q4 import DOT_FLAG, PackedQuantLinear
-from kernels.cpu_native import PackedExperts, PackedQuantExperts
-from kernels.native import (
+from kernels.dense import amx as cpu_amx
+from kernels.dense.native_linear import PackedLinear
+from kernels.dense.native_linear_q4 import DOT_FLAG, PackedQuantLinear
+from kernels.moe.native import PackedExperts, PackedQuantExperts
+from kernels.moe.reference import fused_moe_reference
+from kernels.native.build import ISAS
+from kernels.native.library import (
     ISA_ENV,
     VECTOR_BITS,
     check_status,
@@ -34,8 +36,6 @@ from kernels.native import (
     load_variant,
     using,
 )
-from kernels.native_build import ISAS
-from kernels.reference import fused_moe_reference
 from quant.int4 import Int4Weight, dequantize_int4, quantize_int4
 from quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
@@ -288,7 +288,7 @@ def test_decode_attention(variant, dtype, amx):
     from test_native_attention_linear import _paged
     from test_native_attention_linear import _reference as attention_reference
 
-    from kernels.cpu_attention import paged_decode_attention
+    from kernels.attention.native_decode import paged_decode_attention
 
     g = _gen()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
@@ -334,7 +334,7 @@ def test_the_environment_overrides_and_is_refused_where_it_cannot_run(monkeypatc
 
 
 def test_no_avx2_leaves_the_native_kernels_unavailable(monkeypatch):
-    from kernels.native import NativeUnavailable
+    from kernels.native.library import NativeUnavailable
 
     monkeypatch.delenv(ISA_ENV, raising=False)
     with pytest.raises(NativeUnavailable, match="lacks avx2"):
@@ -342,7 +342,7 @@ def test_no_avx2_leaves_the_native_kernels_unavailable(monkeypatch):
 
 
 def test_the_process_library_is_the_chosen_variant_and_the_plan_says_so():
-    from kernels.native import load_native, loaded_isa
+    from kernels.native.library import load_native, loaded_isa
     from kernels.registry import choose_kernels
 
     isa, why = choose_isa()

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from grpc_helpers import ServerThread, child_pids, process_alive
 
-from moe_engine.config import EngineConfig, ModelConfig
 from moe_engine.errors import StartupError
 from moe_engine.server.app import ServerOptions
+from moe_engine.startup.config import EngineConfig, ModelConfig
 
 TESTS = Path(__file__).parent
 FAKE_CONFIG = EngineConfig(model=ModelConfig(model="fake", max_model_len=256))
@@ -57,7 +57,7 @@ _SERVE_AND_WAIT = textwrap.dedent(
     import sys, time
     sys.path.insert(0, {tests!r})
     from grpc_helpers import ServerThread
-    from moe_engine.config import EngineConfig, ModelConfig
+    from moe_engine.startup.config import EngineConfig, ModelConfig
     from moe_engine.server.app import ServerOptions
     handle = ServerThread(EngineConfig(model=ModelConfig(model="fake", max_model_len=256)),
                           ServerOptions(port=0), core_factory="fake_core:FakeEngineCore")

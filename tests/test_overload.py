@@ -30,10 +30,10 @@ import pytest
 from chaos import run_with_chaos
 from grpc_helpers import ServerThread, free_port, request, stats, wait_idle
 
-from moe_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from moe_engine.server.app import ServerOptions
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 VOCAB = 512
 NUM_BLOCKS = 512

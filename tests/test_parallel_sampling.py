@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from moe_engine import LLM, SamplingParams
-from moe_engine.config import SchedulerConfig
+from moe_engine.core.parallel_sampling import ParentRequest
 from moe_engine.errors import ErrorCode, RequestError
 from moe_engine.kv_cache import FullAttentionSpec, KVCacheManager, SlidingWindowSpec
-from moe_engine.parallel_sampling import ParentRequest
 from moe_engine.request import FinishReason
 from moe_engine.scheduler import Scheduler
+from moe_engine.startup.config import SchedulerConfig
 
 BS = 16
 PROMPT = [random.Random(3).randrange(3, 500) for _ in range(64)]  # 4 full blocks of 16

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from moe_engine.errors import StartupError
-from moe_engine.model_shape import ModelShape
-from moe_engine.plan import format_bytes, make_plan
+from moe_engine.startup.model_shape import ModelShape
+from moe_engine.startup.plan import format_bytes, make_plan
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -190,8 +190,8 @@ def test_missing_field_is_named() -> None:
 def test_derived_budget_is_capped_by_max_num_seqs() -> None:
     import torch
 
-    from moe_engine.model_shape import ModelShape
-    from moe_engine.plan import make_plan
+    from moe_engine.startup.model_shape import ModelShape
+    from moe_engine.startup.plan import make_plan
 
     shape = ModelShape.from_hf_config(
         {
@@ -225,9 +225,9 @@ def test_derived_budget_is_capped_by_max_num_seqs() -> None:
 def test_quantized_experts_are_counted_at_their_bits() -> None:
     import torch
 
-    from moe_engine.config import QuantConfig
-    from moe_engine.model_shape import ModelShape
-    from moe_engine.plan import make_plan
+    from moe_engine.startup.config import QuantConfig
+    from moe_engine.startup.model_shape import ModelShape
+    from moe_engine.startup.plan import make_plan
 
     shape = ModelShape.from_hf_config(
         {

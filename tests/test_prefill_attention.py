@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_native_attention_linear import _gen, _paged
 
-from kernels.cpu_prefill_attention import paged_prefill_attention, prefill_attention_fits
+from kernels.attention.native_prefill import paged_prefill_attention, prefill_attention_fits
 from moe_engine.models.layers.attention import attention_with_sinks
 
 WHY = prefill_attention_fits(64, 8, 2, torch.bfloat16)

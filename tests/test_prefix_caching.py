@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from moe_engine import LLM, SamplingParams
-from moe_engine.config import SchedulerConfig
 from moe_engine.kv_cache import (
     NULL_BLOCK_ID,
     BlockPool,
@@ -22,6 +21,7 @@ from moe_engine.kv_cache import (
 from moe_engine.kv_cache.manager import ROOT_BLOCK_HASH
 from moe_engine.request import FinishReason, Request
 from moe_engine.scheduler import Scheduler
+from moe_engine.startup.config import SchedulerConfig
 
 BS = 4  # tokens per block in the unit tests
 
@@ -202,12 +202,12 @@ def test_hit_counters_in_grpc_stats_and_prometheus(qwen3_ckpt):
     import grpc
     from grpc_helpers import ServerThread, request
 
-    from moe_engine.config import CacheConfig, EngineConfig, ModelConfig
     from moe_engine.engine.messages import CoreStats, KVCacheGroupStats, engine_stats
     from moe_engine.server.app import ServerOptions
     from moe_engine.server.metrics import ServerMetrics
     from moe_engine.server.pb import moe_engine_pb2 as pb
     from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+    from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig
 
     config = EngineConfig(
         model=ModelConfig(model=str(qwen3_ckpt), max_model_len=128),

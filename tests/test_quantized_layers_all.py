@@ -1,5 +1,6 @@
 """`--quantized-layers all`: the dense projections 4-bit too (moe_engine/models/dense_quant.py,
-kernels/cpu_linear_q4.py), against transformers serving the same checkpoint with those layers
+kernels/dense/native_linear_q4.py), against transformers serving the same checkpoint with those
+layers
 and the experts replaced by their quantize -> dequantize (the 4-bit kernels decode exactly
 those values, so the only difference left is float32 summation order)."""
 

@@ -55,8 +55,8 @@ def _assert_four_bits(llm) -> None:
 
 
 def test_int4_cpu_path_matches_reference_on_fresh_inputs():
-    from kernels.cpu_int4 import fused_moe_int4_cpu, pack_int4_for_cpu
-    from kernels.reference import fused_moe_reference
+    from kernels.moe.reference import fused_moe_reference
+    from kernels.moe.torch_int4 import fused_moe_int4_cpu, pack_int4_for_cpu
     from quant.packing import unpack_nibbles
 
     g = torch.Generator().manual_seed(torch.seed() % (2**31))
@@ -99,9 +99,9 @@ def test_quantized_serving_over_grpc(ckpt_name, method, request, tmp_path):
     from grpc_helpers import ServerThread, token_ids
     from grpc_helpers import request as make_request
 
-    from moe_engine.config import CacheConfig, EngineConfig, ModelConfig, QuantConfig
     from moe_engine.server.app import ServerOptions
     from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+    from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig, QuantConfig
 
     ckpt = request.getfixturevalue(ckpt_name)
     group = 32

@@ -28,8 +28,8 @@ from moe_engine.kv_cache.manager import KVCacheManager
 from moe_engine.kv_cache.spec import FullAttentionSpec
 from moe_engine.kv_cache.state import MambaSpec, StateSlotPool
 from moe_engine.models import model_shape
-from moe_engine.plan import make_plan
 from moe_engine.request import Request
+from moe_engine.startup.plan import make_plan
 
 PROMPT_LENS = [1, 2, 3, 7, 16, 17, 31, 32, 33, 64, 129, 300]
 MAX_NEW = 10

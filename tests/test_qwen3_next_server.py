@@ -36,7 +36,10 @@ from chaos import run_with_chaos
 from fixtures import dequantized_experts_copy, hf_greedy
 from grpc_helpers import ServerThread, greedy_streams, request, stats, wait_idle
 
-from moe_engine.config import (
+from moe_engine.server.app import ServerOptions
+from moe_engine.server.pb import moe_engine_pb2 as pb
+from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.startup.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -44,9 +47,6 @@ from moe_engine.config import (
     QuantConfig,
     SchedulerConfig,
 )
-from moe_engine.server.app import ServerOptions
-from moe_engine.server.pb import moe_engine_pb2 as pb
-from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
 
 VOCAB = 512
 MAX_NUM_SEQS = 8

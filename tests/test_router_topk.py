@@ -1,4 +1,4 @@
-"""The native softmax-then-top-k routing (kernels/cpu_ops.py `router_softmax_topk`,
+"""The native softmax-then-top-k routing (kernels/dense/ops.py `router_softmax_topk`,
 csrc/ops_cpu.cpp) against a float64 softmax and a stable descending sort, on fresh random
 logits: the selection (ties, NaN, k = E, decode and prefill row counts), the weights to a
 relative 2e-6 (16 float32 epsilons: float32 sums of up to 256 terms), the refusals; and
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_ops import router_softmax_topk
-from kernels.native import NativeUnavailable, load_native
+from kernels.dense.ops import router_softmax_topk
+from kernels.native.library import NativeUnavailable, load_native
 from moe_engine.models.layers.routing import softmax_topk
 
 try:

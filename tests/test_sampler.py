@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from moe_engine.detokenizer import IncrementalDetokenizer
+from moe_engine.core.detokenizer import IncrementalDetokenizer
 from moe_engine.request import Request, SamplingParams
-from moe_engine.sampler import Sampler, _apply_top_k_top_p
+from moe_engine.runner.sampler import Sampler, _apply_top_k_top_p
 
 
 def req(rid, **kw):
@@ -103,7 +103,7 @@ def test_final_delta_flushes_an_incomplete_utf8_tail():
 def test_max_model_len_must_be_at_least_two():
     import pytest
 
-    from moe_engine.config import ModelConfig
+    from moe_engine.startup.config import ModelConfig
 
     for bad in (0, 1, -5):
         with pytest.raises(ValueError, match="max_model_len must be >= 2"):

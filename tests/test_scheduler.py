@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from moe_engine.config import SchedulerConfig
 from moe_engine.kv_cache import BlockPool, FullAttentionSpec, KVCacheManager
 from moe_engine.request import FinishReason, Request, SamplingParams
 from moe_engine.scheduler import Scheduler
+from moe_engine.startup.config import SchedulerConfig
 
 
 def make_scheduler(num_blocks=64, max_num_seqs=8, budget=64, block_size=4):

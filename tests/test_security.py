@@ -28,13 +28,13 @@ from tls_certs import CertPaths, available_tools, make_certs
 
 from moe_engine.cli import client as cli
 from moe_engine.cli import serve as serve_cli
-from moe_engine.config import EngineConfig, ModelConfig, SchedulerConfig
 from moe_engine.errors import StartupError
 from moe_engine.server.app import ServerOptions
 from moe_engine.server.interceptors import ApiKeyInterceptor
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
 from moe_engine.server.security import API_KEY_ENV, is_loopback_host, resolve_api_key
+from moe_engine.startup.config import EngineConfig, ModelConfig, SchedulerConfig
 
 FAKE = "fake_core:FakeEngineCore"
 FAKE_CONFIG = EngineConfig(ModelConfig(model="/fake", max_model_len=256))
@@ -411,7 +411,7 @@ def test_pickle_only_checkpoint_is_refused(
     assert code == 1
     assert "no weights found" in err and "*.safetensors" in err
     assert "pytorch_model.bin" in err and "never loaded" in err
-    from moe_engine.engine.core import EngineCore
+    from moe_engine.core.engine_core import EngineCore
 
     with pytest.raises(StartupError, match="safetensors"):
         EngineCore(EngineConfig(ModelConfig(str(model), max_model_len=64)))
@@ -430,7 +430,7 @@ def test_remote_code_config_is_refused(tmp_path: Path) -> None:
     )
     config = {"model_type": "evil", "auto_map": {"AutoConfig": "evil_config.EvilConfig"}}
     (model / "config.json").write_text(json.dumps(config))
-    from moe_engine.engine.core import EngineCore
+    from moe_engine.core.engine_core import EngineCore
 
     with pytest.raises(ValueError, match="trust_remote_code"):
         EngineCore(EngineConfig(ModelConfig(str(model), max_model_len=64)))

@@ -17,9 +17,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_helpers import free_port, request
 
-from moe_engine.config import EngineConfig, ModelConfig
 from moe_engine.server.app import STATUS_METADATA_KEY, MoeServer, ServerOptions
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.startup.config import EngineConfig, ModelConfig
 
 FAKE_CONFIG = EngineConfig(ModelConfig(model="/fake", max_model_len=256))
 BUILDING = "building native CPU kernels"

@@ -14,19 +14,19 @@ from prometheus_client import generate_latest
 
 from comm.placement import ExpertPlacement
 from moe_engine.cli.skew import main
-from moe_engine.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-)
 from moe_engine.server.app import ServerOptions
 from moe_engine.server.metrics import ServerMetrics
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
 from moe_engine.skew.trace import TraceWriter, write_trace
 from moe_engine.skew.zipf import zipf_trace
+from moe_engine.startup.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 
 
 @pytest.fixture

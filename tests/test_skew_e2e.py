@@ -17,16 +17,16 @@ from fixtures import hf_greedy, make_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
 from moe_engine.cli.skew import main as skew_main
-from moe_engine.config import (
+from moe_engine.engine.client import EngineClient
+from moe_engine.request import SamplingParams
+from moe_engine.skew.trace import read_trace
+from moe_engine.startup.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
-from moe_engine.engine.client import EngineClient
-from moe_engine.request import SamplingParams
-from moe_engine.skew.trace import read_trace
 
 HOT = [0, 1, 2, 3]  # contiguous ep 2 puts them all on rank 0
 PROMPTS = [[5 + i, 40 + 3 * i, 100 + i, 7, 300 - i, 9 + i] * 3 for i in range(6)]

@@ -11,10 +11,10 @@ import pytest
 import torch
 from fixtures import hf_greedy
 
-from moe_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from moe_engine.engine.core import EngineCore
+from moe_engine.core.engine_core import EngineCore
 from moe_engine.request import SamplingParams
-from moe_engine.spec_decode.config import SpeculativeConfig
+from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from moe_engine.startup.spec_config import SpeculativeConfig
 
 MAX_TOKENS = 20
 

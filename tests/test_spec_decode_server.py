@@ -39,21 +39,21 @@ from http_helpers import tokenizer_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
 
 from moe_engine.cli.serve import build_parser, engine_config_from_args, server_options_from_args
-from moe_engine.config import (
+from moe_engine.core.detokenizer import IncrementalDetokenizer
+from moe_engine.core.engine_core import EngineCore
+from moe_engine.core.tokenizer import load_tokenizer
+from moe_engine.request import SamplingParams
+from moe_engine.runner.spec_decode.drafter import DRAFT_COOLDOWN_STEPS
+from moe_engine.runner.spec_decode.ngram import propose_ngram_reference
+from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.startup.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
-from moe_engine.detokenizer import IncrementalDetokenizer
-from moe_engine.engine.core import EngineCore
-from moe_engine.request import SamplingParams
-from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
-from moe_engine.spec_decode.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
-from moe_engine.spec_decode.drafter import DRAFT_COOLDOWN_STEPS
-from moe_engine.spec_decode.ngram import propose_ngram_reference
-from moe_engine.tokenizer import load_tokenizer
+from moe_engine.startup.spec_config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 
 REPO = Path(__file__).resolve().parent.parent
 K, NGRAM_MIN, NGRAM_MAX = 3, 1, 3

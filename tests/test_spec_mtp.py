@@ -22,17 +22,17 @@ import torch
 from fixtures import hf_greedy, tiny_config
 from safetensors.torch import load_file, save_file
 
-from moe_engine.config import (
+from moe_engine.core.engine_core import EngineCore
+from moe_engine.errors import StartupError
+from moe_engine.request import SamplingParams
+from moe_engine.startup.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
-from moe_engine.engine.core import EngineCore
-from moe_engine.errors import StartupError
-from moe_engine.request import SamplingParams
-from moe_engine.spec_decode.config import SpeculativeConfig
+from moe_engine.startup.spec_config import SpeculativeConfig
 
 MAX_TOKENS = 16
 NUM_LAYERS = 3  # the tiny DeepSeek-V3's (tests/fixtures.py)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from moe_engine.spec_decode.ngram import NgramProposer, propose_ngram_reference
+from moe_engine.runner.spec_decode.ngram import NgramProposer, propose_ngram_reference
 
 
 def test_examples() -> None:
@@ -67,8 +67,8 @@ def test_draft_length_adapts_to_what_is_accepted() -> None:
     """`Drafter`: m + 1 drafts after m of k were accepted, one more after all were, none for
     DRAFT_COOLDOWN_STEPS steps after a single rejected draft; the counters see every step."""
     from moe_engine.request import Request, SamplingParams
-    from moe_engine.spec_decode.config import SpeculativeConfig
-    from moe_engine.spec_decode.drafter import DRAFT_COOLDOWN_STEPS, Drafter
+    from moe_engine.runner.spec_decode.drafter import DRAFT_COOLDOWN_STEPS, Drafter
+    from moe_engine.startup.spec_config import SpeculativeConfig
 
     drafter = Drafter(SpeculativeConfig("ngram", 4, 1, 3, 0))
     req = Request("r", [1, 2, 1, 2, 1, 2, 1], SamplingParams(max_tokens=100))
@@ -97,7 +97,7 @@ def test_draft_length_adapts_to_what_is_accepted() -> None:
 
 def test_speculative_flags_are_checked_without_a_method() -> None:
     """A bad n-gram or disable-by value is refused even with speculation off (never ignored)."""
-    from moe_engine.spec_decode.config import SpeculativeConfig
+    from moe_engine.startup.spec_config import SpeculativeConfig
 
     with pytest.raises(ValueError, match="ngram_max: 3 is below ngram_min 5"):
         SpeculativeConfig(None, 0, 5, 3)

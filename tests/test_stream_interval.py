@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from moe_engine.engine.core import EngineCore
+from moe_engine.core.engine_core import EngineCore
 from moe_engine.errors import ParamError
 from moe_engine.request import SamplingParams
+from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 PROMPT_LENS = [5, 17, 40]
 MAX_TOKENS = [11, 1, 9]

@@ -17,15 +17,15 @@ import torch
 from grpc_helpers import ServerThread
 
 from moe_engine import LLM, SamplingParams, StructuredOutputsParams
-from moe_engine.config import EngineConfig, ModelConfig
-from moe_engine.demo import ensure_demo_checkpoint
 from moe_engine.engine import messages
 from moe_engine.errors import ParamError, RequestError
 from moe_engine.request import Request
-from moe_engine.sampler import Sampler
+from moe_engine.runner.sampler import Sampler
 from moe_engine.server.app import ServerOptions
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.startup.config import EngineConfig, ModelConfig
+from moe_engine.startup.demo import ensure_demo_checkpoint
 from moe_engine.structured_output import StructuredOutputManager
 
 PROMPT = "Answer in JSON:"
@@ -380,7 +380,7 @@ def test_preempted_requests_keep_their_grammar_state(demo) -> None:
 def test_bitmask_touches_only_grammar_rows_and_never_padding(demo) -> None:
     """The model's vocabulary padded 40 ids past the tokenizer's: a grammar row allows only
     what its matcher allows (none of the padding), the other rows keep their logits."""
-    from moe_engine.tokenizer import load_tokenizer
+    from moe_engine.core.tokenizer import load_tokenizer
 
     tok = load_tokenizer(demo)
     vocab = len(tok) + 40

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.activation import SILU_AND_MUL, SwiGLU
-from kernels.cpu import fused_moe_cpu
-from kernels.cpu_int4 import fused_moe_int4_cpu, pack_int4_for_cpu
-from kernels.reference import fused_moe_reference
+from kernels.moe.activation import SILU_AND_MUL, SwiGLU
+from kernels.moe.reference import fused_moe_reference
+from kernels.moe.torch_cpu import fused_moe_cpu
+from kernels.moe.torch_int4 import fused_moe_int4_cpu, pack_int4_for_cpu
 from quant.int4 import dequantize_int4, quantize_int4
 from quant.packing import unpack_nibbles
 

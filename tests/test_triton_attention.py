@@ -1,4 +1,5 @@
-"""Triton paged attention and MLA decode (`kernels.triton_attention`) against float64 torch.
+"""Triton paged attention and MLA decode (`kernels.attention.triton_attention`) against float64
+torch.
 
 The kernels run under Triton's interpreter (`TRITON_INTERPRET=1`, set below before the first
 `triton` import) on tiny fresh random inputs; each test prints its seed (shown by pytest on
@@ -19,7 +20,7 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from kernels.triton_attention import (  # noqa: E402
+from kernels.attention.triton_attention import (  # noqa: E402
     invoke_paged_attention,
     mla_decode,
     num_kv_splits,

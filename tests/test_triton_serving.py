@@ -19,16 +19,16 @@ import torch
 from fixtures import dequantized_experts_copy, greedy_generate, hf_greedy
 from grpc_helpers import ServerThread, greedy_streams, stats
 
-from moe_engine.config import (
+from moe_engine.server.app import ServerOptions
+from moe_engine.server.pb import moe_engine_pb2 as pb
+from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.startup.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
     QuantConfig,
     SchedulerConfig,
 )
-from moe_engine.server.app import ServerOptions
-from moe_engine.server.pb import moe_engine_pb2 as pb
-from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
 
 PROMPT_LENS = [1, 7, 24]
 MAX_NEW = [5, 4, 4]

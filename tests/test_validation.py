@@ -6,9 +6,9 @@ import math
 
 import pytest
 
+from moe_engine.core.validation import validate_request
 from moe_engine.errors import ErrorCode, ParamError, RequestError
 from moe_engine.request import SamplingParams
-from moe_engine.validation import validate_request
 
 CASES = [
     ([], {}, ErrorCode.INVALID_ARGUMENT, "prompt", "0 tokens"),

@@ -10,11 +10,11 @@ from fixtures import make_tiny_checkpoint
 from grpc_helpers import ServerThread
 
 from moe_engine import LLM
-from moe_engine.config import EngineConfig, ModelConfig, QuantConfig
-from moe_engine.model_shape import ModelShape
 from moe_engine.server.app import ServerOptions
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.startup.config import EngineConfig, ModelConfig, QuantConfig
+from moe_engine.startup.model_shape import ModelShape
 
 #: hidden and expert width 128, so int4 groups of 128 divide both.
 WIDE = dict(hidden_size=128, moe_intermediate_size=128)
@@ -80,7 +80,7 @@ def test_deepseek_weight_bytes_match_the_plan(ckpt_name, request) -> None:
     """MLA attention, dense first layer, float32 routers (with V3's correction bias) and shared
     experts: the plan's arithmetic equals the loaded tensors, in float32 and in bfloat16 (where
     the routers stay float32)."""
-    from moe_engine.plan import make_plan
+    from moe_engine.startup.plan import make_plan
 
     ckpt = request.getfixturevalue(ckpt_name)
     llm = LLM(model=str(ckpt), max_model_len=64)

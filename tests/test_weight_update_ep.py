@@ -14,17 +14,17 @@ from fixtures import hf_greedy, perturbed_checkpoint
 from grpc_helpers import ServerThread, greedy_streams, stats, wait_idle
 from safetensors.torch import load_file
 
-from moe_engine.config import (
+from moe_engine.rl import WeightSync, WeightSyncError
+from moe_engine.server.app import ServerOptions
+from moe_engine.server.pb import moe_engine_pb2 as pb
+from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.startup.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
-from moe_engine.rl import WeightSync, WeightSyncError
-from moe_engine.server.app import ServerOptions
-from moe_engine.server.pb import moe_engine_pb2 as pb
-from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
 
 PROMPTS = [[5, 6, 7, 8], [100, 3, 9, 40, 41], list(range(20, 47))]
 MAX_NEW = [8, 6, 7]

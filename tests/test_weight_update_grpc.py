@@ -25,10 +25,10 @@ from grpc_helpers import ServerThread, free_port, request, token_ids, wait_idle
 from safetensors.torch import load_file, save_file
 
 from moe_engine.cli import client as cli
-from moe_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from moe_engine.server.app import ServerOptions
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 API_KEY = "rl-key"
 AUTH = (("authorization", f"Bearer {API_KEY}"),)

@@ -30,7 +30,7 @@ from moe_engine.disagg.arithmetic import (
     transfer_table,
 )
 from moe_engine.errors import StartupError
-from moe_engine.quant_config import DTYPES
+from moe_engine.startup.quant_config import DTYPES
 
 
 def _numbers(kind: type, text: str) -> list:
@@ -87,7 +87,7 @@ def kv_specs_of(model: Path, dtype: torch.dtype, block_size: int) -> tuple[str, 
         OSError: no config.json there.
     """
     from moe_engine.models import model_shape
-    from moe_engine.plan import GiB, make_plan
+    from moe_engine.startup.plan import GiB, make_plan
 
     path = model / "config.json" if model.is_dir() else model
     shape = model_shape(json.loads(path.read_text()))
@@ -99,7 +99,7 @@ def kv_specs_of(model: Path, dtype: torch.dtype, block_size: int) -> tuple[str, 
 def measure_prefill(model: Path, dtype: str, prompt_lens: list[int]) -> dict[int, float]:
     """Median seconds of a max_tokens=1 greedy request per prompt length (random ids), on
     this machine, after one warm-up each."""
-    from moe_engine.llm import LLM
+    from moe_engine.offline.llm import LLM
     from moe_engine.request import SamplingParams
 
     llm = LLM(str(model), dtype=dtype, max_model_len=max(prompt_lens) + 1,

@@ -37,7 +37,18 @@ from kernels.registry import (
     resolve_device,
 )
 from moe_engine import __version__
-from moe_engine.config import (
+from moe_engine.disagg.transfer import BACKENDS
+from moe_engine.errors import StartupError
+from moe_engine.models.loader import safetensors_files
+from moe_engine.server.app import serve
+from moe_engine.server.options import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_MAX_CONCURRENT_STREAMS,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    ServerOptions,
+)
+from moe_engine.server.security import API_KEY_ENV, resolve_api_key
+from moe_engine.startup.config import (
     DEVICE_CHOICES,
     DISAGG_MODES,
     CacheConfig,
@@ -50,22 +61,11 @@ from moe_engine.config import (
     SchedulerConfig,
     check_cpu_environment,
 )
-from moe_engine.config import parse_bytes as config_parse_bytes
-from moe_engine.disagg.transfer import BACKENDS
-from moe_engine.engine.control import weight_version_problem
-from moe_engine.errors import StartupError
-from moe_engine.loader import safetensors_files
-from moe_engine.model_path import resolve_model_dir
-from moe_engine.quant_config import resolve_quant_config
-from moe_engine.server.app import serve
-from moe_engine.server.options import (
-    DEFAULT_DRAIN_TIMEOUT_S,
-    DEFAULT_MAX_CONCURRENT_STREAMS,
-    DEFAULT_MAX_MESSAGE_BYTES,
-    ServerOptions,
-)
-from moe_engine.server.security import API_KEY_ENV, resolve_api_key
-from moe_engine.spec_decode.config import add_speculative_arguments, speculative_config_from_args
+from moe_engine.startup.config import parse_bytes as config_parse_bytes
+from moe_engine.startup.model_path import resolve_model_dir
+from moe_engine.startup.quant_config import resolve_quant_config
+from moe_engine.startup.spec_config import add_speculative_arguments, speculative_config_from_args
+from moe_engine.weight_update.messages import weight_version_problem
 
 logger = logging.getLogger("moe_engine.serve")
 
@@ -459,7 +459,7 @@ def resolve_model(model: str) -> str:
     """
     if model != "demo":
         return resolve_model_dir(model)
-    from moe_engine.demo import ensure_demo_checkpoint
+    from moe_engine.startup.demo import ensure_demo_checkpoint
 
     path = str(ensure_demo_checkpoint())
     logger.info("demo checkpoint: %s", path)

@@ -20,9 +20,9 @@ import grpc
 
 from moe_engine.cli.request_fields import utf8_text
 from moe_engine.cli.rpc_errors import fail
-from moe_engine.engine.control import DEFAULT_PAUSE_MODE, PAUSE_MODES
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
+from moe_engine.weight_update.messages import DEFAULT_PAUSE_MODE, PAUSE_MODES
 
 #: The subcommands of this module.
 COMMANDS = ("pause", "resume", "update-weights")

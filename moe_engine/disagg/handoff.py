@@ -27,9 +27,9 @@ from dataclasses import replace
 
 import msgspec
 
+from moe_engine.core.engine_core import EngineCore
 from moe_engine.disagg.kv_layout import KVCacheDescriptor, block_copies, describe, slot_tensors
 from moe_engine.disagg.transfer import KVTransfer
-from moe_engine.engine.core import EngineCore
 from moe_engine.engine.messages import EngineCoreOutput
 from moe_engine.errors import ErrorCode, RequestError
 from moe_engine.request import SamplingParams

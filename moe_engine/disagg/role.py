@@ -19,11 +19,10 @@ import time
 
 import msgspec
 
-from moe_engine.config import DisaggConfig
+from moe_engine.core.engine_core import EngineCore
 from moe_engine.disagg.arithmetic import transfer_table
 from moe_engine.disagg.handoff import DecodeHandoff, KVPlacement, PrefillHandoff, kv_transfer_for
 from moe_engine.disagg.transfer import TransferError
-from moe_engine.engine.core import EngineCore
 from moe_engine.engine.messages import (
     AddError,
     EngineCoreOutput,
@@ -32,6 +31,7 @@ from moe_engine.engine.messages import (
     PrepareDecodeReply,
 )
 from moe_engine.errors import ErrorCode, RequestError
+from moe_engine.startup.config import DisaggConfig
 
 logger = logging.getLogger(__name__)
 

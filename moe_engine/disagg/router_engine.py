@@ -119,7 +119,7 @@ class RouterEngine:
                 await asyncio.sleep(0.5)
         path = self.tokenizer_path or (info.model if info.has_tokenizer else None)
         if path is not None:
-            from moe_engine.tokenizer import load_tokenizer
+            from moe_engine.core.tokenizer import load_tokenizer
 
             self.tokenizer = await asyncio.to_thread(load_tokenizer, path)
             if self.tokenizer is None:

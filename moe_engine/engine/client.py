@@ -34,9 +34,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from moe_engine.config import EngineConfig
+from moe_engine.core.tokenizer import load_tokenizer
+from moe_engine.core.validation import validate_request
 from moe_engine.engine import core_proc
-from moe_engine.engine.control import ControlInput, ControlReply
 from moe_engine.engine.messages import (
     AbortRequests,
     AddError,
@@ -69,8 +69,8 @@ from moe_engine.engine.monitor import FRONTEND_TIMEOUT_S, HEARTBEAT_INTERVAL_S
 from moe_engine.engine.status import StartupStatus
 from moe_engine.errors import ErrorCode, RequestError, StartupError
 from moe_engine.request import SamplingParams
-from moe_engine.tokenizer import load_tokenizer
-from moe_engine.validation import validate_request
+from moe_engine.startup.config import EngineConfig
+from moe_engine.weight_update.messages import ControlInput, ControlReply
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,7 @@ import msgspec
 import zmq
 from tqdm import tqdm
 
-from moe_engine.config import EngineConfig, default_threads
-from moe_engine.engine.control import ControlInput
+from moe_engine.core.protocol import EngineCoreProtocol
 from moe_engine.engine.messages import (
     AbortRequests,
     AddError,
@@ -55,13 +54,14 @@ from moe_engine.engine.messages import (
     engine_stats,
 )
 from moe_engine.engine.monitor import FRONTEND_TIMEOUT_S, FrontEndMonitor
-from moe_engine.engine.protocol import EngineCoreProtocol
 from moe_engine.errors import ErrorCode, ParamError, RequestError
+from moe_engine.startup.config import EngineConfig, default_threads
+from moe_engine.weight_update.messages import ControlInput
 
 logger = logging.getLogger(__name__)
 
 #: The engine core class, as "module:attribute" (tests substitute a fake core through it).
-DEFAULT_CORE_FACTORY = "moe_engine.engine.core:EngineCore"
+DEFAULT_CORE_FACTORY = "moe_engine.core.engine_core:EngineCore"
 #: How long an idle loop blocks on its input socket before it looks around again (ms).
 _IDLE_POLL_MS = 500
 #: How long closing a socket may wait to flush the last messages (ms).

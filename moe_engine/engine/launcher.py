@@ -27,11 +27,11 @@ from typing import Any
 
 import zmq
 
-from moe_engine.config import EngineConfig
 from moe_engine.engine import core_proc
 from moe_engine.engine.messages import Fatal, encode
 from moe_engine.engine.monitor import FRONTEND_TIMEOUT_S, FrontEndMonitor
 from moe_engine.engine.netif import configure_socket_ifname
+from moe_engine.startup.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

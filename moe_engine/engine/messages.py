@@ -31,9 +31,9 @@ from typing import Any
 
 import msgspec
 
-from moe_engine.engine.control import ControlInput, ControlReply
 from moe_engine.errors import ErrorCode
 from moe_engine.request import FinishReason, SamplingParams
+from moe_engine.weight_update.messages import ControlInput, ControlReply
 
 # ---------------------------------------------------------------------- payloads
 

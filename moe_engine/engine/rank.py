@@ -44,10 +44,9 @@ import torch.distributed as dist
 import zmq
 from tqdm import tqdm
 
-from moe_engine.config import EngineConfig, default_threads
+from moe_engine.core.device import engine_device
+from moe_engine.core.protocol import EngineCoreProtocol
 from moe_engine.engine import core_proc
-from moe_engine.engine.control import ControlInput, ControlReply, merge_replies
-from moe_engine.engine.device import engine_device
 from moe_engine.engine.messages import (
     AbortRequests,
     AddError,
@@ -76,8 +75,9 @@ from moe_engine.engine.messages import (
     engine_stats,
 )
 from moe_engine.engine.monitor import FRONTEND_TIMEOUT_S, FrontEndMonitor
-from moe_engine.engine.protocol import EngineCoreProtocol
 from moe_engine.engine.rank_groups import MeshError, RankGroups, join_groups
+from moe_engine.startup.config import EngineConfig, default_threads
+from moe_engine.weight_update.messages import ControlInput, ControlReply, merge_replies
 
 logger = logging.getLogger(__name__)
 
@@ -451,8 +451,8 @@ def _build_core(
 ) -> tuple[Any, Any]:
     """This rank's core (its experts only) and the expert placement."""
     from comm import ExpertPlacement, make_communicator
-    from moe_engine.engine.rank_context import RankContext
     from moe_engine.models import model_shape
+    from moe_engine.startup.rank_context import RankContext
 
     num_experts = model_shape(config.model.hf_config()).num_experts
     if config.parallel.expert_placement:

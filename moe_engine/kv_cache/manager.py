@@ -14,7 +14,7 @@ group can serve: a full-attention group needs every block of the prefix, a slidi
 only the ceil((window - 1) / block_size) blocks before its end (earlier ones are null). The hit
 never covers the last token, which is always recomputed so that a token can be sampled.
 
-Parallel sampling (`moe_engine.parallel_sampling`): the completions of one request share its
+Parallel sampling (`moe_engine.core.parallel_sampling`): the completions of one request share its
 prompt's full blocks through the same map. With prefix caching off they are still hashed and
 looked up, but only requests with a `cache_salt` are, the salt starts their hash chain (so only
 siblings, which share it, find the blocks), only prompt blocks enter the map, and

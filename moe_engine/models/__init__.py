@@ -8,8 +8,8 @@ from __future__ import annotations
 import importlib
 
 from moe_engine.errors import StartupError
-from moe_engine.model_shape import ModelShape
 from moe_engine.models.base import ArchSpec, MoeCausalLM
+from moe_engine.startup.model_shape import ModelShape
 
 #: config.json architecture name -> the module holding the class of that name.
 ARCHITECTURES: dict[str, str] = {

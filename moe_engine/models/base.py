@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from moe_engine.kv_cache.spec import AttentionGroup
-from moe_engine.model_shape import ModelShape
 from moe_engine.models.config_fields import moe_shape_fields
 from moe_engine.models.layers.attention import AttentionMetadata
 from moe_engine.models.layers.decoder import Attention, Backbone, DecoderLayer, DenseMLP
@@ -38,6 +37,7 @@ from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding, rope_theta_of
 from moe_engine.models.weight_mapping import WeightLoader, WeightMapping
 from moe_engine.phase_timer import PhaseTimer
+from moe_engine.startup.model_shape import ModelShape
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,19 +15,19 @@ from typing import Any
 import torch
 
 from kernels.registry import KernelPlan
-from moe_engine.config import EngineConfig, compute_dtype, read_config_json
-from moe_engine.engine.protocol import StartupProgressFn
-from moe_engine.engine.rank_context import RankContext
+from moe_engine.core.protocol import StartupProgressFn
 from moe_engine.errors import StartupError
 from moe_engine.kv_cache.spec import AttentionGroup
-from moe_engine.loader import load_model
-from moe_engine.memory import DeviceMemory, check_weights_fit
 from moe_engine.models import resolve_architecture
 from moe_engine.models.base import ArchSpec, MoeCausalLM
 from moe_engine.models.dense_quant import quantize_dense_layers
 from moe_engine.models.hf_config import load_hf_config
 from moe_engine.models.kernel_binding import bind_kernels, model_facts, plan_kernels
-from moe_engine.plan import Plan, make_plan
+from moe_engine.models.loader import load_model
+from moe_engine.startup.config import EngineConfig, compute_dtype, read_config_json
+from moe_engine.startup.memory import DeviceMemory, check_weights_fit
+from moe_engine.startup.plan import Plan, make_plan
+from moe_engine.startup.rank_context import RankContext
 from quant.compressed_tensors import CompressedTensorsConfig, parse_quantization_config
 from quant.fp8 import Fp8BlockConfig, parse_fp8_config
 
@@ -262,7 +262,7 @@ def _has_layer(model_dir: str, index: int) -> bool:
     """Whether the checkpoint holds any tensor of decoder layer `index` (names only read)."""
     from safetensors import safe_open
 
-    from moe_engine.loader import safetensors_files
+    from moe_engine.models.loader import safetensors_files
 
     prefix = f"model.layers.{index}."
     for path in safetensors_files(model_dir):

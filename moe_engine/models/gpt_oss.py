@@ -10,7 +10,7 @@ A decoder-only MoE transformer that differs from the Llama family (`layers/decod
 - biases on q/k/v/o, on the router, and on every expert's gate/up and down projections;
 - routing by top-k of the router logits, then softmax over those k (`layers/moe.topk_softmax`);
 - the clamped SwiGLU `(up + 1) * gate * sigmoid(alpha * gate)`, gate <= limit and
-  |up| <= limit (`kernels/activation.py`; `swiglu_alpha`, default 1.702, and `swiglu_limit`);
+  |up| <= limit (`kernels/moe/activation.py`; `swiglu_alpha`, default 1.702, and `swiglu_limit`);
 - RMSNorm multiplying by its weight in float32 (`GptOssRMSNorm`).
 
 Checkpoints (transformers 5 names): experts as `mlp.experts.gate_up_proj` [E, H, 2I] with gate
@@ -31,7 +31,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from kernels.activation import SwiGLU
+from kernels.moe.activation import SwiGLU
 from moe_engine.models.base import ArchSpec, MoeCausalLM
 from moe_engine.models.config_fields import every_layer_moe, layer_types_fields
 from moe_engine.models.layers.decoder import Attention

@@ -17,8 +17,8 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from moe_engine.config import read_config_json
 from moe_engine.errors import StartupError
+from moe_engine.startup.config import read_config_json
 
 
 def load_hf_config(model_dir: str | Path) -> PretrainedConfig:

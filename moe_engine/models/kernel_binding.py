@@ -9,8 +9,8 @@ import re
 import torch
 from torch import nn
 
-from kernels.cpu_decode_layer import MAX_ROWS as MAX_DECODE_ROWS
-from kernels.native import native_unavailable_reason
+from kernels.decode_layer.native import MAX_ROWS as MAX_DECODE_ROWS
+from kernels.native.library import native_unavailable_reason
 from kernels.registry import (
     NATIVE_CPU,
     KernelBackendError,
@@ -19,7 +19,7 @@ from kernels.registry import (
     choose_kernels,
     probe_backend,
 )
-from moe_engine.engine.protocol import StartupProgressFn
+from moe_engine.core.protocol import StartupProgressFn
 from moe_engine.errors import StartupError
 from moe_engine.models.base import ArchSpec
 

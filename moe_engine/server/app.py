@@ -30,9 +30,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from moe_engine.config import EngineConfig
 from moe_engine.engine.client import EngineClient
-from moe_engine.engine.control import ResumeGeneration
 from moe_engine.engine.core_proc import DEFAULT_CORE_FACTORY
 from moe_engine.errors import RequestError, StartupError
 from moe_engine.server.http import HttpServer, HttpState, build_app
@@ -47,6 +45,8 @@ from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
 from moe_engine.server.security import server_credentials
 from moe_engine.server.servicer import MoeEngineServicer
+from moe_engine.startup.config import EngineConfig
+from moe_engine.weight_update.messages import ResumeGeneration
 
 logger = logging.getLogger(__name__)
 

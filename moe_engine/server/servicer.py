@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 import torch
 
+from moe_engine.core.validation import param_error
 from moe_engine.engine.client import EngineClient
 from moe_engine.engine.messages import CoreStats, EngineCoreOutput, EngineStats, ModelInfo
 from moe_engine.errors import ErrorCode, ParamError, RequestError
@@ -32,7 +33,6 @@ from moe_engine.server.metrics import RequestTimer, ServerMetrics
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
 from moe_engine.server.weight_rpcs import WeightControlRpcs
-from moe_engine.validation import param_error
 
 logger = logging.getLogger(__name__)
 

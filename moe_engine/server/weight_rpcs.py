@@ -21,7 +21,11 @@ import grpc
 import msgspec
 
 from moe_engine.engine.client import EngineClient
-from moe_engine.engine.control import (
+from moe_engine.errors import ErrorCode, RequestError
+from moe_engine.server.interceptors import abort_with_refusal
+from moe_engine.server.pb import moe_engine_pb2 as pb
+from moe_engine.weight_update.group import BACKENDS
+from moe_engine.weight_update.messages import (
     DEFAULT_BACKEND,
     DEFAULT_GROUP_NAME,
     DEFAULT_GROUP_TIMEOUT_S,
@@ -37,10 +41,6 @@ from moe_engine.engine.control import (
     UpdateWeights,
     weight_version_problem,
 )
-from moe_engine.errors import ErrorCode, RequestError
-from moe_engine.server.interceptors import abort_with_refusal
-from moe_engine.server.pb import moe_engine_pb2 as pb
-from moe_engine.weight_update.group import BACKENDS
 
 #: How long the front end waits for the core to answer a pause or resume (seconds).
 PAUSE_TIMEOUT_S = 30.0

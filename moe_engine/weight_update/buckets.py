@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_engine.engine.control import TensorMeta
+from moe_engine.weight_update.messages import TensorMeta
 
 #: Offset alignment inside a bucket (bytes): every dtype's view of the bytes is aligned.
 ALIGN = 16

@@ -23,7 +23,16 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from moe_engine.engine.control import (
+from moe_engine.errors import ErrorCode
+from moe_engine.weight_update.buckets import (
+    Bucket,
+    bucket_layout,
+    default_bucket_bytes,
+    unpack,
+)
+from moe_engine.weight_update.disk import DiskUpdate
+from moe_engine.weight_update.group import WeightGroup
+from moe_engine.weight_update.messages import (
     PAUSE_MODES,
     WEIGHT_SOURCES,
     ControlInput,
@@ -35,15 +44,6 @@ from moe_engine.engine.control import (
     UpdateWeights,
     weight_version_problem,
 )
-from moe_engine.errors import ErrorCode
-from moe_engine.weight_update.buckets import (
-    Bucket,
-    bucket_layout,
-    default_bucket_bytes,
-    unpack,
-)
-from moe_engine.weight_update.disk import DiskUpdate
-from moe_engine.weight_update.group import WeightGroup
 from moe_engine.weight_update.staging import StagedWeights
 from moe_engine.weight_update.targets import Skip, Target, WeightUpdateError, resolve_targets
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from moe_engine.engine.control import TensorMeta
 from moe_engine.errors import StartupError
-from moe_engine.loader import safetensors_files
+from moe_engine.models.loader import safetensors_files
+from moe_engine.weight_update.messages import TensorMeta
 from moe_engine.weight_update.targets import WeightUpdateError
 
 #: safetensors header dtypes -> the names `TensorMeta` uses.

@@ -14,13 +14,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from moe_engine.engine.control import (
+from moe_engine.weight_update.buckets import bucket_layout, pack
+from moe_engine.weight_update.messages import (
     DEFAULT_BACKEND,
     DEFAULT_GROUP_NAME,
     DEFAULT_GROUP_TIMEOUT_S,
     TensorMeta,
 )
-from moe_engine.weight_update.buckets import bucket_layout, pack
 
 #: Backends a group may use.
 BACKENDS = ("gloo", "nccl")

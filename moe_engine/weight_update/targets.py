@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_engine.engine.control import TensorMeta
 from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.weight_mapping import WeightLoader, beyond_num_layers, mtp_model_name
+from moe_engine.weight_update.messages import TensorMeta
 from quant.mxfp4 import MXFP4_BLOCK_SIZE
 
 #: dtypes an update may carry for a floating parameter (cast to the parameter's on arrival).

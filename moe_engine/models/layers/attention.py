@@ -11,8 +11,9 @@ causal triangles on the bench's mixed prompt lengths).
 
 That is the torch backend. The kernel registry (kernels/registry.py) binds each layer's decode
 and prefill batches once (`PagedAttention.bind_kernels`): native-cpu decode reads the cache in
-place through the block tables (kernels/cpu_attention.py); triton runs both batch kinds through
-the block tables (kernels/triton_attention.py, varlen queries by `query_start_loc`).
+place through the block tables (kernels/attention/native_decode.py); triton runs both batch kinds
+through
+the block tables (kernels/attention/triton_attention.py, varlen queries by `query_start_loc`).
 
 Two gpt-oss features live here as well, both off (and free) for the other models:
 - Sliding-window layers (Beltagy et al. 2020, "Longformer"; transformers'
@@ -40,8 +41,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_attention import paged_decode_attention
-from kernels.cpu_prefill_attention import paged_prefill_attention
+from kernels.attention.native_decode import paged_decode_attention
+from kernels.attention.native_prefill import paged_prefill_attention
 from kernels.registry import NATIVE_CPU, TORCH, TRITON, KernelPlan
 from moe_engine.kv_cache.spec import FULL_ATTENTION, SLIDING_ATTENTION
 from moe_engine.models.layers.prefill_rows import prefill_rows
@@ -273,7 +274,7 @@ class PagedAttention(KVCacheLayer):
         self.decode_backend, self.prefill_backend = TORCH, TORCH
         #: The torch path on a CPU: sinks through the CPU flash kernel's log-sum-exp.
         self._cpu_flash = False
-        self._triton: Any = None  # kernels.triton_attention, imported when bound to triton
+        self._triton: Any = None  # triton_attention, imported when bound
 
     def bind_kernels(self, plan: KernelPlan) -> None:
         """Take the registry's "attention_decode" and "attention_prefill" backends (native-cpu
@@ -284,7 +285,7 @@ class PagedAttention(KVCacheLayer):
             self.prefill_backend = TORCH  # the native kernel's limit (cpu_prefill_attention)
         self._cpu_flash = plan.device == "cpu" and _CPU_FLASH_WITH_LSE is not None
         if TRITON in (self.decode_backend, self.prefill_backend):
-            from kernels import triton_attention
+            from kernels.attention import triton_attention
 
             self._triton = triton_attention
 
@@ -298,7 +299,7 @@ class PagedAttention(KVCacheLayer):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D], or both None when the caller has written them into
-        the cache (`kernels.cpu_ops.qk_norm_rope_cache`); kv_cache: two [num_blocks,
+        the cache (`kernels.dense.ops.qk_norm_rope_cache`); kv_cache: two [num_blocks,
         block_size, Hkv, D]; sinks: optional [Hq] per-head sink logits (gpt-oss), None for
         plain softmax.
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_decode_layer import DecodeLayerKernel
-from kernels.cpu_ops import qk_norm_rope_cache
+from kernels.decode_layer.native import DecodeLayerKernel
+from kernels.dense.ops import qk_norm_rope_cache
 from kernels.registry import NATIVE_CPU, KernelPlan
 from moe_engine.models.layers.attention import AttentionMetadata, PagedAttention
 from moe_engine.models.layers.linear import Linear, MergedLinear
@@ -54,7 +54,7 @@ class Attention(nn.Module):
 
     Bound to the native-cpu "rotary" kernel, a layer with the plain rotate-half
     `RotaryEmbedding` runs its prologue (split, q/k norm, rope, KV-cache write) as one native
-    call (`kernels.cpu_ops.qk_norm_rope_cache`, bit-identical to the torch ops).
+    call (`kernels.dense.ops.qk_norm_rope_cache`, bit-identical to the torch ops).
     """
 
     def __init__(
@@ -167,7 +167,7 @@ class DecoderLayer(nn.Module):
 
     Bound to native-cpu for "decode_layer", a decode-only step of up to
     `cpu_decode_layer.MAX_ROWS` tokens (`MoeCausalLM.forward` passes its `DecodeStep`) runs
-    the whole layer as one native call (`kernels.cpu_decode_layer.DecodeLayerKernel`, the
+    the whole layer as one native call (`kernels.decode_layer.native.DecodeLayerKernel`, the
     residual stream bit-identical to this module path) where the layer's modules are the ones
     it implements (`native_decode.decode_misfit`).
     """

@@ -8,7 +8,8 @@ sigmoid(b) and the decay g = -exp(A_log) * softplus(a + dt_bias); the delta rule
 normalised, gated by silu(z) and projected back (Yang, Kautz, Hatamizadeh 2024, "Gated Delta
 Networks", arXiv:2412.06464; transformers 5.24 `Qwen3NextGatedDeltaNet`, whose torch path this
 follows). A prefill chunk runs the chunked form of the rule from the state the previous chunk
-left (`kernels.gated_delta.chunk_gated_delta_rule`), decodes run one recurrent step batched
+left (`kernels.attention.gated_delta.chunk_gated_delta_rule`), decodes run one recurrent step
+batched
 over the requests.
 
 `LinearAttentionMetadata` is what a step tells these layers: each request's slot, query
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.gated_delta import (
+from kernels.attention.gated_delta import (
     causal_conv1d_decode,
     causal_conv1d_prefill,
     chunk_gated_delta_rule,

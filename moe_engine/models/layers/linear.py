@@ -3,11 +3,12 @@
 Every dense projection of the models (QKV, output, router, dense MLP, LM head) is one of these.
 Bound to the native-cpu backend (`bind_kernels`; kernels/registry.py), batches of up to
 `NATIVE_MAX_ROWS` rows (`NARROW_MAX_ROWS` for layers of fewer than `NATIVE_MIN_OUT_FEATURES`
-outputs, the router) go through a packed copy of the weight (kernels/cpu_linear.py; bfloat16
+outputs, the router) go through a packed copy of the weight (kernels/dense/native_linear.py;
+bfloat16
 when exact: half the bytes a decode step reads; 1.3-4x torch's GEMM at 1-64 rows:
 `python bench/cpu_kernels.py --only linear`, bench/NOTES.md); larger batches (long prefill
 chunks) use `nn.Linear.forward`, as does the torch backend (cuBLAS on CUDA) and an unbound
-layer. Where the CPU has AMX-BF16 (`kernels.cpu_amx.amx_unavailable_reason`, decided once per
+layer. Where the CPU has AMX-BF16 (`kernels.dense.amx.amx_unavailable_reason`, decided once per
 process), a bfloat16 layer's batches of `cpu_amx.LINEAR_MIN_ROWS` to `cpu_amx.LINEAR_MAX_ROWS`
 rows run the AMX kernel instead (`AmxLinear`; 1.4-2.9x the AVX2 kernel at 1-4 rows, 5.7-9.6x
 at 16, 11-17x from 64, one thread: bench/NOTES.md "AMX bf16 kernels"), the router included,
@@ -16,7 +17,8 @@ made on the first forward and dropped by `reset_packed` (the model's `load_weigh
 so a reload never serves stale weights).
 
 `quantize` (`--quantized-layers all`) makes a layer compute with 4-bit weights
-(kernels/cpu_linear_q4.py: int4 group-wise or MXFP4 codes, as the experts' kernel reads them):
+(kernels/dense/native_linear_q4.py: int4 group-wise or MXFP4 codes, as the experts' kernel reads
+them):
 bound to native-cpu, every batch of up to `NATIVE_MAX_ROWS` rows runs the 4-bit kernel, and
 larger ones (and every batch on another backend) torch's GEMM over the dequantized values, so
 the layer computes with the same weights whatever the batch. `weight` keeps the checkpoint's
@@ -28,10 +30,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import cpu_amx
-from kernels.cpu_amx import AmxLinear
-from kernels.cpu_linear import PackedLinear
-from kernels.cpu_linear_q4 import PackedQuantLinear
+from kernels.dense import amx as cpu_amx
+from kernels.dense.amx import AmxLinear
+from kernels.dense.native_linear import PackedLinear
+from kernels.dense.native_linear_q4 import PackedQuantLinear
 from kernels.registry import NATIVE_CPU, KernelPlan
 
 #: Rows above which torch's GEMM is as fast as the native kernel (bench/NOTES.md).

@@ -138,7 +138,7 @@ class MLAAttention(KVCacheLayer):
         self.decode_backend = plan.backend("mla_decode")
         self._pad_values = plan.device == "cpu"
         if self.decode_backend == TRITON:
-            from kernels import triton_attention
+            from kernels.attention import triton_attention
 
             self._triton = triton_attention
 

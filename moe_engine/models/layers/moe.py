@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from comm import Communicator, NoopCommunicator
-from kernels.activation import SILU_AND_MUL, SwiGLU
-from kernels.cpu_ops import router_softmax_topk
-from kernels.moe_backends import BoundExperts, ExpertExtras, bind_float_experts
+from kernels.dense.ops import router_softmax_topk
+from kernels.moe.activation import SILU_AND_MUL, SwiGLU
+from kernels.moe.backends import BoundExperts, ExpertExtras, bind_float_experts
 from kernels.registry import NATIVE_CPU, TORCH, KernelPlan
 from moe_engine.instrumentation import ExpertLoadRecorder
 from moe_engine.models.layers.linear import Linear
@@ -68,7 +68,7 @@ class FusedMoE(nn.Module):
         router_bias: the router Linear has a bias (gpt-oss).
         expert_bias: experts have biases b13 [E_local, 2I] (gate; up) and b2 [E_local, H],
             stored and sliced per local slot like w13/w2 (gpt-oss).
-        activation: plain SwiGLU (default) or gpt-oss's clamped one (`kernels.activation`).
+        activation: plain SwiGLU (default) or gpt-oss's clamped one (`kernels.moe.activation`).
         router: a router module (`layers.routing`: hidden [T, H] -> topk_weights [T, k] fp32,
             topk_ids [T, k] int32, with `num_experts`, `top_k` and its checkpoint names
             `weight`, `bias`, `e_score_correction_bias`); it becomes `self.gate`, so
@@ -248,10 +248,10 @@ class FusedMoE(nn.Module):
 
     def bind_kernels(self, plan: KernelPlan) -> None:
         """Choose the kernels once: the softmax-top-k routing (`plan.backend("router_topk")`:
-        native-cpu's `kernels.cpu_ops.router_softmax_topk`, else torch's softmax and a
+        native-cpu's `kernels.dense.ops.router_softmax_topk`, else torch's softmax and a
         stable sort), and the experts':
         `plan.backend("fused_moe")` for float experts (the
-        layout is built now: native-cpu packs `kernels.cpu_native.PackedExperts`; torch and
+        layout is built now: native-cpu packs `kernels.moe.native.PackedExperts`; torch and
         triton read w13/w2 in place), or the 4-bit experts' own `bind_kernels` with the same
         plan. Call after loading and quantizing, on the device the weights will stay on;
         calling again (a new plan, or after reloading weights) rebuilds the layout.

@@ -1,6 +1,6 @@
 """Whether a decoder layer's decode step can run as one native call, and that call's kernel.
 
-`kernels.cpu_decode_layer.DecodeLayerKernel` runs a whole pre-norm MoE layer (norm, QKV,
+`kernels.decode_layer.native.DecodeLayerKernel` runs a whole pre-norm MoE layer (norm, QKV,
 prologue, decode attention, output projection, norm, router, experts, both residual adds) from
 C++ with the kernels the layer's modules were bound to; this module checks that those modules
 are the ones it implements, and builds the kernel from their packed weights. The "decode_layer"
@@ -14,11 +14,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from comm.noop import NoopCommunicator
-from kernels.cpu_amx import AmxLinear
-from kernels.cpu_amx_moe import AmxExperts
-from kernels.cpu_decode_layer import MAX_ROWS, DecodeLayerKernel, DecodeStepArgs, decode_step_args
-from kernels.cpu_linear_q4 import PackedQuantLinear
-from kernels.cpu_native import PackedQuantExperts
+from kernels.decode_layer.native import (
+    MAX_ROWS,
+    DecodeLayerKernel,
+    DecodeStepArgs,
+    decode_step_args,
+)
+from kernels.dense.amx import AmxLinear
+from kernels.dense.native_linear_q4 import PackedQuantLinear
+from kernels.moe.amx import AmxExperts
+from kernels.moe.native import PackedQuantExperts
 from kernels.registry import NATIVE_CPU, KernelPlan
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.norm import RMSNorm

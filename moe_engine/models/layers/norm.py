@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.cpu_ops import rms_norm
+from kernels.dense.ops import rms_norm
 from kernels.registry import NATIVE_CPU, KernelPlan
 
 
@@ -45,7 +45,7 @@ class RMSNorm(nn.Module):
         """x: [..., dim] any float dtype -> same shape and dtype.
 
         Bound to native-cpu, inputs of the weight's dtype and up to 3 dimensions go through the
-        fused native kernel (`kernels.cpu_ops.rms_norm`, same rounding), one call instead of
+        fused native kernel (`kernels.dense.ops.rms_norm`, same rounding), one call instead of
         six torch ops.
         """
         if self._native and x.dim() <= 3 and x.dtype == self.weight.dtype and x.stride(-1) == 1:

@@ -7,10 +7,10 @@ The stacked expert weights w13 [E, 2I, H] and w2 [E, H, I] are quantized once at
 - mxfp4 (`quant.mxfp4`, OCP Microscaling Formats (MX) Specification v1.0).
 
 Until `bind_kernels` the weights are held once, in the canonical stacked layout
-(`kernels.moe_backends.Int4Experts` / `Mxfp4Experts`, as non-persistent buffers, so that the
+(`kernels.moe.backends.Int4Experts` / `Mxfp4Experts`, as non-persistent buffers, so that the
 module moves with `.to(device)`; never `.to(dtype)` it, which would cast the int4 scales too).
 `bind_kernels(plan)` reads `plan.backend("fused_moe_int4")` or `("fused_moe_mxfp4")` and
-converts the weights once into that backend's layout (`kernels.moe_backends`: native-cpu's
+converts the weights once into that backend's layout (`kernels.moe.backends`: native-cpu's
 `PackedQuantExperts`, decoded in registers; torch's packed int4 CPU matmul or MXFP4 table
 dequantization, off the CPU a dequantize-the-active-experts float path; triton's
 `fused_moe_int4` / `fused_moe_mxfp4`, on the canonical layout itself); the canonical copy is
@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.activation import SILU_AND_MUL, SwiGLU
-from kernels.moe_backends import (
+from kernels.moe.activation import SILU_AND_MUL, SwiGLU
+from kernels.moe.backends import (
     BoundExperts,
     Int4Experts,
     Mxfp4Experts,
@@ -58,7 +58,7 @@ class QuantizedExperts(nn.Module):
             (the three are plain attributes, read on every forward).
 
     Attributes:
-        bound: the `kernels.moe_backends.BoundExperts` that forward calls; None before
+        bound: the `kernels.moe.backends.BoundExperts` that forward calls; None before
             `bind_kernels`.
 
     Raises:

@@ -51,7 +51,7 @@ def softmax_topk(
     The routing of Qwen3-MoE and Qwen2-MoE (`norm_topk_prob`) and Mixtral (always
     renormalised) in Hugging Face `transformers`. Ties go to the lower expert id (stable sort),
     so identical logits still give k distinct experts deterministically. On a CPU bound to
-    native-cpu for "router_topk", `FusedMoE` routes through `kernels.cpu_ops.
+    native-cpu for "router_topk", `FusedMoE` routes through `kernels.dense.ops.
     router_softmax_topk` instead (one call, the same selection rule).
 
     Args:

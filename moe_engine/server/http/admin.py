@@ -21,12 +21,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import StrictBool, StrictStr
 
-from moe_engine.engine.control import (
-    DEFAULT_PAUSE_MODE,
-    ControlReply,
-    PauseGeneration,
-    ResumeGeneration,
-)
 from moe_engine.errors import ErrorCode, RequestError
 from moe_engine.server.http.errors import HTTP_STATUS
 from moe_engine.server.http.protocol import _Body
@@ -37,6 +31,12 @@ from moe_engine.server.weight_rpcs import (
     check_mode,
     disk_update,
     with_reply_id,
+)
+from moe_engine.weight_update.messages import (
+    DEFAULT_PAUSE_MODE,
+    ControlReply,
+    PauseGeneration,
+    ResumeGeneration,
 )
 
 router = APIRouter()

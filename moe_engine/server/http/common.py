@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from moe_engine.core.validation import param_error
 from moe_engine.engine.messages import EngineCoreOutput
 from moe_engine.errors import ParamError
 from moe_engine.request import (
@@ -21,7 +22,6 @@ from moe_engine.request import (
 )
 from moe_engine.server.http.errors import OpenAIError
 from moe_engine.server.http.protocol import NEUTRAL, ChatCompletionRequest, CompletionRequest
-from moe_engine.validation import param_error
 
 SSE_DONE = b"data: [DONE]\n\n"
 

@@ -14,13 +14,13 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+from moe_engine.core.validation import validate_request
 from moe_engine.engine.client import EngineClient
 from moe_engine.engine.messages import EngineCoreOutput
 from moe_engine.errors import ErrorCode, RequestError
 from moe_engine.request import SamplingParams
 from moe_engine.server.http.errors import OpenAIError
 from moe_engine.server.metrics import RequestTimer, ServerMetrics
-from moe_engine.validation import validate_request
 
 
 @dataclass

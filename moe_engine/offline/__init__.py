@@ -1,0 +1,1 @@
+"""moe_engine/offline"""

@@ -1,0 +1,421 @@
+"""Engine configuration: frozen dataclasses composed into one `EngineConfig`.
+
+User mistakes raise `ValueError` naming the field, the value and the limit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from moe_engine.startup.quant_config import DTYPES, QuantConfig
+from moe_engine.startup.spec_config import SpeculativeConfig
+
+_UNITS = {
+    "": 1,
+    "k": 1000,
+    "m": 1000**2,
+    "g": 1000**3,
+    "t": 1000**4,
+    "ki": 1024,
+    "mi": 1024**2,
+    "gi": 1024**3,
+    "ti": 1024**4,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count: a plain integer or with a unit ("512MiB", "4G", "4GiB", "1.5GB"; K/M/G/T
+    powers of 1000, Ki/Mi/Gi/Ti of 1024).
+
+    Raises:
+        ValueError: anything else (names the text).
+    """
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]i?)?b?\s*", text.lower())
+    if match is None:
+        raise ValueError(f"expected bytes like 4294967296 or 4GiB, got {text!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to load.
+
+    Attributes:
+        model: a directory with config.json and *.safetensors (and optionally tokenizer files).
+        dtype: "auto" (the checkpoint's torch_dtype, float32 when unset), "bfloat16", "float32".
+        max_model_len: longest prompt + output (tokens); None means the model's
+            max_position_embeddings.
+        seed: seed for weight-independent randomness (sampling without a per-request seed).
+        weight_version: the version string of the weights loaded at startup, reported with
+            every output until an update replaces it (SGLang's `--weight-version`).
+    """
+
+    model: str
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    weight_version: str = "default"
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(
+                f"max_model_len must be >= 2 tokens (one prompt token and one generated), "
+                f"got {self.max_model_len}"
+            )
+
+    def hf_config(self) -> dict:
+        """The checkpoint's config.json as a dict (`read_config_json`).
+
+        Raises:
+            FileNotFoundError: when config.json is missing.
+            ValueError: when it is not a JSON object (names the file and the error's position).
+        """
+        return read_config_json(self.model)
+
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype weights and activations use.
+
+        Raises:
+            ValueError: for an unknown dtype name.
+        """
+        name = self.dtype
+        if name == "auto":
+            cfg = self.hf_config()
+            name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+        if name not in DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {name!r}")
+        return DTYPES[name]
+
+
+def read_config_json(model_dir: str | Path) -> dict:
+    """`model_dir`/config.json as a dict.
+
+    Raises:
+        FileNotFoundError: there is no config.json (naming the directory).
+        ValueError: it is not valid JSON, naming the file, the line, the column and what
+            the parser expected there; or it holds something other than a JSON object.
+    """
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"model: no config.json in {str(model_dir)!r}")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno} (char {e.pos})"
+        ) from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object {{...}}, got {json.dumps(config)[:40]}")
+    return config
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache.
+
+    Attributes:
+        block_size: tokens per KV block.
+        kv_cache_memory: bytes for the KV cache; None derives it from free memory.
+        num_blocks_override: exact number of blocks (tests use it to force preemption).
+        enable_prefix_caching: reuse the KV blocks of earlier requests' identical prefixes
+            (full blocks only; `kv_cache.KVCacheManager`).
+    """
+
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    num_blocks_override: int | None = None
+    enable_prefix_caching: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.kv_cache_memory is not None and (
+            not isinstance(self.kv_cache_memory, int) or isinstance(self.kv_cache_memory, bool)
+        ):
+            raise ValueError(f"kv_cache_memory must be a byte count (int), got "
+                             f"{self.kv_cache_memory!r}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batch limits for one step.
+
+    Attributes:
+        max_num_seqs: most requests in one step.
+        max_num_batched_tokens: most tokens (prefill chunks + decodes) in one step.
+        max_waiting: most requests queued before new ones are refused (RESOURCE_EXHAUSTED).
+        stream_interval: a request's new tokens are sent to its stream every this many tokens
+            (the first token and the final output always at once; vLLM's and SGLang's
+            `--stream-interval`). 1 sends every token as it is sampled; larger values cut the
+            messages per token (core to front end, front end to client) at the cost of
+            burstier streams. Generated tokens never change.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_waiting: int = 4096
+    stream_interval: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1 requests, got {self.max_waiting}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1 tokens, got {self.stream_interval}")
+
+
+#: `--disaggregation-mode` values: one instance does both, or only prefills, or only decodes.
+DISAGG_MODES = ("none", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """Prefill/decode disaggregation (`moe_engine.disagg`).
+
+    Attributes:
+        mode: "none", "prefill" (run prompts to their first token and send their KV blocks
+            to a decode instance) or "decode" (take requests whose KV a prefill instance
+            sends, then decode).
+        backend: the KV transfer engine (`disagg.transfer.BACKENDS`).
+        host: the address peers reach this instance's transfer engine at.
+        timeout_s: a transfer to a hung peer fails after this long; a decode instance drops a
+            request whose K/V has not arrived this long after it was placed.
+    """
+
+    mode: str = "none"
+    backend: str = "mooncake-tcp"
+    host: str = "127.0.0.1"
+    timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in DISAGG_MODES:
+            raise ValueError(f"disaggregation mode must be one of {', '.join(DISAGG_MODES)}, "
+                             f"got {self.mode!r}")
+        if not self.timeout_s >= 5:
+            raise ValueError(f"kv transfer timeout must be >= 5 s, got {self.timeout_s}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Ranks and threads.
+
+    Attributes:
+        ep_size: expert-parallel ranks, experts split evenly (1 = one rank) unless
+            `expert_placement` says otherwise.
+        num_threads: intra-op CPU threads of a rank; None = `default_threads()` (shared among
+            the ranks of a node).
+        collective_timeout_s: how long a rank waits in a collective (all-to-all, step control)
+            before it declares the others dead (seconds); also bounds how long a hung rank can
+            hold the server before it goes down.
+        nnodes, node_rank, rdzv_endpoint: torch elastic launcher settings (`torchrun`'s
+            --nnodes, --node-rank, --rdzv-endpoint "host:port"; None = this node, a free port).
+        expert_placement: a placement JSON file (`comm.placement`), None = contiguous.
+    """
+
+    ep_size: int = 1
+    num_threads: int | None = None
+    collective_timeout_s: float = 60.0
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    expert_placement: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.ep_size < 1:
+            raise ValueError(f"ep_size must be >= 1, got {self.ep_size}")
+        if self.collective_timeout_s <= 0:
+            raise ValueError(
+                f"collective_timeout_s must be > 0 seconds, got {self.collective_timeout_s}"
+            )
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"node_rank must be in [0, nnodes {self.nnodes}), got {self.node_rank}"
+            )
+        if self.ep_size % self.nnodes:
+            raise ValueError(
+                f"ep_size {self.ep_size} must be a multiple of nnodes {self.nnodes} "
+                f"(the same number of ranks on every node)"
+            )
+
+
+#: --device values: "auto" (cuda when torch sees a CUDA device), "cpu", "cuda".
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where the engine runs and how much of the device's memory it may take.
+
+    Attributes:
+        device: "auto" (cuda when torch sees a CUDA device, else cpu), "cpu" or "cuda";
+            resolved once at EngineCore startup (`kernels.registry.resolve_device`). Weights,
+            the KV cache and each step's batch tensors live there.
+        gpu_memory_utilization: fraction in (0, 1] of the CUDA device's total memory the
+            engine may use for weights, activations and KV cache (vLLM's flag); the KV cache
+            gets what the weights and a profiled activation peak leave
+            (`moe_engine.startup.memory`).
+            Ignored on a CPU (the KV cache is sized by kv_cache_memory / MemAvailable there).
+        enforce_eager: never capture CUDA graphs (`--enforce-eager`, vLLM's flag): every step
+            runs eagerly. By default decode-only steps replay graphs captured at startup
+            where they apply (`moe_engine.runner.cuda_graphs`).
+    """
+
+    device: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICE_CHOICES:
+            raise ValueError(
+                f"device must be one of {', '.join(DEVICE_CHOICES)}; got {self.device!r}"
+            )
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization (--gpu-memory-utilization) must be a fraction in "
+                f"(0, 1] of the device's memory, got {util!r}"
+            )
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine needs, composed of the configs above.
+
+    Attributes:
+        expert_trace: write every step's routing counts to this NPZ trace file
+            (`moe_engine.skew.trace`, docs/trace_format.md); None = no trace.
+        kernel_backend: `--kernel-backend`: "auto", a backend name, or op=backend pairs
+            (kernels/registry.py); checked at startup.
+        device: the device and its memory budget (`DeviceConfig`).
+        speculative: draft tokens per step (`SpeculativeConfig`; off by default).
+        disagg: prefill/decode disaggregation (`DisaggConfig`; off by default).
+    """
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    expert_trace: str | None = None
+    kernel_backend: str = "auto"
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
+
+
+def native_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 / AMX), per oneDNN."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def compute_dtype(weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the CPU path computes in for weights of `weight_dtype`.
+
+    bfloat16 without native support is emulated by oneDNN at a fraction of float32's speed
+    (measured 19 vs 159 GFLOP/s on an AVX2 core pair), so such CPUs compute in float32 on the
+    bfloat16-rounded weights unless MOE_ENGINE_FORCE_BF16=1.
+    """
+    if weight_dtype != torch.bfloat16 or os.environ.get("MOE_ENGINE_FORCE_BF16") == "1":
+        return weight_dtype
+    return torch.bfloat16 if native_bf16_matmul() else torch.float32
+
+
+def amx_setting() -> str:
+    """MOE_ENGINE_AMX (one of `AMX_SETTINGS`, default "1"): where the bf16 kernels (linear and
+    fused MoE, kernels/dense/amx.py) may run: "1" on AMX tiles where the CPU has them, else on
+    AVX512-BF16 where it has that; "avx512-bf16" never on the tiles; "0" neither."""
+    return os.environ.get("MOE_ENGINE_AMX") or "1"
+
+
+def default_threads() -> int:
+    """Intra-op CPU threads: MOE_ENGINE_THREADS, else every core this process may run on.
+
+    A server's engine core takes every core too, beside its gRPC front end: the native kernels'
+    pool (kernels/csrc/thread_pool.h) never waits for a thread the front end displaced, so
+    sharing a core costs the front end's own time only. (With OpenMP barriers it did not:
+    steps ran up to 10x slower, and an earlier default left one core to the front end, which
+    cost a third of the served throughput on 2 cores; issue 17's note has the measurements.)
+
+    Raises:
+        ValueError: MOE_ENGINE_THREADS is not a positive integer.
+    """
+    threads = _env_int("MOE_ENGINE_THREADS", minimum=1)
+    if threads is not None:
+        return threads
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _env_int(name: str, minimum: int) -> int | None:
+    """Environment variable `name` as an integer >= minimum, or None when unset or empty.
+
+    Raises:
+        ValueError: naming the variable, its value and the limit.
+    """
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ValueError(f"{name}={os.environ[name]!r}: must be an integer >= {minimum}")
+    return value
+
+
+#: Values MOE_ENGINE_AMX accepts (`amx_setting`): 0 off, 1 on (AMX tiles, else AVX512-BF16),
+#: avx512-bf16 (never the tiles).
+AMX_SETTINGS = ("0", "1", "avx512-bf16")
+
+
+def check_cpu_environment() -> None:
+    """Check the CPU knobs of the environment before anything starts (moe-serve calls it
+    before its port opens): MOE_ENGINE_THREADS (integer >= 1), MOE_ENGINE_SPIN_US (integer
+    >= 0; the kernels' pool would read anything else as 0), MOE_ENGINE_AMX (one of
+    `AMX_SETTINGS`), MOE_ENGINE_CPU_ISA (`kernels.native.library.choose_isa`: auto, avx2, avx512,
+    one
+    this CPU runs).
+
+    Raises:
+        ValueError: the first bad one, naming the variable, its value and what it accepts.
+    """
+    _env_int("MOE_ENGINE_THREADS", minimum=1)
+    _env_int("MOE_ENGINE_SPIN_US", minimum=0)
+    amx = os.environ.get("MOE_ENGINE_AMX")
+    if amx is not None and amx not in AMX_SETTINGS:
+        raise ValueError(f"MOE_ENGINE_AMX={amx!r}: must be one of {', '.join(AMX_SETTINGS)}")
+    from kernels.native.library import NativeUnavailable, choose_isa
+
+    try:
+        choose_isa()
+    except NativeUnavailable:  # no AVX2 under auto: the torch kernels run, as logged later
+        pass
+
+
+def cache_root() -> Path:
+    """Where generated checkpoints live: $MOE_ENGINE_CACHE, else ~/.cache/moe-engine."""
+    root = os.environ.get("MOE_ENGINE_CACHE")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "moe-engine"
