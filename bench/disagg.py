@@ -29,7 +29,7 @@ from workload import ensure_bench_checkpoint  # noqa: E402
 from moe_engine.core.engine_core import EngineCore  # noqa: E402
 from moe_engine.disagg.arithmetic import format_table, transfer_table  # noqa: E402
 from moe_engine.disagg.handoff import DecodeHandoff, PrefillHandoff, kv_transfer_for  # noqa: E402
-from moe_engine.request import SamplingParams  # noqa: E402
+from moe_engine.sampling_params import SamplingParams  # noqa: E402
 from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 
 

@@ -209,7 +209,8 @@ def kv_manager_admits(plan, batch: int, context: int) -> bool:
     `context` tokens at once (each taking its blocks and state slot)."""
     from moe_engine.kv_cache.manager import KVCacheManager
     from moe_engine.kv_cache.state import StateSlotPool
-    from moe_engine.request import Request, SamplingParams
+    from moe_engine.request import Request
+    from moe_engine.sampling_params import SamplingParams
 
     kv = KVCacheManager(list(plan.kv_specs), plan.num_blocks, state_slots=StateSlotPool(
         plan.num_state_slots) if plan.num_state_slots else None)

@@ -39,11 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from workload import ensure_bench_checkpoint  # noqa: E402
 
+from kernels.env import cache_root  # noqa: E402
 from moe_engine.kv_cache import FULL_ATTENTION, KVCacheManager, make_kv_cache_groups  # noqa: E402
-from moe_engine.request import Request, SamplingParams  # noqa: E402
+from moe_engine.models import model_shape
+from moe_engine.request import Request  # noqa: E402
+from moe_engine.sampling_params import SamplingParams  # noqa: E402
 from moe_engine.scheduler import Scheduler  # noqa: E402
-from moe_engine.startup.config import SchedulerConfig, cache_root  # noqa: E402
-from moe_engine.startup.model_shape import ModelShape  # noqa: E402
+from moe_engine.startup.config import SchedulerConfig  # noqa: E402
 
 GiB = 1 << 30
 #: gpt-oss-20b's config.json fields that shape the KV cache (the rest is irrelevant here).
@@ -70,7 +72,7 @@ STEP_TOKENS = 2048  # max_num_batched_tokens: the longest prefill chunk
 def make_scheduler(hybrid: bool, num_blocks: int, max_num_seqs: int = 256):
     """Scheduler + KVCacheManager for the gpt-oss-20b shape (`hybrid` False: every layer full
     attention, one group); returns (scheduler, manager, bytes per block)."""
-    shape = ModelShape.from_hf_config(GPT_OSS_20B)
+    shape = model_shape(GPT_OSS_20B)
     groups = shape.attention_groups()
     if not hybrid:
         groups = [(FULL_ATTENTION, None, tuple(range(shape.num_layers)))]

@@ -71,7 +71,7 @@ class MoeEngineRow(InProcessEngine):
 
     def __init__(self, ckpt: Path, requests: list[BenchRequest], args: Any, quantization: str):
         from moe_engine import LLM
-        from moe_engine.request import SamplingParams
+        from moe_engine.sampling_params import SamplingParams
 
         self.name = engine_row_name(quantization)
         self.requests = requests

@@ -6,7 +6,7 @@
 CPU (default): each format through two paths. "native" is what the engine runs when the native
 kernel builds (the default): "bf16" is `kernels.moe.native.PackedExperts` (what `FusedMoE`
 packs) on bf16-rounded weights in the engine's compute dtype
-(`moe_engine.startup.config.compute_dtype(bfloat16)`: float32 on CPUs without native bf16 matmul,
+(`moe_engine.startup.env.compute_dtype(bfloat16)`: float32 on CPUs without native bf16 matmul,
 reported as `compute_dtype`; bf16-exact, so packed as bfloat16), "int4" (group `--group-size`,
 symmetric) and "mxfp4" are `QuantizedExperts` quantized from the same weights, which run
 `kernels.moe.native.PackedQuantExperts` (codes decoded in registers). "torch" is the

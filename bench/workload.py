@@ -178,7 +178,7 @@ def add_greedy_requests(row: Any, prompts: list[list[int]], output_len: int) -> 
     """Add every prompt to `row.llm.engine` as a greedy request of exactly `output_len` tokens
     (ignore EOS), ids `f"{row.name}-{n}"` from the row's running `counter`; returns the ids in
     prompt order (the benches that step `EngineCore` themselves)."""
-    from moe_engine.request import SamplingParams
+    from moe_engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, min_tokens=output_len,
                             ignore_eos=True)

@@ -1,39 +1,49 @@
-"""Requests, their sampling parameters and their outputs.
+"""Requests as the scheduler sees them.
 
-Names follow vLLM v1: a `Request` is one prompt and its generated tokens; `SamplingParams` says
-how to pick each next token and when to stop. What one step produces for a request is an
-`EngineCoreOutput` (`moe_engine.engine.messages`).
+Names follow vLLM v1: a `Request` is one prompt and its generated tokens; its `SamplingParams`
+(`moe_engine.sampling_params`) say how to pick each next token and when to stop. What one step
+produces for a request is an `EngineCoreOutput` (`moe_engine.core.outputs`).
 """
 
 from __future__ import annotations
 
 import enum
-import json
-import math
-import numbers
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from moe_engine.errors import ParamError
+from moe_engine.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from moe_engine.core.parallel_sampling import ParentRequest
-    from moe_engine.structured_output import RequestGrammar
 
-#: The largest number of top logprobs a request may ask for per token.
-MAX_LOGPROBS = 20
-#: Caps on stop conditions: every stop string is checked against each new token's text inside
-#: the step loop, so their number and length bound the work one request adds to every step.
-MAX_STOP_STRINGS = 64
-MAX_STOP_STRING_CHARS = 1024
-MAX_STOP_TOKEN_IDS = 1024
-#: Temperatures below this are greedy: dividing float32 logits by less overflows (vLLM's
-#: _SAMPLING_EPS is the same value).
-GREEDY_TEMPERATURE = 1e-5
-#: Most completions one request may ask for (`SamplingParams.n`); each is a Request of its own.
-MAX_N = 128
-#: Seeds torch's generator accepts (a 64-bit value, signed or unsigned).
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+class Grammar(Protocol):
+    """What a request needs of its grammar matcher (`structured_output.RequestGrammar`)."""
+
+    @property
+    def is_terminated(self) -> bool:
+        """True once the grammar allows no further token (the output is complete)."""
+        ...
+
+    def accept(self, token_id: int) -> None:
+        """Advance past a sampled token."""
+        ...
+
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        """Write the allowed tokens of the next step into row `row` of `bitmask`."""
+        ...
+
+
+class Parent(Protocol):
+    """What a completion needs of its n > 1 request (`core.parallel_sampling.ParentRequest`).
+
+    Attributes:
+        request_id: the client's id for the whole request.
+        num_finished: completions finished so far (the scheduler counts them).
+        finished: True once all n have finished.
+    """
+
+    request_id: str
+    num_finished: int
+
+    @property
+    def finished(self) -> bool: ...
 
 
 class FinishReason(enum.StrEnum):
@@ -44,78 +54,6 @@ class FinishReason(enum.StrEnum):
     ABORT = "abort"
 
 
-#: Longest JSON schema text a request may carry (characters): compiling is linear in its size,
-#: and the compiled grammar is cached by this text.
-MAX_JSON_SCHEMA_CHARS = 64 * 1024
-
-
-@dataclass(frozen=True)
-class StructuredOutputsParams:
-    """Constrain a completion to JSON (vLLM's `StructuredOutputsParams`, its JSON half).
-
-    Exactly one of the two is set. The engine compiles the grammar with xgrammar when the
-    request is added (`moe_engine.structured_output`); a schema xgrammar cannot compile is
-    refused then (RequestError INVALID_ARGUMENT, field "response_format").
-
-    Attributes:
-        json: a JSON schema as JSON text (its top level an object, e.g. '{"type": "object"}');
-            the output is a JSON value that validates against it.
-        json_object: any JSON object (OpenAI's `response_format: {"type": "json_object"}`).
-
-    Raises:
-        ParamError: field "response_format": neither or both set, `json` not a string, not
-            valid JSON, not a JSON object, or over MAX_JSON_SCHEMA_CHARS characters.
-    """
-
-    json: str | None = None
-    json_object: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.json_object, bool):
-            raise ParamError(
-                "response_format", f"response_format: json_object must be a bool, got "
-                f"{self.json_object!r}",
-            )  # fmt: skip
-        if (self.json is None) == (not self.json_object):
-            raise ParamError(
-                "response_format",
-                "response_format: set exactly one of json (a JSON schema) and json_object",
-            )
-        if self.json is not None:
-            _check_schema_text(self.json)
-
-    @property
-    def cache_key(self) -> str:
-        """What the compiled grammar is cached under: the schema text ("" for json_object)."""
-        return self.json if self.json is not None else ""
-
-
-def _check_schema_text(text: object) -> None:
-    """Refuse a schema that is not the JSON text of an object (ParamError "response_format")."""
-    if not isinstance(text, str):
-        raise ParamError(
-            "response_format",
-            f"response_format: json must be a JSON schema as text, got {type(text).__name__}",
-        )
-    if len(text) > MAX_JSON_SCHEMA_CHARS:
-        raise ParamError(
-            "response_format",
-            f"response_format: the JSON schema has {len(text)} characters, at most "
-            f"{MAX_JSON_SCHEMA_CHARS}",
-        )
-    try:
-        schema = json.loads(text)
-    except ValueError as e:
-        raise ParamError(
-            "response_format", f"response_format: the JSON schema is not valid JSON: {e}"
-        ) from None
-    if not isinstance(schema, dict):
-        raise ParamError(
-            "response_format",
-            f"response_format: a JSON schema must be a JSON object, got {type(schema).__name__}",
-        )
-
-
 class RequestStatus(enum.Enum):
     """Where a request is in its life: waiting (never run or preempted), running, finished."""
 
@@ -123,223 +61,6 @@ class RequestStatus(enum.Enum):
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED = enum.auto()
-
-
-#: `SamplingParams.output_kind`: an output per step (or `--stream-interval`), or one at the end.
-OUTPUT_DELTA = "delta"
-OUTPUT_FINAL_ONLY = "final_only"
-OUTPUT_KINDS = (OUTPUT_DELTA, OUTPUT_FINAL_ONLY)
-
-
-@dataclass
-class SamplingParams:
-    """How to choose tokens and when to stop (vLLM's `SamplingParams`, the fields it shares).
-
-    Every field is checked at construction (`__post_init__`); limits that need the model
-    (vocabulary size, the engine's logprobs cap) are checked by `verify`.
-
-    Attributes:
-        max_tokens: most tokens to generate per completion (tokens, >= 1).
-        min_tokens: stop conditions (EOS, stop ids, stop strings) are ignored before this many.
-        temperature: below GREEDY_TEMPERATURE (e.g. 0) means greedy; otherwise logits are
-            divided by it before softmax.
-        top_p: nucleus sampling mass, in (0, 1].
-        top_k: keep the k most likely tokens; -1 keeps all.
-        seed: per-request seed in [-2**63, 2**64 - n]; the same seed and prompt give the same
-            tokens; completion i of a request with n > 1 uses seed + i (as vLLM does).
-        stop: stop strings (one string is one stop string); the matched string is not
-            included in the text.
-        stop_token_ids: extra token ids that end a completion (one int is one id; the token
-            is kept in the ids).
-        ignore_eos: keep generating past the model's EOS token.
-        logprobs: number of top logprobs to return per generated token (None: none).
-        n: completions to generate from the prompt (parallel sampling, 1..MAX_N); they share
-            the prompt's KV blocks.
-        structured_outputs: constrain the output to JSON (a schema, or any object); None: free.
-            Each completion is constrained on its own; it finishes with "stop" once its JSON
-            is complete (and the grammar took EOS). Cut by max_tokens, the text need not parse.
-        output_kind: "delta" (an output per step, or every `--stream-interval` tokens, with
-            the tokens since the previous one) or "final_only" (one output per completion, when
-            it finishes, with all its tokens and text: what a caller that does not stream needs;
-            vLLM's `RequestOutputKind.FINAL_ONLY`, which its OpenAI server uses for
-            `stream: false`). The tokens are the same either way.
-
-    Raises:
-        ParamError: at construction, for a field of the wrong type or outside its limits
-            (names the field, the value and the limit).
-    """
-
-    max_tokens: int = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop: str | list[str] | None = field(default_factory=list)
-    stop_token_ids: int | list[int] | None = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    n: int = 1
-    structured_outputs: StructuredOutputsParams | None = None
-    output_kind: str = OUTPUT_DELTA
-
-    def __post_init__(self) -> None:
-        self.stop = _as_list("stop", self.stop, str)
-        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, int)
-        self._check()
-
-    @property
-    def greedy(self) -> bool:
-        """True when the next token is the argmax (temperature below GREEDY_TEMPERATURE)."""
-        return self.temperature < GREEDY_TEMPERATURE
-
-    def verify(self, vocab_size: int, max_logprobs: int = MAX_LOGPROBS) -> None:
-        """Check every field again (they may have been changed since construction), then the
-        limits that need the model.
-
-        Args:
-            vocab_size: stop_token_ids must be in [0, vocab_size).
-            max_logprobs: the engine's cap on `logprobs`.
-
-        Raises:
-            ParamError: naming the field, the value and the limit.
-        """
-        self.stop = _as_list("stop", self.stop, str)
-        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, int)
-        self._check()
-        if self.logprobs is not None and self.logprobs > max_logprobs:
-            raise ParamError(
-                "logprobs", f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}"
-            )
-        for tok in self.stop_token_ids:
-            if tok >= vocab_size:
-                raise ParamError(
-                    "stop_token_ids",
-                    f"stop_token_ids entry {tok} is outside [0, {vocab_size}) "
-                    f"(vocab_size {vocab_size})",
-                )
-
-    def _check(self) -> None:
-        """The checks that need no model; normalises ints and floats in place."""
-        self.n = _integer("n", self.n)
-        if not 1 <= self.n <= MAX_N:
-            raise ParamError("n", f"n must be in [1, {MAX_N}], got {self.n}")
-        self.max_tokens = _integer("max_tokens", self.max_tokens)
-        if self.max_tokens < 1:
-            raise ParamError("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
-        self.min_tokens = _integer("min_tokens", self.min_tokens)
-        if self.min_tokens < 0:
-            raise ParamError("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
-        if self.min_tokens > self.max_tokens:
-            raise ParamError(
-                "min_tokens",
-                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
-            )
-        self.temperature = _real("temperature", self.temperature)
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ParamError(
-                "temperature", f"temperature must be a finite number >= 0, got {self.temperature}"
-            )
-        self.top_p = _real("top_p", self.top_p)
-        if not 0.0 < self.top_p <= 1.0:  # NaN fails both comparisons
-            raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        self.top_k = _integer("top_k", self.top_k)
-        if self.top_k < -1 or self.top_k == 0:
-            raise ParamError("top_k", f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
-        self._check_seed()
-        if not isinstance(self.ignore_eos, bool):
-            raise ParamError(
-                "ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}"
-            )
-        if self.logprobs is not None:
-            self.logprobs = _integer("logprobs", self.logprobs)
-            if self.logprobs < 0:
-                raise ParamError("logprobs", f"logprobs must be >= 0, got {self.logprobs}")
-        self._check_stop()
-        if self.output_kind not in OUTPUT_KINDS:
-            raise ParamError(
-                "output_kind",
-                f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}",
-            )
-        so = self.structured_outputs
-        if so is not None and not isinstance(so, StructuredOutputsParams):
-            raise ParamError(
-                "structured_outputs",
-                f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}",
-            )
-
-    def _check_seed(self) -> None:
-        if self.seed is None:
-            return
-        self.seed = _integer("seed", self.seed)
-        top = SEED_MAX - (self.n - 1)  # completion i draws with seed + i
-        if not SEED_MIN <= self.seed <= top:
-            extra = f" (with n={self.n}: completion i uses seed + i)" if self.n > 1 else ""
-            raise ParamError(
-                "seed",
-                f"seed must be in [{SEED_MIN}, {top}] (a 64-bit seed){extra}, got {self.seed}",
-            )
-
-    def _check_stop(self) -> None:
-        stop, ids = self.stop, self.stop_token_ids
-        if len(ids) > MAX_STOP_TOKEN_IDS:
-            raise ParamError(
-                "stop_token_ids", f"stop_token_ids: {len(ids)} given, at most {MAX_STOP_TOKEN_IDS}"
-            )
-        negative = [t for t in ids if t < 0]
-        if negative:
-            raise ParamError(
-                "stop_token_ids", f"stop_token_ids entry {negative[0]} is negative (ids are >= 0)"
-            )
-        if len(stop) > MAX_STOP_STRINGS:
-            raise ParamError("stop", f"stop: {len(stop)} strings given, at most {MAX_STOP_STRINGS}")
-        longest = max((len(s) for s in stop), default=0)
-        if longest > MAX_STOP_STRING_CHARS:
-            raise ParamError(
-                "stop", f"stop: a string of {longest} characters, at most {MAX_STOP_STRING_CHARS}"
-            )
-        if any(not s for s in stop):
-            raise ParamError("stop", "stop strings must not be empty")
-
-
-def _integer(name: str, value: object) -> int:
-    """`value` as an int; bools and non-integral numbers are refused (ParamError)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ParamError(
-            name, f"{name} must be an integer, got {value!r} ({type(value).__name__})"
-        )
-    return int(value)
-
-
-def _real(name: str, value: object) -> float:
-    """`value` as a float; bools and non-numbers are refused (ParamError)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ParamError(name, f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    return float(value)
-
-
-def _as_list(name: str, value: object, kind: type) -> list:
-    """A stop field as a list: None is empty, one `kind` value is a list of one (so "abc" is
-    one stop string, not three), a list or tuple keeps its entries, each of type `kind`."""
-    if value is None:
-        return []
-    if kind is str and isinstance(value, str):
-        return [value]
-    if kind is int and isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return [int(value)]
-    if not isinstance(value, (list, tuple)):
-        what = "an integer" if kind is int else "a string"
-        raise ParamError(
-            name, f"{name} must be {what} or a list of them, got {type(value).__name__}"
-        )
-    if kind is int:
-        bad = [v for v in value if isinstance(v, bool) or not isinstance(v, numbers.Integral)]
-    else:
-        bad = [v for v in value if not isinstance(v, str)]
-    if bad:
-        what = "integers" if kind is int else "strings"
-        raise ParamError(name, f"{name} entries must be {what}, got {bad[0]!r}")
-    return [kind(v) for v in value]
 
 
 class Request:
@@ -362,7 +83,7 @@ class Request:
         eos_token_ids: frozenset[int] = frozenset(),
         arrival_time: float = 0.0,
         *,
-        parent: ParentRequest | None = None,
+        parent: Parent | None = None,
         index: int = 0,
         cache_salt: str | None = None,
     ) -> None:
@@ -385,7 +106,7 @@ class Request:
         self.stop_reason: int | str | None = None
         #: The grammar matcher of a request with `structured_outputs` (set by the engine when
         #: the request is added, advanced with each appended token, dropped when it finishes).
-        self.grammar: RequestGrammar | None = None
+        self.grammar: Grammar | None = None
         #: Draft tokens proposed for the next step (speculative decoding): fed after the
         #: request's last token and verified by that step's forward; never part of
         #: `all_token_ids` (nor of any prefix-cache hash) until accepted.

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 from moe_engine.errors import ErrorCode, RequestError
-from moe_engine.request import Request, StructuredOutputsParams
+from moe_engine.request import Request
+from moe_engine.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 import os
 import time
 
-from moe_engine.core.protocol import StartupProgressFn
+from moe_engine.core.outputs import CoreStats, EngineCoreOutput, ExpertLoad, ModelInfo
 from moe_engine.core.validation import validate_request
-from moe_engine.engine.messages import CoreStats, EngineCoreOutput, ExpertLoad, ModelInfo
 from moe_engine.errors import ErrorCode, RequestError
-from moe_engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from moe_engine.request import FinishReason, Request, RequestStatus
+from moe_engine.sampling_params import SamplingParams
 from moe_engine.startup.config import EngineConfig
+from moe_engine.startup.progress import StartupProgressFn
 
 VOCAB_SIZE = 512
 EOS_TOKEN_ID = 2

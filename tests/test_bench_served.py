@@ -12,7 +12,7 @@ import pytest
 from bench_loader import load_bench
 
 from moe_engine.offline.llm import LLM
-from moe_engine.request import SamplingParams
+from moe_engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -279,7 +279,7 @@ def test_nothing_listening_suggests_the_server_is_not_running(capsys, command) -
 
 
 def test_generate_help_shows_every_default(capsys) -> None:
-    from moe_engine.request import SamplingParams
+    from moe_engine.sampling_params import SamplingParams
 
     with pytest.raises(SystemExit) as info:
         client.main(["generate", "--help"])

@@ -27,11 +27,11 @@ from safetensors.torch import load_file, save_file
 
 from moe_engine import LLM, SamplingParams
 from moe_engine.errors import StartupError
+from moe_engine.models import resolve_quant_config
 from moe_engine.server.app import ServerOptions
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
 from moe_engine.startup.config import EngineConfig, ModelConfig, QuantConfig
-from moe_engine.startup.quant_config import resolve_quant_config
 from quant.compressed_tensors import (
     PackQuantizedScheme,
     assemble_pack_quantized,

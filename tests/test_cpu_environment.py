@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from moe_engine.cli.serve import main as serve_main
-from moe_engine.startup.config import check_cpu_environment, default_threads
+from moe_engine.startup.env import check_cpu_environment, default_threads
 
 
 @pytest.mark.parametrize("name,value,message", [

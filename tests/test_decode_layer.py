@@ -14,7 +14,7 @@ from kernels.decode_layer.native import DecodeLayerKernel, decode_step_args
 from kernels.dense.amx import amx_unavailable_reason
 from moe_engine import LLM
 from moe_engine.models.layers.decoder import DecoderLayer
-from moe_engine.request import SamplingParams
+from moe_engine.sampling_params import SamplingParams
 
 needs_amx = pytest.mark.skipif(amx_unavailable_reason() is not None,
                                reason=f"AMX kernels unavailable: {amx_unavailable_reason()}")
@@ -108,11 +108,11 @@ def test_only_moe_layers_of_the_bfloat16_model_take_it(qwen3_ckpt, caplog):
     caplog.set_level(logging.INFO, logger="moe_engine.models.kernel_binding")
     llm = LLM(model=str(qwen3_ckpt), dtype="bfloat16", max_model_len=64)
     layers = [m for m in llm.engine.model.modules() if isinstance(m, DecoderLayer)]
-    assert [layer._decode_kernel is not None for layer in layers] == [True, False, True]
+    assert [layer.decode_kernel is not None for layer in layers] == [True, False, True]
     assert ("decode steps: 2 of 3 decoder layers run as one native call each" in caplog.text
             and "module path: not an Attention + FusedMoE layer" in caplog.text)
     llm32 = LLM(model=str(qwen3_ckpt), max_model_len=64)  # float32: the module path
-    assert all(m._decode_kernel is None for m in llm32.engine.model.modules()
+    assert all(m.decode_kernel is None for m in llm32.engine.model.modules()
                if isinstance(m, DecoderLayer))
 
 
@@ -120,8 +120,8 @@ def test_only_moe_layers_of_the_bfloat16_model_take_it(qwen3_ckpt, caplog):
 def test_the_kernel_refuses_inputs_it_cannot_run(qwen3_ckpt):
     llm = LLM(model=str(qwen3_ckpt), dtype="bfloat16", max_model_len=64)
     layer = next(m for m in llm.engine.model.modules()
-                 if isinstance(m, DecoderLayer) and m._decode_kernel is not None)
-    kernel, kv = layer._decode_kernel, llm.engine.runner.kv_caches[0]
+                 if isinstance(m, DecoderLayer) and m.decode_kernel is not None)
+    kernel, kv = layer.decode_kernel, llm.engine.runner.kv_caches[0]
 
     def run(h, positions, kv_cache, slot_mapping, block_tables, seq_lens):
         step = decode_step_args(positions, slot_mapping, block_tables, seq_lens)

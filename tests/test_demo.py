@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from moe_engine.models import model_shape
 from moe_engine.startup import demo
-from moe_engine.startup.model_shape import ModelShape
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def test_files_and_config(demo_dir: Path) -> None:
     cfg = json.loads((demo_dir / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3MoeForCausalLM"]
     assert cfg["eos_token_id"] == demo.EOS_ID and cfg["bos_token_id"] == demo.BOS_ID
-    shape = ModelShape.from_hf_config(cfg)
+    shape = model_shape(cfg)
     params = shape.expert_params() + shape.other_params()
     assert 10e6 < params < 30e6
     assert shape.num_experts == 16 and shape.top_k == 4 and shape.vocab_size == demo.VOCAB_SIZE

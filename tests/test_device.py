@@ -121,12 +121,12 @@ def test_cuda_step_inputs_and_sampling_sync_once(qwen3_ckpt) -> None:
     copy (torch's sync debug mode warns on every synchronizing call)."""
     llm = LLM(model=str(qwen3_ckpt), device="cuda", max_model_len=128, num_blocks_override=16)
     runner = llm.engine.runner
-    step = runner._host_inputs([1, 2, 3, 4], torch.tensor([1, 3]), torch.tensor([5, 0]),
+    step = runner.inputs.host_inputs([1, 2, 3, 4], torch.tensor([1, 3]), torch.tensor([5, 0]),
                                [[[1], [2]]])
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        runner._on_device(step, torch.tensor([0, 3]))
+        runner.inputs.on_device(step, torch.tensor([0, 3]))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     logits = torch.randn(3, 512, device="cuda")

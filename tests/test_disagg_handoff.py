@@ -18,7 +18,7 @@ from moe_engine.disagg.handoff import DecodeHandoff, KVPlacement, PrefillHandoff
 from moe_engine.disagg.kv_layout import _runs
 from moe_engine.disagg.transfer import TransferError, mooncake_unavailable_reason
 from moe_engine.errors import RequestError
-from moe_engine.request import SamplingParams
+from moe_engine.sampling_params import SamplingParams
 from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 pytestmark = pytest.mark.skipif(mooncake_unavailable_reason() is not None,

@@ -21,10 +21,11 @@ from grpc_helpers import ServerThread, free_port
 from http_helpers import tokenizer_checkpoint
 from test_disagg_server import RouterThread, _free, _server
 
+from moe_engine.core.outputs import EngineCoreOutput
 from moe_engine.disagg.router_engine import output_from_response, request_from_params
 from moe_engine.disagg.transfer import mooncake_unavailable_reason
-from moe_engine.engine.messages import EngineCoreOutput
-from moe_engine.request import FinishReason, SamplingParams, StructuredOutputsParams
+from moe_engine.request import FinishReason
+from moe_engine.sampling_params import SamplingParams, StructuredOutputsParams
 from moe_engine.server.app import ServerOptions
 from moe_engine.server.servicer import response_from_output, sampling_params_from_proto
 from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig

@@ -15,7 +15,8 @@ import pytest
 
 from moe_engine.engine.client import EngineClient
 from moe_engine.errors import ErrorCode, RequestError, StartupError
-from moe_engine.request import FinishReason, SamplingParams
+from moe_engine.request import FinishReason
+from moe_engine.sampling_params import SamplingParams
 from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 TESTS = Path(__file__).resolve().parent

@@ -23,12 +23,11 @@ import moe_engine
 from moe_engine.cli import serve as serve_cli
 from moe_engine.core.validation import validate_request
 from moe_engine.errors import ErrorCode, RequestError, StartupError
+from moe_engine.models import checkpoint_shape, resolve_quant_config
 from moe_engine.models.loader import load_model, safetensors_files
-from moe_engine.request import SamplingParams
+from moe_engine.sampling_params import SamplingParams
 from moe_engine.startup.config import QuantConfig, read_config_json
 from moe_engine.startup.model_path import hub_cache_dir, resolve_model_dir
-from moe_engine.startup.model_shape import ModelShape
-from moe_engine.startup.quant_config import resolve_quant_config
 
 REPO = Path(__file__).resolve().parent.parent
 HUB_ID = "Qwen/Qwen3-30B-A3B"
@@ -66,7 +65,7 @@ def test_broken_config_json_names_the_file_and_the_position(tmp_path: Path, caps
     assert str(model / "config.json") in message and "not valid JSON" in message
     assert "line 4 column 1" in message, message
     with pytest.raises(ValueError, match="line 4 column 1"):
-        ModelShape.from_checkpoint(model)
+        checkpoint_shape(model)
     code, lines = _serve(capsys, "--model", str(model))
     assert code == 1 and len(lines) == 1, lines
     assert str(model / "config.json") in lines[0] and "line 4 column 1" in lines[0]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fixtures import hf_greedy, hf_last_logits
 
-from moe_engine.startup.model_shape import ModelShape
+from moe_engine.models import checkpoint_shape
 
 
 def prompts(n: int, vocab: int = 512) -> list[list[int]]:
@@ -21,11 +21,11 @@ def test_layouts(qwen3_ckpt: Path, qwen3_sharded_ckpt: Path, qwen3_nonorm_ckpt: 
     assert (qwen3_ckpt / "model.safetensors").is_file()
     index = json.loads((qwen3_sharded_ckpt / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
-    q = ModelShape.from_checkpoint(qwen3_ckpt)
+    q = checkpoint_shape(qwen3_ckpt)
     assert q.moe_layers == (0, 2) and q.norm_topk_prob
-    n = ModelShape.from_checkpoint(qwen3_nonorm_ckpt)
+    n = checkpoint_shape(qwen3_nonorm_ckpt)
     assert n.moe_layers == (1, 3) and not n.norm_topk_prob
-    m = ModelShape.from_checkpoint(mixtral_ckpt)
+    m = checkpoint_shape(mixtral_ckpt)
     assert m.architecture == "MixtralForCausalLM" and m.moe_layers == (0, 1)
 
 

@@ -26,9 +26,9 @@ from safetensors.torch import load_file, save_file
 
 from moe_engine import LLM, SamplingParams
 from moe_engine.errors import StartupError
+from moe_engine.models import resolve_quant_config
 from moe_engine.models.loader import cast_floating, iterate_weights
 from moe_engine.startup.config import QuantConfig
-from moe_engine.startup.quant_config import resolve_quant_config
 from quant.fp8 import (
     FP8_DTYPE,
     Fp8BlockConfig,

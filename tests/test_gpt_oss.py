@@ -117,10 +117,10 @@ def test_gpt_oss_20b_config_plan(tmp_path):
 
     from transformers import AutoConfig
 
+    from moe_engine.models import resolve_quant_config
     from moe_engine.models.gpt_oss import GptOssForCausalLM
     from moe_engine.startup.config import QuantConfig
     from moe_engine.startup.plan import make_plan
-    from moe_engine.startup.quant_config import resolve_quant_config
 
     layer_types = ["sliding_attention", "full_attention"] * 12
     config = {

@@ -19,8 +19,8 @@ from kernels.moe.native import PackedQuantExperts
 from kernels.moe.reference import fused_moe_reference
 from kernels.native.library import _build
 from moe_engine import LLM, SamplingParams
+from moe_engine.models import resolve_quant_config
 from moe_engine.startup.config import QuantConfig
-from moe_engine.startup.quant_config import resolve_quant_config
 from quant.int4 import Int4Weight, dequantize_int4, quantize_int4
 
 SIXTEEN_BIT = [torch.bfloat16, torch.float16]
@@ -151,7 +151,7 @@ def test_bf16_checkpoint_int4_experts_keep_bf16_scales(bf16_ckpt, tmp_path, monk
     the stored values rather than bfloat16 arithmetic)."""
     from fixtures import hf_last_logits
 
-    monkeypatch.setattr("moe_engine.startup.config.native_bf16_matmul", lambda: False)
+    monkeypatch.setattr("moe_engine.startup.env.native_bf16_matmul", lambda: False)
     llm = LLM(model=str(bf16_ckpt), max_model_len=128, quantization="int4", quant_group_size=32)
     engine = llm.engine
     spec = engine.spec
@@ -190,7 +190,7 @@ def test_compressed_tensors_group32_bf16_scales_served_as_stored(
 
     targets = [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"]
     ct, deq = make_compressed_checkpoint(bf16_ckpt, tiny_ckpt_root, True, targets, ["lm_head"])
-    monkeypatch.setattr("moe_engine.startup.config.native_bf16_matmul", lambda: False)
+    monkeypatch.setattr("moe_engine.startup.env.native_bf16_matmul", lambda: False)
     llm = LLM(model=str(ct), max_model_len=128)
     engine = llm.engine
     quant = engine.config.quant

@@ -27,10 +27,10 @@ from moe_engine.kv_cache import (
     SlidingWindowSpec,
     make_kv_cache_groups,
 )
+from moe_engine.models import model_shape
 from moe_engine.request import FinishReason, Request
 from moe_engine.scheduler import Scheduler
 from moe_engine.startup.config import SchedulerConfig
-from moe_engine.startup.model_shape import ModelShape
 from moe_engine.startup.plan import make_plan
 
 BS = 4
@@ -182,7 +182,7 @@ GPT_OSS_LIKE = {
 
 
 def test_plan_reports_kv_bytes_per_group_and_caps_sliding_share():
-    shape = ModelShape.from_hf_config(GPT_OSS_LIKE)
+    shape = model_shape(GPT_OSS_LIKE)
     plan = make_plan(
         shape, torch.bfloat16, block_size=16, max_model_len=4096, kv_cache_memory=1 << 30,
         max_num_batched_tokens=2048,

@@ -9,6 +9,7 @@ import torch
 from moe_engine import LLM
 from moe_engine.cli.serve import main as serve_main
 from moe_engine.errors import StartupError
+from moe_engine.models import checkpoint_shape
 from moe_engine.startup.config import DeviceConfig
 from moe_engine.startup.memory import (
     DeviceMemory,
@@ -16,7 +17,6 @@ from moe_engine.startup.memory import (
     kv_plan_after_profile,
     size_kv_cache,
 )
-from moe_engine.startup.model_shape import ModelShape
 from moe_engine.startup.plan import make_plan
 
 GiB = 1 << 30
@@ -25,7 +25,7 @@ GiB = 1 << 30
 @pytest.fixture(scope="module")
 def plan(qwen3_ckpt):
     """The tiny Qwen3-MoE's plan at max_model_len 256 (a placeholder KV budget)."""
-    shape = ModelShape.from_checkpoint(qwen3_ckpt)
+    shape = checkpoint_shape(qwen3_ckpt)
     return make_plan(
         shape, torch.float32, block_size=16, max_model_len=256, kv_cache_memory=1 << 20
     )

@@ -13,7 +13,8 @@ from moe_engine.engine import messages as m
 from moe_engine.engine.core_proc import refusal_of_frame
 from moe_engine.engine.status import StartupStatus
 from moe_engine.errors import ErrorCode, ParamError
-from moe_engine.request import FinishReason, SamplingParams
+from moe_engine.request import FinishReason
+from moe_engine.sampling_params import SamplingParams
 from moe_engine.server.metrics import StatsLogger
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.servicer import model_info_to_proto, server_stats_to_proto

@@ -17,12 +17,14 @@ from moe_engine.kv_cache import (
     MLAAttentionSpec,
     make_kv_cache_groups,
 )
+from moe_engine.models import model_shape
 from moe_engine.models.layers.attention import PagedAttention
 from moe_engine.models.layers.mla import MLAAttention
 from moe_engine.models.layers.rotary import RotaryEmbedding
-from moe_engine.request import Request, SamplingParams
+from moe_engine.request import Request
 from moe_engine.runner.model_runner import ModelRunner
 from moe_engine.runner.sampler import Sampler
+from moe_engine.sampling_params import SamplingParams
 from moe_engine.scheduler import Scheduler
 from moe_engine.startup.config import SchedulerConfig
 from moe_engine.startup.model_shape import ModelShape
@@ -70,7 +72,7 @@ def test_mla_groups():
 
 
 def test_plan_reports_deepseek_v3_latent_bytes():
-    shape = ModelShape.from_hf_config(DEEPSEEK_V3)
+    shape = model_shape(DEEPSEEK_V3)
     assert (shape.kv_lora_rank, shape.q_lora_rank, shape.qk_rope_head_dim) == (512, 1536, 64)
     assert shape.attention_groups() == [(MLA_ATTENTION, None, tuple(range(61)))]
     assert shape.kv_elements_per_token() == 61 * 576
@@ -82,7 +84,7 @@ def test_plan_reports_deepseek_v3_latent_bytes():
     assert "68.62 KiB per token over all layers (MLA latent 576 x 61 layers)" in plan.describe()
     # a GQA model of the same sizes keeps 2 x L x kv_heads x d (a DeepSeek-V3 config without
     # kv_lora_rank is refused: test_deepseek.py)
-    gqa = ModelShape.from_hf_config({
+    gqa = model_shape({
         **{k: v for k, v in DEEPSEEK_V3.items() if "lora" not in k},
         "architectures": ["Qwen3MoeForCausalLM"],
     })
@@ -91,7 +93,7 @@ def test_plan_reports_deepseek_v3_latent_bytes():
     assert gqa_plan.kv_bytes_per_token == 2 * 61 * 128 * (7168 // 128) * 2
     assert "MLA" not in gqa_plan.describe()
     with pytest.raises(ValueError, match="'v_head_dim' is missing"):
-        ModelShape.from_hf_config({k: v for k, v in DEEPSEEK_V3.items() if k != "v_head_dim"})
+        model_shape({k: v for k, v in DEEPSEEK_V3.items() if k != "v_head_dim"})
 
 
 @pytest.mark.parametrize("q_lora_rank,bias", [(24, False), (None, False), (24, True)])

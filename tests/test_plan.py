@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moe_engine.errors import StartupError
-from moe_engine.startup.model_shape import ModelShape
+from moe_engine.models import model_shape
 from moe_engine.startup.plan import format_bytes, make_plan
 
 MiB = 1 << 20
@@ -47,11 +47,11 @@ WEIGHT_BYTES = EXPERT_BYTES + OTHER_BYTES
 
 def bench_plan(**kw) -> object:
     args = {"block_size": 16, "max_model_len": 1024, "kv_cache_memory": GiB} | kw
-    return make_plan(ModelShape.from_hf_config(BENCH_CFG), torch.bfloat16, **args)
+    return make_plan(model_shape(BENCH_CFG), torch.bfloat16, **args)
 
 
 def test_bench_shape_and_bytes() -> None:
-    shape = ModelShape.from_hf_config(BENCH_CFG)
+    shape = model_shape(BENCH_CFG)
     assert shape.num_experts == 32 and shape.top_k == 4 and shape.moe_layers == tuple(range(8))
     assert shape.expert_params() + shape.other_params() == 114_435_584  # BENCH.md: 114.4 M
     plan = bench_plan()
@@ -66,7 +66,7 @@ def test_bench_shape_and_bytes() -> None:
 
 
 def test_float32_doubles_bytes_and_budget_rounds_down() -> None:
-    shape = ModelShape.from_hf_config(BENCH_CFG)
+    shape = model_shape(BENCH_CFG)
     plan = make_plan(
         shape, torch.float32, block_size=32, max_model_len=512, kv_cache_memory=MiB + 5
     )
@@ -85,7 +85,7 @@ def test_qwen3_dense_layers_and_transformers4_keys() -> None:
         "num_experts": 32,
     }
     del cfg["num_local_experts"]
-    shape = ModelShape.from_hf_config(cfg)
+    shape = model_shape(cfg)
     assert shape.moe_layers == (1,) and shape.num_dense_layers == 3
     assert shape.intermediate_size == 1024
     assert shape.expert_params() == 32 * 3 * 512 * 256
@@ -109,7 +109,7 @@ def test_mixtral_all_layers_moe() -> None:
         "tie_word_embeddings": True,
         "max_position_embeddings": 1024,
     }
-    shape = ModelShape.from_hf_config(cfg)
+    shape = model_shape(cfg)
     assert shape.moe_layers == (0, 1) and shape.head_dim == 16 and shape.intermediate_size == 0
     assert shape.expert_params() == 2 * 8 * 3 * 64 * 32
     # attention 2x64x64 + 2x64x32 = 12,288; norms 128; router 512; per layer 12,928 (x2)
@@ -184,16 +184,15 @@ def test_missing_field_is_named() -> None:
     cfg = dict(BENCH_CFG)
     del cfg["hidden_size"]
     with pytest.raises(ValueError, match="hidden_size"):
-        ModelShape.from_hf_config(cfg)
+        model_shape(cfg)
 
 
 def test_derived_budget_is_capped_by_max_num_seqs() -> None:
     import torch
 
-    from moe_engine.startup.model_shape import ModelShape
     from moe_engine.startup.plan import make_plan
 
-    shape = ModelShape.from_hf_config(
+    shape = model_shape(
         {
             "architectures": ["Qwen3MoeForCausalLM"],
             "vocab_size": 64,
@@ -226,10 +225,9 @@ def test_quantized_experts_are_counted_at_their_bits() -> None:
     import torch
 
     from moe_engine.startup.config import QuantConfig
-    from moe_engine.startup.model_shape import ModelShape
     from moe_engine.startup.plan import make_plan
 
-    shape = ModelShape.from_hf_config(
+    shape = model_shape(
         {
             "architectures": ["Qwen3MoeForCausalLM"],
             "model_type": "qwen3_moe",

@@ -69,8 +69,8 @@ def test_prefill_attention_matches_float64(hq, hkv, d, block_size, window, sink)
 def test_prefill_attention_equals_the_torch_path_within_bf16():
     """The native path against what PagedAttention ran before it (`prefill_rows`, one SDPA
     call per request), through the same AttentionBatch."""
+    from kernels.attention.torch_rows import prefill_rows
     from moe_engine.models.layers.attention import build_attention_batch
-    from moe_engine.models.layers.prefill_rows import prefill_rows
 
     g = _gen()
     lens, q_lens = [40, 100, 256], [40, 30, 256]
@@ -80,7 +80,8 @@ def test_prefill_attention_equals_the_torch_path_within_bf16():
     batch = build_attention_batch(0, torch.tensor(q_lens), starts, tables, 16)
     got = paged_prefill_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
                                   batch.query_start_loc, 0.125)
-    want = prefill_rows(q, k_cache, v_cache, batch, 0.125)
+    want = prefill_rows(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
+                        batch.query_start_loc, 0.125)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 

@@ -1,4 +1,4 @@
-"""CPU prefill attention one request at a time (moe_engine/models/layers/prefill_rows.py)
+"""CPU prefill attention one request at a time (kernels/attention/torch_rows.py)
 against a float64 reference and against the batched, masked path it replaces, for a batch that
 mixes fresh prompts (causal over their own chunk) and later chunks / prefix hits (keys cached
 before the chunk), with GQA, in float32 and bfloat16."""
@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.attention.torch_rows import prefill_rows
 from moe_engine.models.layers.attention import (
     AttentionMetadata,
     PagedAttention,
     _gather_blocks,
     build_attention_batch,
 )
-from moe_engine.models.layers.prefill_rows import prefill_rows
 
 
 def _batch(g, q_lens, starts, hkv, d, block_size, dtype):
@@ -61,7 +61,8 @@ def test_rows_match_float64_and_the_batched_path(dtype):
     k_cache, v_cache, batch, seq_lens = _batch(g, q_lens, starts, hkv, d, block_size, dtype)
     q = torch.randn(sum(q_lens), heads, d, generator=g).to(dtype)
     scale = d**-0.5
-    got = prefill_rows(q, k_cache, v_cache, batch, scale)
+    got = prefill_rows(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
+                       batch.query_start_loc, scale)
     assert got.dtype == dtype and got.shape == q.shape
     want = _reference(q, k_cache, v_cache, batch, seq_lens, q_lens, scale, heads)
     tol = 1e-5 if dtype == torch.float32 else 2e-2

@@ -202,7 +202,7 @@ def test_hit_counters_in_grpc_stats_and_prometheus(qwen3_ckpt):
     import grpc
     from grpc_helpers import ServerThread, request
 
-    from moe_engine.engine.messages import CoreStats, KVCacheGroupStats, engine_stats
+    from moe_engine.core.outputs import CoreStats, KVCacheGroupStats, engine_stats
     from moe_engine.server.app import ServerOptions
     from moe_engine.server.metrics import ServerMetrics
     from moe_engine.server.pb import moe_engine_pb2 as pb

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from moe_engine.core.detokenizer import IncrementalDetokenizer
-from moe_engine.request import Request, SamplingParams
-from moe_engine.runner.sampler import Sampler, _apply_top_k_top_p
+from moe_engine.request import Request
+from moe_engine.runner.sampler import Sampler, apply_top_k_top_p
+from moe_engine.sampling_params import SamplingParams
 
 
 def req(rid, **kw):
@@ -33,7 +34,7 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
 
 def test_top_k_top_p_mask():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    masked = _apply_top_k_top_p(logits, torch.tensor([3]), torch.tensor([0.7]))
+    masked = apply_top_k_top_p(logits, torch.tensor([3]), torch.tensor([0.7]))
     assert torch.isfinite(masked[0]).tolist() == [True, True, False, False]
 
 

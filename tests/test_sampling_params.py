@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from moe_engine.errors import ParamError
-from moe_engine.request import MAX_N, SamplingParams
+from moe_engine.sampling_params import MAX_N, SamplingParams
 
 REFUSED = [
     ({"temperature": -1}, "temperature", ">= 0"),

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from moe_engine.kv_cache import BlockPool, FullAttentionSpec, KVCacheManager
-from moe_engine.request import FinishReason, Request, SamplingParams
+from moe_engine.request import FinishReason, Request
+from moe_engine.sampling_params import SamplingParams
 from moe_engine.scheduler import Scheduler
 from moe_engine.startup.config import SchedulerConfig
 

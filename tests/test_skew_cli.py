@@ -444,7 +444,7 @@ def test_report_from_a_real_ep_server_equals_its_rank_imbalance(qwen3_ckpt, tmp_
 
 def _load(layers, counts, window_counts=(), rank_tokens=None):
     """An ExpertLoad with the tables the gauges read (summaries left empty)."""
-    from moe_engine.engine.messages import ExpertLoad
+    from moe_engine.core.outputs import ExpertLoad
 
     return ExpertLoad(
         moe_layers=layers, counts=counts, window_counts=list(window_counts),

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from moe_engine.cli.skew import main as skew_main
 from moe_engine.engine.client import EngineClient
-from moe_engine.request import SamplingParams
+from moe_engine.sampling_params import SamplingParams
 from moe_engine.skew.trace import read_trace
 from moe_engine.startup.config import (
     CacheConfig,

@@ -12,7 +12,7 @@ import torch
 from fixtures import hf_greedy
 
 from moe_engine.core.engine_core import EngineCore
-from moe_engine.request import SamplingParams
+from moe_engine.sampling_params import SamplingParams
 from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from moe_engine.startup.spec_config import SpeculativeConfig
 

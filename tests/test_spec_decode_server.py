@@ -42,9 +42,9 @@ from moe_engine.cli.serve import build_parser, engine_config_from_args, server_o
 from moe_engine.core.detokenizer import IncrementalDetokenizer
 from moe_engine.core.engine_core import EngineCore
 from moe_engine.core.tokenizer import load_tokenizer
-from moe_engine.request import SamplingParams
 from moe_engine.runner.spec_decode.drafter import DRAFT_COOLDOWN_STEPS
 from moe_engine.runner.spec_decode.ngram import propose_ngram_reference
+from moe_engine.sampling_params import SamplingParams
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
 from moe_engine.startup.config import (
     CacheConfig,

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from moe_engine.core.engine_core import EngineCore
 from moe_engine.errors import StartupError
-from moe_engine.request import SamplingParams
+from moe_engine.sampling_params import SamplingParams
 from moe_engine.startup.config import (
     CacheConfig,
     EngineConfig,

@@ -66,8 +66,9 @@ def test_errors_name_the_argument() -> None:
 def test_draft_length_adapts_to_what_is_accepted() -> None:
     """`Drafter`: m + 1 drafts after m of k were accepted, one more after all were, none for
     DRAFT_COOLDOWN_STEPS steps after a single rejected draft; the counters see every step."""
-    from moe_engine.request import Request, SamplingParams
+    from moe_engine.request import Request
     from moe_engine.runner.spec_decode.drafter import DRAFT_COOLDOWN_STEPS, Drafter
+    from moe_engine.sampling_params import SamplingParams
     from moe_engine.startup.spec_config import SpeculativeConfig
 
     drafter = Drafter(SpeculativeConfig("ngram", 4, 1, 3, 0))

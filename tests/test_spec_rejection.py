@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_engine.request import Request, SamplingParams
+from moe_engine.request import Request
 from moe_engine.runner.sampler import Sampler
 from moe_engine.runner.spec_decode.rejection import verify_drafts
+from moe_engine.sampling_params import SamplingParams
 
 #: Chi-square critical value, 5 degrees of freedom (V = 6), alpha = 1e-3.
 CHI2_DF5_ALPHA_1E3 = 20.515

@@ -10,7 +10,7 @@ import torch
 
 from moe_engine.core.engine_core import EngineCore
 from moe_engine.errors import ParamError
-from moe_engine.request import SamplingParams
+from moe_engine.sampling_params import SamplingParams
 from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 PROMPT_LENS = [5, 17, 40]

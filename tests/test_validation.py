@@ -8,7 +8,7 @@ import pytest
 
 from moe_engine.core.validation import validate_request
 from moe_engine.errors import ErrorCode, ParamError, RequestError
-from moe_engine.request import SamplingParams
+from moe_engine.sampling_params import SamplingParams
 
 CASES = [
     ([], {}, ErrorCode.INVALID_ARGUMENT, "prompt", "0 tokens"),

@@ -10,11 +10,11 @@ from fixtures import make_tiny_checkpoint
 from grpc_helpers import ServerThread
 
 from moe_engine import LLM
+from moe_engine.models import checkpoint_shape
 from moe_engine.server.app import ServerOptions
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
 from moe_engine.startup.config import EngineConfig, ModelConfig, QuantConfig
-from moe_engine.startup.model_shape import ModelShape
 
 #: hidden and expert width 128, so int4 groups of 128 divide both.
 WIDE = dict(hidden_size=128, moe_intermediate_size=128)
@@ -27,7 +27,7 @@ def wide_ckpt(tiny_ckpt_root):
 
 
 def _bf16_expert_bytes(ckpt) -> int:
-    shape = ModelShape.from_checkpoint(ckpt)
+    shape = checkpoint_shape(ckpt)
     return shape.expert_params() * torch.bfloat16.itemsize
 
 

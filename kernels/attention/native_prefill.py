@@ -3,7 +3,7 @@ on CPUs with AVX512-BF16.
 
 One call attends every prefill chunk of a step (each request's queries over its own cached
 keys, causal, with an optional sliding window and sink logits), where the torch path
-(`moe_engine.models.layers.prefill_rows`) makes one `scaled_dot_product_attention` call per
+(`kernels.attention.torch_rows`) makes one `scaled_dot_product_attention` call per
 request: torch's CPU flash kernel ran the bench's 37-256-token prompts at 50-70 GFLOP/s
 (bench/NOTES.md section 17). The arithmetic is that kernel's for bfloat16: bfloat16 q . k
 products summed in float32, an online softmax in float32, the probabilities rounded once to

@@ -2,7 +2,7 @@
 or on AVX512-BF16 where the CPU has that but no AMX (csrc/bf16_dot.cpp).
 
 On a CPU with native bfloat16 (AMX-BF16, AVX512-BF16) the engine computes a bfloat16
-checkpoint in bfloat16 (`moe_engine.startup.config.compute_dtype`), and the float32 kernels
+checkpoint in bfloat16 (`moe_engine.startup.env.compute_dtype`), and the float32 kernels
 (bfloat16
 widened to float32, FMA) fall 5-30x behind oneDNN's AMX GEMMs from 16 rows up (a [768 x 512]
 bf16 weight times 64 rows, one thread: 1208 us native against 87 us for torch). These kernels
@@ -32,6 +32,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from kernels.env import amx_setting
 from kernels.native.library import NativeUnavailable, check_status, load_native
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ def amx_unavailable_reason() -> str | None:
     """None when this process runs the bfloat16 kernels of this module (on either backend),
     else why not; decided (and logged) once.
 
-    Off when `MOE_ENGINE_AMX=0` (`moe_engine.startup.config.amx_setting`), when the native library
+    Off when `MOE_ENGINE_AMX=0` (`kernels.env.amx_setting`), when the native library
     does not load, or when neither `moe_amx_available` (csrc/amx_detect.cpp: that check also
     asks Linux for the tile-data state, once per process) nor `moe_bf16_dot_available`
     (csrc/bf16_dot.cpp) says the CPU and OS can. `MOE_ENGINE_AMX=avx512-bf16` never uses the
@@ -97,8 +98,6 @@ def _decision() -> tuple[str | None, str | None]:
 
 def reason_no_tiles() -> str:
     """Why the tiles do not run here ("" where they do)."""
-    from moe_engine.startup.config import amx_setting
-
     if amx_setting() == DOT:
         return f"MOE_ENGINE_AMX={DOT}"
     try:
@@ -117,8 +116,6 @@ def dot_available() -> bool:
 
 
 def _decide() -> tuple[str | None, str | None]:
-    from moe_engine.startup.config import amx_setting
-
     setting = amx_setting()
     if setting == "0":
         return None, "disabled by MOE_ENGINE_AMX=0"

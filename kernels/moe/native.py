@@ -7,7 +7,7 @@ with the same contract and result (within float32 rounding) as `kernels.moe.refe
 .fused_moe_reference`.
 
 Float32 weights whose values are all bfloat16-representable (a bfloat16 checkpoint computed in
-float32 on a CPU without native bfloat16, `moe_engine.startup.config.compute_dtype`) are packed as
+float32 on a CPU without native bfloat16, `moe_engine.startup.env.compute_dtype`) are packed as
 bfloat16: exactly the same values, half the bytes each decode step reads.
 
 4-bit experts (`PackedQuantExperts`: MXFP4, OCP Microscaling Formats (MX) Specification v1.0;

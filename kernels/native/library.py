@@ -48,6 +48,7 @@ from types import ModuleType
 
 import torch
 
+from kernels.env import cache_root
 from kernels.native.binding import MODULE
 from kernels.native.build import ABI_VERSION, BuildError, ensure_library
 from kernels.native.progress import Reporter
@@ -153,8 +154,6 @@ OK, BAD_ARGUMENT, OUT_OF_MEMORY = 0, 1, 2
 def build_dir() -> Path:
     """Where compiled kernels are cached: `$MOE_ENGINE_CACHE/native/` (one directory per
     digest of sources, headers, flags, compiler and Python ABI)."""
-    from moe_engine.startup.config import cache_root
-
     return cache_root() / "native"
 
 

@@ -59,7 +59,7 @@ from moe_engine.cli.weights import COMMANDS as WEIGHT_COMMANDS
 from moe_engine.cli.weights import add_weight_parsers, cmd_weights
 from moe_engine.cli.weights import check_args as check_weight_args
 from moe_engine.errors import ParamError
-from moe_engine.request import SamplingParams
+from moe_engine.sampling_params import SamplingParams
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
 from moe_engine.server.security import API_KEY_ENV

@@ -100,7 +100,7 @@ def measure_prefill(model: Path, dtype: str, prompt_lens: list[int]) -> dict[int
     """Median seconds of a max_tokens=1 greedy request per prompt length (random ids), on
     this machine, after one warm-up each."""
     from moe_engine.offline.llm import LLM
-    from moe_engine.request import SamplingParams
+    from moe_engine.sampling_params import SamplingParams
 
     llm = LLM(str(model), dtype=dtype, max_model_len=max(prompt_lens) + 1,
               max_num_batched_tokens=max(2048, max(prompt_lens)), max_num_seqs=1)

@@ -39,6 +39,7 @@ from kernels.registry import (
 from moe_engine import __version__
 from moe_engine.disagg.transfer import BACKENDS
 from moe_engine.errors import StartupError
+from moe_engine.models import resolve_quant_config
 from moe_engine.models.loader import safetensors_files
 from moe_engine.server.app import serve
 from moe_engine.server.options import (
@@ -59,11 +60,10 @@ from moe_engine.startup.config import (
     ParallelConfig,
     QuantConfig,
     SchedulerConfig,
-    check_cpu_environment,
 )
 from moe_engine.startup.config import parse_bytes as config_parse_bytes
+from moe_engine.startup.env import check_cpu_environment
 from moe_engine.startup.model_path import resolve_model_dir
-from moe_engine.startup.quant_config import resolve_quant_config
 from moe_engine.startup.spec_config import add_speculative_arguments, speculative_config_from_args
 from moe_engine.weight_update.messages import weight_version_problem
 

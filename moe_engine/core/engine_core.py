@@ -19,24 +19,24 @@ import torch
 
 from moe_engine.core.detokenizer import IncrementalDetokenizer
 from moe_engine.core.device import engine_device, kv_groups_of, plan_kv_on_device
-from moe_engine.core.parallel_sampling import ParentRequest
-from moe_engine.core.protocol import StartupProgressFn
-from moe_engine.core.tokenizer import load_tokenizer
-from moe_engine.core.validation import validate_request
-from moe_engine.engine.messages import (
+from moe_engine.core.outputs import (
     CoreStats,
     EngineCoreOutput,
     ExpertLoad,
     KVCacheGroupStats,
     ModelInfo,
 )
+from moe_engine.core.parallel_sampling import ParentRequest
+from moe_engine.core.tokenizer import load_tokenizer
+from moe_engine.core.validation import validate_request
 from moe_engine.errors import ErrorCode, RequestError, StartupError
 from moe_engine.instrumentation import ExpertLoadRecorder, balancedness, imbalance_ratio
 from moe_engine.kv_cache import KVCacheManager
 from moe_engine.kv_cache.state import StateSlotPool
+from moe_engine.models import resolve_quant_config
 from moe_engine.models.build import build_model, sizes_kv_on_device
 from moe_engine.phase_timer import PhaseTimer
-from moe_engine.request import OUTPUT_FINAL_ONLY, FinishReason, Request, SamplingParams
+from moe_engine.request import FinishReason, Request
 from moe_engine.runner.cuda_graphs import (
     CudaGraphCapture,
     GraphCapture,
@@ -46,14 +46,13 @@ from moe_engine.runner.cuda_graphs import (
 from moe_engine.runner.model_runner import ModelRunner
 from moe_engine.runner.sampler import Sampler
 from moe_engine.runner.spec_decode.drafter import Drafter
+from moe_engine.sampling_params import OUTPUT_FINAL_ONLY, SamplingParams
 from moe_engine.scheduler import Scheduler
 from moe_engine.skew.trace import PeriodicTraceWriter
-from moe_engine.startup.config import (
-    EngineConfig,
-    default_threads,
-)
+from moe_engine.startup.config import EngineConfig
+from moe_engine.startup.env import default_threads
 from moe_engine.startup.memory import cuda_device_memory
-from moe_engine.startup.quant_config import resolve_quant_config
+from moe_engine.startup.progress import StartupProgressFn
 from moe_engine.startup.rank_context import RankContext
 from moe_engine.structured_output import StructuredOutputManager
 from moe_engine.weight_update.control import RolloutControl

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from moe_engine.request import Request, SamplingParams
+from moe_engine.request import Request
+from moe_engine.sampling_params import SamplingParams
 
 
 class ParentRequest:

@@ -7,15 +7,10 @@ what is listed here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from moe_engine.engine.messages import CoreStats, EngineCoreOutput, ExpertLoad, ModelInfo
-from moe_engine.request import SamplingParams
-
-#: Told by a starting core what it is doing: (phase, detail, estimated seconds left or None),
-#: e.g. ("building native CPU kernels", "moe_cpu 2/4", 40.0). Any thread may call it.
-StartupProgressFn = Callable[[str, str, "float | None"], None]
+from moe_engine.core.outputs import CoreStats, EngineCoreOutput, ExpertLoad, ModelInfo
+from moe_engine.sampling_params import SamplingParams
 
 
 @runtime_checkable

@@ -8,7 +8,7 @@ A sampling parameter at fault comes as `ParamError`, which names its field (`par
 from __future__ import annotations
 
 from moe_engine.errors import ErrorCode, ParamError, RequestError
-from moe_engine.request import MAX_LOGPROBS, SamplingParams
+from moe_engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 def validate_request(

@@ -28,11 +28,11 @@ from dataclasses import replace
 import msgspec
 
 from moe_engine.core.engine_core import EngineCore
+from moe_engine.core.outputs import EngineCoreOutput
 from moe_engine.disagg.kv_layout import KVCacheDescriptor, block_copies, describe, slot_tensors
 from moe_engine.disagg.transfer import KVTransfer
-from moe_engine.engine.messages import EngineCoreOutput
 from moe_engine.errors import ErrorCode, RequestError
-from moe_engine.request import SamplingParams
+from moe_engine.sampling_params import SamplingParams
 
 
 class KVPlacement(msgspec.Struct, frozen=True):

@@ -20,12 +20,12 @@ import time
 import msgspec
 
 from moe_engine.core.engine_core import EngineCore
+from moe_engine.core.outputs import EngineCoreOutput
 from moe_engine.disagg.arithmetic import transfer_table
 from moe_engine.disagg.handoff import DecodeHandoff, KVPlacement, PrefillHandoff, kv_transfer_for
 from moe_engine.disagg.transfer import TransferError
 from moe_engine.engine.messages import (
     AddError,
-    EngineCoreOutput,
     EngineCoreRequest,
     PrepareDecode,
     PrepareDecodeReply,

@@ -22,10 +22,11 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+from moe_engine.core.outputs import EngineCoreOutput, ModelInfo
 from moe_engine.disagg.pairing import BackendError, Pairing
-from moe_engine.engine.messages import EngineCoreOutput, ModelInfo
 from moe_engine.errors import ErrorCode, RequestError
-from moe_engine.request import OUTPUT_FINAL_ONLY, FinishReason, SamplingParams
+from moe_engine.request import FinishReason
+from moe_engine.sampling_params import OUTPUT_FINAL_ONLY, SamplingParams
 from moe_engine.server.pb import moe_engine_pb2 as pb
 
 logger = logging.getLogger(__name__)

@@ -34,6 +34,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from moe_engine.core.outputs import EngineCoreOutput, EngineStats, ExpertLoad, ModelInfo
 from moe_engine.core.tokenizer import load_tokenizer
 from moe_engine.core.validation import validate_request
 from moe_engine.engine import core_proc
@@ -42,18 +43,14 @@ from moe_engine.engine.messages import (
     AddError,
     CoreInput,
     CoreOutput,
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    EngineStats,
-    ExpertLoad,
     ExpertLoadReply,
     Fatal,
     GetExpertLoad,
     GetModelInfo,
     GetStats,
     Heartbeat,
-    ModelInfo,
     ModelInfoReply,
     PrepareDecode,
     PrepareDecodeReply,
@@ -68,7 +65,7 @@ from moe_engine.engine.messages import (
 from moe_engine.engine.monitor import FRONTEND_TIMEOUT_S, HEARTBEAT_INTERVAL_S
 from moe_engine.engine.status import StartupStatus
 from moe_engine.errors import ErrorCode, RequestError, StartupError
-from moe_engine.request import SamplingParams
+from moe_engine.sampling_params import SamplingParams
 from moe_engine.startup.config import EngineConfig
 from moe_engine.weight_update.messages import ControlInput, ControlReply
 

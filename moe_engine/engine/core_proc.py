@@ -27,12 +27,12 @@ import msgspec
 import zmq
 from tqdm import tqdm
 
+from moe_engine.core.outputs import EngineCoreOutput, ModelInfo, engine_stats
 from moe_engine.core.protocol import EngineCoreProtocol
 from moe_engine.engine.messages import (
     AbortRequests,
     AddError,
     CoreInput,
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     ExpertLoadReply,
@@ -41,7 +41,6 @@ from moe_engine.engine.messages import (
     GetModelInfo,
     GetStats,
     Heartbeat,
-    ModelInfo,
     ModelInfoReply,
     PrepareDecode,
     PrepareDecodeReply,
@@ -51,11 +50,11 @@ from moe_engine.engine.messages import (
     StatsReply,
     decode_input,
     encode,
-    engine_stats,
 )
 from moe_engine.engine.monitor import FRONTEND_TIMEOUT_S, FrontEndMonitor
 from moe_engine.errors import ErrorCode, ParamError, RequestError
-from moe_engine.startup.config import EngineConfig, default_threads
+from moe_engine.startup.config import EngineConfig
+from moe_engine.startup.env import default_threads
 from moe_engine.weight_update.messages import ControlInput
 
 logger = logging.getLogger(__name__)

@@ -45,6 +45,7 @@ import zmq
 from tqdm import tqdm
 
 from moe_engine.core.device import engine_device
+from moe_engine.core.outputs import CoreStats, EngineCoreOutput, ExpertLoad, ModelInfo, engine_stats
 from moe_engine.core.protocol import EngineCoreProtocol
 from moe_engine.engine import core_proc
 from moe_engine.engine.messages import (
@@ -52,17 +53,13 @@ from moe_engine.engine.messages import (
     AddError,
     CoreInput,
     CoreOutput,
-    CoreStats,
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    ExpertLoad,
     ExpertLoadReply,
     Fatal,
     GetExpertLoad,
     GetModelInfo,
     GetStats,
-    ModelInfo,
     ModelInfoReply,
     PrepareDecode,
     PrepareDecodeReply,
@@ -72,11 +69,11 @@ from moe_engine.engine.messages import (
     StatsReply,
     decode_input,
     encode,
-    engine_stats,
 )
 from moe_engine.engine.monitor import FRONTEND_TIMEOUT_S, FrontEndMonitor
 from moe_engine.engine.rank_groups import MeshError, RankGroups, join_groups
-from moe_engine.startup.config import EngineConfig, default_threads
+from moe_engine.startup.config import EngineConfig
+from moe_engine.startup.env import default_threads
 from moe_engine.weight_update.messages import ControlInput, ControlReply, merge_replies
 
 logger = logging.getLogger(__name__)

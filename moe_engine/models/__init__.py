@@ -6,10 +6,17 @@ what such a file holds). Modules are imported on first use.
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
+
+import torch
 
 from moe_engine.errors import StartupError
-from moe_engine.models.base import ArchSpec, MoeCausalLM
+from moe_engine.models.base import MoeCausalLM
+from moe_engine.models.spec import ArchSpec
+from moe_engine.startup import quant_config
+from moe_engine.startup.config import read_config_json
 from moe_engine.startup.model_shape import ModelShape
+from moe_engine.startup.quant_config import QuantConfig
 
 #: config.json architecture name -> the module holding the class of that name.
 ARCHITECTURES: dict[str, str] = {
@@ -90,8 +97,8 @@ def resolve_config_dict(cfg: dict) -> tuple[str, type[MoeCausalLM]]:
 
 
 def model_shape(cfg: dict) -> ModelShape:
-    """The `ModelShape` of a config.json dict, read by its architecture's file (what
-    `ModelShape.from_hf_config` returns).
+    """The `ModelShape` of a config.json dict (transformers 4.x or 5.x keys), read by its
+    architecture's file.
 
     Raises:
         StartupError: an unsupported architecture; ValueError: a missing or malformed field.
@@ -99,7 +106,34 @@ def model_shape(cfg: dict) -> ModelShape:
     return resolve_config_dict(cfg)[1].model_shape(cfg)
 
 
+def checkpoint_shape(path: str | Path) -> ModelShape:
+    """`model_shape` of `path/config.json`.
+
+    Raises:
+        FileNotFoundError, ValueError: `startup.config.read_config_json`'s errors;
+        StartupError: an unsupported architecture.
+    """
+    return model_shape(read_config_json(path))
+
+
+def resolve_quant_config(
+    quant: QuantConfig, hf_config: dict, weight_dtype: torch.dtype | None = None
+) -> QuantConfig:
+    """`startup.quant_config.resolve_quant_config` with this registry's architectures (its
+    checks read the experts' shapes and checkpoint names from the architecture class).
+
+    Raises:
+        ValueError: as `startup.quant_config.resolve_quant_config`; StartupError: an
+            unsupported architecture, where a check needs it.
+    """
+    return quant_config.resolve_quant_config(
+        quant, hf_config, weight_dtype, architecture=lambda cfg: resolve_config_dict(cfg)[1]
+    )
+
+
 __all__ = [
+    "checkpoint_shape",
+    "resolve_quant_config",
     "ARCHITECTURES",
     "REFUSED_ARCHITECTURES",
     "ArchSpec",

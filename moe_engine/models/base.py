@@ -35,26 +35,10 @@ from moe_engine.models.layers.mtp import MTPLayer
 from moe_engine.models.layers.native_decode import DecodeStep
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding, rope_theta_of
+from moe_engine.models.spec import ArchSpec
 from moe_engine.models.weight_mapping import WeightLoader, WeightMapping
 from moe_engine.phase_timer import PhaseTimer
 from moe_engine.startup.model_shape import ModelShape
-
-
-@dataclasses.dataclass(frozen=True)
-class ArchSpec(ModelShape):
-    """A `ModelShape` (the sizes `plan.py` does its arithmetic on) plus what the forward pass
-    needs beyond sizes. Architectures with more fields subclass it (frozen, with defaults).
-
-    Attributes:
-        rms_norm_eps: RMSNorm epsilon.
-        rope_theta: rotary base.
-        num_mtp_layers: multi-token-prediction layers built beside the decoder (0 unless
-            speculative decoding asks for them: `--speculative-method mtp`).
-    """
-
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    num_mtp_layers: int = 0
 
 
 class MoeCausalLM(nn.Module):

@@ -15,18 +15,20 @@ from typing import Any
 import torch
 
 from kernels.registry import KernelPlan
-from moe_engine.core.protocol import StartupProgressFn
 from moe_engine.errors import StartupError
 from moe_engine.kv_cache.spec import AttentionGroup
 from moe_engine.models import resolve_architecture
-from moe_engine.models.base import ArchSpec, MoeCausalLM
+from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.dense_quant import quantize_dense_layers
 from moe_engine.models.hf_config import load_hf_config
 from moe_engine.models.kernel_binding import bind_kernels, model_facts, plan_kernels
 from moe_engine.models.loader import load_model
-from moe_engine.startup.config import EngineConfig, compute_dtype, read_config_json
+from moe_engine.models.spec import ArchSpec
+from moe_engine.startup.config import EngineConfig, read_config_json
+from moe_engine.startup.env import compute_dtype
 from moe_engine.startup.memory import DeviceMemory, check_weights_fit
 from moe_engine.startup.plan import Plan, make_plan
+from moe_engine.startup.progress import StartupProgressFn
 from moe_engine.startup.rank_context import RankContext
 from quant.compressed_tensors import CompressedTensorsConfig, parse_quantization_config
 from quant.fp8 import Fp8BlockConfig, parse_fp8_config
@@ -46,7 +48,7 @@ class BuiltModel:
         attention_groups: the layers by attention kind (`kv_cache_groups_for`).
         max_model_len: longest request (tokens).
         weight_dtype: the dtype asked for (--dtype); dtype: the one computed in
-            (`config.compute_dtype`), also the KV cache's.
+            (`startup.env.compute_dtype`), also the KV cache's.
         kernels: the backend of every kernel op (kernels/registry.py), bound to the modules.
     """
 

@@ -44,7 +44,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from moe_engine.models.base import ArchSpec, MoeCausalLM
+from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import (
     check_hidden_act,
     mla_shape_fields,
@@ -57,6 +57,7 @@ from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.rotary import RotaryEmbedding, YarnScaling, rope_with_scaling_of
 from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter, check_sigmoid_group_limits
 from moe_engine.models.layers.shared_experts import SharedExperts
+from moe_engine.models.spec import ArchSpec
 from moe_engine.models.weight_mapping import WeightMapping
 
 #: The sparse-attention fields of DeepSeek-V3.2 (`DeepseekV32ForCausalLM`), refused.

@@ -30,7 +30,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from moe_engine.models.base import ArchSpec, MoeCausalLM
+from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import check_hidden_act, required_int
 from moe_engine.models.layers.decoder import Attention, DenseMLP
 from moe_engine.models.layers.moe import FusedMoE
@@ -41,6 +41,7 @@ from moe_engine.models.layers.rotary import (
 )
 from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter, check_sigmoid_group_limits
 from moe_engine.models.layers.shared_experts import SharedExperts
+from moe_engine.models.spec import ArchSpec
 
 
 @dataclasses.dataclass(frozen=True)

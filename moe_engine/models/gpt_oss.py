@@ -32,12 +32,13 @@ import torch
 from torch import nn
 
 from kernels.moe.activation import SwiGLU
-from moe_engine.models.base import ArchSpec, MoeCausalLM
+from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import every_layer_moe, layer_types_fields
 from moe_engine.models.layers.decoder import Attention
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding, YarnScaling, rope_with_scaling_of
+from moe_engine.models.spec import ArchSpec
 from moe_engine.models.weight_mapping import ExpertMapping, WeightMapping
 
 #: `GptOssExperts.alpha` when config.json has no `swiglu_alpha` (the released checkpoints).

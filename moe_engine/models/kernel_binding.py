@@ -19,9 +19,11 @@ from kernels.registry import (
     choose_kernels,
     probe_backend,
 )
-from moe_engine.core.protocol import StartupProgressFn
 from moe_engine.errors import StartupError
-from moe_engine.models.base import ArchSpec
+from moe_engine.models.layers.decoder import DecoderLayer
+from moe_engine.models.layers.native_decode import attach_decode_kernel
+from moe_engine.models.spec import ArchSpec
+from moe_engine.startup.progress import StartupProgressFn
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +83,13 @@ def bind_kernels(model: nn.Module, plan: KernelPlan) -> None:
         bind = getattr(module, "bind_kernels", None)
         if bind is not None and module is not model:
             bind(plan)
+    for module in model.modules():
+        if isinstance(module, DecoderLayer):
+            attach_decode_kernel(module, plan)
     if plan.backend("decode_layer") == NATIVE_CPU:
-        layers = [m for m in model.modules() if hasattr(m, "_decode_kernel")]
-        native = sum(m._decode_kernel is not None for m in layers)
-        others = sorted({m.decode_misfit for m in layers if m._decode_kernel is None})
+        layers = [m for m in model.modules() if hasattr(m, "decode_kernel")]
+        native = sum(m.decode_kernel is not None for m in layers)
+        others = sorted({m.decode_misfit for m in layers if m.decode_kernel is None})
         logger.info(
             "decode steps: %d of %d decoder layers run as one native call each (steps of "
             "decodes only, up to %d rows; other steps and layers run module by module)%s",

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from moe_engine.kv_cache.spec import FULL_ATTENTION, SLIDING_ATTENTION
-from moe_engine.models.base import ArchSpec, MoeCausalLM
+from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import (
     check_hidden_act,
     layer_types_fields,
@@ -38,6 +38,7 @@ from moe_engine.models.config_fields import (
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.routing import SoftmaxTopKRouter
 from moe_engine.models.layers.shared_experts import SharedExperts
+from moe_engine.models.spec import ArchSpec
 from moe_engine.models.weight_mapping import WeightMapping
 
 #: `Qwen2MoeConfig.max_window_layers` default.

@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 from moe_engine.kv_cache.spec import FULL_ATTENTION, LINEAR_ATTENTION
-from moe_engine.models.base import ArchSpec
 from moe_engine.models.config_fields import check_hidden_act, required_int, sparse_step_moe_layers
 from moe_engine.models.layers.decoder import Attention, DecoderLayer
 from moe_engine.models.layers.gated_delta_net import GatedDeltaNet, LinearAttentionDecoderLayer
@@ -43,6 +42,7 @@ from moe_engine.models.layers.rotary import (
     rope_theta_of,
 )
 from moe_engine.models.qwen2_moe import Qwen2MoeForCausalLM
+from moe_engine.models.spec import ArchSpec
 
 #: `Qwen3NextConfig` defaults.
 DEFAULT_FULL_ATTENTION_INTERVAL = 4

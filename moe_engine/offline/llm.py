@@ -13,12 +13,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from moe_engine import TORCH_LOADED_WITHOUT_WAIT_POLICY
+from moe_engine._omp import TORCH_LOADED_WITHOUT_WAIT_POLICY
 from moe_engine.core.engine_core import EngineCore
 from moe_engine.errors import StartupError
 from moe_engine.offline.outputs import RequestOutput, RequestOutputBuilder
 from moe_engine.offline.weights import WeightUpdateMethods
-from moe_engine.request import SamplingParams
+from moe_engine.sampling_params import SamplingParams
 from moe_engine.startup.config import (
     CacheConfig,
     DeviceConfig,

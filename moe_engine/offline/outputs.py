@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from moe_engine.engine.messages import EngineCoreOutput
+    from moe_engine.core.outputs import EngineCoreOutput
 
 
 @dataclass

@@ -49,7 +49,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -59,8 +59,25 @@ from moe_engine.kv_cache.spec import LINEAR_ATTENTION, MLA_ATTENTION
 from moe_engine.models.layers.attention import AttentionBatch, AttentionMetadata
 from moe_engine.runner.step_inputs import StepInputBuffers
 
-if TYPE_CHECKING:
-    from moe_engine.runner.model_runner import ModelRunner
+
+class GraphRunner(Protocol):
+    """What the decode graphs read of their `ModelRunner` (its public attributes).
+
+    Attributes:
+        model: the model (called as `model(input_ids, positions, meta, kv_caches)`).
+        kv_caches: per layer its KV cache tensors.
+        kv_groups: the KV-cache groups.
+        device: the engine's device.
+        block_size: tokens per KV block.
+        scratch_block: the padding rows' KV block id, or None (no graphs then).
+    """
+
+    model: Any
+    kv_caches: list
+    kv_groups: list
+    device: torch.device
+    block_size: int
+    scratch_block: int | None
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +215,7 @@ class DecodeGraphs:
         ValueError: the runner's KV cache has no scratch block, or no size is given.
     """
 
-    def __init__(self, runner: ModelRunner, sizes: Sequence[int], max_model_len: int) -> None:
+    def __init__(self, runner: GraphRunner, sizes: Sequence[int], max_model_len: int) -> None:
         if runner.scratch_block is None:
             raise ValueError(
                 "decode graphs need a scratch KV block: ModelRunner(scratch_block=True)"

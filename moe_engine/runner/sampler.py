@@ -103,14 +103,14 @@ class Sampler:
             index = torch.tensor(random_rows, device=logits.device)
             sub = [requests[i] for i in random_rows]
             token_ids[index] = self._sample(logits[index], sub)
-        return _to_host(logits, requests, token_ids)
+        return to_host(logits, requests, token_ids)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
         device = logits.device
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
         logits = logits / temperature.to(device)[:, None]
-        logits = _apply_top_k_top_p(
+        logits = apply_top_k_top_p(
             logits,
             torch.tensor([p.top_k for p in params]).to(device),
             torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device),
@@ -134,7 +134,7 @@ class Sampler:
         return gen
 
 
-def _to_host(
+def to_host(
     logits: torch.Tensor, requests: list[Request], token_ids: torch.Tensor
 ) -> SamplerOutput:
     """The sampled ids and the logprobs asked for, read back in one device-to-host copy.
@@ -169,7 +169,7 @@ def _to_host(
     return SamplerOutput(ids, out)
 
 
-def _apply_top_k_top_p(
+def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
     """Mask logits outside each row's top-k and top-p nucleus with -inf.

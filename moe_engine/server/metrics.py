@@ -24,7 +24,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from moe_engine.engine.messages import CoreStats, EngineCoreOutput, EngineStats, ExpertLoad
+from moe_engine.core.outputs import CoreStats, EngineCoreOutput, EngineStats, ExpertLoad
 from moe_engine.instrumentation import balancedness, imbalance_ratio
 
 logger = logging.getLogger(__name__)

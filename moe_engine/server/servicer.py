@@ -22,12 +22,12 @@ from typing import Any
 import grpc
 import torch
 
+from moe_engine.core.outputs import CoreStats, EngineCoreOutput, EngineStats, ModelInfo
 from moe_engine.core.validation import param_error
 from moe_engine.engine.client import EngineClient
-from moe_engine.engine.messages import CoreStats, EngineCoreOutput, EngineStats, ModelInfo
 from moe_engine.errors import ErrorCode, ParamError, RequestError
 from moe_engine.instrumentation import balancedness, imbalance_ratio
-from moe_engine.request import OUTPUT_FINAL_ONLY, SamplingParams, StructuredOutputsParams
+from moe_engine.sampling_params import OUTPUT_FINAL_ONLY, SamplingParams, StructuredOutputsParams
 from moe_engine.server.interceptors import abort_with_refusal
 from moe_engine.server.metrics import RequestTimer, ServerMetrics
 from moe_engine.server.pb import moe_engine_pb2 as pb

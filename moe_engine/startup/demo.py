@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from moe_engine.startup.config import cache_root
+from kernels.env import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ DEMO_CONFIG = {
 
 
 def default_cache_dir() -> Path:
-    """The cache root: $MOE_ENGINE_CACHE, else ~/.cache/moe-engine (see `config.cache_root`)."""
+    """The cache root: $MOE_ENGINE_CACHE, else ~/.cache/moe-engine (`kernels.env.cache_root`)."""
     return cache_root()
 
 

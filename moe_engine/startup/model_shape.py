@@ -6,7 +6,6 @@ weight is loaded.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from moe_engine.kv_cache.spec import (
     FULL_ATTENTION,
@@ -108,27 +107,6 @@ class ModelShape:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict) -> ModelShape:
-        """The shape of a config.json dict (transformers 4.x or 5.x keys), read by its
-        architecture's file (`moe_engine.models.model_shape`).
-
-        Raises:
-            StartupError: an architecture (or model_type) this engine does not serve.
-            ValueError: when a required field is missing, naming it, or a field is malformed
-                (e.g. a `layer_types` entry unknown or the list's length not the layer count).
-        """
-        from moe_engine.models import model_shape
-
-        return model_shape(cfg)
-
-    @classmethod
-    def from_checkpoint(cls, path: str | Path) -> ModelShape:
-        """`from_hf_config` on `path/config.json` (`config.read_config_json`'s errors)."""
-        from moe_engine.startup.config import read_config_json
-
-        return cls.from_hf_config(read_config_json(path))
 
     @property
     def num_dense_layers(self) -> int:

@@ -7,9 +7,28 @@ User mistakes raise `ValueError` naming the field, the value and the limit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import torch
+
+
+class Architecture(Protocol):
+    """What quantization checks need of an architecture class (`models.base.MoeCausalLM`)."""
+
+    @classmethod
+    def model_shape(cls, cfg: dict) -> Any: ...
+
+    @classmethod
+    def experts_width_field(cls, cfg: dict) -> str: ...
+
+    @classmethod
+    def checkpoint_expert_name(cls, layer: int, expert: int, projection: str) -> str: ...
+
+
+#: config.json dict -> its architecture class (the caller's model registry).
+ArchitectureOf = Callable[[dict], Architecture]
 
 #: Dtype names the flags and config.json use.
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -109,7 +128,11 @@ _MXFP4_MODEL_TYPES = ("gpt_oss",)
 
 
 def resolve_quant_config(
-    quant: QuantConfig, hf_config: dict, weight_dtype: torch.dtype | None = None
+    quant: QuantConfig,
+    hf_config: dict,
+    weight_dtype: torch.dtype | None = None,
+    *,
+    architecture: ArchitectureOf,
 ) -> QuantConfig:
     """The expert format to run: `--quantization` against what config.json says is stored.
 
@@ -128,20 +151,24 @@ def resolve_quant_config(
         weight_dtype: the dtype the checkpoint's weights load in (`ModelConfig.torch_dtype`):
             int4 scales are kept in it (`QuantConfig.scale_dtype`); None leaves scale_dtype
             as it is.
+        architecture: config.json dict -> its architecture class (the model registry's
+            `resolve_config_dict(cfg)[1]`); called only when a check needs the shapes.
 
     Raises:
         ValueError: a quantization_config this engine cannot load, a group size the int4 path
             lacks, or an explicit --quantization / --quant-group-size that conflicts with the
             checkpoint (the message names both and the flag that fixes it).
     """
-    resolved = _resolve_method(quant, hf_config)
+    resolved = _resolve_method(quant, hf_config, architecture)
     if weight_dtype is not None and resolved.method == "int4" and resolved.scale_dtype is None:
         names = {dtype: name for name, dtype in DTYPES.items()}
         resolved = replace(resolved, scale_dtype=names.get(weight_dtype, "float32"))
     return resolved
 
 
-def _resolve_method(quant: QuantConfig, hf_config: dict) -> QuantConfig:
+def _resolve_method(
+    quant: QuantConfig, hf_config: dict, architecture: ArchitectureOf
+) -> QuantConfig:
     """`resolve_quant_config` without the scale dtype."""
     from quant.compressed_tensors import parse_quantization_config
 
@@ -152,7 +179,7 @@ def _resolve_method(quant: QuantConfig, hf_config: dict) -> QuantConfig:
     if stored == CHECKPOINT_MXFP4_FORMAT:
         return _resolve_mxfp4_checkpoint(quant, hf_config)
     if stored == CHECKPOINT_FP8_METHOD:
-        return _resolve_fp8_checkpoint(quant, hf_config)
+        return _resolve_fp8_checkpoint(quant, hf_config, architecture)
     ct = parse_quantization_config(hf_config)
     if ct is None and hf_config.get("quantization_config"):
         method = hf_config["quantization_config"].get("quant_method")
@@ -161,10 +188,10 @@ def _resolve_method(quant: QuantConfig, hf_config: dict) -> QuantConfig:
             f"(only {CHECKPOINT_INT4_FORMAT!r} pack-quantized int4, {CHECKPOINT_FP8_METHOD!r} "
             f"block-quantized e4m3, and {CHECKPOINT_MXFP4_FORMAT!r} for gpt-oss)"
         )
-    scheme = _expert_scheme(ct, hf_config) if ct is not None else None
+    scheme = _expert_scheme(ct, architecture(hf_config), hf_config) if ct is not None else None
     if scheme is None:
         if quant.method in ("int4", "mxfp4"):
-            check_quant_divides(quant, hf_config)
+            check_quant_divides(quant, architecture(hf_config), hf_config)
         return _auto_to_none(quant)
     stored = (
         f"int4 group {scheme.group_size} {'symmetric' if scheme.symmetric else 'asymmetric'} "
@@ -207,7 +234,9 @@ def _auto_to_none(quant: QuantConfig) -> QuantConfig:
     return replace(quant, method="none")
 
 
-def _resolve_fp8_checkpoint(quant: QuantConfig, hf_config: dict) -> QuantConfig:
+def _resolve_fp8_checkpoint(
+    quant: QuantConfig, hf_config: dict, architecture: ArchitectureOf
+) -> QuantConfig:
     """An FP8 block-quantized checkpoint: its quantization_config is checked here (before any
     weight is read); its experts load dequantized, so --quantization is resolved as for a
     float checkpoint (no value conflicts with it).
@@ -220,22 +249,20 @@ def _resolve_fp8_checkpoint(quant: QuantConfig, hf_config: dict) -> QuantConfig:
 
     parse_fp8_config(hf_config)
     if quant.method in ("int4", "mxfp4"):
-        check_quant_divides(quant, hf_config)
+        check_quant_divides(quant, architecture(hf_config), hf_config)
     return _auto_to_none(quant)
 
 
-def check_quant_divides(quant: QuantConfig, hf_config: dict) -> None:
+def check_quant_divides(quant: QuantConfig, model_cls: Architecture, hf_config: dict) -> None:
     """Refuse load-time 4-bit experts whose group does not divide a dimension it groups, before
-    any weight is read. Groups run along each expert projection's input: hidden_size for the
-    gate/up projection (w13 [2I, H]), the expert width I for the down projection (w2 [H, I]).
+    any weight is read (`model_cls`: the checkpoint's architecture class). Groups run along
+    each expert projection's input: hidden_size for the gate/up projection (w13 [2I, H]), the
+    expert width I for the down projection (w2 [H, I]).
 
     Raises:
         ValueError: naming the dimension by its config.json name and value, the group size, and
             the flag value that fits (--quant-group-size; MXFP4's block is always 32).
     """
-    from moe_engine.models import resolve_config_dict
-
-    model_cls = resolve_config_dict(hf_config)[1]
     shape = model_cls.model_shape(hf_config)
     dims = {
         "hidden_size": shape.hidden_size,
@@ -279,13 +306,10 @@ def _resolve_mxfp4_checkpoint(quant: QuantConfig, hf_config: dict) -> QuantConfi
     return QuantConfig("mxfp4", 32, True, CHECKPOINT_MXFP4_FORMAT, layers=quant.layers)
 
 
-def _expert_scheme(ct, hf_config: dict):
+def _expert_scheme(ct, model_cls: Architecture, hf_config: dict):
     """The compressed-tensors scheme of the first MoE layer's expert 0 (its gate projection,
     named as the architecture's checkpoint names it), or None when the routed experts stay
     float."""
-    from moe_engine.models import resolve_config_dict
-
-    model_cls = resolve_config_dict(hf_config)[1]
     layers = model_cls.model_shape(hf_config).moe_layers
     if not layers:
         return None

@@ -43,9 +43,9 @@ import torch.nn.functional as F
 
 from kernels.attention.native_decode import paged_decode_attention
 from kernels.attention.native_prefill import paged_prefill_attention
+from kernels.attention.torch_rows import prefill_rows
 from kernels.registry import NATIVE_CPU, TORCH, TRITON, KernelPlan
 from moe_engine.kv_cache.spec import FULL_ATTENTION, SLIDING_ATTENTION
-from moe_engine.models.layers.prefill_rows import prefill_rows
 
 
 @dataclass
@@ -349,7 +349,10 @@ class PagedAttention(KVCacheLayer):
             )
         if (batch.max_q > 1 and sinks is None and self.sliding_window is None
                 and q.device.type == "cpu"):
-            return prefill_rows(q, k_cache, v_cache, batch, self.scale)
+            return prefill_rows(
+                q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
+                batch.query_start_loc, self.scale,
+            )
         b = batch.seq_lens.shape[0]
         keys, values = (_gather_blocks(c, batch.block_ids, b) for c in (k_cache, v_cache))
         if batch.max_q == 1:

@@ -10,7 +10,7 @@ passed in; `models/base.py`'s `MoeCausalLM` builds these from an `ArchSpec`.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +21,6 @@ from kernels.dense.ops import qk_norm_rope_cache
 from kernels.registry import NATIVE_CPU, KernelPlan
 from moe_engine.models.layers.attention import AttentionMetadata, PagedAttention
 from moe_engine.models.layers.linear import Linear, MergedLinear
-from moe_engine.models.layers.native_decode import DecodeStep, decode_kernel, decode_misfit
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding
 from moe_engine.phase_timer import PhaseTimer
@@ -29,7 +28,25 @@ from moe_engine.phase_timer import PhaseTimer
 _NO_PHASE = contextlib.nullcontext()
 
 if TYPE_CHECKING:
-    from moe_engine.models.base import ArchSpec
+    from moe_engine.models.spec import ArchSpec
+
+
+class DecodeInputs(Protocol):
+    """What a layer's native decode step reads of its step (`native_decode.DecodeStep`).
+
+    Attributes:
+        topk_weights: [T, k] float32, the routing weights of the layer that just ran.
+    """
+
+    topk_weights: torch.Tensor | None
+
+    def args(self, group: int) -> object | None:
+        """The kernel's arguments for KV-cache group `group`, None where it holds prefills."""
+        ...
+
+    def topk_ids(self, layer_index: int, recorder: object) -> torch.Tensor:
+        """[T, k] int32: where layer `layer_index` writes its routing."""
+        ...
 
 
 class Attention(nn.Module):
@@ -185,19 +202,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = input_layernorm
         self.post_attention_layernorm = post_attention_layernorm
         self.mlp = mlp
-        #: Bound by `bind_kernels`: the native decode step, or None (the module path), and
-        #: why not (`native_decode.decode_misfit`).
-        self._decode_kernel: DecodeLayerKernel | None = None
+        #: Attached by `kernel_binding.bind_kernels` (`native_decode.attach_decode_kernel`):
+        #: the native decode step, or None (the module path), and why not.
+        self.decode_kernel: DecodeLayerKernel | None = None
         self.decode_misfit: str | None = "not bound"
-
-    def bind_kernels(self, plan: KernelPlan) -> None:
-        """Take the native decode step where the registry chose native-cpu for "decode_layer"
-        and the children (bound first, `kernel_binding.bind_kernels`) fit it; its kernel holds
-        their packed weights, so bind again after changing weights (as the experts' layout
-        asks too)."""
-        why = decode_misfit(self, plan)
-        self._decode_kernel = decode_kernel(self) if why is None else None
-        self.decode_misfit = why
 
     def forward(
         self,
@@ -205,11 +213,11 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache,
-        step: DecodeStep | None = None,
+        step: DecodeInputs | None = None,
     ) -> torch.Tensor:
         """h: [T, H] -> [T, H]. Given a `DecodeStep` whose group holds only decodes, a layer
         with a native decode kernel runs it on h in place and returns h."""
-        kernel = self._decode_kernel
+        kernel = self.decode_kernel
         if kernel is not None and step is not None:
             args = step.args(self.self_attn.attn.kv_group)
             if args is not None:

@@ -204,7 +204,7 @@ class LinearAttentionDecoderLayer(nn.Module):
         self.post_attention_layernorm = post_attention_layernorm
         self.mlp = mlp
         self.timer = None
-        self._decode_kernel = None
+        self.decode_kernel = None
         self.decode_misfit = "a linear-attention (Gated DeltaNet) layer"
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

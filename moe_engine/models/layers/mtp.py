@@ -64,10 +64,6 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = Linear(2 * hidden_size, hidden_size, bias=False, dtype=dtype)
         self.shared_head = SharedHead(head_norm)
 
-    def bind_kernels(self, plan) -> None:
-        """Never the native decode step: the MTP passes run the module path."""
-        self._decode_kernel, self.decode_misfit = None, "an MTP layer runs the module path"
-
     def predict(
         self,
         embeds: torch.Tensor,

@@ -25,14 +25,15 @@ from kernels.dense.native_linear_q4 import PackedQuantLinear
 from kernels.moe.amx import AmxExperts
 from kernels.moe.native import PackedQuantExperts
 from kernels.registry import NATIVE_CPU, KernelPlan
+from moe_engine.models.layers.decoder import Attention, DecoderLayer
 from moe_engine.models.layers.moe import FusedMoE
+from moe_engine.models.layers.mtp import MTPLayer
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
     from moe_engine.instrumentation import ExpertLoadRecorder
     from moe_engine.models.layers.attention import AttentionMetadata
-    from moe_engine.models.layers.decoder import DecoderLayer
     from moe_engine.models.layers.linear import Linear
 
 
@@ -103,11 +104,21 @@ class DecodeStep:
             self._recorder.record_layers(layers, self._ids[layers])
 
 
+def attach_decode_kernel(layer: DecoderLayer, plan: KernelPlan) -> None:
+    """Give `layer` the native decode step where the registry chose native-cpu for
+    "decode_layer" and its children (bound first) fit it, else None and the reason
+    (`layer.decode_kernel`, `layer.decode_misfit`). The kernel holds the children's packed
+    weights, so attach again after changing weights (as the experts' layout asks too)."""
+    why = decode_misfit(layer, plan)
+    layer.decode_kernel = decode_kernel(layer) if why is None else None
+    layer.decode_misfit = why
+
+
 def decode_misfit(layer: DecoderLayer, plan: KernelPlan) -> str | None:
     """Why `layer` (its children already bound to `plan`) cannot take the native decode step;
     None when it can."""
-    from moe_engine.models.layers.decoder import Attention
-
+    if isinstance(layer, MTPLayer):
+        return "an MTP layer runs the module path"
     if plan.backend("decode_layer") != NATIVE_CPU:
         return "the registry chose torch for decode_layer"
     attn, mlp = layer.self_attn, layer.mlp

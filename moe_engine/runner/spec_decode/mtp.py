@@ -28,23 +28,33 @@ import torch
 from moe_engine.scheduler import ScheduledRequest
 
 if TYPE_CHECKING:
-    from moe_engine.runner.model_runner import ModelRunner
+    from moe_engine.models.base import MoeCausalLM
+    from moe_engine.runner.inputs import StepInputBuilder
 
 
 class MTPDrafter:
     """Runs the MTP passes of each step (module doc) for a `ModelRunner`.
 
     Args:
-        runner: the model runner (its model has `mtp_layers`; its `mtp_kv_caches`).
+        model: the model (it has `mtp_layers`).
+        inputs: the runner's step-input builder (`runner.inputs.StepInputBuilder`).
+        kv_cache: the first MTP layer's KV cache (the runner's `mtp_kv_caches[0]`).
         num_speculative_tokens: drafts per request and step (K >= 1).
         disable_drafts_at: with this many sampling requests in a step or more, no drafts
             are proposed (the catch-up still runs); 0: never.
     """
 
-    def __init__(self, runner: ModelRunner, num_speculative_tokens: int, disable_drafts_at: int):
-        self.runner = runner
-        self.layer = runner.model.mtp_layers[0]
-        self.kv_cache = runner.mtp_kv_caches[0]
+    def __init__(
+        self,
+        model: MoeCausalLM,
+        inputs: StepInputBuilder,
+        kv_cache: object,
+        num_speculative_tokens: int,
+        disable_drafts_at: int,
+    ) -> None:
+        self.model, self.inputs = model, inputs
+        self.layer = model.mtp_layers[0]
+        self.kv_cache = kv_cache
         self.num_speculative_tokens = num_speculative_tokens
         self.disable_drafts_at = disable_drafts_at
 
@@ -106,7 +116,7 @@ class MTPDrafter:
         prompt + max_tokens - 1 tokens, so never past max_model_len)."""
         req = s.request
         most = req.num_prompt_tokens + req.sampling_params.max_tokens - 1
-        return min(len(table) * self.runner.block_size, most)
+        return min(len(table) * self.inputs.block_size, most)
 
     def _catch_up(
         self,
@@ -119,16 +129,16 @@ class MTPDrafter:
         """One MTP forward over every request's catch-up positions (single-position requests
         first, as the attention batches want); returns [len(ordered), H] the output at each
         request's last catch-up position, in `order`."""
-        runner = self.runner
+        model, inputs = self.model, self.inputs
         rows_idx = [r for i in order for r in catch_up[i][0]]
         ids = [t for i in order for t in catch_up[i][1]]
         q_lens = torch.tensor([len(catch_up[i][1]) for i in order], dtype=torch.int64)
         starts = torch.tensor([ordered[i].start for i in order], dtype=torch.int64)
-        step = runner._host_inputs(ids, q_lens, starts, [[t[i] for i in order] for t in tables])
+        step = inputs.host_inputs(ids, q_lens, starts, [[t[i] for i in order] for t in tables])
         ends = torch.cumsum(q_lens, 0) - 1
-        input_ids, positions, meta, ends = runner._on_device(step, ends)
+        input_ids, positions, meta, ends = inputs.on_device(step, ends)
         previous = hidden[torch.tensor(rows_idx, device=hidden.device)]
-        embeds = runner.model.model.embed_tokens(input_ids)
+        embeds = model.model.embed_tokens(input_ids)
         h = self.layer.predict(embeds, previous, positions, meta, self.kv_cache)
         return h[ends]
 
@@ -141,16 +151,16 @@ class MTPDrafter:
     ) -> tuple[torch.Tensor, list[int]]:
         """One draft more per request: `tokens` (the last drafts) at `positions`, after
         `previous` [B, H] (the MTP outputs before them); returns the new outputs and drafts."""
-        runner = self.runner
-        step = runner._decode_host_inputs(tokens, positions, tables)
-        input_ids, pos, meta, _ = runner._on_device(step, torch.zeros(0, dtype=torch.int64))
-        embeds = runner.model.model.embed_tokens(input_ids)
+        model, inputs = self.model, self.inputs
+        step = inputs.decode_host_inputs(tokens, positions, tables)
+        input_ids, pos, meta, _ = inputs.on_device(step, torch.zeros(0, dtype=torch.int64))
+        embeds = model.model.embed_tokens(input_ids)
         h = self.layer.predict(embeds, previous, pos, meta, self.kv_cache)
         return h, self._argmax(h)
 
     def _argmax(self, h: torch.Tensor) -> list[int]:
         """The greedy next token of each MTP output row [B, H] (the shared LM head)."""
-        logits = self.runner.model.compute_logits(self.layer.shared_head.norm(h))
+        logits = self.model.compute_logits(self.layer.shared_head.norm(h))
         return logits.argmax(dim=-1).tolist()
 
 

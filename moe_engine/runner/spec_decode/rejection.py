@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_engine.request import Request
-from moe_engine.runner.sampler import Sampler, _apply_top_k_top_p
+from moe_engine.runner.sampler import Sampler, apply_top_k_top_p
 
 
 @dataclass
@@ -161,7 +161,7 @@ def _target_probs(
     params = [requests[i].sampling_params for i in which for _ in range(len(drafts[i]) + 1)]
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
     scaled = logits[index] / temperature.to(device)[:, None]
-    scaled = _apply_top_k_top_p(
+    scaled = apply_top_k_top_p(
         scaled,
         torch.tensor([p.top_k for p in params]).to(device),
         torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_engine.runner.sampler import LogprobEntry, Sampler, StepSamples, _to_host
+from moe_engine.runner.sampler import LogprobEntry, Sampler, StepSamples, to_host
 from moe_engine.runner.spec_decode.rejection import verify_drafts
 from moe_engine.scheduler import ScheduledRequest
 
@@ -67,7 +67,7 @@ def _emitted_logprobs(
     tokens = [t for j in wanted for t in verified.token_ids[j]]
     requests = [s.request for j, s in zip(wanted, rows, strict=True) for _ in verified.token_ids[j]]
     device = logits.device
-    host = _to_host(
+    host = to_host(
         logits[torch.tensor(index, device=device)], requests,
         torch.tensor(tokens, dtype=torch.int64, device=device),
     )  # fmt: skip

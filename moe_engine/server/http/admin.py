@@ -23,7 +23,7 @@ from pydantic import StrictBool, StrictStr
 
 from moe_engine.errors import ErrorCode, RequestError
 from moe_engine.server.http.errors import HTTP_STATUS
-from moe_engine.server.http.protocol import _Body
+from moe_engine.server.http.protocol import RequestBody
 from moe_engine.server.http.state import HttpState
 from moe_engine.server.weight_rpcs import (
     PAUSE_TIMEOUT_S,
@@ -47,15 +47,15 @@ _MODE_ALIASES = {"in_place": "keep"}
 _HTTP_FIELDS = {"path": "model_path"}
 
 
-class PauseGenerationBody(_Body):
+class PauseGenerationBody(RequestBody):
     mode: StrictStr = DEFAULT_PAUSE_MODE
 
 
-class ContinueGenerationBody(_Body):
+class ContinueGenerationBody(RequestBody):
     pass
 
 
-class UpdateWeightsFromDiskBody(_Body):
+class UpdateWeightsFromDiskBody(RequestBody):
     model_path: StrictStr
     weight_version: StrictStr = ""
     flush_cache: StrictBool = True

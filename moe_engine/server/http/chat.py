@@ -15,7 +15,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from moe_engine.request import MAX_LOGPROBS
+from moe_engine.sampling_params import MAX_LOGPROBS
 from moe_engine.server.http.common import (
     SSE_DONE,
     Choice,

@@ -11,10 +11,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from moe_engine.core.outputs import EngineCoreOutput
 from moe_engine.core.validation import param_error
-from moe_engine.engine.messages import EngineCoreOutput
 from moe_engine.errors import ParamError
-from moe_engine.request import (
+from moe_engine.sampling_params import (
     OUTPUT_DELTA,
     OUTPUT_FINAL_ONLY,
     SamplingParams,

@@ -29,18 +29,20 @@ from pydantic import (
 Number = StrictFloat | StrictInt
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
+    """A request body: unknown fields are refused (422 naming them)."""
+
     model_config = ConfigDict(extra="forbid")
 
 
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
     """`stream_options`: `include_usage` adds a last chunk with `usage` and no choices."""
 
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(RequestBody):
     """The sampling fields both endpoints share (OpenAI's names, vLLM's extras)."""
 
     model: StrictStr | None = None
@@ -101,12 +103,12 @@ class CompletionRequest(_SamplingFields):
     best_of: StrictInt | None = None  # NEUTRAL: only 1
 
 
-class TextPart(_Body):
+class TextPart(RequestBody):
     type: Literal["text"]
     text: StrictStr
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestBody):
     """One message: `content` is a string or a list of text parts (joined with newlines);
     required except on an assistant turn (as OpenAI)."""
 
@@ -128,14 +130,14 @@ class ChatMessage(_Body):
         return "\n".join(part.text for part in self.content)
 
 
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(RequestBody):
     name: StrictStr = "schema"
     description: StrictStr | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: StrictBool | None = None
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(RequestBody):
     """`response_format`: "text", "json_object" (any JSON object), or "json_schema"."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -161,7 +163,7 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: StrictBool | None = None
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     """POST /tokenize: `prompt` text, or `messages` rendered through the chat template."""
 
     model: StrictStr | None = None
@@ -171,7 +173,7 @@ class TokenizeRequest(_Body):
     add_generation_prompt: StrictBool = True
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     """POST /detokenize: token ids back to text."""
 
     model: StrictStr | None = None

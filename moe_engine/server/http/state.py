@@ -14,11 +14,11 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+from moe_engine.core.outputs import EngineCoreOutput
 from moe_engine.core.validation import validate_request
 from moe_engine.engine.client import EngineClient
-from moe_engine.engine.messages import EngineCoreOutput
 from moe_engine.errors import ErrorCode, RequestError
-from moe_engine.request import SamplingParams
+from moe_engine.sampling_params import SamplingParams
 from moe_engine.server.http.errors import OpenAIError
 from moe_engine.server.metrics import RequestTimer, ServerMetrics
 

@@ -17,45 +17,43 @@ without sinks; sliding windows and sink logits keep the batched path.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
-
-if TYPE_CHECKING:
-    from moe_engine.models.layers.attention import AttentionBatch
 
 
 def prefill_rows(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    batch: AttentionBatch,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of each request's queries over its cached keys.
 
     Args:
         q: [n, Hq, D], the batch's n query tokens (request after request, as
-            `batch.query_start_loc` says).
+            `query_start_loc` says).
         k_cache, v_cache: [num_blocks, block_size, Hkv, D], this step's keys and values
             already written; Hkv divides Hq (GQA).
-        batch: the requests' block tables, `seq_lens` (keys after this step) and
-            `query_start_loc` (CPU tensors).
+        block_tables: [B, max_blocks] int64, the requests' block tables (CPU).
+        seq_lens: [B] int64, keys per request after this step (tokens; CPU).
+        query_start_loc: [B + 1] int64, where each request's queries start in q (CPU).
         scale: multiplies q . k.
 
     Returns:
         [n, Hq, D] in q's dtype.
     """
     num_blocks, block_size, hkv, d = k_cache.shape
-    starts = batch.query_start_loc.tolist()
-    seq_lens = batch.seq_lens.tolist()
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
     gqa = q.shape[1] != hkv
     out = torch.empty_like(q)
-    for row, seq_len in enumerate(seq_lens):
+    for row, seq_len in enumerate(lens):
         q_start, q_end = starts[row], starts[row + 1]
         q_len = q_end - q_start
-        blocks = batch.block_tables[row, : (seq_len + block_size - 1) // block_size]
+        blocks = block_tables[row, : (seq_len + block_size - 1) // block_size]
         keys, values = (
             c.view(num_blocks, -1).index_select(0, blocks).view(1, -1, hkv, d)[:, :seq_len]
             .transpose(1, 2)
