@@ -35,6 +35,15 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from kernels.attention.paged import PagedAttentionKernels
+    from kernels.decode_layer.native import DecodeLayerKernel
+    from kernels.dense.linear import LinearKernel, QuantScheme
+    from kernels.moe.backends import BoundExperts, ExpertExtras
 
 logger = logging.getLogger(__name__)
 
@@ -87,11 +96,13 @@ class ModelFacts:
         head_dim: attention head size (query/key; MLA: qk_nope + qk_rope).
         dtype: the compute dtype's name ("float32", "bfloat16", "float16").
         mla: whether attention is multi-head latent attention.
+        query_heads_per_kv: query heads per KV head (GQA ratio; 1 without GQA).
     """
 
     head_dim: int = 64
     dtype: str = "float32"
     mla: bool = False
+    query_heads_per_kv: int = 1
 
 
 @dataclass(frozen=True)
@@ -148,9 +159,119 @@ class KernelPlan:
             if c.reason:
                 by_reason.setdefault(c.reason, []).append(c.op)
         notes = [f"  {', '.join(ops)}: {reason}" for reason, ops in by_reason.items()]
+        for c in self.choices.values():
+            for fallback in fallbacks(c.op, c.backend):
+                notes.append(f"  {c.op}={c.backend} falls back for {fallback}")
         if self.native_isa:
             notes.append(f"  native-cpu build: {self.native_isa}")
         return "\n".join([f"kernels ({self.device}): {pairs}", *notes])
+
+    # ------------------------------------------------------------ the kernel objects
+
+    def linear(self, weight: torch.Tensor, quant_scheme: QuantScheme | None) -> LinearKernel:
+        """What runs a dense projection of `weight` [out, in] (4-bit when `quant_scheme`):
+        the "linear" backend's routes, with the fallbacks `fallbacks("linear", ...)` names."""
+        from kernels.dense.linear import LinearKernel
+
+        if self.backend("linear") == NATIVE_CPU:
+            return LinearKernel.native(weight, quant_scheme)
+        return LinearKernel.torch(quant_scheme)
+
+    def attention(self, num_heads: int, num_kv_heads: int) -> PagedAttentionKernels:
+        """The decode and prefill kernels of a paged attention layer of `num_heads` query
+        heads over `num_kv_heads` KV heads (a layer whose GQA ratio the native prefill
+        kernel does not take gets the torch path, as `choose_kernels` decides for the model)."""
+        from kernels.attention import paged
+
+        kernel_of = {NATIVE_CPU: (paged.native_decode, paged.native_prefill),
+                     TRITON: (paged.triton_paged, paged.triton_paged)}
+        decode_backend = self.backend("attention_decode")
+        prefill_backend = self.backend("attention_prefill")
+        decode = kernel_of.get(decode_backend, (None, None))[0]
+        prefill = kernel_of.get(prefill_backend, (None, None))[1]
+        if prefill is paged.native_prefill and (
+            num_heads // num_kv_heads > paged.NATIVE_PREFILL_MAX_GQA
+        ):
+            prefill, prefill_backend = None, TORCH
+        return paged.PagedAttentionKernels(decode, prefill, decode_backend, prefill_backend)
+
+    def mla_decode(self) -> Callable[..., Any] | None:
+        """The absorbed MLA decode kernel (`triton_attention.mla_decode`), or None: the
+        layer's torch path."""
+        if self.backend("mla_decode") != TRITON:
+            return None
+        from kernels.attention.triton_attention import mla_decode
+
+        return mla_decode
+
+    def rms_norm(self, weight: torch.Tensor) -> Callable[..., Any] | None:
+        """The fused RMSNorm (`kernels.dense.ops.rms_norm`) for a float32/bfloat16 `weight`,
+        or None: the layer's torch ops."""
+        import torch
+
+        if self.backend("rms_norm") != NATIVE_CPU:
+            return None
+        if weight.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        from kernels.dense.ops import rms_norm
+
+        return rms_norm
+
+    def router_topk(self, device_type: str) -> Callable[..., Any] | None:
+        """The one-call softmax-top-k routing (`kernels.dense.ops.router_softmax_topk`) for a
+        router on `device_type`, or None: torch's softmax and stable sort."""
+        if self.backend("router_topk") != NATIVE_CPU or device_type != "cpu":
+            return None
+        from kernels.dense.ops import router_softmax_topk
+
+        return router_softmax_topk
+
+    def rope_prologue(self) -> Callable[..., Any] | None:
+        """The one-call attention prologue (q/k norm, rope and the KV-cache write,
+        `kernels.dense.ops.qk_norm_rope_cache`), or None: the layer's module path."""
+        if self.backend("rotary") != NATIVE_CPU:
+            return None
+        from kernels.dense.ops import qk_norm_rope_cache
+
+        return qk_norm_rope_cache
+
+    def decode_layer(self) -> type[DecodeLayerKernel] | None:
+        """The one-call native decode layer, or None: every layer module by module."""
+        if self.backend("decode_layer") != NATIVE_CPU:
+            return None
+        from kernels.decode_layer.native import DecodeLayerKernel
+
+        return DecodeLayerKernel
+
+    def float_experts(
+        self, w13: torch.Tensor, w2: torch.Tensor, extras: ExpertExtras
+    ) -> BoundExperts:
+        """Float experts (w13 [E, 2I, H], w2 [E, H, I]) bound to the "fused_moe" backend."""
+        from kernels.moe.backends import bind_float_experts
+
+        return bind_float_experts(self.backend("fused_moe"), w13, w2, extras)
+
+    def quantized_experts(self, method: str, weights: Any) -> BoundExperts:
+        """4-bit experts ("int4" `Int4Experts`, "mxfp4" `Mxfp4Experts`) bound to the
+        backend of their op ("fused_moe_int4" / "fused_moe_mxfp4")."""
+        from kernels.moe.backends import bind_int4_experts, bind_mxfp4_experts
+
+        if method == "int4":
+            return bind_int4_experts(self.backend("fused_moe_int4"), weights)
+        return bind_mxfp4_experts(self.backend("fused_moe_mxfp4"), weights)
+
+    def keeps_experts(self, method: str, bound: BoundExperts | None) -> bool:
+        """Whether binding `bound` (4-bit experts of `method`) again under this plan changes
+        nothing: a layout that cannot be converted back (torch's int4 CPU layout) bound to the
+        same backend again."""
+        op = "fused_moe_int4" if method == "int4" else "fused_moe_mxfp4"
+        return bound is not None and bound.restore is None and self.backend(op) == bound.backend
+
+    def graph_unsafe(self, ops: list[str]) -> list[str]:
+        """"op=backend" for each of `ops` whose kernel cannot be captured in a CUDA graph
+        (only the Triton kernels are launch-only: the others read lengths on the host)."""
+        return [f"{op}={self.backend(op)}" for op in dict.fromkeys(ops)
+                if self.backend(op) != TRITON]
 
     @classmethod
     def uniform(cls, backend: str, device: str = "cpu") -> KernelPlan:
@@ -161,6 +282,34 @@ class KernelPlan:
             for op in OPS
         }
         return cls(device, choices)
+
+
+def fallbacks(op: str, backend: str) -> tuple[str, ...]:
+    """The conditions under which `op`'s kernel on `backend` hands a call to another kernel
+    (declared by each kernel module beside the code that takes them; the startup plan prints
+    them): () for a kernel that runs every call it is given."""
+    if backend != NATIVE_CPU:
+        return ()
+    if op == "linear":
+        from kernels.dense.linear import NATIVE_FALLBACKS
+
+        return NATIVE_FALLBACKS
+    if op == "attention_prefill":
+        from kernels.attention.paged import NATIVE_PREFILL_FALLBACKS
+
+        return NATIVE_PREFILL_FALLBACKS
+    if op in ("fused_moe", "fused_moe_int4", "fused_moe_mxfp4"):
+        from kernels.moe.backends import NATIVE_FALLBACKS
+
+        return NATIVE_FALLBACKS
+    if op == "decode_layer":
+        from kernels.decode_layer.native import MAX_ROWS
+
+        return (f"steps with prefills or over {MAX_ROWS} rows, and layers the kernel does "
+                f"not implement (the log lists them): module by module",)
+    if op == "rms_norm":
+        return ("inputs of more than 3 dimensions or another dtype than the weight's: torch",)
+    return ()
 
 
 def parse_kernel_backend(spec: str) -> tuple[str | None, dict[str, str]]:
@@ -291,6 +440,11 @@ def _unfit(op: str, backend: str, facts: ModelFacts) -> str | None:
 
         if cpu_amx.bf16_backend() is None or not cpu_amx.dot_available():
             return "the native prefill attention needs AVX512-BF16"
+        from kernels.attention.paged import NATIVE_PREFILL_MAX_GQA
+
+        if facts.query_heads_per_kv > NATIVE_PREFILL_MAX_GQA:
+            return (f"the native prefill attention takes at most {NATIVE_PREFILL_MAX_GQA} "
+                    f"query heads per KV head, not {facts.query_heads_per_kv}")
     if backend == NATIVE_CPU and op == "decode_layer" and (facts.dtype != "bfloat16" or facts.mla):
         return "the native decode layer runs bfloat16 models without MLA"
     if backend == TRITON and attention and (facts.head_dim < 16):

@@ -238,7 +238,7 @@ def test_linear_layer_runs_amx_between_its_crossovers(monkeypatch):
     assert calls == [1, cpu_amx.LINEAR_MAX_ROWS, 3]
     float_layer = Linear(64, 48, bias=False, dtype=torch.float32)
     float_layer.bind_kernels(KernelPlan.uniform("native-cpu"))
-    assert not float_layer._amx  # float32 compute: the AVX2 kernel
+    assert not float_layer.kernel.amx  # float32 compute: the AVX2 kernel
 
 
 def test_avx512_bf16_setting_keeps_the_kernels_off_the_tiles(monkeypatch, caplog):

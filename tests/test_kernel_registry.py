@@ -174,8 +174,8 @@ def test_the_engine_binds_and_logs_its_choice(qwen3_ckpt, caplog):
     torch_llm = LLM(model=str(qwen3_ckpt), max_model_len=64, kernel_backend="torch")
     assert set(torch_llm.engine.kernels.as_dict().values()) == {TORCH}
     modules = list(torch_llm.engine.model.modules())
-    assert not any(m._native_max_rows for m in modules if isinstance(m, Linear))
-    assert {m.decode_backend for m in modules if isinstance(m, PagedAttention)} == {TORCH}
+    assert not any(m.kernel.native_max_rows for m in modules if isinstance(m, Linear))
+    assert {m.kernels.decode_backend for m in modules if isinstance(m, PagedAttention)} == {TORCH}
     want = [o.outputs[0].token_ids for o in native.generate(prompts, params, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in torch_llm.generate(prompts, params, use_tqdm=False)]
     assert got == want

@@ -8,6 +8,7 @@ import msgspec
 import pytest
 from fake_core import FakeEngineCore
 
+from moe_engine.core import outputs as o
 from moe_engine.core.protocol import EngineCoreProtocol
 from moe_engine.engine import messages as m
 from moe_engine.engine.core_proc import refusal_of_frame
@@ -21,19 +22,19 @@ from moe_engine.server.servicer import model_info_to_proto, server_stats_to_prot
 from moe_engine.startup.config import EngineConfig, ModelConfig
 
 
-def _core_stats(base: int, rank: int = 0) -> m.CoreStats:
+def _core_stats(base: int, rank: int = 0) -> o.CoreStats:
     """CoreStats whose every number is distinct and non-zero (base + field index)."""
     numbers = {
         name: base + i
-        for i, name in enumerate(m.CoreStats.__struct_fields__)
+        for i, name in enumerate(o.CoreStats.__struct_fields__)
         if name not in ("kv_groups", "phase_seconds", "rank", _PER_POS, "paused",
                         "weight_version")
     }
-    group = m.KVCacheGroupStats(
+    group = o.KVCacheGroupStats(
         group=1, kind="sliding_attention", sliding_window=8, num_layers=2,
         kv_bytes_per_token=64, blocks_used=base,
     )
-    return m.CoreStats(
+    return o.CoreStats(
         **numbers, kv_groups=[group], phase_seconds={"step": 0.5}, rank=rank,
         paused=bool(rank % 2), weight_version=f"v{base}",
         spec_decode_num_accepted_tokens_per_pos=[base, base + 1] + [base] * (rank % 2),
@@ -43,8 +44,8 @@ def _core_stats(base: int, rank: int = 0) -> m.CoreStats:
 _PER_POS = "spec_decode_num_accepted_tokens_per_pos"
 
 
-def _model_info() -> m.ModelInfo:
-    return m.ModelInfo(
+def _model_info() -> o.ModelInfo:
+    return o.ModelInfo(
         model="/m", architecture="A", dtype="float32", vocab_size=10, max_model_len=11,
         num_layers=12, num_experts=4, num_experts_per_tok=2, hidden_size=15, block_size=16,
         num_kv_blocks=17, max_num_seqs=18, max_num_batched_tokens=19, ep_size=2,
@@ -71,13 +72,13 @@ OUTPUTS = [
     m.Ready(_model_info()),
     m.StartupFailed("StartupError", "no weights", "tb"),
     m.EngineCoreOutputs([
-        m.EngineCoreOutput("r1", [5], "a", True, FinishReason.STOP, 3, 1, [(-0.5, {5: -0.5})]),
-        m.EngineCoreOutput("r2", []),
+        o.EngineCoreOutput("r1", [5], "a", True, FinishReason.STOP, 3, 1, [(-0.5, {5: -0.5})]),
+        o.EngineCoreOutput("r2", []),
     ]),
     m.AddError("r1", ErrorCode.OUT_OF_RANGE, "max_tokens", "max_tokens: too many"),
     m.Fatal("boom", "tb"),
-    m.StatsReply(1, m.engine_stats([_core_stats(10), _core_stats(100, rank=1)])),
-    m.ExpertLoadReply(2, m.ExpertLoad(
+    m.StatsReply(1, o.engine_stats([_core_stats(10), _core_stats(100, rank=1)])),
+    m.ExpertLoadReply(2, o.ExpertLoad(
         moe_layers=[1], counts=[[1, 2]], window_counts=[[0, 1]], window_steps=1,
         imbalance_ratio=[1.3], balancedness=[0.75], rank_tokens=[[1, 2]],
     )),
@@ -99,7 +100,7 @@ def test_outputs_round_trip(message) -> None:
 def test_a_missing_or_renamed_field_fails_loudly() -> None:
     stats = msgspec.to_builtins(_core_stats(1))
     stats["running"] = stats.pop("num_running")  # renamed on one side
-    frame = m.encode(m.StatsReply(1, m.engine_stats([_core_stats(1)])))
+    frame = m.encode(m.StatsReply(1, o.engine_stats([_core_stats(1)])))
     bad = msgspec.msgpack.encode(["stats_reply", 1, {"ep_size": 1, "total": stats, "ranks": []}])
     assert m.decode_output(frame).stats.total.num_running == 1
     with pytest.raises(msgspec.ValidationError, match="num_running"):
@@ -126,7 +127,7 @@ def test_undecodable_add_is_refused_naming_its_field() -> None:
 
 def test_every_server_stats_field_has_a_source() -> None:
     """A proto field the servicer does not fill (or a renamed source) stays at its default."""
-    stats = m.engine_stats([_core_stats(10), _core_stats(100, rank=1)])
+    stats = o.engine_stats([_core_stats(10), _core_stats(100, rank=1)])
     proto = server_stats_to_proto(stats)
     for message in (proto, proto.ranks[1], proto.kv_groups[0]):
         filled = {f.name for f, _ in message.ListFields()}
@@ -134,7 +135,7 @@ def test_every_server_stats_field_has_a_source() -> None:
     assert proto.num_running == 10 + 100 and proto.ranks[1].num_running == 100
     assert proto.kv_groups[0].blocks_used == 110  # summed over ranks
     assert proto.tokens_dispatched == stats.total.tokens_in
-    assert len(server_stats_to_proto(m.engine_stats([_core_stats(1)])).ranks) == 0  # ep 1
+    assert len(server_stats_to_proto(o.engine_stats([_core_stats(1)])).ranks) == 0  # ep 1
 
 
 def test_every_model_info_field_has_a_source() -> None:
@@ -145,7 +146,7 @@ def test_every_model_info_field_has_a_source() -> None:
 
 def test_sum_stats_adds_every_counter() -> None:
     a, b = _core_stats(10), _core_stats(100, rank=1)
-    total = m.sum_stats([a, b])
+    total = o.sum_stats([a, b])
     assert total.rank == 0 and total.phase_seconds == {"step": 1.0}
     for name in ("num_running", "prompt_tokens_total", "tokens_received", "num_steps"):
         assert getattr(total, name) == getattr(a, name) + getattr(b, name)
@@ -165,8 +166,8 @@ def test_cores_provide_the_protocol() -> None:
     ]
     assert "step" in methods and "get_stats" in methods
     assert all(callable(getattr(EngineCore, n, None)) for n in methods), methods
-    assert isinstance(fake.get_stats(), m.CoreStats)
-    assert isinstance(fake.model_info(), m.ModelInfo)
+    assert isinstance(fake.get_stats(), o.CoreStats)
+    assert isinstance(fake.model_info(), o.ModelInfo)
 
 
 def test_startup_status_text() -> None:
@@ -184,13 +185,13 @@ def test_startup_status_text() -> None:
 
 
 def test_stats_log_line_only_while_busy(caplog: pytest.LogCaptureFixture) -> None:
-    def sample(prompt: int, generated: int, running: int, used: int = 0) -> m.EngineStats:
+    def sample(prompt: int, generated: int, running: int, used: int = 0) -> o.EngineStats:
         stats = msgspec.structs.replace(
             _core_stats(0), prompt_tokens_total=prompt, generation_tokens_total=generated,
             num_running=running, num_waiting=0, kv_blocks_total=200, kv_blocks_used=used,
             prefix_cache_queries=0, prefix_cache_hits=0,
         )
-        return m.engine_stats([stats])
+        return o.engine_stats([stats])
 
     stats_log = StatsLogger()
     with caplog.at_level(logging.INFO, logger="moe_engine.server.metrics"):

@@ -168,26 +168,27 @@ def unpack_weight(packed: PackedLinear) -> torch.Tensor:
 
 
 def test_linear_module_repacks_after_reset_and_matches_torch_on_large_batches():
-    from moe_engine.models.layers.linear import NARROW_MAX_ROWS, NATIVE_MAX_ROWS, Linear
+    from kernels.dense.linear import NARROW_MAX_ROWS, NATIVE_MAX_ROWS
+    from moe_engine.models.layers.linear import Linear
 
     g = _gen()
     layer = Linear(16, 80, bias=True)
     router = Linear(16, 32, bias=False)  # narrower than NATIVE_MIN_OUT_FEATURES
     x = torch.randn(5, 16, generator=g)
     layer(x)
-    assert layer._packed is None  # unbound: torch
+    assert layer.kernel.packed is None  # unbound: torch
     for module in (layer, router):
         module.bind_kernels(KernelPlan.uniform(NATIVE_CPU))
     first = layer(x)
-    assert layer._packed is not None  # the native path ran
+    assert layer.kernel.packed is not None  # the native path ran
     torch.testing.assert_close(first, torch.nn.functional.linear(x, layer.weight, layer.bias))
     torch.testing.assert_close(router(x), torch.nn.functional.linear(x, router.weight))
-    assert router._packed is not None  # a few rows: native, on the calling thread
+    assert router.kernel.packed is not None  # a few rows: native, on the calling thread
     wide_batch = torch.randn(NARROW_MAX_ROWS + 1, 16, generator=g)
     router.reset_packed()
     torch.testing.assert_close(router(wide_batch), torch.nn.functional.linear(wide_batch,
                                                                               router.weight))
-    assert router._packed is None  # more rows: torch's GEMM
+    assert router.kernel.packed is None  # more rows: torch's GEMM
     with torch.no_grad():
         layer.weight.mul_(2)
     layer.reset_packed()

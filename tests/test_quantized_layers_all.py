@@ -10,11 +10,12 @@ import pytest
 import torch
 from fixtures import dequantized_experts_copy, hf_greedy, hf_last_logits, perturbed_checkpoint
 
+from kernels.dense.linear import NATIVE_MAX_ROWS
 from kernels.registry import NATIVE_CPU, KernelPlan
 from moe_engine import LLM, SamplingParams
 from moe_engine.errors import StartupError
 from moe_engine.models.dense_quant import dense_layers
-from moe_engine.models.layers.linear import NATIVE_MAX_ROWS, Linear
+from moe_engine.models.layers.linear import Linear
 
 GROUP = 32
 
@@ -62,7 +63,7 @@ def _assert_layers_quantized(llm: LLM) -> None:
     layers = dict(dense_layers(model))
     assert "lm_head" in layers and any(n.endswith("self_attn.qkv_proj") for n in layers)
     for name, layer in layers.items():
-        assert layer.quant_scheme is not None and layer._q4, name
+        assert layer.quant_scheme is not None and layer.kernel.q4, name
         fp32_bytes = layer.weight.numel() * 4
         assert layer.q4_packed().nbytes <= 0.2 * fp32_bytes, name  # 4 bits + a scale per 32
     routers = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]

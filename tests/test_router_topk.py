@@ -102,7 +102,7 @@ def test_fused_moe_binds_the_registry_choice(monkeypatch):
     moe = FusedMoE(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16,
                    renormalize=True, dtype=torch.float32)
     calls = []
-    monkeypatch.setattr("moe_engine.models.layers.moe.router_softmax_topk",
+    monkeypatch.setattr("kernels.dense.ops.router_softmax_topk",
                         lambda s, k, r: calls.append(k) or softmax_topk(s, k, r))
     moe.bind_kernels(KernelPlan.uniform("torch"))
     moe._route(torch.randn(3, 32))

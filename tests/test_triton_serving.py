@@ -117,6 +117,6 @@ def test_every_module_is_bound_to_the_triton_kernels(qwen3_ckpt):
         bound = {getattr(m.quantized if m.quantized is not None else m, attr) for m in moes}
         assert bound == {"triton"}, (quantization, bound)
         attention = [m for m in llm.engine.model.modules() if isinstance(m, PagedAttention)]
-        assert {(m.decode_backend, m.prefill_backend) for m in attention} == {
+        assert {(m.kernels.decode_backend, m.kernels.prefill_backend) for m in attention} == {
             ("triton", "triton")
         }

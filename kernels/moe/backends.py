@@ -32,6 +32,13 @@ from quant.int4 import SYMMETRIC_ZERO, Int4Weight, dequantize_int4
 from quant.mxfp4 import MXFP4_BLOCK_SIZE, dequantize_mxfp4
 
 NATIVE_CPU, TORCH, TRITON = "native-cpu", "torch", "triton"  # kernels.registry's names
+
+#: The variants a native-cpu expert kernel takes (printed in the startup plan; chosen at bind
+#: time per layer, never per batch, so a token's result never depends on the batch around it).
+NATIVE_FALLBACKS = (
+    "bfloat16 float experts where the CPU has AMX or AVX512-BF16: the bf16 kernel "
+    "(AmxExperts); other float experts: the AVX2/AVX-512 kernel (PackedExperts)",
+)
 EXPERT_BACKENDS = (NATIVE_CPU, TORCH, TRITON)
 
 #: (hidden [T, H], topk_weights [T, k] fp32, topk_ids [T, k] int32, **extras) -> [T, H]; the

@@ -30,10 +30,13 @@ logger = logging.getLogger(__name__)
 
 def model_facts(spec: ArchSpec, dtype: torch.dtype) -> ModelFacts:
     """What of the model decides which kernels can run it: head size (MLA: the latent's
-    kv_lora_rank + qk_rope_head_dim, what its decode kernel attends), compute dtype, MLA."""
+    kv_lora_rank + qk_rope_head_dim, what its decode kernel attends), compute dtype, MLA, and
+    the query heads per KV head (GQA)."""
     mla = bool(spec.kv_lora_rank)
     head_dim = spec.kv_lora_rank + spec.qk_rope_head_dim if mla else spec.head_dim
-    return ModelFacts(head_dim=head_dim, dtype=str(dtype).removeprefix("torch."), mla=mla)
+    gqa = spec.num_heads // spec.num_kv_heads if spec.num_kv_heads else 1
+    return ModelFacts(head_dim=head_dim, dtype=str(dtype).removeprefix("torch."), mla=mla,
+                      query_heads_per_kv=gqa)
 
 
 def build_detail(message: str) -> str:
@@ -86,7 +89,7 @@ def bind_kernels(model: nn.Module, plan: KernelPlan) -> None:
     for module in model.modules():
         if isinstance(module, DecoderLayer):
             attach_decode_kernel(module, plan)
-    if plan.backend("decode_layer") == NATIVE_CPU:
+    if plan.decode_layer() is not None:
         layers = [m for m in model.modules() if hasattr(m, "decode_kernel")]
         native = sum(m.decode_kernel is not None for m in layers)
         others = sorted({m.decode_misfit for m in layers if m.decode_kernel is None})

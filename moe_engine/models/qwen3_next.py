@@ -97,7 +97,7 @@ class GatedAttention(Attention):
 
     def bind_kernels(self, plan) -> None:
         """The module path always: the native prologue knows no output gate."""
-        self._native_prologue = False
+        self.prologue = None
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, meta, kv_cache) -> torch.Tensor:
         """h: [T, H] -> [T, H]; positions [T] int64; kv_cache: this layer's (K, V) pair."""

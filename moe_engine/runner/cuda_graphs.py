@@ -53,7 +53,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kernels.registry import TRITON, KernelPlan
+from kernels.registry import KernelPlan
 from moe_engine.instrumentation import ExpertLoadRecorder
 from moe_engine.kv_cache.spec import LINEAR_ATTENTION, MLA_ATTENTION
 from moe_engine.models.layers.attention import AttentionBatch, AttentionMetadata
@@ -191,9 +191,7 @@ def graphs_off_reason(
         return "linear-attention layers (their state slots are gathered per step on the host)"
     ops = ["mla_decode" if kind == MLA_ATTENTION else "attention_decode" for kind in kv_kinds]
     ops.append(EXPERT_OPS.get(quant_method, "fused_moe"))
-    unsafe = [f"{op}={kernels.backend(op)}" for op in dict.fromkeys(ops)
-              if kernels.backend(op) != TRITON]  # fmt: skip
-    return ", ".join(unsafe) or None
+    return ", ".join(kernels.graph_unsafe(ops)) or None
 
 
 class DecodeGraphs:

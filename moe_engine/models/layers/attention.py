@@ -9,11 +9,11 @@ except for a CPU's prefill chunks of full attention without sinks, which attend 
 time over its own keys (`prefill_rows`: the padded, masked batch did about 6x the work of the
 causal triangles on the bench's mixed prompt lengths).
 
-That is the torch backend. The kernel registry (kernels/registry.py) binds each layer's decode
-and prefill batches once (`PagedAttention.bind_kernels`): native-cpu decode reads the cache in
-place through the block tables (kernels/attention/native_decode.py); triton runs both batch kinds
-through
-the block tables (kernels/attention/triton_attention.py, varlen queries by `query_start_loc`).
+That is the torch path. The kernel registry hands each layer its decode and prefill kernels
+once (`PagedAttention.bind_kernels`, `KernelPlan.attention`, kernels/attention/paged.py):
+native-cpu decode and bfloat16 prefill read the cache in place through the block tables;
+triton runs both batch kinds through them (varlen queries by `query_start_loc`); a kernel of
+None is this torch path.
 
 Two gpt-oss features live here as well, both off (and free) for the other models:
 - Sliding-window layers (Beltagy et al. 2020, "Longformer"; transformers'
@@ -36,15 +36,13 @@ Two gpt-oss features live here as well, both off (and free) for the other models
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from kernels.attention.native_decode import paged_decode_attention
-from kernels.attention.native_prefill import paged_prefill_attention
+from kernels.attention.paged import PagedAttentionKernels
 from kernels.attention.torch_rows import prefill_rows
-from kernels.registry import NATIVE_CPU, TORCH, TRITON, KernelPlan
+from kernels.registry import KernelPlan
 from moe_engine.kv_cache.spec import FULL_ATTENTION, SLIDING_ATTENTION
 
 
@@ -270,24 +268,16 @@ class PagedAttention(KVCacheLayer):
         self.sliding_window = sliding_window
         #: The KV-cache group whose block tables this layer reads (set by the ModelRunner).
         self.kv_group = 0
-        #: Backends of decode and prefill batches (`bind_kernels`; torch until bound).
-        self.decode_backend, self.prefill_backend = TORCH, TORCH
+        #: The decode and prefill kernels (`bind_kernels`; the torch path until bound).
+        self.kernels = PagedAttentionKernels()
         #: The torch path on a CPU: sinks through the CPU flash kernel's log-sum-exp.
         self._cpu_flash = False
-        self._triton: Any = None  # triton_attention, imported when bound
 
     def bind_kernels(self, plan: KernelPlan) -> None:
-        """Take the registry's "attention_decode" and "attention_prefill" backends (native-cpu
-        prefill: bfloat16 caches and at most 16 query heads per KV head, else torch)."""
-        self.decode_backend = plan.backend("attention_decode")
-        self.prefill_backend = plan.backend("attention_prefill")
-        if self.prefill_backend == NATIVE_CPU and self.num_heads // self.num_kv_heads > 16:
-            self.prefill_backend = TORCH  # the native kernel's limit (cpu_prefill_attention)
+        """Take the registry's decode and prefill kernels for this layer
+        (`KernelPlan.attention`)."""
+        self.kernels = plan.attention(self.num_heads, self.num_kv_heads)
         self._cpu_flash = plan.device == "cpu" and _CPU_FLASH_WITH_LSE is not None
-        if TRITON in (self.decode_backend, self.prefill_backend):
-            from kernels.attention import triton_attention
-
-            self._triton = triton_attention
 
     def forward(
         self,
@@ -327,26 +317,11 @@ class PagedAttention(KVCacheLayer):
         batch: AttentionBatch,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
-        backend = self.decode_backend if batch.max_q == 1 else self.prefill_backend
-        if backend == NATIVE_CPU and batch.max_q > 1:
-            if q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16:
-                return paged_prefill_attention(
-                    q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
-                    batch.query_start_loc, self.scale, sliding_window=self.sliding_window,
-                    sinks=sinks,
-                )
-            backend = TORCH  # a float cache: the torch path below
-        if backend == NATIVE_CPU:
-            return paged_decode_attention(
-                q, k_cache, v_cache, batch.block_tables, batch.seq_lens, self.scale,
-                sliding_window=self.sliding_window, sinks=sinks,
-            )
-        if backend == TRITON:
-            return self._triton.paged_attention(
-                q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                scale=self.scale, max_query_len=batch.max_q, sliding_window=self.sliding_window,
-                sinks=sinks,
-            )
+        kernel = self.kernels.decode if batch.max_q == 1 else self.kernels.prefill
+        if kernel is not None:
+            out = kernel(q, k_cache, v_cache, batch, self.scale, self.sliding_window, sinks)
+            if out is not None:  # None: a call the kernel hands to the torch path below
+                return out
         if (batch.max_q > 1 and sinks is None and self.sliding_window is None
                 and q.device.type == "cpu"):
             return prefill_rows(

@@ -10,6 +10,7 @@ passed in; `models/base.py`'s `MoeCausalLM` builds these from an `ArchSpec`.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -17,8 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.decode_layer.native import DecodeLayerKernel
-from kernels.dense.ops import qk_norm_rope_cache
-from kernels.registry import NATIVE_CPU, KernelPlan
+from kernels.registry import KernelPlan
 from moe_engine.models.layers.attention import AttentionMetadata, PagedAttention
 from moe_engine.models.layers.linear import Linear, MergedLinear
 from moe_engine.models.layers.norm import RMSNorm
@@ -108,24 +108,25 @@ class Attention(nn.Module):
             spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5,
             sliding_window=sliding_window,
         )
-        #: Bound by `bind_kernels`: the prologue runs as one native call.
-        self._native_prologue = False
+        #: Bound by `bind_kernels`: the prologue's one-call kernel (`KernelPlan.rope_prologue`)
+        #: where this layer's pieces fit it, else None (the module path).
+        self.prologue: Callable[..., torch.Tensor] | None = None
 
     def bind_kernels(self, plan: KernelPlan) -> None:
-        """Take the native prologue when the registry chose native-cpu for "rotary" and this
-        layer's pieces are the ones it implements (plain rope; q/k norms of Qwen3's rounding,
-        one epsilon; float32 or bfloat16 weights)."""
+        """Take the registry's prologue kernel (`KernelPlan.rope_prologue`) when this layer's
+        pieces are the ones it implements (plain rope; q/k norms of Qwen3's rounding, one
+        epsilon; float32 or bfloat16 weights)."""
         norms_fit = not self.qk_norm or (
             not self.q_norm.weight_in_float32 and not self.k_norm.weight_in_float32
             and self.q_norm.eps == self.k_norm.eps
         )
-        self._native_prologue = (
-            plan.backend("rotary") == NATIVE_CPU
-            and type(self.rotary) is RotaryEmbedding
+        fits = (
+            type(self.rotary) is RotaryEmbedding
             and not self.rotary.interleaved
             and norms_fit
             and self.qkv_proj.weight.dtype in (torch.float32, torch.bfloat16)
         )
+        self.prologue = plan.rope_prologue() if fits else None
 
     def forward(
         self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache
@@ -133,9 +134,9 @@ class Attention(nn.Module):
         """h: [T, H] -> [T, H]; positions [T] int64; kv_cache: this layer's (K, V) pair."""
         t = h.shape[0]
         qkv = self.qkv_proj(h)
-        if self._native_prologue and qkv.dtype == kv_cache[0].dtype:
+        if self.prologue is not None and qkv.dtype == kv_cache[0].dtype:
             norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
-            q = qk_norm_rope_cache(
+            q = self.prologue(
                 qkv, self.num_heads, self.num_kv_heads, positions, self.rotary.cos_cache,
                 self.rotary.sin_cache, *norms, self.q_norm.eps if self.qk_norm else 0.0,
                 *kv_cache, meta.for_group(self.attn.kv_group).slot_mapping,

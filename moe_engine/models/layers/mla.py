@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.registry import TORCH, TRITON, KernelPlan
+from kernels.registry import KernelPlan
 from moe_engine.kv_cache.spec import MLA_ATTENTION
 from moe_engine.models.layers.attention import AttentionBatch, AttentionMetadata, KVCacheLayer
 from moe_engine.models.layers.linear import Linear
@@ -127,20 +127,15 @@ class MLAAttention(KVCacheLayer):
         self._w_uk: torch.Tensor | None = None  # [n, nope, r]
         self._w_uv: torch.Tensor | None = None  # [n, r, v]
         self._absorbed_key: tuple | None = None  # which kv_b_proj weight they came from
-        #: The registry's "mla_decode" backend (`bind_kernels`; torch until bound).
-        self.decode_backend = TORCH
+        #: The registry's absorbed decode kernel (`bind_kernels`), None: the torch path.
+        self.decode_kernel: Any = None
         self._pad_values = False  # torch prefill on a CPU: values padded to the keys' width
-        self._triton: Any = None
 
     def bind_kernels(self, plan: KernelPlan) -> None:
         """Take the registry's "mla_decode" backend (absorbed decode); prefill chunks stay on
         the torch expanded path."""
-        self.decode_backend = plan.backend("mla_decode")
+        self.decode_kernel = plan.mla_decode()
         self._pad_values = plan.device == "cpu"
-        if self.decode_backend == TRITON:
-            from kernels.attention import triton_attention
-
-            self._triton = triton_attention
 
     @property
     def cache_kind(self) -> str:
@@ -238,8 +233,8 @@ class MLAAttention(KVCacheLayer):
         b, r = q_nope.shape[0], self.kv_lora_rank
         q_lat = torch.bmm(q_nope.transpose(0, 1), self._w_uk)  # [n, B, r]
         query = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1)  # [B, n, r + rope]
-        if self.decode_backend == TRITON:  # reads the latents in place through the tables
-            o = self._triton.mla_decode(
+        if self.decode_kernel is not None:  # reads the latents in place through the tables
+            o = self.decode_kernel(
                 query.contiguous(), cache, batch.block_tables, batch.seq_lens,
                 scale=self.scale, kv_lora_rank=r,
             )  # [B, n, r]

@@ -7,15 +7,15 @@ combine) with the communicator as the seam for expert parallelism (DESIGN.md sec
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from comm import Communicator, NoopCommunicator
-from kernels.dense.ops import router_softmax_topk
 from kernels.moe.activation import SILU_AND_MUL, SwiGLU
-from kernels.moe.backends import BoundExperts, ExpertExtras, bind_float_experts
-from kernels.registry import NATIVE_CPU, TORCH, KernelPlan
+from kernels.moe.backends import BoundExperts, ExpertExtras
+from kernels.registry import TORCH, KernelPlan
 from moe_engine.instrumentation import ExpertLoadRecorder
 from moe_engine.models.layers.linear import Linear
 from moe_engine.models.layers.quantized_experts import QuantizedExperts
@@ -53,7 +53,7 @@ class FusedMoE(nn.Module):
     `layers/expert_weights.py`.
 
     The expert kernel is chosen once, by `bind_kernels(plan)` after loading (and quantizing):
-    float experts run `plan.backend("fused_moe")`, 4-bit ones their `QuantizedExperts`' bound
+    float experts run the plan's "fused_moe" kernel, 4-bit ones their `QuantizedExperts`' bound
     kernel. The float parameters w13/w2 stay the canonical copy (the loader writes them in
     place; `reset_packed` then makes the bound layout be rebuilt from them).
 
@@ -134,8 +134,11 @@ class FusedMoE(nn.Module):
         self.quantized: QuantizedExperts | None = None
         self.kernel_backend: str | None = None  # the float experts' backend (bind_kernels)
         #: Route softmax_topk through the native "router_topk" kernel (bind_kernels).
-        self._native_router = False
+        #: Bound by `bind_kernels`: the one-call softmax-top-k (`KernelPlan.router_topk`),
+        #: None: torch's softmax and stable sort.
+        self.router_kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
         self._packed: BoundExperts | None = None  # its layout; rebuilt after reset_packed
+        self._plan: KernelPlan | None = None  # the plan it was bound with
         # checkpoint pieces the loader holds until the 4-bit experts are complete
         # (`expert_weights.load_int4_expert`, `load_mxfp4_experts`)
         self.pending_int4: dict[tuple[int, str], Int4Weight] = {}  # (slot, shard)
@@ -242,15 +245,14 @@ class FusedMoE(nn.Module):
         router_logits = self.gate(hidden)  # [T, E]
         if self.routing == "topk_softmax":
             return topk_softmax(router_logits, self.top_k)
-        if self._native_router:
-            return router_softmax_topk(router_logits, self.top_k, self.renormalize)
+        if self.router_kernel is not None:
+            return self.router_kernel(router_logits, self.top_k, self.renormalize)
         return softmax_topk(router_logits, self.top_k, self.renormalize)
 
     def bind_kernels(self, plan: KernelPlan) -> None:
-        """Choose the kernels once: the softmax-top-k routing (`plan.backend("router_topk")`:
+        """Take the kernels once: the softmax-top-k routing (`KernelPlan.router_topk`:
         native-cpu's `kernels.dense.ops.router_softmax_topk`, else torch's softmax and a
-        stable sort), and the experts':
-        `plan.backend("fused_moe")` for float experts (the
+        stable sort), and the experts': `KernelPlan.float_experts` for float experts (the
         layout is built now: native-cpu packs `kernels.moe.native.PackedExperts`; torch and
         triton read w13/w2 in place), or the 4-bit experts' own `bind_kernels` with the same
         plan. Call after loading and quantizing, on the device the weights will stay on;
@@ -260,8 +262,7 @@ class FusedMoE(nn.Module):
             ValueError: an unknown backend. RuntimeError: native-cpu with weights off the CPU,
                 or 4-bit experts whose layout cannot be converted (`QuantizedExperts`).
         """
-        self._native_router = (plan.backend("router_topk") == NATIVE_CPU
-                               and self.gate.weight.device.type == "cpu")
+        self.router_kernel = plan.router_topk(self.gate.weight.device.type)
         if self.quantized is not None:
             # the biases as this module holds them now (`Module.to` replaced their tensors)
             self.quantized.b13, self.quantized.b2 = (
@@ -269,10 +270,15 @@ class FusedMoE(nn.Module):
             )
             self.quantized.bind_kernels(plan)
             return
-        self.kernel_backend = plan.backend("fused_moe")
-        self._packed = bind_float_experts(
-            self.kernel_backend, self.w13.data, self.w2.data, ExpertExtras(**self._expert_extras())
-        )
+        self._plan = plan
+        self._packed = None
+        self._float_experts()
+
+    @property
+    def bound_experts(self) -> BoundExperts | None:
+        """The experts' bound kernel (the 4-bit experts' or the float one), None before
+        `bind_kernels` or after `reset_packed`."""
+        return self.quantized.bound if self.quantized is not None else self._packed
 
     def reset_packed(self) -> None:
         """The float weights were (or are about to be) changed in place: drop the bound
@@ -288,6 +294,9 @@ class FusedMoE(nn.Module):
         as for every kernel-using layer.
         """
         if self._packed is None:
-            backend = self.kernel_backend or TORCH
-            self.bind_kernels(KernelPlan.uniform(backend, self.w13.device.type))
+            plan = self._plan or KernelPlan.uniform(TORCH, self.w13.device.type)
+            self._packed = plan.float_experts(
+                self.w13.data, self.w2.data, ExpertExtras(**self._expert_extras())
+            )
+            self.kernel_backend = self._packed.backend
         return self._packed

@@ -24,7 +24,7 @@ from kernels.dense.amx import AmxLinear
 from kernels.dense.native_linear_q4 import PackedQuantLinear
 from kernels.moe.amx import AmxExperts
 from kernels.moe.native import PackedQuantExperts
-from kernels.registry import NATIVE_CPU, KernelPlan
+from kernels.registry import KernelPlan
 from moe_engine.models.layers.decoder import Attention, DecoderLayer
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.mtp import MTPLayer
@@ -119,22 +119,22 @@ def decode_misfit(layer: DecoderLayer, plan: KernelPlan) -> str | None:
     None when it can."""
     if isinstance(layer, MTPLayer):
         return "an MTP layer runs the module path"
-    if plan.backend("decode_layer") != NATIVE_CPU:
+    if plan.decode_layer() is None:
         return "the registry chose torch for decode_layer"
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if type(attn) is not Attention or type(mlp) is not FusedMoE:
         return "not an Attention + FusedMoE layer"
-    if not all(type(n) is RMSNorm and n._native and not n.weight_in_float32
+    if not all(type(n) is RMSNorm and n.kernel is not None and not n.weight_in_float32
                and n.weight.dtype == torch.bfloat16 for n in norms) or norms[0].eps != norms[1].eps:
         return "norms other than two bfloat16 RMSNorms of one epsilon"
-    if (not attn._native_prologue or attn.sinks is not None or type(attn.rotary) is not
-            RotaryEmbedding or attn.attn.decode_backend != NATIVE_CPU):
+    if (attn.prologue is None or attn.sinks is not None or type(attn.rotary) is not
+            RotaryEmbedding or not attn.attn.kernels.native_decode):
         return "attention without the native prologue and decode kernel, or with sinks"
-    projections_fit = all(p._amx or p._q4 for p in (attn.qkv_proj, attn.o_proj))
-    if mlp.router_module or not (projections_fit and mlp.gate._amx):
+    projections_fit = all(_packed_kernel(p) for p in (attn.qkv_proj, attn.o_proj))
+    if mlp.router_module or not (projections_fit and mlp.gate.bound_kernel().amx):
         return "projections not on the AMX or 4-bit kernel, or router not on the AMX kernel"
-    if mlp.gate.bias is not None or mlp.routing != "softmax_topk" or not mlp._native_router:
+    if mlp.gate.bias is not None or mlp.routing != "softmax_topk" or mlp.router_kernel is None:
         return "routing other than the native softmax-top-k without a router bias"
     if (mlp.shared_experts is not None or mlp.ep_rank is not None
             or type(mlp.communicator) is not NoopCommunicator):
@@ -146,16 +146,22 @@ def decode_misfit(layer: DecoderLayer, plan: KernelPlan) -> str | None:
     return None
 
 
+def _packed_kernel(lin: Linear) -> bool:
+    """Whether a projection runs the bf16 (AMX) or the 4-bit kernel, which the decode layer
+    reads too."""
+    kernel = lin.bound_kernel()
+    return kernel.amx or kernel.q4
+
+
 def _experts_kernel(mlp: FusedMoE) -> object:
     """The object a FusedMoE's experts run through (`BoundExperts.run`), or None unbound."""
-    bound = mlp.quantized.bound if mlp.quantized is not None else mlp._packed
-    return getattr(bound, "run", None)
+    return getattr(mlp.bound_experts, "run", None)
 
 
 def _projection(lin: Linear) -> AmxLinear | PackedQuantLinear:
     """A projection's weights as the decode kernel takes them: 4-bit when quantized (and
     bound to the 4-bit kernel), else AMX-packed."""
-    return lin.q4_packed() if lin._q4 else lin.amx_packed()
+    return lin.q4_packed() if lin.bound_kernel().q4 else lin.amx_packed()
 
 
 def decode_kernel(layer: DecoderLayer) -> DecodeLayerKernel:

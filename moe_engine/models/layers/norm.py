@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-from kernels.dense.ops import rms_norm
-from kernels.registry import NATIVE_CPU, KernelPlan
+from kernels.registry import KernelPlan
 
 
 class RMSNorm(nn.Module):
@@ -32,24 +33,24 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
         self.eps = eps
         self.weight_in_float32 = weight_in_float32
-        #: Bound by `bind_kernels`: the registry chose the native-cpu "rms_norm" kernel.
-        self._native = False
+        #: Bound by `bind_kernels`: the fused kernel (`KernelPlan.rms_norm`), None: torch ops.
+        self.kernel: Callable[..., torch.Tensor] | None = None
 
     def bind_kernels(self, plan: KernelPlan) -> None:
-        """Take the registry's "rms_norm" backend (native-cpu for float32/bfloat16 weights)."""
-        self._native = plan.backend("rms_norm") == NATIVE_CPU and self.weight.dtype in (
-            torch.float32, torch.bfloat16
-        )
+        """Take the registry's "rms_norm" kernel for this weight (`KernelPlan.rms_norm`)."""
+        self.kernel = plan.rms_norm(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., dim] any float dtype -> same shape and dtype.
 
-        Bound to native-cpu, inputs of the weight's dtype and up to 3 dimensions go through the
-        fused native kernel (`kernels.dense.ops.rms_norm`, same rounding), one call instead of
-        six torch ops.
+        Bound to a fused kernel, inputs of the weight's dtype and up to 3 dimensions go through
+        it (`kernels.dense.ops.rms_norm`, same rounding), one call instead of six torch ops.
         """
-        if self._native and x.dim() <= 3 and x.dtype == self.weight.dtype and x.stride(-1) == 1:
-            return rms_norm(x, self.weight, self.eps, self.weight_in_float32)
+        kernel = self.kernel
+        if kernel is not None and x.dim() <= 3 and x.dtype == self.weight.dtype and (
+            x.stride(-1) == 1
+        ):
+            return kernel(x, self.weight, self.eps, self.weight_in_float32)
         dtype = x.dtype
         h = _normalized(x, self.eps)
         if self.weight_in_float32:

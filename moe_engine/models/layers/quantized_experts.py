@@ -9,11 +9,12 @@ The stacked expert weights w13 [E, 2I, H] and w2 [E, H, I] are quantized once at
 Until `bind_kernels` the weights are held once, in the canonical stacked layout
 (`kernels.moe.backends.Int4Experts` / `Mxfp4Experts`, as non-persistent buffers, so that the
 module moves with `.to(device)`; never `.to(dtype)` it, which would cast the int4 scales too).
-`bind_kernels(plan)` reads `plan.backend("fused_moe_int4")` or `("fused_moe_mxfp4")` and
-converts the weights once into that backend's layout (`kernels.moe.backends`: native-cpu's
-`PackedQuantExperts`, decoded in registers; torch's packed int4 CPU matmul or MXFP4 table
-dequantization, off the CPU a dequantize-the-active-experts float path; triton's
-`fused_moe_int4` / `fused_moe_mxfp4`, on the canonical layout itself); the canonical copy is
+`bind_kernels(plan)` takes the kernel of "fused_moe_int4" or "fused_moe_mxfp4" from the plan
+(`KernelPlan.quantized_experts`), which converts the weights once into that backend's layout
+(`kernels.moe.backends`: native-cpu's `PackedQuantExperts`, decoded in registers; torch's
+packed int4 CPU matmul or MXFP4 table dequantization, off the CPU a
+dequantize-the-active-experts float path; triton's `fused_moe_int4` / `fused_moe_mxfp4`, on
+the canonical layout itself); the canonical copy is
 dropped when the bound layout is another one. Forward then calls the bound kernel, with the
 activation (plain SwiGLU or gpt-oss's clamped one) and the optional expert biases.
 """
@@ -28,8 +29,6 @@ from kernels.moe.backends import (
     BoundExperts,
     Int4Experts,
     Mxfp4Experts,
-    bind_int4_experts,
-    bind_mxfp4_experts,
     tensors_of,
 )
 from kernels.registry import TORCH, KernelPlan
@@ -38,10 +37,6 @@ from quant.mxfp4 import MXFP4_BLOCK_SIZE, quantize_mxfp4
 
 #: Quantization methods `--quantization` accepts, besides "none".
 QUANT_METHODS = ("int4", "mxfp4")
-
-#: The registry op of each method.
-OP_OF_METHOD = {"int4": "fused_moe_int4", "mxfp4": "fused_moe_mxfp4"}
-
 
 class QuantizedExperts(nn.Module):
     """A 4-bit copy of w13 and w2 and the expert computation over it.
@@ -153,13 +148,11 @@ class QuantizedExperts(nn.Module):
         """
         if self._bound_plan is plan:
             return  # bound already by this plan (FusedMoE binds it, then the model walk)
-        backend = plan.backend(OP_OF_METHOD[self.method])
         self._bound_plan = plan
-        if not self._held and self.bound.restore is None and backend == self.bound.backend:
+        if not self._held and plan.keeps_experts(self.method, self.bound):
             return
         weights = self.canonical()
-        bind = bind_int4_experts if self.method == "int4" else bind_mxfp4_experts
-        self.bound = bind(backend, weights)
+        self.bound = plan.quantized_experts(self.method, weights)
         held = {id(t) for t in self.bound.held}
         self._hold(weights if all(id(t) in held for t in tensors_of(weights)) else None)
 

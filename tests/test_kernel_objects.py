@@ -1,0 +1,161 @@
+"""The registry hands each layer the kernel object that runs (`KernelPlan.linear`,
+`.attention`, `.rms_norm`, `.router_topk`, `.rope_prologue`, `.mla_decode`, `.decode_layer`,
+`.float_experts`, `.quantized_experts`), and every fallback such an object may take is declared
+and printed in the startup plan. Each fallback condition is forced here and checked twice: the
+object takes it, and the plan's text names it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.attention import paged
+from kernels.dense import amx
+from kernels.dense.linear import NARROW_MAX_ROWS, NATIVE_MAX_ROWS, LinearKernel
+from kernels.native.library import native_unavailable_reason
+from kernels.registry import (
+    NATIVE_CPU,
+    TORCH,
+    KernelPlan,
+    ModelFacts,
+    choose_kernels,
+)
+from moe_engine.models.layers.attention import PagedAttention, build_attention_batch
+from moe_engine.models.layers.linear import Linear
+
+needs_native = pytest.mark.skipif(
+    native_unavailable_reason() is not None, reason="the native CPU library does not build here"
+)
+
+
+def _plan(backend: str = NATIVE_CPU) -> KernelPlan:
+    return KernelPlan.uniform(backend)
+
+
+def test_layers_never_name_a_backend() -> None:
+    """Above kernels/, no layer compares backend names: the plan's objects decide (no
+    NATIVE_CPU / TRITON names, no "native-cpu" / "triton" compared, no `plan.backend(op)`)."""
+    import ast
+    from pathlib import Path
+
+    layers = Path(__file__).resolve().parents[1] / "moe_engine" / "models" / "layers"
+    named = []
+    for path in sorted(layers.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Name) and node.id in ("NATIVE_CPU", "TRITON"):
+                named.append(f"{path.name}:{node.lineno} {node.id}")
+            elif isinstance(node, ast.Compare) and any(
+                isinstance(c, ast.Constant) and c.value in ("native-cpu", "triton")
+                for c in (node.left, *node.comparators)
+            ):
+                named.append(f"{path.name}:{node.lineno} compares a backend name")
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr == "backend"):
+                named.append(f"{path.name}:{node.lineno} .backend(...)")
+    assert not named, named
+
+
+@needs_native
+def test_linear_row_fallbacks_are_taken_and_declared() -> None:
+    g = torch.Generator().manual_seed(0)
+    wide = Linear(16, 80, bias=True)
+    narrow = Linear(16, 32, bias=False)
+    for layer in (wide, narrow):
+        layer.bind_kernels(_plan())
+    assert wide.kernel.native_max_rows == NATIVE_MAX_ROWS
+    assert narrow.kernel.native_max_rows == NARROW_MAX_ROWS
+    narrow(torch.randn(NARROW_MAX_ROWS + 1, 16, generator=g))
+    assert narrow.kernel.packed is None  # past the narrow threshold: torch's GEMM
+    wide(torch.randn(NATIVE_MAX_ROWS + 1, 16, generator=g))
+    assert wide.kernel.packed is None  # past the native threshold: torch's GEMM
+    wide(torch.randn(3, 16, generator=g))
+    assert wide.kernel.packed is not None  # within it: the native kernel
+    text = _plan().describe()
+    assert f"linear=native-cpu falls back for batches over {NATIVE_MAX_ROWS} rows" in text
+    assert f"({NARROW_MAX_ROWS} for layers of fewer than" in text
+    assert f"{amx.LINEAR_MIN_ROWS}-{amx.LINEAR_MAX_ROWS} rows" in text
+
+
+def test_linear_float16_and_torch_plans_never_take_the_native_kernel() -> None:
+    half = torch.zeros(80, 16, dtype=torch.float16)
+    assert _plan().linear(half, None).native_max_rows == 0  # declared: float16 layers: torch
+    torch_kernel = _plan(TORCH).linear(torch.zeros(80, 16), None)
+    assert (torch_kernel.native_max_rows, torch_kernel.amx, torch_kernel.q4) == (0, False, False)
+    assert "linear=torch falls back" not in _plan(TORCH).describe()
+
+
+@needs_native
+def test_quantized_linear_beyond_the_native_rows_runs_torch_over_the_dequantized_weights():
+    g = torch.Generator().manual_seed(1)
+    layer = Linear(64, 48, bias=False)
+    layer.quantize("int4", 32, torch.float32)
+    layer.bind_kernels(_plan())
+    assert layer.kernel.q4
+    layer(torch.randn(NATIVE_MAX_ROWS + 1, 64, generator=g))
+    assert layer.kernel.quantized_copy_bytes(layer.weight, layer.bias) > (
+        layer.q4_packed().nbytes
+    )  # the dequantized copy the fallback made
+    assert "4-bit layers (--quantized-layers all): the 4-bit kernel up to" in _plan().describe()
+
+
+def test_attention_gqa_fallback_is_chosen_by_the_registry_and_logged() -> None:
+    facts = ModelFacts(head_dim=64, dtype="bfloat16", query_heads_per_kv=32)
+    plan = choose_kernels("cpu", "auto", facts, probe=lambda backend, device: None)
+    choice = plan.choices["attention_prefill"]
+    assert choice.backend == TORCH
+    # on a CPU without AVX512-BF16 the prefill kernel is passed over for that reason first
+    assert "at most 16 query heads per KV head, not 32" in choice.reason or (
+        "AVX512-BF16" in choice.reason
+    )
+    assert "attention_prefill" in plan.describe()
+    kernels = _plan().attention(num_heads=32, num_kv_heads=1)
+    assert kernels.prefill is None and kernels.prefill_backend == TORCH
+    assert kernels.decode is paged.native_decode and kernels.native_decode
+    fits = _plan().attention(num_heads=16, num_kv_heads=1)
+    assert fits.prefill is paged.native_prefill and fits.prefill_backend == NATIVE_CPU
+
+
+def test_attention_float_cache_fallback_is_taken_and_declared() -> None:
+    """The native prefill kernel hands float32 calls to the layer's torch path."""
+    q = torch.zeros(4, 2, 64)
+    cache = torch.zeros(3, 16, 1, 64)
+    batch = build_attention_batch(0, torch.tensor([4]), torch.tensor([0]),
+                                  torch.tensor([[1]]), 16)
+    assert paged.native_prefill(q, cache, cache, batch, 0.125, None, None) is None
+    layer = PagedAttention(2, 1, 64, 0.125)
+    layer.bind_kernels(_plan())
+    assert layer.kernels.prefill is paged.native_prefill
+    text = _plan().describe()
+    assert "attention_prefill=native-cpu falls back for float32 queries or caches: torch" in text
+
+
+def test_every_native_fallback_is_printed_once_per_op() -> None:
+    text = _plan().describe()
+    for op in ("linear", "attention_prefill", "fused_moe", "decode_layer", "rms_norm"):
+        assert f"{op}=native-cpu falls back for" in text, op
+    assert "falls back" not in _plan(TORCH).describe()
+
+
+def test_small_ops_hand_out_a_kernel_or_none() -> None:
+    native, torch_plan = _plan(), _plan(TORCH)
+    weight = torch.ones(8)
+    assert native.rms_norm(weight) is not None and torch_plan.rms_norm(weight) is None
+    assert native.rms_norm(weight.half()) is None  # float16 weights: the torch ops
+    assert native.router_topk("cpu") is not None and native.router_topk("cuda") is None
+    assert torch_plan.router_topk("cpu") is None
+    assert native.rope_prologue() is not None and torch_plan.rope_prologue() is None
+    assert native.decode_layer() is not None and torch_plan.decode_layer() is None
+    assert native.mla_decode() is None  # only triton has an absorbed MLA decode kernel
+
+
+def test_graph_safety_is_the_registrys_word() -> None:
+    assert _plan(TORCH).graph_unsafe(["attention_decode", "fused_moe"]) == [
+        "attention_decode=torch", "fused_moe=torch"
+    ]
+    assert KernelPlan.uniform("triton", "cuda").graph_unsafe(["attention_decode"]) == []
+
+
+def test_linear_kernel_torch_route_equals_nn_linear() -> None:
+    g = torch.Generator().manual_seed(2)
+    w, b, x = (torch.randn(*s, generator=g) for s in ((24, 16), (24,), (5, 16)))
+    torch.testing.assert_close(LinearKernel.torch()(x, w, b), torch.nn.functional.linear(x, w, b))
