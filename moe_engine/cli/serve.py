@@ -533,9 +533,12 @@ def main(argv: list[str] | None = None) -> int:
         check_checkpoint(config)
         if config.parallel.node_rank > 0:
             return run_worker_node(config)
-        from moe_engine.engine.client import check_ep_size
+        if config.parallel.ep_size > 1 or config.parallel.expert_placement is not None:
+            from moe_engine.models import model_shape
+            from moe_engine.startup.checks import check_ep_size
 
-        check_ep_size(config)  # before the port opens: a bad --ep-size or placement exits 1
+            # before the port opens: a bad --ep-size or placement exits 1
+            check_ep_size(config, model_shape(config.model.hf_config()).num_experts)
         return asyncio.run(serve(config, options, log_level=level))
     except (StartupError, ValueError, FileNotFoundError) as exc:
         print(f"moe-serve: error: {exc}", file=sys.stderr)
