@@ -32,16 +32,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from workload import ensure_bench_checkpoint, mixed_workload  # noqa: E402
 
+from kernels.env import cache_root
 from moe_engine.core.outputs import EngineStats  # noqa: E402
 from moe_engine.engine.client import EngineClient  # noqa: E402
 from moe_engine.sampling_params import SamplingParams  # noqa: E402
-from moe_engine.startup.config import (  # noqa: E402
+from moe_engine.startup.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
-    cache_root,
 )
 
 PHASES = ("attention", "router", "dispatch", "experts", "combine")

@@ -40,7 +40,7 @@ from collections.abc import Callable
 import torch
 
 from moe_engine.models.layers.moe import softmax_topk
-from moe_engine.startup.config import compute_dtype
+from moe_engine.startup.env import compute_dtype
 
 PATHS = ("bf16", "int4", "mxfp4")
 #: CPU paths: the native kernel (the engine's default) and the torch backend.

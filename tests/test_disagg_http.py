@@ -27,7 +27,7 @@ from moe_engine.disagg.transfer import mooncake_unavailable_reason
 from moe_engine.request import FinishReason
 from moe_engine.sampling_params import SamplingParams, StructuredOutputsParams
 from moe_engine.server.app import ServerOptions
-from moe_engine.server.servicer import response_from_output, sampling_params_from_proto
+from moe_engine.server.convert import response_from_output, sampling_params_from_proto
 from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 PROMPTS = [[5, 6, 7, 8], [11, 3, 200, 9, 41, 17], list(range(3, 160))]

@@ -16,9 +16,9 @@ from moe_engine.engine.status import StartupStatus
 from moe_engine.errors import ErrorCode, ParamError
 from moe_engine.request import FinishReason
 from moe_engine.sampling_params import SamplingParams
+from moe_engine.server.convert import model_info_to_proto, server_stats_to_proto
 from moe_engine.server.metrics import StatsLogger
 from moe_engine.server.pb import moe_engine_pb2 as pb
-from moe_engine.server.servicer import model_info_to_proto, server_stats_to_proto
 from moe_engine.startup.config import EngineConfig, ModelConfig
 
 

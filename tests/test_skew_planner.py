@@ -10,20 +10,15 @@ import torch
 
 from comm.placement import ExpertPlacement
 from moe_engine.instrumentation import balancedness, imbalance_ratio
+from moe_engine.skew.imbalance import max_over_mean, mean_over_max, rank_loads, replay
+from moe_engine.skew.placement import Placement, PlacementError, contiguous_slots
 from moe_engine.skew.planner import (
-    Placement,
-    PlacementError,
     _make_room,
-    contiguous_slots,
-    max_over_mean,
-    mean_over_max,
     pack_replicas,
     plan,
     plan_placement,
     plan_placement_result,
     plan_slots,
-    rank_loads,
-    replay,
     replica_counts,
 )
 from moe_engine.skew.report import LoadData, build_report

@@ -42,13 +42,9 @@ import numpy as np
 
 from moe_engine.cli.argtypes import int_at_least, positive_seconds, server_address
 from moe_engine.skew.groups import group_table
-from moe_engine.skew.planner import (
-    Placement,
-    PlacementError,
-    PlanChoice,
-    plan_placement_result,
-    replay,
-)
+from moe_engine.skew.imbalance import replay
+from moe_engine.skew.placement import Placement, PlacementError
+from moe_engine.skew.planner import PlanChoice, plan_placement_result
 from moe_engine.skew.report import LoadData, build_report, format_table, report_table, summary_lines
 from moe_engine.skew.trace import TraceFormatError, read_trace
 

@@ -4,9 +4,9 @@ The HTTP routes (`moe_engine.server.http`) are written against `EngineClient`; t
 the part of its interface they use (`model_info`, `tokenizer`, `encode`, `generate`, `abort`,
 `dead`), so the router serves exactly moe-serve's OpenAI API: chat templates, streaming,
 logprobs, stop strings, structured output and the same errors. A request's `SamplingParams`
-travel to the instances as the GenerateRequest fields `servicer.sampling_params_from_proto`
+travel to the instances as the GenerateRequest fields `convert.sampling_params_from_proto`
 reads back (`request_from_params` is its inverse), and each GenerateResponse comes back as the
-EngineCoreOutput `servicer.response_from_output` made it from (`output_from_response`).
+EngineCoreOutput `convert.response_from_output` made it from (`output_from_response`).
 
 The tokenizer is the checkpoint's, loaded in the router from the path the decode instance
 serves (`ModelInfo.model`, so the router needs that path too, as vLLM's and SGLang's routers
@@ -38,7 +38,7 @@ _SCALARS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed",
 
 def request_from_params(request_id: str, prompt: list[int], params: SamplingParams
                         ) -> pb.GenerateRequest:
-    """The GenerateRequest that `servicer.sampling_params_from_proto` turns back into
+    """The GenerateRequest that `convert.sampling_params_from_proto` turns back into
     `params` (every field; unset optional fields keep their defaults there)."""
     req = pb.GenerateRequest(request_id=request_id, prompt_ids=pb.TokenIds(ids=prompt),
                              stop=list(params.stop or ()),
@@ -56,7 +56,7 @@ def request_from_params(request_id: str, prompt: list[int], params: SamplingPara
 
 
 def output_from_response(response: pb.GenerateResponse) -> EngineCoreOutput:
-    """The EngineCoreOutput `servicer.response_from_output` made `response` from (logprobs as
+    """The EngineCoreOutput `convert.response_from_output` made `response` from (logprobs as
     the wire's float32)."""
     logprobs = [
         (e.logprob, {t.token_id: t.logprob for t in e.top_logprobs}) for e in response.logprobs

@@ -2,23 +2,19 @@
 
 `start` spawns the core process (`core_proc.run_engine_core`, multiprocessing spawn) and waits
 until it reports the model loaded, keeping what it reports meanwhile in `startup_status`;
-`generate` streams one request's outputs; `abort`, `get_stats` and `model_info` serve the other
-RPCs, and `control` the RL rollout ones (pause, resume, weight updates: `control.py`).
-Requests are validated here first (the limits come with Ready), so most bad requests never
-reach the step loop. The messages are the typed structs of `messages.py`. From the start a
-heartbeat goes out every second on a socket of its own, so that a core whose front end is gone
-or hangs exits by itself (`monitor.py`).
-
-Each live request has an asyncio.Queue fed by one background task that reads the core's output
-socket. When the consumer of `generate` stops early (cancelled, closed, deadline), the request is
-aborted in the core, which frees its KV blocks before its next step.
+`shutdown` stops it. The request side (`generate` streams one request's outputs; `abort`,
+`get_stats` and `model_info` serve the other RPCs, and `control` the RL rollout ones: pause,
+resume, weight updates, `control.py`) is `RequestStreams` (`streams.py`), which this class
+extends with the process, its sockets and the reader that feeds the streams. The messages are
+the typed structs of `messages.py`. From the start a heartbeat goes out every second on a
+socket of its own, so that a core whose front end is gone or hangs exits by itself
+(`monitor.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
-import itertools
 import logging
 import multiprocessing
 import os
@@ -27,47 +23,30 @@ import signal
 import tempfile
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
-from typing import Any
 
-import msgspec
 import zmq
 import zmq.asyncio
 
-from moe_engine.core.outputs import EngineCoreOutput, EngineStats, ExpertLoad, ModelInfo
 from moe_engine.core.tokenizer import load_tokenizer
-from moe_engine.core.validation import validate_request
 from moe_engine.engine import core_proc
 from moe_engine.engine.messages import (
-    AbortRequests,
-    AddError,
     CoreInput,
     CoreOutput,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    ExpertLoadReply,
     Fatal,
-    GetExpertLoad,
-    GetModelInfo,
-    GetStats,
     Heartbeat,
-    ModelInfoReply,
-    PrepareDecode,
-    PrepareDecodeReply,
     Ready,
     Shutdown,
     StartupFailed,
     StartupProgress,
-    StatsReply,
     decode_output,
     encode,
 )
 from moe_engine.engine.monitor import FRONTEND_TIMEOUT_S, HEARTBEAT_INTERVAL_S
 from moe_engine.engine.status import StartupStatus
+from moe_engine.engine.streams import RequestStreams
 from moe_engine.errors import ErrorCode, RequestError, StartupError
-from moe_engine.sampling_params import SamplingParams
+from moe_engine.startup.checks import check_ep_size
 from moe_engine.startup.config import EngineConfig
-from moe_engine.weight_update.messages import ControlInput, ControlReply
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +69,7 @@ def _kill_leftover_cores() -> None:
         client.kill_core()
 
 
-class EngineClient:
+class EngineClient(RequestStreams):
     """Talks to one engine core process over ZeroMQ (DESIGN.md section 9).
 
     Attributes:
@@ -98,26 +77,11 @@ class EngineClient:
         startup_status: what the starting core last said it does (`describe()` for text).
         tokenizer: the checkpoint's tokenizer in this process, or None.
         dead: set when the core process has exited or failed.
+        paused: whether the core was paused at its last control reply (`PauseGeneration`).
     """
 
     def __init__(self) -> None:
-        self.model_info: ModelInfo | None = None
-        self.startup_status = StartupStatus()
-        self.tokenizer: Any | None = None
-        self.dead = asyncio.Event()
-        self.death_reason: str | None = None
-        self._streams: dict[str, asyncio.Queue] = {}
-        self._aborting: set[str] = set()
-        self._replies: dict[int, asyncio.Future] = {}
-        self._rank_load: list[int] = [0]
-        self._rank_of: dict[str, int] = {}
-        #: Decode instance: request_id -> (the rank PrepareDecode parked it on, when the core
-        #: drops it unless its K/V came: time.monotonic() seconds).
-        self._parked: dict[str, tuple[int, float]] = {}
-        self._parked_timeout_s = 30.0
-        self._reply_ids = itertools.count()
-        #: Whether the core was paused at its last control reply (`PauseGeneration`).
-        self.paused = False
+        super().__init__()
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._ready: asyncio.Future | None = None
         self._reader: asyncio.Task | None = None
@@ -154,7 +118,10 @@ class EngineClient:
                 exited before it was ready, or was not ready within `startup_timeout_s`.
         """
         ep_size = config.parallel.ep_size
-        check_ep_size(config)
+        if ep_size > 1 or config.parallel.expert_placement is not None:
+            from moe_engine.models import model_shape
+
+            check_ep_size(config, model_shape(config.model.hf_config()).num_experts)
         self._rank_load = [0] * ep_size
         self._parked_timeout_s = config.disagg.timeout_s
         loop = asyncio.get_running_loop()
@@ -281,270 +248,7 @@ class EngineClient:
         """The core process's pid (None before start)."""
         return self._proc.pid if self._proc is not None else None
 
-    @property
-    def num_live_requests(self) -> int:
-        """Requests whose streams are open in this front end."""
-        return len(self._streams)
-
-    # ----------------------------------------------------------------- requests
-
-    def encode(self, text: str) -> list[int]:
-        """Tokenise a text prompt.
-
-        Raises:
-            RequestError: INVALID_ARGUMENT ("text") when the checkpoint has no tokenizer.
-        """
-        if self.tokenizer is None:
-            raise RequestError(
-                ErrorCode.INVALID_ARGUMENT,
-                "text",
-                "text: this model has no tokenizer; send the prompt as prompt_ids",
-            )
-        return list(self.tokenizer.encode(text))
-
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        arrival_time: float | None = None,
-        *,
-        kv_placement: bytes | None = None,
-        remote_first_token: int | None = None,
-        remote_first_logprobs: tuple[float, dict[int, float]] | None = None,
-    ) -> AsyncIterator[EngineCoreOutput]:
-        """Submit one request and yield its outputs (deltas) until the finished one (with
-        `params.n` > 1: until each of its n completions has sent its finished output; every
-        output's `index` names its completion).
-
-        Args:
-            request_id: unique among live requests.
-            prompt_token_ids: the prompt, token ids in [0, vocab_size).
-            params: sampling parameters.
-            arrival_time: when the request arrived (time.time() seconds; default now).
-            kv_placement, remote_first_token, remote_first_logprobs: a prefill/decode
-                split's fields (`EngineCoreRequest`; the router sets them).
-
-        Raises:
-            RequestError: the request is refused (bad field, out of range, duplicate live id,
-                queue full) or the engine is down (UNAVAILABLE).
-
-        If the caller stops iterating before the finished output (cancellation, `aclose`), the
-        request is aborted in the core.
-        """
-        self._check_alive()
-        info = self.model_info
-        if info is None:
-            raise RequestError(
-                ErrorCode.UNAVAILABLE, "engine",
-                f"engine unavailable: {self.startup_status.describe()}",
-            )
-        if request_id in self._streams:
-            raise RequestError(
-                ErrorCode.ALREADY_EXISTS,
-                "request_id",
-                f"request_id: {request_id!r} is already in use by a live request",
-            )
-        validate_request(
-            prompt_token_ids,
-            params,
-            vocab_size=info.vocab_size,
-            max_model_len=info.max_model_len,
-        )
-        if params.stop and self.tokenizer is None:
-            raise RequestError(
-                ErrorCode.INVALID_ARGUMENT,
-                "stop",
-                "stop: this model has no tokenizer, so stop strings cannot be matched; use "
-                "stop_token_ids",
-            )
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = queue
-        arrival = time.time() if arrival_time is None else arrival_time
-        rank = self._parked.pop(request_id, (None, 0.0))[0] if remote_first_token is not None \
-            else None  # a parked request continues on the rank that holds its blocks
-        if rank is not None:
-            self._rank_load[rank] -= 1
-        else:
-            rank = self._least_loaded_rank()
-        add = EngineCoreRequest(request_id, list(prompt_token_ids), params, arrival, rank,
-                                kv_placement, remote_first_token, remote_first_logprobs)
-        try:
-            self._send(add)
-        except RequestError:
-            del self._streams[request_id]
-            raise
-        self._rank_load[rank] += params.n  # each completion is a request of that rank
-        self._rank_of[request_id] = rank
-        remaining = params.n
-        try:
-            while remaining:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    remaining = 0
-                    raise item
-                remaining -= item.finished
-                yield item
-        finally:
-            if self._streams.get(request_id) is queue:
-                del self._streams[request_id]
-                self._rank_load[self._rank_of.pop(request_id)] -= params.n
-            self._aborting.discard(request_id)
-            if remaining:
-                self._try_send(AbortRequests([request_id]))
-
-    async def abort(self, request_id: str) -> bool:
-        """Abort a live request; its stream ends with finish_reason ABORT.
-
-        Returns:
-            True when the request was live (and not already being aborted); False otherwise,
-            so repeated aborts are harmless.
-        """
-        if request_id not in self._streams or request_id in self._aborting:
-            return False
-        self._aborting.add(request_id)
-        self._try_send(AbortRequests([request_id]))
-        return True
-
-    def abort_parked(self, request_id: str) -> bool:
-        """Decode instance: abort a request PrepareDecode parked (no stream yet), so its
-        blocks are freed now rather than after the transfer timeout; False when none is."""
-        entry = self._parked.pop(request_id, None)
-        if entry is None:
-            return False
-        self._rank_load[entry[0]] -= 1
-        self._try_send(AbortRequests([request_id]))
-        return True
-
-    async def get_stats(self, timeout_s: float = 30.0) -> EngineStats:
-        """The engine's stats (summed over ranks, and per rank), read after the step in
-        progress.
-
-        Raises:
-            RequestError: UNAVAILABLE when the core is down or does not answer in time.
-        """
-        reply = await self._request_reply(GetStats, timeout_s)
-        assert isinstance(reply, StatsReply)
-        return reply.stats
-
-    async def get_expert_load(self, timeout_s: float = 30.0) -> ExpertLoad:
-        """Token-expert counts per MoE layer and expert (summed over ranks), with summaries.
-
-        Raises:
-            RequestError: UNAVAILABLE when the core is down or does not answer in time.
-        """
-        reply = await self._request_reply(GetExpertLoad, timeout_s)
-        assert isinstance(reply, ExpertLoadReply)
-        return reply.load
-
-    async def get_model_info(self, timeout_s: float = 30.0) -> ModelInfo:
-        """The model info asked afresh (under expert parallelism: every rank's experts and pid).
-
-        Raises:
-            RequestError: UNAVAILABLE when the core is down or does not answer in time.
-        """
-        reply = await self._request_reply(GetModelInfo, timeout_s)
-        assert isinstance(reply, ModelInfoReply)
-        return reply.info
-
-    async def control(
-        self, make: Callable[[int], ControlInput], timeout_s: float
-    ) -> ControlReply:
-        """Send one RL control message and wait for its answer (`control.py`: pause, resume,
-        join or leave a weight-update group, new weights).
-
-        Args:
-            make: builds the message from its reply id, e.g.
-                `lambda rid: UpdateWeights(rid, "step-3", "disk", path=...)`.
-            timeout_s: how long to wait for the answer (seconds); an update may take minutes.
-                When it passes the core still finishes what it started (the answer is dropped).
-
-        Returns:
-            The core's reply; a refusal has `code` set (with `field` and `message`), and the
-            caller reports it. `model_info.weight_version` follows every reply's version.
-
-        Raises:
-            RequestError: UNAVAILABLE when the core is down or does not answer in time.
-        """
-        reply = await self._request_reply(make, timeout_s)
-        assert isinstance(reply, ControlReply)
-        self.paused = reply.paused
-        info = self.model_info
-        if info is not None and reply.weight_version and (
-            reply.weight_version != info.weight_version
-        ):
-            self.model_info = msgspec.structs.replace(info, weight_version=reply.weight_version)
-        return reply
-
-    async def prepare_decode(self, request_id: str, prompt_token_ids: list[int],
-                             params: SamplingParams, timeout_s: float = 30.0) -> bytes:
-        """Decode instance: park a request with its prompt's blocks allocated; returns where
-        its K/V goes (`disagg.handoff.KVPlacement`, msgpack) for the prefill instance.
-
-        Raises:
-            RequestError: the request is refused (a bad field; RESOURCE_EXHAUSTED when there
-                is no room now; INVALID_ARGUMENT on an instance not in decode mode) or the
-                core is down (UNAVAILABLE).
-        """
-        info = self.model_info
-        if info is not None:
-            validate_request(prompt_token_ids, params, vocab_size=info.vocab_size,
-                             max_model_len=info.max_model_len)
-        self._expire_parked()
-        rank = self._least_loaded_rank()
-        add = EngineCoreRequest(request_id, list(prompt_token_ids), params, time.time(), rank)
-        # counted at once: concurrent PrepareDecodes spread over the ranks; the blocks are held
-        # there until the request continues, is aborted or expires
-        self._rank_load[rank] += 1
-        try:
-            reply = await self._request_reply(lambda rid: PrepareDecode(rid, add), timeout_s)
-            assert isinstance(reply, PrepareDecodeReply)
-            if reply.code:
-                raise RequestError(ErrorCode(reply.code), reply.field, reply.message)
-        except BaseException:
-            self._rank_load[rank] -= 1
-            raise
-        self._parked[request_id] = (rank, time.monotonic() + self._parked_timeout_s)
-        return reply.placement
-
-    def _least_loaded_rank(self) -> int:
-        return min(range(len(self._rank_load)), key=self._rank_load.__getitem__)
-
-    def _expire_parked(self) -> None:
-        """Forget parked requests the core has dropped by now (their K/V never came)."""
-        now = time.monotonic()
-        for rid in [r for r, (_, t) in self._parked.items() if t < now]:
-            self._rank_load[self._parked.pop(rid)[0]] -= 1
-
-    async def _request_reply(self, make: Callable[[int], CoreInput], timeout_s: float) -> Any:
-        """Send `make(reply_id)` and wait up to `timeout_s` for the reply with that id.
-
-        Raises:
-            RequestError: UNAVAILABLE when the core is down, unreachable or silent too long.
-        """
-        self._check_alive()
-        reply_id = next(self._reply_ids)
-        message = make(reply_id)
-        future = asyncio.get_running_loop().create_future()
-        self._replies[reply_id] = future
-        try:
-            self._send(message)
-            return await asyncio.wait_for(future, timeout_s)
-        except TimeoutError:
-            raise RequestError(
-                ErrorCode.UNAVAILABLE, "engine",
-                f"engine core did not answer {type(message).__name__} within {timeout_s:.0f} s",
-            ) from None
-        finally:
-            self._replies.pop(reply_id, None)
-
     # ----------------------------------------------------------------- plumbing
-
-    def _check_alive(self) -> None:
-        if self.dead.is_set():
-            raise RequestError(
-                ErrorCode.UNAVAILABLE, "engine", f"engine unavailable: {self.death_reason}"
-            )
 
     def _send(self, message: CoreInput) -> None:
         """Send to the core without blocking.
@@ -561,13 +265,6 @@ class EngineClient:
                 ErrorCode.UNAVAILABLE, "engine", f"engine unreachable: {exc}"
             ) from exc
 
-    def _try_send(self, message: CoreInput) -> None:
-        """Best-effort send (aborts and shutdown), never raising."""
-        try:
-            self._send(message)
-        except RequestError as exc:
-            logger.debug("dropped %s: %s", type(message).__name__, exc.message)
-
     async def _read_outputs(self) -> None:
         assert self._out_sock is not None
         while True:
@@ -578,21 +275,9 @@ class EngineClient:
                 logger.exception("bad message from the engine core (%d bytes)", len(frame))
 
     def _dispatch(self, message: CoreOutput) -> None:
+        if self._deliver(message):  # a request's output or refusal, or an RPC's reply
+            return
         match message:
-            case EngineCoreOutputs(outputs=outputs):
-                for out in outputs:
-                    queue = self._streams.get(out.request_id)
-                    if queue is not None:
-                        queue.put_nowait(out)
-            case AddError(request_id=rid, code=code, field=field, message=text):
-                queue = self._streams.get(rid)
-                if queue is not None:
-                    queue.put_nowait(RequestError(code, field, text))
-            case (StatsReply() | ExpertLoadReply() | ModelInfoReply() | ControlReply()
-                  | PrepareDecodeReply()):
-                future = self._replies.get(message.reply_id)
-                if future is not None and not future.done():
-                    future.set_result(message)
             case StartupProgress(phase=phase, detail=detail, eta_s=eta):
                 if self._ready is not None and not self._ready.done():
                     self._on_progress(phase, detail, eta)
@@ -671,50 +356,7 @@ class EngineClient:
         if not self.dead.is_set():
             self.death_reason = reason
             self.dead.set()
-        error = RequestError(ErrorCode.UNAVAILABLE, "engine", f"engine unavailable: {reason}")
-        for queue in self._streams.values():
-            queue.put_nowait(error)
-        for future in self._replies.values():
-            if not future.done():
-                future.set_exception(error)
-
-
-def check_ep_size(config: EngineConfig) -> None:
-    """Fail fast, before any rank starts, on an ep_size the checkpoint's experts cannot split
-    or a placement file that does not fit it.
-
-    Raises:
-        StartupError: ep_size larger than num_experts, or not dividing it (without a placement
-            file), naming both numbers; a placement file that is missing, malformed or made
-            for another model or ep size, or given with ep_size 1.
-    """
-    from moe_engine.models import model_shape
-
-    ep_size = config.parallel.ep_size
-    placement = config.parallel.expert_placement
-    if ep_size == 1 and placement is None:
-        return
-    num_experts = model_shape(config.model.hf_config()).num_experts
-    if placement is not None:
-        if ep_size == 1:
-            raise StartupError(
-                f"--expert-placement {placement}: a placement spreads experts over ranks; it "
-                f"needs --ep-size > 1"
-            )
-        from comm import ExpertPlacement
-
-        try:
-            ExpertPlacement.load(placement).check(num_experts, ep_size)
-        except (OSError, ValueError) as exc:
-            raise StartupError(f"--expert-placement {placement}: {exc}") from exc
-        return
-    if ep_size > num_experts:
-        raise StartupError(
-            f"--ep-size {ep_size} is more ranks than the model's {num_experts} experts "
-            f"(num_experts {num_experts}); use at most {num_experts}"
+        self._fail_requests(
+            RequestError(ErrorCode.UNAVAILABLE, "engine", f"engine unavailable: {reason}")
         )
-    if num_experts % ep_size and config.parallel.expert_placement is None:
-        raise StartupError(
-            f"--ep-size {ep_size} does not divide num_experts {num_experts}; choose an "
-            f"ep_size that divides {num_experts}"
-        )
+

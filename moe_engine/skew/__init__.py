@@ -2,11 +2,14 @@
 
 - `trace`: the versioned NPZ trace format (`TraceWriter`, `read_trace`), docs/trace_format.md.
 - `zipf`: synthetic Zipf-skewed routing (`ZipfRouter`, `zipf_trace`).
-- `planner`: EPLB-style replicate-and-pack placement (`plan_placement`, `replay`, `Placement`).
+- `planner`: EPLB-style replicate-and-pack placement (`plan_placement`).
+- `placement`: the placement file (`Placement`); `imbalance`: predicted rank loads (`replay`).
 - `report` / `plot`: what `moe-skew report` and `moe-skew plot` print and draw.
 """
 
-from moe_engine.skew.planner import Placement, PlacementError, plan_placement, replay
+from moe_engine.skew.imbalance import replay
+from moe_engine.skew.placement import Placement, PlacementError
+from moe_engine.skew.planner import plan_placement
 from moe_engine.skew.trace import (
     FORMAT_VERSION,
     ExpertTrace,

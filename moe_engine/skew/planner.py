@@ -28,45 +28,29 @@ DeepSeek-V3 technical report, section 3.4 "redundant experts"), written anew her
    the objective; when nothing beats the baseline it comes back unchanged
    (`PlanChoice.improved` is False).
 
-Placement files are what `comm.placement.ExpertPlacement` reads (and validates here):
-`{"version": 1, "num_experts": E, "ep_size": N, "slots": [[expert ids of rank 0], ...]}`.
-The engine uses one placement for every MoE layer (what `moe-serve --expert-placement`
-serves): replicas are chosen on the load summed over layers, packing looks at every layer.
-`per_layer=True` additionally plans each layer on its own load and stores those under
-`"layers": {"<decoder layer>": slots}`: a what-if for per-layer placement (DeepSeek's EPLB
-plans per layer). `ExpertPlacement` ignores that key, so the engine still serves `"slots"`.
+Placement files and their validation live in `moe_engine.skew.placement`, the replay of a
+trace through a placement (step 3) in `moe_engine.skew.imbalance`. The engine uses one
+placement for every MoE layer: replicas are chosen on the load summed over layers, packing
+looks at every layer.
+`per_layer=True` additionally plans each layer on its own load (stored under the placement
+file's `"layers"`).
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from comm.placement import PLACEMENT_VERSION, ExpertPlacement
-
-Slots = list[list[int]]
-
-
-class PlacementError(ValueError):
-    """An impossible plan request or an invalid placement file."""
-
-
-def contiguous_slots(num_experts: int, ep_size: int) -> Slots:
-    """The default placement (DESIGN.md section 6): rank r holds experts [r * E/N, (r+1) * E/N).
-
-    Raises:
-        PlacementError: N does not divide E, or a size < 1.
-    """
-    try:
-        default = ExpertPlacement.contiguous(num_experts, ep_size)
-    except ValueError as exc:
-        raise PlacementError(str(exc)) from exc
-    return [list(row) for row in default.slots]
+from moe_engine.skew.imbalance import max_over_mean, step_imbalance
+from moe_engine.skew.placement import (
+    Placement,
+    PlacementError,
+    Slots,
+    contiguous_slots,
+    share_matrix,
+)
 
 
 def replica_counts(load: np.ndarray, num_redundant: int, max_replicas: int) -> np.ndarray:
@@ -196,8 +180,8 @@ def _mean_imbalance(load: np.ndarray, matrix: np.ndarray) -> float:
 
 
 def _mean_step_imbalance(rows: np.ndarray, matrix: np.ndarray) -> float:
-    """Mean over layers of `_step_mean` of `rows @ matrix` ([S, L, E] @ [E, N])."""
-    return float(_step_mean(rows @ matrix).mean())
+    """Mean over layers of `step_imbalance` of `rows @ matrix` ([S, L, E] @ [E, N])."""
+    return float(step_imbalance(rows @ matrix).mean())
 
 
 @dataclass
@@ -392,123 +376,6 @@ def plan(
     return best
 
 
-def share_matrix(slots: Slots, num_experts: int) -> np.ndarray:
-    """[E, N] float64: the fraction of expert e's tokens that rank r processes.
-
-    M[e, r] = (replicas of e on r) / (replicas of e); rank loads are `load @ M`.
-
-    Raises:
-        PlacementError: an expert id out of range, or an expert with no slot.
-    """
-    matrix = np.zeros((num_experts, len(slots)), dtype=np.float64)
-    for r, rank_slots in enumerate(slots):
-        for e in rank_slots:
-            if not 0 <= e < num_experts:
-                raise PlacementError(f"expert id {e} on rank {r} is outside [0, {num_experts})")
-            matrix[e, r] += 1
-    replicas = matrix.sum(axis=1, keepdims=True)
-    if (replicas == 0).any():
-        missing = np.flatnonzero(replicas[:, 0] == 0).tolist()
-        raise PlacementError(f"experts {missing} have no slot on any rank")
-    return matrix / replicas
-
-
-@dataclass
-class Placement:
-    """A placement of E experts (with replicas) on N ranks.
-
-    Attributes:
-        num_experts: E.
-        slots: N lists of global expert ids (rank r's local experts in order).
-        layers: optional per-MoE-layer slots, keyed by decoder-layer index.
-    """
-
-    num_experts: int
-    slots: Slots
-    layers: dict[int, Slots] = field(default_factory=dict)
-
-    @property
-    def ep_size(self) -> int:
-        return len(self.slots)
-
-    @property
-    def num_redundant(self) -> int:
-        return sum(len(s) for s in self.slots) - self.num_experts
-
-    def slots_for(self, layer: int) -> Slots:
-        """The slots that decoder layer `layer` uses (its own, else the shared ones)."""
-        return self.layers.get(layer, self.slots)
-
-    def to_json(self) -> dict[str, Any]:
-        """The placement-file object (module docstring)."""
-        obj: dict[str, Any] = dict(
-            version=PLACEMENT_VERSION,
-            num_experts=self.num_experts,
-            ep_size=self.ep_size,
-            slots=[list(map(int, s)) for s in self.slots],
-        )
-        if self.layers:
-            obj["layers"] = {str(k): [list(map(int, s)) for s in v] for k, v in self.layers.items()}
-        return obj
-
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the placement file (JSON, one line per rank's slots for readability)."""
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
-
-    @classmethod
-    def from_json(cls, obj: Any, source: str = "placement") -> Placement:
-        """Parse and check a placement-file object; the shared slots (and each layer's) are
-        validated by the engine's loader, `comm.placement.ExpertPlacement.from_dict`.
-
-        Raises:
-            PlacementError: not an object, a missing key, another version, or invalid slots
-                (uneven ranks, unknown or missing experts, an expert twice on one rank); the
-                message starts with `source`.
-        """
-        if not isinstance(obj, dict):
-            raise PlacementError(f"{source}: must be a JSON object, got {type(obj).__name__}")
-        try:
-            shared = ExpertPlacement.from_dict(obj, source=source)
-        except (ValueError, TypeError) as exc:
-            raise PlacementError(str(exc)) from exc
-        num_experts, ep_size = shared.num_experts, shared.ep_size
-        layers_obj = obj.get("layers") or {}
-        if not isinstance(layers_obj, dict):
-            raise PlacementError(f"{source}: layers must be an object {{decoder layer: slots}}")
-        layers = {}
-        for key, value in layers_obj.items():
-            try:
-                layer = int(key)
-            except ValueError as exc:
-                raise PlacementError(f"{source}: layers key {key!r} is not a layer index") from exc
-            layers[layer] = _check_slots(value, num_experts, ep_size, f"{source}: layers[{key}]")
-        return cls(num_experts, [list(row) for row in shared.slots], layers)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> Placement:
-        """Read a placement file.
-
-        Raises:
-            PlacementError: unreadable, not JSON, or invalid (see `from_json`).
-        """
-        try:
-            obj = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise PlacementError(f"cannot read placement file {str(path)!r}: {exc}") from exc
-        return cls.from_json(obj, source=str(path))
-
-
-def _check_slots(value: Any, num_experts: int, ep_size: int, where: str) -> Slots:
-    """Validate one slot table with the engine's own loader (`comm.placement.ExpertPlacement`)."""
-    if not isinstance(value, list):
-        raise PlacementError(f"{where} must be a list of per-rank lists of expert ids")
-    try:
-        checked = ExpertPlacement(num_experts, ep_size, value)
-    except (ValueError, TypeError) as exc:
-        raise PlacementError(f"{where}: {exc}") from exc
-    return [list(row) for row in checked.slots]
-
-
 @dataclass
 class PlanResult:
     """`plan_placement_result`'s answer: the placement and what was chosen, and why.
@@ -588,124 +455,3 @@ def plan_placement(
     return plan_placement_result(
         loads, ep_size, num_redundant, moe_layers, per_layer, baseline, rows
     ).placement
-
-
-def rank_loads(counts: np.ndarray, placement: Placement, moe_layers: list[int]) -> np.ndarray:
-    """Predicted load per rank: [..., L, E] counts -> [..., L, N] float64 (replicas share evenly).
-
-    Raises:
-        PlacementError: E differs from the placement's, or an invalid placement.
-    """
-    counts = np.asarray(counts, dtype=np.float64)
-    if counts.shape[-1] != placement.num_experts:
-        raise PlacementError(
-            f"the load has {counts.shape[-1]} experts, the placement {placement.num_experts}"
-        )
-    out = np.empty((*counts.shape[:-1], placement.ep_size), dtype=np.float64)
-    for i, layer in enumerate(moe_layers):
-        matrix = share_matrix(placement.slots_for(int(layer)), placement.num_experts)
-        out[..., i, :] = counts[..., i, :] @ matrix
-    return out
-
-
-def max_over_mean(load: np.ndarray) -> np.ndarray:
-    """max / mean over the last axis; 0 where the mean is 0 (`imbalance_ratio` convention)."""
-    load = np.asarray(load, dtype=np.float64)
-    mean = load.mean(axis=-1)
-    peak = load.max(axis=-1)
-    return np.divide(peak, mean, out=np.zeros_like(mean), where=mean > 0)
-
-
-def mean_over_max(load: np.ndarray) -> np.ndarray:
-    """mean / max over the last axis; 0 where the max is 0 (`balancedness` convention)."""
-    load = np.asarray(load, dtype=np.float64)
-    mean = load.mean(axis=-1)
-    peak = load.max(axis=-1)
-    return np.divide(mean, peak, out=np.zeros_like(mean), where=peak > 0)
-
-
-@dataclass
-class ReplayResult:
-    """Predicted rank loads of a trace under two placements.
-
-    Attributes:
-        moe_layers: [L] decoder-layer indices.
-        rank_load_before / rank_load_after: [L, N] float64 token-expert pairs per rank over the
-            whole trace.
-        imbalance_before / imbalance_after: [L] max / mean of those.
-        step_imbalance_before / step_imbalance_after: [L] mean over trace rows of each row's
-            max / mean (rows where the layer ran nothing are left out): the per-step view.
-    """
-
-    moe_layers: list[int]
-    rank_load_before: np.ndarray
-    rank_load_after: np.ndarray
-    imbalance_before: np.ndarray
-    imbalance_after: np.ndarray
-    step_imbalance_before: np.ndarray
-    step_imbalance_after: np.ndarray
-
-    def to_json(self) -> dict[str, Any]:
-        """Per-layer numbers and their means over layers, as plain JSON types."""
-        return dict(
-            layers=[
-                dict(
-                    layer=int(layer),
-                    rank_load_before=self.rank_load_before[i].tolist(),
-                    rank_load_after=self.rank_load_after[i].tolist(),
-                    imbalance_before=float(self.imbalance_before[i]),
-                    imbalance_after=float(self.imbalance_after[i]),
-                    step_imbalance_before=float(self.step_imbalance_before[i]),
-                    step_imbalance_after=float(self.step_imbalance_after[i]),
-                )
-                for i, layer in enumerate(self.moe_layers)
-            ],
-            mean_imbalance_before=float(self.imbalance_before.mean()),
-            mean_imbalance_after=float(self.imbalance_after.mean()),
-            mean_step_imbalance_before=float(self.step_imbalance_before.mean()),
-            mean_step_imbalance_after=float(self.step_imbalance_after.mean()),
-        )
-
-
-def _step_mean(per_row_rank_load: np.ndarray) -> np.ndarray:
-    """[S, L, N] -> [L]: mean over rows with load of each row's max / mean."""
-    ratio = max_over_mean(per_row_rank_load)  # [S, L]
-    ran = per_row_rank_load.sum(axis=-1) > 0
-    n = ran.sum(axis=0)
-    return np.divide((ratio * ran).sum(axis=0), n, out=np.zeros(ratio.shape[1]), where=n > 0)
-
-
-def replay(
-    counts: np.ndarray,
-    moe_layers: list[int],
-    after: Placement,
-    before: Placement | None = None,
-) -> ReplayResult:
-    """Replay recorded routing through two placements.
-
-    Args:
-        counts: [S, L, E] (or [L, E]) token-expert pairs per row, layer and expert.
-        moe_layers: the L decoder-layer indices.
-        after: the placement to evaluate; before: the baseline (default: contiguous on
-            after.ep_size ranks).
-
-    Raises:
-        PlacementError: shapes or placements that do not fit.
-    """
-    counts = np.asarray(counts, dtype=np.float64)
-    if counts.ndim == 2:
-        counts = counts[None]
-    if before is None:
-        before = Placement(after.num_experts, contiguous_slots(after.num_experts, after.ep_size))
-    rows_before = rank_loads(counts, before, moe_layers)
-    rows_after = rank_loads(counts, after, moe_layers)
-    total_before, total_after = rows_before.sum(axis=0), rows_after.sum(axis=0)
-    return ReplayResult(
-        moe_layers=[int(x) for x in moe_layers],
-        rank_load_before=total_before,
-        rank_load_after=total_after,
-        imbalance_before=max_over_mean(total_before),
-        imbalance_after=max_over_mean(total_after),
-        step_imbalance_before=_step_mean(rows_before),
-        step_imbalance_after=_step_mean(rows_after),
-    )

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from moe_engine.skew.planner import max_over_mean, rank_loads
+from moe_engine.skew.imbalance import max_over_mean, rank_loads
 from moe_engine.skew.report import LoadData
 
 

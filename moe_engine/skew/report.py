@@ -33,14 +33,8 @@ from typing import Any
 import numpy as np
 
 from moe_engine.skew.groups import GroupLoad, check_n_group
-from moe_engine.skew.planner import (
-    Placement,
-    PlacementError,
-    contiguous_slots,
-    max_over_mean,
-    mean_over_max,
-    rank_loads,
-)
+from moe_engine.skew.imbalance import max_over_mean, mean_over_max, rank_loads
+from moe_engine.skew.placement import Placement, PlacementError, contiguous_slots
 from moe_engine.skew.trace import ExpertTrace
 
 DEFAULT_MOE_TIME_SHARE = 0.5
