@@ -74,7 +74,7 @@ def run_cpu(args: argparse.Namespace) -> dict:
     from kernels.moe.native import PackedExperts
     from kernels.moe.torch_cpu import fused_moe_cpu
     from kernels.native.library import load_native
-    from kernels.registry import KernelPlan
+    from kernels.plan import KernelPlan
     from moe_engine.models.layers.quantized_experts import QuantizedExperts
 
     g = torch.Generator().manual_seed(0)

@@ -224,7 +224,7 @@ def test_kernels_refuse_to_run_where_amx_was_not_granted(monkeypatch):
 
 
 def test_linear_layer_runs_amx_between_its_crossovers(monkeypatch):
-    from kernels.registry import KernelPlan
+    from kernels.plan import KernelPlan
     from moe_engine.models.layers.linear import Linear
 
     layer = Linear(64, 48, bias=False, dtype=torch.bfloat16)

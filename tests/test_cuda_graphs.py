@@ -17,7 +17,7 @@ import pytest
 import torch
 from fixtures import hf_greedy
 
-from kernels.registry import KernelPlan
+from kernels.plan import KernelPlan
 from moe_engine import LLM, SamplingParams
 from moe_engine.cli.serve import build_parser, engine_config_from_args
 from moe_engine.core.engine_core import EngineCore

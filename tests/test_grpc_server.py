@@ -91,7 +91,7 @@ def test_model_info(stub: pb_grpc.MoeEngineStub) -> None:
     # the kernel backends chosen at startup (kernels/registry.py): every op, auto on a CPU,
     # and the native library's variant (kernels/native/library.py choose_isa)
     from kernels.native.library import choose_isa
-    from kernels.registry import OPS
+    from kernels.plan import OPS
 
     assert info.device == "cpu" and set(info.kernel_backends) == {*OPS, "native_cpu_isa"}
     assert info.kernel_backends["native_cpu_isa"] == choose_isa()[0]

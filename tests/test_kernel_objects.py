@@ -13,13 +13,8 @@ from kernels.attention import paged
 from kernels.dense import amx
 from kernels.dense.linear import NARROW_MAX_ROWS, NATIVE_MAX_ROWS, LinearKernel
 from kernels.native.library import native_unavailable_reason
-from kernels.registry import (
-    NATIVE_CPU,
-    TORCH,
-    KernelPlan,
-    ModelFacts,
-    choose_kernels,
-)
+from kernels.plan import NATIVE_CPU, TORCH, KernelPlan
+from kernels.registry import ModelFacts, choose_kernels
 from moe_engine.models.layers.attention import PagedAttention, build_attention_batch
 from moe_engine.models.layers.linear import Linear
 

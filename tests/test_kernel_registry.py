@@ -8,11 +8,8 @@ import logging
 
 import pytest
 
+from kernels.plan import NATIVE_CPU, OPS, TORCH, TRITON
 from kernels.registry import (
-    NATIVE_CPU,
-    OPS,
-    TORCH,
-    TRITON,
     KernelBackendError,
     ModelFacts,
     choose_kernels,

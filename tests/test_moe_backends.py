@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from kernels.moe.activation import SILU_AND_MUL, SwiGLU  # noqa: E402
 from kernels.moe.reference import fused_moe_reference  # noqa: E402
-from kernels.registry import KernelChoice, KernelPlan  # noqa: E402
+from kernels.plan import KernelChoice, KernelPlan  # noqa: E402
 from moe_engine.models.layers.expert_weights import load_all_experts  # noqa: E402
 from moe_engine.models.layers.moe import FusedMoE  # noqa: E402
 from moe_engine.models.layers.quantized_experts import QuantizedExperts  # noqa: E402

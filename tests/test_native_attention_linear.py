@@ -10,7 +10,7 @@ from kernels.attention.native_decode import paged_decode_attention
 from kernels.dense.amx import amx_unavailable_reason, bf16_backend
 from kernels.dense.native_linear import PackedLinear
 from kernels.native.library import _build
-from kernels.registry import NATIVE_CPU, TORCH, KernelPlan
+from kernels.plan import NATIVE_CPU, TORCH, KernelPlan
 from moe_engine.models.layers.attention import attention_with_sinks
 
 

@@ -328,7 +328,7 @@ def _layer_case(g, e=8, h=64, inter=64, t=11, k=2):
 
 @pytest.mark.parametrize("t", [1, 11, 50])
 def test_quantized_experts_use_the_native_kernel(t):
-    from kernels.registry import KernelPlan
+    from kernels.plan import KernelPlan
     from moe_engine.models.layers.quantized_experts import QuantizedExperts
 
     g = _gen()
@@ -368,7 +368,7 @@ def test_quantized_experts_use_the_native_kernel(t):
 
 
 def test_quantized_experts_from_checkpoint_formats_use_the_native_kernel():
-    from kernels.registry import KernelPlan
+    from kernels.plan import KernelPlan
     from moe_engine.models.layers.quantized_experts import QuantizedExperts
 
     native = KernelPlan.uniform("native-cpu")

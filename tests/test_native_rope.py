@@ -29,7 +29,7 @@ def _torch_prologue(qkv, hq, hkv, positions, rotary, norms, k_cache, v_cache, sl
 @pytest.mark.parametrize("qk_norm", [True, False])
 @pytest.mark.parametrize("tokens", [1, 5, 37])
 def test_prologue_is_bit_identical_to_the_torch_path(dtype, qk_norm, tokens):
-    from kernels.registry import NATIVE_CPU, KernelPlan
+    from kernels.plan import NATIVE_CPU, KernelPlan
 
     g = torch.Generator().manual_seed(tokens)
     hq, hkv, d, block, blocks = 6, 2, 32, 4, 16

@@ -11,7 +11,7 @@ import torch
 from fixtures import dequantized_experts_copy, hf_greedy, hf_last_logits, perturbed_checkpoint
 
 from kernels.dense.linear import NATIVE_MAX_ROWS
-from kernels.registry import NATIVE_CPU, KernelPlan
+from kernels.plan import NATIVE_CPU, KernelPlan
 from moe_engine import LLM, SamplingParams
 from moe_engine.errors import StartupError
 from moe_engine.models.dense_quant import dense_layers

@@ -96,7 +96,7 @@ def test_refuses_what_it_cannot_route():
 
 
 def test_fused_moe_binds_the_registry_choice(monkeypatch):
-    from kernels.registry import KernelPlan
+    from kernels.plan import KernelPlan
     from moe_engine.models.layers.moe import FusedMoE
 
     moe = FusedMoE(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from kernels.registry import OPS
+from kernels.plan import OPS
 from moe_engine.disagg.transfer import BACKENDS
 from moe_engine.server.options import (
     DEFAULT_DRAIN_TIMEOUT_S,

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kernels.registry import KernelPlan
+from kernels.plan import KernelPlan
 from moe_engine.errors import StartupError
 from moe_engine.kv_cache.spec import AttentionGroup
 from moe_engine.models import resolve_architecture

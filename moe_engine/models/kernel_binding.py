@@ -11,14 +11,8 @@ from torch import nn
 
 from kernels.decode_layer.native import MAX_ROWS as MAX_DECODE_ROWS
 from kernels.native.library import native_unavailable_reason
-from kernels.registry import (
-    NATIVE_CPU,
-    KernelBackendError,
-    KernelPlan,
-    ModelFacts,
-    choose_kernels,
-    probe_backend,
-)
+from kernels.plan import NATIVE_CPU, KernelPlan
+from kernels.registry import KernelBackendError, ModelFacts, choose_kernels, probe_backend
 from moe_engine.errors import StartupError
 from moe_engine.models.layers.decoder import DecoderLayer
 from moe_engine.models.layers.native_decode import attach_decode_kernel

@@ -53,7 +53,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kernels.registry import KernelPlan
+from kernels.plan import KernelPlan
 from moe_engine.instrumentation import ExpertLoadRecorder
 from moe_engine.kv_cache.spec import LINEAR_ATTENTION, MLA_ATTENTION
 from moe_engine.models.layers.attention import AttentionBatch, AttentionMetadata

@@ -25,7 +25,7 @@ import dataclasses
 
 import torch
 
-from kernels.registry import KernelPlan
+from kernels.plan import KernelPlan
 from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.kernel_binding import bind_kernels
 from moe_engine.models.layers.expert_weights import deinterleave_gate_up

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from kernels.attention.paged import PagedAttentionKernels
 from kernels.attention.torch_rows import prefill_rows
-from kernels.registry import KernelPlan
+from kernels.plan import KernelPlan
 from moe_engine.kv_cache.spec import FULL_ATTENTION, SLIDING_ATTENTION
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.decode_layer.native import DecodeLayerKernel
-from kernels.registry import KernelPlan
+from kernels.plan import KernelPlan
 from moe_engine.models.layers.attention import AttentionMetadata, PagedAttention
 from moe_engine.models.layers.linear import Linear, MergedLinear
 from moe_engine.models.layers.norm import RMSNorm

@@ -21,7 +21,7 @@ from torch import nn
 from kernels.dense.amx import AmxLinear
 from kernels.dense.linear import LinearKernel, QuantScheme
 from kernels.dense.native_linear_q4 import PackedQuantLinear
-from kernels.registry import KernelPlan
+from kernels.plan import KernelPlan
 
 
 class Linear(nn.Linear):

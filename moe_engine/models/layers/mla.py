@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.registry import KernelPlan
+from kernels.plan import KernelPlan
 from moe_engine.kv_cache.spec import MLA_ATTENTION
 from moe_engine.models.layers.attention import AttentionBatch, AttentionMetadata, KVCacheLayer
 from moe_engine.models.layers.linear import Linear

@@ -15,7 +15,7 @@ from torch import nn
 from comm import Communicator, NoopCommunicator
 from kernels.moe.activation import SILU_AND_MUL, SwiGLU
 from kernels.moe.backends import BoundExperts, ExpertExtras
-from kernels.registry import TORCH, KernelPlan
+from kernels.plan import TORCH, KernelPlan
 from moe_engine.instrumentation import ExpertLoadRecorder
 from moe_engine.models.layers.linear import Linear
 from moe_engine.models.layers.quantized_experts import QuantizedExperts

@@ -24,7 +24,7 @@ from kernels.dense.amx import AmxLinear
 from kernels.dense.native_linear_q4 import PackedQuantLinear
 from kernels.moe.amx import AmxExperts
 from kernels.moe.native import PackedQuantExperts
-from kernels.registry import KernelPlan
+from kernels.plan import KernelPlan
 from moe_engine.models.layers.decoder import Attention, DecoderLayer
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.mtp import MTPLayer

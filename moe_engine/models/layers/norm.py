@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kernels.registry import KernelPlan
+from kernels.plan import KernelPlan
 
 
 class RMSNorm(nn.Module):

@@ -31,7 +31,7 @@ from kernels.moe.backends import (
     Mxfp4Experts,
     tensors_of,
 )
-from kernels.registry import TORCH, KernelPlan
+from kernels.plan import TORCH, KernelPlan
 from quant.int4 import INT4_GROUP_SIZES, Int4Weight, check_group_size, quantize_int4
 from quant.mxfp4 import MXFP4_BLOCK_SIZE, quantize_mxfp4
 

@@ -1,0 +1,256 @@
+"""`KernelPlan`: the backend of every op for one device, and the kernel objects it hands the
+layers (`linear`, `attention`, `rms_norm`, ...), each with the fallbacks it may take declared
+(`fallbacks`) and printed in the startup plan. `kernels.registry.choose_kernels` makes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from kernels.attention.paged import PagedAttentionKernels
+    from kernels.decode_layer.native import DecodeLayerKernel
+    from kernels.dense.linear import LinearKernel, QuantScheme
+    from kernels.moe.backends import BoundExperts, ExpertExtras
+
+NATIVE_CPU, TORCH, TRITON = "native-cpu", "torch", "triton"
+#: Every backend, in auto's order of preference where several could run an op.
+BACKENDS = (NATIVE_CPU, TRITON, TORCH)
+
+#: The ops a backend is chosen for.
+OPS = (
+    "fused_moe",  # routed experts, float weights (bf16 / fp16 / fp32)
+    "fused_moe_int4",  # routed experts, int4 group-wise weights
+    "fused_moe_mxfp4",  # routed experts, MXFP4 weights
+    "attention_prefill",  # paged attention, multi-token queries (prefill chunks)
+    "attention_decode",  # paged attention, one query token per request
+    "mla_decode",  # MLA absorbed decode over the latent cache
+    "linear",  # dense projections (QKV, output, router, dense MLP, LM head)
+    "rms_norm",
+    "rotary",  # rope (native-cpu: with q/k norm and the KV-cache write, one call per layer)
+    "router_topk",  # softmax-top-k routing: the softmax and the stable top-k selection
+    "decode_layer",  # a whole decoder layer of a decode step (native-cpu: one call)
+)
+
+#: Which ops each backend implements.
+IMPLEMENTS: dict[str, frozenset[str]] = {
+    NATIVE_CPU: frozenset(
+        {"fused_moe", "fused_moe_int4", "fused_moe_mxfp4", "attention_prefill",
+         "attention_decode", "linear", "rms_norm", "rotary", "router_topk", "decode_layer"}
+    ),
+    TORCH: frozenset(OPS),
+    TRITON: frozenset(
+        {"fused_moe", "fused_moe_int4", "fused_moe_mxfp4", "attention_prefill",
+         "attention_decode", "mla_decode"}
+    ),
+}
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """One op's backend and why it was chosen (for the startup log)."""
+
+    op: str
+    backend: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """The backend of every op, for one device.
+
+    Attributes:
+        device: "cpu" or "cuda".
+        choices: op -> its `KernelChoice`, for every op of `OPS`.
+        native_isa: where an op runs native-cpu, the library variant and why it was chosen
+            (`kernels.native.library.loaded_isa`, e.g. "avx512 (auto: this CPU has avx512f, ...)");
+            else "".
+    """
+
+    device: str
+    choices: dict[str, KernelChoice] = field(default_factory=dict)
+    native_isa: str = ""
+
+    def backend(self, op: str) -> str:
+        """The backend name that runs `op`.
+
+        Raises:
+            KeyError: an op not in `OPS`.
+        """
+        return self.choices[op].backend
+
+    def as_dict(self) -> dict[str, str]:
+        """op -> backend."""
+        return {op: c.backend for op, c in self.choices.items()}
+
+    def info(self) -> dict[str, str]:
+        """What GetModelInfo returns as kernel_backends: `as_dict`, plus "native_cpu_isa" ->
+        "avx2" or "avx512" where an op runs native-cpu."""
+        out = self.as_dict()
+        if self.native_isa:
+            out["native_cpu_isa"] = self.native_isa.split()[0]
+        return out
+
+    def describe(self) -> str:
+        """One line for the startup plan, e.g. "kernels (cpu): fused_moe=native-cpu, ...";
+        choices that fell back say why on their own lines."""
+        pairs = ", ".join(f"{op}={c.backend}" for op, c in self.choices.items())
+        by_reason: dict[str, list[str]] = {}
+        for c in self.choices.values():
+            if c.reason:
+                by_reason.setdefault(c.reason, []).append(c.op)
+        notes = [f"  {', '.join(ops)}: {reason}" for reason, ops in by_reason.items()]
+        for c in self.choices.values():
+            for fallback in fallbacks(c.op, c.backend):
+                notes.append(f"  {c.op}={c.backend} falls back for {fallback}")
+        if self.native_isa:
+            notes.append(f"  native-cpu build: {self.native_isa}")
+        return "\n".join([f"kernels ({self.device}): {pairs}", *notes])
+
+    # ------------------------------------------------------------ the kernel objects
+
+    def linear(self, weight: torch.Tensor, quant_scheme: QuantScheme | None) -> LinearKernel:
+        """What runs a dense projection of `weight` [out, in] (4-bit when `quant_scheme`):
+        the "linear" backend's routes, with the fallbacks `fallbacks("linear", ...)` names."""
+        from kernels.dense.linear import LinearKernel
+
+        if self.backend("linear") == NATIVE_CPU:
+            return LinearKernel.native(weight, quant_scheme)
+        return LinearKernel.torch(quant_scheme)
+
+    def attention(self, num_heads: int, num_kv_heads: int) -> PagedAttentionKernels:
+        """The decode and prefill kernels of a paged attention layer of `num_heads` query
+        heads over `num_kv_heads` KV heads (a layer whose GQA ratio the native prefill
+        kernel does not take gets the torch path, as `choose_kernels` decides for the model)."""
+        from kernels.attention import paged
+
+        kernel_of = {NATIVE_CPU: (paged.native_decode, paged.native_prefill),
+                     TRITON: (paged.triton_paged, paged.triton_paged)}
+        decode_backend = self.backend("attention_decode")
+        prefill_backend = self.backend("attention_prefill")
+        decode = kernel_of.get(decode_backend, (None, None))[0]
+        prefill = kernel_of.get(prefill_backend, (None, None))[1]
+        if prefill is paged.native_prefill and (
+            num_heads // num_kv_heads > paged.NATIVE_PREFILL_MAX_GQA
+        ):
+            prefill, prefill_backend = None, TORCH
+        return paged.PagedAttentionKernels(decode, prefill, decode_backend, prefill_backend)
+
+    def mla_decode(self) -> Callable[..., Any] | None:
+        """The absorbed MLA decode kernel (`triton_attention.mla_decode`), or None: the
+        layer's torch path."""
+        if self.backend("mla_decode") != TRITON:
+            return None
+        from kernels.attention.triton_attention import mla_decode
+
+        return mla_decode
+
+    def rms_norm(self, weight: torch.Tensor) -> Callable[..., Any] | None:
+        """The fused RMSNorm (`kernels.dense.ops.rms_norm`) for a float32/bfloat16 `weight`,
+        or None: the layer's torch ops."""
+        import torch
+
+        if self.backend("rms_norm") != NATIVE_CPU:
+            return None
+        if weight.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        from kernels.dense.ops import rms_norm
+
+        return rms_norm
+
+    def router_topk(self, device_type: str) -> Callable[..., Any] | None:
+        """The one-call softmax-top-k routing (`kernels.dense.ops.router_softmax_topk`) for a
+        router on `device_type`, or None: torch's softmax and stable sort."""
+        if self.backend("router_topk") != NATIVE_CPU or device_type != "cpu":
+            return None
+        from kernels.dense.ops import router_softmax_topk
+
+        return router_softmax_topk
+
+    def rope_prologue(self) -> Callable[..., Any] | None:
+        """The one-call attention prologue (q/k norm, rope and the KV-cache write,
+        `kernels.dense.ops.qk_norm_rope_cache`), or None: the layer's module path."""
+        if self.backend("rotary") != NATIVE_CPU:
+            return None
+        from kernels.dense.ops import qk_norm_rope_cache
+
+        return qk_norm_rope_cache
+
+    def decode_layer(self) -> type[DecodeLayerKernel] | None:
+        """The one-call native decode layer, or None: every layer module by module."""
+        if self.backend("decode_layer") != NATIVE_CPU:
+            return None
+        from kernels.decode_layer.native import DecodeLayerKernel
+
+        return DecodeLayerKernel
+
+    def float_experts(
+        self, w13: torch.Tensor, w2: torch.Tensor, extras: ExpertExtras
+    ) -> BoundExperts:
+        """Float experts (w13 [E, 2I, H], w2 [E, H, I]) bound to the "fused_moe" backend."""
+        from kernels.moe.backends import bind_float_experts
+
+        return bind_float_experts(self.backend("fused_moe"), w13, w2, extras)
+
+    def quantized_experts(self, method: str, weights: Any) -> BoundExperts:
+        """4-bit experts ("int4" `Int4Experts`, "mxfp4" `Mxfp4Experts`) bound to the
+        backend of their op ("fused_moe_int4" / "fused_moe_mxfp4")."""
+        from kernels.moe.backends import bind_int4_experts, bind_mxfp4_experts
+
+        if method == "int4":
+            return bind_int4_experts(self.backend("fused_moe_int4"), weights)
+        return bind_mxfp4_experts(self.backend("fused_moe_mxfp4"), weights)
+
+    def keeps_experts(self, method: str, bound: BoundExperts | None) -> bool:
+        """Whether binding `bound` (4-bit experts of `method`) again under this plan changes
+        nothing: a layout that cannot be converted back (torch's int4 CPU layout) bound to the
+        same backend again."""
+        op = "fused_moe_int4" if method == "int4" else "fused_moe_mxfp4"
+        return bound is not None and bound.restore is None and self.backend(op) == bound.backend
+
+    def graph_unsafe(self, ops: list[str]) -> list[str]:
+        """"op=backend" for each of `ops` whose kernel cannot be captured in a CUDA graph
+        (only the Triton kernels are launch-only: the others read lengths on the host)."""
+        return [f"{op}={self.backend(op)}" for op in dict.fromkeys(ops)
+                if self.backend(op) != TRITON]
+
+    @classmethod
+    def uniform(cls, backend: str, device: str = "cpu") -> KernelPlan:
+        """Every op on `backend` where it implements it, torch elsewhere; nothing is probed
+        (for tests that build modules directly)."""
+        choices = {
+            op: KernelChoice(op, backend if op in IMPLEMENTS[backend] else TORCH, "")
+            for op in OPS
+        }
+        return cls(device, choices)
+
+
+def fallbacks(op: str, backend: str) -> tuple[str, ...]:
+    """The conditions under which `op`'s kernel on `backend` hands a call to another kernel
+    (declared by each kernel module beside the code that takes them; the startup plan prints
+    them): () for a kernel that runs every call it is given."""
+    if backend != NATIVE_CPU:
+        return ()
+    if op == "linear":
+        from kernels.dense.linear import NATIVE_FALLBACKS
+
+        return NATIVE_FALLBACKS
+    if op == "attention_prefill":
+        from kernels.attention.paged import NATIVE_PREFILL_FALLBACKS
+
+        return NATIVE_PREFILL_FALLBACKS
+    if op in ("fused_moe", "fused_moe_int4", "fused_moe_mxfp4"):
+        from kernels.moe.backends import NATIVE_FALLBACKS
+
+        return NATIVE_FALLBACKS
+    if op == "decode_layer":
+        from kernels.decode_layer.native import MAX_ROWS
+
+        return (f"steps with prefills or over {MAX_ROWS} rows, and layers the kernel does "
+                f"not implement (the log lists them): module by module",)
+    if op == "rms_norm":
+        return ("inputs of more than 3 dimensions or another dtype than the weight's: torch",)
+    return ()
