@@ -1,22 +1,23 @@
 """The kernel registry: for each op, the backend that runs it, chosen once at startup.
 
-Every kernel-using module of the model (experts, paged attention, linears, norms, rotary)
-reads its backend from the one `KernelPlan` made here, at bind time (`bind_kernels` of the
-module), never per call. The choice depends on the engine's device, on what is installed and
-builds (the native CPU library, Triton), on the model (head sizes a kernel supports) and on
-`--kernel-backend`; it is logged in the startup plan and returned by `GetModelInfo`.
+`choose_kernels` makes the one `KernelPlan` (kernels/plan.py) of the engine; every
+kernel-using module of the model (experts, paged attention, linears, norms, rotary) takes the
+kernel object that runs it from that plan at bind time (`bind_kernels` of the module:
+`plan.linear(...)`, `plan.attention(...)`, `plan.float_experts(...)`, ...), never per call,
+and never compares backend names. The choice depends on the engine's device, on what is
+installed and builds (the native CPU library, Triton), on the model (head sizes, dtype, GQA
+ratio a kernel supports) and on `--kernel-backend`; it is logged in the startup plan, with
+every fallback the chosen kernels may take per call (`kernels.plan.fallbacks`), and returned
+by `GetModelInfo`.
 
 Backends:
-- ``native-cpu``: the C++ kernels of kernels/csrc (kernels/native/library.py), CPU only, in the
-build
-  for this CPU's instruction set (avx2 or avx512, `kernels.native.library.choose_isa`), which the
-  plan
-  names (`KernelPlan.native_isa`).
+- ``native-cpu``: the C++ kernels of kernels/native/csrc (kernels/native/library.py), CPU
+  only, in the build for this CPU's instruction set (avx2 or avx512,
+  `kernels.native.library.choose_isa`), which the plan names (`KernelPlan.native_isa`).
 - ``torch``: plain torch ops (SDPA, cuBLAS/oneDNN GEMMs); every op, every device.
-- ``triton``: the Triton kernels (kernels/moe/fused_moe.py, kernels/attention/triton_attention.py),
-on CUDA,
-  or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, tests only: auto never
-  picks it on a CPU).
+- ``triton``: the Triton kernels (kernels/moe/fused_moe.py,
+  kernels/attention/triton_attention.py), on CUDA, or on the CPU under Triton's interpreter
+  (``TRITON_INTERPRET=1``, tests only: auto never picks it on a CPU).
 
 `--kernel-backend` is ``auto`` (the default), one backend name (every op that backend
 implements uses it; the others keep auto's choice), or a comma list of ``op=backend`` pairs,
@@ -24,8 +25,8 @@ optionally after a backend name (``triton,linear=torch``). An explicit backend t
 an op here is refused at startup with the reason (`KernelBackendError`), never mid-request.
 
 The idea is vLLM's attention-backend selector and fused-MoE quant methods, reduced to one
-table: `IMPLEMENTS` says which backend implements which op; `_unavailable` says why it cannot
-run here.
+table: `IMPLEMENTS` says which backend implements which op; `probe_backend` and `_unfit` say
+why one cannot run here or this model.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The AMX bf16 kernels (kernels/csrc/amx_gemm.cpp, amx_moe.cpp) against float64 torch
+"""The AMX bf16 kernels (kernels/native/csrc/amx_gemm.cpp, amx_moe.cpp) against float64 torch
 references, on fresh random inputs each run, on each backend this CPU runs (the AMX tiles;
 AVX512-BF16, csrc/bf16_dot.cpp); skipped, with the reason, on a CPU or OS with neither
 (`kernels.dense.amx.amx_unavailable_reason`), and each backend where it cannot run.

@@ -24,7 +24,7 @@ def runs_everywhere(backend: str, device: str) -> str | None:
 
 
 def no_native(backend: str, device: str) -> str | None:
-    return "building kernels/csrc failed: no C++ compiler" if backend == NATIVE_CPU else None
+    return "building kernels/native/csrc failed: no C++ compiler" if backend == NATIVE_CPU else None
 
 
 def test_auto_on_cpu_takes_native_where_it_has_a_kernel_torch_elsewhere():
@@ -62,7 +62,7 @@ def test_a_native_build_failure_falls_back_to_torch_and_says_why():
     assert lines[1:] == [  # one line per reason, naming its ops
         "  fused_moe, fused_moe_int4, fused_moe_mxfp4, attention_prefill, attention_decode, "
         "linear, rms_norm, rotary, router_topk, decode_layer: not native-cpu: building "
-        "kernels/csrc failed: no C++ compiler"
+        "kernels/native/csrc failed: no C++ compiler"
     ]
 
 

@@ -2,7 +2,7 @@
 binding (kernels/native/binding.py) and loading (kernels/native/library.py): cache, lock, progress
 reports, error messages.
 
-Builds here compile a one-function stand-in for kernels/csrc (about a second) into fresh
+Builds here compile a one-function stand-in for kernels/native/csrc (about a second) into fresh
 temporary caches; the real sources build once per test session (the other native tests).
 """
 

@@ -1,4 +1,4 @@
-"""The native CPU MoE kernel (kernels/csrc/moe_cpu.cpp) against a float64 torch reference.
+"""The native CPU MoE kernel (kernels/native/csrc/moe_cpu.cpp) against a float64 torch reference.
 
 Fresh random inputs each run; the kernel must build here (`--kernel-backend native-cpu` semantics: a
 build failure is a test failure, not a skip).

@@ -1,4 +1,4 @@
-"""Native bfloat16 prefill attention (kernels/csrc/prefill_attention.cpp) against a float64
+"""Native bfloat16 prefill attention (kernels/native/csrc/prefill_attention.cpp) against a float64
 reference and the torch path it replaces, on fresh random inputs each run; skipped, with the
 reason, on a CPU without AVX512-BF16.
 

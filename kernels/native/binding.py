@@ -134,7 +134,7 @@ def binding_source(header: str) -> str:
 
 static struct PyModuleDef module = {{
     PyModuleDef_HEAD_INIT, "{MODULE}",
-    "The native CPU kernels of kernels/csrc (C ABI: moe_engine_cpu.h).", -1, methods, NULL,
+    "The native CPU kernels of kernels/native/csrc (C ABI: moe_engine_cpu.h).", -1, methods, NULL,
     NULL, NULL, NULL,
 }};
 

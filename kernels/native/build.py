@@ -174,7 +174,7 @@ def ensure_library(root: Path, report: Reporter, csrc: Path | None = None,
     Args:
         root: the cache directory (`kernels.native.library.build_dir()`).
         report: progress of a build (or of the wait for another process's).
-        csrc: the sources' directory; default `CSRC` (kernels/csrc).
+        csrc: the sources' directory; default `CSRC` (kernels/native/csrc).
         isa: the variant, one of `ISAS` (this machine must run it: `kernels.native.library`
             checks the CPU first).
 

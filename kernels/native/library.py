@@ -23,9 +23,9 @@ first time a process needs them, one compiler per source in parallel and one lin
 same kernels, each source including `torch/extension.h`, took 55-106 s). The build is cached
 under `$MOE_ENGINE_CACHE/native/`, keyed by a digest of the sources, headers, flags, compiler
 and Python ABI (an edited source rebuilds; concurrent processes wait on the build's file lock);
-loading a cached build takes milliseconds. The wrappers in kernels/cpu_*.py check shapes and
-dtypes, allocate outputs with torch and pass `tensor.data_ptr()`; the GIL is released during a
-kernel. A call uses up to `torch.get_num_threads()` threads (passed per call) of the module's
+loading a cached build takes milliseconds. The wrappers (kernels/moe/native.py,
+kernels/attention/native_*.py, kernels/dense/native_*.py, ...) check shapes and dtypes,
+allocate outputs with torch and pass `tensor.data_ptr()`; the GIL is released during a kernel. A call uses up to `torch.get_num_threads()` threads (passed per call) of the module's
 pool, whose caller never waits for a thread the OS has not scheduled (an OpenMP barrier does;
 bench/NOTES.md section 8); torch's own ops keep torch's OpenMP pool.
 
@@ -226,7 +226,7 @@ def _open(isa: str, progress: ProgressCallback | None) -> ModuleType:
     except (BuildError, OSError) as exc:
         if report.active:
             report.failed(str(exc))
-        raise NativeUnavailable(f"building kernels/csrc ({isa}) failed: {exc}") from exc
+        raise NativeUnavailable(f"building kernels/native/csrc ({isa}) failed: {exc}") from exc
     if path in _by_path:
         return _by_path[path]
     try:  # torch is imported: its libgomp.so.1 is the one the module binds to

@@ -38,7 +38,7 @@ def default_threads() -> int:
     """Intra-op CPU threads: MOE_ENGINE_THREADS, else every core this process may run on.
 
     A server's engine core takes every core too, beside its gRPC front end: the native kernels'
-    pool (kernels/csrc/thread_pool.h) never waits for a thread the front end displaced, so
+    pool (kernels/native/csrc/thread_pool.h) never waits for a thread the front end displaced, so
     sharing a core costs the front end's own time only. (With OpenMP barriers it did not:
     steps ran up to 10x slower, and an earlier default left one core to the front end, which
     cost a third of the served throughput on 2 cores; issue 17's note has the measurements.)
