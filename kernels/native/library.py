@@ -26,7 +26,8 @@ and Python ABI (an edited source rebuilds; concurrent processes wait on the buil
 loading a cached build takes milliseconds. The wrappers (kernels/moe/native.py,
 kernels/attention/native_*.py, kernels/dense/native_*.py, ...) check shapes and dtypes,
 allocate outputs with torch and pass `tensor.data_ptr()`; the GIL is released during a kernel.
-A call uses up to `torch.get_num_threads()` threads (passed per call) of the module's pool, whose caller never waits for a thread the OS has not scheduled (an OpenMP barrier does;
+A call uses up to `torch.get_num_threads()` threads (passed per call) of the module's pool,
+whose caller never waits for a thread the OS has not scheduled (an OpenMP barrier does;
 bench/NOTES.md section 8); torch's own ops keep torch's OpenMP pool.
 
 Whether they run is decided once, at startup, by the kernel registry (kernels/registry.py,
