@@ -1,6 +1,8 @@
 """Session-wide set-up: the native kernels are built before any test starts a server, tiny
 checkpoints are made once per session, and a session that leaves an engine process behind
-fails (after killing it) instead of hanging at exit.
+fails (after killing it) instead of hanging at exit. Mooncake's transfer engine is loaded before
+anything else and its state printed at session start; under MOE_ENGINE_CI=1 a test that must
+run on CI fails instead of skipping (tests/ci_skips.py).
 """
 
 from __future__ import annotations
@@ -12,7 +14,17 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+
+# Mooncake's transfer engine (the disaggregation tests) is loaded first, before torch and before
+# collection imports the test modules' libraries, so whether it loads does not depend on which
+# tests run or what was loaded before it; `mooncake_unavailable_reason()` then finds it loaded
+# (or, failing, says why; pytest_sessionstart prints that).
+try:
+    import mooncake.engine  # noqa: F401
+except ImportError:
+    pass
+
+import torch  # noqa: E402
 
 # Triton kernels run under the interpreter on a machine without a GPU. The switch must be set
 # before anything imports triton (transformers and compressed-tensors may, during collection).
@@ -21,6 +33,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from ci_skips import CI_ENV, ci_mode, pytest_runtest_makereport  # noqa: E402, F401
 from fixtures import make_mxfp4_experts_checkpoint, make_tiny_checkpoint  # noqa: E402
 from grpc_helpers import child_pids  # noqa: E402
 
@@ -42,6 +55,15 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         reporter.write_line(
             f"native kernels: {'ready' if reason is None else 'unavailable: ' + reason} "
             f"in {time.monotonic() - start:.1f} s"
+        )
+    from moe_engine.disagg.transfer import mooncake_unavailable_reason
+
+    reason = mooncake_unavailable_reason()
+    if reporter is not None:
+        reporter.write_line(
+            "Mooncake transfer engine: ready" if reason is None else
+            f"Mooncake transfer engine unavailable, the disaggregation tests "
+            f"{'fail (' + CI_ENV + '=1)' if ci_mode() else 'skip'}: {reason}"
         )
 
 

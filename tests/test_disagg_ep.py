@@ -32,8 +32,9 @@ from moe_engine.startup.config import (
     SchedulerConfig,
 )
 
-pytestmark = pytest.mark.skipif(mooncake_unavailable_reason() is not None,
-                                reason=str(mooncake_unavailable_reason()))
+pytestmark = [pytest.mark.skipif(mooncake_unavailable_reason() is not None,
+                                 reason=str(mooncake_unavailable_reason())),
+              pytest.mark.ci_must_run]
 
 
 def _ep_server(ckpt: Path, mode: str) -> ServerThread:

@@ -21,8 +21,9 @@ from moe_engine.errors import RequestError
 from moe_engine.sampling_params import SamplingParams
 from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
-pytestmark = pytest.mark.skipif(mooncake_unavailable_reason() is not None,
-                                reason=str(mooncake_unavailable_reason()))
+pytestmark = [pytest.mark.skipif(mooncake_unavailable_reason() is not None,
+                                 reason=str(mooncake_unavailable_reason())),
+              pytest.mark.ci_must_run]
 
 PROMPT_LENS = [1, 5, 16, 17, 40, 150, 300]
 MAX_TOKENS = 6

@@ -34,6 +34,9 @@ PROMPTS = [[5, 6, 7, 8], [11, 3, 200, 9, 41, 17], list(range(3, 160))]
 GREEDY = {"temperature": 0, "max_tokens": 6}
 MODEL = "tiny-qwen3"
 
+# The served tests skip without Mooncake; CI installs it (tests/ci_skips.py).
+pytestmark = pytest.mark.ci_must_run
+
 
 # ------------------------------------------------------------------ conversions (no servers)
 

@@ -35,8 +35,9 @@ from moe_engine.startup.config import (
     SchedulerConfig,
 )
 
-pytestmark = pytest.mark.skipif(mooncake_unavailable_reason() is not None,
-                                reason=str(mooncake_unavailable_reason()))
+pytestmark = [pytest.mark.skipif(mooncake_unavailable_reason() is not None,
+                                 reason=str(mooncake_unavailable_reason())),
+              pytest.mark.ci_must_run]
 
 PROMPT_LENS = [1, 5, 16, 17, 40, 150, 300]
 NUM_BLOCKS = 128

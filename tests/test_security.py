@@ -274,6 +274,7 @@ def _tls_channel(address: str, certs: CertPaths, client_cert: bool = True) -> gr
     return grpc.secure_channel(address, credentials)
 
 
+@pytest.mark.ci_must_run  # skips without cryptography / openssl; CI has both
 def test_mutual_tls_round_trip(
     tls: tuple[ServerThread, CertPaths], capsys, tmp_path: Path
 ) -> None:
@@ -293,6 +294,7 @@ def test_mutual_tls_round_trip(
     assert code == 0 and _batch_tokens(out) == 5, err
 
 
+@pytest.mark.ci_must_run  # skips without cryptography / openssl; CI has both
 def test_tls_refuses_plaintext_and_clients_without_certificate(
     tls: tuple[ServerThread, CertPaths],
 ) -> None:
