@@ -105,7 +105,7 @@ class KernelPlan:
         notes = [f"  {', '.join(ops)}: {reason}" for reason, ops in by_reason.items()]
         for c in self.choices.values():
             for fallback in fallbacks(c.op, c.backend):
-                notes.append(f"  {c.op}={c.backend} falls back for {fallback}")
+                notes.append(f"  {c.op}={c.backend}, per call: {fallback}")
         if self.native_isa:
             notes.append(f"  native-cpu build: {self.native_isa}")
         return "\n".join([f"kernels ({self.device}): {pairs}", *notes])
@@ -235,17 +235,17 @@ def fallbacks(op: str, backend: str) -> tuple[str, ...]:
     if backend != NATIVE_CPU:
         return ()
     if op == "linear":
-        from kernels.dense.linear import NATIVE_FALLBACKS
+        from kernels.dense.linear import native_fallbacks
 
-        return NATIVE_FALLBACKS
+        return native_fallbacks()
     if op == "attention_prefill":
         from kernels.attention.paged import NATIVE_PREFILL_FALLBACKS
 
         return NATIVE_PREFILL_FALLBACKS
-    if op in ("fused_moe", "fused_moe_int4", "fused_moe_mxfp4"):
-        from kernels.moe.backends import NATIVE_FALLBACKS
+    if op == "fused_moe":
+        from kernels.moe.backends import native_float_variants
 
-        return NATIVE_FALLBACKS
+        return native_float_variants()
     if op == "decode_layer":
         from kernels.decode_layer.native import MAX_ROWS
 

@@ -66,9 +66,12 @@ def test_linear_row_fallbacks_are_taken_and_declared() -> None:
     wide(torch.randn(3, 16, generator=g))
     assert wide.kernel.packed is not None  # within it: the native kernel
     text = _plan().describe()
-    assert f"linear=native-cpu falls back for batches over {NATIVE_MAX_ROWS} rows" in text
+    assert f"linear=native-cpu, per call: batches over {NATIVE_MAX_ROWS} rows" in text
     assert f"({NARROW_MAX_ROWS} for layers of fewer than" in text
-    assert f"{amx.LINEAR_MIN_ROWS}-{amx.LINEAR_MAX_ROWS} rows" in text
+    if amx.bf16_backend() is not None:  # the bf16 route, named with this CPU's kernel
+        assert f"the bf16 kernel ({amx.bf16_backend()}) at {amx.LINEAR_MIN_ROWS}-" in text
+    else:
+        assert f"no bf16 kernel here ({amx.amx_unavailable_reason()})" in text
 
 
 def test_linear_float16_and_torch_plans_never_take_the_native_kernel() -> None:
@@ -76,7 +79,7 @@ def test_linear_float16_and_torch_plans_never_take_the_native_kernel() -> None:
     assert _plan().linear(half, None).native_max_rows == 0  # declared: float16 layers: torch
     torch_kernel = _plan(TORCH).linear(torch.zeros(80, 16), None)
     assert (torch_kernel.native_max_rows, torch_kernel.amx, torch_kernel.q4) == (0, False, False)
-    assert "linear=torch falls back" not in _plan(TORCH).describe()
+    assert "linear=torch, per call" not in _plan(TORCH).describe()
 
 
 @needs_native
@@ -121,14 +124,14 @@ def test_attention_float_cache_fallback_is_taken_and_declared() -> None:
     layer.bind_kernels(_plan())
     assert layer.kernels.prefill is paged.native_prefill
     text = _plan().describe()
-    assert "attention_prefill=native-cpu falls back for float32 queries or caches: torch" in text
+    assert "attention_prefill=native-cpu, per call: float32 queries or caches: torch" in text
 
 
 def test_every_native_fallback_is_printed_once_per_op() -> None:
     text = _plan().describe()
     for op in ("linear", "attention_prefill", "fused_moe", "decode_layer", "rms_norm"):
-        assert f"{op}=native-cpu falls back for" in text, op
-    assert "falls back" not in _plan(TORCH).describe()
+        assert f"{op}=native-cpu, per call: " in text, op
+    assert "per call" not in _plan(TORCH).describe()
 
 
 def test_small_ops_hand_out_a_kernel_or_none() -> None:

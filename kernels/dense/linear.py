@@ -42,15 +42,25 @@ NARROW_MAX_ROWS = 8
 #: (method, group size, scale dtype) of a layer's 4-bit weights, or None for float weights.
 QuantScheme = tuple[str, int, torch.dtype]
 
-#: The fallbacks a native-cpu linear takes per batch (printed in the startup plan).
-NATIVE_FALLBACKS = (
-    f"batches over {NATIVE_MAX_ROWS} rows ({NARROW_MAX_ROWS} for layers of fewer than "
-    f"{NATIVE_MIN_OUT_FEATURES} outputs) and float16 layers: torch",
-    f"bfloat16 layers where the CPU has AMX or AVX512-BF16: the bf16 kernel at "
-    f"{amx.LINEAR_MIN_ROWS}-{amx.LINEAR_MAX_ROWS} rows, torch above",
-    f"4-bit layers (--quantized-layers all): the 4-bit kernel up to {NATIVE_MAX_ROWS} rows, "
-    f"torch over the dequantized weights above",
-)
+
+
+def native_fallbacks() -> tuple[str, ...]:
+    """The routes a native-cpu linear takes per batch besides its packed kernel, as the
+    startup plan prints them (with this process's bf16 kernel: `amx.bf16_backend`)."""
+    bf16 = amx.bf16_backend()
+    bf16_route = (
+        f"bfloat16 layers: the bf16 kernel ({bf16}) at {amx.LINEAR_MIN_ROWS}-"
+        f"{amx.LINEAR_MAX_ROWS} rows, torch above"
+        if bf16 is not None
+        else f"bfloat16 layers: no bf16 kernel here ({amx.amx_unavailable_reason()})"
+    )
+    return (
+        f"batches over {NATIVE_MAX_ROWS} rows ({NARROW_MAX_ROWS} for layers of fewer than "
+        f"{NATIVE_MIN_OUT_FEATURES} outputs) and float16 layers: torch",
+        bf16_route,
+        f"4-bit layers (--quantized-layers all): the 4-bit kernel up to {NATIVE_MAX_ROWS} "
+        f"rows, torch over the dequantized weights above",
+    )
 
 
 class LinearKernel:

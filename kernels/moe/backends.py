@@ -33,12 +33,18 @@ from quant.mxfp4 import MXFP4_BLOCK_SIZE, dequantize_mxfp4
 
 NATIVE_CPU, TORCH, TRITON = "native-cpu", "torch", "triton"  # kernels.registry's names
 
-#: The variants a native-cpu expert kernel takes (printed in the startup plan; chosen at bind
-#: time per layer, never per batch, so a token's result never depends on the batch around it).
-NATIVE_FALLBACKS = (
-    "bfloat16 float experts where the CPU has AMX or AVX512-BF16: the bf16 kernel "
-    "(AmxExperts); other float experts: the AVX2/AVX-512 kernel (PackedExperts)",
-)
+
+
+def native_float_variants() -> tuple[str, ...]:
+    """Which native kernel float experts run (chosen at bind time per layer, never per batch,
+    so a token's result never depends on the batch around it), as the startup plan prints
+    it."""
+    bf16 = cpu_amx.bf16_backend()
+    if bf16 is None:
+        return (f"every layer: the AVX2/AVX-512 kernel (PackedExperts; no bf16 kernel here: "
+                f"{cpu_amx.amx_unavailable_reason()})",)
+    return (f"bfloat16 experts: the bf16 kernel (AmxExperts, {bf16}); float32 experts: the "
+            f"AVX2/AVX-512 kernel (PackedExperts)",)
 EXPERT_BACKENDS = (NATIVE_CPU, TORCH, TRITON)
 
 #: (hidden [T, H], topk_weights [T, k] fp32, topk_ids [T, k] int32, **extras) -> [T, H]; the
