@@ -45,8 +45,9 @@ from moe_engine.startup.config import EngineConfig, default_threads
 
 logger = logging.getLogger(__name__)
 
-#: The engine core class, as "module:attribute" (tests substitute a fake core through it).
-DEFAULT_CORE_FACTORY = "moe_engine.core.engine_core:EngineCore"
+#: What builds the engine core, as "module:attribute" called as factory(config, [rank_context,]
+#: progress=...) (tests substitute a fake core through it).
+DEFAULT_CORE_FACTORY = "moe_engine.core.build:build_engine_core"
 #: How long an idle loop blocks on its input socket before it looks around again (ms).
 _IDLE_POLL_MS = 500
 #: How long closing a socket may wait to flush the last messages (ms).
