@@ -12,12 +12,14 @@ One iteration of the loop, on every rank:
 
 1. rank 0 drains the front end's messages (waiting up to `IDLE_POLL_S` when no rank has work)
    and broadcasts them with the decision whether to step (`broadcast_object_list`);
-2. every rank applies them: requests addressed to it, every abort (unknown ids are ignored),
-   the queries (stats, expert load, model info), shutdown;
+2. every rank applies them (`loop.apply`, the handler the single process uses too): requests
+   addressed to it, every abort (unknown ids are ignored), the queries (stats, expert load,
+   model info), control messages, shutdown;
 3. if the decision was to step, every rank runs exactly one forward pass (a zero-token one when
    it has nothing scheduled), so each MoE layer's dispatch and combine has all participants;
 4. every rank reports its outputs, refusals, query answers and whether it has work left to
-   rank 0 (`gather_object`), which forwards them to the front end.
+   rank 0 (`gather_object`), which forwards them to the front end (`loop.reply_for` merges the
+   ranks' answers).
 
 All collectives run under `ParallelConfig.collective_timeout_s`. A rank that dies or hangs makes
 the others' collectives fail; rank 0 then names the ranks that no longer answer (a monitored
@@ -33,9 +35,7 @@ import os
 import signal
 import sys
 import threading
-import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import msgspec
@@ -61,7 +61,12 @@ from moe_engine.engine.messages import (
 )
 from moe_engine.engine.monitor import FRONTEND_TIMEOUT_S, FrontEndMonitor
 from moe_engine.engine.netif import is_loopback, route_source_address
-from moe_engine.engine.rank_groups import MeshError, RankGroups, join_groups
+from moe_engine.engine.rank_groups import (
+    MeshError,
+    RankGroups,
+    join_groups,
+    unresponsive_ranks,
+)
 from moe_engine.engine.role import PlainRole, Role, role_for
 from moe_engine.startup.config import EngineConfig, default_threads
 
@@ -71,8 +76,6 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_S = 0.05
 #: How long loading the model may take on the slowest rank before startup fails (seconds).
 STARTUP_TIMEOUT_S = 900.0
-#: How long rank 0 waits for each rank at the monitored barrier that names dead ranks (seconds).
-HEALTH_CHECK_S = 3.0
 
 
 @dataclass
@@ -91,7 +94,6 @@ class LockstepLoop:
         core: this rank's EngineCore (built with a `RankContext`).
         rank, world_size: this rank and the number of ranks.
         group: the control process group (gloo).
-        health_group: a group used only to find unresponsive ranks after a failure.
         inputs, outputs: rank 0's ZeroMQ sockets (None on the other ranks).
         trace: rank 0's expert-trace writer (`PeriodicTraceWriter`), None otherwise.
         tracing: whether an expert trace is written (every rank then reports its step).
@@ -105,7 +107,6 @@ class LockstepLoop:
         rank: int,
         world_size: int,
         group: Any,
-        health_group: Any,
         inputs: zmq.Socket | None = None,
         outputs: zmq.Socket | None = None,
         trace: Any = None,
@@ -116,7 +117,7 @@ class LockstepLoop:
         self.role: Role = PlainRole(core) if role is None else role
         self.trace, self.tracing = trace, tracing
         self.rank, self.world_size = rank, world_size
-        self.group, self.health_group = group, health_group
+        self.group = group
         self.inputs, self.outputs = inputs, outputs
         self._poller: zmq.Poller | None = None
         if inputs is not None:
@@ -210,47 +211,6 @@ class LockstepLoop:
         flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return int(flag.item()) == 0
-
-    def unresponsive_ranks(self, rank_pids: list[int]) -> str:
-        """After a failed collective: which ranks no longer answer, as text for the error.
-
-        Ranks on this node are checked by pid (gone, zombie or stopped); otherwise a monitored
-        barrier on the health group names the ranks that do not reach it.
-        """
-        deadline = time.monotonic() + HEALTH_CHECK_S  # a killed peer may still be exiting
-        while rank_pids:
-            found = [
-                f"rank {rank} (pid {pid}) {state}"
-                for rank, pid in enumerate(rank_pids)
-                if rank != self.rank and (state := process_state(pid)) is not None
-            ]
-            if found:
-                return "; ".join(found)
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        try:
-            dist.monitored_barrier(
-                group=self.health_group,
-                timeout=timedelta(seconds=HEALTH_CHECK_S),
-                wait_all_ranks=True,
-            )
-        except Exception as exc:  # noqa: BLE001 - the barrier's message names the ranks
-            return str(exc).strip().splitlines()[0]
-        return "all ranks still answer"
-
-
-def process_state(pid: int) -> str | None:
-    """"is gone", "is a zombie" or "is stopped" for a local process in that state, else None
-    (running, or not on this node)."""
-    try:
-        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115 - one short read
-    except FileNotFoundError:
-        return "is gone"
-    except OSError:
-        return None
-    state = stat.rsplit(")", 1)[1].split()[0]
-    return {"Z": "is a zombie (it died)", "X": "is gone", "T": "is stopped"}.get(state)
 
 
 def rank_threads(config: EngineConfig, local_world_size: int) -> int:
@@ -438,7 +398,7 @@ def _serve_rank(
             ),
         )
     lockstep = LockstepLoop(
-        core, rank, world_size, groups.control, groups.health, inputs, outputs,
+        core, rank, world_size, groups.control, inputs, outputs,
         trace=trace, tracing=bool(config.expert_trace), role=role,
     )
     try:
@@ -449,7 +409,7 @@ def _serve_rank(
         logger.exception("rank %d: step loop failed: %s", rank, exc)
         if rank == 0:
             local = local_world == world_size  # every rank on this node: pids are meaningful
-            who = lockstep.unresponsive_ranks(pids if local else [])
+            who = unresponsive_ranks(rank, pids if local else [], groups.health)
             send(Fatal(f"expert-parallel step failed ({who}): {exc}"))
         return 1
     finally:
