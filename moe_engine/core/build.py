@@ -25,7 +25,7 @@ from moe_engine.errors import StartupError
 from moe_engine.instrumentation import ExpertLoadRecorder
 from moe_engine.kv_cache import KVCacheManager
 from moe_engine.kv_cache.state import StateSlotPool
-from moe_engine.models.build import build_model, sizes_kv_on_device
+from moe_engine.models.build import BuiltModel, build_model, sizes_kv_on_device
 from moe_engine.phase_timer import PhaseTimer
 from moe_engine.runner.cuda_graphs import (
     CudaGraphCapture,
@@ -85,9 +85,46 @@ def build_engine_core(
         progress("profiling activation memory", str(device), None)
         built.plan = plan_kv_on_device(config, built, kv_groups, device)
     plan = built.plan
+    ep_size = rank_context.ep_size if rank_context is not None else 1
+    timer, expert_load, trace = _instruments(config, built, rank_context, device)
+    progress("loading the tokenizer", "", None)
+    tokenizer = load_tokenizer(model_dir)
+    progress("allocating the KV cache", f"{plan.num_blocks} blocks", None)
+    eos_token_ids = eos_token_ids_of(model_dir, built.hf_config)
+    kv = KVCacheManager(
+        [g.spec for g in kv_groups],
+        plan.num_blocks,
+        enable_prefix_caching=config.cache.enable_prefix_caching,
+        state_slots=StateSlotPool(plan.num_state_slots) if plan.num_state_slots else None,
+    )
+    scheduler = Scheduler(config.scheduler, kv, config.speculative.num_lookahead_tokens)
+    sampler = Sampler(config.model.seed, config.scheduler.max_num_seqs)
+    structured_output = StructuredOutputManager(tokenizer, spec.vocab_size, eos_token_ids)
+    capture = graph_capture or CudaGraphCapture()
+    runner = _runner(config, built, kv_groups, sampler, device, timer, ep_size, capture,
+                     progress)
+    if config.scheduler.stream_interval > 1:
+        logger.info("stream interval: a request's tokens are sent every %d tokens (the first "
+                    "at once, the rest with the final output)", config.scheduler.stream_interval)
+    drafter = _drafter(config)
+    return EngineCore(
+        config, built, rank_context=rank_context, device=device, timer=timer,
+        expert_load=expert_load, trace=trace, tokenizer=tokenizer, eos_token_ids=eos_token_ids,
+        kv=kv, scheduler=scheduler, sampler=sampler, structured_output=structured_output,
+        runner=runner, graph_capture=capture, drafter=drafter,
+    )
+
+
+def _instruments(
+    config: EngineConfig, built: BuiltModel, rank_context: RankContext | None,
+    device: torch.device,
+) -> tuple[PhaseTimer, ExpertLoadRecorder, PeriodicTraceWriter | None]:
+    """The phase timer and the expert-load recorder, attached to the model, and this rank's
+    own expert trace writer (None under expert parallelism or without --expert-trace)."""
+    spec, model_dir = built.spec, config.model.model
+    ep_size = rank_context.ep_size if rank_context is not None else 1
     timer = PhaseTimer()
     built.model.attach_timer(timer)
-    ep_size = rank_context.ep_size if rank_context is not None else 1
     # group-limited routing (GLM-4.5, DeepSeek): the trace and reports show per-group load
     n_group = getattr(spec, "n_group", None)
     expert_load = ExpertLoadRecorder(
@@ -106,20 +143,21 @@ def build_engine_core(
         )
     for index, moe in built.model.moe_layers():
         moe.attach_recorder(expert_load, index)
-    progress("loading the tokenizer", "", None)
-    tokenizer = load_tokenizer(model_dir)
-    progress("allocating the KV cache", f"{plan.num_blocks} blocks", None)
-    eos_token_ids = eos_token_ids_of(model_dir, built.hf_config)
-    kv = KVCacheManager(
-        [g.spec for g in kv_groups],
-        plan.num_blocks,
-        enable_prefix_caching=config.cache.enable_prefix_caching,
-        state_slots=StateSlotPool(plan.num_state_slots) if plan.num_state_slots else None,
-    )
-    scheduler = Scheduler(config.scheduler, kv, config.speculative.num_lookahead_tokens)
-    sampler = Sampler(config.model.seed, config.scheduler.max_num_seqs)
-    structured_output = StructuredOutputManager(tokenizer, spec.vocab_size, eos_token_ids)
-    capture = graph_capture or CudaGraphCapture()
+    return timer, expert_load, trace
+
+
+def _runner(
+    config: EngineConfig, built: BuiltModel, kv_groups: list, sampler: Sampler,
+    device: torch.device, timer: PhaseTimer, ep_size: int, capture: GraphCapture,
+    progress: StartupProgressFn,
+) -> ModelRunner:
+    """The model runner over the KV cache groups, its step inputs reserved and its decode
+    graphs captured when they apply (`graphs_off_reason`, logged).
+
+    Raises:
+        StartupError: a graph capture failed.
+    """
+    plan = built.plan
     graphs_off = graphs_off_reason(
         device, enforce_eager=config.device.enforce_eager, kernels=built.kernels,
         kv_kinds=[g.spec.kind for g in kv_groups]
@@ -143,16 +181,7 @@ def build_engine_core(
     sched = config.scheduler
     runner.reserve_inputs(sched.max_num_batched_tokens, sched.max_num_seqs, built.max_model_len)
     _capture_graphs(config, runner, timer, built.max_model_len, graphs_off, capture, progress)
-    if config.scheduler.stream_interval > 1:
-        logger.info("stream interval: a request's tokens are sent every %d tokens (the first "
-                    "at once, the rest with the final output)", config.scheduler.stream_interval)
-    drafter = _drafter(config)
-    return EngineCore(
-        config, built, rank_context=rank_context, device=device, timer=timer,
-        expert_load=expert_load, trace=trace, tokenizer=tokenizer, eos_token_ids=eos_token_ids,
-        kv=kv, scheduler=scheduler, sampler=sampler, structured_output=structured_output,
-        runner=runner, graph_capture=capture, drafter=drafter,
-    )
+    return runner
 
 
 def eos_token_ids_of(model_dir: str, hf_config) -> frozenset[int]:
