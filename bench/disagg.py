@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from workload import ensure_bench_checkpoint  # noqa: E402
 
+from moe_engine.core.build import build_engine_core  # noqa: E402
 from moe_engine.core.engine_core import EngineCore  # noqa: E402
 from moe_engine.disagg.arithmetic import format_table, transfer_table  # noqa: E402
 from moe_engine.disagg.handoff import DecodeHandoff, PrefillHandoff, kv_transfer_for  # noqa: E402
@@ -34,7 +35,7 @@ from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig, Sc
 
 
 def _core(ckpt: Path, max_len: int) -> EngineCore:
-    return EngineCore(EngineConfig(
+    return build_engine_core(EngineConfig(
         model=ModelConfig(model=str(ckpt), dtype="bfloat16", max_model_len=max_len),
         cache=CacheConfig(kv_cache_memory=512 << 20),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=max(2048, max_len)),

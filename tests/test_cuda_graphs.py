@@ -20,6 +20,7 @@ from fixtures import hf_greedy
 from kernels.plan import KernelPlan
 from moe_engine import LLM, SamplingParams
 from moe_engine.cli.serve import build_parser, engine_config_from_args
+from moe_engine.core.build import build_engine_core
 from moe_engine.core.engine_core import EngineCore
 from moe_engine.errors import StartupError
 from moe_engine.instrumentation import ExpertLoadRecorder
@@ -60,7 +61,7 @@ def _engine(
         kernel_backend="triton",
         device=DeviceConfig(device, **device_kw),
     )
-    return EngineCore(config, graph_capture=capture)
+    return build_engine_core(config, graph_capture=capture)
 
 
 def _generate(engine: EngineCore) -> tuple[list[list[int]], list[tuple[list[int], bool]]]:
@@ -111,12 +112,12 @@ def _caches(engine: EngineCore) -> list[torch.Tensor]:
 def test_graph_path_matches_eager_and_transformers(ckpt_name, request, caplog) -> None:
     ckpt = request.getfixturevalue(ckpt_name)
     expected = [hf_greedy(ckpt, [p], n)[0] for p, n in zip(_prompts(), MAX_TOKENS, strict=True)]
-    with caplog.at_level(logging.INFO, logger="moe_engine.core.engine_core"):
+    with caplog.at_level(logging.INFO, logger="moe_engine.core.build"):
         eager = _engine(ckpt, num_blocks=NUM_BLOCKS[ckpt_name])
     assert "CUDA graphs: off (cpu)" in caplog.text
     assert eager.runner.decode_graphs is None and eager.runner.scratch_block is None
     eager_ids, _ = _generate(eager)
-    with caplog.at_level(logging.INFO, logger="moe_engine.core.engine_core"):
+    with caplog.at_level(logging.INFO, logger="moe_engine.core.build"):
         engine = _engine(ckpt, EagerReplayCapture(), num_blocks=NUM_BLOCKS[ckpt_name])
     assert "CUDA graphs: captured decode batch sizes [1, 2, 4, 8] in" in caplog.text
     graphs = engine.runner.decode_graphs
@@ -185,7 +186,7 @@ def test_enforce_eager_flag_and_offline_api(qwen3_ckpt, caplog) -> None:
     assert engine_config_from_args(args, str(qwen3_ckpt)).device.enforce_eager is False
     with pytest.raises(ValueError, match="enforce_eager must be a bool, got 'yes'"):
         DeviceConfig(enforce_eager="yes")
-    with caplog.at_level(logging.INFO, logger="moe_engine.core.engine_core"):
+    with caplog.at_level(logging.INFO, logger="moe_engine.core.build"):
         llm = LLM(model=str(qwen3_ckpt), device="cpu", enforce_eager=True, max_model_len=64)
     assert "CUDA graphs: off (--enforce-eager)" in caplog.text
     assert llm.engine.runner.decode_graphs is None
@@ -229,7 +230,7 @@ def test_cuda_graphs_capture_and_match_eager(qwen3_ckpt, caplog) -> None:
                                                                    strict=True)]  # fmt: skip
     eager = _engine(qwen3_ckpt, device="cuda", enforce_eager=True)
     eager_ids, _ = _generate(eager)
-    with caplog.at_level(logging.INFO, logger="moe_engine.core.engine_core"):
+    with caplog.at_level(logging.INFO, logger="moe_engine.core.build"):
         engine = _engine(qwen3_ckpt, device="cuda")
     assert "CUDA graphs: captured decode batch sizes [1, 2, 4, 8] in" in caplog.text
     assert "MiB" in caplog.text

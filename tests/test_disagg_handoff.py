@@ -13,6 +13,7 @@ import pytest
 import torch
 from fixtures import hf_greedy
 
+from moe_engine.core.build import build_engine_core
 from moe_engine.core.engine_core import EngineCore
 from moe_engine.disagg.handoff import DecodeHandoff, KVPlacement, PrefillHandoff, kv_transfer_for
 from moe_engine.disagg.kv_layout import _runs
@@ -30,7 +31,7 @@ MAX_TOKENS = 6
 
 
 def _core(ckpt: Path, prefix_caching: bool) -> EngineCore:
-    return EngineCore(EngineConfig(
+    return build_engine_core(EngineConfig(
         model=ModelConfig(model=str(ckpt), max_model_len=512),
         cache=CacheConfig(num_blocks_override=96, enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),

@@ -314,7 +314,7 @@ def test_tokenizer_length_warning_does_not_leak(tmp_path: Path) -> None:
     transformers' loggers do not propagate to the root: the handler goes on theirs."""
     from transformers import AutoTokenizer
 
-    from moe_engine.core import engine_core
+    from moe_engine.core import build as engine_core
     from moe_engine.core.tokenizer import load_tokenizer
     from moe_engine.engine import client as engine_client
 

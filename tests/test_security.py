@@ -413,10 +413,10 @@ def test_pickle_only_checkpoint_is_refused(
     assert code == 1
     assert "no weights found" in err and "*.safetensors" in err
     assert "pytorch_model.bin" in err and "never loaded" in err
-    from moe_engine.core.engine_core import EngineCore
+    from moe_engine.core.build import build_engine_core
 
     with pytest.raises(StartupError, match="safetensors"):
-        EngineCore(EngineConfig(ModelConfig(str(model), max_model_len=64)))
+        build_engine_core(EngineConfig(ModelConfig(str(model), max_model_len=64)))
     assert not marker.exists()
 
 
@@ -432,8 +432,8 @@ def test_remote_code_config_is_refused(tmp_path: Path) -> None:
     )
     config = {"model_type": "evil", "auto_map": {"AutoConfig": "evil_config.EvilConfig"}}
     (model / "config.json").write_text(json.dumps(config))
-    from moe_engine.core.engine_core import EngineCore
+    from moe_engine.core.build import build_engine_core
 
     with pytest.raises(ValueError, match="trust_remote_code"):
-        EngineCore(EngineConfig(ModelConfig(str(model), max_model_len=64)))
+        build_engine_core(EngineConfig(ModelConfig(str(model), max_model_len=64)))
     assert not marker.exists()

@@ -11,6 +11,7 @@ import pytest
 import torch
 from fixtures import hf_greedy
 
+from moe_engine.core.build import build_engine_core
 from moe_engine.core.engine_core import EngineCore
 from moe_engine.sampling_params import SamplingParams
 from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -38,7 +39,7 @@ def _engine(
     caching: bool = False,
 ) -> EngineCore:
     spec = SpeculativeConfig("ngram", k, 1, 3, 0) if k else SpeculativeConfig()
-    return EngineCore(
+    return build_engine_core(
         EngineConfig(
             model=ModelConfig(model=str(ckpt), max_model_len=max_model_len),
             cache=CacheConfig(

@@ -39,6 +39,7 @@ from http_helpers import tokenizer_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
 
 from moe_engine.cli.serve import build_parser, engine_config_from_args, server_options_from_args
+from moe_engine.core.build import build_engine_core
 from moe_engine.core.detokenizer import IncrementalDetokenizer
 from moe_engine.core.engine_core import EngineCore
 from moe_engine.core.tokenizer import load_tokenizer
@@ -339,7 +340,7 @@ def _stop_cases(tokenizer, prompts, want) -> list[tuple[int, list[str], int | No
 
 def _without_drafts(ckpt: Path, prompts, cases) -> list[tuple[list[int], str, str]]:
     """(tokens, text, finish reason) per case from an engine core without drafts."""
-    engine = EngineCore(
+    engine = build_engine_core(
         EngineConfig(
             model=ModelConfig(model=str(ckpt), max_model_len=128),
             cache=CacheConfig(block_size=16, num_blocks_override=NUM_BLOCKS),
@@ -519,7 +520,7 @@ class FixedDrafts:
 def _sample(ckpt: Path, spec: bool, seed: int) -> tuple[list[list[int]], EngineCore]:
     """STAT_REQUESTS unseeded samples (engine seed `seed`) of STAT_MAX_TOKENS tokens, with
     FixedDrafts (two per step at most) or without drafts."""
-    engine = EngineCore(
+    engine = build_engine_core(
         EngineConfig(
             model=ModelConfig(model=str(ckpt), max_model_len=32, seed=seed),
             cache=CacheConfig(block_size=16, num_blocks_override=520),

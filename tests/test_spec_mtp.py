@@ -22,6 +22,7 @@ import torch
 from fixtures import hf_greedy, tiny_config
 from safetensors.torch import load_file, save_file
 
+from moe_engine.core.build import build_engine_core
 from moe_engine.core.engine_core import EngineCore
 from moe_engine.errors import StartupError
 from moe_engine.sampling_params import SamplingParams
@@ -143,7 +144,7 @@ def _prompts() -> list[list[int]]:
 def _engine(ckpt: Path, k: int, *, budget: int = 16, num_blocks: int = 64,
             caching: bool = False, method: str = "mtp", ep_size: int = 1,
             max_model_len: int = 128) -> EngineCore:
-    return EngineCore(EngineConfig(
+    return build_engine_core(EngineConfig(
         model=ModelConfig(model=str(ckpt), max_model_len=max_model_len),
         cache=CacheConfig(block_size=4, num_blocks_override=num_blocks,
                           enable_prefix_caching=caching),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_engine.core.build import build_engine_core
 from moe_engine.core.engine_core import EngineCore
 from moe_engine.errors import ParamError
 from moe_engine.sampling_params import SamplingParams
@@ -18,7 +19,7 @@ MAX_TOKENS = [11, 1, 9]
 
 
 def _engine(ckpt, interval: int) -> EngineCore:
-    return EngineCore(EngineConfig(
+    return build_engine_core(EngineConfig(
         model=ModelConfig(model=str(ckpt), max_model_len=128),
         cache=CacheConfig(num_blocks_override=32),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24,

@@ -1,48 +1,31 @@
 """EngineCore: one rank's synchronous loop (schedule -> execute -> sample -> update -> outputs).
 
-Startup order (DESIGN.md section 10): the architecture from config.json, the kernel backends
-(kernels/registry.py; the native CPU kernels built once, then cached), config arithmetic
-(`plan.py`, fails fast with numbers), then weights with a progress bar, then the KV cache.
-Each phase is told to the `progress` callback, which the core process forwards to the front end
-as StartupProgress (what health and UNAVAILABLE messages say while it starts).
+`core.build.build_engine_core` builds, loads and wires the parts (model, KV cache, scheduler,
+runner, graphs, drafter) and hands them to `EngineCore`, which runs them; what the core reports
+about itself (stats, expert load, model info) is in `core.reports`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from moe_engine.core import reports
 from moe_engine.core.detokenizer import IncrementalDetokenizer
-from moe_engine.core.device import engine_device, kv_groups_of, plan_kv_on_device
-from moe_engine.core.outputs import (
-    CoreStats,
-    EngineCoreOutput,
-    ExpertLoad,
-    KVCacheGroupStats,
-    ModelInfo,
-)
+from moe_engine.core.outputs import CoreStats, EngineCoreOutput, ExpertLoad, ModelInfo
 from moe_engine.core.parallel_sampling import ParentRequest
-from moe_engine.core.tokenizer import load_tokenizer
 from moe_engine.core.validation import validate_request
-from moe_engine.errors import ErrorCode, RequestError, StartupError
-from moe_engine.instrumentation import ExpertLoadRecorder, balancedness, imbalance_ratio
+from moe_engine.errors import ErrorCode, RequestError
+from moe_engine.instrumentation import ExpertLoadRecorder
 from moe_engine.kv_cache import KVCacheManager
-from moe_engine.kv_cache.state import StateSlotPool
-from moe_engine.models import resolve_quant_config
-from moe_engine.models.build import build_model, sizes_kv_on_device
+from moe_engine.models.build import BuiltModel
 from moe_engine.phase_timer import PhaseTimer
 from moe_engine.request import FinishReason, Request
-from moe_engine.runner.cuda_graphs import (
-    CudaGraphCapture,
-    GraphCapture,
-    capture_sizes,
-    graphs_off_reason,
-)
+from moe_engine.runner.cuda_graphs import GraphCapture
 from moe_engine.runner.model_runner import ModelRunner
 from moe_engine.runner.sampler import Sampler
 from moe_engine.runner.spec_decode.drafter import Drafter
@@ -50,34 +33,11 @@ from moe_engine.sampling_params import OUTPUT_FINAL_ONLY, SamplingParams
 from moe_engine.scheduler import Scheduler
 from moe_engine.skew.trace import PeriodicTraceWriter
 from moe_engine.startup.config import EngineConfig
-from moe_engine.startup.env import default_threads
-from moe_engine.startup.memory import cuda_device_memory
-from moe_engine.startup.progress import StartupProgressFn
 from moe_engine.startup.rank_context import RankContext
 from moe_engine.structured_output import StructuredOutputManager
 from moe_engine.weight_update.control import RolloutControl
-from quant.compressed_tensors import parse_quantization_config
-from quant.fp8 import parse_fp8_config
-from quant.mxfp4 import MXFP4_BLOCK_SIZE
 
 logger = logging.getLogger(__name__)
-
-
-def eos_token_ids_of(model_dir: str, hf_config) -> frozenset[int]:
-    """EOS ids from generation_config.json (preferred) or config.json; int or list accepted."""
-    ids: set[int] = set()
-    gen = Path(model_dir) / "generation_config.json"
-    sources = [getattr(hf_config, "eos_token_id", None)]
-    if gen.is_file():
-        import json
-
-        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
-    for value in sources:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(v for v in value if isinstance(v, int))
-    return frozenset(ids)
 
 
 @dataclass
@@ -98,164 +58,80 @@ class StepRecord:
     num_tokens: int
 
 
-def _resolve_quant(config: EngineConfig) -> EngineConfig:
-    """`config` with its QuantConfig resolved against config.json (`resolve_quant_config`);
-    an unsupported quantization_config is refused here, before the kernels are prepared.
-
-    Raises:
-        StartupError: an unsupported quantization_config, or flags that conflict with it.
-    """
-    try:
-        hf_config = config.model.hf_config()
-    except FileNotFoundError:
-        return config  # AutoConfig reports the missing checkpoint
-    try:
-        quant = resolve_quant_config(config.quant, hf_config, config.model.torch_dtype())
-        parse_quantization_config(hf_config) or parse_fp8_config(hf_config)
-    except ValueError as e:
-        raise StartupError(str(e)) from e
-    return replace(config, quant=quant)
-
-
-def _no_progress(phase: str, detail: str = "", eta_s: float | None = None) -> None:
-    """The progress callback of a core nobody watches start (the offline API)."""
-
-
 class EngineCore:
     """Owns one rank's scheduler, KV cache, model runner and live requests.
 
+    Built by `core.build.build_engine_core` (use that); the arguments are its built parts.
+
     Args:
-        config: the engine configuration.
+        config: the engine configuration, its QuantConfig resolved against config.json.
+        built: the loaded model and what was decided on the way (`models.build.BuiltModel`:
+            model, spec, architecture, plan, max_model_len, dtypes, kernels).
         rank_context: set on the ranks of an expert-parallel group (ep_size > 1): the model
             keeps only this rank's experts, and every `step` runs a forward pass (a zero-token
             one when nothing is scheduled) so that all ranks stay in lockstep.
-        progress: told each startup phase (phase, detail, seconds left or None); any thread
-            may call it (the kernel build reports from its own).
-        graph_capture: how decode graphs are captured (`moe_engine.runner.cuda_graphs`); None: the
-            real `CudaGraphCapture`. Tests pass `EagerReplayCapture` to run the graph path on
-            a CPU. Whether graphs apply is decided once here and logged ("CUDA graphs: ...").
-
-    Raises:
-        StartupError: unsupported architecture, a KV cache too small for one max_model_len
-            request, missing weights (messages give the numbers and the flags that fix them).
+        device: the engine's device; timer: the phase timer attached to the model;
+        expert_load: the routing recorder attached to the MoE layers; trace: this rank's own
+            expert trace writer, or None.
+        tokenizer: the checkpoint's tokenizer, or None; eos_token_ids: the EOS ids.
+        kv, scheduler, sampler, structured_output, runner: the KV cache manager, scheduler,
+            sampler, grammar compiler and model runner (its decode graphs captured).
+        graph_capture: how the decode graphs were captured (`recapture_graphs` uses it again).
+        drafter: the speculative decoding drafter, None when off.
     """
 
     def __init__(
         self,
         config: EngineConfig,
-        rank_context: RankContext | None = None,
+        built: BuiltModel,
         *,
-        progress: StartupProgressFn | None = None,
-        graph_capture: GraphCapture | None = None,
+        rank_context: RankContext | None,
+        device: torch.device,
+        timer: PhaseTimer,
+        expert_load: ExpertLoadRecorder,
+        trace: PeriodicTraceWriter | None,
+        tokenizer: Any | None,
+        eos_token_ids: frozenset[int],
+        kv: KVCacheManager,
+        scheduler: Scheduler,
+        sampler: Sampler,
+        structured_output: StructuredOutputManager,
+        runner: ModelRunner,
+        graph_capture: GraphCapture,
+        drafter: Drafter | None,
     ) -> None:
-        progress = progress or _no_progress
-        config = _resolve_quant(config)
         self.config = config
         self.rank_context = rank_context
-        #: The engine's device ("cpu" or a CUDA device), resolved once here.
-        self.device = engine_device(config)
-        torch.set_num_threads(config.parallel.num_threads or default_threads())
-        device_memory = cuda_device_memory(self.device) if self.device.type == "cuda" else None
-        built = build_model(config, rank_context, progress, self.device, device_memory)
+        #: The engine's device ("cpu" or a CUDA device), resolved once by the build.
+        self.device = device
         self.architecture, self.spec, self.model = built.architecture, built.spec, built.model
         self.plan, self.max_model_len = built.plan, built.max_model_len
         self.weight_dtype, self.dtype = built.weight_dtype, built.dtype
         self.kernels = built.kernels
-        spec, model_dir, hf_config = built.spec, config.model.model, built.hf_config
-        kv_groups = kv_groups_of(built, config.cache.block_size)
-        if sizes_kv_on_device(config, self.device):  # before the recorder and timer attach
-            progress("profiling activation memory", str(self.device), None)
-            self.plan = built.plan = plan_kv_on_device(config, built, kv_groups, self.device)
-        self.timer = PhaseTimer()
-        self.model.attach_timer(self.timer)
-        ep_size = rank_context.ep_size if rank_context is not None else 1
-        # group-limited routing (GLM-4.5, DeepSeek): the trace and reports show per-group load
-        n_group = getattr(spec, "n_group", None)
-        self.expert_load = ExpertLoadRecorder(
-            sorted(spec.moe_layers), spec.num_experts, ep_size,
-            n_group=n_group if n_group and n_group > 1 else None,
-            device=self.device,
-        )
+        self.timer = timer
+        self.expert_load = expert_load
         self.last_step: StepRecord | None = None
         self._last_num_tokens = 0
-        # One rank writes its own trace; under EP rank 0's loop writes the summed one.
-        self.trace: PeriodicTraceWriter | None = None
-        if config.expert_trace and rank_context is None:
-            self.trace = PeriodicTraceWriter(
-                config.expert_trace,
-                sorted(spec.moe_layers),
-                spec.num_experts,
-                meta=dict(model=model_dir, top_k=spec.top_k, **self.expert_load.layout_meta()),
-            )
-        for index, moe in self.model.moe_layers():
-            moe.attach_recorder(self.expert_load, index)
-        progress("loading the tokenizer", "", None)
-        self.tokenizer = load_tokenizer(model_dir)
-        progress("allocating the KV cache", f"{self.plan.num_blocks} blocks", None)
-        self.vocab_size = spec.vocab_size
-        self.eos_token_ids = eos_token_ids_of(model_dir, hf_config)
-        self.kv = KVCacheManager(
-            [g.spec for g in kv_groups],
-            self.plan.num_blocks,
-            enable_prefix_caching=config.cache.enable_prefix_caching,
-            state_slots=StateSlotPool(self.plan.num_state_slots) if self.plan.num_state_slots
-            else None,
-        )
-        self.scheduler = Scheduler(
-            config.scheduler, self.kv, config.speculative.num_lookahead_tokens
-        )
-        self.sampler = Sampler(config.model.seed, config.scheduler.max_num_seqs)
+        #: This rank's own expert trace (one rank only; under EP rank 0's loop writes one).
+        self.trace = trace
+        self.tokenizer = tokenizer
+        self.vocab_size = built.spec.vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.kv = kv
+        self.scheduler = scheduler
+        self.sampler = sampler
         #: Compiles structured-output grammars (builds nothing until a request asks for one).
-        self.structured_output = StructuredOutputManager(
-            self.tokenizer, self.vocab_size, self.eos_token_ids
-        )
-        capture = graph_capture or CudaGraphCapture()
-        self._graph_capture = capture
-        graphs_off = graphs_off_reason(
-            self.device, enforce_eager=config.device.enforce_eager, kernels=self.kernels,
-            kv_kinds=[g.spec.kind for g in kv_groups]
-            + (["linear_attention"] if self.plan.num_state_slots else []),
-            quant_method=config.quant.method,
-            ep_size=ep_size, capture_devices=capture.device_types,
-        )  # fmt: skip
-        self.runner = ModelRunner(
-            self.model,
-            self.plan.num_blocks,
-            config.cache.block_size,
-            self.dtype,
-            self.sampler,
-            kv_groups=kv_groups,
-            device=self.device,
-            scratch_block=graphs_off is None,
-            num_speculative_tokens=config.speculative.num_speculative_tokens,
-            disable_drafts_at=config.speculative.disable_by_batch_size,
-            num_state_slots=self.plan.num_state_slots,
-        )
-        sched = config.scheduler
-        self.runner.reserve_inputs(
-            sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len
-        )
-        self._capture_graphs(graphs_off, capture, progress)
+        self.structured_output = structured_output
+        self.runner = runner
+        self._graph_capture = graph_capture
         self._detok: dict[str, IncrementalDetokenizer] = {}
         #: Tokens (and their logprobs) sampled but not yet sent, per request id: with
         #: `stream_interval` > 1 a request's output waits for that many tokens.
         self._unsent: dict[str, tuple[list[int], list]] = {}
         self.stream_interval = config.scheduler.stream_interval
-        if self.stream_interval > 1:
-            logger.info("stream interval: a request's tokens are sent every %d tokens (the first "
-                        "at once, the rest with the final output)", self.stream_interval)
-        spec = config.speculative
         #: Proposes each running request's draft tokens after every step (speculative
         #: decoding), None when off.
-        self.drafter = Drafter(spec) if spec.enabled else None
-        if self.drafter is not None:
-            logger.info(
-                "speculative decoding: %s, %d draft tokens per request and step%s%s",
-                spec.method, spec.num_speculative_tokens,
-                f" (n-grams {spec.ngram_min}..{spec.ngram_max})" if spec.method == "ngram" else "",
-                f", off at {spec.disable_by_batch_size}+ running requests"
-                if spec.disable_by_batch_size else "",
-            )  # fmt: skip
+        self.drafter = drafter
         #: Live requests with n > 1, by the client's id.
         self._parents: dict[str, ParentRequest] = {}
         #: Pause state, weight version and weight updates (`moe_engine.weight_update`).
@@ -268,31 +144,6 @@ class EngineCore:
             num_rejected=0,
             num_steps=0,
         )
-
-    def _capture_graphs(
-        self, off_reason: str | None, capture: GraphCapture, progress: StartupProgressFn
-    ) -> None:
-        """Capture the decode graphs when they apply; log the decision in one line either way.
-        The phase timer forgets the capture's forwards.
-
-        Raises:
-            StartupError: a capture failed (naming the batch size and --enforce-eager).
-        """
-        if off_reason is not None:
-            logger.info("CUDA graphs: off (%s)", off_reason)
-            return
-        sched = self.config.scheduler
-        sizes = capture_sizes(sched.max_num_seqs, sched.max_num_batched_tokens)
-        progress("capturing CUDA graphs", f"decode batch sizes {sizes}", None)
-        try:
-            graphs = self.runner.capture_decode_graphs(sizes, self.max_model_len, capture)
-        except RuntimeError as exc:
-            raise StartupError(
-                f"CUDA graph capture failed at {exc}; pass --enforce-eager to run every step "
-                "eagerly"
-            ) from exc
-        self.timer.reset()
-        logger.info("%s", graphs.describe())
 
     def recapture_graphs(self) -> None:
         """Capture the decode graphs again, at the same sizes (after a weight update: the
@@ -556,141 +407,27 @@ class EngineCore:
             return None
         return time.monotonic() - req.first_token_time
 
-    def get_stats(self) -> CoreStats:
-        """Queue, KV and token counters (see the contract in the server's GetServerStats)."""
-        pool = self.kv.pool
-        comm = self._comm_counts()
-        return CoreStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            kv_blocks_total=pool.num_blocks,
-            kv_blocks_free=pool.num_free_blocks,
-            kv_blocks_used=pool.num_blocks - pool.num_free_blocks,
-            prefix_cache_queries=self.kv.prefix_cache_queries,
-            prefix_cache_hits=self.kv.prefix_cache_hits,
-            kv_cached_blocks=pool.num_cached_blocks,
-            kv_groups=self._kv_group_stats(),
-            num_preemptions=self.scheduler.num_preemptions,
-            **self.counters,
-            dispatch_bytes_sent=comm.dispatch_bytes_sent if comm else 0,
-            combine_bytes_sent=comm.combine_bytes_sent if comm else 0,
-            min_dispatch_bytes=comm.min_dispatch_bytes if comm else 0,
-            tokens_in=comm.tokens_in if comm else 0,
-            tokens_received=comm.tokens_received if comm else 0,
-            phase_seconds=self.timer.snapshot(),
-            **self._spec_stats(),
-            state_slots_total=self.kv.state_slots.num_slots if self.kv.state_slots else 0,
-            state_slots_free=self.kv.state_slots.num_free if self.kv.state_slots else 0,
-            paused=self.rollout.paused,
-            weight_version=self.rollout.weight_version,
-            rank=self.rank_context.rank if self.rank_context else 0,
-        )
-
-    def _spec_stats(self) -> dict[str, Any]:
-        """The speculative-decoding counters of `CoreStats` (zeros when it is off)."""
-        if self.drafter is None:
-            return {}
-        s = self.drafter.stats
-        return dict(
-            spec_decode_num_drafts=s.num_drafts,
-            spec_decode_num_draft_tokens=s.num_draft_tokens,
-            spec_decode_num_accepted_tokens=s.num_accepted_tokens,
-            spec_decode_num_accepted_tokens_per_pos=list(s.accepted_per_pos),
-        )
-
-    def _kv_group_stats(self) -> list[KVCacheGroupStats]:
-        """Per KV-cache group: kind, window (0 for full attention), layers, KV bytes per token
-        and the distinct blocks live requests hold in it."""
-        used = self.kv.blocks_used_per_group()
-        return [
-            KVCacheGroupStats(
-                group=g,
-                kind=spec.kind,
-                sliding_window=spec.sliding_window or 0,
-                num_layers=spec.num_layers,
-                kv_bytes_per_token=spec.bytes_per_token,
-                blocks_used=used[g],
-            )
-            for g, spec in enumerate(self.kv.specs)
-        ]
-
     def close(self) -> None:
         """Write out what is buffered (the expert trace); call once when the engine stops."""
         if self.trace is not None:
             self.trace.close()
             self.trace = None
 
-    def _comm_counts(self) -> Any:
-        """This rank's dispatch/combine counters since startup (`comm.stats.CommCounts`:
-        tokens and bytes), None for one rank."""
-        if self.rank_context is None:
-            return None
-        stats = getattr(self.rank_context.communicator, "stats", None)
-        return stats.total if stats is not None else None
+    def get_stats(self) -> CoreStats:
+        """Queue, KV and token counters (`reports.core_stats`)."""
+        return reports.core_stats(self)
 
     def get_expert_load(self) -> ExpertLoad:
-        """Tokens routed to each expert of each MoE layer since startup, and per-layer summaries
-        (`rank_tokens`: this rank's column of the per-rank load, under expert parallelism)."""
-        counts = self.expert_load.snapshot()
-        rank_tokens = None
-        if self.rank_context is not None:
-            rank_tokens = self.expert_load.rank_tokens.tolist()
-        return ExpertLoad(
-            moe_layers=list(self.expert_load.moe_layers),
-            counts=counts.tolist(),
-            window_counts=self.expert_load.window_counts().tolist(),
-            window_steps=min(self.expert_load.num_steps, self.expert_load.window_steps),
-            imbalance_ratio=imbalance_ratio(counts).tolist(),
-            balancedness=balancedness(counts).tolist(),
-            rank_tokens=rank_tokens,
-        )
+        """Tokens routed to each expert of each MoE layer since startup, and per-layer
+        summaries (`reports.expert_load`)."""
+        return reports.expert_load(self)
 
     def weight_info(self) -> dict:
-        """Weight bytes of this rank by kind (`MoeCausalLM.weight_bytes_by_kind`, read from the
-        loaded tensors) and how the routed experts are stored.
-
-        Returns:
-            weight_bytes_experts / _attention / _embeddings / _other (bytes);
-            expert_weight_format "none" | "int4" | "mxfp4"; expert_group_size (values per
-            scale, 0 for none); expert_checkpoint_format ("" when quantized at load time or
-            not at all); expert_zero_points (int4 asymmetric).
-        """
-        q = self.config.quant
-        group_size = {"int4": q.group_size, "mxfp4": MXFP4_BLOCK_SIZE}.get(q.method, 0)
-        info = {f"weight_bytes_{k}": v for k, v in self.model.weight_bytes_by_kind().items()}
-        return dict(
-            info,
-            expert_weight_format=q.method,
-            expert_group_size=group_size,
-            expert_checkpoint_format=q.checkpoint_format or "",
-            expert_zero_points=q.method == "int4" and not q.symmetric,
-        )
+        """Weight bytes of this rank by kind and how the routed experts are stored
+        (`reports.weight_info`)."""
+        return reports.weight_info(self)
 
     def model_info(self) -> ModelInfo:
-        """Static facts about the served model and the engine's limits (with `weight_info`)."""
-        s, c = self.spec, self.config
-        return ModelInfo(
-            **self.weight_info(),
-            model=c.model.model,
-            architecture=self.architecture,
-            dtype=str(self.dtype).removeprefix("torch."),
-            vocab_size=s.vocab_size,
-            max_model_len=self.max_model_len,
-            num_layers=s.num_layers,
-            num_experts=s.num_experts,
-            num_experts_per_tok=s.top_k,
-            hidden_size=s.hidden_size,
-            block_size=c.cache.block_size,
-            num_kv_blocks=self.plan.num_blocks,
-            max_num_seqs=c.scheduler.max_num_seqs,
-            max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
-            ep_size=c.parallel.ep_size,
-            has_tokenizer=self.tokenizer is not None,
-            device=self.kernels.device,
-            kernel_backends=self.kernels.info(),
-            weight_version=self.rollout.weight_version,
-            rank=self.rank_context.rank if self.rank_context else 0,
-            local_experts=list(self.rank_context.local_experts)
-            if self.rank_context
-            else list(range(s.num_experts)),
-        )
+        """Static facts about the served model and the engine's limits
+        (`reports.model_info`)."""
+        return reports.model_info(self)

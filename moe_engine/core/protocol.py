@@ -1,8 +1,8 @@
 """The interface of an engine core, as the core process, the ranks and the offline API use it.
 
 `EngineCore` provides it, and so does the test double `tests/fake_core.py:FakeEngineCore`; the
-core process (`core_proc.CoreLoop`) and the expert-parallel loop (`rank.LockstepLoop`) only call
-what is listed here.
+core process (`core_proc.CoreLoop`) and the expert-parallel loop (`rank.LockstepLoop`), through
+`engine.loop`, only call what is listed here (and `rollout.handle` for control messages).
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """A served instance's part in a prefill/decode split: what the engine core process does with
-the disaggregation fields of its input messages (`engine/core_proc.py` calls these).
+the disaggregation fields of its input messages. Both implement the engine's `Role` interface
+(`engine/role.py`); the engine loop (`engine/loop.py`) calls them, and the engine finds
+`make_role` through `DisaggConfig.role_factory`.
 
 - `PrefillRole`: an `EngineCoreRequest` with `kv_placement` runs as a prefill
   (`handoff.PrefillHandoff`); when its step has sampled the first token, its blocks are written
@@ -30,13 +32,14 @@ from moe_engine.engine.messages import (
     PrepareDecode,
     PrepareDecodeReply,
 )
+from moe_engine.engine.role import BaseRole
 from moe_engine.errors import ErrorCode, RequestError
 from moe_engine.startup.config import DisaggConfig
 
 logger = logging.getLogger(__name__)
 
 
-class PrefillRole:
+class PrefillRole(BaseRole):
     """The prefill instance's core-side handling (see the module docstring)."""
 
     mode = "prefill"
@@ -46,8 +49,12 @@ class PrefillRole:
         self.handoff = PrefillHandoff(core, transfer, cache)
         self._placements: dict[str, KVPlacement] = {}
 
-    def add(self, msg: EngineCoreRequest) -> AddError | None:
-        """Queue a prefill (or, without `kv_placement`, refuse: this instance only prefills)."""
+    def add(self, msg: EngineCoreRequest) -> tuple[list[EngineCoreOutput], AddError | None]:
+        """Queue a prefill (or, without `kv_placement`, refuse: this instance only prefills);
+        (no outputs, the refusal or None)."""
+        return [], self._add(msg)
+
+    def _add(self, msg: EngineCoreRequest) -> AddError | None:
         if msg.kv_placement is None:
             return AddError(msg.request_id, ErrorCode.INVALID_ARGUMENT, "kv_placement",
                             "kv_placement: this instance runs with --disaggregation-mode "
@@ -93,7 +100,7 @@ class PrefillRole:
             self.handoff.release(rid)
 
 
-class DecodeRole:
+class DecodeRole(BaseRole):
     """The decode instance's core-side handling (see the module docstring)."""
 
     mode = "decode"
@@ -134,6 +141,10 @@ class DecodeRole:
                                 f"remote_first_token: request {msg.request_id!r} is not "
                                 "waiting for its K/V here (never placed, aborted, or dropped "
                                 f"after {self.timeout_s:g} s)")
+
+    def tick(self) -> None:
+        """Once per loop iteration: drop parked requests whose K/V is late (`expire`)."""
+        self.expire()
 
     def expire(self) -> None:
         """Drop parked requests whose K/V has not come within timeout_s."""

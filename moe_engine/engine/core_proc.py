@@ -14,9 +14,7 @@ blocks on the input socket only when it has no unfinished requests.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
-import os
 import signal
 import sys
 import threading
@@ -27,40 +25,30 @@ import msgspec
 import zmq
 from tqdm import tqdm
 
-from moe_engine.core.outputs import EngineCoreOutput, ModelInfo, engine_stats
+from moe_engine.core.outputs import EngineCoreOutput
 from moe_engine.core.protocol import EngineCoreProtocol
+from moe_engine.engine import loop
 from moe_engine.engine.messages import (
-    AbortRequests,
     AddError,
     CoreInput,
     EngineCoreOutputs,
-    EngineCoreRequest,
-    ExpertLoadReply,
     Fatal,
-    GetExpertLoad,
-    GetModelInfo,
-    GetStats,
-    Heartbeat,
-    ModelInfoReply,
-    PrepareDecode,
-    PrepareDecodeReply,
     Ready,
-    Shutdown,
     StartupFailed,
-    StatsReply,
     decode_input,
     encode,
 )
 from moe_engine.engine.monitor import FRONTEND_TIMEOUT_S, FrontEndMonitor
-from moe_engine.errors import ErrorCode, ParamError, RequestError
+from moe_engine.engine.role import PlainRole, Role, import_attribute, role_for
+from moe_engine.errors import ErrorCode, ParamError
 from moe_engine.startup.config import EngineConfig
 from moe_engine.startup.env import default_threads
-from moe_engine.weight_update.messages import ControlInput
 
 logger = logging.getLogger(__name__)
 
-#: The engine core class, as "module:attribute" (tests substitute a fake core through it).
-DEFAULT_CORE_FACTORY = "moe_engine.core.engine_core:EngineCore"
+#: What builds the engine core, as "module:attribute" called as factory(config, [rank_context,]
+#: progress=...) (tests substitute a fake core through it).
+DEFAULT_CORE_FACTORY = "moe_engine.core.build:build_engine_core"
 #: How long an idle loop blocks on its input socket before it looks around again (ms).
 _IDLE_POLL_MS = 500
 #: How long closing a socket may wait to flush the last messages (ms).
@@ -69,32 +57,7 @@ _LINGER_MS = 5000
 
 def resolve_core_factory(spec: str) -> Any:
     """Import "module:attribute" and return the attribute (a class or a callable)."""
-    module_name, _, attr = spec.partition(":")
-    if not attr:
-        raise ValueError(f"core factory must look like 'module:attribute', got {spec!r}")
-    return getattr(importlib.import_module(module_name), attr)
-
-
-def model_info_of(core: EngineCoreProtocol) -> ModelInfo:
-    """The core's model info with `has_tokenizer` (whether text prompts can be served) and this
-    process's pid."""
-    return msgspec.structs.replace(
-        core.model_info(), has_tokenizer=core.tokenizer is not None, pid=os.getpid()
-    )
-
-
-def add_request(core: EngineCoreProtocol, msg: EngineCoreRequest) -> AddError | None:
-    """Hand one EngineCoreRequest to `core`; None when it was queued, else the refusal."""
-    try:
-        core.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
-                         msg.arrival_time)
-    except RequestError as exc:
-        return AddError(msg.request_id, exc.code, exc.field, exc.message)
-    except ParamError as exc:
-        return AddError(msg.request_id, ErrorCode.INVALID_ARGUMENT, exc.field, exc.message)
-    except (ValueError, TypeError) as exc:
-        return AddError(msg.request_id, ErrorCode.INVALID_ARGUMENT, "request", f"request: {exc}")
-    return None
+    return import_attribute(spec, "core factory")
 
 
 def refusal_of_frame(frame: bytes, exc: Exception) -> AddError | None:
@@ -112,64 +75,22 @@ def refusal_of_frame(frame: bytes, exc: Exception) -> AddError | None:
     return AddError(str(raw[1]), ErrorCode.INVALID_ARGUMENT, field, text)
 
 
-def role_add(core: EngineCoreProtocol, role: Any, message: EngineCoreRequest
-             ) -> tuple[list[EngineCoreOutput], AddError | None]:
-    """A new request, as this instance's disaggregation role takes it (`role` None: a plain
-    instance, which refuses the split's fields); (outputs it produced at once, the refusal)."""
-    mode = getattr(role, "mode", "none")
-    if mode == "prefill":
-        return [], role.add(message)
-    if mode == "decode":
-        return role.add(message)
-    if message.kv_placement is not None or message.remote_first_token is not None:
-        return [], AddError(message.request_id, ErrorCode.INVALID_ARGUMENT,
-                            "disaggregation_mode",
-                            "disaggregation_mode: kv_placement / remote_first_token need an "
-                            "instance started with --disaggregation-mode prefill or decode")
-    return [], add_request(core, message)
-
-
-def role_prepare(role: Any, message: PrepareDecode) -> PrepareDecodeReply:
-    """PrepareDecode's answer: the decode role's placement, or the refusal of an instance
-    that is not a decode instance."""
-    if getattr(role, "mode", "none") == "decode":
-        return role.prepare(message)
-    return PrepareDecodeReply(
-        message.reply_id, b"", ErrorCode.INVALID_ARGUMENT, "disaggregation_mode",
-        "disaggregation_mode: PrepareDecode needs an instance started with "
-        "--disaggregation-mode decode")
-
-
-def role_after_step(role: Any, outputs: list[EngineCoreOutput]
-                    ) -> tuple[list[EngineCoreOutput], list[AddError]]:
-    """A step's outputs to send, and refusals: a prefill role first writes its finished
-    prefills' K/V to their decode instances (a failed write becomes the request's refusal)."""
-    if getattr(role, "mode", "none") == "prefill":
-        return role.after_step(outputs)
-    return outputs, []
-
-
-def role_tick(role: Any) -> None:
-    """Once per loop iteration: a decode role drops parked requests whose K/V is late."""
-    if getattr(role, "mode", "none") == "decode":
-        role.expire()
-
-
 class CoreLoop:
-    """Runs one engine core: drains inputs, steps while there is work, pushes outputs.
+    """Runs one engine core: drains inputs, steps while there is work, pushes outputs. Each
+    message is applied by `loop.apply`; this class is only the ZeroMQ transport around it.
 
     Args:
         core: an EngineCore (or a test double with the same interface).
         inputs: the bound PULL socket.
         outputs: the connected PUSH socket.
+        role: this instance's part in a prefill/decode split (`role.role_for`); None: a
+            plain instance (`role.PlainRole`).
     """
 
     def __init__(self, core: EngineCoreProtocol, inputs: zmq.Socket, outputs: zmq.Socket,
-                 role: Any = None) -> None:
+                 role: Role | None = None) -> None:
         self.core = core
-        #: This instance's part in a prefill/decode split (`disagg.role.PrefillRole` or
-        #: `DecodeRole`, imported only where one runs), None without.
-        self.role = role
+        self.role: Role = PlainRole(core) if role is None else role
         self.inputs = inputs
         self.outputs = outputs
         self.running = True
@@ -183,11 +104,11 @@ class CoreLoop:
             if self._poller.poll(0 if busy else _IDLE_POLL_MS):
                 self._drain_inputs()
             if self.running and self.core.has_unfinished_requests():
-                outputs, failed = role_after_step(self.role, self.core.step())
-                for refusal in failed:
+                report = loop.step(self.core, self.role)
+                for refusal in report.add_errors:
                     self._send(refusal)
-                self._send_outputs(outputs)
-            role_tick(self.role)
+                self._send_outputs(report.outputs)
+            self.role.tick()
 
     def _drain_inputs(self) -> None:
         while self.running:
@@ -207,34 +128,16 @@ class CoreLoop:
             self.handle(message)
 
     def handle(self, message: CoreInput) -> None:
-        """Act on one input message."""
-        core = self.core
-        match message:
-            case EngineCoreRequest():
-                outputs, refusal = role_add(core, self.role, message)
-                self._send_outputs(outputs)
-                if refusal is not None:
-                    self._send(refusal)
-            case PrepareDecode():
-                self._send(role_prepare(self.role, message))
-            case AbortRequests(request_ids=ids):
-                if self.role is not None:
-                    self.role.forget(ids)
-                self._send_outputs(core.abort_requests(ids))
-            case GetStats(reply_id=rid):
-                self._send(StatsReply(rid, engine_stats([core.get_stats()])))
-            case GetExpertLoad(reply_id=rid):
-                self._send(ExpertLoadReply(rid, core.get_expert_load()))
-            case GetModelInfo(reply_id=rid):
-                self._send(ModelInfoReply(rid, model_info_of(core)))
-            case _ if isinstance(message, ControlInput):
-                reply, outputs = core.rollout.handle(message)
-                self._send_outputs(outputs)
-                self._send(reply)
-            case Shutdown():
-                self.running = False
-            case Heartbeat():
-                pass  # heartbeats have their own socket; one here is harmless
+        """Act on one input message (`loop.apply`) and send what it produced: its outputs,
+        then its refusal, then its reply."""
+        report = loop.apply(self.core, self.role, message)
+        self._send_outputs(report.outputs)
+        for refusal in report.add_errors:
+            self._send(refusal)
+        for answer in report.replies.values():
+            self._send(loop.reply_for(message, [answer]))
+        if report.stop:
+            self.running = False
 
     def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         if outputs:
@@ -311,12 +214,8 @@ def _build_and_run(
 ) -> int:
     try:
         core = resolve_core_factory(core_factory)(config, progress=monitor.report)
-        role = None
-        if config.disagg.mode != "none":
-            from moe_engine.disagg.role import make_role
-
-            role = make_role(core, config.disagg)
-        info = model_info_of(core)
+        role = role_for(core, config.disagg)
+        info = loop.model_info_of(core)
     except BaseException as exc:  # noqa: BLE001 - every startup failure goes to the parent
         # the front end gets the reason and ends this process: no second, misleading line
         # (the handler goes first: the SIGTERM may come before send() returns)

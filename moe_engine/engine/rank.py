@@ -12,12 +12,14 @@ One iteration of the loop, on every rank:
 
 1. rank 0 drains the front end's messages (waiting up to `IDLE_POLL_S` when no rank has work)
    and broadcasts them with the decision whether to step (`broadcast_object_list`);
-2. every rank applies them: requests addressed to it, every abort (unknown ids are ignored),
-   the queries (stats, expert load, model info), shutdown;
+2. every rank applies them (`loop.apply`, the handler the single process uses too): requests
+   addressed to it, every abort (unknown ids are ignored), the queries (stats, expert load,
+   model info), control messages, shutdown;
 3. if the decision was to step, every rank runs exactly one forward pass (a zero-token one when
    it has nothing scheduled), so each MoE layer's dispatch and combine has all participants;
 4. every rank reports its outputs, refusals, query answers and whether it has work left to
-   rank 0 (`gather_object`), which forwards them to the front end.
+   rank 0 (`gather_object`), which forwards them to the front end (`loop.reply_for` merges the
+   ranks' answers).
 
 All collectives run under `ParallelConfig.collective_timeout_s`. A rank that dies or hangs makes
 the others' collectives fail; rank 0 then names the ranks that no longer answer (a monitored
@@ -33,9 +35,7 @@ import os
 import signal
 import sys
 import threading
-import time
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -45,36 +45,31 @@ import zmq
 from tqdm import tqdm
 
 from moe_engine.core.device import engine_device
-from moe_engine.core.outputs import CoreStats, EngineCoreOutput, ExpertLoad, ModelInfo, engine_stats
 from moe_engine.core.protocol import EngineCoreProtocol
-from moe_engine.engine import core_proc
+from moe_engine.engine import core_proc, loop
 from moe_engine.engine.messages import (
-    AbortRequests,
-    AddError,
     CoreInput,
     CoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    ExpertLoadReply,
     Fatal,
-    GetExpertLoad,
-    GetModelInfo,
-    GetStats,
-    ModelInfoReply,
     PrepareDecode,
-    PrepareDecodeReply,
     Ready,
-    Shutdown,
     StartupFailed,
-    StatsReply,
     decode_input,
     encode,
 )
 from moe_engine.engine.monitor import FRONTEND_TIMEOUT_S, FrontEndMonitor
-from moe_engine.engine.rank_groups import MeshError, RankGroups, join_groups
+from moe_engine.engine.netif import is_loopback, route_source_address
+from moe_engine.engine.rank_groups import (
+    MeshError,
+    RankGroups,
+    join_groups,
+    unresponsive_ranks,
+)
+from moe_engine.engine.role import PlainRole, Role, role_for
 from moe_engine.startup.config import EngineConfig
 from moe_engine.startup.env import default_threads
-from moe_engine.weight_update.messages import ControlInput, ControlReply, merge_replies
 
 logger = logging.getLogger(__name__)
 
@@ -82,59 +77,15 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_S = 0.05
 #: How long loading the model may take on the slowest rank before startup fails (seconds).
 STARTUP_TIMEOUT_S = 900.0
-#: How long rank 0 waits for each rank at the monitored barrier that names dead ranks (seconds).
-HEALTH_CHECK_S = 3.0
 
 
 @dataclass
-class RankReport:
-    """What one rank tells rank 0 after an iteration (pickled by `gather_object`)."""
+class RankReport(loop.Report):
+    """What one rank tells rank 0 after an iteration (pickled by `gather_object`): the
+    iteration's `loop.Report`, whether the rank has work left, and its step for the trace."""
 
-    outputs: list[EngineCoreOutput] = field(default_factory=list)
-    add_errors: list[AddError] = field(default_factory=list)
-    replies: dict[int, CoreStats | ExpertLoad | ModelInfo | ControlReply | PrepareDecodeReply
-                  ] = field(
-        default_factory=dict
-    )
     busy: bool = False
     step: Any = None  # this rank's StepRecord when an expert trace is written
-
-
-def merge_expert_load(per_rank: list[ExpertLoad]) -> ExpertLoad:
-    """Routing counts of all ranks: each rank counted the routing of its own tokens, so the
-    engine's counts are the sum; the summaries are recomputed on the sum."""
-    from moe_engine.instrumentation import balancedness, imbalance_ratio
-
-    def total(tables: list[list[list[int]]]) -> torch.Tensor:
-        return torch.tensor(tables, dtype=torch.int64).sum(dim=0)
-
-    counts = total([r.counts for r in per_rank])
-    merged = msgspec.structs.replace(
-        per_rank[0],
-        counts=counts.tolist(),
-        window_counts=total([r.window_counts for r in per_rank]).tolist(),
-        imbalance_ratio=imbalance_ratio(counts).tolist(),
-        balancedness=balancedness(counts).tolist(),
-    )
-    if all(r.rank_tokens is not None for r in per_rank):
-        # each rank filled its own column (token-expert pairs its experts processed)
-        rank_tokens = total([r.rank_tokens for r in per_rank])
-        merged = msgspec.structs.replace(
-            merged,
-            rank_tokens=rank_tokens.tolist(),
-            rank_imbalance_ratio=imbalance_ratio(rank_tokens).tolist(),
-            rank_balancedness=balancedness(rank_tokens).tolist(),
-        )
-    return merged
-
-
-def merge_model_info(per_rank: list[ModelInfo]) -> ModelInfo:
-    """Rank 0's model info with every rank's experts and pid."""
-    return msgspec.structs.replace(
-        per_rank[0],
-        experts_per_rank=[list(i.local_experts) for i in per_rank],
-        rank_pids=[i.pid for i in per_rank],
-    )
 
 
 class LockstepLoop:
@@ -144,12 +95,11 @@ class LockstepLoop:
         core: this rank's EngineCore (built with a `RankContext`).
         rank, world_size: this rank and the number of ranks.
         group: the control process group (gloo).
-        health_group: a group used only to find unresponsive ranks after a failure.
         inputs, outputs: rank 0's ZeroMQ sockets (None on the other ranks).
         trace: rank 0's expert-trace writer (`PeriodicTraceWriter`), None otherwise.
         tracing: whether an expert trace is written (every rank then reports its step).
-        role: this rank's part in a prefill/decode split (`disagg.role`, over its own KV
-            cache and transfer engine), None without one.
+        role: this rank's part in a prefill/decode split (`role.role_for`, over its own KV
+            cache and transfer engine); None: a plain instance (`role.PlainRole`).
     """
 
     def __init__(
@@ -158,17 +108,17 @@ class LockstepLoop:
         rank: int,
         world_size: int,
         group: Any,
-        health_group: Any,
         inputs: zmq.Socket | None = None,
         outputs: zmq.Socket | None = None,
         trace: Any = None,
         tracing: bool = False,
-        role: Any = None,
+        role: Role | None = None,
     ) -> None:
-        self.core, self.role = core, role
+        self.core = core
+        self.role: Role = PlainRole(core) if role is None else role
         self.trace, self.tracing = trace, tracing
         self.rank, self.world_size = rank, world_size
-        self.group, self.health_group = group, health_group
+        self.group = group
         self.inputs, self.outputs = inputs, outputs
         self._poller: zmq.Poller | None = None
         if inputs is not None:
@@ -183,18 +133,16 @@ class LockstepLoop:
             dist.broadcast_object_list(box, src=0, group=self.group)
             messages, do_step = box[0]
             report = RankReport()
-            stop = False
             for message in messages:
-                stop |= self._apply(message, report)
-            if stop:
+                loop.apply(self.core, self.role, message, report, rank=self.rank,
+                           agree=self._agree)
+            if report.stop:
                 return
             if do_step:
-                outputs, failed = core_proc.role_after_step(self.role, self.core.step())
-                report.outputs.extend(outputs)
-                report.add_errors.extend(failed)
+                loop.step(self.core, self.role, report)
                 if self.tracing:
                     report.step = self.core.last_step
-            core_proc.role_tick(self.role)
+            self.role.tick()
             report.busy = self.core.has_unfinished_requests()
             gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
             dist.gather_object(report, gathered, dst=0, group=self.group)
@@ -244,14 +192,13 @@ class LockstepLoop:
             for error in r.add_errors:
                 self._send(error)
         for message in messages:
-            if isinstance(message, PrepareDecode):  # answered by its target rank only
-                self._send(next(r.replies[message.reply_id] for r in reports
-                                if message.reply_id in r.replies))
-            elif isinstance(message, GetStats | GetExpertLoad | GetModelInfo):
-                answers: list[Any] = [r.replies[message.reply_id] for r in reports]
-                self._send(_reply(message, answers))
-            elif isinstance(message, ControlInput):
-                self._send(merge_replies([r.replies[message.reply_id] for r in reports]))
+            rid = getattr(message, "reply_id", None)
+            if rid is None:
+                continue
+            # every rank answers a query; PrepareDecode only its target rank
+            answers = [r.replies[rid] for r in reports if rid in r.replies]
+            if answers or isinstance(message, PrepareDecode):
+                self._send(loop.reply_for(message, answers))
 
     def _send(self, message: CoreOutput) -> None:
         assert self.outputs is not None
@@ -259,91 +206,12 @@ class LockstepLoop:
 
     # ------------------------------------------------------------------ every rank
 
-    def _apply(self, message: CoreInput, report: RankReport) -> bool:
-        """Act on one front-end message; True for Shutdown."""
-        core = self.core
-        match message:
-            case EngineCoreRequest(rank=target) if target == self.rank:
-                outputs, refusal = core_proc.role_add(core, self.role, message)
-                report.outputs.extend(outputs)
-                if refusal is not None:
-                    report.add_errors.append(refusal)
-            case PrepareDecode(request=req) if req.rank == self.rank:
-                report.replies[message.reply_id] = core_proc.role_prepare(self.role, message)
-            case AbortRequests(request_ids=ids):
-                if self.role is not None:
-                    self.role.forget(ids)
-                report.outputs.extend(core.abort_requests(ids))
-            case GetStats(reply_id=rid):
-                report.replies[rid] = msgspec.structs.replace(core.get_stats(), rank=self.rank)
-            case GetExpertLoad(reply_id=rid):
-                report.replies[rid] = core.get_expert_load()
-            case GetModelInfo(reply_id=rid):
-                report.replies[rid] = core_proc.model_info_of(core)
-            case _ if isinstance(message, ControlInput):
-                reply, outputs = core.rollout.handle(message, agree=self._agree)
-                report.replies[message.reply_id] = reply
-                report.outputs.extend(outputs)
-            case Shutdown():
-                return True
-        return False
-
     def _agree(self, ok: bool) -> bool:
         """True when every rank is `ok` (an all-reduce MAX of a refusal flag on the control
         group): a weight update commits on all ranks or on none."""
         flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return int(flag.item()) == 0
-
-    def unresponsive_ranks(self, rank_pids: list[int]) -> str:
-        """After a failed collective: which ranks no longer answer, as text for the error.
-
-        Ranks on this node are checked by pid (gone, zombie or stopped); otherwise a monitored
-        barrier on the health group names the ranks that do not reach it.
-        """
-        deadline = time.monotonic() + HEALTH_CHECK_S  # a killed peer may still be exiting
-        while rank_pids:
-            found = [
-                f"rank {rank} (pid {pid}) {state}"
-                for rank, pid in enumerate(rank_pids)
-                if rank != self.rank and (state := process_state(pid)) is not None
-            ]
-            if found:
-                return "; ".join(found)
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        try:
-            dist.monitored_barrier(
-                group=self.health_group,
-                timeout=timedelta(seconds=HEALTH_CHECK_S),
-                wait_all_ranks=True,
-            )
-        except Exception as exc:  # noqa: BLE001 - the barrier's message names the ranks
-            return str(exc).strip().splitlines()[0]
-        return "all ranks still answer"
-
-
-def _reply(query: GetStats | GetExpertLoad | GetModelInfo, answers: list[Any]) -> CoreOutput:
-    """Rank 0: one answer for the front end from every rank's answer to `query`."""
-    if isinstance(query, GetStats):
-        return StatsReply(query.reply_id, engine_stats(answers))
-    if isinstance(query, GetExpertLoad):
-        return ExpertLoadReply(query.reply_id, merge_expert_load(answers))
-    return ModelInfoReply(query.reply_id, merge_model_info(answers))
-
-
-def process_state(pid: int) -> str | None:
-    """"is gone", "is a zombie" or "is stopped" for a local process in that state, else None
-    (running, or not on this node)."""
-    try:
-        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115 - one short read
-    except FileNotFoundError:
-        return "is gone"
-    except OSError:
-        return None
-    state = stat.rsplit(")", 1)[1].split()[0]
-    return {"Z": "is a zombie (it died)", "X": "is gone", "T": "is stopped"}.get(state)
 
 
 def rank_threads(config: EngineConfig, local_world_size: int) -> int:
@@ -466,20 +334,17 @@ def _build_core(
     return core, placement
 
 
-def _build_role(core: Any, config: EngineConfig, local: bool) -> Any:
-    """This rank's disaggregation role over its own KV cache (None without a split). A rank
-    on another node than the front end registers its cache at the address that routes to the
+def _build_role(core: Any, config: EngineConfig, local: bool) -> Role:
+    """This rank's role over its own KV cache (`PlainRole` without a split); a rank on another
+    node than the front end registers its cache at the address that routes to the
     rendezvous host (unless the configured --kv-transfer-host is a loopback address)."""
     if config.disagg.mode == "none":
-        return None
-    from moe_engine.disagg.role import make_role
-    from moe_engine.engine.netif import is_loopback, route_source_address
-
+        return PlainRole(core)
     disagg = config.disagg
     if not local and not is_loopback(disagg.host):
         disagg = dataclasses.replace(
             disagg, host=route_source_address(os.environ.get("MASTER_ADDR", "127.0.0.1")))
-    return make_role(core, disagg)
+    return role_for(core, disagg)
 
 
 def _serve_rank(
@@ -508,7 +373,7 @@ def _serve_rank(
     except BaseException as exc:  # noqa: BLE001 - every startup failure goes to rank 0
         logger.exception("rank %d failed to start", rank)
         error = f"rank {rank}: {type(exc).__name__}: {exc}"
-    mine = (error, None if core is None else core_proc.model_info_of(core))
+    mine = (error, None if core is None else loop.model_info_of(core))
     everyone: list[Any] = [None] * world_size
     dist.all_gather_object(everyone, mine, group=groups.startup)
     failed = [e for e, _ in everyone if e is not None]
@@ -517,7 +382,7 @@ def _serve_rank(
         return 1
     infos = [info for _, info in everyone]
     pids = [info.pid for info in infos]
-    send(Ready(merge_model_info(infos)))
+    send(Ready(loop.merge_model_info(infos)))
     trace = None
     if rank == 0 and config.expert_trace:
         from moe_engine.skew.trace import PeriodicTraceWriter
@@ -533,19 +398,19 @@ def _serve_rank(
                 **core.expert_load.layout_meta(),
             ),
         )
-    loop = LockstepLoop(
-        core, rank, world_size, groups.control, groups.health, inputs, outputs,
+    lockstep = LockstepLoop(
+        core, rank, world_size, groups.control, inputs, outputs,
         trace=trace, tracing=bool(config.expert_trace), role=role,
     )
     try:
-        loop.run()
+        lockstep.run()
         return 0
     except Exception as exc:  # noqa: BLE001 - a collective failed: report and exit
         monitor.exit_if_silent("the step loop's collective failed")
         logger.exception("rank %d: step loop failed: %s", rank, exc)
         if rank == 0:
             local = local_world == world_size  # every rank on this node: pids are meaningful
-            who = loop.unresponsive_ranks(pids if local else [])
+            who = unresponsive_ranks(rank, pids if local else [], groups.health)
             send(Fatal(f"expert-parallel step failed ({who}): {exc}"))
         return 1
     finally:

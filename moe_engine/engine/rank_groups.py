@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -35,6 +36,8 @@ ADDRESS_KEY_PREFIX = "moe_engine/advertised_address/"
 ADDRESS_WAIT_S = 5.0
 #: How long a rank tries to reach the rendezvous store to publish its address (seconds).
 STORE_CONNECT_S = 10.0
+#: How long rank 0 waits for each rank at the monitored barrier that names dead ranks (seconds).
+HEALTH_CHECK_S = 3.0
 
 
 class MeshError(RuntimeError):
@@ -174,3 +177,46 @@ def _rendezvous_store() -> Any:
     except Exception as exc:  # noqa: BLE001 - the init below reports the real failure
         logger.warning("rendezvous store %s:%s not reachable for addresses: %s", host, port, exc)
         return None
+
+
+def unresponsive_ranks(rank: int, rank_pids: list[int], health_group: Any) -> str:
+    """After a failed collective on `rank`: which other ranks no longer answer, as text for
+    the error (`rank_pids`: every rank's pid when all run on this node, else empty).
+
+    Ranks on this node are checked by pid (gone, zombie or stopped); otherwise a monitored
+    barrier on the health group names the ranks that do not reach it.
+    """
+    deadline = time.monotonic() + HEALTH_CHECK_S  # a killed peer may still be exiting
+    while rank_pids:
+        found = [
+            f"rank {other} (pid {pid}) {state}"
+            for other, pid in enumerate(rank_pids)
+            if other != rank and (state := process_state(pid)) is not None
+        ]
+        if found:
+            return "; ".join(found)
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    try:
+        dist.monitored_barrier(
+            group=health_group,
+            timeout=timedelta(seconds=HEALTH_CHECK_S),
+            wait_all_ranks=True,
+        )
+    except Exception as exc:  # noqa: BLE001 - the barrier's message names the ranks
+        return str(exc).strip().splitlines()[0]
+    return "all ranks still answer"
+
+
+def process_state(pid: int) -> str | None:
+    """"is gone", "is a zombie" or "is stopped" for a local process in that state, else None
+    (running, or not on this node)."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115 - one short read
+    except FileNotFoundError:
+        return "is gone"
+    except OSError:
+        return None
+    state = stat.rsplit(")", 1)[1].split()[0]
+    return {"Z": "is a zombie (it died)", "X": "is gone", "T": "is stopped"}.get(state)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_engine._omp import TORCH_LOADED_WITHOUT_WAIT_POLICY
-from moe_engine.core.engine_core import EngineCore
+from moe_engine.core.build import build_engine_core
 from moe_engine.errors import StartupError
 from moe_engine.offline.outputs import RequestOutput, RequestOutputBuilder
 from moe_engine.offline.weights import WeightUpdateMethods
@@ -109,7 +109,7 @@ class LLM(WeightUpdateMethods):
                 raise StartupError(str(exc)) from None
         if not (Path(model) / "config.json").is_file():
             raise StartupError(f"model: no config.json in {str(model)!r}")
-        self.engine = EngineCore(
+        self.engine = build_engine_core(
             EngineConfig(
                 device=DeviceConfig(device, gpu_memory_utilization, enforce_eager),
                 model=ModelConfig(

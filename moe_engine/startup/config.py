@@ -194,12 +194,16 @@ class DisaggConfig:
         host: the address peers reach this instance's transfer engine at.
         timeout_s: a transfer to a hung peer fails after this long; a decode instance drops a
             request whose K/V has not arrived this long after it was placed.
+        role_factory: what builds a prefill or decode instance's role, as "module:attribute"
+            called with (core, this config); the engine resolves it at runtime
+            (`engine.role.role_for`), so it never imports `moe_engine.disagg`.
     """
 
     mode: str = "none"
     backend: str = "mooncake-tcp"
     host: str = "127.0.0.1"
     timeout_s: float = 30.0
+    role_factory: str = "moe_engine.disagg.role:make_role"
 
     def __post_init__(self) -> None:
         if self.mode not in DISAGG_MODES:
