@@ -1,4 +1,4 @@
-"""`MoeCausalLM`, the base of every architecture file, and `ArchSpec`, its numbers.
+"""`MoeCausalLM`, the base of every architecture file (its numbers: `models.spec.ArchSpec`).
 
 An architecture is one file under `moe_engine/models/` with one subclass of `MoeCausalLM`
 named as config.json's "architectures" entry, registered by one line in `models/__init__.py`.
