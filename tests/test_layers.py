@@ -66,19 +66,21 @@ class Import:
     line: int
 
 
-def module_files() -> dict[str, Path]:
-    """Dotted module name -> source file, for every module of the four packages."""
+def module_files(root: Path = REPO) -> dict[str, Path]:
+    """Dotted module name -> source file, for every module of the four packages under `root`."""
     found = {}
     for package in PACKAGES:
-        for path in (REPO / package).rglob("*.py"):
-            parts = list(path.relative_to(REPO).with_suffix("").parts)
+        for path in (root / package).rglob("*.py"):
+            parts = list(path.relative_to(root).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
             found[".".join(parts)] = path
     return found
 
 
-def imports_of(name: str, path: Path, modules: dict[str, Path]) -> list[Import]:
+def imports_of(
+    name: str, path: Path, modules: dict[str, Path], root: Path = REPO
+) -> list[Import]:
     """Every import in `path` of another package module (the longest existing module name
     each imported name resolves to)."""
     is_package = path.name == "__init__.py"
@@ -102,7 +104,7 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> list[Import]:
             while target and target not in modules:
                 target = target.rpartition(".")[0]
             if target and target != name:
-                rel = path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else str(path)
+                rel = path.relative_to(root).as_posix() if path.is_relative_to(root) else str(path)
                 found.append(Import(name, target, rel, node.lineno))
     return found
 
@@ -123,9 +125,12 @@ def layer_of(module: str) -> int:
     return index
 
 
-def all_imports() -> list[Import]:
-    modules = module_files()
-    return [imp for name, path in modules.items() for imp in imports_of(name, path, modules)]
+def all_imports(root: Path = REPO) -> list[Import]:
+    """Every import between the package's modules under `root`."""
+    modules = module_files(root)
+    return [
+        imp for name, path in modules.items() for imp in imports_of(name, path, modules, root)
+    ]
 
 
 def cycles(imports: list[Import]) -> list[list[str]]:
@@ -261,3 +266,32 @@ def test_the_layer_rule_sees_imports_in_functions_and_type_checking(tmp_path: Pa
         ("moe_engine.engine.client", 5),
     ]
     assert all(layer_of(i.target) > layer_of("moe_engine.kv_cache.probe") for i in found)
+
+
+def summary(root: Path) -> str:
+    """The import graph of the checkout at `root` in numbers: modules, imports, imports from
+    kernels/, comm/ and quant/ into moe_engine/, cycles and their sizes, and the imports that go
+    up a layer (only where every module has a layer)."""
+    imports = all_imports(root)
+    edges = {(i.source, i.target) for i in imports}
+    low = {"kernels", "comm", "quant"}
+    into = {e for e in edges if e[0].split(".")[0] in low and e[1].startswith("moe_engine")}
+    found = cycles(imports)
+    lines = [
+        f"modules {len(module_files(root))}, imports between them {len(edges)}",
+        f"imports from kernels/, comm/, quant/ into moe_engine/: {len(into)}",
+        f"import cycles: {len(found)} (sizes {sorted(len(c) for c in found)})",
+    ]
+    try:
+        upward = {e for e in edges if layer_of(e[1]) > layer_of(e[0])}
+        lines.append(f"imports that go up a layer: {len(upward)}")
+    except LookupError as exc:
+        lines.append(f"layers: not all modules have one ({exc})")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    # python tests/test_layers.py [CHECKOUT]: the numbers of the issue-40 table for a checkout
+    print(summary(Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else REPO))
