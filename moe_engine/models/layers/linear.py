@@ -76,7 +76,8 @@ class Linear(nn.Linear):
         return self.bound_kernel().amx_packed(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.bound_kernel()(x, self.weight, self.bias)
+        kernel = self.kernel if self.kernel is not None else self.bound_kernel()
+        return kernel(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):
