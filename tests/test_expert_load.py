@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+import kernels.dense.ops as dense_ops
 import moe_engine.models.layers.moe as moe_module
 from moe_engine import LLM, SamplingParams
 from moe_engine.instrumentation import ExpertLoadRecorder, balancedness, imbalance_ratio
@@ -20,8 +21,8 @@ def test_counts_equal_bincount_of_produced_topk_ids(qwen3_nonorm_ckpt, monkeypat
         return routed
 
     # the torch routing and the native one (what a native-cpu FusedMoE calls)
-    for name in ("softmax_topk", "router_softmax_topk"):
-        monkeypatch.setattr(moe_module, name, spy(getattr(moe_module, name)))
+    for module, name in ((moe_module, "softmax_topk"), (dense_ops, "router_softmax_topk")):
+        monkeypatch.setattr(module, name, spy(getattr(module, name)))
     llm = LLM(model=str(qwen3_nonorm_ckpt), max_model_len=256, max_num_batched_tokens=32)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 50, 90)]

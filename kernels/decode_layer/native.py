@@ -110,9 +110,9 @@ class DecodeLayerKernel:
     @cached_property
     def _linear_args(self) -> tuple[tuple, tuple, int]:
         """((QKV weight, bias or None, format, scales, group), the same of O, the router's
-        weight pointer), checked once (`AmxLinear._weight_args`, `PackedQuantLinear.
+        weight pointer), checked once (`AmxLinear.weight_args`, `PackedQuantLinear.
         weight_args`); format -1 (no scales, group 0) for an AMX-packed projection."""
-        return _projection_args(self.qkv), _projection_args(self.o), self.router._weight_args[0]
+        return _projection_args(self.qkv), _projection_args(self.o), self.router.weight_args[0]
 
     @cached_property
     def _experts(self) -> tuple[int, int, tuple]:
@@ -126,11 +126,11 @@ class DecodeLayerKernel:
         if isinstance(e, AmxExperts):
             if e.b13.numel() or e.activation.clamped:
                 raise ValueError("AMX experts must be plain SwiGLU without biases")
-            _ = e._bias_pointers  # checks the packed tensors
+            _ = e.bias_pointers  # checks the packed tensors
             return e.experts, e.hidden, (e.w13.data_ptr(), e.w2.data_ptr(), e.intermediate, 0,
                                          None, None, None, None, None, None, 0, 0, 0, 0)
         if isinstance(e, PackedQuantExperts):
-            w = e._weight_args
+            w = e.weight_args
             return w.experts, w.hidden, (None, None, w.intermediate, 1, *w.pointers, w.format,
                                          w.group_size, w.padded_intermediate, w.padded_hidden)
         raise ValueError(f"experts must be AmxExperts or PackedQuantExperts, got {type(e)}")
@@ -187,7 +187,7 @@ def _projection_args(lin: AmxLinear | PackedQuantLinear) -> tuple:
     if isinstance(lin, PackedQuantLinear):
         codes, scales, fmt, bias = lin.weight_args
         return codes, bias, fmt, scales, lin.group_size
-    weight, bias = lin._weight_args
+    weight, bias = lin.weight_args
     return weight, bias, -1, None, 0
 
 

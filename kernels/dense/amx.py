@@ -229,7 +229,7 @@ class AmxLinear:
         if x.dtype != torch.bfloat16 or not shape or shape[-1] != k:
             raise RuntimeError(f"x must be bfloat16 [..., {k}], got {x.dtype} {tuple(shape)}")
         lib = load_native("linear_cpu")
-        w_ptr, bias_ptr = self._weight_args
+        w_ptr, bias_ptr = self.weight_args
         xc = x.contiguous()
         y = x.new_empty((*shape[:-1], n))
         rows = xc.numel() // k if k else 0
@@ -239,7 +239,7 @@ class AmxLinear:
         return y
 
     @cached_property
-    def _weight_args(self) -> tuple[int, int | None]:
+    def weight_args(self) -> tuple[int, int | None]:
         """(weight pointer, bias pointer or None), checked once.
 
         Raises:

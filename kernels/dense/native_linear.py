@@ -67,7 +67,7 @@ class PackedLinear:
             raise RuntimeError(
                 "the native linear kernel is unavailable (see kernels/native/library.py)"
             )
-        w_ptr, w_bf16, bias_ptr = self._weight_args
+        w_ptr, w_bf16, bias_ptr = self.weight_args
         n, k, shape = self.out_features, self.in_features, x.shape
         if not shape or shape[-1] != k:
             raise RuntimeError(f"x [..., K] must have K = {k}, got {tuple(shape)}")
@@ -81,7 +81,7 @@ class PackedLinear:
         return y
 
     @cached_property
-    def _weight_args(self) -> tuple[int, int, int | None]:
+    def weight_args(self) -> tuple[int, int, int | None]:
         """(weight pointer, its dtype flag, bias pointer or None), checked once.
 
         Raises:

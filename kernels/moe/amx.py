@@ -95,7 +95,7 @@ class AmxExperts:
         if hidden.dtype != torch.bfloat16:
             raise RuntimeError(f"hidden must be bfloat16, got {hidden.dtype}")
         lib = load_native("moe_cpu")
-        b13, b2 = self._bias_pointers
+        b13, b2 = self.bias_pointers
         r = route_args(hidden, topk_weights, topk_ids, self.hidden)
         act = self.activation
         out = torch.empty_like(r.hidden)
@@ -108,7 +108,7 @@ class AmxExperts:
         return out
 
     @cached_property
-    def _bias_pointers(self) -> tuple[int | None, int | None]:
+    def bias_pointers(self) -> tuple[int | None, int | None]:
         """(b13, b2) pointers or (None, None), after checking every packed tensor once.
 
         Raises:

@@ -135,7 +135,7 @@ class PackedExperts:
             RuntimeError: the native kernel is unavailable, or shapes do not match.
         """
         lib = _moe_library()
-        w = self._weight_args
+        w = self.weight_args
         r = route_args(hidden, topk_weights, topk_ids, w.hidden)
         act = self.activation
         out = torch.empty_like(r.hidden)
@@ -148,7 +148,7 @@ class PackedExperts:
         return out
 
     @cached_property
-    def _weight_args(self) -> DenseWeightArgs:
+    def weight_args(self) -> DenseWeightArgs:
         return dense_weight_args(self.w13, self.w2, self.b13, self.b2, self.intermediate)
 
 
@@ -433,7 +433,7 @@ class PackedQuantExperts:
             RuntimeError: the native kernel is unavailable, or shapes do not match.
         """
         lib = _moe_library()
-        w = self._weight_args
+        w = self.weight_args
         r = route_args(hidden, topk_weights, topk_ids, w.hidden)
         fb13, fb2 = bias_args(b13, b2)  # kept alive through the call
         pb13, pb2 = bias_pointers(fb13, fb2, w.experts, w.hidden, w.intermediate)
@@ -448,7 +448,7 @@ class PackedQuantExperts:
         return out
 
     @cached_property
-    def _weight_args(self) -> Q4WeightArgs:
+    def weight_args(self) -> Q4WeightArgs:
         return q4_weight_args(self.method, self.w13_codes, self.w13_scales, self.w13_zeros,
                               self.w2_codes, self.w2_scales, self.w2_zeros, self.hidden,
                               self.intermediate, self.group_size)

@@ -85,7 +85,7 @@ class Sampler:
         same seed gives the same tokens as on one instance. Nothing for other requests."""
         if req.sampling_params.seed is not None and not req.sampling_params.greedy:
             torch.empty(vocab_size, dtype=torch.float32).exponential_(
-                generator=self._generator_for(req))
+                generator=self.generator_for(req))
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: [N, V] float32 on the engine's device, one row per request in `requests`.
@@ -120,10 +120,10 @@ class Sampler:
         # the same tokens) on a CPU and on CUDA.
         noise = torch.empty(probs.shape, dtype=probs.dtype)
         for i, req in enumerate(requests):
-            noise[i].exponential_(generator=self._generator_for(req))
+            noise[i].exponential_(generator=self.generator_for(req))
         return (probs / noise.to(device)).argmax(dim=-1)
 
-    def _generator_for(self, req: Request) -> torch.Generator:
+    def generator_for(self, req: Request) -> torch.Generator:
         seed = req.sampling_params.seed
         if seed is None:
             return self.generator

@@ -128,7 +128,7 @@ def load_int4_expert(moe: FusedMoE, expert: int, shard: str, weight: Int4Weight)
         return
     w13 = [_cat_rows(pieces[(s, "gate")], pieces[(s, "up")]) for s in slots]
     moe.quantized = QuantizedExperts.from_int4(w13, [pieces[(s, "down")] for s in slots])
-    for name, value in moe._expert_extras().items():
+    for name, value in moe.expert_extras().items():
         setattr(moe.quantized, name, value)
     moe.pending_int4 = {}
     del moe.w13, moe.w2
@@ -175,7 +175,7 @@ def load_mxfp4_experts(moe: FusedMoE, shard: str, part: str, tensor: torch.Tenso
         moe.quantized = QuantizedExperts.from_mxfp4(
             (pieces[("gate_up", "blocks")], pieces[("gate_up", "scales")]),
             (pieces[("down", "blocks")], pieces[("down", "scales")]),
-            **moe._expert_extras(),
+            **moe.expert_extras(),
         )
         moe.pending_mxfp4 = {}
         del moe.w13, moe.w2

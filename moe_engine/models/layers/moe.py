@@ -200,11 +200,11 @@ class FusedMoE(nn.Module):
         """
         self.quantized = QuantizedExperts(
             self.w13.data, self.w2.data, method, group_size, scale_dtype=scale_dtype,
-            **self._expert_extras(),
+            **self.expert_extras(),
         )
         del self.w13, self.w2
 
-    def _expert_extras(self) -> dict:
+    def expert_extras(self) -> dict:
         """The activation and biases every expert path takes as keyword arguments (the biases
         as plain tensors sharing the parameters' storage, so that a `QuantizedExperts` holding
         them neither registers them again nor misses a later in-place load)."""
@@ -296,7 +296,7 @@ class FusedMoE(nn.Module):
         if self._packed is None:
             plan = self._plan or KernelPlan.uniform(TORCH, self.w13.device.type)
             self._packed = plan.float_experts(
-                self.w13.data, self.w2.data, ExpertExtras(**self._expert_extras())
+                self.w13.data, self.w2.data, ExpertExtras(**self.expert_extras())
             )
             self.kernel_backend = self._packed.backend
         return self._packed

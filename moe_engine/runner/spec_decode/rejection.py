@@ -45,7 +45,7 @@ def verify_drafts(
     """Accept or reject every request's drafts from one target forward pass.
 
     Args:
-        sampler: supplies each request's generator (`Sampler._generator_for`), so a seeded
+        sampler: supplies each request's generator (`Sampler.generator_for`), so a seeded
             request draws the same numbers run after run.
         logits: [sum over requests of len(drafts[i]) + 1, V] float32, requests-contiguous:
             request i's rows are the logits after its last real token, then after each draft.
@@ -129,7 +129,7 @@ def _verify_random(
     p_draft = probs[draft_rows, draft_ids].tolist() if len(draft_ids) else []
     last_rows, removed, pos = [], [], 0
     for j, i in enumerate(which):
-        gen = sampler._generator_for(requests[i])
+        gen = sampler.generator_for(requests[i])
         m = 0
         while m < len(drafts[i]) and torch.rand(1, generator=gen).item() < p_draft[pos + m]:
             m += 1
@@ -185,5 +185,5 @@ def _sample_final(
             p[i, t] = 0.0
     noise = torch.empty(p.shape, dtype=p.dtype)
     for i, req in enumerate(requests):
-        noise[i].exponential_(generator=sampler._generator_for(req))
+        noise[i].exponential_(generator=sampler.generator_for(req))
     return (p / noise.to(device)).argmax(dim=-1).tolist()
