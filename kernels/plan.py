@@ -253,4 +253,11 @@ def fallbacks(op: str, backend: str) -> tuple[str, ...]:
                 f"not implement (the log lists them): module by module",)
     if op == "rms_norm":
         return ("inputs of more than 3 dimensions or another dtype than the weight's: torch",)
+    if op == "rotary":
+        return ("layers with another rope (interleaved pairs, partial rotary) or q/k norms the "
+                "kernel does not round like Qwen3's, and steps whose K/V dtype differs from the "
+                "projections': the module path",)
+    if op == "router_topk":
+        return ("routers other than softmax-then-top-k (gpt-oss's top-k-then-softmax, grouped "
+                "sigmoid routing): their own torch code",)
     return ()

@@ -129,7 +129,8 @@ def test_attention_float_cache_fallback_is_taken_and_declared() -> None:
 
 def test_every_native_fallback_is_printed_once_per_op() -> None:
     text = _plan().describe()
-    for op in ("linear", "attention_prefill", "fused_moe", "decode_layer", "rms_norm"):
+    for op in ("linear", "attention_prefill", "fused_moe", "decode_layer", "rms_norm", "rotary",
+               "router_topk"):
         assert f"{op}=native-cpu, per call: " in text, op
     assert "per call" not in _plan(TORCH).describe()
 
