@@ -5,7 +5,7 @@ layers (`linear`, `attention`, `rms_norm`, ...), each with the fallbacks it may 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -94,9 +94,12 @@ class KernelPlan:
             out["native_cpu_isa"] = self.native_isa.split()[0]
         return out
 
-    def describe(self) -> str:
+    def describe(self, used: Iterable[str] | None = None) -> str:
         """One line for the startup plan, e.g. "kernels (cpu): fused_moe=native-cpu, ...";
-        choices that fell back say why on their own lines."""
+        choices that fell back say why on their own lines, and each kernel the model uses
+        (`used`: op names; None: every op) the routes it may take per call
+        (`fallbacks`)."""
+        used = set(OPS if used is None else used)
         pairs = ", ".join(f"{op}={c.backend}" for op, c in self.choices.items())
         by_reason: dict[str, list[str]] = {}
         for c in self.choices.values():
@@ -104,7 +107,7 @@ class KernelPlan:
                 by_reason.setdefault(c.reason, []).append(c.op)
         notes = [f"  {', '.join(ops)}: {reason}" for reason, ops in by_reason.items()]
         for c in self.choices.values():
-            for fallback in fallbacks(c.op, c.backend):
+            for fallback in fallbacks(c.op, c.backend) if c.op in used else ():
                 notes.append(f"  {c.op}={c.backend}, per call: {fallback}")
         if self.native_isa:
             notes.append(f"  native-cpu build: {self.native_isa}")

@@ -203,7 +203,8 @@ def _unfit(op: str, backend: str, facts: ModelFacts) -> str | None:
         from kernels.dense import amx as cpu_amx
 
         if cpu_amx.bf16_backend() is None or not cpu_amx.dot_available():
-            return "the native prefill attention needs AVX512-BF16"
+            why = cpu_amx.amx_unavailable_reason() or "this CPU lacks AVX512-BF16"
+            return f"the native prefill attention needs AVX512-BF16 ({why})"
         from kernels.attention.paged import NATIVE_PREFILL_MAX_GQA
 
         if facts.query_heads_per_kv > NATIVE_PREFILL_MAX_GQA:

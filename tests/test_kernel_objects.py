@@ -69,7 +69,7 @@ def test_linear_row_fallbacks_are_taken_and_declared() -> None:
     assert f"linear=native-cpu, per call: batches over {NATIVE_MAX_ROWS} rows" in text
     assert f"({NARROW_MAX_ROWS} for layers of fewer than" in text
     if amx.bf16_backend() is not None:  # the bf16 route, named with this CPU's kernel
-        assert f"the bf16 kernel ({amx.bf16_backend()}) at {amx.LINEAR_MIN_ROWS}-" in text
+        assert f"the bf16 kernel on {amx.bf16_backend()} at {amx.LINEAR_MIN_ROWS}-" in text
     else:
         assert f"no bf16 kernel here ({amx.amx_unavailable_reason()})" in text
 

@@ -49,17 +49,19 @@ def native_fallbacks() -> tuple[str, ...]:
     startup plan prints them (with this process's bf16 kernel: `amx.bf16_backend`)."""
     bf16 = amx.bf16_backend()
     bf16_route = (
-        f"bfloat16 layers: the bf16 kernel ({bf16}) at {amx.LINEAR_MIN_ROWS}-"
+        f"bfloat16 layers: the bf16 kernel on {bf16} at {amx.LINEAR_MIN_ROWS}-"
         f"{amx.LINEAR_MAX_ROWS} rows, torch above"
         if bf16 is not None
-        else f"bfloat16 layers: no bf16 kernel here ({amx.amx_unavailable_reason()})"
+        else f"bfloat16 layers: the packed kernel as float32 ones (no bf16 kernel here: "
+        f"{amx.amx_unavailable_reason()})"
     )
     return (
         f"batches over {NATIVE_MAX_ROWS} rows ({NARROW_MAX_ROWS} for layers of fewer than "
         f"{NATIVE_MIN_OUT_FEATURES} outputs) and float16 layers: torch",
         bf16_route,
         f"4-bit layers (--quantized-layers all): the 4-bit kernel up to {NATIVE_MAX_ROWS} "
-        f"rows, torch over the dequantized weights above",
+        f"rows (one bfloat16 row on the bf16 kernel where there is one), torch over the "
+        f"dequantized weights above",
     )
 
 

@@ -41,10 +41,10 @@ def native_float_variants() -> tuple[str, ...]:
     it."""
     bf16 = cpu_amx.bf16_backend()
     if bf16 is None:
-        return (f"every layer: the AVX2/AVX-512 kernel (PackedExperts; no bf16 kernel here: "
+        return (f"every layer: the AVX2/AVX-512 kernel (no bf16 kernel here: "
                 f"{cpu_amx.amx_unavailable_reason()})",)
-    return (f"bfloat16 experts: the bf16 kernel (AmxExperts, {bf16}); float32 experts: the "
-            f"AVX2/AVX-512 kernel (PackedExperts)",)
+    return (f"bfloat16 experts: the bf16 kernel on {bf16}, every batch size; float32 "
+            f"experts: the AVX2/AVX-512 kernel",)
 EXPERT_BACKENDS = (NATIVE_CPU, TORCH, TRITON)
 
 #: (hidden [T, H], topk_weights [T, k] fp32, topk_ids [T, k] int32, **extras) -> [T, H]; the

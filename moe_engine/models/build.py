@@ -274,6 +274,16 @@ def _has_layer(model_dir: str, index: int) -> bool:
     return False
 
 
+def ops_used(config: EngineConfig, mla: bool) -> set[str]:
+    """The kernel registry's ops this model runs: its experts' format, MLA or paged attention,
+    and the dense ops every model has."""
+    experts = {"int4": "fused_moe_int4", "mxfp4": "fused_moe_mxfp4"}.get(
+        config.quant.method, "fused_moe"
+    )
+    attention = {"mla_decode"} if mla else {"attention_prefill", "attention_decode"}
+    return {experts, *attention, "linear", "rms_norm", "rotary", "router_topk", "decode_layer"}
+
+
 def _check_plan(
     plan: Plan,
     config: EngineConfig,
@@ -293,20 +303,21 @@ def _check_plan(
         StartupError: from `Plan.check` / `memory.check_weights_fit`.
     """
     util = config.device.gpu_memory_utilization
+    used = ops_used(config, bool(plan.shape.kv_lora_rank))
     if device.type == "cpu":
         plan = replace(plan, device_lines=(
             f"device: cpu (--gpu-memory-utilization {util:g} applies to cuda only; the KV "
             f"cache is sized from --kv-cache-memory or free host memory)",
         ))
     if not sizes_kv_on_device(config, device):
-        logger.info("startup plan:\n%s\n%s", plan.describe(), kernels.describe())
+        logger.info("startup plan:\n%s\n%s", plan.describe(), kernels.describe(used))
         plan.check(max_model_len)
         return plan
     plan.check_context(max_model_len)
     lines = plan.describe().splitlines()[:-1]  # the blocks line waits for the profile run
     logger.info(
         "startup plan:\n%s\nKV blocks: sized after a profile run (--gpu-memory-utilization "
-        "%g on %s)\n%s", "\n".join(lines), util, device, kernels.describe(),
+        "%g on %s)\n%s", "\n".join(lines), util, device, kernels.describe(used),
     )
     if device_memory is not None:
         check_weights_fit(device_memory, util, plan.weight_bytes)
