@@ -49,6 +49,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -60,13 +61,14 @@ from moe_engine.models.layers.attention import AttentionBatch, AttentionMetadata
 from moe_engine.runner.step_inputs import StepInputBuffers
 
 
-class GraphRunner(Protocol):
-    """What the decode graphs read of their `ModelRunner` (its public attributes).
+@dataclass(frozen=True)
+class GraphTarget:
+    """What the decode graphs run: the parts of a `ModelRunner` they read, never the runner.
 
     Attributes:
         model: the model (called as `model(input_ids, positions, meta, kv_caches)`).
         kv_caches: per layer its KV cache tensors.
-        kv_groups: the KV-cache groups.
+        num_groups: KV-cache groups (each its own slot mapping and block tables).
         device: the engine's device.
         block_size: tokens per KV block.
         scratch_block: the padding rows' KV block id, or None (no graphs then).
@@ -74,10 +76,11 @@ class GraphRunner(Protocol):
 
     model: Any
     kv_caches: list
-    kv_groups: list
+    num_groups: int
     device: torch.device
     block_size: int
     scratch_block: int | None
+
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +201,7 @@ class DecodeGraphs:
     """The captured decode graphs of one `ModelRunner` and their static input buffers.
 
     Args:
-        runner: its model, KV cache (with a scratch block), block size, groups and device.
+        target: the model, its KV cache (with a scratch block), block size, groups and device.
         sizes: decode batch sizes to capture (`capture_sizes`).
         max_model_len: the longest request (tokens): the block tables' width.
 
@@ -213,21 +216,21 @@ class DecodeGraphs:
         ValueError: the runner's KV cache has no scratch block, or no size is given.
     """
 
-    def __init__(self, runner: GraphRunner, sizes: Sequence[int], max_model_len: int) -> None:
-        if runner.scratch_block is None:
+    def __init__(self, target: GraphTarget, sizes: Sequence[int], max_model_len: int) -> None:
+        if target.scratch_block is None:
             raise ValueError(
                 "decode graphs need a scratch KV block: ModelRunner(scratch_block=True)"
             )
         if not sizes or min(sizes) < 1:
             raise ValueError(f"capture sizes must be a non-empty list of ints >= 1, got {sizes}")
-        self.runner = runner
+        self.target = target
         self.sizes = sorted(set(sizes))
-        self.block_size = runner.block_size
+        self.block_size = target.block_size
         self.width = -(-max_model_len // self.block_size)
-        self.scratch_slot = runner.scratch_block * self.block_size
-        self.num_groups = len(runner.kv_groups)
-        self.buffers = StepInputBuffers(runner.device)
-        device, top = runner.device, self.sizes[-1]
+        self.scratch_slot = target.scratch_block * self.block_size
+        self.num_groups = target.num_groups
+        self.buffers = StepInputBuffers(target.device)
+        device, top = target.device, self.sizes[-1]
         self.static = {name: self.buffers.reserve(name, top) for name in self._names()}
         for g in range(self.num_groups):
             self.static[f"block_tables.{g}"] = self.buffers.reserve(
@@ -263,13 +266,13 @@ class DecodeGraphs:
         Raises:
             RuntimeError: a capture failed (the message names the batch size).
         """
-        model = self.runner.model
+        model = self.target.model
         self._recorders = list({
             id(moe.load_recorder): moe.load_recorder
             for _, moe in model.moe_layers() if moe.load_recorder is not None
         }.values())  # fmt: skip
-        cuda = self.runner.device.type == "cuda"
-        free_before = torch.cuda.mem_get_info(self.runner.device)[0] if cuda else 0
+        cuda = self.target.device.type == "cuda"
+        free_before = torch.cuda.mem_get_info(self.target.device)[0] if cuda else 0
         start = time.perf_counter()
         none = torch.zeros(0, dtype=torch.int64)
         self._fill(self.max_size, [], none, [[] for _ in range(self.num_groups)], none)
@@ -280,8 +283,8 @@ class DecodeGraphs:
                 except RuntimeError as exc:  # e.g. a host sync inside the forward
                     raise RuntimeError(f"decode batch size {n}: {exc}") from exc
         if cuda:
-            torch.cuda.synchronize(self.runner.device)
-            self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info(self.runner.device)[0])
+            torch.cuda.synchronize(self.target.device)
+            self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info(self.target.device)[0])
         self.capture_seconds = time.perf_counter() - start
         self.capture_name = capture.name
 
@@ -379,14 +382,14 @@ class DecodeGraphs:
         meta = metas[0]
         if len(metas) > 1:
             meta = AttentionMetadata(meta.slot_mapping, meta.batches, groups=metas)
-        runner, input_ids, positions = self.runner, s["input_ids"], s["positions"]
+        target, input_ids, positions = self.target, s["input_ids"], s["positions"]
 
         def forward() -> torch.Tensor:
             for m in metas:  # masks are cached per batch: an eager replay rebuilds them
                 m.batches[0]._masks.clear()
             # Fresh views per run: the rotary module reuses its cos/sin for the same positions
             # tensor object, which must not carry the warm-up's lookup into the capture.
-            return runner.model(input_ids[:n], positions[:n], meta, runner.kv_caches)
+            return target.model(input_ids[:n], positions[:n], meta, target.kv_caches)
 
         return forward
 

@@ -44,7 +44,7 @@ from moe_engine.models.layers.attention import (
     KVCacheLayer,
 )
 from moe_engine.models.layers.gated_delta_net import LinearAttentionMetadata
-from moe_engine.runner.cuda_graphs import DecodeGraphs, GraphCapture
+from moe_engine.runner.cuda_graphs import DecodeGraphs, GraphCapture, GraphTarget
 from moe_engine.runner.inputs import StepInputBuilder
 from moe_engine.runner.sampler import Sampler, StepSamples
 from moe_engine.runner.spec_decode.mtp import MTPDrafter
@@ -189,7 +189,9 @@ class ModelRunner:
         Raises:
             ValueError: the runner was made without a scratch block.
         """
-        graphs = DecodeGraphs(self, sizes, max_model_len)
+        target = GraphTarget(self.model, self.kv_caches, len(self.kv_groups), self.device,
+                             self.block_size, self.scratch_block)
+        graphs = DecodeGraphs(target, sizes, max_model_len)
         graphs.capture(capture)
         self.decode_graphs = graphs
         return graphs
