@@ -386,7 +386,7 @@ class DecodeGraphs:
 
         def forward() -> torch.Tensor:
             for m in metas:  # masks are cached per batch: an eager replay rebuilds them
-                m.batches[0]._masks.clear()
+                m.batches[0].clear_masks()
             # Fresh views per run: the rotary module reuses its cos/sin for the same positions
             # tensor object, which must not carry the warm-up's lookup into the capture.
             return target.model(input_ids[:n], positions[:n], meta, target.kv_caches)

@@ -13,7 +13,7 @@ runner use the same public methods rather than the runner.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -183,10 +183,10 @@ class StepInputBuilder:
             tok_b, tok_q, block_ids, q_pos, query_start_loc = buffers.put_many(
                 f"batch.{group}.{i}", [b.tok_b, b.tok_q, b.block_ids, b.q_pos, b.query_start_loc]
             )
-            batches.append(replace(
-                b, tok_b=tok_b, tok_q=tok_q, block_ids=block_ids, q_pos=q_pos,
+            batches.append(b.with_tensors(
+                tok_b=tok_b, tok_q=tok_q, block_ids=block_ids, q_pos=q_pos,
                 block_tables=tables[rows], seq_lens=seq_lens[rows],
-                query_start_loc=query_start_loc, _masks={},
+                query_start_loc=query_start_loc,
             ))
         return AttentionMetadata(slot_mapping=slot_mapping, batches=batches)
 

@@ -35,7 +35,7 @@ Two gpt-oss features live here as well, both off (and free) for the other models
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +83,15 @@ class AttentionBatch:
     num_keys: int
     query_start_loc: torch.Tensor | None = None
     _masks: dict = field(default_factory=dict, repr=False)
+
+    def with_tensors(self, **tensors: torch.Tensor) -> AttentionBatch:
+        """This batch with some tensors replaced (e.g. by their device copies), and no masks
+        built yet (they follow the new tensors)."""
+        return replace(self, **tensors, _masks={})
+
+    def clear_masks(self) -> None:
+        """Forget the masks built so far (after this batch's tensors changed in place)."""
+        self._masks.clear()
 
     @property
     def mask(self) -> torch.Tensor:
