@@ -38,7 +38,13 @@ from typing import NamedTuple
 
 import torch
 
-from quant.packing import check_uint8, pack_nibbles, unpack_nibbles
+from quant.packing import (
+    QUANT_CHUNK_ELEMENTS,
+    check_uint8,
+    pack_nibbles,
+    row_chunks,
+    unpack_nibbles,
+)
 
 INT4_GROUP_SIZES = (32, 64, 128)  # the sizes the kernels and tests cover
 SYMMETRIC_ZERO = 8  # implicit zero point of symmetric groups (offset-binary int4)
@@ -99,6 +105,8 @@ def quantize_int4(
     group_size: int = 128,
     symmetric: bool = True,
     scale_dtype: torch.dtype = torch.float32,
+    *,
+    chunk_elements: int = QUANT_CHUNK_ELEMENTS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Quantize ``w`` group-wise along its last dimension to packed 4-bit codes.
 
@@ -111,6 +119,8 @@ def quantize_int4(
             uint4 in ``[0, 15]`` with a zero point per group if False.
         scale_dtype: float32, bfloat16 or float16: the scales' storage (the codes are
             computed with the scales rounded to it).
+        chunk_elements: values quantized at a time (`quant.packing.row_chunks`): the float32
+            temporaries are about 4 bytes x this, whatever ``w``'s size; the codes are the same.
 
     Returns:
         ``packed``: ``[..., N, K // 2]`` uint8 (low nibble = even ``k``);
@@ -126,7 +136,31 @@ def quantize_int4(
         raise ValueError("w must be a floating tensor [..., N, K]")
     if scale_dtype not in INT4_SCALE_DTYPES:
         raise ValueError(f"scale_dtype must be one of {INT4_SCALE_DTYPES}, got {scale_dtype}")
-    check_group_size(w.shape[-1], group_size)
+    k = w.shape[-1]
+    check_group_size(k, group_size)
+    rows = w.reshape(-1, k)
+    r, groups = rows.shape[0], k // group_size
+    packed = torch.empty(r, k // 2, dtype=torch.uint8, device=w.device)
+    scales = torch.empty(r, groups, dtype=scale_dtype, device=w.device)
+    zeros = None if symmetric else torch.empty(r, groups, dtype=torch.uint8, device=w.device)
+    for part in row_chunks(r, k, chunk_elements):
+        packed[part], scales[part], z = _quantize_rows(rows[part], group_size, symmetric,
+                                                       scale_dtype)
+        if zeros is not None:
+            zeros[part] = z
+    lead = tuple(w.shape[:-1])
+    return (packed.reshape(*lead, k // 2), scales.reshape(*lead, groups),
+            None if zeros is None else zeros.reshape(*lead, groups))
+
+
+def _quantize_rows(
+    w: torch.Tensor, group_size: int, symmetric: bool, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`quantize_int4` of ``w`` [R, K] in one go.
+
+    Raises:
+        ValueError: ``w`` holds Inf/NaN, or a scale overflows ``scale_dtype``.
+    """
     if not bool(torch.isfinite(w).all()):
         raise ValueError("w holds Inf or NaN; INT4 quantization needs finite weights")
     g = _grouped(w, group_size)

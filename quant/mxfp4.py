@@ -18,7 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from quant.packing import check_uint8, pack_nibbles, unpack_nibbles
+from quant.packing import (
+    QUANT_CHUNK_ELEMENTS,
+    check_uint8,
+    pack_nibbles,
+    row_chunks,
+    unpack_nibbles,
+)
 
 MXFP4_BLOCK_SIZE = 32  # values per E8M0 scale (OCP MX v1.0: block size k = 32 for MXFP4)
 E2M1_EMAX = 2  # exponent of the largest normal E2M1 value, 6 = 1.5 * 2^2 (OCP MX v1.0)
@@ -111,7 +117,9 @@ def _float_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     return code | (torch.signbit(x).to(torch.uint8) << 3)
 
 
-def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_mxfp4(
+    w: torch.Tensor, *, chunk_elements: int = QUANT_CHUNK_ELEMENTS
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize to MXFP4 (OCP MX v1.0 conversion), round to nearest, ties to even.
 
     Per block of 32 values along the last dimension: shared exponent
@@ -121,6 +129,8 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Args:
         w: ``[..., K]`` floating weights (bf16, fp16 or fp32; computed in fp32), finite.
+        chunk_elements: values quantized at a time (`quant.packing.row_chunks`): the float32
+            temporaries are about 4 bytes x this, whatever ``w``'s size; the codes are the same.
 
     Returns:
         ``blocks``: ``[..., K // 32, 16]`` uint8, two E2M1 codes per byte, low nibble = even
@@ -135,8 +145,26 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     k = w.shape[-1]
     if k % MXFP4_BLOCK_SIZE:
         raise ValueError(f"w's last dimension {k} is not a multiple of the MXFP4 block size 32")
+    rows = w.reshape(-1, k)
+    blocks = torch.empty(rows.shape[0], k // MXFP4_BLOCK_SIZE, MXFP4_BLOCK_SIZE // 2,
+                         dtype=torch.uint8, device=w.device)
+    scales = torch.empty(rows.shape[0], k // MXFP4_BLOCK_SIZE, dtype=torch.uint8,
+                         device=w.device)
+    for part in row_chunks(rows.shape[0], k, chunk_elements):
+        blocks[part], scales[part] = _quantize_rows(rows[part])
+    lead = tuple(w.shape[:-1])
+    return blocks.reshape(*lead, *blocks.shape[1:]), scales.reshape(*lead, scales.shape[-1])
+
+
+def _quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_mxfp4` of ``w`` [R, K], in one go (``[R, K // 32, 16]``, ``[R, K // 32]``).
+
+    Raises:
+        ValueError: ``w`` holds Inf/NaN.
+    """
     if not bool(torch.isfinite(w).all()):
         raise ValueError("w holds Inf or NaN; MXFP4 quantization needs finite weights")
+    k = w.shape[-1]
     grouped = w.float().reshape(*w.shape[:-1], k // MXFP4_BLOCK_SIZE, MXFP4_BLOCK_SIZE)
     amax = grouped.abs().amax(dim=-1)
     # frexp gives amax = m * 2^e with m in [0.5, 1), so floor(log2(amax)) = e - 1 exactly.

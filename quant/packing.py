@@ -56,3 +56,23 @@ def unpack_nibbles(packed: torch.Tensor, name: str = "packed") -> torch.Tensor:
         raise ValueError(f"{name} needs at least one dimension, got a scalar")
     low, high = packed & 0x0F, packed >> 4
     return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+#: Elements of a weight quantized at a time (`row_chunks`): its float32 temporaries stay a few
+#: times 4 bytes x this (8 MiB each), whatever the weight's size (a 201088 x 2880 LM head is
+#: 579 M values: 2.2 GiB per whole float32 temporary).
+QUANT_CHUNK_ELEMENTS = 1 << 21
+
+
+def row_chunks(rows: int, row_elements: int, chunk_elements: int = QUANT_CHUNK_ELEMENTS):
+    """Slices of `rows` rows of `row_elements` values each, about `chunk_elements` values per
+    slice (at least one row): quantizing a weight slice by slice bounds the temporaries to one
+    slice, and gives the same codes, since every block and group lies within one row.
+
+    Raises:
+        ValueError: `chunk_elements` < 1.
+    """
+    if chunk_elements < 1:
+        raise ValueError(f"chunk_elements must be >= 1, got {chunk_elements}")
+    step = max(1, chunk_elements // max(1, row_elements))
+    return [slice(r, min(rows, r + step)) for r in range(0, rows, step)]

@@ -79,7 +79,7 @@ class PackedQuantLinear:
         n, k = weight.shape
         if bias is not None and bias.shape != (n,):
             raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
-        w = weight.detach().float()
+        w = weight.detach()  # quantized row chunk by row chunk, in float32 (no whole copy)
         if method == "int4":
             packed, scales, _ = quantize_int4(w, group_size, symmetric=True,
                                               scale_dtype=scale_dtype)
