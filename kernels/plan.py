@@ -207,6 +207,18 @@ class KernelPlan:
             return bind_int4_experts(self.backend("fused_moe_int4"), weights)
         return bind_mxfp4_experts(self.backend("fused_moe_mxfp4"), weights)
 
+    def linear_copy_bytes(self, weight_dtype: torch.dtype) -> float:
+        """Bytes per weight of the copy the "linear" kernel packs beside a float dense
+        projection of a `weight_dtype` checkpoint at its first forward (`LinearKernel`): 2 for
+        bfloat16 values (the bf16 kernel's tiles, or the packed kernel's bfloat16 tiles, also
+        when they are computed in float32), 4 for float32 ones, 0 where torch's GEMM runs
+        (torch backends, float16)."""
+        import torch
+
+        if self.backend("linear") != NATIVE_CPU:
+            return 0.0
+        return {torch.bfloat16: 2.0, torch.float32: 4.0}.get(weight_dtype, 0.0)
+
     def keeps_experts(self, method: str, bound: BoundExperts | None) -> bool:
         """Whether binding `bound` (4-bit experts of `method`) again under this plan changes
         nothing: a layout that cannot be converted back (torch's int4 CPU layout) bound to the

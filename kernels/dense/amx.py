@@ -200,6 +200,11 @@ class AmxLinear:
     out_features: int
     in_features: int
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed weight and bias."""
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.bias))
+
     @classmethod
     def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> AmxLinear:
         """Pack `weight` [N, K] (any float dtype, rounded to bfloat16) and `bias` [N].

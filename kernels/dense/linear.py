@@ -105,6 +105,11 @@ class LinearKernel:
         self._q4_packed: PackedQuantLinear | None = None
         self._q4_dense: torch.Tensor | None = None
 
+    @property
+    def amx_copy(self) -> AmxLinear | None:
+        """The bf16 kernel's packed copy, once a batch has made it (else None)."""
+        return self._amx_packed
+
     def q4_packed(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedQuantLinear:
         """The 4-bit weights, made on first use and kept until `reset`.
 

@@ -34,6 +34,11 @@ class PackedLinear:
     out_features: int
     in_features: int
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed weight and bias."""
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.bias))
+
     @classmethod
     def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
         """Pack `weight` [N, K] (and `bias` [N]). float32 weights whose values are all

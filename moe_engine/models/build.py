@@ -161,6 +161,7 @@ def build_model(
         expert_bits_per_weight=config.quant.bits_per_weight,
         dense_bits_per_weight=(config.quant.bits_per_weight or 4.5)
         if config.quant.layers == "all" else None,
+        packed_bytes_per_weight=kernels.linear_copy_bytes(weight_dtype),
     )
     plan = _check_plan(plan, config, device, device_memory, max_model_len, kernels)
     model = model_cls(spec, dtype, max_position=max_model_len).eval()

@@ -46,6 +46,9 @@ class Plan:
         max_model_len: longest request (prompt + output, tokens).
         weight_bytes_experts: routed-expert weights held by one rank.
         weight_bytes_other: every other weight (replicated on each rank).
+        weight_bytes_packed: the copies the native linear kernels pack beside the dense
+            projections and routers at their first forward (the weights stay, for weight
+            updates; `kernels.plan.KernelPlan.linear_copy_bytes`); 0 where torch's GEMM runs.
         kv_bytes_per_token: K and V (MLA: the latent) of one token over all layers (what a
             cache without sliding-window groups holds per token): the sum of the groups'
             `KVCacheSpec.bytes_per_token`.
@@ -88,6 +91,7 @@ class Plan:
     device_lines: tuple[str, ...] = ()
     state_bytes_per_request: int = 0
     num_state_slots: int = 0
+    weight_bytes_packed: int = 0
 
     @property
     def state_memory(self) -> int:
@@ -97,8 +101,14 @@ class Plan:
 
     @property
     def weight_bytes(self) -> int:
-        """All weights one rank holds."""
+        """All weights one rank holds (as loaded; `held_bytes` adds the kernels' copies)."""
         return self.weight_bytes_experts + self.weight_bytes_other
+
+    @property
+    def held_bytes(self) -> int:
+        """What one rank's weights take once the kernels have run: the weights and the linear
+        kernels' packed copies (the KV budget derived from free memory leaves room for both)."""
+        return self.weight_bytes + self.weight_bytes_packed
 
     def blocks_per_request(self, num_tokens: int | None = None) -> int:
         """The most KV blocks one request of `num_tokens` (default max_model_len) holds at
@@ -137,6 +147,8 @@ class Plan:
             f"weights: {format_bytes(self.weight_bytes)} = "
             f"{format_bytes(self.weight_bytes_experts)} experts + "
             f"{format_bytes(self.weight_bytes_other)} other"
+            + (f" + {format_bytes(self.weight_bytes_packed)} packed by the linear kernels"
+               if self.weight_bytes_packed else "")
             + (f" (per rank, ep_size {self.ep_size})" if self.ep_size > 1 else ""),
             f"KV cache: {format_bytes(self.kv_bytes_per_token)} per token over all layers"
             + self._mla_note() + ", "
@@ -252,6 +264,7 @@ def make_plan(
     dense_bits_per_weight: float | None = None,
     max_num_batched_tokens: int | None = None,
     attention_groups: list[AttentionGroup] | None = None,
+    packed_bytes_per_weight: float = 0.0,
 ) -> Plan:
     """Weight and KV-cache arithmetic for one rank.
 
@@ -274,6 +287,9 @@ def make_plan(
         dense_bits_per_weight: with `--quantized-layers all`, the 4-bit copies' storage that
             the dense projections hold beside their `dtype` weights (counted in `other`, from
             `ModelShape.dense_projection_params`); None: no copies.
+        packed_bytes_per_weight: bytes per weight of the copy the linear kernel packs beside
+            each float dense projection and router (`KernelPlan.linear_copy_bytes`; the
+            projections that are 4-bit under `dense_bits_per_weight` get none); 0: none.
         max_num_batched_tokens: the step's token budget: the longest prefill chunk, which
             bounds a sliding-window group's blocks per request; None: unbounded.
         attention_groups: the model's layers by attention kind (`MoeCausalLM.
@@ -305,6 +321,10 @@ def make_plan(
     other = shape.other_params() * itemsize + shape.float32_params() * (4 - itemsize)
     if dense_bits_per_weight is not None:
         other += math.ceil(shape.dense_projection_params() * dense_bits_per_weight / 8)
+    packed_params = len(shape.moe_layers) * shape.router_params() + (
+        shape.dense_projection_params() if dense_bits_per_weight is None else 0
+    )
+    packed = math.ceil(packed_params * packed_bytes_per_weight)
     kv_groups = make_kv_cache_groups(
         attention_groups or shape.attention_groups(),
         block_size=block_size,
@@ -328,7 +348,7 @@ def make_plan(
         source = "--kv-cache-memory"
     else:
         budget = default_kv_cache_memory(
-            experts + other, per_block * one_request + state_memory, available_memory
+            experts + other + packed, per_block * one_request + state_memory, available_memory
         )
         _check_state_fits(budget, "derived from free memory", state_bytes, state_slots,
                           per_block * one_request)
@@ -340,6 +360,7 @@ def make_plan(
     return Plan(
         shape=shape, dtype=dtype, ep_size=ep_size, block_size=block_size,
         max_model_len=max_model_len, weight_bytes_experts=experts, weight_bytes_other=other,
+        weight_bytes_packed=packed,
         kv_bytes_per_token=per_token, kv_bytes_per_block=per_block, num_blocks=num_blocks,
         max_concurrent_tokens=num_blocks * block_size, kv_cache_memory=num_blocks * per_block,
         kv_cache_source=source, kv_specs=kv_specs, max_num_batched_tokens=max_num_batched_tokens,
