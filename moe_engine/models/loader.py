@@ -104,11 +104,23 @@ def iterate_weights(
 def _stored_tensors(
     files: list[Path], progress: bool, wants: Callable[[str], bool] | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in tqdm(files, desc="Loading weights", unit="file", disable=not progress):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                if wants is None or wants(name):
-                    yield name, f.get_tensor(name)
+    """The tensors of `files` that `wants` accepts, read one at a time; the progress bar counts
+    the files' bytes: each tensor's as it is read, the rest of a file (its header, the tensors
+    `wants` skips) when the file is done."""
+    sizes = [path.stat().st_size for path in files]
+    with tqdm(total=sum(sizes), desc="Loading weights", unit="B", unit_scale=True,
+              unit_divisor=1024, disable=not progress) as bar:
+        for path, size in zip(files, sizes, strict=True):
+            done = 0
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    if wants is None or wants(name):
+                        tensor = f.get_tensor(name)
+                        read = tensor.numel() * tensor.element_size()
+                        bar.update(read)
+                        done += read
+                        yield name, tensor
+            bar.update(size - done)
 
 
 def cast_floating(
