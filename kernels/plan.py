@@ -36,6 +36,9 @@ OPS = (
     "decode_layer",  # a whole decoder layer of a decode step (native-cpu: one call)
 )
 
+#: The routed experts' op per `--quantization` method.
+EXPERT_OPS = {"none": "fused_moe", "int4": "fused_moe_int4", "mxfp4": "fused_moe_mxfp4"}
+
 #: Which ops each backend implements.
 IMPLEMENTS: dict[str, frozenset[str]] = {
     NATIVE_CPU: frozenset(
@@ -203,9 +206,8 @@ class KernelPlan:
         backend of their op ("fused_moe_int4" / "fused_moe_mxfp4")."""
         from kernels.moe.backends import bind_int4_experts, bind_mxfp4_experts
 
-        if method == "int4":
-            return bind_int4_experts(self.backend("fused_moe_int4"), weights)
-        return bind_mxfp4_experts(self.backend("fused_moe_mxfp4"), weights)
+        bind = bind_int4_experts if method == "int4" else bind_mxfp4_experts
+        return bind(self.backend(EXPERT_OPS[method]), weights)
 
     def linear_copy_bytes(self, weight_dtype: torch.dtype) -> float:
         """Bytes per weight of the copy the "linear" kernel packs beside a float dense
@@ -223,8 +225,8 @@ class KernelPlan:
         """Whether binding `bound` (4-bit experts of `method`) again under this plan changes
         nothing: a layout that cannot be converted back (torch's int4 CPU layout) bound to the
         same backend again."""
-        op = "fused_moe_int4" if method == "int4" else "fused_moe_mxfp4"
-        return bound is not None and bound.restore is None and self.backend(op) == bound.backend
+        return (bound is not None and bound.restore is None
+                and self.backend(EXPERT_OPS[method]) == bound.backend)
 
     def graph_unsafe(self, ops: list[str]) -> list[str]:
         """"op=backend" for each of `ops` whose kernel cannot be captured in a CUDA graph

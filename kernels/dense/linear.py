@@ -81,7 +81,6 @@ class LinearKernel:
     ) -> None:
         self.native_max_rows, self.amx, self.q4 = native_max_rows, amx, q4
         self.quant_scheme = quant_scheme
-        self.packed: PackedLinear | None = None
         self.reset()
 
     @classmethod
@@ -100,7 +99,7 @@ class LinearKernel:
 
     def reset(self) -> None:
         """Forget the packed copies (call after changing the weight in place)."""
-        self.packed = None
+        self.packed: PackedLinear | None = None
         self._amx_packed: AmxLinear | None = None
         self._q4_packed: PackedQuantLinear | None = None
         self._q4_dense: torch.Tensor | None = None

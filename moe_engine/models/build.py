@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kernels.plan import KernelPlan
+from kernels.plan import EXPERT_OPS, KernelPlan
 from moe_engine.errors import StartupError
 from moe_engine.kv_cache.spec import AttentionGroup
 from moe_engine.models import resolve_architecture
@@ -278,9 +278,7 @@ def _has_layer(model_dir: str, index: int) -> bool:
 def ops_used(config: EngineConfig, mla: bool) -> set[str]:
     """The kernel registry's ops this model runs: its experts' format, MLA or paged attention,
     and the dense ops every model has."""
-    experts = {"int4": "fused_moe_int4", "mxfp4": "fused_moe_mxfp4"}.get(
-        config.quant.method, "fused_moe"
-    )
+    experts = EXPERT_OPS.get(config.quant.method, "fused_moe")
     attention = {"mla_decode"} if mla else {"attention_prefill", "attention_decode"}
     return {experts, *attention, "linear", "rms_norm", "rotary", "router_topk", "decode_layer"}
 

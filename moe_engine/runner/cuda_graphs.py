@@ -54,7 +54,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kernels.plan import KernelPlan
+from kernels.plan import EXPERT_OPS, KernelPlan
 from moe_engine.instrumentation import ExpertLoadRecorder
 from moe_engine.kv_cache.spec import LINEAR_ATTENTION, MLA_ATTENTION
 from moe_engine.models.layers.attention import AttentionBatch, AttentionMetadata
@@ -88,9 +88,6 @@ logger = logging.getLogger(__name__)
 #: less than 2x and a 256-sequence engine captures 9 graphs. vLLM's default list
 #: ([1, 2, 4] + multiples of 8 up to 256, then of 16 up to 512) pads less but captures ~35.
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-#: The registry op of the routed experts per `QuantConfig.method`.
-EXPERT_OPS = {"none": "fused_moe", "int4": "fused_moe_int4", "mxfp4": "fused_moe_mxfp4"}
 
 #: A forward of the static buffers, returning hidden [n, H].
 Forward = Callable[[], torch.Tensor]
