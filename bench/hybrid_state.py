@@ -193,7 +193,7 @@ def plan_largest_batch(shape, dtype: torch.dtype, context: int, budget: int,
     context) holds B requests of `context` tokens at once, and that plan."""
     def plan_of(b: int):
         return make_plan(shape, dtype, block_size=block_size, max_model_len=context,
-                         kv_cache_memory=budget, max_num_seqs=b, available_memory=1 << 50)
+                         kv_cache_memory=budget, max_num_seqs=b)
 
     b, best = 0, None
     while True:
@@ -227,7 +227,7 @@ def arithmetic_row(name: str, cfg: dict[str, Any], *, context: int, budget: int,
     batch, plan = plan_largest_batch(shape, dtype, context, budget, block_size)
     if plan is None:  # not even one request: the plan of batch 1, for the per-request figures
         plan = make_plan(shape, dtype, block_size=block_size, max_model_len=context,
-                         kv_cache_memory=budget, max_num_seqs=1, available_memory=1 << 50)
+                         kv_cache_memory=budget, max_num_seqs=1)
     blocks = plan.blocks_per_request(context)
     kv_request = blocks * plan.kv_bytes_per_block
     state = plan.state_bytes_per_request
@@ -236,7 +236,7 @@ def arithmetic_row(name: str, cfg: dict[str, Any], *, context: int, budget: int,
     batch_bf16 = largest_batch(state_bf16, plan.kv_bytes_per_block, blocks, budget)
     linear = len(shape.linear_attention_layers())
     over = make_plan(shape, dtype, block_size=block_size, max_model_len=context,
-                     kv_cache_memory=budget, max_num_seqs=batch + 1, available_memory=1 << 50)
+                     kv_cache_memory=budget, max_num_seqs=batch + 1)
     return {
         "model": name,
         "layers": shape.num_layers,

@@ -43,8 +43,7 @@ def plan_figures(path: Path, dtype: torch.dtype) -> dict:
         shape = model_shape(cfg)
     except (StartupError, ValueError) as e:
         return {"config": path.name, "unresolved": str(e)}
-    plan = make_plan(shape, dtype, block_size=16, max_model_len=4096, kv_cache_memory=GiB,
-                     available_memory=1 << 50)
+    plan = make_plan(shape, dtype, block_size=16, max_model_len=4096, kv_cache_memory=GiB)
     kv_line = next(line for line in plan.describe().splitlines() if line.startswith("KV cache"))
     return {
         "config": path.name,

@@ -221,6 +221,18 @@ class KernelPlan:
             return 0.0
         return {torch.bfloat16: 2.0, torch.float32: 4.0}.get(weight_dtype, 0.0)
 
+    def expert_copy_bytes(self, weight_dtype: torch.dtype) -> float:
+        """Bytes per weight of the copy the float "fused_moe" kernel packs beside the experts'
+        `weight_dtype` parameters at bind time (`kernels.moe.backends.bind_float_experts`: the
+        parameters stay, for in-place weight updates): 2 for bfloat16 (AMX tiles or the
+        packed kernel's bfloat16 tiles), 4 for float32 (kept float32 unless exactly bfloat16:
+        counted at its most), 0 where torch or triton read the parameters in place."""
+        import torch
+
+        if self.backend("fused_moe") != NATIVE_CPU:
+            return 0.0
+        return {torch.bfloat16: 2.0, torch.float32: 4.0}.get(weight_dtype, 4.0)
+
     def keeps_experts(self, method: str, bound: BoundExperts | None) -> bool:
         """Whether binding `bound` (4-bit experts of `method`) again under this plan changes
         nothing: a layout that cannot be converted back (torch's int4 CPU layout) bound to the

@@ -70,7 +70,7 @@ def test_max_batch_is_what_the_plan_admits(hs: ModuleType) -> None:
     b = hs.arithmetic(4096, 4 * GIB, 16)["rows"][0]["max_batch"]
     for n, ok in ((b, True), (b + 1, False)):
         p = make_plan(shape, torch.bfloat16, block_size=16, max_model_len=4096,
-                      kv_cache_memory=4 * GIB, max_num_seqs=n, available_memory=1 << 50)
+                      kv_cache_memory=4 * GIB, max_num_seqs=n)
         assert p.state_memory == (n + 1) * STATE_FP32
         assert (p.num_blocks >= n * p.blocks_per_request(4096)) is ok
 

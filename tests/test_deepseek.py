@@ -279,7 +279,7 @@ def test_plan_reports_the_mla_latent_bytes_of_the_published_configs(name):
     cfg = json.loads((CONFIGS / name).read_text())
     shape = model_shape(cfg)
     plan = make_plan(shape, torch.bfloat16, block_size=16, max_model_len=4096,
-                     kv_cache_memory=1 << 30, available_memory=1 << 50)
+                     kv_cache_memory=1 << 30)
     assert plan.kv_bytes_per_token == 61 * 576 * 2 == 70_272
     assert "(MLA latent 576 x 61 layers)" in plan.describe()
     first_dense = cfg["first_k_dense_replace"]

@@ -57,6 +57,8 @@ def test_linear_row_fallbacks_are_taken_and_declared() -> None:
     narrow = Linear(16, 32, bias=False)
     for layer in (wide, narrow):
         layer.bind_kernels(_plan())
+        assert layer.kernel.packed is not None  # packed at bind, with the loading
+        layer.reset_packed()  # from here a copy appears only where a batch takes the route
     assert wide.kernel.native_max_rows == NATIVE_MAX_ROWS
     assert narrow.kernel.native_max_rows == NARROW_MAX_ROWS
     narrow(torch.randn(NARROW_MAX_ROWS + 1, 16, generator=g))

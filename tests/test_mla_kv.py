@@ -77,7 +77,7 @@ def test_plan_reports_deepseek_v3_latent_bytes():
     assert shape.attention_groups() == [(MLA_ATTENTION, None, tuple(range(61)))]
     assert shape.kv_elements_per_token() == 61 * 576
     plan = make_plan(shape, torch.bfloat16, block_size=16, max_model_len=4096,
-                     kv_cache_memory=1 << 30, available_memory=1 << 50)
+                     kv_cache_memory=1 << 30)
     assert plan.kv_bytes_per_token == 70_272
     assert plan.kv_bytes_per_block == 70_272 * 16
     assert plan.num_blocks == (1 << 30) // (70_272 * 16)
@@ -89,7 +89,7 @@ def test_plan_reports_deepseek_v3_latent_bytes():
         "architectures": ["Qwen3MoeForCausalLM"],
     })
     gqa_plan = make_plan(gqa, torch.bfloat16, block_size=16, max_model_len=4096,
-                         kv_cache_memory=1 << 30, available_memory=1 << 50)
+                         kv_cache_memory=1 << 30)
     assert gqa_plan.kv_bytes_per_token == 2 * 61 * 128 * (7168 // 128) * 2
     assert "MLA" not in gqa_plan.describe()
     with pytest.raises(ValueError, match="'v_head_dim' is missing"):

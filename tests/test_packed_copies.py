@@ -1,6 +1,6 @@
-"""The startup plan counts the copies the native linear kernels pack beside the dense
-projections and routers at their first forward (`Plan.weight_bytes_packed`), and leaves room
-for them when it derives the KV budget from free memory."""
+"""The startup plan counts the copies the native kernels pack beside the dense projections and
+routers, and beside float routed experts (`Plan.weight_bytes_packed`), and leaves room for
+them when it derives the KV budget from host memory."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from kernels.plan import NATIVE_CPU, TORCH, KernelPlan
 from moe_engine import LLM, SamplingParams
 from moe_engine.models import model_shape
 from moe_engine.models.layers.linear import Linear
+from moe_engine.models.layers.moe import FusedMoE
+from moe_engine.startup.host_memory import HostMemory
 from moe_engine.startup.plan import make_plan
 
 CFG = {
@@ -35,8 +37,8 @@ def test_the_linear_kernels_copy_bytes_per_weight() -> None:
 
 def test_the_plan_counts_the_packed_copies_and_leaves_them_room() -> None:
     shape = model_shape(CFG)
-    args = dict(block_size=16, max_model_len=4096, kv_cache_memory=None,
-                available_memory=2 * 2**30)
+    args = dict(block_size=16, max_model_len=4096, kv_cache_memory=None, max_num_seqs=256,
+                host=HostMemory(total=2 * 2**30, available=2 * 2**30))
     plain = make_plan(shape, torch.bfloat16, **args)
     packed = make_plan(shape, torch.bfloat16, packed_bytes_per_weight=2.0, **args)
     routers = len(shape.moe_layers) * shape.router_params()
@@ -45,8 +47,8 @@ def test_the_plan_counts_the_packed_copies_and_leaves_them_room() -> None:
     assert packed.weight_bytes == plain.weight_bytes  # the weights as loaded, unchanged
     assert packed.held_bytes == plain.weight_bytes + want
     assert packed.num_blocks < plain.num_blocks  # the derived KV budget leaves them room
-    assert "packed by the linear kernels" in packed.describe()
-    assert "packed by the linear kernels" not in plain.describe()
+    assert "packed by the native kernels" in packed.describe()
+    assert "packed by the native kernels" not in plain.describe()
     four_bit = make_plan(shape, torch.bfloat16, packed_bytes_per_weight=2.0,
                          dense_bits_per_weight=4.5, **args)
     assert four_bit.weight_bytes_packed == routers * 2  # 4-bit projections get no float copy
@@ -63,6 +65,9 @@ def test_planned_copies_match_what_the_kernels_pack(qwen3_ckpt) -> None:
             copy = module.kernel.packed or module.kernel.amx_copy
             if copy is not None:
                 made += copy.nbytes
+        if isinstance(module, FusedMoE) and module.quantized is None:  # float experts' copy
+            made += sum(t.numel() * t.element_size() for t in module.bound_experts.held
+                        if t.numel() > 0)
     planned = llm.engine.plan.weight_bytes_packed
     # within 10% (issue 41's standard); tiny layers pad their tiles by a few percent
     assert made > 0 and abs(planned - made) <= 0.1 * made, (made, planned)

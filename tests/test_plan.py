@@ -7,6 +7,7 @@ import torch
 
 from moe_engine.errors import StartupError
 from moe_engine.models import model_shape
+from moe_engine.startup.host_memory import HostMemory
 from moe_engine.startup.plan import format_bytes, make_plan
 
 MiB = 1 << 20
@@ -146,24 +147,32 @@ def test_override_and_position_limit() -> None:
         bench_plan(max_model_len=8192).check(8192)
 
 
-def test_default_budget_from_available_memory() -> None:
-    one_request = 64 * 65536  # 1024 tokens = 64 blocks = 4 MiB
-    # Plenty of memory: capped at 4 GiB.
-    assert bench_plan(kv_cache_memory=None, available_memory=16 * GiB).num_blocks == 65536
-    # Half of what the weights leave: 8 MiB left -> 4 MiB -> 64 blocks.
-    assert (
-        bench_plan(kv_cache_memory=None, available_memory=WEIGHT_BYTES + 8 * MiB).num_blocks == 64
-    )
-    # Half (3 MiB) is short of one request but one request (4 MiB) fits in 6 MiB: raised to it.
-    plan = bench_plan(kv_cache_memory=None, available_memory=WEIGHT_BYTES + 6 * MiB)
-    assert plan.kv_cache_memory == one_request and plan.kv_cache_source.startswith("derived")
-    # Only 1 MiB left: 16 blocks, and check() refuses.
-    plan = bench_plan(kv_cache_memory=None, available_memory=WEIGHT_BYTES + MiB)
-    assert plan.num_blocks == 16
-    with pytest.raises(StartupError, match="--kv-cache-memory"):
-        plan.check(1024)
-    with pytest.raises(StartupError, match="available"):
-        bench_plan(kv_cache_memory=None, available_memory=WEIGHT_BYTES - 1)
+def test_default_budget_from_host_memory() -> None:
+    """The derived budget: 0.8 x total - in use - weights held - activations (bench config:
+    8 heads of 64 + 2 x 2 kv heads of 64, H 512, top-4 of experts of 256, vocab 8192), capped
+    at max_num_seqs requests of max_model_len; refused when one request does not fit."""
+    acts = 4 * (2048 * (3 * 512 + max(2 * 768 + 512 + 512, 4 * 3 * 256 + 2 * 512))
+                + 3 * 64 * 8192)
+    host = HostMemory(total=10 * GiB, available=10 * GiB)
+    args = dict(kv_cache_memory=None, max_num_batched_tokens=2048)
+    # plenty of memory: max_num_seqs (64) x 1024 tokens = 64 x 64 blocks
+    plan = bench_plan(host=host, max_num_seqs=64, **args)
+    assert plan.num_blocks == 64 * 64 and plan.kv_cache_source == "max_num_seqs x max_model_len"
+    assert plan.host.activations == acts
+    # 8 MiB left after weights and activations: 8 MiB / 64 KiB per block = 128 blocks
+    total = WEIGHT_BYTES + acts + 8 * MiB
+    plan = bench_plan(host=HostMemory(total=total, available=total),
+                      cpu_memory_utilization=1.0, max_num_seqs=64, **args)
+    assert plan.num_blocks == 128 and plan.kv_cache_source == "cpu_memory_utilization 1"
+    # memory in use elsewhere comes off the top
+    used = bench_plan(host=HostMemory(total=total + 4 * MiB, available=total),
+                      cpu_memory_utilization=1.0, max_num_seqs=64, **args)
+    assert used.num_blocks == 128
+    # 1 MiB left: less than one 1024-token request (64 blocks, 4 MiB): refused before loading
+    short = WEIGHT_BYTES + acts + MiB
+    with pytest.raises(StartupError, match="does not fit in host memory"):
+        bench_plan(host=HostMemory(total=short, available=short), cpu_memory_utilization=1.0,
+                   max_num_seqs=64, **args)
 
 
 def test_expert_parallel_split_and_divisibility() -> None:
@@ -214,7 +223,7 @@ def test_derived_budget_is_capped_by_max_num_seqs() -> None:
         block_size=16,
         max_model_len=100,
         kv_cache_memory=None,
-        available_memory=1 << 33,
+        host=HostMemory(total=1 << 33, available=1 << 33),
         max_num_seqs=3,
     )
     assert plan.num_blocks == 3 * 7  # ceil(100 / 16) = 7 blocks per request

@@ -124,6 +124,18 @@ class LinearKernel:
                                                          scale_dtype)
         return self._q4_packed
 
+    def prepack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Make now the copy the layer's decode batches will read (the 4-bit weights, the bf16
+        kernel's tiles, or the packed kernel's), so that it is made while loading, with the
+        other weights' temporaries, and not at the first forward beside the KV cache and the
+        activations (`moe_engine.startup.host_memory`). Nothing for torch layers."""
+        if self.quant_scheme is not None:
+            self.q4_packed(weight, bias)
+        elif self.amx:
+            self.amx_packed(weight, bias)
+        elif self.native_max_rows and self.packed is None:
+            self.packed = PackedLinear.pack(weight, bias)
+
     def amx_packed(self, weight: torch.Tensor, bias: torch.Tensor | None) -> AmxLinear:
         """The weight (and bias) packed for the bf16 kernel, made on first use."""
         if self._amx_packed is None:

@@ -92,7 +92,7 @@ def kv_specs_of(model: Path, dtype: torch.dtype, block_size: int) -> tuple[str, 
     path = model / "config.json" if model.is_dir() else model
     shape = model_shape(json.loads(path.read_text()))
     plan = make_plan(shape, dtype, block_size=block_size, max_model_len=4096,
-                     kv_cache_memory=GiB, available_memory=1 << 50)
+                     kv_cache_memory=GiB)
     return shape.architecture, plan.kv_specs, shape.max_position_embeddings
 
 

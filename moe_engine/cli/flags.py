@@ -41,8 +41,9 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def parse_fraction(text: str) -> float:
-    """--gpu-memory-utilization: a fraction in (0, 1].
+def parse_fraction(text: str, name: str = "gpu_memory_utilization",
+                   of: str = "the device's memory") -> float:
+    """--gpu-memory-utilization (and --cpu-memory-utilization): a fraction in (0, 1].
 
     Raises:
         argparse.ArgumentTypeError: anything else (names the value and the limit).
@@ -53,10 +54,14 @@ def parse_fraction(text: str) -> float:
         value = None
     if value is None or not 0 < value <= 1:
         raise argparse.ArgumentTypeError(
-            f"gpu_memory_utilization must be a fraction in (0, 1] of the device's memory, "
-            f"got {text!r}"
+            f"{name} must be a fraction in (0, 1] of {of}, got {text!r}"
         )
     return value
+
+
+def parse_host_fraction(text: str) -> float:
+    """--cpu-memory-utilization: a fraction in (0, 1] of the host's memory."""
+    return parse_fraction(text, "cpu_memory_utilization", "the host's memory")
 
 
 def add_model_path_args(p: argparse.ArgumentParser) -> None:
@@ -116,7 +121,8 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
         "--kv-cache-memory",
         type=parse_bytes,
         default=None,
-        help="bytes for the KV cache, e.g. 2GiB (default: derived from free memory)",
+        help="bytes for the KV cache, e.g. 2GiB (default: derived, from --cpu-memory-utilization "
+        "on cpu and --gpu-memory-utilization on cuda)",
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
 
@@ -198,7 +204,8 @@ def add_message_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_device_args(p: argparse.ArgumentParser) -> None:
-    """--device, --gpu-memory-utilization and --enforce-eager (`config.DeviceConfig`)."""
+    """--device, --gpu-memory-utilization, --cpu-memory-utilization and --enforce-eager
+    (`config.DeviceConfig`)."""
     p.add_argument(
         "--device",
         default="auto",
@@ -214,6 +221,17 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
         help="fraction in (0, 1] of the CUDA device's memory for weights, activations and KV "
         f"cache (default {DeviceConfig.gpu_memory_utilization}); the KV cache gets what the "
         "weights and a profiled activation peak leave. Ignored on cpu",
+    )
+    p.add_argument(
+        "--cpu-memory-utilization",
+        type=parse_host_fraction,
+        default=DeviceConfig.cpu_memory_utilization,
+        metavar="F",
+        help="fraction in (0, 1] of the host's total memory the engine may use on cpu "
+        f"(default {DeviceConfig.cpu_memory_utilization}: the rest stays with the OS and the "
+        "page cache); the KV cache gets what the memory already in use, the weights held and "
+        "the activations of one --max-num-batched-tokens step leave, and a model that does not "
+        "fit exits before loading. Ignored on cuda",
     )
     p.add_argument(
         "--enforce-eager",

@@ -6,6 +6,7 @@
               [--max-num-batched-tokens N] [--stream-interval N] [--kv-cache-memory BYTES]
               [--block-size N]
               [--enable-prefix-caching] [--device auto|cpu|cuda] [--gpu-memory-utilization F]
+              [--cpu-memory-utilization F]
               [--enforce-eager]
               [--metrics-port P] [--max-message-bytes BYTES] [--log-level LEVEL]
               [--max-waiting-requests N] [--max-prompt-tokens N] [--max-concurrent-streams N]
@@ -155,6 +156,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
             device=args.device,
             gpu_memory_utilization=args.gpu_memory_utilization,
             enforce_eager=args.enforce_eager,
+            cpu_memory_utilization=args.cpu_memory_utilization,
         ),
     )
 

@@ -9,6 +9,7 @@ with its numbers. `EngineCore` builds its scheduler, KV cache and runner on what
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -26,6 +27,7 @@ from moe_engine.models.loader import load_model
 from moe_engine.models.spec import ArchSpec
 from moe_engine.startup.config import EngineConfig, read_config_json
 from moe_engine.startup.env import compute_dtype
+from moe_engine.startup.host_memory import HostMemory, read_host_memory, release_free_heap
 from moe_engine.startup.memory import DeviceMemory, check_weights_fit
 from moe_engine.startup.plan import Plan, make_plan
 from moe_engine.startup.progress import StartupProgressFn
@@ -162,7 +164,15 @@ def build_model(
         dense_bits_per_weight=(config.quant.bits_per_weight or 4.5)
         if config.quant.layers == "all" else None,
         packed_bytes_per_weight=kernels.linear_copy_bytes(weight_dtype),
+        expert_copy_bytes_per_weight=kernels.expert_copy_bytes(weight_dtype)
+        if config.quant.method == "none" else 0.0,
+        # on a device the KV cache is sized there (`memory`), not from the host
+        host=read_host_memory() if device.type == "cpu" else HostMemory.unlimited(),
+        cpu_memory_utilization=config.device.cpu_memory_utilization,
+        ranks_on_host=ranks_on_host(config),
     )
+    if device.type != "cpu":
+        plan = replace(plan, host=None)
     plan = _check_plan(plan, config, device, device_memory, max_model_len, kernels)
     model = model_cls(spec, dtype, max_position=max_model_len).eval()
     if rank_context is not None:
@@ -189,10 +199,19 @@ def build_model(
         progress("moving weights to the device", str(device), None)
         model.to(device)
     bind_kernels(model, kernels)
+    if device.type == "cpu":
+        release_free_heap()  # the load's and the packing's temporaries
     return BuiltModel(
         model, spec, architecture, hf_config, plan, attention_groups, max_model_len,
         weight_dtype, dtype, kernels,
     )
+
+
+def ranks_on_host(config: EngineConfig) -> int:
+    """Engine ranks that share this host's memory: the expert-parallel ranks spread evenly
+    over --nnodes machines (the elastic launcher starts ep_size / nnodes per node)."""
+    parallel = config.parallel
+    return max(1, math.ceil(parallel.ep_size / max(1, parallel.nnodes)))
 
 
 def with_mtp(
@@ -306,7 +325,7 @@ def _check_plan(
     if device.type == "cpu":
         plan = replace(plan, device_lines=(
             f"device: cpu (--gpu-memory-utilization {util:g} applies to cuda only; the KV "
-            f"cache is sized from --kv-cache-memory or free host memory)",
+            f"cache is sized by --cpu-memory-utilization or --kv-cache-memory)",
         ))
     if not sizes_kv_on_device(config, device):
         logger.info("startup plan:\n%s\n%s", plan.describe(), kernels.describe(used))

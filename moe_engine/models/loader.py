@@ -106,21 +106,44 @@ def _stored_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of `files` that `wants` accepts, read one at a time; the progress bar counts
     the files' bytes: each tensor's as it is read, the rest of a file (its header, the tensors
-    `wants` skips) when the file is done."""
+    `wants` skips) when the file is done.
+
+    safetensors reads through a memory map, whose touched pages count in this process's
+    resident set until the map is closed: a file is reopened after every `REMAP_BYTES` read,
+    so a multi-GiB shard adds at most that much to the peak (page-cache pages, but the OOM
+    killer's count and VmHWM include them)."""
     sizes = [path.stat().st_size for path in files]
     with tqdm(total=sum(sizes), desc="Loading weights", unit="B", unit_scale=True,
               unit_divisor=1024, disable=not progress) as bar:
         for path, size in zip(files, sizes, strict=True):
             done = 0
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    if wants is None or wants(name):
-                        tensor = f.get_tensor(name)
-                        read = tensor.numel() * tensor.element_size()
-                        bar.update(read)
-                        done += read
-                        yield name, tensor
+            for name, tensor in _file_tensors(path, wants):
+                read = tensor.numel() * tensor.element_size()
+                bar.update(read)
+                done += read
+                yield name, tensor
             bar.update(size - done)
+
+
+#: Bytes read through one memory map of a safetensors file before it is closed and reopened.
+REMAP_BYTES = 256 << 20
+
+
+def _file_tensors(path: Path, wants: Callable[[str], bool] | None
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of one safetensors file that `wants` accepts, in the file's order, with the
+    map reopened every `REMAP_BYTES` (see `_stored_tensors`)."""
+    with safe_open(str(path), framework="pt") as f:
+        names = [n for n in f.keys() if wants is None or wants(n)]  # noqa: SIM118
+    start = 0
+    while start < len(names):
+        mapped = 0
+        with safe_open(str(path), framework="pt") as f:
+            while start < len(names) and mapped < REMAP_BYTES:
+                tensor = f.get_tensor(names[start])
+                mapped += tensor.numel() * tensor.element_size()
+                yield names[start], tensor
+                start += 1
 
 
 def cast_floating(

@@ -63,6 +63,7 @@ class LLM(WeightUpdateMethods):
         block_size, num_blocks_override, quantization, quant_group_size, quantized_layers,
         kernel_backend, enable_prefix_caching, device ("auto", "cpu", "cuda"),
         gpu_memory_utilization (fraction in (0, 1]), enforce_eager (no CUDA graphs),
+        cpu_memory_utilization (fraction in (0, 1] of the host's memory, on a CPU),
         speculative_method ("ngram" or None), num_speculative_tokens, ngram_min, ngram_max,
         speculative_disable_by_batch_size, weight_version: as the `moe-serve` flags of the
         same names. Weight updates: `update_weights_from_disk`,
@@ -91,6 +92,7 @@ class LLM(WeightUpdateMethods):
         device: str = "auto",
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
+        cpu_memory_utilization: float = DeviceConfig.cpu_memory_utilization,
         speculative_method: str | None = None,
         num_speculative_tokens: int | None = None,
         ngram_min: int = 1,
@@ -111,7 +113,8 @@ class LLM(WeightUpdateMethods):
             raise StartupError(f"model: no config.json in {str(model)!r}")
         self.engine = build_engine_core(
             EngineConfig(
-                device=DeviceConfig(device, gpu_memory_utilization, enforce_eager),
+                device=DeviceConfig(device, gpu_memory_utilization, enforce_eager,
+                                    cpu_memory_utilization),
                 model=ModelConfig(
                     model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed,
                     weight_version=weight_version,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from moe_engine.startup.host_memory import DEFAULT_CPU_MEMORY_UTILIZATION
 from moe_engine.startup.quant_config import DTYPES, QuantConfig
 from moe_engine.startup.spec_config import SpeculativeConfig
 
@@ -272,7 +273,11 @@ class DeviceConfig:
             engine may use for weights, activations and KV cache (vLLM's flag); the KV cache
             gets what the weights and a profiled activation peak leave
             (`moe_engine.startup.memory`).
-            Ignored on a CPU (the KV cache is sized by kv_cache_memory / MemAvailable there).
+            Ignored on a CPU.
+        cpu_memory_utilization: fraction in (0, 1] of the host's total memory the engine
+            may use on a CPU (weights held, activations, KV cache); the KV cache gets what the
+            rest and the memory already in use leave (`moe_engine.startup.host_memory`).
+            Ignored on CUDA.
         enforce_eager: never capture CUDA graphs (`--enforce-eager`, vLLM's flag): every step
             runs eagerly. By default decode-only steps replay graphs captured at startup
             where they apply (`moe_engine.runner.cuda_graphs`).
@@ -281,18 +286,21 @@ class DeviceConfig:
     device: str = "auto"
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    cpu_memory_utilization: float = DEFAULT_CPU_MEMORY_UTILIZATION
 
     def __post_init__(self) -> None:
         if self.device not in DEVICE_CHOICES:
             raise ValueError(
                 f"device must be one of {', '.join(DEVICE_CHOICES)}; got {self.device!r}"
             )
-        util = self.gpu_memory_utilization
-        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
-            raise ValueError(
-                f"gpu_memory_utilization (--gpu-memory-utilization) must be a fraction in "
-                f"(0, 1] of the device's memory, got {util!r}"
-            )
+        for name, util in (("gpu", self.gpu_memory_utilization),
+                           ("cpu", self.cpu_memory_utilization)):
+            if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+                raise ValueError(
+                    f"{name}_memory_utilization (--{name}-memory-utilization) must be a "
+                    f"fraction in (0, 1] of the {'device' if name == 'gpu' else 'host'}'s "
+                    f"memory, got {util!r}"
+                )
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
 

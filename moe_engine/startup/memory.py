@@ -12,7 +12,7 @@ NCCL buffers, other processes). The arithmetic (`check_weights_fit`, `size_kv_ca
 it takes a `DeviceMemory` and the measured peak, so tests inject both without a GPU. A
 configuration that cannot hold one `max_model_len` request fails with a `StartupError` that
 names the bytes and the flags that would fix it. On a CPU none of this runs: the KV cache is
-sized from kv_cache_memory / MemAvailable as before (`plan.make_plan`).
+sized before loading from --cpu-memory-utilization (`host_memory`, in `plan.make_plan`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -24,14 +23,16 @@ from moe_engine.kv_cache.spec import (
     KVCacheSpec,
     make_kv_cache_groups,
 )
+from moe_engine.startup.host_memory import (
+    DEFAULT_CPU_MEMORY_UTILIZATION,
+    HostMemory,
+    HostSizing,
+    activation_peak_bytes,
+    read_host_memory,
+)
 from moe_engine.startup.model_shape import ModelShape
 
 GiB = 1 << 30
-#: Upper bound of the default KV-cache budget (bytes) when --kv-cache-memory is not given.
-DEFAULT_KV_CACHE_CAP = 4 * GiB
-#: Fraction of (available memory - weights) the default KV-cache budget takes.
-DEFAULT_KV_CACHE_FRACTION = 0.5
-
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,10 @@ class Plan:
         max_model_len: longest request (prompt + output, tokens).
         weight_bytes_experts: routed-expert weights held by one rank.
         weight_bytes_other: every other weight (replicated on each rank).
-        weight_bytes_packed: the copies the native linear kernels pack beside the dense
-            projections and routers at their first forward (the weights stay, for weight
-            updates; `kernels.plan.KernelPlan.linear_copy_bytes`); 0 where torch's GEMM runs.
+        weight_bytes_packed: the copies the native kernels pack beside the dense
+            projections and routers (`kernels.plan.KernelPlan.linear_copy_bytes`) and beside
+            float routed experts (`expert_copy_bytes`); the weights stay, for weight updates;
+            0 where torch's GEMM and experts run.
         kv_bytes_per_token: K and V (MLA: the latent) of one token over all layers (what a
             cache without sliding-window groups holds per token): the sum of the groups'
             `KVCacheSpec.bytes_per_token`.
@@ -71,6 +73,9 @@ class Plan:
             0 without linear layers.
         num_state_slots: state slots, one per running request (max_num_seqs); their memory
             comes out of the same budget as the KV blocks.
+        host: on a CPU, the host-memory terms the budget was checked against
+            (`host_memory.HostSizing`: --cpu-memory-utilization, memory in use, activations);
+            None where the host was not consulted (CUDA, offline arithmetic).
     """
 
     shape: ModelShape
@@ -92,6 +97,7 @@ class Plan:
     state_bytes_per_request: int = 0
     num_state_slots: int = 0
     weight_bytes_packed: int = 0
+    host: HostSizing | None = None
 
     @property
     def state_memory(self) -> int:
@@ -109,6 +115,14 @@ class Plan:
         """What one rank's weights take once the kernels have run: the weights and the linear
         kernels' packed copies (the KV budget derived from free memory leaves room for both)."""
         return self.weight_bytes + self.weight_bytes_packed
+
+    @property
+    def planned_peak_bytes(self) -> int | None:
+        """This rank's planned resident set at its peak on a CPU (what it held when it planned,
+        weights held, activations, KV cache and state); None without host terms."""
+        if self.host is None:
+            return None
+        return self.host.total_bytes(self.kv_cache_memory + self.state_memory)
 
     def blocks_per_request(self, num_tokens: int | None = None) -> int:
         """The most KV blocks one request of `num_tokens` (default max_model_len) holds at
@@ -147,7 +161,7 @@ class Plan:
             f"weights: {format_bytes(self.weight_bytes)} = "
             f"{format_bytes(self.weight_bytes_experts)} experts + "
             f"{format_bytes(self.weight_bytes_other)} other"
-            + (f" + {format_bytes(self.weight_bytes_packed)} packed by the linear kernels"
+            + (f" + {format_bytes(self.weight_bytes_packed)} packed by the native kernels"
                if self.weight_bytes_packed else "")
             + (f" (per rank, ep_size {self.ep_size})" if self.ep_size > 1 else ""),
             f"KV cache: {format_bytes(self.kv_bytes_per_token)} per token over all layers"
@@ -159,8 +173,18 @@ class Plan:
             f"{self.kv_cache_source}) = {self.max_concurrent_tokens} concurrent tokens "
             f"({fits:.1f} requests of max_model_len {self.max_model_len})",
             *self._state_lines(),
+            *self._host_lines(),
             *self.device_lines,
         ])
+
+    def _host_lines(self) -> list[str]:
+        """The describe() lines of the host-memory terms ([] where the host was not asked)."""
+        if self.host is None:
+            return []
+        return [self.host.describe(),
+                f"planned peak resident memory: {format_bytes(self.planned_peak_bytes or 0)} "
+                f"(this process before loading {format_bytes(self.host.memory.process)} + "
+                f"weights + activations + KV cache)"]
 
     def _state_lines(self) -> list[str]:
         """The describe() lines of the linear-attention state ([] without linear layers)."""
@@ -258,13 +282,16 @@ def make_plan(
     num_blocks_override: int | None = None,
     ep_size: int = 1,
     num_local_experts: int | None = None,
-    available_memory: int | None = None,
+    host: HostMemory | None = None,
+    cpu_memory_utilization: float = DEFAULT_CPU_MEMORY_UTILIZATION,
+    ranks_on_host: int = 1,
     max_num_seqs: int | None = None,
     expert_bits_per_weight: float | None = None,
     dense_bits_per_weight: float | None = None,
     max_num_batched_tokens: int | None = None,
     attention_groups: list[AttentionGroup] | None = None,
     packed_bytes_per_weight: float = 0.0,
+    expert_copy_bytes_per_weight: float = 0.0,
 ) -> Plan:
     """Weight and KV-cache arithmetic for one rank.
 
@@ -273,13 +300,18 @@ def make_plan(
         dtype: weight and KV-cache dtype (bytes per element from `dtype.itemsize`).
         block_size: tokens per KV block.
         max_model_len: longest request (tokens).
-        kv_cache_memory: KV-cache budget (bytes); None derives min(4 GiB, 0.5 x (available -
-            weights)), raised to one max_model_len request when that still fits in available.
+        kv_cache_memory: KV-cache budget (bytes); None derives it from the host's memory
+            (`host_memory`: F x total - in use - weights held - activations), capped at what
+            max_num_seqs requests of max_model_len can hold.
         num_blocks_override: exact number of blocks; wins over the budget.
         ep_size: expert-parallel ranks; each holds num_experts / ep_size experts.
         num_local_experts: expert slots of this rank when a placement says so (replicas
             included; ep_size then need not divide num_experts); None = num_experts / ep_size.
-        available_memory: bytes free for weights + cache; None reads MemAvailable.
+        host: the machine's memory before loading (`host_memory.read_host_memory`): the
+            budget is checked against it (an explicit kv_cache_memory too); None: read it
+            when the budget is derived, else no host check (CUDA, offline arithmetic).
+        cpu_memory_utilization: F, the fraction of the host's total memory the engine may use.
+        ranks_on_host: engine ranks sharing the host (each gets 1/ranks of it).
         max_num_seqs: when the budget is derived, no more blocks than max_num_seqs requests of
             max_model_len can ever hold are reserved.
         expert_bits_per_weight: storage of routed experts when quantized (e.g. 4.25 for int4 at
@@ -290,6 +322,9 @@ def make_plan(
         packed_bytes_per_weight: bytes per weight of the copy the linear kernel packs beside
             each float dense projection and router (`KernelPlan.linear_copy_bytes`; the
             projections that are 4-bit under `dense_bits_per_weight` get none); 0: none.
+        expert_copy_bytes_per_weight: bytes per weight of the copy the float experts' kernel
+            packs beside the routed experts (`KernelPlan.expert_copy_bytes`); 0: none (4-bit
+            experts replace theirs).
         max_num_batched_tokens: the step's token budget: the longest prefill chunk, which
             bounds a sliding-window group's blocks per request; None: unbounded.
         attention_groups: the model's layers by attention kind (`MoeCausalLM.
@@ -298,8 +333,9 @@ def make_plan(
             so one block costs the bytes of one group's layers.
 
     Raises:
-        StartupError: when num_experts is not divisible by ep_size, or the weights alone do
-            not fit in available memory (only when the budget is derived).
+        StartupError: when num_experts is not divisible by ep_size, or (host checked) the
+            weights and activations leave no room for one max_model_len request, or an
+            explicit kv_cache_memory exceeds what they leave.
     """
     if num_local_experts is None and (
         ep_size < 1 or (shape.num_experts and shape.num_experts % ep_size)
@@ -324,7 +360,8 @@ def make_plan(
     packed_params = len(shape.moe_layers) * shape.router_params() + (
         shape.dense_projection_params() if dense_bits_per_weight is None else 0
     )
-    packed = math.ceil(packed_params * packed_bytes_per_weight)
+    packed = math.ceil(packed_params * packed_bytes_per_weight
+                       + expert_params * expert_copy_bytes_per_weight)
     kv_groups = make_kv_cache_groups(
         attention_groups or shape.attention_groups(),
         block_size=block_size,
@@ -339,20 +376,30 @@ def make_plan(
     per_token = sum(s.bytes_per_token for s in kv_specs)
     per_block = kv_specs[0].bytes_per_block  # every group has the same number of layers
     one_request = sum(s.max_blocks_held(max_model_len, max_num_batched_tokens) for s in kv_specs)
+    sizing = None
+    if host is not None or (kv_cache_memory is None and num_blocks_override is None):
+        sizing = HostSizing(
+            host or read_host_memory(), cpu_memory_utilization, ranks_on_host,
+            experts + other + packed,
+            activation_peak_bytes(shape, max_num_batched_tokens or max_model_len,
+                                  max_num_seqs or 1, num_local_experts or 0),
+            max_num_batched_tokens or max_model_len)
     if num_blocks_override is not None:
         num_blocks, source = num_blocks_override, "num_blocks_override"
     elif kv_cache_memory is not None:
+        if sizing is not None:
+            check_host_fits(sizing, kv_cache_memory, "--kv-cache-memory")
         _check_state_fits(kv_cache_memory, "--kv-cache-memory", state_bytes, state_slots,
                           per_block * one_request)
         num_blocks = (kv_cache_memory - state_memory) // per_block
         source = "--kv-cache-memory"
     else:
-        budget = default_kv_cache_memory(
-            experts + other + packed, per_block * one_request + state_memory, available_memory
-        )
-        _check_state_fits(budget, "derived from free memory", state_bytes, state_slots,
-                          per_block * one_request)
-        num_blocks, source = (budget - state_memory) // per_block, "derived from free memory"
+        assert sizing is not None
+        check_host_fits(sizing, per_block * one_request + state_memory, "one request")
+        budget = sizing.kv_budget
+        source = f"cpu_memory_utilization {cpu_memory_utilization:g}"
+        _check_state_fits(budget, source, state_bytes, state_slots, per_block * one_request)
+        num_blocks = (budget - state_memory) // per_block
         if max_num_seqs is not None:
             most = max_num_seqs * one_request
             if most < num_blocks:
@@ -364,7 +411,7 @@ def make_plan(
         kv_bytes_per_token=per_token, kv_bytes_per_block=per_block, num_blocks=num_blocks,
         max_concurrent_tokens=num_blocks * block_size, kv_cache_memory=num_blocks * per_block,
         kv_cache_source=source, kv_specs=kv_specs, max_num_batched_tokens=max_num_batched_tokens,
-        state_bytes_per_request=state_bytes, num_state_slots=state_slots,
+        state_bytes_per_request=state_bytes, num_state_slots=state_slots, host=sizing,
     )
 
 
@@ -406,41 +453,41 @@ def _state_budget(shape: ModelShape, dtype: torch.dtype, max_num_seqs: int | Non
     return max_num_seqs, per_request, per_request * (max_num_seqs + 1)
 
 
-def default_kv_cache_memory(
-    weight_bytes: int, one_request_bytes: int, available_memory: int | None = None
-) -> int:
-    """The KV-cache budget (bytes) when --kv-cache-memory is not given.
-
-    min(4 GiB, 0.5 x (available - weights)), but at least one max_model_len request
-    (`one_request_bytes`) as long as that fits in what the weights leave.
+def check_host_fits(sizing: HostSizing, kv_bytes: int, what: str) -> None:
+    """Refuse, before loading, a plan whose weights, activations and `kv_bytes` of cache
+    (one max_model_len request's, or an explicit --kv-cache-memory) exceed this rank's share
+    of --cpu-memory-utilization x total memory.
 
     Raises:
-        StartupError: when the weights alone exceed available memory.
+        StartupError: naming every term and the flags that would make it fit.
     """
-    available = available_memory if available_memory is not None else mem_available()
-    left = available - weight_bytes
-    if left <= 0:
-        raise StartupError(
-            f"weights need {format_bytes(weight_bytes)} but only {format_bytes(available)} "
-            f"memory is available; free memory, store the routed experts in 4 bits "
-            f"(--quantization int4 or mxfp4), or spread them over more ranks (--ep-size)"
-        )
-    budget = min(DEFAULT_KV_CACHE_CAP, int(DEFAULT_KV_CACHE_FRACTION * left))
-    return max(budget, min(one_request_bytes, left))
-
-
-def mem_available() -> int:
-    """Bytes the kernel says can be allocated without swapping (MemAvailable in /proc/meminfo);
-    falls back to total physical memory / 2 where /proc/meminfo does not exist."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    left = sizing.kv_budget
+    if kv_bytes <= left:
+        return
+    need = sizing.weights + sizing.activations + kv_bytes
+    m = sizing.memory
+    fixes = []
+    util = (need * sizing.ranks + m.in_use) / m.total
+    if util <= 0.95:
+        fixes.append(f"--cpu-memory-utilization {math.ceil(util * 100) / 100:g}")
+    if what == "--kv-cache-memory" and left > 0:
+        fixes.append(f"--kv-cache-memory {max(left, 0)} or less")
+    elif left > 0:
+        fixes.append("a lower --max-model-len (fewer KV blocks per request)")
+    if sizing.num_tokens > 256 and sizing.activations >= kv_bytes - left:
+        fixes.append("a lower --max-num-batched-tokens (smaller activations)")
+    fixes.append("4-bit experts (--quantization int4 or mxfp4) or more ranks (--ep-size)")
+    fixes.append(f"free {format_bytes(kv_bytes - left)} of memory")
+    raise StartupError(
+        f"the model does not fit in host memory: weights held {format_bytes(sizing.weights)} "
+        f"+ activations {format_bytes(sizing.activations)} ({sizing.num_tokens} tokens per "
+        f"step) + KV cache {format_bytes(kv_bytes)} ({what}) = {format_bytes(need)} "
+        f"({need} bytes), but {format_bytes(m.total)} total x cpu_memory_utilization "
+        f"{sizing.utilization:g} - {format_bytes(m.in_use)} in use"
+        + (f" / {sizing.ranks} ranks on this host" if sizing.ranks > 1 else "")
+        + f" leaves {format_bytes(sizing.share)} ({sizing.share} bytes); try "
+        + ", or ".join(fixes)
+    )
 
 
 def format_bytes(n: float) -> str:

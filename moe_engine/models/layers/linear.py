@@ -45,8 +45,10 @@ class Linear(nn.Linear):
         self.q4_packed()
 
     def bind_kernels(self, plan: KernelPlan) -> None:
-        """Take the registry's kernel for this layer (`KernelPlan.linear`)."""
+        """Take the registry's kernel for this layer (`KernelPlan.linear`) and let it pack its
+        copy now (`LinearKernel.prepack`: while loading, not at the first forward)."""
         self.kernel = plan.linear(self.weight, self.quant_scheme)
+        self.kernel.prepack(self.weight, self.bias)
 
     def bound_kernel(self) -> LinearKernel:
         """The kernel that runs the layer: the bound one, else torch's (made once)."""
