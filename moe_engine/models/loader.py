@@ -126,7 +126,7 @@ def _stored_tensors(
 
 
 #: Bytes read through one memory map of a safetensors file before it is closed and reopened.
-REMAP_BYTES = 256 << 20
+REMAP_BYTES = 64 << 20
 
 
 def _file_tensors(path: Path, wants: Callable[[str], bool] | None

@@ -395,7 +395,8 @@ def make_plan(
         source = "--kv-cache-memory"
     else:
         assert sizing is not None
-        check_host_fits(sizing, per_block * one_request + state_memory, "one request")
+        check_host_fits(sizing, per_block * one_request + state_memory,
+                        f"one request of max_model_len {max_model_len}")
         budget = sizing.kv_budget
         source = f"cpu_memory_utilization {cpu_memory_utilization:g}"
         _check_state_fits(budget, source, state_bytes, state_slots, per_block * one_request)
@@ -485,7 +486,9 @@ def check_host_fits(sizing: HostSizing, kv_bytes: int, what: str) -> None:
         f"({need} bytes), but {format_bytes(m.total)} total x cpu_memory_utilization "
         f"{sizing.utilization:g} - {format_bytes(m.in_use)} in use"
         + (f" / {sizing.ranks} ranks on this host" if sizing.ranks > 1 else "")
-        + f" leaves {format_bytes(sizing.share)} ({sizing.share} bytes); try "
+        + (f" leaves {format_bytes(sizing.share)} ({sizing.share} bytes)" if sizing.share > 0
+           else " leaves nothing")
+        + "; try "
         + ", or ".join(fixes)
     )
 
