@@ -153,3 +153,52 @@ def test_measured_peak_is_within_ten_percent_of_the_plan(gpt_oss_20b_cut: Path) 
     assert abs(got["peak"] - got["planned"]) <= 0.1 * got["planned"], got
     largest = 8192 * 2880 * 2  # the embedding / LM head, bfloat16
     assert got["loading"] <= 1.1 * got["planned"] + largest, got
+
+
+def _agree(rank: int, world_size: int) -> tuple[int, str]:
+    from moe_engine.core.build import agree_on_blocks
+    from moe_engine.startup.rank_context import RankContext
+
+    host = HostMemory(total=128 * GiB, available=(124 - 8 * rank) * GiB)  # rank 1 sees less
+    plan = _plan(host, max_num_seqs=1024, expert_bits_per_weight=4.25, ep_size=2)
+    agreed = agree_on_blocks(plan, RankContext(rank, world_size, [], None))
+    return agreed.num_blocks, agreed.kv_cache_source
+
+
+def test_expert_parallel_ranks_agree_on_the_fewest_blocks() -> None:
+    """Each rank sizes its pool from the memory it sees; the lockstep schedulers need one
+    number of blocks: every rank takes the smallest."""
+    from dist_utils import run_ranks
+
+    (b0, s0), (b1, s1) = run_ranks(_agree, 2)
+    alone = _plan(HostMemory(total=128 * GiB, available=116 * GiB), max_num_seqs=1024,
+                  expert_bits_per_weight=4.25, ep_size=2)
+    assert b0 == b1 == alone.num_blocks
+    assert s0.endswith("the fewest of the 2 ranks") and s1 == "cpu_memory_utilization 0.8"
+
+
+def test_the_models_length_shrinks_to_what_fits_without_max_model_len() -> None:
+    """Without --max-model-len a model whose own context does not fit (gpt-oss-20b's 131072
+    tokens on a 24 GiB machine) is served at the longest length that does, said in the plan;
+    an explicit --max-model-len that does not fit is still refused."""
+    shape = model_shape(BENCH_CFG)
+    own = shape.max_position_embeddings  # 40960 tokens: 3.75 GiB of KV for one request
+    args = dict(block_size=16, kv_cache_memory=None, max_num_seqs=64,
+                max_num_batched_tokens=2048, expert_bits_per_weight=4.25)
+    roomy = make_plan(shape, torch.bfloat16, max_model_len=own,
+                      host=HostMemory(total=96 * GiB, available=96 * GiB), **args)
+    # a machine that leaves exactly 2 GiB for the KV cache at F = 1
+    total = roomy.host.weights + roomy.host.activations + 2 * GiB
+    host = HostMemory(total=total, available=total)
+    args |= dict(host=host, cpu_memory_utilization=1.0)
+    with pytest.raises(StartupError, match=f"one request of max_model_len {own}"):
+        make_plan(shape, torch.bfloat16, max_model_len=own, **args)
+    plan = make_plan(shape, torch.bfloat16, max_model_len=own, shrink_to_fit=True, **args)
+    assert 2048 <= plan.max_model_len < own and plan.max_model_len % 256 == 0
+    assert plan.blocks_per_request() <= plan.num_blocks
+    assert plan.blocks_per_request(plan.max_model_len + 256) > plan.num_blocks
+    assert plan.max_model_len_note.startswith(f"max_model_len {plan.max_model_len}: the model's")
+    assert plan.max_model_len_note in plan.describe()
+    plan.check()
+    fits = make_plan(shape, torch.bfloat16, max_model_len=4096, shrink_to_fit=True, **args)
+    assert fits.max_model_len == 4096 and not fits.max_model_len_note

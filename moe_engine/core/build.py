@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from moe_engine.core.device import engine_device, kv_groups_of, plan_kv_on_device
 from moe_engine.core.engine_core import EngineCore
@@ -41,6 +42,7 @@ from moe_engine.skew.trace import PeriodicTraceWriter
 from moe_engine.startup.config import EngineConfig
 from moe_engine.startup.env import default_threads
 from moe_engine.startup.memory import cuda_device_memory
+from moe_engine.startup.plan import Plan
 from moe_engine.startup.progress import StartupProgressFn
 from moe_engine.startup.rank_context import RankContext
 from moe_engine.structured_output import StructuredOutputManager
@@ -85,7 +87,8 @@ def build_engine_core(
     if sizes_kv_on_device(config, device):  # before the recorder and timer attach
         progress("profiling activation memory", str(device), None)
         built.plan = plan_kv_on_device(config, built, kv_groups, device)
-    plan = built.plan
+    plan = built.plan = agree_on_blocks(built.plan, rank_context)
+    built.max_model_len = plan.max_model_len
     ep_size = rank_context.ep_size if rank_context is not None else 1
     timer, expert_load, trace = _instruments(config, built, rank_context, device)
     progress("loading the tokenizer", "", None)
@@ -113,6 +116,30 @@ def build_engine_core(
         expert_load=expert_load, trace=trace, tokenizer=tokenizer, eos_token_ids=eos_token_ids,
         kv=kv, scheduler=scheduler, sampler=sampler, structured_output=structured_output,
         runner=runner, graph_capture=capture, drafter=drafter,
+    )
+
+
+def agree_on_blocks(plan: Plan, rank_context: RankContext | None) -> Plan:
+    """Under expert parallelism every rank runs the same scheduler on its own KV pool, so all
+    pools must have the same number of blocks and the same max_model_len: each rank sized its
+    pool (and, without --max-model-len, the length) from the memory it saw (`host_memory`,
+    which other ranks' loading changes), and all take the smallest of each (an all-reduce MIN
+    over the default process group, which the lockstep ranks share). The plan as it is with
+    one rank, or when every rank planned the same."""
+    if rank_context is None or rank_context.ep_size == 1 or not dist.is_initialized():
+        return plan
+    sizes = torch.tensor([plan.num_blocks, plan.max_model_len], dtype=torch.int64)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MIN)
+    fewest, shortest = (int(v) for v in sizes.tolist())
+    if (fewest, shortest) == (plan.num_blocks, plan.max_model_len):
+        return plan
+    logger.info("KV blocks: %d, max_model_len %d: the smallest any rank can hold (this rank "
+                "planned %d, %d)", fewest, shortest, plan.num_blocks, plan.max_model_len)
+    return replace(
+        plan, num_blocks=fewest, max_model_len=shortest,
+        max_concurrent_tokens=fewest * plan.block_size,
+        kv_cache_memory=fewest * plan.kv_bytes_per_block,
+        kv_cache_source=f"{plan.kv_cache_source}, the fewest of the {rank_context.ep_size} ranks",
     )
 
 

@@ -170,7 +170,11 @@ def build_model(
         host=read_host_memory() if device.type == "cpu" else HostMemory.unlimited(),
         cpu_memory_utilization=config.device.cpu_memory_utilization,
         ranks_on_host=ranks_on_host(config),
+        shrink_to_fit=config.model.max_model_len is None,
     )
+    max_model_len = plan.max_model_len
+    if plan.max_model_len_note:
+        logger.warning("%s", plan.max_model_len_note)
     if device.type != "cpu":
         plan = replace(plan, host=None)
     plan = _check_plan(plan, config, device, device_memory, max_model_len, kernels)

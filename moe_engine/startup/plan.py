@@ -73,6 +73,8 @@ class Plan:
             0 without linear layers.
         num_state_slots: state slots, one per running request (max_num_seqs); their memory
             comes out of the same budget as the KV blocks.
+        max_model_len_note: why max_model_len is below the model's (`make_plan`'s
+            shrink_to_fit), "" when it is not.
         host: on a CPU, the host-memory terms the budget was checked against
             (`host_memory.HostSizing`: --cpu-memory-utilization, memory in use, activations);
             None where the host was not consulted (CUDA, offline arithmetic).
@@ -98,6 +100,7 @@ class Plan:
     num_state_slots: int = 0
     weight_bytes_packed: int = 0
     host: HostSizing | None = None
+    max_model_len_note: str = ""
 
     @property
     def state_memory(self) -> int:
@@ -173,6 +176,7 @@ class Plan:
             f"{self.kv_cache_source}) = {self.max_concurrent_tokens} concurrent tokens "
             f"({fits:.1f} requests of max_model_len {self.max_model_len})",
             *self._state_lines(),
+            *([self.max_model_len_note] if self.max_model_len_note else []),
             *self._host_lines(),
             *self.device_lines,
         ])
@@ -292,6 +296,7 @@ def make_plan(
     attention_groups: list[AttentionGroup] | None = None,
     packed_bytes_per_weight: float = 0.0,
     expert_copy_bytes_per_weight: float = 0.0,
+    shrink_to_fit: bool = False,
 ) -> Plan:
     """Weight and KV-cache arithmetic for one rank.
 
@@ -312,6 +317,10 @@ def make_plan(
             when the budget is derived, else no host check (CUDA, offline arithmetic).
         cpu_memory_utilization: F, the fraction of the host's total memory the engine may use.
         ranks_on_host: engine ranks sharing the host (each gets 1/ranks of it).
+        shrink_to_fit: max_model_len is the model's own (no --max-model-len given): when one
+            request of it does not fit in the derived budget, the plan's max_model_len becomes
+            the longest that does (as llama.cpp's context defaults below the trained one), and
+            `max_model_len_note` says so.
         max_num_seqs: when the budget is derived, no more blocks than max_num_seqs requests of
             max_model_len can ever hold are reserved.
         expert_bits_per_weight: storage of routed experts when quantized (e.g. 4.25 for int4 at
@@ -376,7 +385,7 @@ def make_plan(
     per_token = sum(s.bytes_per_token for s in kv_specs)
     per_block = kv_specs[0].bytes_per_block  # every group has the same number of layers
     one_request = sum(s.max_blocks_held(max_model_len, max_num_batched_tokens) for s in kv_specs)
-    sizing = None
+    sizing, note = None, ""
     if host is not None or (kv_cache_memory is None and num_blocks_override is None):
         sizing = HostSizing(
             host or read_host_memory(), cpu_memory_utilization, ranks_on_host,
@@ -395,6 +404,16 @@ def make_plan(
         source = "--kv-cache-memory"
     else:
         assert sizing is not None
+        if shrink_to_fit and per_block * one_request + state_memory > sizing.kv_budget:
+            fits = _longest_fitting(kv_specs, max_num_batched_tokens, max_model_len,
+                                    (sizing.kv_budget - state_memory) // per_block)
+            if fits >= min(max_model_len, MIN_SHRUNK_LEN):
+                note = (f"max_model_len {fits}: the model's {max_model_len} tokens need "
+                        f"{format_bytes(per_block * one_request)} of KV cache for one request, "
+                        f"more than the {format_bytes(sizing.kv_budget)} left; pass "
+                        f"--max-model-len to choose, or raise --cpu-memory-utilization")
+                max_model_len, one_request = fits, sum(
+                    s.max_blocks_held(fits, max_num_batched_tokens) for s in kv_specs)
         check_host_fits(sizing, per_block * one_request + state_memory,
                         f"one request of max_model_len {max_model_len}")
         budget = sizing.kv_budget
@@ -413,7 +432,29 @@ def make_plan(
         max_concurrent_tokens=num_blocks * block_size, kv_cache_memory=num_blocks * per_block,
         kv_cache_source=source, kv_specs=kv_specs, max_num_batched_tokens=max_num_batched_tokens,
         state_bytes_per_request=state_bytes, num_state_slots=state_slots, host=sizing,
+        max_model_len_note=note,
     )
+
+
+#: The shortest max_model_len `make_plan` shrinks to; below it the model is refused instead.
+MIN_SHRUNK_LEN = 2048
+
+
+def _longest_fitting(specs: tuple[KVCacheSpec, ...], chunk: int | None, limit: int,
+                     blocks: int) -> int:
+    """The longest request (tokens, at most `limit`, a multiple of 256 from 256 up) whose
+    blocks over all `specs` fit in `blocks`; 0 when none does."""
+    def need(n: int) -> int:
+        return sum(s.max_blocks_held(n, chunk) for s in specs)
+
+    lo, hi = 0, limit // 256
+    while lo < hi:  # need() is non-decreasing in the length
+        mid = (lo + hi + 1) // 2
+        if need(mid * 256) <= blocks:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * 256
 
 
 def _check_state_fits(budget: int, source: str, per_request: int, slots: int,
