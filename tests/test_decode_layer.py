@@ -1,7 +1,10 @@
 """The native decode layer (kernels/decode_layer/native.py, csrc/decode_layer.cpp) against the
-module path it replaces: a bfloat16 Qwen3-MoE served both ways gives bit-identical greedy
-tokens and log-probabilities (batch 1 and batched decode steps, the dense layer staying on the
-module path), the same expert-load counts, and the kernel refuses inputs it cannot run."""
+module path it replaces: bfloat16 Qwen3-MoE, Mixtral and gpt-oss (sinks, sliding-window and
+full layers, YaRN, biases everywhere, top-k-then-softmax routing, the clamped SwiGLU; bfloat16,
+int4 and MXFP4 experts) served both ways give bit-identical greedy tokens and
+log-probabilities (batch 1 and batched decode steps, the dense layer staying on the module
+path), the same expert-load counts and, layer by layer, the same residual stream and KV cache;
+the kernel refuses inputs it cannot run."""
 
 from __future__ import annotations
 
@@ -10,10 +13,16 @@ import logging
 import pytest
 import torch
 
-from kernels.decode_layer.native import DecodeLayerKernel, decode_step_args
+from kernels.decode_layer.native import (
+    TOPK_SOFTMAX_MAX_K,
+    DecodeLayerKernel,
+    decode_step_args,
+    router_topk_softmax,
+)
 from kernels.dense.amx import amx_unavailable_reason
 from moe_engine import LLM
 from moe_engine.models.layers.decoder import DecoderLayer
+from moe_engine.models.layers.routing import topk_softmax
 from moe_engine.sampling_params import SamplingParams
 
 needs_amx = pytest.mark.skipif(amx_unavailable_reason() is not None,
@@ -47,13 +56,17 @@ def _serve(ckpt, backend: str, quantization: str, monkeypatch
 @pytest.mark.parametrize("arch,quantization,moe_layers", [
     ("qwen3", "none", 2), ("qwen3", "int4", 2), ("qwen3", "int4+all", 2),
     ("qwen3", "mxfp4+all", 2), ("mixtral", "none", 2),
+    ("gpt_oss", "none", 4), ("gpt_oss", "int4+all", 4), ("gpt_oss_mxfp4", "none", 4),
+    ("gpt_oss_mxfp4", "mxfp4+all", 4),
 ])
 def test_native_decode_layer_is_bit_identical_to_the_module_path(request, arch, quantization,
                                                                  moe_layers, monkeypatch):
     """Qwen3-MoE (q/k norms, a dense layer between its MoE layers) with bfloat16 experts (the
     AMX kernel) and int4 ones (the native 4-bit kernel), and with its QKV and output
     projections 4-bit too (--quantized-layers all: csrc/linear_q4_cpu.cpp); Mixtral (no q/k
-    norm)."""
+    norm); gpt-oss (window 8: the 11-token prompt decodes past it) with bfloat16 experts,
+    int4 ones and 4-bit projections, its MXFP4 checkpoint as stored and with MXFP4
+    projections."""
     ckpt = request.getfixturevalue(f"{arch}_ckpt")
     want_ids, want_lp, want_counts, module_calls = _serve(ckpt, "decode_layer=torch",
                                                           quantization, monkeypatch)
@@ -165,3 +178,100 @@ def test_the_decodes_only_batch_is_the_general_one():
     for name in ("tok_b", "tok_q", "block_ids", "q_pos", "block_tables", "seq_lens",
                  "query_start_loc"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+def _serve_comparing_layers(ckpt, quantization: str, monkeypatch) -> list[tuple]:
+    """Serve `ckpt` in bfloat16 with every native decode step checked against the module path
+    on the same input: each layer that takes the native call first runs its modules on a copy
+    of h (writing this step's keys and values), the cache is put back, then the native call
+    runs. Returns, per native call, (layer window or 0, rows, residual streams equal, caches
+    equal)."""
+    seen: list[tuple] = []
+    forward = DecoderLayer.forward
+
+    def compared(self, h, positions, meta, kv_cache, step=None):
+        args = None
+        if self.decode_kernel is not None and step is not None:
+            args = step.args(self.self_attn.attn.kv_group)
+        if args is None:
+            return forward(self, h, positions, meta, kv_cache, step)
+        before = [c.clone() for c in kv_cache]
+        want = forward(self, h.clone(), positions, meta, kv_cache, None)
+        want_cache = [c.clone() for c in kv_cache]
+        for c, b in zip(kv_cache, before, strict=True):
+            c.copy_(b)
+        got = forward(self, h, positions, meta, kv_cache, step)
+        seen.append((self.self_attn.attn.sliding_window or 0, h.shape[0],
+                     torch.equal(got, want),
+                     all(torch.equal(c, w) for c, w in zip(kv_cache, want_cache, strict=True))))
+        return got
+
+    monkeypatch.setattr(DecoderLayer, "forward", compared)
+    method, _, layers = quantization.partition("+")
+    llm = LLM(model=str(ckpt), dtype="bfloat16", max_model_len=128, quantization=method,
+              quant_group_size=32, quantized_layers=layers or "experts", block_size=16)
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    long_prompt = [(7 * i) % 500 + 3 for i in range(29)]  # 29 + 12 tokens: three blocks
+    llm.generate([PROMPTS[0]], sp, use_tqdm=False)  # batch 1
+    llm.generate([*PROMPTS, long_prompt], sp, use_tqdm=False)  # 4 requests of 4 lengths
+    return seen
+
+
+@needs_amx
+@pytest.mark.parametrize("ckpt_name,quantization", [
+    ("gpt_oss_ckpt", "none"), ("gpt_oss_ckpt", "int4"), ("gpt_oss_mxfp4_ckpt", "none"),
+])
+def test_gpt_oss_layers_give_the_module_paths_residual_stream(request, ckpt_name, quantization,
+                                                             monkeypatch):
+    """Every native gpt-oss layer call (sliding-window layers of window 8 and full ones, batch
+    1 and 4 requests of 7 to 41 tokens, past the window and across blocks) leaves the
+    residual stream and the KV cache bit-identical to the module path's on the same input."""
+    seen = _serve_comparing_layers(request.getfixturevalue(ckpt_name), quantization,
+                                   monkeypatch)
+    assert {w for w, *_ in seen} == {0, 8}  # both kinds of layer ran natively
+    assert {1, 4} <= {rows for _, rows, *_ in seen}
+    assert all(same_h and same_cache for *_, same_h, same_cache in seen), [
+        s for s in seen if not all(s[2:])]
+
+
+@needs_amx
+@pytest.mark.parametrize("ckpt_name", ["gpt_oss_ckpt", "gpt_oss_mxfp4_ckpt"])
+def test_every_gpt_oss_layer_takes_the_native_call(request, ckpt_name, caplog):
+    caplog.set_level(logging.INFO, logger="moe_engine.models.kernel_binding")
+    llm = LLM(model=str(request.getfixturevalue(ckpt_name)), dtype="bfloat16", max_model_len=64)
+    layers = [m for m in llm.engine.model.modules() if isinstance(m, DecoderLayer)]
+    assert [layer.decode_misfit for layer in layers] == [None] * 4
+    assert "decode steps: 4 of 4 decoder layers run as one native call each" in caplog.text
+    kernels = [layer.decode_kernel for layer in layers]
+    assert [k.window for k in kernels] == [8, 0, 8, 0]
+    assert all(k.sinks is not None and k.topk_softmax and k.norm_in_float32
+               and k.activation.clamped and k.b13 is not None for k in kernels)
+
+
+@needs_amx
+@pytest.mark.parametrize("num_experts,top_k", [(8, 1), (8, 2), (32, 4), (128, 4), (16, 7)])
+def test_topk_softmax_routing_is_torchs_bit_for_bit(num_experts, top_k):
+    """`moe_router_topk_softmax` against `routing.topk_softmax` (torch's topk, then softmax in
+    bfloat16) on bfloat16 logits, also rounded to a few levels so that most rows hold ties
+    (torch's selection order is what the kernel repeats)."""
+    g = torch.Generator().manual_seed(num_experts * 10 + top_k)
+    for levels in (None, 2, 8):
+        logits = torch.randn(3000, num_experts, generator=g)
+        if levels is not None:
+            logits = (logits * levels).round() / levels
+        logits = logits.bfloat16()
+        want_w, want_ids = topk_softmax(logits, top_k)
+        got_w, got_ids = router_topk_softmax(logits, top_k)
+        assert torch.equal(got_ids, want_ids)
+        assert torch.equal(got_w, want_w)
+
+
+@needs_amx
+def test_topk_softmax_routing_refuses_what_it_does_not_repeat():
+    logits = torch.zeros(2, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="native kernel: router_topk_softmax"):
+        router_topk_softmax(logits, TOPK_SOFTMAX_MAX_K + 1)
+    with pytest.raises(RuntimeError, match="native kernel: router_topk_softmax"):
+        router_topk_softmax(torch.zeros(2, 128, dtype=torch.bfloat16), 2)  # 2 * 64 <= E
+    with pytest.raises(RuntimeError, match="logits must be bfloat16"):
+        router_topk_softmax(logits.float(), 2)
