@@ -195,16 +195,21 @@ def decode_kernel(layer: DecoderLayer) -> DecodeLayerKernel:
     """
     attn, mlp = layer.self_attn, layer.mlp
     q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
+    experts = _experts_kernel(mlp)
+    if isinstance(experts, AmxExperts):  # they hold float32 biases already
+        b13, b2 = (experts.b13, experts.b2) if experts.b13.numel() else (None, None)
+    else:
+        b13, b2 = _float32(mlp.b13), _float32(mlp.b2)
     return DecodeLayerKernel(
         norm1=layer.input_layernorm.weight, norm2=layer.post_attention_layernorm.weight,
         eps=layer.input_layernorm.eps, qkv=_projection(attn.qkv_proj), o=_projection(attn.o_proj),
         router=mlp.gate.amx_packed(), num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
         head_dim=attn.head_dim, cos=attn.rotary.cos_cache, sin=attn.rotary.sin_cache,
         q_norm=q_norm, k_norm=k_norm, qk_eps=attn.q_norm.eps if attn.qk_norm else 0.0,
-        scale=attn.attn.scale, window=attn.attn.sliding_window or 0, experts=_experts_kernel(mlp),
+        scale=attn.attn.scale, window=attn.attn.sliding_window or 0, experts=experts,
         top_k=mlp.top_k, renormalize=mlp.renormalize,
         norm_in_float32=layer.input_layernorm.weight_in_float32, sinks=_float32(attn.sinks),
-        topk_softmax=mlp.routing == "topk_softmax", b13=_float32(mlp.b13), b2=_float32(mlp.b2),
+        topk_softmax=mlp.routing == "topk_softmax", b13=b13, b2=b2,
         activation=mlp.activation,
     )
 
