@@ -275,3 +275,16 @@ def test_topk_softmax_routing_refuses_what_it_does_not_repeat():
         router_topk_softmax(torch.zeros(2, 128, dtype=torch.bfloat16), 2)  # 2 * 64 <= E
     with pytest.raises(RuntimeError, match="logits must be bfloat16"):
         router_topk_softmax(logits.float(), 2)
+
+
+@pytest.mark.parametrize("num_experts,top_k,fits", [
+    (32, 4, True), (128, 4, True), (128, 2, False), (16, 8, False),
+])
+def test_top_k_then_softmax_fits_where_the_kernel_repeats_torch(num_experts, top_k, fits):
+    """A gpt-oss MoE block takes the native layer only where `moe_router_topk_softmax` is
+    torch's selection and softmax (top_k <= 7, top_k * 64 > E); elsewhere the layer says why."""
+    from moe_engine.models.layers.moe import FusedMoE
+    from moe_engine.models.layers.native_decode import _routing_fits
+
+    mlp = FusedMoE(num_experts, top_k, 64, 32, False, torch.bfloat16, routing="topk_softmax")
+    assert _routing_fits(mlp) is fits

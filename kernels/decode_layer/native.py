@@ -137,7 +137,7 @@ class DecodeLayerKernel:
             raise ValueError(f"top_k {self.top_k} must be in [1, {num_experts}]")
 
     @cached_property
-    def _linear_args(self) -> tuple[tuple, tuple, int]:
+    def _linear_args(self) -> tuple[tuple, tuple, tuple]:
         """((QKV weight, bias or None, format, scales, group), the same of O, the router's
         weight and bias pointers), checked once (`AmxLinear.weight_args`, `PackedQuantLinear.
         weight_args`); format -1 (no scales, group 0) for an AMX-packed projection."""
