@@ -4,8 +4,11 @@ per layer (bench/NOTES.md section 25).
 Checkpoint `bench-gpt-oss` (random weights, made once into the cache directory): gpt-oss's
 architecture at `bench-qwen3-moe`'s sizes (BENCH.md: hidden 512, 8 layers, 8 query / 2 KV heads
 of 64, 32 experts of width 256, top-4, vocabulary 8192), sliding-window (128 tokens) and full
-layers alternating, sinks and every bias drawn non-zero; `--experts mxfp4` writes its experts
-in gpt-oss's MXFP4 layout (`*_blocks` / `*_scales`) as OpenAI released them. Each setting of
+layers alternating, sinks and every bias drawn non-zero; `--shape 20b-cut` takes gpt-oss-20b's
+layer shapes instead (hidden 2880, 64 query / 8 KV heads of 64, experts of width 2880, top-4,
+window 128: a layer reads what one of gpt-oss-20b's reads) cut to 2 layers, 8 experts and a
+1024-token vocabulary; `--experts mxfp4` writes the experts in gpt-oss's MXFP4 layout
+(`*_blocks` / `*_scales`) as OpenAI released them. Each setting of
 `--backends` is one `LLM` (bfloat16) loaded once; then, round after round, each runs the
 same greedy request (`--prompt-len` prompt ids, exactly `--output-len` tokens; `--batch`
 copies of it at once), and the figure is output tokens / seconds of the generate call, median
@@ -13,6 +16,7 @@ over `--runs` rounds after `--warmup` untimed ones.
 
     python bench/gpt_oss_decode.py                         # batch 1, bf16 experts
     python bench/gpt_oss_decode.py --experts mxfp4 --batch 8 --runs 7
+    python bench/gpt_oss_decode.py --shape 20b-cut --experts mxfp4 --output-len 32
 """
 
 from __future__ import annotations
@@ -42,11 +46,20 @@ CONFIG = {
                         "beta_slow": 1.0, "truncate": False},
     "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
 }
+#: The configs of `--shape`: the bench model's size, or gpt-oss-20b's layers cut down.
+SHAPES = {
+    "bench": CONFIG,
+    "20b-cut": {**CONFIG, "vocab_size": 1024, "hidden_size": 2880, "intermediate_size": 2880,
+                "num_hidden_layers": 2, "num_attention_heads": 64, "num_key_value_heads": 8,
+                "num_local_experts": 8, "layer_types": ["sliding_attention", "full_attention"]},
+}
 
 
-def ensure_checkpoint(cache_dir: Path, experts: str) -> Path:
-    """`cache_dir/bench-gpt-oss[-mxfp4]`, made on first use (seed 0, bfloat16 weights)."""
-    path = cache_dir / ("bench-gpt-oss" if experts == "bf16" else "bench-gpt-oss-mxfp4")
+def ensure_checkpoint(cache_dir: Path, shape: str, experts: str) -> Path:
+    """`cache_dir/bench-gpt-oss[-20b-cut][-mxfp4]`, made on first use (seed 0, bfloat16
+    weights)."""
+    name = "bench-gpt-oss" + ("" if shape == "bench" else f"-{shape}")
+    path = cache_dir / (name if experts == "bf16" else f"{name}-mxfp4")
     if (path / "config.json").is_file():
         return path
     from safetensors.torch import load_file, save_file
@@ -55,7 +68,7 @@ def ensure_checkpoint(cache_dir: Path, experts: str) -> Path:
     from quant.mxfp4 import quantize_mxfp4
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt_oss", **CONFIG),
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt_oss", **SHAPES[shape]),
                                              dtype=torch.bfloat16)
     with torch.no_grad():  # transformers initialises them to zero
         for name, p in model.named_parameters():
@@ -79,6 +92,7 @@ def ensure_checkpoint(cache_dir: Path, experts: str) -> Path:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="bench")
     p.add_argument("--experts", choices=["bf16", "mxfp4"], default="bf16")
     p.add_argument("--backends", default="decode_layer=torch,auto",
                    help="comma-separated --kernel-backend settings, one LLM each")
@@ -89,12 +103,13 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir())
     args = p.parse_args()
-    ckpt = ensure_checkpoint(args.cache_dir, args.experts)
-    prompt = [(31 * i) % 8000 + 3 for i in range(args.prompt_len)]
+    ckpt = ensure_checkpoint(args.cache_dir, args.shape, args.experts)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    prompt = [(31 * i) % (vocab - 3) + 3 for i in range(args.prompt_len)]
     sp = SamplingParams(max_tokens=args.output_len, min_tokens=args.output_len,
                         temperature=0.0, ignore_eos=True)
-    llms = {b: LLM(model=str(ckpt), dtype="bfloat16", max_model_len=1024, kernel_backend=b)
-            for b in args.backends.split(",")}
+    llms = {b: LLM(model=str(ckpt), dtype="bfloat16", max_model_len=1024, kernel_backend=b,
+                   kv_cache_memory=256 << 20) for b in args.backends.split(",")}
     rates: dict[str, list[float]] = {b: [] for b in llms}
     for round_ in range(args.warmup + args.runs):
         for backend, llm in llms.items():
@@ -103,7 +118,7 @@ def main() -> None:
             if round_ >= args.warmup:
                 rates[backend].append(args.batch * args.output_len
                                       / (time.perf_counter() - start))
-    print(json.dumps({"experts": args.experts, "batch": args.batch,
+    print(json.dumps({"shape": args.shape, "experts": args.experts, "batch": args.batch,
                       "load_average": os.getloadavg(),
                       "tok_s": {b: {"median": round(statistics.median(r), 1),
                                     "runs": [round(x, 1) for x in r]}

@@ -180,11 +180,13 @@ def test_the_decodes_only_batch_is_the_general_one():
         assert torch.equal(getattr(got, name), getattr(want, name)), name
 
 
-def _serve_comparing_layers(ckpt, quantization: str, monkeypatch) -> list[tuple]:
+def _serve_comparing_layers(ckpt, quantization: str, monkeypatch,
+                            prompts: list[list[int]] | None = None) -> list[tuple]:
     """Serve `ckpt` in bfloat16 with every native decode step checked against the module path
     on the same input: each layer that takes the native call first runs its modules on a copy
     of h (writing this step's keys and values), the cache is put back, then the native call
-    runs. Returns, per native call, (layer window or 0, rows, residual streams equal, caches
+    runs. `prompts` run batched after the first alone (default: `PROMPTS` and a 29-token
+    one). Returns, per native call, (layer window or 0, rows, residual streams equal, caches
     equal)."""
     seen: list[tuple] = []
     forward = DecoderLayer.forward
@@ -208,12 +210,13 @@ def _serve_comparing_layers(ckpt, quantization: str, monkeypatch) -> list[tuple]
 
     monkeypatch.setattr(DecoderLayer, "forward", compared)
     method, _, layers = quantization.partition("+")
-    llm = LLM(model=str(ckpt), dtype="bfloat16", max_model_len=128, quantization=method,
+    llm = LLM(model=str(ckpt), dtype="bfloat16", max_model_len=256, quantization=method,
               quant_group_size=32, quantized_layers=layers or "experts", block_size=16)
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     long_prompt = [(7 * i) % 500 + 3 for i in range(29)]  # 29 + 12 tokens: three blocks
-    llm.generate([PROMPTS[0]], sp, use_tqdm=False)  # batch 1
-    llm.generate([*PROMPTS, long_prompt], sp, use_tqdm=False)  # 4 requests of 4 lengths
+    prompts = prompts or [*PROMPTS, long_prompt]
+    llm.generate(prompts[:1], sp, use_tqdm=False)  # batch 1
+    llm.generate(prompts, sp, use_tqdm=False)  # batched, of different lengths
     return seen
 
 
@@ -233,6 +236,44 @@ def test_gpt_oss_layers_give_the_module_paths_residual_stream(request, ckpt_name
     assert all(same_h and same_cache for *_, same_h, same_cache in seen), [
         s for s in seen if not all(s[2:])]
 
+
+@pytest.fixture(scope="module")
+def gpt_oss_20b_layers_ckpt(tiny_ckpt_root):
+    """gpt-oss-20b's layer shapes (hidden 2880, 64 query / 8 KV heads of 64, experts of width
+    2880, top-4, window 128), 2 layers (sliding, full), 8 experts in MXFP4, a 1024-token
+    vocabulary; sinks and biases drawn (transformers makes them zero)."""
+    from fixtures import make_mxfp4_experts_checkpoint, tiny_config
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_ckpt_root / "gpt-oss-20b-layers"
+    if not (path / "config.json").is_file():
+        config = tiny_config(
+            "gpt_oss", hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
+            num_key_value_heads=8, head_dim=64, num_local_experts=8, num_experts_per_tok=4,
+            sliding_window=128, num_hidden_layers=2, vocab_size=1024, initializer_range=0.02,
+            layer_types=["sliding_attention", "full_attention"])
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("bias", ".sinks")):
+                    p.normal_(0.0, 0.5)
+        model.save_pretrained(path, safe_serialization=True)
+    return make_mxfp4_experts_checkpoint(path, tiny_ckpt_root)
+
+
+@pytest.mark.slow
+@needs_amx
+def test_gpt_oss_20b_shaped_layers_give_the_module_paths_residual_stream(
+        gpt_oss_20b_layers_ckpt, monkeypatch):
+    """At gpt-oss-20b's layer shapes (about 1.7 GiB of RSS, a minute), requests of 5, 60 and
+    140 tokens (past the 128-token window) decode with every native layer call bit-identical
+    to the module path."""
+    prompts = [[(13 * i + j) % 1000 + 3 for i in range(n)] for j, n in enumerate((5, 140, 60))]
+    seen = _serve_comparing_layers(gpt_oss_20b_layers_ckpt, "none", monkeypatch, prompts)
+    assert {w for w, *_ in seen} == {0, 128}
+    assert {1, 3} <= {rows for _, rows, *_ in seen}
+    assert all(same_h and same_cache for *_, same_h, same_cache in seen)
 
 @needs_amx
 @pytest.mark.parametrize("ckpt_name", ["gpt_oss_ckpt", "gpt_oss_mxfp4_ckpt"])
