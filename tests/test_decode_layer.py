@@ -80,13 +80,16 @@ def test_native_decode_layer_is_bit_identical_to_the_module_path(request, arch, 
 
 
 @needs_amx
-@pytest.mark.parametrize("quantization", ["none", "int4"])
-def test_draft_verification_runs_on_the_native_layer_bit_identically(qwen3_ckpt, quantization,
-                                                                     monkeypatch):
+@pytest.mark.parametrize("ckpt_name,quantization", [
+    ("qwen3_ckpt", "none"), ("qwen3_ckpt", "int4"), ("gpt_oss_ckpt", "none"),
+])
+def test_draft_verification_runs_on_the_native_layer_bit_identically(request, ckpt_name,
+                                                                     quantization, monkeypatch):
     """With n-gram drafts a step verifies 1 + k tokens per request; each token runs as its own
     decode row (`ModelRunner._verify_host_inputs`: of the native layer, or beside a prefill
     chunk of the module path's decode batch), so the tokens and log-probabilities equal those
-    of decoding one token per step, bit for bit, at batch 1 and batched."""
+    of decoding one token per step, bit for bit, at batch 1 and batched (gpt-oss: the rows of
+    one request on both sides of its 8-token window's edge)."""
     prompts = [[3, 17, 5, 9] * 4, [8, 8, 1, 8, 8, 1, 8], [60, 12, 33, 7, 60, 12, 33]]
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
     results, run = [], DecodeLayerKernel.run
@@ -98,8 +101,9 @@ def test_draft_verification_runs_on_the_native_layer_bit_identically(qwen3_ckpt,
             return _run(self, *args)
 
         monkeypatch.setattr(DecodeLayerKernel, "run", counted)
-        llm = LLM(model=str(qwen3_ckpt), dtype="bfloat16", max_model_len=128,
-                  quantization=quantization, quant_group_size=32, speculative_method=method,
+        llm = LLM(model=str(request.getfixturevalue(ckpt_name)), dtype="bfloat16",
+                  max_model_len=128, quantization=quantization, quant_group_size=32,
+                  speculative_method=method,
                   num_speculative_tokens=3 if method else None, max_num_batched_tokens=24,
                   speculative_disable_by_batch_size=0)
         outs = [llm.generate([p], sp, use_tqdm=False)[0] for p in prompts]  # batch 1
