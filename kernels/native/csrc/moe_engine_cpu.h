@@ -167,28 +167,43 @@ MOE_ENGINE_API int32_t moe_amx_fused_moe(const void* hidden, int64_t T, int64_t 
 
 // csrc/decode_layer.cpp: one pre-norm MoE decoder layer of a decode step (T requests, one token
 // each), bfloat16 throughout, as the calls above in order: h [T, H] (the residual stream,
-// updated in place); norm1, norm2 [H] (the layer's two RMSNorms, epsilon eps); w_qkv packed
-// for moe_amx_linear ([ceil(N/16), H/2, 16, 2], N = (Hq + 2 Hkv) D), b_qkv [N] or null; the
-// prologue's arguments as moe_qk_norm_rope_cache (q_norm/k_norm may be null); the attention's
-// as moe_paged_decode_attention (no sinks; B = T); w_o packed [ceil(H/16), Hq D/2, 16, 2],
-// b_o [H] or null; w_router packed [ceil(E/16), H/2, 16, 2] (no bias); the routing as
-// moe_router_softmax_topk, written to topk_weights [T, k] float32 and topk_ids [T, k] int32;
-// the experts (plain SwiGLU, no biases) as moe_amx_fused_moe (w13, w2) or, when q4, as
-// moe_fused_moe_q4 (codes13 ... Hp; w13/w2 unused); qkv_format / o_format -1 for the AMX-packed
-// w_qkv / w_o above, or moe_linear_q4's format when they are 4-bit tiles instead (w_qkv / w_o
-// the codes, qkv_scales / o_scales the scales, qkv_G / o_G the groups; symmetric); tiles as
-// moe_amx_linear (and the attention's scores on the tiles, amx 1, or on AVX512-BF16, amx 2).
-// Shapes are checked by kernels/decode_layer/native.py.
+// updated in place); norm1, norm2 [H] (the layer's two RMSNorms, epsilon eps, the weight
+// multiplied in float32 when norm_in_float32, as moe_rms_norm's weight_in_float32); w_qkv
+// packed for moe_amx_linear ([ceil(N/16), H/2, 16, 2], N = (Hq + 2 Hkv) D), b_qkv [N] or null;
+// the prologue's arguments as moe_qk_norm_rope_cache (q_norm/k_norm may be null); the
+// attention's as moe_paged_decode_attention (sinks [Hq] float32 or null; B = T); w_o packed
+// [ceil(H/16), Hq D/2, 16, 2], b_o [H] or null; w_router packed [ceil(E/16), H/2, 16, 2],
+// b_router [E] float32 or null; the routing as moe_router_softmax_topk, or, when
+// topk_softmax, as moe_router_topk_softmax (renormalize unused; k and E as it takes them, else
+// kBadArgument), written to topk_weights [T, k] float32 and topk_ids [T, k] int32; the experts
+// as moe_amx_fused_moe (w13, w2) or, when q4, as moe_fused_moe_q4 (codes13 ... Hp; w13/w2
+// unused), with b13 / b2 and the activation (clamped ... limit) as those take them;
+// qkv_format / o_format -1 for the AMX-packed w_qkv / w_o above, or moe_linear_q4's format
+// when they are 4-bit tiles instead (w_qkv / w_o the codes, qkv_scales / o_scales the scales,
+// qkv_G / o_G the groups; symmetric); tiles as moe_amx_linear (and the attention's scores on
+// the tiles, amx 1, or on AVX512-BF16, amx 2). Shapes are checked by
+// kernels/decode_layer/native.py.
 MOE_ENGINE_API int32_t moe_decode_layer(
     void* h, int64_t T, int64_t H, const void* norm1, const void* norm2, float eps,
-    const void* w_qkv, const float* b_qkv, int64_t Hq, int64_t Hkv, int64_t D,
-    const int64_t* positions, const float* cos, const float* sin, int64_t P, const void* q_norm,
-    const void* k_norm, float qk_eps, void* k_cache, void* v_cache, int64_t S,
-    const int64_t* slot_mapping, const int64_t* block_tables, int64_t W, const int64_t* seq_lens,
-    int64_t block_size, int64_t window, float scale, const void* w_o, const float* b_o,
-    const void* w_router, int64_t E, int64_t k, int32_t renormalize, const void* w13,
-    const void* w2, int64_t I, int32_t q4, const uint8_t* codes13, const void* scales13,
-    const uint8_t* zeros13, const uint8_t* codes2, const void* scales2, const uint8_t* zeros2,
-    int32_t format, int64_t G, int64_t Ip, int64_t Hp, float* topk_weights, int32_t* topk_ids,
-    int32_t qkv_format, const void* qkv_scales, int64_t qkv_G, int32_t o_format,
-    const void* o_scales, int64_t o_G, int32_t tiles, int32_t threads);
+    int32_t norm_in_float32, const void* w_qkv, const float* b_qkv, int64_t Hq, int64_t Hkv,
+    int64_t D, const int64_t* positions, const float* cos, const float* sin, int64_t P,
+    const void* q_norm, const void* k_norm, float qk_eps, void* k_cache, void* v_cache,
+    int64_t S, const int64_t* slot_mapping, const int64_t* block_tables, int64_t W,
+    const int64_t* seq_lens, int64_t block_size, int64_t window, float scale,
+    const float* sinks, const void* w_o, const float* b_o, const void* w_router,
+    const float* b_router, int64_t E, int64_t k, int32_t renormalize, int32_t topk_softmax,
+    const void* w13, const void* w2, int64_t I, int32_t q4, const uint8_t* codes13,
+    const void* scales13, const uint8_t* zeros13, const uint8_t* codes2, const void* scales2,
+    const uint8_t* zeros2, int32_t format, int64_t G, int64_t Ip, int64_t Hp, const float* b13,
+    const float* b2, int32_t clamped, float alpha, int32_t has_limit, float limit,
+    float* topk_weights, int32_t* topk_ids, int32_t qkv_format, const void* qkv_scales,
+    int64_t qkv_G, int32_t o_format, const void* o_scales, int64_t o_G, int32_t tiles,
+    int32_t threads);
+
+// csrc/decode_layer.cpp: gpt-oss's top-k-then-softmax routing as transformers computes it on a
+// CPU in bfloat16 (`torch.topk(logits, k)`, then softmax in bfloat16), bit for bit, ties
+// included (ATen's selection for k * 64 > E: std::nth_element, then std::sort of the first
+// k - 1). logits [T, E] bfloat16 contiguous; 1 <= k <= 7 and k * 64 > E, else kBadArgument;
+// weights [T, k] float32 (the bfloat16 softmax widened), ids [T, k] int32. One thread.
+MOE_ENGINE_API int32_t moe_router_topk_softmax(const void* logits, int64_t T, int64_t E,
+                                               int64_t k, float* weights, int32_t* ids);

@@ -16,6 +16,7 @@ import torch
 from comm.noop import NoopCommunicator
 from kernels.decode_layer.native import (
     MAX_ROWS,
+    TOPK_SOFTMAX_MAX_K,
     DecodeLayerKernel,
     DecodeStepArgs,
     decode_step_args,
@@ -122,28 +123,49 @@ def decode_misfit(layer: DecoderLayer, plan: KernelPlan) -> str | None:
     if plan.decode_layer() is None:
         return "the registry chose torch for decode_layer"
     attn, mlp = layer.self_attn, layer.mlp
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if type(attn) is not Attention or type(mlp) is not FusedMoE:
         return "not an Attention + FusedMoE layer"
-    if not all(type(n) is RMSNorm and n.kernel is not None and not n.weight_in_float32
-               and n.weight.dtype == torch.bfloat16 for n in norms) or norms[0].eps != norms[1].eps:
-        return "norms other than two bfloat16 RMSNorms of one epsilon"
-    if (attn.prologue is None or attn.sinks is not None or type(attn.rotary) is not
-            RotaryEmbedding or not attn.attn.kernels.native_decode):
-        return "attention without the native prologue and decode kernel, or with sinks"
+    if not _norms_fit(layer.input_layernorm, layer.post_attention_layernorm):
+        return "norms other than two bound bfloat16 RMSNorms of one epsilon and rounding"
+    if (attn.prologue is None or type(attn.rotary) is not RotaryEmbedding
+            or not attn.attn.kernels.native_decode):
+        return "attention without the native prologue and decode kernel"
+    if attn.sinks is not None and attn.sinks.shape != (attn.num_heads,):
+        return "attention sinks other than one per query head"
     projections_fit = all(_packed_kernel(p) for p in (attn.qkv_proj, attn.o_proj))
     if mlp.router_module or not (projections_fit and mlp.gate.bound_kernel().amx):
         return "projections not on the AMX or 4-bit kernel, or router not on the AMX kernel"
-    if mlp.gate.bias is not None or mlp.routing != "softmax_topk" or mlp.router_kernel is None:
-        return "routing other than the native softmax-top-k without a router bias"
+    if not _routing_fits(mlp):
+        return ("routing other than the native softmax-top-k or a top-k-then-softmax of top_k "
+                f"<= {TOPK_SOFTMAX_MAX_K} and top_k * 64 > experts")
     if (mlp.shared_experts is not None or mlp.ep_rank is not None
             or type(mlp.communicator) is not NoopCommunicator):
         return "shared or expert-parallel experts"
-    if mlp.activation.clamped or mlp.b13 is not None or mlp.b2 is not None:
-        return "experts with biases or gpt-oss's activation"
-    if not isinstance(_experts_kernel(mlp), AmxExperts | PackedQuantExperts):
+    experts = _experts_kernel(mlp)
+    if not isinstance(experts, AmxExperts | PackedQuantExperts):
         return "experts on neither the AMX nor the native 4-bit kernel"
+    if (mlp.b13 is None) != (mlp.b2 is None) or (
+            isinstance(experts, AmxExperts) and experts.activation != mlp.activation):
+        return "experts with one of the two biases, or AMX experts of another activation"
     return None
+
+
+def _norms_fit(*norms: object) -> bool:
+    """Whether the layer's two norms are bound bfloat16 `RMSNorm`s of one epsilon and one
+    rounding (the weight multiplied in bfloat16, or in float32 as gpt-oss's)."""
+    return (all(type(n) is RMSNorm and n.kernel is not None and n.weight.dtype == torch.bfloat16
+                for n in norms)
+            and len({(n.eps, n.weight_in_float32) for n in norms}) == 1)
+
+
+def _routing_fits(mlp: FusedMoE) -> bool:
+    """Whether the layer routes as the kernel does: softmax-then-top-k on the native kernel
+    (`router_kernel` bound), or top-k-then-softmax (gpt-oss) in the range the kernel repeats
+    torch's bit for bit."""
+    if mlp.routing == "softmax_topk":
+        return mlp.router_kernel is not None
+    return (mlp.routing == "topk_softmax" and mlp.top_k <= TOPK_SOFTMAX_MAX_K
+            and mlp.top_k * 64 > mlp.num_experts)
 
 
 def _packed_kernel(lin: Linear) -> bool:
@@ -173,12 +195,26 @@ def decode_kernel(layer: DecoderLayer) -> DecodeLayerKernel:
     """
     attn, mlp = layer.self_attn, layer.mlp
     q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
+    experts = _experts_kernel(mlp)
+    if isinstance(experts, AmxExperts):  # they hold float32 biases already
+        b13, b2 = (experts.b13, experts.b2) if experts.b13.numel() else (None, None)
+    else:
+        b13, b2 = _float32(mlp.b13), _float32(mlp.b2)
     return DecodeLayerKernel(
         norm1=layer.input_layernorm.weight, norm2=layer.post_attention_layernorm.weight,
         eps=layer.input_layernorm.eps, qkv=_projection(attn.qkv_proj), o=_projection(attn.o_proj),
         router=mlp.gate.amx_packed(), num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
         head_dim=attn.head_dim, cos=attn.rotary.cos_cache, sin=attn.rotary.sin_cache,
         q_norm=q_norm, k_norm=k_norm, qk_eps=attn.q_norm.eps if attn.qk_norm else 0.0,
-        scale=attn.attn.scale, window=attn.attn.sliding_window or 0, experts=_experts_kernel(mlp),
+        scale=attn.attn.scale, window=attn.attn.sliding_window or 0, experts=experts,
         top_k=mlp.top_k, renormalize=mlp.renormalize,
+        norm_in_float32=layer.input_layernorm.weight_in_float32, sinks=_float32(attn.sinks),
+        topk_softmax=mlp.routing == "topk_softmax", b13=b13, b2=b2,
+        activation=mlp.activation,
     )
+
+
+def _float32(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A contiguous float32 copy of a parameter the kernel reads as float32 (sinks, expert
+    biases; the kernel holds it), or None."""
+    return None if t is None else t.detach().float().contiguous()
