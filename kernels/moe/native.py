@@ -24,6 +24,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from kernels.dense.amx import bf16_backend
 from kernels.moe.activation import SILU_AND_MUL, SwiGLU
 from kernels.moe.native_args import (
     INT4_SCALE_FORMATS,
@@ -41,6 +42,11 @@ from quant.packing import pack_nibbles, unpack_nibbles
 
 #: Output columns per packed tile (csrc/moe_cpu.cpp kTile).
 TILE = 16
+#: The 4-bit experts' format bit for VDPBF16PS gate/up products at one bfloat16 token
+#: (csrc/moe_cpu.cpp `kDotFlag`, as the 4-bit linear's: the products exact, float32 sums, in
+#: another order than the float32 kernels'); the kernel ignores it for float32 inputs, more
+#: tokens, zero points, group sizes not a multiple of 16 and the AVX2 build.
+DOT_FLAG = 16
 
 
 def pack_tiles(w: torch.Tensor) -> torch.Tensor:
@@ -449,6 +455,12 @@ class PackedQuantExperts:
 
     @cached_property
     def weight_args(self) -> Q4WeightArgs:
-        return q4_weight_args(self.method, self.w13_codes, self.w13_scales, self.w13_zeros,
+        """The checked pointers and sizes (`q4_weight_args`), the format with `DOT_FLAG` where
+        this process's bfloat16 kernels run (`kernels.dense.amx.bf16_backend`, decided and
+        logged once): a one-token bfloat16 call then runs its gate/up products on VDPBF16PS."""
+        args = q4_weight_args(self.method, self.w13_codes, self.w13_scales, self.w13_zeros,
                               self.w2_codes, self.w2_scales, self.w2_zeros, self.hidden,
                               self.intermediate, self.group_size)
+        if bf16_backend() is not None:
+            args = args._replace(format=args.format | DOT_FLAG)
+        return args

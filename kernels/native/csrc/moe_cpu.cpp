@@ -62,6 +62,10 @@ using moe_engine::Q4;
 using moe_engine::Q4Weights;
 using moe_engine::to_f32;
 
+// The format bit that asks for the gate/up products of a one-token bfloat16 call on
+// VDPBF16PS (moe_engine_cpu.h; as linear_q4_cpu.cpp's).
+constexpr int32_t kDotFlag = 16;
+
 // Rows per work item: an expert with more rows (a long prefill) is cut into chunks, so a chunk's
 // activations stay in L2 while every tile of the expert's weights streams past them.
 constexpr int64_t kChunk = 96;
@@ -134,6 +138,14 @@ struct TileView {
   }
 };
 
+// The gate and up sums of one bfloat16 row on VDPBF16PS (q4_dot_avx512.h): fn(ctx, gate tile,
+// up tile, g [16], u [16]). Given to run_experts for a one-token call of 4-bit experts where
+// the bf16 kernels run (moe_fused_moe_q4's kDotFlag); null elsewhere.
+struct GateUpDot {
+  void (*fn)(const void* ctx, int64_t gate_tile, int64_t up_tile, float* g, float* u);
+  const void* ctx;
+};
+
 // WS: a weight set with K, rows(tile, a, lda, n, c) and, when quantized, dequantize(tile, out)
 // (DenseWeights, Q4Weights). Tile t of expert e is (e * 2 + 0) * Ip/16 + t (gate) or
 // (e * 2 + 1) * Ip/16 + t (up) in w13, e * Hp/16 + t in w2.
@@ -148,7 +160,8 @@ void run_experts(
     int64_t H, int64_t I, int64_t Ip, int64_t Hp, const Activation& act,
     float* inter,                   // [P, Ip] scratch
     float* y,                       // [P, Hp] out
-    int threads) {                  // threads of the pool (thread_pool.h)
+    int threads,                    // threads of the pool (thread_pool.h)
+    const GateUpDot* dot = nullptr) {  // one row's gate/up on VDPBF16PS, or null
   const int64_t E = static_cast<int64_t>(offsets.size()) - 1;
   const int64_t up_tiles = Ip / kTile, h_tiles = Hp / kTile;
   std::vector<Item> items = make_items(offsets, up_tiles);
@@ -177,8 +190,12 @@ void run_experts(
     alignas(32) float u[kRows * kTile];
     for (int64_t r = begin; r < end; r += kRows) {
       const int n = static_cast<int>(std::min<int64_t>(kRows, end - r));
-      gate.rows(x + r * H, H, n, g);
-      up.rows(x + r * H, H, n, u);
+      if (dot && rows == 1) {
+        dot->fn(dot->ctx, gate.tile, up.tile, g, u);
+      } else {
+        gate.rows(x + r * H, H, n, g);
+        up.rows(x + r * H, H, n, u);
+      }
       for (int m = 0; m < n; ++m) {
         float* out = inter + (r + m) * Ip + t * kTile;
         for (int c = 0; c < kTile; ++c) {
@@ -318,6 +335,42 @@ int32_t route_run_combine_any(const void* hidden, int32_t hidden_bf16, int64_t T
 
 }  // namespace
 
+#if MOE_ENGINE_VECTOR_BITS == 512
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+
+#include "q4_dot_avx512.h"
+
+namespace {
+
+// What GateUpDot's fn reads: the token's bfloat16 row, the gate/up weights, the lookup tables.
+template <Q4 F>
+struct DotRow {
+  const uint16_t* x;  // [H]
+  const Q4Weights<F>* w13;
+  DotConstants kc;
+};
+
+template <Q4 F>
+__attribute__((noinline)) void dot_row_init(DotRow<F>* d, const uint16_t* x,
+                                            const Q4Weights<F>* w13) {
+  d->x = x;
+  d->w13 = w13;
+  d->kc = dot_constants(*w13);
+}
+
+template <Q4 F>
+void dot_gate_up(const void* ctx, int64_t gate_tile, int64_t up_tile, float* g, float* u) {
+  const auto& d = *static_cast<const DotRow<F>*>(ctx);
+  dot_tile(d.x, *d.w13, gate_tile, d.kc, g);
+  dot_tile(d.x, *d.w13, up_tile, d.kc, u);
+}
+
+}  // namespace
+
+#pragma GCC pop_options
+#endif  // MOE_ENGINE_VECTOR_BITS == 512
+
 // Shapes and dtypes are checked by kernels/moe/native.py `PackedExperts.__call__`.
 int32_t moe_fused_moe(const void* hidden, int32_t hidden_bf16, int64_t T, int64_t H,
                       const void* w13, const void* w2, int32_t w_bf16, int64_t E, int64_t I,
@@ -351,12 +404,26 @@ int32_t moe_fused_moe_q4(const void* hidden, int32_t hidden_bf16, int64_t T, int
                          float alpha, int32_t has_limit, float limit, void* out,
                          int32_t threads) {
   const Activation act{clamped != 0, has_limit != 0, alpha, limit};
+  const bool dot = (format & kDotFlag) && MOE_ENGINE_VECTOR_BITS == 512 && hidden_bf16 &&
+                   T == 1 && G % 16 == 0 && zeros13 == nullptr;
+  format &= ~kDotFlag;
   auto run = [&](const float* x, const std::vector<int64_t>& offsets, float* inter, float* y) {
     auto with = [&](auto format_tag) {
       constexpr Q4 F = decltype(format_tag)::value;
-      run_experts(x, Q4Weights<F>{codes13, scales13, F == Q4::kMxfp4 ? nullptr : zeros13, H, G},
-                  Q4Weights<F>{codes2, scales2, F == Q4::kMxfp4 ? nullptr : zeros2, I, G}, b13,
-                  b2, offsets, H, I, Ip, Hp, act, inter, y, threads);
+      const Q4Weights<F> w13{codes13, scales13, F == Q4::kMxfp4 ? nullptr : zeros13, H, G};
+      const Q4Weights<F> w2{codes2, scales2, F == Q4::kMxfp4 ? nullptr : zeros2, I, G};
+#if MOE_ENGINE_VECTOR_BITS == 512
+      if (dot) {
+        DotRow<F> row;
+        dot_row_init(&row, static_cast<const uint16_t*>(hidden), &w13);
+        const GateUpDot gate_up{dot_gate_up<F>, &row};
+        return run_experts(x, w13, w2, b13, b2, offsets, H, I, Ip, Hp, act, inter, y, threads,
+                           &gate_up);
+      }
+#else
+      (void)dot;
+#endif
+      run_experts(x, w13, w2, b13, b2, offsets, H, I, Ip, Hp, act, inter, y, threads);
     };
     switch (static_cast<Q4>(format)) {
       case Q4::kMxfp4: with(std::integral_constant<Q4, Q4::kMxfp4>{}); break;

@@ -8,13 +8,13 @@
 // region while another process ran (bench/NOTES.md, "Parallel regions under contention").
 //
 // `parallel_items(n, threads, body)` instead publishes the job and works on it itself: items
-// are claimed from an atomic counter, a few at a time (about 8 claims per thread:
-// thread_pool.cpp `claim_batch`), by the caller and by whichever pool workers are awake, and
-// the caller returns once every item is FINISHED, so it only waits for items a worker has
-// actually claimed (a small share of the work). A worker that wakes up late finds
-// nothing left and goes back to waiting. This is the work-claiming scheme of ATen's and
-// llama.cpp's thread pools (ggml-cpu's `ggml_graph_compute_thread` claims chunks from an atomic
-// counter) with the straggler-free completion rule made explicit.
+// are claimed from an atomic counter, a few at a time (at most about an eighth of a thread's
+// share, fewer as the job nears its end: thread_pool.cpp `claim_size`), by the caller and by
+// whichever pool workers are awake, and the caller returns once every item is FINISHED, so it
+// only waits for items a worker has actually claimed (a small share of the work). A worker
+// that wakes up late finds nothing left and goes back to waiting. This is the work-claiming
+// scheme of ATen's and llama.cpp's thread pools (ggml-cpu's `ggml_graph_compute_thread` claims
+// chunks from an atomic counter) with the straggler-free completion rule made explicit.
 //
 // Workers spin for `spin_us` (MOE_ENGINE_SPIN_US, default 200 us, about the gap between two
 // kernels of a decode step) and then sleep on a condition variable, so an idle engine leaves
