@@ -404,3 +404,30 @@ def test_unbound_quantized_experts_run_torch():
     want = _reference(hidden, d13, d2, weights, ids)
     torch.testing.assert_close(experts(hidden, weights, ids).double(), want, rtol=1e-4, atol=1e-4)
     assert experts.backend == "torch" and experts._held
+
+
+@pytest.mark.parametrize("method", ["mxfp4", "int4", "int4-asym"])
+def test_one_bfloat16_token_on_the_bf16_dot_products(method):
+    """A one-token bfloat16 call: where the bf16 kernels run, `weight_args` carries `DOT_FLAG`
+    and the kernel computes the products on VDPBF16PS (exact products, float32 sums, the
+    intermediate rounded once to bfloat16); asymmetric int4 stays on the float32 kernels. Both
+    agree with the float64 reference to bfloat16 rounding, with an expert picked twice too."""
+    from kernels.dense.amx import bf16_backend
+    from kernels.moe.native import DOT_FLAG
+
+    g = _gen()
+    w13, w2 = _weights(g, 8, 256, 128)
+    if method == "mxfp4":
+        packed, d13, d2 = _mxfp4(w13, w2)
+    else:
+        packed, d13, d2 = _int4(w13, w2, 64, symmetric=method == "int4")
+    assert bool(packed.weight_args.format & DOT_FLAG) == (bf16_backend() is not None)
+    b13, b2 = torch.randn(8, 256, generator=g), torch.randn(8, 256, generator=g)
+    for ids in (torch.tensor([[3, 0, 6, 1]]), torch.tensor([[5, 5, 2, -1]])):
+        hidden = torch.randn(1, 256, generator=g).bfloat16()
+        weights = torch.softmax(torch.randn(1, 4, generator=g), -1)
+        got = packed(hidden, weights, ids.int(), activation=GPT_OSS, b13=b13, b2=b2)
+        assert got.dtype == torch.bfloat16
+        want = _reference(hidden, d13, d2, weights, ids, GPT_OSS, b13, b2)
+        scale = float(want.abs().max())
+        torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=1e-2 * scale)

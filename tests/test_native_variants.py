@@ -110,15 +110,15 @@ def test_4bit_linear_every_row_count(variant, method, scale_dtype, n, k, group):
 
 def _q4_row(packed: PackedQuantLinear, x: torch.Tensor, dot: bool, threads: int = 2
             ) -> torch.Tensor:
-    """moe_linear_q4 of one bfloat16 row x [1, K] into float32 [1, N], with or without the
-    format's VDPBF16PS bit, on the variant in use."""
+    """moe_linear_q4 of bfloat16 rows x [M, K] (contiguous) into float32 [M, N], with or
+    without the format's VDPBF16PS bit, on the variant in use."""
     lib = load_native("linear_q4_cpu")
     codes, scales, fmt, bias = packed.weight_args
     fmt = (fmt & ~DOT_FLAG) | (DOT_FLAG if dot else 0)
-    y = torch.empty(1, packed.out_features)
-    check_status(lib.moe_linear_q4(x.data_ptr(), 1, 1, packed.in_features, codes, scales, None,
-                                   fmt, packed.group_size, packed.out_features, bias,
-                                   y.data_ptr(), 0, threads), "linear_q4")
+    y = torch.empty(x.shape[0], packed.out_features)
+    check_status(lib.moe_linear_q4(x.data_ptr(), 1, x.shape[0], packed.in_features, codes,
+                                   scales, None, fmt, packed.group_size, packed.out_features,
+                                   bias, y.data_ptr(), 0, threads), "linear_q4")
     return y
 
 
@@ -153,6 +153,33 @@ def test_4bit_linear_one_bf16_row_on_vdpbf16ps(variant, method, scale_dtype, n, 
     on_dot = variant == "avx512" and group % 16 == 0
     assert bool((_q4_row(unbiased, tiny, dot=True) == 0).all()) == on_dot
     assert bool((_q4_row(unbiased, tiny, dot=False) != 0).any())
+
+
+@pytest.mark.parametrize(("method", "scale_dtype", "group"), [
+    ("mxfp4", None, 32), ("int4", torch.bfloat16, 128), ("int4", torch.float16, 16)])
+def test_4bit_linear_bf16_rows_on_vdpbf16ps_match_one_row(variant, method, scale_dtype, group):
+    """2-8 bfloat16 rows with DOT_FLAG run two at a time on VDPBF16PS (csrc/q4_dot_avx512.h
+    `dot_tile_rows`): every row's result equals that row alone (bit for bit: a row's arithmetic
+    does not depend on its neighbours) and float64 within float32 rounding; 9 rows (past
+    kDotMaxRows) and the AVX2 build take the float32 kernels, which agree within float32
+    rounding."""
+    if not cpu_amx.dot_available():
+        pytest.skip("AVX512-BF16 unavailable: the CPU lacks it")
+    g = _gen()
+    n, k = 45, 256
+    w = torch.randn(n, k, generator=g) / k**0.5
+    b = torch.randn(n, generator=g)
+    packed = PackedQuantLinear.quantize(w, b, method, group, scale_dtype or torch.float32)
+    want_w = packed.dequantized.double()
+    for m in (2, 3, 5, 8, 9):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        got = _q4_row(packed, x, dot=True)
+        want = x.double() @ want_w.t() + b.double()
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        alone = torch.cat([_q4_row(packed, x[i:i + 1].contiguous(), dot=True) for i in range(m)])
+        if m <= 8 and variant == "avx512":  # the AVX2 build's float32 kernels block rows
+            assert torch.equal(got, alone), f"{m} rows differ from each row alone"
+        assert torch.equal(_q4_row(packed, x, dot=True, threads=1), got)
 
 
 def _one_expert_routing(g: torch.Generator, t: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:

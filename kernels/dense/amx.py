@@ -85,11 +85,13 @@ def _decision() -> tuple[str | None, str | None]:
             if backend == TILES:
                 logger.info("AMX bf16 kernels on: linear at %d-%d rows, fused MoE at every "
                             "batch size, decode attention's scores (bf16 KV cache, blocks of "
-                            "a multiple of 16); 4-bit linears at one row on VDPBF16PS",
+                            "a multiple of 16); 4-bit linears at 1-8 rows and 4-bit experts "
+                            "at one token on VDPBF16PS",
                             LINEAR_MIN_ROWS, LINEAR_MAX_ROWS)
             elif backend == DOT:
                 logger.info("bf16 kernels on AVX512-BF16 (VDPBF16PS; %s): linear at %d-%d "
-                            "rows, fused MoE at every batch size, 4-bit linears at one row",
+                            "rows, fused MoE at every batch size, 4-bit linears at 1-8 rows and "
+                            "4-bit experts at one token",
                             reason_no_tiles(), LINEAR_MIN_ROWS, LINEAR_MAX_ROWS)
             else:
                 logger.info("AMX bf16 kernels off: %s", reason)

@@ -60,7 +60,7 @@ def native_fallbacks() -> tuple[str, ...]:
         f"{NATIVE_MIN_OUT_FEATURES} outputs) and float16 layers: torch",
         bf16_route,
         f"4-bit layers (--quantized-layers all): the 4-bit kernel up to {NATIVE_MAX_ROWS} "
-        f"rows (one bfloat16 row on the bf16 kernel where there is one), torch over the "
+        f"rows (1-8 bfloat16 rows on the bf16 kernel where there is one), torch over the "
         f"dequantized weights above",
     )
 

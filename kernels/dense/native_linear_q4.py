@@ -27,10 +27,10 @@ from quant.packing import pack_nibbles, unpack_nibbles
 
 #: The methods `PackedQuantLinear.quantize` takes.
 METHODS = ("int4", "mxfp4")
-#: The kernel's format bit for VDPBF16PS products at one bfloat16 row (csrc/linear_q4_cpu.cpp
-#: `kDotFlag`): set where this process's bfloat16 kernels run on AVX512-BF16 or AMX
-#: (`kernels.dense.amx.bf16_backend`, decided and logged once); the kernel ignores it for float32
-#: inputs, more rows, group sizes not a multiple of 16 and the AVX2 build.
+#: The kernel's format bit for VDPBF16PS products at up to 8 bfloat16 rows
+#: (csrc/linear_q4_cpu.cpp `kDotFlag`): set where this process's bfloat16 kernels run on
+#: AVX512-BF16 or AMX (`kernels.dense.amx.bf16_backend`, decided and logged once); the kernel
+#: ignores it for float32 inputs, more rows, group sizes not a multiple of 16 and the AVX2 build.
 DOT_FLAG = 16
 
 

@@ -11,12 +11,13 @@
 // micro-kernel of gemm.h down its rows. Float32 accumulation throughout; the decoded weights
 // are exactly quant/'s dequantized values.
 //
-// One bfloat16 row with `format | kDotFlag` (the Python side sets it where the bf16 kernels run
-// on AVX512-BF16 or AMX: kernels/dense/amx.py `bf16_backend`, chosen and logged once) runs the
-// products on VDPBF16PS instead (`dot_tile`, q4_dot_avx512.h): the codes are decoded to bfloat16
-// by one word lookup (vpermw) per 32 weights, and a VDPBF16PS adds 32 products, where the
-// float32 kernel spends a shift, a vpermps and an FMA per 16 (bench/NOTES.md section 22). Products
-// exact (bfloat16 x times the exact 4-bit value), float32 sums, scaled once per group.
+// Up to kDotMaxRows bfloat16 rows with `format | kDotFlag` (the Python side sets it where the
+// bf16 kernels run on AVX512-BF16 or AMX: kernels/dense/amx.py `bf16_backend`, chosen and
+// logged once) run the products on VDPBF16PS instead (`dot_tile_rows`, q4_dot_avx512.h): the
+// codes are decoded to bfloat16 by one word lookup (vpermw) per 32 weights, and a VDPBF16PS
+// adds 32 products, where the float32 kernel spends a shift, a vpermps and an FMA per 16
+// (bench/NOTES.md sections 22 and 25). Products exact (bfloat16 x times the exact 4-bit
+// value), float32 sums, scaled once per group; a row's sums do not depend on the batch.
 
 #include <algorithm>
 #include <memory>
@@ -39,6 +40,10 @@ using moe_engine::Q4Weights;
 // The format bit that asks for the VDPBF16PS kernel at one bfloat16 row (moe_engine_cpu.h).
 constexpr int32_t kDotFlag = 16;
 constexpr int64_t kChunk = 96;  // rows per work item (a multiple of kRows)
+// Bfloat16 batches of up to this many rows run the VDPBF16PS kernel (with kDotFlag): its 4-bit
+// decode is shared by two rows, and 8 rows measured 2-5x faster than the float32 kernels
+// (bench/NOTES.md section 25).
+constexpr int64_t kDotMaxRows = 8;
 // Products reading fewer code bytes than this run on the calling thread alone.
 constexpr int64_t kMinParallelBytes = 32 * 1024;
 
@@ -92,33 +97,45 @@ void run_any_out(const float* x, int64_t M, int64_t K, const Q4Weights<F>& w, in
 
 namespace {
 
+// y [M, N] (float32) = x W^T + b for M <= kDotMaxRows bfloat16 rows x [M, K]: per 16-column
+// tile (one work item), the rows two at a time (dot_tile_rows), each row's sums the same as
+// alone.
 template <Q4 F>
-void dot_row(const uint16_t* x, const Q4Weights<F>& w, int64_t N, const float* bias, float* y,
-             int threads) {
-  const int64_t tiles = (N + kTile - 1) / kTile;
-  if (N * w.K / 2 < kMinParallelBytes) threads = 1;
+void dot_rows(const uint16_t* x, int64_t M, const Q4Weights<F>& w, int64_t N, const float* bias,
+              float* y, int threads) {
+  const int64_t tiles = (N + kTile - 1) / kTile, K = w.K;
+  if (N * K / 2 < kMinParallelBytes) threads = 1;
   const DotConstants kc = dot_constants(w);
   moe_engine::parallel_items(tiles, threads, [&](int64_t t, int) {
-    alignas(64) float c[kTile];
-    dot_tile(x, w, t, kc, c);
+    alignas(64) float c[2 * kTile];
     const int64_t cols = std::min<int64_t>(kTile, N - t * kTile);
-    for (int64_t j = 0; j < cols; ++j) y[t * kTile + j] = c[j] + (bias ? bias[t * kTile + j] : 0.0f);
+    for (int64_t r = 0; r < M; r += 2) {
+      const int n = M - r >= 2 ? 2 : 1;
+      if (n == 2) dot_tile_rows<2>(x + r * K, K, w, t, kc, c);
+      else dot_tile(x + r * K, w, t, kc, c);
+      for (int m = 0; m < n; ++m) {
+        float* out = y + (r + m) * N + t * kTile;
+        for (int64_t j = 0; j < cols; ++j) {
+          out[j] = c[m * kTile + j] + (bias ? bias[t * kTile + j] : 0.0f);
+        }
+      }
+    }
   });
 }
 
-// y [1, N] = x W^T + b for one bfloat16 row x (moe_linear_q4's arguments; G % 16 == 0, no
-// zero points). Only called where moe_bf16_dot_available() said yes.
-int32_t dot_row_any(const uint16_t* x, int64_t K, const uint8_t* codes, const void* scales,
-                    int32_t format, int64_t G, int64_t N, const float* bias, void* y,
-                    int32_t y_bf16, int threads) {
+// y [M, N] = x W^T + b for M <= kDotMaxRows bfloat16 rows x (moe_linear_q4's arguments;
+// G % 16 == 0, no zero points). Only called where moe_bf16_dot_available() said yes.
+int32_t dot_rows_any(const uint16_t* x, int64_t M, int64_t K, const uint8_t* codes,
+                     const void* scales, int32_t format, int64_t G, int64_t N, const float* bias,
+                     void* y, int32_t y_bf16, int threads) {
   auto with = [&](auto format_tag) {
     constexpr Q4 F = decltype(format_tag)::value;
     const Q4Weights<F> w{codes, scales, nullptr, K, G};
-    float* out = y_bf16 ? widened.get(N) : static_cast<float*>(y);
-    dot_row(x, w, N, bias, out, threads);
+    float* out = y_bf16 ? widened.get(M * N) : static_cast<float*>(y);
+    dot_rows(x, M, w, N, bias, out, threads);
     auto* yb = static_cast<bf16_t*>(y);
     if (y_bf16) {
-      for (int64_t j = 0; j < N; ++j) yb[j] = from_f32<bf16_t>(out[j]);
+      for (int64_t j = 0; j < M * N; ++j) yb[j] = from_f32<bf16_t>(out[j]);
     }
   };
   switch (static_cast<Q4>(format)) {
@@ -138,9 +155,10 @@ int32_t dot_row_any(const uint16_t* x, int64_t K, const uint8_t* codes, const vo
 
 namespace {
 
-// Whether one row takes the VDPBF16PS kernel (kDotFlag asked for it).
+// Whether the rows take the VDPBF16PS kernel (kDotFlag asked for it).
 bool takes_dot(int32_t dot, int32_t x_bf16, int64_t M, int64_t G, const uint8_t* zeros) {
-  return MOE_ENGINE_VECTOR_BITS == 512 && dot && x_bf16 && M == 1 && G % 16 == 0 && !zeros;
+  return MOE_ENGINE_VECTOR_BITS == 512 && dot && x_bf16 && M <= kDotMaxRows && G % 16 == 0 &&
+         !zeros;
 }
 
 }  // namespace
@@ -157,8 +175,8 @@ int32_t moe_linear_q4(const void* x, int32_t x_bf16, int64_t M, int64_t K,
   try {
 #if MOE_ENGINE_VECTOR_BITS == 512
     if (takes_dot(dot, x_bf16, M, G, zeros)) {
-      return dot_row_any(static_cast<const uint16_t*>(x), K, codes, scales, format, G, N, bias,
-                         y, y_bf16, threads);
+      return dot_rows_any(static_cast<const uint16_t*>(x), M, K, codes, scales, format, G, N,
+                          bias, y, y_bf16, threads);
     }
 #else
     (void)takes_dot(dot, x_bf16, M, G, zeros);

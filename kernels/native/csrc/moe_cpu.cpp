@@ -138,13 +138,19 @@ struct TileView {
   }
 };
 
-// The gate and up sums of one bfloat16 row on VDPBF16PS (q4_dot_avx512.h): fn(ctx, gate tile,
-// up tile, g [16], u [16]). Given to run_experts for a one-token call of 4-bit experts where
-// the bf16 kernels run (moe_fused_moe_q4's kDotFlag); null elsewhere.
-struct GateUpDot {
-  void (*fn)(const void* ctx, int64_t gate_tile, int64_t up_tile, float* g, float* u);
+// The products of a one-token call of 4-bit experts on VDPBF16PS (q4_dot_avx512.h), where the
+// bf16 kernels run (moe_fused_moe_q4's kDotFlag; null elsewhere): gate_up(ctx, gate tile, up
+// tile, g [16], u [16]) over the token's bfloat16 row, down(ctx, x [I] bfloat16, tile, c [16]).
+// The intermediate is rounded once to bfloat16 to be down's row, as amx_moe.cpp rounds it for
+// the bf16 experts (where the float32 kernels keep it float32).
+struct RowDot {
+  void (*gate_up)(const void* ctx, int64_t gate_tile, int64_t up_tile, float* g, float* u);
+  void (*down)(const void* ctx, const uint16_t* x, int64_t tile, float* c);
   const void* ctx;
 };
+
+// The bfloat16 intermediate of a RowDot call [P, Ip], per calling thread (grow-only).
+thread_local moe_engine::Grown<uint16_t> inter_bf16;
 
 // WS: a weight set with K, rows(tile, a, lda, n, c) and, when quantized, dequantize(tile, out)
 // (DenseWeights, Q4Weights). Tile t of expert e is (e * 2 + 0) * Ip/16 + t (gate) or
@@ -161,7 +167,7 @@ void run_experts(
     float* inter,                   // [P, Ip] scratch
     float* y,                       // [P, Hp] out
     int threads,                    // threads of the pool (thread_pool.h)
-    const GateUpDot* dot = nullptr) {  // one row's gate/up on VDPBF16PS, or null
+    const RowDot* dot = nullptr) {  // one token's products on VDPBF16PS, or null
   const int64_t E = static_cast<int64_t>(offsets.size()) - 1;
   const int64_t up_tiles = Ip / kTile, h_tiles = Hp / kTile;
   std::vector<Item> items = make_items(offsets, up_tiles);
@@ -171,6 +177,7 @@ void run_experts(
   for (int64_t e = 0; e < E; ++e) dequantizes |= offsets[e + 1] - offsets[e] > kRows;
   std::unique_ptr<float[]> scratch;
   if (is_quantized<WS>::value && dequantizes) scratch.reset(new float[threads * 2 * tile_floats]);
+  uint16_t* const inter16 = dot ? inter_bf16.get(offsets[E] * Ip) : nullptr;
   const int64_t n1 = static_cast<int64_t>(items.size());
   moe_engine::parallel_items(n1, threads, [&](int64_t i, int worker) {
     const int64_t e = items[i].expert, t = items[i].tile, begin = items[i].begin;
@@ -190,12 +197,18 @@ void run_experts(
     alignas(32) float u[kRows * kTile];
     for (int64_t r = begin; r < end; r += kRows) {
       const int n = static_cast<int>(std::min<int64_t>(kRows, end - r));
-      if (dot && rows == 1) {
-        dot->fn(dot->ctx, gate.tile, up.tile, g, u);
-      } else {
-        gate.rows(x + r * H, H, n, g);
-        up.rows(x + r * H, H, n, u);
+      if (dot) {  // one token (an expert it picked twice has two rows)
+        for (int m = 0; m < n; ++m) {
+          dot->gate_up(dot->ctx, gate.tile, up.tile, g, u);
+          uint16_t* out = inter16 + (r + m) * Ip + t * kTile;
+          for (int c = 0; c < kTile; ++c) {
+            out[c] = moe_engine::f32_to_bf16(act(g[c] + bg[c], u[c] + bu[c]));
+          }
+        }
+        continue;
       }
+      gate.rows(x + r * H, H, n, g);
+      up.rows(x + r * H, H, n, u);
       for (int m = 0; m < n; ++m) {
         float* out = inter + (r + m) * Ip + t * kTile;
         for (int c = 0; c < kTile; ++c) {
@@ -219,7 +232,13 @@ void run_experts(
     alignas(32) float c[kRows * kTile];
     for (int64_t r = begin; r < end; r += kRows) {
       const int n = static_cast<int>(std::min<int64_t>(kRows, end - r));
-      down.rows(inter + r * Ip, Ip, n, c);
+      if (dot) {
+        for (int m = 0; m < n; ++m) {
+          dot->down(dot->ctx, inter16 + (r + m) * Ip, down.tile, c + m * kTile);
+        }
+      } else {
+        down.rows(inter + r * Ip, Ip, n, c);
+      }
       for (int m = 0; m < n; ++m) {
         float* out = y + (r + m) * Hp + t * kTile;
         for (int col = 0; col < kTile; ++col) out[col] = c[m * kTile + col] + bd[col];
@@ -343,19 +362,22 @@ int32_t route_run_combine_any(const void* hidden, int32_t hidden_bf16, int64_t T
 
 namespace {
 
-// What GateUpDot's fn reads: the token's bfloat16 row, the gate/up weights, the lookup tables.
+// What RowDot's functions read: the token's bfloat16 row, the weights, the lookup tables
+// (the same for w13 and w2: they depend on the format only).
 template <Q4 F>
 struct DotRow {
   const uint16_t* x;  // [H]
   const Q4Weights<F>* w13;
+  const Q4Weights<F>* w2;
   DotConstants kc;
 };
 
 template <Q4 F>
 __attribute__((noinline)) void dot_row_init(DotRow<F>* d, const uint16_t* x,
-                                            const Q4Weights<F>* w13) {
+                                            const Q4Weights<F>* w13, const Q4Weights<F>* w2) {
   d->x = x;
   d->w13 = w13;
+  d->w2 = w2;
   d->kc = dot_constants(*w13);
 }
 
@@ -364,6 +386,12 @@ void dot_gate_up(const void* ctx, int64_t gate_tile, int64_t up_tile, float* g, 
   const auto& d = *static_cast<const DotRow<F>*>(ctx);
   dot_tile(d.x, *d.w13, gate_tile, d.kc, g);
   dot_tile(d.x, *d.w13, up_tile, d.kc, u);
+}
+
+template <Q4 F>
+void dot_down(const void* ctx, const uint16_t* x, int64_t tile, float* c) {
+  const auto& d = *static_cast<const DotRow<F>*>(ctx);
+  dot_tile(x, *d.w2, tile, d.kc, c);
 }
 
 }  // namespace
@@ -405,7 +433,7 @@ int32_t moe_fused_moe_q4(const void* hidden, int32_t hidden_bf16, int64_t T, int
                          int32_t threads) {
   const Activation act{clamped != 0, has_limit != 0, alpha, limit};
   const bool dot = (format & kDotFlag) && MOE_ENGINE_VECTOR_BITS == 512 && hidden_bf16 &&
-                   T == 1 && G % 16 == 0 && zeros13 == nullptr;
+                   T == 1 && G % 16 == 0 && zeros13 == nullptr && zeros2 == nullptr;
   format &= ~kDotFlag;
   auto run = [&](const float* x, const std::vector<int64_t>& offsets, float* inter, float* y) {
     auto with = [&](auto format_tag) {
@@ -415,10 +443,10 @@ int32_t moe_fused_moe_q4(const void* hidden, int32_t hidden_bf16, int64_t T, int
 #if MOE_ENGINE_VECTOR_BITS == 512
       if (dot) {
         DotRow<F> row;
-        dot_row_init(&row, static_cast<const uint16_t*>(hidden), &w13);
-        const GateUpDot gate_up{dot_gate_up<F>, &row};
+        dot_row_init(&row, static_cast<const uint16_t*>(hidden), &w13, &w2);
+        const RowDot products{dot_gate_up<F>, dot_down<F>, &row};
         return run_experts(x, w13, w2, b13, b2, offsets, H, I, Ip, Hp, act, inter, y, threads,
-                           &gate_up);
+                           &products);
       }
 #else
       (void)dot;

@@ -66,8 +66,8 @@ MOE_ENGINE_API int32_t moe_linear(const float* x, int64_t M, int64_t K, const vo
 
 // csrc/linear_q4_cpu.cpp. x [M, K] float32, or bfloat16 when x_bf16; codes [ceil(N/16), K/2, 16]
 // uint8 and scales / zeros [ceil(N/16), K/G, 16] as moe_fused_moe_q4's (format, G alike);
-// bias [N] float32 or null; y [M, N] float32, or bfloat16 when y_bf16. format | 16: one
-// bfloat16 row with G % 16 == 0 and no zero points runs its products on VDPBF16PS (call it so
+// bias [N] float32 or null; y [M, N] float32, or bfloat16 when y_bf16. format | 16: up to 8
+// bfloat16 rows with G % 16 == 0 and no zero points run their products on VDPBF16PS (call it so
 // only where moe_bf16_dot_available() said yes; ignored otherwise and in the AVX2 build).
 MOE_ENGINE_API int32_t moe_linear_q4(const void* x, int32_t x_bf16, int64_t M, int64_t K,
                                      const uint8_t* codes, const void* scales,

@@ -68,46 +68,73 @@ inline __attribute__((always_inline)) __m512 fold_lanes(__m512 a, __m512 b) {
                        _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// c[0..16) = sum_k x[k] * w[k][0..16) over tile `tile`: per 16 k (two chunks, their own
-// accumulators: 8 chains) 2 loads, 2 byte shuffles, 6 shifts, 8 lookups, 8 VDPBF16PS; each
-// group's sums scaled once; the four 128-bit lanes (different k) summed at the end.
-template <Q4 F>
-inline __attribute__((always_inline)) void dot_tile(const uint16_t* x, const Q4Weights<F>& w,
-                                                    int64_t tile, const DotConstants& kc,
-                                                    float* c) {
+// c[m][0..16) = sum_k x[m * ldx + k] * w[k][0..16) over tile `tile`, for the R rows m < R
+// (R <= 2: the accumulators of two rows fill most of the 32 registers): per 16 k (two chunks,
+// their own accumulators: 8 chains a row) 2 loads, 2 byte shuffles, 6 shifts and 8 lookups
+// shared by the rows, and 8 VDPBF16PS a row; each group's sums scaled once; the four 128-bit
+// lanes (different k) summed at the end. A row's arithmetic is the same whatever R: its
+// results do not depend on the rows beside it.
+template <int R, Q4 F>
+inline __attribute__((always_inline)) void dot_tile_rows(const uint16_t* x, int64_t ldx,
+                                                         const Q4Weights<F>& w, int64_t tile,
+                                                         const DotConstants& kc, float* c) {
   const int64_t K = w.K, G = w.G;
   const uint8_t* p = w.codes + tile * (K / 2) * kTile;
-  __m512 acc[4];
-  for (int s = 0; s < 4; ++s) acc[s] = _mm512_setzero_ps();
+  __m512 acc[R][4];
+  for (int m = 0; m < R; ++m) {
+    for (int s = 0; s < 4; ++s) acc[m][s] = _mm512_setzero_ps();
+  }
   for (int64_t g = 0; g < K / G; ++g) {
-    __m512 part[2][4];
-    for (int u = 0; u < 2; ++u) {
-      for (int s = 0; s < 4; ++s) part[u][s] = _mm512_setzero_ps();
+    __m512 part[R][2][4];
+    for (int m = 0; m < R; ++m) {
+      for (int u = 0; u < 2; ++u) {
+        for (int s = 0; s < 4; ++s) part[m][u][s] = _mm512_setzero_ps();
+      }
     }
     for (int64_t k = g * G; k < (g + 1) * G; k += 16, p += 8 * kTile) {
       moe_engine::prefetch_weights<8>(p);
       for (int u = 0; u < 2; ++u) {
         const __m512i r = _mm512_shuffle_epi8(_mm512_loadu_si512(p + u * 4 * kTile), kc.order);
-        const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_permutexvar_epi32(
-            kc.pair_lanes, _mm512_castsi128_si512(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + k + 8 * u)))));
+        __m512bh xv[R];
+        for (int m = 0; m < R; ++m) {
+          xv[m] = reinterpret_cast<__m512bh>(_mm512_permutexvar_epi32(
+              kc.pair_lanes, _mm512_castsi128_si512(_mm_loadu_si128(
+                  reinterpret_cast<const __m128i*>(x + m * ldx + k + 8 * u)))));
+        }
 #pragma GCC unroll 4
         for (int s = 0; s < 4; ++s) {
           const __m512i v = _mm512_permutexvar_epi16(s ? _mm512_srli_epi16(r, 4 * s) : r,
                                                      kc.table);
-          part[u][s] = _mm512_dpbf16_ps(part[u][s], xv, reinterpret_cast<__m512bh>(v));
+          for (int m = 0; m < R; ++m) {
+            part[m][u][s] = _mm512_dpbf16_ps(part[m][u][s], xv[m],
+                                             reinterpret_cast<__m512bh>(v));
+          }
         }
       }
     }
     const __m512 scale = moe_engine::load_scales16<F>(w.scales, (tile * (K / G) + g) * kTile);
     for (int s = 0; s < 4; ++s) {
-      acc[s] = _mm512_fmadd_ps(_mm512_add_ps(part[0][s], part[1][s]),
-                               _mm512_permutexvar_ps(kc.scale_lanes[s], scale), acc[s]);
+      const __m512 lanes = _mm512_permutexvar_ps(kc.scale_lanes[s], scale);
+      for (int m = 0; m < R; ++m) {
+        acc[m][s] = _mm512_fmadd_ps(_mm512_add_ps(part[m][0][s], part[m][1][s]), lanes,
+                                    acc[m][s]);
+      }
     }
   }
   // lane 4 s + d: the sum over the four k pairs of acc[s]'s dword d, column dot_column(s, d)
-  const __m512 sums = fold_lanes(fold_lanes(acc[0], acc[1]), fold_lanes(acc[2], acc[3]));
-  _mm512_storeu_ps(c, _mm512_permutexvar_ps(kc.columns, sums));
+  for (int m = 0; m < R; ++m) {
+    const __m512 sums = fold_lanes(fold_lanes(acc[m][0], acc[m][1]),
+                                   fold_lanes(acc[m][2], acc[m][3]));
+    _mm512_storeu_ps(c + m * kTile, _mm512_permutexvar_ps(kc.columns, sums));
+  }
+}
+
+// One row: c[0..16) = sum_k x[k] * w[k][0..16) (dot_tile_rows).
+template <Q4 F>
+inline __attribute__((always_inline)) void dot_tile(const uint16_t* x, const Q4Weights<F>& w,
+                                                    int64_t tile, const DotConstants& kc,
+                                                    float* c) {
+  dot_tile_rows<1>(x, 0, w, tile, kc, c);
 }
 
 }  // namespace
