@@ -407,11 +407,13 @@ def test_unbound_quantized_experts_run_torch():
 
 
 @pytest.mark.parametrize("method", ["mxfp4", "int4", "int4-asym"])
-def test_one_bfloat16_token_on_the_bf16_dot_products(method):
-    """A one-token bfloat16 call: where the bf16 kernels run, `weight_args` carries `DOT_FLAG`
-    and the kernel computes the products on VDPBF16PS (exact products, float32 sums, the
-    intermediate rounded once to bfloat16); asymmetric int4 stays on the float32 kernels. Both
-    agree with the float64 reference to bfloat16 rounding, with an expert picked twice too."""
+def test_bfloat16_rows_on_the_bf16_dot_products(method):
+    """bfloat16 calls: where the bf16 kernels run, `weight_args` carries `DOT_FLAG` and the
+    products run on VDPBF16PS (exact products, float32 sums, the intermediate rounded once to
+    bfloat16); asymmetric int4 stays on the float32 kernels. Either agrees with the float64
+    reference to bfloat16 rounding, one token with an expert picked twice too; on the dot
+    products a token's result in a batch (5 tokens; 40, so that an expert gets more rows than a
+    register block) equals its result alone, bit for bit (draft verification relies on it)."""
     from kernels.dense.amx import bf16_backend
     from kernels.moe.native import DOT_FLAG
 
@@ -421,13 +423,21 @@ def test_one_bfloat16_token_on_the_bf16_dot_products(method):
         packed, d13, d2 = _mxfp4(w13, w2)
     else:
         packed, d13, d2 = _int4(w13, w2, 64, symmetric=method == "int4")
-    assert bool(packed.weight_args.format & DOT_FLAG) == (bf16_backend() is not None)
+    dot = bf16_backend() is not None
+    assert bool(packed.weight_args.format & DOT_FLAG) == dot
     b13, b2 = torch.randn(8, 256, generator=g), torch.randn(8, 256, generator=g)
-    for ids in (torch.tensor([[3, 0, 6, 1]]), torch.tensor([[5, 5, 2, -1]])):
-        hidden = torch.randn(1, 256, generator=g).bfloat16()
-        weights = torch.softmax(torch.randn(1, 4, generator=g), -1)
+    for ids in (torch.tensor([[3, 0, 6, 1]]), torch.tensor([[5, 5, 2, -1]]),
+                torch.randint(0, 8, (5, 4), generator=g),
+                torch.randperm(8 * 40, generator=g).view(40, 8)[:, :4] % 8):
+        hidden = torch.randn(len(ids), 256, generator=g).bfloat16()
+        weights = torch.softmax(torch.randn(len(ids), 4, generator=g), -1)
         got = packed(hidden, weights, ids.int(), activation=GPT_OSS, b13=b13, b2=b2)
         assert got.dtype == torch.bfloat16
         want = _reference(hidden, d13, d2, weights, ids, GPT_OSS, b13, b2)
         scale = float(want.abs().max())
         torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=1e-2 * scale)
+        if dot and method != "int4-asym":
+            alone = torch.cat([packed(hidden[i:i + 1], weights[i:i + 1], ids[i:i + 1].int(),
+                                      activation=GPT_OSS, b13=b13, b2=b2)
+                               for i in range(len(ids))])
+            assert torch.equal(got, alone)

@@ -86,12 +86,12 @@ def _decision() -> tuple[str | None, str | None]:
                 logger.info("AMX bf16 kernels on: linear at %d-%d rows, fused MoE at every "
                             "batch size, decode attention's scores (bf16 KV cache, blocks of "
                             "a multiple of 16); 4-bit linears at 1-8 rows and 4-bit experts "
-                            "at one token on VDPBF16PS",
+                            "on VDPBF16PS",
                             LINEAR_MIN_ROWS, LINEAR_MAX_ROWS)
             elif backend == DOT:
                 logger.info("bf16 kernels on AVX512-BF16 (VDPBF16PS; %s): linear at %d-%d "
                             "rows, fused MoE at every batch size, 4-bit linears at 1-8 rows and "
-                            "4-bit experts at one token",
+                            "4-bit experts",
                             reason_no_tiles(), LINEAR_MIN_ROWS, LINEAR_MAX_ROWS)
             else:
                 logger.info("AMX bf16 kernels off: %s", reason)

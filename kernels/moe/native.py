@@ -42,10 +42,11 @@ from quant.packing import pack_nibbles, unpack_nibbles
 
 #: Output columns per packed tile (csrc/moe_cpu.cpp kTile).
 TILE = 16
-#: The 4-bit experts' format bit for VDPBF16PS gate/up products at one bfloat16 token
-#: (csrc/moe_cpu.cpp `kDotFlag`, as the 4-bit linear's: the products exact, float32 sums, in
-#: another order than the float32 kernels'); the kernel ignores it for float32 inputs, more
-#: tokens, zero points, group sizes not a multiple of 16 and the AVX2 build.
+#: The 4-bit experts' format bit for VDPBF16PS products on bfloat16 hidden rows (csrc/moe_cpu.cpp
+#: `kDotFlag`, `RowDot`: products exact, float32 sums, the intermediate rounded once to bfloat16
+#: as the bf16 experts round it, a token's result independent of its batch);
+#: the kernel ignores it for float32 inputs, zero points, group sizes not a multiple of 16 and
+#: the AVX2 build.
 DOT_FLAG = 16
 
 
@@ -457,7 +458,7 @@ class PackedQuantExperts:
     def weight_args(self) -> Q4WeightArgs:
         """The checked pointers and sizes (`q4_weight_args`), the format with `DOT_FLAG` where
         this process's bfloat16 kernels run (`kernels.dense.amx.bf16_backend`, decided and
-        logged once): a one-token bfloat16 call then runs its gate/up products on VDPBF16PS."""
+        logged once): a bfloat16 call's products then run on VDPBF16PS (`DOT_FLAG`)."""
         args = q4_weight_args(self.method, self.w13_codes, self.w13_scales, self.w13_zeros,
                               self.w2_codes, self.w2_scales, self.w2_zeros, self.hidden,
                               self.intermediate, self.group_size)

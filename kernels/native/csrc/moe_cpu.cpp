@@ -62,8 +62,8 @@ using moe_engine::Q4;
 using moe_engine::Q4Weights;
 using moe_engine::to_f32;
 
-// The format bit that asks for the gate/up products of a one-token bfloat16 call on
-// VDPBF16PS (moe_engine_cpu.h; as linear_q4_cpu.cpp's).
+// The format bit that asks for a bfloat16 call's products on VDPBF16PS (moe_engine_cpu.h;
+// RowDot).
 constexpr int32_t kDotFlag = 16;
 
 // Rows per work item: an expert with more rows (a long prefill) is cut into chunks, so a chunk's
@@ -138,19 +138,24 @@ struct TileView {
   }
 };
 
-// The products of a one-token call of 4-bit experts on VDPBF16PS (q4_dot_avx512.h), where the
-// bf16 kernels run (moe_fused_moe_q4's kDotFlag; null elsewhere): gate_up(ctx, gate tile, up
-// tile, g [16], u [16]) over the token's bfloat16 row, down(ctx, x [I] bfloat16, tile, c [16]).
-// The intermediate is rounded once to bfloat16 to be down's row, as amx_moe.cpp rounds it for
-// the bf16 experts (where the float32 kernels keep it float32).
+// The products of 4-bit experts on VDPBF16PS (q4_dot_avx512.h) for bfloat16 hidden rows, where
+// the bf16 kernels run (moe_fused_moe_q4's kDotFlag; null elsewhere): tile(ctx, down, x, ldx,
+// n, tile, c) writes c [n][16] = the n <= kRows bfloat16 rows x (ldx apart) times tile `tile`
+// of w13 (down false) or w2 (down true), two rows sharing each decoded weight. Every row of
+// the call takes it, and its intermediate is rounded once to bfloat16 to be down's rows, as
+// amx_moe.cpp rounds it for the bf16 experts (the float32 kernels keep it float32). A row's
+// sums do not depend on the rows beside it, so a token's result does not depend on its batch
+// (a prefill's long blocks decode each weight once per two rows: about as many operations as
+// the float32 kernels' FMAs on a dequantized tile).
 struct RowDot {
-  void (*gate_up)(const void* ctx, int64_t gate_tile, int64_t up_tile, float* g, float* u);
-  void (*down)(const void* ctx, const uint16_t* x, int64_t tile, float* c);
+  void (*tile)(const void* ctx, bool down, const uint16_t* x, int64_t ldx, int n, int64_t tile,
+               float* c);
   const void* ctx;
 };
 
-// The bfloat16 intermediate of a RowDot call [P, Ip], per calling thread (grow-only).
-thread_local moe_engine::Grown<uint16_t> inter_bf16;
+// The bfloat16 rows and intermediate of a RowDot call ([P, H], [P, Ip]), per calling thread
+// (grow-only).
+thread_local moe_engine::Grown<uint16_t> x_bf16, inter_bf16;
 
 // WS: a weight set with K, rows(tile, a, lda, n, c) and, when quantized, dequantize(tile, out)
 // (DenseWeights, Q4Weights). Tile t of expert e is (e * 2 + 0) * Ip/16 + t (gate) or
@@ -167,24 +172,32 @@ void run_experts(
     float* inter,                   // [P, Ip] scratch
     float* y,                       // [P, Hp] out
     int threads,                    // threads of the pool (thread_pool.h)
-    const RowDot* dot = nullptr) {  // one token's products on VDPBF16PS, or null
+    const RowDot* dot = nullptr) {  // bfloat16 rows' products on VDPBF16PS, or null
   const int64_t E = static_cast<int64_t>(offsets.size()) - 1;
   const int64_t up_tiles = Ip / kTile, h_tiles = Hp / kTile;
   std::vector<Item> items = make_items(offsets, up_tiles);
   // per thread: two dequantized tiles of K = max(H, I), for 4-bit experts with > kRows rows
   const int64_t tile_floats = std::max(H, I) * kTile;
   bool dequantizes = false;
-  for (int64_t e = 0; e < E; ++e) dequantizes |= offsets[e + 1] - offsets[e] > kRows;
+  for (int64_t e = 0; e < E && !dot; ++e) dequantizes |= offsets[e + 1] - offsets[e] > kRows;
   std::unique_ptr<float[]> scratch;
   if (is_quantized<WS>::value && dequantizes) scratch.reset(new float[threads * 2 * tile_floats]);
+  uint16_t* const x16 = dot ? x_bf16.get(offsets[E] * H) : nullptr;
   uint16_t* const inter16 = dot ? inter_bf16.get(offsets[E] * Ip) : nullptr;
+  // the rows, widened from bfloat16 by the gather: exactly their high halves
+  for (int64_t i = 0; dot && i < offsets[E] * H; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + i, sizeof bits);
+    x16[i] = static_cast<uint16_t>(bits >> 16);
+  }
   const int64_t n1 = static_cast<int64_t>(items.size());
   moe_engine::parallel_items(n1, threads, [&](int64_t i, int worker) {
     const int64_t e = items[i].expert, t = items[i].tile, begin = items[i].begin;
     const int64_t end = items[i].end, rows = end - begin;
     float* mine = scratch ? scratch.get() + worker * 2 * tile_floats : nullptr;
-    const TileView<WS> gate(w13, (e * 2 + 0) * up_tiles + t, rows, mine);
-    const TileView<WS> up(w13, (e * 2 + 1) * up_tiles + t, rows, mine + tile_floats);
+    const int64_t dense_rows = dot ? 0 : rows;  // RowDot reads the 4-bit tiles
+    const TileView<WS> gate(w13, (e * 2 + 0) * up_tiles + t, dense_rows, mine);
+    const TileView<WS> up(w13, (e * 2 + 1) * up_tiles + t, dense_rows, mine + tile_floats);
     const int64_t cols = std::min<int64_t>(kTile, I - t * kTile);
     alignas(32) float bg[kTile] = {}, bu[kTile] = {};
     if (b13) {
@@ -197,12 +210,14 @@ void run_experts(
     alignas(32) float u[kRows * kTile];
     for (int64_t r = begin; r < end; r += kRows) {
       const int n = static_cast<int>(std::min<int64_t>(kRows, end - r));
-      if (dot) {  // one token (an expert it picked twice has two rows)
+      if (dot) {
+        dot->tile(dot->ctx, false, x16 + r * H, H, n, gate.tile, g);
+        dot->tile(dot->ctx, false, x16 + r * H, H, n, up.tile, u);
         for (int m = 0; m < n; ++m) {
-          dot->gate_up(dot->ctx, gate.tile, up.tile, g, u);
           uint16_t* out = inter16 + (r + m) * Ip + t * kTile;
           for (int c = 0; c < kTile; ++c) {
-            out[c] = moe_engine::f32_to_bf16(act(g[c] + bg[c], u[c] + bu[c]));
+            out[c] = moe_engine::f32_to_bf16(act(g[m * kTile + c] + bg[c],
+                                                 u[m * kTile + c] + bu[c]));
           }
         }
         continue;
@@ -223,7 +238,7 @@ void run_experts(
     const int64_t e = items[i].expert, t = items[i].tile, begin = items[i].begin;
     const int64_t end = items[i].end, rows = end - begin;
     float* mine = scratch ? scratch.get() + worker * 2 * tile_floats : nullptr;
-    const TileView<WS> down(w2, e * h_tiles + t, rows, mine);
+    const TileView<WS> down(w2, e * h_tiles + t, dot ? 0 : rows, mine);
     const int64_t cols = std::min<int64_t>(kTile, H - t * kTile);
     alignas(32) float bd[kTile] = {};
     if (b2) {
@@ -233,9 +248,7 @@ void run_experts(
     for (int64_t r = begin; r < end; r += kRows) {
       const int n = static_cast<int>(std::min<int64_t>(kRows, end - r));
       if (dot) {
-        for (int m = 0; m < n; ++m) {
-          dot->down(dot->ctx, inter16 + (r + m) * Ip, down.tile, c + m * kTile);
-        }
+        dot->tile(dot->ctx, true, inter16 + r * Ip, Ip, n, down.tile, c);
       } else {
         down.rows(inter + r * Ip, Ip, n, c);
       }
@@ -362,36 +375,32 @@ int32_t route_run_combine_any(const void* hidden, int32_t hidden_bf16, int64_t T
 
 namespace {
 
-// What RowDot's functions read: the token's bfloat16 row, the weights, the lookup tables
-// (the same for w13 and w2: they depend on the format only).
+// What RowDot's function reads: the weights and the lookup tables (the same for w13 and w2:
+// they depend on the format only).
 template <Q4 F>
-struct DotRow {
-  const uint16_t* x;  // [H]
+struct DotWeights {
   const Q4Weights<F>* w13;
   const Q4Weights<F>* w2;
   DotConstants kc;
 };
 
 template <Q4 F>
-__attribute__((noinline)) void dot_row_init(DotRow<F>* d, const uint16_t* x,
-                                            const Q4Weights<F>* w13, const Q4Weights<F>* w2) {
-  d->x = x;
+__attribute__((noinline)) void dot_weights_init(DotWeights<F>* d, const Q4Weights<F>* w13,
+                                                const Q4Weights<F>* w2) {
   d->w13 = w13;
   d->w2 = w2;
   d->kc = dot_constants(*w13);
 }
 
+// RowDot's function: the rows two at a time (dot_tile_rows), a last odd one alone.
 template <Q4 F>
-void dot_gate_up(const void* ctx, int64_t gate_tile, int64_t up_tile, float* g, float* u) {
-  const auto& d = *static_cast<const DotRow<F>*>(ctx);
-  dot_tile(d.x, *d.w13, gate_tile, d.kc, g);
-  dot_tile(d.x, *d.w13, up_tile, d.kc, u);
-}
-
-template <Q4 F>
-void dot_down(const void* ctx, const uint16_t* x, int64_t tile, float* c) {
-  const auto& d = *static_cast<const DotRow<F>*>(ctx);
-  dot_tile(x, *d.w2, tile, d.kc, c);
+void dot_expert_tile(const void* ctx, bool down, const uint16_t* x, int64_t ldx, int n,
+                     int64_t tile, float* c) {
+  const auto& d = *static_cast<const DotWeights<F>*>(ctx);
+  const Q4Weights<F>& w = down ? *d.w2 : *d.w13;
+  int m = 0;
+  for (; m + 2 <= n; m += 2) dot_tile_rows<2>(x + m * ldx, ldx, w, tile, d.kc, c + m * kTile);
+  if (m < n) dot_tile(x + m * ldx, w, tile, d.kc, c + m * kTile);
 }
 
 }  // namespace
@@ -433,7 +442,7 @@ int32_t moe_fused_moe_q4(const void* hidden, int32_t hidden_bf16, int64_t T, int
                          int32_t threads) {
   const Activation act{clamped != 0, has_limit != 0, alpha, limit};
   const bool dot = (format & kDotFlag) && MOE_ENGINE_VECTOR_BITS == 512 && hidden_bf16 &&
-                   T == 1 && G % 16 == 0 && zeros13 == nullptr && zeros2 == nullptr;
+                   G % 16 == 0 && zeros13 == nullptr && zeros2 == nullptr;
   format &= ~kDotFlag;
   auto run = [&](const float* x, const std::vector<int64_t>& offsets, float* inter, float* y) {
     auto with = [&](auto format_tag) {
@@ -442,9 +451,9 @@ int32_t moe_fused_moe_q4(const void* hidden, int32_t hidden_bf16, int64_t T, int
       const Q4Weights<F> w2{codes2, scales2, F == Q4::kMxfp4 ? nullptr : zeros2, I, G};
 #if MOE_ENGINE_VECTOR_BITS == 512
       if (dot) {
-        DotRow<F> row;
-        dot_row_init(&row, static_cast<const uint16_t*>(hidden), &w13, &w2);
-        const RowDot products{dot_gate_up<F>, dot_down<F>, &row};
+        DotWeights<F> weights;
+        dot_weights_init(&weights, &w13, &w2);
+        const RowDot products{dot_expert_tile<F>, &weights};
         return run_experts(x, w13, w2, b13, b2, offsets, H, I, Ip, Hp, act, inter, y, threads,
                            &products);
       }

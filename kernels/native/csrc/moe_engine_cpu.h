@@ -47,9 +47,9 @@ MOE_ENGINE_API int32_t moe_fused_moe(const void* hidden, int32_t hidden_bf16, in
 // uint8; scales13 [E, 2, Ip/16, H/G, 16], scales2 [E, Hp/16, I/G, 16]: uint8 E8M0 (format 0,
 // MXFP4, G = 32) or int4 scales as float32 (format 1), bfloat16 (format 2) or float16 (format
 // 3); zeros13 / zeros2 uint8 like the scales (int4 asymmetric) or null (zero point 8). The rest
-// as moe_fused_moe. format | 16: a one-token bfloat16 call (T = 1, hidden_bf16) with G % 16 == 0
-// and no zero points runs its gate/up products on VDPBF16PS (as moe_linear_q4's; call it so only
-// where moe_bf16_dot_available() said yes; ignored otherwise and in the AVX2 build).
+// as moe_fused_moe. format | 16: a bfloat16 call (hidden_bf16) with G % 16 == 0 and no zero
+// points runs its products on VDPBF16PS (moe_cpu.cpp RowDot; call it so only where
+// moe_bf16_dot_available() said yes; ignored otherwise and in the AVX2 build).
 MOE_ENGINE_API int32_t moe_fused_moe_q4(
     const void* hidden, int32_t hidden_bf16, int64_t T, int64_t H, const uint8_t* codes13,
     const void* scales13, const uint8_t* zeros13, const uint8_t* codes2, const void* scales2,
