@@ -11,7 +11,8 @@ token). This measures, in one process and one sitting:
   or AVX512-BF16, `kernels.dense.amx.bf16_backend`), the 4-bit linear (`PackedQuantLinear`,
   bfloat16 inputs as a bf16 model gives them: MXFP4 for gpt-oss-20b, int4 group 128 with
   bfloat16 scales for Qwen3-30B-A3B), and the 4-bit fused MoE (`PackedQuantExperts`, MXFP4,
-  32 experts, top-4, hidden = intermediate = 2880, gpt-oss's clamped SwiGLU) at 1 token;
+  32 experts, top-4, hidden = intermediate = 2880, gpt-oss's clamped SwiGLU) at 1 token
+  (`--expert-tokens`: others, e.g. a prefill's 256);
   shapes: gpt-oss-20b qkv [5120, 2880], o [2880, 4096], LM head [201088, 2880];
   Qwen3-30B-A3B qkv [5120, 2048], o [2048, 4096], LM head [151936, 2048].
 
@@ -150,25 +151,29 @@ def linear_cases(model: str, layer: str, n: int, k: int, rows: list[int], footpr
     gc.collect()
 
 
-def expert_case(gen: torch.Generator) -> Iterator[Case]:
-    """gpt-oss-20b's MXFP4 experts at 1 token, routed at random each call (the bytes are those
-    of the `TOP_K` distinct experts picked)."""
+def expert_case(tokens: list[int], gen: torch.Generator) -> Iterator[Case]:
+    """gpt-oss-20b's MXFP4 experts at each of `tokens`, routed at random each call (the bytes
+    are those of the distinct experts picked)."""
     experts = _experts(gen)
     # a baseline library from before `DOT_FLAG` reads the flagged format as another one
     flagless = dataclasses.replace(experts)
     flagless.__dict__["weight_args"] = experts.weight_args._replace(
         format=experts.weight_args.format & ~DOT_FLAG)
-    x = _bf16(1, HIDDEN, gen=gen)
     per_expert = experts.nbytes // EXPERTS
+    for t in tokens:
+        x = _bf16(t, HIDDEN, gen=gen)
+        routes = [torch.rand(t, EXPERTS, generator=gen).argsort(-1)[:, :TOP_K].to(torch.int32)
+                  for _ in range(8)]
+        used = statistics.mean(len(torch.unique(r)) for r in routes)
 
-    def calls(obj: PackedQuantExperts) -> Iterator[Callable[[], object]]:
-        while True:
-            ids = torch.randperm(EXPERTS, generator=gen)[:TOP_K].to(torch.int32).view(1, -1)
-            weights = torch.softmax(torch.rand(1, TOP_K, generator=gen), -1)
-            yield lambda ids=ids, w=weights: obj(x, w, ids, activation=GPT_OSS_SWIGLU)
+        def calls(obj: PackedQuantExperts, x: torch.Tensor = x,
+                  routes: list[torch.Tensor] = routes) -> Iterator[Callable[[], object]]:
+            for ids in _rotate(routes):
+                weights = torch.softmax(torch.rand(len(ids), TOP_K, generator=gen), -1)
+                yield lambda ids=ids, w=weights: obj(x, w, ids, activation=GPT_OSS_SWIGLU)
 
-    yield Case("gpt-oss-20b experts mxfp4", 1, per_expert * TOP_K, calls(experts),
-               calls(flagless))
+        yield Case("gpt-oss-20b experts mxfp4", t, int(per_expert * used), calls(experts),
+                   calls(flagless))
 
 
 def stream_gbs(buf: torch.Tensor) -> float:
@@ -210,7 +215,7 @@ def all_cases(args: argparse.Namespace, gen: torch.Generator) -> Iterator[Case]:
         if any(s in f"{model} {layer}" for s in args.only):
             yield from linear_cases(model, layer, n, k, args.rows, args.footprint_mb, gen)
     if any(s in "gpt-oss-20b experts" for s in args.only):
-        yield from expert_case(gen)
+        yield from expert_case(args.expert_tokens, gen)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -259,6 +264,8 @@ def print_table(result: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--expert-tokens", type=int, nargs="+", default=[1],
+                   help="tokens per call of the experts' case")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5, help="batches per case (median)")
     p.add_argument("--batch-s", type=float, default=0.15, help="seconds per batch")
