@@ -23,7 +23,9 @@ rotated call by call (the 32 MiB L3 does not serve them); the experts are routed
 call. Times: per case, `--repeats` batches (each about `--batch-s` seconds), the median batch's
 mean per call. `--baseline PATH` loads another build of the native library (the
 `_moe_engine_cpu*.so` of a `$MOE_ENGINE_CACHE/native/moe_engine_cpu_*` directory, e.g. built
-from main) and alternates it with this checkout's batch by batch (before/after in one sitting).
+from main) and alternates it with this checkout's batch by batch (before/after in one sitting;
+the experts' format is given to it without `DOT_FLAG`, unknown before, unless
+`--baseline-dot`).
 The load average is printed at the start and the end: the machine is shared, so the numbers
 are noisy; compare only rows of one run.
 
@@ -151,7 +153,8 @@ def linear_cases(model: str, layer: str, n: int, k: int, rows: list[int], footpr
     gc.collect()
 
 
-def expert_case(tokens: list[int], gen: torch.Generator) -> Iterator[Case]:
+def expert_case(tokens: list[int], gen: torch.Generator, baseline_dot: bool
+                ) -> Iterator[Case]:
     """gpt-oss-20b's MXFP4 experts at each of `tokens`, routed at random each call (the bytes
     are those of the distinct experts picked)."""
     experts = _experts(gen)
@@ -173,7 +176,7 @@ def expert_case(tokens: list[int], gen: torch.Generator) -> Iterator[Case]:
                 yield lambda ids=ids, w=weights: obj(x, w, ids, activation=GPT_OSS_SWIGLU)
 
         yield Case("gpt-oss-20b experts mxfp4", t, int(per_expert * used), calls(experts),
-                   calls(flagless))
+                   None if baseline_dot else calls(flagless))
 
 
 def stream_gbs(buf: torch.Tensor) -> float:
@@ -215,7 +218,7 @@ def all_cases(args: argparse.Namespace, gen: torch.Generator) -> Iterator[Case]:
         if any(s in f"{model} {layer}" for s in args.only):
             yield from linear_cases(model, layer, n, k, args.rows, args.footprint_mb, gen)
     if any(s in "gpt-oss-20b experts" for s in args.only):
-        yield from expert_case(args.expert_tokens, gen)
+        yield from expert_case(args.expert_tokens, gen, args.baseline_dot)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -275,6 +278,8 @@ def main() -> None:
     p.add_argument("--only", nargs="+", default=[""],
                    help="cases whose 'model layer' contains one of these")
     p.add_argument("--baseline", help="another build's _moe_engine_cpu*.so, alternated")
+    p.add_argument("--baseline-dot", action="store_true",
+                   help="the baseline library takes the experts' DOT_FLAG (built after it)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     result = run(args)
