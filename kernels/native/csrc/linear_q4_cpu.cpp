@@ -37,12 +37,14 @@ using moe_engine::kTile;
 using moe_engine::Q4;
 using moe_engine::Q4Weights;
 
-// The format bit that asks for the VDPBF16PS kernel at one bfloat16 row (moe_engine_cpu.h).
+// The format bit that asks for the VDPBF16PS kernel at up to kDotMaxRows bfloat16 rows
+// (moe_engine_cpu.h).
 constexpr int32_t kDotFlag = 16;
 constexpr int64_t kChunk = 96;  // rows per work item (a multiple of kRows)
 // Bfloat16 batches of up to this many rows run the VDPBF16PS kernel (with kDotFlag): its 4-bit
-// decode is shared by two rows, and 8 rows measured 2-5x faster than the float32 kernels
-// (bench/NOTES.md section 25).
+// decode is shared by two rows; 2-8 rows measured 1.1-1.9x faster than the float32 kernels at
+// gpt-oss-20b's and Qwen3-30B-A3B's shapes (bench/NOTES.md section 26). Beyond, the float32
+// kernels' dequantized tile serves more rows per decode.
 constexpr int64_t kDotMaxRows = 8;
 // Products reading fewer code bytes than this run on the calling thread alone.
 constexpr int64_t kMinParallelBytes = 32 * 1024;
