@@ -43,7 +43,7 @@ constexpr int32_t kDotFlag = 16;
 constexpr int64_t kChunk = 96;  // rows per work item (a multiple of kRows)
 // Bfloat16 batches of up to this many rows run the VDPBF16PS kernel (with kDotFlag): its 4-bit
 // decode is shared by two rows; 2-8 rows measured 1.1-1.9x faster than the float32 kernels at
-// gpt-oss-20b's and Qwen3-30B-A3B's shapes (bench/NOTES.md section 26). Beyond, the float32
+// gpt-oss-20b's and Qwen3-30B-A3B's shapes (bench/NOTES.md section 27). Beyond, the float32
 // kernels' dequantized tile serves more rows per decode.
 constexpr int64_t kDotMaxRows = 8;
 // Products reading fewer code bytes than this run on the calling thread alone.
