@@ -54,10 +54,11 @@ int32_t moe_bf16_dot_available(void) { return has_avx512_bf16() ? 0 : 1; }
 namespace {
 
 constexpr int kMaxRows = 6;  // rows per register block (x 4 column tiles: 24 accumulators)
-// Bytes ahead of each tile's stream that a block prefetches (one cache line per k pair and
-// tile): decode batches stream every expert's weights from DRAM, and the hardware
-// prefetchers stop at 4 KiB pages (gemm_common.h kPrefetchBytes).
-constexpr int64_t kPrefetch = 4096;
+// No software prefetch: the hardware prefetchers alone fetch the n tile streams faster. A
+// prefetch 4 KiB ahead of each stream (a cache line per k pair and tile) measured 4-11% slower
+// at one and four rows on gpt-oss-20b's and Qwen3-30B-A3B's projections and LM heads, and 6-9%
+// slower on Qwen3-30B-A3B-shaped bf16 experts (bench/NOTES.md section 27), as on the tiles
+// (amx_gemm.h block_1xn).
 
 // c[m][j * 16 + col] (ldc floats per row) = sum over K of row m of a times tile j, for
 // m < R, j < N; rows[m] is row m's first value.
@@ -72,7 +73,6 @@ inline __attribute__((always_inline)) void dot_block(const uint16_t* const* rows
   for (int64_t p = 0; p < K / 2; ++p) {
     __m512bh w[N];
     for (int j = 0; j < N; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(b[j] + p * 32) + kPrefetch, _MM_HINT_T0);
       w[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b[j] + p * 32));
     }
     for (int m = 0; m < R; ++m) {
