@@ -56,9 +56,9 @@ namespace {
 constexpr int kMaxRows = 6;  // rows per register block (x 4 column tiles: 24 accumulators)
 // No software prefetch: the hardware prefetchers alone fetch the n tile streams faster. A
 // prefetch 4 KiB ahead of each stream (a cache line per k pair and tile) measured 4-11% slower
-// at one and four rows on gpt-oss-20b's and Qwen3-30B-A3B's projections and LM heads, and 6-9%
-// slower on Qwen3-30B-A3B-shaped bf16 experts (bench/NOTES.md section 27), as on the tiles
-// (amx_gemm.h block_1xn).
+// at one and four rows on gpt-oss-20b's and Qwen3-30B-A3B's projections and LM heads, 6-9% on
+// Qwen3-30B-A3B-shaped bf16 experts, and 2-11% on the bench model's linears and experts at 1-64
+// rows (bench/NOTES.md section 27), as on the tiles (amx_gemm.h block_1xn).
 
 // c[m][j * 16 + col] (ldc floats per row) = sum over K of row m of a times tile j, for
 // m < R, j < N; rows[m] is row m's first value.
