@@ -50,11 +50,14 @@ logger = logging.getLogger("bench.peer_runner")
 def peer_environ(**extra: str) -> dict[str, str]:
     """This process's environment for a peer's runner, plus `extra`, without what moe-engine set
     for its own kernels: OMP_WAIT_POLICY when `import moe_engine` (or bench/throughput.py) chose
-    it, which MOE_ENGINE_OMP_WAIT_POLICY_DEFAULT marks. A peer runs with the settings its row
-    names (Intel's OpenMP, which vLLM's best row preloads, reads the variable too)."""
+    it, which MOE_ENGINE_OMP_WAIT_POLICY_DEFAULT marks, and torch's THP_MEM_ALLOC_ENABLE when
+    it chose that (MOE_ENGINE_THP_DEFAULT). A peer runs with the settings its row names
+    (Intel's OpenMP, which vLLM's best row preloads, reads the variable too)."""
     env = dict(os.environ)
     if env.pop("MOE_ENGINE_OMP_WAIT_POLICY_DEFAULT", None):
         env.pop("OMP_WAIT_POLICY", None)
+    if env.pop("MOE_ENGINE_THP_DEFAULT", None):
+        env.pop("THP_MEM_ALLOC_ENABLE", None)
     env.update(extra)
     return env
 
