@@ -133,7 +133,10 @@ def llamacpp_launches(ctx: PeerContext) -> list[PeerLaunch]:
     parsed = {(t, c): parse_config(f"{DEFAULT_CONFIG},{c}", t) for c in configs for t in types}
     root = Path(args.llamacpp_dir)
     python = ensure_llamacpp(root)
-    ggufs = ensure_ggufs(ctx.ckpt, root, types)
+    # bench/real_scale.py's own options: quantize from bf16, GGUFs beside its checkpoints
+    extra = {k: v for k, v in (("quant_base", getattr(args, "llamacpp_quant_base", None)),
+                               ("out", getattr(args, "llamacpp_gguf_dir", None))) if v}
+    ggufs = ensure_ggufs(ctx.ckpt, root, types, **extra)
     lib_dir = root / "build" / "bin"
     launches = []
     for i, config in enumerate(configs):

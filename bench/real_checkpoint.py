@@ -214,6 +214,26 @@ def write_shard(path: Path, specs: list[TensorSpec], seed: int) -> None:
                 f.write(chunk.view(torch.uint8).numpy().data)
 
 
+def write_checkpoint(config: dict, dest: Path, seed: int = 0,
+                     shard_bytes: int = DEFAULT_SHARD_BYTES, log=print) -> None:
+    """Write `config`'s random checkpoint into the existing folder `dest`: the shards, the
+    index and config.json (see the module docstring)."""
+    specs = tensor_specs(config)
+    shards = plan_shards(specs, shard_bytes)
+    weight_map = {}
+    for k, group in enumerate(shards, 1):
+        name = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        log(f"[real_checkpoint] {dest.name}: writing {name} "
+            f"({sum(s.nbytes for s in group) / 2**30:.2f} GiB, {len(group)} tensors)")
+        write_shard(dest / name, group, seed)
+        weight_map.update({s.name: name for s in group})
+    total = sum(s.nbytes for s in specs)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (dest / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"},
+                                                 indent=2))
+
+
 def checkpoint_dir(workdir: Path, stem: str, config: dict, seed: int) -> Path:
     """`workdir/<stem>-L<layers>-V<vocab>-<12 hex>`: the hash covers the config, the seed and
     MAKER_VERSION."""
@@ -235,8 +255,7 @@ def ensure_checkpoint(workdir: Path, stem: str, layers: int | None = None,
     final = checkpoint_dir(workdir, stem, config, seed)
     if (final / "model.safetensors.index.json").is_file():
         return final
-    specs = tensor_specs(config)
-    total = sum(s.nbytes for s in specs)
+    total = sum(s.nbytes for s in tensor_specs(config))
     workdir.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(workdir).free
     if free < total + 25 * 10**9:
@@ -244,18 +263,7 @@ def ensure_checkpoint(workdir: Path, stem: str, layers: int | None = None,
                       f"{total / 1e9:.1f} GB and 25 GB are kept free")
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=workdir))
     try:
-        shards = plan_shards(specs, shard_bytes)
-        weight_map = {}
-        for k, group in enumerate(shards, 1):
-            name = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-            log(f"[real_checkpoint] {final.name}: writing {name} "
-                f"({sum(s.nbytes for s in group) / 2**30:.2f} GiB, {len(group)} tensors)")
-            write_shard(tmp / name, group, seed)
-            weight_map.update({s.name: name for s in group})
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        (tmp / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"},
-                                                    indent=2))
+        write_checkpoint(config, tmp, seed, shard_bytes, log)
         try:
             os.rename(tmp, final)
         except OSError:
