@@ -187,26 +187,82 @@ def test_report_figures(rc: ModuleType) -> None:
     assert "read_gbps" not in rows["llama.cpp-bf16"]
 
 
-@pytest.mark.skipif(not (LLAMACPP_ROOT / "venv" / "bin" / "python").is_file(),
-                    reason="no llama.cpp build: run bench/setup_llamacpp.sh")
-def test_llamacpp_converts_the_mxfp4_experts_as_they_are(rc: ModuleType, rb: ModuleType,
-                                                        gpt_oss_dir: Path,
-                                                        tmp_path: Path) -> None:
-    """llama.cpp's converter keeps the MXFP4 experts (17 bytes per 32 weights, the checkpoint's
-    bytes) and pads the throwaway tokenizer to the config's vocabulary."""
+needs_llamacpp = pytest.mark.skipif(
+    not (LLAMACPP_ROOT / "venv" / "bin" / "python").is_file(),
+    reason="no llama.cpp build: run bench/setup_llamacpp.sh")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(gpt_oss_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shrunk gpt-oss checkpoint through llama.cpp's converter (bf16, experts MXFP4)."""
     import llamacpp_gguf
 
-    out = llamacpp_gguf.ensure_ggufs(gpt_oss_dir, LLAMACPP_ROOT, ["bf16"], "bf16", tmp_path)
+    out = tmp_path_factory.mktemp("real_gguf")
+    return llamacpp_gguf.ensure_ggufs(gpt_oss_dir, LLAMACPP_ROOT, ["bf16"], "bf16", out)["bf16"]
+
+
+@pytest.mark.slow  # llama.cpp's converter on the shrunk checkpoint (~20 s on 2 busy cores)
+@needs_llamacpp
+def test_llamacpp_converts_the_mxfp4_experts_as_they_are(rb: ModuleType, gpt_oss_dir: Path,
+                                                        tiny_gguf: Path) -> None:
+    """llama.cpp's converter keeps the MXFP4 experts (17 bytes per 32 weights, the checkpoint's
+    bytes) and pads the throwaway tokenizer to the config's vocabulary."""
     import sys
-    sys.path.insert(0, str(llamacpp_gguf.llama_cpp_src(LLAMACPP_ROOT) / "gguf-py"))
+
+    import llamacpp_gguf
+
+    gguf_py = llamacpp_gguf.llama_cpp_src(LLAMACPP_ROOT) / "gguf-py"
+    sys.path.insert(0, str(gguf_py))
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(out["bf16"]))
-    t = {x.name: x for x in reader.tensors}
+    t = {x.name: x for x in GGUFReader(str(tiny_gguf)).tensors}
     assert t["blk.0.ffn_down_exps.weight"].tensor_type.name == "MXFP4"
     assert int(t["blk.0.ffn_down_exps.weight"].n_bytes) == 4 * 64 * 64 * 17 // 32
     assert int(t["token_embd.weight"].shape[-1]) == 512
-    got = rb.gguf_bytes_per_token(out["bf16"], llamacpp_gguf.llama_cpp_src(LLAMACPP_ROOT)
-                                  / "gguf-py")
+    got = rb.gguf_bytes_per_token(tiny_gguf, gguf_py)
     ours = rb.checkpoint_bytes_per_token(gpt_oss_dir)
     assert got["lm_head"] == ours["lm_head"]  # bf16 both
+
+
+@pytest.mark.slow
+@needs_llamacpp
+def test_runner_batch1_length_and_first_token_logprobs(gpt_oss_dir: Path, tiny_gguf: Path,
+                                                      tmp_path: Path) -> None:
+    """bench/llamacpp_runner.py's batch-1 `output_len` and `logprobs` command: the log-softmax
+    at given ids matches transformers' float32 one on the same weights."""
+    import os
+
+    import llamacpp_peer
+    import peer_runner
+    import real_agreement
+    import workload
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    prompts = real_agreement.prompts_for(512, 2, 12)
+    requests = [workload.BenchRequest(p, 6) for p in prompts]
+    path = workload.write_requests_file(requests)
+    flags, env = llamacpp_peer.parse_config(llamacpp_peer.DEFAULT_CONFIG + ",threads=1", "bf16")
+    lib = LLAMACPP_ROOT / "build" / "bin"
+    launch = peer_runner.PeerLaunch(
+        "llama.cpp-bf16", [str(LLAMACPP_ROOT / "venv" / "bin" / "python"),
+                           str(BENCH / "llamacpp_runner.py"), "--model", str(tiny_gguf),
+                           "--requests", str(path), "--lib-dir", str(lib), *flags],
+        peer_runner.peer_environ(LLAMA_CPP_LIB_PATH=str(lib), **env), "bf16")
+    runner = peer_runner.PeerRunner(launch, requests)
+    try:
+        assert runner.run("batch1", output_len=3).output_tokens == 2 * 3
+        assert runner.run("batch1").output_tokens == 2 * 6
+        ids = [[0, 7, 300], [5, 511]]
+        got = runner.request({"cmd": "logprobs", "prompts": prompts, "token_ids": ids},
+                             "logprobs")
+    finally:
+        runner.close()
+        os.unlink(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gpt_oss_dir), dtype=torch.float32,
+        quantization_config=Mxfp4Config(dequantize=True)).eval()
+    with torch.inference_mode():
+        for p, t, lps, top in zip(prompts, ids, got["logprobs"], got["argmax"], strict=True):
+            ref = torch.log_softmax(model(torch.tensor([p])).logits[0, -1].double(), -1)
+            assert top == int(ref.argmax())
+            assert torch.allclose(torch.tensor(lps, dtype=torch.float64), ref[t], atol=0.05)
