@@ -66,8 +66,10 @@ def table(result: dict) -> str:
 def render(result: dict) -> str:
     """The whole printed report."""
     load = result["load_average"]
-    out = [f"{result['checkpoint']} ({result['date']}); median of {result['runs']} runs after "
-           f"{result['warmup']} warm-up, rows alternating; batch 1: {result['batch1']['requests']}"
+    resident = ("all rows up at once, after " + f"{result['warmup']} warm-up rounds"
+                if result.get("resident") == "all" else "each row restarted every round")
+    out = [f"{result['checkpoint']} ({result['date']}); median of {result['runs']} runs, rows "
+           f"alternating, {resident}; batch 1: {result['batch1']['requests']}"
            f" x (32 -> {result['batch1']['output_len']}) one at a time; batched: "
            f"{result['batched']['requests']} x (32 -> {result['batched']['output_len']}); load "
            f"average {load['start'][0]:.2f} at start, {load['end'][0]:.2f} at end",
@@ -80,6 +82,7 @@ def render(result: dict) -> str:
     for name, row in result["rows"].items():
         runs = "; ".join(f"{m} {row[m]['runs_s']} s" for m in MODES if row.get(m, {}).get(
             "runs_s"))
+        runs += f"; load {row.get('load_runs_s')} s"
         out.append(f"  {name}: {runs}  {json.dumps(row.get('info', {}))}")
     for pair, gap in result["logprob_gap"].items():
         out.append(f"  first-token logprob gap {pair}: max {gap['max_abs']}, mean "

@@ -11,12 +11,16 @@ Steps (everything under `--workdir`, default /work/realscale, reused by later ru
      `WORKDIR/gguf/<checkpoint>/`. llama.cpp is built first if missing (bench/setup_llamacpp.sh);
   3. a streaming-read microbenchmark (`torch.sum` over a `--stream-gib` float32 tensor, 2
      threads, median of 7) before the rows load and after they close (bench/real_bytes.py);
-  4. the rows, each its own process, loaded one after another (load = process start to ready):
+  4. the rows, each its own process (load = process start to ready), all up at once
+     (`--resident all`) or, at real size where two do not fit in memory (`one`, what `auto`
+     picks when the checkpoint is over a quarter of the RAM), one at a time: every round
+     starts each row in turn, warms it up (8 x 4 tokens, untimed), runs it, stops it:
      moe-engine as a user runs it, `moe-serve --model DIR` plus the row's flags and
      `--serve-args`, driven over gRPC (bench/served_engine.py); llama.cpp through
      bench/llamacpp_runner.py (bench/peer_runner.py), with its default OpenMP wait policy (NOT
      OMP_WAIT_POLICY=PASSIVE, which slows it up to 7x);
-  5. `--warmup` + `--runs` rounds, every row and mode once per round (bench/measure.py):
+  5. `--runs` rounds (after `--warmup` untimed ones when all are up), every row and mode once
+     per round (bench/measure.py):
      `batch1`: the first 8 requests one at a time, 32-token prompt, `--batch1-len` (64) tokens
      each; `batched`: 16 requests of 32-token prompts x `--batched-len` (128) tokens at once;
      medians of tok/s;
@@ -54,9 +58,11 @@ import json  # noqa: E402
 import logging  # noqa: E402
 import random  # noqa: E402
 import shlex  # noqa: E402
+import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -64,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_report  # noqa: E402
 from llamacpp_gguf import DEFAULT_ROOT, llama_cpp_src  # noqa: E402
 from llamacpp_peer import ensure_llamacpp, llamacpp_launches  # noqa: E402
-from measure import greedy_agreement, measure_alternating  # noqa: E402
+from measure import measure_alternating  # noqa: E402
 from peer_runner import PeerContext, PeerRunner  # noqa: E402
 from real_bytes import (  # noqa: E402
     checkpoint_bytes_per_token,
@@ -148,12 +154,10 @@ def workload(vocab: int, n: int = 16, prompt_len: int = 32, output_len: int = 12
             for _ in range(n)]
 
 
-def load_rows(ckpt: Path, requests: list[BenchRequest], requests_path: Path,
-              args: argparse.Namespace) -> tuple[dict, dict]:
-    """Start every row (engine rows first), timing each from process start to ready.
-    Returns (rows by name, {name: {"load_s", "error"?}})."""
+def row_makers(ckpt: Path, requests: list[BenchRequest], requests_path: Path,
+               args: argparse.Namespace) -> list[tuple[str, Callable[[], FixedBatch1]]]:
+    """(name, start the row's process and wait until ready) of every row, engine rows first."""
     model = MODELS[args.model]
-    rows, info = {}, {}
     makers = []
     for name, (flags, _, _) in model["engine_rows"].items():
         if args.engines and name not in args.engines:
@@ -165,40 +169,75 @@ def load_rows(ckpt: Path, requests: list[BenchRequest], requests_path: Path,
     for launch in llamacpp_launches(ctx):
         if not args.engines or launch.name in args.engines:
             makers.append((launch.name, lambda launch=launch: PeerRunner(launch, requests)))
-    for name, make in makers:
-        t0 = time.perf_counter()
-        try:
-            rows[name] = FixedBatch1(make(), args.batch1_len)
-            info[name] = {"load_s": round(time.perf_counter() - t0, 1)}
-            logger.info("%s ready in %.1f s", name, info[name]["load_s"])
-        except (Exception, SystemExit) as exc:
-            logger.exception("%s failed to load", name)
-            info[name] = {"error": f"{type(exc).__name__}: {exc}"}
-    return rows, info
+    return [(name, lambda make=make: FixedBatch1(make(), args.batch1_len))
+            for name, make in makers]
 
 
-def logprob_gaps(rows: dict, prompts: list[list[int]]) -> dict:
-    """Every engine row's top-LOGPROB_TOP first-token logprobs against each llama.cpp row's
-    log-softmax at the same ids: {"<engine> vs <llama>": {"max_abs", "mean_abs",
-    "argmax_agree"}}."""
-    out = {}
-    engines = {n: r.row for n, r in rows.items() if isinstance(r.row, ServedRow)}
+def start(name: str, make: Callable[[], FixedBatch1], info: dict) -> FixedBatch1 | None:
+    """Start one row, appending its seconds from process start to ready to
+    `info["load_runs_s"]` (or setting `info["error"]`); None when it failed."""
+    t0 = time.perf_counter()
+    try:
+        row = make()
+    except (Exception, SystemExit) as exc:
+        logger.exception("%s failed to load", name)
+        info["error"] = f"{type(exc).__name__}: {exc}"
+        return None
+    info.setdefault("load_runs_s", []).append(round(time.perf_counter() - t0, 1))
+    logger.info("%s ready in %.1f s", name, info["load_runs_s"][-1])
+    return row
+
+
+def observe(rows: dict[str, FixedBatch1], info: dict, prompts: list[list[int]],
+            tops: dict, gaps: dict) -> None:
+    """While `rows` are up: each one's peak RSS so far (the largest over its starts) and
+    compute_dtype / info, and the logprob gaps (`logprob_gaps`) of what is new."""
+    for name, row in rows.items():
+        rss = tree_peak_rss(row.pid)
+        old = info[name].get("peak_rss", {"max_gib": 0, "sum_gib": 0})
+        info[name]["peak_rss"] = {k: max(old[k], rss[k]) for k in rss}
+        info[name]["compute_dtype"], info[name]["info"] = row.compute_dtype, row.info
+    logprob_gaps(rows, prompts, tops, gaps)
+
+
+def add_runs(info: dict, results: dict) -> None:
+    """Fold one `measure_alternating` result of a row into its info: every run's seconds and
+    rate kept, the figure the median rate so far."""
+    for mode, res in results.items():
+        if "error" in res:
+            info[mode] = res
+            continue
+        cur = info.setdefault(mode, {"runs_s": [], "rates": []})
+        cur["runs_s"] += res["runs_s"]
+        cur["rates"] += [round(res["output_tokens"] / s, 3) for s in res["runs_s"]]
+        cur["output_tokens"] = res["output_tokens"]
+        cur["output_tokens_per_s"] = round(statistics.median(cur["rates"]), 2)
+
+
+def logprob_gaps(rows: dict, prompts: list[list[int]], tops: dict, gaps: dict) -> None:
+    """Every engine row's top-LOGPROB_TOP first-token logprobs (kept in `tops` by row name,
+    asked once) against each llama.cpp row's log-softmax at the same ids, for the pairs not in
+    `gaps` yet: `gaps["<engine> vs <llama>"] = {"max_abs", "mean_abs", "argmax_agree"}`.
+    Engine rows must be up before (or with) the llama.cpp rows."""
+    for name, row in rows.items():
+        if isinstance(row.row, ServedRow) and name not in tops:
+            tops[name] = row.row.first_logprobs(prompts, LOGPROB_TOP)
     peers = {n: r.row for n, r in rows.items() if isinstance(r.row, PeerRunner)}
-    for en, erow in engines.items():
-        ours = erow.first_logprobs(prompts, LOGPROB_TOP)
+    for en, ours in tops.items():
         ids = [list(d) for d in ours]
         for pn, prow in peers.items():
+            if f"{en} vs {pn}" in gaps:
+                continue
             got = prow.request({"cmd": "logprobs", "prompts": prompts, "token_ids": ids},
                                "logprobs")
-            gaps = [abs(d[t] - lp) for d, t_ids, lps in zip(ours, ids, got["logprobs"],
+            diff = [abs(d[t] - lp) for d, t_ids, lps in zip(ours, ids, got["logprobs"],
                                                               strict=True)
                     for t, lp in zip(t_ids, lps, strict=True)]
             agree = sum(max(d, key=d.__getitem__) == a
                         for d, a in zip(ours, got["argmax"], strict=True))
-            out[f"{en} vs {pn}"] = {"max_abs": round(max(gaps), 4),
-                                    "mean_abs": round(sum(gaps) / len(gaps), 4),
-                                    "argmax_agree": f"{agree}/{len(prompts)}"}
-    return out
+            gaps[f"{en} vs {pn}"] = {"max_abs": round(max(diff), 4),
+                                     "mean_abs": round(sum(diff) / len(diff), 4),
+                                     "argmax_agree": f"{agree}/{len(prompts)}"}
 
 
 def read_bytes(model_name: str, ckpt: Path, rows: dict, ggufs: dict[str, Path], root: Path
@@ -232,34 +271,55 @@ def agreement(args: argparse.Namespace) -> dict:
 
 
 def sitting(args: argparse.Namespace, ckpt: Path, ggufs: dict[str, Path]) -> dict:
-    """Steps 3-8 of the module docstring; the result's measurement part."""
+    """Steps 3-8 of the module docstring; the result's measurement part.
+
+    `--resident all`: every row up at once, `--warmup` + `--runs` rounds alternating
+    (bench/measure.py). `--resident one` (a real-size model: two rows do not fit in memory):
+    `--runs` rounds, in each every row in turn started, warmed up (its batch-1 requests, 4
+    tokens each, untimed), run once per mode, stopped; load time is then a median too.
+    """
     config = json.loads((ckpt / "config.json").read_text())
     requests = workload(config["vocab_size"], 16, 32, args.batched_len)
     requests_path = write_requests_file(requests)
+    prompts = [r.prompt_token_ids for r in requests[:LOGPROB_PROMPTS]]
     stream = [stream_read_gbps(args.stream_gib)]
-    rows: dict = {}
+    makers = row_makers(ckpt, requests, requests_path, args)
+    info: dict = {name: {} for name, _ in makers}
+    tops: dict = {}
+    gaps: dict = {}
+    modes = ["batch1", "batched"]
     try:
-        rows, info = load_rows(ckpt, requests, requests_path, args)
-        measured = measure_alternating(rows, ["batch1", "batched"], args.warmup, args.runs,
-                                       args.settle_s)
-        for name in rows:
-            info[name].update(measured["results"][name])
-            info[name]["peak_rss"] = tree_peak_rss(rows[name].pid)
-            info[name]["compute_dtype"] = rows[name].compute_dtype
-            info[name]["info"] = rows[name].info
-        prompts = [r.prompt_token_ids for r in requests[:LOGPROB_PROMPTS]]
-        gaps = logprob_gaps(rows, prompts)
-        ids = measured["token_ids"]
-        same = {f"{a} vs {b}": greedy_agreement(ids[a], ids[b])["matching_prefix_fraction"]
-                for a in ids for b in ids if a < b}
+        if args.resident == "all":
+            rows = {n: r for n, make in makers if (r := start(n, make, info[n])) is not None}
+            try:
+                measured = measure_alternating(rows, modes, args.warmup, args.runs,
+                                               args.settle_s)
+                for name in rows:
+                    add_runs(info[name], measured["results"][name])
+                observe(rows, info, prompts, tops, gaps)
+            finally:
+                for row in rows.values():
+                    row.close()
+        else:
+            for _ in range(args.runs):
+                for name, make in makers:
+                    if "error" in info[name] or (row := start(name, make, info[name])) is None:
+                        continue
+                    try:
+                        row.row.run("batch1", output_len=4)
+                        add_runs(info[name], measure_alternating(
+                            {name: row}, modes, 0, 1, args.settle_s)["results"][name])
+                        observe({name: row}, info, prompts, tops, gaps)
+                    finally:
+                        row.close()
     finally:
-        for row in rows.values():
-            row.close()
         requests_path.unlink(missing_ok=True)
+    for row in info.values():
+        if row.get("load_runs_s"):
+            row["load_s"] = statistics.median(row["load_runs_s"])
     stream.append(stream_read_gbps(args.stream_gib))
-    return {"rows": info, "logprob_gap": gaps, "batched_greedy_prefix_agreement": same,
-            "stream_read": stream,
-            "bytes_per_token": read_bytes(args.model, ckpt, rows, ggufs,
+    return {"resident": args.resident, "rows": info, "logprob_gap": gaps, "stream_read": stream,
+            "bytes_per_token": read_bytes(args.model, ckpt, info, ggufs,
                                           Path(args.llamacpp_dir))}
 
 
@@ -280,6 +340,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--llamacpp-config", action="append", default=None,
                    help="bench/llamacpp_peer.py config of the llama.cpp rows")
     p.add_argument("--llamacpp-dir", default=os.environ.get("LLAMACPP_DIR", str(DEFAULT_ROOT)))
+    p.add_argument("--resident", choices=["auto", "all", "one"], default="auto",
+                   help="rows up at once (all) or one at a time, restarted every round (one); "
+                        "auto: one when the checkpoint is over a quarter of the memory")
     p.add_argument("--stream-gib", type=float, default=4.0)
     p.add_argument("--settle-s", type=float, default=5.0)
     p.add_argument("--agreement-vocab", type=int, default=8192,
@@ -317,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"checkpoint": str(ckpt), "ggufs": {k: str(v) for k, v in
                                                              ggufs.items()}}))
         return 0
+    if args.resident == "auto":
+        size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+        args.resident = "one" if size > os.sysconf("SC_PHYS_PAGES") * os.sysconf(
+            "SC_PAGE_SIZE") / 4 else "all"
     load_start = os.getloadavg()
     result = {"command": " ".join(["python", "bench/real_scale.py", *(argv or sys.argv[1:])]),
               "date": datetime.datetime.now().isoformat(timespec="seconds"),

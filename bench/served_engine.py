@@ -67,7 +67,9 @@ class ServedRow:
         self.compute_dtype = args.dtype
         self.proc, self.address = start_server(
             str(ckpt), serve_flags(args, quantization) if flags is None else flags)
-        self.info = {"quantization": quantization, "final_only": not self.stream,
+        self.info = {**({"quantization": quantization} if flags is None
+                        else {"moe_serve_flags": " ".join(flags)}),
+                     "final_only": not self.stream,
                      "client": "grpc.aio, one channel, in the driver's process"}
         try:
             asyncio.run(self._wait())
