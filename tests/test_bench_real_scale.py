@@ -118,6 +118,27 @@ def test_engine_loads_it_and_agrees_with_transformers(rc: ModuleType, stem: str,
     assert res["identical"] == 2, res
 
 
+@pytest.mark.slow  # writes 0.8 GB and loads it (~30-60 s on 2 busy cores)
+def test_real_dims_two_layer_cut_serves_finite_logprobs(rc: ModuleType, tmp_path: Path) -> None:
+    """gpt-oss-20b's real dimensions cut to 2 layers and 512 ids: the engine loads it as
+    shipped (MXFP4 experts) and its greedy logprobs stay finite (the scales keep activations
+    in range); made once, found again by its config hash."""
+    import math
+
+    from moe_engine import LLM
+    from moe_engine.sampling_params import SamplingParams
+
+    ckpt = rc.ensure_checkpoint(tmp_path, "gpt-oss-20b", 2, 512, log=lambda _: None)
+    assert rc.ensure_checkpoint(tmp_path, "gpt-oss-20b", 2, 512) == ckpt
+    assert len(list(tmp_path.iterdir())) == 1
+    llm = LLM(model=str(ckpt), max_model_len=64, kv_cache_memory=2**26)
+    params = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4, ignore_eos=True,
+                            logprobs=1)
+    out = llm.generate([[5, 17, 300, 42] * 4], params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 4
+    assert all(math.isfinite(lp.logprob) for step in out.logprobs for lp in step.values())
+
+
 def test_cache_key_and_cuts(rc: ModuleType) -> None:
     full = rc.shipped_config("gpt-oss-20b")
     cut = rc.shipped_config("gpt-oss-20b", layers=2, vocab=8192)
@@ -185,6 +206,19 @@ def test_report_figures(rc: ModuleType) -> None:
     assert rows["moe-engine"]["batched"]["vs_llamacpp"] == 1.5
     assert rows["moe-engine"]["read_gbps"] == 35.0 and rows["moe-engine"]["read_vs_stream"] == 1.0
     assert "read_gbps" not in rows["llama.cpp-bf16"]
+    rows["moe-engine-all"] = {"error": "SystemExit: moe-serve exited with status 1"}
+    result.update(checkpoint="/w/ckpt", date="d", runs=1, warmup=0, resident="one",
+                  command="c", batch1={"requests": 8, "output_len": 64},
+                  batched={"requests": 16, "output_len": 128},
+                  load_average={"start": (1.0, 1.0, 1.0), "end": (2.0, 2.0, 2.0)},
+                  logprob_gap={"moe-engine vs llama.cpp-bf16": {
+                      "max_abs": 0.1, "mean_abs": 0.01, "argmax_agree": "4/4"}},
+                  agreement={"checkpoint": "/w/cut", "identical": 4, "prompts": 4,
+                             "output_len": 32, "matching_prefix_fraction": 1.0})
+    result["stream_read"] = [{"median_gbps": 40.0, "best_gbps": 50.0, "gib": 4.0, "threads": 2}]
+    text = real_report.render(result)
+    assert "| moe-engine | 30.0 |" in text and "| 10.00 | 1.11x | 30.00 | 1.50x |" in text
+    assert "| moe-engine-all | failed: SystemExit" in text and "4/4 identical" in text
 
 
 needs_llamacpp = pytest.mark.skipif(
