@@ -85,6 +85,9 @@ def render(result: dict) -> str:
         runs += f"; load {row.get('load_runs_s')} s"
         out.append(f"  {name}: {runs}  {json.dumps(row.get('info', {}))}")
     for pair, gap in result["logprob_gap"].items():
+        if "error" in gap:
+            out.append(f"  first-token logprob gap {pair}: failed: {gap['error'][:200]}")
+            continue
         out.append(f"  first-token logprob gap {pair}: max {gap['max_abs']}, mean "
                    f"{gap['mean_abs']}, argmax agree {gap['argmax_agree']}")
     for name, parts in result["bytes_per_token"].items():
