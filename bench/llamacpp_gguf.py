@@ -66,6 +66,8 @@ GGUF_TYPES = {
     "q4_0": ("quantize", "LLAMA_FTYPE_MOSTLY_Q4_0"),
     "mxfp4_moe": ("quantize", "LLAMA_FTYPE_MOSTLY_MXFP4_MOE"),
 }
+#: What a caller gets without naming types (mxfp4_moe only on request: bench/real_scale.py).
+DEFAULT_TYPES = ("f32", "bf16", "q8_0", "q4_0")
 #: config.json model_type -> the pre-tokenizer the shipped model's tokenizer hashes to.
 PRE_TOKENIZERS = {"gpt_oss": "gpt-4o"}
 DEFAULT_PRE_TOKENIZER = "qwen2"
@@ -192,7 +194,7 @@ def ensure_ggufs(ckpt: Path, root: Path = DEFAULT_ROOT, types: list[str] | None 
     out = out or root / "gguf" / checkpoint_key(ckpt)
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
-    for kind in types or list(GGUF_TYPES):
+    for kind in types or list(DEFAULT_TYPES):
         how, arg = GGUF_TYPES[kind]
         final = out / f"model-{kind}.gguf"
         paths[kind] = final
@@ -237,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                      DEFAULT_ROOT)),
                    help="setup_llamacpp.sh's folder (default $LLAMACPP_DIR or "
                         "bench/.venvs/llamacpp)")
-    p.add_argument("--types", default=",".join(GGUF_TYPES),
+    p.add_argument("--types", default=",".join(DEFAULT_TYPES),
                    help=f"comma-separated subset of {','.join(GGUF_TYPES)}")
     p.add_argument("--quant-base", choices=["f32", "bf16"], default="f32",
                    help="the GGUF the quantized types are made from (default f32)")
