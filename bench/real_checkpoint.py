@@ -264,6 +264,7 @@ def ensure_checkpoint(workdir: Path, stem: str, layers: int | None = None,
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=workdir))
     try:
         write_checkpoint(config, tmp, seed, shard_bytes, log)
+        tmp.chmod(0o755)  # mkdtemp made it 0700
         try:
             os.rename(tmp, final)
         except OSError:
