@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from llamacpp_gguf import DEFAULT_ROOT, GGUF_TYPES, ensure_ggufs
+from llamacpp_gguf import DEFAULT_ROOT, DEFAULT_TYPES, GGUF_TYPES, ensure_ggufs
 from peer_runner import PeerContext, PeerFamily, PeerLaunch, peer_environ
 
 logger = logging.getLogger("bench.llamacpp_peer")
@@ -133,7 +133,10 @@ def llamacpp_launches(ctx: PeerContext) -> list[PeerLaunch]:
     parsed = {(t, c): parse_config(f"{DEFAULT_CONFIG},{c}", t) for c in configs for t in types}
     root = Path(args.llamacpp_dir)
     python = ensure_llamacpp(root)
-    ggufs = ensure_ggufs(ctx.ckpt, root, types)
+    # bench/real_scale.py's own options: quantize from bf16, GGUFs beside its checkpoints
+    extra = {k: v for k, v in (("quant_base", getattr(args, "llamacpp_quant_base", None)),
+                               ("out", getattr(args, "llamacpp_gguf_dir", None))) if v}
+    ggufs = ensure_ggufs(ctx.ckpt, root, types, **extra)
     lib_dir = root / "build" / "bin"
     launches = []
     for i, config in enumerate(configs):
@@ -157,8 +160,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=Path(os.environ.get("LLAMACPP_DIR", DEFAULT_ROOT)),
                    help="bench/setup_llamacpp.sh's folder (build, venv, GGUFs), set up when "
                         "missing (default: $LLAMACPP_DIR or bench/.venvs/llamacpp)")
-    p.add_argument("--llamacpp-types", default=",".join(GGUF_TYPES),
-                   help=f"GGUF types, one row each (default {','.join(GGUF_TYPES)})")
+    p.add_argument("--llamacpp-types", default=",".join(DEFAULT_TYPES),
+                   help=f"GGUF types, one row each, of {','.join(GGUF_TYPES)} (default "
+                        f"{','.join(DEFAULT_TYPES)})")
     p.add_argument("--llamacpp-config", action="append", metavar="K=V,...",
                    help="runner settings over the defaults (" + DEFAULT_CONFIG + "); "
                         "repeatable, each further one a row per type; keys: "

@@ -21,9 +21,14 @@ Protocol, one JSON object per line; this process writes to its original stdout o
 lines (llama.cpp's log lines at WARN and above, and everything else printed, go to stderr):
   - once loaded: `{"event": "ready", "llama_cpp_python_version", "gguf", "load_s",
     "num_requests", "config", "system_info"}`;
-  - per `{"cmd": "run"}` read on stdin, optional `"mode": "batch1"` (+ `"num_requests": n`) and
+  - per `{"cmd": "run"}` read on stdin, optional `"mode": "batch1"` (+ `"num_requests": n`,
+    and `"output_len": m` to give each of them m tokens instead of its own) and
     `"return_token_ids": true`: `{"event": "run", "mode", "seconds", "output_tokens",
     "token_ids"?}`;
+  - per `{"cmd": "logprobs", "prompts": [[int, ...], ...], "token_ids": [[int, ...], ...]}`:
+    each prompt alone in the batch-1 context, and the log-softmax (float64, over the whole
+    vocabulary) of the logits after its last token at the given token ids:
+    `{"event": "logprobs", "argmax": [int, ...], "logprobs": [[float, ...], ...]}`;
   - `{"cmd": "quit"}` or end of stdin: exits 0;
   - on any failure: `{"event": "error", "error": "Type: message"}`, exit status 1.
 
@@ -88,6 +93,16 @@ class TokenBatch:
         Raises:
             RuntimeError: llama_decode returned non-zero.
         """
+        return self.decode_logits(ctx, tokens, positions, seq_ids, logits, n_vocab).argmax(axis=1)
+
+    def decode_logits(self, ctx: Any, tokens, positions, seq_ids, logits, n_vocab: int
+                      ) -> np.ndarray:
+        """Decode the tokens; returns the logits rows (float32 [positions with logits=1,
+        n_vocab], a view of llama.cpp's buffer, valid until the next decode).
+
+        Raises:
+            RuntimeError: llama_decode returned non-zero.
+        """
         n = len(tokens)
         self.token[:n], self.pos[:n], self.seq[:n], self.logits[:n] = (
             tokens, positions, seq_ids, logits)
@@ -97,9 +112,8 @@ class TokenBatch:
             raise RuntimeError(f"llama_decode returned {rc} for a batch of {n} tokens")
         n_out = int(np.count_nonzero(self.logits[:n]))
         if n_out == 0:
-            return np.zeros(0, np.int64)
-        rows = np.ctypeslib.as_array(self.ll.llama_get_logits(ctx), shape=(n_out, n_vocab))
-        return rows.argmax(axis=1)
+            return np.zeros((0, n_vocab), np.float32)
+        return np.ctypeslib.as_array(self.ll.llama_get_logits(ctx), shape=(n_out, n_vocab))
 
 
 class Engine:
@@ -202,13 +216,32 @@ class Engine:
             by_request[i] = out
         return by_request
 
-    def run_batch1(self, num_requests: int) -> list[list[int]]:
-        """The first `num_requests` requests one after another, each alone in `ctx1`."""
+    def run_batch1(self, reqs: list[dict]) -> list[list[int]]:
+        """`reqs` one after another, each alone in `ctx1`."""
         outs = []
-        for r in self.requests[:num_requests]:
+        for r in reqs:
             self.ll.llama_memory_clear(self.ll.llama_get_memory(self.ctx1), True)
             outs += self._generate(self.ctx1, [r], [0])
         return outs
+
+    def first_logprobs(self, prompt: list[int], token_ids: list[int]) -> tuple[int, list[float]]:
+        """`prompt` alone in `ctx1`: the argmax after its last token and the log-softmax
+        (float64) there at `token_ids`.
+
+        Raises:
+            ValueError: the prompt is longer than the batch-1 context or than n_batch.
+        """
+        if len(prompt) > min(self.seq_cells, self.args.n_batch):
+            raise ValueError(f"prompt of {len(prompt)} tokens does not fit")
+        self.ll.llama_memory_clear(self.ll.llama_get_memory(self.ctx1), True)
+        last = np.zeros(len(prompt), np.int8)
+        last[-1] = 1
+        row = self.batch.decode_logits(self.ctx1, np.asarray(prompt, np.int32),
+                                       np.arange(len(prompt)), np.zeros(len(prompt)), last,
+                                       self.n_vocab)[0].astype(np.float64)
+        top = row.max()
+        logprobs = row - top - np.log(np.exp(row - top).sum())
+        return int(row.argmax()), [float(logprobs[t]) for t in token_ids]
 
     def close(self) -> None:
         for ctx in (self.ctx, self.ctx1):
@@ -272,14 +305,22 @@ def serve(args: argparse.Namespace, proto: TextIO) -> None:
                   "config": engine.config(),
                   "system_info": ll.llama_print_system_info().decode().strip()})
     try:
-        for cmd in run_commands(sys.stdin):
+        for cmd in run_commands(sys.stdin, ("run", "logprobs")):
+            if cmd["cmd"] == "logprobs":
+                got = [engine.first_logprobs(p, t)
+                       for p, t in zip(cmd["prompts"], cmd["token_ids"], strict=True)]
+                send(proto, {"event": "logprobs", "argmax": [a for a, _ in got],
+                             "logprobs": [lp for _, lp in got]})
+                continue
             mode = cmd.get("mode", "batched")
             if mode not in ("batched", "batch1"):
                 raise ValueError(f"unknown mode {mode!r}")
             reqs = requests if mode == "batched" else requests[:cmd.get("num_requests", 8)]
+            if mode == "batch1" and cmd.get("output_len"):
+                reqs = [{**r, "output_len": int(cmd["output_len"])} for r in reqs]
             t0 = time.perf_counter()
             token_ids = (engine.run_batched() if mode == "batched"
-                         else engine.run_batch1(len(reqs)))
+                         else engine.run_batch1(reqs))
             seconds = time.perf_counter() - t0
             for ids, r in zip(token_ids, reqs, strict=True):
                 if len(ids) != r["output_len"]:

@@ -206,16 +206,30 @@ class PeerRunner:
             if msg.get("event") == event:
                 return msg
 
-    def run(self, mode: str, return_token_ids: bool = False) -> RunResult:
-        """Run the workload once in `mode` (`batched` or `batch1`; bench/workload.py)."""
+    def request(self, cmd: dict[str, Any], event: str) -> dict[str, Any]:
+        """Send one command line and return the runner's reply `event`.
+
+        Raises:
+            RuntimeError: the runner reported an error or exited.
+        """
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._receive(event)
+
+    def run(self, mode: str, return_token_ids: bool = False,
+            output_len: int | None = None) -> RunResult:
+        """Run the workload once in `mode` (`batched` or `batch1`; bench/workload.py);
+        `output_len` gives every batch-1 request that many tokens instead of its own (runners
+        that support it: bench/llamacpp_runner.py)."""
         expected = mode_requests(self.requests, mode)
         cmd: dict[str, Any] = {"cmd": "run", "mode": mode, "return_token_ids": return_token_ids}
         if mode == "batch1":
             cmd["num_requests"] = len(expected)
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        reply = self._receive("run")
+            if output_len:
+                cmd["output_len"] = output_len
+                expected = [BenchRequest(r.prompt_token_ids, output_len) for r in expected]
+        reply = self.request(cmd, "run")
         want = sum(r.output_len for r in expected)
         if reply["output_tokens"] != want:
             raise RuntimeError(f"{self.name}: {reply['output_tokens']} tokens, expected {want}")

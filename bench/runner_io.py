@@ -20,9 +20,10 @@ def send(proto: TextIO, obj: dict[str, Any]) -> None:
     proto.flush()
 
 
-def run_commands(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
-    """The `{"cmd": "run", ...}` commands of the driver's lines (stdin), in order, until
-    `{"cmd": "quit"}` or the end; blank lines are skipped.
+def run_commands(lines: Iterable[str], commands: tuple[str, ...] = ("run",)
+                 ) -> Iterator[dict[str, Any]]:
+    """The `{"cmd": "run", ...}` commands (or any of `commands`) of the driver's lines (stdin),
+    in order, until `{"cmd": "quit"}` or the end; blank lines are skipped.
 
     Raises:
         ValueError: any other command.
@@ -33,7 +34,7 @@ def run_commands(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
         cmd = json.loads(line)
         if cmd.get("cmd") == "quit":
             return
-        if cmd.get("cmd") != "run":
+        if cmd.get("cmd") not in commands:
             raise ValueError(f"unknown command {cmd!r}")
         yield cmd
 

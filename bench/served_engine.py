@@ -56,13 +56,20 @@ class ServedRow:
     """
 
     def __init__(self, name: str, ckpt: Path, requests: list[BenchRequest], args: Any,
-                 quantization: str = "none"):
+                 quantization: str = "none", flags: list[str] | None = None,
+                 stream: bool | None = None):
+        """`flags`: moe-serve's flags instead of `serve_flags(args, quantization)` (then
+        `args.dtype` only names the row's compute dtype); `stream`: instead of the row name's
+        entry in SERVED_ROWS (a row of another name)."""
         self.name = name
-        self.stream = SERVED_ROWS[name]
+        self.stream = SERVED_ROWS[name] if stream is None else stream
         self.requests = requests
         self.compute_dtype = args.dtype
-        self.proc, self.address = start_server(str(ckpt), serve_flags(args, quantization))
-        self.info = {"quantization": quantization, "final_only": not self.stream,
+        self.proc, self.address = start_server(
+            str(ckpt), serve_flags(args, quantization) if flags is None else flags)
+        self.info = {**({"quantization": quantization} if flags is None
+                        else {"moe_serve_flags": " ".join(flags)}),
+                     "final_only": not self.stream,
                      "client": "grpc.aio, one channel, in the driver's process"}
         try:
             asyncio.run(self._wait())
@@ -82,15 +89,38 @@ class ServedRow:
         """CPU seconds of the server's process tree (front end and engine core)."""
         return process_tree_cpu_s(self.proc.pid)
 
-    def _request(self, req: BenchRequest) -> pb.GenerateRequest:
+    def _request(self, req: BenchRequest, logprobs: int | None = None) -> pb.GenerateRequest:
         return pb.GenerateRequest(
             prompt_ids=pb.TokenIds(ids=req.prompt_token_ids), max_tokens=req.output_len,
             min_tokens=req.output_len, temperature=0.0, ignore_eos=True,
-            final_only=not self.stream,
+            final_only=not self.stream, **({"logprobs": logprobs} if logprobs else {}),
         )
 
-    def run(self, mode: str, return_token_ids: bool = False) -> RunResult:
+    def first_logprobs(self, prompts: list[list[int]], k: int) -> list[dict[int, float]]:
+        """Per prompt, alone and greedy: the first output token's top-`k` logprobs
+        (token id -> logprob; the chosen token's included)."""
+        async def go() -> list[dict[int, float]]:
+            async with grpc.aio.insecure_channel(self.address) as channel:
+                stub = pb_grpc.MoeEngineStub(channel)
+                out = []
+                for prompt in prompts:
+                    got: dict[int, float] = {}
+                    async for response in stub.Generate(self._request(BenchRequest(prompt, 1),
+                                                                      logprobs=k)):
+                        for lp in response.logprobs[:1]:
+                            got[lp.token_id] = lp.logprob
+                            got.update({t.token_id: t.logprob for t in lp.top_logprobs})
+                    out.append(got)
+                return out
+        return asyncio.run(go())
+
+    def run(self, mode: str, return_token_ids: bool = False,
+            output_len: int | None = None) -> RunResult:
+        """The workload once in `mode`; `output_len`: every batch-1 request that many tokens
+        instead of its own."""
         reqs = mode_requests(self.requests, mode)
+        if mode == "batch1" and output_len:
+            reqs = [BenchRequest(r.prompt_token_ids, output_len) for r in reqs]
         seconds, token_ids = asyncio.run(self._run(reqs, mode == "batched"))
         for i, (ids, req) in enumerate(zip(token_ids, reqs, strict=True)):
             if len(ids) != req.output_len:
