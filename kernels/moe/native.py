@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
-import torch.nn.functional as F
 
 from kernels.dense.amx import bf16_backend
 from kernels.moe.activation import SILU_AND_MUL, SwiGLU
@@ -35,30 +34,31 @@ from kernels.moe.native_args import (
     q4_weight_args,
     route_args,
 )
+from kernels.moe.tiles import (  # noqa: F401 - TILE, Q4_*, (un)pack_* re-exported
+    Q4_HIGH_COLUMNS,
+    Q4_LOW_COLUMNS,
+    TILE,
+    gate_up_expert_tiles,
+    gate_up_rows,
+    pack_q4_tiles,
+    pack_tiles,
+    q4_expert_tiles,
+    repack_library,
+    unpack_q4_tiles,
+    unpack_tiles,
+    value_expert_tiles,
+)
 from kernels.native.library import check_status, load_native
 from quant.int4 import SYMMETRIC_ZERO, Int4Weight
 from quant.mxfp4 import MXFP4_BLOCK_SIZE
-from quant.packing import pack_nibbles, unpack_nibbles
+from quant.packing import pack_nibbles
 
-#: Output columns per packed tile (csrc/moe_cpu.cpp kTile).
-TILE = 16
 #: The 4-bit experts' format bit for VDPBF16PS products on bfloat16 hidden rows (csrc/moe_cpu.cpp
 #: `kDotFlag`, `RowDot`: products exact, float32 sums, the intermediate rounded once to bfloat16
 #: as the bf16 experts round it, a token's result independent of its batch);
 #: the kernel ignores it for float32 inputs, zero points, group sizes not a multiple of 16 and
 #: the AVX2 build.
 DOT_FLAG = 16
-
-
-def pack_tiles(w: torch.Tensor) -> torch.Tensor:
-    """[E, N, K] -> [E, ceil(N / 16), K, 16]: tiles of 16 output rows, k-major, N zero-padded.
-
-    Unpacking: `packed.transpose(2, 3).reshape(E, -1, K)[:, :N]` gives `w` back exactly.
-    """
-    e, n, k = w.shape
-    padded = -(-n // TILE) * TILE
-    w = F.pad(w, (0, 0, 0, padded - n))
-    return w.view(e, padded // TILE, TILE, k).transpose(2, 3).contiguous()
 
 
 def bf16_exact(w: torch.Tensor) -> bool:
@@ -179,60 +179,6 @@ def bias_args(
 _EMPTY = torch.empty(0, dtype=torch.float32)
 
 
-#: Nibble order of a 4-bit tile row (csrc/moe_cpu.cpp): per k, 8 bytes; byte i holds column
-#: `Q4_LOW_COLUMNS[i]` of the tile in its low nibble (bits 0-3) and `Q4_HIGH_COLUMNS[i]` in its
-#: high nibble (bits 4-7). The kernel's in-lane unpacks turn this order back into columns 0-15.
-Q4_LOW_COLUMNS = (0, 1, 2, 3, 8, 9, 10, 11)
-Q4_HIGH_COLUMNS = (4, 5, 6, 7, 12, 13, 14, 15)
-
-
-def pack_q4_tiles(codes: torch.Tensor) -> torch.Tensor:
-    """4-bit codes [E, N, K] (uint8 in [0, 15], K even) -> [E, ceil(N/16), K/2, 16] uint8: tiles
-    of 16 output rows, k-major, 8 bytes per k in the `Q4_LOW_COLUMNS` / `Q4_HIGH_COLUMNS` nibble
-    order (the bytes of k then those of k + 1 form one 16-byte row). Padding rows get code 0.
-
-    Raises:
-        ValueError: codes that are not uint8 [E, N, K] with K even, or a code above 15.
-    """
-    if codes.dtype != torch.uint8 or codes.dim() != 3 or codes.shape[-1] % 2:
-        raise ValueError(f"codes must be uint8 [E, N, K] with K even, got {codes.dtype} "
-                         f"{tuple(codes.shape)}")
-    if codes.numel() and int(codes.max()) > 15:
-        raise ValueError(f"codes hold {int(codes.max())}, above the 4-bit maximum 15")
-    e, _, k = codes.shape
-    tiles = pack_tiles(codes)  # [E, T, K, 16]
-    low, high = tiles[..., list(Q4_LOW_COLUMNS)], tiles[..., list(Q4_HIGH_COLUMNS)]
-    return (low | (high << 4)).reshape(e, -1, k // 2, TILE).contiguous()
-
-
-def unpack_q4_tiles(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """Inverse of `pack_q4_tiles`: [E, T, K/2, 16] uint8 -> codes [E, n, K] uint8 (exact)."""
-    e, t, half, _ = packed.shape
-    k = 2 * half
-    pairs = packed.reshape(e, t, k, TILE // 2)
-    tiles = torch.empty(e, t, k, TILE, dtype=torch.uint8)
-    tiles[..., list(Q4_LOW_COLUMNS)] = pairs & 0x0F
-    tiles[..., list(Q4_HIGH_COLUMNS)] = pairs >> 4
-    return tiles.transpose(2, 3).reshape(e, t * TILE, k)[:, :n]
-
-
-def unpack_tiles(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """Inverse of `pack_tiles`: [E, T, K, 16] -> [E, n, K] (exact)."""
-    e, t, k, _ = packed.shape
-    return packed.transpose(2, 3).reshape(e, t * TILE, k)[:, :n]
-
-
-def _gate_up_tiles(w: torch.Tensor, pack) -> torch.Tensor:
-    """[E, 2I, K'] (gate rows, then up rows) -> [E, 2, ceil(I/16), ...] packed by `pack`."""
-    i = w.shape[1] // 2
-    return torch.stack([pack(w[:, :i]), pack(w[:, i:])], dim=1).contiguous()
-
-
-def _gate_up_rows(w: torch.Tensor, i: int, unpack) -> torch.Tensor:
-    """Inverse of `_gate_up_tiles`."""
-    return torch.cat([unpack(w[:, 0], i), unpack(w[:, 1], i)], dim=1)
-
-
 @dataclass(frozen=True, eq=False)
 class PackedQuantExperts:
     """One layer's 4-bit experts in the native kernel's layout (csrc/moe_cpu.cpp); frozen, as
@@ -273,17 +219,23 @@ class PackedQuantExperts:
 
     @classmethod
     def from_mxfp4(
-        cls, w13: tuple[torch.Tensor, torch.Tensor], w2: tuple[torch.Tensor, torch.Tensor]
+        cls, w13: tuple[torch.Tensor, torch.Tensor], w2: tuple[torch.Tensor, torch.Tensor], *,
+        native: bool | None = None,
     ) -> PackedQuantExperts:
-        """Pack MXFP4 experts as `quant.mxfp4` lays them out (gpt-oss `*_blocks`/`*_scales`).
+        """Pack MXFP4 experts as `quant.mxfp4` lays them out (gpt-oss `*_blocks`/`*_scales`),
+        in one native pass over the blocks (`kernels.moe.tiles`); the torch reference builds
+        the same bytes where the native library is unavailable.
 
         Args:
             w13: (blocks [E, 2I, H/32, 16], scales [E, 2I, H/32]) uint8, gate rows then up
                 rows; a byte holds element 2j in its low nibble, 2j + 1 in its high nibble.
             w2: (blocks [E, H, I/32, 16], scales [E, H, I/32]) uint8.
+            native: True the native repack, False the torch reference, None (default) the
+                native one where the library loads.
 
         Raises:
             ValueError: dtypes or shapes that do not fit together.
+            RuntimeError: `native=True` where the native library is unavailable.
         """
         (b13, s13), (b2, s2) = w13, w2
         half = MXFP4_BLOCK_SIZE // 2
@@ -300,24 +252,36 @@ class PackedQuantExperts:
                 "mxfp4 experts: need uint8 w13 blocks [E, 2I, H/32, 16], scales [E, 2I, H/32], "
                 "w2 blocks [E, H, I/32, 16], scales [E, H, I/32]; got "
                 + ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in (b13, s13, b2, s2)))
-        codes13 = unpack_nibbles(b13.reshape(e, two_i, h // 2))
-        codes2 = unpack_nibbles(b2.reshape(e, h, i // 2))
+        lib = repack_library() if native is not False else None
+        if native and lib is None:
+            raise RuntimeError("the native repack is unavailable (kernels/native/library.py)")
+        rows13 = b13.contiguous().view(e, two_i, h // 2).unbind(0)
+        rows2 = b2.contiguous().view(e, h, i // 2).unbind(0)
         empty = torch.empty(0, dtype=torch.uint8)
-        return cls("mxfp4", _gate_up_tiles(codes13, pack_q4_tiles), _gate_up_tiles(s13, pack_tiles),
-                   empty, pack_q4_tiles(codes2), pack_tiles(s2), empty, i, h, MXFP4_BLOCK_SIZE)
+        return cls(
+            "mxfp4", gate_up_expert_tiles(rows13, q4_expert_tiles, lib),
+            gate_up_expert_tiles(s13.unbind(0), value_expert_tiles, lib), empty,
+            q4_expert_tiles(rows2, lib), value_expert_tiles(s2.unbind(0), lib), empty, i, h,
+            MXFP4_BLOCK_SIZE,
+        )
 
     @classmethod
-    def from_int4(cls, w13: list[Int4Weight], w2: list[Int4Weight]) -> PackedQuantExperts:
-        """Pack int4 experts (`quant.int4` representation, one `Int4Weight` per expert).
+    def from_int4(cls, w13: list[Int4Weight], w2: list[Int4Weight], *,
+                  native: bool | None = None) -> PackedQuantExperts:
+        """Pack int4 experts (`quant.int4` representation, one `Int4Weight` per expert), each
+        expert's rows read in place by the native repack (`kernels.moe.tiles`; the torch
+        reference where the library is unavailable, the same bytes).
 
         Args:
             w13: per expert, packed [2I, H/2] (gate rows then up rows), scales [2I, H/G],
                 zeros [2I, H/G] uint8 or None (symmetric: zero point 8).
             w2: per expert, packed [H, I/2], scales [H, I/G], zeros or None.
+            native: as `from_mxfp4`.
 
         Raises:
             ValueError: no experts, lists of different lengths, shapes or group sizes that
                 differ, or a group size that is odd.
+            RuntimeError: `native=True` where the native library is unavailable.
         """
         if not w13 or len(w13) != len(w2):
             raise ValueError(f"int4 experts: {len(w13)} w13 and {len(w2)} w2 weights")
@@ -336,36 +300,38 @@ class PackedQuantExperts:
         stored_dtype = scale_dtype if scale_dtype in INT4_SCALE_FORMATS else torch.float32
         asym = any(w.zeros is not None for w in (*w13, *w2))
 
-        def stack(ws: list[Int4Weight]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-            codes = unpack_nibbles(torch.stack([w.packed for w in ws]))
-            scales = torch.stack([w.scales.to(stored_dtype) for w in ws])
-            zeros = None
-            if asym:
-                zeros = torch.stack([
-                    torch.full(w.scales.shape, SYMMETRIC_ZERO, dtype=torch.uint8)
-                    if w.zeros is None else w.zeros for w in ws
-                ])
-            return codes, scales, zeros
+        lib = repack_library() if native is not False else None
+        if native and lib is None:
+            raise RuntimeError("the native repack is unavailable (kernels/native/library.py)")
 
-        c13, s13, z13 = stack(w13)
-        c2, s2, z2 = stack(w2)
+        def zeros(w: Int4Weight) -> torch.Tensor:
+            if w.zeros is not None:
+                return w.zeros
+            return torch.full(w.scales.shape, SYMMETRIC_ZERO, dtype=torch.uint8)
+
+        def tiles(ws: list[Int4Weight], pack) -> tuple[torch.Tensor, ...]:
+            scales = [w.scales.to(stored_dtype) for w in ws]
+            return (pack([w.packed for w in ws], q4_expert_tiles, lib),
+                    pack(scales, value_expert_tiles, lib),
+                    pack([zeros(w) for w in ws], value_expert_tiles, lib) if asym else empty)
+
+        def plain(rows, kind, lib):
+            return kind(rows, lib)
+
         empty = torch.empty(0, dtype=torch.uint8)
-        return cls(
-            "int4", _gate_up_tiles(c13, pack_q4_tiles), _gate_up_tiles(s13, pack_tiles),
-            empty if z13 is None else _gate_up_tiles(z13, pack_tiles),
-            pack_q4_tiles(c2), pack_tiles(s2), empty if z2 is None else pack_tiles(z2),
-            i, h, group, scale_dtype,
-        )
+        c13, s13, z13 = tiles(w13, gate_up_expert_tiles)
+        c2, s2, z2 = tiles(w2, plain)
+        return cls("int4", c13, s13, z13, c2, s2, z2, i, h, group, scale_dtype)
 
     def _codes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Unpacked codes: w13 [E, 2I, H], w2 [E, H, I] uint8."""
         i, h = self.intermediate, self.hidden
-        return (_gate_up_rows(self.w13_codes, i, unpack_q4_tiles),
+        return (gate_up_rows(self.w13_codes, i, unpack_q4_tiles),
                 unpack_q4_tiles(self.w2_codes, h))
 
     def _per_block(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Unpacked scales or zero points: w13 [E, 2I, H/G], w2 [E, H, I/G]."""
-        return (_gate_up_rows(w13, self.intermediate, unpack_tiles),
+        return (gate_up_rows(w13, self.intermediate, unpack_tiles),
                 unpack_tiles(w2, self.hidden))
 
     def to_mxfp4(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:

@@ -146,7 +146,7 @@ ProgressCallback = Callable[[str, "float | None"], None]
 
 #: The kernels under kernels/native/csrc/ (one source each, all in one library).
 KERNELS = ("moe_cpu", "linear_cpu", "linear_q4_cpu", "paged_attention", "ops_cpu", "rope_cpu",
-           "decode_layer", "prefill_attention")
+           "decode_layer", "prefill_attention", "repack")
 
 #: Statuses of the entry points (csrc/moe_engine_cpu.h kOk, kBadArgument, kOutOfMemory).
 OK, BAD_ARGUMENT, OUT_OF_MEMORY = 0, 1, 2

@@ -209,3 +209,16 @@ MOE_ENGINE_API int32_t moe_decode_layer(
 // weights [T, k] float32 (the bfloat16 softmax widened), ids [T, k] int32. One thread.
 MOE_ENGINE_API int32_t moe_router_topk_softmax(const void* logits, int64_t T, int64_t E,
                                                int64_t k, float* weights, int32_t* ids);
+
+// csrc/repack.cpp: expert weights into the fused MoE kernels' tiles at load time. experts [E]
+// holds each expert's address (as int64); row n of expert e starts row_stride bytes after row
+// n - 1. Tile t of expert e (rows 16t .. 16t + 15, rows past N zero) goes to dst +
+// e * dst_expert_stride + t * tile bytes. moe_pack_q4_tiles: rows of K 4-bit codes (K/2 bytes,
+// code 2j in byte j's low nibble), K even; tiles [K/2, 16] bytes in moe_fused_moe_q4's nibble
+// order. moe_pack_tiles: rows of K elements of elem_bytes (1, 2 or 4) bytes; tiles [K, 16].
+MOE_ENGINE_API int32_t moe_pack_q4_tiles(const int64_t* experts, int64_t E, int64_t N, int64_t K,
+                                         int64_t row_stride, void* dst,
+                                         int64_t dst_expert_stride, int32_t threads);
+MOE_ENGINE_API int32_t moe_pack_tiles(const int64_t* experts, int64_t E, int64_t N, int64_t K,
+                                      int64_t elem_bytes, int64_t row_stride, void* dst,
+                                      int64_t dst_expert_stride, int32_t threads);
