@@ -23,7 +23,7 @@ from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.dense_quant import quantize_dense_layers
 from moe_engine.models.hf_config import load_hf_config
 from moe_engine.models.kernel_binding import bind_kernels, model_facts, plan_kernels
-from moe_engine.models.loader import load_model
+from moe_engine.models.loader import load_model, no_random_init
 from moe_engine.models.spec import ArchSpec
 from moe_engine.startup.config import EngineConfig, read_config_json
 from moe_engine.startup.env import compute_dtype
@@ -178,7 +178,8 @@ def build_model(
     if device.type != "cpu":
         plan = replace(plan, host=None)
     plan = _check_plan(plan, config, device, device_memory, max_model_len, kernels)
-    model = model_cls(spec, dtype, max_position=max_model_len).eval()
+    with no_random_init():  # load_model fills every parameter (and refuses a missing one)
+        model = model_cls(spec, dtype, max_position=max_model_len).eval()
     if rank_context is not None:
         for _, moe in model.moe_layers():
             moe.shard_experts(

@@ -6,6 +6,7 @@ any `*.safetensors` in the directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Callable, Collection, Iterable, Iterator
@@ -168,6 +169,37 @@ def cast_floating(
                 )
             tensor = tensor.to(torch.float32 if name in keep_float32 else dtype)
         yield name, tensor
+
+
+#: torch.nn.init's random initialisers, which `nn.Linear` and `nn.Embedding` call when built.
+_RANDOM_INITS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
+                 "xavier_uniform_", "xavier_normal_", "orthogonal_")
+
+
+@contextlib.contextmanager
+def no_random_init() -> Iterator[None]:
+    """Build modules without drawing their initial values: inside, torch.nn.init's random
+    initialisers leave a tensor as allocated (`nn.Linear` and `nn.Embedding` draw theirs in
+    `reset_parameters`).
+
+    For a model `load_model` then fills: it refuses a checkpoint that lacks any parameter, so
+    no drawn value would survive, and drawing them is most of the construction time at real
+    size (gpt-oss-20b's 201088 x 2880 embeddings and LM head: ~16 s of a 2-core machine,
+    bench/NOTES.md section 25). Restores the initialisers on exit, also on an exception;
+    not for use while another thread builds modules that keep their initial values.
+    """
+    saved = {name: getattr(torch.nn.init, name) for name in _RANDOM_INITS}
+    try:
+        for name in saved:
+            setattr(torch.nn.init, name, _leave_as_allocated)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
+def _leave_as_allocated(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    return tensor
 
 
 def load_model(

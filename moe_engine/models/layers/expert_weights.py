@@ -17,6 +17,8 @@ b13 [E_local, 2I], b2 [E_local, H].
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from moe_engine.models.layers.moe import FusedMoE
@@ -170,7 +172,7 @@ def load_mxfp4_experts(moe: FusedMoE, shard: str, part: str, tensor: torch.Tenso
     pieces = moe.pending_mxfp4
     if (shard, part) in pieces or (moe.quantized is not None and moe.quantized.method == "mxfp4"):
         raise ValueError(f"mxfp4 expert tensor {shard}_{part}: loaded twice")
-    pieces[(shard, part)] = tensor[moe.local_experts].contiguous()
+    pieces[(shard, part)] = local_experts_of(moe, tensor)
     if len(pieces) == 4:
         moe.quantized = QuantizedExperts.from_mxfp4(
             (pieces[("gate_up", "blocks")], pieces[("gate_up", "scales")]),
@@ -184,11 +186,32 @@ def load_mxfp4_experts(moe: FusedMoE, shard: str, part: str, tensor: torch.Tenso
     return (shard, other) in pieces
 
 
+def local_experts_of(moe: FusedMoE, tensor: torch.Tensor) -> torch.Tensor:
+    """tensor [E, ...] (all experts) -> [len(local_experts), ...] contiguous, this block's
+    slots in order: `tensor` itself when it is contiguous and holds exactly them (no copy of
+    the ~0.3 GB a gpt-oss-20b projection's blocks take), else a copy."""
+    local = moe.local_experts
+    if local == list(range(tensor.shape[0])) and tensor.is_contiguous():
+        return tensor
+    return tensor[local].contiguous()
+
+
 def deinterleave_gate_up(t: torch.Tensor, dim: int) -> torch.Tensor:
     """Interleaved gate/up features (gate0, up0, gate1, up1, ...: gpt-oss) along `dim` -> all
     gate features, then all up features (the engine's w13 order). Any dtype, including packed
-    MXFP4 rows; returns a new tensor of the same shape."""
-    return torch.cat([_every_other(t, dim, 0), _every_other(t, dim, 1)], dim=dim)
+    MXFP4 rows; returns a new tensor of the same shape.
+
+    A contiguous `t` is copied as [outer, 2, rows / 2, inner] -> [outer, rows / 2 ... ]
+    transposed, its rows of `inner` elements moved whole (viewed as int64 where their bytes
+    allow: torch copies a strided uint8 tensor byte by byte).
+    """
+    if not t.is_contiguous() or t.shape[dim] % 2:
+        return torch.cat([_every_other(t, dim, 0), _every_other(t, dim, 1)], dim=dim)
+    outer, inner = math.prod(t.shape[:dim]), math.prod(t.shape[dim + 1:])
+    rows = t.reshape(outer, t.shape[dim] // 2, 2, inner)
+    if inner * t.element_size() % 8 == 0 and t.data_ptr() % 8 == 0:
+        rows = rows.view(torch.uint8).view(torch.int64)
+    return rows.transpose(1, 2).contiguous().view(t.dtype).view(t.shape)
 
 
 def _every_other(t: torch.Tensor, dim: int, start: int) -> torch.Tensor:
