@@ -124,3 +124,12 @@ def test_from_int4_native_is_the_torch_path_and_round_trips(lib, scale_dtype, ze
 
 def test_repack_library_loads_here():
     assert repack_library() is not None
+
+
+@pytest.mark.parametrize("e,n,k", [(1, 40, 64), (2, 16, 32), (3, 7, 96)])
+def test_pack_vnni_native_is_the_torch_path(lib, e, n, k):
+    """The bf16 linears' packed copy (`kernels.dense.amx.pack_vnni`), N padded or not."""
+    from kernels.dense.amx import pack_vnni
+
+    w = torch.randn(e, n, k, generator=_gen()).to(torch.bfloat16)
+    _equal_bytes(pack_vnni(w, native=True), pack_vnni(w, native=False))

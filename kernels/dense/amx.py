@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.env import amx_setting
+from kernels.moe.tiles import repack_library, value_expert_tiles
 from kernels.native.library import NativeUnavailable, check_status, load_native
 
 logger = logging.getLogger(__name__)
@@ -168,21 +169,40 @@ def amx_fits(weight: torch.Tensor) -> bool:
             and weight.device.type == "cpu" and amx_unavailable_reason() is None)
 
 
-def pack_vnni(w: torch.Tensor) -> torch.Tensor:
+def pack_vnni(w: torch.Tensor, *, native: bool | None = None) -> torch.Tensor:
     """[E, N, K] bfloat16 -> [E, ceil(N/16), ceil(K/32) * 16, 16, 2]: per 16-column tile, K in
     pairs, row p holding (w[n, 2p], w[n, 2p + 1]) for the tile's 16 columns n (the B operand
     of TDPBF16PS, Intel SDM vol. 2). N is zero-padded to a multiple of 16, K to one of 32.
 
+    With K a multiple of 32 (every model linear) the native repack writes it in one pass
+    (`kernels.moe.tiles.value_expert_tiles` on the rows' 32-bit pairs: the same bytes as the
+    torch path, which pads, then permutes pairs of bfloat16 element by element).
+
     Unpacking: `packed.permute(0, 1, 3, 2, 4).reshape(E, -1, Kp)[:, :N, :K]` gives `w` back.
 
+    Args:
+        native: True the native repack, False the torch path, None (default) the native one
+            where K allows and the library loads.
+
     Raises:
-        ValueError: `w` not 3-D bfloat16.
+        ValueError: `w` not 3-D bfloat16, or `native=True` with K not a multiple of 32.
+        RuntimeError: `native=True` where the native library is unavailable.
     """
     if w.dim() != 3 or w.dtype != torch.bfloat16:
         raise ValueError(f"w must be bfloat16 [E, N, K], got {w.dtype} {tuple(w.shape)}")
     e, n, k = w.shape
     n_pad, k_pad = -(-n // COLS) * COLS, -(-k // DEPTH) * DEPTH
-    w = F.pad(w.detach(), (0, k_pad - k, 0, n_pad - n))
+    if native and k != k_pad:
+        raise ValueError(f"native pack_vnni needs K % {DEPTH} == 0, got K = {k}")
+    lib = repack_library() if native is not False and k == k_pad else None
+    if native and lib is None:
+        raise RuntimeError("the native repack is unavailable (kernels/native/library.py)")
+    if lib is not None:
+        pairs = w.detach().contiguous().view(torch.int32)  # [E, N, K/2]: (w[n, 2p], w[n, 2p+1])
+        tiles = value_expert_tiles(pairs.unbind(0), lib)  # [E, Np/16, K/2, 16] int32
+        return tiles.view(torch.bfloat16).view(e, n_pad // COLS, k_pad // 2, COLS, 2)
+    if (n_pad, k_pad) != (n, k):
+        w = F.pad(w.detach(), (0, k_pad - k, 0, n_pad - n))
     return w.reshape(e, n_pad // COLS, COLS, k_pad // 2, 2).permute(0, 1, 3, 2, 4).contiguous()
 
 
