@@ -309,18 +309,18 @@ class PackedQuantExperts:
                 return w.zeros
             return torch.full(w.scales.shape, SYMMETRIC_ZERO, dtype=torch.uint8)
 
-        def tiles(ws: list[Int4Weight], pack) -> tuple[torch.Tensor, ...]:
-            scales = [w.scales.to(stored_dtype) for w in ws]
-            return (pack([w.packed for w in ws], q4_expert_tiles, lib),
-                    pack(scales, value_expert_tiles, lib),
-                    pack([zeros(w) for w in ws], value_expert_tiles, lib) if asym else empty)
+        def tiles(ws: list[Int4Weight], gate_up: bool) -> tuple[torch.Tensor, ...]:
+            def pack(rows: list[torch.Tensor], kind) -> torch.Tensor:
+                return gate_up_expert_tiles(rows, kind, lib) if gate_up else kind(rows, lib)
 
-        def plain(rows, kind, lib):
-            return kind(rows, lib)
+            scales = [w.scales.to(stored_dtype) for w in ws]
+            return (pack([w.packed for w in ws], q4_expert_tiles),
+                    pack(scales, value_expert_tiles),
+                    pack([zeros(w) for w in ws], value_expert_tiles) if asym else empty)
 
         empty = torch.empty(0, dtype=torch.uint8)
-        c13, s13, z13 = tiles(w13, gate_up_expert_tiles)
-        c2, s2, z2 = tiles(w2, plain)
+        c13, s13, z13 = tiles(w13, gate_up=True)
+        c2, s2, z2 = tiles(w2, gate_up=False)
         return cls("int4", c13, s13, z13, c2, s2, z2, i, h, group, scale_dtype)
 
     def _codes(self) -> tuple[torch.Tensor, torch.Tensor]:
