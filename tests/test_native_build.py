@@ -268,7 +268,7 @@ def test_binding_generator_follows_the_header():
                            "moe_bf16_dot_available", "moe_prefill_attention",
                            "moe_amx_linear", "moe_amx_fused_moe",
                            "moe_router_softmax_topk", "moe_decode_layer",
-                           "moe_router_topk_softmax"}
+                           "moe_router_topk_softmax", "moe_pack_q4_tiles", "moe_pack_tiles"}
     kinds = "".join(p.kind for p in protos["moe_rms_norm"])
     assert kinds == "piiiiipfiipi"
     assert "py_moe_fused_moe_q4" in binding_source(header)
