@@ -187,12 +187,16 @@ def load_mxfp4_experts(moe: FusedMoE, shard: str, part: str, tensor: torch.Tenso
 
 
 def local_experts_of(moe: FusedMoE, tensor: torch.Tensor) -> torch.Tensor:
-    """tensor [E, ...] (all experts) -> [len(local_experts), ...] contiguous, this block's
-    slots in order: `tensor` itself when it is contiguous and holds exactly them (no copy of
-    the ~0.3 GB a gpt-oss-20b projection's blocks take), else a copy."""
+    """tensor [E, ...] (all experts) -> a contiguous copy of this block's slots, in order: a
+    plain copy when they are all E in order, else a gather (torch's index copy of uint8 rows is
+    several times slower than a copy: 4.4 s of a 3-layer gpt-oss-20b cut's load).
+
+    Never a view of `tensor`: a checkpoint tensor is a view of a safetensors memory map, and a
+    view held until the kernels bind would keep every page touched through that map resident
+    (`moe_engine.models.loader.REMAP_BYTES`)."""
     local = moe.local_experts
-    if local == list(range(tensor.shape[0])) and tensor.is_contiguous():
-        return tensor
+    if local == list(range(tensor.shape[0])):
+        return tensor.clone(memory_format=torch.contiguous_format)
     return tensor[local].contiguous()
 
 
