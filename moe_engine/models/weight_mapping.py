@@ -285,7 +285,8 @@ class WeightLoader:
         if kind in ("_blocks", "_scales"):
             if interleaved:
                 tensor = expert_weights.deinterleave_gate_up(tensor, dim=1)  # rows = outputs
-            done = expert_weights.load_mxfp4_experts(moe, shard, kind[1:], tensor)
+            done = expert_weights.load_mxfp4_experts(moe, shard, kind[1:], tensor,
+                                                     owned=interleaved)
             return pieces if done else set()
         hidden, size = moe.gate.in_features, moe.intermediate_size
         if kind == "_bias":

@@ -136,7 +136,9 @@ def load_int4_expert(moe: FusedMoE, expert: int, shard: str, weight: Int4Weight)
     del moe.w13, moe.w2
 
 
-def load_mxfp4_experts(moe: FusedMoE, shard: str, part: str, tensor: torch.Tensor) -> bool:
+def load_mxfp4_experts(
+    moe: FusedMoE, shard: str, part: str, tensor: torch.Tensor, *, owned: bool = False
+) -> bool:
     """Take one MXFP4 tensor of all experts as a checkpoint stores it (gpt-oss `*_blocks` /
     `*_scales`, already in the engine's row order: gate rows then up rows).
 
@@ -149,6 +151,9 @@ def load_mxfp4_experts(moe: FusedMoE, shard: str, part: str, tensor: torch.Tenso
             "down" (w2: blocks [E, H, I // 32, 16], scales [E, H, I // 32]); uint8.
         part: "blocks" or "scales".
         tensor: the checkpoint tensor for all E experts; the block keeps its local slots.
+        owned: `tensor` is a new contiguous tensor the caller made (the deinterleaved gate/up),
+            kept as it is when the block holds all E experts; else they are copied
+            (`local_experts_of`).
 
     Returns:
         True when this projection now has both its blocks and its scales.
@@ -172,7 +177,9 @@ def load_mxfp4_experts(moe: FusedMoE, shard: str, part: str, tensor: torch.Tenso
     pieces = moe.pending_mxfp4
     if (shard, part) in pieces or (moe.quantized is not None and moe.quantized.method == "mxfp4"):
         raise ValueError(f"mxfp4 expert tensor {shard}_{part}: loaded twice")
-    pieces[(shard, part)] = local_experts_of(moe, tensor)
+    all_local = moe.local_experts == list(range(tensor.shape[0]))
+    keep = owned and all_local and tensor.is_contiguous()
+    pieces[(shard, part)] = tensor if keep else local_experts_of(moe, tensor)
     if len(pieces) == 4:
         moe.quantized = QuantizedExperts.from_mxfp4(
             (pieces[("gate_up", "blocks")], pieces[("gate_up", "scales")]),
@@ -215,7 +222,8 @@ def deinterleave_gate_up(t: torch.Tensor, dim: int) -> torch.Tensor:
     rows = t.reshape(outer, t.shape[dim] // 2, 2, inner)
     if inner * t.element_size() % 8 == 0 and t.data_ptr() % 8 == 0:
         rows = rows.view(torch.uint8).view(torch.int64)
-    return rows.transpose(1, 2).contiguous().view(t.dtype).view(t.shape)
+    moved = rows.transpose(1, 2).clone(memory_format=torch.contiguous_format)  # always new
+    return moved.view(t.dtype).view(t.shape)
 
 
 def _every_other(t: torch.Tensor, dim: int, start: int) -> torch.Tensor:
