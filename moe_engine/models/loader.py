@@ -185,7 +185,7 @@ def no_random_init() -> Iterator[None]:
     For a model `load_model` then fills: it refuses a checkpoint that lacks any parameter, so
     no drawn value would survive, and drawing them is most of the construction time at real
     size (gpt-oss-20b's 201088 x 2880 embeddings and LM head: ~16 s of a 2-core machine,
-    bench/NOTES.md section 27). Restores the initialisers on exit, also on an exception;
+    bench/NOTES.md section 29). Restores the initialisers on exit, also on an exception;
     not for use while another thread builds modules that keep their initial values.
     """
     saved = {name: getattr(torch.nn.init, name) for name in _RANDOM_INITS}

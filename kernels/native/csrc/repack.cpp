@@ -1,7 +1,7 @@
 // Load-time repack of expert weights into the fused MoE kernel's tiles (csrc/moe_cpu.cpp), in
 // one pass from the checkpoint's rows: the torch path (kernels/moe/native.py `pack_q4_tiles`,
 // `pack_tiles`) unpacks every 4-bit code into a byte, pads, transposes and gathers columns,
-// four full-size temporaries per projection (measured in bench/NOTES.md section 27: 10 s of a
+// four full-size temporaries per projection (measured in bench/NOTES.md section 29: 10 s of a
 // gpt-oss-20b layer's 0.4 GB of MXFP4 experts on this project's 2-core machine).
 //
 // Both functions write tiles of 16 output rows stored k-major: tile t of expert e holds rows
