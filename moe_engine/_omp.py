@@ -14,7 +14,7 @@ benchmark can give peer engines the environment without it (bench/peer_runner.py
 allocation) aligns allocations of 2 MiB and more to 2 MiB and asks for transparent huge pages
 (`madvise(MADV_HUGEPAGE)`, which a kernel in THP "madvise" mode needs): a decode step reads
 every weight once, and on 4 KiB pages the TLB misses cost the one-row kernels 12-14% of their
-read rate (the LM head of gpt-oss-20b, bench/NOTES.md section 29). Set unless the environment
+read rate (the LM head of gpt-oss-20b, bench/NOTES.md section 30). Set unless the environment
 names a value; `MOE_ENGINE_THP_DEFAULT=1` marks it, as above.
 """
 

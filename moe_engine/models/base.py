@@ -289,12 +289,16 @@ class MoeCausalLM(nn.Module):
         Raises:
             ValueError: an unexpected tensor name or a shape mismatch (names both shapes).
         """
-        return WeightLoader(self).load(weights)
+        try:
+            return WeightLoader(self).load(weights)
+        finally:  # it holds the parameters as they were: the float experts a 4-bit block drops
+            self.__dict__.pop("_wants_loader", None)
 
     def _weight_loader(self) -> WeightLoader:
-        """The loader `wants_weight` asks, made once: it reads only the module tree and the
-        blocks' expert slots, which neither sharding nor loading replace (`load_weights` and
-        `expected_weight_names` make their own, as loading swaps parameters)."""
+        """The loader `wants_weight` asks, made once per load: it reads only the module tree and
+        the blocks' expert slots, which neither sharding nor loading replace (`load_weights` and
+        `expected_weight_names` make their own, as loading swaps parameters); `load_weights`
+        drops it when done."""
         loader = self.__dict__.get("_wants_loader")
         if loader is None:
             loader = self.__dict__["_wants_loader"] = WeightLoader(self)

@@ -187,6 +187,8 @@ def no_random_init() -> Iterator[None]:
     size (gpt-oss-20b's 201088 x 2880 embeddings and LM head: ~16 s of a 2-core machine,
     bench/NOTES.md section 29). Restores the initialisers on exit, also on an exception;
     not for use while another thread builds modules that keep their initial values.
+    (transformers' `no_init_weights` does the same, but imports `transformers.modeling_utils`,
+    which costs the engine 190 MB of resident memory.)
     """
     saved = {name: getattr(torch.nn.init, name) for name in _RANDOM_INITS}
     try:
