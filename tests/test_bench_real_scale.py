@@ -128,7 +128,8 @@ def test_real_dims_two_layer_cut_serves_finite_logprobs(rc: ModuleType, tmp_path
     from moe_engine import LLM
     from moe_engine.sampling_params import SamplingParams
 
-    ckpt = rc.ensure_checkpoint(tmp_path, "gpt-oss-20b", 2, 512, log=lambda _: None)
+    ckpt = rc.ensure_checkpoint(tmp_path, "gpt-oss-20b", 2, 512, log=lambda _: None,
+                               keep_free=2 * 10**9)
     assert rc.ensure_checkpoint(tmp_path, "gpt-oss-20b", 2, 512) == ckpt
     assert len(list(tmp_path.iterdir())) == 1
     llm = LLM(model=str(ckpt), max_model_len=64, kv_cache_memory=2**26)
