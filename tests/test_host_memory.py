@@ -202,3 +202,26 @@ def test_the_models_length_shrinks_to_what_fits_without_max_model_len() -> None:
     plan.check()
     fits = make_plan(shape, torch.bfloat16, max_model_len=4096, shrink_to_fit=True, **args)
     assert fits.max_model_len == 4096 and not fits.max_model_len_note
+
+
+def test_a_containers_memory_limit_bounds_the_host(tmp_path: Path) -> None:
+    """Under `docker --memory 4g` the plan sizes against 4 GiB, not the machine's memory:
+    cgroup v2 (memory.max / memory.current) and v1 (memory/memory.limit_in_bytes)."""
+    from moe_engine.startup.host_memory import cgroup_limit, read_host_memory
+
+    assert cgroup_limit(tmp_path) is None  # no controller
+    (tmp_path / "memory.max").write_text("max\n")
+    (tmp_path / "memory.current").write_text("123\n")
+    assert cgroup_limit(tmp_path) is None  # no limit
+    (tmp_path / "memory.max").write_text(f"{4 * GiB}\n")
+    (tmp_path / "memory.current").write_text(f"{GiB}\n")
+    assert cgroup_limit(tmp_path) == (4 * GiB, GiB)
+    host = read_host_memory(tmp_path)
+    assert host.total == 4 * GiB and host.available <= 3 * GiB
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{2 * GiB}\n")
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(f"{GiB // 2}\n")
+    assert cgroup_limit(v1) == (2 * GiB, GiB // 2)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{(1 << 63) - 4096}\n")
+    assert cgroup_limit(v1) is None  # v1's "unlimited"

@@ -144,7 +144,8 @@ class LinearKernel:
 
     def quantized_copy_bytes(self, weight: torch.Tensor, bias: torch.Tensor | None) -> int:
         """Bytes of the 4-bit copies beside the weight: codes and scales, and the dequantized
-        weight once a batch beyond the 4-bit kernel has made it; 0 for a float layer."""
+        weight kept off the CPU once a batch beyond the 4-bit kernel has made it; 0 for a float
+        layer."""
         if self.quant_scheme is None:
             return 0
         size = self.q4_packed(weight, bias).nbytes
@@ -160,10 +161,15 @@ class LinearKernel:
         if self.quant_scheme is not None:
             if self.q4 and rows <= NATIVE_MAX_ROWS:
                 return self.q4_packed(weight, bias)(x)
-            if self._q4_dense is None:
-                dense = self.q4_packed(weight, bias).dequantized
-                self._q4_dense = dense.to(weight.device, x.dtype)
-            return nn.functional.linear(x, self._q4_dense, bias)
+            if self._q4_dense is not None:
+                return nn.functional.linear(x, self._q4_dense, bias)
+            dense = self.q4_packed(weight, bias).dequantized.to(weight.device, x.dtype)
+            if weight.device.type != "cpu":  # a device: every batch comes here, keep it
+                self._q4_dense = dense
+            # on a CPU only batches over the 4-bit kernel's rows do (prefill chunks): the
+            # dequantized copy lives for this call, not beside the 4-bit one and the weight
+            # (a third copy the startup plan does not hold room for)
+            return nn.functional.linear(x, dense, bias)
         if rows > NATIVE_MAX_ROWS:
             return nn.functional.linear(x, weight, bias)
         if self.amx and x.dtype == torch.bfloat16 and rows >= amx.LINEAR_MIN_ROWS:

@@ -62,15 +62,40 @@ class HostMemory:
         return cls(total=1 << 60, available=1 << 60)
 
 
-def read_host_memory() -> HostMemory:
-    """MemTotal and MemAvailable from /proc/meminfo; where it does not exist, the physical
-    memory from sysconf, half of it counted available."""
+def read_host_memory(cgroup: Path = Path("/sys/fs/cgroup")) -> HostMemory:
+    """MemTotal and MemAvailable from /proc/meminfo (where it does not exist, the physical
+    memory from sysconf, half of it counted available), bounded by this process's cgroup
+    memory limit when it has one (a container's `--memory`: cgroup v2 `memory.max` and
+    `memory.current`, v1 `memory.limit_in_bytes` and `memory.usage_in_bytes` under
+    `cgroup`), so that the plan sizes against what the container may use."""
     fields = _kib_fields("/proc/meminfo", ("MemTotal", "MemAvailable"))
     process = _kib_fields("/proc/self/status", ("VmRSS",)).get("VmRSS", 0)
     if len(fields) == 2:
-        return HostMemory(fields["MemTotal"], fields["MemAvailable"], process)
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return HostMemory(total, total // 2, process)
+        total, available = fields["MemTotal"], fields["MemAvailable"]
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        available = total // 2
+    limit = cgroup_limit(cgroup)
+    if limit is not None and limit[0] < total:
+        total, available = limit[0], min(available, max(0, limit[0] - limit[1]))
+    return HostMemory(total, available, process)
+
+
+def cgroup_limit(root: Path) -> tuple[int, int] | None:
+    """(limit, usage) bytes of the cgroup memory controller at `root` (v2, else v1); None
+    without a limit ("max", or a v1 limit near 2^63) or a readable controller."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes",
+                                    "memory/memory.usage_in_bytes")):
+        try:
+            limit_text = (root / limit_file).read_text().strip()
+            usage = int((root / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit_text == "max" or not limit_text.isdigit() or int(limit_text) >= 1 << 60:
+            return None
+        return int(limit_text), usage
+    return None
 
 
 def _kib_fields(path: str, keys: tuple[str, ...]) -> dict[str, int]:
@@ -107,6 +132,13 @@ def activation_peak_bytes(shape: ModelShape, num_tokens: int, max_num_seqs: int,
         sampled in one step. local_experts: experts on this rank (bounds the routed pairs'
         distinct experts; the pairs themselves are num_tokens x top_k).
     """
+    per_token, fixed = activation_terms(shape, max_num_seqs, local_experts)
+    return num_tokens * per_token + fixed
+
+
+def activation_terms(shape: ModelShape, max_num_seqs: int, local_experts: int
+                     ) -> tuple[int, int]:
+    """(bytes per token of the step, bytes of the sampled logits) of `activation_peak_bytes`."""
     h = shape.hidden_size
     if shape.kv_lora_rank:
         qkv = shape.num_heads * (shape.qk_nope_head_dim + shape.qk_rope_head_dim + shape.v_head_dim)
@@ -118,8 +150,7 @@ def activation_peak_bytes(shape: ModelShape, num_tokens: int, max_num_seqs: int,
     moe += 3 * shape.shared_expert_intermediate_size
     dense = 3 * shape.intermediate_size if shape.num_dense_layers else 0
     per_token = 3 * h + max(attention, moe, dense)
-    logits = LOGITS_COPIES * max_num_seqs * shape.vocab_size
-    return 4 * (num_tokens * per_token + logits)
+    return 4 * per_token, 4 * LOGITS_COPIES * max_num_seqs * shape.vocab_size
 
 
 @dataclass(frozen=True)
@@ -132,6 +163,7 @@ class HostSizing:
         weights: this rank's weights as held (packed copies included).
         activations: `activation_peak_bytes` at max_num_batched_tokens.
         num_tokens: max_num_batched_tokens.
+        activation_per_token: the per-token part of `activations` (bytes).
     """
 
     memory: HostMemory
@@ -140,6 +172,15 @@ class HostSizing:
     weights: int
     activations: int
     num_tokens: int
+    activation_per_token: int = 0
+
+    def tokens_fitting(self, activations: int) -> int:
+        """The most tokens per step whose activations take at most `activations` bytes
+        (rounded down to a multiple of 256; 0 when none or unknown)."""
+        fixed = self.activations - self.num_tokens * self.activation_per_token
+        if self.activation_per_token <= 0 or activations <= fixed:
+            return 0
+        return (activations - fixed) // self.activation_per_token // 256 * 256
 
     @property
     def share(self) -> int:
@@ -155,10 +196,12 @@ class HostSizing:
 
     def describe(self) -> str:
         m, gib = self.memory, float(1 << 30)
-        per_rank = f" / {self.ranks} ranks on this host" if self.ranks > 1 else ""
+        fraction = (f"{m.total / gib:.2f} GiB total x cpu_memory_utilization "
+                    f"{self.utilization:g} - {m.in_use / gib:.2f} GiB in use")
+        if self.ranks > 1:
+            fraction = f"({fraction}) / {self.ranks} ranks on this host"
         return (
-            f"host memory: {m.total / gib:.2f} GiB total x cpu_memory_utilization "
-            f"{self.utilization:g} - {m.in_use / gib:.2f} GiB in use{per_rank} - "
+            f"host memory: {fraction} - "
             f"{self.weights / gib:.2f} GiB weights held - {self.activations / gib:.2f} GiB "
             f"activations ({self.num_tokens} tokens per step) = {self.kv_budget / gib:.2f} GiB "
             f"for the KV cache"

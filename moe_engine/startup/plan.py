@@ -27,7 +27,7 @@ from moe_engine.startup.host_memory import (
     DEFAULT_CPU_MEMORY_UTILIZATION,
     HostMemory,
     HostSizing,
-    activation_peak_bytes,
+    activation_terms,
     read_host_memory,
 )
 from moe_engine.startup.model_shape import ModelShape
@@ -157,7 +157,9 @@ class Plan:
         """A few lines for the startup log: weights, KV bytes, blocks, concurrent tokens."""
         s = self.shape
         dtype = str(self.dtype).removeprefix("torch.")
-        fits = self.max_concurrent_tokens / self.max_model_len
+        # a request's blocks over all groups (a sliding-window group holds fewer than its
+        # length's), not concurrent tokens / max_model_len
+        fits = self.num_blocks / max(1, self.blocks_per_request())
         return "\n".join([
             f"model: {s.architecture}, {s.num_layers} layers ({len(s.moe_layers)} MoE), "
             f"{s.num_experts} experts top-{s.top_k}, {dtype}",
@@ -387,17 +389,17 @@ def make_plan(
     one_request = sum(s.max_blocks_held(max_model_len, max_num_batched_tokens) for s in kv_specs)
     sizing, note = None, ""
     if host is not None or (kv_cache_memory is None and num_blocks_override is None):
+        step = max_num_batched_tokens or max_model_len
+        per_token, logits = activation_terms(shape, max_num_seqs or 1, num_local_experts or 0)
         sizing = HostSizing(
             host or read_host_memory(), cpu_memory_utilization, ranks_on_host,
-            experts + other + packed,
-            activation_peak_bytes(shape, max_num_batched_tokens or max_model_len,
-                                  max_num_seqs or 1, num_local_experts or 0),
-            max_num_batched_tokens or max_model_len)
+            experts + other + packed, step * per_token + logits, step, per_token)
     if num_blocks_override is not None:
         num_blocks, source = num_blocks_override, "num_blocks_override"
     elif kv_cache_memory is not None:
         if sizing is not None:
-            check_host_fits(sizing, kv_cache_memory, "--kv-cache-memory")
+            check_host_fits(sizing, kv_cache_memory, "--kv-cache-memory",
+                            experts_quantized=expert_bits_per_weight is not None)
         _check_state_fits(kv_cache_memory, "--kv-cache-memory", state_bytes, state_slots,
                           per_block * one_request)
         num_blocks = (kv_cache_memory - state_memory) // per_block
@@ -414,8 +416,11 @@ def make_plan(
                         f"--max-model-len to choose, or raise --cpu-memory-utilization")
                 max_model_len, one_request = fits, sum(
                     s.max_blocks_held(fits, max_num_batched_tokens) for s in kv_specs)
+        fits = _longest_fitting(kv_specs, max_num_batched_tokens, max_model_len,
+                                max(0, sizing.kv_budget - state_memory) // per_block)
         check_host_fits(sizing, per_block * one_request + state_memory,
-                        f"one request of max_model_len {max_model_len}")
+                        f"one request of max_model_len {max_model_len}", fits,
+                        expert_bits_per_weight is not None)
         budget = sizing.kv_budget
         source = f"cpu_memory_utilization {cpu_memory_utilization:g}"
         _check_state_fits(budget, source, state_bytes, state_slots, per_block * one_request)
@@ -495,10 +500,15 @@ def _state_budget(shape: ModelShape, dtype: torch.dtype, max_num_seqs: int | Non
     return max_num_seqs, per_request, per_request * (max_num_seqs + 1)
 
 
-def check_host_fits(sizing: HostSizing, kv_bytes: int, what: str) -> None:
+def check_host_fits(sizing: HostSizing, kv_bytes: int, what: str, fitting_len: int = 0,
+                    experts_quantized: bool = False) -> None:
     """Refuse, before loading, a plan whose weights, activations and `kv_bytes` of cache
     (one max_model_len request's, or an explicit --kv-cache-memory) exceed this rank's share
     of --cpu-memory-utilization x total memory.
+
+    Args:
+        fitting_len: the longest max_model_len whose one request fits (0: none, or unknown).
+        experts_quantized: the routed experts are 4-bit already (no advice to make them so).
 
     Raises:
         StartupError: naming every term and the flags that would make it fit.
@@ -514,19 +524,22 @@ def check_host_fits(sizing: HostSizing, kv_bytes: int, what: str) -> None:
         fixes.append(f"--cpu-memory-utilization {math.ceil(util * 100) / 100:g}")
     if what == "--kv-cache-memory" and left > 0:
         fixes.append(f"--kv-cache-memory {max(left, 0)} or less")
-    elif left > 0:
-        fixes.append("a lower --max-model-len (fewer KV blocks per request)")
-    if sizing.num_tokens > 256 and sizing.activations >= kv_bytes - left:
-        fixes.append("a lower --max-num-batched-tokens (smaller activations)")
-    fixes.append("4-bit experts (--quantization int4 or mxfp4) or more ranks (--ep-size)")
-    fixes.append(f"free {format_bytes(kv_bytes - left)} of memory")
+    elif fitting_len:
+        fixes.append(f"--max-model-len {fitting_len} or less")
+    tokens = sizing.tokens_fitting(sizing.activations - (kv_bytes - left))
+    if tokens >= 256:
+        fixes.append(f"--max-num-batched-tokens {tokens} or less")
+    if not experts_quantized:
+        fixes.append("4-bit experts (--quantization int4, or mxfp4)")
+    if kv_bytes - left < m.in_use:
+        fixes.append(f"free {format_bytes(kv_bytes - left)} of memory")
     raise StartupError(
         f"the model does not fit in host memory: weights held {format_bytes(sizing.weights)} "
         f"+ activations {format_bytes(sizing.activations)} ({sizing.num_tokens} tokens per "
         f"step) + KV cache {format_bytes(kv_bytes)} ({what}) = {format_bytes(need)} "
         f"({need} bytes), but {format_bytes(m.total)} total x cpu_memory_utilization "
         f"{sizing.utilization:g} - {format_bytes(m.in_use)} in use"
-        + (f" / {sizing.ranks} ranks on this host" if sizing.ranks > 1 else "")
+        + (f", / {sizing.ranks} ranks on this host," if sizing.ranks > 1 else "")
         + (f" leaves {format_bytes(sizing.share)} ({sizing.share} bytes)" if sizing.share > 0
            else " leaves nothing")
         + "; try "

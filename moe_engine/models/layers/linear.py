@@ -64,8 +64,8 @@ class Linear(nn.Linear):
     def quantized_copy_bytes(self) -> int:
         """Bytes of the copies `quantize` adds beside the weight, which stays for weight
         updates: the 4-bit codes and scales (made now if `bind_kernels` dropped them: the
-        first forward would), and the dequantized weight once a batch beyond the 4-bit kernel
-        (or another backend) has made it; 0 when not quantized."""
+        first forward would), and, off the CPU, the dequantized weight once a batch beyond the
+        4-bit kernel (or another backend) has made it; 0 when not quantized."""
         return self.bound_kernel().quantized_copy_bytes(self.weight, self.bias)
 
     def q4_packed(self) -> PackedQuantLinear:
