@@ -1,7 +1,7 @@
 """Real-size benchmark: moe-engine against llama.cpp on gpt-oss-20b- and Qwen3-30B-A3B-shaped
 random-weight checkpoints (issue 41), in one sitting, engines alternating.
 
-Steps (everything under `--workdir`, default /work/realscale, reused by later runs):
+Steps (everything under `--workdir`, default $MOE_ENGINE_CACHE/real-scale, reused by later runs):
   1. the checkpoint (bench/real_checkpoint.py): gpt-oss-20b as released (MXFP4 experts, bf16
      elsewhere, 3 shards + index, 12.8 GiB), or Qwen3-30B-A3B in bf16 cut to `--layers`;
      `--layers` / `--vocab` cut either (the tests and smoke runs use 2 layers and 8192 ids);
@@ -82,6 +82,8 @@ from real_checkpoint import ensure_checkpoint  # noqa: E402
 from real_rows import LOGPROB_PROMPTS, FixedBatch1, add_runs, observe, start  # noqa: E402
 from served_engine import ServedRow  # noqa: E402
 from workload import BenchRequest, write_requests_file  # noqa: E402
+
+from kernels.env import cache_root  # noqa: E402
 
 logger = logging.getLogger("bench.real_scale")
 
@@ -222,7 +224,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", choices=sorted(MODELS), default="gpt-oss-20b")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: all)")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary (default: the config's)")
-    p.add_argument("--workdir", type=Path, default=Path("/work/realscale"))
+    p.add_argument("--workdir", type=Path, default=cache_root() / "real-scale",
+                   help="checkpoints and GGUFs (default $MOE_ENGINE_CACHE/real-scale, else "
+                   "~/.cache/moe-engine/real-scale); a real-size sitting needs ~40 GB free")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--batch1-len", type=int, default=64, help="tokens per batch-1 request")
