@@ -12,6 +12,7 @@ the flag that fixes it (DESIGN.md section 4, "Capacity is derived, not guessed")
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -268,14 +269,7 @@ class Plan:
     def max_fitting_len(self) -> int:
         """The longest request (tokens, at most max_model_len) whose blocks fit in the pool;
         0 when none does."""
-        lo, hi = 0, self.max_model_len
-        while lo < hi:  # blocks_per_request is non-decreasing in the length
-            mid = (lo + hi + 1) // 2
-            if self.blocks_per_request(mid) <= self.num_blocks:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return _longest_fitting(self.blocks_per_request, self.max_model_len, self.num_blocks)
 
 
 def make_plan(
@@ -406,9 +400,10 @@ def make_plan(
         source = "--kv-cache-memory"
     else:
         assert sizing is not None
+        fits = _longest_fitting(
+            lambda n: sum(s.max_blocks_held(n, max_num_batched_tokens) for s in kv_specs),
+            max_model_len, max(0, sizing.kv_budget - state_memory) // per_block, step=256)
         if shrink_to_fit and per_block * one_request + state_memory > sizing.kv_budget:
-            fits = _longest_fitting(kv_specs, max_num_batched_tokens, max_model_len,
-                                    (sizing.kv_budget - state_memory) // per_block)
             if fits >= min(max_model_len, MIN_SHRUNK_LEN):
                 note = (f"max_model_len {fits}: the model's {max_model_len} tokens need "
                         f"{format_bytes(per_block * one_request)} of KV cache for one request, "
@@ -416,8 +411,6 @@ def make_plan(
                         f"--max-model-len to choose, or raise --cpu-memory-utilization")
                 max_model_len, one_request = fits, sum(
                     s.max_blocks_held(fits, max_num_batched_tokens) for s in kv_specs)
-        fits = _longest_fitting(kv_specs, max_num_batched_tokens, max_model_len,
-                                max(0, sizing.kv_budget - state_memory) // per_block)
         check_host_fits(sizing, per_block * one_request + state_memory,
                         f"one request of max_model_len {max_model_len}", fits,
                         expert_bits_per_weight is not None)
@@ -445,21 +438,18 @@ def make_plan(
 MIN_SHRUNK_LEN = 2048
 
 
-def _longest_fitting(specs: tuple[KVCacheSpec, ...], chunk: int | None, limit: int,
-                     blocks: int) -> int:
-    """The longest request (tokens, at most `limit`, a multiple of 256 from 256 up) whose
-    blocks over all `specs` fit in `blocks`; 0 when none does."""
-    def need(n: int) -> int:
-        return sum(s.max_blocks_held(n, chunk) for s in specs)
-
-    lo, hi = 0, limit // 256
-    while lo < hi:  # need() is non-decreasing in the length
+def _longest_fitting(need: Callable[[int], int], limit: int, blocks: int,
+                     step: int = 1) -> int:
+    """The longest request (tokens, at most `limit`, a multiple of `step`) whose `need(n)`
+    blocks fit in `blocks`; 0 when none does. `need` is non-decreasing in the length."""
+    lo, hi = 0, limit // step
+    while lo < hi:
         mid = (lo + hi + 1) // 2
-        if need(mid * 256) <= blocks:
+        if need(mid * step) <= blocks:
             lo = mid
         else:
             hi = mid - 1
-    return lo * 256
+    return lo * step
 
 
 def _check_state_fits(budget: int, source: str, per_request: int, slots: int,
