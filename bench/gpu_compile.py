@@ -43,6 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -93,6 +94,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--family", action="append", help="only families containing this (repeat)")
     p.add_argument("--op", action="append", help="only these drivers (fused_moe, ...)")
     p.add_argument("--quant", action="append", help="only formats/layer kinds starting so")
+    p.add_argument("--dtype", action="append", help="only these compute dtypes (bf16, ...)")
     p.add_argument("--tokens", help="comma-separated token counts / decode batches")
     p.add_argument("--moe-config", help="force every fused-MoE call to M,N,K,WARPS,STAGES")
     p.add_argument("--no-cache", action="store_true", help="ignore and rewrite cached results")
@@ -102,6 +104,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _sweep(args: argparse.Namespace) -> gpu_families.Sweep:
     sweep = gpu_families.QUICK if args.quick else gpu_families.FULL
+    if args.dtype:
+        names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+        sweep = replace(sweep, dtypes=tuple(names[d] for d in args.dtype))
     if args.tokens:
         counts = tuple(int(x) for x in args.tokens.split(","))
         sweep = replace(sweep, num_tokens=counts, decode_batches=counts)
@@ -114,6 +119,8 @@ def _sweep(args: argparse.Namespace) -> gpu_families.Sweep:
 
 
 def _wanted(args: argparse.Namespace, labels: dict[str, Any]) -> bool:
+    if args.dtype is not None and labels["dtype"] not in args.dtype:
+        return False
     return args.quant is None or any(labels["quant"].startswith(q) for q in args.quant)
 
 

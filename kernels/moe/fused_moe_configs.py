@@ -14,12 +14,22 @@ smallest token-count bucket >= the call's ``num_tokens`` (`TOKEN_BUCKETS`) to a 
 
 Where the entries come from: NOT measured. No GPU was available when this table was written;
 the entries for the Qwen3-30B-A3B (H 2048, I 768) and gpt-oss-20b (H 2880, I 2880) expert
-shapes are hand-picked starting points (the `default_config` reasoning, with deeper pipelines
-for the wide-K decode tiles), not copied from vLLM's files and not benchmarked. They are to be
-replaced by measurements from ``bench/gpu_kernels.py`` on the target GPU (sweep the tiles per
-bucket, keep the fastest, write them here in this format). Every config is valid for any
-shape: the launcher shrinks N/K tiles to the problem (never below 16, Triton's ``tl.dot``
-minimum), so the interpreter's tiny test shapes run with the same table.
+shapes are hand-picked starting points (the `default_config` reasoning), not copied from vLLM's
+files and not benchmarked. They are to be replaced by measurements from ``bench/gpu_kernels.py``
+on the target GPU (sweep the tiles per bucket, keep the fastest, write them here in this
+format). Every config is valid for any shape: the launcher shrinks N/K tiles to the problem
+(never below 16, Triton's ``tl.dot`` minimum), so the interpreter's tiny test shapes run with
+the same table.
+
+What IS checked, without a GPU: every entry and every `default_config` tile, compiled for sm_90
+by ``bench/gpu_compile.py`` for the served families' shapes in bf16, fp16 and fp32 (int4 with
+fp32/bf16 scales and zero points, MXFP4), fits the 232,448 B of shared memory an H100/H200
+block gets (the largest 4-bit tile here needs < 100 KB, float < 200 KB in fp32), and the
+16-bit decode tiles (<= 256 tokens) compile without register spills. That check replaced the
+first hand-picked 4-bit decode tiles (16x128x128, 4 warps, 3 stages), which needed 303,104 B of
+shared memory with int4 (fp32 scales) and spilled: the 4-bit loader dequantizes a
+``[BLOCK_K, BLOCK_N]`` tile of bytes and per-element scales, so a 4-bit K step of 64 holds as
+many live values as a float one of 128, and 4-bit tiles use ``BLOCK_SIZE_K`` 64 here.
 """
 
 from __future__ import annotations
@@ -70,27 +80,29 @@ class MoeTileConfig:
 _C = MoeTileConfig
 
 #: Both 4-bit formats of the Qwen3-30B-A3B experts: the same tiles (a byte per two weights).
+#: Decode tiles stay at K 64 (see the module docstring: 16x128x128 overflowed shared memory).
 _QWEN3_4BIT = {
-    1: _C(16, 64, 128, 4, 3), 64: _C(16, 128, 128, 4, 3), 256: _C(32, 128, 128, 4, 2),
+    1: _C(16, 64, 64, 4, 3), 64: _C(16, 64, 64, 4, 3), 256: _C(32, 128, 64, 8, 2),
     4096: _C(64, 128, 64, 8, 2),
 }
 
 #: (weight_format, N = I, K = H) -> {token bucket: config}. Defaults to be tuned (see above).
+#: Float decode tiles keep 3 stages: 4 stages of 16x64x128 needed 221,184 B in fp32.
 TUNED: dict[tuple[str, int, int], dict[int, MoeTileConfig]] = {
     # Qwen3-30B-A3B experts: H 2048, I 768 (128 experts, top-8)
     ("float", 768, 2048): {
-        1: _C(16, 64, 128, 4, 4), 16: _C(16, 64, 128, 4, 4), 64: _C(16, 128, 64, 4, 3),
+        1: _C(16, 64, 128, 4, 3), 16: _C(16, 64, 128, 4, 3), 64: _C(16, 128, 64, 4, 3),
         256: _C(32, 128, 64, 4, 3), 1024: _C(64, 128, 64, 8, 3), 4096: _C(128, 128, 64, 8, 3),
     },
     ("int4", 768, 2048): _QWEN3_4BIT,
     ("mxfp4", 768, 2048): _QWEN3_4BIT,
     # gpt-oss-20b experts: H 2880, I 2880 (32 experts, top-4)
     ("mxfp4", 2880, 2880): {
-        1: _C(16, 128, 128, 4, 3), 64: _C(16, 128, 128, 4, 3), 256: _C(32, 128, 128, 8, 2),
+        1: _C(16, 64, 64, 4, 3), 64: _C(16, 64, 64, 4, 3), 256: _C(32, 128, 64, 8, 2),
         4096: _C(64, 128, 64, 8, 2),
     },
     ("float", 2880, 2880): {
-        1: _C(16, 64, 128, 4, 4), 64: _C(16, 128, 64, 4, 3), 256: _C(32, 128, 64, 4, 3),
+        1: _C(16, 64, 128, 4, 3), 64: _C(16, 128, 64, 4, 3), 256: _C(32, 128, 64, 4, 3),
         4096: _C(128, 128, 64, 8, 3),
     },
 }
@@ -109,16 +121,20 @@ def default_config(num_tokens: int, n: int, k: int, weight_format: str) -> MoeTi
 
     Small batches (decode: each expert sees a few pairs) take the smallest M tile and a wide K
     step, so that a program streams weights with few idle rows; large batches grow M to reuse
-    each weight tile over more pairs. 4-bit weights halve the bytes per K step, so they keep
-    the wide K step longer. N and K only cap the tiles (the launcher shrinks them again).
+    each weight tile over more pairs. 4-bit weights keep K 64 and 8 warps from 65 tokens on:
+    their loader holds a dequantized ``[BLOCK_K, BLOCK_N]`` tile and its per-element scales in
+    registers and shared memory (bench/gpu_compile.py checks every tile here fits an H100
+    block without decode-path spills). N and K only cap the tiles (the launcher shrinks them
+    again).
     """
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
-    block_k = 128 if weight_format != "float" or num_tokens <= 64 else 64
+    four_bit = weight_format != "float"
+    block_k = 128 if not four_bit and num_tokens <= 64 else 64
     if num_tokens <= 64:
         block_m, block_n, warps, stages = 16, 64, 4, 3
     elif num_tokens <= 1024:
-        block_m, block_n, warps, stages = 32, 128, 4, 3
+        block_m, block_n, warps, stages = (32, 128, 8, 2) if four_bit else (32, 128, 4, 3)
     else:
         block_m, block_n, warps, stages = 64, 128, 8, 2
     return MoeTileConfig(block_m, min(block_n, _pow2_cap(n)), min(block_k, _pow2_cap(k)),
