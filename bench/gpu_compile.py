@@ -43,15 +43,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
 import gpu_families  # noqa: E402
 import gpu_variants  # noqa: E402
+import torch  # noqa: E402
+import triton  # noqa: E402
 from gpu_kernel_stats import cubin_usage, format_loads, global_loads  # noqa: E402
 from gpu_recorder import Launch, record_launches  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
 
 SHARED_LIMIT = 232_448  # bytes per block, opt-in maximum on sm_90 (H100/H200) and sm_100 (B200)
 ARCHS = {"sm_90": 90, "sm_100": 100}
@@ -128,8 +127,11 @@ def collect(args: argparse.Namespace, target: GPUTarget) -> dict[str, Variant]:
     """Run every selected driver under the recorder; variants by `Launch.key`, in order."""
     variants: dict[str, Variant] = {}
     sweep = _sweep(args)
-    families = [f for f in gpu_families.FAMILIES
-                if not args.family or any(n.lower() in f.name.lower() for n in args.family)]
+    families = [
+        f
+        for f in gpu_families.FAMILIES
+        if not args.family or any(n.lower() in f.name.lower() for n in args.family)
+    ]
     drivers = [d for d in gpu_variants.DRIVERS if not args.op or d.__name__ in args.op]
     labels: dict[str, Any] = {}
     with record_launches(target, labels) as launches:
@@ -187,7 +189,7 @@ def compile_all(variants: dict[str, Variant], arch: int, jobs: int, use_cache: b
     start = time.monotonic()
     with multiprocessing.get_context("fork").Pool(max(1, jobs)) as pool:
         results = pool.imap(_compile_star, [(i, arch) for i in range(len(todo))])
-        for done, (key, result) in enumerate(zip(todo, results), 1):
+        for done, (key, result) in enumerate(zip(todo, results, strict=True), 1):
             variants[key].result = result
             if "error" not in result:
                 path = _cache_path(key, arch)
@@ -236,7 +238,7 @@ def print_table(variants: dict[str, Variant]) -> None:
                      str(r["regs"]), spill, format_loads(r["loads"])))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
 def summary(variants: dict[str, Variant], calls: int) -> dict[str, Any]:
@@ -272,8 +274,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{record_s:.1f} s, compiled in {compile_s:.1f} s ({args.jobs} processes), total "
           f"{total_s:.1f} s (Triton {triton.__version__})")  # fmt: skip
     for name, k in info["per_kernel"].items():
-        print(f"  {name}: {k['variants']} variants, max shared {k['max_shared']:,} B, max "
-              f"{k['max_regs']} registers, {k['spilling']} spilling, {k['errors']} errors")
+        print(
+            f"  {name}: {k['variants']} variants, max shared {k['max_shared']:,} B, max "
+            f"{k['max_regs']} registers, {k['spilling']} spilling, {k['errors']} errors"
+        )
     if args.json:
         payload = {"arch": args.arch, "triton": triton.__version__, "shared_limit": SHARED_LIMIT,
                    "summary": info, "failures": problems, "seconds": round(total_s, 1),
@@ -283,8 +287,10 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(payload, indent=1, default=str))
     for message in problems:
         print(f"FAIL: {message}")
-    print(f"{'FAIL' if problems else 'OK'}: {len(problems)} problems in {len(variants)} variants "
-          f"(limit {SHARED_LIMIT:,} B shared per block; no spills on the decode path)")
+    print(
+        f"{'FAIL' if problems else 'OK'}: {len(problems)} problems in {len(variants)} variants "
+        f"(limit {SHARED_LIMIT:,} B shared per block; no spills on the decode path)"
+    )
     return 1 if problems else 0
 
 

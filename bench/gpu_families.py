@@ -61,13 +61,38 @@ FAMILIES: tuple[Family, ...] = (
     # Qwen/Qwen3-30B-A3B
     Family("Qwen3-30B-A3B", 2048, 768, 128, 8, 32, 4, 128, 40960),
     # openai/gpt-oss-20b and gpt-oss-120b: MXFP4 experts in the checkpoint
-    Family("gpt-oss-20b", 2880, 2880, 32, 4, 64, 8, 64, 131072, sliding_window=128, sinks=True,
-           clamped_swiglu=True),  # fmt: skip
-    Family("gpt-oss-120b", 2880, 2880, 128, 4, 64, 8, 64, 131072, sliding_window=128,
-           sinks=True, clamped_swiglu=True),  # fmt: skip
+    Family(
+        "gpt-oss-20b",
+        2880,
+        2880,
+        32,
+        4,
+        64,
+        8,
+        64,
+        131072,
+        sliding_window=128,
+        sinks=True,
+        clamped_swiglu=True,
+    ),  # fmt: skip
+    Family(
+        "gpt-oss-120b",
+        2880,
+        2880,
+        128,
+        4,
+        64,
+        8,
+        64,
+        131072,
+        sliding_window=128,
+        sinks=True,
+        clamped_swiglu=True,
+    ),  # fmt: skip
     # deepseek-ai/DeepSeek-V3: MLA (128 heads, latent 512 + rope 64); prefill chunks run on torch
-    Family("DeepSeek-V3", 7168, 2048, 256, 8, 128, 1, 576, 163840, kv_lora_rank=512,
-           rope_dim=64),  # fmt: skip
+    Family(
+        "DeepSeek-V3", 7168, 2048, 256, 8, 128, 1, 576, 163840, kv_lora_rank=512, rope_dim=64
+    ),  # fmt: skip
     # mistralai/Mixtral-8x7B-v0.1
     Family("Mixtral-8x7B", 4096, 14336, 8, 2, 32, 8, 128, 32768),
     # Qwen/Qwen3-Next-80B-A3B: full-attention layers (linear attention layers run on torch)

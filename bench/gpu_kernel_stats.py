@@ -24,7 +24,10 @@ from collections import Counter
 from pathlib import Path
 
 _LD_GLOBAL = re.compile(r"\bld\.global((?:\.[\w:]+)*)")
-_CP_ASYNC = re.compile(r"\bcp\.async\.c[ag]\.shared\.global(?:\.[\w:]+)*\s*\[[^]]*\],\s*\[[^]]*\],\s*(0x[0-9a-fA-F]+|\d+)")
+_CP_ASYNC = re.compile(
+    r"\bcp\.async\.c[ag]\.shared\.global(?:\.[\w:]+)*"  # the copy,
+    r"\s*\[[^]]*\],\s*\[[^]]*\],\s*(0x[0-9a-fA-F]+|\d+)"  # [dst], [src], bytes
+)
 _TYPE_BITS = {"8": 8, "16": 16, "32": 32, "64": 64, "128": 128}
 _RES_USAGE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
 
@@ -45,7 +48,8 @@ def global_loads(ptx: str) -> dict[str, int]:
     for match in _LD_GLOBAL.finditer(ptx):
         parts = match.group(1).split(".")
         vector = next((int(p[1:]) for p in parts if p in ("v2", "v4", "v8")), 1)
-        bits = next((_TYPE_BITS[p[1:]] for p in parts if p[:1] in "bufs" and p[1:] in _TYPE_BITS), 0)
+        types = (p[1:] for p in parts if p[:1] in "bufs")  # .b8 .u16 .f32 .s64 ...
+        bits = next((_TYPE_BITS[t] for t in types if t in _TYPE_BITS), 0)
         counts[f"ld{vector * bits // 8}"] += 1
     for match in _CP_ASYNC.finditer(ptx):
         counts[f"cp{int(match.group(1), 0)}"] += 1

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 from gpu_families import Family, Sweep
 
 META = torch.device("meta")
@@ -68,7 +67,8 @@ def _moe_formats(fam: Family, sweep: Sweep) -> Iterator[tuple[str, tuple | None,
     """(quantization, int4 variant or None, label) the family can be served with."""
     for quant in fam.quantizations:
         if quant != "int4":
-            if quant != "mxfp4" or (fam.hidden_size % 32 == 0 and fam.moe_intermediate_size % 32 == 0):
+            k_dims = (fam.hidden_size, fam.moe_intermediate_size)
+            if quant != "mxfp4" or all(k % 32 == 0 for k in k_dims):
                 yield quant, None, quant
             continue
         for group, scale_dtype, zeros in sweep.int4_variants:
@@ -97,14 +97,17 @@ def fused_moe(fam: Family, sweep: Sweep) -> Iterator[Case]:
                 routing = {"topk_weights": _empty(t, k, dtype=torch.float32),
                            "topk_ids": _empty(t, k, dtype=torch.int32)}  # fmt: skip
 
-                def call(t=t, weights=weights, routing=routing, fn=launcher[quant], b=biases):
+                def call(t=t, weights=weights, routing=routing, fn=launcher[quant], b=biases,
+                         dtype=dtype):  # fmt: skip
                     hidden = _empty(t, h, dtype=dtype)
                     return fn(hidden, **weights, **routing, activation=act, config=sweep.moe_config,
                               **b)  # fmt: skip
 
                 labels = {"op": "fused_moe", "family": fam.name, "dtype": _DTYPE_NAMES[dtype],
                           "quant": label, "shape": f"T={t}"}  # fmt: skip
-                yield Case(labels, call, decode=t <= 256)
+                # fp32 is the GPU tests' dtype (IEEE dots on FMA units, not served for speed):
+                # its spills are reported, not failed
+                yield Case(labels, call, decode=t <= 256 and dtype != torch.float32)
 
 
 def _kv_tables(batch: int, max_len: int, block_size: int) -> dict[str, torch.Tensor]:
@@ -120,8 +123,10 @@ def _attention_layers(fam: Family) -> Iterator[tuple[int | None, str]]:
         yield fam.sliding_window, f"window{fam.sliding_window}"
 
 
-def _paged_call(fam: Family, dtype: torch.dtype, block_size: int, num_tokens: int, batch: int,
-                max_len: int, max_query_len: int, window: int | None) -> Callable[[], object]:  # fmt: skip
+def _paged_call(
+    fam: Family, dtype: torch.dtype, block_size: int, num_tokens: int, batch: int, max_len: int,
+    max_query_len: int, window: int | None,
+) -> Callable[[], object]:  # fmt: skip
     from kernels.attention.triton_attention import paged_attention
 
     cache = _empty(4096, block_size, fam.num_kv_heads, fam.head_dim, dtype=dtype)
@@ -150,8 +155,13 @@ def attention_decode(fam: Family, sweep: Sweep) -> Iterator[Case]:
                 for batch in sweep.decode_batches:
                     call = _paged_call(fam, dtype, sweep.block_size, batch, batch, max_len, 1,
                                        window)  # fmt: skip
-                    labels = {"op": "attention_decode", "family": fam.name, "quant": layer,
-                              "dtype": _DTYPE_NAMES[dtype], "shape": f"B={batch} len={max_len}"}
+                    labels = {
+                        "op": "attention_decode",
+                        "family": fam.name,
+                        "quant": layer,
+                        "dtype": _DTYPE_NAMES[dtype],
+                        "shape": f"B={batch} len={max_len}",
+                    }
                     yield Case(labels, call, decode=True)
 
 
@@ -191,8 +201,13 @@ def mla_decode(fam: Family, sweep: Sweep) -> Iterator[Case]:
                     return launcher(q, cache, tables["block_tables"], tables["seq_lens"],
                                     scale=0.1, kv_lora_rank=fam.kv_lora_rank)  # fmt: skip
 
-                labels = {"op": "mla_decode", "family": fam.name, "quant": "mla",
-                          "dtype": _DTYPE_NAMES[dtype], "shape": f"B={batch} len={max_len}"}
+                labels = {
+                    "op": "mla_decode",
+                    "family": fam.name,
+                    "quant": "mla",
+                    "dtype": _DTYPE_NAMES[dtype],
+                    "shape": f"B={batch} len={max_len}",
+                }
                 yield Case(labels, call, decode=True)
 
 

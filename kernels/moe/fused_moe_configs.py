@@ -82,7 +82,9 @@ _C = MoeTileConfig
 #: Both 4-bit formats of the Qwen3-30B-A3B experts: the same tiles (a byte per two weights).
 #: Decode tiles stay at K 64 (see the module docstring: 16x128x128 overflowed shared memory).
 _QWEN3_4BIT = {
-    1: _C(16, 64, 64, 4, 3), 64: _C(16, 64, 64, 4, 3), 256: _C(32, 128, 64, 8, 2),
+    1: _C(16, 64, 64, 4, 3),
+    64: _C(16, 64, 64, 4, 3),
+    256: _C(32, 128, 64, 8, 2),
     4096: _C(64, 128, 64, 8, 2),
 }
 
@@ -91,18 +93,26 @@ _QWEN3_4BIT = {
 TUNED: dict[tuple[str, int, int], dict[int, MoeTileConfig]] = {
     # Qwen3-30B-A3B experts: H 2048, I 768 (128 experts, top-8)
     ("float", 768, 2048): {
-        1: _C(16, 64, 128, 4, 3), 16: _C(16, 64, 128, 4, 3), 64: _C(16, 128, 64, 4, 3),
-        256: _C(32, 128, 64, 4, 3), 1024: _C(64, 128, 64, 8, 3), 4096: _C(128, 128, 64, 8, 3),
+        1: _C(16, 64, 128, 4, 3),
+        16: _C(16, 64, 128, 4, 3),
+        64: _C(16, 128, 64, 4, 3),
+        256: _C(32, 128, 64, 4, 3),
+        1024: _C(64, 128, 64, 8, 3),
+        4096: _C(128, 128, 64, 8, 3),
     },
     ("int4", 768, 2048): _QWEN3_4BIT,
     ("mxfp4", 768, 2048): _QWEN3_4BIT,
     # gpt-oss-20b experts: H 2880, I 2880 (32 experts, top-4)
     ("mxfp4", 2880, 2880): {
-        1: _C(16, 64, 64, 4, 3), 64: _C(16, 64, 64, 4, 3), 256: _C(32, 128, 64, 8, 2),
+        1: _C(16, 64, 64, 4, 3),
+        64: _C(16, 64, 64, 4, 3),
+        256: _C(32, 128, 64, 8, 2),
         4096: _C(64, 128, 64, 8, 2),
     },
     ("float", 2880, 2880): {
-        1: _C(16, 64, 128, 4, 3), 64: _C(16, 128, 64, 4, 3), 256: _C(32, 128, 64, 4, 3),
+        1: _C(16, 64, 128, 4, 3),
+        64: _C(16, 128, 64, 4, 3),
+        256: _C(32, 128, 64, 4, 3),
         4096: _C(128, 128, 64, 8, 3),
     },
 }
@@ -137,8 +147,9 @@ def default_config(num_tokens: int, n: int, k: int, weight_format: str) -> MoeTi
         block_m, block_n, warps, stages = (32, 128, 8, 2) if four_bit else (32, 128, 4, 3)
     else:
         block_m, block_n, warps, stages = 64, 128, 8, 2
-    return MoeTileConfig(block_m, min(block_n, _pow2_cap(n)), min(block_k, _pow2_cap(k)),
-                         warps, stages)
+    return MoeTileConfig(
+        block_m, min(block_n, _pow2_cap(n)), min(block_k, _pow2_cap(k)), warps, stages
+    )
 
 
 def _pow2_cap(dim: int) -> int:
