@@ -57,38 +57,16 @@ class Family:
         return self.kv_lora_rank is not None
 
 
+#: gpt-oss: every other layer a 128-token window; sinks; clamped SwiGLU with expert biases.
+_GPT_OSS = {"sliding_window": 128, "sinks": True, "clamped_swiglu": True}
+
+#: Positional fields: name, H, I, E, top_k, Hq, Hkv, head_dim, max_position_embeddings.
 FAMILIES: tuple[Family, ...] = (
     # Qwen/Qwen3-30B-A3B
     Family("Qwen3-30B-A3B", 2048, 768, 128, 8, 32, 4, 128, 40960),
     # openai/gpt-oss-20b and gpt-oss-120b: MXFP4 experts in the checkpoint
-    Family(
-        "gpt-oss-20b",
-        2880,
-        2880,
-        32,
-        4,
-        64,
-        8,
-        64,
-        131072,
-        sliding_window=128,
-        sinks=True,
-        clamped_swiglu=True,
-    ),  # fmt: skip
-    Family(
-        "gpt-oss-120b",
-        2880,
-        2880,
-        128,
-        4,
-        64,
-        8,
-        64,
-        131072,
-        sliding_window=128,
-        sinks=True,
-        clamped_swiglu=True,
-    ),  # fmt: skip
+    Family("gpt-oss-20b", 2880, 2880, 32, 4, 64, 8, 64, 131072, **_GPT_OSS),
+    Family("gpt-oss-120b", 2880, 2880, 128, 4, 64, 8, 64, 131072, **_GPT_OSS),
     # deepseek-ai/DeepSeek-V3: MLA (128 heads, latent 512 + rope 64); prefill chunks run on torch
     Family(
         "DeepSeek-V3", 7168, 2048, 256, 8, 128, 1, 576, 163840, kv_lora_rank=512, rope_dim=64
