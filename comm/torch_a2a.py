@@ -148,6 +148,12 @@ class TorchAllToAll:
             raise ValueError(f"begin_step: num_tokens must be >= 0, got {num_tokens}")
         self.step_max_tokens = max_tokens_over_ranks(num_tokens, self.group, self.control_group)
 
+    def profile_token_counts(self, max_tokens: int) -> set[int]:
+        """None: below a step that takes the variable splits, a fixed-capacity step's buffers
+        (at most `FIXED_CAPACITY_MAX_BYTES` per payload) are no larger than the variable
+        splits' at the larger step, for which the profile run runs anyway."""
+        return set()
+
     def dispatch(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> DispatchResult:
