@@ -100,7 +100,7 @@ def fixed_dispatch(
         local_slot = torch.zeros(1, top_k, dtype=torch.int32, device=device)
         topk_weights = torch.zeros(1, top_k, dtype=torch.float32, device=device)
     source = slot_token.clamp(max=hidden.shape[0] - 1)
-    block_rank = ranks.repeat_interleave(capacity)
+    block_rank = ranks[:, None].expand(-1, capacity).reshape(-1)
     match = (dest_rank[source] == block_rank[:, None]) & (slot_token < num_tokens)[:, None]
     ids = torch.where(match, local_slot[source], -1)
     weights = torch.where(match, topk_weights[source].float(), 0.0)

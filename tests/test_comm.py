@@ -398,6 +398,7 @@ class FakeDeepEPBuffer:
     # recv_count are NaN here (unset memory in DeepEP), so a consumer reading them shows
 
     cleaned = 0  # clean_low_latency_buffer calls
+    ll_dispatches = 0  # low_latency_dispatch calls
 
     def clean_low_latency_buffer(self, max_tokens: int, hidden: int, num_experts: int) -> None:
         self.cleaned += 1
@@ -410,21 +411,29 @@ class FakeDeepEPBuffer:
             raise TypeError(f"x {x.dtype}, topk_idx {topk_idx.dtype}, use_fp8 {use_fp8}")
         if x.shape[0] > max_tokens:
             raise ValueError(f"{x.shape[0]} tokens > num_max_dispatch_tokens_per_rank {max_tokens}")
+        self.ll_dispatches += 1
         world = dist.get_world_size()
         local = num_experts // world
-        inner = TorchAllToAll(None, ExpertPlacement.contiguous(num_experts, world))
+        # fixed capacity sized by the buffer's own bound (the same on every rank): like the
+        # real kernels, nothing is read back to the host
+        inner = TorchAllToAll(None, ExpertPlacement.contiguous(num_experts, world), mode="fixed")
         top_k = topk_idx.shape[1]
+        inner.step_max_tokens = max_tokens * top_k
         pair_ids = topk_idx.reshape(-1, 1).int()
         sent = inner.dispatch(x.repeat_interleave(top_k, 0), pair_ids, torch.ones(pair_ids.shape))
-        expert = sent.topk_ids[:, 0].long()
-        position = (torch.nn.functional.one_hot(expert, local).cumsum(0) - 1).gather(
-            1, expert[:, None]
-        )[:, 0]
-        packed = torch.full((local, max_tokens * world, x.shape[1]), float("nan"))
+        ids = sent.topk_ids[:, 0].long()
+        valid = ids >= 0
+        expert = torch.where(valid, ids, local)  # padding rows: a spare expert, dropped
+        one_hot = expert[:, None] == torch.arange(local + 1)  # F.one_hot reads its max back
+        position = (one_hot.cumsum(0) - 1).gather(1, expert[:, None])[:, 0]
+        position = torch.where(valid, position, 0)
+        packed = torch.full((local + 1, max_tokens * world, x.shape[1]), float("nan"))
         packed = packed.to(torch.bfloat16)
         packed[expert, position] = sent.hidden
-        count = torch.bincount(expert, minlength=local).int()
-        return packed, count, (inner, sent.handle, expert, position, top_k), None, None
+        count = torch.zeros(local + 1, dtype=torch.int64).scatter_add_(
+            0, expert, torch.ones_like(expert)
+        )[:local].int()
+        return packed[:local], count, (inner, sent.handle, expert, position, top_k), None, None
 
     def low_latency_combine(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: tuple
@@ -432,7 +441,9 @@ class FakeDeepEPBuffer:
         if x.dtype != torch.bfloat16 or topk_weights.dtype != torch.float32:
             raise TypeError(f"x {x.dtype}, topk_weights {topk_weights.dtype}")
         inner, inner_handle, expert, position, top_k = handle
-        back = inner.combine(x[expert, position], inner_handle).float()  # [T * k, H]
+        spare = torch.zeros(1, *x.shape[1:], dtype=x.dtype)
+        rows = torch.cat([x, spare])[expert, position]  # only rows below recv_count are read
+        back = inner.combine(rows, inner_handle).float()  # [T * k, H]
         weighted = back * topk_weights.reshape(-1, 1)
         return weighted.view(-1, top_k, x.shape[2]).sum(1).to(torch.bfloat16), None, None
 
