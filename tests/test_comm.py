@@ -404,7 +404,11 @@ class FakeDeepEPBuffer:
         self.cleaned += 1
 
     def low_latency_dispatch(
-        self, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int, num_experts: int,
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        max_tokens: int,
+        num_experts: int,
         use_fp8: bool = True,
     ) -> tuple:
         if x.dtype != torch.bfloat16 or topk_idx.dtype != torch.int64 or use_fp8:
@@ -430,9 +434,11 @@ class FakeDeepEPBuffer:
         packed = torch.full((local + 1, max_tokens * world, x.shape[1]), float("nan"))
         packed = packed.to(torch.bfloat16)
         packed[expert, position] = sent.hidden
-        count = torch.zeros(local + 1, dtype=torch.int64).scatter_add_(
-            0, expert, torch.ones_like(expert)
-        )[:local].int()
+        count = (
+            torch.zeros(local + 1, dtype=torch.int64)
+            .scatter_add_(0, expert, torch.ones_like(expert))[:local]
+            .int()
+        )
         return packed[:local], count, (inner, sent.handle, expert, position, top_k), None, None
 
     def low_latency_combine(
@@ -497,7 +503,7 @@ def case_deepep_low_latency_fake(rank: int, world: int, seed: int) -> list[str]:
 
 
 def case_deepep_auto_mode_fake(rank: int, world: int, seed: int) -> list[str]:
-    """"auto" takes the same kernel on every rank, from the largest rank's tokens: normal
+    """ "auto" takes the same kernel on every rank, from the largest rank's tokens: normal
     while one rank has more than the threshold, low-latency below it (cleaning the buffer
     after normal use), and `begin_step` overrides the all-reduce."""
     placement = ExpertPlacement.contiguous(NUM_EXPERTS, world)
@@ -505,14 +511,26 @@ def case_deepep_auto_mode_fake(rank: int, world: int, seed: int) -> list[str]:
     comm = DeepEPCommunicator(None, placement, buffer=buffer, low_latency_max_tokens=6)
     experts = make_experts(seed, torch.bfloat16)
     problems = []
-    steps = [([5, 8, 0, 3], None, "normal"), ([2, 1, 0, 6], None, "low_latency"),
-             ([2, 1, 0, 3], 7, "normal"), ([2, 1, 0, 3], 3, "low_latency")]
+    steps = [
+        ([5, 8, 0, 3], None, "normal"),
+        ([2, 1, 0, 6], None, "low_latency"),
+        ([2, 1, 0, 3], 7, "normal"),
+        ([2, 1, 0, 3], 3, "low_latency"),
+    ]
     for i, (counts, announced, mode) in enumerate(steps):
         comm.begin_step(announced)
         batches = make_batches(seed + i, counts[:world], random_router, torch.bfloat16)
         ll = mode == "low_latency"
-        problems += round_trip(comm, placement, rank, batches, experts, BF16_TOL,
-                               exact_order=not ll, check_stats=not ll)
+        problems += round_trip(
+            comm,
+            placement,
+            rank,
+            batches,
+            experts,
+            BF16_TOL,
+            exact_order=not ll,
+            check_stats=not ll,
+        )
         if comm.last_mode != mode:
             problems.append(f"step {i} {counts[:world]}: {comm.last_mode}, expected {mode}")
     if buffer.cleaned != 2:
@@ -630,13 +648,30 @@ def run_deepep_cases(rank: int, world: int, seed: int) -> list[str]:
     batches = make_batches(seed, counts, hot_router(0), torch.bfloat16, LOW_LATENCY_HIDDEN)
     experts = make_experts(seed, torch.bfloat16, LOW_LATENCY_HIDDEN)
     comm = DeepEPCommunicator(None, placement, low_latency_max_tokens=8)
-    for step, steps_batches in enumerate([batches, batches, make_batches(
-        seed + 1, [c * 4 for c in counts], hot_router(0), torch.bfloat16, LOW_LATENCY_HIDDEN
-    ), batches]):
-        problems += [f"step {step}: {p}" for p in round_trip(
-            comm, placement, rank, steps_batches, experts, BF16_TOL, device="cuda",
-            exact_order=False, check_stats=False,
-        )]
+    for step, steps_batches in enumerate(
+        [
+            batches,
+            batches,
+            make_batches(
+                seed + 1, [c * 4 for c in counts], hot_router(0), torch.bfloat16, LOW_LATENCY_HIDDEN
+            ),
+            batches,
+        ]
+    ):
+        problems += [
+            f"step {step}: {p}"
+            for p in round_trip(
+                comm,
+                placement,
+                rank,
+                steps_batches,
+                experts,
+                BF16_TOL,
+                device="cuda",
+                exact_order=False,
+                check_stats=False,
+            )
+        ]
     return problems
 
 
@@ -670,9 +705,12 @@ def run_nccl_cases(rank: int, world: int, seed: int) -> list[str]:
         batches = make_batches(seed + i, [7, 0, 9, 1, 4, 3, 5, 2][:world], hot_router(0), dtype)
         comm = make_communicator(None, placement, backend="torch", device="cuda")
         tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
-        problems += [f"{name}: {p}" for p in round_trip(
-            comm, placement, rank, batches, make_experts(seed, dtype), tol, device="cuda"
-        )]
+        problems += [
+            f"{name}: {p}"
+            for p in round_trip(
+                comm, placement, rank, batches, make_experts(seed, dtype), tol, device="cuda"
+            )
+        ]
     return problems
 
 

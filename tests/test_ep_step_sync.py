@@ -139,8 +139,11 @@ def case_fixed_equals_variable(rank: int, world: int, seed: int) -> list[str]:
     outputs bit-identical and equal to the reference, counters equal (bytes: padded)."""
     placement = replica_placement(world)
     problems = []
-    steps = [([5, 0, 3, 0], torch.float32), ([0, 0, 0, 0], torch.float32),
-             ([9, 7, 8, 6], torch.bfloat16)]
+    steps = [
+        ([5, 0, 3, 0], torch.float32),
+        ([0, 0, 0, 0], torch.float32),
+        ([9, 7, 8, 6], torch.bfloat16),
+    ]
     for i, (counts, dtype) in enumerate(steps):
         counts = counts[:world]
         batches = make_batches(seed + i, counts, hot_router(0), dtype)
@@ -151,7 +154,7 @@ def case_fixed_equals_variable(rank: int, world: int, seed: int) -> list[str]:
             comm.begin_step(counts[rank])
             sent, combined = _run_layer(comm, rank, placement, batches[rank], experts, False)
             runs[mode] = (comm, sent, combined)
-        (var, var_sent, var_out), (fix, fix_sent, fix_out) = runs["variable"], runs["fixed"]
+        (var, _, var_out), (fix, fix_sent, fix_out) = runs["variable"], runs["fixed"]
         tag = f"step {i} {counts}"
         if (var.last_layout, fix.last_layout) != ("variable", "fixed"):
             problems.append(f"{tag}: layouts {var.last_layout}, {fix.last_layout}")
@@ -175,16 +178,28 @@ def case_fixed_equals_variable(rank: int, world: int, seed: int) -> list[str]:
 
 
 def _compare_counts(tag: str, var, fix, world: int, capacity: int, dtype) -> list[str]:
-    same = ("tokens_in", "tokens_sent_per_rank", "tokens_received", "remote_pairs",
-            "min_dispatch_bytes", "dispatches", "combines")
-    problems = [f"{tag}: stats.{k} {getattr(fix, k)} != {getattr(var, k)}"
-                for k in same if getattr(fix, k) != getattr(var, k)]
+    same = (
+        "tokens_in",
+        "tokens_sent_per_rank",
+        "tokens_received",
+        "remote_pairs",
+        "min_dispatch_bytes",
+        "dispatches",
+        "combines",
+    )
+    problems = [
+        f"{tag}: stats.{k} {getattr(fix, k)} != {getattr(var, k)}"
+        for k in same
+        if getattr(fix, k) != getattr(var, k)
+    ]
     hidden_bytes = 17 * torch.empty(0, dtype=dtype).element_size()
     _, row_bytes = row_layout(TOP_K, hidden_bytes)
     padded = ((world - 1) * capacity * row_bytes, (world - 1) * capacity * hidden_bytes)
     if (fix.dispatch_bytes_sent, fix.combine_bytes_sent) != padded:
-        problems.append(f"{tag}: fixed bytes {fix.dispatch_bytes_sent}, "
-                        f"{fix.combine_bytes_sent}, expected {padded}")
+        problems.append(
+            f"{tag}: fixed bytes {fix.dispatch_bytes_sent}, "
+            f"{fix.combine_bytes_sent}, expected {padded}"
+        )
     return problems
 
 
@@ -240,8 +255,10 @@ def case_deepep_low_latency_steady_state(rank: int, world: int, seed: int) -> li
                 for src, b in enumerate(batches)
             )
             if int((sent.topk_ids >= 0).sum()) != received:
-                problems.append(f"{tag}: {int((sent.topk_ids >= 0).sum())} valid rows, "
-                                f"{received} pairs sent here")
+                problems.append(
+                    f"{tag}: {int((sent.topk_ids >= 0).sum())} valid rows, "
+                    f"{received} pairs sent here"
+                )
             reference = reference_output(batches, rank, *experts)
             problems += close(tag, out, reference, **BF16_TOL)
     return problems
@@ -294,8 +311,11 @@ def results() -> Callable[[int], dict[str, list[str]]]:
             try:
                 per_rank = run_ranks(run_all_cases, world, args=(seed,), timeout_s=WATCHDOG_S)
                 cache[world] = {
-                    name: [f"seed {seed} rank {r}: {p}" for r, res in enumerate(per_rank)
-                           for p in res[name]]
+                    name: [
+                        f"seed {seed} rank {r}: {p}"
+                        for r, res in enumerate(per_rank)
+                        for p in res[name]
+                    ]
                     for name in CASES
                 }
             except RankFailure as failure:
@@ -313,8 +333,6 @@ def results() -> Callable[[int], dict[str, list[str]]]:
 def test_step_without_host_reads(results, case: str, world: int) -> None:
     problems = results(world)[case]
     assert not problems, "\n".join(problems)
-
-
 
 
 # ---------------------------------------------------------------- the engine (2 ranks)
