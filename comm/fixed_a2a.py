@@ -11,9 +11,10 @@ variable-split path's rows with padding between the source ranks' blocks. Combin
 [N * capacity, H] partial sums back the same way and adds them per source token in
 destination-rank order, the variable-split path's order, so both give bit-identical outputs.
 
-Cost against the variable splits (`layout_costs`, figures in docs/expert_parallel.md): the
-wire carries (N - 1) x capacity rows per rank and direction instead of the rows that have a
-token, and the received buffer has N x capacity rows instead of the rows received.
+Cost against the variable splits (`bench/ep_layouts.py` measures it at real shapes; figures
+in docs/expert_parallel.md): the wire carries (N - 1) x capacity rows per rank and direction
+instead of the rows that have a token, and the received buffer has N x capacity rows instead
+of the rows received.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from comm.base import DispatchResult
-from comm.rows import pack_rows, row_layout, unpack_rows
+from comm.rows import pack_rows, unpack_rows
 from comm.stats import device_counts
 
 
@@ -44,19 +45,6 @@ class FixedHandle:
     position: torch.Tensor
     capacity: int
     num_tokens: int
-
-
-@dataclass(frozen=True)
-class LayoutCosts:
-    """Bytes one dispatch + combine moves and holds on one rank (either layout).
-
-    Attributes:
-        wire_bytes: bytes sent to other ranks, dispatch and combine together.
-        buffer_bytes: bytes of the send and receive buffers of dispatch and combine together.
-    """
-
-    wire_bytes: int
-    buffer_bytes: int
 
 
 def fixed_dispatch(
@@ -146,27 +134,3 @@ def fixed_combine(
         out += torch.where(handle.in_rank[:, r, None], rows.to(acc_dtype), 0.0)
     return out.to(dtype)
 
-
-def layout_costs(
-    fixed: bool,
-    world_size: int,
-    tokens_per_rank: int,
-    hidden_bytes: int,
-    top_k: int,
-    rows_per_peer: float,
-) -> LayoutCosts:
-    """Bytes per rank of one dispatch + combine, at `tokens_per_rank` tokens on every rank.
-
-    Args:
-        fixed: the fixed-capacity layout (capacity = tokens_per_rank) or the variable splits.
-        world_size: N. hidden_bytes: H x element bytes. top_k: k.
-        rows_per_peer: expected rows a rank sends to each rank (tokens_per_rank x the chance
-            that a token has an expert there; only the variable splits depend on it).
-    """
-    _, row_bytes = row_layout(top_k, hidden_bytes)
-    rows = world_size * tokens_per_rank if fixed else world_size * rows_per_peer
-    remote = (world_size - 1) / world_size * rows
-    wire = remote * (row_bytes + hidden_bytes)
-    # dispatch: payload out + payload in; combine: partial sums out + back in
-    buffers = 2 * rows * row_bytes + 2 * rows * hidden_bytes
-    return LayoutCosts(int(wire), int(buffers))

@@ -41,9 +41,12 @@ from comm.step_sync import control_group_for, max_tokens_over_ranks
 #: `TorchAllToAll(mode=...)` values.
 LAYOUT_MODES = ("auto", "variable", "fixed")
 #: "auto" takes the fixed capacity while one rank's dispatch payload (ep_size x capacity
-#: packed rows) is at most this many bytes: 64 MiB holds 256 tokens per rank at DeepSeek-V3's
-#: H = 7168 on 8 ranks (29 MiB) and any Qwen3-30B-A3B decode batch up to 1024 tokens on 8.
-FIXED_CAPACITY_MAX_BYTES = 64 << 20
+#: packed rows) is at most this many bytes. 16 MiB keeps the padding's extra wire bytes per
+#: layer small beside what it saves (a host round trip per dispatch): DeepSeek-V3 (H 7168) on
+#: 8 ranks takes it up to 145 tokens per rank (its low-latency decode sizes; at 256 the padding
+#: would add 27 MiB per layer), Qwen3-30B-A3B (H 2048) on 8 ranks up to 504 tokens per rank.
+#: Measured bytes at these shapes: `bench/ep_layouts.py`, docs/expert_parallel.md.
+FIXED_CAPACITY_MAX_BYTES = 16 << 20
 
 
 def choose_layout(

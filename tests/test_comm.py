@@ -711,7 +711,36 @@ def run_nccl_cases(rank: int, world: int, seed: int) -> list[str]:
                 comm, placement, rank, batches, make_experts(seed, dtype), tol, device="cuda"
             )
         ]
-    return problems
+    return problems + fixed_layout_without_syncs(rank, world, seed)
+
+
+def fixed_layout_without_syncs(rank: int, world: int, seed: int) -> list[str]:
+    """After begin_step, "auto" on CUDA takes the fixed capacity: its dispatch and combine run
+    under torch's sync debug mode set to "error" (any host sync raises), and the output equals
+    the reference."""
+    placement = replica_placement(world)
+    counts = [7, 0, 9, 1, 4, 3, 5, 2][:world]
+    batches = make_batches(seed + 5, counts, hot_router(0), torch.bfloat16)
+    w13, w2 = make_experts(seed, torch.bfloat16)
+    local = placement.local_experts(rank)
+    comm = make_communicator(None, placement, backend="torch", device="cuda")
+    comm.begin_step(counts[rank])
+    mine = batches[rank]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sent = comm.dispatch(mine.hidden.cuda(), mine.topk_ids.cuda(), mine.topk_weights.cuda())
+        torch.cuda.set_sync_debug_mode(0)
+        out = fused_moe_reference(
+            sent.hidden, w13[local].cuda(), w2[local].cuda(), sent.topk_weights, sent.topk_ids
+        )
+        torch.cuda.set_sync_debug_mode("error")
+        combined = comm.combine(out, sent.handle)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    problems = [] if comm.last_layout == "fixed" else [f"layout {comm.last_layout}"]
+    reference = reference_output(batches, rank, w13, w2)
+    return problems + close("fixed layout output", combined, reference, **BF16_TOL)
 
 
 @pytest.mark.gpu
