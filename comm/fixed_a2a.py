@@ -133,4 +133,3 @@ def fixed_combine(
         rows = back[r * capacity : (r + 1) * capacity][handle.position[:, r]]
         out += torch.where(handle.in_rank[:, r, None], rows.to(acc_dtype), 0.0)
     return out.to(dtype)
-

@@ -129,6 +129,7 @@ class TorchAllToAll:
         self.placement = placement
         self.mode = mode
         self.control_group = control_group_for(group, control_group)
+        self._gloo = dist.get_backend(group) == "gloo"  # CPU tensors: "auto" stays variable
         self.stats = CommStats()
         #: The largest token count over the ranks in this step (`begin_step`), or None.
         self.step_max_tokens: int | None = None
@@ -138,17 +139,19 @@ class TorchAllToAll:
     def begin_step(self, num_tokens: int | None) -> None:
         """Announce this rank's tokens in the coming step (T of each of its dispatches); the
         ranks agree on the largest, which sizes the fixed-capacity blocks. One host-side
-        all-reduce per step (`comm.step_sync`); None forgets the step (variable splits only,
-        no collective).
+        all-reduce per step (`comm.step_sync`), none where the fixed capacity cannot be chosen
+        (mode "variable", or "auto" on a gloo group: CPU tensors). None forgets the step
+        (variable splits only, no collective).
 
         Raises:
             ValueError: num_tokens is negative.
         """
-        if num_tokens is None:
+        if num_tokens is not None and num_tokens < 0:
+            raise ValueError(f"begin_step: num_tokens must be >= 0, got {num_tokens}")
+        may_fix = self.mode == "fixed" or (self.mode == "auto" and not self._gloo)
+        if num_tokens is None or not may_fix:
             self.step_max_tokens = None
             return
-        if num_tokens < 0:
-            raise ValueError(f"begin_step: num_tokens must be >= 0, got {num_tokens}")
         self.step_max_tokens = max_tokens_over_ranks(num_tokens, self.group, self.control_group)
 
     def profile_token_counts(self, max_tokens: int) -> set[int]:
