@@ -439,3 +439,26 @@ def test_engine_calls_begin_step_once_per_step_and_layouts_agree(qwen3_ckpt: Pat
             assert run["begin_steps"] == run["steps"] > 0, (rank, layout, run)
             assert run["dispatches"] == run["steps"] * result["moe_layers"], (rank, layout, run)
             assert run["tokens"] == ep1[rank::2], (rank, layout)
+
+
+@pytest.mark.parametrize("fill", ["empty", "some", "full"])
+def test_compact_pairs_is_a_permutation_onto_the_packed_rows(fill: str) -> None:
+    """The compacted rows name every valid packed row once, in expert then row order, and the
+    padding rows name distinct empty packed rows, so the combine's scatter is a permutation."""
+    from comm.deepep_ll import compact_pairs
+
+    experts, rows = 5, 6
+    gen = torch.Generator().manual_seed(3)
+    count = {
+        "empty": torch.zeros(experts, dtype=torch.int32),
+        "some": torch.randint(0, rows + 1, (experts,), generator=gen, dtype=torch.int32),
+        "full": torch.full((experts,), rows, dtype=torch.int32),
+    }[fill]
+    total = int(count.sum())
+    for num_pairs in {total, min(total + 7, experts * rows), experts * rows}:
+        packed_row = compact_pairs(count, rows, num_pairs)
+        valid = [e * rows + j for e in range(experts) for j in range(int(count[e]))]
+        assert packed_row[:total].tolist() == valid
+        assert len(set(packed_row.tolist())) == num_pairs  # one-to-one
+        spare = packed_row[total:]
+        assert bool((spare % rows >= count.long()[spare // rows]).all())  # empty packed rows
