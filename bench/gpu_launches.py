@@ -10,8 +10,9 @@ step of `--batch` requests (after their prefill step) is counted:
 - every torch op that would launch a CUDA kernel, seen by a `TorchDispatchMode`: every aten op
   except the view, metadata and allocation ops of `NON_LAUNCH_OPS` (on CUDA `torch.empty` is an
   allocation from the caching allocator, no kernel; `torch.zeros`, `full`, `arange`, copies and
-  `.item()` are launches). Torch ops run inside a Triton launch (the interpreter's own argument
-  copies) are not counted.
+  `.item()` are launches; an op that returns its input's own tensor, such as `.to(dtype)` of a
+  tensor already of that dtype, is none). Torch ops run inside a Triton launch (the
+  interpreter's own argument copies) are not counted.
 
 Each launch is attributed to the decoder layer whose forward is running (forward hooks on every
 module of the model, a stack of module names) and to a part of it: attention (`self_attn`),
@@ -190,9 +191,15 @@ class LaunchCounter(TorchDispatchMode):
         self.launches.append(Launch(op, layer, part, where))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self._in_triton and func.overloadpacket.__name__ not in NON_LAUNCH_OPS:
-            self.record(str(func.overloadpacket.__name__))
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if (
+            not self._in_triton
+            and name not in NON_LAUNCH_OPS
+            and not _returns_input(name, args, out)
+        ):
+            self.record(name)
+        return out
 
     def triton_launch(self, kernel_name: str):
         """A context for one Triton launch: counted once, the torch ops inside ignored."""
@@ -229,6 +236,21 @@ def _patch_triton() -> None:
 
         run._counted = True
         cls.run = run
+
+
+def _returns_input(name: str, args: tuple, out: object) -> bool:
+    """Whether an out-of-place op handed back its first argument's own tensor (`.to(dtype)`
+    or `.contiguous()` with nothing to do): no kernel runs. In-place ops (`add_`) do run one."""
+    first = args[0] if args else None
+    return (
+        not name.endswith("_")
+        and isinstance(first, torch.Tensor)
+        and isinstance(out, torch.Tensor)
+        and out.data_ptr() == first.data_ptr()
+        and out.dtype == first.dtype
+        and out.shape == first.shape
+        and out.stride() == first.stride()
+    )
 
 
 def _layer_of(path: str) -> int:
