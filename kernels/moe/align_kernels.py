@@ -26,8 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
-#: Elements of one ``[BLOCK_PAIRS, NUM_EXPERTS_PAD]`` one-hot tile (registers of one program).
-TILE_ELEMENTS = 4096
+#: Elements of one ``[BLOCK_PAIRS, NUM_EXPERTS_PAD]`` one-hot tile (registers of one program):
+#: with `NUM_WARPS` 8, compiled for sm_90 (ptxas of Triton 3.9) no expert count from 8 to 512
+#: spills (4096 spilled at 16 experts, and at 64 with 4 warps).
+TILE_ELEMENTS = 2048
+NUM_WARPS = 8
 MAX_BLOCK_PAIRS = 256
 
 
@@ -114,6 +117,6 @@ def invoke_moe_align_block_size(
     moe_align_block_size_kernel[(1,)](
         flat, sorted_token_ids, expert_ids, total, flat.numel(), num_experts, max_padded,
         BLOCK_SIZE_M=block_size, BLOCK_PAIRS=block_pairs(num_experts),
-        NUM_EXPERTS_PAD=triton.next_power_of_2(num_experts), num_warps=4,
+        NUM_EXPERTS_PAD=triton.next_power_of_2(num_experts), num_warps=NUM_WARPS,
     )  # fmt: skip
     return sorted_token_ids, expert_ids, total

@@ -32,7 +32,7 @@ from kernels.moe.sum_kernels import round_bf16_bits
 
 SOFTMAX_THEN_TOPK, SIGMOID_BIAS, TOPK_THEN_SOFTMAX = 0, 1, 2  # SCORING
 NO_GROUPS, GROUP_MAX, GROUP_TOP2_SUM = 0, 1, 2  # GROUP_SCORE
-_BIG = 1 << 30
+_BIG = tl.constexpr(1 << 30)  # an index past every expert and group
 
 
 @triton.jit
