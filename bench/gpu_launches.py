@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
-os.environ.setdefault("MOE_ENGINE_FORCE_BF16", "1")  # compute in bf16, as a GPU does
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
@@ -334,10 +333,26 @@ def cuda_spec() -> str:
 
 
 def count_decode_step(ckpt: Path, batch: int) -> LaunchCounter:
-    """Launches of one decode step of `batch` requests (4-token prompts, prefilled first)."""
+    """Launches of one decode step of `batch` requests (4-token prompts, prefilled first), the
+    model computed in bfloat16 (`MOE_ENGINE_FORCE_BF16=1` for the build, as a GPU computes).
+
+    Raises:
+        RuntimeError: the counted step was not a decode of `batch` tokens."""
+    _patch_triton()
+    before = os.environ.get("MOE_ENGINE_FORCE_BF16")
+    os.environ["MOE_ENGINE_FORCE_BF16"] = "1"  # compute in bf16 as a GPU does, not float32
+    try:
+        return _count(ckpt, batch)
+    finally:
+        if before is None:
+            os.environ.pop("MOE_ENGINE_FORCE_BF16")
+        else:
+            os.environ["MOE_ENGINE_FORCE_BF16"] = before
+
+
+def _count(ckpt: Path, batch: int) -> LaunchCounter:
     from moe_engine import LLM, SamplingParams
 
-    _patch_triton()
     llm = LLM(
         model=str(ckpt),
         max_model_len=64,
