@@ -48,6 +48,21 @@ def test_align_kernel_equals_the_torch_version(tokens, top_k, experts, block_siz
         assert a.dtype == torch.int32 and torch.equal(a, b), (name, a, b)
 
 
+def test_prefill_sized_alignment_takes_the_torch_version(monkeypatch) -> None:
+    """Past `MAX_KERNEL_PAIRS` pairs the kernel is not launched (its one program walks the
+    pairs serially), and the outputs are the torch version's."""
+    from kernels.moe import align_kernels, fused_moe
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the kernel was launched")
+
+    ids = torch.randint(-1, 9, (align_kernels.MAX_KERNEL_PAIRS // 2 + 1, 2), dtype=torch.int32)
+    monkeypatch.setattr(fused_moe, "invoke_moe_align_block_size", refuse)
+    got = moe_align_block_size(ids, 64, 8)
+    for a, b in zip(got, moe_align_block_size_reference(ids, 64, 8), strict=True):
+        assert torch.equal(a, b)
+
+
 # --- moe_sum --------------------------------------------------------------------------------
 
 

@@ -31,6 +31,12 @@ import triton.language as tl
 #: spills (4096 spilled at 16 experts, and at 64 with 4 warps).
 TILE_ELEMENTS = 2048
 NUM_WARPS = 8
+#: Pairs (tokens x top_k) up to which `kernels.moe.fused_moe.moe_align_block_size` runs this
+#: kernel: every CUDA-graph decode batch (512 tokens at top-8). One program walks the pairs in
+#: chunks of 16-256 (fewer the more experts), so its time grows with the pairs; past this,
+#: prefill-sized calls (never captured; their GEMMs dwarf ~40 launches) take the torch
+#: version, whose argsort is parallel. A multi-program version would take them back.
+MAX_KERNEL_PAIRS = 4096
 MAX_BLOCK_PAIRS = 256
 
 

@@ -33,9 +33,10 @@ import torch
 import triton
 
 from kernels.moe.activation import SILU_AND_MUL, SwiGLU
-from kernels.moe.align_kernels import invoke_moe_align_block_size
+from kernels.moe.align_kernels import MAX_KERNEL_PAIRS, invoke_moe_align_block_size
 from kernels.moe.fused_moe_configs import WEIGHT_FORMATS, MoeTileConfig, get_moe_config
 from kernels.moe.fused_moe_kernels import fused_moe_kernel
+from kernels.moe.reference import moe_align_block_size_reference
 from kernels.moe.sum_kernels import moe_sum
 from quant.mxfp4 import MXFP4_BLOCK_SIZE
 
@@ -73,10 +74,11 @@ def moe_align_block_size(
     """Group token-expert pairs by expert, each group padded to a multiple of ``block_size``.
 
     One Triton launch (:func:`kernels.moe.align_kernels.moe_align_block_size_kernel`, the
-    single CUDA kernel of vLLM and SGLang written for Triton) where the torch version took
-    about 40 small ops. Every output shape depends on the input shapes only and nothing is read
-    back to the host, so the call can be captured in a CUDA graph. The plain torch version,
-    the same outputs, is :func:`kernels.moe.reference.moe_align_block_size_reference`.
+    single CUDA kernel of vLLM and SGLang written for Triton) where the torch version takes
+    about 40 small ops; calls of more than `align_kernels.MAX_KERNEL_PAIRS` pairs (prefill
+    sizes) take the torch version, :func:`kernels.moe.reference.moe_align_block_size_reference`
+    (the same outputs). Every output shape depends on the input shapes only and nothing is
+    read back to the host, so the call can be captured in a CUDA graph.
 
     Args:
         topk_ids: ``[num_tokens, top_k]`` int32, expert ids; ids outside ``[0, num_experts)``
@@ -103,6 +105,8 @@ def moe_align_block_size(
     _check_block_size(block_size)
     if num_experts < 1:
         raise ValueError(f"num_experts {num_experts} must be >= 1")
+    if topk_ids.numel() > MAX_KERNEL_PAIRS:
+        return moe_align_block_size_reference(topk_ids, block_size, num_experts)
     max_padded = max_num_tokens_padded(topk_ids.numel(), block_size, num_experts)
     return invoke_moe_align_block_size(topk_ids, block_size, num_experts, max_padded)
 
