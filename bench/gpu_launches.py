@@ -96,6 +96,8 @@ PARTS = (
     "mlp",
     "residual",
 )
+#: The parts of a MoE layer's `FusedMoE` block (its `moe_block` column).
+MOE_BLOCK_PARTS = ("router", "align", "experts", "shared", "moe_other")
 #: Functions whose launches are the MoE block's routing / alignment (by name on the stack).
 _ROUTER_FUNCS = frozenset(
     {
@@ -411,7 +413,11 @@ def report(family: str, batch: int, counter: LaunchCounter) -> dict:
 
 
 def print_table(result: dict) -> None:
-    head = f"{'layer':>5} {'kind':>5} " + " ".join(f"{p:>9}" for p in PARTS) + f" {'total':>6}"
+    head = (
+        f"{'layer':>5} {'kind':>5} "
+        + " ".join(f"{p:>9}" for p in PARTS)
+        + f" {'moe_block':>9} {'total':>6}"
+    )
     print(
         f"\n{result['family']}  batch {result['batch']}  (target <= {result['target']} per "
         f"MoE layer; launches outside the layers: {result['outside_layers']})"
@@ -420,7 +426,8 @@ def print_table(result: dict) -> None:
     for row in result["layers"]:
         cells = " ".join(f"{row.get(p, 0):>9}" for p in PARTS)
         kind = "moe" if row["moe"] else "dense"
-        print(f"{row['layer']:>5} {kind:>5} {cells} {row['total']:>6}")
+        block = sum(row.get(p, 0) for p in MOE_BLOCK_PARTS)
+        print(f"{row['layer']:>5} {kind:>5} {cells} {block:>9} {row['total']:>6}")
     verdict = "meets" if result["meets_target"] else "misses"
     print(f"max per MoE layer: {result['max_moe_layer']} ({verdict} the target)")
 
