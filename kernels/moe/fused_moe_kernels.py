@@ -22,51 +22,99 @@ def _cast(x, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
 
 @triton.jit
 def _load_weight_tile(
-    b_ptr, b_scale_ptr, b_zero_ptr, expert, rows, k, kn_mask,
-    stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sg,
-    dtype: tl.constexpr, GROUP_SIZE: tl.constexpr, WEIGHT_FORMAT: tl.constexpr,
-    HAS_ZEROS: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+    b_ptr, expert, rows, k, kn_mask, stride_be, stride_bn, stride_bk,
 ):  # fmt: skip
-    """``[BLOCK_K, BLOCK_N]`` tile ``W[expert, rows, k].T`` in ``dtype``, dequantized here.
-
-    ``WEIGHT_FORMAT``: 0 plain; 1 INT4 (``(code - zero) * scale``, :mod:`quant.int4`);
-    2 MXFP4 (E2M1 code times the E8M0 scale ``2^(byte - 127)``, OCP MX v1.0, :mod:`quant.mxfp4`).
-    INT4 scales are read in their stored dtype (fp32, bf16 or fp16) and widened to fp32 (exact).
-    Both 4-bit formats hold two codes per byte, low nibble = even ``k``. The MXFP4 decode builds
-    the fp32 bits of each E2M1 value (``|v| = 2^(e - 1) * (1 + m / 2)``, or ``m / 2`` when the
-    exponent field ``e`` is 0) and of the scale (byte 0: the fp32 subnormal ``2^-127``; byte 255:
-    NaN), and multiplies in fp32: the same product as :func:`quant.mxfp4.dequantize_mxfp4`.
-    """
+    """``[BLOCK_K, BLOCK_N]`` tile ``W[expert, rows, k].T`` of plain (bf16/fp16/fp32) weights."""
     b_base = b_ptr + expert * stride_be + rows[None, :] * stride_bn
-    if WEIGHT_FORMAT == 0:
-        b = tl.load(b_base + k[:, None] * stride_bk, mask=kn_mask, other=0.0)
-    else:
-        packed = tl.load(b_base + (k // 2)[:, None] * stride_bk, mask=kn_mask, other=0)
-        code = (packed.to(tl.int32) >> ((k % 2) * 4)[:, None]) & 0xF
-        s_off = expert * stride_se + rows[None, :] * stride_sn
-        s_off += (k // GROUP_SIZE)[:, None] * stride_sg
-        if WEIGHT_FORMAT == 1:
-            scale = tl.load(b_scale_ptr + s_off, mask=kn_mask, other=0.0).to(tl.float32)
-            if HAS_ZEROS:
-                zero = tl.load(b_zero_ptr + s_off, mask=kn_mask, other=0).to(tl.float32)
-            else:
-                zero = 8.0
-            w = (code.to(tl.float32) - zero) * scale
+    return tl.load(b_base + k[:, None] * stride_bk, mask=kn_mask, other=0.0)
+
+
+@triton.jit
+def _e2m1_to_fp32(code):
+    """fp32 value of E2M1 codes (uint32 in [0, 16); OCP MX v1.0: sign, 2 exponent bits with bias
+    1, 1 mantissa bit; ``|v| = 2^(e - 1) * (1 + m / 2)``, or ``m / 2`` when ``e`` is 0).
+
+    The three magnitude bits are placed at the top of the fp32 exponent/mantissa fields, which
+    reads as ``2^(e - 127) * (1 + m / 2)`` (``e > 0``) or the subnormal ``m * 2^-127`` (``e == 0``),
+    i.e. ``|v| * 2^-126`` in both cases; one multiply by ``2^126`` is then exact (PTX ``mul.f32``
+    keeps subnormals; no ``.ftz``).
+    """
+    bits = ((code & 7) << 22) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+
+
+@triton.jit
+def _e8m0_to_fp32(e8m0):
+    """fp32 value ``2^(byte - 127)`` of E8M0 scale bytes (uint32): byte 0 is the fp32 subnormal
+    ``2^-127``, byte 255 is NaN (OCP MX v1.0)."""
+    bits = tl.where(e8m0 == 0, 0x00400000, tl.where(e8m0 == 255, 0x7FC00000, e8m0 << 23))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dequant_nibbles(code, scale, zero, WEIGHT_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """fp32 weights of 4-bit ``code`` ``[G, R, BLOCK_N]`` (uint8 in [0, 16)), with ``scale`` (and
+    INT4 ``zero``) ``[G, 1, BLOCK_N]`` per group: INT4 ``(code - zero) * scale``; MXFP4 the E2M1
+    value times the (already decoded) E8M0 scale."""
+    if WEIGHT_FORMAT == 1:
+        if HAS_ZEROS:
+            return (code.to(tl.float32) - zero) * scale
+        return (code.to(tl.float32) - 8.0) * scale
+    return _e2m1_to_fp32(code.to(tl.uint32)) * scale
+
+
+@triton.jit
+def _load_packed_tile(
+    b_ptr, b_scale_ptr, b_zero_ptr, expert, rows, n_mask, k0, K,
+    stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sg,
+    dtype: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+    WEIGHT_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+):  # fmt: skip
+    """``[BLOCK_K, BLOCK_N]`` tile ``W[expert, rows, k0:k0 + BLOCK_K].T`` of packed 4-bit weights
+    in ``dtype``, dequantized in registers.
+
+    ``WEIGHT_FORMAT`` 1: INT4 (``(code - zero) * scale``, :mod:`quant.int4`; scales read in their
+    stored dtype, fp32, bf16 or fp16, and widened to fp32, exact); 2: MXFP4 (E2M1 code times the
+    E8M0 scale ``2^(byte - 127)``, OCP MX v1.0, :mod:`quant.mxfp4`; the same fp32 product as
+    :func:`quant.mxfp4.dequantize_mxfp4`). Both hold two codes per byte, low nibble = even ``k``.
+
+    The bytes are read once, as a ``[BLOCK_K // 2, BLOCK_N]`` uint8 tile contiguous along K
+    (16-byte vector loads, pipelined by ``num_stages``), split into low/high nibbles in
+    registers and interleaved back into K order. Scales (and zero points) are read once per
+    group, ``[G, BLOCK_N]`` with ``G = ceil(BLOCK_K / GROUP_SIZE)``, and broadcast over the
+    group's rows; a tile never straddles a group unless it holds whole groups (the launcher
+    makes ``GROUP_SIZE`` a multiple or a divisor of ``BLOCK_K``, or the whole of K).
+    """
+    HALF: tl.constexpr = BLOCK_SIZE_K // 2
+    GROUPS: tl.constexpr = (BLOCK_SIZE_K + GROUP_SIZE - 1) // GROUP_SIZE
+    ROWS: tl.constexpr = HALF // GROUPS  # packed rows per group in the tile
+    # K is a multiple of GROUP_SIZE: written so, the compiler knows K // 2's divisibility and
+    # keeps the masked byte loads 16 bytes wide.
+    k_half = (K // GROUP_SIZE) * (GROUP_SIZE // 2)
+    kp = tl.multiple_of(k0 // 2, HALF) + tl.arange(0, HALF)
+    b_ptrs = b_ptr + expert * stride_be + rows[None, :] * stride_bn + kp[:, None] * stride_bk
+    packed = tl.load(b_ptrs, mask=(kp < k_half)[:, None] & n_mask[None, :], other=0)
+    g = k0 // GROUP_SIZE + tl.arange(0, GROUPS)
+    s_off = expert * stride_se + rows[None, :] * stride_sn + g[:, None] * stride_sg
+    s_mask = (g < K // GROUP_SIZE)[:, None] & n_mask[None, :]
+    if WEIGHT_FORMAT == 1:
+        scale = tl.load(b_scale_ptr + s_off, mask=s_mask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            zero = tl.load(b_zero_ptr + s_off, mask=s_mask, other=0).to(tl.float32)
         else:
-            code = code.to(tl.uint32)
-            exponent = (code >> 1) & 3
-            mantissa = code & 1
-            bits = tl.where(
-                exponent == 0, mantissa * 0x3F000000, ((exponent + 126) << 23) | (mantissa << 22)
-            )
-            bits = bits | ((code & 8) << 28)
-            e8m0 = tl.load(b_scale_ptr + s_off, mask=kn_mask, other=127).to(tl.uint32)
-            scale_bits = tl.where(
-                e8m0 == 0, 0x00400000, tl.where(e8m0 == 255, 0x7FC00000, e8m0 << 23)
-            )
-            w = bits.to(tl.float32, bitcast=True) * scale_bits.to(tl.float32, bitcast=True)
-        b = _cast(w, dtype, INTERPRET_BF16)
-    return b
+            zero = scale  # unused
+    else:
+        scale = _e8m0_to_fp32(tl.load(b_scale_ptr + s_off, mask=s_mask, other=127).to(tl.uint32))
+        zero = scale  # unused
+    scale = scale[:, None, :]
+    zero = zero[:, None, :]
+    lo = tl.reshape(packed & 0xF, (GROUPS, ROWS, packed.shape[1]))
+    hi = tl.reshape(packed >> 4, (GROUPS, ROWS, packed.shape[1]))
+    w_lo = _cast(_dequant_nibbles(lo, scale, zero, WEIGHT_FORMAT, HAS_ZEROS), dtype, INTERPRET_BF16)
+    w_hi = _cast(_dequant_nibbles(hi, scale, zero, WEIGHT_FORMAT, HAS_ZEROS), dtype, INTERPRET_BF16)
+    w_lo = tl.reshape(w_lo, (HALF, packed.shape[1]))
+    w_hi = tl.reshape(w_hi, (HALF, packed.shape[1]))
+    return w_lo, w_hi
 
 
 @triton.jit
@@ -75,6 +123,14 @@ def _dot(a, b, INTERPRET_BF16: tl.constexpr):
     if INTERPRET_BF16:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _dot_acc(a, b, acc, INTERPRET_BF16: tl.constexpr):
+    """``acc + a @ b`` in fp32, accumulated inside the MMA (as :func:`_dot` otherwise)."""
+    if INTERPRET_BF16:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision="ieee")
 
 
 @triton.jit
@@ -124,29 +180,41 @@ def fused_moe_kernel(
         a = tl.load(
             a_rows + k[None, :] * stride_ak, mask=pair_mask[:, None] & k_mask[None, :], other=0.0
         )
-        kn_mask = k_mask[:, None] & n_mask[None, :]
-        b = _load_weight_tile(
-            b_ptr, b_scale_ptr, b_zero_ptr, expert, offs_n, k, kn_mask,
-            stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sg,
-            a.dtype, GROUP_SIZE, WEIGHT_FORMAT, HAS_ZEROS, INTERPRET_BF16,
-        )  # fmt: skip
-        acc += _dot(a, b, INTERPRET_BF16)
-        if ACTIVATION != 0:
-            b_up = _load_weight_tile(
-                b_ptr, b_scale_ptr, b_zero_ptr, expert, offs_n + N, k, kn_mask,
+        if WEIGHT_FORMAT == 0:
+            kn_mask = k_mask[:, None] & n_mask[None, :]
+            b = _load_weight_tile(
+                b_ptr, expert, offs_n, k, kn_mask, stride_be, stride_bn, stride_bk
+            )
+            acc += _dot(a, b, INTERPRET_BF16)
+            if ACTIVATION != 0:
+                b_up = _load_weight_tile(
+                    b_ptr, expert, offs_n + N, k, kn_mask, stride_be, stride_bn, stride_bk
+                )
+                acc_up += _dot(a, b_up, INTERPRET_BF16)
+        else:
+            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_SIZE_M, BLOCK_SIZE_K // 2, 2)))
+            w_lo, w_hi = _load_packed_tile(
+                b_ptr, b_scale_ptr, b_zero_ptr, expert, offs_n, n_mask, k0, K,
                 stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sg,
-                a.dtype, GROUP_SIZE, WEIGHT_FORMAT, HAS_ZEROS, INTERPRET_BF16,
+                a.dtype, GROUP_SIZE, BLOCK_SIZE_K, WEIGHT_FORMAT, HAS_ZEROS, INTERPRET_BF16,
             )  # fmt: skip
-            acc_up += _dot(a, b_up, INTERPRET_BF16)
+            acc = _dot_acc(a_odd, w_hi, _dot_acc(a_even, w_lo, acc, INTERPRET_BF16), INTERPRET_BF16)
+            if ACTIVATION != 0:
+                w_lo, w_hi = _load_packed_tile(
+                    b_ptr, b_scale_ptr, b_zero_ptr, expert, offs_n + N, n_mask, k0, K,
+                    stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sg,
+                    a.dtype, GROUP_SIZE, BLOCK_SIZE_K, WEIGHT_FORMAT, HAS_ZEROS, INTERPRET_BF16,
+                )  # fmt: skip
+                acc_up = _dot_acc(
+                    a_odd, w_hi, _dot_acc(a_even, w_lo, acc_up, INTERPRET_BF16), INTERPRET_BF16
+                )
     if HAS_BIAS:
         bias_rows = bias_ptr + expert * stride_bias_e
-        acc += tl.load(bias_rows + offs_n * stride_bias_n, mask=n_mask, other=0.0).to(
-            tl.float32
-        )[None, :]
+        bias_gate = tl.load(bias_rows + offs_n * stride_bias_n, mask=n_mask, other=0.0)
+        acc += bias_gate.to(tl.float32)[None, :]
         if ACTIVATION != 0:
-            acc_up += tl.load(
-                bias_rows + (offs_n + N) * stride_bias_n, mask=n_mask, other=0.0
-            ).to(tl.float32)[None, :]
+            bias_up = tl.load(bias_rows + (offs_n + N) * stride_bias_n, mask=n_mask, other=0.0)
+            acc_up += bias_up.to(tl.float32)[None, :]
     if ACTIVATION == 1:
         acc = acc * tl.sigmoid(acc) * acc_up
     elif ACTIVATION == 2:
