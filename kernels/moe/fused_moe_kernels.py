@@ -64,36 +64,19 @@ def _dequant_nibbles(code, scale, zero, WEIGHT_FORMAT: tl.constexpr, HAS_ZEROS: 
 
 
 @triton.jit
-def _load_packed_tile(
-    b_ptr, b_scale_ptr, b_zero_ptr, expert, rows, n_mask, k0, K,
-    stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sg,
-    dtype: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
-    WEIGHT_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+def _load_group_scales(
+    b_scale_ptr, b_zero_ptr, expert, rows, n_mask, k0, K, stride_se, stride_sn, stride_sg,
+    GROUP_SIZE: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, WEIGHT_FORMAT: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
 ):  # fmt: skip
-    """``[BLOCK_K, BLOCK_N]`` tile ``W[expert, rows, k0:k0 + BLOCK_K].T`` of packed 4-bit weights
-    in ``dtype``, dequantized in registers.
-
-    ``WEIGHT_FORMAT`` 1: INT4 (``(code - zero) * scale``, :mod:`quant.int4`; scales read in their
-    stored dtype, fp32, bf16 or fp16, and widened to fp32, exact); 2: MXFP4 (E2M1 code times the
-    E8M0 scale ``2^(byte - 127)``, OCP MX v1.0, :mod:`quant.mxfp4`; the same fp32 product as
-    :func:`quant.mxfp4.dequantize_mxfp4`). Both hold two codes per byte, low nibble = even ``k``.
-
-    The bytes are read once, as a ``[BLOCK_K // 2, BLOCK_N]`` uint8 tile contiguous along K
-    (16-byte vector loads, pipelined by ``num_stages``), split into low/high nibbles in
-    registers and interleaved back into K order. Scales (and zero points) are read once per
-    group, ``[G, BLOCK_N]`` with ``G = ceil(BLOCK_K / GROUP_SIZE)``, and broadcast over the
-    group's rows; a tile never straddles a group unless it holds whole groups (the launcher
-    makes ``GROUP_SIZE`` a multiple or a divisor of ``BLOCK_K``, or the whole of K).
+    """Scales (and INT4 zero points) of the groups of ``W[expert, rows, k0:k0 + BLOCK_K]``:
+    ``[G, 1, BLOCK_N]`` fp32 each, ``G = ceil(BLOCK_K / GROUP_SIZE)``, one load per group (not
+    per weight). INT4 scales are read in their stored dtype (fp32, bf16 or fp16) and widened
+    (exact); MXFP4 E8M0 bytes are decoded to ``2^(byte - 127)`` (byte 0: the fp32 subnormal
+    ``2^-127``; byte 255: NaN; OCP MX v1.0). Groups past K read as scale 0 / 1.0 (unused: their
+    weights and activations are masked to 0). ``zero`` is ``scale`` when there are none.
     """
-    HALF: tl.constexpr = BLOCK_SIZE_K // 2
     GROUPS: tl.constexpr = (BLOCK_SIZE_K + GROUP_SIZE - 1) // GROUP_SIZE
-    ROWS: tl.constexpr = HALF // GROUPS  # packed rows per group in the tile
-    # K is a multiple of GROUP_SIZE: written so, the compiler knows K // 2's divisibility and
-    # keeps the masked byte loads 16 bytes wide.
-    k_half = (K // GROUP_SIZE) * (GROUP_SIZE // 2)
-    kp = tl.multiple_of(k0 // 2, HALF) + tl.arange(0, HALF)
-    b_ptrs = b_ptr + expert * stride_be + rows[None, :] * stride_bn + kp[:, None] * stride_bk
-    packed = tl.load(b_ptrs, mask=(kp < k_half)[:, None] & n_mask[None, :], other=0)
     g = k0 // GROUP_SIZE + tl.arange(0, GROUPS)
     s_off = expert * stride_se + rows[None, :] * stride_sn + g[:, None] * stride_sg
     s_mask = (g < K // GROUP_SIZE)[:, None] & n_mask[None, :]
@@ -102,19 +85,84 @@ def _load_packed_tile(
         if HAS_ZEROS:
             zero = tl.load(b_zero_ptr + s_off, mask=s_mask, other=0).to(tl.float32)
         else:
-            zero = scale  # unused
+            zero = scale
     else:
-        scale = _e8m0_to_fp32(tl.load(b_scale_ptr + s_off, mask=s_mask, other=127).to(tl.uint32))
-        zero = scale  # unused
-    scale = scale[:, None, :]
-    zero = zero[:, None, :]
-    lo = tl.reshape(packed & 0xF, (GROUPS, ROWS, packed.shape[1]))
-    hi = tl.reshape(packed >> 4, (GROUPS, ROWS, packed.shape[1]))
-    w_lo = _cast(_dequant_nibbles(lo, scale, zero, WEIGHT_FORMAT, HAS_ZEROS), dtype, INTERPRET_BF16)
-    w_hi = _cast(_dequant_nibbles(hi, scale, zero, WEIGHT_FORMAT, HAS_ZEROS), dtype, INTERPRET_BF16)
-    w_lo = tl.reshape(w_lo, (HALF, packed.shape[1]))
-    w_hi = tl.reshape(w_hi, (HALF, packed.shape[1]))
-    return w_lo, w_hi
+        e8m0 = tl.load(b_scale_ptr + s_off, mask=s_mask, other=127).to(tl.uint32)
+        bits = tl.where(e8m0 == 0, 0x00400000, tl.where(e8m0 == 255, 0x7FC00000, e8m0 << 23))
+        scale = bits.to(tl.float32, bitcast=True)
+        zero = scale
+    return scale[:, None, :], zero[:, None, :]
+
+
+@triton.jit
+def _dequant_codes(
+    code, scale, zero, dtype: tl.constexpr, WEIGHT_FORMAT: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+):  # fmt: skip
+    """``[R, BLOCK_N]`` weights in ``dtype`` of 4-bit codes ``[R, BLOCK_N]`` (uint8 in [0, 16),
+    consecutive rows of one K tile, one nibble of each byte), with ``scale``/``zero``
+    ``[G, 1, BLOCK_N]`` from :func:`_load_group_scales` broadcast over each group's rows."""
+    GROUPS: tl.constexpr = scale.shape[0]
+    grouped = tl.reshape(code, (GROUPS, code.shape[0] // GROUPS, code.shape[1]))
+    w = _dequant_nibbles(grouped, scale, zero, WEIGHT_FORMAT, HAS_ZEROS)
+    return tl.reshape(_cast(w, dtype, INTERPRET_BF16), code.shape)
+
+
+@triton.jit
+def _packed_gemm(
+    a_rows, pair_mask, b_ptr, b_scale_ptr, b_zero_ptr, expert, rows, n_mask, K,
+    stride_ak, stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sg,
+    GROUP_SIZE: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr, WEIGHT_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr,
+):  # fmt: skip
+    """``[BLOCK_M, BLOCK_N]`` fp32 ``A[pairs] @ W[expert, rows].T`` over all of K, for packed
+    4-bit weights ``W`` ``[E, N_w, K // 2]`` uint8 (INT4 ``WEIGHT_FORMAT`` 1, :mod:`quant.int4`;
+    MXFP4 2, :mod:`quant.mxfp4`; two codes per byte, low nibble = even ``k``).
+
+    Per K step the weights are read once, as a ``[BLOCK_K // 2, BLOCK_N]`` uint8 tile contiguous
+    along K (16-byte ``cp.async``, pipelined over ``num_stages`` like the activations), split into
+    low/high nibbles in registers, dequantized to A's dtype (the same values as the formats'
+    dequantize functions, rounded once), and multiplied with the even/odd columns of the A tile:
+    ``acc += A[:, 0::2] @ W_lo + A[:, 1::2] @ W_hi``. The next step's scales are loaded one
+    step ahead (scales of 1-2 bytes are too narrow for ``cp.async``).
+    """
+    HALF: tl.constexpr = BLOCK_SIZE_K // 2
+    # K is a multiple of GROUP_SIZE; written so, the compiler knows K // 2's divisibility and
+    # keeps the masked byte loads 16 bytes wide.
+    k_half = (K // GROUP_SIZE) * (GROUP_SIZE // 2)
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+    offs_kp = tl.arange(0, HALF)
+    b_rows = b_ptr + expert * stride_be + rows[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    scale, zero = _load_group_scales(
+        b_scale_ptr, b_zero_ptr, expert, rows, n_mask, 0, K, stride_se, stride_sn, stride_sg,
+        GROUP_SIZE, BLOCK_SIZE_K, WEIGHT_FORMAT, HAS_ZEROS,
+    )  # fmt: skip
+    for k0 in range(0, K, BLOCK_SIZE_K):
+        k = k0 + offs_k
+        a = tl.load(
+            a_rows + k[None, :] * stride_ak, mask=pair_mask[:, None] & (k < K)[None, :], other=0.0
+        )
+        a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_SIZE_M, HALF, 2)))
+        kp = tl.multiple_of(k0 // 2, HALF) + offs_kp
+        packed = tl.load(
+            b_rows + kp[:, None] * stride_bk, mask=(kp < k_half)[:, None] & n_mask[None, :], other=0
+        )
+        next_scale, next_zero = _load_group_scales(
+            b_scale_ptr, b_zero_ptr, expert, rows, n_mask, k0 + BLOCK_SIZE_K, K,
+            stride_se, stride_sn, stride_sg, GROUP_SIZE, BLOCK_SIZE_K, WEIGHT_FORMAT, HAS_ZEROS,
+        )  # fmt: skip
+        w_lo = _dequant_codes(
+            packed & 0xF, scale, zero, a.dtype, WEIGHT_FORMAT, HAS_ZEROS, INTERPRET_BF16
+        )
+        w_hi = _dequant_codes(
+            packed >> 4, scale, zero, a.dtype, WEIGHT_FORMAT, HAS_ZEROS, INTERPRET_BF16
+        )
+        acc = _dot_acc(a_even, w_lo, acc, INTERPRET_BF16)
+        acc = _dot_acc(a_odd, w_hi, acc, INTERPRET_BF16)
+        scale, zero = next_scale, next_zero
+    return acc
 
 
 @triton.jit
@@ -174,13 +222,15 @@ def fused_moe_kernel(
     a_rows = a_ptr + (pair // a_row_div)[:, None] * stride_am
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_SIZE_K):
-        k = k0 + offs_k
-        k_mask = k < K
-        a = tl.load(
-            a_rows + k[None, :] * stride_ak, mask=pair_mask[:, None] & k_mask[None, :], other=0.0
-        )
-        if WEIGHT_FORMAT == 0:
+    if WEIGHT_FORMAT == 0:
+        for k0 in range(0, K, BLOCK_SIZE_K):
+            k = k0 + offs_k
+            k_mask = k < K
+            a = tl.load(
+                a_rows + k[None, :] * stride_ak,
+                mask=pair_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )
             kn_mask = k_mask[:, None] & n_mask[None, :]
             b = _load_weight_tile(
                 b_ptr, expert, offs_n, k, kn_mask, stride_be, stride_bn, stride_bk
@@ -191,23 +241,22 @@ def fused_moe_kernel(
                     b_ptr, expert, offs_n + N, k, kn_mask, stride_be, stride_bn, stride_bk
                 )
                 acc_up += _dot(a, b_up, INTERPRET_BF16)
-        else:
-            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_SIZE_M, BLOCK_SIZE_K // 2, 2)))
-            w_lo, w_hi = _load_packed_tile(
-                b_ptr, b_scale_ptr, b_zero_ptr, expert, offs_n, n_mask, k0, K,
-                stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sg,
-                a.dtype, GROUP_SIZE, BLOCK_SIZE_K, WEIGHT_FORMAT, HAS_ZEROS, INTERPRET_BF16,
+    else:
+        # GEMM1's gate and up tiles in two K loops, not one: half the dequantized weights
+        # live in registers at a time (the A rows are re-read, from L2)
+        acc = _packed_gemm(
+            a_rows, pair_mask, b_ptr, b_scale_ptr, b_zero_ptr, expert, offs_n, n_mask, K,
+            stride_ak, stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sg,
+            GROUP_SIZE, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, WEIGHT_FORMAT, HAS_ZEROS,
+            INTERPRET_BF16,
+        )  # fmt: skip
+        if ACTIVATION != 0:
+            acc_up = _packed_gemm(
+                a_rows, pair_mask, b_ptr, b_scale_ptr, b_zero_ptr, expert, offs_n + N, n_mask,
+                K, stride_ak, stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sg,
+                GROUP_SIZE, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, WEIGHT_FORMAT, HAS_ZEROS,
+                INTERPRET_BF16,
             )  # fmt: skip
-            acc = _dot_acc(a_odd, w_hi, _dot_acc(a_even, w_lo, acc, INTERPRET_BF16), INTERPRET_BF16)
-            if ACTIVATION != 0:
-                w_lo, w_hi = _load_packed_tile(
-                    b_ptr, b_scale_ptr, b_zero_ptr, expert, offs_n + N, n_mask, k0, K,
-                    stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sg,
-                    a.dtype, GROUP_SIZE, BLOCK_SIZE_K, WEIGHT_FORMAT, HAS_ZEROS, INTERPRET_BF16,
-                )  # fmt: skip
-                acc_up = _dot_acc(
-                    a_odd, w_hi, _dot_acc(a_even, w_lo, acc_up, INTERPRET_BF16), INTERPRET_BF16
-                )
     if HAS_BIAS:
         bias_rows = bias_ptr + expert * stride_bias_e
         bias_gate = tl.load(bias_rows + offs_n * stride_bias_n, mask=n_mask, other=0.0)
