@@ -224,12 +224,14 @@ def invoke_fused_moe_kernel(
         activation: ``None`` (plain GEMM) or a :class:`kernels.moe.activation.SwiGLU` applied in
             the epilogue to gate rows ``[0, N)`` and up rows ``[N, 2N)`` of ``w``.
         block_size_m, block_size_n, block_size_k: tile sizes (powers of two >= 16; N and K tiles
-            are shrunk to the problem when smaller); see `kernels.moe.fused_moe_configs`.
+            are shrunk to the problem when smaller); see `kernels.moe.fused_moe_configs`. A
+            4-bit K tile is at least 32 and holds whole groups or lies in one
+            (:func:`_packed_tile_k`).
         num_warps, num_stages: compiled-Triton launch options (the interpreter ignores them).
 
     Raises:
-        ValueError: ``expert_ids`` does not match ``block_size_m``, or a shape or dtype does
-            not fit.
+        ValueError: ``expert_ids`` does not match ``block_size_m``, a shape or dtype does not
+            fit, or a 4-bit group size fits no K tile (not a multiple of 32 below the tile).
     """
     if expert_ids.numel() * block_size_m != sorted_token_ids.numel():
         raise ValueError(

@@ -87,9 +87,7 @@ def _load_group_scales(
         else:
             zero = scale
     else:
-        e8m0 = tl.load(b_scale_ptr + s_off, mask=s_mask, other=127).to(tl.uint32)
-        bits = tl.where(e8m0 == 0, 0x00400000, tl.where(e8m0 == 255, 0x7FC00000, e8m0 << 23))
-        scale = bits.to(tl.float32, bitcast=True)
+        scale = _e8m0_to_fp32(tl.load(b_scale_ptr + s_off, mask=s_mask, other=127).to(tl.uint32))
         zero = scale
     return scale[:, None, :], zero[:, None, :]
 
