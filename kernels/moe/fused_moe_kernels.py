@@ -30,47 +30,13 @@ def _load_weight_tile(
 
 
 @triton.jit
-def _e2m1_to_fp32(code):
-    """fp32 value of E2M1 codes (uint32 in [0, 16); OCP MX v1.0: sign, 2 exponent bits with bias
-    1, 1 mantissa bit; ``|v| = 2^(e - 1) * (1 + m / 2)``, or ``m / 2`` when ``e`` is 0).
-
-    The three magnitude bits are placed at the top of the fp32 exponent/mantissa fields, which
-    reads as ``2^(e - 127) * (1 + m / 2)`` (``e > 0``) or the subnormal ``m * 2^-127`` (``e == 0``),
-    i.e. ``|v| * 2^-126`` in both cases; one multiply by ``2^126`` is then exact (PTX ``mul.f32``
-    keeps subnormals; no ``.ftz``).
-    """
-    bits = ((code & 7) << 22) | ((code & 8) << 28)
-    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
-
-
-@triton.jit
-def _e8m0_to_fp32(e8m0):
-    """fp32 value ``2^(byte - 127)`` of E8M0 scale bytes (uint32): byte 0 is the fp32 subnormal
-    ``2^-127``, byte 255 is NaN (OCP MX v1.0)."""
-    bits = tl.where(e8m0 == 0, 0x00400000, tl.where(e8m0 == 255, 0x7FC00000, e8m0 << 23))
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _dequant_nibbles(code, scale, zero, WEIGHT_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr):
-    """fp32 weights of 4-bit ``code`` ``[G, R, BLOCK_N]`` (uint8 in [0, 16)), with ``scale`` (and
-    INT4 ``zero``) ``[G, 1, BLOCK_N]`` per group: INT4 ``(code - zero) * scale``; MXFP4 the E2M1
-    value times the (already decoded) E8M0 scale."""
-    if WEIGHT_FORMAT == 1:
-        if HAS_ZEROS:
-            return (code.to(tl.float32) - zero) * scale
-        return (code.to(tl.float32) - 8.0) * scale
-    return _e2m1_to_fp32(code.to(tl.uint32)) * scale
-
-
-@triton.jit
 def _load_group_scales(
     b_scale_ptr, b_zero_ptr, expert, rows, n_mask, k0, K, stride_se, stride_sn, stride_sg,
     GROUP_SIZE: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, WEIGHT_FORMAT: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
 ):  # fmt: skip
     """Scales (and INT4 zero points) of the groups of ``W[expert, rows, k0:k0 + BLOCK_K]``:
-    ``[G, 1, BLOCK_N]`` fp32 each, ``G = ceil(BLOCK_K / GROUP_SIZE)``, one load per group (not
+    ``[G, 1, BLOCK_N, 1]`` fp32 each, ``G = ceil(BLOCK_K / GROUP_SIZE)``, one load per group (not
     per weight). INT4 scales are read in their stored dtype (fp32, bf16 or fp16) and widened
     (exact); MXFP4 E8M0 bytes are decoded to ``2^(byte - 127)`` (byte 0: the fp32 subnormal
     ``2^-127``; byte 255: NaN; OCP MX v1.0). Groups past K read as scale 0 / 1.0 (unused: their
@@ -87,23 +53,48 @@ def _load_group_scales(
         else:
             zero = scale
     else:
-        scale = _e8m0_to_fp32(tl.load(b_scale_ptr + s_off, mask=s_mask, other=127).to(tl.uint32))
+        e8m0 = tl.load(b_scale_ptr + s_off, mask=s_mask, other=127).to(tl.uint32)
+        bits = tl.where(e8m0 == 0, 0x00400000, tl.where(e8m0 == 255, 0x7FC00000, e8m0 << 23))
+        scale = bits.to(tl.float32, bitcast=True)
         zero = scale
-    return scale[:, None, :], zero[:, None, :]
+    return scale[:, None, :, None], zero[:, None, :, None]
 
 
 @triton.jit
-def _dequant_codes(
-    code, scale, zero, dtype: tl.constexpr, WEIGHT_FORMAT: tl.constexpr,
+def _dequant_packed(
+    packed, scale, zero, dtype: tl.constexpr, WEIGHT_FORMAT: tl.constexpr,
     HAS_ZEROS: tl.constexpr, INTERPRET_BF16: tl.constexpr,
 ):  # fmt: skip
-    """``[R, BLOCK_N]`` weights in ``dtype`` of 4-bit codes ``[R, BLOCK_N]`` (uint8 in [0, 16),
-    consecutive rows of one K tile, one nibble of each byte), with ``scale``/``zero``
-    ``[G, 1, BLOCK_N]`` from :func:`_load_group_scales` broadcast over each group's rows."""
+    """The weights ``(W[k even], W[k odd])``, ``[BLOCK_K // 2, BLOCK_N]`` each in ``dtype`` (fp32
+    holding bf16 values under ``INTERPRET_BF16``), of a packed ``[BLOCK_K // 2, BLOCK_N]`` uint8
+    tile (low nibble = even ``k``), with ``scale``/``zero`` from :func:`_load_group_scales`
+    broadcast over each group's rows.
+
+    INT4: ``(code - zero) * scale`` in fp32 (implicit zero 8 when symmetric; :mod:`quant.int4`).
+    MXFP4: the E2M1 value (OCP MX v1.0: sign, 2 exponent bits with bias 1, 1 mantissa bit;
+    ``|v| = 2^(e - 1) * (1 + m / 2)``, or ``m / 2`` when ``e`` is 0) times the scale, in fp32, as
+    :func:`quant.mxfp4.dequantize_mxfp4`. The three magnitude bits are placed at the top of the
+    fp32 exponent/mantissa fields, which reads as ``|v| * 2^-126`` (a subnormal when ``e`` is 0);
+    one multiply by ``2^126`` is then exact (PTX ``mul.f32`` keeps subnormals; no ``.ftz``).
+    Both nibbles go through one decode (joined on a trailing axis of 2, in the same registers).
+    """
     GROUPS: tl.constexpr = scale.shape[0]
-    grouped = tl.reshape(code, (GROUPS, code.shape[0] // GROUPS, code.shape[1]))
-    w = _dequant_nibbles(grouped, scale, zero, WEIGHT_FORMAT, HAS_ZEROS)
-    return tl.reshape(_cast(w, dtype, INTERPRET_BF16), code.shape)
+    shape4: tl.constexpr = (GROUPS, packed.shape[0] // GROUPS, packed.shape[1], 2)
+    code = tl.reshape(tl.join(packed & 0xF, packed >> 4), shape4)
+    if WEIGHT_FORMAT == 1:
+        if HAS_ZEROS:
+            w = (code.to(tl.float32) - zero) * scale
+        else:
+            w = (code.to(tl.float32) - 8.0) * scale
+    else:
+        code = code.to(tl.uint32)
+        bits = ((code & 7) << 22) | ((code & 8) << 28)
+        w = (bits.to(tl.float32, bitcast=True) * 8.507059173023462e37) * scale  # 2^126
+    w = _cast(w, dtype, INTERPRET_BF16)
+    if INTERPRET_BF16:
+        w = w.to(tl.float32)  # the interpreter's dot takes fp32 (see _interpret_bf16)
+    w_lo, w_hi = tl.split(w)
+    return tl.reshape(w_lo, packed.shape), tl.reshape(w_hi, packed.shape)
 
 
 @triton.jit
@@ -142,7 +133,6 @@ def _packed_gemm(
         a = tl.load(
             a_rows + k[None, :] * stride_ak, mask=pair_mask[:, None] & (k < K)[None, :], other=0.0
         )
-        a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_SIZE_M, HALF, 2)))
         kp = tl.multiple_of(k0 // 2, HALF) + offs_kp
         packed = tl.load(
             b_rows + kp[:, None] * stride_bk, mask=(kp < k_half)[:, None] & n_mask[None, :], other=0
@@ -151,14 +141,14 @@ def _packed_gemm(
             b_scale_ptr, b_zero_ptr, expert, rows, n_mask, k0 + BLOCK_SIZE_K, K,
             stride_se, stride_sn, stride_sg, GROUP_SIZE, BLOCK_SIZE_K, WEIGHT_FORMAT, HAS_ZEROS,
         )  # fmt: skip
-        w_lo = _dequant_codes(
-            packed & 0xF, scale, zero, a.dtype, WEIGHT_FORMAT, HAS_ZEROS, INTERPRET_BF16
+        w_lo, w_hi = _dequant_packed(
+            packed, scale, zero, a.dtype, WEIGHT_FORMAT, HAS_ZEROS, INTERPRET_BF16
         )
-        w_hi = _dequant_codes(
-            packed >> 4, scale, zero, a.dtype, WEIGHT_FORMAT, HAS_ZEROS, INTERPRET_BF16
-        )
-        acc = _dot_acc(a_even, w_lo, acc, INTERPRET_BF16)
-        acc = _dot_acc(a_odd, w_hi, acc, INTERPRET_BF16)
+        if INTERPRET_BF16:
+            a = a.to(tl.float32)
+        a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_SIZE_M, HALF, 2)))
+        acc = tl.dot(a_even, w_lo, acc, input_precision="ieee")
+        acc = tl.dot(a_odd, w_hi, acc, input_precision="ieee")
         scale, zero = next_scale, next_zero
     return acc
 
@@ -169,14 +159,6 @@ def _dot(a, b, INTERPRET_BF16: tl.constexpr):
     if INTERPRET_BF16:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b, input_precision="ieee")
-
-
-@triton.jit
-def _dot_acc(a, b, acc, INTERPRET_BF16: tl.constexpr):
-    """``acc + a @ b`` in fp32, accumulated inside the MMA (as :func:`_dot` otherwise)."""
-    if INTERPRET_BF16:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc, input_precision="ieee")
 
 
 @triton.jit
