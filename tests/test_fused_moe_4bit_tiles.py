@@ -51,6 +51,7 @@ def read_back(
     zeros: torch.Tensor | None,
     dtype: torch.dtype,
     block_m: int,
+    block_k: int = TILE_K,
 ) -> torch.Tensor:
     """``[E, n, k]`` weights as the kernel dequantizes them, where it reads them: row ``i`` of
     ``eye(k)`` is one pair, routed to expert ``i % E``, so its output row is column ``i`` of that
@@ -62,7 +63,7 @@ def read_back(
         torch.eye(k, dtype=dtype), w, out, torch.ones(k, 1),
         *moe_align_block_size(ids, block_m, experts), top_k=1, mul_routed_weight=False,
         w_scales=scales, w_zeros=zeros, block_size_m=block_m, block_size_n=TILE_N,
-        block_size_k=TILE_K,
+        block_size_k=block_k,
     )  # fmt: skip
     weights = torch.full((experts, n, k), float("nan"), dtype=dtype)
     for e in range(experts):
@@ -76,19 +77,21 @@ def assert_read_back_equal(got: torch.Tensor, want: torch.Tensor) -> None:
         assert torch.equal(got[e, :, e :: got.shape[0]], want[e, :, e :: got.shape[0]]), e
 
 
-# (group, zero points, scale dtype, activation dtype, BLOCK_M, K, N): group 128 spans whole
-# tiles (two K steps: the second group row is the prefetched one); group 32 puts 4 groups in a
-# tile, with K 160 (a tile and a quarter: masked tail) and N 144 (a masked second N tile).
+# (group, zero points, scale dtype, activation dtype, BLOCK_M, K, N, BLOCK_K): group 128 spans
+# whole tiles (two K steps: the second group row is the prefetched one), or two tiles at the
+# large-batch buckets' BLOCK_K 64; group 32 puts 4 groups in a tile, with K 160 (a tile and a
+# quarter: masked tail) and N 144 (a masked second N tile).
 INT4_CASES = [
-    (128, False, torch.float32, torch.float32, 16, 256, 128),
-    (128, True, torch.bfloat16, torch.bfloat16, 32, 256, 128),
-    (32, True, torch.float32, torch.float32, 64, 160, 144),
-    (32, False, torch.bfloat16, torch.bfloat16, 16, 160, 128),
-    (64, True, torch.float16, torch.float32, 16, 192, 128),
+    (128, False, torch.float32, torch.float32, 16, 256, 128, 128),
+    (128, True, torch.bfloat16, torch.bfloat16, 32, 256, 128, 128),
+    (128, True, torch.float32, torch.float32, 64, 256, 128, 64),
+    (32, True, torch.float32, torch.float32, 64, 160, 144, 128),
+    (32, False, torch.bfloat16, torch.bfloat16, 16, 160, 128, 128),
+    (64, True, torch.float16, torch.float32, 16, 192, 128, 128),
 ]
 
 
-@pytest.mark.parametrize("group, zeros, scale_dtype, dtype, block_m, k, n", INT4_CASES)
+@pytest.mark.parametrize("group, zeros, scale_dtype, dtype, block_m, k, n, block_k", INT4_CASES)
 def test_int4_read_back_is_exact_at_tuned_tiles(
     group: int,
     zeros: bool,
@@ -97,12 +100,13 @@ def test_int4_read_back_is_exact_at_tuned_tiles(
     block_m: int,
     k: int,
     n: int,
+    block_k: int,
 ) -> None:
     g = gen()
     w = torch.randn(2, n, k, generator=g)
     packed, scales, zero = quantize_int4(w, group, symmetric=not zeros, scale_dtype=scale_dtype)
     assert scales.dtype == scale_dtype and (zero is not None) == zeros
-    got = read_back(packed, scales, zero, dtype, block_m)
+    got = read_back(packed, scales, zero, dtype, block_m, block_k)
     assert_read_back_equal(got, dequantize_int4(packed, scales, zero, dtype=dtype))
 
 
