@@ -45,6 +45,7 @@ from quant.mxfp4 import MXFP4_BLOCK_SIZE
 INT4_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 MIN_BLOCK_SIZE = 16  # tl.dot needs every tile dimension >= 16
+MIN_PACKED_BLOCK_K = 2 * MIN_BLOCK_SIZE  # 4-bit tiles: one dot per nibble, each BLOCK_K / 2 deep
 
 
 def _check_block_size(block_size: int) -> None:
@@ -127,6 +128,28 @@ def _tile(dim: int, cap: int) -> int:
     return max(MIN_BLOCK_SIZE, min(cap, triton.next_power_of_2(dim)))
 
 
+def _packed_tile_k(tile_k: int, group_size: int, k_dim: int) -> int:
+    """The K tile of a packed 4-bit launch: at least `MIN_PACKED_BLOCK_K` (each nibble half of
+    the tile feeds its own ``tl.dot``), and either a multiple or a divisor of ``group_size`` so
+    that a tile holds whole groups or lies inside one (halved from ``tile_k`` until it does);
+    any tile when K is one group.
+
+    Raises:
+        ValueError: no such tile (a group size that is not a multiple of 32 below the tile).
+    """
+    tile_k = max(tile_k, MIN_PACKED_BLOCK_K)
+    if group_size >= k_dim:
+        return tile_k
+    while tile_k > MIN_PACKED_BLOCK_K and group_size % tile_k and tile_k % group_size:
+        tile_k //= 2
+    if group_size % tile_k and tile_k % group_size:
+        raise ValueError(
+            f"group_size {group_size} fits no K tile >= {MIN_PACKED_BLOCK_K} (needs a multiple "
+            "or a power-of-two divisor of it)"
+        )
+    return tile_k
+
+
 def _weight_format(w: torch.Tensor, w_scales: torch.Tensor | None) -> int:
     """0 plain, 1 INT4 (float scales), 2 MXFP4 (uint8 E8M0 scales); see ``_load_weight_tile``."""
     if w_scales is None:
@@ -182,12 +205,14 @@ def invoke_fused_moe_kernel(
         activation: ``None`` (plain GEMM) or a :class:`kernels.moe.activation.SwiGLU` applied in
             the epilogue to gate rows ``[0, N)`` and up rows ``[N, 2N)`` of ``w``.
         block_size_m, block_size_n, block_size_k: tile sizes (powers of two >= 16; N and K tiles
-            are shrunk to the problem when smaller); see `kernels.moe.fused_moe_configs`.
+            are shrunk to the problem when smaller); see `kernels.moe.fused_moe_configs`. A
+            4-bit K tile is at least 32 and holds whole groups or lies in one
+            (:func:`_packed_tile_k`).
         num_warps, num_stages: compiled-Triton launch options (the interpreter ignores them).
 
     Raises:
-        ValueError: ``expert_ids`` does not match ``block_size_m``, or a shape or dtype does
-            not fit.
+        ValueError: ``expert_ids`` does not match ``block_size_m``, a shape or dtype does not
+            fit, or a 4-bit group size fits no K tile (not a multiple of 32 below the tile).
     """
     if expert_ids.numel() * block_size_m != sorted_token_ids.numel():
         raise ValueError(
@@ -206,6 +231,8 @@ def invoke_fused_moe_kernel(
             f"(activation {activation})"
         )
     group_size = k_dim // w_scales.shape[2] if weight_format else k_dim
+    if weight_format and group_size * w_scales.shape[2] != k_dim:
+        raise ValueError(f"scales {tuple(w_scales.shape)} do not split K={k_dim} into equal groups")
     if weight_format == 2 and group_size != MXFP4_BLOCK_SIZE:
         raise ValueError(f"MXFP4 scales {tuple(w_scales.shape)} are not one per 32 of K={k_dim}")
     if bias is not None and tuple(bias.shape) != (w.shape[0], n_w):
@@ -222,6 +249,8 @@ def invoke_fused_moe_kernel(
         alpha = float(activation.alpha) if activation.clamped else 1.0
         limit = float(activation.limit) if activation.limit is not None else 0.0
     tile_n, tile_k = _tile(n, block_size_n), _tile(k_dim, block_size_k)
+    if weight_format:
+        tile_k = _packed_tile_k(tile_k, group_size, k_dim)
     grid = (expert_ids.numel() * triton.cdiv(n, tile_n),)
     fused_moe_kernel[grid](
         a, w, out, scales, zeros, bias_t, topk_weights,
