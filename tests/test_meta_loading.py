@@ -141,3 +141,24 @@ def test_a_computed_buffer_without_a_way_to_compute_it_is_refused() -> None:
         module = Cached()
     with pytest.raises(StartupError, match=r"Cached .*\['table'\].*materialize_buffers"):
         materialize(module, torch.device("cpu"))
+
+
+def test_building_on_meta_imports_no_symbolic_machinery(qwen3_ckpt) -> None:
+    """Arithmetic on meta tensors imports torch's symbolic shapes and sympy (~150 MB
+    resident): building and materializing must not do any (a fresh process, so the test
+    session's own imports do not hide it)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys, torch
+from moe_engine.models.build import build_on_meta, read_architecture
+from moe_engine.models.materialize import materialize
+_, _, cls, spec = read_architecture({str(qwen3_ckpt)!r})
+before = "sympy" in sys.modules
+materialize(build_on_meta(cls, spec, torch.float32, 64, None), torch.device("cpu"))
+print(before, "sympy" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == ["False", "False"], out.stdout
