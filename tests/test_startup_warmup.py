@@ -180,3 +180,39 @@ def test_a_graph_pool_that_leaves_too_little_names_enforce_eager(qwen3_ckpt) -> 
     with pytest.raises(StartupError, match=r"CUDA graphs \d+ .*or --enforce-eager"):
         size_kv_cache(DeviceMemory(total, total), 0.5, GiB, 100 << 20, plan, 256,
                       graph_pool=int(0.5 * total) - GiB - (100 << 20))  # fmt: skip
+
+
+def test_the_engine_runs_the_warm_up_where_it_applies(qwen3_ckpt, monkeypatch, caplog) -> None:
+    """The engine's wiring: where the warm-up applies (forced here: on this CPU it never
+    does), its dummy steps run after the KV cache is made and before graph capture, and
+    leave the null block zero; the log names the count and the time."""
+    from moe_engine.core import build as core_build
+    from moe_engine.startup.config import (
+        CacheConfig,
+        EngineConfig,
+        ModelConfig,
+        SchedulerConfig,
+    )
+
+    ran: list[warmup.DummyStep] = []
+    real_warm_up = core_build.warm_up
+
+    def spy(run, steps):
+        ran.extend(steps)
+        return real_warm_up(run, steps)
+
+    monkeypatch.setattr(core_build, "warm_up_skip_reason", lambda *a: None)
+    monkeypatch.setattr(core_build, "warm_up", spy)
+    config = EngineConfig(
+        model=ModelConfig(model=str(qwen3_ckpt), max_model_len=32),
+        cache=CacheConfig(num_blocks_override=4),
+        scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16),
+        kernel_backend="torch",
+    )
+    with caplog.at_level("INFO", logger="moe_engine.runner.warmup"):
+        engine = core_build.build_engine_core(config)
+    assert sorted(s.num_tokens for s in ran) == [1, 2, 4, 8, 15, 16]  # no Triton decode
+    assert "Triton warm-up: compiled 0 kernel variants in" in caplog.text
+    for cache in engine.runner.kv_caches:
+        for t in (cache,) if isinstance(cache, torch.Tensor) else cache:
+            assert not t[0].any()
