@@ -18,6 +18,9 @@ one per variant class the kernels distinguish:
   max_num_seqs and block-table widths up to max_model_len (the merge kernel is specialised
   on the same count).
 
+The other Triton kernels a forward launches (the fused router, norms, rotary) compile in the
+same steps, at the same token counts and so the same specialisations.
+
 Every dummy step reads and writes only the null KV block, like the profile run
 (`ModelRunner.dummy_run`). It runs on CUDA with compiled Triton only (`warm_up_skip_reason`):
 on a CPU, with other backends, or under Triton's interpreter (nothing to compile) it is
