@@ -211,10 +211,45 @@ def mla_decode(fam: Family, sweep: Sweep) -> Iterator[Case]:
                 yield Case(labels, call, decode=True)
 
 
+#: Each family's routing rule (the name `KernelPlan.router_topk` takes) and its arguments after
+#: (logits, top_k), from the models' config.json: DeepSeek-V3's noaux_tc (n_group 8, topk_group
+#: 4, norm_topk_prob, routed_scaling_factor 2.5, float32 logits and correction bias).
+_ROUTINGS: dict[str, tuple[str, tuple]] = {
+    "gpt-oss": ("topk_softmax", ()),
+    "DeepSeek-V3": ("sigmoid_grouped_topk", ("bias", 8, 4, True, 2.5)),
+}
+
+
+def router_topk(fam: Family, sweep: Sweep) -> Iterator[Case]:
+    """``kernels.moe.router_kernels``' fused router of the family's rule, per token count.
+    (`moe_align_block_size_kernel` and `moe_sum_kernel` are launched by ``fused_moe``'s
+    launcher, so the ``fused_moe`` driver records them.)"""
+    from kernels.moe.router_kernels import FUSED_ROUTERS
+
+    name, extra = next(
+        (rule for prefix, rule in _ROUTINGS.items() if fam.name.startswith(prefix)),
+        ("softmax_topk", (True,)),
+    )
+    for dtype in sweep.dtypes:
+        logits_dtype = torch.float32 if name == "sigmoid_grouped_topk" else dtype
+        args = tuple(_empty(fam.num_experts, dtype=torch.float32) if a == "bias" else a
+                     for a in extra)  # fmt: skip
+        for t in sweep.num_tokens:
+            logits = _empty(t, fam.num_experts, dtype=logits_dtype)
+
+            def call(logits=logits, args=args):
+                return FUSED_ROUTERS[name](logits, fam.top_k, *args)
+
+            labels = {"op": "router_topk", "family": fam.name, "quant": name,
+                      "dtype": _DTYPE_NAMES[logits_dtype], "shape": f"T={t}"}  # fmt: skip
+            yield Case(labels, call, decode=t <= 256)
+
+
 #: Every driver the check runs, in report order.
 DRIVERS: tuple[Callable[[Family, Sweep], Iterator[Case]], ...] = (
     fused_moe,
     attention_decode,
     attention_prefill,
     mla_decode,
+    router_topk,
 )

@@ -33,7 +33,7 @@ from moe_engine.startup.config import (
 PROMPT_LENS = [1, 7, 24]
 MAX_NEW = [5, 4, 4]
 TRITON_OPS = ("fused_moe", "fused_moe_int4", "fused_moe_mxfp4", "attention_prefill",
-              "attention_decode", "mla_decode")
+              "attention_decode", "mla_decode", "router_topk")
 
 
 def _prompts() -> list[list[int]]:
@@ -107,6 +107,7 @@ def test_mla_latent_decode_matches_transformers(deepseek_v3_ckpt):
 
 def test_every_module_is_bound_to_the_triton_kernels(qwen3_ckpt):
     """What the servers above ran: the plan reached every expert and attention module."""
+    from kernels.moe.router_kernels import fused_softmax_topk
     from moe_engine import LLM
     from moe_engine.models.layers.attention import PagedAttention
 
@@ -116,6 +117,7 @@ def test_every_module_is_bound_to_the_triton_kernels(qwen3_ckpt):
         moes = [moe for _, moe in llm.engine.model.moe_layers()]
         bound = {getattr(m.quantized if m.quantized is not None else m, attr) for m in moes}
         assert bound == {"triton"}, (quantization, bound)
+        assert {m.router_kernel for m in moes} == {fused_softmax_topk}
         attention = [m for m in llm.engine.model.modules() if isinstance(m, PagedAttention)]
         assert {(m.kernels.decode_backend, m.kernels.prefill_backend) for m in attention} == {
             ("triton", "triton")
