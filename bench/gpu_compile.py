@@ -55,7 +55,8 @@ from triton.compiler import ASTSource  # noqa: E402
 SHARED_LIMIT = 232_448  # bytes per block, opt-in maximum on sm_90 (H100/H200) and sm_100 (B200)
 ARCHS = {"sm_90": 90, "sm_100": 100}
 _CONFIG_NAMES = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "BLOCK_Q", "G_PAD", "BLOCK_H",
-                 "BLOCK_N", "NUM_SPLITS", "SPLITS_PAD", "DIM_PAD", "HEAD_DIM_PAD")  # fmt: skip
+                 "BLOCK_N", "NUM_SPLITS", "SPLITS_PAD", "DIM_PAD", "HEAD_DIM_PAD", "BLOCK_PAIRS",
+                 "NUM_EXPERTS_PAD", "TOP_K")  # fmt: skip
 
 
 @dataclass

@@ -49,7 +49,7 @@ def test_engine_tiles_fit_sm90(tmp_path: Path) -> None:
     run, report = _check(tmp_path, "--op", "fused_moe", "--op", "attention_decode", "--quant",
                          "int4-g128-fp32", "--quant", "full", "--dtype", "bf16")  # fmt: skip
     kernels = {v["kernel"] for v in report["variants"]}
-    assert kernels == {"fused_moe_kernel", "paged_attention_kernel", "merge_kv_splits_kernel"}
+    assert {"fused_moe_kernel", "paged_attention_kernel", "merge_kv_splits_kernel"} <= kernels
     splits = [v for v in report["variants"] if v["kernel"] == "paged_attention_kernel"]
     assert "NUM_SPLITS=16" in splits[0]["config"]  # B=4 over 40,960 keys: the split path
     for v in report["variants"]:

@@ -24,12 +24,14 @@ the same table.
 What IS checked, without a GPU: every entry and every `default_config` tile, compiled for sm_90
 by ``bench/gpu_compile.py`` for the served families' shapes in bf16, fp16 and fp32 (int4 with
 fp32/bf16 scales and zero points, MXFP4), fits the 232,448 B of shared memory an H100/H200
-block gets (the largest 4-bit tile here needs < 100 KB, float < 200 KB in fp32), and the
-16-bit decode tiles (<= 256 tokens) compile without register spills. That check replaced the
-first hand-picked 4-bit decode tiles (16x128x128, 4 warps, 3 stages), which needed 303,104 B of
-shared memory with int4 (fp32 scales) and spilled: the 4-bit loader dequantizes a
-``[BLOCK_K, BLOCK_N]`` tile of bytes and per-element scales, so a 4-bit K step of 64 holds as
-many live values as a float one of 128, and 4-bit tiles use ``BLOCK_SIZE_K`` 64 here.
+block gets, and the 16-bit decode tiles (<= 256 tokens) compile without register spills. That
+check replaced the first hand-picked 4-bit tiles (decode 16x128x128, 4 warps, 3 stages, and
+32x128x128 at 256 tokens): with the byte-per-weight loader of that time (one fp32 scale load per
+weight) the decode tile needed 303,104 B of shared memory with int4 and every K-128 4-bit tile
+spilled, so the 4-bit tiles here step K by 64 (under 100 KB, no decode spills with that loader;
+16-33 KB with the packed loader that followed, which also fits the old K-128 tiles except
+32x128x128 at 4 warps, whose MXFP4 GEMM1 still spills). Which of these is fastest is for the
+GPU sweep to say; the compile check says only that they fit.
 """
 
 from __future__ import annotations
@@ -131,11 +133,10 @@ def default_config(num_tokens: int, n: int, k: int, weight_format: str) -> MoeTi
 
     Small batches (decode: each expert sees a few pairs) take the smallest M tile and a wide K
     step, so that a program streams weights with few idle rows; large batches grow M to reuse
-    each weight tile over more pairs. 4-bit weights keep K 64 and 8 warps from 65 tokens on:
-    their loader holds a dequantized ``[BLOCK_K, BLOCK_N]`` tile and its per-element scales in
-    registers and shared memory (bench/gpu_compile.py checks every tile here fits an H100
-    block without decode-path spills). N and K only cap the tiles (the launcher shrinks them
-    again).
+    each weight tile over more pairs. 4-bit weights keep K 64 and 8 warps from 65 tokens on
+    (the K-128 tiles overflowed or spilled with the first 4-bit loader; see the module
+    docstring; bench/gpu_compile.py checks every tile here fits an H100 block without
+    decode-path spills). N and K only cap the tiles (the launcher shrinks them again).
     """
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
