@@ -37,7 +37,7 @@ def _check(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dic
     out = tmp_path / "report.json"
     run = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "gpu_compile.py"), "--quiet", "--jobs", "2",
-         "--family", "Qwen3-30B-A3B", "--tokens", "4", "--json", str(out),
+         "--quick", "--family", "Qwen3-30B-A3B", "--tokens", "4", "--json", str(out),
          *args],
         capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
     )  # fmt: skip
