@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.attention.triton_mla_prologue import mla_rope_cache
 from kernels.dense.triton_norm import fused_add_rms_norm, rms_norm
-from kernels.dense.triton_rope import mla_rope_cache, qk_norm_rope_cache
+from kernels.dense.triton_rope import qk_norm_rope_cache
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import PartialRotaryEmbedding, RotaryEmbedding
 

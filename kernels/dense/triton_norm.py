@@ -86,8 +86,10 @@ def _rows(x: torch.Tensor, name: str) -> tuple[int, int, int, int]:
         ValueError: more than 3 dimensions, or a last dimension that is not dense.
     """
     if not 1 <= x.dim() <= 3 or x.stride(-1) != 1:
-        raise ValueError(f"{name} must be [D], [A, D] or [A, B, D] with a dense last "
-                         f"dimension, got shape {tuple(x.shape)} strides {x.stride()}")
+        raise ValueError(
+            f"{name} must be [D], [A, D] or [A, B, D] with a dense last "
+            f"dimension, got shape {tuple(x.shape)} strides {x.stride()}"
+        )
     d = x.shape[-1]
     a, sa = (x.shape[0], x.stride(0)) if x.dim() >= 2 else (1, d)
     b, sb = (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, d)
@@ -100,16 +102,19 @@ def _launch(x, residual, weight, eps, weight_in_float32) -> tuple[torch.Tensor, 
     if weight.numel() != d or not weight.is_contiguous() or not weight.is_floating_point():
         raise ValueError(f"weight must be a dense float [D] = [{d}], got {tuple(weight.shape)}")
     if not weight_in_float32 and weight.dtype != x.dtype:
-        raise ValueError(f"weight ({weight.dtype}) must have x's dtype ({x.dtype}) unless "
-                         f"weight_in_float32")
+        raise ValueError(
+            f"weight ({weight.dtype}) must have x's dtype ({x.dtype}) unless weight_in_float32"
+        )
     if d > MAX_ROW:
         raise ValueError(f"rows of {d} values: at most {MAX_ROW}")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     res_out, sra, srb = out, 0, 0
     if residual is not None:
         if residual.shape != x.shape or residual.dtype != x.dtype:
-            raise ValueError(f"residual must be x's {tuple(x.shape)} {x.dtype}, got "
-                             f"{tuple(residual.shape)} {residual.dtype}")
+            raise ValueError(
+                f"residual must be x's {tuple(x.shape)} {x.dtype}, got "
+                f"{tuple(residual.shape)} {residual.dtype}"
+            )
         _, _, sra, srb = _rows(residual, "residual")
         res_out = torch.empty_like(out)
     if out.numel() == 0:

@@ -1,17 +1,14 @@
 """The attention prologue in Triton: q/k RMSNorm, rotary embedding and the KV-cache write in one
-launch per layer (the "rotary" op of the triton backend, `KernelPlan.rope_prologue` and
-`KernelPlan.mla_rope_prologue`), where the torch path is about 20 launches (8 per q/k norm, 5
-per roped tensor, 2 cache writes).
+launch per layer (the "rotary" op of the triton backend, `KernelPlan.rope_prologue`), where
+the torch path is about 20 launches (8 per q/k norm, 5 per roped tensor, 2 cache writes).
 
-- `qk_norm_rope_cache`: the contract of `kernels.dense.ops.qk_norm_rope_cache` (the native
+`qk_norm_rope_cache` has the contract of `kernels.dense.ops.qk_norm_rope_cache` (the native
   CPU kernel) for a fused QKV output: split, optional per-head RMSNorm of q and k (Qwen3's
   rounding), RoPE (RoFormer, Su et al. 2021) on the first `rotary_dim` dims of each head
   ("rotate half" pairs (x_i, x_{i+R/2}) as transformers' `apply_rotary_pos_emb`, or
   interleaved pairs (x_2i, x_2i+1) returned de-interleaved as `apply_rotary_pos_emb_interleave`),
   k and v written at `slot_mapping`, q returned.
-- `mla_rope_cache`: DeepSeek's MLA counterpart (DeepSeek-V2, arXiv:2405.04434, sec. 2.1): the
-  latent c_kv normed by `kv_a_layernorm`, the shared k_pe roped, [c_kv | k_pe] written into the
-  latent cache at `slot_mapping`, and every head's q_pe roped.
+The MLA counterpart, on the same helpers, is `kernels.attention.triton_mla_prologue`.
 
 One program per token handles all its heads (the row tiles fit registers at real sizes: 64 x
 128 values). Every rounding of the torch path is repeated (cos/sin cast to the dtype, each
@@ -31,10 +28,26 @@ from kernels.dense.triton_norm import interpreting, round_to
 
 
 @triton.jit
-def _rope_rows(ptr, row_stride, rows, norm_ptr, eps, c1, s1, c2, s2,
-               ROWS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr,
-               HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr, HAS_NORM: tl.constexpr,
-               INTERLEAVED: tl.constexpr, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
+def rope_rows(
+    ptr,
+    row_stride,
+    rows,
+    norm_ptr,
+    eps,
+    c1,
+    s1,
+    c2,
+    s2,
+    ROWS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROT: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    REST_PAD: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    dtype: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
     """`rows` head rows at ptr + row * row_stride: optional RMSNorm over HEAD_DIM, then RoPE
     on the first ROT dims. Returns the rotated halves (y1 [ROWS_PAD, HALF_PAD], y2) and the
     pass-through rest (y3 [ROWS_PAD, REST_PAD]) in `dtype`."""
@@ -60,34 +73,53 @@ def _rope_rows(ptr, row_stride, rows, norm_ptr, eps, c1, s1, c2, s2,
         wc = tl.load(norm_ptr + ROT + j, mask=j < HEAD_DIM - ROT, other=0.0)
         a = round_to(wa * round_to(a * inv, dtype, ROUND_BF16).to(tl.float32), dtype, ROUND_BF16)
         b = round_to(wb * round_to(b * inv, dtype, ROUND_BF16).to(tl.float32), dtype, ROUND_BF16)
-        c = round_to(wc.to(tl.float32)[None, :] * round_to(c * inv, dtype, ROUND_BF16).to(
-            tl.float32), dtype, ROUND_BF16)
+        c = round_to(
+            wc.to(tl.float32)[None, :] * round_to(c * inv, dtype, ROUND_BF16).to(tl.float32),
+            dtype,
+            ROUND_BF16,
+        )
         a, b, c = a.to(tl.float32), b.to(tl.float32), c.to(tl.float32)
     # torch: x * cos + rotate_half(x) * sin, each product rounded to the dtype, then the sum
     y1 = round_to(a * c1[None, :], dtype, ROUND_BF16).to(tl.float32) + round_to(
-        -b * s1[None, :], dtype, ROUND_BF16).to(tl.float32)
+        -b * s1[None, :], dtype, ROUND_BF16
+    ).to(tl.float32)
     y2 = round_to(b * c2[None, :], dtype, ROUND_BF16).to(tl.float32) + round_to(
-        a * s2[None, :], dtype, ROUND_BF16).to(tl.float32)
-    return (round_to(y1, dtype, ROUND_BF16), round_to(y2, dtype, ROUND_BF16),
-            round_to(c, dtype, ROUND_BF16))
+        a * s2[None, :], dtype, ROUND_BF16
+    ).to(tl.float32)
+    return (
+        round_to(y1, dtype, ROUND_BF16),
+        round_to(y2, dtype, ROUND_BF16),
+        round_to(c, dtype, ROUND_BF16),
+    )
 
 
 @triton.jit
-def _all(ok, like):
+def all_of(ok, like):
     """The scalar bool `ok` as a bool tensor shaped like the int tensor `like` (the
     interpreter refuses a mask of a tensor and'ed with a scalar)."""
     return (like * 0 + ok.to(tl.int32)) != 0
 
 
 @triton.jit
-def _store_rows(ptr, row_stride, rows, y1, y2, y3, ok, ROWS_PAD: tl.constexpr,
-                HEAD_DIM: tl.constexpr, ROT: tl.constexpr, HALF_PAD: tl.constexpr,
-                REST_PAD: tl.constexpr):
+def store_rows(
+    ptr,
+    row_stride,
+    rows,
+    y1,
+    y2,
+    y3,
+    ok,
+    ROWS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROT: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    REST_PAD: tl.constexpr,
+):
     """The de-interleaved rows [y1 | y2 | y3] at ptr + row * row_stride (where `ok`)."""
     r = tl.arange(0, ROWS_PAD)
     i = tl.arange(0, HALF_PAD)
     j = tl.arange(0, REST_PAD)
-    row_ok = (r < rows) & _all(ok, r)
+    row_ok = (r < rows) & all_of(ok, r)
     base = ptr + r.to(tl.int64)[:, None] * row_stride
     half_ok = row_ok[:, None] & (i < ROT // 2)[None, :]
     tl.store(base + i[None, :], y1, mask=half_ok)
@@ -96,8 +128,16 @@ def _store_rows(ptr, row_stride, rows, y1, y2, y3, ok, ROWS_PAD: tl.constexpr,
 
 
 @triton.jit
-def _cos_sin(cos_ptr, sin_ptr, pos, stride_cos, dtype: tl.constexpr, ROT: tl.constexpr,
-             HALF_PAD: tl.constexpr, ROUND_BF16: tl.constexpr):
+def cos_sin(
+    cos_ptr,
+    sin_ptr,
+    pos,
+    stride_cos,
+    dtype: tl.constexpr,
+    ROT: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
     """The position's cos/sin halves, cast to the dtype (torch: `cos_cache[pos].to(dtype)`)."""
     i = tl.arange(0, HALF_PAD)
     ok = i < ROT // 2
@@ -106,10 +146,12 @@ def _cos_sin(cos_ptr, sin_ptr, pos, stride_cos, dtype: tl.constexpr, ROT: tl.con
     s1 = tl.load(sin_ptr + row + i, mask=ok, other=0.0)
     c2 = tl.load(cos_ptr + row + ROT // 2 + i, mask=ok, other=0.0)
     s2 = tl.load(sin_ptr + row + ROT // 2 + i, mask=ok, other=0.0)
-    return (round_to(c1, dtype, ROUND_BF16).to(tl.float32),
-            round_to(s1, dtype, ROUND_BF16).to(tl.float32),
-            round_to(c2, dtype, ROUND_BF16).to(tl.float32),
-            round_to(s2, dtype, ROUND_BF16).to(tl.float32))
+    return (
+        round_to(c1, dtype, ROUND_BF16).to(tl.float32),
+        round_to(s1, dtype, ROUND_BF16).to(tl.float32),
+        round_to(c2, dtype, ROUND_BF16).to(tl.float32),
+        round_to(s2, dtype, ROUND_BF16).to(tl.float32),
+    )
 
 
 @triton.jit
@@ -126,48 +168,58 @@ def qk_norm_rope_cache_kernel(
     t = tl.program_id(0).to(tl.int64)
     dtype = q_out_ptr.dtype.element_ty
     pos = tl.load(positions_ptr + t)
-    c1, s1, c2, s2 = _cos_sin(cos_ptr, sin_ptr, pos, stride_cos, dtype, ROT, HALF_PAD,
+    c1, s1, c2, s2 = cos_sin(cos_ptr, sin_ptr, pos, stride_cos, dtype, ROT, HALF_PAD,
                               ROUND_BF16)  # fmt: skip
     row = qkv_ptr + t * stride_qkv
-    y1, y2, y3 = _rope_rows(row, HEAD_DIM, num_heads, q_norm_ptr, eps, c1, s1, c2, s2,
+    y1, y2, y3 = rope_rows(row, HEAD_DIM, num_heads, q_norm_ptr, eps, c1, s1, c2, s2,
                             HQ_PAD, HEAD_DIM, ROT, HALF_PAD, REST_PAD, HAS_NORM, INTERLEAVED,
                             dtype, ROUND_BF16)  # fmt: skip
-    _store_rows(q_out_ptr + t * num_heads * HEAD_DIM, HEAD_DIM, num_heads, y1, y2, y3, t >= 0,
+    store_rows(q_out_ptr + t * num_heads * HEAD_DIM, HEAD_DIM, num_heads, y1, y2, y3, t >= 0,
                 HQ_PAD, HEAD_DIM, ROT, HALF_PAD, REST_PAD)  # fmt: skip
     slot = tl.load(slot_mapping_ptr + t)
     blk, off = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     k_row = row + num_heads * HEAD_DIM
-    y1, y2, y3 = _rope_rows(k_row, HEAD_DIM, num_kv_heads, k_norm_ptr, eps, c1, s1, c2, s2,
+    y1, y2, y3 = rope_rows(k_row, HEAD_DIM, num_kv_heads, k_norm_ptr, eps, c1, s1, c2, s2,
                             HKV_PAD, HEAD_DIM, ROT, HALF_PAD, REST_PAD, HAS_NORM, INTERLEAVED,
                             dtype, ROUND_BF16)  # fmt: skip
-    _store_rows(k_cache_ptr + blk * stride_kb + off * stride_ks, stride_kh, num_kv_heads,
+    store_rows(k_cache_ptr + blk * stride_kb + off * stride_ks, stride_kh, num_kv_heads,
                 y1, y2, y3, slot >= 0, HKV_PAD, HEAD_DIM, ROT, HALF_PAD, REST_PAD)  # fmt: skip
     h = tl.arange(0, HKV_PAD)
     d = tl.arange(0, D_PAD)
     v_ok = (h < num_kv_heads)[:, None] & (d < HEAD_DIM)[None, :]
     v = tl.load(k_row + num_kv_heads * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :], mask=v_ok)
     tl.store(v_cache_ptr + blk * stride_vb + off * stride_vs + h[:, None] * stride_vh
-             + d[None, :], v, mask=v_ok & _all(slot >= 0, v_ok.to(tl.int32)))  # fmt: skip
+             + d[None, :], v, mask=v_ok & all_of(slot >= 0, v_ok.to(tl.int32)))  # fmt: skip
 
 
-def _pad(n: int) -> int:
+def pad_pow2(n: int) -> int:
     return max(1, triton.next_power_of_2(n))
 
 
-def _check_index(name: str, idx: torch.Tensor, t: int) -> None:
-    if idx.dtype not in (torch.int32, torch.int64) or idx.shape != (t,) or (
-        not idx.is_contiguous()
+def check_index(name: str, idx: torch.Tensor, t: int) -> None:
+    if (
+        idx.dtype not in (torch.int32, torch.int64)
+        or idx.shape != (t,)
+        or (not idx.is_contiguous())
     ):
-        raise ValueError(f"{name} must be dense int32/int64 [{t}], got {idx.dtype} "
-                         f"{tuple(idx.shape)}")
+        raise ValueError(
+            f"{name} must be dense int32/int64 [{t}], got {idx.dtype} {tuple(idx.shape)}"
+        )
 
 
-def _check_tables(cos_cache, sin_cache, rot: int, device) -> None:
+def check_tables(cos_cache, sin_cache, rot: int, device) -> None:
     for name, table in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
-        if (table.dtype != torch.float32 or table.dim() != 2 or table.shape[1] != rot
-                or table.stride(1) != 1 or table.device != device):
-            raise ValueError(f"{name} must be float32 [P, {rot}] on {device}, got "
-                             f"{table.dtype} {tuple(table.shape)} on {table.device}")
+        if (
+            table.dtype != torch.float32
+            or table.dim() != 2
+            or table.shape[1] != rot
+            or table.stride(1) != 1
+            or table.device != device
+        ):
+            raise ValueError(
+                f"{name} must be float32 [P, {rot}] on {device}, got "
+                f"{table.dtype} {tuple(table.shape)} on {table.device}"
+            )
     if cos_cache.stride() != sin_cache.stride():
         raise ValueError("cos_cache and sin_cache must share their strides")
 
@@ -213,16 +265,24 @@ def qk_norm_rope_cache(
     d = width // (num_heads + 2 * num_kv_heads)
     rot = cos_cache.shape[-1]
     if width != (num_heads + 2 * num_kv_heads) * d or qkv.stride(1) != 1:
-        raise ValueError(f"qkv must be [T, (Hq + 2 Hkv) * D] with dense rows, got "
-                         f"{tuple(qkv.shape)} for Hq={num_heads}, Hkv={num_kv_heads}")
+        raise ValueError(
+            f"qkv must be [T, (Hq + 2 Hkv) * D] with dense rows, got "
+            f"{tuple(qkv.shape)} for Hq={num_heads}, Hkv={num_kv_heads}"
+        )
     if rot % 2 or not 2 <= rot <= d:
         raise ValueError(f"the tables rotate {rot} dims: must be even and in [2, {d}]")
-    _check_tables(cos_cache, sin_cache, rot, qkv.device)
+    check_tables(cos_cache, sin_cache, rot, qkv.device)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if (c.dtype != qkv.dtype or c.dim() != 4 or tuple(c.shape[2:]) != (num_kv_heads, d)
-                or c.stride(-1) != 1):
-            raise ValueError(f"{name} must be [blocks, block_size, {num_kv_heads}, {d}] "
-                             f"{qkv.dtype}, got {c.dtype} {tuple(c.shape)}")
+        if (
+            c.dtype != qkv.dtype
+            or c.dim() != 4
+            or tuple(c.shape[2:]) != (num_kv_heads, d)
+            or c.stride(-1) != 1
+        ):
+            raise ValueError(
+                f"{name} must be [blocks, block_size, {num_kv_heads}, {d}] "
+                f"{qkv.dtype}, got {c.dtype} {tuple(c.shape)}"
+            )
     if k_cache.shape[1] != v_cache.shape[1]:
         raise ValueError("k_cache and v_cache must share their block size")
     if (q_norm is None) != (k_norm is None):
@@ -230,8 +290,8 @@ def qk_norm_rope_cache(
     for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
         if w is not None and (w.dtype != qkv.dtype or w.numel() != d or not w.is_contiguous()):
             raise ValueError(f"{name} must be dense [{d}] {qkv.dtype}")
-    _check_index("positions", positions, t)
-    _check_index("slot_mapping", slot_mapping, t)
+    check_index("positions", positions, t)
+    check_index("slot_mapping", slot_mapping, t)
     q = qkv.new_empty(t, num_heads, d)
     if t == 0:
         return q
@@ -240,114 +300,11 @@ def qk_norm_rope_cache(
         qkv, positions, cos_cache, sin_cache, qkv_norm, qkv_norm if k_norm is None else k_norm,
         k_cache, v_cache, slot_mapping, q, eps, qkv.stride(0), cos_cache.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3], num_heads, num_kv_heads,
-        HQ_PAD=_pad(num_heads), HKV_PAD=_pad(num_kv_heads), HEAD_DIM=d, D_PAD=_pad(d),
-        ROT=rot, HALF_PAD=_pad(rot // 2), REST_PAD=_pad(d - rot), BLOCK_SIZE=k_cache.shape[1],
+        HQ_PAD=pad_pow2(num_heads), HKV_PAD=pad_pow2(num_kv_heads), HEAD_DIM=d,
+        D_PAD=pad_pow2(d), ROT=rot, HALF_PAD=pad_pow2(rot // 2), REST_PAD=pad_pow2(d - rot),
+        BLOCK_SIZE=k_cache.shape[1],
         HAS_NORM=q_norm is not None, INTERLEAVED=interleaved,
         ROUND_BF16=interpreting() and qkv.dtype == torch.bfloat16,
         num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     return q
-
-
-@triton.jit
-def mla_rope_cache_kernel(
-    kv_a_ptr, q_pe_ptr, positions_ptr, cos_ptr, sin_ptr, kv_norm_ptr, cache_ptr,
-    slot_mapping_ptr, q_pe_out_ptr, eps, stride_kv_a, stride_qt, stride_qh, stride_cos,
-    stride_cb, stride_cs, num_heads,
-    H_PAD: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr, ROPE: tl.constexpr,
-    HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, INTERLEAVED: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-):  # fmt: skip
-    """One token: q_pe -> q_pe_out [T, n, ROPE]; [norm(c_kv) | rope(k_pe)] -> the latent cache
-    at its slot (skipped if < 0)."""
-    t = tl.program_id(0).to(tl.int64)
-    dtype = q_pe_out_ptr.dtype.element_ty
-    pos = tl.load(positions_ptr + t)
-    c1, s1, c2, s2 = _cos_sin(cos_ptr, sin_ptr, pos, stride_cos, dtype, ROPE, HALF_PAD,
-                              ROUND_BF16)  # fmt: skip
-    y1, y2, y3 = _rope_rows(q_pe_ptr + t * stride_qt, stride_qh, num_heads, kv_norm_ptr, eps,
-                            c1, s1, c2, s2, H_PAD, ROPE, ROPE, HALF_PAD, 1, False, INTERLEAVED,
-                            dtype, ROUND_BF16)  # fmt: skip
-    _store_rows(q_pe_out_ptr + t * num_heads * ROPE, ROPE, num_heads, y1, y2, y3, t >= 0,
-                H_PAD, ROPE, ROPE, HALF_PAD, 1)  # fmt: skip
-    slot = tl.load(slot_mapping_ptr + t)
-    dest = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
-    r = tl.arange(0, RANK_PAD)
-    ok = r < RANK
-    c = tl.load(kv_a_ptr + t * stride_kv_a + r, mask=ok, other=0.0).to(tl.float32)
-    inv = tl.math.rsqrt(tl.sum(c * c, 0) / RANK + eps)
-    w = tl.load(kv_norm_ptr + r, mask=ok, other=0.0).to(tl.float32)
-    c = round_to(w * round_to(c * inv, dtype, ROUND_BF16).to(tl.float32), dtype, ROUND_BF16)
-    tl.store(dest + r, c, mask=ok & _all(slot >= 0, r))
-    y1, y2, y3 = _rope_rows(kv_a_ptr + t * stride_kv_a + RANK, 0, 1, kv_norm_ptr, eps,
-                            c1, s1, c2, s2, 1, ROPE, ROPE, HALF_PAD, 1, False, INTERLEAVED,
-                            dtype, ROUND_BF16)  # fmt: skip
-    _store_rows(dest + RANK, 0, 1, y1, y2, y3, slot >= 0, 1, ROPE, ROPE, HALF_PAD, 1)
-
-
-def mla_rope_cache(
-    kv_a: torch.Tensor,
-    q_pe: torch.Tensor,
-    positions: torch.Tensor,
-    cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor,
-    kv_norm: torch.Tensor,
-    eps: float,
-    latent_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    interleaved: bool,
-) -> torch.Tensor:
-    """An MLA layer's prologue in one launch: `kv_a_layernorm` on c_kv, RoPE on k_pe and on
-    every head's q_pe, [c_kv | k_pe] written into the latent cache (the torch path:
-    `MLAAttention.forward`'s rotary, norm, cat and `index_copy_`).
-
-    Args:
-        kv_a: [T, r + rope] output of `kv_a_proj_with_mqa` (c_kv then k_pe), rows dense.
-        q_pe: [T, n, rope] the queries' rope parts (a strided view of q is fine), kv_a's dtype.
-        positions: [T] int32/int64, each in [0, P).
-        cos_cache, sin_cache: [P, rope] float32 tables.
-        kv_norm: [r] `kv_a_layernorm` weight (Qwen3-style rounding), kv_a's dtype.
-        eps: its epsilon.
-        latent_cache: [num_blocks, block_size, r + rope] of kv_a's dtype, last dim dense.
-        slot_mapping: [T] int32/int64 flat slots; < 0: not written.
-        interleaved: rope on interleaved pairs (DeepSeek checkpoints), output de-interleaved.
-
-    Returns:
-        q_pe roped: [T, n, rope] dense, kv_a's dtype.
-
-    Raises:
-        ValueError: shapes, dtypes or layouts that do not fit.
-    """
-    t, width = kv_a.shape
-    rope = cos_cache.shape[-1]
-    rank = width - rope
-    if rank < 1 or kv_a.stride(1) != 1 or rope % 2:
-        raise ValueError(f"kv_a must be [T, r + {rope}] with dense rows and an even rope, got "
-                         f"{tuple(kv_a.shape)}")
-    _check_tables(cos_cache, sin_cache, rope, kv_a.device)
-    if (q_pe.dim() != 3 or q_pe.shape[0] != t or q_pe.shape[2] != rope
-            or q_pe.stride(2) != 1 or q_pe.dtype != kv_a.dtype):
-        raise ValueError(f"q_pe must be [{t}, n, {rope}] {kv_a.dtype} with a dense last dim, "
-                         f"got {q_pe.dtype} {tuple(q_pe.shape)}")
-    if kv_norm.dtype != kv_a.dtype or kv_norm.numel() != rank or not kv_norm.is_contiguous():
-        raise ValueError(f"kv_norm must be dense [{rank}] {kv_a.dtype}")
-    if (latent_cache.dim() != 3 or latent_cache.shape[2] != width
-            or latent_cache.dtype != kv_a.dtype or latent_cache.stride(2) != 1):
-        raise ValueError(f"latent_cache must be [blocks, block_size, {width}] {kv_a.dtype}, "
-                         f"got {latent_cache.dtype} {tuple(latent_cache.shape)}")
-    _check_index("positions", positions, t)
-    _check_index("slot_mapping", slot_mapping, t)
-    n = q_pe.shape[1]
-    out = q_pe.new_empty(t, n, rope)
-    if t == 0:
-        return out
-    mla_rope_cache_kernel[(t,)](
-        kv_a, q_pe, positions, cos_cache, sin_cache, kv_norm, latent_cache, slot_mapping, out,
-        eps, kv_a.stride(0), q_pe.stride(0), q_pe.stride(1), cos_cache.stride(0),
-        latent_cache.stride(0), latent_cache.stride(1), n, H_PAD=_pad(n), RANK=rank,
-        RANK_PAD=_pad(rank), ROPE=rope, HALF_PAD=_pad(rope // 2),
-        BLOCK_SIZE=latent_cache.shape[1], INTERLEAVED=interleaved,
-        ROUND_BF16=interpreting() and kv_a.dtype == torch.bfloat16,
-        num_warps=4, enable_fp_fusion=False,
-    )  # fmt: skip
-    return out
