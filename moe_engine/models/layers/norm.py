@@ -35,10 +35,35 @@ class RMSNorm(nn.Module):
         self.weight_in_float32 = weight_in_float32
         #: Bound by `bind_kernels`: the fused kernel (`KernelPlan.rms_norm`), None: torch ops.
         self.kernel: Callable[..., torch.Tensor] | None = None
+        #: Bound by `bind_kernels`: the residual add fused with this norm
+        #: (`KernelPlan.add_rms_norm`), None: the add, then `forward`.
+        self.add_kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def bind_kernels(self, plan: KernelPlan) -> None:
-        """Take the registry's "rms_norm" kernel for this weight (`KernelPlan.rms_norm`)."""
+        """Take the registry's "rms_norm" kernels for this weight (`KernelPlan.rms_norm`,
+        `KernelPlan.add_rms_norm`)."""
         self.kernel = plan.rms_norm(self.weight)
+        self.add_kernel = plan.add_rms_norm(self.weight)
+
+    def forward_add(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pre-norm block's residual add and the norm after it: residual' = x + residual
+        (x's dtype, as torch's add rounds), returns (norm(residual'), residual').
+
+        Args:
+            x: [T, dim] a sublayer's output; residual: [T, dim] the stream, x's dtype.
+
+        Bound to a fused kernel (`kernels.dense.triton_norm.fused_add_rms_norm`), one launch
+        where it fits as `forward`'s kernel does; else the add and `forward`.
+        """
+        kernel = self.add_kernel
+        if kernel is not None and x.dim() <= 3 and x.dtype == self.weight.dtype == (
+            residual.dtype
+        ) and x.stride(-1) == 1 and residual.stride(-1) == 1 and x.shape == residual.shape:
+            return kernel(x, residual, self.weight, self.eps, self.weight_in_float32)
+        residual = residual + x
+        return self(residual), residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., dim] any float dtype -> same shape and dtype.
@@ -75,6 +100,14 @@ class ZeroCenteredRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., dim] -> same shape and dtype."""
         return (_normalized(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+
+    def forward_add(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual' = x + residual, returns (norm(residual'), residual') (`RMSNorm.forward_add`
+        without a fused kernel)."""
+        residual = residual + x
+        return self(residual), residual
 
 
 class GatedRMSNorm(nn.Module):
