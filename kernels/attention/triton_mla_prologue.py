@@ -22,6 +22,7 @@ from kernels.dense.triton_rope import (
     check_tables,
     cos_sin,
     pad_pow2,
+    prologue_warps,
     rope_rows,
     store_rows,
 )
@@ -141,6 +142,6 @@ def mla_rope_cache(
         RANK_PAD=pad_pow2(rank), ROPE=rope, HALF_PAD=pad_pow2(rope // 2),
         BLOCK_SIZE=latent_cache.shape[1], INTERLEAVED=interleaved,
         ROUND_BF16=interpreting() and kv_a.dtype == torch.bfloat16,
-        num_warps=4, enable_fp_fusion=False,
+        num_warps=prologue_warps(pad_pow2(n) * rope), enable_fp_fusion=False,
     )  # fmt: skip
     return out
