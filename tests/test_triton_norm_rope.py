@@ -30,14 +30,18 @@ def _close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     assert err < TOL[dtype], float(err)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("weight_in_float32", [False, True])
-def test_rms_norm_matches_float64_and_the_torch_module(dtype, weight_in_float32):
+@pytest.mark.parametrize(
+    "dtype,weight_in_float32,block_rows",
+    [(torch.float32, False, None), (torch.bfloat16, False, 1), (torch.bfloat16, True, None),
+     (torch.float32, True, 4)],
+)  # fmt: skip
+def test_rms_norm_matches_float64_and_the_torch_module(dtype, weight_in_float32, block_rows):
+    """block_rows 1 is the GPU's grid (one row a program), None the interpreter's (one)."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(5, 4, 37, generator=g).to(dtype)[:, 1:]  # strided rows, odd width
     norm = RMSNorm(37, 1e-5, dtype=dtype, weight_in_float32=weight_in_float32)
     norm.weight.data = (1 + 0.3 * torch.randn(37, generator=g)).to(dtype)
-    got = rms_norm(x, norm.weight, 1e-5, weight_in_float32)
+    got = rms_norm(x, norm.weight, 1e-5, weight_in_float32, block_rows=block_rows)
     assert got.shape == x.shape and got.dtype == dtype and got.is_contiguous()
     _close(got, _ref_norm(x, norm.weight, 1e-5), dtype)
     torch_path = norm(x)  # no kernel bound: the torch ops
@@ -45,13 +49,13 @@ def test_rms_norm_matches_float64_and_the_torch_module(dtype, weight_in_float32)
     assert ulps.max() <= (2e-6 if dtype == torch.float32 else 2**-7)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_add_rms_norm_writes_the_exact_sum_and_its_norm(dtype):
+@pytest.mark.parametrize("dtype,block_rows", [(torch.float32, None), (torch.bfloat16, 1)])
+def test_fused_add_rms_norm_writes_the_exact_sum_and_its_norm(dtype, block_rows):
     g = torch.Generator().manual_seed(2)
     x, residual = (torch.randn(6, 45, generator=g).to(dtype) for _ in range(2))
     w = (1 + 0.3 * torch.randn(45, generator=g)).to(dtype)
     before = residual.clone()
-    out, new_residual = fused_add_rms_norm(x, residual, w, 1e-6)
+    out, new_residual = fused_add_rms_norm(x, residual, w, 1e-6, block_rows=block_rows)
     assert torch.equal(new_residual, x + residual) and torch.equal(residual, before)
     _close(out, _ref_norm(new_residual, w, 1e-6), dtype)
 
@@ -76,12 +80,14 @@ def _torch_prologue(qkv, hq, hkv, positions, rotary, norms, eps, caches, slots):
 
 
 @pytest.mark.parametrize(
-    "dtype,rope,qk_norm",
-    [(torch.bfloat16, "neox", False), (torch.float32, "neox", True),
-     (torch.bfloat16, "neox", True), (torch.bfloat16, "interleaved", False),
-     (torch.float32, "partial", True)],
+    "dtype,rope,qk_norm,block_rows",
+    [(torch.bfloat16, "neox", False, None), (torch.float32, "neox", True, 4),
+     (torch.bfloat16, "neox", True, None), (torch.bfloat16, "interleaved", False, 8),
+     (torch.float32, "partial", True, None)],
 )  # fmt: skip
-def test_qk_norm_rope_cache_matches_the_module_path(dtype, rope, qk_norm):
+def test_qk_norm_rope_cache_matches_the_module_path(dtype, rope, qk_norm, block_rows):
+    """block_rows splits the flattened (token, head) rows over programs mid-token, as a GPU
+    does (None: one program, the interpreter's)."""
     g = torch.Generator().manual_seed(3)
     hq, hkv, d, t, eps = 6, 2, 24, 5, 1e-6
     rotary = {"neox": RotaryEmbedding(d, 64, 1e4),
@@ -99,7 +105,7 @@ def test_qk_norm_rope_cache_matches_the_module_path(dtype, rope, qk_norm):
     want = _torch_prologue(qkv, hq, hkv, positions, rotary, norms, eps, want_caches, slots)
     got = qk_norm_rope_cache(qkv, hq, hkv, positions, tables.cos_cache, tables.sin_cache,
                              *(norms or (None, None)), eps, *caches, slots,
-                             interleaved=rope == "interleaved")  # fmt: skip
+                             interleaved=rope == "interleaved", block_rows=block_rows)  # fmt: skip
     if qk_norm:  # the norms' sums differ in order: rounding apart
         for a, b in ((got, want), *zip(caches, want_caches, strict=True)):
             _close(a, b.double(), dtype)
@@ -110,8 +116,8 @@ def test_qk_norm_rope_cache_matches_the_module_path(dtype, rope, qk_norm):
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mla_rope_cache_matches_the_module_path(dtype):
+@pytest.mark.parametrize("dtype,blocks", [(torch.float32, None), (torch.bfloat16, (2, 1))])
+def test_mla_rope_cache_matches_the_module_path(dtype, blocks):
     g = torch.Generator().manual_seed(4)
     t, n, rank, rope, eps = 4, 3, 40, 8, 1e-6
     rotary = RotaryEmbedding(rope, 32, 1e4, interleaved=True)
@@ -129,7 +135,7 @@ def test_mla_rope_cache_matches_the_module_path(dtype):
     latent = torch.cat([norm(c_kv), k_pe.squeeze(1)], dim=-1)
     want_cache.view(-1, rank + rope).index_copy_(0, slots[slots >= 0], latent[slots >= 0])
     got = mla_rope_cache(kv_a, q[..., 16:], positions, rotary.cos_cache, rotary.sin_cache, w,
-                         eps, cache, slots, interleaved=True)  # fmt: skip
+                         eps, cache, slots, interleaved=True, blocks=blocks)  # fmt: skip
     assert torch.equal(got, q_pe)
     assert torch.equal(cache[..., rank:], want_cache[..., rank:])  # roped k_pe, exactly
     _close(cache[..., :rank], want_cache[..., :rank].double(), dtype)

@@ -6,7 +6,9 @@ path is `MLAAttention.forward`'s rotary, norm, cat and `index_copy_`, about 25 l
 
 The rope and the cache write repeat every rounding of the torch path (the helpers of
 `kernels.dense.triton_rope`), so the roped parts are bit-identical to it; the norm's row sum
-differs in order. Slots < 0 are not written.
+differs in order. Slots < 0 are not written. The rope rows (n q_pe heads and k_pe per token)
+are flattened and cut into programs as the dense prologue's; the c_kv norms take programs of
+their own after them, one token each on a GPU.
 """
 
 from __future__ import annotations
@@ -17,51 +19,60 @@ import triton.language as tl
 
 from kernels.dense.triton_norm import interpreting, round_to
 from kernels.dense.triton_rope import (
-    all_of,
     check_index,
     check_tables,
-    cos_sin,
     pad_pow2,
     prologue_warps,
-    rope_rows,
-    store_rows,
+    rope_tile,
 )
 
 
 @triton.jit
 def mla_rope_cache_kernel(
     kv_a_ptr, q_pe_ptr, positions_ptr, cos_ptr, sin_ptr, kv_norm_ptr, cache_ptr,
-    slot_mapping_ptr, q_pe_out_ptr, eps, stride_kv_a, stride_qt, stride_qh, stride_cos,
-    stride_cb, stride_cs, num_heads,
-    H_PAD: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr, ROPE: tl.constexpr,
-    HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, INTERLEAVED: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
+    slot_mapping_ptr, q_pe_out_ptr, eps, num_tokens, rope_programs, stride_kv_a, stride_qt,
+    stride_qh, stride_cos, stride_cb, stride_cs, num_heads,
+    BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr,
+    ROPE: tl.constexpr, ROPE_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    INTERLEAVED: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
-    """One token: q_pe -> q_pe_out [T, n, ROPE]; [norm(c_kv) | rope(k_pe)] -> the latent cache
-    at its slot (skipped if < 0)."""
-    t = tl.program_id(0).to(tl.int64)
+    """Programs [0, rope_programs): BLOCK_R of the T x (n + 1) rope rows, token-major (n q_pe
+    heads -> q_pe_out [T, n, ROPE], then k_pe -> the latent cache's last ROPE columns); the
+    others: BLOCK_T tokens' c_kv, normed -> the latent cache's first RANK columns."""
+    pid = tl.program_id(0)
     dtype = q_pe_out_ptr.dtype.element_ty
-    pos = tl.load(positions_ptr + t)
-    c1, s1, c2, s2 = cos_sin(cos_ptr, sin_ptr, pos, stride_cos, dtype, ROPE, HALF_PAD,
-                              ROUND_BF16)  # fmt: skip
-    y1, y2, y3 = rope_rows(q_pe_ptr + t * stride_qt, stride_qh, num_heads, kv_norm_ptr, eps,
-                            c1, s1, c2, s2, H_PAD, ROPE, ROPE, HALF_PAD, 1, False, INTERLEAVED,
-                            dtype, ROUND_BF16)  # fmt: skip
-    store_rows(q_pe_out_ptr + t * num_heads * ROPE, ROPE, num_heads, y1, y2, y3, t >= 0,
-                H_PAD, ROPE, ROPE, HALF_PAD, 1)  # fmt: skip
-    slot = tl.load(slot_mapping_ptr + t)
-    dest = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
-    r = tl.arange(0, RANK_PAD)
-    ok = r < RANK
-    c = tl.load(kv_a_ptr + t * stride_kv_a + r, mask=ok, other=0.0).to(tl.float32)
-    inv = tl.math.rsqrt(tl.sum(c * c, 0) / RANK + eps)
-    w = tl.load(kv_norm_ptr + r, mask=ok, other=0.0).to(tl.float32)
-    c = round_to(w * round_to(c * inv, dtype, ROUND_BF16).to(tl.float32), dtype, ROUND_BF16)
-    tl.store(dest + r, c, mask=ok & all_of(slot >= 0, r))
-    y1, y2, y3 = rope_rows(kv_a_ptr + t * stride_kv_a + RANK, 0, 1, kv_norm_ptr, eps,
-                            c1, s1, c2, s2, 1, ROPE, ROPE, HALF_PAD, 1, False, INTERLEAVED,
-                            dtype, ROUND_BF16)  # fmt: skip
-    store_rows(dest + RANK, 0, 1, y1, y2, y3, slot >= 0, 1, ROPE, ROPE, HALF_PAD, 1)
+    if pid < rope_programs:
+        rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < num_tokens * (num_heads + 1)
+        t = (rows // (num_heads + 1)).to(tl.int64)
+        j = rows % (num_heads + 1)
+        is_q = j < num_heads
+        src = tl.where(is_q, q_pe_ptr + t * stride_qt + j * stride_qh,
+                       kv_a_ptr + t * stride_kv_a + RANK)  # fmt: skip
+        pos = tl.load(positions_ptr + t, mask=row_ok, other=0)
+        y = rope_tile(src, pos, row_ok, row_ok, cos_ptr, sin_ptr, stride_cos, kv_norm_ptr,
+                      kv_norm_ptr, is_q, eps, dtype, ROPE, ROPE_PAD, ROPE, False, INTERLEAVED,
+                      ROUND_BF16)  # fmt: skip
+        slot = tl.load(slot_mapping_ptr + t, mask=row_ok, other=-1).to(tl.int64)
+        latent = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + RANK
+        dest = tl.where(is_q, q_pe_out_ptr + (t * num_heads + j) * ROPE, cache_ptr + latent)
+        ok = row_ok & (is_q | (slot >= 0))
+        d = tl.arange(0, ROPE_PAD)
+        tl.store(dest[:, None] + d[None, :], y, mask=ok[:, None] & (d < ROPE)[None, :])
+    else:  # (names apart from the branch above: compiled Triton unifies shared names)
+        tok = ((pid - rope_programs) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+        tok_ok = tok < num_tokens
+        col = tl.arange(0, RANK_PAD)
+        c_mask = tok_ok[:, None] & (col < RANK)[None, :]
+        c = tl.load(kv_a_ptr + tok[:, None] * stride_kv_a + col[None, :], mask=c_mask, other=0.0)
+        c = c.to(tl.float32)
+        inv = tl.math.rsqrt(tl.sum(c * c, 1) / RANK + eps)[:, None]
+        w = tl.load(kv_norm_ptr + col, mask=col < RANK, other=0.0).to(tl.float32)[None, :]
+        c = round_to(w * round_to(c * inv, dtype, ROUND_BF16).to(tl.float32), dtype, ROUND_BF16)
+        tok_slot = tl.load(slot_mapping_ptr + tok, mask=tok_ok, other=-1).to(tl.int64)
+        c_row = (tok_slot // BLOCK_SIZE) * stride_cb + (tok_slot % BLOCK_SIZE) * stride_cs
+        tl.store(cache_ptr + c_row[:, None] + col[None, :], c,
+                 mask=c_mask & (tok_slot >= 0)[:, None])  # fmt: skip
 
 
 def mla_rope_cache(
@@ -75,6 +86,8 @@ def mla_rope_cache(
     latent_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     interleaved: bool,
+    *,
+    blocks: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """An MLA layer's prologue in one launch: `kv_a_layernorm` on c_kv, RoPE on k_pe and on
     every head's q_pe, [c_kv | k_pe] written into the latent cache (the torch path:
@@ -90,6 +103,8 @@ def mla_rope_cache(
         latent_cache: [num_blocks, block_size, r + rope] of kv_a's dtype, last dim dense.
         slot_mapping: [T] int32/int64 flat slots; < 0: not written.
         interleaved: rope on interleaved pairs (DeepSeek checkpoints), output de-interleaved.
+        blocks: (rope rows, tokens) per program, powers of two (tests); None: 2048 values and
+            one token on a GPU, everything in two programs under the interpreter.
 
     Returns:
         q_pe roped: [T, n, rope] dense, kv_a's dtype.
@@ -135,13 +150,23 @@ def mla_rope_cache(
     out = q_pe.new_empty(t, n, rope)
     if t == 0:
         return out
-    mla_rope_cache_kernel[(t,)](
+    rope_rows = t * (n + 1)
+    rope_pad = pad_pow2(rope)
+    if blocks is not None:
+        block_r, block_t = blocks
+    elif interpreting():  # its cost is per program: one of each kind
+        block_r, block_t = pad_pow2(rope_rows), pad_pow2(t)
+    else:
+        block_r, block_t = max(1, 2048 // rope_pad), 1
+    rope_programs = triton.cdiv(rope_rows, block_r)
+    mla_rope_cache_kernel[(rope_programs + triton.cdiv(t, block_t),)](
         kv_a, q_pe, positions, cos_cache, sin_cache, kv_norm, latent_cache, slot_mapping, out,
-        eps, kv_a.stride(0), q_pe.stride(0), q_pe.stride(1), cos_cache.stride(0),
-        latent_cache.stride(0), latent_cache.stride(1), n, H_PAD=pad_pow2(n), RANK=rank,
-        RANK_PAD=pad_pow2(rank), ROPE=rope, HALF_PAD=pad_pow2(rope // 2),
-        BLOCK_SIZE=latent_cache.shape[1], INTERLEAVED=interleaved,
+        eps, t, rope_programs, kv_a.stride(0), q_pe.stride(0), q_pe.stride(1),
+        cos_cache.stride(0), latent_cache.stride(0), latent_cache.stride(1), n,
+        BLOCK_R=block_r, BLOCK_T=block_t, RANK=rank, RANK_PAD=pad_pow2(rank), ROPE=rope,
+        ROPE_PAD=rope_pad, BLOCK_SIZE=latent_cache.shape[1], INTERLEAVED=interleaved,
         ROUND_BF16=interpreting() and kv_a.dtype == torch.bfloat16,
-        num_warps=prologue_warps(pad_pow2(n) * rope), enable_fp_fusion=False,
+        num_warps=prologue_warps(max(block_r * rope_pad, block_t * pad_pow2(rank))),
+        enable_fp_fusion=False,
     )  # fmt: skip
     return out

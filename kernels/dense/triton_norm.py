@@ -10,9 +10,10 @@ implementation): residual' = x + residual (rounded to the dtype, as torch's add 
 the norm of residual', both written by one program per row; here into new tensors rather than
 in place, so no caller's tensor changes under it.
 
-One program per row holds the whole row (`BLOCK_D` = next power of two >= D; hidden sizes up to
-8192 take 8 warps). The row sum differs in order from torch's `mean`, so results match the torch
-path to float32 rounding, not bit for bit. Under Triton's interpreter (tests on a CPU) bfloat16
+One program per row holds the whole row (`BLOCK_D` = next power of two >= D; 8192 wide rows
+take 16 warps; under the interpreter one program takes every row, as its cost is per
+program). The row sum differs in order from torch's `mean`, so results match the torch path to
+float32 rounding, not bit for bit. Under Triton's interpreter (tests on a CPU) bfloat16
 casts truncate, so `round_to` rounds to nearest even first, as compiled code does.
 """
 
@@ -41,34 +42,35 @@ def round_to(x, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
 
 @triton.jit
 def rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, inner, dim, eps,
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, num_rows, inner, dim, eps,
     stride_xa, stride_xb, stride_ra, stride_rb,
-    HAS_RESIDUAL: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr, BLOCK_D: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
-    """One row (a, b) = divmod(program, inner): out = norm(x [+ residual]) and, with a
-    residual, residual_out = x + residual; outputs are contiguous [rows, dim]."""
-    row = tl.program_id(0)
-    a = (row // inner).to(tl.int64)
-    b = (row % inner).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    mask = cols < dim
+    """BLOCK_ROWS rows, row (a, b) = divmod(row, inner): out = norm(x [+ residual]) and, with
+    a residual, residual_out = x + residual; outputs are contiguous [rows, dim]."""
+    row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    a = (row // inner).to(tl.int64)[:, None]
+    b = (row % inner).to(tl.int64)[:, None]
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    mask = (row < num_rows)[:, None] & (cols < dim)
+    dest = row.to(tl.int64)[:, None] * dim + cols
     dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + a * stride_xa + b * stride_xb + cols, mask=mask, other=0.0)
     x = x.to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + a * stride_ra + b * stride_rb + cols, mask=mask, other=0.0)
         z = round_to(x + r.to(tl.float32), dtype, ROUND_BF16)
-        tl.store(residual_out_ptr + row.to(tl.int64) * dim + cols, z, mask=mask)
+        tl.store(residual_out_ptr + dest, z, mask=mask)
         x = z.to(tl.float32)
-    inv_rms = tl.math.rsqrt(tl.sum(x * x, 0) / dim + eps)
+    inv_rms = tl.math.rsqrt(tl.sum(x * x, 1) / dim + eps)[:, None]
     h = x * inv_rms
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
     if WEIGHT_IN_FP32:
         y = w * h
     else:
         y = w * round_to(h, dtype, ROUND_BF16).to(tl.float32)
-    tl.store(out_ptr + row.to(tl.int64) * dim + cols, round_to(y, dtype, ROUND_BF16), mask=mask)
+    tl.store(out_ptr + dest, round_to(y, dtype, ROUND_BF16), mask=mask)
 
 
 def interpreting() -> bool:
@@ -96,7 +98,9 @@ def _rows(x: torch.Tensor, name: str) -> tuple[int, int, int, int]:
     return a, b, sa, sb
 
 
-def _launch(x, residual, weight, eps, weight_in_float32) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch(
+    x, residual, weight, eps, weight_in_float32, block_rows
+) -> tuple[torch.Tensor, torch.Tensor]:
     a, b, sxa, sxb = _rows(x, "x")
     d = x.shape[-1]
     if weight.numel() != d or not weight.is_contiguous() or not weight.is_floating_point():
@@ -120,10 +124,15 @@ def _launch(x, residual, weight, eps, weight_in_float32) -> tuple[torch.Tensor, 
     if out.numel() == 0:
         return out, res_out
     block_d = triton.next_power_of_2(d)
-    rms_norm_kernel[(a * b,)](
-        x, x if residual is None else residual, weight, out, res_out, b, d, eps,
+    rows = a * b
+    if block_rows is None:  # one row a program on a GPU; all in one under the interpreter
+        block_rows = 1
+        if interpreting():  # its cost is per program
+            block_rows = min(triton.next_power_of_2(rows), max(1, MAX_ROW // block_d))
+    rms_norm_kernel[(triton.cdiv(rows, block_rows),)](
+        x, x if residual is None else residual, weight, out, res_out, rows, b, d, eps,
         sxa, sxb, sra, srb, HAS_RESIDUAL=residual is not None,
-        WEIGHT_IN_FP32=weight_in_float32, BLOCK_D=block_d,
+        WEIGHT_IN_FP32=weight_in_float32, BLOCK_ROWS=block_rows, BLOCK_D=block_d,
         ROUND_BF16=interpreting() and x.dtype == torch.bfloat16,
         num_warps=min(16, max(1, block_d // 512)),
     )  # fmt: skip
@@ -131,7 +140,12 @@ def _launch(x, residual, weight, eps, weight_in_float32) -> tuple[torch.Tensor, 
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_float32: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    weight_in_float32: bool = False,
+    *,
+    block_rows: int | None = None,
 ) -> torch.Tensor:
     """RMSNorm of every row of x, one launch (the contract of `kernels.dense.ops.rms_norm`).
 
@@ -142,6 +156,8 @@ def rms_norm(
         eps: added to the mean square.
         weight_in_float32: gpt-oss's rounding (product in float32, one cast) instead of
             Qwen3's (normalised value cast first, product in x's dtype).
+        block_rows: rows per program (a power of two; tests); None: 1 on a GPU, all under
+            the interpreter.
 
     Returns:
         A new contiguous tensor of x's shape and dtype.
@@ -149,7 +165,7 @@ def rms_norm(
     Raises:
         ValueError: shapes, dtypes or layouts that do not fit.
     """
-    return _launch(x, None, weight, eps, weight_in_float32)[0]
+    return _launch(x, None, weight, eps, weight_in_float32, block_rows)[0]
 
 
 def fused_add_rms_norm(
@@ -158,6 +174,8 @@ def fused_add_rms_norm(
     weight: torch.Tensor,
     eps: float,
     weight_in_float32: bool = False,
+    *,
+    block_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual' = x + residual and RMSNorm(residual'), one launch (vLLM's
     `fused_add_rms_norm`, out of place).
@@ -165,7 +183,7 @@ def fused_add_rms_norm(
     Args:
         x: a sublayer's output, [D], [A, D] or [A, B, D], last dimension dense.
         residual: the residual stream, x's shape and dtype, last dimension dense.
-        weight, eps, weight_in_float32: as `rms_norm`.
+        weight, eps, weight_in_float32, block_rows: as `rms_norm`.
 
     Returns:
         (normed, residual'): new contiguous tensors of x's shape and dtype; residual' is
@@ -174,4 +192,4 @@ def fused_add_rms_norm(
     Raises:
         ValueError: shapes, dtypes or layouts that do not fit.
     """
-    return _launch(x, residual, weight, eps, weight_in_float32)
+    return _launch(x, residual, weight, eps, weight_in_float32, block_rows)

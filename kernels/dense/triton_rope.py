@@ -3,19 +3,20 @@ launch per layer (the "rotary" op of the triton backend, `KernelPlan.rope_prolog
 the torch path is about 20 launches (8 per q/k norm, 5 per roped tensor, 2 cache writes).
 
 `qk_norm_rope_cache` has the contract of `kernels.dense.ops.qk_norm_rope_cache` (the native
-  CPU kernel) for a fused QKV output: split, optional per-head RMSNorm of q and k (Qwen3's
-  rounding), RoPE (RoFormer, Su et al. 2021) on the first `rotary_dim` dims of each head
-  ("rotate half" pairs (x_i, x_{i+R/2}) as transformers' `apply_rotary_pos_emb`, or
-  interleaved pairs (x_2i, x_2i+1) returned de-interleaved as `apply_rotary_pos_emb_interleave`),
-  k and v written at `slot_mapping`, q returned.
-The MLA counterpart, on the same helpers, is `kernels.attention.triton_mla_prologue`.
+CPU kernel) for a fused QKV output: split, optional per-head RMSNorm of q and k (Qwen3's
+rounding), RoPE (RoFormer, Su et al. 2021) on the first `rotary_dim` dims of each head ("rotate
+half" pairs (x_i, x_{i+R/2}) as transformers' `apply_rotary_pos_emb`, or interleaved pairs
+(x_2i, x_2i+1) returned de-interleaved as `apply_rotary_pos_emb_interleave`), k and v written
+at `slot_mapping`, q returned. The MLA counterpart, on the same `rope_tile`, is
+`kernels.attention.triton_mla_prologue`.
 
-One program per token handles all its heads (the row tiles fit registers at real sizes: 64 x
-128 values). Every rounding of the torch path is repeated (cos/sin cast to the dtype, each
-product and the sum rounded), with floating-point contraction off, so the rope and the cache
-write are bit-identical to the torch ops; only the norms' row sums differ in order. Slots < 0
-(padding) are not written (vLLM's convention); positions must lie in [0, P) of the tables
-(not checked on the device, which would cost a host sync).
+The T x (Hq + 2 Hkv) head rows of the step are flattened, token-major, and cut into programs
+of `BLOCK_R` rows (2048 values each on a GPU, so a batch-1 step still spreads over a few SMs;
+one program under the interpreter, whose cost is per program). Every rounding of the torch path
+is repeated (cos/sin cast to the dtype, each product and the sum rounded), with floating-point
+contraction off, so the rope and the cache write are bit-identical to the torch ops; only the
+norms' row sums differ in order. Slots < 0 (padding) are not written (vLLM's convention);
+positions must lie in [0, P) of the tables (not checked on the device: a host sync).
 """
 
 from __future__ import annotations
@@ -28,174 +29,113 @@ from kernels.dense.triton_norm import interpreting, round_to
 
 
 @triton.jit
-def rope_rows(
-    ptr,
-    row_stride,
-    rows,
-    norm_ptr,
-    eps,
-    c1,
-    s1,
-    c2,
-    s2,
-    ROWS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    ROT: tl.constexpr,
-    HALF_PAD: tl.constexpr,
-    REST_PAD: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    dtype: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-):
-    """`rows` head rows at ptr + row * row_stride: optional RMSNorm over HEAD_DIM, then RoPE
-    on the first ROT dims. Returns the rotated halves (y1 [ROWS_PAD, HALF_PAD], y2) and the
-    pass-through rest (y3 [ROWS_PAD, REST_PAD]) in `dtype`."""
-    r = tl.arange(0, ROWS_PAD)
-    i = tl.arange(0, HALF_PAD)
-    j = tl.arange(0, REST_PAD)
-    row_ok = r < rows
-    half_ok = row_ok[:, None] & (i < ROT // 2)[None, :]
-    rest_ok = row_ok[:, None] & (j < HEAD_DIM - ROT)[None, :]
-    base = ptr + r.to(tl.int64)[:, None] * row_stride
-    if INTERLEAVED:
-        ia, ib = 2 * i, 2 * i + 1
-    else:
-        ia, ib = i, i + ROT // 2
-    a = tl.load(base + ia[None, :], mask=half_ok, other=0.0).to(tl.float32)
-    b = tl.load(base + ib[None, :], mask=half_ok, other=0.0).to(tl.float32)
-    c = tl.load(base + ROT + j[None, :], mask=rest_ok, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        ss = tl.sum(a * a, 1) + tl.sum(b * b, 1) + tl.sum(c * c, 1)
-        inv = tl.math.rsqrt(ss / HEAD_DIM + eps)[:, None]
-        wa = tl.load(norm_ptr + ia, mask=i < ROT // 2, other=0.0).to(tl.float32)[None, :]
-        wb = tl.load(norm_ptr + ib, mask=i < ROT // 2, other=0.0).to(tl.float32)[None, :]
-        wc = tl.load(norm_ptr + ROT + j, mask=j < HEAD_DIM - ROT, other=0.0)
-        a = round_to(wa * round_to(a * inv, dtype, ROUND_BF16).to(tl.float32), dtype, ROUND_BF16)
-        b = round_to(wb * round_to(b * inv, dtype, ROUND_BF16).to(tl.float32), dtype, ROUND_BF16)
-        c = round_to(
-            wc.to(tl.float32)[None, :] * round_to(c * inv, dtype, ROUND_BF16).to(tl.float32),
-            dtype,
-            ROUND_BF16,
-        )
-        a, b, c = a.to(tl.float32), b.to(tl.float32), c.to(tl.float32)
-    # torch: x * cos + rotate_half(x) * sin, each product rounded to the dtype, then the sum
-    y1 = round_to(a * c1[None, :], dtype, ROUND_BF16).to(tl.float32) + round_to(
-        -b * s1[None, :], dtype, ROUND_BF16
-    ).to(tl.float32)
-    y2 = round_to(b * c2[None, :], dtype, ROUND_BF16).to(tl.float32) + round_to(
-        a * s2[None, :], dtype, ROUND_BF16
-    ).to(tl.float32)
-    return (
-        round_to(y1, dtype, ROUND_BF16),
-        round_to(y2, dtype, ROUND_BF16),
-        round_to(c, dtype, ROUND_BF16),
-    )
-
-
-@triton.jit
-def all_of(ok, like):
-    """The scalar bool `ok` as a bool tensor shaped like the int tensor `like` (the
-    interpreter refuses a mask of a tensor and'ed with a scalar)."""
-    return (like * 0 + ok.to(tl.int32)) != 0
-
-
-@triton.jit
-def store_rows(
-    ptr,
-    row_stride,
-    rows,
-    y1,
-    y2,
-    y3,
-    ok,
-    ROWS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    ROT: tl.constexpr,
-    HALF_PAD: tl.constexpr,
-    REST_PAD: tl.constexpr,
-):
-    """The de-interleaved rows [y1 | y2 | y3] at ptr + row * row_stride (where `ok`)."""
-    r = tl.arange(0, ROWS_PAD)
-    i = tl.arange(0, HALF_PAD)
-    j = tl.arange(0, REST_PAD)
-    row_ok = (r < rows) & all_of(ok, r)
-    base = ptr + r.to(tl.int64)[:, None] * row_stride
-    half_ok = row_ok[:, None] & (i < ROT // 2)[None, :]
-    tl.store(base + i[None, :], y1, mask=half_ok)
-    tl.store(base + ROT // 2 + i[None, :], y2, mask=half_ok)
-    tl.store(base + ROT + j[None, :], y3, mask=row_ok[:, None] & (j < HEAD_DIM - ROT)[None, :])
-
-
-@triton.jit
-def cos_sin(
+def rope_tile(
+    row_ptr,
+    pos,
+    row_ok,
+    apply,
     cos_ptr,
     sin_ptr,
-    pos,
     stride_cos,
+    wq_ptr,
+    wk_ptr,
+    use_wq,
+    eps,
     dtype: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
     ROT: tl.constexpr,
-    HALF_PAD: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
     ROUND_BF16: tl.constexpr,
 ):
-    """The position's cos/sin halves, cast to the dtype (torch: `cos_cache[pos].to(dtype)`)."""
-    i = tl.arange(0, HALF_PAD)
-    ok = i < ROT // 2
-    row = pos.to(tl.int64) * stride_cos
-    c1 = tl.load(cos_ptr + row + i, mask=ok, other=0.0)
-    s1 = tl.load(sin_ptr + row + i, mask=ok, other=0.0)
-    c2 = tl.load(cos_ptr + row + ROT // 2 + i, mask=ok, other=0.0)
-    s2 = tl.load(sin_ptr + row + ROT // 2 + i, mask=ok, other=0.0)
-    return (
-        round_to(c1, dtype, ROUND_BF16).to(tl.float32),
-        round_to(s1, dtype, ROUND_BF16).to(tl.float32),
-        round_to(c2, dtype, ROUND_BF16).to(tl.float32),
-        round_to(s2, dtype, ROUND_BF16).to(tl.float32),
-    )
+    """Head rows [R] (pointers to each row's first of HEAD_DIM values) at positions pos [R]:
+    with HAS_NORM an RMSNorm over the row (weights wq where use_wq, else wk; Qwen3's
+    rounding), then RoPE on the first ROT dims in torch's rounding (cos/sin cast to the dtype,
+    each product rounded, then the sum), output de-interleaved. Rows where `apply` is False
+    come back as loaded (values). Returns [R, D_PAD] in `dtype`."""
+    d = tl.arange(0, D_PAD)
+    half = ROT // 2
+    rot = d < ROT
+    first = d < half
+    if INTERLEAVED:  # output d < half takes x[2d], d >= half takes x[2(d - half) + 1]
+        src = tl.where(first, 2 * d, 2 * (d - half) + 1)
+        partner = tl.where(first, src + 1, src - 1)
+    else:
+        src = d
+        partner = tl.where(first, d + half, d - half)
+    src = tl.where(rot, src, d)
+    partner = tl.where(rot, partner, d)
+    mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
+    base = row_ptr[:, None]
+    raw = tl.load(base + d[None, :], mask=mask, other=0.0)
+    xs = tl.load(base + src[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(base + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        inv = tl.math.rsqrt(tl.sum(xs * xs, 1) / HEAD_DIM + eps)[:, None]
+        d_ok = d < HEAD_DIM
+        wq = tl.load(wq_ptr + src, mask=d_ok, other=0.0)[None, :]
+        wk = tl.load(wk_ptr + src, mask=d_ok, other=0.0)[None, :]
+        ws = tl.where(use_wq[:, None], wq, wk).to(tl.float32)
+        wq = tl.load(wq_ptr + partner, mask=d_ok, other=0.0)[None, :]
+        wk = tl.load(wk_ptr + partner, mask=d_ok, other=0.0)[None, :]
+        wp = tl.where(use_wq[:, None], wq, wk).to(tl.float32)
+        xs = round_to(ws * round_to(xs * inv, dtype, ROUND_BF16).to(tl.float32), dtype, ROUND_BF16)
+        xp = round_to(wp * round_to(xp * inv, dtype, ROUND_BF16).to(tl.float32), dtype, ROUND_BF16)
+        xs, xp = xs.to(tl.float32), xp.to(tl.float32)
+    table = pos.to(tl.int64)[:, None] * stride_cos + d[None, :]
+    table_ok = row_ok[:, None] & rot[None, :]
+    c = tl.load(cos_ptr + table, mask=table_ok, other=0.0)
+    s = tl.load(sin_ptr + table, mask=table_ok, other=0.0)
+    c = round_to(c, dtype, ROUND_BF16).to(tl.float32)
+    s = round_to(s, dtype, ROUND_BF16).to(tl.float32)
+    # torch: x * cos + rotate_half(x) * sin; rotate_half's first half is -x2 (negation exact)
+    sign = tl.where(first, -1.0, 1.0)[None, :]
+    y = round_to(xs * c, dtype, ROUND_BF16).to(tl.float32) + round_to(
+        sign * xp * s, dtype, ROUND_BF16
+    ).to(tl.float32)
+    y = round_to(tl.where(rot[None, :], y, xs), dtype, ROUND_BF16)
+    return tl.where(apply[:, None], y, raw)
 
 
 @triton.jit
 def qk_norm_rope_cache_kernel(
     qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr,
-    slot_mapping_ptr, q_out_ptr, eps, stride_qkv, stride_cos, stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh, num_heads, num_kv_heads,
-    HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    ROT: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr,
+    slot_mapping_ptr, q_out_ptr, eps, num_rows, stride_qkv, stride_cos, stride_kb, stride_ks,
+    stride_kh, stride_vb, stride_vs, stride_vh, num_heads, num_kv_heads,
+    BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr, INTERLEAVED: tl.constexpr,
     ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
-    """One token: q -> q_out [T, Hq, D]; k, v -> the caches at its slot (skipped if < 0)."""
-    t = tl.program_id(0).to(tl.int64)
-    dtype = q_out_ptr.dtype.element_ty
-    pos = tl.load(positions_ptr + t)
-    c1, s1, c2, s2 = cos_sin(cos_ptr, sin_ptr, pos, stride_cos, dtype, ROT, HALF_PAD,
-                              ROUND_BF16)  # fmt: skip
-    row = qkv_ptr + t * stride_qkv
-    y1, y2, y3 = rope_rows(row, HEAD_DIM, num_heads, q_norm_ptr, eps, c1, s1, c2, s2,
-                            HQ_PAD, HEAD_DIM, ROT, HALF_PAD, REST_PAD, HAS_NORM, INTERLEAVED,
-                            dtype, ROUND_BF16)  # fmt: skip
-    store_rows(q_out_ptr + t * num_heads * HEAD_DIM, HEAD_DIM, num_heads, y1, y2, y3, t >= 0,
-                HQ_PAD, HEAD_DIM, ROT, HALF_PAD, REST_PAD)  # fmt: skip
-    slot = tl.load(slot_mapping_ptr + t)
+    """BLOCK_R of the T x (Hq + 2 Hkv) head rows of qkv, token-major: q rows -> q_out
+    [T, Hq, D]; k, v rows -> the caches at their token's slot (skipped if < 0)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < num_rows
+    t = (rows // (num_heads + 2 * num_kv_heads)).to(tl.int64)
+    h = rows % (num_heads + 2 * num_kv_heads)
+    is_q = h < num_heads
+    is_v = h >= num_heads + num_kv_heads
+    pos = tl.load(positions_ptr + t, mask=row_ok, other=0)
+    y = rope_tile(qkv_ptr + t * stride_qkv + h * HEAD_DIM, pos, row_ok, h < num_heads +
+                  num_kv_heads, cos_ptr, sin_ptr, stride_cos, q_norm_ptr, k_norm_ptr, is_q, eps,
+                  q_out_ptr.dtype.element_ty, HEAD_DIM, D_PAD, ROT, HAS_NORM, INTERLEAVED,
+                  ROUND_BF16)  # fmt: skip
+    d = tl.arange(0, D_PAD)[None, :]
+    d_ok = d < HEAD_DIM
+    q_off = (t * num_heads + h) * HEAD_DIM
+    tl.store(q_out_ptr + q_off[:, None] + d, y, mask=(row_ok & is_q)[:, None] & d_ok)
+    slot = tl.load(slot_mapping_ptr + t, mask=row_ok, other=-1).to(tl.int64)
     blk, off = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-    k_row = row + num_heads * HEAD_DIM
-    y1, y2, y3 = rope_rows(k_row, HEAD_DIM, num_kv_heads, k_norm_ptr, eps, c1, s1, c2, s2,
-                            HKV_PAD, HEAD_DIM, ROT, HALF_PAD, REST_PAD, HAS_NORM, INTERLEAVED,
-                            dtype, ROUND_BF16)  # fmt: skip
-    store_rows(k_cache_ptr + blk * stride_kb + off * stride_ks, stride_kh, num_kv_heads,
-                y1, y2, y3, slot >= 0, HKV_PAD, HEAD_DIM, ROT, HALF_PAD, REST_PAD)  # fmt: skip
-    h = tl.arange(0, HKV_PAD)
-    d = tl.arange(0, D_PAD)
-    v_ok = (h < num_kv_heads)[:, None] & (d < HEAD_DIM)[None, :]
-    v = tl.load(k_row + num_kv_heads * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :], mask=v_ok)
-    tl.store(v_cache_ptr + blk * stride_vb + off * stride_vs + h[:, None] * stride_vh
-             + d[None, :], v, mask=v_ok & all_of(slot >= 0, v_ok.to(tl.int32)))  # fmt: skip
+    written = row_ok & (slot >= 0) & (h >= num_heads)
+    kh = h - num_heads
+    k_off = blk * stride_kb + off * stride_ks + kh * stride_kh
+    tl.store(k_cache_ptr + k_off[:, None] + d, y, mask=(written & (is_v == 0))[:, None] & d_ok)
+    v_off = blk * stride_vb + off * stride_vs + (kh - num_kv_heads) * stride_vh
+    tl.store(v_cache_ptr + v_off[:, None] + d, y, mask=(written & is_v)[:, None] & d_ok)
 
 
 def prologue_warps(tile: int) -> int:
-    """Warps for a program holding `tile` values of a row tile: 4 up to 4096 (Qwen3-30B-A3B's
-    32 x 128 query heads: 56 registers, no spills on sm_90), more above (GLM-4.5's 96 x 128
-    spilled at 4)."""
+    """Warps for a program holding a tile of `tile` values: 4 up to 4096, more above."""
     return min(16, max(4, tile // 1024))
 
 
@@ -245,6 +185,7 @@ def qk_norm_rope_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     interleaved: bool = False,
+    block_rows: int | None = None,
 ) -> torch.Tensor:
     """A layer's attention prologue in one launch (the contract of
     `kernels.dense.ops.qk_norm_rope_cache`, plus partial and interleaved rope).
@@ -261,6 +202,9 @@ def qk_norm_rope_cache(
         slot_mapping: [T] int32/int64 flat slot (block * block_size + offset) per token; < 0:
             not written.
         interleaved: rotate the pairs (x_2i, x_2i+1) and return them de-interleaved.
+        block_rows: head rows per program (a power of two; tests), None: 2048 values a
+            program on a GPU, every row in one program under the interpreter (its cost is per
+            program).
 
     Returns:
         q: [T, Hq, D], qkv's dtype.
@@ -303,15 +247,16 @@ def qk_norm_rope_cache(
     if t == 0:
         return q
     qkv_norm = q if q_norm is None else q_norm
-    qk_norm_rope_cache_kernel[(t,)](
+    rows = t * (num_heads + 2 * num_kv_heads)
+    d_pad = pad_pow2(d)
+    block_r = block_rows or (pad_pow2(rows) if interpreting() else max(1, 2048 // d_pad))
+    qk_norm_rope_cache_kernel[(triton.cdiv(rows, block_r),)](
         qkv, positions, cos_cache, sin_cache, qkv_norm, qkv_norm if k_norm is None else k_norm,
-        k_cache, v_cache, slot_mapping, q, eps, qkv.stride(0), cos_cache.stride(0),
+        k_cache, v_cache, slot_mapping, q, eps, rows, qkv.stride(0), cos_cache.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3], num_heads, num_kv_heads,
-        HQ_PAD=pad_pow2(num_heads), HKV_PAD=pad_pow2(num_kv_heads), HEAD_DIM=d,
-        D_PAD=pad_pow2(d), ROT=rot, HALF_PAD=pad_pow2(rot // 2), REST_PAD=pad_pow2(d - rot),
-        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_R=block_r, HEAD_DIM=d, D_PAD=d_pad, ROT=rot, BLOCK_SIZE=k_cache.shape[1],
         HAS_NORM=q_norm is not None, INTERLEAVED=interleaved,
         ROUND_BF16=interpreting() and qkv.dtype == torch.bfloat16,
-        num_warps=prologue_warps(pad_pow2(num_heads) * pad_pow2(d)), enable_fp_fusion=False,
+        num_warps=prologue_warps(block_r * d_pad), enable_fp_fusion=False,
     )  # fmt: skip
     return q
