@@ -333,9 +333,9 @@ def fallbacks(op: str, backend: str) -> tuple[str, ...]:
 #: triton_rope.py, kernels/attention/triton_mla_prologue.py).
 _TRITON_FALLBACKS = {
     "rms_norm": ("norms other than RMSNorm (Qwen3-Next's zero-centred and gated ones), inputs "
-                 "of more than 3 dimensions or another dtype than the weight's: torch",),
-    "rotary": ("layers whose q/k norms do not round like Qwen3's (gpt-oss's float32 weight "
-               "product, two epsilons), MLA layers whose kv_a_layernorm does, Qwen3-Next's "
-               "gated attention, and steps whose K/V dtype differs from the projections': the "
-               "module path",),
+                 "of more than 3 dimensions or another dtype than the weight's (the fused add: "
+                 "a residual of another dtype or shape): torch",),
+    "rotary": ("layers whose q/k norms (MLA: kv_a_layernorm) do not round like Qwen3's (a "
+               "float32 weight product, two epsilons), Qwen3-Next's gated attention, and steps "
+               "whose K/V cache dtype differs from the projections': the module path",),
 }
