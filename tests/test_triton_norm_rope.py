@@ -139,3 +139,31 @@ def test_mla_rope_cache_matches_the_module_path(dtype, blocks):
     assert torch.equal(got, q_pe)
     assert torch.equal(cache[..., rank:], want_cache[..., rank:])  # roped k_pe, exactly
     _close(cache[..., :rank], want_cache[..., :rank].double(), dtype)
+
+
+def test_split_kv_scratch_needs_no_fill(monkeypatch):
+    """Split-KV decode (paged and MLA) writes every split of every row it owns, so its scratch
+    is left uninitialised (no fill launches): NaN-filled scratch gives the same outputs."""
+    from kernels.attention import triton_attention as ta
+
+    g = torch.Generator().manual_seed(6)
+    tables = torch.randperm(8, generator=g)[:8].view(2, 4)
+    lens, starts = torch.tensor([40, 3]), torch.arange(3)
+    q, cache = torch.randn(2, 4, 16, generator=g), torch.randn(8, 16, 2, 16, generator=g)
+    qm, latent = torch.randn(2, 4, 40, generator=g), torch.randn(8, 16, 40, generator=g)
+
+    def run():
+        paged = ta.invoke_paged_attention(q, cache, cache, tables, lens, starts, scale=0.25,
+                                          max_query_len=1, kv_splits=4)  # fmt: skip
+        mla = ta.mla_decode(qm, latent, tables, lens, scale=0.2, kv_lora_rank=32, kv_splits=4)
+        return paged, mla
+
+    want = run()
+    scratch = ta._split_scratch  # the allocation under test
+
+    def poisoned(*args):
+        return tuple(x.fill_(float("nan")) for x in scratch(*args))
+
+    monkeypatch.setattr(ta, "_split_scratch", poisoned)
+    for got, ref in zip(run(), want, strict=True):
+        assert torch.equal(got, ref)
