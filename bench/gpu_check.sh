@@ -1,28 +1,33 @@
 #!/usr/bin/env bash
-# One prepared check of the engine on one CUDA GPU: at most ~8 minutes on
-# an H200, every step under its own `timeout`, nothing installed from a registry.
+# One prepared check of the engine on one CUDA GPU (H100/H200, no network): at most 8 minutes,
+# every step under its own `timeout`, one summary table; nothing installed from a registry.
 #
 #   bench/gpu_check.sh                 # on the GPU machine; outputs under ${OUT:-./gpu_check_out}
-#   bench/gpu_check.sh --dry-run       # on a CPU-only machine, seconds: the same steps, checked
+#   bench/gpu_check.sh --dry-run       # on a CPU-only machine: the same steps, checked
 #   bench/gpu_check.sh --fetch-wheels  # here (registry access): the few pure-Python/small wheels
 #                                      # the GPU image lacks, into .whl/ (carry it there)
 #
 # Steps (each prints "=== <step>: rc=N in S s"; the summary lists them):
-#   env         versions (python, torch, CUDA, triton, transformers), nvidia-smi
+#   env         (a) versions (python, torch, CUDA, triton, transformers), nvidia-smi
 #   wheels      .whl/*.whl installed offline into a temporary folder, when .whl/ exists
-#   gpu-tests   pytest -q -m gpu tests (TRITON_INTERPRET=0: compiled kernels)
-#   kernels     bench/gpu_kernels.py: fused MoE weight bandwidth, decode attention KV bandwidth,
-#               against the device's copy bandwidth -> gpu_kernels.md / gpu_kernels.json
-#   throughput  bench/throughput.py --engines moe-engine --device cuda: mixed-64 output tok/s on
-#               bench-qwen3-moe (generated at first use, nothing downloaded) -> throughput.json
-#   summary     summary.md: every step's status, the tables, tok/s and its ratio to the CPU
-#               engine's mixed-64 figure quoted in bench/README.md (577.7 tok/s, measured on the
-#               project's 2-core CPU machine; not re-measured here)
-# --dry-run: TRITON_INTERPRET=1; the gpu tests are collected and must all skip; gpu_kernels.py
-# runs with --dry-run (tiny shapes, CPU timers); the throughput command is parsed and shown,
-# not run. Files under $OUT: gpu_check.log, gpu_kernels.md, gpu_kernels.json, throughput.json
-# (not in a dry run), summary.md. Exit status 0 when every step passed, 1 otherwise, 2 for a
-# bad flag or no CUDA device (not a dry run).
+#   compile     bench/gpu_compile.py --quick: the Triton kernels compiled for this GPU's
+#               architecture by the installed Triton, shared memory / spills within limits
+#   kernels     (b, c) bench/gpu_kernels.py: fused MoE bf16/int4/MXFP4 at Qwen3-30B-A3B and
+#               gpt-oss-20b layer shapes at 1/8/64/512 tokens, split decode with and without
+#               sinks/window, a prefill chunk, MLA decode at DeepSeek-V2-Lite widths; every row
+#               checked against float64, then its bandwidth as % of the copy bandwidth
+#   e2e-<case>  (d, e, f) bench/gpu_e2e.py, one step per case: random-weight cuts (3 layers) of
+#               Qwen3-30B-A3B (bf16, int4), gpt-oss-20b (MXFP4), DeepSeek-V2-Lite made on the
+#               machine; fp32 token-exact vs transformers, graphs vs eager identical, bf16
+#               agreement, decode step time at batch 1/8/64 vs the roofline, kernels per step,
+#               memory at --gpu-memory-utilization 0.9 after a max_model_len prompt
+#   summary     summary.md: every step's status and every table
+# --dry-run: the kernels under TRITON_INTERPRET=1 at tiny shapes; the compile step compiles for
+# sm_90 on the CPU; the e2e cases run on the CPU with tiny configs of the same families (cases
+# in GPU_CHECK_E2E_CASES, default all), after printing the real plan (bench/gpu_e2e.py --plan:
+# checkpoint sizes, roofline bytes per step). Files under $OUT: gpu_check.log, gpu_compile.json,
+# gpu_kernels.md, gpu_kernels.json, e2e-<case>.json, summary.md. Exit status 0 when every step
+# passed, 1 otherwise, 2 for a bad flag or no CUDA device (not a dry run).
 set -u
 
 MODE=gpu
@@ -38,15 +43,13 @@ done
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 2
 PY=${PYTHON:-python3}
-# The CPU engine's mixed-64 figure (bench/README.md, throughput.py table: moe-engine, bf16
-# weights, native CPU kernels, 2-core AVX2 machine, 2026-11-29).
-CPU_MIXED64_TOK_S=577.7
-# Per-step limits, seconds (sum 460 s: the 8-minute budget with room for the start).
+# Per-step limits, seconds (sum 475 s: the 8-minute budget with room for the start).
 T_ENV=${GPU_CHECK_T_ENV:-20}
 T_WHEELS=${GPU_CHECK_T_WHEELS:-30}
-T_TESTS=${GPU_CHECK_T_TESTS:-120}
-T_KERNELS=${GPU_CHECK_T_KERNELS:-120}
-T_THROUGHPUT=${GPU_CHECK_T_THROUGHPUT:-170}
+T_COMPILE=${GPU_CHECK_T_COMPILE:-45}
+T_KERNELS=${GPU_CHECK_T_KERNELS:-110}
+T_E2E=${GPU_CHECK_T_E2E:-60}        # each case; the first (with the memory step) gets 90
+E2E_CASES=${GPU_CHECK_E2E_CASES:-"qwen3-30b-a3b-bf16 qwen3-30b-a3b-int4 gpt-oss-20b-mxfp4 deepseek-v2-lite-bf16"}
 # Small wheels the GPU image lacks (bench/README.md, "gpu_check.sh"): the engine's messages
 # (msgspec), its front end <-> core sockets (pyzmq) and the gRPC server's stubs.
 WHEELS="msgspec pyzmq grpcio grpcio-health-checking grpcio-reflection protobuf"
@@ -138,8 +141,10 @@ else
     say "=== wheels: no .whl/ (bench/gpu_check.sh --fetch-wheels makes it); using the image's packages"
 fi
 
-step gpu-tests "$T_TESTS" "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider \
-    --continue-on-collection-errors tests
+# the compile check never runs under the interpreter (it compiles for a GPU target: sm_90,
+# H100/H200; on the GPU machine with the Triton installed there)
+step compile "$T_COMPILE" env TRITON_INTERPRET=0 "$PY" bench/gpu_compile.py --quick \
+    --arch sm_90 --json "$OUT/gpu_compile.json"
 
 if [ "$MODE" = dry ]; then
     step kernels "$T_KERNELS" "$PY" bench/gpu_kernels.py --dry-run --out "$OUT"
@@ -147,70 +152,50 @@ else
     step kernels "$T_KERNELS" "$PY" bench/gpu_kernels.py --out "$OUT"
 fi
 
-export THROUGHPUT_ARGS="--engines moe-engine --device cuda --json --cache-dir /tmp/gpu_check_cache"
-throughput() {
-    # shellcheck disable=SC2086  # word splitting of the fixed argument string is meant
-    "$PY" bench/throughput.py $THROUGHPUT_ARGS >"$OUT/throughput.json.tmp" &&
-        mv "$OUT/throughput.json.tmp" "$OUT/throughput.json" && cat "$OUT/throughput.json"
-}
-throughput_dry() {
-    echo "would run: $PY bench/throughput.py $THROUGHPUT_ARGS > $OUT/throughput.json"
-    # shellcheck disable=SC2086
-    "$PY" - $THROUGHPUT_ARGS <<'EOF'
-import inspect, sys
-sys.path.insert(0, "bench")
-import throughput
-args = throughput.parse_args(sys.argv[1:])
-assert args.device == "cuda" and args.engines == "moe-engine" and args.json, args
-from moe_engine import LLM
-ok = "device" in inspect.signature(LLM).parameters
-print("throughput.py parses the GPU command: device", args.device, "engines", args.engines)
-print("moe_engine.LLM takes device=:", ok if ok else "NO (the engine's --device is not merged "
-      "yet; on the GPU this step would fail)")
-EOF
-}
-export -f throughput throughput_dry
+E2E_FLAGS="--out $OUT --workdir ${GPU_CHECK_WORKDIR:-/tmp/gpu_check_e2e}"
 if [ "$MODE" = dry ]; then
-    step throughput "$T_THROUGHPUT" bash -c throughput_dry
-else
-    step throughput "$T_THROUGHPUT" bash -c throughput
+    step e2e-plan "$T_ENV" "$PY" bench/gpu_e2e.py --plan
+    E2E_FLAGS="$E2E_FLAGS --dry-run"
 fi
+limit=$((T_E2E + 30))
+for case in $E2E_CASES; do
+    # shellcheck disable=SC2086  # the flags are words
+    step "e2e-$case" "$limit" "$PY" bench/gpu_e2e.py --case "$case" $E2E_FLAGS
+    limit=$T_E2E
+done
 
-"$PY" - "$OUT" "$MODE" "$CPU_MIXED64_TOK_S" "${STEPS[@]}" <<'EOF' | tee -a "$LOG"
-import json, re, sys
+"$PY" - "$OUT" "$MODE" "${STEPS[@]}" <<'EOF' | tee -a "$LOG"
+import json, sys
 from pathlib import Path
-out, mode, cpu_tok_s, steps = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]), sys.argv[4:]
+out, mode, steps = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
 lines = ["# bench/gpu_check.sh summary" + (" (DRY RUN on the CPU: no GPU figures)" if mode == "dry"
                                           else ""), "", "| step | rc | seconds |", "|---|---:|---:|"]
 lines += [f"| {s.split('|')[0]} | {s.split('|')[1]} | {s.split('|')[2]} |" for s in steps]
-log = (out / "gpu_check.log").read_text().split("=== gpu-tests (")[-1].split("=== gpu-tests:")[0]
-final = re.findall(r"^(?:=+ )?(\d+ (?:passed|failed|skipped|deselected|error).*? in [\d.]+s.*)$",
-                   log, re.M)
-lines += ["", "gpu tests: " + (final[-1].strip("= ") if final else "no pytest summary line")]
+comp = out / "gpu_compile.json"
+if comp.is_file():
+    c = json.loads(comp.read_text())
+    lines += ["", f"compile: {c.get('summary', c)}"]
 kernels = out / "gpu_kernels.md"
-lines += ["", "## Kernels", "", kernels.read_text() if kernels.is_file() else "(no table)"]
-report = out / "gpu_kernels.json"
-if report.is_file() and mode == "gpu":
-    rows = json.loads(report.read_text())["moe"]
-    pct = [r["pct_of_copy"] for r in rows if r["format"] in ("int4", "mxfp4")
-           and r["tokens"] in (8, 64) and "pct_of_copy" in r]
-    if pct:
-        lines.append(f"4-bit fused MoE at 8-64 tokens: {min(pct):.1f}-{max(pct):.1f}% of copy "
-                     f"bandwidth (goal >= 60%)")
-lines += ["", "## mixed-64 on bench-qwen3-moe"]
-tp = out / "throughput.json"
-if tp.is_file():
-    engine = json.loads(tp.read_text())["engines"]["moe-engine"]
-    rate = engine.get("output_tokens_per_s")
-    lines.append(f"moe-engine --device cuda: {rate} output tok/s (runs {engine.get('runs_s')} s, "
-                 f"compute dtype {engine.get('compute_dtype')})" if rate else
-                 f"moe-engine --device cuda failed: {engine.get('error')}")
-    if rate:
-        lines.append(f"ratio to the CPU engine's {cpu_tok_s} tok/s (bench/README.md, 2-core "
-                     f"machine): {rate / cpu_tok_s:.1f}x (goal >= 10x)")
-else:
-    lines.append("no throughput figure" + (" (dry run: the command is only checked)"
-                                           if mode == "dry" else " (the step failed)"))
+lines += ["", "## Kernels (checked against float64, then timed)", "",
+          kernels.read_text() if kernels.is_file() else "(no table)"]
+lines += ["## End to end (random-weight 3-layer cuts)", "",
+          "| case | fp32 = transformers | graphs = eager | bf16 agreement | step ms b1/b8/b64 "
+          "| % of roofline b1/b8/b64 | kernels/step | memory | ok |",
+          "|---|---|---|---|---|---|---:|---|---|"]
+for f in sorted(out.glob("e2e-*.json")):
+    r = json.loads(f.read_text())
+    steps_ = r.get("steps") or []
+    ms = "/".join(f"{x['step_ms']:.2f}" for x in steps_) or "-"
+    pct = "/".join(f"{x['pct_of_roofline']}" for x in steps_) or "-"
+    agree = r.get("agreement_vs_fp32_transformers") or {}
+    mem = r.get("memory") or {}
+    memory = (f"{mem['used_gib']}/{mem['total_gib']} GiB after {mem['max_model_len']} tokens"
+              if "used_gib" in mem else "-")
+    errors = "; ".join(f"{k}: {v[:80]}" for k, v in (r.get("errors") or {}).items())
+    lines.append(f"| {r['case']} | {r.get('fp32_exact', 'n/a')} | {r.get('graphs_equal_eager')} "
+                 f"| {agree.get('identical', '-')}/{agree.get('requests', '-')} | {ms} | {pct} "
+                 f"| {r.get('kernels_per_decode_step') or '-'} | {memory} "
+                 f"| {'ok' if r.get('ok') else 'FAILED ' + errors} |")
 (out / "summary.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF

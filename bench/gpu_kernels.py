@@ -1,4 +1,5 @@
-"""Achieved memory bandwidth of the Triton fused MoE and paged attention kernels on one GPU.
+"""The Triton kernels at real shapes on one GPU: each call checked against a float64 reference,
+then timed, its bandwidth given as a percentage of the device's copy bandwidth.
 
     python bench/gpu_kernels.py [--out DIR] [--repeats 20] [--json]
     python bench/gpu_kernels.py --dry-run --out DIR   # CPU, TRITON_INTERPRET=1, tiny shapes
@@ -11,30 +12,34 @@ Fused MoE (`kernels.moe.fused_moe.fused_moe` bf16, `fused_moe_int4` w4a16 symmet
 - `gpt-oss-20b`: hidden 2880, intermediate 2880, 32 experts, top-4 (gpt-oss-20b's config.json);
   int4 group 64 (128 does not divide 2880).
 
-Routing: softmax top-k of standard normal router logits, renormalised (seed 0). Weight
-bandwidth = bytes of the expert weights the step reads / kernel time, where the bytes are the
-distinct experts hit (`topk_ids.unique()`) times one expert's bytes in that format (w13 + w2:
-bf16 values; int4 packed codes + float32 scales; MXFP4 packed codes + uint8 E8M0 scales).
-Activations are not counted. A 256 MiB buffer is zeroed before each timed call so that no
-weight is served from L2 (60 MB on an H200; triton.testing.do_bench does the same).
+Routing: softmax top-k of standard normal router logits, renormalised (seed 0). Each row is
+checked first: relative Frobenius error against `fused_moe_reference` in float64 on the same
+weight values (4-bit ones dequantized exactly), bound `MOE_TOL` (bf16 rounds GEMM1's output and
+the result); a row over it fails the run. Weight bandwidth = bytes of the expert weights the
+step reads / kernel time, where the bytes are the distinct experts hit (`topk_ids.unique()`)
+times one expert's bytes in that format (w13 + w2: bf16 values; int4 packed codes + float32
+scales; MXFP4 packed codes + uint8 E8M0 scales). Activations are not counted. A 256 MiB buffer
+is zeroed before each timed call so that no weight is served from L2 (60 MB on an H200;
+triton.testing.do_bench does the same).
 
-Decode attention (`kernels.attention.triton_attention.paged_attention`, imported lazily; a
-"missing" row
-when it is not there): batch 64, one query token per sequence over 4096 tokens of context,
-Qwen3-30B-A3B's attention (32 query heads, 4 KV heads, head_dim 128), bf16 cache in blocks of
-16 tokens placed in shuffled blocks. KV bandwidth = K and V bytes of every context token /
-kernel time.
+Attention (`bench/gpu_attention_rows.py`): paged decode at Qwen3-30B-A3B's widths (batch 64 x
+4096 keys: one split; batch 1 x 32768: the flash-decoding splits and their merge), gpt-oss-20b's
+(64/8 heads x 64) with sinks, with and without the 128-token window, both split; a prefill chunk
+of 512 queries over 2048 cached keys; MLA absorbed decode at DeepSeek-V2-Lite's widths (16
+heads, rank 512 + rope 64), batched and split at batch 1. Each checked against
+`bench/gpu_reference.py` in float64 (bound 1e-2 in bf16), then timed.
 
 Copy bandwidth: `dst.copy_(src)` of 1 GiB on the device, (read + write bytes) / time; each
 kernel's bandwidth is also given as a percentage of it. Times are CUDA events around each call,
 after `--warmup` calls, median of `--repeats`; a MoE time is the whole `fused_moe*` call
 (`moe_align_block_size`, both grouped GEMMs, the sum over the k slots), as the model pays it.
 
-`--dry-run`: the same code on this CPU on tiny shapes (the same layer names and token counts),
-Triton under its interpreter, one timed call per row (no warm-up) with `time.perf_counter`; it
-proves the table is produced, its numbers mean nothing. Writes `gpu_kernels.md` and
-`gpu_kernels.json` under `--out`. Exit status: 0, 1 when a kernel raised (its row says so), 2
-without CUDA (not a dry run).
+`--dry-run`: the same code on this CPU on tiny shapes (the same row names; splits forced > 1
+where the real shape splits), Triton under its interpreter, one timed call per row (no warm-up)
+with `time.perf_counter`; it proves the table is produced and checks the kernels' arithmetic,
+its timings mean nothing. Writes `gpu_kernels.md` and `gpu_kernels.json` under `--out`. Exit
+status: 0, 1 when a kernel raised or missed its bound (its row says so), 2 without CUDA (not a
+dry run).
 """
 
 from __future__ import annotations
@@ -54,6 +59,19 @@ if "--dry-run" in sys.argv[1:]:  # before anything imports triton: jit decides a
 
 import torch  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_attention_rows import (  # noqa: E402
+    ATTENTION,
+    DRY_ATTENTION,
+    DRY_MLA,
+    MLA,
+    attention_row,
+    mla_row,
+)
+from gpu_reference import moe_ref, rel_error  # noqa: E402
+
+#: Relative Frobenius error bound of a bf16 fused-MoE call against float64.
+MOE_TOL = 2e-2
 TOKENS = (1, 8, 64, 512)
 FORMATS = ("bf16", "int4", "mxfp4")
 
@@ -70,31 +88,16 @@ class MoeShape:
     int4_group: int
 
 
-@dataclass(frozen=True)
-class AttentionShape:
-    """A decode batch: `batch` sequences of `context` tokens, one new query token each."""
-
-    name: str
-    batch: int
-    context: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-
-
 MOE_SHAPES = (
     MoeShape("qwen3-30b-a3b", 2048, 768, 128, 8, 128),
     MoeShape("gpt-oss-20b", 2880, 2880, 32, 4, 64),
 )
-ATTENTION = AttentionShape("qwen3-30b-a3b decode", 64, 4096, 32, 4, 128, 16)
 #: --dry-run: the same names, shapes the interpreter runs in seconds (tl.dot needs dims >= 16;
 #: MXFP4 needs K a multiple of 32; top-1 keeps the 512-token rows to 32 M-blocks).
 DRY_MOE_SHAPES = (
     MoeShape("qwen3-30b-a3b", 32, 32, 8, 1, 32),
     MoeShape("gpt-oss-20b", 32, 32, 4, 1, 32),
 )
-DRY_ATTENTION = AttentionShape("qwen3-30b-a3b decode", 2, 48, 4, 2, 16, 16)
 
 
 class Timer:
@@ -142,10 +145,11 @@ def expert_bytes(*tensors: torch.Tensor | None) -> int:
 
 def make_experts(shape: MoeShape, device: torch.device, g: torch.Generator) -> dict:
     """bf16 weights (std 0.02, as an initialised checkpoint) and each format's kernel inputs:
-    {format: (per-expert bytes, fn(hidden, topk_weights, topk_ids) -> [T, H])}."""
+    {format: (per-expert bytes, fn(hidden, topk_weights, topk_ids) -> [T, H],
+    fn() -> the (w13, w2) values the kernel computes with, float32)}."""
     from kernels.moe.fused_moe import fused_moe, fused_moe_int4, fused_moe_mxfp4
-    from quant.int4 import quantize_int4
-    from quant.mxfp4 import quantize_mxfp4
+    from quant.int4 import dequantize_int4, quantize_int4
+    from quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
     e, i, h = shape.num_experts, shape.intermediate, shape.hidden
     w13 = (torch.randn(e, 2 * i, h, generator=g, device=device) * 0.02).to(torch.bfloat16)
@@ -153,15 +157,19 @@ def make_experts(shape: MoeShape, device: torch.device, g: torch.Generator) -> d
     p13, s13, z13 = quantize_int4(w13, shape.int4_group, symmetric=True)
     p2, s2, z2 = quantize_int4(w2, shape.int4_group, symmetric=True)
     (b13, m13), (b2, m2) = quantize_mxfp4(w13), quantize_mxfp4(w2)
+    f32 = torch.float32
     return {
-        "bf16": (expert_bytes(w13, w2), lambda x, tw, ti: fused_moe(x, w13, w2, tw, ti)),
+        "bf16": (expert_bytes(w13, w2), lambda x, tw, ti: fused_moe(x, w13, w2, tw, ti),
+                 lambda: (w13.float(), w2.float())),
         "int4": (
             expert_bytes(p13, s13, z13, p2, s2, z2),
             lambda x, tw, ti: fused_moe_int4(x, p13, s13, p2, s2, tw, ti, z13, z2),
+            lambda: (dequantize_int4(p13, s13, z13, f32), dequantize_int4(p2, s2, z2, f32)),
         ),
         "mxfp4": (
             expert_bytes(b13, m13, b2, m2),
             lambda x, tw, ti: fused_moe_mxfp4(x, b13, m13, b2, m2, tw, ti),
+            lambda: (dequantize_mxfp4(b13, m13, f32), dequantize_mxfp4(b2, m2, f32)),
         ),
     }
 
@@ -183,13 +191,17 @@ def moe_rows(shape: MoeShape, tokens_list, timer: Timer, copy_gbs: float, g) -> 
         topk_weights, topk_ids = route(tokens, shape, device, g)
         hit = int(torch.unique(topk_ids).numel())
         for fmt in FORMATS:
-            per_expert, fn = experts[fmt]
+            per_expert, fn, values = experts[fmt]
             row = {"layer": shape.name, "format": fmt, "tokens": tokens, "experts_hit": hit,
-                   "weight_bytes": hit * per_expert}  # fmt: skip
+                   "weight_bytes": hit * per_expert, "tol": MOE_TOL}  # fmt: skip
             try:
+                want = moe_ref(x, *values(), topk_weights, topk_ids)
+                row["err"] = rel_error(fn(x, topk_weights, topk_ids), want)
+                row["ok"] = row["err"] < MOE_TOL
+                del want
                 ms = timer.median_ms(lambda fn=fn, a=(x, topk_weights, topk_ids): fn(*a))
             except Exception as exc:  # one broken kernel must not hide the others' figures
-                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                row |= {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
             else:
                 gbs = row["weight_bytes"] / (ms / 1e3) / 1e9
                 row |= {"ms": ms, "gbs": gbs, "pct_of_copy": 100 * gbs / copy_gbs}
@@ -197,56 +209,13 @@ def moe_rows(shape: MoeShape, tokens_list, timer: Timer, copy_gbs: float, g) -> 
     return rows
 
 
-def attention_inputs(shape: AttentionShape, device: torch.device, g: torch.Generator) -> dict:
-    """A decode batch over a bf16 paged cache: every sequence's blocks shuffled in the pool."""
-    blocks_per_seq = -(-shape.context // shape.block_size)
-    num_blocks = shape.batch * blocks_per_seq
-    cache_shape = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
-    k_cache = torch.randn(cache_shape, generator=g, device=device).to(torch.bfloat16)
-    v_cache = torch.randn(cache_shape, generator=g, device=device).to(torch.bfloat16)
-    perm = torch.randperm(num_blocks, generator=g, device=device)
-    return {
-        "q": torch.randn(shape.batch, shape.num_q_heads, shape.head_dim, generator=g,
-                         device=device).to(torch.bfloat16),  # fmt: skip
-        "k_cache": k_cache,
-        "v_cache": v_cache,
-        "block_tables": perm.view(shape.batch, blocks_per_seq).to(torch.int32),
-        "seq_lens": torch.full((shape.batch,), shape.context, dtype=torch.int32, device=device),
-        "query_start_loc": torch.arange(shape.batch + 1, dtype=torch.int32, device=device),
-    }
-
-
-def attention_row(shape: AttentionShape, timer: Timer, copy_gbs: float, g) -> dict:
-    """Decode attention's KV bandwidth, or a row with `missing` when the kernel is absent."""
-    kv_bytes = 2 * shape.batch * shape.context * shape.num_kv_heads * shape.head_dim * 2
-    row = {"name": shape.name, "batch": shape.batch, "context": shape.context,
-           "q_heads": shape.num_q_heads, "kv_heads": shape.num_kv_heads,
-           "head_dim": shape.head_dim, "kv_bytes": kv_bytes}  # fmt: skip
-    try:
-        from kernels.attention.triton_attention import paged_attention
-    except ImportError as exc:
-        module = "kernels.attention.triton_attention"
-        row["missing"] = f"{module}.paged_attention not importable ({exc})"
-        return row
-    inputs = attention_inputs(shape, timer.device, g)
-    scale = shape.head_dim**-0.5
-
-    def call() -> object:
-        return paged_attention(**inputs, scale=scale, max_query_len=1)
-
-    try:
-        ms = timer.median_ms(call)
-    except Exception as exc:
-        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-        return row
-    gbs = kv_bytes / (ms / 1e3) / 1e9
-    return row | {"ms": ms, "gbs": gbs, "pct_of_copy": 100 * gbs / copy_gbs}
-
-
 def _figures(r: dict) -> str:
-    if "missing" in r or "error" in r:
-        return f"| - | - | - | {r.get('missing') or 'error: ' + r['error']} |"
-    return f"| {r['ms']:.4f} | {r['gbs']:.1f} | {r['pct_of_copy']:.1f}% | ok |"
+    """"| err | ms | GB/s | % of copy | status |" cells of a row."""
+    err = f"{r['err']:.1e}" if "err" in r else "-"
+    if "error" in r:
+        return f"| {err} | - | - | - | error: {r['error']} |"
+    status = "ok" if r["ok"] else f"FAILED: error {r['err']:.2e} >= {r['tol']:g}"
+    return f"| {err} | {r['ms']:.4f} | {r['gbs']:.1f} | {r['pct_of_copy']:.1f}% | {status} |"
 
 
 def markdown(report: dict) -> str:
@@ -258,21 +227,19 @@ def markdown(report: dict) -> str:
            else "")
         + ("" if report["complete"] else " -- INCOMPLETE (stopped part-way)"),  # fmt: skip
         "",
-        "| layer | format | tokens | experts hit | weight MiB | ms | GB/s | % of copy | status |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| layer | format | tokens | experts hit | weight MiB | rel. error | ms | GB/s "
+        "| % of copy | status |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in report["moe"]:
         lines.append(f"| {r['layer']} | {r['format']} | {r['tokens']} | {r['experts_hit']} | "
                      f"{r['weight_bytes'] / 2**20:.2f} " + _figures(r))  # fmt: skip
-    a = report["attention"]
-    lines += [
-        "",
-        "| attention | batch x context | q/kv heads x dim | KV MiB | ms | GB/s | % of copy "
-        "| status |",
-        "|---|---|---|---:|---:|---:|---:|---|",
-        f"| {a['name']} | {a['batch']} x {a['context']} | {a['q_heads']}/{a['kv_heads']} x "
-        f"{a['head_dim']} | {a['kv_bytes'] / 2**20:.2f} " + _figures(a),
-    ]
+    lines += ["", "| attention | kind | shape | splits | MiB read | rel. error | ms | GB/s "
+              "| % of copy | status |", "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in report["attention"]:
+        tflops = f" ({r['tflops']:.1f} TFLOP/s)" if "tflops" in r else ""
+        lines.append(f"| {r['name']}{tflops} | {r['kind']} | {r['shape']} | {r['splits']} | "
+                     f"{r['bytes'] / 2**20:.2f} " + _figures(r))
     return "\n".join(lines) + "\n"
 
 
@@ -298,11 +265,14 @@ def run(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
         "repeats": timer.repeats,
         "moe": [],
     }
-    # attention first: one kernel to compile, so a MoE step that runs out of time keeps it
-    report["attention"] = attention_row(
-        DRY_ATTENTION if args.dry_run else ATTENTION, timer, copy_gbs, g
-    )
-    save(report)
+    # attention first: few kernels to compile, so a MoE step that runs out of time keeps them
+    report["attention"] = []
+    for case in DRY_ATTENTION if args.dry_run else ATTENTION:
+        report["attention"].append(attention_row(case, timer, copy_gbs, g, torch.bfloat16))
+        save(report)
+    for case in DRY_MLA if args.dry_run else MLA:
+        report["attention"].append(mla_row(case, timer, copy_gbs, g, torch.bfloat16))
+        save(report)
     for shape in DRY_MOE_SHAPES if args.dry_run else MOE_SHAPES:
         report["moe"] += moe_rows(shape, args.tokens, timer, copy_gbs, g)
         save(report)
@@ -336,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report = run(args, save)
     print(json.dumps(report) if args.json else markdown(report), end="" if not args.json else "\n")
-    failed = [r for r in report["moe"] + [report["attention"]] if "error" in r]
+    failed = [r for r in report["moe"] + report["attention"] if not r.get("ok")]
     return 1 if failed else 0
 
 

@@ -1,7 +1,8 @@
 """Random-weight checkpoints of real MoE releases' shapes, for `bench/real_scale.py`.
 
 Made from a shipped config.json under tests/data/configs (`gpt-oss-20b.json`,
-`qwen3-30b-a3b.json`), optionally cut to `layers` decoder layers and a smaller `vocab`:
+`qwen3-30b-a3b.json`, `deepseek-v2-lite.json`), optionally cut to `layers` decoder layers and a
+smaller `vocab`:
 
   - gpt-oss: stored as OpenAI's release stores it: the experts in MXFP4
     (`mlp.experts.gate_up_proj_blocks` uint8 [E, 2I, H/32, 16] and `_scales` uint8 [E, 2I, H/32],
@@ -9,7 +10,9 @@ Made from a shipped config.json under tests/data/configs (`gpt-oss-20b.json`,
     which random rows do not care about), expert biases, attention (q/k/v/o with biases, sinks),
     router, norms, embedding and LM head in bfloat16;
   - Qwen3-MoE: everything bfloat16, one tensor per expert projection
-    (`mlp.experts.{e}.{gate,up,down}_proj.weight`) as the Hugging Face release.
+    (`mlp.experts.{e}.{gate,up,down}_proj.weight`) as the Hugging Face release;
+  - DeepSeek-V2: everything bfloat16, MLA projections, a dense first layer, routed and shared
+    experts one tensor per projection, as the release (bench/gpu_e2e.py uses it).
 
 Values are what an initialised model holds, so activations stay finite at any depth: every
 matrix and bias ~ N(0, initializer_range = 0.02), gpt-oss's sinks ~ N(0, 1), norms 1. MXFP4
@@ -101,11 +104,12 @@ def tensor_specs(config: dict) -> list[TensorSpec]:
     """Every tensor of `config`'s checkpoint in model order (embedding, layers, norm, head).
 
     Raises:
-        ValueError: a model_type other than gpt_oss and qwen3_moe.
+        ValueError: a model_type other than gpt_oss, qwen3_moe and deepseek_v2.
     """
     h, v, bf = config["hidden_size"], config["vocab_size"], torch.bfloat16
     std = config.get("initializer_range", INIT_STD)
-    layer = {"gpt_oss": _gpt_oss_layer, "qwen3_moe": _qwen3_moe_layer}.get(config["model_type"])
+    layer = {"gpt_oss": _gpt_oss_layer, "qwen3_moe": _qwen3_moe_layer,
+             "deepseek_v2": _deepseek_v2_layer}.get(config["model_type"])
     if layer is None:
         raise ValueError(f"no random checkpoint maker for model_type {config['model_type']!r}")
     specs = [TensorSpec("model.embed_tokens.weight", (v, h), bf, "normal", std)]
@@ -159,6 +163,45 @@ def _qwen3_moe_layer(config: dict, p: str, std: float) -> list[TensorSpec]:
         out += [TensorSpec(f"{p}mlp.experts.{j}.gate_proj.weight", (i, h), bf, "normal", std),
                 TensorSpec(f"{p}mlp.experts.{j}.up_proj.weight", (i, h), bf, "normal", std),
                 TensorSpec(f"{p}mlp.experts.{j}.down_proj.weight", (h, i), bf, "normal", std)]
+    return out
+
+
+def _mlp(p: str, h: int, i: int, std: float) -> list[TensorSpec]:
+    """One SwiGLU MLP's gate/up [i, h] and down [h, i] projections under prefix `p`."""
+    return [TensorSpec(f"{p}gate_proj.weight", (i, h), torch.bfloat16, "normal", std),
+            TensorSpec(f"{p}up_proj.weight", (i, h), torch.bfloat16, "normal", std),
+            TensorSpec(f"{p}down_proj.weight", (h, i), torch.bfloat16, "normal", std)]
+
+
+def _deepseek_v2_layer(config: dict, p: str, std: float) -> list[TensorSpec]:
+    """DeepSeek-V2's layer as the release stores it: MLA without a q LoRA when
+    `q_lora_rank` is null (q_proj), the latent projection and its norm, kv_b_proj, o_proj; a
+    dense MLP for the first `first_k_dense_replace` layers, else the router, the routed experts
+    (one tensor per projection) and the shared experts (one MLP of n_shared x moe_I)."""
+    h, heads, bf = config["hidden_size"], config["num_attention_heads"], torch.bfloat16
+    nope, rope, v = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+    rank, a = config["kv_lora_rank"], f"{p}self_attn."
+    out = [TensorSpec(f"{a}kv_a_proj_with_mqa.weight", (rank + rope, h), bf, "normal", std),
+           TensorSpec(f"{a}kv_a_layernorm.weight", (rank,), bf, "ones"),
+           TensorSpec(f"{a}kv_b_proj.weight", (heads * (nope + v), rank), bf, "normal", std),
+           TensorSpec(f"{a}o_proj.weight", (h, heads * v), bf, "normal", std),
+           *[TensorSpec(f"{p}{n}.weight", (h,), bf, "ones")
+             for n in ("input_layernorm", "post_attention_layernorm")]]
+    q_rank = config.get("q_lora_rank")
+    if q_rank:
+        out += [TensorSpec(f"{a}q_a_proj.weight", (q_rank, h), bf, "normal", std),
+                TensorSpec(f"{a}q_a_layernorm.weight", (q_rank,), bf, "ones"),
+                TensorSpec(f"{a}q_b_proj.weight", (heads * (nope + rope), q_rank), bf,
+                           "normal", std)]
+    else:
+        out.append(TensorSpec(f"{a}q_proj.weight", (heads * (nope + rope), h), bf, "normal", std))
+    if int(p.split(".")[2]) < config.get("first_k_dense_replace", 0):
+        return out + _mlp(f"{p}mlp.", h, config["intermediate_size"], std)
+    e, i = config["n_routed_experts"], config["moe_intermediate_size"]
+    out += [TensorSpec(f"{p}mlp.gate.weight", (e, h), bf, "normal", std),
+            *_mlp(f"{p}mlp.shared_experts.", h, config["n_shared_experts"] * i, std)]
+    for j in range(e):
+        out += _mlp(f"{p}mlp.experts.{j}.", h, i, std)
     return out
 
 

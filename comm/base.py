@@ -14,8 +14,10 @@ class DispatchResult:
 
     Attributes:
         hidden: [N, H] tokens this rank's experts must process.
-        topk_ids: [N, k] int32 local expert ids (-1 where the slot belongs to another rank).
-        topk_weights: [N, k] float32 routing weights.
+        topk_ids: [N, k'] int32 local expert ids (-1 where the slot belongs to another rank,
+            and on padding rows); k' is the layer's top_k, or 1 where each row is one (token,
+            expert) pair (DeepEP's low-latency kernels).
+        topk_weights: [N, k'] float32 routing weights.
         handle: what `combine` needs to send the results back.
     """
 
@@ -27,6 +29,16 @@ class DispatchResult:
 
 class Communicator(Protocol):
     """Moves tokens to the ranks that hold their experts and brings the results back."""
+
+    def begin_step(self, num_tokens: int | None) -> None:
+        """Called once per step on every rank before its first dispatch: this rank's tokens
+        (T of each dispatch of the step); None forgets the step."""
+        ...
+
+    def profile_token_counts(self, max_tokens: int) -> set[int]:
+        """Token counts per rank below `max_tokens` at which this communicator switches to
+        another path with other buffers: the profile run measures a decode step at each."""
+        ...
 
     def dispatch(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor

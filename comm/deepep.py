@@ -15,8 +15,12 @@ placements, replicas included, are handed to it as "physical" expert ids
 `deep_ep` is imported only when a buffer is built, never at module import.
 
 Which kernel a dispatch uses is decided from a number every rank shares (`deepep_ll.
-choose_mode`): the largest token count over the ranks, from `begin_step` when the caller
-knows it for the step, else from a 1-element all-reduce at each dispatch.
+choose_mode`): the largest token count over the ranks. The engine calls `begin_step` once per
+step (`ModelRunner`), which agrees on it with one host-side all-reduce on a gloo group
+(`comm.step_sync`); only without it does each dispatch all-reduce on the device and read the
+result back. The counters stay on the device (`comm.stats.device_counts`): in steady state a
+low-latency dispatch and combine make no host sync. (DeepEP's normal kernels wait on the host
+for the received count inside `Buffer.dispatch` themselves.)
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from comm import deepep_ll
 from comm.base import DispatchResult
 from comm.deepep_ll import LOW_LATENCY_MAX_TOKENS, LowLatencyHandle
 from comm.placement import ExpertPlacement
-from comm.stats import CommCounts, CommStats
+from comm.stats import CommCounts, CommStats, device_counts
+from comm.step_sync import control_group_for, max_tokens_over_ranks
 
 
 def deepep_unavailable_reason() -> str | None:
@@ -50,11 +55,12 @@ def deepep_unavailable_reason() -> str | None:
 
 @dataclass(frozen=True)
 class DeepEPHandle:
-    """DeepEP's own dispatch handle plus what the stats need at combine time."""
+    """DeepEP's own dispatch handle plus what the stats need at combine time (remote_rows:
+    a 1-element int64 device tensor, rows received from other ranks)."""
 
     inner: Any
     num_tokens: int
-    remote_rows: int
+    remote_rows: torch.Tensor
 
 
 class DeepEPCommunicator:
@@ -71,6 +77,8 @@ class DeepEPCommunicator:
             low-latency at or below), "normal" or "low_latency" (always).
         low_latency_max_tokens: the low-latency kernels' token bound per rank
             (num_max_dispatch_tokens_per_rank, the buffer is sized for it) and the threshold.
+        control_group: a gloo group over the same ranks for `begin_step` (None:
+            `comm.step_sync.control_group_for`).
 
     Raises:
         ValueError: the placement's ep_size differs from the group size; an unknown mode.
@@ -88,6 +96,7 @@ class DeepEPCommunicator:
         *,
         mode: str = "auto",
         low_latency_max_tokens: int = LOW_LATENCY_MAX_TOKENS,
+        control_group: dist.ProcessGroup | None = None,
     ) -> None:
         deepep_ll.choose_mode(mode, 0, low_latency_max_tokens)  # validates the mode
         self.group = group if group is not None else dist.group.WORLD
@@ -99,6 +108,7 @@ class DeepEPCommunicator:
                 f"size {self.world_size}"
             )
         self.placement = placement
+        self.control_group = control_group_for(self.group, control_group)
         self.buffer = buffer
         self.mode, self.low_latency_max_tokens = mode, low_latency_max_tokens
         self.stats = CommStats()
@@ -114,11 +124,29 @@ class DeepEPCommunicator:
         # DeepEP >= 1.2 exports the index dtype it was built with; older builds take int64.
         self._idx_dtype = getattr(deep_ep, "topk_idx_t", torch.int64)
 
-    def begin_step(self, max_tokens_per_rank: int | None) -> None:
-        """Fix the kernel choice of the following dispatches from the largest token count
-        over the ranks in this step, skipping the per-dispatch all-reduce; every rank must pass
-        the same number (None: decide per dispatch again)."""
-        self._step_max_tokens = max_tokens_per_rank
+    def begin_step(self, num_tokens: int | None) -> None:
+        """Announce this rank's tokens in the coming step (T of each of its dispatches). The
+        ranks agree on the largest with one host-side all-reduce (`comm.step_sync`), which
+        fixes the kernel of the step's dispatches and sizes the low-latency experts' rows:
+        no per-dispatch all-reduce or host read. Every rank calls it; None: decide per
+        dispatch again (no collective).
+
+        Raises:
+            ValueError: num_tokens is negative.
+        """
+        if num_tokens is None:
+            self._step_max_tokens = None
+            return
+        if num_tokens < 0:
+            raise ValueError(f"begin_step: num_tokens must be >= 0, got {num_tokens}")
+        self._step_max_tokens = max_tokens_over_ranks(num_tokens, self.group, self.control_group)
+
+    def profile_token_counts(self, max_tokens: int) -> set[int]:
+        """The low-latency kernels' largest step, when it is below `max_tokens` (steps above
+        it take the normal kernels): its receive buffer [E_local, R, H] and expert rows are
+        allocated only by low-latency steps."""
+        ll = self.low_latency_max_tokens
+        return {ll} if self.mode != "normal" and ll < max_tokens else set()
 
     def dispatch(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -126,8 +154,9 @@ class DeepEPCommunicator:
         """Same contract as `TorchAllToAll.dispatch`; the rows' layout depends on the kernel.
 
         Normal kernels: rows ordered by source rank, then token, one per (token, rank).
-        Low-latency kernels: one row per (token, local expert), the fixed-size packed layout
-        of `deepep_ll.to_dispatch_result` (rows with all ids -1 carry nothing).
+        Low-latency kernels: one row per (token, local expert) pair with ONE id column,
+        compacted to a fixed `deepep_ll.max_pairs` rows (`deepep_ll.to_dispatch_result`; rows
+        with id -1 carry nothing).
 
         Args:
             hidden: [T, H] bfloat16 on the CUDA device; topk_ids: [T, k] int32 global ids;
@@ -148,12 +177,14 @@ class DeepEPCommunicator:
             raise ValueError(
                 f"begin_step said at most {largest} tokens per rank, this rank has {num_tokens}"
             )
+        pairs_bound = largest  # the low-latency rows are sized for it: the agreed step max
         if largest is None:
             largest = (
                 deepep_ll.max_tokens_over_ranks(num_tokens, self.group, hidden.device)
                 if self.mode == "auto"
-                else num_tokens  # a forced mode needs no agreement
+                else num_tokens  # a forced mode needs no agreement for the kernel choice
             )
+            pairs_bound = largest if self.mode == "auto" else self.low_latency_max_tokens
         mode = deepep_ll.choose_mode(self.mode, largest, self.low_latency_max_tokens)
         buffer = self._buffer_for(hidden)
         dest_rank, local_slot = self.placement.route(topk_ids, self.rank)
@@ -165,7 +196,9 @@ class DeepEPCommunicator:
                     self.low_latency_max_tokens, hidden.shape[1], self.world_size * slots
                 )
             self.last_mode = mode
-            return self._dispatch_low_latency(buffer, hidden, topk_weights, dest_rank, physical)
+            return self._dispatch_low_latency(
+                buffer, hidden, topk_weights, dest_rank, physical, pairs_bound
+            )
         self.last_mode = mode
         per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(
             physical, self.world_size * slots
@@ -181,10 +214,9 @@ class DeepEPCommunicator:
         )
         recv_ids = recv_idx.to(torch.int32)
         recv_weights = torch.where(recv_ids >= 0, recv_weights.float(), 0.0)
-        remote_pairs = (dest_rank != self.rank).sum().view(1)
-        host = torch.cat([per_rank.long(), remote_pairs]).tolist()
-        remote_rows = recv_x.shape[0] - host[self.rank]
-        self._record_dispatch(hidden, topk_ids.shape[1], host, recv_x.shape[0])
+        per_rank = per_rank.to(hidden.device).long()
+        remote_rows = recv_x.shape[0] - per_rank[self.rank]
+        self._record_dispatch(hidden, topk_ids.shape[1], per_rank, dest_rank, recv_x.shape[0])
         handle = DeepEPHandle(inner, hidden.shape[0], remote_rows)
         return DispatchResult(recv_x, recv_ids, recv_weights, handle)
 
@@ -197,13 +229,13 @@ class DeepEPCommunicator:
             [T, H] bfloat16 (DeepEP adds the partial sums in float32 and rounds once; the
             low-latency kernel also applies the routing weights there).
         """
-        out = expert_out.to(torch.bfloat16)
         if isinstance(handle, LowLatencyHandle):
+            packed = deepep_ll.scatter_to_packed(expert_out, handle)
             combined, _, _ = self.buffer.low_latency_combine(
-                out.view(handle.packed_shape), handle.topk_idx, handle.topk_weights, handle.inner
+                packed, handle.topk_idx, handle.topk_weights, handle.inner
             )
         else:
-            combined, _, _ = self.buffer.combine(out, handle.inner)
+            combined, _, _ = self.buffer.combine(expert_out.to(torch.bfloat16), handle.inner)
         self.stats.record_combine(handle.remote_rows * expert_out.shape[1] * 2)
         return combined
 
@@ -214,43 +246,44 @@ class DeepEPCommunicator:
         topk_weights: torch.Tensor,
         dest_rank: torch.Tensor,
         physical: torch.Tensor,
+        largest: int,
     ) -> DispatchResult:
-        """One row per (token, expert) pair through `low_latency_dispatch` (bf16 transport).
-
-        The counters need host numbers: one small device-to-host copy (pairs per destination
-        rank and rows received), as the normal kernels' dispatch makes anyway.
+        """One row per (token, expert) pair through `low_latency_dispatch` (bf16 transport),
+        handed to the experts compacted to `deepep_ll.max_pairs` rows of one id each (for the
+        step's largest token count `largest`). No host sync: the counters stay on the device.
         """
-        num_experts = self.world_size * self.placement.num_local_experts
+        slots = self.placement.num_local_experts
+        num_experts = self.world_size * slots
         recv_x, recv_count, inner, _, _ = buffer.low_latency_dispatch(
             hidden, physical, self.low_latency_max_tokens, num_experts, use_fp8=False
         )
         world, device = self.world_size, dest_rank.device
+        flat_rank = dest_rank.reshape(-1)
         pairs = torch.zeros(world, dtype=torch.int64, device=device)
-        pairs.scatter_add_(0, dest_rank.reshape(-1), torch.ones_like(dest_rank.reshape(-1)))
+        pairs.scatter_add_(0, flat_rank, torch.ones_like(flat_rank))
         in_rank = torch.zeros(dest_rank.shape[0], world, dtype=torch.bool, device=device)
         in_rank.scatter_(1, dest_rank, True)
         in_rank[:, self.rank] = False
-        counts = [pairs, recv_count.long().sum().view(1), in_rank.sum().view(1)]
-        host = torch.cat(counts).tolist()
-        per_rank, received, remote_tokens = host[:world], host[world], host[world + 1]
+        received = recv_count.to(device).long().sum()
+        remote_sent = pairs.sum() - pairs[self.rank]
         hidden_bytes = hidden.shape[1] * hidden.element_size()
-        remote_sent = sum(per_rank) - per_rank[self.rank]
-        self.stats.record_dispatch(
-            CommCounts(
-                dispatches=1,
-                tokens_in=hidden.shape[0],
-                tokens_sent_per_rank=per_rank,  # rows: one per (token, expert) pair
-                tokens_received=received,
-                remote_pairs=remote_sent,
-                dispatch_bytes_sent=remote_sent * hidden_bytes,
-                min_dispatch_bytes=remote_tokens * hidden_bytes,
-            )
+        counts = device_counts(
+            pairs,  # rows: one per (token, expert) pair
+            tokens_received=received,
+            remote_pairs=remote_sent,
+            dispatch_bytes_sent=remote_sent * hidden_bytes,
+            min_dispatch_bytes=in_rank.sum() * hidden_bytes,
         )
-        remote_rows = received - per_rank[self.rank]
+        self.stats.record_dispatch(CommCounts(dispatches=1, tokens_in=hidden.shape[0]), counts)
+        experts, rows, _ = recv_x.shape
+        bound = deepep_ll.max_pairs(world, largest, physical.shape[1], slots)
+        packed_row = deepep_ll.compact_pairs(
+            recv_count.to(device), rows, min(bound, experts * rows)
+        )
         handle = LowLatencyHandle(
-            inner, physical, topk_weights.float(), tuple(recv_x.shape), remote_rows
+            inner, physical, topk_weights.float(), recv_x, packed_row, received - pairs[self.rank]
         )
-        return deepep_ll.to_dispatch_result(recv_x, recv_count, physical.shape[1], handle)
+        return deepep_ll.to_dispatch_result(recv_x, recv_count.to(device), packed_row, handle)
 
     def _buffer_for(self, hidden: torch.Tensor) -> Any:
         if self.buffer is None:
@@ -262,21 +295,24 @@ class DeepEPCommunicator:
         return self.buffer
 
     def _record_dispatch(
-        self, hidden: torch.Tensor, top_k: int, host: list[int], received: int
+        self,
+        hidden: torch.Tensor,
+        top_k: int,
+        per_rank: torch.Tensor,
+        dest_rank: torch.Tensor,
+        received: int,
     ) -> None:
-        per_rank = host[: self.world_size]
-        remote_sent = sum(per_rank) - per_rank[self.rank]
+        """The normal kernels' counters, kept on the device (per_rank: [N] int64 tokens sent
+        to each rank; received: rows DeepEP delivered)."""
+        remote_sent = per_rank.sum() - per_rank[self.rank]
         hidden_bytes = hidden.shape[1] * hidden.element_size()
         idx_bytes = torch.empty(0, dtype=self._idx_dtype).element_size()
-        self.stats.record_dispatch(
-            CommCounts(
-                dispatches=1,
-                tokens_in=hidden.shape[0],
-                tokens_sent_per_rank=per_rank,
-                tokens_received=received,
-                remote_pairs=host[self.world_size],
-                # DeepEP's own channel metadata is not visible here: rows + ids + weights.
-                dispatch_bytes_sent=remote_sent * (hidden_bytes + top_k * (idx_bytes + 4)),
-                min_dispatch_bytes=remote_sent * hidden_bytes,
-            )
+        counts = device_counts(
+            per_rank,
+            remote_pairs=(dest_rank != self.rank).sum(),
+            # DeepEP's own channel metadata is not visible here: rows + ids + weights.
+            dispatch_bytes_sent=remote_sent * (hidden_bytes + top_k * (idx_bytes + 4)),
+            min_dispatch_bytes=remote_sent * hidden_bytes,
         )
+        host = CommCounts(dispatches=1, tokens_in=hidden.shape[0], tokens_received=received)
+        self.stats.record_dispatch(host, counts)

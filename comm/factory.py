@@ -22,6 +22,7 @@ def make_communicator(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    control_group: dist.ProcessGroup | None = None,
 ) -> Communicator:
     """The communicator for `placement` over `group`.
 
@@ -36,6 +37,8 @@ def make_communicator(
         backend: "auto", "noop", "torch" or "deepep".
         device: where the activations live (None: CUDA if the group's backend is NCCL).
         dtype: the activations' dtype; DeepEP is chosen automatically only for bfloat16.
+        control_group: a gloo group over the same ranks for the per-step agreement of
+            `begin_step` (None: `comm.step_sync.control_group_for` finds one).
 
     Raises:
         ValueError: an unknown backend; "noop" with more than one rank or a non-contiguous
@@ -55,10 +58,10 @@ def make_communicator(
         reason = deepep_unavailable_reason()
         if reason is not None:
             raise ValueError(f"communicator backend 'deepep' cannot run here: {reason}")
-        return DeepEPCommunicator(group, placement)
+        return DeepEPCommunicator(group, placement, control_group=control_group)
     if backend == "auto" and _deepep_fits(group, device, dtype):
-        return DeepEPCommunicator(group, placement)
-    return TorchAllToAll(group, placement)
+        return DeepEPCommunicator(group, placement, control_group=control_group)
+    return TorchAllToAll(group, placement, control_group=control_group)
 
 
 def _deepep_fits(

@@ -12,6 +12,13 @@ from comm.base import DispatchResult
 class NoopCommunicator:
     """The communicator for ep_size 1: every expert is local, nothing moves."""
 
+    def begin_step(self, num_tokens: int | None) -> None:
+        """Nothing to agree on with one rank."""
+
+    def profile_token_counts(self, max_tokens: int) -> set[int]:
+        """One path only: none."""
+        return set()
+
     def dispatch(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> DispatchResult:

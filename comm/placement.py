@@ -150,7 +150,9 @@ class ExpertPlacement:
             return tables.replica_rank[ids, 0], tables.replica_slot[ids, 0]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        # scatter_add, not bincount: CUDA's bincount reads the maximum back to the host
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
         starts = torch.cumsum(counts, 0) - counts
         position = torch.empty_like(flat)
         position[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]

@@ -32,7 +32,7 @@ OPS = (
     "linear",  # dense projections (QKV, output, router, dense MLP, LM head)
     "rms_norm",  # (triton: also fused with the residual add before it)
     "rotary",  # rope with q/k norm and the KV-cache write, one call per layer (torch: module ops)
-    "router_topk",  # softmax-top-k routing: the softmax and the stable top-k selection
+    "router_topk",  # routing: scores, the top-k selection (lower id on ties), the weights
     "decode_layer",  # a whole decoder layer of a decode step (native-cpu: one call)
 )
 
@@ -48,7 +48,7 @@ IMPLEMENTS: dict[str, frozenset[str]] = {
     TORCH: frozenset(OPS),
     TRITON: frozenset(
         {"fused_moe", "fused_moe_int4", "fused_moe_mxfp4", "attention_prefill",
-         "attention_decode", "mla_decode", "rms_norm", "rotary"}
+         "attention_decode", "mla_decode", "rms_norm", "rotary", "router_topk"}
     ),
 }
 
@@ -182,10 +182,21 @@ class KernelPlan:
 
         return fused_add_rms_norm
 
-    def router_topk(self, device_type: str) -> Callable[..., Any] | None:
-        """The one-call softmax-top-k routing (`kernels.dense.ops.router_softmax_topk`) for a
-        router on `device_type`, or None: torch's softmax and stable sort."""
-        if self.backend("router_topk") != NATIVE_CPU or device_type != "cpu":
+    def router_topk(
+        self, device_type: str, routing: str = "softmax_topk"
+    ) -> Callable[..., Any] | None:
+        """The one-call routing of the rule `routing` (the name of its torch function in
+        `moe_engine.models.layers.routing`: "softmax_topk", "topk_softmax",
+        "sigmoid_grouped_topk", "softmax_grouped_topk"; the kernel takes the same arguments)
+        for a router on `device_type`, or None: the torch function. triton: the fused router
+        of `kernels.moe.router_kernels` (every rule); native-cpu: `kernels.dense.ops.
+        router_softmax_topk` ("softmax_topk" on a CPU only)."""
+        backend = self.backend("router_topk")
+        if backend == TRITON:
+            from kernels.moe.router_kernels import FUSED_ROUTERS
+
+            return FUSED_ROUTERS.get(routing)
+        if backend != NATIVE_CPU or device_type != "cpu" or routing != "softmax_topk":
             return None
         from kernels.dense.ops import router_softmax_topk
 

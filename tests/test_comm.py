@@ -398,33 +398,48 @@ class FakeDeepEPBuffer:
     # recv_count are NaN here (unset memory in DeepEP), so a consumer reading them shows
 
     cleaned = 0  # clean_low_latency_buffer calls
+    ll_dispatches = 0  # low_latency_dispatch calls
 
     def clean_low_latency_buffer(self, max_tokens: int, hidden: int, num_experts: int) -> None:
         self.cleaned += 1
 
     def low_latency_dispatch(
-        self, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int, num_experts: int,
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        max_tokens: int,
+        num_experts: int,
         use_fp8: bool = True,
     ) -> tuple:
         if x.dtype != torch.bfloat16 or topk_idx.dtype != torch.int64 or use_fp8:
             raise TypeError(f"x {x.dtype}, topk_idx {topk_idx.dtype}, use_fp8 {use_fp8}")
         if x.shape[0] > max_tokens:
             raise ValueError(f"{x.shape[0]} tokens > num_max_dispatch_tokens_per_rank {max_tokens}")
+        self.ll_dispatches += 1
         world = dist.get_world_size()
         local = num_experts // world
-        inner = TorchAllToAll(None, ExpertPlacement.contiguous(num_experts, world))
+        # fixed capacity sized by the buffer's own bound (the same on every rank): like the
+        # real kernels, nothing is read back to the host
+        inner = TorchAllToAll(None, ExpertPlacement.contiguous(num_experts, world), mode="fixed")
         top_k = topk_idx.shape[1]
+        inner.step_max_tokens = max_tokens * top_k
         pair_ids = topk_idx.reshape(-1, 1).int()
         sent = inner.dispatch(x.repeat_interleave(top_k, 0), pair_ids, torch.ones(pair_ids.shape))
-        expert = sent.topk_ids[:, 0].long()
-        position = (torch.nn.functional.one_hot(expert, local).cumsum(0) - 1).gather(
-            1, expert[:, None]
-        )[:, 0]
-        packed = torch.full((local, max_tokens * world, x.shape[1]), float("nan"))
+        ids = sent.topk_ids[:, 0].long()
+        valid = ids >= 0
+        expert = torch.where(valid, ids, local)  # padding rows: a spare expert, dropped
+        one_hot = expert[:, None] == torch.arange(local + 1)  # F.one_hot reads its max back
+        position = (one_hot.cumsum(0) - 1).gather(1, expert[:, None])[:, 0]
+        position = torch.where(valid, position, 0)
+        packed = torch.full((local + 1, max_tokens * world, x.shape[1]), float("nan"))
         packed = packed.to(torch.bfloat16)
         packed[expert, position] = sent.hidden
-        count = torch.bincount(expert, minlength=local).int()
-        return packed, count, (inner, sent.handle, expert, position, top_k), None, None
+        count = (
+            torch.zeros(local + 1, dtype=torch.int64)
+            .scatter_add_(0, expert, torch.ones_like(expert))[:local]
+            .int()
+        )
+        return packed[:local], count, (inner, sent.handle, expert, position, top_k), None, None
 
     def low_latency_combine(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: tuple
@@ -432,7 +447,9 @@ class FakeDeepEPBuffer:
         if x.dtype != torch.bfloat16 or topk_weights.dtype != torch.float32:
             raise TypeError(f"x {x.dtype}, topk_weights {topk_weights.dtype}")
         inner, inner_handle, expert, position, top_k = handle
-        back = inner.combine(x[expert, position], inner_handle).float()  # [T * k, H]
+        spare = torch.zeros(1, *x.shape[1:], dtype=x.dtype)
+        rows = torch.cat([x, spare])[expert, position]  # only rows below recv_count are read
+        back = inner.combine(rows, inner_handle).float()  # [T * k, H]
         weighted = back * topk_weights.reshape(-1, 1)
         return weighted.view(-1, top_k, x.shape[2]).sum(1).to(torch.bfloat16), None, None
 
@@ -486,7 +503,7 @@ def case_deepep_low_latency_fake(rank: int, world: int, seed: int) -> list[str]:
 
 
 def case_deepep_auto_mode_fake(rank: int, world: int, seed: int) -> list[str]:
-    """"auto" takes the same kernel on every rank, from the largest rank's tokens: normal
+    """ "auto" takes the same kernel on every rank, from the largest rank's tokens: normal
     while one rank has more than the threshold, low-latency below it (cleaning the buffer
     after normal use), and `begin_step` overrides the all-reduce."""
     placement = ExpertPlacement.contiguous(NUM_EXPERTS, world)
@@ -494,14 +511,26 @@ def case_deepep_auto_mode_fake(rank: int, world: int, seed: int) -> list[str]:
     comm = DeepEPCommunicator(None, placement, buffer=buffer, low_latency_max_tokens=6)
     experts = make_experts(seed, torch.bfloat16)
     problems = []
-    steps = [([5, 8, 0, 3], None, "normal"), ([2, 1, 0, 6], None, "low_latency"),
-             ([2, 1, 0, 3], 7, "normal"), ([2, 1, 0, 3], 3, "low_latency")]
+    steps = [
+        ([5, 8, 0, 3], None, "normal"),
+        ([2, 1, 0, 6], None, "low_latency"),
+        ([2, 1, 0, 3], 7, "normal"),
+        ([2, 1, 0, 3], 3, "low_latency"),
+    ]
     for i, (counts, announced, mode) in enumerate(steps):
         comm.begin_step(announced)
         batches = make_batches(seed + i, counts[:world], random_router, torch.bfloat16)
         ll = mode == "low_latency"
-        problems += round_trip(comm, placement, rank, batches, experts, BF16_TOL,
-                               exact_order=not ll, check_stats=not ll)
+        problems += round_trip(
+            comm,
+            placement,
+            rank,
+            batches,
+            experts,
+            BF16_TOL,
+            exact_order=not ll,
+            check_stats=not ll,
+        )
         if comm.last_mode != mode:
             problems.append(f"step {i} {counts[:world]}: {comm.last_mode}, expected {mode}")
     if buffer.cleaned != 2:
@@ -619,13 +648,30 @@ def run_deepep_cases(rank: int, world: int, seed: int) -> list[str]:
     batches = make_batches(seed, counts, hot_router(0), torch.bfloat16, LOW_LATENCY_HIDDEN)
     experts = make_experts(seed, torch.bfloat16, LOW_LATENCY_HIDDEN)
     comm = DeepEPCommunicator(None, placement, low_latency_max_tokens=8)
-    for step, steps_batches in enumerate([batches, batches, make_batches(
-        seed + 1, [c * 4 for c in counts], hot_router(0), torch.bfloat16, LOW_LATENCY_HIDDEN
-    ), batches]):
-        problems += [f"step {step}: {p}" for p in round_trip(
-            comm, placement, rank, steps_batches, experts, BF16_TOL, device="cuda",
-            exact_order=False, check_stats=False,
-        )]
+    for step, steps_batches in enumerate(
+        [
+            batches,
+            batches,
+            make_batches(
+                seed + 1, [c * 4 for c in counts], hot_router(0), torch.bfloat16, LOW_LATENCY_HIDDEN
+            ),
+            batches,
+        ]
+    ):
+        problems += [
+            f"step {step}: {p}"
+            for p in round_trip(
+                comm,
+                placement,
+                rank,
+                steps_batches,
+                experts,
+                BF16_TOL,
+                device="cuda",
+                exact_order=False,
+                check_stats=False,
+            )
+        ]
     return problems
 
 
@@ -659,10 +705,42 @@ def run_nccl_cases(rank: int, world: int, seed: int) -> list[str]:
         batches = make_batches(seed + i, [7, 0, 9, 1, 4, 3, 5, 2][:world], hot_router(0), dtype)
         comm = make_communicator(None, placement, backend="torch", device="cuda")
         tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
-        problems += [f"{name}: {p}" for p in round_trip(
-            comm, placement, rank, batches, make_experts(seed, dtype), tol, device="cuda"
-        )]
-    return problems
+        problems += [
+            f"{name}: {p}"
+            for p in round_trip(
+                comm, placement, rank, batches, make_experts(seed, dtype), tol, device="cuda"
+            )
+        ]
+    return problems + fixed_layout_without_syncs(rank, world, seed)
+
+
+def fixed_layout_without_syncs(rank: int, world: int, seed: int) -> list[str]:
+    """After begin_step, "auto" on CUDA takes the fixed capacity: its dispatch and combine run
+    under torch's sync debug mode set to "error" (any host sync raises), and the output equals
+    the reference."""
+    placement = replica_placement(world)
+    counts = [7, 0, 9, 1, 4, 3, 5, 2][:world]
+    batches = make_batches(seed + 5, counts, hot_router(0), torch.bfloat16)
+    w13, w2 = make_experts(seed, torch.bfloat16)
+    local = placement.local_experts(rank)
+    comm = make_communicator(None, placement, backend="torch", device="cuda")
+    comm.begin_step(counts[rank])
+    mine = batches[rank]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sent = comm.dispatch(mine.hidden.cuda(), mine.topk_ids.cuda(), mine.topk_weights.cuda())
+        torch.cuda.set_sync_debug_mode(0)
+        out = fused_moe_reference(
+            sent.hidden, w13[local].cuda(), w2[local].cuda(), sent.topk_weights, sent.topk_ids
+        )
+        torch.cuda.set_sync_debug_mode("error")
+        combined = comm.combine(out, sent.handle)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    problems = [] if comm.last_layout == "fixed" else [f"layout {comm.last_layout}"]
+    reference = reference_output(batches, rank, w13, w2)
+    return problems + close("fixed layout output", combined, reference, **BF16_TOL)
 
 
 @pytest.mark.gpu

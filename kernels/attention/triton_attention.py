@@ -78,8 +78,9 @@ _TILE_TABLE: tuple[tuple[int, AttentionTileConfig, AttentionTileConfig], ...] = 
     (256, AttentionTileConfig(32, 32, 8, 1), AttentionTileConfig(16, 32, 8, 1)),
 )
 #: MLA decode, kv_lora_rank + rope_dim = 576 in real models: 16 heads per program (FlashMLA's
-#: 64-head tiles do not fit Triton's registers with a 512-wide accumulator); 160 registers, no
-#: spills at rank 512, rope 64 on sm_90.
+#: 64-head tiles do not fit Triton's registers with a 512-wide accumulator), 32 latents a tile
+#: at every block size (64-key tiles, `_key_tile` at FlashMLA's block size 64, spilled 528-560
+#: B a thread on sm_90); compiled at rank 512, rope 64: 152-231 registers, no spills.
 _MLA_CONFIG = AttentionTileConfig(16, 32, 8, 1)
 
 
@@ -191,8 +192,8 @@ def _check_paged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *
              "sliding_window", sliding_window, "must be None or an int >= 1")  # fmt: skip
     _require(sinks is None or (tuple(sinks.shape) == (hq,) and sinks.is_floating_point() and
              sinks.device == q.device and sinks.is_contiguous()), "sinks", None if sinks is None
-             else (tuple(sinks.shape), sinks.dtype), f"must be dense [{hq}] float on {q.device}")
-
+             else (tuple(sinks.shape), sinks.dtype),
+             f"must be dense [{hq}] float on {q.device}")  # fmt: skip
 
 
 def _split_scratch(rows: int, splits: int, width: int, device: torch.device):
@@ -354,7 +355,7 @@ def mla_decode(
         ValueError: a shape, dtype, device or layout the kernel does not take.
     """
     _require(q.dim() == 3 and q.dtype in _FLOAT_DTYPES, "q", (tuple(q.shape), q.dtype),
-             "must be [B, n_heads, kv_lora_rank + rope_dim] float32/bfloat16/float16")
+             "must be [B, n_heads, kv_lora_rank + rope_dim] float32/bfloat16/float16")  # fmt: skip
     batch, heads, width = q.shape
     if q_rope is not None:
         _require(q_rope.dim() == 3 and tuple(q_rope.shape[:2]) == (batch, heads) and
@@ -374,7 +375,8 @@ def mla_decode(
     _check_tables(block_tables, seq_lens, q.device, batch)
     shape = (batch, heads, kv_lora_rank)
     _require(out is None or (tuple(out.shape) == shape and out.dtype == q.dtype), "out",
-             None if out is None else (tuple(out.shape), out.dtype), f"must be {shape} {q.dtype}")
+             None if out is None else (tuple(out.shape), out.dtype),
+             f"must be {shape} {q.dtype}")  # fmt: skip
     out = q.new_empty(shape) if out is None else out
     if batch == 0 or heads == 0:
         return out
@@ -397,7 +399,7 @@ def mla_decode(
         latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0),
         RANK=kv_lora_rank, RANK_PAD=rank_pad, ROPE=rope,
         ROPE_PAD=max(MIN_TILE, triton.next_power_of_2(rope)), BLOCK_H=block_h,
-        BLOCK_N=_key_tile(cfg.block_n, block_size), BLOCK_SIZE=block_size,
+        BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size,
         NUM_SPLITS=kv_splits, FP32_DOT=fp32_dot, ROUND_BF16=round_bf16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

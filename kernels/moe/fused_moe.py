@@ -33,8 +33,11 @@ import torch
 import triton
 
 from kernels.moe.activation import SILU_AND_MUL, SwiGLU
+from kernels.moe.align_kernels import MAX_KERNEL_PAIRS, invoke_moe_align_block_size
 from kernels.moe.fused_moe_configs import WEIGHT_FORMATS, MoeTileConfig, get_moe_config
 from kernels.moe.fused_moe_kernels import fused_moe_kernel
+from kernels.moe.reference import moe_align_block_size_reference
+from kernels.moe.sum_kernels import moe_sum
 from quant.mxfp4 import MXFP4_BLOCK_SIZE
 
 #: Scale dtypes of INT4 weights the kernel reads (`quant.int4`; a checkpoint's 16-bit scales
@@ -42,6 +45,7 @@ from quant.mxfp4 import MXFP4_BLOCK_SIZE
 INT4_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 MIN_BLOCK_SIZE = 16  # tl.dot needs every tile dimension >= 16
+MIN_PACKED_BLOCK_K = 2 * MIN_BLOCK_SIZE  # 4-bit tiles: one dot per nibble, each BLOCK_K / 2 deep
 
 
 def _check_block_size(block_size: int) -> None:
@@ -70,12 +74,12 @@ def moe_align_block_size(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group token-expert pairs by expert, each group padded to a multiple of ``block_size``.
 
-    Bookkeeping in plain torch on ``topk_ids``' device (vectorised: one stable argsort, a
-    scatter-add count and a scatter; no loop over experts or tokens). vLLM does the same in a
-    CUDA kernel; here the cost is a few small torch ops, negligible next to the GEMMs. Every
-    output shape depends on the input shapes only and nothing is read back to the host (no
-    ``.item()``, no ``bincount``, whose CUDA version reads the maximum back), so the call can
-    be captured in a CUDA graph.
+    One Triton launch (:func:`kernels.moe.align_kernels.moe_align_block_size_kernel`, the
+    single CUDA kernel of vLLM and SGLang written for Triton) where the torch version takes
+    about 40 small ops; calls of more than `align_kernels.MAX_KERNEL_PAIRS` pairs (prefill
+    sizes) take the torch version, :func:`kernels.moe.reference.moe_align_block_size_reference`
+    (the same outputs). Every output shape depends on the input shapes only and nothing is
+    read back to the host, so the call can be captured in a CUDA graph.
 
     Args:
         topk_ids: ``[num_tokens, top_k]`` int32, expert ids; ids outside ``[0, num_experts)``
@@ -102,32 +106,10 @@ def moe_align_block_size(
     _check_block_size(block_size)
     if num_experts < 1:
         raise ValueError(f"num_experts {num_experts} must be >= 1")
-    device = topk_ids.device
-    flat = topk_ids.reshape(-1).long()
-    num_pairs = flat.numel()
-    max_padded = max_num_tokens_padded(num_pairs, block_size, num_experts)
-    valid = (flat >= 0) & (flat < num_experts)
-    keyed = torch.where(valid, flat, num_experts)  # invalid pairs sort last, to a dump slot
-    order = torch.argsort(keyed, stable=True)
-    counts_all = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
-    counts_all.scatter_add_(0, keyed, torch.ones_like(keyed))
-    counts = counts_all[:num_experts]
-    padded = (counts + block_size - 1) // block_size * block_size
-    padded_ends = torch.cumsum(padded, 0)
-    sorted_keys = keyed[order]
-    first_of_key = torch.cumsum(counts_all, 0) - counts_all
-    rank_in_expert = torch.arange(num_pairs, device=device) - first_of_key[sorted_keys]
-    # destination of each sorted pair; invalid pairs all go to slot max_padded, cut below
-    starts = torch.cat([padded_ends - padded, padded_ends.new_full((1,), max_padded)])
-    dest = torch.where(sorted_keys < num_experts, starts[sorted_keys] + rank_in_expert, max_padded)
-    buffer = torch.full((max_padded + 1,), num_pairs, dtype=torch.int32, device=device)
-    buffer[dest] = order.to(torch.int32)
-    sorted_token_ids = buffer[:max_padded]
-    block_starts = torch.arange(0, max_padded, block_size, device=device)
-    block_expert = torch.searchsorted(padded_ends, block_starts, right=True)
-    expert_ids = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-    total = padded_ends[-1:].to(torch.int32)
-    return sorted_token_ids, expert_ids, total
+    if topk_ids.numel() > MAX_KERNEL_PAIRS:
+        return moe_align_block_size_reference(topk_ids, block_size, num_experts)
+    max_padded = max_num_tokens_padded(topk_ids.numel(), block_size, num_experts)
+    return invoke_moe_align_block_size(topk_ids, block_size, num_experts, max_padded)
 
 
 def _interpret_bf16(dtype: torch.dtype) -> bool:
@@ -144,6 +126,28 @@ def _interpret_bf16(dtype: torch.dtype) -> bool:
 
 def _tile(dim: int, cap: int) -> int:
     return max(MIN_BLOCK_SIZE, min(cap, triton.next_power_of_2(dim)))
+
+
+def _packed_tile_k(tile_k: int, group_size: int, k_dim: int) -> int:
+    """The K tile of a packed 4-bit launch: at least `MIN_PACKED_BLOCK_K` (each nibble half of
+    the tile feeds its own ``tl.dot``), and either a multiple or a divisor of ``group_size`` so
+    that a tile holds whole groups or lies inside one (halved from ``tile_k`` until it does);
+    any tile when K is one group.
+
+    Raises:
+        ValueError: no such tile (a group size that is not a multiple of 32 below the tile).
+    """
+    tile_k = max(tile_k, MIN_PACKED_BLOCK_K)
+    if group_size >= k_dim:
+        return tile_k
+    while tile_k > MIN_PACKED_BLOCK_K and group_size % tile_k and tile_k % group_size:
+        tile_k //= 2
+    if group_size % tile_k and tile_k % group_size:
+        raise ValueError(
+            f"group_size {group_size} fits no K tile >= {MIN_PACKED_BLOCK_K} (needs a multiple "
+            "or a power-of-two divisor of it)"
+        )
+    return tile_k
 
 
 def _weight_format(w: torch.Tensor, w_scales: torch.Tensor | None) -> int:
@@ -201,12 +205,14 @@ def invoke_fused_moe_kernel(
         activation: ``None`` (plain GEMM) or a :class:`kernels.moe.activation.SwiGLU` applied in
             the epilogue to gate rows ``[0, N)`` and up rows ``[N, 2N)`` of ``w``.
         block_size_m, block_size_n, block_size_k: tile sizes (powers of two >= 16; N and K tiles
-            are shrunk to the problem when smaller); see `kernels.moe.fused_moe_configs`.
+            are shrunk to the problem when smaller); see `kernels.moe.fused_moe_configs`. A
+            4-bit K tile is at least 32 and holds whole groups or lies in one
+            (:func:`_packed_tile_k`).
         num_warps, num_stages: compiled-Triton launch options (the interpreter ignores them).
 
     Raises:
-        ValueError: ``expert_ids`` does not match ``block_size_m``, or a shape or dtype does
-            not fit.
+        ValueError: ``expert_ids`` does not match ``block_size_m``, a shape or dtype does not
+            fit, or a 4-bit group size fits no K tile (not a multiple of 32 below the tile).
     """
     if expert_ids.numel() * block_size_m != sorted_token_ids.numel():
         raise ValueError(
@@ -225,6 +231,8 @@ def invoke_fused_moe_kernel(
             f"(activation {activation})"
         )
     group_size = k_dim // w_scales.shape[2] if weight_format else k_dim
+    if weight_format and group_size * w_scales.shape[2] != k_dim:
+        raise ValueError(f"scales {tuple(w_scales.shape)} do not split K={k_dim} into equal groups")
     if weight_format == 2 and group_size != MXFP4_BLOCK_SIZE:
         raise ValueError(f"MXFP4 scales {tuple(w_scales.shape)} are not one per 32 of K={k_dim}")
     if bias is not None and tuple(bias.shape) != (w.shape[0], n_w):
@@ -241,6 +249,8 @@ def invoke_fused_moe_kernel(
         alpha = float(activation.alpha) if activation.clamped else 1.0
         limit = float(activation.limit) if activation.limit is not None else 0.0
     tile_n, tile_k = _tile(n, block_size_n), _tile(k_dim, block_size_k)
+    if weight_format:
+        tile_k = _packed_tile_k(tile_k, group_size, k_dim)
     grid = (expert_ids.numel() * triton.cdiv(n, tile_n),)
     fused_moe_kernel[grid](
         a, w, out, scales, zeros, bias_t, topk_weights,
@@ -297,8 +307,11 @@ def _fused_moe(
         "block_size_k": config.BLOCK_SIZE_K, "num_warps": config.num_warps,
         "num_stages": config.num_stages,
     }  # fmt: skip
-    align = moe_align_block_size(topk_ids, block_size_m, w13[0].shape[0])
-    weights = topk_weights.float().contiguous()
+    num_experts = w13[0].shape[0]
+    align = moe_align_block_size(topk_ids, block_size_m, num_experts)
+    weights = topk_weights
+    if weights.dtype != torch.float32 or not weights.is_contiguous():
+        weights = weights.float().contiguous()
     # GEMM1 with the activation in its epilogue: [pairs, I]. Dropped pairs leave garbage rows
     # that GEMM2 never reads (it walks the same sorted ids).
     act = torch.empty(num_pairs, two_inter // 2, dtype=hidden.dtype, device=hidden.device)
@@ -306,12 +319,14 @@ def _fused_moe(
         hidden, w13[0], act, weights, *align, top_k=top_k, mul_routed_weight=False,
         w_scales=w13[1], w_zeros=w13[2], bias=b13, activation=activation, **tiles,
     )  # fmt: skip
-    down = torch.zeros(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    # GEMM2 writes every kept pair's row; dropped pairs' rows stay unwritten, and moe_sum
+    # (one launch) skips them as it adds each token's k rows in fp32.
+    down = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     invoke_fused_moe_kernel(
         act, w2[0], down, weights, *align, top_k=1, mul_routed_weight=True,
         w_scales=w2[1], w_zeros=w2[2], bias=b2, **tiles,
     )  # fmt: skip
-    return down.view(num_tokens, top_k, hidden_size).float().sum(dim=1).to(hidden.dtype)
+    return moe_sum(down.view(num_tokens, top_k, hidden_size), topk_ids, num_experts)
 
 
 def fused_moe(

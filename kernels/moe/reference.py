@@ -85,3 +85,45 @@ def expert_loop(
         start = end
     y *= topk_weights.reshape(-1)[order, None].to(y.dtype)
     return combine_pairs(y, order, num_tokens, top_k)
+
+
+def moe_align_block_size_reference(
+    topk_ids: torch.Tensor, block_size: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`kernels.moe.fused_moe.moe_align_block_size` (same arguments, outputs and
+    contract, arguments unchecked) in plain torch on ``topk_ids``' device: one stable argsort,
+    a scatter-add count and a scatter, vectorised, about 40 small ops. Nothing is read back to
+    the host (no ``.item()``, no ``bincount``, whose CUDA version reads the maximum back).
+
+    Returns:
+        ``sorted_token_ids [max_padded]``, ``expert_ids [max_padded // block_size]``,
+        ``num_tokens_post_padded [1]``, int32.
+    """
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    num_pairs = flat.numel()
+    # kernels.moe.fused_moe.max_num_tokens_padded (that module imports Triton)
+    bound = max(num_pairs + min(num_experts, num_pairs) * (block_size - 1), 1)
+    max_padded = -(-bound // block_size) * block_size
+    valid = (flat >= 0) & (flat < num_experts)
+    keyed = torch.where(valid, flat, num_experts)  # invalid pairs sort last, to a dump slot
+    order = torch.argsort(keyed, stable=True)
+    counts_all = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts_all.scatter_add_(0, keyed, torch.ones_like(keyed))
+    counts = counts_all[:num_experts]
+    padded = (counts + block_size - 1) // block_size * block_size
+    padded_ends = torch.cumsum(padded, 0)
+    sorted_keys = keyed[order]
+    first_of_key = torch.cumsum(counts_all, 0) - counts_all
+    rank_in_expert = torch.arange(num_pairs, device=device) - first_of_key[sorted_keys]
+    # destination of each sorted pair; invalid pairs all go to slot max_padded, cut below
+    starts = torch.cat([padded_ends - padded, padded_ends.new_full((1,), max_padded)])
+    dest = torch.where(sorted_keys < num_experts, starts[sorted_keys] + rank_in_expert, max_padded)
+    buffer = torch.full((max_padded + 1,), num_pairs, dtype=torch.int32, device=device)
+    buffer[dest] = order.to(torch.int32)
+    sorted_token_ids = buffer[:max_padded]
+    block_starts = torch.arange(0, max_padded, block_size, device=device)
+    block_expert = torch.searchsorted(padded_ends, block_starts, right=True)
+    expert_ids = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    total = padded_ends[-1:].to(torch.int32)
+    return sorted_token_ids, expert_ids, total

@@ -18,6 +18,12 @@ device buffer (`step_inputs.StepInputBuffers`, pinned and non-blocking). The ste
 sync is the sampler's read-back of the sampled ids (and logprobs, in the same copy).
 `profile_run` is the forward that `--gpu-memory-utilization` measures (`moe_engine.startup.memory`).
 
+Expert parallelism: every forward of a step (`execute`, `execute_idle`, `profile_run`) starts
+with `Communicator.begin_step(num_tokens)` on the MoE layers' communicator, once per step on
+every rank: the ranks agree there, with one host-side all-reduce, on the step's largest token
+count, which sizes the fixed-capacity all-to-all and picks DeepEP's kernels, so the dispatches
+and combines of the step's layers read nothing back to the host (`comm.step_sync`).
+
 CUDA graphs (`moe_engine.runner.cuda_graphs`): with `scratch_block=True` the cache holds one more
 block (id num_blocks + 1, beyond the pool) for the padding rows of replayed decode graphs;
 after `capture_decode_graphs`, decode-only steps that fit the largest captured size replay a
@@ -31,6 +37,7 @@ from contextlib import contextmanager
 
 import torch
 
+from comm.base import Communicator
 from moe_engine.kv_cache import (
     KVCacheGroup,
     KVCacheManager,
@@ -115,6 +122,8 @@ class ModelRunner:
                 qk_rope_head_dim=spec.qk_rope_head_dim,
             )
         self.kv_groups = kv_groups
+        #: The MoE layers' communicators, each once (`begin_step` at every step).
+        self.communicators = _communicators(model)
         #: The padding rows' KV block (beyond the pool's ids 1..num_blocks), or None.
         self.scratch_block = num_blocks + 1 if scratch_block else None
         #: The captured decode graphs (`capture_decode_graphs`), or None: every step eager.
@@ -159,9 +168,15 @@ class ModelRunner:
         self.mtp_kv_caches = caches[spec.num_layers :]
         #: Proposes MTP drafts after each step (`spec_decode.mtp`), None without MTP layers.
         self.mtp = (
-            MTPDrafter(self.model, self.inputs, self.mtp_kv_caches[0], num_speculative_tokens,
-                       disable_drafts_at)
-            if num_mtp else None
+            MTPDrafter(
+                self.model,
+                self.inputs,
+                self.mtp_kv_caches[0],
+                num_speculative_tokens,
+                disable_drafts_at,
+            )
+            if num_mtp
+            else None
         )
 
     @property
@@ -189,8 +204,14 @@ class ModelRunner:
         Raises:
             ValueError: the runner was made without a scratch block.
         """
-        target = GraphTarget(self.model, self.kv_caches, len(self.kv_groups), self.device,
-                             self.block_size, self.scratch_block)
+        target = GraphTarget(
+            self.model,
+            self.kv_caches,
+            len(self.kv_groups),
+            self.device,
+            self.block_size,
+            self.scratch_block,
+        )
         graphs = DecodeGraphs(target, sizes, max_model_len)
         graphs.capture(capture)
         self.decode_graphs = graphs
@@ -222,6 +243,7 @@ class ModelRunner:
         ]
         sampling = [i for i, s in enumerate(ordered) if s.samples]
         logits_indices = _logits_indices(q_lens, [ordered[i] for i in sampling], sampling)
+        self.begin_step(len(ids))
         graphs = self.decode_graphs
         if graphs is not None and graphs.covers([s.num_tokens for s in ordered]):
             hidden, logits_indices = graphs.run(ids, starts, tables, logits_indices)
@@ -236,7 +258,8 @@ class ModelRunner:
             if self.state_spec is not None:
                 meta.linear = LinearAttentionMetadata.of(
                     [kv.state_slot(s.request.request_id) for s in ordered],
-                    [s.num_tokens for s in ordered], start_list,
+                    [s.num_tokens for s in ordered],
+                    start_list,
                 )
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
         rows = [ordered[i] for i in sampling]
@@ -248,19 +271,28 @@ class ModelRunner:
             else:
                 samples = sample_with_drafts(self.sampler, logits, rows)
         if self.mtp is not None:
-            emitted = {s.request.request_id: t for s, t in zip(rows, samples.token_ids,
-                                                               strict=True)}
+            emitted = {
+                s.request.request_id: t for s, t in zip(rows, samples.token_ids, strict=True)
+            }
             samples.proposals = self.mtp.propose(ordered, hidden, emitted, tables, rows)
         return rows, samples
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, max_num_seqs: int, max_model_len: int) -> None:
-        """One forward at the largest step, for the activation peak (`memory.
-        profile_activation_peak`): `num_tokens` tokens as prefill chunks of at most
-        `max_model_len`, each ending at position max_model_len - 1 (the longest keys), whose
-        block tables hold only the null block; then the logits of min(max_num_seqs,
-        num_tokens) rows and their log-softmax (the sampler's share).
+        """The forwards of the largest steps, for the activation peak (`memory.
+        profile_activation_peak` measures the peak over all of them):
 
+        1. `num_tokens` tokens as prefill chunks of at most `max_model_len`, each ending at
+           position max_model_len - 1 (the longest keys), whose block tables hold only the null
+           block; then the logits of min(max_num_seqs, num_tokens) rows and their log-softmax
+           (the sampler's share);
+        2. the largest decode step, min(max_num_seqs, num_tokens) one-token requests at
+           position max_model_len - 1, and every smaller decode size at which a communicator
+           takes another path with other buffers (`Communicator.profile_token_counts`, e.g.
+           DeepEP's low-latency kernels, whose receive buffer and expert rows a prefill-sized
+           step never allocates); each with its logits and log-softmax.
+
+        Every rank of an expert-parallel group runs the same forwards (`begin_step` first).
         Leaves nothing behind: no KVCacheManager is involved, the null block it wrote is
         zeroed again, the MoE layers' load recorders are detached meanwhile and the
         communicator's counters restored.
@@ -270,22 +302,46 @@ class ModelRunner:
         if num_tokens % chunk:
             chunks.append(num_tokens % chunk)
         chunks.sort(key=lambda n: n > 1)  # a one-token remainder is a decode: first
-        q_lens = torch.tensor(chunks, dtype=torch.int64)
-        starts = max_model_len - q_lens
         width = -(-max_model_len // self.block_size)
-        tables = [[[0] * width for _ in chunks] for _ in self.kv_groups]
-        step = self.inputs.host_inputs([0] * num_tokens, q_lens, starts, tables)
-        logits_indices = torch.arange(min(max_num_seqs, num_tokens), dtype=torch.int64)
+        decode = min(max_num_seqs, num_tokens)
+        sizes = {decode}.union(*(c.profile_token_counts(decode) for c in self.communicators))
         with _quiet_moe_layers(self.model):
-            input_ids, positions, meta, logits_indices = self.inputs.on_device(step, logits_indices)
-            if self.state_spec is not None:  # every chunk on the null slot, zeroed below
-                zeros = [0] * len(chunks)
-                meta.linear = LinearAttentionMetadata.of(zeros, chunks, zeros)
-            hidden = self.model(input_ids, positions, meta, self.kv_caches)
-            self.model.compute_logits(hidden[logits_indices]).log_softmax(dim=-1)
+            self._profile_forward(chunks, max_model_len, width, min(max_num_seqs, num_tokens))
+            for size in sorted(sizes, reverse=True):
+                self._profile_forward([1] * size, max_model_len, width, size)
         for cache in self.kv_caches:
             for t in (cache,) if isinstance(cache, torch.Tensor) else cache:
                 t[0].zero_()  # the null block stays all-zero
+
+    def _profile_forward(
+        self, q_lens: list[int], max_model_len: int, width: int, num_logits: int
+    ) -> None:
+        """One profile forward: requests of `q_lens` tokens ending at max_model_len - 1 on
+        null-block tables `width` blocks wide, then `num_logits` rows of logits and their
+        log-softmax."""
+        lens = torch.tensor(q_lens, dtype=torch.int64)
+        starts = max_model_len - lens
+        tables = [[[0] * width for _ in q_lens] for _ in self.kv_groups]
+        num_tokens = int(lens.sum())
+        if num_tokens == len(q_lens):
+            step = self.inputs.decode_host_inputs([0] * num_tokens, starts.tolist(), tables)
+        else:
+            step = self.inputs.host_inputs([0] * num_tokens, lens, starts, tables)
+        logits_indices = torch.arange(num_logits, dtype=torch.int64)
+        self.begin_step(num_tokens)
+        input_ids, positions, meta, logits_indices = self.inputs.on_device(step, logits_indices)
+        if self.state_spec is not None:  # every request on the null slot, zeroed afterwards
+            zeros = [0] * len(q_lens)
+            meta.linear = LinearAttentionMetadata.of(zeros, q_lens, zeros)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        self.model.compute_logits(hidden[logits_indices]).log_softmax(dim=-1)
+
+    def begin_step(self, num_tokens: int) -> None:
+        """Tell every communicator that a forward of `num_tokens` tokens on this rank follows
+        (`Communicator.begin_step`; under expert parallelism every rank calls it once per
+        step, a rank with nothing to run with 0)."""
+        for communicator in self.communicators:
+            communicator.begin_step(num_tokens)
 
     @torch.inference_mode()
     def execute_idle(self) -> None:
@@ -296,8 +352,10 @@ class ModelRunner:
         spec = self.model.spec
         dtype = self.model.model.embed_tokens.weight.dtype
         empty = torch.empty(0, spec.hidden_size, dtype=dtype, device=self.device)
+        self.begin_step(0)
         for _, moe in self.model.moe_layers():
             moe(empty)
+
 
 def _row_kind(s: ScheduledRequest) -> int:
     """A scheduled request's place in the step's rows: 0 one-token decodes, 1 draft
@@ -324,6 +382,15 @@ def _logits_indices(
     last = torch.repeat_interleave(ends, counts)
     back = torch.repeat_interleave(torch.cumsum(counts, 0), counts) - 1
     return last - (back - torch.arange(len(last)))
+
+
+def _communicators(model: MoeCausalLM) -> list[Communicator]:
+    """The distinct communicators of the model's MoE layers, in layer order (one under expert
+    parallelism: every layer shares the rank's)."""
+    found: dict[int, Communicator] = {}
+    for _, moe in model.moe_layers():
+        found.setdefault(id(moe.communicator), moe.communicator)
+    return list(found.values())
 
 
 @contextmanager

@@ -133,9 +133,8 @@ class FusedMoE(nn.Module):
         self._slots_of: dict[int, list[int]] = {e: [e] for e in range(num_experts)}
         self.quantized: QuantizedExperts | None = None
         self.kernel_backend: str | None = None  # the float experts' backend (bind_kernels)
-        #: Route softmax_topk through the native "router_topk" kernel (bind_kernels).
-        #: Bound by `bind_kernels`: the one-call softmax-top-k (`KernelPlan.router_topk`),
-        #: None: torch's softmax and stable sort.
+        #: Bound by `bind_kernels`: the one-call routing of `routing` (`KernelPlan.
+        #: router_topk`, the torch function's arguments), None: the torch function.
         self.router_kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
         self._packed: BoundExperts | None = None  # its layout; rebuilt after reset_packed
         self._plan: KernelPlan | None = None  # the plan it was bound with
@@ -244,25 +243,24 @@ class FusedMoE(nn.Module):
             return self.gate(hidden)
         router_logits = self.gate(hidden)  # [T, E]
         if self.routing == "topk_softmax":
-            return topk_softmax(router_logits, self.top_k)
-        if self.router_kernel is not None:
-            return self.router_kernel(router_logits, self.top_k, self.renormalize)
-        return softmax_topk(router_logits, self.top_k, self.renormalize)
+            return (self.router_kernel or topk_softmax)(router_logits, self.top_k)
+        return (self.router_kernel or softmax_topk)(router_logits, self.top_k, self.renormalize)
 
     def bind_kernels(self, plan: KernelPlan) -> None:
-        """Take the kernels once: the softmax-top-k routing (`KernelPlan.router_topk`:
-        native-cpu's `kernels.dense.ops.router_softmax_topk`, else torch's softmax and a
-        stable sort), and the experts': `KernelPlan.float_experts` for float experts (the
-        layout is built now: native-cpu packs `kernels.moe.native.PackedExperts`; torch and
-        triton read w13/w2 in place), or the 4-bit experts' own `bind_kernels` with the same
-        plan. Call after loading and quantizing, on the device the weights will stay on;
-        calling again (a new plan, or after reloading weights) rebuilds the layout.
+        """Take the kernels once: the routing (`KernelPlan.router_topk` for `routing`: the
+        fused Triton router, native-cpu's `kernels.dense.ops.router_softmax_topk`, else the
+        torch function; a router module binds its own), and the experts':
+        `KernelPlan.float_experts` for float experts (the layout is built now: native-cpu
+        packs `kernels.moe.native.PackedExperts`; torch and triton read w13/w2 in place), or
+        the 4-bit experts' own `bind_kernels` with the same plan. Call after loading and
+        quantizing, on the device the weights will stay on; calling again (a new plan, or
+        after reloading weights) rebuilds the layout.
 
         Raises:
             ValueError: an unknown backend. RuntimeError: native-cpu with weights off the CPU,
                 or 4-bit experts whose layout cannot be converted (`QuantizedExperts`).
         """
-        self.router_kernel = plan.router_topk(self.gate.weight.device.type)
+        self.router_kernel = plan.router_topk(self.gate.weight.device.type, self.routing)
         if self.quantized is not None:
             # the biases as this module holds them now (`Module.to` replaced their tensors)
             self.quantized.b13, self.quantized.b2 = (

@@ -22,9 +22,15 @@ persistent float32 buffer `e_score_correction_bias` [E]. Each module's forward t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from kernels.plan import KernelPlan
 
 #: `SoftmaxGroupedTopKRouter` selection methods (DeepSeek-V2 config `topk_method`).
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -290,6 +296,17 @@ class _Router(nn.Module):
             nn.Parameter(torch.zeros(num_experts, dtype=dtype), requires_grad=False)
             if bias else None
         )
+        #: Bound by `bind_kernels`: the rule's one-call kernel (the torch function's
+        #: arguments), None: the torch function.
+        self.kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    #: The name of this router's rule in `KernelPlan.router_topk` (its torch function's).
+    ROUTING = ""
+
+    def bind_kernels(self, plan: KernelPlan) -> None:
+        """Take the one-call routing of this rule (`KernelPlan.router_topk`), or None: the
+        torch function."""
+        self.kernel = plan.router_topk(self.weight.device.type, self.ROUTING)
 
     @property
     def in_features(self) -> int:
@@ -313,6 +330,8 @@ class SoftmaxTopKRouter(_Router):
         ValueError: top_k outside [1, E].
     """
 
+    ROUTING = "softmax_topk"
+
     def __init__(
         self,
         hidden_size: int,
@@ -327,7 +346,8 @@ class SoftmaxTopKRouter(_Router):
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, H] -> topk_weights [T, k] float32, topk_ids [T, k] int32."""
-        return softmax_topk(self.router_logits(hidden), self.top_k, self.norm_topk_prob)
+        route = self.kernel or softmax_topk
+        return route(self.router_logits(hidden), self.top_k, self.norm_topk_prob)
 
 
 class SigmoidGroupedTopKRouter(_Router):
@@ -345,6 +365,8 @@ class SigmoidGroupedTopKRouter(_Router):
     Raises:
         ValueError: see `check_sigmoid_group_limits`.
     """
+
+    ROUTING = "sigmoid_grouped_topk"
 
     def __init__(
         self,
@@ -368,7 +390,7 @@ class SigmoidGroupedTopKRouter(_Router):
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, H] -> topk_weights [T, k] float32, topk_ids [T, k] int32."""
-        return sigmoid_grouped_topk(
+        return (self.kernel or sigmoid_grouped_topk)(
             self.router_logits(hidden), self.top_k, self.e_score_correction_bias,
             self.n_group, self.topk_group, self.norm_topk_prob, self.routed_scaling_factor,
         )
@@ -386,6 +408,8 @@ class SoftmaxGroupedTopKRouter(_Router):
     Raises:
         ValueError: an unknown topk_method, or group limits `check_group_limits` refuses.
     """
+
+    ROUTING = "softmax_grouped_topk"
 
     def __init__(
         self,
@@ -405,7 +429,7 @@ class SoftmaxGroupedTopKRouter(_Router):
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, H] -> topk_weights [T, k] float32, topk_ids [T, k] int32."""
-        return softmax_grouped_topk(
+        return (self.kernel or softmax_grouped_topk)(
             self.router_logits(hidden), self.top_k, self.topk_method, self.n_group,
             self.topk_group, self.routed_scaling_factor,
         )

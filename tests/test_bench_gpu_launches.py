@@ -1,0 +1,41 @@
+"""bench/gpu_launches.py: the launch counter itself, and the MoE block's launches on the CUDA
+code path (issue 42: align, router and the sum tail one kernel each)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from bench_loader import load_bench
+
+launches = load_bench("gpu_launches")
+
+
+def test_views_allocations_and_no_op_casts_are_not_launches() -> None:
+    counter = launches.LaunchCounter()
+    with counter:
+        x = torch.zeros(4)  # a fill kernel on CUDA
+        y = x.view(2, 2).t().unsqueeze(0).expand(3, 2, 2)  # views
+        torch.empty(8)  # the caching allocator, no kernel
+        y.float().contiguous()  # already float32; expanded, so contiguous() copies: a launch
+        x.add_(1)
+        x.to(torch.float64)  # a real cast
+    assert [launch.op for launch in counter.launches] == ["zeros", "clone", "add_", "_to_copy"]
+
+
+@pytest.mark.slow
+def test_qwen3_moe_block_is_one_kernel_per_step_of_the_pipeline(tmp_path) -> None:
+    """One decode step of 2 requests: per MoE layer the router is its linear and one fused
+    top-k, the alignment one kernel, the experts the two grouped GEMMs and moe_sum."""
+    ckpt = launches.make_checkpoint("qwen3_moe", tmp_path)
+    counter = launches.count_decode_step(ckpt, 2)
+    layers = launches.per_layer(counter)
+    assert [lc.moe for lc in layers] == [True, True]
+    for lc in layers:
+        assert (lc.parts["router"], lc.parts["align"], lc.parts["experts"]) == (2, 1, 3), lc
+    ops = {(x.part, x.op) for x in counter.launches if x.layer == 1}
+    assert {
+        ("align", "triton:moe_align_block_size_kernel"),
+        ("router", "triton:router_topk_kernel"),
+        ("experts", "triton:moe_sum_kernel"),
+        ("attention", "triton:paged_attention_kernel"),
+    } <= ops
