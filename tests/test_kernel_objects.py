@@ -173,9 +173,8 @@ def test_triton_small_ops_are_the_triton_kernels_and_declare_their_fallbacks() -
 
 
 def test_layers_bind_the_triton_small_ops() -> None:
-    """RMSNorm and the attention prologues take the triton kernels from the plan (the
-    norm's fused residual add too), and a bound norm's `forward_add` equals the add then the
-    torch norm."""
+    """RMSNorm takes the triton kernels from the plan (its fused residual add too), and a
+    bound norm called with a residual equals the add, then the torch norm."""
     from kernels.dense import triton_norm
     from moe_engine.models.layers.norm import RMSNorm
 
@@ -186,7 +185,7 @@ def test_layers_bind_the_triton_small_ops() -> None:
     assert norm.add_kernel is triton_norm.fused_add_rms_norm
     g = torch.Generator().manual_seed(5)
     x, residual = torch.randn(3, 24, generator=g), torch.randn(3, 24, generator=g)
-    normed, new_residual = norm.forward_add(x, residual)
+    normed, new_residual = norm(x, residual)
     assert torch.equal(new_residual, residual + x)
     torch.testing.assert_close(normed, RMSNorm(24, 1e-6)(residual + x), rtol=2e-6, atol=2e-6)
 

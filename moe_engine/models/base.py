@@ -255,7 +255,7 @@ class MoeCausalLM(nn.Module):
             step.record_routing()
         if residual is None:
             return self.model.norm(h)
-        return self.model.norm.forward_add(h, residual)[0]
+        return self.model.norm(h, residual)[0]
 
     def attach_timer(self, timer: PhaseTimer) -> None:
         """Time attention and the MoE blocks' phases of every layer into `timer`."""

@@ -244,7 +244,7 @@ class DecoderLayer(nn.Module):
         step: DecodeInputs | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer on the residual stream h + residual (residual None: h alone), with each
-        residual add fused into the norm after it (`RMSNorm.forward_add`; vLLM's decoder
+        residual add fused into the norm after it (`RMSNorm(x, residual)`; vLLM's decoder
         layers): the stream's next value is x + residual' for the returned (x, residual').
 
         Args:
@@ -271,9 +271,9 @@ class DecoderLayer(nn.Module):
             if residual is None:
                 x, residual = self.input_layernorm(h), h
             else:
-                x, residual = self.input_layernorm.forward_add(h, residual)
+                x, residual = self.input_layernorm(h, residual)
             x = self.self_attn(x, positions, meta, kv_cache)
-        x, residual = self.post_attention_layernorm.forward_add(x, residual)
+        x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
 

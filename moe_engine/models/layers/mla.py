@@ -145,6 +145,8 @@ class MLAAttention(KVCacheLayer):
                 and not norm.weight_in_float32
                 and norm.weight.dtype == self.kv_a_proj_with_mqa.weight.dtype)
         self.prologue = plan.mla_rope_prologue() if fits else None
+        if self.absorb and not self.kv_b_proj.weight.is_meta:  # bound after loading: split
+            self.process_weights_after_loading()  # W_UK/W_UV now, not in the first decode step
 
     @property
     def cache_kind(self) -> str:
@@ -158,8 +160,8 @@ class MLAAttention(KVCacheLayer):
     def process_weights_after_loading(self) -> None:
         """Split kv_b_proj's weight [n x (nope + v), r] into W_UK [n, nope, r] and W_UV
         [n, r, v] for absorbed decode (vLLM `MLACommonImpl.process_weights_after_loading`).
-        Called by the first absorbed decode when not called before, and again whenever the
-        weight was replaced or changed in place since (a reload never serves stale weights)."""
+        Called at bind time (after loading) and by an absorbed decode whenever the weight was
+        replaced or changed in place since (a reload never serves stale weights)."""
         weight = self.kv_b_proj.weight.detach()
         w = weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
         self._w_uk = w[:, : self.qk_nope_head_dim].contiguous()

@@ -45,32 +45,21 @@ class RMSNorm(nn.Module):
         self.kernel = plan.rms_norm(self.weight)
         self.add_kernel = plan.add_rms_norm(self.weight)
 
-    def forward_add(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pre-norm block's residual add and the norm after it: residual' = x + residual
-        (x's dtype, as torch's add rounds), returns (norm(residual'), residual').
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: [..., dim] any float dtype -> same shape and dtype; or, with `residual` (the
+        pre-norm block's residual add fused into its norm, vLLM's `RMSNorm(x, residual)`):
+        residual' = x + residual (x's dtype, as torch's add rounds), returns (norm(residual'),
+        residual').
 
-        Args:
-            x: [T, dim] a sublayer's output; residual: [T, dim] the stream, x's dtype.
-
-        Bound to a fused kernel (`kernels.dense.triton_norm.fused_add_rms_norm`), one launch
-        where it fits as `forward`'s kernel does; else the add and `forward`.
+        Bound to fused kernels, inputs of the weight's dtype and up to 3 dimensions go through
+        them (`kernels.dense.ops.rms_norm`, `kernels.dense.triton_norm`: same rounding), one
+        call instead of six torch ops (the add included, where `KernelPlan.add_rms_norm` gave
+        one).
         """
-        kernel = self.add_kernel
-        if kernel is not None and x.dim() <= 3 and x.dtype == self.weight.dtype == (
-            residual.dtype
-        ) and x.stride(-1) == 1 and residual.stride(-1) == 1 and x.shape == residual.shape:
-            return kernel(x, residual, self.weight, self.eps, self.weight_in_float32)
-        residual = residual + x
-        return self(residual), residual
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., dim] any float dtype -> same shape and dtype.
-
-        Bound to a fused kernel, inputs of the weight's dtype and up to 3 dimensions go through
-        it (`kernels.dense.ops.rms_norm`, same rounding), one call instead of six torch ops.
-        """
+        if residual is not None:
+            return self._add_norm(x, residual)
         kernel = self.kernel
         if kernel is not None and x.dim() <= 3 and x.dtype == self.weight.dtype and (
             x.stride(-1) == 1
@@ -81,6 +70,17 @@ class RMSNorm(nn.Module):
         if self.weight_in_float32:
             return (self.weight.float() * h).to(dtype)
         return self.weight * h.to(dtype)
+
+    def _add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        kernel = self.add_kernel
+        if kernel is not None and x.dim() <= 3 and x.dtype == self.weight.dtype == (
+            residual.dtype
+        ) and x.stride(-1) == 1 and residual.stride(-1) == 1 and x.shape == residual.shape:
+            return kernel(x, residual, self.weight, self.eps, self.weight_in_float32)
+        residual = residual + x
+        return self.forward(residual), residual
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -97,17 +97,15 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., dim] -> same shape and dtype."""
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: [..., dim] -> same shape and dtype; with `residual`: residual' = x + residual,
+        returns (norm(residual'), residual') (as `RMSNorm`, no fused kernel)."""
+        if residual is not None:
+            residual = residual + x
+            return self.forward(residual), residual
         return (_normalized(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
-
-    def forward_add(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """residual' = x + residual, returns (norm(residual'), residual') (`RMSNorm.forward_add`
-        without a fused kernel)."""
-        residual = residual + x
-        return self(residual), residual
 
 
 class GatedRMSNorm(nn.Module):
