@@ -292,6 +292,12 @@ class KernelPlan:
         return [f"{op}={self.backend(op)}" for op in dict.fromkeys(ops)
                 if self.backend(op) != TRITON]
 
+    def compiled_on_launch(self, ops: Iterable[str]) -> list[str]:
+        """Those of `ops` whose kernel is compiled at its first launch per variant (Triton's
+        JIT): what a startup warm-up compiles before the first request
+        (`moe_engine.runner.warmup`)."""
+        return [op for op in dict.fromkeys(ops) if self.backend(op) == TRITON]
+
     @classmethod
     def uniform(cls, backend: str, device: str = "cpu") -> KernelPlan:
         """Every op on `backend` where it implements it, torch elsewhere; nothing is probed

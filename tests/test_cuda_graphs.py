@@ -112,9 +112,11 @@ def _caches(engine: EngineCore) -> list[torch.Tensor]:
 def test_graph_path_matches_eager_and_transformers(ckpt_name, request, caplog) -> None:
     ckpt = request.getfixturevalue(ckpt_name)
     expected = [hf_greedy(ckpt, [p], n)[0] for p, n in zip(_prompts(), MAX_TOKENS, strict=True)]
+    # --enforce-eager with the same capture step: what a user compares on a GPU
     with caplog.at_level(logging.INFO, logger="moe_engine.core.build"):
-        eager = _engine(ckpt, num_blocks=NUM_BLOCKS[ckpt_name])
-    assert "CUDA graphs: off (cpu)" in caplog.text
+        eager = _engine(ckpt, EagerReplayCapture(), num_blocks=NUM_BLOCKS[ckpt_name],
+                        enforce_eager=True)  # fmt: skip
+    assert "CUDA graphs: off (--enforce-eager)" in caplog.text
     assert eager.runner.decode_graphs is None and eager.runner.scratch_block is None
     eager_ids, _ = _generate(eager)
     with caplog.at_level(logging.INFO, logger="moe_engine.core.build"):
@@ -241,3 +243,30 @@ def test_cuda_graphs_capture_and_match_eager(qwen3_ckpt, caplog) -> None:
     assert engine.get_expert_load().counts == eager.get_expert_load().counts
     for cache in _caches(engine):
         assert not cache[0].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_cuda_startup_sizes_the_graph_pool_and_compiles_first(qwen3_ckpt, caplog) -> None:
+    """KV cache sized by --gpu-memory-utilization: the plan holds the decode graphs' pool
+    (estimated before the KV cache), the capture took no more than that, the Triton warm-up
+    ran before it, and greedy ids equal --enforce-eager's (whose plan has no pool)."""
+
+    def engine(**kw):
+        config = EngineConfig(
+            model=ModelConfig(model=str(qwen3_ckpt), max_model_len=64),
+            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+            kernel_backend="triton", device=DeviceConfig("cuda", gpu_memory_utilization=0.3, **kw),
+        )  # fmt: skip
+        return build_engine_core(config)
+
+    with caplog.at_level(logging.INFO):
+        graphs = engine()
+    assert graphs.plan.graph_pool_bytes > 0
+    assert "(estimated: a decode step of 8 requests)" in graphs.plan.describe()
+    assert "Triton warm-up: compiled" in caplog.text
+    assert "of the" in caplog.text and "the plan left for them" in caplog.text
+    eager = engine(enforce_eager=True)
+    assert eager.plan.graph_pool_bytes == 0 and "(off: --enforce-eager)" in eager.plan.describe()
+    got, _ = _generate(graphs)
+    assert got == _generate(eager)[0]

@@ -26,7 +26,7 @@ from moe_engine.instrumentation import ExpertLoadRecorder
 from moe_engine.kv_cache import KVCacheManager
 from moe_engine.kv_cache.state import StateSlotPool
 from moe_engine.models import resolve_quant_config
-from moe_engine.models.build import BuiltModel, build_model, sizes_kv_on_device
+from moe_engine.models.build import BuiltModel, build_model, ops_used, sizes_kv_on_device
 from moe_engine.phase_timer import PhaseTimer
 from moe_engine.runner.cuda_graphs import (
     CudaGraphCapture,
@@ -37,6 +37,13 @@ from moe_engine.runner.cuda_graphs import (
 from moe_engine.runner.model_runner import ModelRunner
 from moe_engine.runner.sampler import Sampler
 from moe_engine.runner.spec_decode.drafter import Drafter
+from moe_engine.runner.warmup import (
+    dummy_steps,
+    mla_decode_splits,
+    paged_decode_splits,
+    warm_up,
+    warm_up_skip_reason,
+)
 from moe_engine.scheduler import Scheduler
 from moe_engine.skew.trace import PeriodicTraceWriter
 from moe_engine.startup.config import EngineConfig
@@ -84,12 +91,18 @@ def build_engine_core(
     built = build_model(config, rank_context, progress, device, device_memory)
     spec, model_dir = built.spec, config.model.model
     kv_groups = kv_groups_of(built, config.cache.block_size)
+    ep_size = rank_context.ep_size if rank_context is not None else 1
+    capture = graph_capture or CudaGraphCapture()
+    graphs_off = _graphs_off(config, built, kv_groups, device, ep_size, capture)
     if sizes_kv_on_device(config, device):  # before the recorder and timer attach
         progress("profiling activation memory", str(device), None)
-        built.plan = plan_kv_on_device(config, built, kv_groups, device)
+        sched = config.scheduler
+        top = capture_sizes(sched.max_num_seqs, sched.max_num_batched_tokens)[-1]
+        built.plan = plan_kv_on_device(
+            config, built, kv_groups, device, None if graphs_off else top, graphs_off or ""
+        )
     plan = built.plan = agree_on_blocks(built.plan, rank_context)
     built.max_model_len = plan.max_model_len
-    ep_size = rank_context.ep_size if rank_context is not None else 1
     timer, expert_load, trace = _instruments(config, built, rank_context, device)
     progress("loading the tokenizer", "", None)
     tokenizer = load_tokenizer(model_dir)
@@ -104,8 +117,7 @@ def build_engine_core(
     scheduler = Scheduler(config.scheduler, kv, config.speculative.num_lookahead_tokens)
     sampler = Sampler(config.model.seed, config.scheduler.max_num_seqs)
     structured_output = StructuredOutputManager(tokenizer, spec.vocab_size, eos_token_ids)
-    capture = graph_capture or CudaGraphCapture()
-    runner = _runner(config, built, kv_groups, sampler, device, timer, ep_size, capture,
+    runner = _runner(config, built, kv_groups, sampler, device, timer, capture, graphs_off,
                      progress)
     if config.scheduler.stream_interval > 1:
         logger.info("stream interval: a request's tokens are sent every %d tokens (the first "
@@ -174,25 +186,34 @@ def _instruments(
     return timer, expert_load, trace
 
 
+def _graphs_off(
+    config: EngineConfig, built: BuiltModel, kv_groups: list, device: torch.device,
+    ep_size: int, capture: GraphCapture,
+) -> str | None:
+    """Why decode steps run without graphs (`graphs_off_reason`), None when they are
+    captured: decided before the KV cache is sized, which leaves room for their pool."""
+    return graphs_off_reason(
+        device, enforce_eager=config.device.enforce_eager, kernels=built.kernels,
+        kv_kinds=[g.spec.kind for g in kv_groups]
+        + (["linear_attention"] if built.plan.num_state_slots else []),
+        quant_method=config.quant.method,
+        ep_size=ep_size, capture_devices=capture.device_types,
+    )  # fmt: skip
+
+
 def _runner(
     config: EngineConfig, built: BuiltModel, kv_groups: list, sampler: Sampler,
-    device: torch.device, timer: PhaseTimer, ep_size: int, capture: GraphCapture,
+    device: torch.device, timer: PhaseTimer, capture: GraphCapture, graphs_off: str | None,
     progress: StartupProgressFn,
 ) -> ModelRunner:
-    """The model runner over the KV cache groups, its step inputs reserved and its decode
-    graphs captured when they apply (`graphs_off_reason`, logged).
+    """The model runner over the KV cache groups, its step inputs reserved, its Triton
+    kernels compiled (`_warm_up_kernels`) and its decode graphs captured unless `graphs_off`
+    says why not (logged).
 
     Raises:
         StartupError: a graph capture failed.
     """
     plan = built.plan
-    graphs_off = graphs_off_reason(
-        device, enforce_eager=config.device.enforce_eager, kernels=built.kernels,
-        kv_kinds=[g.spec.kind for g in kv_groups]
-        + (["linear_attention"] if plan.num_state_slots else []),
-        quant_method=config.quant.method,
-        ep_size=ep_size, capture_devices=capture.device_types,
-    )  # fmt: skip
     runner = ModelRunner(
         built.model,
         plan.num_blocks,
@@ -208,8 +229,58 @@ def _runner(
     )
     sched = config.scheduler
     runner.reserve_inputs(sched.max_num_batched_tokens, sched.max_num_seqs, built.max_model_len)
+    _warm_up_kernels(config, built, runner, device, progress)
+    timer.reset()
     _capture_graphs(config, runner, timer, built.max_model_len, graphs_off, capture, progress)
+    if runner.decode_graphs is not None and plan.graph_pool_bytes:
+        _check_graph_pool(runner.decode_graphs.memory_bytes, plan.graph_pool_bytes)
     return runner
+
+
+def _check_graph_pool(took: int, estimate: int) -> None:
+    """Log the decode graphs' memory against the plan's estimate (`memory.
+    graph_pool_estimate`); warn when they took more than the KV budget left room for."""
+    if took <= estimate:
+        logger.info("CUDA graphs took %.0f MiB of the %.0f MiB the plan left for them",
+                    took / 2**20, estimate / 2**20)
+        return
+    logger.warning(
+        "CUDA graphs took %.0f MiB, %.0f MiB more than the plan's estimate: the engine uses "
+        "that much beyond --gpu-memory-utilization (lower it, or pass --enforce-eager)",
+        took / 2**20, (took - estimate) / 2**20,
+    )  # fmt: skip
+
+
+def _warm_up_kernels(
+    config: EngineConfig, built: BuiltModel, runner: ModelRunner, device: torch.device,
+    progress: StartupProgressFn,
+) -> None:
+    """Compile every Triton kernel variant a step can launch before the first request
+    (`runner.warmup`): dummy forwards on the null KV block, after the profile run and before
+    graph capture; skipped (logged at debug) off CUDA, without Triton ops or under Triton's
+    interpreter."""
+    spec, sched = built.spec, config.scheduler
+    mla = bool(spec.kv_lora_rank)
+    skip = warm_up_skip_reason(device, built.kernels, ops_used(config, mla))
+    if skip is not None:
+        logger.debug("Triton warm-up: off (%s)", skip)
+        return
+    decode_op = "mla_decode" if mla else "attention_decode"
+    splits_of = None
+    if built.kernels.compiled_on_launch([decode_op]):
+        splits_of = mla_decode_splits(spec.num_heads) if mla else paged_decode_splits(
+            spec.num_kv_heads
+        )
+    steps = dummy_steps(
+        max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
+        max_model_len=built.max_model_len, block_size=config.cache.block_size,
+        splits_of=splits_of,
+    )  # fmt: skip
+    progress("compiling Triton kernels", f"{len(steps)} dummy steps", None)
+    warm_up(
+        lambda s: runner.dummy_run(s.q_lens, s.context_len, min(sched.max_num_seqs, len(s.q_lens))),
+        steps,
+    )
 
 
 def eos_token_ids_of(model_dir: str, hf_config) -> frozenset[int]:

@@ -21,6 +21,7 @@ from moe_engine.runner.sampler import Sampler
 from moe_engine.startup.config import EngineConfig
 from moe_engine.startup.memory import (
     cuda_device_memory,
+    graph_pool_estimate,
     kv_plan_after_profile,
     profile_activation_peak,
 )
@@ -60,11 +61,22 @@ def kv_groups_of(built: BuiltModel, block_size: int) -> list[KVCacheGroup]:
 
 
 def plan_kv_on_device(
-    config: EngineConfig, built: BuiltModel, kv_groups: list[KVCacheGroup], device: torch.device
+    config: EngineConfig,
+    built: BuiltModel,
+    kv_groups: list[KVCacheGroup],
+    device: torch.device,
+    graph_batch: int | None = None,
+    graphs_off: str = "no CUDA graphs",
 ) -> Plan:
     """The plan with KV blocks sized by --gpu-memory-utilization: weights as allocated, the
     activation peak of one profile forward at max_num_batched_tokens (on a runner whose cache
-    is the null block only, dropped afterwards), then the device's memory.
+    is the null block only, dropped afterwards), the decode graphs' pool (`memory.
+    graph_pool_estimate`: the peak of a decode forward of `graph_batch` requests over
+    max_model_len keys, when graphs will be captured), then the device's memory.
+
+    Args:
+        graph_batch: the largest decode batch to capture (`cuda_graphs.capture_sizes`); None
+            when graphs are off, for the reason `graphs_off` (printed in the plan).
 
     Raises:
         StartupError: one max_model_len request does not fit (`memory.size_kv_cache`).
@@ -78,6 +90,13 @@ def plan_kv_on_device(
     def run() -> None:
         probe.profile_run(sched.max_num_batched_tokens, sched.max_num_seqs, built.max_model_len)
 
+    def decode() -> None:
+        probe.dummy_run([1] * graph_batch, built.max_model_len, graph_batch)
+
+    pool, note = None, f"off: {graphs_off}"
+    if graph_batch is not None:
+        pool = lambda: graph_pool_estimate(profile_activation_peak(decode, device))  # noqa: E731
+        note = f"estimated: a decode step of {graph_batch} requests"
     plan = kv_plan_after_profile(
         built.plan,
         utilization=config.device.gpu_memory_utilization,
@@ -85,6 +104,8 @@ def plan_kv_on_device(
         weight_bytes=weight_bytes,
         profile=lambda: profile_activation_peak(run, device),
         memory=lambda: cuda_device_memory(device),
+        graph_pool=pool,
+        graph_note=note,
     )
     logger.info("startup plan (KV cache sized on %s):\n%s", device, plan.describe())
     return plan

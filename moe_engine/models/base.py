@@ -19,7 +19,7 @@ The subclass states, as class attributes and hooks:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import ClassVar
 
 import torch
@@ -285,15 +285,20 @@ class MoeCausalLM(nn.Module):
         True for everything else."""
         return self._weight_loader().wants(name)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        on_experts_loaded: Callable[[FusedMoE], None] | None = None,
+    ) -> set[str]:
         """Copy checkpoint tensors into the parameters through `weight_mapping`; returns the
-        pieces filled (names as in `expected_weight_names`).
+        pieces filled (names as in `expected_weight_names`). `on_experts_loaded` is called
+        with each MoE block once its local float experts are all in (`WeightLoader`).
 
         Raises:
             ValueError: an unexpected tensor name or a shape mismatch (names both shapes).
         """
         try:
-            return WeightLoader(self).load(weights)
+            return WeightLoader(self, on_experts_loaded).load(weights)
         finally:  # it holds the parameters as they were: the float experts a 4-bit block drops
             self.__dict__.pop("_wants_loader", None)
 

@@ -23,7 +23,9 @@ from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.dense_quant import quantize_dense_layers
 from moe_engine.models.hf_config import load_hf_config
 from moe_engine.models.kernel_binding import bind_kernels, model_facts, plan_kernels
+from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.loader import load_model, no_random_init
+from moe_engine.models.materialize import materialize, on_meta
 from moe_engine.models.spec import ArchSpec
 from moe_engine.startup.config import EngineConfig, read_config_json
 from moe_engine.startup.env import compute_dtype
@@ -108,17 +110,22 @@ def build_model(
     device: torch.device | None = None,
     device_memory: DeviceMemory | None = None,
 ) -> BuiltModel:
-    """Plan, build, shard, load and quantize one rank's model, then place it on `device`.
+    """Plan, build, shard, load and quantize one rank's model on `device`.
 
-    Weights are loaded (and quantized) into host memory tensor by tensor, then the model moves
-    to the device parameter by parameter (`Module.to`), so neither side ever holds two copies.
+    The modules are built on the meta device and given storage on `device` directly
+    (`models.materialize`); each checkpoint tensor is read, moved to `device`, converted and
+    copied into its parameter, and with --quantization each layer's experts are quantized as
+    soon as they are complete (`quantize_complete_layer`). The host holds about one tensor
+    (plus the memory map's window) at a time, not the model; the device holds the model plus
+    at most one layer of float experts.
 
     Args:
         config: the engine configuration, its QuantConfig already resolved against config.json
             (`quant_config.resolve_quant_config`).
         rank_context: under expert parallelism, this rank's experts and communicator.
-        progress: told the phases "planning memory", "loading weights" and (when experts are
-            quantized at load) "quantizing experts".
+        progress: told the phases "planning memory", "loading weights" (float experts are
+            quantized layer by layer meanwhile) and (when experts are quantized at load)
+            "quantizing experts" (the rest: dense layers, checks).
         device: where the weights go (default CPU; `kernels.registry.resolve_device`).
         device_memory: the CUDA device's memory before loading (`memory.cuda_device_memory`);
             when the KV cache is sized on the device (`sizes_kv_on_device`), weights that
@@ -178,13 +185,8 @@ def build_model(
     if device.type != "cpu":
         plan = replace(plan, host=None)
     plan = _check_plan(plan, config, device, device_memory, max_model_len, kernels)
-    with no_random_init():  # load_model fills every parameter (and refuses a missing one)
-        model = model_cls(spec, dtype, max_position=max_model_len).eval()
-    if rank_context is not None:
-        for _, moe in model.moe_layers():
-            moe.shard_experts(
-                rank_context.local_experts, rank_context.communicator, rank_context.rank
-            )
+    model = build_on_meta(model_cls, spec, dtype, max_model_len, rank_context)
+    materialize(model, device)
     progress("loading weights", model_dir, None)
     checkpoint_quant = _checkpoint_quant(config)
     if isinstance(checkpoint_quant, Fp8BlockConfig):
@@ -196,13 +198,11 @@ def build_model(
             f", then the routed experts quantized to {config.quant.method}"
             if config.quant.method != "none" else "",
         )
-    load_model(model, model_dir, weight_dtype, checkpoint_quant)
+    load_model(model, model_dir, weight_dtype, checkpoint_quant, device=device,
+               on_experts_loaded=lambda moe: quantize_complete_layer(moe, config))
     if config.quant.method != "none":
         progress("quantizing experts", config.quant.method, None)
     quantize_experts(model, config)
-    if device.type != "cpu":
-        progress("moving weights to the device", str(device), None)
-        model.to(device)
     bind_kernels(model, kernels)
     if device.type == "cpu":
         release_free_heap()  # the load's and the packing's temporaries
@@ -210,6 +210,43 @@ def build_model(
         model, spec, architecture, hf_config, plan, attention_groups, max_model_len,
         weight_dtype, dtype, kernels,
     )
+
+
+def build_on_meta(
+    model_cls: type[MoeCausalLM],
+    spec: ArchSpec,
+    dtype: torch.dtype,
+    max_model_len: int,
+    rank_context: RankContext | None,
+) -> MoeCausalLM:
+    """The model's modules on the meta device (no storage; `models.materialize`), its
+    experts sharded to this rank's slots (`FusedMoE.shard_experts`) there too."""
+    with on_meta(), no_random_init():
+        model = model_cls(spec, dtype, max_position=max_model_len).eval()
+        if rank_context is not None:
+            for _, moe in model.moe_layers():
+                moe.shard_experts(
+                    rank_context.local_experts, rank_context.communicator, rank_context.rank
+                )
+    return model
+
+
+def quantize_complete_layer(moe: FusedMoE, config: EngineConfig) -> None:
+    """Quantize one MoE block's float experts as soon as the loader has them all
+    (`WeightLoader.on_experts_loaded`), when --quantization asks for it and the checkpoint
+    stores them in float: the float stacks are dropped before the next layer's arrive.
+
+    Raises:
+        StartupError: a group size that does not divide the dimension it groups.
+    """
+    method = config.quant.method
+    if method == "none" or config.quant.checkpoint_format is not None:
+        return
+    scale_dtype = getattr(torch, config.quant.scale_dtype or "float32")
+    try:
+        moe.quantize(method, config.quant.group_size, scale_dtype)
+    except ValueError as e:
+        raise StartupError(f"--quantization {method}: {e}") from e
 
 
 def ranks_on_host(config: EngineConfig) -> int:
@@ -378,11 +415,9 @@ def quantize_experts(model: MoeCausalLM, config: EngineConfig) -> None:
             quantize_dense_layers(model, method, config.quant.group_size, scale_dtype)
         return
     experts = [moe for _, moe in model.moe_layers()]
-    try:
-        for moe in experts:
-            moe.quantize(method, config.quant.group_size, scale_dtype)
-    except ValueError as e:
-        raise StartupError(f"--quantization {method}: {e}") from e
+    for moe in experts:  # those the loader did not quantize as they completed
+        if moe.quantized is None:
+            quantize_complete_layer(moe, config)
     nbytes = sum(m.quantized.nbytes for m in experts)
     logger.info("experts quantized to %s: %.1f MiB", method, nbytes / 2**20)
     if config.quant.layers == "all":

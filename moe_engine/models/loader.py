@@ -18,6 +18,8 @@ from tqdm import tqdm
 
 from moe_engine.errors import StartupError
 from moe_engine.models import MoeCausalLM
+from moe_engine.models.layers.moe import FusedMoE
+from moe_engine.models.materialize import check_materialized
 from quant.compressed_tensors import CompressedTensorsConfig, assemble_pack_quantized
 from quant.fp8 import Fp8BlockConfig, dequantize_fp8_weights, is_float8
 
@@ -204,13 +206,32 @@ def _leave_as_allocated(tensor: torch.Tensor, *args: object, **kwargs: object) -
     return tensor
 
 
+def to_device(
+    weights: Iterable[tuple[str, torch.Tensor]], device: torch.device | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor of a weight stream moved to `device` as it comes (None, or the device it
+    is on: as it is, no copy), so that every later step (FP8 dequantization, casts, 4-bit
+    assembly, the copy into the parameter) runs there and the host holds one tensor."""
+    for name, tensor in weights:
+        if device is not None and isinstance(tensor, torch.Tensor):
+            tensor = tensor.to(device)
+        yield name, tensor
+
+
 def load_model(
     model: MoeCausalLM,
     model_dir: str | Path,
     dtype: torch.dtype,
     checkpoint_quant: CompressedTensorsConfig | Fp8BlockConfig | None = None,
+    *,
+    device: torch.device | None = None,
+    on_experts_loaded: Callable[[FusedMoE], None] | None = None,
 ) -> None:
-    """Fill every parameter of `model` from the checkpoint.
+    """Fill every parameter of `model` from the checkpoint, one tensor at a time.
+
+    For a model built on the meta device (`models.materialize`): its parameters already
+    have (uninitialised) storage on `device`, except the float expert stacks, allocated when
+    their first tensor arrives; afterwards no tensor may be left on meta.
 
     Args:
         checkpoint_quant: config.json's quantization config when the checkpoint stores
@@ -219,18 +240,22 @@ def load_model(
             `dtype` like every floating tensor (as vLLM loads them in the model dtype). FP8
             block-quantized: every float8 weight is paired with its scale_inv before any cast
             and dequantized to `dtype` (`quant.fp8.dequantize_fp8_weights`).
+        device: where each tensor goes as it is read (None: left where it is read, the CPU).
+        on_experts_loaded: called with each MoE block once all its local float experts are
+            in (`WeightLoader`), e.g. to quantize them before the next layer's arrive.
 
     Raises:
-        StartupError: a parameter the checkpoint does not provide, or a tensor that does not fit.
+        StartupError: a parameter the checkpoint does not provide (named), a tensor that does
+            not fit, or a tensor of the model left without values (`check_materialized`).
     """
     try:
-        weights = iterate_weights(model_dir, None, wants=model.wants_weight)
+        weights = to_device(iterate_weights(model_dir, None, wants=model.wants_weight), device)
         if isinstance(checkpoint_quant, Fp8BlockConfig):
             weights = dequantize_fp8_weights(weights, checkpoint_quant, dtype)
         weights = cast_floating(weights, dtype, model.float32_weight_names())
         if isinstance(checkpoint_quant, CompressedTensorsConfig):
             weights = assemble_pack_quantized(weights, checkpoint_quant)
-        loaded = model.load_weights(weights)
+        loaded = model.load_weights(weights, on_experts_loaded=on_experts_loaded)
     except ValueError as e:
         raise StartupError(str(e)) from e
     missing = sorted(model.expected_weight_names() - loaded)
@@ -239,4 +264,5 @@ def load_model(
         raise StartupError(
             f"checkpoint {str(model_dir)!r} lacks {len(missing)} weight(s), e.g. {names}"
         )
+    check_materialized(model, str(model_dir))
     logger.info("loaded %d parameter tensors from %s", len(loaded), model_dir)

@@ -24,7 +24,7 @@ MTP layers (`--speculative-method mtp`) reads them into `mtp_layers.{j}.*`
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +33,7 @@ from torch import nn
 from moe_engine.models.layers import expert_weights
 from moe_engine.models.layers.linear import Linear, MergedLinear
 from moe_engine.models.layers.moe import FusedMoE
+from moe_engine.models.materialize import materialize_float_experts
 from quant.int4 import Int4Weight, dequantize_int4
 
 #: q/k/v projections stacked into the attention's `qkv_proj` (`layers/decoder.Attention`).
@@ -127,6 +128,9 @@ def mtp_model_name(name: str, num_layers: int, num_mtp_layers: int) -> str | Non
     return f"mtp_layers.{int(m[1]) - num_layers}.{rest}"
 
 
+_EXPERT_PIECE = re.compile(r"(.+)\.experts\.\d+\.(?:gate|up|down)")
+
+
 def expert_piece(block: str, expert: int, projection: str) -> str:
     """The name `load_weights` reports for one expert projection:
     "model.layers.3.mlp.experts.7.up"."""
@@ -139,10 +143,19 @@ class WeightLoader:
 
     Args:
         model: the model (`MoeCausalLM`); its class's `weight_mapping` names the tensors.
+        on_experts_loaded: called with a `FusedMoE` block once every piece of its local float
+            experts is in (gate, up and down of each local expert; never for experts that
+            arrive 4-bit), so that they can be quantized before the next block's arrive.
+
+    A block's float expert stacks still on the meta device (a model built there,
+    `models.materialize`) are allocated on the device of their first checkpoint tensor.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(
+        self, model: nn.Module, on_experts_loaded: Callable[[FusedMoE], None] | None = None
+    ) -> None:
         self.model = model
+        self.on_experts_loaded = on_experts_loaded
         self.mapping: WeightMapping = model.weight_mapping
         self.num_layers = len(model.model.layers)
         self.num_mtp_layers = len(getattr(model, "mtp_layers", ()))
@@ -160,6 +173,14 @@ class WeightLoader:
             for name, buf in module.named_buffers(recurse=False):
                 if name not in module._non_persistent_buffers_set:
                     self.params[f"{prefix}.{name}" if prefix else name] = buf
+        #: per block, the float expert pieces still to come (`on_experts_loaded`)
+        self._experts_left: dict[str, set[str]] = {}
+        if on_experts_loaded is not None:
+            self._experts_left = {
+                block: {expert_piece(block, e, p) for e in set(moe.local_experts)
+                        for p in expert_weights.PROJECTIONS}
+                for block, moe in self.moes.items()
+            }
 
     def expected_names(self) -> set[str]:
         """Every piece loading must fill: parameters and persistent buffers, each merged
@@ -236,11 +257,29 @@ class WeightLoader:
                 name = mtp_model_name(name, self.num_layers, self.num_mtp_layers)
                 if name is None:
                     continue
-            loaded |= self.load_one(self.mapping.model_name(name), tensor)
+            filled = self.load_one(self.mapping.model_name(name), tensor)
+            loaded |= filled
+            if self._experts_left:
+                self._note_experts(filled)
         for module in self.model.modules():  # native kernels' packed copies are stale now
             if isinstance(module, Linear | FusedMoE):
                 module.reset_packed()
         return loaded
+
+    def _note_experts(self, filled: set[str]) -> None:
+        """Count expert pieces off their blocks' lists; call `on_experts_loaded` for a block
+        whose float experts are now complete (a 4-bit block is left alone)."""
+        for piece in filled:
+            m = _EXPERT_PIECE.fullmatch(piece)
+            left = self._experts_left.get(m[1]) if m else None
+            if left is None:
+                continue
+            left.discard(piece)
+            if not left:
+                del self._experts_left[m[1]]
+                moe = self.moes[m[1]]
+                if moe.quantized is None and self.on_experts_loaded is not None:
+                    self.on_experts_loaded(moe)
 
     def load_one(self, name: str, tensor: torch.Tensor | Int4Weight) -> set[str]:
         """One tensor under its (renamed) model name; returns the pieces it filled."""
@@ -249,6 +288,7 @@ class WeightLoader:
             if isinstance(tensor, Int4Weight):
                 expert_weights.load_int4_expert(self.moes[block], expert, shard, tensor)
             else:
+                materialize_float_experts(self.moes[block], tensor.device)
                 expert_weights.load_expert(self.moes[block], expert, shard, tensor)
             return {expert_piece(block, expert, shard)}
         if isinstance(tensor, Int4Weight):
@@ -303,6 +343,7 @@ class WeightLoader:
             tensor = tensor.transpose(1, 2)  # [E, out, in]
         if interleaved:
             tensor = expert_weights.deinterleave_gate_up(tensor, dim=1)
+        materialize_float_experts(moe, tensor.device)
         expert_weights.load_all_experts(moe, shard, tensor)
         return pieces
 

@@ -32,7 +32,7 @@ graph (`DecodeGraphs.run`), every other step runs eagerly as above.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -309,6 +309,27 @@ class ModelRunner:
             self._profile_forward(chunks, max_model_len, width, min(max_num_seqs, num_tokens))
             for size in sorted(sizes, reverse=True):
                 self._profile_forward([1] * size, max_model_len, width, size)
+        for cache in self.kv_caches:
+            for t in (cache,) if isinstance(cache, torch.Tensor) else cache:
+                t[0].zero_()  # the null block stays all-zero
+
+    @torch.inference_mode()
+    def dummy_run(self, q_lens: Sequence[int], context_len: int, num_logits: int) -> None:
+        """One forward of requests of `q_lens` tokens each, every one ending at position
+        `context_len` - 1 over block tables of the null block only, then `num_logits` rows of
+        logits and their log-softmax (the kernel warm-up's step, `runner.warmup`). Leaves
+        nothing behind, as `profile_run`; every rank of an expert-parallel group must run the
+        same ones (`begin_step`).
+
+        Args:
+            q_lens: tokens per request, each <= context_len (all 1: a decode step).
+            context_len: keys per request (tokens).
+            num_logits: rows that sample (<= sum(q_lens)).
+        """
+        width = -(-context_len // self.block_size)
+        with _quiet_moe_layers(self.model):
+            self._profile_forward(sorted(q_lens, key=lambda n: n > 1), context_len, width,
+                                  num_logits)  # fmt: skip
         for cache in self.kv_caches:
             for t in (cache,) if isinstance(cache, torch.Tensor) else cache:
                 t[0].zero_()  # the null block stays all-zero

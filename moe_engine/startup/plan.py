@@ -69,6 +69,8 @@ class Plan:
         device_lines: extra lines for `describe` about the device's memory (the
             `memory.KVCacheSizing` terms on CUDA; on a CPU the note that
             --gpu-memory-utilization is ignored there).
+        graph_pool_bytes: the decode CUDA graphs' pool the KV budget left room for
+            (`memory.graph_pool_estimate`); 0 without graphs, and always on a CPU.
         state_bytes_per_request: a request's linear-attention state over all linear layers
             (conv state in `dtype`, recurrent state in float32; `kv_cache.state.MambaSpec`);
             0 without linear layers.
@@ -97,6 +99,7 @@ class Plan:
     kv_specs: tuple[KVCacheSpec, ...] = ()
     max_num_batched_tokens: int | None = None
     device_lines: tuple[str, ...] = ()
+    graph_pool_bytes: int = 0
     state_bytes_per_request: int = 0
     num_state_slots: int = 0
     weight_bytes_packed: int = 0

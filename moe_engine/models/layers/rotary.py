@@ -8,6 +8,7 @@ Extension of Large Language Models"), as gpt-oss uses it: `yarn_inv_freq` follow
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -183,23 +184,43 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.head_dim, self.yarn, self.interleaved = head_dim, yarn, interleaved
-        scale = 1.0
-        if yarn is None:
-            inv_freq = 1.0 / (
-                base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-            )
+        self.base, self.max_position = base, max_position
+        cos = torch.empty(max_position, head_dim)
+        if cos.is_meta:  # built on the meta device: `materialize_buffers` computes them
+            sin = torch.empty(max_position, head_dim)
         else:
-            inv_freq, scale = yarn_inv_freq(head_dim, base, yarn)
-        pos = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
-        if scale != 1.0:
-            cos, sin = cos * scale, sin * scale
+            cos, sin = self._cos_sin(None)
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
         # (positions, cos, sin) of the latest call: holding `positions` keeps its id unique
         self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def _cos_sin(self, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [max_position, head_dim] float32 (times the YaRN attention factor), made
+        on `device` (None: the default device). Never computed on meta: torch's first
+        arithmetic there imports its Python meta kernels (~150 MB resident)."""
+        scale, head_dim = 1.0, self.head_dim
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            if self.yarn is None:
+                exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+                inv_freq = 1.0 / (self.base**exponents)
+            else:
+                inv_freq, scale = yarn_inv_freq(head_dim, self.base, self.yarn)
+            pos = torch.arange(self.max_position, dtype=torch.float32)
+            freqs = torch.outer(pos, inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos(), emb.sin()
+            if scale != 1.0:
+                cos, sin = cos * scale, sin * scale
+        return cos, sin
+
+    def materialize_buffers(self, device: torch.device) -> None:
+        """Compute the cos/sin caches again for a module built on the meta device
+        (`models.materialize`): on the CPU, as a host-built module has them, then moved to
+        `device`, so every device serves the same table."""
+        cos, sin = self._cos_sin(torch.device("cpu"))
+        self.cos_cache, self.sin_cache = cos.to(device), sin.to(device)
+        self._last = None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
