@@ -16,8 +16,10 @@ step of `--batch` requests (after their prefill step) is counted:
 
 Each launch is attributed to the decoder layer whose forward is running (forward hooks on every
 module of the model, a stack of module names) and to a part of it: attention (`self_attn`),
-norms (the layer's two norms), moe (the `FusedMoE` block; split into router, align, experts,
-shared experts and the rest), mlp (a dense layer's MLP), residual (the layer's own adds).
+norms (the layer's two norms, with the residual adds fused into them: the input norm adds the
+previous layer's MLP output, vLLM's `RMSNorm(x, residual)`), moe (the `FusedMoE` block; split
+into router, align, experts, shared experts and the rest), mlp (a dense layer's MLP), residual
+(the layer's own adds, where a norm does not take them).
 Launches outside the layers (embedding, final norm, LM head, sampler, step inputs) are one
 total: on a CPU the step inputs are built with torch ops that CUDA does on the host, so that
 number is not the GPU's.

@@ -30,8 +30,8 @@ OPS = (
     "attention_decode",  # paged attention, one query token per request
     "mla_decode",  # MLA absorbed decode over the latent cache
     "linear",  # dense projections (QKV, output, router, dense MLP, LM head)
-    "rms_norm",
-    "rotary",  # rope (native-cpu: with q/k norm and the KV-cache write, one call per layer)
+    "rms_norm",  # (triton: also fused with the residual add before it)
+    "rotary",  # rope with q/k norm and the KV-cache write, one call per layer (torch: module ops)
     "router_topk",  # routing: scores, the top-k selection (lower id on ties), the weights
     "decode_layer",  # a whole decoder layer of a decode step (native-cpu: one call)
 )
@@ -48,7 +48,7 @@ IMPLEMENTS: dict[str, frozenset[str]] = {
     TORCH: frozenset(OPS),
     TRITON: frozenset(
         {"fused_moe", "fused_moe_int4", "fused_moe_mxfp4", "attention_prefill",
-         "attention_decode", "mla_decode", "router_topk"}
+         "attention_decode", "mla_decode", "rms_norm", "rotary", "router_topk"}
     ),
 }
 
@@ -155,17 +155,32 @@ class KernelPlan:
         return mla_decode
 
     def rms_norm(self, weight: torch.Tensor) -> Callable[..., Any] | None:
-        """The fused RMSNorm (`kernels.dense.ops.rms_norm`) for a float32/bfloat16 `weight`,
-        or None: the layer's torch ops."""
+        """The fused RMSNorm for `weight`, called `(x, weight, eps, weight_in_float32)`:
+        native-cpu `kernels.dense.ops.rms_norm` (float32/bfloat16 weights), triton
+        `kernels.dense.triton_norm.rms_norm` (float weights); or None: the layer's torch ops."""
         import torch
 
-        if self.backend("rms_norm") != NATIVE_CPU:
-            return None
-        if weight.dtype not in (torch.float32, torch.bfloat16):
-            return None
-        from kernels.dense.ops import rms_norm
+        backend = self.backend("rms_norm")
+        if backend == NATIVE_CPU and weight.dtype in (torch.float32, torch.bfloat16):
+            from kernels.dense.ops import rms_norm
 
-        return rms_norm
+            return rms_norm
+        if backend == TRITON and weight.is_floating_point():
+            from kernels.dense.triton_norm import rms_norm as triton_rms_norm
+
+            return triton_rms_norm
+        return None
+
+    def add_rms_norm(self, weight: torch.Tensor) -> Callable[..., Any] | None:
+        """The residual add fused with the RMSNorm after it (vLLM's `fused_add_rms_norm`),
+        called `(x, residual, weight, eps, weight_in_float32) -> (normed, x + residual)`:
+        triton `kernels.dense.triton_norm.fused_add_rms_norm`; or None: the add, then
+        `rms_norm`'s kernel or the torch ops."""
+        if self.backend("rms_norm") != TRITON or not weight.is_floating_point():
+            return None
+        from kernels.dense.triton_norm import fused_add_rms_norm
+
+        return fused_add_rms_norm
 
     def router_topk(
         self, device_type: str, routing: str = "softmax_topk"
@@ -187,14 +202,34 @@ class KernelPlan:
 
         return router_softmax_topk
 
-    def rope_prologue(self) -> Callable[..., Any] | None:
-        """The one-call attention prologue (q/k norm, rope and the KV-cache write,
-        `kernels.dense.ops.qk_norm_rope_cache`), or None: the layer's module path."""
-        if self.backend("rotary") != NATIVE_CPU:
-            return None
-        from kernels.dense.ops import qk_norm_rope_cache
+    def rope_prologue(
+        self, *, interleaved: bool = False, partial: bool = False
+    ) -> Callable[..., Any] | None:
+        """The one-call attention prologue (split of the fused QKV output, q/k norm, rope, the
+        KV-cache write), with the contract of `kernels.dense.ops.qk_norm_rope_cache`, for a
+        rope on `interleaved` pairs and over `partial` heads (tables narrower than the head):
+        native-cpu's (neither), triton's `kernels.dense.triton_rope.qk_norm_rope_cache`
+        (both; called with `interleaved=True` for that layout); or None: the module path."""
+        backend = self.backend("rotary")
+        if backend == NATIVE_CPU and not (interleaved or partial):
+            from kernels.dense.ops import qk_norm_rope_cache
 
-        return qk_norm_rope_cache
+            return qk_norm_rope_cache
+        if backend == TRITON:
+            from kernels.dense.triton_rope import qk_norm_rope_cache as triton_prologue
+
+            return triton_prologue
+        return None
+
+    def mla_rope_prologue(self) -> Callable[..., Any] | None:
+        """An MLA layer's one-call prologue (`kv_a_layernorm`, rope of k_pe and q_pe, the
+        latent-cache write): triton's `kernels.attention.triton_mla_prologue.mla_rope_cache`,
+        or None: the layer's module path."""
+        if self.backend("rotary") != TRITON:
+            return None
+        from kernels.attention.triton_mla_prologue import mla_rope_cache
+
+        return mla_rope_cache
 
     def decode_layer(self) -> type[DecodeLayerKernel] | None:
         """The one-call native decode layer, or None: every layer module by module."""
@@ -278,6 +313,8 @@ def fallbacks(op: str, backend: str) -> tuple[str, ...]:
     """The conditions under which `op`'s kernel on `backend` hands a call to another kernel
     (declared by each kernel module beside the code that takes them; the startup plan prints
     them): () for a kernel that runs every call it is given."""
+    if backend == TRITON:
+        return _TRITON_FALLBACKS.get(op, ())
     if backend != NATIVE_CPU:
         return ()
     if op == "linear":
@@ -307,3 +344,15 @@ def fallbacks(op: str, backend: str) -> tuple[str, ...]:
         return ("routers other than softmax-then-top-k (gpt-oss's top-k-then-softmax, grouped "
                 "sigmoid routing): their own torch code",)
     return ()
+
+
+#: The per-call routes of the triton backend's small ops (kernels/dense/triton_norm.py,
+#: triton_rope.py, kernels/attention/triton_mla_prologue.py).
+_TRITON_FALLBACKS = {
+    "rms_norm": ("norms other than RMSNorm (Qwen3-Next's zero-centred and gated ones), inputs "
+                 "of more than 3 dimensions or another dtype than the weight's (the fused add: "
+                 "a residual of another dtype or shape): torch",),
+    "rotary": ("layers whose q/k norms (MLA: kv_a_layernorm) do not round like Qwen3's (a "
+               "float32 weight product, two epsilons), Qwen3-Next's gated attention, and steps "
+               "whose K/V cache dtype differs from the projections': the module path",),
+}

@@ -25,17 +25,23 @@ def test_views_allocations_and_no_op_casts_are_not_launches() -> None:
 @pytest.mark.slow
 def test_qwen3_moe_block_is_one_kernel_per_step_of_the_pipeline(tmp_path) -> None:
     """One decode step of 2 requests: per MoE layer the router is its linear and one fused
-    top-k, the alignment one kernel, the experts the two grouped GEMMs and moe_sum."""
+    top-k, the alignment one kernel, the experts the two grouped GEMMs and moe_sum; attention
+    the QKV and output projections, the prologue (q/k norm, rope, KV-cache write) and the
+    paged kernel; the two norms one kernel each, the residual adds fused into them."""
     ckpt = launches.make_checkpoint("qwen3_moe", tmp_path)
     counter = launches.count_decode_step(ckpt, 2)
     layers = launches.per_layer(counter)
     assert [lc.moe for lc in layers] == [True, True]
     for lc in layers:
         assert (lc.parts["router"], lc.parts["align"], lc.parts["experts"]) == (2, 1, 3), lc
+        adds = lc.parts.get("residual", 0)
+        assert (lc.parts["attention"], lc.parts["norms"], adds) == (4, 2, 0), lc
     ops = {(x.part, x.op) for x in counter.launches if x.layer == 1}
     assert {
         ("align", "triton:moe_align_block_size_kernel"),
         ("router", "triton:router_topk_kernel"),
         ("experts", "triton:moe_sum_kernel"),
         ("attention", "triton:paged_attention_kernel"),
+        ("attention", "triton:qk_norm_rope_cache_kernel"),
+        ("norms", "triton:rms_norm_kernel"),
     } <= ops

@@ -193,26 +193,28 @@ def _serve_comparing_layers(ckpt, quantization: str, monkeypatch,
     one). Returns, per native call, (layer window or 0, rows, residual streams equal, caches
     equal)."""
     seen: list[tuple] = []
-    forward = DecoderLayer.forward
+    forward, forward_residual = DecoderLayer.forward, DecoderLayer.forward_residual
 
-    def compared(self, h, positions, meta, kv_cache, step=None):
+    def compared(self, h, residual, positions, meta, kv_cache, step=None):
         args = None
         if self.decode_kernel is not None and step is not None:
             args = step.args(self.self_attn.attn.kv_group)
         if args is None:
-            return forward(self, h, positions, meta, kv_cache, step)
+            return forward_residual(self, h, residual, positions, meta, kv_cache, step)
+        stream = h if residual is None else h + residual
         before = [c.clone() for c in kv_cache]
-        want = forward(self, h.clone(), positions, meta, kv_cache, None)
+        want = forward(self, stream.clone(), positions, meta, kv_cache, None)
         want_cache = [c.clone() for c in kv_cache]
         for c, b in zip(kv_cache, before, strict=True):
             c.copy_(b)
-        got = forward(self, h, positions, meta, kv_cache, step)
+        got, rest = forward_residual(self, h, residual, positions, meta, kv_cache, step)
+        assert rest is None  # the native call leaves the whole stream in h
         seen.append((self.self_attn.attn.sliding_window or 0, h.shape[0],
                      torch.equal(got, want),
                      all(torch.equal(c, w) for c, w in zip(kv_cache, want_cache, strict=True))))
-        return got
+        return got, rest
 
-    monkeypatch.setattr(DecoderLayer, "forward", compared)
+    monkeypatch.setattr(DecoderLayer, "forward_residual", compared)
     method, _, layers = quantization.partition("+")
     llm = LLM(model=str(ckpt), dtype="bfloat16", max_model_len=256, quantization=method,
               quant_group_size=32, quantized_layers=layers or "experts", block_size=16)

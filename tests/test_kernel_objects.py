@@ -150,6 +150,44 @@ def test_small_ops_hand_out_a_kernel_or_none() -> None:
     assert native.rope_prologue() is not None and torch_plan.rope_prologue() is None
     assert native.decode_layer() is not None and torch_plan.decode_layer() is None
     assert native.mla_decode() is None  # only triton has an absorbed MLA decode kernel
+    assert native.rope_prologue(interleaved=True) is None  # the native rope: rotate-half only
+    assert native.rope_prologue(partial=True) is None
+    assert native.add_rms_norm(weight) is None and native.mla_rope_prologue() is None
+
+
+def test_triton_small_ops_are_the_triton_kernels_and_declare_their_fallbacks() -> None:
+    from kernels.attention.triton_mla_prologue import mla_rope_cache
+    from kernels.dense import triton_norm, triton_rope
+
+    plan = KernelPlan.uniform("triton", "cuda")
+    weight = torch.ones(8, dtype=torch.bfloat16)
+    assert plan.rms_norm(weight) is triton_norm.rms_norm
+    assert plan.rms_norm(weight.half()) is triton_norm.rms_norm  # any float weight
+    assert plan.add_rms_norm(weight) is triton_norm.fused_add_rms_norm
+    for layout in ({}, {"interleaved": True}, {"partial": True}):
+        assert plan.rope_prologue(**layout) is triton_rope.qk_norm_rope_cache
+    assert plan.mla_rope_prologue() is mla_rope_cache
+    text = plan.describe()
+    for op in ("rms_norm", "rotary"):
+        assert f"{op}=triton, per call: " in text, op
+
+
+def test_layers_bind_the_triton_small_ops() -> None:
+    """RMSNorm takes the triton kernels from the plan (its fused residual add too), and a
+    bound norm called with a residual equals the add, then the torch norm."""
+    from kernels.dense import triton_norm
+    from moe_engine.models.layers.norm import RMSNorm
+
+    plan = KernelPlan.uniform("triton", "cuda")
+    norm = RMSNorm(24, 1e-6)
+    norm.bind_kernels(plan)
+    assert norm.kernel is triton_norm.rms_norm
+    assert norm.add_kernel is triton_norm.fused_add_rms_norm
+    g = torch.Generator().manual_seed(5)
+    x, residual = torch.randn(3, 24, generator=g), torch.randn(3, 24, generator=g)
+    normed, new_residual = norm(x, residual)
+    assert torch.equal(new_residual, residual + x)
+    torch.testing.assert_close(normed, RMSNorm(24, 1e-6)(residual + x), rtol=2e-6, atol=2e-6)
 
 
 def test_graph_safety_is_the_registrys_word() -> None:

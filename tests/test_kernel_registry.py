@@ -49,9 +49,9 @@ def test_auto_on_cuda_takes_triton_where_it_has_a_kernel():
     plan = choose_kernels("cuda", "auto", probe=lambda b, d: probe_backend(b, d) if b ==
                           NATIVE_CPU else None)
     for op in ("fused_moe", "fused_moe_int4", "fused_moe_mxfp4", "attention_prefill",
-               "attention_decode", "mla_decode"):
+               "attention_decode", "mla_decode", "rms_norm", "rotary", "router_topk"):
         assert plan.backend(op) == TRITON, op
-    for op in ("linear", "rms_norm", "rotary"):
+    for op in ("linear", "decode_layer"):
         assert plan.backend(op) == TORCH, op
 
 

@@ -88,6 +88,27 @@ def test_mla_matches_transformers_prefill_chunk_decode(family, q_lora_rank, yarn
         assert rel_err(outs[True][r][decodes], outs[False][r][decodes]) < 1e-5
 
 
+def test_triton_prologue_and_decode_match_transformers():
+    """The triton plan's MLA layer (under the interpreter): the one-launch prologue
+    (kv_a_layernorm, rope of k_pe and q_pe, latent write) and the absorbed decode kernel
+    reading q_lat and q_pe where they lie give transformers' outputs and the module path's
+    cache, over prefills, a chunked continuation, mixed and decode-only steps."""
+    from kernels.plan import KernelPlan
+
+    cfg = hf_config("v3", 24, True, True)
+    hf = hf_attention(cfg)
+    torch.manual_seed(3)
+    hidden = {r: torch.randn(n, HIDDEN) for r, n in LENGTHS.items()}
+    mla = engine_attention(cfg, hf)
+    mla.bind_kernels(KernelPlan.uniform("triton"))
+    assert mla.prologue is not None and mla.decode_kernel is not None
+    out, cache = run_steps(mla, hidden)
+    _, want_cache = run_steps(engine_attention(cfg, hf), hidden)
+    for r, h in hidden.items():
+        assert rel_err(out[r], hf_reference(cfg, hf, h)) < 1e-5, r
+    assert rel_err(cache, want_cache) < 1e-6
+
+
 def test_latent_cache_holds_normalised_ckv_then_roped_kpe():
     cfg = hf_config("v3", 24, False)
     hf = hf_attention(cfg)

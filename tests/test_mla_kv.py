@@ -150,6 +150,9 @@ class StubMLAModel(nn.Module):
     def kv_cache_groups(self):
         return self.spec.attention_groups()
 
+    def moe_layers(self) -> list:
+        return []  # no MoE block: the runner finds no communicator to begin steps on
+
     def forward(self, input_ids, positions, meta, kv_caches):
         h = self.model.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):

@@ -33,7 +33,7 @@ from moe_engine.startup.config import (
 PROMPT_LENS = [1, 7, 24]
 MAX_NEW = [5, 4, 4]
 TRITON_OPS = ("fused_moe", "fused_moe_int4", "fused_moe_mxfp4", "attention_prefill",
-              "attention_decode", "mla_decode", "router_topk")
+              "attention_decode", "mla_decode", "router_topk", "rms_norm", "rotary")
 
 
 def _prompts() -> list[list[int]]:
@@ -106,10 +106,14 @@ def test_mla_latent_decode_matches_transformers(deepseek_v3_ckpt):
 
 
 def test_every_module_is_bound_to_the_triton_kernels(qwen3_ckpt):
-    """What the servers above ran: the plan reached every expert and attention module."""
+    """What the servers above ran: the plan reached every expert and attention module, and
+    every norm and attention prologue."""
+    from kernels.dense import triton_norm, triton_rope
     from kernels.moe.router_kernels import fused_softmax_topk
     from moe_engine import LLM
     from moe_engine.models.layers.attention import PagedAttention
+    from moe_engine.models.layers.decoder import Attention
+    from moe_engine.models.layers.norm import RMSNorm
 
     for quantization, attr in (("none", "kernel_backend"), ("int4", "backend")):
         llm = LLM(model=str(qwen3_ckpt), max_model_len=64, quantization=quantization,
@@ -122,3 +126,9 @@ def test_every_module_is_bound_to_the_triton_kernels(qwen3_ckpt):
         assert {(m.kernels.decode_backend, m.kernels.prefill_backend) for m in attention} == {
             ("triton", "triton")
         }
+        modules = list(llm.engine.model.modules())
+        assert {(m.kernel, m.add_kernel) for m in modules if isinstance(m, RMSNorm)} == {
+            (triton_norm.rms_norm, triton_norm.fused_add_rms_norm)
+        }
+        prologues = {m.prologue for m in modules if isinstance(m, Attention)}
+        assert prologues == {triton_rope.qk_norm_rope_cache}

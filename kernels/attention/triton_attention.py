@@ -197,11 +197,13 @@ def _check_paged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *
 
 
 def _split_scratch(rows: int, splits: int, width: int, device: torch.device):
-    """Partial acc [rows * splits, width] and (m, l) [rows * splits, 2], fp32, zeroed (rows no
-    program owns then merge to 0)."""
+    """Partial acc [rows * splits, width] and (m, l) [rows * splits, 2], fp32, uninitialised:
+    every split of every row a program owns is written (an empty split as m = -inf, l = 0,
+    acc = 0), so no fill launch is needed; rows no program owns (tokens past
+    query_start_loc[B]) merge to unspecified values, as their outputs are documented."""
     n = rows * splits
-    return (torch.zeros(n, width, dtype=torch.float32, device=device),
-            torch.zeros(n, 2, dtype=torch.float32, device=device))  # fmt: skip
+    return (torch.empty(n, width, dtype=torch.float32, device=device),
+            torch.empty(n, 2, dtype=torch.float32, device=device))  # fmt: skip
 
 
 def _merge(out, part_acc, part_ml, sinks, rows, heads, splits, dim, dim_pad, round_bf16):
@@ -323,6 +325,7 @@ def mla_decode(
     kv_lora_rank: int,
     out: torch.Tensor | None = None,
     kv_splits: int | None = None,
+    q_rope: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MLA absorbed decode (DeepSeek-V2/V3) over the paged latent cache, FlashMLA's layout.
 
@@ -332,7 +335,9 @@ def mla_decode(
 
     Args:
         q: [B, n_heads, kv_lora_rank + rope_dim] float32/bfloat16/float16, the absorbed query
-            (q_nope @ W_UK concatenated with q_pe).
+            (q_nope @ W_UK concatenated with q_pe); or, with ``q_rope``, its first
+            ``kv_lora_rank`` columns [B, n_heads, kv_lora_rank] (any batch/head strides: e.g.
+            the transposed output of the absorbing bmm), so that no concatenation is needed.
         latent_cache: [num_blocks, block_size, kv_lora_rank + rope_dim] in q's dtype.
         block_tables: [B, max_blocks] int32/int64 (padded with the null block 0).
         seq_lens: [B] int32/int64 keys per request (tokens); 0 gives zeros.
@@ -340,6 +345,8 @@ def mla_decode(
         kv_lora_rank: the value width r (512 in DeepSeek-V3).
         out: optional [B, n_heads, kv_lora_rank] in q's dtype, written in place.
         kv_splits: flash-decoding splits along the keys (None: ``num_kv_splits``).
+        q_rope: optional [B, n_heads, rope_dim] in q's dtype, the query's rope part (any
+            batch/head strides).
 
     Returns:
         [B, n_heads, kv_lora_rank] in q's dtype (o_lat; the caller applies W_UV).
@@ -350,12 +357,19 @@ def mla_decode(
     _require(q.dim() == 3 and q.dtype in _FLOAT_DTYPES, "q", (tuple(q.shape), q.dtype),
              "must be [B, n_heads, kv_lora_rank + rope_dim] float32/bfloat16/float16")  # fmt: skip
     batch, heads, width = q.shape
+    if q_rope is not None:
+        _require(q_rope.dim() == 3 and tuple(q_rope.shape[:2]) == (batch, heads) and
+                 q_rope.dtype == q.dtype and q_rope.device == q.device and width == kv_lora_rank,
+                 "q_rope", (tuple(q_rope.shape), q_rope.dtype), f"must be [{batch}, {heads}, "
+                 f"rope_dim] {q.dtype} beside q [B, n_heads, kv_lora_rank]")  # fmt: skip
+        width = kv_lora_rank + q_rope.shape[2]
     _require(0 < kv_lora_rank < width, "kv_lora_rank", kv_lora_rank, f"must be in (0, {width})")
     _require(latent_cache.dim() == 3 and latent_cache.shape[-1] == width and
              latent_cache.dtype == q.dtype and latent_cache.device == q.device, "latent_cache",
              (tuple(latent_cache.shape), latent_cache.dtype), f"must be [num_blocks, block_size,"
              f" {width}] {q.dtype} on {q.device}")  # fmt: skip
-    for name, x in (("q", q), ("latent_cache", latent_cache), ("out", out)):
+    q_pe = q[..., kv_lora_rank:] if q_rope is None else q_rope
+    for name, x in (("q", q), ("q_rope", q_pe), ("latent_cache", latent_cache), ("out", out)):
         if x is not None:
             _require(x.stride(-1) == 1, f"{name}.stride", x.stride(), "last dim must be dense")
     _check_tables(block_tables, seq_lens, q.device, batch)
@@ -379,8 +393,9 @@ def mla_decode(
     if kv_splits > 1:
         part_acc, part_ml = _split_scratch(batch * heads, kv_splits, rank_pad, q.device)
     mla_decode_kernel[(batch, head_blocks, kv_splits)](
-        out, q, latent_cache, block_tables, seq_lens, part_acc, part_ml, scale * LOG2E,
-        max_keys, heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        out, q, q_pe, latent_cache, block_tables, seq_lens, part_acc, part_ml, scale * LOG2E,
+        max_keys, heads, q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1),
+        out.stride(0), out.stride(1),
         latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0),
         RANK=kv_lora_rank, RANK_PAD=rank_pad, ROPE=rope,
         ROPE_PAD=max(MIN_TILE, triton.next_power_of_2(rope)), BLOCK_H=block_h,

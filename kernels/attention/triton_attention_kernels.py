@@ -179,15 +179,16 @@ def merge_kv_splits_kernel(
 
 @triton.jit
 def mla_decode_kernel(
-    out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, part_acc_ptr, part_ml_ptr,
-    scale_log2, max_keys, num_heads, stride_qb, stride_qh, stride_ob, stride_oh,
-    stride_cb, stride_cs, stride_bt,
+    out_ptr, q_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, part_acc_ptr,
+    part_ml_ptr, scale_log2, max_keys, num_heads, stride_qb, stride_qh, stride_pb, stride_ph,
+    stride_ob, stride_oh, stride_cb, stride_cs, stride_bt,
     RANK: tl.constexpr, RANK_PAD: tl.constexpr, ROPE: tl.constexpr, ROPE_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, FP32_DOT: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
     """One (request, BLOCK_H heads, split): scores = q_nope . c_kv + q_pe . k_pe over the
-    request's latents, values = c_kv (the latent's first RANK columns)."""
+    request's latents, values = c_kv (the latent's first RANK columns); q_nope and q_pe are
+    read from their own pointers and strides (the two halves of one row, or two tensors)."""
     b = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -197,7 +198,8 @@ def mla_decode_kernel(
     q_row = b.to(tl.int64) * stride_qb + h * stride_qh
     out_mask = h_ok[:, None] & (r < RANK)[None, :]
     q_nope = tl.load(q_ptr + q_row[:, None] + r[None, :], mask=out_mask, other=0.0)
-    q_pe = tl.load(q_ptr + q_row[:, None] + RANK + e[None, :],
+    pe_row = b.to(tl.int64) * stride_pb + h * stride_ph
+    q_pe = tl.load(q_pe_ptr + pe_row[:, None] + e[None, :],
                    mask=h_ok[:, None] & (e < ROPE)[None, :], other=0.0)  # fmt: skip
     key_hi = tl.minimum(tl.load(seq_lens_ptr + b), max_keys)
     n_tiles = tl.cdiv(tl.maximum(key_hi, 0), BLOCK_N)

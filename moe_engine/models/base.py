@@ -248,11 +248,14 @@ class MoeCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         layers = self.model.layers
         step = DecodeStep.of(h, positions, meta, self.spec.top_k, len(layers))
+        residual = None  # the stream is h + residual: each add is fused into the next norm
         for layer, kv_cache in zip(layers, kv_caches, strict=True):
-            h = layer(h, positions, meta, kv_cache, step)
+            h, residual = layer.forward_residual(h, residual, positions, meta, kv_cache, step)
         if step is not None:  # the native layers' routing, as FusedMoE.forward records its own
             step.record_routing()
-        return self.model.norm(h)
+        if residual is None:
+            return self.model.norm(h)
+        return self.model.norm(h, residual)[0]
 
     def attach_timer(self, timer: PhaseTimer) -> None:
         """Time attention and the MoE blocks' phases of every layer into `timer`."""

@@ -311,12 +311,17 @@ class PagedAttention(KVCacheLayer):
             for cache, new in ((k_cache, k), (v_cache, v)):
                 cache.view(-1, *new.shape[1:]).index_copy_(0, meta.slot_mapping,
                                                            new.to(cache.dtype))
+        t = q.shape[0]
+        batches = meta.batches
+        if len(batches) == 1 and (batches[0].token_start, batches[0].token_end) == (0, t):
+            # one batch (a decode step): its output is the layer's, no copy into a buffer
+            return self._attend(q, k_cache, v_cache, batches[0], sinks).reshape(t, -1)
         out = torch.empty_like(q)
-        for batch in meta.batches:
+        for batch in batches:
             out[batch.token_start : batch.token_end] = self._attend(
                 q[batch.token_start : batch.token_end], k_cache, v_cache, batch, sinks
             )
-        return out.view(q.shape[0], -1)
+        return out.view(t, -1)
 
     def _attend(
         self,

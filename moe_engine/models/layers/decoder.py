@@ -22,7 +22,7 @@ from kernels.plan import KernelPlan
 from moe_engine.models.layers.attention import AttentionMetadata, PagedAttention
 from moe_engine.models.layers.linear import Linear, MergedLinear
 from moe_engine.models.layers.norm import RMSNorm
-from moe_engine.models.layers.rotary import RotaryEmbedding
+from moe_engine.models.layers.rotary import PartialRotaryEmbedding, RotaryEmbedding
 from moe_engine.phase_timer import PhaseTimer
 
 _NO_PHASE = contextlib.nullcontext()
@@ -69,9 +69,11 @@ class Attention(nn.Module):
     Checkpoint names: `q_proj`, `k_proj`, `v_proj` (stacked into `qkv_proj`, shards "q", "k",
     "v"), `o_proj`, `q_norm`, `k_norm`, `sinks`.
 
-    Bound to the native-cpu "rotary" kernel, a layer with the plain rotate-half
-    `RotaryEmbedding` runs its prologue (split, q/k norm, rope, KV-cache write) as one native
-    call (`kernels.dense.ops.qk_norm_rope_cache`, bit-identical to the torch ops).
+    Bound to a "rotary" kernel (`KernelPlan.rope_prologue`: native-cpu for the plain
+    rotate-half `RotaryEmbedding`, triton also for interleaved and partial ropes), a layer runs
+    its prologue (split, q/k norm, rope, KV-cache write) as one call
+    (`kernels.dense.ops.qk_norm_rope_cache`, `kernels.dense.triton_rope.qk_norm_rope_cache`;
+    the rope and the cache write bit-identical to the torch ops).
     """
 
     def __init__(
@@ -109,24 +111,34 @@ class Attention(nn.Module):
             sliding_window=sliding_window,
         )
         #: Bound by `bind_kernels`: the prologue's one-call kernel (`KernelPlan.rope_prologue`)
-        #: where this layer's pieces fit it, else None (the module path).
+        #: where this layer's pieces fit it, else None (the module path), and the
+        #: `RotaryEmbedding` whose cos/sin tables it reads.
         self.prologue: Callable[..., torch.Tensor] | None = None
+        self.rope_tables: RotaryEmbedding | None = None
 
     def bind_kernels(self, plan: KernelPlan) -> None:
         """Take the registry's prologue kernel (`KernelPlan.rope_prologue`) when this layer's
-        pieces are the ones it implements (plain rope; q/k norms of Qwen3's rounding, one
+        pieces are the ones it implements (a `RotaryEmbedding`, or a `PartialRotaryEmbedding`
+        around one, where the kernel takes that layout; q/k norms of Qwen3's rounding, one
         epsilon; float32 or bfloat16 weights)."""
         norms_fit = not self.qk_norm or (
             not self.q_norm.weight_in_float32 and not self.k_norm.weight_in_float32
             and self.q_norm.eps == self.k_norm.eps
         )
+        rotary = self.rotary
+        partial = type(rotary) is PartialRotaryEmbedding
+        tables = rotary.rope if partial else rotary
         fits = (
-            type(self.rotary) is RotaryEmbedding
-            and not self.rotary.interleaved
+            type(tables) is RotaryEmbedding
             and norms_fit
             and self.qkv_proj.weight.dtype in (torch.float32, torch.bfloat16)
         )
-        self.prologue = plan.rope_prologue() if fits else None
+        self.rope_tables = tables if fits else None
+        self.prologue = None
+        if fits:
+            self.prologue = plan.rope_prologue(
+                interleaved=tables.interleaved, partial=partial and tables.head_dim < self.head_dim
+            )
 
     def forward(
         self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache
@@ -136,11 +148,13 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(h)
         if self.prologue is not None and qkv.dtype == kv_cache[0].dtype:
             norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+            tables = self.rope_tables
+            layout = {"interleaved": True} if tables.interleaved else {}
             q = self.prologue(
-                qkv, self.num_heads, self.num_kv_heads, positions, self.rotary.cos_cache,
-                self.rotary.sin_cache, *norms, self.q_norm.eps if self.qk_norm else 0.0,
-                *kv_cache, meta.for_group(self.attn.kv_group).slot_mapping,
-            )
+                qkv, self.num_heads, self.num_kv_heads, positions, tables.cos_cache,
+                tables.sin_cache, *norms, self.q_norm.eps if self.qk_norm else 0.0,
+                *kv_cache, meta.for_group(self.attn.kv_group).slot_mapping, **layout,
+            )  # fmt: skip
             out = self.attn(q, None, None, kv_cache, meta, sinks=self.sinks)
             return self.o_proj(out)
         q, k, v = qkv.split(self.sizes, dim=-1)
@@ -216,23 +230,51 @@ class DecoderLayer(nn.Module):
         kv_cache,
         step: DecodeInputs | None = None,
     ) -> torch.Tensor:
-        """h: [T, H] -> [T, H]. Given a `DecodeStep` whose group holds only decodes, a layer
-        with a native decode kernel runs it on h in place and returns h."""
+        """h: [T, H] -> [T, H] (`forward_residual` with the stream in h, its two parts added)."""
+        out, residual = self.forward_residual(h, None, positions, meta, kv_cache, step)
+        return out if residual is None else out + residual
+
+    def forward_residual(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache,
+        step: DecodeInputs | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer on the residual stream h + residual (residual None: h alone), with each
+        residual add fused into the norm after it (`RMSNorm(x, residual)`; vLLM's decoder
+        layers): the stream's next value is x + residual' for the returned (x, residual').
+
+        Args:
+            h, residual: [T, H], the stream in two parts (the previous layer's MLP output and
+                its residual), or the stream in h and None.
+            positions, meta, kv_cache, step: as `forward`.
+
+        Returns:
+            (x, residual'): x [T, H] this layer's MLP output and residual' [T, H]; or (the new
+            stream, None) where a native decode kernel ran the layer on h in place.
+        """
         kernel = self.decode_kernel
         if kernel is not None and step is not None:
             args = step.args(self.self_attn.attn.kv_group)
             if args is not None:
+                if residual is not None:
+                    h = h + residual
                 # counted once a step, for all layers (DecodeStep.record_routing)
                 ids = step.topk_ids(self.mlp.layer_index, self.mlp.load_recorder)
                 with self.timer.phase("decode_layer") if self.timer is not None else _NO_PHASE:
                     kernel.run(h, args, kv_cache, step.topk_weights, ids)
-                return h
-        if self.timer is None:
-            h = h + self.self_attn(self.input_layernorm(h), positions, meta, kv_cache)
-        else:
-            with self.timer.phase("attention"):
-                h = h + self.self_attn(self.input_layernorm(h), positions, meta, kv_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+                return h, None
+        with self.timer.phase("attention") if self.timer is not None else _NO_PHASE:
+            if residual is None:
+                x, residual = self.input_layernorm(h), h
+            else:
+                x, residual = self.input_layernorm(h, residual)
+            x = self.self_attn(x, positions, meta, kv_cache)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class Backbone(nn.Module):

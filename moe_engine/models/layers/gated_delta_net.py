@@ -216,3 +216,12 @@ class LinearAttentionDecoderLayer(nn.Module):
             with self.timer.phase("attention"):
                 h = h + self.linear_attn(self.input_layernorm(h), meta, state)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward_residual(self, h: torch.Tensor, residual: torch.Tensor | None,
+                         positions: torch.Tensor, meta: AttentionMetadata,
+                         state: tuple[torch.Tensor, torch.Tensor], step: object = None
+                         ) -> tuple[torch.Tensor, None]:
+        """`DecoderLayer.forward_residual`'s call on the stream h + residual (residual None:
+        h alone): returns (the new stream, None)."""
+        h = h if residual is None else h + residual
+        return self.forward(h, positions, meta, state, step), None

@@ -129,13 +129,24 @@ class MLAAttention(KVCacheLayer):
         self._absorbed_key: tuple | None = None  # which kv_b_proj weight they came from
         #: The registry's absorbed decode kernel (`bind_kernels`), None: the torch path.
         self.decode_kernel: Any = None
+        #: The registry's one-call prologue (`KernelPlan.mla_rope_prologue`: kv_a_layernorm,
+        #: rope of k_pe and q_pe, the latent-cache write), None: the module path.
+        self.prologue: Any = None
         self._pad_values = False  # torch prefill on a CPU: values padded to the keys' width
 
     def bind_kernels(self, plan: KernelPlan) -> None:
-        """Take the registry's "mla_decode" backend (absorbed decode); prefill chunks stay on
-        the torch expanded path."""
+        """Take the registry's "mla_decode" backend (absorbed decode; prefill chunks stay on
+        the torch expanded path) and its MLA prologue where this layer's pieces fit it (a
+        `RotaryEmbedding`; a `kv_a_layernorm` of Qwen3-style rounding in the weights' dtype)."""
         self.decode_kernel = plan.mla_decode()
         self._pad_values = plan.device == "cpu"
+        norm = self.kv_a_layernorm
+        fits = (type(self.rotary) is RotaryEmbedding and type(norm) is RMSNorm
+                and not norm.weight_in_float32
+                and norm.weight.dtype == self.kv_a_proj_with_mqa.weight.dtype)
+        self.prologue = plan.mla_rope_prologue() if fits else None
+        if self.absorb and not self.kv_b_proj.weight.is_meta:  # bound after loading: split
+            self.process_weights_after_loading()  # W_UK/W_UV now, not in the first decode step
 
     @property
     def cache_kind(self) -> str:
@@ -149,8 +160,8 @@ class MLAAttention(KVCacheLayer):
     def process_weights_after_loading(self) -> None:
         """Split kv_b_proj's weight [n x (nope + v), r] into W_UK [n, nope, r] and W_UV
         [n, r, v] for absorbed decode (vLLM `MLACommonImpl.process_weights_after_loading`).
-        Called by the first absorbed decode when not called before, and again whenever the
-        weight was replaced or changed in place since (a reload never serves stale weights)."""
+        Called at bind time (after loading) and by an absorbed decode whenever the weight was
+        replaced or changed in place since (a reload never serves stale weights)."""
         weight = self.kv_b_proj.weight.detach()
         w = weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
         self._w_uk = w[:, : self.qk_nope_head_dim].contiguous()
@@ -183,23 +194,39 @@ class MLAAttention(KVCacheLayer):
         q_nope, q_pe = q.view(t, n, self.qk_head_dim).split(
             [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
         )
-        c_kv, k_pe = self.kv_a_proj_with_mqa(h).split(
-            [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
-        )
-        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))
-        latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe.squeeze(1)], dim=-1)
         meta = meta.for_group(self.kv_group)
-        kv_cache.view(-1, self.latent_dim).index_copy_(
-            0, meta.slot_mapping, latent.to(kv_cache.dtype)
-        )
+        kv_a = self.kv_a_proj_with_mqa(h)
+        if self.prologue is not None and kv_a.dtype == kv_cache.dtype:
+            q_pe = self.prologue(
+                kv_a, q_pe, positions, self.rotary.cos_cache, self.rotary.sin_cache,
+                self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, kv_cache,
+                meta.slot_mapping, self.rotary.interleaved,
+            )  # fmt: skip
+        else:
+            c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+            q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))
+            latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe.squeeze(1)], dim=-1)
+            kv_cache.view(-1, self.latent_dim).index_copy_(
+                0, meta.slot_mapping, latent.to(kv_cache.dtype)
+            )
+        if len(meta.batches) == 1 and (meta.batches[0].token_start, meta.batches[0].token_end) == (
+            0, t
+        ):  # one batch (a decode step): its output is the layer's, no copy into a buffer
+            return self.o_proj(self._attend(q_nope, q_pe, kv_cache, meta.batches[0]))
         out = h.new_empty(t, n * self.v_head_dim)
         for batch in meta.batches:
             rows = slice(batch.token_start, batch.token_end)
-            if batch.max_q == 1 and self.absorb:
-                out[rows] = self._decode_absorbed(q_nope[rows], q_pe[rows], kv_cache, batch)
-            else:
-                out[rows] = self._attend_expanded(q_nope[rows], q_pe[rows], kv_cache, batch)
+            out[rows] = self._attend(q_nope[rows], q_pe[rows], kv_cache, batch)
         return self.o_proj(out)
+
+    def _attend(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, batch: AttentionBatch
+    ) -> torch.Tensor:
+        """One query batch: q_nope [N, n, nope], q_pe [N, n, rope] -> [N, n x v], absorbed for
+        decodes (when `absorb`), else expanded."""
+        if batch.max_q == 1 and self.absorb:
+            return self._decode_absorbed(q_nope, q_pe, cache, batch)
+        return self._attend_expanded(q_nope, q_pe, cache, batch)
 
     def _attend_expanded(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, batch: AttentionBatch
@@ -232,14 +259,15 @@ class MLAAttention(KVCacheLayer):
             self.process_weights_after_loading()
         b, r = q_nope.shape[0], self.kv_lora_rank
         q_lat = torch.bmm(q_nope.transpose(0, 1), self._w_uk)  # [n, B, r]
-        query = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1)  # [B, n, r + rope]
         if self.decode_kernel is not None:  # reads the latents in place through the tables
             o = self.decode_kernel(
-                query.contiguous(), cache, batch.block_tables, batch.seq_lens,
-                scale=self.scale, kv_lora_rank=r,
-            )  # [B, n, r]
-            out = torch.bmm(o.transpose(0, 1), self._w_uv)  # [n, B, v]
-            return out.transpose(0, 1).reshape(b, self.num_heads * self.v_head_dim)
+                q_lat.transpose(0, 1), cache, batch.block_tables, batch.seq_lens,
+                scale=self.scale, kv_lora_rank=r, q_rope=q_pe,
+            )  # [B, n, r], the query's two parts read where they are (no concatenation)
+            out = q_lat.new_empty(b, self.num_heads, self.v_head_dim)
+            torch.bmm(o.transpose(0, 1), self._w_uv, out=out.transpose(0, 1))  # [n, B, v]
+            return out.view(b, self.num_heads * self.v_head_dim)
+        query = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1)  # [B, n, r + rope]
         latent = _gather_latent(cache, batch.block_ids, b).to(query.dtype)[:, None]
         # The whole latent serves as the value too (equal q/k/v widths keep SDPA on its fused
         # kernel on a CPU, 3x the unfused one at 4k context); its first r output columns are

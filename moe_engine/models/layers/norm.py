@@ -35,17 +35,31 @@ class RMSNorm(nn.Module):
         self.weight_in_float32 = weight_in_float32
         #: Bound by `bind_kernels`: the fused kernel (`KernelPlan.rms_norm`), None: torch ops.
         self.kernel: Callable[..., torch.Tensor] | None = None
+        #: Bound by `bind_kernels`: the residual add fused with this norm
+        #: (`KernelPlan.add_rms_norm`), None: the add, then `forward`.
+        self.add_kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def bind_kernels(self, plan: KernelPlan) -> None:
-        """Take the registry's "rms_norm" kernel for this weight (`KernelPlan.rms_norm`)."""
+        """Take the registry's "rms_norm" kernels for this weight (`KernelPlan.rms_norm`,
+        `KernelPlan.add_rms_norm`)."""
         self.kernel = plan.rms_norm(self.weight)
+        self.add_kernel = plan.add_rms_norm(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., dim] any float dtype -> same shape and dtype.
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: [..., dim] any float dtype -> same shape and dtype; or, with `residual` (the
+        pre-norm block's residual add fused into its norm, vLLM's `RMSNorm(x, residual)`):
+        residual' = x + residual (x's dtype, as torch's add rounds), returns (norm(residual'),
+        residual').
 
-        Bound to a fused kernel, inputs of the weight's dtype and up to 3 dimensions go through
-        it (`kernels.dense.ops.rms_norm`, same rounding), one call instead of six torch ops.
+        Bound to fused kernels, inputs of the weight's dtype and up to 3 dimensions go through
+        them (`kernels.dense.ops.rms_norm`, `kernels.dense.triton_norm`: same rounding), one
+        call instead of six torch ops (the add included, where `KernelPlan.add_rms_norm` gave
+        one).
         """
+        if residual is not None:
+            return self._add_norm(x, residual)
         kernel = self.kernel
         if kernel is not None and x.dim() <= 3 and x.dtype == self.weight.dtype and (
             x.stride(-1) == 1
@@ -56,6 +70,17 @@ class RMSNorm(nn.Module):
         if self.weight_in_float32:
             return (self.weight.float() * h).to(dtype)
         return self.weight * h.to(dtype)
+
+    def _add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        kernel = self.add_kernel
+        if kernel is not None and x.dim() <= 3 and x.dtype == self.weight.dtype == (
+            residual.dtype
+        ) and x.stride(-1) == 1 and residual.stride(-1) == 1 and x.shape == residual.shape:
+            return kernel(x, residual, self.weight, self.eps, self.weight_in_float32)
+        residual = residual + x
+        return self.forward(residual), residual
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -72,8 +97,14 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., dim] -> same shape and dtype."""
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: [..., dim] -> same shape and dtype; with `residual`: residual' = x + residual,
+        returns (norm(residual'), residual') (as `RMSNorm`, no fused kernel)."""
+        if residual is not None:
+            residual = residual + x
+            return self.forward(residual), residual
         return (_normalized(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
 
