@@ -245,6 +245,31 @@ def router_topk(fam: Family, sweep: Sweep) -> Iterator[Case]:
             yield Case(labels, call, decode=t <= 256)
 
 
+def rms_norm(fam: Family, sweep: Sweep) -> Iterator[Case]:
+    """``kernels.dense.triton_norm``'s ``rms_norm`` and ``fused_add_rms_norm`` over the hidden
+    size, per dtype and token count (gpt-oss rounds with the weight in float32). The rotary +
+    KV-cache prologues (``qk_norm_rope_cache_kernel``, ``mla_rope_cache_kernel``) have no
+    driver yet."""
+    from kernels.dense.triton_norm import fused_add_rms_norm
+    from kernels.dense.triton_norm import rms_norm as launcher
+
+    h, fp32_weight = fam.hidden_size, fam.clamped_swiglu
+    for dtype in sweep.dtypes:
+        weight = _empty(h, dtype=torch.float32 if fp32_weight else dtype)
+        for t in sweep.num_tokens:
+            x, res = _empty(t, h, dtype=dtype), _empty(t, h, dtype=dtype)
+            for name in ("rms_norm", "fused_add_rms_norm"):
+
+                def call(x=x, res=res, weight=weight, name=name):
+                    if name == "rms_norm":
+                        return launcher(x, weight, 1e-6, fp32_weight)
+                    return fused_add_rms_norm(x, res, weight, 1e-6, fp32_weight)
+
+                labels = {"op": "rms_norm", "family": fam.name, "quant": name,
+                          "dtype": _DTYPE_NAMES[dtype], "shape": f"T={t}"}  # fmt: skip
+                yield Case(labels, call, decode=t <= 256)
+
+
 #: Every driver the check runs, in report order.
 DRIVERS: tuple[Callable[[Family, Sweep], Iterator[Case]], ...] = (
     fused_moe,
@@ -252,4 +277,5 @@ DRIVERS: tuple[Callable[[Family, Sweep], Iterator[Case]], ...] = (
     attention_prefill,
     mla_decode,
     router_topk,
+    rms_norm,
 )
