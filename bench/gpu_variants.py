@@ -270,6 +270,35 @@ def rms_norm(fam: Family, sweep: Sweep) -> Iterator[Case]:
                 yield Case(labels, call, decode=t <= 256)
 
 
+def qk_norm_rope_cache(fam: Family, sweep: Sweep) -> Iterator[Case]:
+    """``kernels.dense.triton_rope.qk_norm_rope_cache``: the attention prologue (q/k RMSNorm
+    for the Qwen3 families, rotary over the whole head, Qwen3-Next's over a quarter, K/V
+    written at ``slot_mapping``) per dtype and token count. MLA's prologue
+    (``mla_rope_cache_kernel``) has no driver yet."""
+    if fam.is_mla:
+        return
+    from kernels.dense.triton_rope import qk_norm_rope_cache as launcher
+
+    hq, hkv, d = fam.num_heads, fam.num_kv_heads, fam.head_dim
+    rot = d // 4 if fam.name.startswith("Qwen3-Next") else d
+    qk_norm = fam.name.startswith("Qwen3")
+    for dtype in sweep.dtypes:
+        tables = _empty(4096, rot, dtype=torch.float32)
+        cache = _empty(4096, sweep.block_size, hkv, d, dtype=dtype)
+        norm = _empty(d, dtype=dtype) if qk_norm else None
+        for t in sweep.num_tokens:
+            qkv = _empty(t, (hq + 2 * hkv) * d, dtype=dtype)
+            index = _empty(t, dtype=torch.int64)
+
+            def call(qkv=qkv, index=index, tables=tables, cache=cache, norm=norm):
+                return launcher(qkv, hq, hkv, index, tables, tables, norm, norm, 1e-6, cache,
+                                cache, index)  # fmt: skip
+
+            labels = {"op": "qk_norm_rope_cache", "family": fam.name, "quant": f"rot{rot}",
+                      "dtype": _DTYPE_NAMES[dtype], "shape": f"T={t}"}  # fmt: skip
+            yield Case(labels, call, decode=t <= 256)
+
+
 #: Every driver the check runs, in report order.
 DRIVERS: tuple[Callable[[Family, Sweep], Iterator[Case]], ...] = (
     fused_moe,
@@ -278,4 +307,5 @@ DRIVERS: tuple[Callable[[Family, Sweep], Iterator[Case]], ...] = (
     mla_decode,
     router_topk,
     rms_norm,
+    qk_norm_rope_cache,
 )
