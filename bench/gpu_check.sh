@@ -12,10 +12,13 @@
 #   wheels      .whl/*.whl installed offline into a temporary folder, when .whl/ exists
 #   compile     bench/gpu_compile.py --quick: the Triton kernels compiled for this GPU's
 #               architecture by the installed Triton, shared memory / spills within limits
+#   gpu-tests   pytest -m gpu on the CUDA-graph, communicator and device tests (the graph
+#               pool in the plan, the Triton warm-up, graphs vs eager, no host sync in EP)
 #   kernels     (b, c) bench/gpu_kernels.py: fused MoE bf16/int4/MXFP4 at Qwen3-30B-A3B and
 #               gpt-oss-20b layer shapes at 1/8/64/512 tokens, split decode with and without
 #               sinks/window, a prefill chunk, MLA decode at DeepSeek-V2-Lite widths; every row
 #               checked against float64, then its bandwidth as % of the copy bandwidth
+#   load-rss    bench/load_rss.py: peak host RSS of loading a ~470 MB checkpoint onto the device
 #   e2e-<case>  (d, e, f) bench/gpu_e2e.py, one step per case: random-weight cuts (3 layers) of
 #               Qwen3-30B-A3B (bf16, int4), gpt-oss-20b (MXFP4), DeepSeek-V2-Lite made on the
 #               machine; fp32 token-exact vs transformers, graphs vs eager identical, bf16
@@ -44,11 +47,13 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 2
 PY=${PYTHON:-python3}
 # Per-step limits, seconds (sum 475 s: the 8-minute budget with room for the start).
-T_ENV=${GPU_CHECK_T_ENV:-20}
-T_WHEELS=${GPU_CHECK_T_WHEELS:-30}
-T_COMPILE=${GPU_CHECK_T_COMPILE:-45}
-T_KERNELS=${GPU_CHECK_T_KERNELS:-110}
-T_E2E=${GPU_CHECK_T_E2E:-60}        # each case; the first (with the memory step) gets 90
+T_ENV=${GPU_CHECK_T_ENV:-15}
+T_WHEELS=${GPU_CHECK_T_WHEELS:-20}
+T_COMPILE=${GPU_CHECK_T_COMPILE:-40}
+T_TESTS=${GPU_CHECK_T_TESTS:-45}
+T_KERNELS=${GPU_CHECK_T_KERNELS:-100}
+T_LOAD=${GPU_CHECK_T_LOAD:-25}
+T_E2E=${GPU_CHECK_T_E2E:-50}        # each case; the first (with the memory step) gets 80
 E2E_CASES=${GPU_CHECK_E2E_CASES:-"qwen3-30b-a3b-bf16 qwen3-30b-a3b-int4 gpt-oss-20b-mxfp4 deepseek-v2-lite-bf16"}
 # Small wheels the GPU image lacks (bench/README.md, "gpu_check.sh"): the engine's messages
 # (msgspec), its front end <-> core sockets (pyzmq) and the gRPC server's stubs.
@@ -142,9 +147,22 @@ else
 fi
 
 # the compile check never runs under the interpreter (it compiles for a GPU target: sm_90,
-# H100/H200; on the GPU machine with the Triton installed there)
-step compile "$T_COMPILE" env TRITON_INTERPRET=0 "$PY" bench/gpu_compile.py --quick \
-    --arch sm_90 --json "$OUT/gpu_compile.json"
+# H100/H200, with the Triton installed there; 149 variants cold in ~15 s on 16 processes). The dry
+# run compiles tests/test_gpu_compile.py's subset only (Qwen3-30B-A3B int4 decode tiles, split
+# decode and its merge: 6 variants), which that test has just compiled (Triton's cache).
+if [ "$MODE" = dry ]; then
+    step compile "$T_COMPILE" env TRITON_INTERPRET=0 "$PY" bench/gpu_compile.py --quick \
+        --arch sm_90 --jobs 2 --family Qwen3-30B-A3B --tokens 4 --op fused_moe \
+        --op attention_decode --quant int4-g128-fp32 --dtype bf16 --json "$OUT/gpu_compile.json"
+else
+    step compile "$T_COMPILE" env TRITON_INTERPRET=0 "$PY" bench/gpu_compile.py --quick \
+        --arch sm_90 --jobs "$(nproc)" --json "$OUT/gpu_compile.json"
+fi
+
+# the GPU-only tests of this work: graph pool in the plan, warm-up before the first request,
+# graphs vs --enforce-eager, the fixed all-to-all with no host sync, --device cuda startup
+step gpu-tests "$T_TESTS" "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider \
+    tests/test_cuda_graphs.py tests/test_comm.py tests/test_device.py
 
 if [ "$MODE" = dry ]; then
     step kernels "$T_KERNELS" "$PY" bench/gpu_kernels.py --dry-run --out "$OUT"
@@ -152,12 +170,27 @@ else
     step kernels "$T_KERNELS" "$PY" bench/gpu_kernels.py --out "$OUT"
 fi
 
+# host memory while the model loads straight onto the device (built on meta): peak RSS of a
+# ~470 MB checkpoint's load, printed by bench/load_rss.py (not a dry run: --device cuda)
+load_rss() {
+    local ck=/tmp/gpu_check_load_rss
+    if [ "$MODE" = dry ]; then  # the CPU load is tests/test_meta_loading.py's; here the CLI only
+        "$PY" bench/load_rss.py --help >/dev/null &&
+            echo "would run: $PY bench/load_rss.py --make $ck; ... --load $ck --device cuda"
+        return
+    fi
+    [ -f "$ck/config.json" ] || "$PY" bench/load_rss.py --make "$ck" || return 1
+    "$PY" bench/load_rss.py --load "$ck" --device cuda
+}
+export -f load_rss
+step load-rss "$T_LOAD" bash -c load_rss
+
 E2E_FLAGS="--out $OUT --workdir ${GPU_CHECK_WORKDIR:-/tmp/gpu_check_e2e}"
 if [ "$MODE" = dry ]; then
     step e2e-plan "$T_ENV" "$PY" bench/gpu_e2e.py --plan
     E2E_FLAGS="$E2E_FLAGS --dry-run"
 fi
-limit=$((T_E2E + 30))
+limit=$((T_E2E + 30))  # the first case also makes its checkpoint and runs the memory step
 for case in $E2E_CASES; do
     # shellcheck disable=SC2086  # the flags are words
     step "e2e-$case" "$limit" "$PY" bench/gpu_e2e.py --case "$case" $E2E_FLAGS
@@ -174,7 +207,12 @@ lines += [f"| {s.split('|')[0]} | {s.split('|')[1]} | {s.split('|')[2]} |" for s
 comp = out / "gpu_compile.json"
 if comp.is_file():
     c = json.loads(comp.read_text())
-    lines += ["", f"compile: {c.get('summary', c)}"]
+    kernels_ = c["summary"]["per_kernel"]
+    lines += ["", f"compile ({c['arch']}, Triton {c['triton']}): {c['summary']['variants']} "
+              f"variants, {len(c['failures'])} problems, max shared "
+              f"{max(k['max_shared'] for k in kernels_.values()):,} B, "
+              f"{sum(k['spilling'] for k in kernels_.values())} spilling, in {c['seconds']} s"]
+    lines += [f"  FAIL: {m}" for m in c["failures"]]
 kernels = out / "gpu_kernels.md"
 lines += ["", "## Kernels (checked against float64, then timed)", "",
           kernels.read_text() if kernels.is_file() else "(no table)"]

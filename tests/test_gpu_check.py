@@ -57,9 +57,19 @@ def test_dry_run_passes_every_step(dry_run) -> None:
     assert result.returncode == 0, result.stdout[-4000:]
     summary = (out / "summary.md").read_text()
     assert "DRY RUN" in summary
-    for step in ("env", "compile", "kernels", "e2e-plan", f"e2e-{E2E_CASE}"):
+    for step in ("env", "compile", "gpu-tests", "kernels", "load-rss", "e2e-plan",
+                 f"e2e-{E2E_CASE}"):
         assert re.search(rf"^\| {step} \| 0 \| \d+ \|$", summary, re.M), (step, summary)
     assert (out / "gpu_check.log").read_text().count("=== ") >= 10  # every step logged
+
+
+def test_dry_run_collects_the_gpu_tests_and_all_skip(dry_run) -> None:
+    stdout = dry_run[0].stdout
+    section = stdout.split("=== gpu-tests (")[1].split("=== gpu-tests: rc=")[0]
+    final = [line for line in section.splitlines() if re.match(r"^\d+ \w+.* in [\d.]+s", line)]
+    assert final and re.match(r"^\d+ skipped, \d+ deselected in", final[-1]), final
+    assert "needs a CUDA device" in section
+    assert "error" not in final[-1] and "failed" not in final[-1]
 
 
 def test_dry_run_kernel_table_has_every_row(dry_run) -> None:
