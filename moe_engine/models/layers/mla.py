@@ -120,9 +120,7 @@ class MLAAttention(KVCacheLayer):
         kv_a_rows = kv_lora_rank + qk_rope_head_dim
         if q_lora_rank is None:
             self.q_proj = Linear(hidden_size, q_out, bias=False, dtype=dtype)
-            self.kv_a_proj_with_mqa = Linear(
-                hidden_size, kv_a_rows, bias=attention_bias, dtype=dtype
-            )
+            self.kv_a_proj_with_mqa = Linear(hidden_size, kv_a_rows, attention_bias, dtype=dtype)
         else:  # q_a_proj and kv_a_proj_with_mqa as one GEMM (rows: q_a, then kv_a)
             self.fused_qkv_a_proj = MergedLinear(
                 hidden_size, {"q_a": q_lora_rank, "kv_a": kv_a_rows}, bias=attention_bias,
@@ -166,6 +164,7 @@ class MLAAttention(KVCacheLayer):
             self.process_weights_after_loading()  # W_UK/W_UV now, not in the first decode step
 
     def _kv_a_weight_dtype(self) -> torch.dtype:
+        """The dtype of the weight that computes kv_a (alone, or stacked under q_a)."""
         proj = self.kv_a_proj_with_mqa if self.q_lora_rank is None else self.fused_qkv_a_proj
         return proj.weight.dtype
 
