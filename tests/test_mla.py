@@ -193,3 +193,37 @@ def test_bad_sizes_are_refused():
         MLAAttention(HIDDEN, HEADS, **{**kw, "kv_lora_rank": 0})
     with pytest.raises(ValueError, match="rotary rotates 8 dims"):
         MLAAttention(HIDDEN, HEADS, **{**kw, "qk_rope_head_dim": 16})
+
+
+def test_checkpoint_names_fill_the_fused_qkv_a_proj():
+    """With a query LoRA, q_a_proj and kv_a_proj_with_mqa are the rows of one GEMM
+    (`fused_qkv_a_proj`): the checkpoint's names load into its rows, missing pieces are named
+    as the checkpoint names them, a weight update's names resolve to the rows they fill, and
+    the one GEMM's output equals the two projections' bit for bit."""
+    from fixtures import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from moe_engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from moe_engine.models.weight_mapping import WeightLoader
+    from moe_engine.weight_update.messages import TensorMeta
+    from moe_engine.weight_update.targets import ParamTarget, resolve_targets
+
+    cfg = tiny_config("deepseek_v3", num_hidden_layers=1)
+    torch.manual_seed(0)
+    state = AutoModelForCausalLM.from_config(cfg).float().state_dict()
+    model = DeepseekV3ForCausalLM(DeepseekV3ForCausalLM.arch_spec(cfg), torch.float32)
+    loader = WeightLoader(model)
+    assert loader.load(state.items()) == loader.expected_names()
+    prefix = "model.layers.0.self_attn."
+    names = [f"{prefix}q_a_proj.weight", f"{prefix}kv_a_proj_with_mqa.weight"]
+    fused = model.model.layers[0].self_attn.fused_qkv_a_proj
+    assert torch.equal(fused.weight, torch.cat([state[n] for n in names]))
+    pieces = [f"{prefix}fused_qkv_a_proj.weight.q_a", f"{prefix}fused_qkv_a_proj.weight.kv_a"]
+    assert loader.checkpoint_names(pieces) == names
+    metas = [TensorMeta(n, "float32", list(state[n].shape)) for n in names]
+    assert resolve_targets(model, metas) == [
+        ParamTarget(f"{prefix}fused_qkv_a_proj.weight", shard) for shard in ("q_a", "kv_a")
+    ]
+    h = torch.randn(5, cfg.hidden_size)
+    q_a, kv_a = fused(h).split([cfg.q_lora_rank, cfg.kv_lora_rank + cfg.qk_rope_head_dim], -1)
+    assert torch.equal(q_a, h @ state[names[0]].T) and torch.equal(kv_a, h @ state[names[1]].T)

@@ -24,6 +24,7 @@ from torch import nn
 
 from moe_engine.models.config_fields import num_experts_of, required_int
 from moe_engine.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3Spec
+from moe_engine.models.layers.mla import MLA_STACKED
 from moe_engine.models.layers.routing import SoftmaxGroupedTopKRouter, check_v2_routing
 from moe_engine.models.weight_mapping import WeightMapping
 
@@ -44,7 +45,7 @@ class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
 
     spec_class = DeepseekV2Spec
     model_types = ("deepseek_v2",)
-    weight_mapping = WeightMapping(stacked_params=())
+    weight_mapping = WeightMapping(stacked_params=MLA_STACKED)
 
     @classmethod
     def check_routing(cls, cfg: dict) -> None:

@@ -29,7 +29,9 @@ q_a_layernorm, q_b_proj}`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, 
 `mlp.{gate,up,down}_proj` (dense); `mlp.gate.weight` / `mlp.gate.e_score_correction_bias`;
 `mlp.experts.{e}.{gate,up,down}_proj.weight` or transformers 5's fused
 `mlp.experts.gate_up_proj` / `down_proj`; `mlp.shared_experts.{gate,up,down}_proj.weight`.
-FP8 block checkpoints (DeepSeek-V3/R1, Kimi-K2) load through `quant/fp8.py`.
+`q_a_proj` and `kv_a_proj_with_mqa` fill the rows of the attention's `fused_qkv_a_proj`
+(`layers/mla.MLA_STACKED`). FP8 block checkpoints (DeepSeek-V3/R1, Kimi-K2) load through
+`quant/fp8.py`.
 
 Refused before any weight is read (ValueError naming the field): a missing kv_lora_rank or
 q_lora_rank key, a hidden_act other than silu, `index_topk` (DeepSeek-V3.2's sparse
@@ -52,7 +54,7 @@ from moe_engine.models.config_fields import (
     required_int,
 )
 from moe_engine.models.layers.decoder import DenseMLP
-from moe_engine.models.layers.mla import MLAAttention
+from moe_engine.models.layers.mla import MLA_STACKED, MLAAttention
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.rotary import RotaryEmbedding, YarnScaling, rope_with_scaling_of
 from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter, check_sigmoid_group_limits
@@ -134,7 +136,7 @@ class DeepseekV3ForCausalLM(MoeCausalLM):
 
     spec_class = DeepseekV3Spec
     model_types = ("deepseek_v3",)
-    weight_mapping = WeightMapping(stacked_params=())
+    weight_mapping = WeightMapping(stacked_params=MLA_STACKED)
     mtp_layers_field = "num_nextn_predict_layers"
 
     @classmethod

@@ -23,7 +23,12 @@ batched calls per layer and step, never a loop per request):
   `forward_absorb`).
 
 The parameter names are transformers' (`DeepseekV3Attention`, `DeepseekV2Attention` in
-transformers 5.24), so checkpoints load by name.
+transformers 5.24), so checkpoints load by name, but for one: with a query LoRA (V2, V3) the two
+down-projections of the hidden state, `q_a_proj` [q_lora_rank, H] and `kv_a_proj_with_mqa`
+[r + rope, H], are the rows of one `MergedLinear` `fused_qkv_a_proj` (shards "q_a" and "kv_a",
+vLLM's `fused_qkv_a_proj`), one GEMM per step instead of two; `MLA_STACKED` maps the
+checkpoint's names onto it for loading and weight updates, and `load_state_dict` takes
+transformers' state dicts as they are.
 """
 
 from __future__ import annotations
@@ -36,9 +41,16 @@ import torch.nn.functional as F
 from kernels.plan import KernelPlan
 from moe_engine.kv_cache.spec import MLA_ATTENTION
 from moe_engine.models.layers.attention import AttentionBatch, AttentionMetadata, KVCacheLayer
-from moe_engine.models.layers.linear import Linear
+from moe_engine.models.layers.linear import Linear, MergedLinear
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding, yarn_softmax_scale_factor
+
+#: The query and KV down-projections stacked into `fused_qkv_a_proj` (a `WeightMapping`'s
+#: `stacked_params`: merged module, checkpoint module, shard id).
+MLA_STACKED = (
+    (".fused_qkv_a_proj.", ".q_a_proj.", "q_a"),
+    (".fused_qkv_a_proj.", ".kv_a_proj_with_mqa.", "kv_a"),
+)
 
 
 class MLAAttention(KVCacheLayer):
@@ -105,15 +117,18 @@ class MLAAttention(KVCacheLayer):
         self.v_head_dim = v_head_dim
         self.q_lora_rank = q_lora_rank
         q_out = num_heads * self.qk_head_dim
+        kv_a_rows = kv_lora_rank + qk_rope_head_dim
         if q_lora_rank is None:
             self.q_proj = Linear(hidden_size, q_out, bias=False, dtype=dtype)
-        else:
-            self.q_a_proj = Linear(hidden_size, q_lora_rank, bias=attention_bias, dtype=dtype)
+            self.kv_a_proj_with_mqa = Linear(hidden_size, kv_a_rows, attention_bias, dtype=dtype)
+        else:  # q_a_proj and kv_a_proj_with_mqa as one GEMM (rows: q_a, then kv_a)
+            self.fused_qkv_a_proj = MergedLinear(
+                hidden_size, {"q_a": q_lora_rank, "kv_a": kv_a_rows}, bias=attention_bias,
+                dtype=dtype,
+            )
             self.q_a_layernorm = RMSNorm(q_lora_rank, norm_eps, dtype=dtype)
             self.q_b_proj = Linear(q_lora_rank, q_out, bias=False, dtype=dtype)
-        self.kv_a_proj_with_mqa = Linear(
-            hidden_size, kv_lora_rank + qk_rope_head_dim, bias=attention_bias, dtype=dtype
-        )
+            self._register_load_state_dict_pre_hook(_stack_qkv_a)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, norm_eps, dtype=dtype)
         self.kv_b_proj = Linear(
             kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False, dtype=dtype
@@ -143,10 +158,15 @@ class MLAAttention(KVCacheLayer):
         norm = self.kv_a_layernorm
         fits = (type(self.rotary) is RotaryEmbedding and type(norm) is RMSNorm
                 and not norm.weight_in_float32
-                and norm.weight.dtype == self.kv_a_proj_with_mqa.weight.dtype)
+                and norm.weight.dtype == self._kv_a_weight_dtype())
         self.prologue = plan.mla_rope_prologue() if fits else None
         if self.absorb and not self.kv_b_proj.weight.is_meta:  # bound after loading: split
             self.process_weights_after_loading()  # W_UK/W_UV now, not in the first decode step
+
+    def _kv_a_weight_dtype(self) -> torch.dtype:
+        """The dtype of the weight that computes kv_a (alone, or stacked under q_a)."""
+        proj = self.kv_a_proj_with_mqa if self.q_lora_rank is None else self.fused_qkv_a_proj
+        return proj.weight.dtype
 
     @property
     def cache_kind(self) -> str:
@@ -188,14 +208,14 @@ class MLAAttention(KVCacheLayer):
         slot_mapping). Returns [T, H] in h's dtype."""
         t, n = h.shape[0], self.num_heads
         if self.q_lora_rank is None:
-            q = self.q_proj(h)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
+            q, kv_a = self.q_proj(h), self.kv_a_proj_with_mqa(h)
+        else:  # views of the one GEMM's output [T, q_lora_rank + r + rope], no copy
+            q_a, kv_a = self.fused_qkv_a_proj(h).split([self.q_lora_rank, self.latent_dim], -1)
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
         q_nope, q_pe = q.view(t, n, self.qk_head_dim).split(
             [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
         )
         meta = meta.for_group(self.kv_group)
-        kv_a = self.kv_a_proj_with_mqa(h)
         if self.prologue is not None and kv_a.dtype == kv_cache.dtype:
             q_pe = self.prologue(
                 kv_a, q_pe, positions, self.rotary.cos_cache, self.rotary.sin_cache,
@@ -279,6 +299,18 @@ class MLAAttention(KVCacheLayer):
         )[..., :r]  # [B, 1, n, r]
         out = torch.bmm(o_lat.squeeze(1).transpose(0, 1), self._w_uv)  # [n, B, v]
         return out.transpose(0, 1).reshape(b, self.num_heads * self.v_head_dim)
+
+
+def _stack_qkv_a(state_dict: dict, prefix: str, *args: Any) -> None:
+    """`load_state_dict` pre-hook of an MLA layer with a query LoRA: a state dict with
+    transformers' names (`q_a_proj.weight`, `kv_a_proj_with_mqa.weight`, and their biases)
+    has them stacked, in place, into `fused_qkv_a_proj.*` (rows q_a, then kv_a); a state dict
+    of this module's own names passes through."""
+    for kind in ("weight", "bias"):
+        q_a, kv_a = f"{prefix}q_a_proj.{kind}", f"{prefix}kv_a_proj_with_mqa.{kind}"
+        if q_a in state_dict and kv_a in state_dict:
+            rows = [state_dict.pop(q_a), state_dict.pop(kv_a)]
+            state_dict[f"{prefix}fused_qkv_a_proj.{kind}"] = torch.cat(rows)
 
 
 def _sdpa(
