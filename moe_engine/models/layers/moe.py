@@ -227,8 +227,15 @@ class FusedMoE(nn.Module):
                 )
                 mine[self.ep_rank] = (sent.topk_ids >= 0).sum()
                 self.load_recorder.record_rank_tokens(self.layer_index, mine)
+        experts = self.quantized if self.quantized is not None else self._float_experts()
+        if self.shared_experts is not None and self._adds_in_experts(experts):
+            # one rank: the experts' last kernel adds the shared experts' output (same rounding)
+            with timer.phase("shared_experts"):
+                shared = self.shared_experts(hidden)
+            with timer.phase("experts"):
+                out = experts(sent.hidden, sent.topk_weights, sent.topk_ids, addend=shared)
+            return out
         with timer.phase("experts"):
-            experts = self.quantized if self.quantized is not None else self._float_experts()
             expert_out = experts(sent.hidden, sent.topk_weights, sent.topk_ids)
         with timer.phase("combine"):
             out = self.communicator.combine(expert_out, sent.handle)
@@ -236,6 +243,13 @@ class FusedMoE(nn.Module):
             return out
         with timer.phase("shared_experts"):
             return out + self.shared_experts(hidden)
+
+    def _adds_in_experts(self, experts: object) -> bool:
+        """Whether the shared experts' output can go into the experts' call (`addend`): the
+        bound kernel takes one and combine is the identity (one rank)."""
+        return bool(getattr(experts, "takes_addend", False)) and bool(
+            getattr(self.communicator, "combine_is_identity", False)
+        )
 
     def _route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, H] -> topk_weights [T, k] float32, topk_ids [T, k] int32."""
