@@ -253,10 +253,11 @@ class FusedMoE(nn.Module):
         )
 
     def _route(
-        self, hidden: torch.Tensor, counts: dict[str, torch.Tensor | None]
+        self, hidden: torch.Tensor, counts: dict[str, torch.Tensor | None] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, H] -> topk_weights [T, k] float32, topk_ids [T, k] int32; `counts`: the
-        recorder's keywords for a router that counts (`_count_in_router`), else empty."""
+        recorder's keywords for a router that counts (`_count_in_router`), else None/empty."""
+        counts = counts or {}
         if self.router_module:
             return self.gate(hidden, **counts)
         router_logits = self.gate(hidden)  # [T, E]
