@@ -181,7 +181,6 @@ def test_shared_experts_under_a_two_rank_split_run_once_per_token_on_its_own_ran
     assert sum(sum(r["rank_pairs"]) for r in results) == sum(TOKENS_PER_RANK) * K
 
 
-
 def test_triton_plan_merges_gate_up_and_adds_in_the_tail_like_the_separate_ops():
     """Bound to the triton backend (interpreter), a bf16 V3 block runs the shared experts as
     one gate_up GEMM + `silu_and_mul`, adds them inside `moe_sum` and counts the load in the
