@@ -12,6 +12,10 @@ from comm.base import DispatchResult
 class NoopCommunicator:
     """The communicator for ep_size 1: every expert is local, nothing moves."""
 
+    #: `combine` returns the experts' output itself (tokens in their own order, on this rank):
+    #: a layer may add to it inside the experts' last kernel (`FusedMoE.forward`).
+    combine_is_identity = True
+
     def begin_step(self, num_tokens: int | None) -> None:
         """Nothing to agree on with one rank."""
 

@@ -23,7 +23,8 @@ BACKENDS = (NATIVE_CPU, TRITON, TORCH)
 
 #: The ops a backend is chosen for.
 OPS = (
-    "fused_moe",  # routed experts, float weights (bf16 / fp16 / fp32)
+    "fused_moe",  # routed experts, float weights (bf16 / fp16 / fp32); triton: also the
+    # shared experts' silu_and_mul (`KernelPlan.silu_and_mul`)
     "fused_moe_int4",  # routed experts, int4 group-wise weights
     "fused_moe_mxfp4",  # routed experts, MXFP4 weights
     "attention_prefill",  # paged attention, multi-token queries (prefill chunks)
@@ -181,6 +182,18 @@ class KernelPlan:
         from kernels.dense.triton_norm import fused_add_rms_norm
 
         return fused_add_rms_norm
+
+    def silu_and_mul(self) -> Callable[..., Any] | None:
+        """The SwiGLU activation of a merged gate/up projection, called `(x [T, 2I]) -> [T, I]`
+        (`silu(gate) * up`, rounded as the torch ops): triton
+        `kernels.dense.triton_act.silu_and_mul` where the float experts run triton (the shared
+        experts are experts; one op keeps their activation on the routed experts' backend);
+        or None: the layer's separate projections and torch ops."""
+        if self.backend("fused_moe") != TRITON:
+            return None
+        from kernels.dense.triton_act import silu_and_mul
+
+        return silu_and_mul
 
     def router_topk(
         self, device_type: str, routing: str = "softmax_topk"

@@ -114,6 +114,20 @@ class ExpertLoadRecorder:
             weights = self._ones[: ids.numel()]
         self.counts[self.row_of_layer[layer]].index_add_(0, ids, weights)
 
+    def count_target(self, layer: int, num_tokens: int) -> dict[str, torch.Tensor | None]:
+        """Where a router that counts in its own launch adds one step's routing of decoder
+        layer `layer` (instead of `record`): ``expert_counts`` [E] int64, the layer's row of
+        `counts` (a view), and ``row_weights`` [P] int64, the row mask (`set_row_mask`) or
+        None (every row counts once). `kernels.moe.router_kernels` takes these keywords.
+
+        Raises:
+            ValueError: a row mask is set with fewer than `num_tokens` rows.
+        """
+        mask = self._row_mask
+        if mask is not None and num_tokens > mask.numel():
+            raise ValueError(f"{num_tokens} token rows, but the row mask has {mask.numel()}")
+        return {"expert_counts": self.counts[self.row_of_layer[layer]], "row_weights": mask}
+
     def record_layers(self, layers: list[int], topk_ids: torch.Tensor) -> None:
         """Add one step's routing of several decoder layers in one `index_add_` (the native
         decode layers, `moe_engine.models.layers.native_decode.DecodeStep`); as `record` per

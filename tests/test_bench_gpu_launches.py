@@ -45,3 +45,19 @@ def test_qwen3_moe_block_is_one_kernel_per_step_of_the_pipeline(tmp_path) -> Non
         ("attention", "triton:qk_norm_rope_cache_kernel"),
         ("norms", "triton:rms_norm_kernel"),
     } <= ops
+
+
+@pytest.mark.slow
+def test_deepseek_v3_moe_block_folds_the_shared_experts_and_the_load_count(tmp_path) -> None:
+    """One decode step of 1 request: DeepSeek-V3's MoE layer has the shared experts as one
+    gate_up GEMM, `silu_and_mul` and the down GEMM; their add is in `moe_sum` and the expert
+    load is counted by the router kernel, so nothing else runs in the block (10 launches)."""
+    ckpt = launches.make_checkpoint("deepseek_v3", tmp_path)
+    counter = launches.count_decode_step(ckpt, 1)
+    moe = [lc for lc in launches.per_layer(counter) if lc.moe]
+    assert len(moe) == 1
+    parts = moe[0].parts
+    assert (parts["shared"], parts.get("moe_other", 0)) == (3, 0), parts
+    assert (parts["router"], parts["align"], parts["experts"]) == (3, 1, 3), parts
+    ops = {(x.part, x.op) for x in counter.launches if x.layer == moe[0].layer}
+    assert ("shared", "triton:silu_and_mul_kernel") in ops

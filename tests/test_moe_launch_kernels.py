@@ -18,6 +18,9 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+import torch.nn.functional as F  # noqa: E402
+
+from kernels.dense.triton_act import silu_and_mul  # noqa: E402
 from kernels.moe import router_kernels as rk  # noqa: E402
 from kernels.moe.fused_moe import moe_align_block_size  # noqa: E402
 from kernels.moe.reference import moe_align_block_size_reference  # noqa: E402
@@ -82,6 +85,46 @@ def test_moe_sum_adds_the_kept_rows_in_fp32(tokens, top_k, hidden, dtype) -> Non
     want = x.float().masked_fill(dropped[..., None], 0.0).sum(dim=1).to(dtype)
     got = moe_sum(x, ids, 5)
     assert got.dtype == dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_sum_adds_the_addend_as_torch_adds_after_it(dtype) -> None:
+    """The shared experts' output folded into the tail: bit for bit the separate torch add
+    (the sum rounded to the dtype, then the add rounded again)."""
+    g = gen()
+    x = torch.randn(5, 3, 1030, generator=g).to(dtype)
+    ids = torch.randint(0, 4, (5, 3), generator=g, dtype=torch.int32)
+    ids[2, 1] = -1
+    addend = torch.randn(5, 1030, generator=g).to(dtype)
+    got = moe_sum(x, ids, 4, addend)
+    assert got.dtype == dtype and torch.equal(got, moe_sum(x, ids, 4) + addend)
+    with pytest.raises(ValueError, match="addend"):
+        moe_sum(x, ids, 4, addend[:, :-1])
+
+
+# --- silu_and_mul ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tokens", "inter", "dtype"),
+    [(1, 32, torch.bfloat16), (3, 1500, torch.bfloat16), (2, 96, torch.float16),
+     (3, 1500, torch.float32)],
+)  # fmt: skip
+def test_silu_and_mul_equals_the_torch_ops(tokens, inter, dtype) -> None:
+    """bf16/fp16: bit for bit ``F.silu(gate) * up`` (silu rounded to the dtype, then the
+    product); fp32 (where exp may differ from torch's in the last bit): against float64 to
+    float32 rounding. I = 1500 takes two column blocks, the last partial."""
+    x = (torch.randn(tokens, 2 * inter, generator=gen()) * 4).to(dtype)
+    got = silu_and_mul(x)
+    gate, up = x[:, :inter], x[:, inter:]
+    assert got.dtype == dtype and got.shape == (tokens, inter)
+    if dtype == torch.float32:
+        want = F.silu(gate.double()) * up.double()
+        torch.testing.assert_close(got.double(), want, rtol=4e-7, atol=1e-30)
+    else:
+        assert torch.equal(got, F.silu(gate) * up)
+    with pytest.raises(ValueError, match="2I"):
+        silu_and_mul(x[:, :-1])
 
 
 # --- routers --------------------------------------------------------------------------------
@@ -153,6 +196,35 @@ def test_softmax_grouped_topk() -> None:
             rk.fused_softmax_grouped_topk(logits, 4, method, 4, 2, 1.5),
             routing.softmax_grouped_topk(logits, 4, method, 4, 2, 1.5),
         )
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_every_router_counts_the_expert_load_it_routes(masked) -> None:
+    """`expert_counts` gains each row's weight (1, or the row mask's 1/0) per chosen expert:
+    the recorder's `index_add_`, exactly, for each launcher."""
+    g = gen()
+    logits = _logits(g, 6, 16, torch.float32)
+    mask = torch.tensor([1, 0, 1, 1, 0, 1, 1, 1], dtype=torch.int64) if masked else None
+    calls = {
+        "softmax_topk": lambda **c: rk.fused_softmax_topk(logits, 4, True, **c),
+        "topk_softmax": lambda **c: rk.fused_topk_softmax(logits, 4, **c),
+        "sigmoid_grouped_topk": lambda **c: rk.fused_sigmoid_grouped_topk(
+            logits, 4, None, 4, 2, True, 1.0, **c),
+        "softmax_grouped_topk": lambda **c: rk.fused_softmax_grouped_topk(
+            logits, 4, "group_limited_greedy", 4, 2, 1.0, **c),
+    }  # fmt: skip
+    assert set(calls) == set(rk.FUSED_ROUTERS)
+    for name, call in calls.items():
+        assert rk.FUSED_ROUTERS[name].COUNTS_EXPERTS
+        counts = torch.full((16,), 7, dtype=torch.int64)
+        _, ids = call(expert_counts=counts, row_weights=mask)
+        weight = torch.ones(6, dtype=torch.int64) if mask is None else mask[:6]
+        want = torch.full((16,), 7, dtype=torch.int64)
+        want.index_add_(0, ids.reshape(-1).long(), weight[:, None].expand(6, 4).reshape(-1))
+        assert torch.equal(counts, want), name
+        assert torch.equal(call()[1], ids), name  # counting changes no routing
+    with pytest.raises(ValueError, match="expert_counts"):
+        rk.fused_softmax_topk(logits, 4, True, expert_counts=torch.zeros(15, dtype=torch.int64))
 
 
 def test_the_plan_hands_the_fused_routers_to_triton_layers() -> None:

@@ -179,3 +179,42 @@ def test_shared_experts_under_a_two_rank_split_run_once_per_token_on_its_own_ran
         assert r["routed_pairs"] == TOKENS_PER_RANK[rank] * K  # routed pairs only
     # pairs processed per rank add up to the routed pairs: no shared-expert work in them
     assert sum(sum(r["rank_pairs"]) for r in results) == sum(TOKENS_PER_RANK) * K
+
+
+def test_triton_plan_merges_gate_up_and_adds_in_the_tail_like_the_separate_ops():
+    """Bound to the triton backend (interpreter), a bf16 V3 block runs the shared experts as
+    one gate_up GEMM + `silu_and_mul`, adds them inside `moe_sum` and counts the load in the
+    router; the output is bit for bit the separate torch ops on the same routing and routed
+    experts (`routed + down(silu(gate(x)) * up(x))`), the counts `index_add_`'s; a weight
+    copied into gate_proj in place (a reload) reaches the merged GEMM."""
+    from kernels.plan import TRITON, KernelPlan
+    from moe_engine.instrumentation import ExpertLoadRecorder
+    from moe_engine.models.kernel_binding import bind_kernels
+
+    hidden = torch.randn(5, H, generator=torch.Generator().manual_seed(3)).bfloat16()
+    moe = _v3_block(seed=4).to(torch.bfloat16)
+    moe.gate.float()  # the router stays float32, as the model keeps it
+    recorder = ExpertLoadRecorder([0], E)
+    moe.attach_recorder(recorder, 0)
+    bind_kernels(torch.nn.ModuleList([moe]), KernelPlan.uniform(TRITON, "cpu"))
+    se = moe.shared_experts
+    assert se._gate_up is not None
+    assert se.gate_proj.weight.data_ptr() == se._gate_up[1].data_ptr()
+
+    def separate() -> torch.Tensor:
+        weights, ids = moe.gate(hidden)
+        routed = moe.bound_experts(hidden, weights, ids)
+        gate, up = F.linear(hidden, se.gate_proj.weight), F.linear(hidden, se.up_proj.weight)
+        return routed + F.linear(F.silu(gate) * up, se.down_proj.weight), ids
+
+    with torch.inference_mode():
+        want, ids = separate()
+        assert torch.equal(moe(hidden), want)
+        counts = torch.zeros(E, dtype=torch.int64).index_add_(
+            0, ids.reshape(-1).long(), torch.ones(ids.numel(), dtype=torch.int64)
+        )
+        assert torch.equal(recorder.counts[0], counts)
+        new = torch.randn(I_SHARED, H, generator=torch.Generator().manual_seed(5)).bfloat16()
+        se.gate_proj.weight.data.copy_(new)
+        want, _ = separate()
+        assert torch.equal(moe(hidden), want)

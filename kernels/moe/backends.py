@@ -164,12 +164,16 @@ class BoundExperts:
         restore: gives the canonical 4-bit layout back exactly, or None where the layout cannot
             (the torch CPU int4 layout rounds scales to bfloat16) or for float experts (their
             float parameters stay the canonical copy).
+        takes_addend: the call takes ``addend=`` ([T, H] in hidden's dtype, e.g. the shared
+            experts' output), added in its last launch exactly as ``out + addend`` would
+            (triton float experts: `kernels.moe.sum_kernels.moe_sum`).
     """
 
     backend: str
     run: ExpertFn
     held: tuple[torch.Tensor, ...] = ()
     restore: Callable[[], Int4Experts | Mxfp4Experts] | None = None
+    takes_addend: bool = False
 
     def __call__(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -227,7 +231,10 @@ def bind_float_experts(
     if backend == TRITON:
         from kernels.moe.fused_moe import fused_moe
 
-        return BoundExperts(backend, lambda h, tw, ti: fused_moe(h, w13, w2, tw, ti, **kw))
+        def run(h, tw, ti, addend=None):
+            return fused_moe(h, w13, w2, tw, ti, addend=addend, **kw)
+
+        return BoundExperts(backend, run, takes_addend=True)
     if w13.device.type == "cpu":
         from kernels.moe.torch_cpu import fused_moe_cpu
 

@@ -285,11 +285,12 @@ def _fused_moe(
     b13: torch.Tensor | None,
     b2: torch.Tensor | None,
     config: MoeTileConfig | None,
+    addend: torch.Tensor | None = None,
 ) -> torch.Tensor:
     num_tokens, top_k = topk_ids.shape
     hidden_size = hidden.shape[1]
     if num_tokens == 0:
-        return torch.zeros_like(hidden)
+        return torch.zeros_like(hidden) if addend is None else addend.clone()
     if hidden.shape[0] != num_tokens or topk_weights.shape != topk_ids.shape:
         raise ValueError(
             f"hidden {tuple(hidden.shape)}, topk_weights {tuple(topk_weights.shape)} and "
@@ -326,7 +327,7 @@ def _fused_moe(
         act, w2[0], down, weights, *align, top_k=1, mul_routed_weight=True,
         w_scales=w2[1], w_zeros=w2[2], bias=b2, **tiles,
     )  # fmt: skip
-    return moe_sum(down.view(num_tokens, top_k, hidden_size), topk_ids, num_experts)
+    return moe_sum(down.view(num_tokens, top_k, hidden_size), topk_ids, num_experts, addend)
 
 
 def fused_moe(
@@ -341,6 +342,7 @@ def fused_moe(
     b13: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
     config: MoeTileConfig | None = None,
+    addend: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mixture of SwiGLU experts with two grouped GEMM launches; same contract as the reference.
 
@@ -356,6 +358,8 @@ def fused_moe(
         b13: optional ``[E, 2I]`` gate/up bias; b2: optional ``[E, H]`` down bias (gpt-oss).
         config: tile sizes and launch options; None: `kernels.moe.fused_moe_configs.get_moe_config`
             for (T, I, H, weight format).
+        addend: optional ``[T, H]`` in hidden's dtype added to the result in `moe_sum`'s
+            launch (the shared experts' output), rounded as ``result + addend`` in torch.
 
     Returns:
         ``[T, H]`` in hidden's dtype; the k slots are summed in fp32.
@@ -365,7 +369,7 @@ def fused_moe(
     """
     return _fused_moe(
         hidden, (w13, None, None), (w2, None, None), topk_weights, topk_ids, block_size_m,
-        activation, b13, b2, config,
+        activation, b13, b2, config, addend,
     )  # fmt: skip
 
 

@@ -20,6 +20,12 @@ kept groups), so ties go to the lower id exactly as the torch path's stable desc
 Weights are float32 and ids int32, as the expert kernels take them. The arithmetic is the torch
 path's in float32 (``exp``/``sigmoid`` may differ from torch's in the last bit, so weights agree
 to float32 rounding, and a selection can differ only between scores within that rounding).
+
+Every launcher also takes the expert-load count of the layer (`expert_counts`: an int64 ``[E]``
+row of `moe_engine.instrumentation.ExpertLoadRecorder`'s counts, optional `row_weights` [>= T]
+int64 of 1 and 0 for a padded graph batch): each program adds its row's weight to the counts of
+its k experts with an atomic add (integers: exact, order-free), so the recorder's
+``index_add_`` launch is not needed where the router is one of these (`COUNTS_EXPERTS`).
 """
 
 from __future__ import annotations
@@ -74,12 +80,13 @@ def _group_keep(
 
 @triton.jit
 def router_topk_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_lt, routed_scaling_factor, renorm_eps,
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, counts_ptr, row_weights_ptr, stride_lt,
+    routed_scaling_factor, renorm_eps,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr, PER_GROUP_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
     SCORING: tl.constexpr, GROUP_SCORE: tl.constexpr, HAS_BIAS: tl.constexpr,
     RENORMALIZE: tl.constexpr, ROUND_WEIGHTS_BF16: tl.constexpr, ROUND_WEIGHTS_FP16: tl.constexpr,
-    INTERPRET_BF16: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_ROW_WEIGHTS: tl.constexpr,
 ):  # fmt: skip
     """One token: see the module docstring."""
     t = tl.program_id(0)
@@ -135,18 +142,25 @@ def router_topk_kernel(
     out = t * TOP_K + slot
     tl.store(weights_ptr + out, weights, mask=slot < TOP_K)
     tl.store(ids_ptr + out, ids, mask=slot < TOP_K)
+    if HAS_COUNTS:  # the k ids of a row are distinct: one atomic add per expert and row
+        add = tl.full([K_PAD], 1, dtype=tl.int64)
+        if HAS_ROW_WEIGHTS:
+            add = add * tl.load(row_weights_ptr + t)
+        tl.atomic_add(counts_ptr + ids, add, mask=slot < TOP_K)
 
 
 def _launch(
     logits: torch.Tensor, top_k: int, *, scoring: int, n_group: int = 1, topk_group: int = 1,
     group_score: int = NO_GROUPS, bias: torch.Tensor | None = None, renormalize: bool = False,
-    renorm_eps: float = 0.0, scale: float = 1.0,
+    renorm_eps: float = 0.0, scale: float = 1.0, expert_counts: torch.Tensor | None = None,
+    row_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     num_tokens, num_experts = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k {top_k} must be in [1, {num_experts}]")
+    _check_counts(expert_counts, row_weights, num_tokens, num_experts)
     device = logits.device
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
@@ -155,7 +169,9 @@ def _launch(
     per_group = num_experts // n_group
     interpret = bool(triton.knobs.runtime.interpret)
     router_topk_kernel[(num_tokens,)](
-        logits, bias if bias is not None else logits, weights, ids, logits.stride(0),
+        logits, bias if bias is not None else logits, weights, ids,
+        expert_counts if expert_counts is not None else ids,
+        row_weights if row_weights is not None else ids, logits.stride(0),
         float(scale), float(renorm_eps),
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), N_GROUP=n_group, PER_GROUP=per_group,
         GROUP_PAD=triton.next_power_of_2(n_group),
@@ -164,13 +180,42 @@ def _launch(
         RENORMALIZE=renormalize,
         ROUND_WEIGHTS_BF16=scoring == TOPK_THEN_SOFTMAX and logits.dtype == torch.bfloat16,
         ROUND_WEIGHTS_FP16=scoring == TOPK_THEN_SOFTMAX and logits.dtype == torch.float16,
-        INTERPRET_BF16=interpret, num_warps=1 if num_experts <= 128 else 4,
+        INTERPRET_BF16=interpret, HAS_COUNTS=expert_counts is not None,
+        HAS_ROW_WEIGHTS=row_weights is not None, num_warps=1 if num_experts <= 128 else 4,
     )  # fmt: skip
     return weights, ids
 
 
+def _check_counts(
+    expert_counts: torch.Tensor | None,
+    row_weights: torch.Tensor | None,
+    num_tokens: int,
+    num_experts: int,
+) -> None:
+    """Raises ValueError unless expert_counts is None or a contiguous int64 [E] tensor and
+    row_weights None or an int64 [P >= T] one (given only with expert_counts)."""
+    if expert_counts is None:
+        if row_weights is not None:
+            raise ValueError("row_weights without expert_counts")
+        return
+    if (expert_counts.dtype != torch.int64 or tuple(expert_counts.shape) != (num_experts,)
+            or expert_counts.stride(0) != 1):  # fmt: skip
+        raise ValueError(
+            f"expert_counts must be a contiguous [{num_experts}] int64 tensor, got "
+            f"{tuple(expert_counts.shape)} {expert_counts.dtype}"
+        )
+    if row_weights is not None and (
+        row_weights.dtype != torch.int64 or row_weights.dim() != 1
+        or row_weights.numel() < num_tokens
+    ):  # fmt: skip
+        raise ValueError(
+            f"row_weights must be [P >= {num_tokens}] int64, got {tuple(row_weights.shape)} "
+            f"{row_weights.dtype}"
+        )
+
+
 def fused_softmax_topk(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, **counts: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`routing.softmax_topk` in one launch: softmax over the E experts in float32, the k
     largest (lower id first on ties), optionally divided by their sum.
@@ -185,11 +230,13 @@ def fused_softmax_topk(
     Raises:
         ValueError: top_k outside [1, E].
     """
-    return _launch(router_logits, top_k, scoring=SOFTMAX_THEN_TOPK, renormalize=renormalize)
+    return _launch(
+        router_logits, top_k, scoring=SOFTMAX_THEN_TOPK, renormalize=renormalize, **counts
+    )
 
 
 def fused_topk_softmax(
-    router_logits: torch.Tensor, top_k: int
+    router_logits: torch.Tensor, top_k: int, **counts: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`routing.topk_softmax` (gpt-oss) in one launch: the k largest logits (lower id first on
     ties), then a softmax over those k computed in float32 and rounded to the logits' dtype, as
@@ -201,7 +248,7 @@ def fused_topk_softmax(
     Returns:
         topk_weights [T, k] float32 (sum to 1 up to that rounding), topk_ids [T, k] int32.
     """
-    return _launch(router_logits, top_k, scoring=TOPK_THEN_SOFTMAX)
+    return _launch(router_logits, top_k, scoring=TOPK_THEN_SOFTMAX, **counts)
 
 
 def fused_sigmoid_grouped_topk(
@@ -212,6 +259,7 @@ def fused_sigmoid_grouped_topk(
     topk_group: int,
     norm_topk_prob: bool,
     routed_scaling_factor: float,
+    **counts: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`routing.sigmoid_grouped_topk` (DeepSeek-V3 / GLM-4.5 noaux_tc routing, arXiv:2412.19437
     sec. 2.1.2) in one launch: sigmoid scores, plus the correction bias for the choice only;
@@ -232,7 +280,7 @@ def fused_sigmoid_grouped_topk(
     return _launch(
         router_logits, top_k, scoring=SIGMOID_BIAS, n_group=n_group, topk_group=topk_group,
         group_score=GROUP_TOP2_SUM if grouped else NO_GROUPS, bias=e_score_correction_bias,
-        renormalize=norm_topk_prob, renorm_eps=1e-20, scale=routed_scaling_factor,
+        renormalize=norm_topk_prob, renorm_eps=1e-20, scale=routed_scaling_factor, **counts,
     )  # fmt: skip
 
 
@@ -243,6 +291,7 @@ def fused_softmax_grouped_topk(
     n_group: int | None,
     topk_group: int | None,
     routed_scaling_factor: float,
+    **counts: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`routing.softmax_grouped_topk` (DeepSeek-V2) in one launch: softmax over all experts;
     "greedy" the top_k, "group_limited_greedy" the top_k of the `topk_group` groups with the
@@ -258,10 +307,12 @@ def fused_softmax_grouped_topk(
         topk_weights [T, k] float32, topk_ids [T, k] int32 (by descending probability).
     """
     if topk_method != "group_limited_greedy":
-        return _launch(router_logits, top_k, scoring=SOFTMAX_THEN_TOPK, scale=routed_scaling_factor)
+        return _launch(
+            router_logits, top_k, scoring=SOFTMAX_THEN_TOPK, scale=routed_scaling_factor, **counts
+        )
     return _launch(
         router_logits, top_k, scoring=SOFTMAX_THEN_TOPK, n_group=n_group, topk_group=topk_group,
-        group_score=GROUP_MAX, scale=routed_scaling_factor,
+        group_score=GROUP_MAX, scale=routed_scaling_factor, **counts,
     )  # fmt: skip
 
 
@@ -273,3 +324,7 @@ FUSED_ROUTERS = {
     "sigmoid_grouped_topk": fused_sigmoid_grouped_topk,
     "softmax_grouped_topk": fused_softmax_grouped_topk,
 }
+#: Every launcher takes ``expert_counts=`` / ``row_weights=`` (see the module docstring); a
+#: layer reads this attribute off its router kernel rather than comparing names.
+for _router in FUSED_ROUTERS.values():
+    _router.COUNTS_EXPERTS = True

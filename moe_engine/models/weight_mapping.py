@@ -33,6 +33,7 @@ from torch import nn
 from moe_engine.models.layers import expert_weights
 from moe_engine.models.layers.linear import Linear, MergedLinear
 from moe_engine.models.layers.moe import FusedMoE
+from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.models.materialize import materialize_float_experts
 from quant.int4 import Int4Weight, dequantize_int4
 
@@ -262,7 +263,7 @@ class WeightLoader:
             if self._experts_left:
                 self._note_experts(filled)
         for module in self.model.modules():  # native kernels' packed copies are stale now
-            if isinstance(module, Linear | FusedMoE):
+            if isinstance(module, Linear | FusedMoE | SharedExperts):
                 module.reset_packed()
         return loaded
 

@@ -32,6 +32,7 @@ from moe_engine.models.layers.expert_weights import deinterleave_gate_up
 from moe_engine.models.layers.linear import Linear
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.quantized_experts import QuantizedExperts
+from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.models.weight_mapping import WeightLoader
 from moe_engine.weight_update.targets import (
     ExpertTarget,
@@ -276,7 +277,7 @@ def rebind(model: MoeCausalLM, plan: KernelPlan) -> None:
     linears and float experts repack, decode layers rebuild their native calls, MLA splits
     its absorbed weights on next use)."""
     for module in model.modules():
-        if isinstance(module, Linear | FusedMoE):
+        if isinstance(module, Linear | FusedMoE | SharedExperts):
             module.reset_packed()
     bind_kernels(model, plan)
     for module in model.modules():

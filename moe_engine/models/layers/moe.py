@@ -19,7 +19,7 @@ from kernels.plan import TORCH, KernelPlan
 from moe_engine.instrumentation import ExpertLoadRecorder
 from moe_engine.models.layers.linear import Linear
 from moe_engine.models.layers.quantized_experts import QuantizedExperts
-from moe_engine.models.layers.routing import softmax_topk, topk_softmax
+from moe_engine.models.layers.routing import routing_counts_experts, softmax_topk, topk_softmax
 from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.phase_timer import PhaseTimer
 from quant.int4 import Int4Weight
@@ -215,8 +215,9 @@ class FusedMoE(nn.Module):
         shared experts of this rank's own tokens."""
         timer = self.timer or _NO_TIMER
         with timer.phase("router"):
-            topk_weights, topk_ids = self._route(hidden)
-            if self.load_recorder is not None:  # routed pairs only, never the shared experts
+            counts = self._count_in_router(hidden.shape[0])
+            topk_weights, topk_ids = self._route(hidden, counts)
+            if self.load_recorder is not None and not counts:  # routed pairs only
                 self.load_recorder.record(self.layer_index, topk_ids)
         with timer.phase("dispatch"):
             sent = self.communicator.dispatch(hidden, topk_ids, topk_weights)
@@ -227,8 +228,15 @@ class FusedMoE(nn.Module):
                 )
                 mine[self.ep_rank] = (sent.topk_ids >= 0).sum()
                 self.load_recorder.record_rank_tokens(self.layer_index, mine)
+        experts = self.quantized if self.quantized is not None else self._float_experts()
+        if self.shared_experts is not None and self._adds_in_experts(experts):
+            # one rank: the experts' last kernel adds the shared experts' output (same rounding)
+            with timer.phase("shared_experts"):
+                shared = self.shared_experts(hidden)
+            with timer.phase("experts"):
+                out = experts(sent.hidden, sent.topk_weights, sent.topk_ids, addend=shared)
+            return out
         with timer.phase("experts"):
-            experts = self.quantized if self.quantized is not None else self._float_experts()
             expert_out = experts(sent.hidden, sent.topk_weights, sent.topk_ids)
         with timer.phase("combine"):
             out = self.communicator.combine(expert_out, sent.handle)
@@ -237,14 +245,37 @@ class FusedMoE(nn.Module):
         with timer.phase("shared_experts"):
             return out + self.shared_experts(hidden)
 
-    def _route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [T, H] -> topk_weights [T, k] float32, topk_ids [T, k] int32."""
+    def _adds_in_experts(self, experts: object) -> bool:
+        """Whether the shared experts' output can go into the experts' call (`addend`): the
+        bound kernel takes one and combine is the identity (one rank)."""
+        return bool(getattr(experts, "takes_addend", False)) and bool(
+            getattr(self.communicator, "combine_is_identity", False)
+        )
+
+    def _route(
+        self, hidden: torch.Tensor, counts: dict[str, torch.Tensor | None] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> topk_weights [T, k] float32, topk_ids [T, k] int32; `counts`: the
+        recorder's keywords for a router that counts (`_count_in_router`), else None/empty."""
+        counts = counts or {}
         if self.router_module:
-            return self.gate(hidden)
+            return self.gate(hidden, **counts)
         router_logits = self.gate(hidden)  # [T, E]
         if self.routing == "topk_softmax":
-            return (self.router_kernel or topk_softmax)(router_logits, self.top_k)
-        return (self.router_kernel or softmax_topk)(router_logits, self.top_k, self.renormalize)
+            return (self.router_kernel or topk_softmax)(router_logits, self.top_k, **counts)
+        route = self.router_kernel or softmax_topk
+        return route(router_logits, self.top_k, self.renormalize, **counts)
+
+    def _count_in_router(self, num_tokens: int) -> dict[str, torch.Tensor | None]:
+        """The load recorder's keywords (`ExpertLoadRecorder.count_target`) where the router
+        counts the expert load in its own launch (the Triton routers), else {} (the recorder's
+        `record` runs after it)."""
+        if self.load_recorder is None:
+            return {}
+        kernel = self.gate.kernel if self.router_module else self.router_kernel
+        if not routing_counts_experts(kernel):
+            return {}
+        return self.load_recorder.count_target(self.layer_index, num_tokens)
 
     def bind_kernels(self, plan: KernelPlan) -> None:
         """Take the kernels once: the routing (`KernelPlan.router_topk` for `routing`: the

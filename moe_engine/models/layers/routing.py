@@ -23,7 +23,7 @@ persistent float32 buffer `e_score_correction_bias` [E]. Each module's forward t
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -275,6 +275,12 @@ def softmax_grouped_topk(
     return scores.gather(1, ids) * routed_scaling_factor, ids.to(torch.int32)
 
 
+def routing_counts_experts(kernel: Callable[..., Any] | None) -> bool:
+    """Whether a routing kernel counts the expert load in its own launch (takes
+    ``expert_counts=`` / ``row_weights=``: `kernels.moe.router_kernels`'s `COUNTS_EXPERTS`)."""
+    return bool(getattr(kernel, "COUNTS_EXPERTS", False))
+
+
 class _Router(nn.Module):
     """The parameters every router module holds under the checkpoint's names.
 
@@ -307,6 +313,12 @@ class _Router(nn.Module):
         """Take the one-call routing of this rule (`KernelPlan.router_topk`), or None: the
         torch function."""
         self.kernel = plan.router_topk(self.weight.device.type, self.ROUTING)
+
+    @property
+    def counts_experts(self) -> bool:
+        """Whether forward takes ``expert_counts=`` / ``row_weights=`` and counts the expert
+        load in its launch (the bound kernel's `COUNTS_EXPERTS`: the Triton routers)."""
+        return routing_counts_experts(self.kernel)
 
     @property
     def in_features(self) -> int:
@@ -344,10 +356,13 @@ class SoftmaxTopKRouter(_Router):
         super().__init__(hidden_size, num_experts, top_k, bias, dtype)
         self.norm_topk_prob = norm_topk_prob
 
-    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [T, H] -> topk_weights [T, k] float32, topk_ids [T, k] int32."""
+    def forward(
+        self, hidden: torch.Tensor, **counts: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> topk_weights [T, k] float32, topk_ids [T, k] int32 (`counts`: see
+        `counts_experts`)."""
         route = self.kernel or softmax_topk
-        return route(self.router_logits(hidden), self.top_k, self.norm_topk_prob)
+        return route(self.router_logits(hidden), self.top_k, self.norm_topk_prob, **counts)
 
 
 class SigmoidGroupedTopKRouter(_Router):
@@ -388,11 +403,15 @@ class SigmoidGroupedTopKRouter(_Router):
         bias_buffer = torch.zeros(num_experts, dtype=torch.float32) if correction_bias else None
         self.register_buffer("e_score_correction_bias", bias_buffer)
 
-    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [T, H] -> topk_weights [T, k] float32, topk_ids [T, k] int32."""
+    def forward(
+        self, hidden: torch.Tensor, **counts: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> topk_weights [T, k] float32, topk_ids [T, k] int32 (`counts`: see
+        `counts_experts`)."""
         return (self.kernel or sigmoid_grouped_topk)(
             self.router_logits(hidden), self.top_k, self.e_score_correction_bias,
             self.n_group, self.topk_group, self.norm_topk_prob, self.routed_scaling_factor,
+            **counts,
         )
 
 
@@ -427,9 +446,12 @@ class SoftmaxGroupedTopKRouter(_Router):
         self.topk_method, self.n_group, self.topk_group = topk_method, n_group, topk_group
         self.routed_scaling_factor = routed_scaling_factor
 
-    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [T, H] -> topk_weights [T, k] float32, topk_ids [T, k] int32."""
+    def forward(
+        self, hidden: torch.Tensor, **counts: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> topk_weights [T, k] float32, topk_ids [T, k] int32 (`counts`: see
+        `counts_experts`)."""
         return (self.kernel or softmax_grouped_topk)(
             self.router_logits(hidden), self.top_k, self.topk_method, self.n_group,
-            self.topk_group, self.routed_scaling_factor,
+            self.topk_group, self.routed_scaling_factor, **counts,
         )

@@ -20,6 +20,14 @@ load as they are; Qwen2-MoE's names map through `shared_expert_param_name`:
 | `shared_experts.{gate,up,down}_proj.weight` | `shared_experts.{gate,up,down}_proj.weight`      |
 | `shared_expert.{gate,up,down}_proj.weight`  | `shared_experts.{gate,up,down}_proj.weight`      |
 | `shared_expert_gate.weight` [1, H]          | `shared_experts.expert_gate.weight` [1, H]       |
+
+Kernels. Where the plan hands out a fused activation (`KernelPlan.silu_and_mul`: the triton
+backend), `bind_kernels` moves gate_proj's and up_proj's weights (and biases) into one
+``[2I, H]`` tensor and makes the two parameters views of its halves, so the forward is one
+gate_up GEMM, one `silu_and_mul` and the down GEMM (three launches where the separate path
+takes five), and a weight copied into either parameter in place is seen by the merged GEMM.
+A weight update that replaces a parameter's tensor rebinds the model (`weight_update`), which
+merges again. The checkpoint names and parameters are unchanged.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.dense.linear import LinearKernel
+from kernels.plan import KernelPlan
 from moe_engine.models.layers.linear import Linear
 
 #: Checkpoint-name pieces (under `.mlp.`) -> the engine's (`packed_modules_mapping` style).
@@ -89,10 +99,46 @@ class SharedExperts(nn.Module):
         self.up_proj = Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
         self.expert_gate = Linear(hidden_size, 1, bias=False, dtype=dtype) if gated else None
+        #: Set by `bind_kernels` where the plan fuses the activation: the merged gate_up GEMM
+        #: (its kernel, weight [2I, H], bias [2I] or None) and `silu_and_mul`; else None.
+        self._gate_up: tuple[LinearKernel, torch.Tensor, torch.Tensor | None] | None = None
+        self._silu_and_mul = None
+
+    def bind_kernels(self, plan: KernelPlan) -> None:
+        """Merge gate_proj and up_proj into one GEMM where the plan has a fused activation
+        (`KernelPlan.silu_and_mul`) and neither projection is 4-bit (`Linear.quantize`); else
+        keep the separate path. Call after loading, on the weights' final device (moving the
+        module afterwards would part the parameters from the merged tensor); calling again
+        merges the current parameters again."""
+        self._gate_up = self._silu_and_mul = None
+        act = plan.silu_and_mul()
+        gate, up = self.gate_proj, self.up_proj
+        if act is None or gate.quant_scheme is not None or up.quant_scheme is not None:
+            return
+        inter = self.intermediate_size
+        weight = torch.cat([gate.weight.data, up.weight.data])  # [2I, H]
+        gate.weight.data, up.weight.data = weight[:inter], weight[inter:]
+        bias = None
+        if gate.bias is not None:
+            bias = torch.cat([gate.bias.data, up.bias.data])  # [2I]
+            gate.bias.data, up.bias.data = bias[:inter], bias[inter:]
+        kernel = plan.linear(weight, None)
+        kernel.prepack(weight, bias)
+        self._gate_up, self._silu_and_mul = (kernel, weight, bias), act
+
+    def reset_packed(self) -> None:
+        """The weights changed in place: drop the merged GEMM kernel's packed copy (the merged
+        weight itself is the parameters' storage, so it is current)."""
+        if self._gate_up is not None:
+            self._gate_up[0].reset()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H], same dtype."""
-        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self._gate_up is not None:
+            kernel, weight, bias = self._gate_up
+            out = self.down_proj(self._silu_and_mul(kernel(x, weight, bias)))
+        else:
+            out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         if self.expert_gate is not None:
             out = torch.sigmoid(self.expert_gate(x)) * out
         return out
