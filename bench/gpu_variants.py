@@ -234,22 +234,72 @@ def router_topk(fam: Family, sweep: Sweep) -> Iterator[Case]:
         logits_dtype = torch.float32 if name == "sigmoid_grouped_topk" else dtype
         args = tuple(_empty(fam.num_experts, dtype=torch.float32) if a == "bias" else a
                      for a in extra)  # fmt: skip
+        counts = _empty(fam.num_experts, dtype=torch.int64)
         for t in sweep.num_tokens:
             logits = _empty(t, fam.num_experts, dtype=logits_dtype)
+            # without and with the expert-load count (the engine counts in the router's launch)
+            for counting in (False, True):
 
-            def call(logits=logits, args=args):
-                return FUSED_ROUTERS[name](logits, fam.top_k, *args)
+                def call(logits=logits, args=args, counting=counting, counts=counts):
+                    return FUSED_ROUTERS[name](logits, fam.top_k, *args,
+                                               expert_counts=counts if counting else None)
 
-            labels = {"op": "router_topk", "family": fam.name, "quant": name,
-                      "dtype": _DTYPE_NAMES[logits_dtype], "shape": f"T={t}"}  # fmt: skip
+                labels = {"op": "router_topk", "family": fam.name,
+                          "quant": name + (" +counts" if counting else ""),
+                          "dtype": _DTYPE_NAMES[logits_dtype], "shape": f"T={t}"}  # fmt: skip
+                yield Case(labels, call, decode=t <= 256)
+
+
+def silu_and_mul(fam: Family, sweep: Sweep) -> Iterator[Case]:
+    """``kernels.dense.triton_act.silu_and_mul`` over the shared experts' merged gate/up
+    output (``[T, 2I]``, I = the routed experts' intermediate size, as DeepSeek's one shared
+    expert of n_shared x I: the widest width the families use it at), per dtype and tokens."""
+    if not fam.is_mla:
+        return
+    from kernels.dense.triton_act import silu_and_mul as launcher
+
+    for dtype in sweep.dtypes:
+        for t in sweep.num_tokens:
+            x = _empty(t, 2 * fam.moe_intermediate_size, dtype=dtype)
+
+            def call(x=x):
+                return launcher(x)
+
+            labels = {"op": "silu_and_mul", "family": fam.name, "quant": "shared experts",
+                      "dtype": _DTYPE_NAMES[dtype], "shape": f"T={t}"}  # fmt: skip
+            yield Case(labels, call, decode=t <= 256)
+
+
+def mla_rope_cache(fam: Family, sweep: Sweep) -> Iterator[Case]:
+    """``kernels.attention.triton_mla_prologue.mla_rope_cache``: MLA's prologue (the latent's
+    RMSNorm, rope of k_pe and every head's q_pe, the latent written at ``slot_mapping``)."""
+    if not fam.is_mla:
+        return
+    from kernels.attention.triton_mla_prologue import mla_rope_cache as launcher
+
+    rank, rope, heads = fam.kv_lora_rank, fam.rope_dim, fam.num_heads
+    for dtype in sweep.dtypes:
+        tables = _empty(4096, rope, dtype=torch.float32)
+        cache = _empty(4096, sweep.block_size, rank + rope, dtype=dtype)
+        norm = _empty(rank, dtype=dtype)
+        for t in sweep.num_tokens:
+            kv_a = _empty(t, rank + rope, dtype=dtype)
+            q = _empty(t, heads, 128 + rope, dtype=dtype)  # q_nope (128) then q_pe
+            index = _empty(t, dtype=torch.int64)
+
+            def call(kv_a=kv_a, q=q, index=index, tables=tables, cache=cache, norm=norm):
+                return launcher(kv_a, q[..., 128:], index, tables, tables, norm, 1e-6, cache,
+                                index, True)  # fmt: skip
+
+            labels = {"op": "mla_rope_cache", "family": fam.name, "quant": f"rope{rope}",
+                      "dtype": _DTYPE_NAMES[dtype], "shape": f"T={t}"}  # fmt: skip
             yield Case(labels, call, decode=t <= 256)
 
 
 def rms_norm(fam: Family, sweep: Sweep) -> Iterator[Case]:
     """``kernels.dense.triton_norm``'s ``rms_norm`` and ``fused_add_rms_norm`` over the hidden
     size, per dtype and token count (gpt-oss rounds with the weight in float32). The rotary +
-    KV-cache prologues (``qk_norm_rope_cache_kernel``, ``mla_rope_cache_kernel``) have no
-    driver yet."""
+    KV-cache prologues have their own drivers below."""
     from kernels.dense.triton_norm import fused_add_rms_norm
     from kernels.dense.triton_norm import rms_norm as launcher
 
@@ -273,8 +323,7 @@ def rms_norm(fam: Family, sweep: Sweep) -> Iterator[Case]:
 def qk_norm_rope_cache(fam: Family, sweep: Sweep) -> Iterator[Case]:
     """``kernels.dense.triton_rope.qk_norm_rope_cache``: the attention prologue (q/k RMSNorm
     for the Qwen3 families, rotary over the whole head, Qwen3-Next's over a quarter, K/V
-    written at ``slot_mapping``) per dtype and token count. MLA's prologue
-    (``mla_rope_cache_kernel``) has no driver yet."""
+    written at ``slot_mapping``) per dtype and token count (MLA's: `mla_rope_cache`)."""
     if fam.is_mla:
         return
     from kernels.dense.triton_rope import qk_norm_rope_cache as launcher
@@ -308,4 +357,6 @@ DRIVERS: tuple[Callable[[Family, Sweep], Iterator[Case]], ...] = (
     router_topk,
     rms_norm,
     qk_norm_rope_cache,
+    silu_and_mul,
+    mla_rope_cache,
 )
