@@ -13,18 +13,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.triton_common import round_to
+
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # sinks into base-2 logits
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """``x.to(dtype)``; with ``ROUND_BF16`` (interpreter only) fp32 rounded to nearest even bf16
-    first: the interpreter truncates where compiled Triton rounds."""
-    if ROUND_BF16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(dtype)
 
 
 @triton.jit
@@ -64,7 +55,7 @@ def _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, out_off, part
     at ``part_row`` = row * NUM_SPLITS + split for the reduction."""
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + out_off, _round(o, out_ptr.dtype.element_ty, ROUND_BF16), mask=mask)
+        tl.store(out_ptr + out_off, round_to(o, out_ptr.dtype.element_ty, ROUND_BF16), mask=mask)
     else:
         tl.store(part_acc_ptr + part_row[:, None] * cols.shape[0] + cols[None, :], acc, mask=mask)
         row_mask = tl.max(mask.to(tl.int32), 1) > 0
@@ -174,7 +165,7 @@ def merge_kv_splits_kernel(
                   other=0.0)  # fmt: skip
     o = tl.sum(acc * w[:, None], 0) / tl.where(l_tot == 0.0, 1.0, l_tot)
     dest = out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + d
-    tl.store(dest, _round(o, out_ptr.dtype.element_ty, ROUND_BF16), mask=d < DIM)
+    tl.store(dest, round_to(o, out_ptr.dtype.element_ty, ROUND_BF16), mask=d < DIM)
 
 
 @triton.jit

@@ -17,7 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dense.triton_norm import interpreting, round_to
 from kernels.dense.triton_rope import (
     check_index,
     check_tables,
@@ -25,6 +24,7 @@ from kernels.dense.triton_rope import (
     prologue_warps,
     rope_tile,
 )
+from kernels.triton_common import interpreting, round_to
 
 
 @triton.jit

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels.dense.triton_norm import round_to
+from kernels.triton_common import round_to
 
 #: Columns per program.
 BLOCK_SIZE_N = 1024

@@ -19,25 +19,14 @@ casts truncate, so `round_to` rounds to nearest even first, as compiled code doe
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_common import interpreting, round_to
+
 #: Row widths up to this many values take one program per row (whole row in registers).
 MAX_ROW = 65536
-
-
-@triton.jit
-def round_to(x, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """``x.to(dtype)``; with ``ROUND_BF16`` (interpreter only) float32 rounded to nearest even
-    bfloat16 first: the interpreter truncates where compiled Triton rounds."""
-    if ROUND_BF16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(dtype)
 
 
 @triton.jit
@@ -71,14 +60,6 @@ def rms_norm_kernel(
     else:
         y = w * round_to(h, dtype, ROUND_BF16).to(tl.float32)
     tl.store(out_ptr + dest, round_to(y, dtype, ROUND_BF16), mask=mask)
-
-
-def interpreting() -> bool:
-    """Whether Triton runs under its interpreter (``TRITON_INTERPRET=1``: tests on a CPU)."""
-    knobs = getattr(triton, "knobs", None)  # newer Triton; older ones read the variable
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _rows(x: torch.Tensor, name: str) -> tuple[int, int, int, int]:

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dense.triton_norm import interpreting, round_to
+from kernels.triton_common import interpreting, round_to
 
 
 @triton.jit

@@ -9,15 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _cast(x, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """``x.to(dtype)``; with ``ROUND_BF16``, fp32 rounded to nearest even bf16 first (finite x)."""
-    if ROUND_BF16 and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(dtype)
+from kernels.triton_common import round_to
 
 
 @triton.jit
@@ -90,7 +82,7 @@ def _dequant_packed(
         code = code.to(tl.uint32)
         bits = ((code & 7) << 22) | ((code & 8) << 28)
         w = (bits.to(tl.float32, bitcast=True) * 8.507059173023462e37) * scale  # 2^126
-    w = _cast(w, dtype, INTERPRET_BF16)
+    w = round_to(w, dtype, INTERPRET_BF16)
     if INTERPRET_BF16:
         w = w.to(tl.float32)  # the interpreter's dot takes fp32 (see _interpret_bf16)
     w_lo, w_hi = tl.split(w)
@@ -259,6 +251,6 @@ def fused_moe_kernel(
     c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(
         c_ptrs,
-        _cast(acc, c_ptr.dtype.element_ty, INTERPRET_BF16),
+        round_to(acc, c_ptr.dtype.element_ty, INTERPRET_BF16),
         mask=pair_mask[:, None] & n_mask[None, :],
     )
