@@ -38,7 +38,7 @@ for arg in "$@"; do
     case "$arg" in
         --dry-run) MODE=dry ;;
         --fetch-wheels) MODE=fetch ;;
-        -h | --help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "bench/gpu_check.sh: unknown argument '$arg' (--dry-run, --fetch-wheels)" >&2; exit 2 ;;
     esac
 done
@@ -49,11 +49,14 @@ PY=${PYTHON:-python3}
 # Per-step limits, seconds (sum 475 s: the 8-minute budget with room for the start).
 T_ENV=${GPU_CHECK_T_ENV:-15}
 T_WHEELS=${GPU_CHECK_T_WHEELS:-20}
-T_COMPILE=${GPU_CHECK_T_COMPILE:-40}
-T_TESTS=${GPU_CHECK_T_TESTS:-45}
+T_COMPILE=${GPU_CHECK_T_COMPILE:-45}
+T_TESTS=${GPU_CHECK_T_TESTS:-40}
 T_KERNELS=${GPU_CHECK_T_KERNELS:-100}
 T_LOAD=${GPU_CHECK_T_LOAD:-25}
 T_E2E=${GPU_CHECK_T_E2E:-50}        # each case; the first (with the memory step) gets 80
+# The whole run's deadline: a step never gets more than what is left of it (each limit above is
+# cut to the time left; a step with none left is not started and counts as failed).
+T_TOTAL=${GPU_CHECK_T_TOTAL:-480}
 E2E_CASES=${GPU_CHECK_E2E_CASES:-"qwen3-30b-a3b-bf16 qwen3-30b-a3b-int4 gpt-oss-20b-mxfp4 deepseek-v2-lite-bf16"}
 # Small wheels the GPU image lacks (bench/README.md, "gpu_check.sh"): the engine's messages
 # (msgspec), its front end <-> core sockets (pyzmq) and the gRPC server's stubs.
@@ -89,14 +92,24 @@ export PY MODE OUT
 
 say() { echo "$*" | tee -a "$LOG"; }
 
-# step NAME LIMIT CMD...: CMD under `timeout` (TERM, then KILL 10 s later, to its whole process
-# group), output into the log. A shell function runs as `bash -c NAME` (exported with export -f).
+# step NAME LIMIT CMD...: CMD under `timeout` (TERM, then KILL 5 s later, to its whole process
+# group), output into the log; LIMIT is cut to what is left of T_TOTAL. A shell function runs as
+# `bash -c NAME` (exported with export -f).
+RUN_START=$(date +%s)
 step() {
-    local name=$1 limit=$2 start rc
+    local name=$1 limit=$2 start rc left
     shift 2
+    left=$((T_TOTAL - ($(date +%s) - RUN_START) - 5))
+    if [ "$left" -lt 5 ]; then
+        say "=== $name: NOT STARTED (the run's ${T_TOTAL} s are spent)"
+        STEPS+=("$name|skipped: no time left|0")
+        LAST_RC=124 FAILED=1
+        return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
     say "=== $name (timeout ${limit} s): $*"
     start=$(date +%s)
-    timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$LOG"
+    timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$LOG"
     rc=${PIPESTATUS[0]}
     [ "$rc" = 124 ] || [ "$rc" = 137 ] && say "=== $name: TIMED OUT after ${limit} s"
     say "=== $name: rc=$rc in $(($(date +%s) - start)) s"
@@ -145,11 +158,18 @@ if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
 else
     say "=== wheels: no .whl/ (bench/gpu_check.sh --fetch-wheels makes it); using the image's packages"
 fi
+# the engine imports these; without them every later step would fail one by one
+if [ "$MODE" = gpu ] && ! "$PY" -c "import msgspec, zmq, grpc" 2>>"$LOG"; then
+    say "msgspec / pyzmq / grpcio missing: run bench/gpu_check.sh --fetch-wheels where a registry" \
+        "is reachable and carry .whl/ here; stopping"
+    exit 2
+fi
 
 # the compile check never runs under the interpreter (it compiles for a GPU target: sm_90,
-# H100/H200, with the Triton installed there; 149 variants cold in ~15 s on 16 processes). The dry
-# run compiles tests/test_gpu_compile.py's subset only (Qwen3-30B-A3B int4 decode tiles, split
-# decode and its merge: 6 variants), which that test has just compiled (Triton's cache).
+# H100/H200, with the Triton installed there; the quick set is 160 variants, ~280 CPU-seconds
+# cold on this project's CPU machine, spread over every core). The dry run compiles
+# tests/test_gpu_compile.py's subset only (Qwen3-30B-A3B's int4 decode tiles and split decode
+# with its merge: 4 variants), enough to prove the step runs.
 if [ "$MODE" = dry ]; then
     step compile "$T_COMPILE" env TRITON_INTERPRET=0 "$PY" bench/gpu_compile.py --quick \
         --arch sm_90 --jobs 2 --family Qwen3-30B-A3B --tokens 4 --op fused_moe \
@@ -197,10 +217,10 @@ for case in $E2E_CASES; do
     limit=$T_E2E
 done
 
-"$PY" - "$OUT" "$MODE" "${STEPS[@]}" <<'EOF' | tee -a "$LOG"
-import json, sys
+"$PY" - "$OUT" "$MODE" "$E2E_CASES" "${STEPS[@]}" <<'EOF' | tee -a "$LOG"
+import json, re, sys
 from pathlib import Path
-out, mode, steps = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+out, mode, cases, steps = Path(sys.argv[1]), sys.argv[2], sys.argv[3].split(), sys.argv[4:]
 lines = ["# bench/gpu_check.sh summary" + (" (DRY RUN on the CPU: no GPU figures)" if mode == "dry"
                                           else ""), "", "| step | rc | seconds |", "|---|---:|---:|"]
 lines += [f"| {s.split('|')[0]} | {s.split('|')[1]} | {s.split('|')[2]} |" for s in steps]
@@ -210,9 +230,17 @@ if comp.is_file():
     kernels_ = c["summary"]["per_kernel"]
     lines += ["", f"compile ({c['arch']}, Triton {c['triton']}): {c['summary']['variants']} "
               f"variants, {len(c['failures'])} problems, max shared "
-              f"{max(k['max_shared'] for k in kernels_.values()):,} B, "
+              f"{max((k['max_shared'] for k in kernels_.values()), default=0):,} B, "
               f"{sum(k['spilling'] for k in kernels_.values())} spilling, in {c['seconds']} s"]
     lines += [f"  FAIL: {m}" for m in c["failures"]]
+log = (out / "gpu_check.log").read_text()
+if "=== gpu-tests (" in log:
+    section = log.split("=== gpu-tests (")[-1].split("=== gpu-tests:")[0]
+    final = re.findall(r"^(\d+ (?:passed|failed|skipped|deselected|error).* in [\d.]+s.*)$",
+                       section, re.M)
+    skips = re.findall(r"^SKIPPED \[\d+\] (.*)$", section, re.M)
+    lines += ["", "gpu tests: " + (final[-1] if final else "no pytest summary line")]
+    lines += [f"  skipped: {s_}" for s_ in skips]
 kernels = out / "gpu_kernels.md"
 lines += ["", "## Kernels (checked against float64, then timed)", "",
           kernels.read_text() if kernels.is_file() else "(no table)"]
@@ -220,7 +248,12 @@ lines += ["## End to end (random-weight 3-layer cuts)", "",
           "| case | fp32 = transformers | graphs = eager | bf16 agreement | step ms b1/b8/b64 "
           "| % of roofline b1/b8/b64 | kernels/step | memory | ok |",
           "|---|---|---|---|---|---|---:|---|---|"]
-for f in sorted(out.glob("e2e-*.json")):
+for case in cases:
+    f = out / f"e2e-{case}.json"
+    if not f.is_file():
+        lines.append(f"| {case} | - | - | - | - | - | - | - | FAILED: no result (timed out or "
+                     f"crashed before its first part; see gpu_check.log) |")
+        continue
     r = json.loads(f.read_text())
     steps_ = r.get("steps") or []
     ms = "/".join(f"{x['step_ms']:.2f}" for x in steps_) or "-"
@@ -233,9 +266,10 @@ for f in sorted(out.glob("e2e-*.json")):
     lines.append(f"| {r['case']} | {r.get('fp32_exact', 'n/a')} | {r.get('graphs_equal_eager')} "
                  f"| {agree.get('identical', '-')}/{agree.get('requests', '-')} | {ms} | {pct} "
                  f"| {r.get('kernels_per_decode_step') or '-'} | {memory} "
-                 f"| {'ok' if r.get('ok') else 'FAILED ' + errors} |")
+                 f"| {'ok' if r.get('ok') else 'FAILED ' + ('(stopped part-way) ' if r.get('partial') else '') + errors} |")
 (out / "summary.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF
+[ "${PIPESTATUS[0]}" = 0 ] || { say "=== summary: FAILED (no summary.md)"; FAILED=1; }
 say "=== gpu_check.sh: $([ $FAILED = 0 ] && echo 'all steps passed' || echo 'some step FAILED'); outputs in $OUT"
 exit $FAILED

@@ -90,17 +90,26 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", choices=sorted(ARCHS), default="sm_90")
     p.add_argument("--quick", action="store_true", help="bf16 and a few token counts only")
-    p.add_argument("--json", nargs="?", const="gpu_compile.json", default=None, metavar="PATH")
-    p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
+    p.add_argument("--json", nargs="?", const="gpu_compile.json", default=None, metavar="PATH",
+                   help="write the results as JSON (default path gpu_compile.json)")
+    p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
+                   help="compile processes (default min(4, cores))")
     p.add_argument("--family", action="append", help="only families containing this (repeat)")
-    p.add_argument("--op", action="append", help="only these drivers (fused_moe, ...)")
+    p.add_argument("--op", action="append", choices=[d.__name__ for d in gpu_variants.DRIVERS],
+                   help="only these drivers (repeat)")
     p.add_argument("--quant", action="append", help="only formats/layer kinds starting so")
-    p.add_argument("--dtype", action="append", help="only these compute dtypes (bf16, ...)")
+    p.add_argument("--dtype", action="append", choices=("bf16", "fp16", "fp32"),
+                   help="only these compute dtypes (repeat)")
     p.add_argument("--tokens", help="comma-separated token counts / decode batches")
     p.add_argument("--moe-config", help="force every fused-MoE call to M,N,K,WARPS,STAGES")
     p.add_argument("--no-cache", action="store_true", help="ignore and rewrite cached results")
     p.add_argument("--quiet", action="store_true", help="no per-variant table")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.tokens and not all(x.strip().isdigit() and int(x) > 0 for x in args.tokens.split(",")):
+        p.error(f"--tokens must be positive integers separated by commas, got {args.tokens!r}")
+    if args.moe_config and len(args.moe_config.split(",")) != 5:
+        p.error(f"--moe-config must be M,N,K,WARPS,STAGES (5 integers), got {args.moe_config!r}")
+    return args
 
 
 def _sweep(args: argparse.Namespace) -> gpu_families.Sweep:
@@ -265,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     variants = collect(args, GPUTarget("cuda", arch, 32))
     calls = sum(len(v.uses) for v in variants.values())
+    if not variants:  # a mistyped --family / --quant matches nothing: not a pass
+        print("gpu_compile.py: no launch matches the filters (--family, --op, --quant, --dtype, "
+              "--tokens); nothing to check", file=sys.stderr)
+        return 2
     record_s = time.monotonic() - start
     compile_s = compile_all(variants, arch, args.jobs, not args.no_cache)
     if not args.quiet:

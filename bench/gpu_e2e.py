@@ -25,10 +25,12 @@ gpt-oss-20b, MLA rank 512 + rope 64 and 64 experts for DeepSeek-V2-Lite), then:
    the config's `max_model_len`, after one prompt of `max_model_len - 1` tokens: device memory
    in use must stay within 0.9 of the total.
 
-One JSON object per case on stdout (and `<out>/e2e-<case>.json`); exit 1 when a gated check
-fails or a step raises. `--dry-run` runs the same code on this CPU with tiny versions of the
-configs (hidden 64, 8 experts, vocab 512: `tiny_config`), the engine's CPU kernels, no graphs
-and no memory step: it proves the script, its numbers mean nothing. `--plan` prints, without
+One JSON object per case on stdout, and `<out>/e2e-<case>.json` rewritten after every part (with
+`"partial": true` until the case ends, so a run stopped by its timeout keeps what it finished);
+exit 1 when a gated check fails or a step raises. `--dry-run` runs the same code on this CPU
+with tiny versions of the configs (hidden 64, 8 experts, vocab 512: `tiny_config`), the
+engine's CPU kernels, no graphs and no memory step: it proves the script, its numbers mean
+nothing. `--plan` prints, without
 building anything, each case's checkpoint size and its roofline bytes per decode step.
 """
 
@@ -43,6 +45,7 @@ import gc  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
 import shutil  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -267,13 +270,17 @@ def memory_check(ckpt: Path, config: dict, device: str) -> dict:
     return row
 
 
-def _attempt(result: dict, key: str, fn) -> object:
-    """`fn()`, or None with `result["errors"][key]` set to what it raised."""
+def _attempt(result: dict, key: str, fn, save=None) -> object:
+    """`fn()`, or None with `result["errors"][key]` set to what it raised; `save(result)` after
+    it either way, so a run stopped by its timeout keeps the parts it finished."""
     try:
         return fn()
     except Exception as exc:  # one failing step must not hide the others' results
         result.setdefault("errors", {})[key] = f"{type(exc).__name__}: {exc}"[:500]
         return None
+    finally:
+        if save is not None:
+            save(result)
 
 
 def checkpoint_for(case: Case, config: dict, args: argparse.Namespace) -> Path:
@@ -285,24 +292,27 @@ def checkpoint_for(case: Case, config: dict, args: argparse.Namespace) -> Path:
                                              keep_free=2 * 10**9)
 
 
-def run_case(name: str, args: argparse.Namespace) -> dict:
-    """Every step of one case (module docstring); `ok` is the gated verdict."""
+def run_case(name: str, args: argparse.Namespace, save=lambda result: None) -> dict:
+    """Every step of one case (module docstring); `ok` is the gated verdict, False (with
+    `partial`) in what `save` writes before the last step."""
     case, device = CASES[name], "cpu" if args.dry_run else "cuda"
     config = case_config(case, args.layers, args.vocab, args.dry_run)
     result: dict = {"case": name, "device": device, "dry_run": args.dry_run,
-                    "layers": config["num_hidden_layers"], "vocab": config["vocab_size"]}
+                    "layers": config["num_hidden_layers"], "vocab": config["vocab_size"],
+                    "ok": False, "partial": True}
     t0 = time.perf_counter()
     ckpt = checkpoint_for(case, config, args)
     result |= {"checkpoint": str(ckpt), "checkpoint_s": round(time.perf_counter() - t0, 1),
                "copy_gbs": round(copy_bandwidth_gbs(device), 1)}
     prompts = prompts_for(config["vocab_size"], PROMPTS, PROMPT_LEN, seed=0)
-    theirs = _attempt(result, "transformers", lambda: hf_ids(ckpt, prompts, device))
+    save(result)
+    theirs = _attempt(result, "transformers", lambda: hf_ids(ckpt, prompts, device), save)
     if case.exact and theirs is not None:
         def fp32() -> list[list[int]]:
             llm = make_llm(ckpt, device, dtype="float32")
             return greedy(llm, prompts, OUTPUT_LEN)[0]
 
-        ours = _attempt(result, "engine_fp32", fp32)
+        ours = _attempt(result, "engine_fp32", fp32, save)
         _free()
         result["fp32_exact"] = ours == theirs
     served: dict = {"quantization": case.quantization}
@@ -322,19 +332,22 @@ def run_case(name: str, args: argparse.Namespace) -> dict:
         result["kernels_per_decode_step"] = kernels_per_step(llm, config["vocab_size"])
         return ids
 
-    ids_graphs = _attempt(result, "engine_graphs", graphs)
+    ids_graphs = _attempt(result, "engine_graphs", graphs, save)
     _free()
-    ids_eager = _attempt(result, "engine_eager", eager)
+    ids_eager = _attempt(result, "engine_eager", eager, save)
     _free()
     result["graphs_equal_eager"] = ids_graphs is not None and ids_graphs == ids_eager
     if ids_graphs is not None and theirs is not None:
         result["agreement_vs_fp32_transformers"] = greedy_agreement(ids_graphs, theirs)
     if case.memory and device == "cuda":
-        result["memory"] = _attempt(result, "memory", lambda: memory_check(ckpt, config, device))
+        result["memory"] = _attempt(result, "memory", lambda: memory_check(ckpt, config, device),
+                                    save)
     result["ok"] = (not result.get("errors") and result["graphs_equal_eager"]
                     and result.get("fp32_exact", True)
                     and (result.get("memory") or {}).get("ok", True))
     result["seconds"] = round(time.perf_counter() - t0, 1)
+    result.pop("partial")
+    save(result)
     if args.dry_run:
         shutil.rmtree(ckpt, ignore_errors=True)  # a tiny temporary one; real cuts are reused
     return result
@@ -380,13 +393,18 @@ def main(argv: list[str] | None = None) -> int:
               "--plan prints what would run", file=sys.stderr)
         return 2
     args.workdir.mkdir(parents=True, exist_ok=True)
+    # `timeout` stops a step with SIGTERM: leave through SystemExit, the parts already saved
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     failed = 0
     for name in args.case:
-        result = run_case(name, args)
+
+        def save(result: dict, name: str = name) -> None:
+            if args.out is not None:
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / f"e2e-{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+
+        result = run_case(name, args, save)
         failed += not result["ok"]
-        if args.out is not None:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / f"e2e-{name}.json").write_text(json.dumps(result, indent=1) + "\n")
         print(json.dumps(result), flush=True)
     return 1 if failed else 0
 
