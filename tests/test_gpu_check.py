@@ -68,6 +68,7 @@ def test_dry_run_collects_the_gpu_tests_and_all_skip(dry_run) -> None:
     section = stdout.split("=== gpu-tests (")[1].split("=== gpu-tests: rc=")[0]
     final = [line for line in section.splitlines() if re.match(r"^\d+ \w+.* in [\d.]+s", line)]
     assert final and re.match(r"^\d+ skipped, \d+ deselected in", final[-1]), final
+    assert "tests/test_gpu.py" in section  # its kernel and engine tests were collected, skipped
     assert "needs a CUDA device" in section
     assert "error" not in final[-1] and "failed" not in final[-1]
 
