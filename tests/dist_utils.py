@@ -83,6 +83,37 @@ def run_ranks(
     return outcome
 
 
+def case_results(
+    run_all: Callable[[int, int, int], dict[str, list[str]]], cases: list[str], seed: int,
+    timeout_s: float,
+) -> Callable[[int], dict[str, list[str]]]:
+    """`get(world)`: each case's problems over `world` ranks, "seed S rank R: problem", running
+    `run_all(rank, world, seed)` (every case on one rank: {case: problems}) once per world size.
+
+    Raises (from `get`):
+        RankFailure: a rank raised, died or missed `timeout_s` (the seed and world named).
+    """
+    cache: dict[int, dict[str, list[str]] | RankFailure] = {}
+
+    def get(world: int) -> dict[str, list[str]]:
+        if world not in cache:
+            try:
+                per_rank = run_ranks(run_all, world, args=(seed,), timeout_s=timeout_s)
+                cache[world] = {
+                    name: [f"seed {seed} rank {r}: {p}" for r, res in enumerate(per_rank)
+                           for p in res[name]]
+                    for name in cases
+                }  # fmt: skip
+            except RankFailure as failure:
+                cache[world] = failure
+        result = cache[world]
+        if isinstance(result, RankFailure):
+            raise RankFailure(f"seed {seed}, {world} ranks: {result}")
+        return result
+
+    return get
+
+
 def _collect(procs: list, results: queue.Queue, timeout_s: float) -> list[Any]:
     """Read one report per rank until all are in, a failure's grace ends, or the deadline."""
     deadline = time.monotonic() + timeout_s

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import RankFailure, run_ranks
+from dist_utils import RankFailure, case_results, run_ranks
 
 from comm import (
     CommCounts,
@@ -574,25 +574,7 @@ def run_all_cases(rank: int, world: int, seed: int) -> dict[str, list[str]]:
 @pytest.fixture(scope="module")
 def ep_results() -> Callable[[int], dict[str, list[str]]]:
     """Results of all cases per world size, computed once (one process start per size)."""
-    seed = random.randrange(2**31)
-    cache: dict[int, dict[str, list[str]] | RankFailure] = {}
-
-    def get(world: int) -> dict[str, list[str]]:
-        if world not in cache:
-            try:
-                per_rank = run_ranks(run_all_cases, world, args=(seed,), timeout_s=WATCHDOG_S)
-                cache[world] = {
-                    name: [f"rank {r}: {p}" for r, res in enumerate(per_rank) for p in res[name]]
-                    for name in CASES
-                }
-            except RankFailure as failure:
-                cache[world] = failure
-        result = cache[world]
-        if isinstance(result, RankFailure):
-            raise RankFailure(f"seed {seed}, {world} ranks: {result}")
-        return {name: [f"seed {seed}: {p}" for p in problems] for name, problems in result.items()}
-
-    return get
+    return case_results(run_all_cases, list(CASES), random.randrange(2**31), WATCHDOG_S)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import RankFailure, run_ranks
+from dist_utils import case_results, run_ranks
 from test_comm import (
     BF16_TOL,
     FP32_TOL,
@@ -303,29 +303,7 @@ def run_all_cases(rank: int, world: int, seed: int) -> dict[str, list[str]]:
 @pytest.fixture(scope="module")
 def results() -> Callable[[int], dict[str, list[str]]]:
     """Results of all cases per world size, one process start per size."""
-    seed = random.randrange(2**31)
-    cache: dict[int, dict[str, list[str]] | RankFailure] = {}
-
-    def get(world: int) -> dict[str, list[str]]:
-        if world not in cache:
-            try:
-                per_rank = run_ranks(run_all_cases, world, args=(seed,), timeout_s=WATCHDOG_S)
-                cache[world] = {
-                    name: [
-                        f"seed {seed} rank {r}: {p}"
-                        for r, res in enumerate(per_rank)
-                        for p in res[name]
-                    ]
-                    for name in CASES
-                }
-            except RankFailure as failure:
-                cache[world] = failure
-        result = cache[world]
-        if isinstance(result, RankFailure):
-            raise RankFailure(f"seed {seed}, {world} ranks: {result}")
-        return result
-
-    return get
+    return case_results(run_all_cases, list(CASES), random.randrange(2**31), WATCHDOG_S)
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
