@@ -58,7 +58,8 @@ class Attention(nn.Module):
         dtype: parameter dtype.
         rotary: the rotary module, called `rotary(positions [T], q [T, Hq, D], k [T, Hkv, D])
             -> (q, k)`; one module shared by every layer (a partial or interleaved rope is a
-            different module with the same call).
+            different module with the same call); None: no position embedding in this layer
+            (NoPE: the global layers of EXAONE-MoE and Cohere2-MoE).
         sliding_window: this layer's window (tokens, the query included), None for full
             attention.
         qkv_bias: biases on q/k/v (default `spec.attention_bias`).
@@ -80,7 +81,7 @@ class Attention(nn.Module):
         self,
         spec: ArchSpec,
         dtype: torch.dtype,
-        rotary: nn.Module,
+        rotary: nn.Module | None,
         sliding_window: int | None = None,
         *,
         qkv_bias: bool | None = None,
@@ -105,7 +106,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype)
-        self.rotary = rotary  # shared by all layers
+        self.rotary = rotary  # shared by all layers; None: NoPE
         self.attn = PagedAttention(
             spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5,
             sliding_window=sliding_window,
@@ -163,7 +164,8 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if self.rotary is not None:
+            q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta, sinks=self.sinks))
 
 
@@ -173,13 +175,16 @@ class DenseMLP(nn.Module):
 
     Args:
         hidden_size: H; intermediate_size: I; dtype: parameter dtype.
+        bias: the three projections have biases (HY-V3's `mlp_bias`; default none).
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, bias: bool = False
+    ) -> None:
         super().__init__()
-        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
-        self.up_proj = Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h: [T, H] -> [T, H]."""
@@ -187,12 +192,15 @@ class DenseMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: h + attn(norm1(h)), then + mlp(norm2(h)).
+    """Pre-norm residual block: h + attn(norm1(h)), then + mlp(norm2(h)); or, without a
+    post-attention norm, the parallel block h + attn(norm1(h)) + mlp(norm1(h)) (GPT-J's;
+    Cohere's `CohereDecoderLayer`, summed in that order).
 
     Args:
         self_attn: called `(h [T, H], positions, meta, kv_cache) -> [T, H]`.
         mlp: called `(h [T, H]) -> [T, H]` (a `FusedMoE`, a `DenseMLP`, ...).
-        input_layernorm, post_attention_layernorm: the two norms.
+        input_layernorm, post_attention_layernorm: the two norms; post_attention_layernorm
+            None: the parallel block.
 
     `timer`, when set (`MoeCausalLM.attach_timer`), times the attention phase (and a native
     decode step, which has no phases of its own, as "decode_layer").
@@ -209,7 +217,7 @@ class DecoderLayer(nn.Module):
         self_attn: nn.Module,
         mlp: nn.Module,
         input_layernorm: nn.Module,
-        post_attention_layernorm: nn.Module,
+        post_attention_layernorm: nn.Module | None,
     ) -> None:
         super().__init__()
         self.self_attn = self_attn
@@ -272,8 +280,10 @@ class DecoderLayer(nn.Module):
                 x, residual = self.input_layernorm(h), h
             else:
                 x, residual = self.input_layernorm(h, residual)
-            x = self.self_attn(x, positions, meta, kv_cache)
-        x, residual = self.post_attention_layernorm(x, residual)
+            attn_out = self.self_attn(x, positions, meta, kv_cache)
+        if self.post_attention_layernorm is None:  # parallel: the MLP reads norm1's output too
+            return self.mlp(x), residual + attn_out
+        x, residual = self.post_attention_layernorm(attn_out, residual)
         return self.mlp(x), residual
 
 

@@ -1,0 +1,67 @@
+"""Sigmoid-routed and related MoE families (issue 43) against transformers 5.24, token-exact on
+tiny float32 random checkpoints (`tests/family_check.py`): dots1, EXAONE-MoE, Cohere2-MoE,
+Solar-Open, HY-V3.
+
+Each checkpoint's config exercises the family's variants: dense-first layers, sliding/global
+mixes with windows (<= 32 tokens) shorter than the 37/70-token prompts, NoPE global layers,
+shared experts, group-limited routing, the parallel block with LayerNorm and logit scale.
+Parameters transformers initialises to zero or one (correction biases, norms) are drawn.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from family_check import (
+    check_ep_token_exact,
+    check_prefix_cache,
+    check_token_exact,
+    family_prompts,
+    make_family_checkpoint,
+)
+from fixtures import dequantized_experts_copy, hf_greedy
+
+#: Every norm weight and router correction bias, drawn rather than left at 1 / 0.
+DRAWN = ("norm.weight", "layernorm.weight", "e_score_correction_bias")
+
+EP_ALL = pytest.mark.skipif(
+    os.environ.get("MOE_ENGINE_FAMILY_EP") != "all",
+    reason="ep 2 of the other families of this module runs with MOE_ENGINE_FAMILY_EP=all",
+)
+
+DOTS1 = {
+    "num_hidden_layers": 3,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 16,
+    "n_shared_experts": 1,
+    "n_group": 4,
+    "topk_group": 2,
+    "num_experts_per_tok": 3,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5,
+    "attention_bias": True,
+    "sliding_window": 24,
+    "max_window_layers": 1,
+}
+
+
+@pytest.fixture(scope="module")
+def dots1_ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sigmoid")
+    return make_family_checkpoint("dots1", DOTS1, root, drawn=DRAWN + ("bias",))
+
+
+def test_dots1_token_exact(dots1_ckpt):
+    check_token_exact(dots1_ckpt)
+
+
+def test_dots1_prefix_cache(dots1_ckpt):
+    check_prefix_cache(dots1_ckpt)
+
+
+@EP_ALL
+def test_dots1_ep2(dots1_ckpt):
+    check_ep_token_exact(dots1_ckpt, 2)
