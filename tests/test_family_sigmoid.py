@@ -65,3 +65,36 @@ def test_dots1_prefix_cache(dots1_ckpt):
 @EP_ALL
 def test_dots1_ep2(dots1_ckpt):
     check_ep_token_exact(dots1_ckpt, 2)
+
+
+EXAONE_MOE = {
+    "num_hidden_layers": 4,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_experts": 8,
+    "num_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.5,
+    "sliding_window": 20,
+    "sliding_window_pattern": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def exaone_moe_ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sigmoid")
+    return make_family_checkpoint("exaone_moe", EXAONE_MOE, root, drawn=DRAWN)
+
+
+def test_exaone_moe_token_exact(exaone_moe_ckpt):
+    """Sliding layers 0, 2 with rope; global layers 1, 3 without (NoPE)."""
+    check_token_exact(exaone_moe_ckpt)
+
+
+def test_exaone_moe_prefix_cache(exaone_moe_ckpt):
+    check_prefix_cache(exaone_moe_ckpt)
+
+
+@EP_ALL
+def test_exaone_moe_ep2(exaone_moe_ckpt):
+    check_ep_token_exact(exaone_moe_ckpt, 2)

@@ -30,6 +30,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3NextForCausalLM": "moe_engine.models.qwen3_next",
     "Qwen3_5MoeForCausalLM": "moe_engine.models.qwen3_next",
     "Dots1ForCausalLM": "moe_engine.models.dots1",
+    "ExaoneMoeForCausalLM": "moe_engine.models.exaone_moe",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.

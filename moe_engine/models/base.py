@@ -181,8 +181,10 @@ class MoeCausalLM(nn.Module):
     def build_attention(
         self, spec: ArchSpec, index: int, dtype: torch.dtype, rotary: nn.Module
     ) -> nn.Module:
-        """Layer `index`'s attention; default `Attention`, sliding where `layer_types` says."""
+        """Layer `index`'s attention; default `Attention`, sliding where `layer_types` says,
+        without rotary in `spec.nope_layers`."""
         sliding = bool(spec.layer_types) and spec.layer_types[index] == "sliding_attention"
+        rotary = None if index in spec.nope_layers else rotary
         return Attention(spec, dtype, rotary, spec.sliding_window if sliding else None)
 
     def build_mlp(self, spec: ArchSpec, index: int, dtype: torch.dtype) -> nn.Module:

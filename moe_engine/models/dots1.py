@@ -113,7 +113,8 @@ class Dots1ForCausalLM(Glm4MoeForCausalLM):
         self, spec: Glm4MoeSpec, index: int, dtype: torch.dtype, rotary: nn.Module
     ) -> nn.Module:
         """Qwen3's attention: q/k norm, biases on q/k/v/o from `attention_bias`, sliding where
-        `layer_types` says."""
+        `layer_types` says, no rope in `spec.nope_layers`."""
         sliding = bool(spec.layer_types) and spec.layer_types[index] == "sliding_attention"
         window = spec.sliding_window if sliding else None
+        rotary = None if index in spec.nope_layers else rotary
         return Attention(spec, dtype, rotary, window, o_bias=spec.attention_bias)
