@@ -98,3 +98,44 @@ def test_exaone_moe_prefix_cache(exaone_moe_ckpt):
 @EP_ALL
 def test_exaone_moe_ep2(exaone_moe_ckpt):
     check_ep_token_exact(exaone_moe_ckpt, 2)
+
+
+COHERE2_MOE = {
+    "num_hidden_layers": 4,
+    "intermediate_size": 32,
+    "prefix_dense_intermediate_size": 96,
+    "first_k_dense_replace": 1,
+    "num_experts": 8,
+    "num_shared_experts": 1,
+    "shared_expert_combination_strategy": "average",
+    "expert_selection_fn": "sigmoid",
+    "norm_topk_prob": True,
+    "sliding_window": 20,
+    "sliding_window_pattern": 2,
+    "logit_scale": 0.5,
+    "attention_bias": True,
+    "tie_word_embeddings": True,
+    "rope_theta": 10000.0,
+}
+
+
+@pytest.fixture(scope="module")
+def cohere2_moe_ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sigmoid")
+    return make_family_checkpoint("cohere2_moe", COHERE2_MOE, root, drawn=DRAWN + ("bias",))
+
+
+def test_cohere2_moe_token_exact(cohere2_moe_ckpt):
+    """Parallel blocks with LayerNorm; dense layer 0 global with rope, sliding layers 1, 3 with
+    interleaved rope, global layer 2 NoPE; sigmoid routing; shared experts averaged; tied
+    embeddings; logits scaled."""
+    check_token_exact(cohere2_moe_ckpt)
+
+
+def test_cohere2_moe_prefix_cache(cohere2_moe_ckpt):
+    check_prefix_cache(cohere2_moe_ckpt)
+
+
+@EP_ALL
+def test_cohere2_moe_ep2(cohere2_moe_ckpt):
+    check_ep_token_exact(cohere2_moe_ckpt, 2)

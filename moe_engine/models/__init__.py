@@ -31,6 +31,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3_5MoeForCausalLM": "moe_engine.models.qwen3_next",
     "Dots1ForCausalLM": "moe_engine.models.dots1",
     "ExaoneMoeForCausalLM": "moe_engine.models.exaone_moe",
+    "Cohere2MoeForCausalLM": "moe_engine.models.cohere2_moe",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.
