@@ -116,6 +116,8 @@ COHERE2_MOE = {
     "attention_bias": True,
     "tie_word_embeddings": True,
     "rope_theta": 10000.0,
+    "rms_norm_eps": None,  # LayerNorm of layer_norm_eps
+    "layer_norm_eps": 1e-5,
 }
 
 
