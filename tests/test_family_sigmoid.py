@@ -141,3 +141,66 @@ def test_cohere2_moe_prefix_cache(cohere2_moe_ckpt):
 @EP_ALL
 def test_cohere2_moe_ep2(cohere2_moe_ckpt):
     check_ep_token_exact(cohere2_moe_ckpt, 2)
+
+
+SOLAR_OPEN = {
+    "num_hidden_layers": 2,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "n_group": 2,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.0,
+    "attention_bias": True,
+}
+
+
+@pytest.fixture(scope="module")
+def solar_open_ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sigmoid")
+    return make_family_checkpoint("solar_open", SOLAR_OPEN, root, drawn=DRAWN + ("bias",))
+
+
+def test_solar_open_token_exact(solar_open_ckpt):
+    check_token_exact(solar_open_ckpt)
+
+
+def test_solar_open_prefix_cache(solar_open_ckpt):
+    check_prefix_cache(solar_open_ckpt)
+
+
+@EP_ALL
+def test_solar_open_ep2(solar_open_ckpt):
+    check_ep_token_exact(solar_open_ckpt, 2)
+
+
+HY_V3 = {
+    "num_hidden_layers": 3,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_experts": 8,
+    "num_shared_experts": 2,
+    "router_scaling_factor": 2.5,
+    "mlp_bias": True,
+    "attention_bias": True,
+}
+
+
+@pytest.fixture(scope="module")
+def hy_v3_ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sigmoid")
+    return make_family_checkpoint("hy_v3", HY_V3, root, drawn=DRAWN + ("bias",))
+
+
+def test_hy_v3_token_exact(hy_v3_ckpt):
+    """Dense layer 0 and shared experts with biases (`mlp_bias`); the hub's router names."""
+    check_token_exact(hy_v3_ckpt)
+
+
+def test_hy_v3_prefix_cache(hy_v3_ckpt):
+    check_prefix_cache(hy_v3_ckpt)
+
+
+@EP_ALL
+def test_hy_v3_ep2(hy_v3_ckpt):
+    check_ep_token_exact(hy_v3_ckpt, 2)

@@ -32,6 +32,8 @@ ARCHITECTURES: dict[str, str] = {
     "Dots1ForCausalLM": "moe_engine.models.dots1",
     "ExaoneMoeForCausalLM": "moe_engine.models.exaone_moe",
     "Cohere2MoeForCausalLM": "moe_engine.models.cohere2_moe",
+    "SolarOpenForCausalLM": "moe_engine.models.solar_open",
+    "HYV3ForCausalLM": "moe_engine.models.hy_v3",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.
