@@ -204,3 +204,39 @@ def test_hy_v3_prefix_cache(hy_v3_ckpt):
 @EP_ALL
 def test_hy_v3_ep2(hy_v3_ckpt):
     check_ep_token_exact(hy_v3_ckpt, 2)
+
+
+AFMOE = {
+    "num_hidden_layers": 4,
+    "num_dense_layers": 1,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_experts": 8,
+    "num_shared_experts": 1,
+    "route_scale": 1.5,
+    "global_attn_every_n_layers": 2,
+    "sliding_window": 20,
+    "mup_enabled": True,
+}
+
+
+@pytest.fixture(scope="module")
+def afmoe_ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sigmoid")
+    # transformers initialises the router weight to zeros and the expert bias to zeros
+    drawn = DRAWN + ("expert_bias", "router.gate.weight")
+    return make_family_checkpoint("afmoe", AFMOE, root, drawn=drawn)
+
+
+def test_afmoe_token_exact(afmoe_ckpt):
+    """Sandwich norms, gated attention, NoPE global layers 1, 3, muP embedding scale."""
+    check_token_exact(afmoe_ckpt)
+
+
+def test_afmoe_prefix_cache(afmoe_ckpt):
+    check_prefix_cache(afmoe_ckpt)
+
+
+@EP_ALL
+def test_afmoe_ep2(afmoe_ckpt):
+    check_ep_token_exact(afmoe_ckpt, 2)

@@ -34,6 +34,7 @@ ARCHITECTURES: dict[str, str] = {
     "Cohere2MoeForCausalLM": "moe_engine.models.cohere2_moe",
     "SolarOpenForCausalLM": "moe_engine.models.solar_open",
     "HYV3ForCausalLM": "moe_engine.models.hy_v3",
+    "AfmoeForCausalLM": "moe_engine.models.afmoe",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.

@@ -248,6 +248,8 @@ class MoeCausalLM(nn.Module):
         the step); one with a native decode kernel updates h in place (the embedding's fresh
         output)."""
         h = self.model.embed_tokens(input_ids)
+        if self.spec.embed_scale != 1.0:
+            h = h * self.spec.embed_scale
         layers = self.model.layers
         step = DecodeStep.of(h, positions, meta, self.spec.top_k, len(layers))
         residual = None  # the stream is h + residual: each add is fused into the next norm

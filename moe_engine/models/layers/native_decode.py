@@ -127,11 +127,15 @@ def decode_misfit(layer: DecoderLayer, plan: KernelPlan) -> str | None:
         return "not an Attention + FusedMoE layer"
     if layer.post_attention_layernorm is None:
         return "a parallel attention + MLP block"
+    if layer.post_self_attn_layernorm is not None or layer.post_mlp_layernorm is not None:
+        return "output norms on the attention or MLP branch"
     if not _norms_fit(layer.input_layernorm, layer.post_attention_layernorm):
         return "norms other than two bound bfloat16 RMSNorms of one epsilon and rounding"
     if (attn.prologue is None or type(attn.rotary) is not RotaryEmbedding
             or not attn.attn.kernels.native_decode):
         return "attention without the native prologue and decode kernel"
+    if attn.gate_proj is not None:
+        return "attention with an output gate"
     if attn.sinks is not None and attn.sinks.shape != (attn.num_heads,):
         return "attention sinks other than one per query head"
     projections_fit = all(_packed_kernel(p) for p in (attn.qkv_proj, attn.o_proj))
