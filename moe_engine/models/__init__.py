@@ -29,6 +29,12 @@ ARCHITECTURES: dict[str, str] = {
     "DeepseekV2ForCausalLM": "moe_engine.models.deepseek_v2",
     "Qwen3NextForCausalLM": "moe_engine.models.qwen3_next",
     "Qwen3_5MoeForCausalLM": "moe_engine.models.qwen3_next",
+    "Dots1ForCausalLM": "moe_engine.models.dots1",
+    "ExaoneMoeForCausalLM": "moe_engine.models.exaone_moe",
+    "Cohere2MoeForCausalLM": "moe_engine.models.cohere2_moe",
+    "SolarOpenForCausalLM": "moe_engine.models.solar_open",
+    "HYV3ForCausalLM": "moe_engine.models.hy_v3",
+    "AfmoeForCausalLM": "moe_engine.models.afmoe",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.

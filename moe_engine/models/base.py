@@ -185,8 +185,10 @@ class MoeCausalLM(nn.Module):
     def build_attention(
         self, spec: ArchSpec, index: int, dtype: torch.dtype, rotary: nn.Module
     ) -> nn.Module:
-        """Layer `index`'s attention; default `Attention`, sliding where `layer_types` says."""
+        """Layer `index`'s attention; default `Attention`, sliding where `layer_types` says,
+        without rotary in `spec.nope_layers`."""
         sliding = bool(spec.layer_types) and spec.layer_types[index] == "sliding_attention"
+        rotary = None if index in spec.nope_layers else rotary
         return Attention(spec, dtype, rotary, spec.sliding_window if sliding else None)
 
     def build_mlp(self, spec: ArchSpec, index: int, dtype: torch.dtype) -> nn.Module:
@@ -250,6 +252,8 @@ class MoeCausalLM(nn.Module):
         the step); one with a native decode kernel updates h in place (the embedding's fresh
         output)."""
         h = self.model.embed_tokens(input_ids)
+        if self.spec.embed_scale != 1.0:
+            h = h * self.spec.embed_scale
         layers = self.model.layers
         step = DecodeStep.of(h, positions, meta, self.spec.top_k, len(layers))
         residual = None  # the stream is h + residual: each add is fused into the next norm

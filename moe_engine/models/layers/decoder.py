@@ -58,16 +58,19 @@ class Attention(nn.Module):
         dtype: parameter dtype.
         rotary: the rotary module, called `rotary(positions [T], q [T, Hq, D], k [T, Hkv, D])
             -> (q, k)`; one module shared by every layer (a partial or interleaved rope is a
-            different module with the same call).
+            different module with the same call); None: no position embedding in this layer
+            (NoPE: the global layers of EXAONE-MoE and Cohere2-MoE).
         sliding_window: this layer's window (tokens, the query included), None for full
             attention.
         qkv_bias: biases on q/k/v (default `spec.attention_bias`).
         o_bias: a bias on the output projection.
         sinks: learned per-head sink logits in the softmax (gpt-oss).
         qk_norm: per-head RMSNorm on queries and keys before the rope (default `spec.qk_norm`).
+        output_gate: the attention output is multiplied by sigmoid(gate_proj(h)) before
+            o_proj, gate_proj a Linear(H, Hq * D) without bias (AFMoE's gated attention).
 
     Checkpoint names: `q_proj`, `k_proj`, `v_proj` (stacked into `qkv_proj`, shards "q", "k",
-    "v"), `o_proj`, `q_norm`, `k_norm`, `sinks`.
+    "v"), `o_proj`, `q_norm`, `k_norm`, `sinks`, `gate_proj`.
 
     Bound to a "rotary" kernel (`KernelPlan.rope_prologue`: native-cpu for the plain
     rotate-half `RotaryEmbedding`, triton also for interleaved and partial ropes), a layer runs
@@ -80,13 +83,14 @@ class Attention(nn.Module):
         self,
         spec: ArchSpec,
         dtype: torch.dtype,
-        rotary: nn.Module,
+        rotary: nn.Module | None,
         sliding_window: int | None = None,
         *,
         qkv_bias: bool | None = None,
         o_bias: bool = False,
         sinks: bool = False,
         qk_norm: bool | None = None,
+        output_gate: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -101,11 +105,14 @@ class Attention(nn.Module):
         self.o_proj = Linear(q_size, spec.hidden_size, bias=o_bias, dtype=dtype)
         # learned per-head sink logits (gpt-oss), filled from the checkpoint
         self.sinks = nn.Parameter(torch.zeros(spec.num_heads, dtype=dtype)) if sinks else None
+        self.gate_proj = (
+            Linear(spec.hidden_size, q_size, bias=False, dtype=dtype) if output_gate else None
+        )
         self.qk_norm = spec.qk_norm if qk_norm is None else qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype)
-        self.rotary = rotary  # shared by all layers
+        self.rotary = rotary  # shared by all layers; None: NoPE
         self.attn = PagedAttention(
             spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5,
             sliding_window=sliding_window,
@@ -156,15 +163,21 @@ class Attention(nn.Module):
                 *kv_cache, meta.for_group(self.attn.kv_group).slot_mapping, **layout,
             )  # fmt: skip
             out = self.attn(q, None, None, kv_cache, meta, sinks=self.sinks)
-            return self.o_proj(out)
+            return self.o_proj(self._gated(out, h))
         q, k, v = qkv.split(self.sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta, sinks=self.sinks))
+        if self.rotary is not None:
+            q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, kv_cache, meta, sinks=self.sinks)
+        return self.o_proj(self._gated(out, h))
+
+    def _gated(self, out: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """out [T, Hq * D] times sigmoid(gate_proj(h)) where the layer has an output gate."""
+        return out if self.gate_proj is None else out * torch.sigmoid(self.gate_proj(h))
 
 
 class DenseMLP(nn.Module):
@@ -173,13 +186,16 @@ class DenseMLP(nn.Module):
 
     Args:
         hidden_size: H; intermediate_size: I; dtype: parameter dtype.
+        bias: the three projections have biases (HY-V3's `mlp_bias`; default none).
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, bias: bool = False
+    ) -> None:
         super().__init__()
-        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
-        self.up_proj = Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h: [T, H] -> [T, H]."""
@@ -187,12 +203,19 @@ class DenseMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: h + attn(norm1(h)), then + mlp(norm2(h)).
+    """Pre-norm residual block: h + attn(norm1(h)), then + mlp(norm2(h)); or, without a
+    post-attention norm, the parallel block h + attn(norm1(h)) + mlp(norm1(h)) (GPT-J's;
+    Cohere's `CohereDecoderLayer`, summed in that order); with output norms ("sandwich"
+    norms: Gemma-2, GLM-4's `Glm4DecoderLayer`, AFMoE) each branch's output is normalised
+    before its residual add: h + post_attn(attn(norm1(h))), then + post_mlp(mlp(norm2(h))).
 
     Args:
         self_attn: called `(h [T, H], positions, meta, kv_cache) -> [T, H]`.
         mlp: called `(h [T, H]) -> [T, H]` (a `FusedMoE`, a `DenseMLP`, ...).
-        input_layernorm, post_attention_layernorm: the two norms.
+        input_layernorm, post_attention_layernorm: the two norms; post_attention_layernorm
+            None: the parallel block.
+        post_self_attn_layernorm, post_mlp_layernorm: the branches' output norms (GLM-4's
+            names), or None (default).
 
     `timer`, when set (`MoeCausalLM.attach_timer`), times the attention phase (and a native
     decode step, which has no phases of its own, as "decode_layer").
@@ -209,9 +232,14 @@ class DecoderLayer(nn.Module):
         self_attn: nn.Module,
         mlp: nn.Module,
         input_layernorm: nn.Module,
-        post_attention_layernorm: nn.Module,
+        post_attention_layernorm: nn.Module | None,
+        *,
+        post_self_attn_layernorm: nn.Module | None = None,
+        post_mlp_layernorm: nn.Module | None = None,
     ) -> None:
         super().__init__()
+        self.post_self_attn_layernorm = post_self_attn_layernorm
+        self.post_mlp_layernorm = post_mlp_layernorm
         self.self_attn = self_attn
         self.timer: PhaseTimer | None = None
         self.input_layernorm = input_layernorm
@@ -272,9 +300,16 @@ class DecoderLayer(nn.Module):
                 x, residual = self.input_layernorm(h), h
             else:
                 x, residual = self.input_layernorm(h, residual)
-            x = self.self_attn(x, positions, meta, kv_cache)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+            attn_out = self.self_attn(x, positions, meta, kv_cache)
+        if self.post_attention_layernorm is None:  # parallel: the MLP reads norm1's output too
+            return self.mlp(x), residual + attn_out
+        if self.post_self_attn_layernorm is not None:
+            attn_out = self.post_self_attn_layernorm(attn_out)
+        x, residual = self.post_attention_layernorm(attn_out, residual)
+        out = self.mlp(x)
+        if self.post_mlp_layernorm is not None:
+            out = self.post_mlp_layernorm(out)
+        return out, residual
 
 
 class Backbone(nn.Module):

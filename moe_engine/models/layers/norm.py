@@ -1,4 +1,5 @@
-"""RMSNorm (Zhang & Sennrich, 2019), computed in float32 as the Hugging Face reference does."""
+"""RMSNorm (Zhang & Sennrich, 2019) and bias-free LayerNorm (Ba et al., 2016), computed in
+float32 as the Hugging Face references do."""
 
 from __future__ import annotations
 
@@ -106,6 +107,34 @@ class ZeroCenteredRMSNorm(nn.Module):
             residual = residual + x
             return self.forward(residual), residual
         return (_normalized(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """y = weight * (x - mean(x)) / sqrt(var(x) + eps) over the last dimension, no bias,
+    computed in float32 and rounded once to x's dtype (transformers `CohereLayerNorm` /
+    `Cohere2LayerNorm`: the weight multiplied in float32).
+
+    Args:
+        dim: size of the last dimension; eps: added to the variance; dtype: weight dtype.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: [..., dim] -> same shape and dtype; with `residual`: residual' = x + residual,
+        returns (norm(residual'), residual') (as `RMSNorm`, no fused kernel)."""
+        if residual is not None:
+            residual = residual + x
+            return self.forward(residual), residual
+        h = x.float()
+        centred = h - h.mean(-1, keepdim=True)
+        h = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * h).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):

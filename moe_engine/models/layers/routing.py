@@ -373,9 +373,12 @@ class SigmoidGroupedTopKRouter(_Router):
         hidden_size: H; num_experts: E (`n_routed_experts`); top_k: `num_experts_per_tok`;
         n_group, topk_group: the group limit; norm_topk_prob; routed_scaling_factor;
         correction_bias: hold the `e_score_correction_bias` buffer (V3 and GLM do);
-        bias: a router bias [E] (none of these families has one).
-    The weight and the bias buffer are float32 whatever the model dtype, as transformers keeps
-    them (`_keep_in_fp32_modules_strict`); the logits are float32.
+        bias: a router bias [E] (none of these families has one);
+        dtype: the weight's dtype: float32 (default) whatever the model dtype, as transformers
+            keeps it (`_keep_in_fp32_modules_strict`), or the model's where transformers
+            computes the logits in it (Cohere2-MoE's sigmoid router).
+    The bias buffer is float32; the scores are computed in float32 from the logits.
+    With n_group = topk_group = 1 and no correction bias this is plain sigmoid top-k.
 
     Raises:
         ValueError: see `check_sigmoid_group_limits`.
@@ -394,9 +397,10 @@ class SigmoidGroupedTopKRouter(_Router):
         routed_scaling_factor: float,
         correction_bias: bool = True,
         bias: bool = False,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         check_sigmoid_group_limits(num_experts, top_k, n_group, topk_group)
-        super().__init__(hidden_size, num_experts, top_k, bias, torch.float32)
+        super().__init__(hidden_size, num_experts, top_k, bias, dtype)
         self.n_group, self.topk_group = n_group, topk_group
         self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
         # persistent (in the state dict), so it loads by name; None when absent
