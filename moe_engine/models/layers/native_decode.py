@@ -122,6 +122,8 @@ def decode_misfit(layer: DecoderLayer, plan: KernelPlan) -> str | None:
         return "an MTP layer runs the module path"
     if plan.decode_layer() is None:
         return "the registry chose torch for decode_layer"
+    if type(layer) is not DecoderLayer or layer.residual_multiplier != 1.0:
+        return "a layer other than the pre-norm DecoderLayer without residual multiplier"
     attn, mlp = layer.self_attn, layer.mlp
     if type(attn) is not Attention or type(mlp) is not FusedMoE:
         return "not an Attention + FusedMoE layer"
