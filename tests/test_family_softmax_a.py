@@ -31,6 +31,14 @@ OLMOE = dict(num_hidden_layers=2, num_experts=8, intermediate_size=32, norm_topk
 FLEX_OLMO = dict(num_hidden_layers=3, num_experts=8, intermediate_size=32,
                  norm_topk_prob=False)
 
+#: PhiMoE: 2 layers, 8 experts, a 24-token window over every layer (the 37/70-token prompts
+#: exceed it), q/k/v/o and LM head biases, a wide SparseMixer margin so both experts' weights
+#: mix several logits.
+PHIMOE = dict(num_hidden_layers=2, num_local_experts=8, intermediate_size=32, sliding_window=24,
+              attention_bias=True, lm_head_bias=True, router_jitter_noise=0.5)
+#: Parameters transformers initialises to zero or one, drawn: every bias, the LayerNorms' weights.
+PHIMOE_DRAWN = ("bias", "layernorm.weight", "norm.weight")
+
 
 @pytest.fixture(scope="module")
 def olmoe_ckpt(tmp_path_factory):
@@ -72,3 +80,25 @@ def test_flex_olmo_prefix_cache(flex_olmo_ckpt):
 @ALL_EP
 def test_flex_olmo_ep2(flex_olmo_ckpt):
     check_ep_token_exact(flex_olmo_ckpt, 2)
+
+
+# -- PhiMoE -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def phimoe_ckpt(tmp_path_factory):
+    return make_family_checkpoint("phimoe", PHIMOE, tmp_path_factory.mktemp("phimoe"),
+                                  drawn=PHIMOE_DRAWN)
+
+
+def test_phimoe_token_exact(phimoe_ckpt):
+    check_token_exact(phimoe_ckpt)
+
+
+def test_phimoe_prefix_cache(phimoe_ckpt):
+    check_prefix_cache(phimoe_ckpt)
+
+
+def test_phimoe_ep2(phimoe_ckpt):
+    """The family with the most new MoE code here (SparseMixer routing) runs ep 2 always."""
+    check_ep_token_exact(phimoe_ckpt, 2)

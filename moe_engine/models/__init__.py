@@ -31,6 +31,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3_5MoeForCausalLM": "moe_engine.models.qwen3_next",
     "OlmoeForCausalLM": "moe_engine.models.olmoe",
     "FlexOlmoForCausalLM": "moe_engine.models.olmoe",
+    "PhimoeForCausalLM": "moe_engine.models.phimoe",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.
