@@ -39,6 +39,14 @@ PHIMOE = dict(num_hidden_layers=2, num_local_experts=8, intermediate_size=32, sl
 #: Parameters transformers initialises to zero or one, drawn: every bias, the LayerNorms' weights.
 PHIMOE_DRAWN = ("bias", "layernorm.weight", "norm.weight")
 
+#: Granite MoE: 2 layers, 8 experts, every multiplier away from 1, q/k/v/o biases.
+GRANITE = dict(num_hidden_layers=2, num_local_experts=8, intermediate_size=32,
+               embedding_multiplier=4.0, attention_multiplier=0.1, residual_multiplier=0.5,
+               logits_scaling=3.0, attention_bias=True)
+#: GraniteMoeShared: 3 layers, 16 experts, a shared MLP of width 48.
+GRANITE_SHARED = dict(GRANITE, num_hidden_layers=3, num_local_experts=16,
+                      shared_intermediate_size=48)
+
 
 @pytest.fixture(scope="module")
 def olmoe_ckpt(tmp_path_factory):
@@ -102,3 +110,69 @@ def test_phimoe_prefix_cache(phimoe_ckpt):
 def test_phimoe_ep2(phimoe_ckpt):
     """The family with the most new MoE code here (SparseMixer routing) runs ep 2 always."""
     check_ep_token_exact(phimoe_ckpt, 2)
+
+
+# -- Granite MoE ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def granitemoe_ckpt(tmp_path_factory):
+    return make_family_checkpoint("granitemoe", GRANITE, tmp_path_factory.mktemp("granitemoe"),
+                                  drawn=("bias",))
+
+
+@pytest.fixture(scope="module")
+def granitemoeshared_ckpt(tmp_path_factory):
+    return make_family_checkpoint("granitemoeshared", GRANITE_SHARED,
+                                  tmp_path_factory.mktemp("granitemoeshared"), drawn=("bias",))
+
+
+def test_granitemoe_token_exact_and_logits_scaled(granitemoe_ckpt):
+    """Greedy ids exact; the last position's logits (divided by `logits_scaling`, which
+    greedy ids cannot see) within 1e-4 of transformers'."""
+    from fixtures import hf_last_logits
+
+    from moe_engine import SamplingParams
+
+    llm = check_token_exact(granitemoe_ckpt)
+    model = llm.engine.model
+    captured = []
+    compute = model.compute_logits
+    model.compute_logits = lambda h: captured.append(compute(h)) or captured[-1]
+    prompt = family_prompts(512, (23,), seed=5)[0]
+    llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    ours, ref = captured[-1][0], hf_last_logits(granitemoe_ckpt, prompt)
+    assert ((ours - ref).norm() / ref.norm()).item() < 1e-4
+
+
+def test_granitemoe_prefix_cache(granitemoe_ckpt):
+    check_prefix_cache(granitemoe_ckpt)
+
+
+@ALL_EP
+def test_granitemoe_ep2(granitemoe_ckpt):
+    check_ep_token_exact(granitemoe_ckpt, 2)
+
+
+def test_granitemoeshared_token_exact(granitemoeshared_ckpt):
+    check_token_exact(granitemoeshared_ckpt)
+
+
+def test_granitemoeshared_prefix_cache(granitemoeshared_ckpt):
+    check_prefix_cache(granitemoeshared_ckpt)
+
+
+def test_granitemoeshared_triton_backend(granitemoeshared_ckpt):
+    """The Triton kernels (under the interpreter here): attention, top-k-then-softmax router,
+    fused experts and the shared MLP's fused activation."""
+    llm = check_token_exact(granitemoeshared_ckpt, kernel_backend="triton",
+                            prompts=family_prompts(512, (1, 37)), max_new=4)
+    backends = llm.engine.model_info().kernel_backends
+    for op in ("fused_moe", "attention_prefill", "attention_decode", "router_topk", "rms_norm",
+               "rotary"):
+        assert backends[op] == "triton", (op, dict(backends))
+
+
+@ALL_EP
+def test_granitemoeshared_ep2(granitemoeshared_ckpt):
+    check_ep_token_exact(granitemoeshared_ckpt, 2)

@@ -32,6 +32,8 @@ ARCHITECTURES: dict[str, str] = {
     "OlmoeForCausalLM": "moe_engine.models.olmoe",
     "FlexOlmoForCausalLM": "moe_engine.models.olmoe",
     "PhimoeForCausalLM": "moe_engine.models.phimoe",
+    "GraniteMoeForCausalLM": "moe_engine.models.granitemoe",
+    "GraniteMoeSharedForCausalLM": "moe_engine.models.granitemoe",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.

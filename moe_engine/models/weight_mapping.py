@@ -311,6 +311,9 @@ class WeightLoader:
                 f"checkpoint tensor {name!r} has no place in {type(self.model).__name__}"
             )
         _copy(name, self.params[name].data, tensor)
+        merged = self.merged.get(name.rpartition(".")[0])
+        if merged is not None:  # stored whole (DBRX's Wqkv, Granite's shared input_linear)
+            return {f"{name}.{shard}" for shard in merged.shards}
         return {name}
 
     def _load_fused(
