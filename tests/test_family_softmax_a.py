@@ -47,6 +47,16 @@ GRANITE = dict(num_hidden_layers=2, num_local_experts=8, intermediate_size=32,
 GRANITE_SHARED = dict(GRANITE, num_hidden_layers=3, num_local_experts=16,
                       shared_intermediate_size=48)
 
+#: DBRX: 3 layers, 8 experts of width 32, top-2 renormalised, a clamp of the fused q/k/v
+#: output the random weights reach (transformers 5.24 reads attn_config.rope_theta to build
+#: DBRX's attention, though its rotary takes rope_parameters).
+#: DBRX's own keys replace COMMON's aliases of them (set after its sub-configs are sized).
+DBRX = dict(n_layers=3, d_model=64, n_heads=4, max_seq_len=1024,
+            attn_config=dict(kv_n_heads=2, clip_qkv=3.0, rope_theta=10000.0),
+            ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8, moe_top_k=2),
+            hidden_size=None, num_attention_heads=None, num_key_value_heads=None, head_dim=None,
+            num_experts_per_tok=None, max_position_embeddings=None)
+
 
 @pytest.fixture(scope="module")
 def olmoe_ckpt(tmp_path_factory):
@@ -176,3 +186,25 @@ def test_granitemoeshared_triton_backend(granitemoeshared_ckpt):
 @ALL_EP
 def test_granitemoeshared_ep2(granitemoeshared_ckpt):
     check_ep_token_exact(granitemoeshared_ckpt, 2)
+
+
+# -- DBRX -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dbrx_ckpt(tmp_path_factory):
+    return make_family_checkpoint("dbrx", DBRX, tmp_path_factory.mktemp("dbrx"),
+                                  drawn=("norm_1.weight", "norm_2.weight", "norm_f.weight"))
+
+
+def test_dbrx_token_exact(dbrx_ckpt):
+    check_token_exact(dbrx_ckpt)
+
+
+def test_dbrx_prefix_cache(dbrx_ckpt):
+    check_prefix_cache(dbrx_ckpt)
+
+
+@ALL_EP
+def test_dbrx_ep2(dbrx_ckpt):
+    check_ep_token_exact(dbrx_ckpt, 2)

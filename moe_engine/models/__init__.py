@@ -34,6 +34,7 @@ ARCHITECTURES: dict[str, str] = {
     "PhimoeForCausalLM": "moe_engine.models.phimoe",
     "GraniteMoeForCausalLM": "moe_engine.models.granitemoe",
     "GraniteMoeSharedForCausalLM": "moe_engine.models.granitemoe",
+    "DbrxForCausalLM": "moe_engine.models.dbrx",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.
