@@ -57,6 +57,11 @@ DBRX = dict(n_layers=3, d_model=64, n_heads=4, max_seq_len=1024,
             hidden_size=None, num_attention_heads=None, num_key_value_heads=None, head_dim=None,
             num_experts_per_tok=None, max_position_embeddings=None)
 
+#: JetMoE: 2 layers, 8 attention and 8 MLP experts, top-2 (4 query heads over 2 KV heads
+#: of 16 dims), the attention's and MLP's output biases drawn.
+JETMOE = dict(num_hidden_layers=2, num_local_experts=8, intermediate_size=32, kv_channels=16,
+              num_key_value_heads=2, head_dim=None)
+
 
 @pytest.fixture(scope="module")
 def olmoe_ckpt(tmp_path_factory):
@@ -208,3 +213,25 @@ def test_dbrx_prefix_cache(dbrx_ckpt):
 @ALL_EP
 def test_dbrx_ep2(dbrx_ckpt):
     check_ep_token_exact(dbrx_ckpt, 2)
+
+
+# -- JetMoE -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def jetmoe_ckpt(tmp_path_factory):
+    return make_family_checkpoint("jetmoe", JETMOE, tmp_path_factory.mktemp("jetmoe"),
+                                  drawn=("bias",))
+
+
+def test_jetmoe_token_exact(jetmoe_ckpt):
+    check_token_exact(jetmoe_ckpt)
+
+
+def test_jetmoe_prefix_cache(jetmoe_ckpt):
+    check_prefix_cache(jetmoe_ckpt)
+
+
+@ALL_EP
+def test_jetmoe_ep2(jetmoe_ckpt):
+    check_ep_token_exact(jetmoe_ckpt, 2)

@@ -35,6 +35,7 @@ ARCHITECTURES: dict[str, str] = {
     "GraniteMoeForCausalLM": "moe_engine.models.granitemoe",
     "GraniteMoeSharedForCausalLM": "moe_engine.models.granitemoe",
     "DbrxForCausalLM": "moe_engine.models.dbrx",
+    "JetMoeForCausalLM": "moe_engine.models.jetmoe",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.

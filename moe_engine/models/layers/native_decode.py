@@ -140,6 +140,8 @@ def decode_misfit(layer: DecoderLayer, plan: KernelPlan) -> str | None:
     if not _routing_fits(mlp):
         return ("routing other than the native softmax-top-k or a top-k-then-softmax of top_k "
                 f"<= {TOPK_SOFTMAX_MAX_K} and top_k * 64 > experts")
+    if mlp.bias is not None:
+        return "an MoE block with an output bias"
     if (mlp.shared_experts is not None or mlp.ep_rank is not None
             or type(mlp.communicator) is not NoopCommunicator):
         return "shared or expert-parallel experts"
