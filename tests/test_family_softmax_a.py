@@ -84,6 +84,18 @@ def test_olmoe_prefix_cache(olmoe_ckpt):
     check_prefix_cache(olmoe_ckpt)
 
 
+def test_olmoe_int4_experts(olmoe_ckpt, tmp_path):
+    """Experts quantized to int4 at load (group 32) serve the greedy ids transformers gives
+    on the checkpoint whose experts went through the same quantize -> dequantize."""
+    from fixtures import dequantized_experts_copy, hf_greedy
+
+    oracle = dequantized_experts_copy(olmoe_ckpt, tmp_path, "int4", 32)
+    prompts = family_prompts(512)
+    llm = check_token_exact(olmoe_ckpt, prompts=prompts, expected=hf_greedy(oracle, prompts, 8),
+                            quantization="int4", quant_group_size=32)
+    assert llm.engine.model_info().expert_weight_format == "int4"
+
+
 @ALL_EP
 def test_olmoe_ep2(olmoe_ckpt):
     check_ep_token_exact(olmoe_ckpt, 2)
