@@ -247,3 +247,47 @@ def test_jetmoe_prefix_cache(jetmoe_ckpt):
 @ALL_EP
 def test_jetmoe_ep2(jetmoe_ckpt):
     check_ep_token_exact(jetmoe_ckpt, 2)
+
+
+# -- pieces and refusals (no serving) ---------------------------------------------------------
+
+
+def test_sparsemixer_matches_transformers():
+    """`routing.sparsemixer_top2` equals transformers' `sparsemixer` (inference) on random
+    logits, with ties and a margin that masks some and keeps others."""
+    import torch
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer
+
+    from moe_engine.models.layers.routing import sparsemixer_top2
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 8, generator=g) * 3
+    logits[:4, 2] = logits[:4, 5] = logits[:4].max(dim=-1).values  # tied best experts
+    for eps in (0.01, 0.3):
+        ref_w, ref_ids = sparsemixer(logits, jitter_eps=eps, training=False, top_k=2)
+        weights, ids = sparsemixer_top2(logits, eps)
+        assert torch.equal(ids.long(), ref_ids) and torch.equal(weights, ref_w.float())
+
+
+@pytest.mark.parametrize("model_type, fields, error", [
+    ("phimoe", dict(num_experts_per_tok=3), "num_experts_per_tok 3"),
+    ("phimoe", dict(rope_parameters=dict(
+        rope_type="longrope", rope_theta=1e4, short_factor=[1.0] * 8, long_factor=[1.0] * 8,
+        original_max_position_embeddings=512, short_mscale=1.0, long_mscale=1.0)), "longrope"),
+    ("dbrx", dict(ffn_config=dict(moe_normalize_expert_weights=2.0)),
+     "moe_normalize_expert_weights 2.0"),
+    ("olmoe", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+])
+def test_unsupported_variants_are_refused_naming_the_field(model_type, fields, error):
+    """Refused from the config alone (what `moe-serve` reads before any weight)."""
+    from transformers import AutoConfig
+
+    from moe_engine.errors import StartupError
+    from moe_engine.models import architecture_class, resolve_architecture
+
+    config = AutoConfig.for_model(model_type, **fields)
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    name, cls = resolve_architecture(config)
+    assert cls is architecture_class(name)
+    with pytest.raises((ValueError, StartupError), match=error):
+        cls.arch_spec(config)

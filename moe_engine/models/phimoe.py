@@ -93,9 +93,14 @@ class PhimoeForCausalLM(MoeCausalLM):
         Raises:
             StartupError: a rope_type other than default (Phi-3.5-MoE's "longrope" scales by
                 the sequence's length: not implemented); ValueError: hidden_act other than
-                silu.
+                silu, num_experts_per_tok other than 2.
         """
         check_hidden_act(hf_config.to_dict(), cls.__name__)
+        if hf_config.num_experts_per_tok != 2:
+            raise ValueError(
+                f"config.json: num_experts_per_tok {hf_config.num_experts_per_tok} is not "
+                "supported for PhimoeForCausalLM (SparseMixer routing selects exactly 2 experts)"
+            )
         jitter = getattr(hf_config, "router_jitter_noise", DEFAULT_ROUTER_JITTER)
         return dict(
             rms_norm_eps=hf_config.rms_norm_eps,
