@@ -34,7 +34,7 @@ from moe_engine.models.layers.decoder import Attention
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.norm import LayerNorm
 from moe_engine.models.layers.rotary import rope_theta_of
-from moe_engine.models.spec import ArchSpec
+from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import ExpertMapping, WeightMapping
 
 #: `nn.LayerNorm`'s epsilon, which DBRX's norms keep.
@@ -78,6 +78,11 @@ def llama_style_fields(cfg: dict) -> dict:
 
 class DbrxForCausalLM(MoeCausalLM):
     """DBRX on the engine's layers (module docstring)."""
+
+    card = FamilyCard(
+        "DBRX", ("databricks/dbrx-instruct", "databricks/dbrx-base"),
+        "GQA, fused Wqkv with clip_qkv, LayerNorm", native_4bit=(),
+    )
 
     spec_class = DbrxSpec
     model_types = ("dbrx",)

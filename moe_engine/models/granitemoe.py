@@ -35,7 +35,7 @@ from moe_engine.models.layers.decoder import Attention, DecoderLayer
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.rotary import rope_theta_of
 from moe_engine.models.layers.shared_experts import SharedExperts
-from moe_engine.models.spec import ArchSpec
+from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 
 
@@ -68,6 +68,11 @@ def _positive(hf_config, field: str) -> float:
 
 class GraniteMoeForCausalLM(MoeCausalLM):
     """Granite MoE on the engine's layers (module docstring)."""
+
+    card = FamilyCard(
+        "Granite MoE", ("ibm-granite/granite-3.1-3b-a800m-instruct", "ibm/PowerMoE-3b"),
+        "GQA, embedding/attention/residual/logit multipliers", native_4bit=(),
+    )
 
     spec_class = GraniteMoeSpec
     model_types = ("granitemoe",)
@@ -157,5 +162,10 @@ class GraniteMoeForCausalLM(MoeCausalLM):
 
 class GraniteMoeSharedForCausalLM(GraniteMoeForCausalLM):
     """Granite MoE with its shared MLP (`shared_intermediate_size`; module docstring)."""
+
+    card = FamilyCard(
+        "Granite MoE Shared", ("ibm-research/moe-7b-1b-active-shared-experts",),
+        "GQA, embedding/attention/residual/logit multipliers, a shared MLP", native_4bit=(),
+    )
 
     model_types = ("granitemoeshared",)

@@ -31,7 +31,7 @@ from moe_engine.models.layers.mixture_of_attention import MixtureOfAttention
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import rope_theta_of
-from moe_engine.models.spec import ArchSpec
+from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 
 #: `JetMoeRMSNorm`'s default epsilon, which the decoder layers' norms keep.
@@ -40,6 +40,12 @@ LAYER_NORM_EPS = 1e-6
 
 class JetMoeForCausalLM(MoeCausalLM):
     """JetMoE on the engine's layers (module docstring)."""
+
+    card = FamilyCard(
+        "JetMoE", ("jetmoe/jetmoe-8b", "jetmoe/jetmoe-8b-chat"),
+        "mixture of attention heads (routed q/o projections, shared GQA keys/values)",
+        native_4bit=(),
+    )
 
     model_types = ("jetmoe",)
     weight_mapping = WeightMapping(

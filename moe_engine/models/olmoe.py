@@ -32,7 +32,7 @@ from moe_engine.models.config_fields import check_hidden_act, every_layer_moe
 from moe_engine.models.layers.decoder import Attention, PostNormDecoderLayer
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import rope_theta_of
-from moe_engine.models.spec import ArchSpec
+from moe_engine.models.spec import ArchSpec, FamilyCard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +48,11 @@ class OlmoeSpec(ArchSpec):
 
 class OlmoeForCausalLM(MoeCausalLM):
     """OLMoE on the engine's layers (module docstring)."""
+
+    card = FamilyCard(
+        "OLMoE", ("allenai/OLMoE-1B-7B-0924", "allenai/OLMoE-1B-7B-0924-Instruct"),
+        "GQA, q/k norm over the whole projection, clip_qkv",
+    )
 
     spec_class = OlmoeSpec
     model_types = ("olmoe",)
@@ -109,6 +114,11 @@ class OlmoeForCausalLM(MoeCausalLM):
 
 class FlexOlmoForCausalLM(OlmoeForCausalLM):
     """FlexOlmo: OLMoE's blocks in OLMo 2's post-norm layers, norms weighted in float32."""
+
+    card = FamilyCard(
+        "FlexOlmo", ("allenai/FlexOlmo-7x7B-1T",),
+        "GQA, q/k norm over the whole projection, post-norm layers",
+    )
 
     model_types = ("flex_olmo",)
 

@@ -37,7 +37,7 @@ from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.norm import LayerNorm
 from moe_engine.models.layers.rotary import rope_theta_of
 from moe_engine.models.layers.routing import SparseMixerRouter
-from moe_engine.models.spec import ArchSpec
+from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import ExpertMapping, WeightMapping
 
 #: `PhimoeConfig.router_jitter_noise` default.
@@ -57,6 +57,12 @@ class PhimoeSpec(ArchSpec):
 
 class PhimoeForCausalLM(MoeCausalLM):
     """PhiMoE on the engine's layers (module docstring)."""
+
+    card = FamilyCard(
+        "PhiMoE", ("microsoft/Phi-3.5-MoE-instruct",),
+        "GQA, q/k/v/o biases, LayerNorm, optional sliding window (its longrope is refused)",
+        cache=("full", "sliding"),
+    )
 
     spec_class = PhimoeSpec
     model_types = ("phimoe",)
