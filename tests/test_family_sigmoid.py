@@ -17,10 +17,8 @@ from family_check import (
     check_ep_token_exact,
     check_prefix_cache,
     check_token_exact,
-    family_prompts,
     make_family_checkpoint,
 )
-from fixtures import dequantized_experts_copy, hf_greedy
 
 #: Every norm weight and router correction bias, drawn rather than left at 1 / 0.
 DRAWN = ("norm.weight", "layernorm.weight", "e_score_correction_bias")

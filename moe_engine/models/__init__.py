@@ -35,6 +35,13 @@ ARCHITECTURES: dict[str, str] = {
     "SolarOpenForCausalLM": "moe_engine.models.solar_open",
     "HYV3ForCausalLM": "moe_engine.models.hy_v3",
     "AfmoeForCausalLM": "moe_engine.models.afmoe",
+    "OlmoeForCausalLM": "moe_engine.models.olmoe",
+    "FlexOlmoForCausalLM": "moe_engine.models.olmoe",
+    "PhimoeForCausalLM": "moe_engine.models.phimoe",
+    "GraniteMoeForCausalLM": "moe_engine.models.granitemoe",
+    "GraniteMoeSharedForCausalLM": "moe_engine.models.granitemoe",
+    "DbrxForCausalLM": "moe_engine.models.dbrx",
+    "JetMoeForCausalLM": "moe_engine.models.jetmoe",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.

@@ -118,7 +118,7 @@ class AfmoeForCausalLM(MoeCausalLM):
             **super().spec_fields(hf_config),
             nope_layers=nope,
             routed_scaling_factor=float(hf_config.route_scale),
-            embed_scale=hf_config.hidden_size**0.5 if hf_config.mup_enabled else 1.0,
+            embedding_multiplier=hf_config.hidden_size**0.5 if hf_config.mup_enabled else 1.0,
         )
 
     def build_norm(self, spec: AfmoeSpec, size: int, dtype: torch.dtype) -> nn.Module:

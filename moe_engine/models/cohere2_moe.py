@@ -176,7 +176,7 @@ class Cohere2MoeForCausalLM(MoeCausalLM):
 
     def build_norm(self, spec: Cohere2MoeSpec, size: int, dtype: torch.dtype) -> nn.Module:
         if spec.layer_norm:
-            return LayerNorm(size, spec.rms_norm_eps, dtype=dtype)
+            return LayerNorm(size, spec.rms_norm_eps, bias=False, dtype=dtype, float32_math=True)
         return RMSNorm(size, spec.rms_norm_eps, dtype=dtype)
 
     def build_attention(

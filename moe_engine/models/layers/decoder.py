@@ -65,9 +65,16 @@ class Attention(nn.Module):
         qkv_bias: biases on q/k/v (default `spec.attention_bias`).
         o_bias: a bias on the output projection.
         sinks: learned per-head sink logits in the softmax (gpt-oss).
-        qk_norm: per-head RMSNorm on queries and keys before the rope (default `spec.qk_norm`).
+        qk_norm: RMSNorm on queries and keys before the rope (default `spec.qk_norm`).
         output_gate: the attention output is multiplied by sigmoid(gate_proj(h)) before
             o_proj, gate_proj a Linear(H, Hq * D) without bias (AFMoE's gated attention).
+        qk_norm_full: the q/k norms span the whole projection (num_heads * head_dim and
+            num_kv_heads * head_dim features: OLMoE, FlexOlmo) instead of each head's head_dim.
+        qk_norm_in_float32: the q/k norms multiply by their weight in float32
+            (`RMSNorm.weight_in_float32`; Olmo2-style norms).
+        scale: the softmax scale (default head_dim ** -0.5; Granite's `attention_multiplier`).
+        clip_qkv: clamp q, k and v to [-clip_qkv, clip_qkv] after the projection, and after
+            the q/k norms where there are any (OLMoE, DBRX); None: no clamp.
 
     Checkpoint names: `q_proj`, `k_proj`, `v_proj` (stacked into `qkv_proj`, shards "q", "k",
     "v"), `o_proj`, `q_norm`, `k_norm`, `sinks`, `gate_proj`.
@@ -91,6 +98,10 @@ class Attention(nn.Module):
         sinks: bool = False,
         qk_norm: bool | None = None,
         output_gate: bool = False,
+        qk_norm_full: bool = False,
+        qk_norm_in_float32: bool = False,
+        scale: float | None = None,
+        clip_qkv: float | None = None,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -109,13 +120,19 @@ class Attention(nn.Module):
             Linear(spec.hidden_size, q_size, bias=False, dtype=dtype) if output_gate else None
         )
         self.qk_norm = spec.qk_norm if qk_norm is None else qk_norm
+        self.qk_norm_full = self.qk_norm and qk_norm_full
         if self.qk_norm:
-            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype)
+            q_dim, k_dim = (q_size, kv_size) if qk_norm_full else (spec.head_dim, spec.head_dim)
+            norm = dict(dtype=dtype, weight_in_float32=qk_norm_in_float32)
+            self.q_norm = RMSNorm(q_dim, spec.rms_norm_eps, **norm)
+            self.k_norm = RMSNorm(k_dim, spec.rms_norm_eps, **norm)
+        if clip_qkv is not None and clip_qkv <= 0:
+            raise ValueError(f"clip_qkv must be > 0 (or None: no clamp), got {clip_qkv}")
+        self.clip_qkv = clip_qkv
         self.rotary = rotary  # shared by all layers; None: NoPE
         self.attn = PagedAttention(
-            spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5,
-            sliding_window=sliding_window,
+            spec.num_heads, spec.num_kv_heads, spec.head_dim,
+            spec.head_dim**-0.5 if scale is None else scale, sliding_window=sliding_window,
         )
         #: Bound by `bind_kernels`: the prologue's one-call kernel (`KernelPlan.rope_prologue`)
         #: where this layer's pieces fit it, else None (the module path), and the
@@ -126,10 +143,11 @@ class Attention(nn.Module):
     def bind_kernels(self, plan: KernelPlan) -> None:
         """Take the registry's prologue kernel (`KernelPlan.rope_prologue`) when this layer's
         pieces are the ones it implements (a `RotaryEmbedding`, or a `PartialRotaryEmbedding`
-        around one, where the kernel takes that layout; q/k norms of Qwen3's rounding, one
-        epsilon; float32 or bfloat16 weights)."""
+        around one, where the kernel takes that layout; per-head q/k norms of Qwen3's
+        rounding, one epsilon, no clamp after them; float32 or bfloat16 weights)."""
         norms_fit = not self.qk_norm or (
-            not self.q_norm.weight_in_float32 and not self.k_norm.weight_in_float32
+            not self.qk_norm_full and self.clip_qkv is None
+            and not self.q_norm.weight_in_float32 and not self.k_norm.weight_in_float32
             and self.q_norm.eps == self.k_norm.eps
         )
         rotary = self.rotary
@@ -153,6 +171,8 @@ class Attention(nn.Module):
         """h: [T, H] -> [T, H]; positions [T] int64; kv_cache: this layer's (K, V) pair."""
         t = h.shape[0]
         qkv = self.qkv_proj(h)
+        if self.clip_qkv is not None and not self.qk_norm:  # DBRX: before any norm
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         if self.prologue is not None and qkv.dtype == kv_cache[0].dtype:
             norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
             tables = self.rope_tables
@@ -165,11 +185,15 @@ class Attention(nn.Module):
             out = self.attn(q, None, None, kv_cache, meta, sinks=self.sinks)
             return self.o_proj(self._gated(out, h))
         q, k, v = qkv.split(self.sizes, dim=-1)
+        if self.qk_norm_full:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        if self.qk_norm and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None and self.qk_norm:  # OLMoE: after the norms
+            q, k, v = (x.clamp(-self.clip_qkv, self.clip_qkv) for x in (q, k, v))
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v, kv_cache, meta, sinks=self.sinks)
@@ -216,6 +240,8 @@ class DecoderLayer(nn.Module):
             None: the parallel block.
         post_self_attn_layernorm, post_mlp_layernorm: the branches' output norms (GLM-4's
             names), or None (default).
+        residual_multiplier: scales the attention's and the MLP's outputs before each
+            residual add, h + m * attn(...) (Granite's `residual_multiplier`; default 1).
 
     `timer`, when set (`MoeCausalLM.attach_timer`), times the attention phase (and a native
     decode step, which has no phases of its own, as "decode_layer").
@@ -233,11 +259,13 @@ class DecoderLayer(nn.Module):
         mlp: nn.Module,
         input_layernorm: nn.Module,
         post_attention_layernorm: nn.Module | None,
+        residual_multiplier: float = 1.0,
         *,
         post_self_attn_layernorm: nn.Module | None = None,
         post_mlp_layernorm: nn.Module | None = None,
     ) -> None:
         super().__init__()
+        self.residual_multiplier = residual_multiplier
         self.post_self_attn_layernorm = post_self_attn_layernorm
         self.post_mlp_layernorm = post_mlp_layernorm
         self.self_attn = self_attn
@@ -301,15 +329,62 @@ class DecoderLayer(nn.Module):
             else:
                 x, residual = self.input_layernorm(h, residual)
             attn_out = self.self_attn(x, positions, meta, kv_cache)
+        m = self.residual_multiplier
+        if m != 1.0:
+            attn_out = attn_out * m
         if self.post_attention_layernorm is None:  # parallel: the MLP reads norm1's output too
-            return self.mlp(x), residual + attn_out
+            out = self.mlp(x)
+            return (out * m if m != 1.0 else out), residual + attn_out
         if self.post_self_attn_layernorm is not None:
             attn_out = self.post_self_attn_layernorm(attn_out)
         x, residual = self.post_attention_layernorm(attn_out, residual)
         out = self.mlp(x)
         if self.post_mlp_layernorm is not None:
             out = self.post_mlp_layernorm(out)
-        return out, residual
+        return (out * m if m != 1.0 else out), residual
+
+
+class PostNormDecoderLayer(DecoderLayer):
+    """Norms on the sublayers' outputs instead of their inputs: h + norm1(attn(h)), then
+    + norm2(mlp(h)) (OLMo 2's reordered norms; transformers `FlexOlmoDecoderLayer`).
+
+    Args:
+        self_attn, mlp: as `DecoderLayer`.
+        post_attention_layernorm: the norm of the attention's output.
+        post_feedforward_layernorm: the norm of the MLP's output.
+
+    Checkpoint names: `post_attention_layernorm`, `post_feedforward_layernorm` (no
+    `input_layernorm`). It never takes the native decode step (`native_decode.decode_misfit`:
+    the kernel implements the pre-norm layer).
+    """
+
+    def __init__(
+        self,
+        self_attn: nn.Module,
+        mlp: nn.Module,
+        post_attention_layernorm: nn.Module,
+        post_feedforward_layernorm: nn.Module,
+    ) -> None:
+        super().__init__(self_attn, mlp, None, post_attention_layernorm)
+        self.post_feedforward_layernorm = post_feedforward_layernorm
+
+    def forward_residual(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache,
+        step: DecodeInputs | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As `DecoderLayer.forward_residual` (the stream is x + residual'); `step` is
+        unused."""
+        if residual is not None:
+            h = h + residual
+        with self.timer.phase("attention") if self.timer is not None else _NO_PHASE:
+            x = self.self_attn(h, positions, meta, kv_cache)
+        h = h + self.post_attention_layernorm(x)
+        return self.post_feedforward_layernorm(self.mlp(h)), h
 
 
 class Backbone(nn.Module):

@@ -78,6 +78,7 @@ class FusedMoE(nn.Module):
         output_scale: multiplies the block's output, routed plus shared (Cohere2-MoE's
             "average" shared-expert combination, (routed + shared) / 2, is 0.5: a power of
             two, so the product rounds exactly as transformers' division); default 1.
+        output_bias: hold `bias` [H], added to the block's output (JetMoE's `mlp.bias`).
 
     Raises:
         ValueError: an unknown routing, or a router whose num_experts / top_k differ.
@@ -100,6 +101,7 @@ class FusedMoE(nn.Module):
         router: nn.Module | None = None,
         shared_experts: SharedExperts | None = None,
         output_scale: float = 1.0,
+        output_bias: bool = False,
     ) -> None:
         super().__init__()
         if routing not in ROUTINGS:
@@ -116,6 +118,10 @@ class FusedMoE(nn.Module):
         self.gate = router or Linear(hidden_size, num_experts, bias=router_bias, dtype=dtype)
         self.shared_experts = shared_experts
         self.output_scale = output_scale
+        self.bias = (
+            nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+            if output_bias else None
+        )
         self.b13: nn.Parameter | None = None
         self.b2: nn.Parameter | None = None
         if expert_bias:
@@ -217,9 +223,12 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [T, H] -> [T, H], same dtype: combine(experts(dispatch(hidden))) plus the
-        shared experts of this rank's own tokens (times `output_scale` where it is not 1)."""
+        shared experts of this rank's own tokens (times `output_scale` where it is not 1, plus
+        `bias` where the block has one)."""
         out = self._forward(hidden)
-        return out if self.output_scale == 1.0 else out * self.output_scale
+        if self.output_scale != 1.0:
+            out = out * self.output_scale
+        return out if self.bias is None else out + self.bias
 
     def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
         timer = self.timer or _NO_TIMER

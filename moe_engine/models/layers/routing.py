@@ -6,6 +6,7 @@
 | gpt-oss                        | `topk_softmax`             | (FusedMoE's default path)  |
 | DeepSeek-V3, GLM-4.5 (noaux)   | `sigmoid_grouped_topk`     | `SigmoidGroupedTopKRouter` |
 | DeepSeek-V2                    | `softmax_grouped_topk`     | `SoftmaxGroupedTopKRouter` |
+| PhiMoE (SparseMixer, top-2)    | `sparsemixer_top2`         | `SparseMixerRouter`        |
 
 Every selection breaks ties toward the lower expert id (and the lower group id when groups
 tie): `torch.topk`, which transformers uses, leaves the order of equal values unspecified, so
@@ -275,6 +276,38 @@ def softmax_grouped_topk(
     return scores.gather(1, ids) * routed_scaling_factor, ids.to(torch.int32)
 
 
+def sparsemixer_top2(
+    router_logits: torch.Tensor, jitter_eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SparseMixer's inference routing, top-2 (Liu et al., "GRIN: GRadient-INformed MoE",
+    arXiv:2409.12136; PhiMoE, transformers 5.24 `modeling_phimoe.sparsemixer` with
+    training=False, whose ops and dtype this repeats).
+
+    Twice, for the best and then the second-best expert (the first masked out): m = the row's
+    largest logit, its expert chosen; logits with (m - logit) / max(|logit|, m) > 2 *
+    jitter_eps are masked to -inf; the chosen expert's weight is its softmax probability
+    among the rest. The two weights are not renormalised.
+
+    Args:
+        router_logits: [T, E] any float dtype (the weights are computed in it).
+        jitter_eps: config.json `router_jitter_noise`.
+
+    Returns:
+        topk_weights [T, 2] float32, topk_ids [T, 2] int32 (best first).
+    """
+    weights, ids = [], []
+    scores = router_logits
+    for _ in range(2):
+        best, chosen = scores.max(dim=-1, keepdim=True)
+        factor = router_logits.abs().clamp(min=best)
+        outside = (best - router_logits) / factor > 2 * jitter_eps
+        gates = torch.softmax(scores.masked_fill(outside, float("-inf")), dim=-1)
+        weights.append(gates.gather(-1, chosen))
+        ids.append(chosen)
+        scores = router_logits.scatter(-1, chosen, float("-inf"))
+    return torch.cat(weights, dim=-1).float(), torch.cat(ids, dim=-1).to(torch.int32)
+
+
 def routing_counts_experts(kernel: Callable[..., Any] | None) -> bool:
     """Whether a routing kernel counts the expert load in its own launch (takes
     ``expert_counts=`` / ``row_weights=``: `kernels.moe.router_kernels`'s `COUNTS_EXPERTS`)."""
@@ -458,4 +491,46 @@ class SoftmaxGroupedTopKRouter(_Router):
         return (self.kernel or softmax_grouped_topk)(
             self.router_logits(hidden), self.top_k, self.topk_method, self.n_group,
             self.topk_group, self.routed_scaling_factor, **counts,
+        )
+
+
+class SparseMixerRouter(_Router):
+    """PhiMoE's router (`sparsemixer_top2`; transformers' `PhimoeTopKRouter`, a Linear in the
+    model dtype without a bias).
+
+    Args:
+        hidden_size: H; num_experts: E; top_k: must be 2 (SparseMixer picks two experts);
+        jitter_eps: `router_jitter_noise`; dtype: the weight's dtype.
+
+    Raises:
+        ValueError: top_k other than 2, naming num_experts_per_tok; jitter_eps < 0.
+    """
+
+    ROUTING = "sparsemixer_top2"
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        jitter_eps: float,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if top_k != 2:
+            raise ValueError(
+                f"num_experts_per_tok ({top_k}) must be 2: SparseMixer routing (PhiMoE) selects "
+                "exactly two experts"
+            )
+        if jitter_eps < 0:
+            raise ValueError(f"router_jitter_noise ({jitter_eps}) must be >= 0")
+        super().__init__(hidden_size, num_experts, top_k, False, dtype)
+        self.jitter_eps = jitter_eps
+
+    def forward(
+        self, hidden: torch.Tensor, **counts: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> topk_weights [T, 2] float32, topk_ids [T, 2] int32 (`counts`: see
+        `counts_experts`)."""
+        return (self.kernel or sparsemixer_top2)(
+            self.router_logits(hidden), self.jitter_eps, **counts
         )
