@@ -64,7 +64,13 @@ class Attention(nn.Module):
         qkv_bias: biases on q/k/v (default `spec.attention_bias`).
         o_bias: a bias on the output projection.
         sinks: learned per-head sink logits in the softmax (gpt-oss).
-        qk_norm: per-head RMSNorm on queries and keys before the rope (default `spec.qk_norm`).
+        qk_norm: RMSNorm on queries and keys (default `spec.qk_norm`), per head before the rope
+            unless the two options below say otherwise.
+        qk_norm_per_head: False: one RMSNorm over each token's whole q projection [Hq * D]
+            and one over its k projection [Hkv * D] (MiniMax-M2's `q_norm` / `k_norm`), before
+            the rope; True (default): over each head's D dims (Qwen3).
+        qk_norm_after_rope: the per-head norms run on the rotated q and k (HunYuan-MoE's
+            `query_layernorm` / `key_layernorm`); default before the rope.
 
     Checkpoint names: `q_proj`, `k_proj`, `v_proj` (stacked into `qkv_proj`, shards "q", "k",
     "v"), `o_proj`, `q_norm`, `k_norm`, `sinks`.
@@ -87,8 +93,12 @@ class Attention(nn.Module):
         o_bias: bool = False,
         sinks: bool = False,
         qk_norm: bool | None = None,
+        qk_norm_per_head: bool = True,
+        qk_norm_after_rope: bool = False,
     ) -> None:
         super().__init__()
+        if qk_norm_after_rope and not qk_norm_per_head:
+            raise ValueError("qk_norm_after_rope needs per-head q/k norms (qk_norm_per_head)")
         self.num_heads, self.num_kv_heads, self.head_dim = (
             spec.num_heads, spec.num_kv_heads, spec.head_dim
         )
@@ -102,9 +112,11 @@ class Attention(nn.Module):
         # learned per-head sink logits (gpt-oss), filled from the checkpoint
         self.sinks = nn.Parameter(torch.zeros(spec.num_heads, dtype=dtype)) if sinks else None
         self.qk_norm = spec.qk_norm if qk_norm is None else qk_norm
+        self.qk_norm_per_head, self.qk_norm_after_rope = qk_norm_per_head, qk_norm_after_rope
         if self.qk_norm:
-            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype)
+            q_dim, k_dim = (spec.head_dim,) * 2 if qk_norm_per_head else (q_size, kv_size)
+            self.q_norm = RMSNorm(q_dim, spec.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(k_dim, spec.rms_norm_eps, dtype=dtype)
         self.rotary = rotary  # shared by all layers
         self.attn = PagedAttention(
             spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5,
@@ -120,10 +132,11 @@ class Attention(nn.Module):
         """Take the registry's prologue kernel (`KernelPlan.rope_prologue`) when this layer's
         pieces are the ones it implements (a `RotaryEmbedding`, or a `PartialRotaryEmbedding`
         around one, where the kernel takes that layout; q/k norms of Qwen3's rounding, one
-        epsilon; float32 or bfloat16 weights)."""
-        norms_fit = not self.qk_norm or (
+        epsilon, before the rope; float32 or bfloat16 weights). Norms over the whole
+        projection run before the kernel, which then takes none (`_norm_projections`)."""
+        norms_fit = not self.qk_norm or not self.qk_norm_per_head or (
             not self.q_norm.weight_in_float32 and not self.k_norm.weight_in_float32
-            and self.q_norm.eps == self.k_norm.eps
+            and self.q_norm.eps == self.k_norm.eps and not self.qk_norm_after_rope
         )
         rotary = self.rotary
         partial = type(rotary) is PartialRotaryEmbedding
@@ -146,13 +159,16 @@ class Attention(nn.Module):
         """h: [T, H] -> [T, H]; positions [T] int64; kv_cache: this layer's (K, V) pair."""
         t = h.shape[0]
         qkv = self.qkv_proj(h)
+        if self.qk_norm and not self.qk_norm_per_head:
+            qkv = self._norm_projections(qkv)
         if self.prologue is not None and qkv.dtype == kv_cache[0].dtype:
-            norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+            per_head = self.qk_norm and self.qk_norm_per_head
+            norms = (self.q_norm.weight, self.k_norm.weight) if per_head else (None, None)
             tables = self.rope_tables
             layout = {"interleaved": True} if tables.interleaved else {}
             q = self.prologue(
                 qkv, self.num_heads, self.num_kv_heads, positions, tables.cos_cache,
-                tables.sin_cache, *norms, self.q_norm.eps if self.qk_norm else 0.0,
+                tables.sin_cache, *norms, self.q_norm.eps if per_head else 0.0,
                 *kv_cache, meta.for_group(self.attn.kv_group).slot_mapping, **layout,
             )  # fmt: skip
             out = self.attn(q, None, None, kv_cache, meta, sinks=self.sinks)
@@ -161,10 +177,19 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        per_head = self.qk_norm and self.qk_norm_per_head
+        if per_head and not self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
+        if per_head and self.qk_norm_after_rope:
+            q, k = self.q_norm(q), self.k_norm(k)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta, sinks=self.sinks))
+
+    def _norm_projections(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv [T, (Hq + 2 Hkv) D] -> the same with q_norm over its q part and k_norm over its
+        k part (each token's whole projection), v unchanged."""
+        q, k, v = qkv.split(self.sizes, dim=-1)
+        return torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
 
 
 class DenseMLP(nn.Module):

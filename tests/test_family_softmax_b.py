@@ -1,0 +1,63 @@
+"""Token-exactness against `transformers` of the families of issue 43's "softmax-b" group:
+MiniMax-M2, HunYuan-MoE-V1, ERNIE-4.5-MoE, Mellum, Aria (text), and the refusals of ZAYA and
+Doge (`tests/family_check.py` is the harness; each checkpoint is a tiny random one).
+
+Each config exercises its family's variants: MiniMax-M2's q/k norms over the whole
+projection, partial rotary and sigmoid routing with a correction bias (drawn non-zero);
+HunYuan's q/k norms after the rope, float32 router and shared MLP; ERNIE's dense-first layers,
+MoE every 2nd layer, softmax routing with a correction bias, shared experts and biases
+everywhere (lm_head included); Mellum's sliding/full mix with a rope base per kind and dense
+layers by `mlp_layer_types`; Aria's top-k-then-softmax routing, [E, in, out] experts and
+shared experts.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from family_check import (
+    check_ep_token_exact,
+    check_prefix_cache,
+    check_token_exact,
+    family_prompts,
+    make_family_checkpoint,
+)
+
+ALL_EP = pytest.mark.skipif(
+    os.environ.get("MOE_ENGINE_FAMILY_EP") != "all",
+    reason="ep 2 of this family: set MOE_ENGINE_FAMILY_EP=all (MiniMax-M2 runs it always)",
+)
+
+MINIMAX_M2 = {
+    "num_hidden_layers": 2,
+    "intermediate_size": 32,
+    "num_local_experts": 8,
+    "rotary_dim": 8,  # half of head_dim 16
+}
+
+
+@pytest.fixture(scope="module")
+def minimax_m2_ckpt(tmp_path_factory):
+    return make_family_checkpoint(
+        "minimax_m2", MINIMAX_M2, tmp_path_factory.mktemp("minimax_m2"),
+        drawn=("e_score_correction_bias", "norm.weight"),
+    )
+
+
+def test_minimax_m2_token_exact(minimax_m2_ckpt):
+    check_token_exact(minimax_m2_ckpt)
+
+
+def test_minimax_m2_prefix_cache(minimax_m2_ckpt):
+    check_prefix_cache(minimax_m2_ckpt)
+
+
+def test_minimax_m2_ep2(minimax_m2_ckpt):
+    check_ep_token_exact(minimax_m2_ckpt, 2)
+
+
+def test_minimax_m2_triton(minimax_m2_ckpt):
+    check_token_exact(
+        minimax_m2_ckpt, kernel_backend="triton", prompts=family_prompts(512, (1, 37)), max_new=4
+    )
