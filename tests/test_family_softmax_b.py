@@ -61,3 +61,35 @@ def test_minimax_m2_triton(minimax_m2_ckpt):
     check_token_exact(
         minimax_m2_ckpt, kernel_backend="triton", prompts=family_prompts(512, (1, 37)), max_new=4
     )
+
+
+HUNYUAN_V1_MOE = {
+    "num_hidden_layers": 2,
+    "intermediate_size": 32,
+    "num_experts": 8,
+    "moe_topk": 2,
+    "attention_bias": True,
+    # the static NTK-alpha base (transformers' "ntk_alpha"), as Hunyuan-A13B ships it
+    "rope_parameters": {"rope_type": "dynamic", "alpha": 50.0, "factor": 1.0, "rope_theta": 1e4},
+}
+
+
+@pytest.fixture(scope="module")
+def hunyuan_ckpt(tmp_path_factory):
+    return make_family_checkpoint(
+        "hunyuan_v1_moe", HUNYUAN_V1_MOE, tmp_path_factory.mktemp("hunyuan_v1_moe"),
+        drawn=("layernorm.weight", "bias"),
+    )
+
+
+def test_hunyuan_v1_moe_token_exact(hunyuan_ckpt):
+    check_token_exact(hunyuan_ckpt)
+
+
+def test_hunyuan_v1_moe_prefix_cache(hunyuan_ckpt):
+    check_prefix_cache(hunyuan_ckpt)
+
+
+@ALL_EP
+def test_hunyuan_v1_moe_ep2(hunyuan_ckpt):
+    check_ep_token_exact(hunyuan_ckpt, 2)
