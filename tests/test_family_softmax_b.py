@@ -93,3 +93,38 @@ def test_hunyuan_v1_moe_prefix_cache(hunyuan_ckpt):
 @ALL_EP
 def test_hunyuan_v1_moe_ep2(hunyuan_ckpt):
     check_ep_token_exact(hunyuan_ckpt, 2)
+
+
+ERNIE4_5_MOE = {
+    "num_hidden_layers": 4,  # layer 0 dense (start index 1), then MoE every 2nd: 1 and 3
+    "intermediate_size": 48,
+    "moe_intermediate_size": 32,
+    "moe_num_experts": 8,
+    "moe_k": 2,
+    "moe_layer_start_index": 1,
+    "moe_layer_interval": 2,
+    "moe_num_shared_experts": 2,
+    "use_bias": True,
+    "tie_word_embeddings": True,
+}
+
+
+@pytest.fixture(scope="module")
+def ernie_ckpt(tmp_path_factory):
+    return make_family_checkpoint(
+        "ernie4_5_moe", ERNIE4_5_MOE, tmp_path_factory.mktemp("ernie4_5_moe"),
+        drawn=("e_score_correction_bias", "bias"),
+    )
+
+
+def test_ernie4_5_moe_token_exact(ernie_ckpt):
+    check_token_exact(ernie_ckpt)
+
+
+def test_ernie4_5_moe_prefix_cache(ernie_ckpt):
+    check_prefix_cache(ernie_ckpt)
+
+
+@ALL_EP
+def test_ernie4_5_moe_ep2(ernie_ckpt):
+    check_ep_token_exact(ernie_ckpt, 2)

@@ -31,6 +31,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3_5MoeForCausalLM": "moe_engine.models.qwen3_next",
     "MiniMaxM2ForCausalLM": "moe_engine.models.minimax_m2",
     "HunYuanMoEV1ForCausalLM": "moe_engine.models.hunyuan_v1_moe",
+    "Ernie4_5_MoeForCausalLM": "moe_engine.models.ernie4_5_moe",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.

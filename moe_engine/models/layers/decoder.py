@@ -198,13 +198,16 @@ class DenseMLP(nn.Module):
 
     Args:
         hidden_size: H; intermediate_size: I; dtype: parameter dtype.
+        bias: the three projections have biases (ERNIE-4.5's `use_bias`; default none).
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, bias: bool = False
+    ) -> None:
         super().__init__()
-        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
-        self.up_proj = Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h: [T, H] -> [T, H]."""
