@@ -128,3 +128,38 @@ def test_ernie4_5_moe_prefix_cache(ernie_ckpt):
 @ALL_EP
 def test_ernie4_5_moe_ep2(ernie_ckpt):
     check_ep_token_exact(ernie_ckpt, 2)
+
+
+MELLUM = {
+    "num_hidden_layers": 3,
+    "intermediate_size": 48,
+    "moe_intermediate_size": 32,
+    "num_experts": 8,
+    "sliding_window": 24,  # < the 37- and 70-token prompts
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "mlp_layer_types": ["dense", "sparse", "sparse"],
+    "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def mellum_ckpt(tmp_path_factory):
+    return make_family_checkpoint(
+        "mellum", MELLUM, tmp_path_factory.mktemp("mellum"), drawn=("norm.weight",)
+    )
+
+
+def test_mellum_token_exact(mellum_ckpt):
+    check_token_exact(mellum_ckpt)
+
+
+def test_mellum_prefix_cache(mellum_ckpt):
+    check_prefix_cache(mellum_ckpt)
+
+
+@ALL_EP
+def test_mellum_ep2(mellum_ckpt):
+    check_ep_token_exact(mellum_ckpt, 2)

@@ -32,6 +32,7 @@ ARCHITECTURES: dict[str, str] = {
     "MiniMaxM2ForCausalLM": "moe_engine.models.minimax_m2",
     "HunYuanMoEV1ForCausalLM": "moe_engine.models.hunyuan_v1_moe",
     "Ernie4_5_MoeForCausalLM": "moe_engine.models.ernie4_5_moe",
+    "MellumForCausalLM": "moe_engine.models.mellum",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.

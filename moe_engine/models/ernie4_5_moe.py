@@ -29,7 +29,6 @@ unread, as transformers ignores them. KV cache: one full-attention group.
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import torch
 from torch import nn
@@ -44,9 +43,6 @@ from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter
 from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.models.spec import ArchSpec
 from moe_engine.models.weight_mapping import WeightMapping
-
-#: Checkpoint tensors of the multi-token-prediction block (transformers ignores them).
-_MTP = re.compile(r"(^|\.)mtp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +81,7 @@ class Ernie4_5_MoeForCausalLM(MoeCausalLM):
         renames=(
             (".mlp.moe_statics.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),
         ),
+        skipped=(r"(^|\.)mtp",),  # the multi-token-prediction block (transformers ignores it)
     )
 
     def __init__(self, spec: Ernie4_5_MoeSpec, dtype: torch.dtype, max_position: int | None = None):
@@ -160,7 +157,3 @@ class Ernie4_5_MoeForCausalLM(MoeCausalLM):
             spec.num_experts, spec.top_k, spec.hidden_size, spec.moe_intermediate_size,
             True, dtype, router=router, shared_experts=shared,
         )
-
-    def wants_weight(self, name: str) -> bool:
-        """The base rule, and False for the multi-token-prediction tensors (`mtp*`)."""
-        return not _MTP.search(name) and super().wants_weight(name)
