@@ -163,3 +163,34 @@ def test_mellum_prefix_cache(mellum_ckpt):
 @ALL_EP
 def test_mellum_ep2(mellum_ckpt):
     check_ep_token_exact(mellum_ckpt, 2)
+
+
+ARIA_TEXT = {
+    "num_hidden_layers": 2,
+    "intermediate_size": 32,
+    "moe_num_experts": 8,
+    "moe_topk": 2,
+    "moe_num_shared_experts": 2,
+    "mlp_bias": True,
+    "attention_bias": True,
+}
+
+
+@pytest.fixture(scope="module")
+def aria_ckpt(tmp_path_factory):
+    return make_family_checkpoint(
+        "aria_text", ARIA_TEXT, tmp_path_factory.mktemp("aria_text"), drawn=("bias",)
+    )
+
+
+def test_aria_text_token_exact(aria_ckpt):
+    check_token_exact(aria_ckpt)
+
+
+def test_aria_text_prefix_cache(aria_ckpt):
+    check_prefix_cache(aria_ckpt)
+
+
+@ALL_EP
+def test_aria_text_ep2(aria_ckpt):
+    check_ep_token_exact(aria_ckpt, 2)

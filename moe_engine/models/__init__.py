@@ -33,6 +33,7 @@ ARCHITECTURES: dict[str, str] = {
     "HunYuanMoEV1ForCausalLM": "moe_engine.models.hunyuan_v1_moe",
     "Ernie4_5_MoeForCausalLM": "moe_engine.models.ernie4_5_moe",
     "MellumForCausalLM": "moe_engine.models.mellum",
+    "AriaTextForCausalLM": "moe_engine.models.aria_text",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.
