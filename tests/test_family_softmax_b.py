@@ -194,3 +194,22 @@ def test_aria_text_prefix_cache(aria_ckpt):
 @ALL_EP
 def test_aria_text_ep2(aria_ckpt):
     check_ep_token_exact(aria_ckpt, 2)
+
+
+@pytest.mark.parametrize(
+    "architecture, fields, lacks",
+    [
+        ("ZayaForCausalLM", {"cca_time0": 2, "cca_time1": 2},
+         "Compressed Convolutional Attention is not implemented"),
+        ("DogeForCausalLM", {"keep_window_size": 2048},
+         "dynamic-mask attention is not implemented"),
+    ],
+)
+def test_refused_with_what_the_engine_lacks(architecture, fields, lacks):
+    """ZAYA and Doge are refused at startup, naming what the engine lacks."""
+    from moe_engine.errors import StartupError
+    from moe_engine.models import resolve_config_dict
+
+    with pytest.raises(StartupError, match=lacks) as info:
+        resolve_config_dict({"architectures": [architecture], **fields})
+    assert "?" not in str(info.value)  # every field the message names was read
