@@ -213,3 +213,17 @@ def test_refused_with_what_the_engine_lacks(architecture, fields, lacks):
     with pytest.raises(StartupError, match=lacks) as info:
         resolve_config_dict({"architectures": [architecture], **fields})
     assert "?" not in str(info.value)  # every field the message names was read
+
+
+def test_ernie4_5_moe_int4_experts(ernie_ckpt, tmp_path):
+    """4-bit experts (quantized at load, group 32) equal transformers on the same weights
+    quantized and dequantized."""
+    from fixtures import dequantized_experts_copy, hf_greedy
+
+    prompts = family_prompts(512, (11, 37))
+    reference = dequantized_experts_copy(ernie_ckpt, tmp_path, "int4", 32)
+    llm = check_token_exact(
+        ernie_ckpt, prompts=prompts, expected=hf_greedy(reference, prompts, 8),
+        quantization="int4", quant_group_size=32,
+    )
+    assert all(m.quantized is not None for _, m in llm.engine.model.moe_layers())
