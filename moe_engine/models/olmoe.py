@@ -7,7 +7,7 @@ Both are Llama-style GQA decoders whose every layer is an MoE block of `num_expe
 of width `intermediate_size`, routed by softmax then top-k (renormalised when
 `norm_topk_prob`, default false). They differ from the Llama decoder in:
 - q/k RMSNorm over the whole projection (num_heads * head_dim and num_kv_heads * head_dim
-  features), not per head, before the rope (`Attention(qk_norm_full=True)`);
+  features), not per head, before the rope (`Attention(qk_norm_per_head=False)`);
 - OLMoE: optional `clip_qkv` (q, k, v clamped after the norms); pre-norm layers;
 - FlexOlmo: OLMo 2's post-norm layers (`layers/decoder.PostNormDecoderLayer`: h +
   norm(attn(h)), then + norm(mlp(h)); no input norm) and every RMSNorm multiplies by its
@@ -107,7 +107,7 @@ class OlmoeForCausalLM(MoeCausalLM):
     ) -> nn.Module:
         """Full-width q/k norms, then the clamp."""
         return Attention(
-            spec, dtype, rotary, o_bias=spec.attention_bias, qk_norm_full=True,
+            spec, dtype, rotary, o_bias=spec.attention_bias, qk_norm_per_head=False,
             clip_qkv=spec.clip_qkv,
         )
 
@@ -131,7 +131,7 @@ class FlexOlmoForCausalLM(OlmoeForCausalLM):
     ) -> nn.Module:
         """Full-width q/k norms weighted in float32 (FlexOlmo has no clamp)."""
         return Attention(
-            spec, dtype, rotary, o_bias=spec.attention_bias, qk_norm_full=True,
+            spec, dtype, rotary, o_bias=spec.attention_bias, qk_norm_per_head=False,
             qk_norm_in_float32=True,
         )
 

@@ -65,16 +65,20 @@ class Attention(nn.Module):
         qkv_bias: biases on q/k/v (default `spec.attention_bias`).
         o_bias: a bias on the output projection.
         sinks: learned per-head sink logits in the softmax (gpt-oss).
-        qk_norm: RMSNorm on queries and keys before the rope (default `spec.qk_norm`).
-        output_gate: the attention output is multiplied by sigmoid(gate_proj(h)) before
-            o_proj, gate_proj a Linear(H, Hq * D) without bias (AFMoE's gated attention).
-        qk_norm_full: the q/k norms span the whole projection (num_heads * head_dim and
-            num_kv_heads * head_dim features: OLMoE, FlexOlmo) instead of each head's head_dim.
+        qk_norm: RMSNorm on queries and keys (default `spec.qk_norm`), per head before the rope
+            unless the options below say otherwise.
+        qk_norm_per_head: False: one RMSNorm over each token's whole q projection [Hq * D]
+            and one over its k projection [Hkv * D] (OLMoE, FlexOlmo, MiniMax-M2), before the
+            rope; True (default): over each head's D dims (Qwen3).
+        qk_norm_after_rope: the per-head norms run on the rotated q and k (HunYuan-MoE's
+            `query_layernorm` / `key_layernorm`); default before the rope.
         qk_norm_in_float32: the q/k norms multiply by their weight in float32
             (`RMSNorm.weight_in_float32`; Olmo2-style norms).
+        output_gate: the attention output is multiplied by sigmoid(gate_proj(h)) before
+            o_proj, gate_proj a Linear(H, Hq * D) without bias (AFMoE's gated attention).
         scale: the softmax scale (default head_dim ** -0.5; Granite's `attention_multiplier`).
-        clip_qkv: clamp q, k and v to [-clip_qkv, clip_qkv] after the projection, and after
-            the q/k norms where there are any (OLMoE, DBRX); None: no clamp.
+        clip_qkv: clamp q, k and v to [-clip_qkv, clip_qkv] after the projection and the
+            whole-projection q/k norms, if any (DBRX, OLMoE); None: no clamp.
 
     Checkpoint names: `q_proj`, `k_proj`, `v_proj` (stacked into `qkv_proj`, shards "q", "k",
     "v"), `o_proj`, `q_norm`, `k_norm`, `sinks`, `gate_proj`.
@@ -97,13 +101,16 @@ class Attention(nn.Module):
         o_bias: bool = False,
         sinks: bool = False,
         qk_norm: bool | None = None,
-        output_gate: bool = False,
-        qk_norm_full: bool = False,
+        qk_norm_per_head: bool = True,
+        qk_norm_after_rope: bool = False,
         qk_norm_in_float32: bool = False,
+        output_gate: bool = False,
         scale: float | None = None,
         clip_qkv: float | None = None,
     ) -> None:
         super().__init__()
+        if qk_norm_after_rope and not qk_norm_per_head:
+            raise ValueError("qk_norm_after_rope needs per-head q/k norms (qk_norm_per_head)")
         self.num_heads, self.num_kv_heads, self.head_dim = (
             spec.num_heads, spec.num_kv_heads, spec.head_dim
         )
@@ -120,14 +127,17 @@ class Attention(nn.Module):
             Linear(spec.hidden_size, q_size, bias=False, dtype=dtype) if output_gate else None
         )
         self.qk_norm = spec.qk_norm if qk_norm is None else qk_norm
-        self.qk_norm_full = self.qk_norm and qk_norm_full
+        self.qk_norm_per_head, self.qk_norm_after_rope = qk_norm_per_head, qk_norm_after_rope
         if self.qk_norm:
-            q_dim, k_dim = (q_size, kv_size) if qk_norm_full else (spec.head_dim, spec.head_dim)
+            q_dim, k_dim = (spec.head_dim,) * 2 if qk_norm_per_head else (q_size, kv_size)
             norm = dict(dtype=dtype, weight_in_float32=qk_norm_in_float32)
             self.q_norm = RMSNorm(q_dim, spec.rms_norm_eps, **norm)
             self.k_norm = RMSNorm(k_dim, spec.rms_norm_eps, **norm)
-        if clip_qkv is not None and clip_qkv <= 0:
-            raise ValueError(f"clip_qkv must be > 0 (or None: no clamp), got {clip_qkv}")
+        if clip_qkv is not None and (clip_qkv <= 0 or (self.qk_norm and qk_norm_per_head)):
+            raise ValueError(
+                f"clip_qkv={clip_qkv}: must be > 0 (or None: no clamp), and is implemented "
+                "without q/k norms or with whole-projection ones (qk_norm_per_head=False)"
+            )
         self.clip_qkv = clip_qkv
         self.rotary = rotary  # shared by all layers; None: NoPE
         self.attn = PagedAttention(
@@ -143,12 +153,13 @@ class Attention(nn.Module):
     def bind_kernels(self, plan: KernelPlan) -> None:
         """Take the registry's prologue kernel (`KernelPlan.rope_prologue`) when this layer's
         pieces are the ones it implements (a `RotaryEmbedding`, or a `PartialRotaryEmbedding`
-        around one, where the kernel takes that layout; per-head q/k norms of Qwen3's
-        rounding, one epsilon, no clamp after them; float32 or bfloat16 weights)."""
-        norms_fit = not self.qk_norm or (
-            not self.qk_norm_full and self.clip_qkv is None
-            and not self.q_norm.weight_in_float32 and not self.k_norm.weight_in_float32
-            and self.q_norm.eps == self.k_norm.eps
+        around one, where the kernel takes that layout; q/k norms of Qwen3's rounding, one
+        epsilon, before the rope; float32 or bfloat16 weights). Norms over the whole
+        projection and the clamp run before the kernel, which then takes none
+        (`_norm_projections`)."""
+        norms_fit = not self.qk_norm or not self.qk_norm_per_head or (
+            not self.q_norm.weight_in_float32 and not self.k_norm.weight_in_float32
+            and self.q_norm.eps == self.k_norm.eps and not self.qk_norm_after_rope
         )
         rotary = self.rotary
         partial = type(rotary) is PartialRotaryEmbedding
@@ -171,37 +182,45 @@ class Attention(nn.Module):
         """h: [T, H] -> [T, H]; positions [T] int64; kv_cache: this layer's (K, V) pair."""
         t = h.shape[0]
         qkv = self.qkv_proj(h)
-        if self.clip_qkv is not None and not self.qk_norm:  # DBRX: before any norm
+        if self.qk_norm and not self.qk_norm_per_head:
+            qkv = self._norm_projections(qkv)
+        if self.clip_qkv is not None:  # DBRX: the projection; OLMoE: after its norms
             qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         if self.prologue is not None and qkv.dtype == kv_cache[0].dtype:
-            norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+            per_head = self.qk_norm and self.qk_norm_per_head
+            norms = (self.q_norm.weight, self.k_norm.weight) if per_head else (None, None)
             tables = self.rope_tables
             layout = {"interleaved": True} if tables.interleaved else {}
             q = self.prologue(
                 qkv, self.num_heads, self.num_kv_heads, positions, tables.cos_cache,
-                tables.sin_cache, *norms, self.q_norm.eps if self.qk_norm else 0.0,
+                tables.sin_cache, *norms, self.q_norm.eps if per_head else 0.0,
                 *kv_cache, meta.for_group(self.attn.kv_group).slot_mapping, **layout,
             )  # fmt: skip
             out = self.attn(q, None, None, kv_cache, meta, sinks=self.sinks)
             return self.o_proj(self._gated(out, h))
         q, k, v = qkv.split(self.sizes, dim=-1)
-        if self.qk_norm_full:
-            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm and not self.qk_norm_full:
+        per_head = self.qk_norm and self.qk_norm_per_head
+        if per_head and not self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.clip_qkv is not None and self.qk_norm:  # OLMoE: after the norms
-            q, k, v = (x.clamp(-self.clip_qkv, self.clip_qkv) for x in (q, k, v))
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
+        if per_head and self.qk_norm_after_rope:
+            q, k = self.q_norm(q), self.k_norm(k)
         out = self.attn(q, k, v, kv_cache, meta, sinks=self.sinks)
         return self.o_proj(self._gated(out, h))
 
     def _gated(self, out: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """out [T, Hq * D] times sigmoid(gate_proj(h)) where the layer has an output gate."""
         return out if self.gate_proj is None else out * torch.sigmoid(self.gate_proj(h))
+
+    def _norm_projections(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv [T, (Hq + 2 Hkv) D] -> the same with q_norm over its q part and k_norm over its
+        k part (each token's whole projection), v unchanged."""
+        q, k, v = qkv.split(self.sizes, dim=-1)
+        return torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
 
 
 class DenseMLP(nn.Module):
@@ -210,7 +229,8 @@ class DenseMLP(nn.Module):
 
     Args:
         hidden_size: H; intermediate_size: I; dtype: parameter dtype.
-        bias: the three projections have biases (HY-V3's `mlp_bias`; default none).
+        bias: the three projections have biases (HY-V3's `mlp_bias`, ERNIE-4.5's `use_bias`;
+            default none).
     """
 
     def __init__(

@@ -5,6 +5,8 @@
 | Qwen3-MoE, Mixtral, Qwen2-MoE  | `softmax_topk`             | `SoftmaxTopKRouter`        |
 | gpt-oss                        | `topk_softmax`             | (FusedMoE's default path)  |
 | DeepSeek-V3, GLM-4.5 (noaux)   | `sigmoid_grouped_topk`     | `SigmoidGroupedTopKRouter` |
+| MiniMax-M2 (sigmoid + bias)    | `sigmoid_grouped_topk`     | (n_group = 1)              |
+| ERNIE-4.5-MoE (softmax + bias) | (`scoring="softmax"`)      | (n_group = 1)              |
 | DeepSeek-V2                    | `softmax_grouped_topk`     | `SoftmaxGroupedTopKRouter` |
 | PhiMoE (SparseMixer, top-2)    | `sparsemixer_top2`         | `SparseMixerRouter`        |
 
@@ -35,6 +37,9 @@ if TYPE_CHECKING:
 
 #: `SoftmaxGroupedTopKRouter` selection methods (DeepSeek-V2 config `topk_method`).
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
+#: How `sigmoid_grouped_topk` turns logits into scores: sigmoid (DeepSeek-V3, GLM-4.5,
+#: MiniMax-M2) or a softmax over all experts (ERNIE-4.5-MoE).
+SCORINGS = ("sigmoid", "softmax")
 
 
 
@@ -187,10 +192,14 @@ def sigmoid_grouped_topk(
     topk_group: int,
     norm_topk_prob: bool,
     routed_scaling_factor: float,
+    scoring: str = "sigmoid",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 / GLM-4.5 routing: sigmoid scores, bias for selection, group-limited top-k.
 
-    1. scores = sigmoid(router_logits) in float32;
+    1. scores = sigmoid(router_logits) in float32 (`scoring="softmax"`: the softmax over all
+       experts in float32, ERNIE-4.5-MoE's `Ernie4_5_MoeTopKRouter`, whose renormalisation
+       divides by max(sum, 1e-12): the same quotient for any sum of k probabilities above
+       1e-12);
     2. the choice uses scores + e_score_correction_bias (the auxiliary-loss-free balancing
        bias of the DeepSeek-V3 technical report, arXiv:2412.19437, sec. 2.1.2: it changes
        which experts are chosen, never their weights);
@@ -202,7 +211,9 @@ def sigmoid_grouped_topk(
     4. the top_k biased scores of the rest choose the experts (lower id wins ties);
     5. weights are the *unbiased* sigmoid scores of those experts, divided by their sum
        (+1e-20) when norm_topk_prob, then times routed_scaling_factor.
-    This is `DeepseekV3TopkRouter.forward` / `Glm4MoeTopkRouter.forward` of transformers 5.24.
+    This is `DeepseekV3TopkRouter.forward` / `Glm4MoeTopkRouter.forward` of transformers 5.24;
+    with n_group = 1, norm_topk_prob and a scale of 1, `MiniMaxM2TopKRouter.forward` (sigmoid)
+    and `Ernie4_5_MoeTopKRouter.forward` (softmax).
 
     Args:
         router_logits: [T, E] (computed in float32 from the float32 router weight).
@@ -211,6 +222,7 @@ def sigmoid_grouped_topk(
         n_group, topk_group: the group limit (n_group = 1, topk_group = 1: none).
         norm_topk_prob: renormalise the k weights.
         routed_scaling_factor: multiplies the weights.
+        scoring: "sigmoid" or "softmax" (`SCORINGS`, checked by `SigmoidGroupedTopKRouter`).
 
     Returns:
         topk_weights [T, k] float32, topk_ids [T, k] int32 (by descending biased score).
@@ -220,7 +232,10 @@ def sigmoid_grouped_topk(
     """
     num_tokens, num_experts = router_logits.shape
     per_group = num_experts // n_group
-    scores = router_logits.float().sigmoid()
+    if scoring == "softmax":
+        scores = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    else:
+        scores = router_logits.float().sigmoid()
     choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias
     if topk_group < n_group:
         top2 = choice.view(num_tokens, n_group, per_group).topk(2, dim=-1).values
@@ -400,21 +415,24 @@ class SoftmaxTopKRouter(_Router):
 
 class SigmoidGroupedTopKRouter(_Router):
     """DeepSeek-V3 / GLM-4.5 router (`sigmoid_grouped_topk`; transformers'
-    `DeepseekV3TopkRouter`, `Glm4MoeTopkRouter`).
+    `DeepseekV3TopkRouter`, `Glm4MoeTopkRouter`); with n_group = topk_group = 1 the plain
+    biased top-k of MiniMax-M2 (sigmoid) and ERNIE-4.5-MoE (`scoring="softmax"`).
 
     Args:
         hidden_size: H; num_experts: E (`n_routed_experts`); top_k: `num_experts_per_tok`;
         n_group, topk_group: the group limit; norm_topk_prob; routed_scaling_factor;
         correction_bias: hold the `e_score_correction_bias` buffer (V3 and GLM do);
-        bias: a router bias [E] (none of these families has one);
-        dtype: the weight's dtype: float32 (default) whatever the model dtype, as transformers
-            keeps it (`_keep_in_fp32_modules_strict`), or the model's where transformers
-            computes the logits in it (Cohere2-MoE's sigmoid router).
+        bias: a router bias [E] (none of these families has one).
+        scoring: "sigmoid" (default) or "softmax" (`SCORINGS`).
+        dtype: the weight's dtype; float32 (default) whatever the model dtype, as transformers
+            keeps it (`_keep_in_fp32_modules_strict`: the logits are then float32), or the
+            model's where the family's router computes its logits in it (MiniMax-M2,
+            Cohere2-MoE).
     The bias buffer is float32; the scores are computed in float32 from the logits.
     With n_group = topk_group = 1 and no correction bias this is plain sigmoid top-k.
 
     Raises:
-        ValueError: see `check_sigmoid_group_limits`.
+        ValueError: see `check_sigmoid_group_limits`; a scoring not in `SCORINGS`.
     """
 
     ROUTING = "sigmoid_grouped_topk"
@@ -430,11 +448,14 @@ class SigmoidGroupedTopKRouter(_Router):
         routed_scaling_factor: float,
         correction_bias: bool = True,
         bias: bool = False,
+        scoring: str = "sigmoid",
         dtype: torch.dtype = torch.float32,
     ) -> None:
         check_sigmoid_group_limits(num_experts, top_k, n_group, topk_group)
+        if scoring not in SCORINGS:
+            raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
         super().__init__(hidden_size, num_experts, top_k, bias, dtype)
-        self.n_group, self.topk_group = n_group, topk_group
+        self.n_group, self.topk_group, self.scoring = n_group, topk_group, scoring
         self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
         # persistent (in the state dict), so it loads by name; None when absent
         bias_buffer = torch.zeros(num_experts, dtype=torch.float32) if correction_bias else None
@@ -448,8 +469,13 @@ class SigmoidGroupedTopKRouter(_Router):
         return (self.kernel or sigmoid_grouped_topk)(
             self.router_logits(hidden), self.top_k, self.e_score_correction_bias,
             self.n_group, self.topk_group, self.norm_topk_prob, self.routed_scaling_factor,
-            **counts,
+            **self._scoring_arg, **counts,
         )
+
+    @property
+    def _scoring_arg(self) -> dict[str, str]:
+        """{} for sigmoid (every kernel's default), else the `scoring` keyword."""
+        return {} if self.scoring == "sigmoid" else {"scoring": self.scoring}
 
 
 class SoftmaxGroupedTopKRouter(_Router):
