@@ -20,6 +20,7 @@ from torch import nn
 from kernels.decode_layer.native import DecodeLayerKernel
 from kernels.plan import KernelPlan
 from moe_engine.models.layers.attention import AttentionMetadata, PagedAttention
+from moe_engine.models.layers.chunked_attention import ChunkedLocalPagedAttention
 from moe_engine.models.layers.linear import Linear, MergedLinear
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import PartialRotaryEmbedding, RotaryEmbedding
@@ -65,6 +66,9 @@ class Attention(nn.Module):
         o_bias: a bias on the output projection.
         sinks: learned per-head sink logits in the softmax (gpt-oss).
         qk_norm: per-head RMSNorm on queries and keys before the rope (default `spec.qk_norm`).
+        attention_chunk_size: chunked local attention of chunks of this many tokens
+            (`chunked_attention.ChunkedLocalPagedAttention`, Llama 4); None: as
+            `sliding_window` says.
 
     Checkpoint names: `q_proj`, `k_proj`, `v_proj` (stacked into `qkv_proj`, shards "q", "k",
     "v"), `o_proj`, `q_norm`, `k_norm`, `sinks`.
@@ -87,6 +91,7 @@ class Attention(nn.Module):
         o_bias: bool = False,
         sinks: bool = False,
         qk_norm: bool | None = None,
+        attention_chunk_size: int | None = None,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -106,9 +111,11 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype)
         self.rotary = rotary  # shared by all layers
+        scale = spec.head_dim**-0.5
         self.attn = PagedAttention(
-            spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5,
-            sliding_window=sliding_window,
+            spec.num_heads, spec.num_kv_heads, spec.head_dim, scale, sliding_window=sliding_window
+        ) if attention_chunk_size is None else ChunkedLocalPagedAttention(
+            spec.num_heads, spec.num_kv_heads, spec.head_dim, scale, attention_chunk_size
         )
         #: Bound by `bind_kernels`: the prologue's one-call kernel (`KernelPlan.rope_prologue`)
         #: where this layer's pieces fit it, else None (the module path), and the

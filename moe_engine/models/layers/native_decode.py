@@ -130,6 +130,8 @@ def decode_misfit(layer: DecoderLayer, plan: KernelPlan) -> str | None:
     if (attn.prologue is None or type(attn.rotary) is not RotaryEmbedding
             or not attn.attn.kernels.native_decode):
         return "attention without the native prologue and decode kernel"
+    if attn.attn.attention_chunk_size is not None:
+        return "chunked local attention (the kernel reads the whole context)"
     if attn.sinks is not None and attn.sinks.shape != (attn.num_heads,):
         return "attention sinks other than one per query head"
     projections_fit = all(_packed_kernel(p) for p in (attn.qkv_proj, attn.o_proj))

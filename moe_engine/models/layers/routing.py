@@ -374,8 +374,11 @@ class SigmoidGroupedTopKRouter(_Router):
         n_group, topk_group: the group limit; norm_topk_prob; routed_scaling_factor;
         correction_bias: hold the `e_score_correction_bias` buffer (V3 and GLM do);
         bias: a router bias [E] (none of these families has one).
-    The weight and the bias buffer are float32 whatever the model dtype, as transformers keeps
-    them (`_keep_in_fp32_modules_strict`); the logits are float32.
+        dtype: the weight's dtype: float32 (default) whatever the model dtype, as transformers
+            keeps V3's and GLM's (`_keep_in_fp32_modules_strict`), so their logits are float32;
+            the model dtype for a router transformers holds in it (Llama 4's top-k sigmoid:
+            n_group 1, no correction bias, no renormalisation).
+    The correction bias buffer is float32.
 
     Raises:
         ValueError: see `check_sigmoid_group_limits`.
@@ -394,9 +397,10 @@ class SigmoidGroupedTopKRouter(_Router):
         routed_scaling_factor: float,
         correction_bias: bool = True,
         bias: bool = False,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         check_sigmoid_group_limits(num_experts, top_k, n_group, topk_group)
-        super().__init__(hidden_size, num_experts, top_k, bias, torch.float32)
+        super().__init__(hidden_size, num_experts, top_k, bias, dtype)
         self.n_group, self.topk_group = n_group, topk_group
         self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
         # persistent (in the state dict), so it loads by name; None when absent
