@@ -345,10 +345,11 @@ class KVCacheManager:
             self._cache_full_blocks(request, tables, request.num_computed_tokens)
 
     def remove_skipped_blocks(self, request: Request) -> None:
-        """Give back the sliding-window and chunked blocks no query after the request's computed tokens
-        reads (the scheduler calls it after each step, so that between steps a request holds
-        at most ceil(window / block_size) + 1 blocks in a sliding group; `allocate_slots` does
-        it too)."""
+        """Give back the sliding-window and chunked blocks no query after the request's
+        computed tokens reads (the scheduler calls it after each step, so that between steps a
+        request holds at most ceil(window / block_size) + 1 blocks in a sliding group, those of
+        the current chunk in a chunked one; `allocate_slots` does it
+        too)."""
         tables = self.block_tables.get(request.request_id)
         if tables is None:
             return

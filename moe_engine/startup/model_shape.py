@@ -236,9 +236,10 @@ class ModelShape:
         return 2 * layers * self.num_kv_heads * self.head_dim
 
     def attention_groups(self) -> list[AttentionGroup]:
-        """The layers by attention kind, full attention first: (kind, the sliding window
-        or the chunk size of chunked layers or None, layer indices), one entry per kind present (`layer_types`; all full when
-        empty); one "mla" group of every layer when kv_lora_rank is set."""
+        """The layers by attention kind, full attention first: (kind, the sliding window or
+        the chunk size of chunked layers or None, layer indices), one entry per kind present
+        (`layer_types`; all full when empty); one "mla" group of every layer when kv_lora_rank
+        is set."""
         if self.kv_lora_rank:
             return [(MLA_ATTENTION, None, tuple(range(self.num_layers)))]
         types = self.layer_types or (FULL_ATTENTION,) * self.num_layers

@@ -1,0 +1,69 @@
+"""Families of mixed attention kinds (issue 43): Llama 4's chunked local + NoPE full layers,
+served token-exact against transformers (tests/family_check.py), with prefix caching, expert
+parallelism and the Triton backend."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from family_check import (
+    check_ep_token_exact,
+    check_prefix_cache,
+    check_token_exact,
+    family_prompts,
+    make_family_checkpoint,
+)
+
+ALL_EP = pytest.mark.skipif(
+    os.environ.get("MOE_ENGINE_FAMILY_EP") != "all",
+    reason="ep 2 of this family runs with MOE_ENGINE_FAMILY_EP=all (llama4 covers the module)",
+)
+
+#: Llama 4: chunks of 16 tokens (one KV block; the 37/70-token prompts span 3-5 chunks), layers
+#: 0, 1, 3 RoPE + chunked with the L2 q/k norm, layer 2 NoPE + full with the temperature
+#: (floor_scale 8 so it changes within the prompts), MoE on odd layers (top-1 sigmoid,
+#: weight on the input, shared expert), dense MLPs of another width on even ones.
+LLAMA4 = dict(
+    num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=1, intermediate_size=32,
+    intermediate_size_mlp=48, attention_chunk_size=16, interleave_moe_layer_step=2,
+    no_rope_layers=[1, 1, 0, 1], floor_scale=8, attn_scale=0.5, rope_theta=10000.0,
+)
+
+
+@pytest.fixture(scope="module")
+def llama4_ckpt(tmp_path_factory):
+    return make_family_checkpoint("llama4_text", LLAMA4, tmp_path_factory.mktemp("llama4"))
+
+
+def test_llama4_token_exact(llama4_ckpt):
+    llm = check_token_exact(llama4_ckpt)
+    kinds = [g.spec.kind for g in llm.engine.runner.kv_groups]
+    assert kinds.count("chunked_attention") == 3 and kinds.count("full_attention") == 1
+
+
+def test_llama4_prefix_cache(llama4_ckpt):
+    check_prefix_cache(llama4_ckpt)
+
+
+def test_llama4_top2_and_block_size_8(llama4_ckpt, tmp_path):
+    """top_k 2 (each (token, expert) pair its own scaled row) and chunks of two 8-token
+    blocks."""
+    ckpt = make_family_checkpoint(
+        "llama4_text", {**LLAMA4, "num_experts_per_tok": 2}, tmp_path, name="llama4-top2"
+    )
+    check_token_exact(ckpt, block_size=8)
+
+
+def test_llama4_chunk_not_a_block_multiple_is_refused(llama4_ckpt):
+    with pytest.raises(ValueError, match="attention_chunk_size 16 must be a positive multiple"):
+        check_token_exact(llama4_ckpt, block_size=32, expected=[])
+
+
+def test_llama4_triton_backend(llama4_ckpt):
+    check_token_exact(llama4_ckpt, kernel_backend="triton",
+                      prompts=family_prompts(512, (1, 37)), max_new=4)
+
+
+def test_llama4_ep2(llama4_ckpt):
+    check_ep_token_exact(llama4_ckpt, 2)
