@@ -1,6 +1,7 @@
-"""Families of mixed attention kinds (issue 43): Llama 4's chunked local + NoPE full layers,
-served token-exact against transformers (tests/family_check.py), with prefix caching, expert
-parallelism and the Triton backend."""
+"""Families of mixed attention kinds (issue 43), served token-exact against transformers
+(tests/family_check.py): Llama 4 (chunked local + NoPE full layers; prefix caching, expert
+parallelism, the Triton backend) and Flint (sliding RoPE + NoPE full layers with sinks); the
+refusals of MiMo-V2-Flash and Gemma 4 name what the engine lacks."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from family_check import (
     family_prompts,
     make_family_checkpoint,
 )
+
+from moe_engine.errors import StartupError
+from moe_engine.models import resolve_config_dict
 
 ALL_EP = pytest.mark.skipif(
     os.environ.get("MOE_ENGINE_FAMILY_EP") != "all",
@@ -67,3 +71,44 @@ def test_llama4_triton_backend(llama4_ckpt):
 
 def test_llama4_ep2(llama4_ckpt):
     check_ep_token_exact(llama4_ckpt, 2)
+
+
+#: Flint: sliding RoPE layers (window 24) and NoPE full layers, sinks in both, a dense first
+#: layer, sigmoid top-2 routing renormalised with an ungated shared expert; norms drawn.
+FLINT = dict(
+    num_hidden_layers=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=48, intermediate_size=64, mlp_only_layers=[0],
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    sliding_window=24, rope_theta=10000.0,
+)
+
+
+@pytest.fixture(scope="module")
+def flint_ckpt(tmp_path_factory):
+    return make_family_checkpoint(
+        "flint", FLINT, tmp_path_factory.mktemp("flint"), drawn=("norm.weight",)
+    )
+
+
+def test_flint_token_exact(flint_ckpt):
+    check_token_exact(flint_ckpt)
+
+
+def test_flint_prefix_cache(flint_ckpt):
+    check_prefix_cache(flint_ckpt)
+
+
+@ALL_EP
+def test_flint_ep2(flint_ckpt):
+    check_ep_token_exact(flint_ckpt, 2)
+
+
+@pytest.mark.parametrize("arch, fields, lacks", [
+    ("MiMoV2FlashForCausalLM", dict(num_key_value_heads=4, v_head_dim=128, head_dim=192),
+     "v_head_dim=128 beside q/k heads of head_dim=192"),
+    ("Gemma4ForCausalLM", dict(enable_moe_block=True, hidden_activation="gelu_pytorch_tanh"),
+     "hidden_activation=gelu_pytorch_tanh"),
+])
+def test_refused_with_what_the_engine_lacks(arch, fields, lacks):
+    with pytest.raises(StartupError, match=lacks):
+        resolve_config_dict({"architectures": [arch], **fields})

@@ -30,6 +30,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3NextForCausalLM": "moe_engine.models.qwen3_next",
     "Qwen3_5MoeForCausalLM": "moe_engine.models.qwen3_next",
     "Llama4ForCausalLM": "moe_engine.models.llama4",
+    "FlintForCausalLM": "moe_engine.models.flint",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.
@@ -38,6 +39,22 @@ REFUSED_ARCHITECTURES: dict[str, str] = {
         "DeepSeek Sparse Attention (DeepSeek-V3.2's lightning indexer, which attends to "
         "index_topk={index_topk} keys per query) is not supported: this engine implements "
         "dense MLA only"
+    ),
+    "MiMoV2FlashForCausalLM": (
+        "MiMo-V2-Flash's attention shapes differ per layer type: sliding layers have 2 x "
+        "num_key_value_heads={num_key_value_heads} KV heads (full layers "
+        "num_key_value_heads) and value heads of v_head_dim={v_head_dim} beside q/k heads of "
+        "head_dim={head_dim}; the KV cache's groups share one [block_size, num_kv_heads, "
+        "head_dim] page shape with K and V of one head dim, and attention takes one KV head "
+        "count per model"
+    ),
+    "Gemma4ForCausalLM": (
+        "Gemma 4's text decoder is not implemented (enable_moe_block={enable_moe_block}): its "
+        "MLP and experts use hidden_activation={hidden_activation} (the engine's MLPs and fused "
+        "experts compute SwiGLU with silu only), the MoE block runs beside the dense MLP with "
+        "sandwich norms and a normalised, scaled router with per-expert scales, and layers "
+        "share KV caches (num_kv_shared_layers={num_kv_shared_layers}) and take per-layer "
+        "input embeddings (hidden_size_per_layer_input={hidden_size_per_layer_input})"
     ),
 }
 

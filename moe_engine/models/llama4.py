@@ -46,7 +46,7 @@ from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import check_hidden_act, num_experts_of, required_int
 from moe_engine.models.layers.decoder import Attention, DenseMLP
 from moe_engine.models.layers.moe import FusedMoE
-from moe_engine.models.layers.rotary import RotaryEmbedding, rope_theta_of
+from moe_engine.models.layers.rotary import NoRotary, RotaryEmbedding, rope_theta_of
 from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter
 from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.models.spec import ArchSpec
@@ -148,17 +148,15 @@ class RopeL2Norm(nn.Module):
 class AttentionTemperature(nn.Module):
     """A NoPE layer's position step: no rope; q times 1 + attn_scale * log1p(floor((p + 1) /
     floor_scale)) at position p (float32, rounded back), k unchanged (Llama 4's temperature
-    tuning); `enabled` False: q and k unchanged.
+    tuning).
     """
 
-    def __init__(self, floor_scale: float, attn_scale: float, enabled: bool) -> None:
+    def __init__(self, floor_scale: float, attn_scale: float) -> None:
         super().__init__()
-        self.floor_scale, self.attn_scale, self.enabled = floor_scale, attn_scale, enabled
+        self.floor_scale, self.attn_scale = floor_scale, attn_scale
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T] int64, q [T, Hq, D], k [T, Hkv, D] -> (q, k), same shapes/dtypes."""
-        if not self.enabled:
-            return q, k
         floor = torch.floor((positions.float() + 1.0) / self.floor_scale)
         scale = torch.log1p(floor) * self.attn_scale + 1.0
         return (q * scale[:, None, None]).to(q.dtype), k
@@ -230,11 +228,14 @@ class Llama4ForCausalLM(MoeCausalLM):
         self, spec: Llama4Spec, index: int, dtype: torch.dtype, rotary: nn.Module
     ) -> nn.Module:
         """RoPE layers: the rope then the L2 norm (when `use_qk_norm`); NoPE layers: the
-        temperature; chunked local attention where `layer_types` says."""
+        temperature (when `attn_temperature_tuning`, else nothing); chunked local attention
+        where `layer_types` says."""
         if spec.rope_layers[index]:
             position = RopeL2Norm(rotary, spec.rms_norm_eps) if spec.l2_qk_norm else rotary
+        elif spec.temperature:
+            position = AttentionTemperature(spec.floor_scale, spec.attn_scale)
         else:
-            position = AttentionTemperature(spec.floor_scale, spec.attn_scale, spec.temperature)
+            position = NoRotary()
         chunked = spec.layer_types[index] == CHUNKED_LOCAL_ATTENTION
         return Attention(
             spec, dtype, position, qk_norm=False,

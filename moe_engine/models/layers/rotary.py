@@ -324,3 +324,14 @@ class PartialRotaryEmbedding(nn.Module):
             return self.rope(positions, q, k)
         q_rot, k_rot = self.rope(positions, q[..., :r], k[..., :r])
         return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
+
+
+class NoRotary(nn.Module):
+    """The position step of a NoPE layer (no positional encoding: Llama 4's and Flint's
+    full-attention layers): q and k unchanged, called as a rotary module
+    `(positions [T], q [T, Hq, D], k [T, Hkv, D]) -> (q, k)`."""
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
