@@ -112,3 +112,15 @@ def test_flint_ep2(flint_ckpt):
 def test_refused_with_what_the_engine_lacks(arch, fields, lacks):
     with pytest.raises(StartupError, match=lacks):
         resolve_config_dict({"architectures": [arch], **fields})
+
+
+def test_flint_int4_experts(flint_ckpt, tmp_path):
+    """4-bit experts (int4, groups of 32) equal transformers serving the same experts
+    quantized and dequantized."""
+    from fixtures import dequantized_experts_copy, hf_greedy
+
+    prompts = family_prompts(512, (11, 37))
+    expected = hf_greedy(dequantized_experts_copy(flint_ckpt, tmp_path, "int4", 32), prompts, 6)
+    llm = check_token_exact(flint_ckpt, prompts=prompts, max_new=6, expected=expected,
+                            quantization="int4", quant_group_size=32)
+    assert all(m.quantized is not None for _, m in llm.engine.model.moe_layers())
