@@ -46,16 +46,21 @@ def test_llama4_token_exact(llama4_ckpt):
     assert kinds.count("chunked_attention") == 3 and kinds.count("full_attention") == 1
 
 
-def test_llama4_prefix_cache(llama4_ckpt):
-    check_prefix_cache(llama4_ckpt)
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_llama4_prefix_cache(llama4_ckpt, block_size):
+    """Blocks of 16: the 32-token hit ends on a chunk boundary (the chunked group needs no
+    block); of 8: the 40-token hit needs the cached block of its chunk (positions 32-39)."""
+    check_prefix_cache(llama4_ckpt, block_size=block_size)
 
 
-def test_llama4_top2_and_block_size_8(llama4_ckpt, tmp_path):
-    """top_k 2 (each (token, expert) pair its own scaled row) and chunks of two 8-token
-    blocks."""
-    ckpt = make_family_checkpoint(
-        "llama4_text", {**LLAMA4, "num_experts_per_tok": 2}, tmp_path, name="llama4-top2"
-    )
+def test_llama4_top2_llama3_rope_block_size_8(llama4_ckpt, tmp_path):
+    """top_k 2 (each (token, expert) pair its own scaled row), Llama 3 RoPE scaling (as Scout's;
+    a 32-token original context so that the tiny head's frequencies are divided and smoothed)
+    and chunks of two 8-token blocks."""
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 16.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    fields = {**LLAMA4, "num_experts_per_tok": 2, "rope_parameters": rope, "rope_theta": None}
+    ckpt = make_family_checkpoint("llama4_text", fields, tmp_path, name="llama4-top2")
     check_token_exact(ckpt, block_size=8)
 
 

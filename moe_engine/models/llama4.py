@@ -46,7 +46,12 @@ from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import check_hidden_act, num_experts_of, required_int
 from moe_engine.models.layers.decoder import Attention, DenseMLP
 from moe_engine.models.layers.moe import FusedMoE
-from moe_engine.models.layers.rotary import NoRotary, RotaryEmbedding, rope_theta_of
+from moe_engine.models.layers.rotary import (
+    Llama3Scaling,
+    NoRotary,
+    RotaryEmbedding,
+    rope_with_llama3_of,
+)
 from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter
 from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.models.spec import ArchSpec
@@ -68,6 +73,7 @@ class Llama4Spec(ArchSpec):
         l2_qk_norm: RoPE layers L2-normalise q and k after the rope (`use_qk_norm`).
         temperature: NoPE layers scale q by the attention temperature
             (`attn_temperature_tuning`), of `floor_scale` (tokens) and `attn_scale`.
+        llama3: Llama 3 RoPE scaling (Scout's `rope_parameters` rope_type "llama3"), or None.
     """
 
     rope_layers: tuple[bool, ...] = ()
@@ -75,6 +81,7 @@ class Llama4Spec(ArchSpec):
     temperature: bool = True
     floor_scale: float = DEFAULT_FLOOR_SCALE
     attn_scale: float = DEFAULT_ATTN_SCALE
+    llama3: Llama3Scaling | None = None
 
 
 def llama4_moe_layers(cfg: dict) -> tuple[int, ...]:
@@ -202,17 +209,20 @@ class Llama4ForCausalLM(MoeCausalLM):
 
     @classmethod
     def spec_fields(cls, hf_config) -> dict:
-        """rms_norm_eps, rope_theta, the RoPE layers, the L2 q/k norm and the temperature.
+        """rms_norm_eps, rope_theta (with Llama 3 scaling), the RoPE layers, the L2 q/k norm
+        and the temperature.
 
         Raises:
-            StartupError: a rope_type other than default; ValueError: hidden_act other than
-                silu.
+            StartupError: a rope_type other than default or llama3; ValueError: hidden_act
+                other than silu.
         """
         cfg = hf_config.to_dict()
         check_hidden_act(cfg, cls.__name__)
+        theta, llama3 = rope_with_llama3_of(hf_config)
         return dict(
             rms_norm_eps=hf_config.rms_norm_eps,
-            rope_theta=rope_theta_of(hf_config),
+            rope_theta=theta,
+            llama3=llama3,
             rope_layers=rope_layers_of(cfg),
             l2_qk_norm=bool(cfg.get("use_qk_norm", True)),
             temperature=bool(cfg.get("attn_temperature_tuning", True)),
@@ -221,8 +231,10 @@ class Llama4ForCausalLM(MoeCausalLM):
         )
 
     def build_rotary(self, spec: Llama4Spec, max_position: int) -> nn.Module:
-        """The complex-pair rope (`apply_rotary_emb`): the interleaved `RotaryEmbedding`."""
-        return RotaryEmbedding(spec.head_dim, max_position, spec.rope_theta, interleaved=True)
+        """The complex-pair rope (`apply_rotary_emb`): the interleaved `RotaryEmbedding`, with
+        Llama 3 scaling where configured."""
+        return RotaryEmbedding(spec.head_dim, max_position, spec.rope_theta, interleaved=True,
+                               llama3=spec.llama3)
 
     def build_attention(
         self, spec: Llama4Spec, index: int, dtype: torch.dtype, rotary: nn.Module
