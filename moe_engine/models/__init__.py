@@ -31,6 +31,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3_5MoeForCausalLM": "moe_engine.models.qwen3_next",
     "Llama4ForCausalLM": "moe_engine.models.llama4",
     "FlintForCausalLM": "moe_engine.models.flint",
+    "MiMoV2FlashForCausalLM": "moe_engine.models.mimo_v2_flash",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.
@@ -39,14 +40,6 @@ REFUSED_ARCHITECTURES: dict[str, str] = {
         "DeepSeek Sparse Attention (DeepSeek-V3.2's lightning indexer, which attends to "
         "index_topk={index_topk} keys per query) is not supported: this engine implements "
         "dense MLA only"
-    ),
-    "MiMoV2FlashForCausalLM": (
-        "MiMo-V2-Flash's attention shapes differ per layer type: sliding layers have 2 x "
-        "num_key_value_heads={num_key_value_heads} KV heads (full layers "
-        "num_key_value_heads) and value heads of v_head_dim={v_head_dim} beside q/k heads of "
-        "head_dim={head_dim}; the KV cache's groups share one [block_size, num_kv_heads, "
-        "head_dim] page shape with K and V of one head dim, and attention takes one KV head "
-        "count per model"
     ),
     "Gemma4ForCausalLM": (
         "Gemma 4's text decoder is not implemented (enable_moe_block={enable_moe_block}): its "

@@ -88,6 +88,9 @@ class WeightMapping:
     renames: tuple[tuple[str, str], ...] = ()
     stacked_params: tuple[tuple[str, str, str], ...] = QKV_STACKED
     experts: ExpertMapping = field(default_factory=ExpertMapping)
+    #: Checkpoint-name prefixes never read (transformers' `_keys_to_ignore_on_load_unexpected`:
+    #: MiMo-V2-Flash's MTP layers under "model.mtp.").
+    ignored_prefixes: tuple[str, ...] = ()
 
     def model_name(self, name: str) -> str:
         """A checkpoint name with `renames` applied."""
@@ -236,7 +239,10 @@ class WeightLoader:
     def wants(self, name: str) -> bool:
         """False for a per-expert checkpoint tensor of an expert this rank does not hold (or
         of a block that is not a `FusedMoE`), and for a tensor of a layer beyond the model's
-        `num_layers` (`beyond_num_layers`): the loader then never reads it."""
+        `num_layers` (`beyond_num_layers`) or under `ignored_prefixes`: the loader then never
+        reads it."""
+        if name.startswith(self.mapping.ignored_prefixes):
+            return False
         if beyond_num_layers(name, self.num_layers):
             name = mtp_model_name(name, self.num_layers, self.num_mtp_layers)
             if name is None:
@@ -254,6 +260,8 @@ class WeightLoader:
         """
         loaded: set[str] = set()
         for name, tensor in weights:
+            if name.startswith(self.mapping.ignored_prefixes):
+                continue
             if beyond_num_layers(name, self.num_layers):
                 name = mtp_model_name(name, self.num_layers, self.num_mtp_layers)
                 if name is None:

@@ -69,6 +69,16 @@ class Attention(nn.Module):
         attention_chunk_size: chunked local attention of chunks of this many tokens
             (`chunked_attention.ChunkedLocalPagedAttention`, Llama 4); None: as
             `sliding_window` says.
+        num_kv_heads: this layer's own key/value heads (its k/v projections), where layer
+            kinds differ (MiMo-V2-Flash: sliding layers twice the full layers'); the cache
+            holds `spec.num_kv_heads`, a multiple: each head is stored spec.num_kv_heads /
+            num_kv_heads times over, which leaves GQA's query-to-key map as it was (query
+            head h reads cache head h // (Hq / cache heads), a copy of its own). None: the
+            spec's.
+        v_head_dim: width of the value heads where it differs from head_dim (MiMo-V2-Flash):
+            values are zero-padded to head_dim in the cache (the paged kernels take one head
+            dim) and the output's padding columns (zero) are dropped before o_proj.
+        v_scale: multiplies the values after v_proj (MiMo-V2-Flash's `attention_value_scale`).
 
     Checkpoint names: `q_proj`, `k_proj`, `v_proj` (stacked into `qkv_proj`, shards "q", "k",
     "v"), `o_proj`, `q_norm`, `k_norm`, `sinks`.
@@ -92,18 +102,35 @@ class Attention(nn.Module):
         sinks: bool = False,
         qk_norm: bool | None = None,
         attention_chunk_size: int | None = None,
+        num_kv_heads: int | None = None,
+        v_head_dim: int | None = None,
+        v_scale: float = 1.0,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             spec.num_heads, spec.num_kv_heads, spec.head_dim
         )
-        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.sizes = (q_size, kv_size, kv_size)
+        self.layer_kv_heads = spec.num_kv_heads if num_kv_heads is None else num_kv_heads
+        if self.layer_kv_heads < 1 or spec.num_kv_heads % self.layer_kv_heads:
+            raise ValueError(
+                f"num_kv_heads {num_kv_heads} of a layer must divide the cache's "
+                f"{spec.num_kv_heads} KV heads"
+            )
+        self.kv_repeat = spec.num_kv_heads // self.layer_kv_heads
+        self.v_head_dim = spec.head_dim if v_head_dim is None else v_head_dim
+        if not 1 <= self.v_head_dim <= spec.head_dim:
+            raise ValueError(f"v_head_dim {v_head_dim} must be in [1, head_dim {spec.head_dim}]")
+        self.v_scale = v_scale
+        q_size = spec.num_heads * spec.head_dim
+        k_size = self.layer_kv_heads * spec.head_dim
+        v_size = self.layer_kv_heads * self.v_head_dim
+        self.sizes = (q_size, k_size, v_size)
         bias = spec.attention_bias if qkv_bias is None else qkv_bias
         self.qkv_proj = MergedLinear(
-            spec.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=bias, dtype=dtype
+            spec.hidden_size, {"q": q_size, "k": k_size, "v": v_size}, bias=bias, dtype=dtype
         )
-        self.o_proj = Linear(q_size, spec.hidden_size, bias=o_bias, dtype=dtype)
+        self.o_proj = Linear(spec.num_heads * self.v_head_dim, spec.hidden_size, bias=o_bias,
+                             dtype=dtype)
         # learned per-head sink logits (gpt-oss), filled from the checkpoint
         self.sinks = nn.Parameter(torch.zeros(spec.num_heads, dtype=dtype)) if sinks else None
         self.qk_norm = spec.qk_norm if qk_norm is None else qk_norm
@@ -135,8 +162,10 @@ class Attention(nn.Module):
         rotary = self.rotary
         partial = type(rotary) is PartialRotaryEmbedding
         tables = rotary.rope if partial else rotary
+        plain_kv = (self.kv_repeat, self.v_head_dim, self.v_scale) == (1, self.head_dim, 1.0)
         fits = (
             type(tables) is RotaryEmbedding
+            and plain_kv
             and norms_fit
             and self.qkv_proj.weight.dtype in (torch.float32, torch.bfloat16)
         )
@@ -166,12 +195,22 @@ class Attention(nn.Module):
             return self.o_proj(out)
         q, k, v = qkv.split(self.sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        k = k.view(t, self.layer_kv_heads, self.head_dim)
+        v = v.view(t, self.layer_kv_heads, self.v_head_dim)
+        if self.v_scale != 1.0:
+            v = v * self.v_scale
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta, sinks=self.sinks))
+        if self.kv_repeat > 1:
+            k, v = k.repeat_interleave(self.kv_repeat, 1), v.repeat_interleave(self.kv_repeat, 1)
+        if self.v_head_dim < self.head_dim:
+            v = F.pad(v, (0, self.head_dim - self.v_head_dim))
+        out = self.attn(q, k, v, kv_cache, meta, sinks=self.sinks)
+        if self.v_head_dim < self.head_dim:
+            out = out.view(t, self.num_heads, self.head_dim)[..., : self.v_head_dim]
+            out = out.reshape(t, self.num_heads * self.v_head_dim)
+        return self.o_proj(out)
 
 
 class DenseMLP(nn.Module):
