@@ -1,7 +1,8 @@
 """Families of mixed attention kinds (issue 43), served token-exact against transformers
 (tests/family_check.py): Llama 4 (chunked local + NoPE full layers; prefix caching, expert
-parallelism, the Triton backend) and Flint (sliding RoPE + NoPE full layers with sinks); the
-refusals of MiMo-V2-Flash and Gemma 4 name what the engine lacks."""
+parallelism, the Triton backend), Flint (sliding RoPE + NoPE full layers with sinks; 4-bit
+experts) and MiMo-V2-Flash (sliding layers of twice the KV heads with sinks, value heads
+narrower than q/k heads); the refusal of Gemma 4 names what the engine lacks."""
 
 from __future__ import annotations
 
@@ -108,15 +109,45 @@ def test_flint_ep2(flint_ckpt):
     check_ep_token_exact(flint_ckpt, 2)
 
 
-@pytest.mark.parametrize("arch, fields, lacks", [
-    ("MiMoV2FlashForCausalLM", dict(num_key_value_heads=4, v_head_dim=128, head_dim=192),
-     "v_head_dim=128 beside q/k heads of head_dim=192"),
-    ("Gemma4ForCausalLM", dict(enable_moe_block=True, hidden_activation="gelu_pytorch_tanh"),
-     "hidden_activation=gelu_pytorch_tanh"),
-])
-def test_refused_with_what_the_engine_lacks(arch, fields, lacks):
-    with pytest.raises(StartupError, match=lacks):
-        resolve_config_dict({"architectures": [arch], **fields})
+#: MiMo-V2-Flash: full layers 0 and 3 with 1 KV head, sliding layers (window 20) with 2 and
+#: sinks; q/k heads of 48 dims (16 rotated, a theta per layer type), values of 32 scaled by
+#: 0.6; a dense first layer, then DeepSeek-V3 routing over 2 groups with a scaling factor;
+#: q/k/v biases and the correction bias drawn.
+MIMO = dict(
+    num_hidden_layers=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    intermediate_size=64, num_key_value_heads=1, head_dim=48, v_head_dim=32,
+    layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse"], sliding_window=20, n_group=2,
+    topk_group=1, routed_scaling_factor=2.5, attention_bias=True, attention_value_scale=0.6,
+)
+
+
+@pytest.fixture(scope="module")
+def mimo_ckpt(tmp_path_factory):
+    return make_family_checkpoint(
+        "mimo_v2_flash", MIMO, tmp_path_factory.mktemp("mimo"), drawn=("bias",)
+    )
+
+
+def test_mimo_v2_flash_token_exact(mimo_ckpt):
+    llm = check_token_exact(mimo_ckpt)
+    full = llm.engine.model.model.layers[0].self_attn
+    assert (full.layer_kv_heads, full.kv_repeat, full.v_head_dim) == (1, 2, 32)
+
+
+def test_mimo_v2_flash_prefix_cache(mimo_ckpt):
+    check_prefix_cache(mimo_ckpt)
+
+
+@ALL_EP
+def test_mimo_v2_flash_ep2(mimo_ckpt):
+    check_ep_token_exact(mimo_ckpt, 2)
+
+
+def test_gemma4_refused_with_what_the_engine_lacks():
+    fields = dict(enable_moe_block=True, hidden_activation="gelu_pytorch_tanh")
+    with pytest.raises(StartupError, match="hidden_activation=gelu_pytorch_tanh"):
+        resolve_config_dict({"architectures": ["Gemma4ForCausalLM"], **fields})
 
 
 def test_flint_int4_experts(flint_ckpt, tmp_path):
