@@ -54,15 +54,28 @@ def test_llama4_prefix_cache(llama4_ckpt, block_size):
     check_prefix_cache(llama4_ckpt, block_size=block_size)
 
 
-def test_llama4_top2_llama3_rope_block_size_8(llama4_ckpt, tmp_path):
-    """top_k 2 (each (token, expert) pair its own scaled row), Llama 3 RoPE scaling (as Scout's;
-    a 32-token original context so that the tiny head's frequencies are divided and smoothed)
-    and chunks of two 8-token blocks."""
-    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 16.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
-    fields = {**LLAMA4, "num_experts_per_tok": 2, "rope_parameters": rope, "rope_theta": None}
-    ckpt = make_family_checkpoint("llama4_text", fields, tmp_path, name="llama4-top2")
-    check_token_exact(ckpt, block_size=8)
+#: The other Llama 4 variants: top_k 2 (each (token, expert) pair its own scaled row), Llama 3
+#: RoPE scaling (as Scout's; a 32-token original context so that the tiny head's frequencies are
+#: divided and smoothed), no q/k norm (as Maverick), no temperature tuning.
+LLAMA4_VARIANTS = {
+    **LLAMA4, "num_experts_per_tok": 2, "rope_theta": None, "use_qk_norm": False,
+    "attn_temperature_tuning": False,
+    "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 16.0,
+                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 32},
+}
+
+
+@pytest.fixture(scope="module")
+def llama4_variants_ckpt(tmp_path_factory):
+    return make_family_checkpoint(
+        "llama4_text", LLAMA4_VARIANTS, tmp_path_factory.mktemp("llama4v"), name="llama4-variants"
+    )
+
+
+def test_llama4_variants_block_size_8(llama4_variants_ckpt):
+    """The variants with chunks of two 8-token blocks."""
+    check_token_exact(llama4_variants_ckpt, block_size=8)
 
 
 def test_llama4_chunk_not_a_block_multiple_is_refused(llama4_ckpt):
@@ -70,9 +83,12 @@ def test_llama4_chunk_not_a_block_multiple_is_refused(llama4_ckpt):
         check_token_exact(llama4_ckpt, block_size=32, expected=[])
 
 
-def test_llama4_triton_backend(llama4_ckpt):
-    check_token_exact(llama4_ckpt, kernel_backend="triton",
-                      prompts=family_prompts(512, (1, 37)), max_new=4)
+def test_llama4_triton_backend(llama4_variants_ckpt):
+    """Triton: the chunks' virtual batches on the paged kernel, the rope prologue writing the
+    chunked layers' cache (no q/k norm: the prologue takes the interleaved rope)."""
+    llm = check_token_exact(llama4_variants_ckpt, kernel_backend="triton",
+                            prompts=family_prompts(512, (1, 37)), max_new=4)
+    assert llm.engine.model.model.layers[0].self_attn.prologue is not None
 
 
 def test_llama4_ep2(llama4_ckpt):
