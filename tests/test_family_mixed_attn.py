@@ -6,9 +6,12 @@ narrower than q/k heads); the refusal of Gemma 4 names what the engine lacks."""
 
 from __future__ import annotations
 
+import math
 import os
+import random
 
 import pytest
+import torch
 from family_check import (
     check_ep_token_exact,
     check_prefix_cache,
@@ -17,13 +20,115 @@ from family_check import (
     make_family_checkpoint,
 )
 
+from moe_engine import SamplingParams
 from moe_engine.errors import StartupError
+from moe_engine.kv_cache import (
+    NULL_BLOCK_ID,
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheManager,
+)
 from moe_engine.models import resolve_config_dict
+from moe_engine.models.layers.attention import (
+    AttentionMetadata,
+    build_attention_batch,
+    build_decode_batch,
+)
+from moe_engine.models.layers.chunked_attention import ChunkedLocalPagedAttention
+from moe_engine.request import Request
+from moe_engine.scheduler import Scheduler
+from moe_engine.startup.config import SchedulerConfig
 
 ALL_EP = pytest.mark.skipif(
     os.environ.get("MOE_ENGINE_FAMILY_EP") != "all",
     reason="ep 2 of this family runs with MOE_ENGINE_FAMILY_EP=all (llama4 covers the module)",
 )
+
+BS, CHUNK = 4, 8
+
+
+def test_chunked_spec_block_arithmetic():
+    s = ChunkedLocalAttentionSpec(BS, 2, 8, torch.float32, 1, CHUNK)
+    assert s.kind == "chunked_attention" and s.attention_chunk_size == CHUNK
+    # the next query at 7 reads keys 0..7; at 8 its chunk starts at 8: blocks 0, 1 are done
+    assert [s.num_skipped_blocks(n) for n in (7, 8, 15, 16, 17)] == [0, 2, 2, 4, 4]
+    assert s.max_blocks_held(1000, 1) == 2  # a decode: its chunk's blocks
+    assert s.max_blocks_held(1000, 8) == math.ceil((CHUNK - 1 + 8) / BS) == 4
+    assert s.max_blocks_held(6, 8) == 2  # never more than the whole context
+    with pytest.raises(ValueError, match="multiple of the KV block size 4"):
+        ChunkedLocalAttentionSpec(BS, 2, 8, torch.float32, 1, 6)
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_chunked_group_gives_blocks_back(caching):
+    """Under chunked prefill, preemption and prefix caching, a chunked group holds only the
+    blocks of each step's chunks (null before), and every block comes back."""
+    rng = random.Random(5)
+    specs = [FullAttentionSpec(BS, 2, 8, torch.float32, 1),
+             ChunkedLocalAttentionSpec(BS, 2, 8, torch.float32, 1, CHUNK)]
+    kv = KVCacheManager(specs, 40, enable_prefix_caching=caching)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8), kv)
+    initial = kv.num_free_blocks
+    stem = [rng.randrange(1, 100) for _ in range(30)]
+    for i in range(6):
+        n = rng.randrange(5, 31)
+        sched.add_request(Request(str(i), stem[:n], SamplingParams(max_tokens=25)))
+    for _ in range(400):
+        if not sched.num_unfinished:
+            break
+        out = sched.schedule()
+        for step in out.scheduled:
+            table = kv.block_table(step.request.request_id, 1)
+            first = step.start // CHUNK * CHUNK // BS
+            assert all(b == NULL_BLOCK_ID for b in table[:first])
+            assert NULL_BLOCK_ID not in table[first:]
+            assert len(table) == math.ceil((step.start + step.num_tokens) / BS)
+        sched.update(out, {s.request.request_id: 7 for s in out.scheduled if s.samples})
+        for r in sched.running:  # between steps: only the next query's chunk
+            assert kv.num_blocks_held(r.request_id, 1) <= CHUNK // BS
+    assert not sched.num_unfinished and (caching or sched.num_preemptions > 0)
+    assert kv.num_free_blocks == initial
+    if caching:
+        assert kv.prefix_cache_hits > 0
+
+
+def test_chunked_attention_equals_masked_reference():
+    """`ChunkedLocalPagedAttention` on a prefill batch (chunks crossing attention chunks) and a
+    decode batch equals softmax attention under transformers' chunked causal mask."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim, num_blocks = 4, 2, 8, 32
+    attn = ChunkedLocalPagedAttention(heads, kv_heads, dim, dim**-0.5, CHUNK)
+    starts, q_lens = torch.tensor([0, 5, 13]), torch.tensor([11, 9, 3])
+    seq = starts + q_lens
+    tables = torch.zeros(3, 8, dtype=torch.int64)
+    perm = torch.randperm(num_blocks - 1)[:24] + 1
+    for b in range(3):  # scattered blocks, so a wrong table offset reads other keys
+        n = math.ceil(int(seq[b]) / BS)
+        tables[b, :n] = perm[b * 8 : b * 8 + n]
+    keys, values = (torch.randn(3, int(seq.max()), kv_heads, dim) for _ in range(2))
+    cache = [torch.zeros(num_blocks, BS, kv_heads, dim) for _ in range(2)]
+    for b in range(3):
+        for p in range(int(seq[b])):
+            for c, src in zip(cache, (keys, values), strict=True):
+                c[tables[b, p // BS], p % BS] = src[b, p]
+    q = torch.randn(int(q_lens.sum()), heads, dim)
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.int64),
+                             [build_attention_batch(0, q_lens, starts, tables, BS)])
+    got = attn(q, None, None, cache, meta).view(-1, heads, dim)
+    decode = build_decode_batch([int(x) - 1 for x in seq], tables, BS)
+    q_dec = torch.randn(3, heads, dim)
+    got_dec = attn(q_dec, None, None, cache,
+                   AttentionMetadata(torch.empty(0, dtype=torch.int64), [decode]))
+    rows = [(b, p) for b in range(3) for p in range(int(starts[b]), int(seq[b]))]
+    for out, qs, pairs in ((got, q, rows), (got_dec.view(-1, heads, dim), q_dec,
+                                             [(b, int(seq[b]) - 1) for b in range(3)])):
+        for i, (b, p) in enumerate(pairs):
+            lo = p // CHUNK * CHUNK
+            k = keys[b, lo : p + 1].repeat_interleave(heads // kv_heads, 1)
+            v = values[b, lo : p + 1].repeat_interleave(heads // kv_heads, 1)
+            w = torch.softmax(torch.einsum("hd,khd->hk", qs[i], k) * dim**-0.5, -1)
+            torch.testing.assert_close(out[i], torch.einsum("hk,khd->hd", w, v))
+
 
 #: Llama 4: chunks of 16 tokens (one KV block; the 37/70-token prompts span 3-5 chunks), layers
 #: 0, 1, 3 RoPE + chunked with the L2 q/k norm, layer 2 NoPE + full with the temperature
