@@ -42,7 +42,7 @@ REFUSED_ARCHITECTURES: dict[str, str] = {
         "dense MLA only"
     ),
     "Gemma4ForCausalLM": (
-        "Gemma 4's text decoder is not implemented (enable_moe_block={enable_moe_block}): its "
+        "Gemma 4's text decoder is not supported (enable_moe_block={enable_moe_block}): its "
         "MLP and experts use hidden_activation={hidden_activation} (the engine's MLPs and fused "
         "experts compute SwiGLU with silu only), the MoE block runs beside the dense MLP with "
         "sandwich norms and a normalised, scaled router with per-expert scales, and layers "

@@ -43,6 +43,7 @@ from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import NoRotary, RotaryEmbedding, rope_theta_of
 from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter
 from moe_engine.models.layers.shared_experts import SharedExperts
+from moe_engine.models.spec import FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 
 #: `FlintConfig` defaults.
@@ -61,6 +62,12 @@ def flint_layer_types(cfg: dict) -> list[str]:
 
 class FlintForCausalLM(MoeCausalLM):
     """Flint on the engine's layers (module docstring)."""
+
+    card = FamilyCard(
+        "Flint", ("RecursiveSI/flint",),
+        "GQA, q/k norm, sliding RoPE + NoPE full layers, attention sinks",
+        cache=("full", "sliding"), native_4bit=(),
+    )
 
     model_types = ("flint",)
     weight_mapping = WeightMapping(renames=(

@@ -31,7 +31,11 @@ Checkpoint names (`model.layers.{i}.` + ...): `self_attn.{q,k,v,o}_proj`,
 `feed_forward.router.weight` [E, H], `feed_forward.experts.gate_up_proj` [E, H, 2I] (gate
 columns then up columns) and `feed_forward.experts.down_proj` [E, I, H], stored [E, in, out]
 and transposed into w13 / w2; `feed_forward.shared_expert.{gate,up,down}_proj`; dense layers'
-`feed_forward.{gate,up,down}_proj`; `input_layernorm`, `post_attention_layernorm`.
+`feed_forward.{gate,up,down}_proj`; `input_layernorm`, `post_attention_layernorm`. Meta's
+releases are `Llama4ForConditionalGeneration` checkpoints (the text model's config under
+`text_config`, its weights under `language_model.`, beside the vision tower): they serve here
+once their text model is extracted as a `Llama4ForCausalLM` checkpoint (the engine does not
+read nested multimodal configs).
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from moe_engine.models.layers.rotary import (
 )
 from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter
 from moe_engine.models.layers.shared_experts import SharedExperts
-from moe_engine.models.spec import ArchSpec
+from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import ExpertMapping, WeightMapping
 
 #: `Llama4TextConfig` defaults.
@@ -171,6 +175,13 @@ class AttentionTemperature(nn.Module):
 
 class Llama4ForCausalLM(MoeCausalLM):
     """Llama 4's text model on the engine's layers (module docstring)."""
+
+    card = FamilyCard(
+        "Llama 4 (text)",
+        ("meta-llama/Llama-4-Scout-17B-16E", "meta-llama/Llama-4-Maverick-17B-128E"),
+        "GQA, chunked local (RoPE, L2 q/k norm) + NoPE full layers", cache=("full", "chunked"),
+        native_4bit=(),
+    )
 
     spec_class = Llama4Spec
     model_types = ("llama4_text",)

@@ -43,7 +43,7 @@ from moe_engine.models.layers.decoder import Attention, DenseMLP
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.rotary import PartialRotaryEmbedding
 from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter, check_sigmoid_group_limits
-from moe_engine.models.spec import ArchSpec
+from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 
 #: `MiMoV2FlashConfig` defaults.
@@ -102,6 +102,12 @@ def mimo_sliding_window(cfg: dict) -> int:
 
 class MiMoV2FlashForCausalLM(MoeCausalLM):
     """MiMo-V2-Flash on the engine's layers (module docstring)."""
+
+    card = FamilyCard(
+        "MiMo-V2-Flash", ("XiaomiMiMo/MiMo-V2-Flash",),
+        "GQA (2x KV heads on sliding layers), sliding/full mix, sinks, v_head_dim < head_dim",
+        cache=("full", "sliding"), native_4bit=(),
+    )
 
     spec_class = MiMoV2FlashSpec
     model_types = ("mimo_v2_flash",)
