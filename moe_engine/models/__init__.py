@@ -47,6 +47,9 @@ ARCHITECTURES: dict[str, str] = {
     "Ernie4_5_MoeForCausalLM": "moe_engine.models.ernie4_5_moe",
     "MellumForCausalLM": "moe_engine.models.mellum",
     "AriaTextForCausalLM": "moe_engine.models.aria_text",
+    "Llama4ForCausalLM": "moe_engine.models.llama4",
+    "FlintForCausalLM": "moe_engine.models.flint",
+    "MiMoV2FlashForCausalLM": "moe_engine.models.mimo_v2_flash",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.
@@ -69,6 +72,14 @@ REFUSED_ARCHITECTURES: dict[str, str] = {
         "{keep_window_size} keys only the highest-biased ones kept per query); nor its CDMoE "
         "(product-key routing over single-neuron embedding experts, whose router logits are "
         "split across the tokens of a forward pass, so a chunked prefill cannot repeat them)"
+    ),
+    "Gemma4ForCausalLM": (
+        "Gemma 4's text decoder is not supported (enable_moe_block={enable_moe_block}): its "
+        "MLP and experts use hidden_activation={hidden_activation} (the engine's MLPs and fused "
+        "experts compute SwiGLU with silu only), the MoE block runs beside the dense MLP with "
+        "sandwich norms and a normalised, scaled router with per-expert scales, and layers "
+        "share KV caches (num_kv_shared_layers={num_kv_shared_layers}) and take per-layer "
+        "input embeddings (hidden_size_per_layer_input={hidden_size_per_layer_input})"
     ),
 }
 

@@ -94,7 +94,8 @@ class WeightMapping:
             (names whose target is not one load as they are).
         experts: the routed experts' names.
         skipped: patterns (`re.search`) of checkpoint names never read, as transformers'
-            `_keys_to_ignore_on_load_unexpected` (ERNIE's and Mellum's `mtp` tensors).
+            `_keys_to_ignore_on_load_unexpected` (ERNIE's, Mellum's and MiMo-V2-Flash's `mtp`
+            tensors).
     """
 
     renames: tuple[tuple[str, str], ...] = ()

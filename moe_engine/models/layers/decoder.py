@@ -20,6 +20,7 @@ from torch import nn
 from kernels.decode_layer.native import DecodeLayerKernel
 from kernels.plan import KernelPlan
 from moe_engine.models.layers.attention import AttentionMetadata, PagedAttention
+from moe_engine.models.layers.chunked_attention import ChunkedLocalPagedAttention
 from moe_engine.models.layers.linear import Linear, MergedLinear
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import PartialRotaryEmbedding, RotaryEmbedding
@@ -79,6 +80,19 @@ class Attention(nn.Module):
         scale: the softmax scale (default head_dim ** -0.5; Granite's `attention_multiplier`).
         clip_qkv: clamp q, k and v to [-clip_qkv, clip_qkv] after the projection and the
             whole-projection q/k norms, if any (DBRX, OLMoE); None: no clamp.
+        attention_chunk_size: chunked local attention of chunks of this many tokens
+            (`chunked_attention.ChunkedLocalPagedAttention`, Llama 4); None: as
+            `sliding_window` says.
+        num_kv_heads: this layer's own key/value heads (its k/v projections), where layer
+            kinds differ (MiMo-V2-Flash: sliding layers twice the full layers'); the cache
+            holds `spec.num_kv_heads`, a multiple: each head is stored spec.num_kv_heads /
+            num_kv_heads times over, which leaves GQA's query-to-key map as it was (query
+            head h reads cache head h // (Hq / cache heads), a copy of its own). None: the
+            spec's.
+        v_head_dim: width of the value heads where it differs from head_dim (MiMo-V2-Flash):
+            values are zero-padded to head_dim in the cache (the paged kernels take one head
+            dim) and the output's padding columns (zero) are dropped before o_proj.
+        v_scale: multiplies the values after v_proj (MiMo-V2-Flash's `attention_value_scale`).
 
     Checkpoint names: `q_proj`, `k_proj`, `v_proj` (stacked into `qkv_proj`, shards "q", "k",
     "v"), `o_proj`, `q_norm`, `k_norm`, `sinks`, `gate_proj`.
@@ -107,6 +121,10 @@ class Attention(nn.Module):
         output_gate: bool = False,
         scale: float | None = None,
         clip_qkv: float | None = None,
+        attention_chunk_size: int | None = None,
+        num_kv_heads: int | None = None,
+        v_head_dim: int | None = None,
+        v_scale: float = 1.0,
     ) -> None:
         super().__init__()
         if qk_norm_after_rope and not qk_norm_per_head:
@@ -114,13 +132,27 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = (
             spec.num_heads, spec.num_kv_heads, spec.head_dim
         )
-        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.sizes = (q_size, kv_size, kv_size)
+        self.layer_kv_heads = spec.num_kv_heads if num_kv_heads is None else num_kv_heads
+        if self.layer_kv_heads < 1 or spec.num_kv_heads % self.layer_kv_heads:
+            raise ValueError(
+                f"num_kv_heads {num_kv_heads} of a layer must divide the cache's "
+                f"{spec.num_kv_heads} KV heads"
+            )
+        self.kv_repeat = spec.num_kv_heads // self.layer_kv_heads
+        self.v_head_dim = spec.head_dim if v_head_dim is None else v_head_dim
+        if not 1 <= self.v_head_dim <= spec.head_dim:
+            raise ValueError(f"v_head_dim {v_head_dim} must be in [1, head_dim {spec.head_dim}]")
+        self.v_scale = v_scale
+        q_size = spec.num_heads * spec.head_dim
+        k_size = self.layer_kv_heads * spec.head_dim
+        v_size = self.layer_kv_heads * self.v_head_dim
+        self.sizes = (q_size, k_size, v_size)
         bias = spec.attention_bias if qkv_bias is None else qkv_bias
         self.qkv_proj = MergedLinear(
-            spec.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=bias, dtype=dtype
+            spec.hidden_size, {"q": q_size, "k": k_size, "v": v_size}, bias=bias, dtype=dtype
         )
-        self.o_proj = Linear(q_size, spec.hidden_size, bias=o_bias, dtype=dtype)
+        self.o_proj = Linear(spec.num_heads * self.v_head_dim, spec.hidden_size, bias=o_bias,
+                             dtype=dtype)
         # learned per-head sink logits (gpt-oss), filled from the checkpoint
         self.sinks = nn.Parameter(torch.zeros(spec.num_heads, dtype=dtype)) if sinks else None
         self.gate_proj = (
@@ -129,7 +161,7 @@ class Attention(nn.Module):
         self.qk_norm = spec.qk_norm if qk_norm is None else qk_norm
         self.qk_norm_per_head, self.qk_norm_after_rope = qk_norm_per_head, qk_norm_after_rope
         if self.qk_norm:
-            q_dim, k_dim = (spec.head_dim,) * 2 if qk_norm_per_head else (q_size, kv_size)
+            q_dim, k_dim = (spec.head_dim,) * 2 if qk_norm_per_head else (q_size, k_size)
             norm = dict(dtype=dtype, weight_in_float32=qk_norm_in_float32)
             self.q_norm = RMSNorm(q_dim, spec.rms_norm_eps, **norm)
             self.k_norm = RMSNorm(k_dim, spec.rms_norm_eps, **norm)
@@ -140,9 +172,12 @@ class Attention(nn.Module):
             )
         self.clip_qkv = clip_qkv
         self.rotary = rotary  # shared by all layers; None: NoPE
+        softmax_scale = spec.head_dim**-0.5 if scale is None else scale
         self.attn = PagedAttention(
-            spec.num_heads, spec.num_kv_heads, spec.head_dim,
-            spec.head_dim**-0.5 if scale is None else scale, sliding_window=sliding_window,
+            spec.num_heads, spec.num_kv_heads, spec.head_dim, softmax_scale,
+            sliding_window=sliding_window,
+        ) if attention_chunk_size is None else ChunkedLocalPagedAttention(
+            spec.num_heads, spec.num_kv_heads, spec.head_dim, softmax_scale, attention_chunk_size
         )
         #: Bound by `bind_kernels`: the prologue's one-call kernel (`KernelPlan.rope_prologue`)
         #: where this layer's pieces fit it, else None (the module path), and the
@@ -164,8 +199,10 @@ class Attention(nn.Module):
         rotary = self.rotary
         partial = type(rotary) is PartialRotaryEmbedding
         tables = rotary.rope if partial else rotary
+        plain_kv = (self.kv_repeat, self.v_head_dim, self.v_scale) == (1, self.head_dim, 1.0)
         fits = (
             type(tables) is RotaryEmbedding
+            and plain_kv
             and norms_fit
             and self.qkv_proj.weight.dtype in (torch.float32, torch.bfloat16)
         )
@@ -200,8 +237,10 @@ class Attention(nn.Module):
             return self.o_proj(self._gated(out, h))
         q, k, v = qkv.split(self.sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        k = k.view(t, self.layer_kv_heads, self.head_dim)
+        v = v.view(t, self.layer_kv_heads, self.v_head_dim)
+        if self.v_scale != 1.0:
+            v = v * self.v_scale
         per_head = self.qk_norm and self.qk_norm_per_head
         if per_head and not self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -209,7 +248,14 @@ class Attention(nn.Module):
             q, k = self.rotary(positions, q, k)
         if per_head and self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.kv_repeat > 1:
+            k, v = k.repeat_interleave(self.kv_repeat, 1), v.repeat_interleave(self.kv_repeat, 1)
+        if self.v_head_dim < self.head_dim:
+            v = F.pad(v, (0, self.head_dim - self.v_head_dim))
         out = self.attn(q, k, v, kv_cache, meta, sinks=self.sinks)
+        if self.v_head_dim < self.head_dim:
+            out = out.view(t, self.num_heads, self.head_dim)[..., : self.v_head_dim]
+            out = out.reshape(t, self.num_heads * self.v_head_dim)
         return self.o_proj(self._gated(out, h))
 
     def _gated(self, out: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

@@ -140,6 +140,8 @@ def decode_misfit(layer: DecoderLayer, plan: KernelPlan) -> str | None:
         return "attention with an output gate"
     if attn.qk_norm and not attn.qk_norm_per_head:
         return "q/k norms over the whole projection (the kernel norms each head)"
+    if attn.attn.attention_chunk_size is not None:
+        return "chunked local attention (the kernel reads the whole context)"
     if attn.sinks is not None and attn.sinks.shape != (attn.num_heads,):
         return "attention sinks other than one per query head"
     projections_fit = all(_packed_kernel(p) for p in (attn.qkv_proj, attn.o_proj))

@@ -425,9 +425,9 @@ class SigmoidGroupedTopKRouter(_Router):
         bias: a router bias [E] (none of these families has one).
         scoring: "sigmoid" (default) or "softmax" (`SCORINGS`).
         dtype: the weight's dtype; float32 (default) whatever the model dtype, as transformers
-            keeps it (`_keep_in_fp32_modules_strict`: the logits are then float32), or the
-            model's where the family's router computes its logits in it (MiniMax-M2,
-            Cohere2-MoE).
+            keeps V3's and GLM's (`_keep_in_fp32_modules_strict`: the logits are then
+            float32), or the model's where the family's router computes its logits in it
+            (MiniMax-M2, Cohere2-MoE, Llama 4's top-k sigmoid).
     The bias buffer is float32; the scores are computed in float32 from the logits.
     With n_group = topk_group = 1 and no correction bias this is plain sigmoid top-k.
 
