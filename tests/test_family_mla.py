@@ -1,0 +1,96 @@
+"""The MLA families of issue 43 against transformers 5.24 (`tests/family_check.py`): GLM-4.7-Flash
+(`glm4_moe_lite`), LongCat-Flash (`longcat_flash`), Mistral-Small-4 (`mistral4`), A.X-K1
+(`axk1`), each a tiny float32 checkpoint served token-exact with chunked prefill, with prefix
+caching on the MLA latent blocks, and the layouts each family's variants exercise.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from family_check import (
+    check_ep_token_exact,
+    check_prefix_cache,
+    check_token_exact,
+    family_prompts,
+    make_family_checkpoint,
+)
+
+EP_ALL = pytest.mark.skipif(
+    os.environ.get("MOE_ENGINE_FAMILY_EP") != "all",
+    reason="ep 2 of every family: MOE_ENGINE_FAMILY_EP=all (one family of this module runs it)",
+)
+
+#: MLA sizes every family here shares: 4 heads, q LoRA 48, latent 32 + rope 8, nope 16, v 16.
+MLA = {
+    "num_key_value_heads": 4,
+    "q_lora_rank": 48,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "head_dim": 8,
+}
+
+#: GLM-4.7-Flash: 4 layers, layers 0 and 2 dense (mlp_layer_types), 16 experts in 4 groups
+#: (2 kept), top-4 sigmoid with a drawn correction bias, 2 shared experts, YaRN with
+#: mscale_all_dim, rope on interleaved pairs.
+GLM4_MOE_LITE = {
+    **MLA,
+    "num_hidden_layers": 4,
+    "mlp_layer_types": ["dense", "sparse", "dense", "sparse"],
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "n_group": 4,
+    "topk_group": 2,
+    "n_shared_experts": 2,
+    "routed_scaling_factor": 1.8,
+    "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 256, "mscale": 1.0, "mscale_all_dim": 1.0,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def glm4_moe_lite_ckpt(tmp_path_factory):
+    return make_family_checkpoint(
+        "glm4_moe_lite", GLM4_MOE_LITE, tmp_path_factory.mktemp("mla"),
+        drawn=("e_score_correction_bias",),
+    )
+
+
+def test_glm4_moe_lite_token_exact(glm4_moe_lite_ckpt):
+    check_token_exact(glm4_moe_lite_ckpt)
+
+
+def test_glm4_moe_lite_prefix_cache(glm4_moe_lite_ckpt):
+    check_prefix_cache(glm4_moe_lite_ckpt)
+
+
+@EP_ALL
+def test_glm4_moe_lite_ep2(glm4_moe_lite_ckpt):
+    check_ep_token_exact(glm4_moe_lite_ckpt, 2)
+
+
+def test_glm4_moe_lite_refuses_a_first_k_dense_replace_transformers_ignores():
+    from moe_engine.models import model_shape
+
+    cfg = {**GLM4_MOE_LITE, "vocab_size": 512, "hidden_size": 64, "num_attention_heads": 4,
+           "architectures": ["Glm4MoeLiteForCausalLM"], "first_k_dense_replace": 2}
+    with pytest.raises(ValueError, match="first_k_dense_replace 2 disagrees"):
+        model_shape(cfg)
+    shape = model_shape({**cfg, "first_k_dense_replace": None})
+    assert shape.moe_layers == (1, 3) and shape.intermediate_size == 96
+
+
+def test_glm4_moe_lite_triton_backend(glm4_moe_lite_ckpt):
+    """The Triton kernels (interpreted on a CPU): fused MoE, the sigmoid router, the absorbed
+    MLA decode and its prologue."""
+    check_token_exact(
+        glm4_moe_lite_ckpt, kernel_backend="triton", prompts=family_prompts(512, (1, 37)),
+        max_new=4,
+    )
