@@ -94,3 +94,65 @@ def test_glm4_moe_lite_triton_backend(glm4_moe_lite_ckpt):
         glm4_moe_lite_ckpt, kernel_backend="triton", prompts=family_prompts(512, (1, 37)),
         max_new=4,
     )
+
+
+#: LongCat-Flash: 2 layers (4 MLA sublayers), shortcut MoE of 8 experts + 4 zero-computation
+#: (identity) experts, top-3 softmax with a drawn correction bias, scaling 6.
+LONGCAT_FLASH = {
+    **MLA,
+    "num_layers": 2,
+    "num_hidden_layers": None,
+    "ffn_hidden_size": 96,
+    "expert_ffn_hidden_size": 32,
+    "n_routed_experts": 8,
+    "zero_expert_num": 4,
+    "moe_topk": 3,
+    "num_experts_per_tok": None,
+    "routed_scaling_factor": 6.0,
+}
+
+
+@pytest.fixture(scope="module")
+def longcat_flash_ckpt(tmp_path_factory):
+    """Scaled so that the shortcut MoE and its zero-computation experts decide the greedy ids:
+    with every weight N(0, 0.5) the two dense MLPs and attentions of a layer dwarf the MoE and
+    one expert takes all the routing weight; here the router's softmax is flat (about a
+    quarter of the picks are identity experts, weight ~0.7 each) and the stream's other
+    parts are of the MoE's size."""
+    ckpt = make_family_checkpoint(
+        "longcat_flash", LONGCAT_FLASH, tmp_path_factory.mktemp("mla"),
+        drawn=("e_score_correction_bias",),
+    )
+    return _scaled(ckpt, {r"router\.classifier\.weight": 0.1, "e_score_correction_bias": 0.05,
+                          r"mlps\.\d\.down_proj": 0.02, r"experts\.\d+\.down_proj": 0.05,
+                          r"o_proj": 0.1})
+
+
+def _scaled(ckpt, factors: dict[str, float]):
+    """`ckpt` with each tensor whose name matches a pattern of `factors` (`re.search`)
+    multiplied by its factor."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    path = ckpt / "model.safetensors"
+    tensors = load_file(path)
+    for name, tensor in tensors.items():
+        for pattern, factor in factors.items():
+            if re.search(pattern, name):
+                tensors[name] = tensor * factor
+    save_file(tensors, path, metadata={"format": "pt"})
+    return ckpt
+
+
+def test_longcat_flash_token_exact(longcat_flash_ckpt):
+    check_token_exact(longcat_flash_ckpt)
+
+
+def test_longcat_flash_prefix_cache(longcat_flash_ckpt):
+    check_prefix_cache(longcat_flash_ckpt)
+
+
+def test_longcat_flash_ep2(longcat_flash_ckpt):
+    """Zero-computation experts' slots (-1) through the all-to-all: they go to no rank."""
+    check_ep_token_exact(longcat_flash_ckpt, 2)

@@ -83,11 +83,19 @@ class WeightMapping:
             vLLM's `stacked_params_mapping`; the merged module must be a `MergedLinear`
             (names whose target is not one load as they are).
         experts: the routed experts' names.
+        ignored: regular expressions (`re.search`) of checkpoint names no module holds, which
+            are skipped unread as transformers' `_keys_to_ignore_on_load_unexpected` skips
+            them (LongCat-Flash's `model.mtp.*`).
     """
 
     renames: tuple[tuple[str, str], ...] = ()
     stacked_params: tuple[tuple[str, str, str], ...] = QKV_STACKED
     experts: ExpertMapping = field(default_factory=ExpertMapping)
+    ignored: tuple[str, ...] = ()
+
+    def is_ignored(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` matches one of `ignored`."""
+        return any(re.search(pattern, name) for pattern in self.ignored)
 
     def model_name(self, name: str) -> str:
         """A checkpoint name with `renames` applied."""
@@ -236,7 +244,10 @@ class WeightLoader:
     def wants(self, name: str) -> bool:
         """False for a per-expert checkpoint tensor of an expert this rank does not hold (or
         of a block that is not a `FusedMoE`), and for a tensor of a layer beyond the model's
-        `num_layers` (`beyond_num_layers`): the loader then never reads it."""
+        `num_layers` (`beyond_num_layers`), or one the mapping ignores: the loader then never
+        reads it."""
+        if self.mapping.is_ignored(name):
+            return False
         if beyond_num_layers(name, self.num_layers):
             name = mtp_model_name(name, self.num_layers, self.num_mtp_layers)
             if name is None:
@@ -254,6 +265,8 @@ class WeightLoader:
         """
         loaded: set[str] = set()
         for name, tensor in weights:
+            if self.mapping.is_ignored(name):
+                continue
             if beyond_num_layers(name, self.num_layers):
                 name = mtp_model_name(name, self.num_layers, self.num_mtp_layers)
                 if name is None:

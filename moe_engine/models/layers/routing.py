@@ -178,6 +178,10 @@ def group_limited_mask(group_scores: torch.Tensor, topk_group: int, per_group: i
     return mask.repeat_interleave(per_group, dim=1)
 
 
+#: `sigmoid_grouped_topk` scoring functions.
+SCORING_FUNCS = ("sigmoid", "softmax")
+
+
 def sigmoid_grouped_topk(
     router_logits: torch.Tensor,
     top_k: int,
@@ -186,10 +190,15 @@ def sigmoid_grouped_topk(
     topk_group: int,
     norm_topk_prob: bool,
     routed_scaling_factor: float,
+    scoring_func: str = "sigmoid",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 / GLM-4.5 routing: sigmoid scores, bias for selection, group-limited top-k.
 
-    1. scores = sigmoid(router_logits) in float32;
+    1. scores = sigmoid(router_logits) in float32 (`scoring_func` "softmax": the softmax over
+       all experts instead, in float32: LongCat-Flash's `LongcatFlashTopkRouter`, with a
+       correction bias and no groups, and Mistral-4's `Mistral4TopkRouter`, with groups and
+       no bias; transformers masks excluded groups there to 0.0, the same choice unless a
+       kept probability underflows to 0);
     2. the choice uses scores + e_score_correction_bias (the auxiliary-loss-free balancing
        bias of the DeepSeek-V3 technical report, arXiv:2412.19437, sec. 2.1.2: it changes
        which experts are chosen, never their weights);
@@ -210,6 +219,7 @@ def sigmoid_grouped_topk(
         n_group, topk_group: the group limit (n_group = 1, topk_group = 1: none).
         norm_topk_prob: renormalise the k weights.
         routed_scaling_factor: multiplies the weights.
+        scoring_func: "sigmoid" or "softmax" (`SCORING_FUNCS`).
 
     Returns:
         topk_weights [T, k] float32, topk_ids [T, k] int32 (by descending biased score).
@@ -219,7 +229,10 @@ def sigmoid_grouped_topk(
     """
     num_tokens, num_experts = router_logits.shape
     per_group = num_experts // n_group
-    scores = router_logits.float().sigmoid()
+    if scoring_func == "softmax":
+        scores = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    else:
+        scores = router_logits.float().sigmoid()
     choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias
     if topk_group < n_group:
         top2 = choice.view(num_tokens, n_group, per_group).topk(2, dim=-1).values
@@ -230,6 +243,27 @@ def sigmoid_grouped_topk(
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * routed_scaling_factor, ids.to(torch.int32)
+
+
+def split_zero_experts(
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Take the zero-computation ("identity") experts out of a routing: the ids >= num_experts
+    (LongCat-Flash's `zero_expert_num` experts after the `n_routed_experts` real ones) become
+    -1 with weight 0, which dispatch and every expert kernel skip, and their weights are summed
+    per token (an identity expert returns its input, so they add zero_weight x input).
+
+    Args:
+        topk_weights: [T, k] float32; topk_ids: [T, k] int32 ids in [0, num_experts + zeros).
+        num_experts: the real (computing) experts E.
+
+    Returns:
+        topk_weights [T, k] float32, topk_ids [T, k] int32 (-1 for zero experts), zero_weight
+        [T, 1] float32.
+    """
+    zero = topk_ids >= num_experts
+    zero_weight = torch.where(zero, topk_weights, 0.0).sum(dim=-1, keepdim=True)
+    return topk_weights.masked_fill(zero, 0.0), topk_ids.masked_fill(zero, -1), zero_weight
 
 
 def softmax_grouped_topk(
@@ -367,13 +401,16 @@ class SoftmaxTopKRouter(_Router):
 
 class SigmoidGroupedTopKRouter(_Router):
     """DeepSeek-V3 / GLM-4.5 router (`sigmoid_grouped_topk`; transformers'
-    `DeepseekV3TopkRouter`, `Glm4MoeTopkRouter`).
+    `DeepseekV3TopkRouter`, `Glm4MoeTopkRouter`), or with softmax scores (LongCat-Flash's
+    `LongcatFlashTopkRouter`, Mistral-4's `Mistral4TopkRouter`).
 
     Args:
-        hidden_size: H; num_experts: E (`n_routed_experts`); top_k: `num_experts_per_tok`;
+        hidden_size: H; num_experts: E (`n_routed_experts`, plus any zero-computation experts
+        the router scores: `split_zero_experts`); top_k: `num_experts_per_tok`;
         n_group, topk_group: the group limit; norm_topk_prob; routed_scaling_factor;
         correction_bias: hold the `e_score_correction_bias` buffer (V3 and GLM do);
-        bias: a router bias [E] (none of these families has one).
+        bias: a router bias [E] (none of these families has one);
+        scoring_func: "sigmoid" (default) or "softmax" (`SCORING_FUNCS`).
     The weight and the bias buffer are float32 whatever the model dtype, as transformers keeps
     them (`_keep_in_fp32_modules_strict`); the logits are float32.
 
@@ -394,9 +431,13 @@ class SigmoidGroupedTopKRouter(_Router):
         routed_scaling_factor: float,
         correction_bias: bool = True,
         bias: bool = False,
+        scoring_func: str = "sigmoid",
     ) -> None:
+        if scoring_func not in SCORING_FUNCS:
+            raise ValueError(f"scoring_func must be one of {SCORING_FUNCS}, got {scoring_func!r}")
         check_sigmoid_group_limits(num_experts, top_k, n_group, topk_group)
         super().__init__(hidden_size, num_experts, top_k, bias, torch.float32)
+        self.scoring_func = scoring_func
         self.n_group, self.topk_group = n_group, topk_group
         self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
         # persistent (in the state dict), so it loads by name; None when absent
@@ -411,7 +452,7 @@ class SigmoidGroupedTopKRouter(_Router):
         return (self.kernel or sigmoid_grouped_topk)(
             self.router_logits(hidden), self.top_k, self.e_score_correction_bias,
             self.n_group, self.topk_group, self.norm_topk_prob, self.routed_scaling_factor,
-            **counts,
+            self.scoring_func, **counts,
         )
 
 
