@@ -156,3 +156,54 @@ def test_longcat_flash_prefix_cache(longcat_flash_ckpt):
 def test_longcat_flash_ep2(longcat_flash_ckpt):
     """Zero-computation experts' slots (-1) through the all-to-all: they go to no rank."""
     check_ep_token_exact(longcat_flash_ckpt, 2)
+
+
+#: Mistral-Small-4: 3 layers, layer 0 dense, direct q_proj (no q LoRA), 16 experts in 4 groups
+#: (2 kept) top-4 by softmax, one shared expert; YaRN with the Llama-4 query scaling over a
+#: 16-token period, so the 37/70-token prompts reach scales 1 + log(1 + floor(p / 16)) > 1
+#: (q_proj scaled down in the fixture so that attention is soft enough to feel them).
+MISTRAL4 = {
+    **MLA,
+    "q_lora_rank": None,
+    "num_hidden_layers": 3,
+    "first_k_dense_replace": 1,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "n_group": 4,
+    "topk_group": 2,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 1.5,
+    "head_dim": None,
+    "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 64.0,
+        "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 1.0,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def mistral4_ckpt(tmp_path_factory):
+    """transformers 5.24 maps no config to `Mistral4ForCausalLM` in `AutoModelForCausalLM`
+    (Mistral-Small-4 ships as `Mistral3ForConditionalGeneration`): registered here, for the
+    checkpoint and the oracle."""
+    from transformers import AutoModelForCausalLM, Mistral4Config, Mistral4ForCausalLM
+
+    AutoModelForCausalLM.register(Mistral4Config, Mistral4ForCausalLM, exist_ok=True)
+    ckpt = make_family_checkpoint("mistral4", MISTRAL4, tmp_path_factory.mktemp("mla"))
+    return _scaled(ckpt, {r"self_attn\.q_proj": 0.05})
+
+
+def test_mistral4_token_exact(mistral4_ckpt):
+    check_token_exact(mistral4_ckpt)
+
+
+def test_mistral4_prefix_cache(mistral4_ckpt):
+    check_prefix_cache(mistral4_ckpt)
+
+
+@EP_ALL
+def test_mistral4_ep2(mistral4_ckpt):
+    check_ep_token_exact(mistral4_ckpt, 2)

@@ -31,6 +31,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3_5MoeForCausalLM": "moe_engine.models.qwen3_next",
     "Glm4MoeLiteForCausalLM": "moe_engine.models.glm4_moe_lite",
     "LongcatFlashForCausalLM": "moe_engine.models.longcat_flash",
+    "Mistral4ForCausalLM": "moe_engine.models.mistral4",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.
