@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 from family_check import (
     check_ep_token_exact,
     check_prefix_cache,
@@ -207,3 +208,52 @@ def test_mistral4_prefix_cache(mistral4_ckpt):
 @EP_ALL
 def test_mistral4_ep2(mistral4_ckpt):
     check_ep_token_exact(mistral4_ckpt, 2)
+
+
+#: A.X-K1: 4 layers, MoE every 2nd from layer 0 (first_k_dense_replace 0, moe_layer_freq 2:
+#: layers 0 and 2), each MoE output through post_mlp_layernorm (drawn), 16 experts in 4
+#: groups (2 kept), top-4 sigmoid, one shared expert.
+AXK1 = {
+    **MLA,
+    "num_hidden_layers": 4,
+    "first_k_dense_replace": 0,
+    "moe_layer_freq": 2,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "n_group": 4,
+    "topk_group": 2,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+}
+
+
+@pytest.fixture(scope="module")
+def axk1_ckpt(tmp_path_factory):
+    """As the released checkpoints hold it: a `post_mlp_layernorm` for dense layer 1 too
+    (unused), and layer 2's router without `e_score_correction_bias` (zero)."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt = make_family_checkpoint(
+        "axk1", AXK1, tmp_path_factory.mktemp("mla"),
+        drawn=("e_score_correction_bias", "post_mlp_layernorm.weight"),
+    )
+    tensors = load_file(ckpt / "model.safetensors")
+    del tensors["model.layers.2.mlp.gate.e_score_correction_bias"]
+    tensors["model.layers.1.post_mlp_layernorm.weight"] = torch.full((64,), 3.0)
+    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    return ckpt
+
+
+def test_axk1_token_exact(axk1_ckpt):
+    check_token_exact(axk1_ckpt)
+
+
+def test_axk1_prefix_cache(axk1_ckpt):
+    check_prefix_cache(axk1_ckpt)
+
+
+@EP_ALL
+def test_axk1_ep2(axk1_ckpt):
+    check_ep_token_exact(axk1_ckpt, 2)

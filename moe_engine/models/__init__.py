@@ -32,6 +32,7 @@ ARCHITECTURES: dict[str, str] = {
     "Glm4MoeLiteForCausalLM": "moe_engine.models.glm4_moe_lite",
     "LongcatFlashForCausalLM": "moe_engine.models.longcat_flash",
     "Mistral4ForCausalLM": "moe_engine.models.mistral4",
+    "AXK1ForCausalLM": "moe_engine.models.axk1",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.

@@ -193,6 +193,8 @@ class DecoderLayer(nn.Module):
         self_attn: called `(h [T, H], positions, meta, kv_cache) -> [T, H]`.
         mlp: called `(h [T, H]) -> [T, H]` (a `FusedMoE`, a `DenseMLP`, ...).
         input_layernorm, post_attention_layernorm: the two norms.
+        post_mlp_layernorm: a norm of the MLP's output before the residual add (A.X-K1's MoE
+            layers), None: none.
 
     `timer`, when set (`MoeCausalLM.attach_timer`), times the attention phase (and a native
     decode step, which has no phases of its own, as "decode_layer").
@@ -210,9 +212,11 @@ class DecoderLayer(nn.Module):
         mlp: nn.Module,
         input_layernorm: nn.Module,
         post_attention_layernorm: nn.Module,
+        post_mlp_layernorm: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.self_attn = self_attn
+        self.post_mlp_layernorm = post_mlp_layernorm
         self.timer: PhaseTimer | None = None
         self.input_layernorm = input_layernorm
         self.post_attention_layernorm = post_attention_layernorm
@@ -274,6 +278,8 @@ class DecoderLayer(nn.Module):
                 x, residual = self.input_layernorm(h, residual)
             x = self.self_attn(x, positions, meta, kv_cache)
         x, residual = self.post_attention_layernorm(x, residual)
+        if self.post_mlp_layernorm is not None:
+            return self.post_mlp_layernorm(self.mlp(x)), residual
         return self.mlp(x), residual
 
 

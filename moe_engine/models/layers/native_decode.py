@@ -125,6 +125,8 @@ def decode_misfit(layer: DecoderLayer, plan: KernelPlan) -> str | None:
     attn, mlp = layer.self_attn, layer.mlp
     if type(attn) is not Attention or type(mlp) is not FusedMoE:
         return "not an Attention + FusedMoE layer"
+    if getattr(layer, "post_mlp_layernorm", None) is not None:
+        return "a norm on the MLP output"
     if not _norms_fit(layer.input_layernorm, layer.post_attention_layernorm):
         return "norms other than two bound bfloat16 RMSNorms of one epsilon and rounding"
     if (attn.prologue is None or type(attn.rotary) is not RotaryEmbedding
