@@ -257,3 +257,77 @@ def test_axk1_prefix_cache(axk1_ckpt):
 @EP_ALL
 def test_axk1_ep2(axk1_ckpt):
     check_ep_token_exact(axk1_ckpt, 2)
+
+
+def test_glm4_moe_lite_int4_experts(glm4_moe_lite_ckpt, tmp_path):
+    """`--quantization int4` experts against transformers on the int4 quantize-dequantize
+    copy of the checkpoint."""
+    from fixtures import dequantized_experts_copy, hf_greedy
+
+    prompts = family_prompts(512, (11, 37))
+    expected = hf_greedy(dequantized_experts_copy(glm4_moe_lite_ckpt, tmp_path, "int4", 32),
+                         prompts, 6)
+    llm = check_token_exact(glm4_moe_lite_ckpt, prompts=prompts, max_new=6, expected=expected,
+                            quantization="int4", quant_group_size=32)
+    assert all(m.quantized is not None for _, m in llm.engine.model.moe_layers())
+
+
+# -- the shared pieces these families added ----------------------------------------------
+
+
+def test_zero_experts_leave_the_routing_and_reach_no_rank():
+    """`split_zero_experts`: ids >= E become -1 with weight 0, their weights summed per token;
+    `ExpertPlacement.route` sends a -1 slot to the source rank's slot -1 (with and without
+    replicas); the load recorder counts the real experts only."""
+    from comm import ExpertPlacement
+    from moe_engine.instrumentation import ExpertLoadRecorder
+    from moe_engine.models.layers.routing import split_zero_experts
+
+    weights = torch.tensor([[0.5, 0.25, 0.125], [1.0, 2.0, 4.0]])
+    ids = torch.tensor([[3, 5, 1], [6, 4, 7]], dtype=torch.int32)
+    w, i, zero = split_zero_experts(weights, ids, num_experts=4)
+    assert i.tolist() == [[3, -1, 1], [-1, -1, -1]] and i.dtype == torch.int32
+    assert w.tolist() == [[0.5, 0.0, 0.125], [0.0, 0.0, 0.0]]
+    assert zero.tolist() == [[0.25], [7.0]]
+    for placement in (ExpertPlacement(4, 2), ExpertPlacement(4, 2, [[0, 1, 3], [2, 3, 0]])):
+        rank, slot = placement.route(i, src_rank=1)
+        assert rank[1].tolist() == [1, 1, 1] and slot[1].tolist() == [-1, -1, -1]
+        assert slot[0, 1] == -1 and rank[0, 1] == 1
+        assert rank[0, 2] == 0 and slot[0, 2] == 1  # expert 1: rank 0, slot 1
+    recorder = ExpertLoadRecorder([0], 4)
+    recorder.record(0, i, skip_negative=True)
+    assert recorder.counts[0].tolist() == [0, 1, 0, 1]
+
+
+def test_softmax_grouped_router_triton_equals_torch():
+    """The Triton router with `scoring_func` "softmax" (interpreted on a CPU) picks the torch
+    function's experts and weights: with a correction bias and no groups (LongCat-Flash), and
+    with groups and no bias (Mistral-4)."""
+    from kernels.moe.router_kernels import fused_sigmoid_grouped_topk
+    from moe_engine.models.layers.routing import sigmoid_grouped_topk
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 16, generator=g)
+    bias = torch.randn(16, generator=g) * 0.05
+    for args in ((3, bias, 1, 1, False, 6.0), (4, None, 4, 2, True, 1.5)):
+        want = sigmoid_grouped_topk(logits, *args, scoring_func="softmax")
+        got = fused_sigmoid_grouped_topk(logits, *args, scoring_func="softmax")
+        assert torch.equal(got[1], want[1])
+        torch.testing.assert_close(got[0], want[0])
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("zero_expert_type", "zero", "zero_expert_type 'zero' is not supported"),
+    ("mla_scale_q_lora", False, "mla_scale_q_lora False is not supported"),
+    ("router_bias", True, "router_bias true is not supported"),
+    ("qk_head_dim", 32, "qk_head_dim 32 must be"),
+])
+def test_longcat_flash_refuses_what_transformers_computes_otherwise(field, value, message):
+    from moe_engine.models import model_shape
+
+    cfg = {**LONGCAT_FLASH, "vocab_size": 512, "hidden_size": 64, "num_attention_heads": 4,
+           "architectures": ["LongcatFlashForCausalLM"], field: value}
+    with pytest.raises(ValueError, match=message):
+        model_shape(cfg)
+    shape = model_shape({**cfg, field: None})
+    assert (shape.num_layers, shape.moe_layers, shape.zero_experts) == (4, (0, 2), 4)

@@ -145,11 +145,11 @@ def check_longcat_fields(cfg: dict) -> None:
         ValueError: naming the field, its value and what is supported.
     """
     check_hidden_act(cfg, "LongcatFlashForCausalLM")
-    if cfg.get("zero_expert_type", "identity") != "identity":
+    if (cfg.get("zero_expert_type") or "identity") != "identity":
         raise ValueError(f"config.json: zero_expert_type {cfg['zero_expert_type']!r} is not "
                          "supported (supported: 'identity')")
     for key in ("mla_scale_q_lora", "mla_scale_kv_lora"):
-        if cfg.get(key, True) is not True:
+        if cfg.get(key) not in (None, True):
             raise ValueError(f"config.json: {key} {cfg[key]!r} is not supported: transformers' "
                              "LongcatFlashMLA always scales (supported: true)")
     if cfg.get("router_bias"):
