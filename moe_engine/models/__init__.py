@@ -50,6 +50,10 @@ ARCHITECTURES: dict[str, str] = {
     "Llama4ForCausalLM": "moe_engine.models.llama4",
     "FlintForCausalLM": "moe_engine.models.flint",
     "MiMoV2FlashForCausalLM": "moe_engine.models.mimo_v2_flash",
+    "Glm4MoeLiteForCausalLM": "moe_engine.models.glm4_moe_lite",
+    "LongcatFlashForCausalLM": "moe_engine.models.longcat_flash",
+    "Mistral4ForCausalLM": "moe_engine.models.mistral4",
+    "AXK1ForCausalLM": "moe_engine.models.axk1",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.

@@ -70,6 +70,10 @@ class ModelShape:
         linear_value_head_dim, linear_conv_kernel_dim: the Gated DeltaNet layers (layer_types
             "linear_attention"; Qwen3-Next): q/k heads Hk of Dk dims, value heads Hv of Dv,
             the causal conv1d's width W; 0 without such layers.
+        zero_experts: zero-computation ("identity") experts each router scores beside the E
+            real ones (LongCat-Flash's `zero_expert_num`): router rows, no weights.
+        dense_mlp_in_moe_layers: every layer holds a dense MLP of `intermediate_size`, the MoE
+            layers too (LongCat-Flash's shortcut MoE sits beside the layer's MLP).
     """
 
     architecture: str
@@ -111,10 +115,14 @@ class ModelShape:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
+    zero_experts: int = 0
+    dense_mlp_in_moe_layers: bool = False
 
     @property
     def num_dense_layers(self) -> int:
-        """Layers whose MLP is dense."""
+        """Layers with a dense MLP."""
+        if self.dense_mlp_in_moe_layers:
+            return self.num_layers
         return self.num_layers - len(self.moe_layers)
 
     def expert_params(self) -> int:
@@ -165,9 +173,9 @@ class ModelShape:
 
     def router_params(self) -> int:
         """Parameters of one MoE layer's router: weight [E, H], optional bias [E] and
-        `e_score_correction_bias` [E]."""
+        `e_score_correction_bias` [E] (E plus the zero-computation experts it scores)."""
         extra = int(self.router_bias) + int(self.router_correction_bias)
-        return self.num_experts * (self.hidden_size + extra)
+        return (self.num_experts + self.zero_experts) * (self.hidden_size + extra)
 
     def float32_params(self) -> int:
         """Parameters kept in float32 whatever the model dtype: the routers when
