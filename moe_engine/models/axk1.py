@@ -31,6 +31,7 @@ from moe_engine.models.config_fields import mlp_layer_types_moe_layers, required
 from moe_engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from moe_engine.models.layers.decoder import DecoderLayer
 from moe_engine.models.layers.mla import MLA_STACKED
+from moe_engine.models.spec import FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 
 
@@ -54,6 +55,10 @@ def axk1_moe_layers(cfg: dict) -> tuple[int, ...]:
 
 class AXK1ForCausalLM(DeepseekV3ForCausalLM):
     """A.X-K1 on the engine's layers (module docstring)."""
+
+    card = FamilyCard(
+        "A.X-K1", ("skt/A.X-K1",), "MLA (latent-only cache, absorbed decode)", cache=("mla",)
+    )
 
     model_types = ("axk1",)
     mtp_layers_field = None

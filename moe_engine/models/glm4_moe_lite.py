@@ -36,6 +36,7 @@ from __future__ import annotations
 from moe_engine.models.config_fields import mlp_layer_types_moe_layers, required_int
 from moe_engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from moe_engine.models.layers.rotary import partial_rotary_factor_of
+from moe_engine.models.spec import FamilyCard
 
 
 def glm_lite_moe_layers(cfg: dict) -> tuple[int, ...]:
@@ -61,6 +62,11 @@ def glm_lite_moe_layers(cfg: dict) -> tuple[int, ...]:
 
 class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):
     """GLM-4.7-Flash on the engine's layers (module docstring)."""
+
+    card = FamilyCard(
+        "GLM-4.7-Flash", ("zai-org/GLM-4.7-Flash",), "MLA (latent-only cache, absorbed decode)",
+        cache=("mla",), speculation=("ngram", "mtp"),
+    )
 
     model_types = ("glm4_moe_lite",)
 

@@ -58,7 +58,7 @@ from moe_engine.models.layers.rotary import (
     yarn_softmax_scale_factor,
 )
 from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter
-from moe_engine.models.spec import ArchSpec
+from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 
 #: checkpoint sublayer module -> the engine sublayer's attribute
@@ -171,6 +171,12 @@ def check_longcat_fields(cfg: dict) -> None:
 
 class LongcatFlashForCausalLM(MoeCausalLM):
     """LongCat-Flash on the engine's layers (module docstring)."""
+
+    card = FamilyCard(
+        "LongCat-Flash", ("meituan-longcat/LongCat-Flash-Chat",),
+        "MLA, two attention sublayers per layer, shortcut MoE with zero-computation experts",
+        cache=("mla",),
+    )
 
     spec_class = LongcatFlashSpec
     model_types = ("longcat_flash",)

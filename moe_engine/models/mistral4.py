@@ -40,6 +40,7 @@ from moe_engine.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3Spec
 from moe_engine.models.layers.mla import MLAAttention
 from moe_engine.models.layers.rotary import partial_rotary_factor_of
 from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter, check_sigmoid_group_limits
+from moe_engine.models.spec import FamilyCard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,11 @@ class Mistral4Spec(DeepseekV3Spec):
 
 class Mistral4ForCausalLM(DeepseekV3ForCausalLM):
     """Mistral-Small-4 on the engine's layers (module docstring)."""
+
+    card = FamilyCard(
+        "Mistral-Small-4", ("mistralai/Mistral-Small-4-119B-2603",),
+        "MLA (latent-only cache, absorbed decode)", cache=("mla",),
+    )
 
     spec_class = Mistral4Spec
     model_types = ("mistral4",)
