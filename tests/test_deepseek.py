@@ -231,7 +231,8 @@ def _without(cfg: dict, key: str) -> dict:
 
 
 REFUSALS = {
-    "v3.2 sparse indexer": (V32, r"index_topk=2048.*not supported"),
+    "v3.2 without a query LoRA": ({**V32, "q_lora_rank": None},
+                                  r"lightning indexer reads the query LoRA"),
     "index_topk on V3": ({**V3, "index_topk": 2048}, r"index_topk=2048.*not supported"),
     "experts not divisible": ({**V3, "n_routed_experts": 250},
                               r"n_routed_experts \(250\) must be divisible by n_group \(8\)"),

@@ -409,6 +409,6 @@ class KVCacheManager:
 
 def _describe(spec: KVCacheSpec) -> str:
     if spec.kind == MLA_ATTENTION:
-        return "MLA latent"
+        return "MLA latent + indexer keys" if getattr(spec, "index_head_dim", 0) else "MLA latent"
     window = spec.sliding_window
     return "full attention" if window is None else f"sliding window {window}"

@@ -29,16 +29,11 @@ ARCHITECTURES: dict[str, str] = {
     "DeepseekV2ForCausalLM": "moe_engine.models.deepseek_v2",
     "Qwen3NextForCausalLM": "moe_engine.models.qwen3_next",
     "Qwen3_5MoeForCausalLM": "moe_engine.models.qwen3_next",
+    "DeepseekV32ForCausalLM": "moe_engine.models.deepseek_v32",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.
-REFUSED_ARCHITECTURES: dict[str, str] = {
-    "DeepseekV32ForCausalLM": (
-        "DeepSeek Sparse Attention (DeepSeek-V3.2's lightning indexer, which attends to "
-        "index_topk={index_topk} keys per query) is not supported: this engine implements "
-        "dense MLA only"
-    ),
-}
+REFUSED_ARCHITECTURES: dict[str, str] = {}
 
 
 def architecture_class(name: str) -> type[MoeCausalLM]:

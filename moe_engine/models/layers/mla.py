@@ -206,16 +206,35 @@ class MLAAttention(KVCacheLayer):
         """h: [T, H], positions: [T] int64; kv_cache: this layer's [num_blocks + 1,
         block_size, kv_lora_rank + qk_rope_head_dim] latent tensor (written at the group's
         slot_mapping). Returns [T, H] in h's dtype."""
+        meta = meta.for_group(self.kv_group)
+        q_nope, q_pe, _ = self.project_and_cache(h, positions, meta, kv_cache)
+        return self.attend_batches(h, q_nope, q_pe, kv_cache, meta)
+
+    def project_and_cache(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The queries, with this step's latents written into `kv_cache` at
+        `meta.slot_mapping` (`meta` the layer's group's).
+
+        Returns:
+            q_nope [T, n, nope], q_pe [T, n, rope] (roped), and q_resid [T, q_lora_rank], the
+            normalised compressed query (q_a_layernorm's output; None without a query LoRA).
+        """
         t, n = h.shape[0], self.num_heads
+        q_resid = None
         if self.q_lora_rank is None:
             q, kv_a = self.q_proj(h), self.kv_a_proj_with_mqa(h)
         else:  # views of the one GEMM's output [T, q_lora_rank + r + rope], no copy
             q_a, kv_a = self.fused_qkv_a_proj(h).split([self.q_lora_rank, self.latent_dim], -1)
-            q = self.q_b_proj(self.q_a_layernorm(q_a))
+            q_resid = self.q_a_layernorm(q_a)
+            q = self.q_b_proj(q_resid)
         q_nope, q_pe = q.view(t, n, self.qk_head_dim).split(
             [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
         )
-        meta = meta.for_group(self.kv_group)
         if self.prologue is not None and kv_a.dtype == kv_cache.dtype:
             q_pe = self.prologue(
                 kv_a, q_pe, positions, self.rotary.cos_cache, self.rotary.sin_cache,
@@ -229,27 +248,54 @@ class MLAAttention(KVCacheLayer):
             kv_cache.view(-1, self.latent_dim).index_copy_(
                 0, meta.slot_mapping, latent.to(kv_cache.dtype)
             )
+        return q_nope, q_pe, q_resid
+
+    def attend_batches(
+        self,
+        h: torch.Tensor,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        masks: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Attention of every query batch of `meta` (the layer's group's), then o_proj ->
+        [T, H]. `masks`: per batch, a bool mask that replaces the batch's causal one (a sparse
+        selection, `layers/sparse_mla.py`): [B, 1, Lq, Lk] for a prefill batch, [B, 1, 1, Lk]
+        for a decode batch; None: causal."""
+        t, n = h.shape[0], self.num_heads
+        masks = masks or [None] * len(meta.batches)
         if len(meta.batches) == 1 and (meta.batches[0].token_start, meta.batches[0].token_end) == (
             0, t
         ):  # one batch (a decode step): its output is the layer's, no copy into a buffer
-            return self.o_proj(self._attend(q_nope, q_pe, kv_cache, meta.batches[0]))
+            return self.o_proj(self._attend(q_nope, q_pe, kv_cache, meta.batches[0], masks[0]))
         out = h.new_empty(t, n * self.v_head_dim)
-        for batch in meta.batches:
+        for batch, mask in zip(meta.batches, masks, strict=True):
             rows = slice(batch.token_start, batch.token_end)
-            out[rows] = self._attend(q_nope[rows], q_pe[rows], kv_cache, batch)
+            out[rows] = self._attend(q_nope[rows], q_pe[rows], kv_cache, batch, mask)
         return self.o_proj(out)
 
     def _attend(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, batch: AttentionBatch
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        cache: torch.Tensor,
+        batch: AttentionBatch,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One query batch: q_nope [N, n, nope], q_pe [N, n, rope] -> [N, n x v], absorbed for
-        decodes (when `absorb`), else expanded."""
+        decodes (when `absorb`), else expanded; `mask` as `attend_batches`'."""
         if batch.max_q == 1 and self.absorb:
-            return self._decode_absorbed(q_nope, q_pe, cache, batch)
-        return self._attend_expanded(q_nope, q_pe, cache, batch)
+            return self._decode_absorbed(q_nope, q_pe, cache, batch, mask)
+        return self._attend_expanded(q_nope, q_pe, cache, batch, mask)
 
     def _attend_expanded(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, batch: AttentionBatch
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        cache: torch.Tensor,
+        batch: AttentionBatch,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q_nope: [N, n, nope], q_pe: [N, n, rope] (the batch's N tokens) -> [N, n x v]: the
         gathered latents expanded through kv_b_proj into per-head keys and values."""
@@ -264,22 +310,29 @@ class MLAAttention(KVCacheLayer):
         keys = torch.cat([k_nope, k_rope], dim=-1)  # [B, n, Lk, qk_head_dim]
         q_pad = q_nope.new_zeros(b, batch.max_q, n, self.qk_head_dim)
         q_pad[batch.tok_b, batch.tok_q] = torch.cat([q_nope, q_pe], dim=-1)
-        o = _sdpa(q_pad.transpose(1, 2), keys, values, batch.mask, self.scale, self._pad_values)
+        mask = batch.mask if mask is None else mask
+        o = _sdpa(q_pad.transpose(1, 2), keys, values, mask, self.scale, self._pad_values)
         return o.transpose(1, 2)[batch.tok_b, batch.tok_q].reshape(-1, n * self.v_head_dim)
 
     def _decode_absorbed(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, batch: AttentionBatch
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        cache: torch.Tensor,
+        batch: AttentionBatch,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One query per request: q_nope [B, n, nope], q_pe [B, n, rope] -> [B, n x v].
 
         q_lat = q_nope W_UK ([B, n, r]); scores = ([q_lat | q_pe] . [c_kv | k_pe]) x scale
         over the gathered latents, the n heads as the query rows of one latent head;
-        o_lat = softmax(scores) c_kv; out = o_lat W_UV."""
+        o_lat = softmax(scores) c_kv; out = o_lat W_UV. A `mask` ([B, 1, 1, Lk], a sparse
+        selection) runs the torch path: the decode kernel reads whole contexts."""
         if self._absorbed_key != self._weight_key():
             self.process_weights_after_loading()
         b, r = q_nope.shape[0], self.kv_lora_rank
         q_lat = torch.bmm(q_nope.transpose(0, 1), self._w_uk)  # [n, B, r]
-        if self.decode_kernel is not None:  # reads the latents in place through the tables
+        if self.decode_kernel is not None and mask is None:  # reads the latents in place
             o = self.decode_kernel(
                 q_lat.transpose(0, 1), cache, batch.block_tables, batch.seq_lens,
                 scale=self.scale, kv_lora_rank=r, q_rope=q_pe,
@@ -294,7 +347,7 @@ class MLAAttention(KVCacheLayer):
         # softmax(scores) @ c_kv (FlashMLA reads V as the first r columns of K the same way).
         o_lat = F.scaled_dot_product_attention(
             query.unsqueeze(1), latent, latent,
-            attn_mask=batch.mask,  # [B, 1, 1, Lk], the same for every head
+            attn_mask=batch.mask if mask is None else mask,  # [B, 1, 1, Lk], for every head
             scale=self.scale,
         )[..., :r]  # [B, 1, n, r]
         out = torch.bmm(o_lat.squeeze(1).transpose(0, 1), self._w_uv)  # [n, B, v]
