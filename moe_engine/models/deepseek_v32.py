@@ -36,6 +36,7 @@ from moe_engine.models.config_fields import required_int
 from moe_engine.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3Spec
 from moe_engine.models.layers.indexer import LightningIndexer
 from moe_engine.models.layers.sparse_mla import SparseMLAAttention
+from moe_engine.models.spec import FamilyCard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,11 @@ class DeepseekV32Spec(DeepseekV3Spec):
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     """DeepSeek-V3.2 on the engine's layers (see the module doc)."""
 
+    card = FamilyCard(
+        "DeepSeek-V3.2", ("deepseek-ai/DeepSeek-V3.2-Exp", "deepseek-ai/DeepSeek-V3.2"),
+        "MLA + DeepSeek Sparse Attention (lightning indexer, top-k keys per query)",
+        cache=("mla + indexer keys",), speculation=("ngram",),
+    )
     spec_class = DeepseekV32Spec
     model_types = ("deepseek_v32",)
     mtp_layers_field = None
