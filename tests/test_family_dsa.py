@@ -1,5 +1,6 @@
 """The DeepSeek Sparse Attention families of issue 43 against transformers 5.24
-(`tests/family_check.py`): DeepSeek-V3.2 (`deepseek_v32`) and GLM-5 (`glm_moe_dsa`), tiny float32
+(`tests/family_check.py`): DeepSeek-V3.2 (`deepseek_v32`), GLM-5 (`glm_moe_dsa`) and A.X-K2
+(`axk2`), tiny float32
 checkpoints whose `index_topk` (8) is below the prompts' lengths, so every query past the 8th
 attends a strict subset of its keys: token-exact with chunked prefill, with prefix caching (the
 indexer keys are cached beside the latent in the same blocks), ep 2, 4-bit experts, n-gram
@@ -72,6 +73,17 @@ GLM_MOE_DSA = {
     "n_shared_experts": 2,
     "n_group": 1,
     "topk_group": 1,
+}
+
+#: A.X-K2: 3 layers (0 dense: a plain post-attention norm), ungrouped routing (n_group null),
+#: the gated query (q_gate_proj) and gated norms of rank 8.
+AXK2 = {
+    **DSA,
+    "num_hidden_layers": 3,
+    "mlp_layer_types": ["dense", "sparse", "sparse"],
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "gated_norm_rank": 8,
 }
 
 #: Parameters transformers initialises to zero / one whose paths the tests must exercise.
@@ -159,6 +171,26 @@ def test_glm_moe_dsa_refuses_a_first_layer_without_an_indexer():
                                "indexer_types": ["shared", "full", "full", "full"]})
     with pytest.raises(ValueError, match=r"indexer_types .* the first 'full'"):
         GlmMoeDsaForCausalLM.arch_spec(cfg)
+
+
+@pytest.fixture(scope="module")
+def axk2_ckpt(tmp_path_factory):
+    return make_family_checkpoint(
+        "axk2", AXK2, tmp_path_factory.mktemp("dsa"), drawn=(*DRAWN, "layernorm.norm.weight")
+    )
+
+
+def test_axk2_token_exact(axk2_ckpt):
+    check_token_exact(axk2_ckpt)
+
+
+def test_axk2_prefix_cache(axk2_ckpt):
+    check_prefix_cache(axk2_ckpt)
+
+
+@EP_ALL
+def test_axk2_ep2(axk2_ckpt):
+    check_ep_token_exact(axk2_ckpt, 2)
 
 
 def test_the_indexer_selects_what_transformers_selects(deepseek_v32_ckpt):

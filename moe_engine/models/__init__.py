@@ -31,6 +31,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3_5MoeForCausalLM": "moe_engine.models.qwen3_next",
     "DeepseekV32ForCausalLM": "moe_engine.models.deepseek_v32",
     "GlmMoeDsaForCausalLM": "moe_engine.models.glm_moe_dsa",
+    "AXK2ForCausalLM": "moe_engine.models.axk2",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.

@@ -28,6 +28,7 @@ Refused before any weight is read (ValueError naming the field): V3's refusals, 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -66,6 +67,8 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     model_types = ("deepseek_v32",)
     mtp_layers_field = None
     sparse_attention = True
+    #: More `SparseMLAAttention` arguments of a variant (A.X-K2's `output_gate`).
+    attention_options: ClassVar[dict[str, Any]] = {}
 
     @classmethod
     def moe_layers_of(cls, cfg: dict) -> tuple[int, ...]:
@@ -134,4 +137,5 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
             kv_lora_rank=spec.kv_lora_rank, qk_nope_head_dim=spec.qk_nope_head_dim,
             qk_rope_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim, rotary=rotary,
             attention_bias=spec.attention_bias, dtype=dtype, indexer=indexer, topk_source=source,
+            **self.attention_options,
         )

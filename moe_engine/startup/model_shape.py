@@ -187,6 +187,8 @@ class ModelShape:
             r, ql, rope = self.kv_lora_rank, self.q_lora_rank, self.qk_rope_head_dim
             q_out = n * (self.qk_nope_head_dim + rope)
             q = ql * (h + 1 + q_out) if ql else h * q_out
+            if ql and self.attn_output_gate:  # q_gate_proj [2 ql -> n x (qk + v)] (A.X-K2)
+                q = ql * (h + 1) + 2 * ql * (q_out + n * self.v_head_dim)
             kv = h * (r + rope) + r + r * n * (self.qk_nope_head_dim + self.v_head_dim)
             bias = (ql or 0) + r + rope + h if self.attention_bias else 0
             return q + kv + n * self.v_head_dim * h + bias + self.indexer_params()

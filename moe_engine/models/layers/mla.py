@@ -77,9 +77,14 @@ class MLAAttention(KVCacheLayer):
         absorb: decode with weight absorption (default); False runs the expanded path for
             decode too (the reference for tests, and the baseline of bench/mla.py). Also
             settable on the instance.
+        output_gate: the query LoRA also yields a per-head output gate (A.X-K2's
+            `q_gate_proj`): one `q_gate_proj` [2 q_lora_rank -> n x (qk_head_dim + v)] over
+            [q_a_layernorm(q_a) | q_a] replaces q_b_proj, and the attention output is
+            multiplied by sigmoid(gate) (float32) before o_proj.
 
     Raises:
-        ValueError: a non-positive size, or rotary over other than qk_rope_head_dim dims.
+        ValueError: a non-positive size, rotary over other than qk_rope_head_dim dims, or an
+            output gate without a query LoRA.
     """
 
     def __init__(
@@ -98,6 +103,7 @@ class MLAAttention(KVCacheLayer):
         softmax_scale: float | None = None,
         dtype: torch.dtype = torch.float32,
         absorb: bool = True,
+        output_gate: bool = False,
     ) -> None:
         super().__init__()
         sizes = dict(hidden_size=hidden_size, num_heads=num_heads, kv_lora_rank=kv_lora_rank,
@@ -116,6 +122,9 @@ class MLAAttention(KVCacheLayer):
         self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
         self.v_head_dim = v_head_dim
         self.q_lora_rank = q_lora_rank
+        if output_gate and q_lora_rank is None:
+            raise ValueError("MLAAttention: an output gate needs q_lora_rank (a query LoRA)")
+        self.output_gate = output_gate
         q_out = num_heads * self.qk_head_dim
         kv_a_rows = kv_lora_rank + qk_rope_head_dim
         if q_lora_rank is None:
@@ -127,7 +136,11 @@ class MLAAttention(KVCacheLayer):
                 dtype=dtype,
             )
             self.q_a_layernorm = RMSNorm(q_lora_rank, norm_eps, dtype=dtype)
-            self.q_b_proj = Linear(q_lora_rank, q_out, bias=False, dtype=dtype)
+            if output_gate:
+                gate_out = num_heads * (self.qk_head_dim + v_head_dim)
+                self.q_gate_proj = Linear(2 * q_lora_rank, gate_out, bias=False, dtype=dtype)
+            else:
+                self.q_b_proj = Linear(q_lora_rank, q_out, bias=False, dtype=dtype)
             self._register_load_state_dict_pre_hook(_stack_qkv_a)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, norm_eps, dtype=dtype)
         self.kv_b_proj = Linear(
@@ -207,8 +220,8 @@ class MLAAttention(KVCacheLayer):
         block_size, kv_lora_rank + qk_rope_head_dim] latent tensor (written at the group's
         slot_mapping). Returns [T, H] in h's dtype."""
         meta = meta.for_group(self.kv_group)
-        q_nope, q_pe, _ = self.project_and_cache(h, positions, meta, kv_cache)
-        return self.attend_batches(h, q_nope, q_pe, kv_cache, meta)
+        q_nope, q_pe, _, gate = self.project_and_cache(h, positions, meta, kv_cache)
+        return self.attend_batches(h, q_nope, q_pe, kv_cache, meta, gate=gate)
 
     def project_and_cache(
         self,
@@ -216,23 +229,29 @@ class MLAAttention(KVCacheLayer):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The queries, with this step's latents written into `kv_cache` at
         `meta.slot_mapping` (`meta` the layer's group's).
 
         Returns:
-            q_nope [T, n, nope], q_pe [T, n, rope] (roped), and q_resid [T, q_lora_rank], the
-            normalised compressed query (q_a_layernorm's output; None without a query LoRA).
+            q_nope [T, n, nope], q_pe [T, n, rope] (roped); q_resid [T, q_lora_rank], the
+            normalised compressed query (q_a_layernorm's output; None without a query LoRA);
+            the output gate's logits [T, n x v] (None without `output_gate`).
         """
         t, n = h.shape[0], self.num_heads
-        q_resid = None
+        q_resid = gate = None
         if self.q_lora_rank is None:
             q, kv_a = self.q_proj(h), self.kv_a_proj_with_mqa(h)
         else:  # views of the one GEMM's output [T, q_lora_rank + r + rope], no copy
             q_a, kv_a = self.fused_qkv_a_proj(h).split([self.q_lora_rank, self.latent_dim], -1)
             q_resid = self.q_a_layernorm(q_a)
-            q = self.q_b_proj(q_resid)
-        q_nope, q_pe = q.view(t, n, self.qk_head_dim).split(
+            if self.output_gate:
+                qg = self.q_gate_proj(torch.cat([q_resid, q_a], dim=-1)).view(t, n, -1)
+                q, gate = qg.split([self.qk_head_dim, self.v_head_dim], dim=-1)
+                gate = gate.reshape(t, n * self.v_head_dim)
+            else:
+                q = self.q_b_proj(q_resid)
+        q_nope, q_pe = q.reshape(t, n, self.qk_head_dim).split(
             [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
         )
         if self.prologue is not None and kv_a.dtype == kv_cache.dtype:
@@ -248,7 +267,7 @@ class MLAAttention(KVCacheLayer):
             kv_cache.view(-1, self.latent_dim).index_copy_(
                 0, meta.slot_mapping, latent.to(kv_cache.dtype)
             )
-        return q_nope, q_pe, q_resid
+        return q_nope, q_pe, q_resid, gate
 
     def attend_batches(
         self,
@@ -257,22 +276,27 @@ class MLAAttention(KVCacheLayer):
         q_pe: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-        masks: list[torch.Tensor] | None = None,
+        masks: list[torch.Tensor | None] | None = None,
+        gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of every query batch of `meta` (the layer's group's), then o_proj ->
         [T, H]. `masks`: per batch, a bool mask that replaces the batch's causal one (a sparse
         selection, `layers/sparse_mla.py`): [B, 1, Lq, Lk] for a prefill batch, [B, 1, 1, Lk]
-        for a decode batch; None: causal."""
+        for a decode batch; None: causal. `gate`: [T, n x v] output-gate logits
+        (`project_and_cache`), the output times sigmoid(gate) before o_proj."""
         t, n = h.shape[0], self.num_heads
         masks = masks or [None] * len(meta.batches)
         if len(meta.batches) == 1 and (meta.batches[0].token_start, meta.batches[0].token_end) == (
             0, t
         ):  # one batch (a decode step): its output is the layer's, no copy into a buffer
-            return self.o_proj(self._attend(q_nope, q_pe, kv_cache, meta.batches[0], masks[0]))
-        out = h.new_empty(t, n * self.v_head_dim)
-        for batch, mask in zip(meta.batches, masks, strict=True):
-            rows = slice(batch.token_start, batch.token_end)
-            out[rows] = self._attend(q_nope[rows], q_pe[rows], kv_cache, batch, mask)
+            out = self._attend(q_nope, q_pe, kv_cache, meta.batches[0], masks[0])
+        else:
+            out = h.new_empty(t, n * self.v_head_dim)
+            for batch, mask in zip(meta.batches, masks, strict=True):
+                rows = slice(batch.token_start, batch.token_end)
+                out[rows] = self._attend(q_nope[rows], q_pe[rows], kv_cache, batch, mask)
+        if gate is not None:
+            out = (out * torch.sigmoid(gate.float())).to(out.dtype)
         return self.o_proj(out)
 
     def _attend(

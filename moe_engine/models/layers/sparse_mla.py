@@ -67,7 +67,7 @@ class SparseMLAAttention(MLAAttention):
         Returns [T, H] in h's dtype."""
         latent, index_keys = kv_cache
         meta = meta.for_group(self.kv_group)
-        q_nope, q_pe, q_resid = self.project_and_cache(h, positions, meta, latent)
+        q_nope, q_pe, q_resid, gate = self.project_and_cache(h, positions, meta, latent)
         key = ("index_topk", self.topk_source)
         if self.indexer is not None:
             q, weights = self.indexer(
@@ -77,4 +77,4 @@ class SparseMLAAttention(MLAAttention):
                 rows = slice(batch.token_start, batch.token_end)
                 batch.store(key, self.indexer.select(q[rows], weights[rows], index_keys, batch))
         masks = [batch.stored(key) for batch in meta.batches]
-        return self.attend_batches(h, q_nope, q_pe, latent, meta, masks)
+        return self.attend_batches(h, q_nope, q_pe, latent, meta, masks, gate)
