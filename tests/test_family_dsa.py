@@ -133,11 +133,16 @@ def test_deepseek_v32_ngram_drafts(deepseek_v32_ckpt):
 
 def test_deepseek_v32_triton_backend(deepseek_v32_ckpt):
     """The Triton kernels (interpreted on a CPU): fused MoE, the sigmoid router, the MLA
-    prologue and, while every row sees at most index_topk keys, the absorbed MLA decode."""
-    check_token_exact(
+    prologue, the indexer's scores (`triton_indexer`) and, while every row sees at most
+    index_topk keys, the absorbed MLA decode."""
+    from moe_engine.models.layers.indexer import LightningIndexer
+
+    llm = check_token_exact(
         deepseek_v32_ckpt, kernel_backend="triton", prompts=family_prompts(512, (1, 37)),
         max_new=4,
     )
+    indexers = [m for m in llm.engine.model.modules() if isinstance(m, LightningIndexer)]
+    assert indexers and all(m.scores_kernel is not None for m in indexers)
 
 
 def test_deepseek_v32_refuses_mtp_drafts(deepseek_v32_ckpt):
@@ -246,3 +251,33 @@ def test_the_indexer_keys_are_sized_in_the_cache_and_the_plan():
     assert shape.kv_elements_per_token() == 3 * (32 + 8 + 16)
     # wq_b [48 -> 8 x 16], wk [64 -> 16], k_norm 2 x 16, weights_proj [64 -> 8]
     assert shape.indexer_params() == 48 * 128 + 64 * 16 + 2 * 16 + 64 * 8
+
+
+def test_the_triton_indexer_scores_equal_the_torch_path():
+    """`kernels/attention/triton_indexer.indexer_scores` (interpreted) against the torch path's
+    scores over the same paged keys: a prefill batch of two rows (one continuing a cached
+    context), the same -inf pattern, float32 values within 1e-5, the same selection."""
+    from kernels.attention.triton_indexer import indexer_scores
+    from moe_engine.models.layers.attention import build_attention_batch
+    from moe_engine.models.layers.indexer import LightningIndexer
+
+    g = torch.Generator().manual_seed(5)
+    indexer = LightningIndexer(64, 48, 8, 16, 8, 8, False, torch.float32)
+    keys = torch.randn(9, 16, 16, generator=g)
+    tables = torch.tensor([[3, 1, 7, 0], [2, 5, 0, 0]])
+    batch = build_attention_batch(0, torch.tensor([21, 9]), torch.tensor([19, 0]), tables, 16)
+    n = 30
+    q, w = torch.randn(n, 8, 16, generator=g), torch.randn(n, 8, generator=g)
+    want = indexer._scores(q, w, keys, batch).masked_fill(~batch.mask[:, 0], float("-inf"))
+    got = indexer_scores(q, w, keys, tables, batch.tok_b, batch.q_pos[batch.tok_b, batch.tok_q],
+                         batch.seq_lens, batch.num_keys, indexer.softmax_scale)
+    want = want[batch.tok_b, batch.tok_q]
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-5)
+    rows = (batch.tok_b, batch.tok_q)  # the tokens' rows (padding rows attend nothing kept)
+    torch_path = indexer.select(q, w, keys, batch)[:, 0][rows]
+    indexer.scores_kernel = indexer_scores
+    assert torch.equal(indexer.select(q, w, keys, batch)[:, 0][rows], torch_path)
+    assert (torch_path.sum(-1) == batch.seq_lens[batch.tok_b].clamp(max=8).minimum(
+        batch.q_pos[rows] + 1)).all()

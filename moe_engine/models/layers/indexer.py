@@ -24,10 +24,13 @@ keys than transformers does. Every other selection is the same set.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.plan import KernelPlan
 from moe_engine.models.layers.attention import AttentionBatch
 from moe_engine.models.layers.linear import Linear
 from moe_engine.models.layers.rotary import RotaryEmbedding, apply_rotary
@@ -85,6 +88,12 @@ class LightningIndexer(nn.Module):
         self.k_norm = nn.LayerNorm(head_dim, eps=1e-6, dtype=dtype)
         self.weights_proj = Linear(hidden_size, num_heads, bias=False, dtype=dtype)
         self.softmax_scale = head_dim**-0.5
+        #: The registry's paged scoring kernel (`KernelPlan.indexer_scores`), None: torch.
+        self.scores_kernel: Callable[..., torch.Tensor] | None = None
+
+    def bind_kernels(self, plan: KernelPlan) -> None:
+        """Take the registry's indexer scoring kernel (Triton where the MLA decode is)."""
+        self.scores_kernel = plan.indexer_scores()
 
     def forward(
         self,
@@ -134,11 +143,33 @@ class LightningIndexer(nn.Module):
 
         Returns:
             [B, 1, Lq, nb * block_size] bool, True where the query attends the key (visible
-            and among its `index_topk` best); None when no row has more than index_topk keys
-            (every visible key is kept: the causal mask).
+            and among its `index_topk` best); None when no row can have more than index_topk
+            keys (every visible key is kept: the causal mask; decided from the gathered width,
+            a host int, so no device sync).
         """
-        if int(batch.seq_lens.max()) <= self.index_topk:
+        if batch.num_keys <= self.index_topk:
             return None
+        visible = batch.mask[:, 0]  # [B, Lq, Lk]
+        if self.scores_kernel is None:
+            index = self._scores(q, weights, key_cache, batch)
+        else:  # reads the keys in place through the block tables
+            index = torch.full(visible.shape, float("-inf"), device=visible.device)
+            index[batch.tok_b, batch.tok_q] = self.scores_kernel(
+                q, weights, key_cache, batch.block_tables, batch.tok_b,
+                batch.q_pos[batch.tok_b, batch.tok_q], batch.seq_lens, visible.shape[-1],
+                self.softmax_scale,
+            )  # fmt: skip
+        index.masked_fill_(~visible, float("-inf"))
+        top = index.topk(min(self.index_topk, visible.shape[-1]), dim=-1).indices
+        chosen = torch.zeros_like(visible).scatter_(-1, top, True)
+        return (chosen & visible).unsqueeze(1)
+
+    def _scores(
+        self, q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor,
+        batch: AttentionBatch,
+    ) -> torch.Tensor:
+        """The torch reference of the scores: [B, Lq, nb * block_size] float32 over the
+        gathered keys (transformers' two matmuls, a few query rows at a time)."""
         b, heads, d = batch.seq_lens.shape[0], self.num_heads, self.head_dim
         keys = key_cache.view(key_cache.shape[0], -1).index_select(0, batch.block_ids)
         keys_t = keys.view(b, -1, d).float().transpose(1, 2).unsqueeze(1)  # [B, 1, d, Lk]
@@ -146,14 +177,10 @@ class LightningIndexer(nn.Module):
         q_pad[batch.tok_b, batch.tok_q] = q.float()
         w_pad = weights.new_zeros(b, batch.max_q, 1, heads)
         w_pad[batch.tok_b, batch.tok_q, 0] = weights
-        visible = batch.mask[:, 0]  # [B, Lq, Lk]
-        lk = visible.shape[-1]
+        lk = keys_t.shape[-1]
         step = max(1, SCORE_BUDGET_BYTES // (4 * b * heads * lk))
-        index = torch.empty(visible.shape, dtype=torch.float32, device=visible.device)
+        index = torch.empty(b, batch.max_q, lk, dtype=torch.float32, device=q.device)
         for r in range(0, batch.max_q, step):
             scores = F.relu(torch.matmul(q_pad[:, r : r + step], keys_t) * self.softmax_scale)
             index[:, r : r + step] = torch.matmul(w_pad[:, r : r + step], scores).squeeze(-2)
-        index.masked_fill_(~visible, float("-inf"))
-        top = index.topk(min(self.index_topk, lk), dim=-1).indices
-        chosen = torch.zeros_like(visible).scatter_(-1, top, True)
-        return (chosen & visible).unsqueeze(1)
+        return index
