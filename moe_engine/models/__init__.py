@@ -35,7 +35,19 @@ ARCHITECTURES: dict[str, str] = {
 }
 
 #: Architectures refused with their reason rather than as merely unknown.
-REFUSED_ARCHITECTURES: dict[str, str] = {}
+REFUSED_ARCHITECTURES: dict[str, str] = {
+    "DeepseekV4ForCausalLM": (
+        "DeepSeek-V4 is not supported: its hyper-connections (hc_mult={hc_mult} residual "
+        "streams mixed around every layer), compressed sparse attention (HCA / CSA compressors "
+        "with their own compressed-KV caches beside a sliding window) and hash routing are not "
+        "implemented (this engine has DeepSeek Sparse Attention over uncompressed MLA only)"
+    ),
+    "HYV4ForCausalLM": (
+        "Hunyuan-V4 is not supported: its hyper-connections (DeepSeek-V4's hc_mult={hc_mult} "
+        "residual streams mixed around every layer) are not implemented, nor attention sinks "
+        "on sparse MLA"
+    ),
+}
 
 
 def architecture_class(name: str) -> type[MoeCausalLM]:
