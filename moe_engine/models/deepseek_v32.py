@@ -93,12 +93,15 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
         """V3's fields plus the indexer's heads and width.
 
         Raises:
-            ValueError: a missing index field or q_lora_rank, or index_head_dim below
-                qk_rope_head_dim.
+            ValueError: a missing index field or q_lora_rank, index_n_heads or index_topk
+                below 1, or index_head_dim below qk_rope_head_dim.
         """
         fields = super().shape_fields(cfg)
         heads, width = required_int(cfg, "index_n_heads"), required_int(cfg, "index_head_dim")
-        required_int(cfg, "index_topk")
+        topk = required_int(cfg, "index_topk")
+        for key, value in (("index_n_heads", heads), ("index_topk", topk)):
+            if value < 1:
+                raise ValueError(f"config.json: {key} {value} must be >= 1")
         if not fields.get("q_lora_rank"):
             raise ValueError(
                 f"config.json: q_lora_rank {cfg.get('q_lora_rank')!r}: {cls.__name__}'s "
