@@ -241,6 +241,7 @@ def test_the_indexer_selects_what_transformers_selects(deepseek_v32_ckpt):
 def test_the_indexer_keys_are_sized_in_the_cache_and_the_plan():
     from moe_engine.kv_cache.spec import MLAAttentionSpec
     from moe_engine.models import model_shape
+    from moe_engine.startup.plan import make_plan
 
     spec = MLAAttentionSpec.make(16, 32, 8, torch.bfloat16, 3, index_head_dim=16)
     assert spec.bytes_per_token == 3 * (32 + 8 + 16) * 2
@@ -251,6 +252,11 @@ def test_the_indexer_keys_are_sized_in_the_cache_and_the_plan():
     assert shape.kv_elements_per_token() == 3 * (32 + 8 + 16)
     # wq_b [48 -> 8 x 16], wk [64 -> 16], k_norm 2 x 16, weights_proj [64 -> 8]
     assert shape.indexer_params() == 48 * 128 + 64 * 16 + 2 * 16 + 64 * 8
+    plan = make_plan(shape, torch.bfloat16, block_size=16, max_model_len=256,
+                     kv_cache_memory=None, num_blocks_override=64)
+    assert plan.kv_specs[0].bytes_per_block == 16 * 3 * (32 + 8 + 16) * 2
+    assert "MLA latent + indexer keys, 3 layers" in plan.group_lines()[0]
+    assert "+ indexer keys 16 x 3 layers" in plan.describe()
 
 
 def test_the_triton_indexer_scores_equal_the_torch_path():
