@@ -150,6 +150,8 @@ class Plan:
             )
             if spec.kind == MLA_ATTENTION:
                 kind = "MLA latent + indexer keys" if spec.index_head_dim else "MLA latent"
+            if spec.attention_chunk_size is not None:
+                kind = f"chunked attention {spec.attention_chunk_size}"
             held = spec.max_blocks_held(n, self.max_num_batched_tokens)
             lines.append(
                 f"KV group {g}: {kind}, {spec.num_layers} layers, "
