@@ -54,14 +54,23 @@ ARCHITECTURES: dict[str, str] = {
     "LongcatFlashForCausalLM": "moe_engine.models.longcat_flash",
     "Mistral4ForCausalLM": "moe_engine.models.mistral4",
     "AXK1ForCausalLM": "moe_engine.models.axk1",
+    "DeepseekV32ForCausalLM": "moe_engine.models.deepseek_v32",
+    "GlmMoeDsaForCausalLM": "moe_engine.models.glm_moe_dsa",
+    "AXK2ForCausalLM": "moe_engine.models.axk2",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.
 REFUSED_ARCHITECTURES: dict[str, str] = {
-    "DeepseekV32ForCausalLM": (
-        "DeepSeek Sparse Attention (DeepSeek-V3.2's lightning indexer, which attends to "
-        "index_topk={index_topk} keys per query) is not supported: this engine implements "
-        "dense MLA only"
+    "DeepseekV4ForCausalLM": (
+        "DeepSeek-V4 is not supported: its hyper-connections (hc_mult={hc_mult} residual "
+        "streams mixed around every layer), compressed sparse attention (HCA / CSA compressors "
+        "with their own compressed-KV caches beside a sliding window) and hash routing are not "
+        "implemented (this engine has DeepSeek Sparse Attention over uncompressed MLA only)"
+    ),
+    "HYV4ForCausalLM": (
+        "Hunyuan-V4 is not supported: its hyper-connections (DeepSeek-V4's hc_mult={hc_mult} "
+        "residual streams mixed around every layer) are not implemented, nor attention sinks "
+        "on sparse MLA"
     ),
     "ZayaForCausalLM": (
         "ZAYA's Compressed Convolutional Attention is not implemented: its q/k pass through a "

@@ -66,6 +66,9 @@ class ModelShape:
             dtype (transformers' `_keep_in_fp32_modules_strict`: GLM-4.5, DeepSeek-V3).
         attn_output_gate: q_proj also yields a per-head gate, the attention output times
             sigmoid(gate) (Qwen3-Next's gated attention: q_proj [H -> 2 x heads x D]).
+        index_n_heads, index_head_dim: DeepSeek Sparse Attention's lightning indexer in every
+            MLA layer (DeepSeek-V3.2, GLM-5): its query heads and their width, which is also
+            the width of the indexer key each token leaves in the cache; 0 without one.
         linear_num_key_heads, linear_num_value_heads, linear_key_head_dim,
         linear_value_head_dim, linear_conv_kernel_dim: the Gated DeltaNet layers (layer_types
             "linear_attention"; Qwen3-Next): q/k heads Hk of Dk dims, value heads Hv of Dv,
@@ -110,6 +113,8 @@ class ModelShape:
     router_correction_bias: bool = False
     router_float32: bool = False
     attn_output_gate: bool = False
+    index_n_heads: int = 0
+    index_head_dim: int = 0
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
@@ -194,9 +199,11 @@ class ModelShape:
             r, ql, rope = self.kv_lora_rank, self.q_lora_rank, self.qk_rope_head_dim
             q_out = n * (self.qk_nope_head_dim + rope)
             q = ql * (h + 1 + q_out) if ql else h * q_out
+            if ql and self.attn_output_gate:  # q_gate_proj [2 ql -> n x (qk + v)] (A.X-K2)
+                q = ql * (h + 1) + 2 * ql * (q_out + n * self.v_head_dim)
             kv = h * (r + rope) + r + r * n * (self.qk_nope_head_dim + self.v_head_dim)
             bias = (ql or 0) + r + rope + h if self.attention_bias else 0
-            return q + kv + n * self.v_head_dim * h + bias
+            return q + kv + n * self.v_head_dim * h + bias + self.indexer_params()
         q, kv = n * self.head_dim, self.num_kv_heads * self.head_dim
         attention = 2 * h * q + 2 * h * kv + (h * q if self.attn_output_gate else 0)
         if self.attention_bias:
@@ -208,6 +215,15 @@ class ModelShape:
         if self.attention_sinks:
             attention += n
         return attention
+
+    def indexer_params(self) -> int:
+        """Parameters of one layer's lightning indexer (transformers `DeepseekV32Indexer`):
+        wq_b [q_lora_rank -> heads x d], wk [H -> d], k_norm (LayerNorm) [d] x 2,
+        weights_proj [H -> heads]; 0 without one."""
+        heads, d = self.index_n_heads, self.index_head_dim
+        if not d:
+            return 0
+        return (self.q_lora_rank or 0) * heads * d + self.hidden_size * (d + heads) + 2 * d
 
     def linear_attention_layers(self) -> tuple[int, ...]:
         """Indices of the Gated DeltaNet layers (`layer_types` "linear_attention")."""
@@ -236,10 +252,13 @@ class ModelShape:
 
     def kv_elements_per_token(self) -> int:
         """Values one token leaves in the cache over all attention layers: 2 x L x kv_heads x d
-        (K and V), or L x (kv_lora_rank + qk_rope_head_dim) for MLA (the latent only); linear
-        layers keep a fixed state instead (`linear_state_shapes`)."""
+        (K and V), or L x (kv_lora_rank + qk_rope_head_dim + index_head_dim) for MLA (the
+        latent and any indexer key); linear layers keep a fixed state instead
+        (`linear_state_shapes`)."""
         if self.kv_lora_rank:
-            return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim)
+            return self.num_layers * (
+                self.kv_lora_rank + self.qk_rope_head_dim + self.index_head_dim
+            )
         layers = self.num_layers - len(self.linear_attention_layers())
         return 2 * layers * self.num_kv_heads * self.head_dim
 

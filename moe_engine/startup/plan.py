@@ -148,7 +148,8 @@ class Plan:
             kind = "full attention" if spec.sliding_window is None else (
                 f"sliding window {spec.sliding_window}"
             )
-            kind = "MLA latent" if spec.kind == MLA_ATTENTION else kind
+            if spec.kind == MLA_ATTENTION:
+                kind = "MLA latent + indexer keys" if spec.index_head_dim else "MLA latent"
             if spec.attention_chunk_size is not None:
                 kind = f"chunked attention {spec.attention_chunk_size}"
             held = spec.max_blocks_held(n, self.max_num_batched_tokens)
@@ -224,7 +225,8 @@ class Plan:
         s = self.shape
         if not s.kv_lora_rank:
             return ""
-        return f" (MLA latent {s.kv_lora_rank + s.qk_rope_head_dim} x {s.num_layers} layers)"
+        keys = f" + indexer keys {s.index_head_dim}" if s.index_head_dim else ""
+        return f" (MLA latent {s.kv_lora_rank + s.qk_rope_head_dim}{keys} x {s.num_layers} layers)"
 
     def check(self, max_model_len: int | None = None) -> None:
         """Refuse a configuration in which one request of `max_model_len` tokens cannot run.
@@ -380,6 +382,7 @@ def make_plan(
         dtype=dtype,
         kv_lora_rank=shape.kv_lora_rank,
         qk_rope_head_dim=shape.qk_rope_head_dim,
+        index_head_dim=shape.index_head_dim,
     )
     kv_specs = tuple(g.spec for g in kv_groups)
     state_slots, state_bytes, state_memory = _state_budget(shape, dtype, max_num_seqs)

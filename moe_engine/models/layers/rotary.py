@@ -316,6 +316,15 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
+) -> torch.Tensor:
+    """x [..., d] rotated by cos, sin (broadcastable to x; a `RotaryEmbedding`'s table rows):
+    rotate-half pairs (transformers `apply_rotary_pos_emb`), or with `interleaved` the pairs
+    (x_2i, x_2i+1), de-interleaved first (`apply_rotary_pos_emb_interleave`)."""
+    return _rotate(deinterleave(x) if interleaved else x, cos, sin)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
