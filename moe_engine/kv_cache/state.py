@@ -15,6 +15,7 @@ layers never reuses another request's KV blocks (no prefix-cache hits).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,15 +33,17 @@ class MambaSpec:
     Attributes:
         layers: the decoder-layer indices of the linear layers.
         conv_shape: (C, W - 1), the conv state (the last W - 1 conv inputs, oldest first).
-        ssm_shape: (Hv, Dk, Dv), the recurrent state (per value head a Dk x Dv matrix).
+        ssm_shape: the recurrent state: (Hv, Dk, Dv) for Gated DeltaNet (per value head a
+            Dk x Dv matrix), (heads, head_dim, d_state) for Mamba-2, (intermediate, d_state)
+            for Mamba-1; any number of dims.
         conv_dtype: the conv state's dtype (the model's).
         ssm_dtype: the recurrent state's dtype, float32 by default as SGLang keeps it (a
             bfloat16 state rounds every decode step's update).
     """
 
     layers: tuple[int, ...]
-    conv_shape: tuple[int, int]
-    ssm_shape: tuple[int, int, int]
+    conv_shape: tuple[int, ...]
+    ssm_shape: tuple[int, ...]
     conv_dtype: torch.dtype
     ssm_dtype: torch.dtype = torch.float32
 
@@ -52,9 +55,8 @@ class MambaSpec:
     @property
     def bytes_per_layer(self) -> int:
         """One request's state in one layer (bytes)."""
-        conv = self.conv_shape[0] * self.conv_shape[1] * self.conv_dtype.itemsize
-        hv, dk, dv = self.ssm_shape
-        return conv + hv * dk * dv * self.ssm_dtype.itemsize
+        conv = math.prod(self.conv_shape) * self.conv_dtype.itemsize
+        return conv + math.prod(self.ssm_shape) * self.ssm_dtype.itemsize
 
     @property
     def bytes_per_request(self) -> int:
@@ -64,8 +66,8 @@ class MambaSpec:
     def allocate(
         self, num_slots: int, device: torch.device | str = "cpu"
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per linear layer, its zeroed (conv [num_slots + 1, C, W - 1], recurrent
-        [num_slots + 1, Hv, Dk, Dv]) tensors; row 0 is the null slot."""
+        """Per linear layer, its zeroed (conv [num_slots + 1, *conv_shape], recurrent
+        [num_slots + 1, *ssm_shape]) tensors; row 0 is the null slot."""
         return [
             (
                 torch.zeros(num_slots + 1, *self.conv_shape, dtype=self.conv_dtype, device=device),
