@@ -35,6 +35,15 @@ GRANITE = dict(
 GRANITE_DRAWN = ("conv1d.bias", "mamba.D", "dt_bias", "mamba.norm.weight", "layernorm.weight",
                  "model.norm.weight")
 
+#: Jamba: attention at layers 1, 3 (period 2, offset 1), MoE at 0 and 3 (period 3): Mamba + MoE,
+#: attention + dense, Mamba + dense, attention + MoE; dt rank 8, state 8.
+JAMBA = dict(
+    num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=3,
+    expert_layer_offset=0, num_experts=8, intermediate_size=32, mamba_d_state=8,
+    mamba_dt_rank=8, mamba_expand=2,
+)
+JAMBA_DRAWN = ("conv1d.bias", "mamba.D", "dt_proj.bias", "layernorm.weight")
+
 
 @pytest.fixture(scope="module")
 def granite_ckpt(tmp_path_factory):
@@ -56,3 +65,17 @@ def _refuses_prefix_caching(ckpt, layers: str) -> None:
 
 def test_granitemoehybrid_refuses_prefix_caching(granite_ckpt):
     _refuses_prefix_caching(granite_ckpt, "2 of its 4 layers are linear attention (Mamba-2)")
+
+
+@pytest.fixture(scope="module")
+def jamba_ckpt(tmp_path_factory):
+    return make_family_checkpoint("jamba", JAMBA, tmp_path_factory.mktemp("jamba"),
+                                  drawn=JAMBA_DRAWN)
+
+
+def test_jamba_token_exact(jamba_ckpt):
+    check_token_exact(jamba_ckpt)
+
+
+def test_jamba_refuses_prefix_caching(jamba_ckpt):
+    _refuses_prefix_caching(jamba_ckpt, "2 of its 4 layers are linear attention (Mamba)")

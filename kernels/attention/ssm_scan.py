@@ -65,7 +65,7 @@ def _ssd_chunk(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tens
     is exp(sum of dt A over s+1..l), summed as transformers' `segment_sum` does."""
     length = x.shape[0]
     da = dt * a  # [L, Hh], <= 0
-    seg = da.t()[:, None, :].expand(-1, length, -1)  # [Hh, l, s] = da at s
+    seg = da.t()[:, :, None].expand(-1, -1, length)  # [Hh, l, s] = da at l
     seg = seg.masked_fill(~torch.ones(length, length, dtype=torch.bool).tril(-1), 0).cumsum(-2)
     seg = seg.masked_fill(~torch.ones(length, length, dtype=torch.bool).tril(0), float("-inf"))
     decay = seg.exp()  # [Hh, l, s]

@@ -30,6 +30,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3NextForCausalLM": "moe_engine.models.qwen3_next",
     "Qwen3_5MoeForCausalLM": "moe_engine.models.qwen3_next",
     "GraniteMoeHybridForCausalLM": "moe_engine.models.granitemoehybrid",
+    "JambaForCausalLM": "moe_engine.models.jamba",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.
