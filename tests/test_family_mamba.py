@@ -15,10 +15,28 @@ import os
 
 import pytest
 import torch
-from family_check import check_ep_token_exact, check_token_exact, make_family_checkpoint
+from family_check import (
+    check_ep_token_exact,
+    check_token_exact,
+    family_prompts,
+    make_family_checkpoint,
+)
+from fixtures import dequantized_experts_copy, hf_greedy
 
+from kernels.attention.ssm_scan import (
+    mamba2_chunk_scan,
+    mamba2_state_update,
+    selective_scan,
+    selective_state_update,
+    softplus_dt,
+)
 from moe_engine import LLM
 from moe_engine.errors import StartupError
+from moe_engine.models import model_shape
+from moe_engine.startup.plan import make_plan
+
+EP_ALL = pytest.mark.skipif(os.environ.get("MOE_ENGINE_FAMILY_EP") != "all",
+                            reason="ep 2 of every family: MOE_ENGINE_FAMILY_EP=all")
 
 #: Granite-4.0-H: Mamba, attention, Mamba, attention (rope), 8 experts + shared MLP, 2 groups
 #: of B/C over 8 heads, chunk 16 in transformers (its prefill scan blocks), multipliers != 1.
@@ -67,6 +85,18 @@ def test_granitemoehybrid_refuses_prefix_caching(granite_ckpt):
     _refuses_prefix_caching(granite_ckpt, "2 of its 4 layers are linear attention (Mamba-2)")
 
 
+def test_granitemoehybrid_ep2(granite_ckpt):
+    """Two expert-parallel ranks, each with its own requests' Mamba state slots."""
+    check_ep_token_exact(granite_ckpt, 2)
+
+
+def test_granitemoehybrid_triton_backend(granite_ckpt):
+    """The Triton backend (under the interpreter): fused MoE and paged attention kernels, the
+    Mamba layers' torch scans beside them."""
+    check_token_exact(granite_ckpt, kernel_backend="triton", max_new=4,
+                      prompts=family_prompts(512, (1, 37)))
+
+
 @pytest.fixture(scope="module")
 def jamba_ckpt(tmp_path_factory):
     return make_family_checkpoint("jamba", JAMBA, tmp_path_factory.mktemp("jamba"),
@@ -79,3 +109,66 @@ def test_jamba_token_exact(jamba_ckpt):
 
 def test_jamba_refuses_prefix_caching(jamba_ckpt):
     _refuses_prefix_caching(jamba_ckpt, "2 of its 4 layers are linear attention (Mamba)")
+
+
+def test_jamba_int4_experts(jamba_ckpt, tmp_path):
+    """4-bit experts (int4, group 32) against transformers on the dequantized copy."""
+    ref = dequantized_experts_copy(jamba_ckpt, tmp_path, "int4", 32)
+    prompts = family_prompts(512, (5, 37))
+    check_token_exact(jamba_ckpt, prompts=prompts, expected=hf_greedy(ref, prompts, 8),
+                      quantization="int4", quant_group_size=32)
+
+
+@EP_ALL
+def test_jamba_ep2(jamba_ckpt):
+    check_ep_token_exact(jamba_ckpt, 2)
+
+
+def test_state_sizes_in_the_startup_plan(granite_ckpt, jamba_ckpt):
+    """The plan sizes the Mamba states per request: Mamba-2 conv [I + 2GN, W - 1] in the
+    model dtype + [Hh, P, N] float32 per layer; Mamba-1 conv [I, W - 1] + [I, N]."""
+    import json
+
+    for ckpt, layers, conv, ssm in ((granite_ckpt, 2, (128 + 2 * 2 * 16, 3), (8, 16, 16)),
+                                    (jamba_ckpt, 2, (128, 3), (128, 8))):
+        shape = model_shape(json.loads((ckpt / "config.json").read_text()))
+        assert shape.linear_state_shapes() == (conv, ssm)
+        per_request = layers * (conv[0] * conv[1] * 2 + torch.tensor(ssm).prod().item() * 4)
+        plan = make_plan(shape, torch.bfloat16, block_size=16, max_model_len=256,
+                         kv_cache_memory=1 << 22, max_num_seqs=4)
+        assert plan.state_bytes_per_request == per_request and plan.num_state_slots == 4
+
+
+def test_scans_carry_their_state_across_chunks():
+    """A prompt split at any points (chunked prefill) then decoded token by token gives the
+    one-pass scan's outputs and final state, for both scans."""
+    g = torch.Generator().manual_seed(0)
+    t, heads, p, groups, n = 29, 4, 8, 2, 6
+    x, dt = torch.randn(t, heads, p, generator=g), torch.randn(t, heads, generator=g)
+    b, c = torch.randn(t, groups, n, generator=g), torch.randn(t, groups, n, generator=g)
+    a, d = -torch.rand(heads, generator=g), torch.randn(heads, generator=g)
+    bias = torch.randn(heads, generator=g)
+    dt = softplus_dt(dt, bias)
+    whole, final = mamba2_chunk_scan(x, dt, a, b, c, d, torch.zeros(heads, p, n), 8)
+    state, parts = torch.zeros(heads, p, n), []
+    for lo, hi in ((0, 5), (5, 22), (22, 26)):
+        y, state = mamba2_chunk_scan(x[lo:hi], dt[lo:hi], a, b[lo:hi], c[lo:hi], d, state, 4)
+        parts.append(y)
+    state = state[None].clone()
+    for i in range(26, t):
+        parts.append(mamba2_state_update(x[i:i + 1], dt[i:i + 1], a, b[i:i + 1], c[i:i + 1], d,
+                                         state))
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state[0], final, rtol=1e-4, atol=1e-4)
+    inter = 12
+    x1, dt1 = torch.randn(t, inter, generator=g), softplus_dt(torch.randn(t, inter), torch.zeros(1))
+    a1, b1, c1 = -torch.rand(inter, n, generator=g), torch.randn(t, n), torch.randn(t, n)
+    d1 = torch.randn(inter)
+    whole, final = selective_scan(x1, dt1, a1, b1, c1, d1, torch.zeros(inter, n))
+    y, state = selective_scan(x1[:20], dt1[:20], a1, b1[:20], c1[:20], d1, torch.zeros(inter, n))
+    state, parts = state[None].clone(), [y]
+    for i in range(20, t):
+        parts.append(selective_state_update(x1[i:i + 1], dt1[i:i + 1], a1, b1[i:i + 1],
+                                            c1[i:i + 1], d1, state))
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state[0], final, rtol=1e-5, atol=1e-5)
