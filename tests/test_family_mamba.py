@@ -17,6 +17,7 @@ import pytest
 import torch
 from family_check import (
     check_ep_token_exact,
+    check_prefix_cache,
     check_token_exact,
     family_prompts,
     make_family_checkpoint,
@@ -172,3 +173,34 @@ def test_scans_carry_their_state_across_chunks():
                                             c1[i:i + 1], d1, state))
     torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state[0], final, rtol=1e-5, atol=1e-5)
+
+
+#: GraniteMoE-SWA: full, sliding (NoPE), sliding (rope base 500), sliding; window 24 < the
+#: 37/70-token prompts; sinks drawn; shared MLP; multipliers != 1.
+GRANITE_SWA = dict(
+    num_hidden_layers=4, num_local_experts=8, intermediate_size=32, shared_intermediate_size=48,
+    sliding_window=24, layer_rope_theta=[10000.0, 0, 500.0, 10000.0],
+    embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
+    logits_scaling=2.0,
+)
+
+
+@pytest.fixture(scope="module")
+def granite_swa_ckpt(tmp_path_factory):
+    return make_family_checkpoint("granitemoe_swa", GRANITE_SWA,
+                                  tmp_path_factory.mktemp("granite_swa"),
+                                  drawn=("sinks", "layernorm.weight", "model.norm.weight"))
+
+
+def test_granitemoe_swa_token_exact(granite_swa_ckpt):
+    check_token_exact(granite_swa_ckpt)
+
+
+def test_granitemoe_swa_prefix_cache(granite_swa_ckpt):
+    """No state layers: prefix caching applies (sliding groups hit on their window)."""
+    check_prefix_cache(granite_swa_ckpt)
+
+
+@EP_ALL
+def test_granitemoe_swa_ep2(granite_swa_ckpt):
+    check_ep_token_exact(granite_swa_ckpt, 2)

@@ -31,6 +31,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3_5MoeForCausalLM": "moe_engine.models.qwen3_next",
     "GraniteMoeHybridForCausalLM": "moe_engine.models.granitemoehybrid",
     "JambaForCausalLM": "moe_engine.models.jamba",
+    "GraniteMoeSWAForCausalLM": "moe_engine.models.granitemoehybrid",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.
