@@ -204,3 +204,16 @@ def test_granitemoe_swa_prefix_cache(granite_swa_ckpt):
 @EP_ALL
 def test_granitemoe_swa_ep2(granite_swa_ckpt):
     check_ep_token_exact(granite_swa_ckpt, 2)
+
+
+def test_nemotron_h_refused_naming_what_it_lacks():
+    """Nemotron-H stays refused at startup, naming the missing pieces (relu^2 experts, blocks
+    without a cache), never served wrongly."""
+    from moe_engine.models import resolve_config_dict
+
+    cfg = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+           "layers_block_type": ["linear_attention", "full_attention", "moe"]}
+    with pytest.raises(StartupError) as err:
+        resolve_config_dict(cfg)
+    text = str(err.value)
+    assert "non-gated relu^2 experts" in text and "'moe'" in text, text
