@@ -362,6 +362,8 @@ def fallbacks(op: str, backend: str) -> tuple[str, ...]:
 #: The per-call routes of the triton backend's small ops (kernels/dense/triton_norm.py,
 #: triton_rope.py, kernels/attention/triton_mla_prologue.py).
 _TRITON_FALLBACKS = {
+    "fused_moe": ("non-gated (relu^2) experts, Nemotron-H's: the torch expert path (the "
+                  "Triton fused MoE kernel computes SwiGLU only)",),
     "rms_norm": ("norms other than RMSNorm (Qwen3-Next's zero-centred and gated ones), inputs "
                  "of more than 3 dimensions or another dtype than the weight's (the fused add: "
                  "a residual of another dtype or shape): torch",),

@@ -86,6 +86,7 @@ def test_granitemoehybrid_refuses_prefix_caching(granite_ckpt):
     _refuses_prefix_caching(granite_ckpt, "2 of its 4 layers are linear attention (Mamba-2)")
 
 
+@EP_ALL
 def test_granitemoehybrid_ep2(granite_ckpt):
     """Two expert-parallel ranks, each with its own requests' Mamba state slots."""
     check_ep_token_exact(granite_ckpt, 2)
@@ -206,14 +207,37 @@ def test_granitemoe_swa_ep2(granite_swa_ckpt):
     check_ep_token_exact(granite_swa_ckpt, 2)
 
 
-def test_nemotron_h_refused_naming_what_it_lacks():
-    """Nemotron-H stays refused at startup, naming the missing pieces (relu^2 experts, blocks
-    without a cache), never served wrongly."""
-    from moe_engine.models import resolve_config_dict
+#: Nemotron-H blocks: an MLP block before the first mixer (joins engine layer 0), Mamba, MoE,
+#: attention, MLP, Mamba, MoE: engine layers [-, M, E], [*, -], [M, E]; 8 experts in 2 groups
+#: (top-1 group), sigmoid routing with a drawn correction bias, scaling 2.5, relu^2 experts.
+NEMOTRON_H = dict(
+    layers_block_type=["mlp", "linear_attention", "moe", "full_attention", "mlp",
+                       "linear_attention", "moe"],
+    n_routed_experts=8, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+    intermediate_size=40, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+    mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, chunk_size=16,
+    time_step_min=0.001, num_hidden_layers=None,
+)
+NEMOTRON_DRAWN = ("conv1d.bias", "mixer.D", "dt_bias", "mixer.norm.weight",
+                  "e_score_correction_bias",
+                  ".norm.weight", "norm_f.weight")
 
-    cfg = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
-           "layers_block_type": ["linear_attention", "full_attention", "moe"]}
-    with pytest.raises(StartupError) as err:
-        resolve_config_dict(cfg)
-    text = str(err.value)
-    assert "non-gated relu^2 experts" in text and "'moe'" in text, text
+
+@pytest.fixture(scope="module")
+def nemotron_ckpt(tmp_path_factory):
+    return make_family_checkpoint("nemotron_h", NEMOTRON_H, tmp_path_factory.mktemp("nemotron"),
+                                  drawn=NEMOTRON_DRAWN)
+
+
+def test_nemotron_h_token_exact(nemotron_ckpt):
+    check_token_exact(nemotron_ckpt)
+
+
+def test_nemotron_h_refuses_prefix_caching(nemotron_ckpt):
+    _refuses_prefix_caching(nemotron_ckpt, "2 of its 3 layers are linear attention (Mamba-2)")
+
+
+def test_nemotron_h_ep2(nemotron_ckpt):
+    """Two expert-parallel ranks: the relu^2 experts split, sigmoid routing, state slots per
+    rank."""
+    check_ep_token_exact(nemotron_ckpt, 2)

@@ -32,18 +32,11 @@ ARCHITECTURES: dict[str, str] = {
     "GraniteMoeHybridForCausalLM": "moe_engine.models.granitemoehybrid",
     "JambaForCausalLM": "moe_engine.models.jamba",
     "GraniteMoeSWAForCausalLM": "moe_engine.models.granitemoehybrid",
+    "NemotronHForCausalLM": "moe_engine.models.nemotron_h",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.
 REFUSED_ARCHITECTURES: dict[str, str] = {
-    "NemotronHForCausalLM": (
-        "Nemotron-H's MoE blocks use non-gated relu^2 experts (up_proj -> relu^2 -> "
-        "down_proj, no gate), which the fused MoE kernels (native CPU, Triton) do not "
-        "implement (they compute SwiGLU), and its layers_block_type "
-        "{layers_block_type} has MLP/MoE-only blocks ('mlp', 'moe') holding neither KV "
-        "cache nor state, which the runner's per-layer cache assignment does not allow; its "
-        "Mamba-2 layers themselves are implemented (models/layers/mamba2.py)"
-    ),
     "DeepseekV32ForCausalLM": (
         "DeepSeek Sparse Attention (DeepSeek-V3.2's lightning indexer, which attends to "
         "index_topk={index_topk} keys per query) is not supported: this engine implements "

@@ -34,7 +34,8 @@ class HybridDecoderLayer(nn.Module):
                  input_layernorm: nn.Module, post_norm_name: str, post_norm: nn.Module,
                  residual_multiplier: float = 1.0) -> None:
         super().__init__()
-        self.mixer_name, self.ffn_names, self.post_norm_name = mixer_name, list(ffns), post_norm_name
+        self.mixer_name, self.ffn_names = mixer_name, list(ffns)
+        self.post_norm_name = post_norm_name
         self.add_module(mixer_name, mixer)
         self.input_layernorm = input_layernorm
         self.add_module(post_norm_name, post_norm)
@@ -71,3 +72,52 @@ class HybridDecoderLayer(nn.Module):
         h alone): returns (the new stream, None)."""
         h = h if residual is None else h + residual
         return self.forward(h, positions, meta, cache, step), None
+
+
+class ResidualBlock(nn.Module):
+    """One pre-norm residual block, h + mixer(norm(h)) (Nemotron-H's `NemotronHBlock`; names
+    `norm`, `mixer`). The mixer is called `(h, positions, meta, cache)` when `takes_cache`
+    (attention, Mamba), else `(h)` (an MLP or MoE)."""
+
+    def __init__(self, norm: nn.Module, mixer: nn.Module, takes_cache: bool) -> None:
+        super().__init__()
+        self.norm, self.mixer, self.takes_cache = norm, mixer, takes_cache
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                cache) -> torch.Tensor:
+        """h: [T, H] -> [T, H]."""
+        x = self.norm(h)
+        if self.takes_cache:
+            return h + self.mixer(x, positions, meta, cache)
+        return h + self.mixer(x)
+
+
+class BlockSequenceLayer(nn.Module):
+    """A decoder layer made of consecutive `ResidualBlock`s (`blocks`), exactly one of which
+    holds the layer's KV cache or state slots: how the engine groups checkpoints whose layers
+    are single blocks, some without any cache (Nemotron-H's MLP and MoE blocks), into layers
+    that each own one cache. Never a native decode step.
+
+    Raises:
+        ValueError: not exactly one block takes a cache.
+    """
+
+    def __init__(self, blocks: list[ResidualBlock]) -> None:
+        super().__init__()
+        if sum(b.takes_cache for b in blocks) != 1:
+            raise ValueError(f"a block sequence needs exactly one block with a cache, got "
+                             f"{sum(b.takes_cache for b in blocks)} of {len(blocks)}")
+        self.blocks = nn.ModuleList(blocks)
+        self.timer = None
+        self.decode_kernel = None
+        self.decode_misfit = "a sequence of hybrid blocks"
+
+    def forward_residual(self, h: torch.Tensor, residual: torch.Tensor | None,
+                         positions: torch.Tensor, meta: AttentionMetadata, cache,
+                         step: object = None) -> tuple[torch.Tensor, None]:
+        """The blocks in order on the stream h + residual (residual None: h alone): returns
+        (the new stream, None)."""
+        h = h if residual is None else h + residual
+        for block in self.blocks:
+            h = block(h, positions, meta, cache)
+        return h, None
