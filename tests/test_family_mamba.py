@@ -241,3 +241,25 @@ def test_nemotron_h_ep2(nemotron_ckpt):
     """Two expert-parallel ranks: the relu^2 experts split, sigmoid routing, state slots per
     rank."""
     check_ep_token_exact(nemotron_ckpt, 2)
+
+
+def test_non_gated_experts_take_the_declared_torch_path():
+    """Non-gated relu^2 experts (w13 [E, I, H]) bound to native-cpu or triton run the torch
+    expert path, equal to the per-expert reference, and the plan declares that fallback."""
+    from kernels.moe.activation import RELU2
+    from kernels.moe.backends import NON_GATED_FALLBACK, ExpertExtras, bind_float_experts
+    from kernels.moe.reference import fused_moe_reference
+    from kernels.plan import NATIVE_CPU, TRITON, fallbacks
+
+    g = torch.Generator().manual_seed(0)
+    w13, w2 = torch.randn(4, 8, 16, generator=g), torch.randn(4, 16, 8, generator=g)
+    hidden = torch.randn(5, 16, generator=g)
+    ids = torch.tensor([[0, 1], [1, 2], [3, 0], [2, 3], [1, 0]], dtype=torch.int32)
+    weights = torch.rand(5, 2, generator=g)
+    expected = fused_moe_reference(hidden, w13, w2, weights, ids, activation=RELU2)
+    for backend in (NATIVE_CPU, TRITON):
+        bound = bind_float_experts(backend, w13, w2, ExpertExtras(activation=RELU2))
+        assert bound.backend == "torch"
+        torch.testing.assert_close(bound(hidden, weights, ids), expected)
+        assert any("non-gated" in line for line in fallbacks("fused_moe", backend))
+    assert "relu^2" in NON_GATED_FALLBACK

@@ -31,7 +31,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3_5MoeForCausalLM": "moe_engine.models.qwen3_next",
     "GraniteMoeHybridForCausalLM": "moe_engine.models.granitemoehybrid",
     "JambaForCausalLM": "moe_engine.models.jamba",
-    "GraniteMoeSWAForCausalLM": "moe_engine.models.granitemoehybrid",
+    "GraniteMoeSWAForCausalLM": "moe_engine.models.granitemoe_swa",
     "NemotronHForCausalLM": "moe_engine.models.nemotron_h",
 }
 
