@@ -2,7 +2,9 @@
 
 A Gated DeltaNet layer (Qwen3-Next) keeps no per-token keys and values: each request carries a
 fixed state per layer, the causal conv1d's last W - 1 inputs and the delta rule's recurrent
-matrix (Yang et al. 2024, "Gated Delta Networks", arXiv:2412.06464). As vLLM's `MambaSpec`
+matrix (Yang et al. 2024, "Gated Delta Networks", arXiv:2412.06464); a Mamba layer (Jamba's
+Mamba-1, Granite-4.0-H's and Nemotron-H's Mamba-2) the same two, its conv state and its SSM
+state ([intermediate, d_state] or [heads, head_dim, d_state]). As vLLM's `MambaSpec`
 and SGLang's `MambaPool`, the engine holds these states in slots: slot 0 is the null slot
 (padding, never a request's), slots 1..num_slots are handed to running requests by the
 `KVCacheManager`, one slot for all of a request's linear layers, taken with its first blocks

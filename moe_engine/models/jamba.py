@@ -95,6 +95,12 @@ class JambaForCausalLM(MoeCausalLM):
         return "intermediate_size"
 
     @classmethod
+    def checkpoint_expert_name(cls, layer: int, expert: int, projection: str) -> str:
+        """"model.layers.{layer}.feed_forward.experts.{expert}.{gate,up,down}_proj"."""
+        name = cls.weight_mapping.experts.name_of(projection)
+        return f"model.layers.{layer}.feed_forward.experts.{expert}.{name}"
+
+    @classmethod
     def shape_fields(cls, cfg: dict) -> dict:
         """Attention and MoE layers by their periods; dense MLPs of `intermediate_size`
         elsewhere; the Mamba-1 state and parameter counts.
