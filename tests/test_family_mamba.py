@@ -263,3 +263,23 @@ def test_non_gated_experts_take_the_declared_torch_path():
         torch.testing.assert_close(bound(hidden, weights, ids), expected)
         assert any("non-gated" in line for line in fallbacks("fused_moe", backend))
     assert "relu^2" in NON_GATED_FALLBACK
+
+
+def test_released_config_spellings():
+    """Released configs: Granite-4.0-H's legacy "mamba"/"attention" layer types, Nemotron-H's
+    `hybrid_override_pattern`; the blocks group into engine layers as the module says."""
+    from moe_engine.models.nemotron_h import block_types, group_blocks
+
+    granite = {"architectures": ["GraniteMoeHybridForCausalLM"], "vocab_size": 512,
+               "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+               "intermediate_size": 32, "num_local_experts": 4,
+               "layer_types": ["mamba", "attention", "mamba"], "mamba_n_heads": 8}
+    assert model_shape(granite).linear_attention_layers() == (0, 2)
+    types = block_types({"hybrid_override_pattern": "-M-ME*-"})
+    assert group_blocks(types) == (
+        ((0, "mlp"), (1, "linear_attention"), (2, "mlp")),
+        ((3, "linear_attention"), (4, "moe")),
+        ((5, "full_attention"), (6, "mlp")),
+    )
+    with pytest.raises(ValueError, match="two MoE blocks"):
+        group_blocks(block_types({"hybrid_override_pattern": "MEE"}))

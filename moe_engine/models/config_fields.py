@@ -177,3 +177,16 @@ def check_hidden_act(cfg: dict, architecture: str) -> None:
             f"config.json: hidden_act {act!r} is not supported for {architecture} (the engine's "
             f"MLPs and experts compute SwiGLU with silu; supported: 'silu')"
         )
+
+
+#: Older config.json layer-type names -> transformers 5's (`configuration_utils.
+#: _LEGACY_LAYER_TYPE_REMAP`: Granite-4.0-H's and Nemotron-H's released configs say "mamba").
+LEGACY_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
+
+
+def remap_layer_types(types: list[str] | tuple[str, ...] | None) -> list[str] | None:
+    """`types` with legacy names ("mamba", "attention") replaced as transformers 5 reads
+    them; None stays None."""
+    if types is None:
+        return None
+    return [LEGACY_LAYER_TYPES.get(t, t) for t in types]

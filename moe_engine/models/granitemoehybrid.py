@@ -32,7 +32,7 @@ from torch import nn
 
 from moe_engine.kv_cache.spec import FULL_ATTENTION, LINEAR_ATTENTION
 from moe_engine.models.base import MoeCausalLM
-from moe_engine.models.config_fields import check_hidden_act, required_int
+from moe_engine.models.config_fields import check_hidden_act, remap_layer_types, required_int
 from moe_engine.models.layers.decoder import Attention
 from moe_engine.models.layers.hybrid import HybridDecoderLayer
 from moe_engine.models.layers.linear import Linear
@@ -147,7 +147,7 @@ class GraniteMoeHybridForCausalLM(MoeCausalLM):
         if not int(cfg.get("num_local_experts", 8) or 0):
             raise ValueError("config.json: num_local_experts 0 (a dense Granite-4.0-H) is not "
                              "supported: this architecture file serves the MoE variants")
-        types = tuple(cfg.get("layer_types") or cfg.get("layers_block_type")
+        types = tuple(remap_layer_types(cfg.get("layer_types") or cfg.get("layers_block_type"))
                       or (LINEAR_ATTENTION,) * layers)
         if len(types) != layers or not set(types) <= {LINEAR_ATTENTION, FULL_ATTENTION}:
             raise ValueError(f"config.json: layer_types {list(types)} must give "

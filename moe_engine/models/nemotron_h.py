@@ -39,7 +39,7 @@ from torch import nn
 from kernels.moe.activation import RELU2
 from moe_engine.kv_cache.spec import FULL_ATTENTION, LINEAR_ATTENTION
 from moe_engine.models.base import MoeCausalLM
-from moe_engine.models.config_fields import required_int
+from moe_engine.models.config_fields import remap_layer_types, required_int
 from moe_engine.models.layers.decoder import Attention, NonGatedMLP
 from moe_engine.models.layers.hybrid import BlockSequenceLayer, ResidualBlock
 from moe_engine.models.layers.mamba2 import Mamba2Mixer
@@ -73,12 +73,13 @@ def _get(cfg: dict, key: str):
 
 
 def block_types(cfg: dict) -> list[str]:
-    """Each checkpoint layer's block type: `layers_block_type` (or `layer_types`), else the
-    `hybrid_override_pattern` string.
+    """Each checkpoint layer's block type: `layers_block_type` (or `layer_types`; legacy
+    "mamba" / "attention" read as transformers 5 does), else the `hybrid_override_pattern`
+    string.
 
     Raises:
         ValueError: none of them, or an unknown type (named)."""
-    types = cfg.get("layers_block_type") or cfg.get("layer_types")
+    types = remap_layer_types(cfg.get("layers_block_type") or cfg.get("layer_types"))
     if not types and cfg.get("hybrid_override_pattern"):
         pattern = cfg["hybrid_override_pattern"]
         if set(pattern) - set(PATTERN):
