@@ -25,6 +25,7 @@ Checkpoint names: `backbone.embeddings`, `backbone.layers.{i}.norm`, `.mixer.*`
 `up_proj`, `down_proj`; `gate.weight`, `gate.e_score_correction_bias`,
 `experts.{e}.{up,down}_proj`, `shared_experts.{up,down}_proj`), `backbone.norm_f`, `lm_head`.
 KV cache: one full-attention group of the attention layers; the Mamba layers' state slots.
+Nemotron-3's MTP layers (`mtp.*`) are not read, as transformers ignores them.
 Not supported (refused naming the field): `moe_latent_size`, an `mlp_hidden_act` other than
 relu2, a `mamba_hidden_act` other than silu, two MoE blocks between two mixers.
 """
@@ -145,6 +146,11 @@ class NemotronHForCausalLM(MoeCausalLM):
                         for k, (i, _) in enumerate(group)]
         #: this model's grouping of the checkpoint layers (module docstring)
         self.weight_mapping = WeightMapping(renames=tuple(renames))
+
+    def wants_weight(self, name: str) -> bool:
+        """As `MoeCausalLM.wants_weight`, and False for the checkpoint's MTP layers (`mtp.*`,
+        which transformers ignores too: `_keys_to_ignore_on_load_unexpected`)."""
+        return not name.startswith("mtp.") and super().wants_weight(name)
 
     @classmethod
     def shape_fields(cls, cfg: dict) -> dict:
