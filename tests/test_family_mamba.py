@@ -237,6 +237,12 @@ def test_nemotron_h_refuses_prefix_caching(nemotron_ckpt):
     _refuses_prefix_caching(nemotron_ckpt, "2 of its 3 layers are linear attention (Mamba-2)")
 
 
+def test_nemotron_h_refuses_int4_experts(nemotron_ckpt):
+    """The 4-bit expert kernels compute SwiGLU: relu^2 experts are refused, naming the flag."""
+    with pytest.raises(StartupError, match="--quantization int4: .*non-gated"):
+        LLM(model=str(nemotron_ckpt), max_model_len=64, quantization="int4", quant_group_size=32)
+
+
 def test_nemotron_h_ep2(nemotron_ckpt):
     """Two expert-parallel ranks: the relu^2 experts split, sigmoid routing, state slots per
     rank."""
