@@ -44,7 +44,7 @@ from moe_engine.models.weight_mapping import WeightMapping
 
 #: `GraniteMoeHybridConfig` defaults of the Mamba-2 layers.
 MAMBA_DEFAULTS = dict(mamba_n_heads=128, mamba_n_groups=1, mamba_d_state=256, mamba_d_conv=4,
-                      mamba_expand=2, mamba_chunk_size=256, mamba_conv_bias=True,
+                      mamba_expand=2, mamba_conv_bias=True,
                       mamba_proj_bias=False)
 
 
@@ -203,7 +203,7 @@ class GraniteMoeHybridForCausalLM(MoeCausalLM):
             m = dict(spec.mamba)
             name, mixer = "mamba", Mamba2Mixer(
                 spec.hidden_size, m["num_heads"], m["head_dim"], m["n_groups"],
-                m["state_size"], m["conv_kernel"], int(self._chunk), spec.rms_norm_eps, dtype,
+                m["state_size"], m["conv_kernel"], spec.rms_norm_eps, dtype,
                 proj_bias=m["proj_bias"], conv_bias=m["conv_bias"], dt_limit=spec.dt_limit,
             )  # fmt: skip
         else:
@@ -218,10 +218,6 @@ class GraniteMoeHybridForCausalLM(MoeCausalLM):
         return HybridDecoderLayer(name, mixer, ffns, norm(spec, spec.hidden_size, dtype),
                                   "post_attention_layernorm", norm(spec, spec.hidden_size, dtype),
                                   spec.residual_multiplier)
-
-    #: Tokens per block of the Mamba-2 prefill scan (any size gives the same result; 64 keeps
-    #: the quadratic intra-chunk term small).
-    _chunk = 64
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, vocab] float32, divided by `logits_scaling`."""

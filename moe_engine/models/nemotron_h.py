@@ -216,7 +216,7 @@ class NemotronHForCausalLM(MoeCausalLM):
         if kind == LINEAR_ATTENTION:
             return Mamba2Mixer(
                 h, f["mamba_num_heads"], f["mamba_head_dim"], f["n_groups"],
-                f["ssm_state_size"], f["conv_kernel"], 64, spec.rms_norm_eps, dtype,
+                f["ssm_state_size"], f["conv_kernel"], spec.rms_norm_eps, dtype,
                 proj_bias=bool(f["use_bias"]), conv_bias=bool(f["use_conv_bias"]),
                 dt_limit=(float(f["time_step_min"]), float("inf")),
             )  # fmt: skip

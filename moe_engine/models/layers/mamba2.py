@@ -29,6 +29,10 @@ from moe_engine.models.layers.gated_delta_net import LinearAttentionMetadata
 from moe_engine.models.layers.linear import Linear
 from moe_engine.models.layers.norm import GroupGatedRMSNorm
 
+#: Tokens per block of the prefill scan's quadratic intra-chunk term (any size gives the same
+#: result up to rounding; transformers' `chunk_size` only tiles its own scan).
+PREFILL_SCAN_CHUNK = 64
+
 
 def prefill_rows(lin: LinearAttentionMetadata) -> Iterator[tuple[slice, int]]:
     """(token rows, state slot) of each request after the decodes, in step order."""
@@ -67,8 +71,8 @@ class Mamba2Mixer(nn.Module):
 
     Args:
         hidden_size: H; num_heads: Hh; head_dim: P (I = Hh P); n_groups: G (Hh a multiple);
-        state_size: N; conv_kernel: W; chunk_size: tokens per block of the prefill scan;
-        eps: the gated norm's epsilon; dtype: parameter dtype.
+        state_size: N; conv_kernel: W; eps: the gated norm's epsilon; dtype: parameter
+        dtype; chunk_size: tokens per block of the prefill scan.
         proj_bias: in_proj and out_proj have biases; conv_bias: the conv1d has one.
         dt_limit: the prefill scan's clamp of the time steps (transformers' `time_step_limit`;
             the decode step does not clamp, as there).
@@ -78,8 +82,9 @@ class Mamba2Mixer(nn.Module):
     """
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, n_groups: int,
-                 state_size: int, conv_kernel: int, chunk_size: int, eps: float,
-                 dtype: torch.dtype, *, proj_bias: bool = False, conv_bias: bool = True,
+                 state_size: int, conv_kernel: int, eps: float, dtype: torch.dtype, *,
+                 chunk_size: int = PREFILL_SCAN_CHUNK, proj_bias: bool = False,
+                 conv_bias: bool = True,
                  dt_limit: tuple[float, float] = (0.0, float("inf"))) -> None:
         super().__init__()
         if num_heads % n_groups:
