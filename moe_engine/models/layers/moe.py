@@ -78,6 +78,10 @@ class FusedMoE(nn.Module):
             `mlp.gate.*` load by name. None (default): a Linear gate and `routing`.
         shared_experts: run on this rank's own tokens beside the routed path (never
             dispatched) and added after combine (`layers.shared_experts`); None: none.
+        output_scale: multiplies the block's output, routed plus shared (Cohere2-MoE's
+            "average" shared-expert combination, (routed + shared) / 2, is 0.5: a power of
+            two, so the product rounds exactly as transformers' division); default 1.
+        output_bias: hold `bias` [H], added to the block's output (JetMoE's `mlp.bias`).
 
     Raises:
         ValueError: an unknown routing, or a router whose num_experts / top_k differ.
@@ -99,6 +103,8 @@ class FusedMoE(nn.Module):
         activation: SwiGLU | SquaredReLU = SILU_AND_MUL,
         router: nn.Module | None = None,
         shared_experts: SharedExperts | None = None,
+        output_scale: float = 1.0,
+        output_bias: bool = False,
     ) -> None:
         super().__init__()
         if routing not in ROUTINGS:
@@ -114,6 +120,11 @@ class FusedMoE(nn.Module):
         self.router_module = router is not None
         self.gate = router or Linear(hidden_size, num_experts, bias=router_bias, dtype=dtype)
         self.shared_experts = shared_experts
+        self.output_scale = output_scale
+        self.bias = (
+            nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+            if output_bias else None
+        )
         self.b13: nn.Parameter | None = None
         self.b2: nn.Parameter | None = None
         rows = (2 if activation.gated else 1) * intermediate_size  # gate and up, or up alone
@@ -219,7 +230,14 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [T, H] -> [T, H], same dtype: combine(experts(dispatch(hidden))) plus the
-        shared experts of this rank's own tokens."""
+        shared experts of this rank's own tokens (times `output_scale` where it is not 1, plus
+        `bias` where the block has one)."""
+        out = self._forward(hidden)
+        if self.output_scale != 1.0:
+            out = out * self.output_scale
+        return out if self.bias is None else out + self.bias
+
+    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
         timer = self.timer or _NO_TIMER
         with timer.phase("router"):
             counts = self._count_in_router(hidden.shape[0])
