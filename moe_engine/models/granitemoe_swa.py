@@ -23,15 +23,11 @@ from torch import nn
 
 from moe_engine.kv_cache.spec import FULL_ATTENTION, SLIDING_ATTENTION
 from moe_engine.models.config_fields import check_hidden_act, required_int
-from moe_engine.models.granitemoehybrid import (
-    GraniteMoeHybridForCausalLM,
-    GraniteMoeHybridSpec,
-    SharedMLP,
-)
+from moe_engine.models.granitemoehybrid import GraniteMoeHybridForCausalLM, GraniteMoeHybridSpec
 from moe_engine.models.layers.decoder import Attention
 from moe_engine.models.layers.hybrid import HybridDecoderLayer
-from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.rotary import NoRotaryEmbedding, RotaryEmbedding, rope_theta_of
+from moe_engine.models.spec import FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 
 
@@ -49,7 +45,14 @@ class GraniteMoeSWAForCausalLM(GraniteMoeHybridForCausalLM):
     spec_class = GraniteMoeSWASpec
     weight_mapping = WeightMapping(renames=(
         (".block_sparse_moe.router.", ".block_sparse_moe.gate."),
+        (".shared_mlp.input_linear.", ".block_sparse_moe.shared_experts.gate_up_proj."),
+        (".shared_mlp.output_linear.", ".block_sparse_moe.shared_experts.down_proj."),
     ))
+    card = FamilyCard(
+        "GraniteMoE-SWA", ("ibm-granite/granite-swash-3b-a600m",),
+        "GQA with sinks, sliding/full mix, per-layer rope base or NoPE, Granite multipliers",
+        cache=("full", "sliding"), native_4bit=(),
+    )
 
     @classmethod
     def shape_fields(cls, cfg: dict) -> dict:
@@ -112,14 +115,8 @@ class GraniteMoeSWAForCausalLM(GraniteMoeHybridForCausalLM):
             rotary = RotaryEmbedding(spec.head_dim, rotary.max_position, theta)
         sliding = spec.layer_types[index] == SLIDING_ATTENTION
         attn = Attention(spec, dtype, rotary, spec.sliding_window if sliding else None,
-                         o_bias=spec.o_proj_bias, sinks=True)
-        attn.attn.scale = spec.attention_multiplier
-        ffns = {"block_sparse_moe": FusedMoE(spec.num_experts, spec.top_k, spec.hidden_size,
-                                             spec.moe_intermediate_size, True, dtype,
-                                             routing="topk_softmax")}
-        if spec.shared_expert_intermediate_size:
-            ffns["shared_mlp"] = SharedMLP(spec.hidden_size, spec.shared_expert_intermediate_size,
-                                           dtype)
+                         o_bias=spec.o_proj_bias, sinks=True, scale=spec.attention_multiplier)
+        ffns = {"block_sparse_moe": self._moe(spec, dtype)}
         norm = self.build_norm
         return HybridDecoderLayer("self_attn", attn, ffns, norm(spec, spec.hidden_size, dtype),
                                   "post_attention_layernorm", norm(spec, spec.hidden_size, dtype),

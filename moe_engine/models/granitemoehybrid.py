@@ -13,7 +13,7 @@ Mamba-2 layer (`layers/mamba2.Mamba2Mixer`, grouped B/C, gated group RMSNorm), t
   `residual_multiplier` before its residual add, logits divided by `logits_scaling`;
 - every layer's feed-forward is the routed experts (top-k of the router logits, then softmax
   over the k: `topk_softmax`, experts of width `intermediate_size`) plus a shared SwiGLU MLP
-  (`shared_mlp`, width `shared_intermediate_size`), summed.
+  (`shared_mlp`, width `shared_intermediate_size`: the block's `SharedExperts`).
 
 Checkpoint names: `model.layers.{i}.mamba.*` (`Mamba2Mixer`) or `.self_attn.{q,k,v,o}_proj`,
 `.block_sparse_moe.input_linear.weight` [E, 2I, H] (gate rows, then up), `.output_linear.
@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe_engine.kv_cache.spec import FULL_ATTENTION, LINEAR_ATTENTION
@@ -35,11 +34,11 @@ from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import check_hidden_act, remap_layer_types, required_int
 from moe_engine.models.layers.decoder import Attention
 from moe_engine.models.layers.hybrid import HybridDecoderLayer
-from moe_engine.models.layers.linear import Linear
 from moe_engine.models.layers.mamba2 import Mamba2Mixer
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.rotary import NoRotaryEmbedding, RotaryEmbedding, rope_theta_of
-from moe_engine.models.spec import ArchSpec
+from moe_engine.models.layers.shared_experts import SharedExperts
+from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 
 #: `GraniteMoeHybridConfig` defaults of the Mamba-2 layers.
@@ -50,13 +49,12 @@ MAMBA_DEFAULTS = dict(mamba_n_heads=128, mamba_n_groups=1, mamba_d_state=256, ma
 
 @dataclasses.dataclass(frozen=True)
 class GraniteMoeHybridSpec(ArchSpec):
-    """`ArchSpec` plus the Mamba-2 sizes and Granite's multipliers."""
+    """`ArchSpec` (whose `embedding_multiplier` and `logits_scaling` the base applies) plus the
+    Mamba-2 sizes, Granite's attention and residual multipliers, rope on or off."""
 
     mamba: tuple[tuple[str, object], ...] = ()
-    embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     attention_multiplier: float = 1.0
-    logits_scaling: float = 1.0
     use_rope: bool = False
     dt_limit: tuple[float, float] = (0.0, float("inf"))
 
@@ -81,35 +79,6 @@ def mamba_sizes(cfg: dict) -> dict:
                 conv_bias=bool(m["mamba_conv_bias"]))
 
 
-class SharedMLP(nn.Module):
-    """Granite's shared SwiGLU MLP with a fused input projection: output_linear(silu(gate) *
-    up), gate and up the two halves of input_linear(h) [T, 2S] (transformers
-    `GraniteMoeHybridMLP`)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.input_linear = Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype)
-        self.output_linear = Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h: [T, H] -> [T, H]."""
-        gate, up = self.input_linear(h).chunk(2, dim=-1)
-        return self.output_linear(F.silu(gate) * up)
-
-
-class ScaledEmbedding(nn.Embedding):
-    """`nn.Embedding` whose output is multiplied by `multiplier` (Granite's
-    `embedding_multiplier`)."""
-
-    def __init__(self, num: int, dim: int, multiplier: float, dtype: torch.dtype) -> None:
-        super().__init__(num, dim, dtype=dtype)
-        self.multiplier = multiplier
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [T] -> [T, H]."""
-        return super().forward(ids) * self.multiplier
-
-
 class GraniteMoeHybridForCausalLM(MoeCausalLM):
     """Granite-4.0-H on the engine's layers (module docstring)."""
 
@@ -119,16 +88,14 @@ class GraniteMoeHybridForCausalLM(MoeCausalLM):
         (".block_sparse_moe.input_linear.weight", ".block_sparse_moe.experts.gate_up_proj"),
         (".block_sparse_moe.output_linear.weight", ".block_sparse_moe.experts.down_proj"),
         (".block_sparse_moe.router.layer.", ".block_sparse_moe.gate."),
+        (".shared_mlp.input_linear.", ".block_sparse_moe.shared_experts.gate_up_proj."),
+        (".shared_mlp.output_linear.", ".block_sparse_moe.shared_experts.down_proj."),
     ))
-
-    def __init__(self, spec: GraniteMoeHybridSpec, dtype: torch.dtype,
-                 max_position: int | None = None) -> None:
-        super().__init__(spec, dtype, max_position)
-        embed = ScaledEmbedding(spec.vocab_size, spec.hidden_size, spec.embedding_multiplier,
-                                dtype)
-        self.model.embed_tokens = embed
-        if spec.tie_word_embeddings:
-            self.lm_head.weight = embed.weight
+    card = FamilyCard(
+        "Granite-4.0-H", ("ibm-granite/granite-4.0-h-tiny", "ibm-granite/granite-4.0-h-small"),
+        "Mamba-2 + GQA (NoPE or rope), Granite multipliers, a shared MLP",
+        cache=("full", "state"), native_4bit=(), speculation=(),
+    )
 
     @classmethod
     def experts_width_field(cls, cfg: dict) -> str:
@@ -207,19 +174,23 @@ class GraniteMoeHybridForCausalLM(MoeCausalLM):
                 proj_bias=m["proj_bias"], conv_bias=m["conv_bias"], dt_limit=spec.dt_limit,
             )  # fmt: skip
         else:
-            name, mixer = "self_attn", Attention(spec, dtype, rotary, o_bias=spec.o_proj_bias)
-            mixer.attn.scale = spec.attention_multiplier
-        moe = FusedMoE(spec.num_experts, spec.top_k, spec.hidden_size,
-                       spec.moe_intermediate_size, True, dtype, routing="topk_softmax")
-        ffns = {"block_sparse_moe": moe,
-                "shared_mlp": SharedMLP(spec.hidden_size, spec.shared_expert_intermediate_size,
-                                        dtype)}
+            name, mixer = "self_attn", Attention(spec, dtype, rotary, o_bias=spec.o_proj_bias,
+                                                 scale=spec.attention_multiplier)
         norm = self.build_norm
-        return HybridDecoderLayer(name, mixer, ffns, norm(spec, spec.hidden_size, dtype),
+        return HybridDecoderLayer(name, mixer, {"block_sparse_moe": self._moe(spec, dtype)},
+                                  norm(spec, spec.hidden_size, dtype),
                                   "post_attention_layernorm", norm(spec, spec.hidden_size, dtype),
                                   spec.residual_multiplier)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, H] -> logits [N, vocab] float32, divided by `logits_scaling`."""
-        return super().compute_logits(hidden) / self.spec.logits_scaling
+    @staticmethod
+    def _moe(spec: GraniteMoeHybridSpec, dtype: torch.dtype) -> FusedMoE:
+        """The routed experts (top-k then softmax) with the shared MLP (`shared_mlp`: one
+        fused gate|up projection) as their shared experts, when it has a width."""
+        width = spec.shared_expert_intermediate_size
+        shared = None
+        if width:
+            shared = SharedExperts(spec.hidden_size, width, dtype, fused_gate_up=True)
+        return FusedMoE(spec.num_experts, spec.top_k, spec.hidden_size,
+                        spec.moe_intermediate_size, True, dtype, routing="topk_softmax",
+                        shared_experts=shared)
 

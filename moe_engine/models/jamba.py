@@ -35,7 +35,7 @@ from moe_engine.models.layers.hybrid import HybridDecoderLayer
 from moe_engine.models.layers.mamba import MambaMixer
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.rotary import NoRotaryEmbedding
-from moe_engine.models.spec import ArchSpec
+from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 
 #: `JambaConfig` defaults of the layout and the Mamba layers.
@@ -89,6 +89,11 @@ class JambaForCausalLM(MoeCausalLM):
         (".feed_forward.router.", ".feed_forward.gate."),
         ("model.final_layernorm.", "model.norm."),
     ))
+    card = FamilyCard(
+        "Jamba", ("ai21labs/AI21-Jamba-Mini-1.5", "ai21labs/AI21-Jamba-Large-1.5"),
+        "Mamba-1 + GQA (NoPE), MoE every expert_layer_period layers",
+        cache=("full", "state"), native_4bit=(), speculation=(),
+    )
 
     @classmethod
     def experts_width_field(cls, cfg: dict) -> str:

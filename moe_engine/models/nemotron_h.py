@@ -47,7 +47,7 @@ from moe_engine.models.layers.mamba2 import Mamba2Mixer
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.rotary import NoRotaryEmbedding
 from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter
-from moe_engine.models.spec import ArchSpec
+from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 
 #: `hybrid_override_pattern` characters -> block types (`NemotronHConfig._pattern_to_list`).
@@ -135,6 +135,11 @@ class NemotronHForCausalLM(MoeCausalLM):
 
     model_types = ("nemotron_h",)
     spec_class = NemotronHSpec
+    card = FamilyCard(
+        "Nemotron-H", ("nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16",),
+        "Mamba-2 + GQA (NoPE); relu^2 experts (torch expert path, float only)",
+        cache=("full", "state"), native_4bit=(), speculation=(),
+    )
 
     def __init__(self, spec: NemotronHSpec, dtype: torch.dtype,
                  max_position: int | None = None) -> None:
