@@ -57,6 +57,10 @@ ARCHITECTURES: dict[str, str] = {
     "DeepseekV32ForCausalLM": "moe_engine.models.deepseek_v32",
     "GlmMoeDsaForCausalLM": "moe_engine.models.glm_moe_dsa",
     "AXK2ForCausalLM": "moe_engine.models.axk2",
+    "GraniteMoeHybridForCausalLM": "moe_engine.models.granitemoehybrid",
+    "JambaForCausalLM": "moe_engine.models.jamba",
+    "GraniteMoeSWAForCausalLM": "moe_engine.models.granitemoe_swa",
+    "NemotronHForCausalLM": "moe_engine.models.nemotron_h",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.

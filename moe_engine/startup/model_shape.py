@@ -77,6 +77,13 @@ class ModelShape:
             real ones (LongCat-Flash's `zero_expert_num`): router rows, no weights.
         dense_mlp_in_moe_layers: every layer holds a dense MLP of `intermediate_size`, the MoE
             layers too (LongCat-Flash's shortcut MoE sits beside the layer's MLP).
+        linear_layer_kind: what the state layers (layer_types "linear_attention") are, for
+            messages ("Gated DeltaNet", "Mamba-2", ...).
+        linear_state: the per-request state of one such layer, (conv state shape, recurrent
+            state shape), when the architecture states it (Mamba layers); () derives Gated
+            DeltaNet's from the linear_* sizes (`linear_state_shapes`).
+        linear_layer_params: parameters of one such layer when the architecture states them;
+            0 derives Gated DeltaNet's (`linear_attention_params`).
     """
 
     architecture: str
@@ -122,6 +129,9 @@ class ModelShape:
     linear_conv_kernel_dim: int = 0
     zero_experts: int = 0
     dense_mlp_in_moe_layers: bool = False
+    linear_layer_kind: str = "Gated DeltaNet"
+    linear_state: tuple[tuple[int, ...], tuple[int, ...]] | tuple[()] = ()
+    linear_layer_params: int = 0
 
     @property
     def num_dense_layers(self) -> int:
@@ -237,15 +247,22 @@ class ModelShape:
     def linear_attention_params(self) -> int:
         """Parameters of one Gated DeltaNet layer (transformers `Qwen3NextGatedDeltaNet`):
         in_proj_qkvz [H -> 2 Hk Dk + 2 Hv Dv], in_proj_ba [H -> 2 Hv], conv1d [C, W],
-        dt_bias and A_log [Hv], the gated norm [Dv], out_proj [Hv Dv -> H]."""
+        dt_bias and A_log [Hv], the gated norm [Dv], out_proj [Hv Dv -> H]; or
+        `linear_layer_params` where the architecture states it."""
+        if self.linear_layer_params:
+            return self.linear_layer_params
         h, hv, dv = self.hidden_size, self.linear_num_value_heads, self.linear_value_head_dim
         c = self.linear_conv_channels()
         qkvz = h * (c + hv * dv)
         return qkvz + h * 2 * hv + c * self.linear_conv_kernel_dim + 2 * hv + dv + hv * dv * h
 
-    def linear_state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    def linear_state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """One linear layer's per-request state: the conv state [C, W - 1] (the last W - 1
-        inputs) and the recurrent state [Hv, Dk, Dv]."""
+        inputs) and the recurrent state ([Hv, Dk, Dv] for Gated DeltaNet; `linear_state`
+        where the architecture states it: Mamba-2 [heads, head_dim, d_state], Mamba-1
+        [intermediate, d_state])."""
+        if self.linear_state:
+            return self.linear_state
         conv = (self.linear_conv_channels(), self.linear_conv_kernel_dim - 1)
         hv, dk = self.linear_num_value_heads, self.linear_key_head_dim
         return conv, (hv, dk, self.linear_value_head_dim)

@@ -206,7 +206,8 @@ class Plan:
         per_token = max(self.kv_bytes_per_token, 1)
         return [
             f"linear-attention state: {format_bytes(self.state_bytes_per_request)} per request "
-            f"over {len(self.shape.linear_attention_layers())} layers (conv {self.dtype_name}, "
+            f"over {len(self.shape.linear_attention_layers())} "
+            f"{self.shape.linear_layer_kind} layers (conv {self.dtype_name}, "
             f"recurrent float32; the KV of "
             f"{self.state_bytes_per_request / per_token:.0f} tokens), "
             f"{self.num_state_slots} slots (max_num_seqs) + 1 null slot = "
@@ -493,8 +494,8 @@ def _state_budget(shape: ModelShape, dtype: torch.dtype, max_num_seqs: int | Non
     if not max_num_seqs:
         raise StartupError("a model with linear-attention layers needs max_num_seqs to size "
                            "its state slots")
-    (c, w), (hv, dk, dv) = shape.linear_state_shapes()
-    per_request = len(layers) * (c * w * dtype.itemsize + hv * dk * dv * 4)
+    conv, recurrent = shape.linear_state_shapes()
+    per_request = len(layers) * (math.prod(conv) * dtype.itemsize + math.prod(recurrent) * 4)
     return max_num_seqs, per_request, per_request * (max_num_seqs + 1)
 
 

@@ -170,6 +170,36 @@ class GatedRMSNorm(nn.Module):
         return (h * torch.nn.functional.silu(gate.float())).to(x.dtype)
 
 
+class GroupGatedRMSNorm(nn.Module):
+    """y = weight * rmsnorm_per_group(x * silu(gate)): Mamba-2's gated norm before its output
+    projection, the gate applied before the norm (`norm_before_gate=False`) and the mean
+    square taken over each of `dim / group_size` groups (transformers
+    `GraniteMoeHybridRMSNormGated` / `NemotronHRMSNormGated`: float32 inside, rounded to x's
+    dtype before the weight).
+
+    Args:
+        dim: size of the last dimension; group_size: features per group (dim a multiple of
+            it; dim for one group); eps: added to the mean square; dtype: weight dtype.
+
+    Raises:
+        ValueError: dim not a multiple of group_size.
+    """
+
+    def __init__(self, dim: int, group_size: int, eps: float = 1e-6,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if dim % group_size:
+            raise ValueError(f"gated norm: dim {dim} is not a multiple of group_size {group_size}")
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.eps, self.group_size = eps, group_size
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x, gate: [T, dim] -> [T, dim] in x's dtype."""
+        h = x.float() * torch.nn.functional.silu(gate.float())
+        h = _normalized(h.view(*h.shape[:-1], -1, self.group_size), self.eps).view(h.shape)
+        return self.weight * h.to(x.dtype)
+
+
 def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) over the last dimension, in float32."""
     h = x.float()
