@@ -160,6 +160,7 @@ def causal_conv1d_prefill(
     conv_state: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
+    silu: bool = True,
 ) -> torch.Tensor:
     """Depthwise causal conv1d + SiLU over one sequence's chunk, carrying the conv state.
 
@@ -167,14 +168,15 @@ def causal_conv1d_prefill(
     for a fresh request), updated in place to its last W-1 inputs (older state included when
     T < W-1); weight: [C, W] (the nn.Conv1d weight squeezed); bias: [C] or None. Computed in
     weight.dtype. Returns silu(conv) [T, C] in x.dtype: the last T outputs of transformers'
-    ``causal_conv1d_fn`` run on the whole sequence so far.
+    ``causal_conv1d_fn`` run on the whole sequence so far; with ``silu=False`` the conv alone
+    (LFM2's short convolution, ``activation=None``).
     """
     channels, width = weight.shape
     hist = torch.cat([conv_state.to(weight.dtype), x.t().to(weight.dtype)], dim=-1)
     if width > 1:
         conv_state.copy_(hist[:, hist.shape[-1] - (width - 1) :])
-    out = F.conv1d(hist.unsqueeze(0), weight.unsqueeze(1), bias, padding=0, groups=channels)
-    return F.silu(out[0]).t().to(x.dtype)
+    out = F.conv1d(hist.unsqueeze(0), weight.unsqueeze(1), bias, padding=0, groups=channels)[0]
+    return (F.silu(out) if silu else out).t().to(x.dtype)
 
 
 def causal_conv1d_decode(
@@ -182,8 +184,10 @@ def causal_conv1d_decode(
     conv_state: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
+    silu: bool = True,
 ) -> torch.Tensor:
-    """Depthwise causal conv1d + SiLU for one token of each of B requests.
+    """Depthwise causal conv1d + SiLU (none with ``silu=False``) for one token of each of B
+    requests.
 
     x: [B, C]; conv_state: [B, C, W-1], updated in place (shifted left, x appended; it may be
     a view); weight: [C, W]; bias: [C] or None. Computed in weight.dtype. Returns silu(conv)
@@ -199,4 +203,5 @@ def causal_conv1d_decode(
     out = (hist.float() * weight.float()).sum(-1)
     if bias is not None:
         out = out + bias.float()
-    return F.silu(out.to(weight.dtype)).to(x.dtype)
+    out = out.to(weight.dtype)
+    return (F.silu(out) if silu else out).to(x.dtype)

@@ -15,6 +15,7 @@ layers never reuses another request's KV blocks (no prefix-cache hits).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,16 +32,18 @@ class MambaSpec:
 
     Attributes:
         layers: the decoder-layer indices of the linear layers.
-        conv_shape: (C, W - 1), the conv state (the last W - 1 conv inputs, oldest first).
-        ssm_shape: (Hv, Dk, Dv), the recurrent state (per value head a Dk x Dv matrix).
+        conv_shape: the conv state, e.g. (C, W - 1) (the last W - 1 conv inputs, oldest
+            first); None for a mixer without a causal conv (lightning attention).
+        ssm_shape: the recurrent state, e.g. (Hv, Dk, Dv) (per value head a Dk x Dv matrix);
+            None for a mixer with a conv state only (a short convolution).
         conv_dtype: the conv state's dtype (the model's).
         ssm_dtype: the recurrent state's dtype, float32 by default as SGLang keeps it (a
             bfloat16 state rounds every decode step's update).
     """
 
     layers: tuple[int, ...]
-    conv_shape: tuple[int, int]
-    ssm_shape: tuple[int, int, int]
+    conv_shape: tuple[int, ...] | None
+    ssm_shape: tuple[int, ...] | None
     conv_dtype: torch.dtype
     ssm_dtype: torch.dtype = torch.float32
 
@@ -52,9 +55,9 @@ class MambaSpec:
     @property
     def bytes_per_layer(self) -> int:
         """One request's state in one layer (bytes)."""
-        conv = self.conv_shape[0] * self.conv_shape[1] * self.conv_dtype.itemsize
-        hv, dk, dv = self.ssm_shape
-        return conv + hv * dk * dv * self.ssm_dtype.itemsize
+        conv = math.prod(self.conv_shape) * self.conv_dtype.itemsize if self.conv_shape else 0
+        ssm = math.prod(self.ssm_shape) * self.ssm_dtype.itemsize if self.ssm_shape else 0
+        return conv + ssm
 
     @property
     def bytes_per_request(self) -> int:
@@ -63,14 +66,18 @@ class MambaSpec:
 
     def allocate(
         self, num_slots: int, device: torch.device | str = "cpu"
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per linear layer, its zeroed (conv [num_slots + 1, C, W - 1], recurrent
-        [num_slots + 1, Hv, Dk, Dv]) tensors; row 0 is the null slot."""
+    ) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """Per linear layer, its zeroed (conv [num_slots + 1, *conv_shape], recurrent
+        [num_slots + 1, *ssm_shape]) tensors, None for a part the spec lacks; row 0 is the
+        null slot."""
+
+        def part(shape: tuple[int, ...] | None, dtype: torch.dtype) -> torch.Tensor | None:
+            if shape is None:
+                return None
+            return torch.zeros(num_slots + 1, *shape, dtype=dtype, device=device)
+
         return [
-            (
-                torch.zeros(num_slots + 1, *self.conv_shape, dtype=self.conv_dtype, device=device),
-                torch.zeros(num_slots + 1, *self.ssm_shape, dtype=self.ssm_dtype, device=device),
-            )
+            (part(self.conv_shape, self.conv_dtype), part(self.ssm_shape, self.ssm_dtype))
             for _ in self.layers
         ]
 

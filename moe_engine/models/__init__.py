@@ -29,6 +29,7 @@ ARCHITECTURES: dict[str, str] = {
     "DeepseekV2ForCausalLM": "moe_engine.models.deepseek_v2",
     "Qwen3NextForCausalLM": "moe_engine.models.qwen3_next",
     "Qwen3_5MoeForCausalLM": "moe_engine.models.qwen3_next",
+    "Lfm2MoeForCausalLM": "moe_engine.models.lfm2_moe",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.

@@ -488,8 +488,10 @@ def _state_budget(shape: ModelShape, dtype: torch.dtype, max_num_seqs: int | Non
     if not max_num_seqs:
         raise StartupError("a model with linear-attention layers needs max_num_seqs to size "
                            "its state slots")
-    (c, w), (hv, dk, dv) = shape.linear_state_shapes()
-    per_request = len(layers) * (c * w * dtype.itemsize + hv * dk * dv * 4)
+    conv, recurrent = shape.linear_state_shapes()
+    per_layer = math.prod(conv) * dtype.itemsize if conv else 0
+    per_layer += math.prod(recurrent) * 4 if recurrent else 0
+    per_request = len(layers) * per_layer
     return max_num_seqs, per_request, per_request * (max_num_seqs + 1)
 
 

@@ -1,0 +1,90 @@
+"""Hybrid families whose linear layers keep per-request state slots (issue 43 item 2), served
+token-exact against transformers (float32, greedy, chunked prefill carrying the state over
+several steps): LFM2-MoE (gated short convolutions). Each refuses prefix caching at startup
+with the reason, as Qwen3-Next does; the plan sizes each family's state.
+
+Set MOE_ENGINE_FAMILY_EP=all to also run every family's ep-2 check (one runs by default).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from family_check import (
+    check_ep_token_exact,
+    check_token_exact,
+    family_prompts,
+    make_family_checkpoint,
+)
+from fixtures import dequantized_experts_copy, hf_greedy
+
+from moe_engine import LLM
+from moe_engine.errors import StartupError
+from moe_engine.models import model_shape
+from moe_engine.startup.plan import make_plan
+
+ALL_EP = pytest.mark.skipif(os.environ.get("MOE_ENGINE_FAMILY_EP") != "all",
+                            reason="set MOE_ENGINE_FAMILY_EP=all for every family's ep-2 check")
+
+#: LFM2-MoE: conv, attention, conv, conv; one dense-first layer; expert bias drawn.
+LFM2_MOE = dict(
+    num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "conv"],
+    num_dense_layers=1, num_experts=8, moe_intermediate_size=32, intermediate_size=96,
+    conv_L_cache=3, norm_eps=1e-5, routed_scaling_factor=1.5,
+)
+
+
+@pytest.fixture(scope="module")
+def lfm2_moe_ckpt(tmp_path_factory):
+    return make_family_checkpoint("lfm2_moe", LFM2_MOE, tmp_path_factory.mktemp("lfm2_moe"),
+                                  drawn=("expert_bias",))
+
+
+def _refused_prefix_caching(ckpt, mixer: str, linear: int, layers: int) -> None:
+    with pytest.raises(StartupError) as err:
+        LLM(model=str(ckpt), max_model_len=64, enable_prefix_caching=True)
+    text = str(err.value)
+    assert "--enable-prefix-caching" in text
+    assert f"{linear} of its {layers} layers are linear attention ({mixer})" in text
+
+
+def _state_bytes(ckpt) -> int:
+    shape = model_shape(json.loads((ckpt / "config.json").read_text()))
+    plan = make_plan(shape, torch.float32, block_size=16, max_model_len=256,
+                     kv_cache_memory=1 << 22, max_num_seqs=4)
+    assert plan.num_state_slots == 4 and "linear-attention state:" in plan.describe()
+    return plan.state_bytes_per_request
+
+
+# -- LFM2-MoE -----------------------------------------------------------------------------------
+
+
+def test_lfm2_moe_token_exact(lfm2_moe_ckpt):
+    llm = check_token_exact(lfm2_moe_ckpt)
+    engine = llm.engine
+    info = {k: v for k, v in engine.weight_info().items() if k.startswith("weight_bytes_")}
+    assert sum(info.values()) == engine.plan.weight_bytes  # the plan counts the conv layers
+
+
+def test_lfm2_moe_state_and_prefix_cache_refused(lfm2_moe_ckpt):
+    assert _state_bytes(lfm2_moe_ckpt) == 3 * 64 * 2 * 4  # 3 conv layers x [H, L - 1] float32
+    _refused_prefix_caching(lfm2_moe_ckpt, "short convolution", 3, 4)
+
+
+def test_lfm2_moe_int4_experts(lfm2_moe_ckpt, tmp_path):
+    ref = dequantized_experts_copy(lfm2_moe_ckpt, tmp_path, "int4", 32)
+    prompts = family_prompts(512, (11, 37))
+    check_token_exact(lfm2_moe_ckpt, prompts=prompts, expected=hf_greedy(ref, prompts, 8),
+                      quantization="int4", quant_group_size=32)
+
+
+def test_lfm2_moe_triton(lfm2_moe_ckpt):
+    check_token_exact(lfm2_moe_ckpt, prompts=family_prompts(512, (1, 37)), max_new=4,
+                      kernel_backend="triton")
+
+
+def test_lfm2_moe_ep2(lfm2_moe_ckpt):
+    check_ep_token_exact(lfm2_moe_ckpt, 2)
