@@ -1,6 +1,7 @@
 """Hybrid families whose linear layers keep per-request state slots (issue 43 item 2), served
 token-exact against transformers (float32, greedy, chunked prefill carrying the state over
-several steps): LFM2-MoE (gated short convolutions). Each refuses prefix caching at startup
+several steps): LFM2-MoE (gated short convolutions), MiniMax-Text-01 (lightning attention,
+scaled post-norm residuals). Each refuses prefix caching at startup
 with the reason, as Qwen3-Next does; the plan sizes each family's state.
 
 Set MOE_ENGINE_FAMILY_EP=all to also run every family's ep-2 check (one runs by default).
@@ -34,6 +35,16 @@ LFM2_MOE = dict(
     num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "conv"],
     num_dense_layers=1, num_experts=8, moe_intermediate_size=32, intermediate_size=96,
     conv_L_cache=3, norm_eps=1e-5, routed_scaling_factor=1.5,
+)
+
+#: MiniMax: lightning, softmax, lightning, lightning; 16-token lightning blocks (the 37/70-token
+#: prompts span several); every residual scale off 1.
+MINIMAX = dict(
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    num_local_experts=8, intermediate_size=32, block_size=16,
+    full_attn_alpha_factor=0.7, full_attn_beta_factor=1.3, linear_attn_alpha_factor=1.2,
+    linear_attn_beta_factor=0.8, mlp_alpha_factor=0.9, mlp_beta_factor=1.1,
 )
 
 
@@ -88,3 +99,28 @@ def test_lfm2_moe_triton(lfm2_moe_ckpt):
 
 def test_lfm2_moe_ep2(lfm2_moe_ckpt):
     check_ep_token_exact(lfm2_moe_ckpt, 2)
+
+
+# -- MiniMax ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def minimax_ckpt(tmp_path_factory):
+    return make_family_checkpoint("minimax", MINIMAX, tmp_path_factory.mktemp("minimax"))
+
+
+def test_minimax_token_exact(minimax_ckpt):
+    llm = check_token_exact(minimax_ckpt)
+    engine = llm.engine
+    info = {k: v for k, v in engine.weight_info().items() if k.startswith("weight_bytes_")}
+    assert sum(info.values()) == engine.plan.weight_bytes  # the plan counts the linear layers
+
+
+def test_minimax_state_and_prefix_cache_refused(minimax_ckpt):
+    assert _state_bytes(minimax_ckpt) == 3 * 4 * 16 * 16 * 4  # 3 layers x [H, D, D] float32
+    _refused_prefix_caching(minimax_ckpt, "lightning attention", 3, 4)
+
+
+@ALL_EP
+def test_minimax_ep2(minimax_ckpt):
+    check_ep_token_exact(minimax_ckpt, 2)

@@ -30,6 +30,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3NextForCausalLM": "moe_engine.models.qwen3_next",
     "Qwen3_5MoeForCausalLM": "moe_engine.models.qwen3_next",
     "Lfm2MoeForCausalLM": "moe_engine.models.lfm2_moe",
+    "MiniMaxForCausalLM": "moe_engine.models.minimax",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.
