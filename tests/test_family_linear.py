@@ -1,8 +1,9 @@
 """Hybrid families whose linear layers keep per-request state slots (issue 43 item 2), served
 token-exact against transformers (float32, greedy, chunked prefill carrying the state over
 several steps): LFM2-MoE (gated short convolutions), MiniMax-Text-01 (lightning attention,
-scaled post-norm residuals). Each refuses prefix caching at startup
-with the reason, as Qwen3-Next does; the plan sizes each family's state.
+scaled post-norm residuals), Kimi-Linear (Kimi Delta Attention beside NoPE MLA). Each refuses
+prefix caching at startup with the reason, as Qwen3-Next does; the plan sizes each family's
+state, and each family's weights are what the plan counted.
 
 Set MOE_ENGINE_FAMILY_EP=all to also run every family's ep-2 check (one runs by default).
 """
@@ -45,6 +46,18 @@ MINIMAX = dict(
     num_local_experts=8, intermediate_size=32, block_size=16,
     full_attn_alpha_factor=0.7, full_attn_beta_factor=1.3, linear_attn_alpha_factor=1.2,
     linear_attn_beta_factor=0.8, mlp_alpha_factor=0.9, mlp_beta_factor=1.1,
+)
+
+#: Kimi-Linear: KDA, MLA, KDA, KDA; a dense first layer; 16 experts in 4 groups (2 kept), one
+#: shared expert; correction bias and the gated output norm drawn.
+KIMI_LINEAR = dict(
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse"], num_local_experts=16,
+    moe_intermediate_size=32, intermediate_size=96, n_group=4, topk_group=2, n_shared_experts=1,
+    routed_scaling_factor=2.0, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
+    qk_rope_head_dim=8, v_head_dim=16, num_key_value_heads=4, linear_num_heads=4,
+    linear_head_dim=16, linear_conv_kernel_dim=4, rms_norm_eps=1e-5,
 )
 
 
@@ -124,3 +137,31 @@ def test_minimax_state_and_prefix_cache_refused(minimax_ckpt):
 @ALL_EP
 def test_minimax_ep2(minimax_ckpt):
     check_ep_token_exact(minimax_ckpt, 2)
+
+
+# -- Kimi-Linear --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kimi_linear_ckpt(tmp_path_factory):
+    return make_family_checkpoint("kimi_linear", KIMI_LINEAR,
+                                  tmp_path_factory.mktemp("kimi_linear"),
+                                  drawn=("e_score_correction_bias", "o_norm.weight"))
+
+
+def test_kimi_linear_token_exact(kimi_linear_ckpt):
+    llm = check_token_exact(kimi_linear_ckpt)
+    engine = llm.engine
+    info = {k: v for k, v in engine.weight_info().items() if k.startswith("weight_bytes_")}
+    assert sum(info.values()) == engine.plan.weight_bytes  # the plan counts the KDA layers
+
+
+def test_kimi_linear_state_and_prefix_cache_refused(kimi_linear_ckpt):
+    # 3 KDA layers x (conv [3 x 4 x 16, 3] + recurrent [4, 16, 16]) float32
+    assert _state_bytes(kimi_linear_ckpt) == 3 * (3 * 64 * 3 + 4 * 16 * 16) * 4
+    _refused_prefix_caching(kimi_linear_ckpt, "Kimi Delta Attention", 3, 4)
+
+
+@ALL_EP
+def test_kimi_linear_ep2(kimi_linear_ckpt):
+    check_ep_token_exact(kimi_linear_ckpt, 2)

@@ -142,11 +142,14 @@ def recurrent_gated_delta_rule(
     state: [B, Hv, Dk, Dv] float32, updated in place to the state after the token (it may be
     a view). Same normalisation as ``chunk_gated_delta_rule``. Returns out [B, Hv, Dv] in
     q.dtype. Follows transformers' ``torch_recurrent_gated_delta_rule`` for one step.
+    g may also be [B, Hv, Dk], a decay per key channel (Kimi Delta Attention, transformers
+    ``recurrent_kimi_delta_attention``: the state's rows decay apart).
     """
     out_dtype = q.dtype
     q, k, v, g, beta = _shared_heads_fp32(q, k, v, g, beta)
     q = q / (q.shape[-1] ** 0.5)
-    s = state.to(torch.float32) * g.exp()[..., None, None]
+    decay = g.exp()[..., None, None] if g.dim() == 2 else g.exp()[..., None]
+    s = state.to(torch.float32) * decay
     kv_mem = (s * k.unsqueeze(-1)).sum(dim=-2)
     delta = (v - kv_mem) * beta.unsqueeze(-1)
     s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)

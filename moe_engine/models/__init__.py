@@ -31,6 +31,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3_5MoeForCausalLM": "moe_engine.models.qwen3_next",
     "Lfm2MoeForCausalLM": "moe_engine.models.lfm2_moe",
     "MiniMaxForCausalLM": "moe_engine.models.minimax",
+    "KimiLinearForCausalLM": "moe_engine.models.kimi_linear",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.

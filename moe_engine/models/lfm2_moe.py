@@ -88,9 +88,6 @@ class Lfm2MoeForCausalLM(MoeCausalLM):
             (".mlp.w3.", ".mlp.up_proj."),
             (".mlp.w2.", ".mlp.down_proj."),
             (".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"),
-            (".conv.in_proj.", ".linear_attn.in_proj."),
-            (".conv.out_proj.", ".linear_attn.out_proj."),
-            (".conv.conv.", ".linear_attn.conv."),
             (".self_attn.q_layernorm.", ".self_attn.q_norm."),
             (".self_attn.k_layernorm.", ".self_attn.k_norm."),
             (".self_attn.out_proj.", ".self_attn.o_proj."),
@@ -167,5 +164,6 @@ class Lfm2MoeForCausalLM(MoeCausalLM):
         if spec.layer_types[index] == LINEAR_ATTENTION:
             (channels, state), _ = spec.linear_state_shapes()
             conv = ShortConv(channels, state + 1, spec.conv_bias, dtype)
-            return LinearAttentionDecoderLayer(conv, mlp, *norms, mixer=spec.linear_mixer)
+            return LinearAttentionDecoderLayer(conv, mlp, *norms, mixer=spec.linear_mixer,
+                                               mixer_name="conv")
         return DecoderLayer(Attention(spec, dtype, rotary, qk_norm=True), mlp, *norms)

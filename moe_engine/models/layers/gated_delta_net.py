@@ -208,12 +208,17 @@ class LinearAttentionDecoderLayer(nn.Module):
     `short_conv.ShortConv`, ...: called `(h [T, H], meta, state) -> [T, H]`): h +
     linear_attn(norm1(h)), then + mlp(norm2(h)) (transformers `Qwen3NextDecoderLayer` of
     layer type "linear_attention"). Never a native decode step (`decode_misfit` says why;
-    `mixer` names the mixer there)."""
+    `mixer` names the mixer there). The mixer is held as `mixer_name` (its checkpoint
+    name)."""
 
     def __init__(self, linear_attn: nn.Module, mlp: nn.Module, input_layernorm: nn.Module,
-                 post_attention_layernorm: nn.Module, mixer: str = "Gated DeltaNet") -> None:
+                 post_attention_layernorm: nn.Module, mixer: str = "Gated DeltaNet",
+                 mixer_name: str = "linear_attn") -> None:
         super().__init__()
-        self.linear_attn = linear_attn
+        #: The mixer's attribute (checkpoint) name: "linear_attn", or the family's ("conv":
+        #: LFM2; "self_attn": Kimi-Linear).
+        self.mixer_name = mixer_name
+        setattr(self, mixer_name, linear_attn)
         self.input_layernorm = input_layernorm
         self.post_attention_layernorm = post_attention_layernorm
         self.mlp = mlp
@@ -224,11 +229,12 @@ class LinearAttentionDecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 state: tuple[torch.Tensor, torch.Tensor], step: object = None) -> torch.Tensor:
         """h: [T, H] -> [T, H]; state: the layer's state slots (`GatedDeltaNet.forward`)."""
+        mixer = getattr(self, self.mixer_name)
         if self.timer is None:
-            h = h + self.linear_attn(self.input_layernorm(h), meta, state)
+            h = h + mixer(self.input_layernorm(h), meta, state)
         else:
             with self.timer.phase("attention"):
-                h = h + self.linear_attn(self.input_layernorm(h), meta, state)
+                h = h + mixer(self.input_layernorm(h), meta, state)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def forward_residual(self, h: torch.Tensor, residual: torch.Tensor | None,
