@@ -75,6 +75,22 @@ def _refused_prefix_caching(ckpt, mixer: str, linear: int, layers: int) -> None:
     assert f"{linear} of its {layers} layers are linear attention ({mixer})" in text
 
 
+def _names_round_trip(ckpt) -> None:
+    """The model's expected pieces, named as the checkpoint names them, are exactly the
+    checkpoint's tensors (less those the mapping ignores): the mapping is complete both ways."""
+    from safetensors import safe_open
+
+    from moe_engine.models import resolve_architecture
+    from moe_engine.models.hf_config import load_hf_config
+
+    hf_config = load_hf_config(str(ckpt))
+    _, cls = resolve_architecture(hf_config)
+    model = cls(cls.arch_spec(hf_config), torch.float32)
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+        stored = {k for k in f.keys() if not k.endswith(cls.weight_mapping.ignored)}  # noqa: SIM118
+    assert set(model.checkpoint_names_of(model.expected_weight_names())) == stored
+
+
 def _state_bytes(ckpt) -> int:
     shape = model_shape(json.loads((ckpt / "config.json").read_text()))
     plan = make_plan(shape, torch.float32, block_size=16, max_model_len=256,
@@ -93,7 +109,8 @@ def test_lfm2_moe_token_exact(lfm2_moe_ckpt):
     assert sum(info.values()) == engine.plan.weight_bytes  # the plan counts the conv layers
 
 
-def test_lfm2_moe_state_and_prefix_cache_refused(lfm2_moe_ckpt):
+def test_lfm2_moe_names_state_and_prefix_cache_refused(lfm2_moe_ckpt):
+    _names_round_trip(lfm2_moe_ckpt)
     assert _state_bytes(lfm2_moe_ckpt) == 3 * 64 * 2 * 4  # 3 conv layers x [H, L - 1] float32
     _refused_prefix_caching(lfm2_moe_ckpt, "short convolution", 3, 4)
 
@@ -129,7 +146,8 @@ def test_minimax_token_exact(minimax_ckpt):
     assert sum(info.values()) == engine.plan.weight_bytes  # the plan counts the linear layers
 
 
-def test_minimax_state_and_prefix_cache_refused(minimax_ckpt):
+def test_minimax_names_state_and_prefix_cache_refused(minimax_ckpt):
+    _names_round_trip(minimax_ckpt)
     assert _state_bytes(minimax_ckpt) == 3 * 4 * 16 * 16 * 4  # 3 layers x [H, D, D] float32
     _refused_prefix_caching(minimax_ckpt, "lightning attention", 3, 4)
 
@@ -156,7 +174,8 @@ def test_kimi_linear_token_exact(kimi_linear_ckpt):
     assert sum(info.values()) == engine.plan.weight_bytes  # the plan counts the KDA layers
 
 
-def test_kimi_linear_state_and_prefix_cache_refused(kimi_linear_ckpt):
+def test_kimi_linear_names_state_and_prefix_cache_refused(kimi_linear_ckpt):
+    _names_round_trip(kimi_linear_ckpt)
     # 3 KDA layers x (conv [3 x 4 x 16, 3] + recurrent [4, 16, 16]) float32
     assert _state_bytes(kimi_linear_ckpt) == 3 * (3 * 64 * 3 + 4 * 16 * 16) * 4
     _refused_prefix_caching(kimi_linear_ckpt, "Kimi Delta Attention", 3, 4)
