@@ -201,10 +201,12 @@ class Plan:
         if not self.state_bytes_per_request:
             return []
         per_token = max(self.kv_bytes_per_token, 1)
+        conv, recurrent = self.shape.linear_state_shapes()
+        parts = [f"conv {self.dtype_name}"] * bool(conv) + ["recurrent float32"] * bool(recurrent)
         return [
             f"linear-attention state: {format_bytes(self.state_bytes_per_request)} per request "
-            f"over {len(self.shape.linear_attention_layers())} layers (conv {self.dtype_name}, "
-            f"recurrent float32; the KV of "
+            f"over {len(self.shape.linear_attention_layers())} layers "
+            f"({', '.join(parts)}; the KV of "
             f"{self.state_bytes_per_request / per_token:.0f} tokens), "
             f"{self.num_state_slots} slots (max_num_seqs) + 1 null slot = "
             f"{format_bytes(self.state_memory)} "
