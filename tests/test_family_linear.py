@@ -184,3 +184,61 @@ def test_kimi_linear_names_state_and_prefix_cache_refused(kimi_linear_ckpt):
 @ALL_EP
 def test_kimi_linear_ep2(kimi_linear_ckpt):
     check_ep_token_exact(kimi_linear_ckpt, 2)
+
+
+# -- the mixers' kernels against transformers' torch paths, state carried across chunks ---------
+
+
+def test_kda_and_lightning_kernels_carry_the_state_across_chunks():
+    """Prefill split into two chunks then one decode token equals one pass (KDA: transformers'
+    `chunk_kimi_delta_attention`; lightning attention, 16-token blocks: its recurrence token by
+    token, transformers' cached branch) to float32 rounding, outputs and state."""
+    from transformers.models.kimi_linear.modeling_kimi_linear import (
+        chunk_kimi_delta_attention,
+    )
+
+    from kernels.attention.gated_delta import recurrent_gated_delta_rule
+    from kernels.attention.kda import chunk_kda_rule
+    from kernels.attention.lightning import (
+        lightning_attention_decode,
+        lightning_attention_prefill,
+    )
+    from moe_engine.models.layers.lightning_attention import lightning_slopes
+
+    g = torch.Generator().manual_seed(0)
+    t, h, d = 70, 3, 8
+    q, k, v = (torch.randn(t, h, d, generator=g) for _ in range(3))
+    decay, beta = -torch.rand(t, h, d, generator=g) * 0.5, torch.rand(t, h, generator=g)
+    ref, ref_state = chunk_kimi_delta_attention(
+        q[None], k[None], v[None], decay[None], beta[None], initial_state=None,
+        output_final_state=True, use_qk_l2norm_in_kernel=True)
+    state = torch.zeros(h, d, d)
+    parts = [chunk_kda_rule(q[a:b], k[a:b], v[a:b], decay[a:b], beta[a:b], state, chunk_size=16)
+             for a, b in ((0, 40), (40, 69))]
+    batch = state[None].clone()
+    parts.append(recurrent_gated_delta_rule(q[69:], k[69:], v[69:], decay[69:], beta[69:], batch))
+    torch.testing.assert_close(torch.cat(parts), ref[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(batch[0], ref_state[0], rtol=1e-5, atol=1e-5)
+
+    slope, block = lightning_slopes(h, 1, 4), 16
+    kv, outs = torch.zeros(h, d, d), []
+    for i in range(t):  # the definition, token by token (transformers' cached branch)
+        kv = torch.exp(-slope)[:, None, None] * kv + k[i, :, :, None] * v[i, :, None, :]
+        outs.append((q[i, :, None, :] @ kv)[:, 0])
+    ref = torch.stack(outs)
+    state = torch.zeros(h, d, d)
+    parts = [lightning_attention_prefill(q[a:b], k[a:b], v[a:b], slope, state, block)
+             for a, b in ((0, 37), (37, 69))]
+    batch = state[None].clone()
+    parts.append(lightning_attention_decode(q[69:], k[69:], v[69:], slope, batch))
+    # values of ~10 (70 unnormalised k v^T, slowly decayed): float32 rounding of sums
+    torch.testing.assert_close(torch.cat(parts), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(batch[0], kv, rtol=1e-4, atol=1e-4)
+
+
+def test_speculative_decoding_refused_naming_the_mixer(lfm2_moe_ckpt):
+    with pytest.raises(StartupError) as err:
+        LLM(model=str(lfm2_moe_ckpt), max_model_len=64, speculative_method="ngram",
+            num_speculative_tokens=2)
+    text = str(err.value)
+    assert "--speculative-method ngram" in text and "(short convolution)" in text
