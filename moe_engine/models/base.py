@@ -13,7 +13,8 @@ The subclass states, as class attributes and hooks:
   defaults are the Llama-style blocks of `layers/decoder.py`;
 - checkpoint names: `weight_mapping` (`weight_mapping.WeightMapping`), applied by the shared
   `WeightLoader`;
-- KV cache: `kv_cache_groups_for(spec)`, the layers by attention kind.
+- KV cache: `kv_cache_groups_for(spec)`, the layers by attention kind;
+- the README's families-table row: `card` (`models.spec.FamilyCard`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from moe_engine.models.layers.mtp import MTPLayer
 from moe_engine.models.layers.native_decode import DecodeStep
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding, rope_theta_of
-from moe_engine.models.spec import ArchSpec
+from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightLoader, WeightMapping
 from moe_engine.phase_timer import PhaseTimer
 from moe_engine.startup.model_shape import ModelShape
@@ -61,6 +62,9 @@ class MoeCausalLM(nn.Module):
     #: The config.json field counting the checkpoint's MTP layers (None: the architecture
     #: has none this engine can build, `build_mtp_layer`).
     mtp_layers_field: ClassVar[str | None] = None
+    #: What the README's families table says of it (`models/families.py`; every registered
+    #: class has one).
+    card: ClassVar[FamilyCard | None] = None
 
     def __init__(self, spec: ArchSpec, dtype: torch.dtype, max_position: int | None = None) -> None:
         super().__init__()
@@ -69,7 +73,8 @@ class MoeCausalLM(nn.Module):
         layers = [self.build_layer(spec, i, dtype, rotary) for i in range(spec.num_layers)]
         embed = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
         self.model = Backbone(embed, layers, self.build_norm(spec, spec.hidden_size, dtype))
-        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=spec.lm_head_bias,
+                              dtype=dtype)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         #: The MTP layers (`layers/mtp.py`), empty unless `spec.num_mtp_layers`.
@@ -181,8 +186,10 @@ class MoeCausalLM(nn.Module):
     def build_attention(
         self, spec: ArchSpec, index: int, dtype: torch.dtype, rotary: nn.Module
     ) -> nn.Module:
-        """Layer `index`'s attention; default `Attention`, sliding where `layer_types` says."""
+        """Layer `index`'s attention; default `Attention`, sliding where `layer_types` says,
+        without rotary in `spec.nope_layers`."""
         sliding = bool(spec.layer_types) and spec.layer_types[index] == "sliding_attention"
+        rotary = None if index in spec.nope_layers else rotary
         return Attention(spec, dtype, rotary, spec.sliding_window if sliding else None)
 
     def build_mlp(self, spec: ArchSpec, index: int, dtype: torch.dtype) -> nn.Module:
@@ -246,6 +253,8 @@ class MoeCausalLM(nn.Module):
         the step); one with a native decode kernel updates h in place (the embedding's fresh
         output)."""
         h = self.model.embed_tokens(input_ids)
+        if self.spec.embedding_multiplier != 1.0:
+            h = h * self.spec.embedding_multiplier
         layers = self.model.layers
         step = DecodeStep.of(h, positions, meta, self.spec.top_k, len(layers))
         residual = None  # the stream is h + residual: each add is fused into the next norm
@@ -265,8 +274,12 @@ class MoeCausalLM(nn.Module):
             moe.timer = timer
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, H] -> logits [N, vocab] float32."""
-        return self.lm_head(hidden).float()
+        """hidden: [N, H] -> logits [N, vocab] float32 (divided by `spec.logits_scaling`, in
+        the model dtype as transformers' Granite does, where it is not 1)."""
+        logits = self.lm_head(hidden)
+        if self.spec.logits_scaling != 1.0:
+            logits = logits / self.spec.logits_scaling
+        return logits.float()
 
     # -- weights -----------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from moe_engine.models.layers.gated_delta_net import LinearAttentionDecoderLayer
 from moe_engine.models.layers.kda import KimiDeltaAttention
 from moe_engine.models.layers.mla import MLA_STACKED
 from moe_engine.models.layers.rotary import NoRotaryEmbedding
+from moe_engine.models.spec import FamilyCard
 from moe_engine.models.weight_mapping import QKV_STACKED, ExpertMapping, WeightMapping
 
 #: Kimi's config.json keys -> the names the shared readers use (`KimiLinearConfig.attribute_map`).
@@ -105,6 +106,11 @@ def kimi_layer_kinds(cfg: dict) -> tuple[tuple[str, ...], tuple[int, ...]]:
 
 class KimiLinearForCausalLM(DeepseekV3ForCausalLM):
     """Kimi-Linear on the engine's layers (module docstring)."""
+
+    card = FamilyCard(
+        "Kimi-Linear", ("moonshotai/Kimi-Linear-48B-A3B-Instruct",),
+        "Kimi Delta Attention + MLA without rope", cache=("mla", "state"), speculation=(),
+    )
 
     model_types = ("kimi_linear",)
     mtp_layers_field = None

@@ -41,7 +41,7 @@ from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.rotary import rope_theta_of
 from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter
 from moe_engine.models.layers.short_conv import ShortConv
-from moe_engine.models.spec import ArchSpec
+from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import ExpertMapping, WeightMapping
 
 #: config.json `layer_types` entries -> the engine's layer kinds.
@@ -78,6 +78,11 @@ def lfm2_layer_types(cfg: dict) -> tuple[str, ...]:
 
 class Lfm2MoeForCausalLM(MoeCausalLM):
     """LFM2-MoE on the engine's layers (module docstring)."""
+
+    card = FamilyCard(
+        "LFM2-MoE", ("LiquidAI/LFM2-8B-A1B",),
+        "gated short convolutions + GQA (q/k norm)", cache=("full", "state"), speculation=(),
+    )
 
     model_types = ("lfm2_moe",)
     spec_class = Lfm2MoeSpec

@@ -37,7 +37,7 @@ from moe_engine.models.layers.attention import AttentionMetadata
 from moe_engine.models.layers.decoder import Attention
 from moe_engine.models.layers.lightning_attention import DERIVED_BUFFERS, LightningAttention
 from moe_engine.models.layers.moe import FusedMoE
-from moe_engine.models.spec import ArchSpec
+from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import ExpertMapping, WeightMapping
 
 #: `MiniMaxConfig.block_size`'s default (tokens per lightning-attention prefill block).
@@ -134,12 +134,18 @@ class ScaledResidualLayer(nn.Module):
 class MiniMaxForCausalLM(MoeCausalLM):
     """MiniMax-Text-01 on the engine's layers (module docstring)."""
 
+    card = FamilyCard(
+        "MiniMax-Text-01", ("MiniMaxAI/MiniMax-Text-01-hf",),
+        "lightning attention + GQA, alpha/beta-scaled post-norm residuals",
+        cache=("full", "state"), speculation=(),
+    )
+
     model_types = ("minimax",)
     spec_class = MiniMaxSpec
     weight_mapping = WeightMapping(
         renames=((".block_sparse_moe.", ".mlp."),),
         experts=ExpertMapping(gate="w1", up="w3", down="w2"),
-        ignored=DERIVED_BUFFERS,
+        skipped=(DERIVED_BUFFERS,),
     )
 
     @classmethod

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_engine.kv_cache.spec import (
+    CHUNKED_LOCAL_ATTENTION,
     FULL_ATTENTION,
     LINEAR_ATTENTION,
     MLA_ATTENTION,
@@ -44,6 +45,8 @@ class ModelShape:
             every layer is full attention.
         sliding_window: tokens a sliding-attention query sees, itself included (None: no
             sliding layers).
+        attention_chunk_size: tokens per chunk of the chunked local attention layers
+            (`layer_types` "chunked_attention", Llama 4); None: no such layers.
         attention_sinks: one learned sink logit per query head and layer (gpt-oss).
         router_bias: the router Linear has a bias (gpt-oss).
         expert_bias: each expert has gate/up [2I] and down [H] biases (gpt-oss).
@@ -97,6 +100,7 @@ class ModelShape:
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
     attention_sinks: bool = False
+    attention_chunk_size: int | None = None
     router_bias: bool = False
     expert_bias: bool = False
     kv_lora_rank: int | None = None
@@ -249,18 +253,20 @@ class ModelShape:
         return 2 * layers * self.num_kv_heads * self.head_dim
 
     def attention_groups(self) -> list[AttentionGroup]:
-        """The layers by attention kind, full attention first: (kind, sliding window or None,
-        layer indices), one entry per kind present (`layer_types`; all full when empty); one
-        "mla" group of every layer but the linear ones when kv_lora_rank is set."""
+        """The layers by attention kind, full attention first: (kind, the sliding window or
+        the chunk size of chunked layers or None, layer indices), one entry per kind present
+        (`layer_types`; all full when empty); one "mla" group of every layer but the linear ones
+        when kv_lora_rank is set."""
         if self.kv_lora_rank:
             linear = set(self.linear_attention_layers())
             layers = tuple(i for i in range(self.num_layers) if i not in linear)
             return [(MLA_ATTENTION, None, layers)]
         types = self.layer_types or (FULL_ATTENTION,) * self.num_layers
+        windows = {FULL_ATTENTION: None, SLIDING_ATTENTION: self.sliding_window,
+                   CHUNKED_LOCAL_ATTENTION: self.attention_chunk_size}
         groups: list[AttentionGroup] = []
-        for kind in (FULL_ATTENTION, SLIDING_ATTENTION):
+        for kind, window in windows.items():
             layers = tuple(i for i, t in enumerate(types) if t == kind)
             if layers:
-                window = self.sliding_window if kind == SLIDING_ATTENTION else None
                 groups.append((kind, window, layers))
         return groups

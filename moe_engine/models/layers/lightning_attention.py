@@ -27,8 +27,9 @@ from moe_engine.models.layers.norm import RMSNorm
 
 #: The norm's epsilon (transformers builds it with MiniMaxRMSNorm's default, not rms_norm_eps).
 NORM_EPS = 1e-6
-#: The buffers a transformers checkpoint carries per lightning layer, derived here instead.
-DERIVED_BUFFERS = (".slope_rate", ".query_decay", ".key_decay", ".diagonal_decay")
+#: The buffers a transformers checkpoint carries per lightning layer, derived here instead
+#: (a `WeightMapping.skipped` pattern).
+DERIVED_BUFFERS = r"\.self_attn\.(slope_rate|query_decay|key_decay|diagonal_decay)$"
 
 
 def lightning_slopes(num_heads: int, layer: int, num_layers: int) -> torch.Tensor:

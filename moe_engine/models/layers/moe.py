@@ -43,6 +43,28 @@ __all__ = ["ROUTINGS", "FusedMoE", "softmax_topk", "topk_softmax"]  # routing: o
 ROUTINGS = ("softmax_topk", "topk_softmax")
 
 
+def weight_on_input(
+    hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The routed experts' inputs when the routing weight scales the input (Llama 4).
+
+    Args:
+        hidden: [T, H]; topk_weights: [T, k] float32; topk_ids: [T, k] int32.
+
+    Returns:
+        (rows, weights, ids): for k = 1, hidden * w ([T, H], the weight rounded to hidden's
+        dtype first, as transformers multiplies), weights of ones and the ids; for k > 1 one
+        row per (token, expert) pair in token-major order ([T * k, H], [T * k, 1], [T * k, 1]).
+    """
+    w = topk_weights.to(hidden.dtype)
+    ones = torch.ones_like(topk_weights)
+    if topk_ids.shape[1] == 1:
+        return hidden * w, ones, topk_ids
+    k = topk_ids.shape[1]
+    rows = hidden.repeat_interleave(k, dim=0) * w.reshape(-1, 1)
+    return rows, ones.reshape(-1, 1), topk_ids.reshape(-1, 1)
+
+
 class FusedMoE(nn.Module):
     """Routed SwiGLU experts stored stacked: w13 [E_local, 2*I, H] (gate; up), w2 [E_local, H, I].
 
@@ -75,6 +97,15 @@ class FusedMoE(nn.Module):
             `mlp.gate.*` load by name. None (default): a Linear gate and `routing`.
         shared_experts: run on this rank's own tokens beside the routed path (never
             dispatched) and added after combine (`layers.shared_experts`); None: none.
+        output_scale: multiplies the block's output, routed plus shared (Cohere2-MoE's
+            "average" shared-expert combination, (routed + shared) / 2, is 0.5: a power of
+            two, so the product rounds exactly as transformers' division); default 1.
+        output_bias: hold `bias` [H], added to the block's output (JetMoE's `mlp.bias`).
+        apply_router_weight_on_input: each routed expert takes the token already multiplied
+            by its routing weight and its output is not weighted (Llama 4's
+            `Llama4TextMoe`: silu(gate(w x)) * up(w x), not w * silu(gate(x)) * up(x); vLLM's
+            flag of that name). With top_k > 1 each (token, expert) pair is its own row
+            through dispatch and the experts, and a token's k outputs are summed after.
 
     Raises:
         ValueError: an unknown routing, or a router whose num_experts / top_k differ.
@@ -96,6 +127,9 @@ class FusedMoE(nn.Module):
         activation: SwiGLU = SILU_AND_MUL,
         router: nn.Module | None = None,
         shared_experts: SharedExperts | None = None,
+        output_scale: float = 1.0,
+        output_bias: bool = False,
+        apply_router_weight_on_input: bool = False,
     ) -> None:
         super().__init__()
         if routing not in ROUTINGS:
@@ -111,6 +145,12 @@ class FusedMoE(nn.Module):
         self.router_module = router is not None
         self.gate = router or Linear(hidden_size, num_experts, bias=router_bias, dtype=dtype)
         self.shared_experts = shared_experts
+        self.output_scale = output_scale
+        self.bias = (
+            nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+            if output_bias else None
+        )
+        self.apply_router_weight_on_input = apply_router_weight_on_input
         self.b13: nn.Parameter | None = None
         self.b2: nn.Parameter | None = None
         if expert_bias:
@@ -212,15 +252,25 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [T, H] -> [T, H], same dtype: combine(experts(dispatch(hidden))) plus the
-        shared experts of this rank's own tokens."""
+        shared experts of this rank's own tokens (times `output_scale` where it is not 1, plus
+        `bias` where the block has one)."""
+        out = self._forward(hidden)
+        if self.output_scale != 1.0:
+            out = out * self.output_scale
+        return out if self.bias is None else out + self.bias
+
+    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
         timer = self.timer or _NO_TIMER
         with timer.phase("router"):
             counts = self._count_in_router(hidden.shape[0])
             topk_weights, topk_ids = self._route(hidden, counts)
             if self.load_recorder is not None and not counts:  # routed pairs only
                 self.load_recorder.record(self.layer_index, topk_ids)
+        routed = hidden
+        if self.apply_router_weight_on_input:
+            routed, topk_weights, topk_ids = weight_on_input(hidden, topk_weights, topk_ids)
         with timer.phase("dispatch"):
-            sent = self.communicator.dispatch(hidden, topk_ids, topk_weights)
+            sent = self.communicator.dispatch(routed, topk_ids, topk_weights)
             if self.load_recorder is not None and self.ep_rank is not None:
                 # expert work of this rank: the token-expert pairs its slots process
                 mine = torch.zeros(
@@ -229,7 +279,8 @@ class FusedMoE(nn.Module):
                 mine[self.ep_rank] = (sent.topk_ids >= 0).sum()
                 self.load_recorder.record_rank_tokens(self.layer_index, mine)
         experts = self.quantized if self.quantized is not None else self._float_experts()
-        if self.shared_experts is not None and self._adds_in_experts(experts):
+        if (self.shared_experts is not None and self._adds_in_experts(experts)
+                and routed.shape[0] == hidden.shape[0]):
             # one rank: the experts' last kernel adds the shared experts' output (same rounding)
             with timer.phase("shared_experts"):
                 shared = self.shared_experts(hidden)
@@ -240,6 +291,8 @@ class FusedMoE(nn.Module):
             expert_out = experts(sent.hidden, sent.topk_weights, sent.topk_ids)
         with timer.phase("combine"):
             out = self.communicator.combine(expert_out, sent.handle)
+        if out.shape[0] != hidden.shape[0]:  # weight on input, top_k > 1: one row per pair
+            out = out.view(hidden.shape[0], -1, out.shape[-1]).sum(dim=1)
         if self.shared_experts is None:
             return out
         with timer.phase("shared_experts"):
