@@ -34,18 +34,20 @@ class MambaSpec:
 
     Attributes:
         layers: the decoder-layer indices of the linear layers.
-        conv_shape: (C, W - 1), the conv state (the last W - 1 conv inputs, oldest first).
+        conv_shape: the conv state, e.g. (C, W - 1) (the last W - 1 conv inputs, oldest
+            first); None for a mixer without a causal conv (lightning attention).
         ssm_shape: the recurrent state: (Hv, Dk, Dv) for Gated DeltaNet (per value head a
             Dk x Dv matrix), (heads, head_dim, d_state) for Mamba-2, (intermediate, d_state)
-            for Mamba-1; any number of dims.
+            for Mamba-1; any number of dims; None for a mixer with a conv state only (a short
+            convolution).
         conv_dtype: the conv state's dtype (the model's).
         ssm_dtype: the recurrent state's dtype, float32 by default as SGLang keeps it (a
             bfloat16 state rounds every decode step's update).
     """
 
     layers: tuple[int, ...]
-    conv_shape: tuple[int, ...]
-    ssm_shape: tuple[int, ...]
+    conv_shape: tuple[int, ...] | None
+    ssm_shape: tuple[int, ...] | None
     conv_dtype: torch.dtype
     ssm_dtype: torch.dtype = torch.float32
 
@@ -57,8 +59,9 @@ class MambaSpec:
     @property
     def bytes_per_layer(self) -> int:
         """One request's state in one layer (bytes)."""
-        conv = math.prod(self.conv_shape) * self.conv_dtype.itemsize
-        return conv + math.prod(self.ssm_shape) * self.ssm_dtype.itemsize
+        conv = math.prod(self.conv_shape) * self.conv_dtype.itemsize if self.conv_shape else 0
+        ssm = math.prod(self.ssm_shape) * self.ssm_dtype.itemsize if self.ssm_shape else 0
+        return conv + ssm
 
     @property
     def bytes_per_request(self) -> int:
@@ -67,14 +70,18 @@ class MambaSpec:
 
     def allocate(
         self, num_slots: int, device: torch.device | str = "cpu"
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    ) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
         """Per linear layer, its zeroed (conv [num_slots + 1, *conv_shape], recurrent
-        [num_slots + 1, *ssm_shape]) tensors; row 0 is the null slot."""
+        [num_slots + 1, *ssm_shape]) tensors, None for a part the spec lacks; row 0 is the
+        null slot."""
+
+        def part(shape: tuple[int, ...] | None, dtype: torch.dtype) -> torch.Tensor | None:
+            if shape is None:
+                return None
+            return torch.zeros(num_slots + 1, *shape, dtype=dtype, device=device)
+
         return [
-            (
-                torch.zeros(num_slots + 1, *self.conv_shape, dtype=self.conv_dtype, device=device),
-                torch.zeros(num_slots + 1, *self.ssm_shape, dtype=self.ssm_dtype, device=device),
-            )
+            (part(self.conv_shape, self.conv_dtype), part(self.ssm_shape, self.ssm_dtype))
             for _ in self.layers
         ]
 

@@ -61,6 +61,9 @@ ARCHITECTURES: dict[str, str] = {
     "JambaForCausalLM": "moe_engine.models.jamba",
     "GraniteMoeSWAForCausalLM": "moe_engine.models.granitemoe_swa",
     "NemotronHForCausalLM": "moe_engine.models.nemotron_h",
+    "Lfm2MoeForCausalLM": "moe_engine.models.lfm2_moe",
+    "MiniMaxForCausalLM": "moe_engine.models.minimax",
+    "KimiLinearForCausalLM": "moe_engine.models.kimi_linear",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.

@@ -129,9 +129,9 @@ class GraniteMoeHybridForCausalLM(MoeCausalLM):
             norm_topk_prob=True,
             shared_expert_intermediate_size=int(cfg.get("shared_intermediate_size", 1024)),
             layer_types=types,
-            linear_layer_kind="Mamba-2",
+            linear_mixer="Mamba-2",
             linear_state=state,
-            linear_layer_params=Mamba2Mixer.num_params(required_int(cfg, "hidden_size"), **sizes),
+            linear_mixer_params=Mamba2Mixer.num_params(required_int(cfg, "hidden_size"), **sizes),
         )
 
     @classmethod

@@ -124,10 +124,10 @@ class JambaForCausalLM(MoeCausalLM):
             norm_topk_prob=False,
             layer_types=tuple(FULL_ATTENTION if i in attention else LINEAR_ATTENTION
                               for i in range(layers)),
-            linear_layer_kind="Mamba",
+            linear_mixer="Mamba",
             linear_state=MambaMixer.state_shapes(
                 sizes["intermediate_size"], sizes["state_size"], sizes["conv_kernel"]),
-            linear_layer_params=MambaMixer.num_params(required_int(cfg, "hidden_size"), **sizes,
+            linear_mixer_params=MambaMixer.num_params(required_int(cfg, "hidden_size"), **sizes,
                                                       inner_norms=True),
         )
         # dense layers have the experts' width (moe_shape zeroes it for an experts field)

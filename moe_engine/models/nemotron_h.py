@@ -184,9 +184,9 @@ class NemotronHForCausalLM(MoeCausalLM):
                                                 or 0),
             router_correction_bias=True,
             layer_types=tuple(t for g in groups for _, t in g if t in MIXERS),
-            linear_layer_kind="Mamba-2",
+            linear_mixer="Mamba-2",
             linear_state=Mamba2Mixer.state_shapes(**sizes),
-            linear_layer_params=Mamba2Mixer.num_params(
+            linear_mixer_params=Mamba2Mixer.num_params(
                 hidden, **sizes, proj_bias=bool(_get(cfg, "use_bias")),
                 conv_bias=bool(_get(cfg, "use_conv_bias"))),
         )
