@@ -101,6 +101,52 @@ REFUSED_ARCHITECTURES: dict[str, str] = {
         "share KV caches (num_kv_shared_layers={num_kv_shared_layers}) and take per-layer "
         "input embeddings (hidden_size_per_layer_input={hidden_size_per_layer_input})"
     ),
+    "InklingForCausalLM": (
+        "Inkling's text decoder is not implemented: hidden-state-conditioned relative position "
+        "logits added to the attention scores (rel_extent={rel_extent} distances), sliding "
+        "layers with their own head counts and head dim (swa_head_dim={swa_head_dim}), short "
+        "convolutions and a normed embedding"
+    ),
+    "Inkling2ForCausalLM": (
+        "Inkling2's text decoder is not implemented: a relative position bias with L2-clipped "
+        "queries and keys (qk_l2_clip_threshold={qk_l2_clip_threshold}), dynamic short "
+        "convolutions, softcapped SwiGLU experts (mlp_gate_softcap={mlp_gate_softcap}) and "
+        "attention residuals over blocks of n_layers_per_attn_res_block="
+        "{n_layers_per_attn_res_block} layers"
+    ),
+    "Inkling2LoopForCausalLM": (
+        "Inkling2-Loop's text decoder is not implemented: Inkling2's layers (relative position "
+        "bias, dynamic short convolutions, softcapped SwiGLU experts, block attention "
+        "residuals) run loop_num_passes={loop_num_passes} times over layers "
+        "{loop_layer_index_start}..{loop_layer_index_end}, mixed by message gates"
+    ),
+    "Qwen4ExpForCausalLM": (
+        "Qwen4-Exp's text decoder is not implemented: QSA attention (an indexer over "
+        "compressed key blocks, indexer_budget={indexer_budget}), hashed n-gram per-layer "
+        "embeddings (ple_layer_ids) and hyper-connection residual streams (hc_count={hc_count}) "
+        "beside its Gated DeltaNet layers"
+    ),
+    "MiniMaxM3VLForCausalLM": (
+        "MiniMax-M3's block-sparse attention is not implemented: its indexer max-pools key "
+        "scores into blocks of index_block_size={index_block_size} keys and keeps "
+        "index_topk_blocks={index_topk_blocks} blocks plus index_local_blocks="
+        "{index_local_blocks} local ones per query, a block-granular selection (the engine's "
+        "DeepSeek Sparse Attention selects single keys)"
+    ),
+    "Dots3NoteForCausalLM": (
+        "dots3's text decoder is not implemented: per-layer configurations (per_layer_config) "
+        "mixing sliding-window MLA with its own rope base and MLA with a DeepSeek Sparse "
+        "Attention indexer, and per-layer routed-expert counts (pyramid_num_routed)"
+    ),
+    "BailingHybridForCausalLM": (
+        "Bailing-hybrid's linear layers are not implemented: a gated delta rule with a "
+        "per-channel forget gate (kda_lower_bound={kda_lower_bound}) over short q/k/v "
+        "convolutions, in groups of layer_group_size={layer_group_size} layers beside MLA"
+    ),
+    "LaraMiniForCausalLM": (
+        "LaraMini is not implemented: Gated DeltaNet layers beside q/k-normed attention whose "
+        "sliding layers use RoPE and whose full layers use none, with an ungated shared expert"
+    ),
 }
 
 
