@@ -240,3 +240,55 @@ def test_afmoe_prefix_cache(afmoe_ckpt):
 @EP_ALL
 def test_afmoe_ep2(afmoe_ckpt):
     check_ep_token_exact(afmoe_ckpt, 2)
+
+
+KOLIBRI1 = {
+    "num_hidden_layers": 4,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+    "num_experts": 8,
+    "norm_topk_prob": True,
+    "sliding_window": 20,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+}
+
+
+@pytest.fixture(scope="module")
+def kolibri1_ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sigmoid")
+    return make_family_checkpoint("kolibri1", KOLIBRI1, root, drawn=DRAWN)
+
+
+def test_kolibri1_token_exact(kolibri1_ckpt):
+    """Sandwich norms; NoPE global layers 1, 3; the biased logits choose the experts."""
+    check_token_exact(kolibri1_ckpt)
+
+
+def test_kolibri1_prefix_cache(kolibri1_ckpt):
+    check_prefix_cache(kolibri1_ckpt)
+
+
+@EP_ALL
+def test_kolibri1_ep2(kolibri1_ckpt):
+    check_ep_token_exact(kolibri1_ckpt, 2)
+
+
+def test_logit_bias_router_kernel_matches_torch():
+    """The Triton router's `bias_on_logits` variant (under the interpreter on a CPU) chooses
+    and weighs as the torch function, groups and renormalisation included."""
+    import torch
+
+    from kernels.moe.router_kernels import fused_sigmoid_grouped_topk
+    from moe_engine.models.layers.routing import sigmoid_grouped_topk
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, 16, generator=g)
+    bias = torch.randn(16, generator=g)
+    for n_group, topk_group, norm in ((1, 1, True), (4, 2, False)):
+        args = (logits, 3, bias, n_group, topk_group, norm, 1.5)
+        got_w, got_ids = fused_sigmoid_grouped_topk(*args, bias_on_logits=True)
+        want_w, want_ids = sigmoid_grouped_topk(*args, bias_on_logits=True)
+        assert torch.equal(got_ids, want_ids)
+        torch.testing.assert_close(got_w, want_w)
+        # the choice differs from the biased-sigmoid rule's on these inputs
+        assert not torch.equal(sigmoid_grouped_topk(*args)[1], want_ids)

@@ -10,6 +10,8 @@ One kernel, specialised by constexprs, covers the routing families of
 | `fused_topk_softmax`         | gpt-oss                       | top-k logits, softmax of k   |
 | `fused_sigmoid_grouped_topk` | DeepSeek-V3, GLM-4.5 (noaux)  | sigmoid + bias, group top-2  |
 |                              |                               | sums, top-k, renorm., scaled |
+|                              |                               | (or logits + bias choosing:  |
+|                              |                               | `bias_on_logits`, Kolibri-1) |
 | `fused_softmax_grouped_topk` | DeepSeek-V2                   | softmax, group max, top-k,   |
 |                              |                               | scaled                       |
 
@@ -36,7 +38,7 @@ import triton.language as tl
 
 from kernels.moe.sum_kernels import round_bf16_bits
 
-SOFTMAX_THEN_TOPK, SIGMOID_BIAS, TOPK_THEN_SOFTMAX = 0, 1, 2  # SCORING
+SOFTMAX_THEN_TOPK, SIGMOID_BIAS, TOPK_THEN_SOFTMAX, LOGIT_BIAS_SIGMOID = 0, 1, 2, 3  # SCORING
 NO_GROUPS, GROUP_MAX, GROUP_TOP2_SUM = 0, 1, 2  # GROUP_SCORE
 _BIG = tl.constexpr(1 << 30)  # an index past every expert and group
 
@@ -106,6 +108,12 @@ def router_topk_kernel(
         choice = scores
         if HAS_BIAS:
             choice = scores + tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
+        choice = tl.where(valid, choice, float("-inf"))
+    elif SCORING == 3:  # the biased logits choose, their sigmoid weighs
+        scores = 1.0 / (1.0 + tl.exp(-x))
+        choice = x
+        if HAS_BIAS:
+            choice = x + tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
         choice = tl.where(valid, choice, float("-inf"))
     else:
         scores = x
@@ -259,10 +267,12 @@ def fused_sigmoid_grouped_topk(
     topk_group: int,
     norm_topk_prob: bool,
     routed_scaling_factor: float,
+    bias_on_logits: bool = False,
     **counts: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`routing.sigmoid_grouped_topk` (DeepSeek-V3 / GLM-4.5 noaux_tc routing, arXiv:2412.19437
-    sec. 2.1.2) in one launch: sigmoid scores, plus the correction bias for the choice only;
+    sec. 2.1.2) in one launch: sigmoid scores, plus the correction bias for the choice only
+    (with `bias_on_logits` the logits plus the bias choose instead: Kolibri-1);
     groups scored by the sum of their two largest biased scores, the best `topk_group` kept;
     the top_k of their experts; weights the unbiased scores, divided by their sum + 1e-20 when
     `norm_topk_prob`, times `routed_scaling_factor`.
@@ -278,7 +288,8 @@ def fused_sigmoid_grouped_topk(
     """
     grouped = topk_group < n_group
     return _launch(
-        router_logits, top_k, scoring=SIGMOID_BIAS, n_group=n_group, topk_group=topk_group,
+        router_logits, top_k, scoring=LOGIT_BIAS_SIGMOID if bias_on_logits else SIGMOID_BIAS,
+        n_group=n_group, topk_group=topk_group,
         group_score=GROUP_TOP2_SUM if grouped else NO_GROUPS, bias=e_score_correction_bias,
         renormalize=norm_topk_prob, renorm_eps=1e-20, scale=routed_scaling_factor, **counts,
     )  # fmt: skip

@@ -35,6 +35,7 @@ ARCHITECTURES: dict[str, str] = {
     "SolarOpenForCausalLM": "moe_engine.models.solar_open",
     "HYV3ForCausalLM": "moe_engine.models.hy_v3",
     "AfmoeForCausalLM": "moe_engine.models.afmoe",
+    "Kolibri1ForCausalLM": "moe_engine.models.kolibri1",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.

@@ -186,6 +186,7 @@ def sigmoid_grouped_topk(
     topk_group: int,
     norm_topk_prob: bool,
     routed_scaling_factor: float,
+    bias_on_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 / GLM-4.5 routing: sigmoid scores, bias for selection, group-limited top-k.
 
@@ -202,6 +203,8 @@ def sigmoid_grouped_topk(
     5. weights are the *unbiased* sigmoid scores of those experts, divided by their sum
        (+1e-20) when norm_topk_prob, then times routed_scaling_factor.
     This is `DeepseekV3TopkRouter.forward` / `Glm4MoeTopkRouter.forward` of transformers 5.24.
+    With `bias_on_logits` the choice of steps 2-4 uses router_logits + bias instead of the
+    biased scores (Kolibri-1's `Kolibri1TopKRouter`); the weights are still the sigmoid scores.
 
     Args:
         router_logits: [T, E] (computed in float32 from the float32 router weight).
@@ -210,6 +213,7 @@ def sigmoid_grouped_topk(
         n_group, topk_group: the group limit (n_group = 1, topk_group = 1: none).
         norm_topk_prob: renormalise the k weights.
         routed_scaling_factor: multiplies the weights.
+        bias_on_logits: choose by the biased logits, not the biased scores.
 
     Returns:
         topk_weights [T, k] float32, topk_ids [T, k] int32 (by descending biased score).
@@ -220,7 +224,9 @@ def sigmoid_grouped_topk(
     num_tokens, num_experts = router_logits.shape
     per_group = num_experts // n_group
     scores = router_logits.float().sigmoid()
-    choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias
+    choice = router_logits.float() if bias_on_logits else scores
+    if e_score_correction_bias is not None:
+        choice = choice + e_score_correction_bias
     if topk_group < n_group:
         top2 = choice.view(num_tokens, n_group, per_group).topk(2, dim=-1).values
         keep = group_limited_mask(top2.sum(dim=-1), topk_group, per_group)
@@ -376,7 +382,9 @@ class SigmoidGroupedTopKRouter(_Router):
         bias: a router bias [E] (none of these families has one);
         dtype: the weight's dtype: float32 (default) whatever the model dtype, as transformers
             keeps it (`_keep_in_fp32_modules_strict`), or the model's where transformers
-            computes the logits in it (Cohere2-MoE's sigmoid router).
+            computes the logits in it (Cohere2-MoE's sigmoid router);
+        bias_on_logits: the logits plus the correction bias choose (`sigmoid_grouped_topk`;
+            Kolibri-1).
     The bias buffer is float32; the scores are computed in float32 from the logits.
     With n_group = topk_group = 1 and no correction bias this is plain sigmoid top-k.
 
@@ -398,9 +406,11 @@ class SigmoidGroupedTopKRouter(_Router):
         correction_bias: bool = True,
         bias: bool = False,
         dtype: torch.dtype = torch.float32,
+        bias_on_logits: bool = False,
     ) -> None:
         check_sigmoid_group_limits(num_experts, top_k, n_group, topk_group)
         super().__init__(hidden_size, num_experts, top_k, bias, dtype)
+        self.bias_on_logits = bias_on_logits
         self.n_group, self.topk_group = n_group, topk_group
         self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
         # persistent (in the state dict), so it loads by name; None when absent
@@ -415,7 +425,7 @@ class SigmoidGroupedTopKRouter(_Router):
         return (self.kernel or sigmoid_grouped_topk)(
             self.router_logits(hidden), self.top_k, self.e_score_correction_bias,
             self.n_group, self.topk_group, self.norm_topk_prob, self.routed_scaling_factor,
-            **counts,
+            self.bias_on_logits, **counts,
         )
 
 
