@@ -138,9 +138,6 @@ def test_cohere2_moe_prefix_cache(cohere2_moe_ckpt):
     check_prefix_cache(cohere2_moe_ckpt)
 
 
-@EP_ALL
-def test_cohere2_moe_ep2(cohere2_moe_ckpt):
-    check_ep_token_exact(cohere2_moe_ckpt, 2)
 
 
 SOLAR_OPEN = {
@@ -292,3 +289,38 @@ def test_logit_bias_router_kernel_matches_torch():
         torch.testing.assert_close(got_w, want_w)
         # the choice differs from the biased-sigmoid rule's on these inputs
         assert not torch.equal(sigmoid_grouped_topk(*args)[1], want_ids)
+
+
+def test_kolibri1_triton(kolibri1_ckpt):
+    """The Triton backend (interpreted on a CPU): its fused router's biased-logit choice, the
+    paged attention with NoPE and sliding layers."""
+    prompts = family_prompts(512, (1, 37))
+    check_token_exact(kolibri1_ckpt, kernel_backend="triton", prompts=prompts, max_new=4)
+
+
+def test_dots1_int4_experts(dots1_ckpt, tmp_path):
+    """4-bit routed experts (group 32) equal transformers serving the same experts quantized
+    and dequantized."""
+    oracle = dequantized_experts_copy(dots1_ckpt, tmp_path, "int4", 32)
+    prompts = family_prompts(512)
+    check_token_exact(dots1_ckpt, prompts=prompts, expected=hf_greedy(oracle, prompts, 8),
+                      quantization="int4", quant_group_size=32)
+
+
+def test_cohere2_moe_ep2(cohere2_moe_ckpt):
+    """Expert parallelism over 2 ranks: the averaged shared experts added after combine."""
+    check_ep_token_exact(cohere2_moe_ckpt, 2)
+
+
+def test_exaone_moe_mtp_tensors_unread(exaone_moe_ckpt):
+    """K-EXAONE's `mtp.*` tensors are skipped unread, as transformers ignores them."""
+    import torch
+    from transformers import AutoConfig
+
+    from moe_engine.models.exaone_moe import ExaoneMoeForCausalLM
+
+    spec = ExaoneMoeForCausalLM.arch_spec(AutoConfig.from_pretrained(exaone_moe_ckpt))
+    model = ExaoneMoeForCausalLM(spec, torch.float32)
+    name = "mtp.layers.0.eh_proj.weight"
+    assert not model.wants_weight(name)
+    assert model.load_weights([(name, torch.zeros(2, 2))]) == set()

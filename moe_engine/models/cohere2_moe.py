@@ -149,9 +149,10 @@ class Cohere2MoeForCausalLM(MoeCausalLM):
         selection = _choice(cfg, "expert_selection_fn", "softmax", SELECTION_FNS)
         combine = _choice(cfg, "shared_expert_combination_strategy", "average", COMBINATIONS)
         force_rope = hf_config.prefix_dense_sliding_window_pattern == 1
+        dense = [t == "dense" for t in hf_config.mlp_layer_types]
         nope = tuple(
             i for i, t in enumerate(hf_config.layer_types)
-            if t != SLIDING_ATTENTION and not (force_rope and hf_config.mlp_layer_types[i] == "dense")
+            if t != SLIDING_ATTENTION and not (force_rope and dense[i])
         )
         shared = int(hf_config.num_shared_experts or 0) > 0
         return dict(

@@ -83,11 +83,15 @@ class WeightMapping:
             vLLM's `stacked_params_mapping`; the merged module must be a `MergedLinear`
             (names whose target is not one load as they are).
         experts: the routed experts' names.
+        unread_prefixes: checkpoint names starting with one of these are never read (modules
+            the engine does not build, which transformers ignores too through
+            `_keys_to_ignore_on_load_unexpected`: K-EXAONE's `mtp.*`).
     """
 
     renames: tuple[tuple[str, str], ...] = ()
     stacked_params: tuple[tuple[str, str, str], ...] = QKV_STACKED
     experts: ExpertMapping = field(default_factory=ExpertMapping)
+    unread_prefixes: tuple[str, ...] = ()
 
     def model_name(self, name: str) -> str:
         """A checkpoint name with `renames` applied."""
@@ -236,7 +240,10 @@ class WeightLoader:
     def wants(self, name: str) -> bool:
         """False for a per-expert checkpoint tensor of an expert this rank does not hold (or
         of a block that is not a `FusedMoE`), and for a tensor of a layer beyond the model's
-        `num_layers` (`beyond_num_layers`): the loader then never reads it."""
+        `num_layers` (`beyond_num_layers`) or under the mapping's `unread_prefixes`: the
+        loader then never reads it."""
+        if self.mapping.unread_prefixes and name.startswith(self.mapping.unread_prefixes):
+            return False
         if beyond_num_layers(name, self.num_layers):
             name = mtp_model_name(name, self.num_layers, self.num_mtp_layers)
             if name is None:
@@ -254,6 +261,8 @@ class WeightLoader:
         """
         loaded: set[str] = set()
         for name, tensor in weights:
+            if self.mapping.unread_prefixes and name.startswith(self.mapping.unread_prefixes):
+                continue
             if beyond_num_layers(name, self.num_layers):
                 name = mtp_model_name(name, self.num_layers, self.num_mtp_layers)
                 if name is None:
