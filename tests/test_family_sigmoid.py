@@ -324,3 +324,38 @@ def test_exaone_moe_mtp_tensors_unread(exaone_moe_ckpt):
     name = "mtp.layers.0.eh_proj.weight"
     assert not model.wants_weight(name)
     assert model.load_weights([(name, torch.zeros(2, 2))]) == set()
+
+
+LAGUNA = {
+    "num_hidden_layers": 3,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+    "num_experts": 8,
+    "num_attention_heads_per_layer": [4, 2, 4],
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "sliding_window": 20,
+    "gating": "per-head",
+    "moe_routed_scaling_factor": 1.5,
+}
+
+
+@pytest.fixture(scope="module")
+def laguna_ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sigmoid")
+    return make_family_checkpoint("laguna", LAGUNA, root, drawn=DRAWN)
+
+
+def test_laguna_token_exact(laguna_ckpt):
+    """Per-layer query heads (4, 2, 4), a rope per attention kind (half the head on the full
+    layer), the softplus per-head output gate, the scaled routed output."""
+    check_token_exact(laguna_ckpt)
+
+
+def test_laguna_prefix_cache(laguna_ckpt):
+    check_prefix_cache(laguna_ckpt)
+
+
+@EP_ALL
+def test_laguna_ep2(laguna_ckpt):
+    check_ep_token_exact(laguna_ckpt, 2)

@@ -36,6 +36,7 @@ ARCHITECTURES: dict[str, str] = {
     "HYV3ForCausalLM": "moe_engine.models.hy_v3",
     "AfmoeForCausalLM": "moe_engine.models.afmoe",
     "Kolibri1ForCausalLM": "moe_engine.models.kolibri1",
+    "LagunaForCausalLM": "moe_engine.models.laguna",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.

@@ -127,7 +127,7 @@ class AfmoeForCausalLM(MoeCausalLM):
         return Attention(
             spec, dtype, None if index in spec.nope_layers else rotary,
             spec.sliding_window if sliding else None, o_bias=spec.attention_bias,
-            output_gate=True,
+            output_gate="sigmoid",
         )
 
     def build_mlp(self, spec: AfmoeSpec, index: int, dtype: torch.dtype) -> nn.Module:

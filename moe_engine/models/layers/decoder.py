@@ -66,8 +66,12 @@ class Attention(nn.Module):
         o_bias: a bias on the output projection.
         sinks: learned per-head sink logits in the softmax (gpt-oss).
         qk_norm: per-head RMSNorm on queries and keys before the rope (default `spec.qk_norm`).
-        output_gate: the attention output is multiplied by sigmoid(gate_proj(h)) before
-            o_proj, gate_proj a Linear(H, Hq * D) without bias (AFMoE's gated attention).
+        output_gate: None, or the activation of an output gate: the attention output is
+            multiplied by act(gate_proj(h)) before o_proj, gate_proj a Linear without bias
+            ("sigmoid": AFMoE's gated attention, in the model dtype; "softplus": Laguna's,
+            computed in float32 and rounded to the model dtype).
+        gate_per_head: the gate has one value per query head (gate_proj: H -> Hq, broadcast
+            over the head's D dims) instead of one per output element (H -> Hq * D).
 
     Checkpoint names: `q_proj`, `k_proj`, `v_proj` (stacked into `qkv_proj`, shards "q", "k",
     "v"), `o_proj`, `q_norm`, `k_norm`, `sinks`, `gate_proj`.
@@ -90,7 +94,8 @@ class Attention(nn.Module):
         o_bias: bool = False,
         sinks: bool = False,
         qk_norm: bool | None = None,
-        output_gate: bool = False,
+        output_gate: str | None = None,
+        gate_per_head: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -105,8 +110,14 @@ class Attention(nn.Module):
         self.o_proj = Linear(q_size, spec.hidden_size, bias=o_bias, dtype=dtype)
         # learned per-head sink logits (gpt-oss), filled from the checkpoint
         self.sinks = nn.Parameter(torch.zeros(spec.num_heads, dtype=dtype)) if sinks else None
+        if output_gate not in (None, "sigmoid", "softplus"):
+            raise ValueError(
+                f"output_gate must be None, 'sigmoid' or 'softplus', got {output_gate!r}"
+            )
+        self.output_gate, self.gate_per_head = output_gate, gate_per_head
+        gate_size = spec.num_heads if gate_per_head else q_size
         self.gate_proj = (
-            Linear(spec.hidden_size, q_size, bias=False, dtype=dtype) if output_gate else None
+            Linear(spec.hidden_size, gate_size, bias=False, dtype=dtype) if output_gate else None
         )
         self.qk_norm = spec.qk_norm if qk_norm is None else qk_norm
         if self.qk_norm:
@@ -176,8 +187,19 @@ class Attention(nn.Module):
         return self.o_proj(self._gated(out, h))
 
     def _gated(self, out: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """out [T, Hq * D] times sigmoid(gate_proj(h)) where the layer has an output gate."""
-        return out if self.gate_proj is None else out * torch.sigmoid(self.gate_proj(h))
+        """out [T, Hq * D] times act(gate_proj(h)) (per element, or per head broadcast over
+        its D dims) where the layer has an output gate; h: [T, H], the attention's input."""
+        if self.gate_proj is None:
+            return out
+        gate = self.gate_proj(h)
+        if self.output_gate == "sigmoid":
+            gate = torch.sigmoid(gate)
+        else:
+            gate = F.softplus(gate.float()).to(out.dtype)
+        if not self.gate_per_head:
+            return out * gate
+        t = out.shape[0]
+        return (out.view(t, self.num_heads, self.head_dim) * gate.unsqueeze(-1)).view(t, -1)
 
 
 class DenseMLP(nn.Module):
