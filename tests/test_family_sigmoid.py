@@ -359,3 +359,39 @@ def test_laguna_prefix_cache(laguna_ckpt):
 @EP_ALL
 def test_laguna_ep2(laguna_ckpt):
     check_ep_token_exact(laguna_ckpt, 2)
+
+
+BEAM = {
+    "num_hidden_layers": 4,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_experts": 8,
+    "n_group": 2,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.5,
+    "sliding_window": 20,
+    "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+    "final_logit_softcapping": 30.0,
+}
+
+
+@pytest.fixture(scope="module")
+def beam_ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sigmoid")
+    return make_family_checkpoint("beam", BEAM, root, drawn=DRAWN + ("gate_bias",))
+
+
+def test_beam_token_exact(beam_ckpt):
+    """Depth-scaled residual adds with sandwich norms; sliding layers 0-2 with RoPE, global
+    layer 3 with query length scaling; the biased sigmoid output gate; grouped routing; the
+    soft-capped logits."""
+    check_token_exact(beam_ckpt)
+
+
+def test_beam_prefix_cache(beam_ckpt):
+    check_prefix_cache(beam_ckpt)
+
+
+@EP_ALL
+def test_beam_ep2(beam_ckpt):
+    check_ep_token_exact(beam_ckpt, 2)

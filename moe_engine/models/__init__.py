@@ -37,6 +37,7 @@ ARCHITECTURES: dict[str, str] = {
     "AfmoeForCausalLM": "moe_engine.models.afmoe",
     "Kolibri1ForCausalLM": "moe_engine.models.kolibri1",
     "LagunaForCausalLM": "moe_engine.models.laguna",
+    "BeamForCausalLM": "moe_engine.models.beam",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.

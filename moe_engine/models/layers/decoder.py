@@ -72,6 +72,8 @@ class Attention(nn.Module):
             computed in float32 and rounded to the model dtype).
         gate_per_head: the gate has one value per query head (gate_proj: H -> Hq, broadcast
             over the head's D dims) instead of one per output element (H -> Hq * D).
+        gate_bias: a learned per-head bias [Hq] added to the gate before its activation,
+            broadcast over the head's dims (Beam's `gate_bias`).
 
     Checkpoint names: `q_proj`, `k_proj`, `v_proj` (stacked into `qkv_proj`, shards "q", "k",
     "v"), `o_proj`, `q_norm`, `k_norm`, `sinks`, `gate_proj`.
@@ -96,6 +98,7 @@ class Attention(nn.Module):
         qk_norm: bool | None = None,
         output_gate: str | None = None,
         gate_per_head: bool = False,
+        gate_bias: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -118,6 +121,9 @@ class Attention(nn.Module):
         gate_size = spec.num_heads if gate_per_head else q_size
         self.gate_proj = (
             Linear(spec.hidden_size, gate_size, bias=False, dtype=dtype) if output_gate else None
+        )
+        self.gate_bias = (
+            nn.Parameter(torch.zeros(spec.num_heads, dtype=dtype)) if gate_bias else None
         )
         self.qk_norm = spec.qk_norm if qk_norm is None else qk_norm
         if self.qk_norm:
@@ -192,13 +198,15 @@ class Attention(nn.Module):
         if self.gate_proj is None:
             return out
         gate = self.gate_proj(h)
+        t = out.shape[0]
+        if self.gate_bias is not None:  # [T, Hq * D] + [Hq] broadcast over each head's dims
+            gate = (gate.view(t, self.num_heads, -1) + self.gate_bias[:, None]).view(t, -1)
         if self.output_gate == "sigmoid":
             gate = torch.sigmoid(gate)
         else:
             gate = F.softplus(gate.float()).to(out.dtype)
         if not self.gate_per_head:
             return out * gate
-        t = out.shape[0]
         return (out.view(t, self.num_heads, self.head_dim) * gate.unsqueeze(-1)).view(t, -1)
 
 
@@ -238,6 +246,10 @@ class DecoderLayer(nn.Module):
             None: the parallel block.
         post_self_attn_layernorm, post_mlp_layernorm: the branches' output norms (GLM-4's
             names), or None (default).
+        residual_scales: None, or (attention branch, stream, MLP branch, stream) factors of a
+            depth-scaled residual: each add is branch * a + stream * b (Beam's
+            `depth_scaled_residual_add`), the products kept as the stream's two parts so that
+            the norm after them adds them as transformers does.
 
     `timer`, when set (`MoeCausalLM.attach_timer`), times the attention phase (and a native
     decode step, which has no phases of its own, as "decode_layer").
@@ -258,8 +270,10 @@ class DecoderLayer(nn.Module):
         *,
         post_self_attn_layernorm: nn.Module | None = None,
         post_mlp_layernorm: nn.Module | None = None,
+        residual_scales: tuple[float, float, float, float] | None = None,
     ) -> None:
         super().__init__()
+        self.residual_scales = residual_scales
         self.post_self_attn_layernorm = post_self_attn_layernorm
         self.post_mlp_layernorm = post_mlp_layernorm
         self.self_attn = self_attn
@@ -327,10 +341,15 @@ class DecoderLayer(nn.Module):
             return self.mlp(x), residual + attn_out
         if self.post_self_attn_layernorm is not None:
             attn_out = self.post_self_attn_layernorm(attn_out)
+        scales = self.residual_scales
+        if scales is not None:
+            attn_out, residual = attn_out * scales[0], residual * scales[1]
         x, residual = self.post_attention_layernorm(attn_out, residual)
         out = self.mlp(x)
         if self.post_mlp_layernorm is not None:
             out = self.post_mlp_layernorm(out)
+        if scales is not None:
+            out, residual = out * scales[2], residual * scales[3]
         return out, residual
 
 
