@@ -13,7 +13,8 @@ The subclass states, as class attributes and hooks:
   defaults are the Llama-style blocks of `layers/decoder.py`;
 - checkpoint names: `weight_mapping` (`weight_mapping.WeightMapping`), applied by the shared
   `WeightLoader`;
-- KV cache: `kv_cache_groups_for(spec)`, the layers by attention kind.
+- KV cache: `kv_cache_groups_for(spec)`, the layers by attention kind;
+- the README's families-table row: `card` (`models.spec.FamilyCard`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from moe_engine.models.layers.mtp import MTPLayer
 from moe_engine.models.layers.native_decode import DecodeStep
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding, rope_theta_of
-from moe_engine.models.spec import ArchSpec
+from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightLoader, WeightMapping
 from moe_engine.phase_timer import PhaseTimer
 from moe_engine.startup.model_shape import ModelShape
@@ -61,6 +62,9 @@ class MoeCausalLM(nn.Module):
     #: The config.json field counting the checkpoint's MTP layers (None: the architecture
     #: has none this engine can build, `build_mtp_layer`).
     mtp_layers_field: ClassVar[str | None] = None
+    #: What the README's families table says of it (`models/families.py`; every registered
+    #: class has one).
+    card: ClassVar[FamilyCard | None] = None
 
     def __init__(self, spec: ArchSpec, dtype: torch.dtype, max_position: int | None = None) -> None:
         super().__init__()

@@ -26,6 +26,7 @@ from moe_engine.models.config_fields import num_experts_of, required_int
 from moe_engine.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3Spec
 from moe_engine.models.layers.mla import MLA_STACKED
 from moe_engine.models.layers.routing import SoftmaxGroupedTopKRouter, check_v2_routing
+from moe_engine.models.spec import FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 
 
@@ -42,6 +43,10 @@ def _int_or_none(cfg: dict, key: str) -> int | None:
 
 class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
     """DeepSeek-V2 on the engine's layers (see the module doc)."""
+    card = FamilyCard(
+        "DeepSeek-V2", ("deepseek-ai/DeepSeek-V2-Lite", "deepseek-ai/DeepSeek-V2"),
+        "MLA (latent-only cache, absorbed decode)", cache=("mla",),
+    )
 
     spec_class = DeepseekV2Spec
     model_types = ("deepseek_v2",)

@@ -59,7 +59,7 @@ from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.rotary import RotaryEmbedding, YarnScaling, rope_with_scaling_of
 from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter, check_sigmoid_group_limits
 from moe_engine.models.layers.shared_experts import SharedExperts
-from moe_engine.models.spec import ArchSpec
+from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 
 #: The sparse-attention fields of DeepSeek-V3.2 (`DeepseekV32ForCausalLM`), refused.
@@ -133,6 +133,12 @@ def check_mla_fields(cfg: dict) -> None:
 
 class DeepseekV3ForCausalLM(MoeCausalLM):
     """DeepSeek-V3 on the engine's layers (see the module doc)."""
+    card = FamilyCard(
+        "DeepSeek-V3 / R1 / V3.1, Kimi-K2",
+        ("deepseek-ai/DeepSeek-V3", "deepseek-ai/DeepSeek-R1", "moonshotai/Kimi-K2-Instruct"),
+        "MLA (latent-only cache, absorbed decode)", cache=("mla",),
+        speculation=("ngram", "mtp"),
+    )
 
     spec_class = DeepseekV3Spec
     model_types = ("deepseek_v3",)

@@ -41,7 +41,7 @@ from moe_engine.models.layers.rotary import (
 )
 from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter, check_sigmoid_group_limits
 from moe_engine.models.layers.shared_experts import SharedExperts
-from moe_engine.models.spec import ArchSpec
+from moe_engine.models.spec import ArchSpec, FamilyCard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +71,10 @@ def first_k_dense_moe_layers(cfg: dict) -> tuple[int, ...]:
 
 class Glm4MoeForCausalLM(MoeCausalLM):
     """GLM-4.5 on the engine's layers (module docstring)."""
+    card = FamilyCard(
+        "GLM-4.5", ("zai-org/GLM-4.5", "zai-org/GLM-4.5-Air"),
+        "GQA, q/k/v biases, q/k norm, partial rotary", speculation=("ngram", "mtp"),
+    )
 
     spec_class = Glm4MoeSpec
     model_types = ("glm4_moe",)

@@ -38,7 +38,7 @@ from moe_engine.models.layers.decoder import Attention
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding, YarnScaling, rope_with_scaling_of
-from moe_engine.models.spec import ArchSpec
+from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import ExpertMapping, WeightMapping
 
 #: `GptOssExperts.alpha` when config.json has no `swiglu_alpha` (the released checkpoints).
@@ -66,6 +66,11 @@ class GptOssSpec(ArchSpec):
 
 class GptOssForCausalLM(MoeCausalLM):
     """gpt-oss on the engine's layers; loads the bf16/float layout and the native MXFP4 one."""
+    card = FamilyCard(
+        "gpt-oss", ("openai/gpt-oss-20b", "openai/gpt-oss-120b"),
+        "GQA, sliding/full mix, attention sinks, YaRN", cache=("full", "sliding"),
+        native_4bit=("mxfp4",),
+    )
 
     spec_class = GptOssSpec
     model_types = ("gpt_oss",)

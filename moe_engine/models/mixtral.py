@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import every_layer_moe, uniform_window_fields
+from moe_engine.models.spec import FamilyCard
 from moe_engine.models.weight_mapping import ExpertMapping, WeightMapping
 
 
 class MixtralForCausalLM(MoeCausalLM):
+    card = FamilyCard(
+        "Mixtral", ("mistralai/Mixtral-8x7B-v0.1", "mistralai/Mixtral-8x22B-v0.1"), "GQA"
+    )
     model_types = ("mixtral",)
     weight_mapping = WeightMapping(
         renames=((".block_sparse_moe.", ".mlp."),),

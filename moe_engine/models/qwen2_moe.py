@@ -38,7 +38,7 @@ from moe_engine.models.config_fields import (
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.routing import SoftmaxTopKRouter
 from moe_engine.models.layers.shared_experts import SharedExperts
-from moe_engine.models.spec import ArchSpec
+from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 
 #: `Qwen2MoeConfig.max_window_layers` default.
@@ -71,6 +71,10 @@ def qwen2_window_fields(cfg: dict) -> dict:
 
 class Qwen2MoeForCausalLM(MoeCausalLM):
     """Qwen2-MoE on the engine's layers (module docstring)."""
+    card = FamilyCard(
+        "Qwen2-MoE / Qwen1.5-MoE", ("Qwen/Qwen1.5-MoE-A2.7B", "Qwen/Qwen2-57B-A14B"),
+        "GQA, q/k/v biases",
+    )
 
     model_types = ("qwen2_moe",)
     # Order matters for `checkpoint_name`, which undoes the renames last first.

@@ -15,9 +15,14 @@ from moe_engine.models.config_fields import (
     sparse_step_moe_layers,
     uniform_window_fields,
 )
+from moe_engine.models.spec import FamilyCard
 
 
 class Qwen3MoeForCausalLM(MoeCausalLM):
+    card = FamilyCard(
+        "Qwen3-MoE", ("Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-235B-A22B"),
+        "GQA, q/k norm, optional sliding window",
+    )
     model_types = ("qwen3_moe",)
 
     @classmethod

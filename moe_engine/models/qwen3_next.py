@@ -42,7 +42,7 @@ from moe_engine.models.layers.rotary import (
     rope_theta_of,
 )
 from moe_engine.models.qwen2_moe import Qwen2MoeForCausalLM
-from moe_engine.models.spec import ArchSpec
+from moe_engine.models.spec import ArchSpec, FamilyCard
 
 #: `Qwen3NextConfig` defaults.
 DEFAULT_FULL_ATTENTION_INTERVAL = 4
@@ -117,6 +117,11 @@ class Qwen3NextForCausalLM(Qwen2MoeForCausalLM):
 
     model_types = ("qwen3_next",)
     spec_class = Qwen3NextSpec
+    card = FamilyCard(
+        "Qwen3-Next", ("Qwen/Qwen3-Next-80B-A3B-Instruct",),
+        "Gated DeltaNet + gated GQA (q/k norm, partial rotary)", cache=("full", "state"),
+        speculation=(),
+    )
     #: The linear layers' four plain input projections (Qwen3.5-MoE) instead of two.
     split_linear_projections = False
 
@@ -194,6 +199,12 @@ class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
     four plain projections. Its interleaved multimodal rope (`mrope_section`) gives text
     tokens, whose three position streams are equal, the plain partial rope.
     """
+
+    card = FamilyCard(
+        "Qwen3.5-MoE (text)", ("Qwen/Qwen3.5-397B-A17B",),
+        "Gated DeltaNet + gated GQA (q/k norm, partial rotary)", cache=("full", "state"),
+        speculation=(),
+    )
 
     model_types = ("qwen3_5_moe_text",)
     split_linear_projections = True

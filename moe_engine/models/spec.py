@@ -1,4 +1,5 @@
-"""`ArchSpec`: a `ModelShape` plus what the forward pass needs beyond sizes."""
+"""`ArchSpec`: a `ModelShape` plus what the forward pass needs beyond sizes; `FamilyCard`: what
+the README says of an architecture."""
 
 from __future__ import annotations
 
@@ -29,3 +30,28 @@ class ArchSpec(ModelShape):
     num_mtp_layers: int = 0
     nope_layers: tuple[int, ...] = ()
     embed_scale: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyCard:
+    """What the README's families table says of one architecture (`models/families.py` writes
+    the table from every registered class's card; nothing here changes how the model runs).
+
+    Attributes:
+        name: the family as users call it ("Qwen3-MoE", "DeepSeek-V3 / R1").
+        examples: Hugging Face checkpoint ids of released models of this architecture.
+        attention: the attention kind(s) in words ("GQA, q/k norm, sliding/full mix").
+        cache: the KV-cache kinds its layers use (`kv_cache.spec` kind names: "full",
+            "sliding", "mla", "state" for per-request state slots, ...).
+        native_4bit: 4-bit expert formats loaded as stored ("mxfp4", "compressed-tensors
+            int4"); every family also takes `--quantization int4|mxfp4` at load time.
+        speculation: speculative methods served ("ngram", "mtp"); empty where refused (a
+            per-request state cannot take rejected drafts back).
+    """
+
+    name: str
+    examples: tuple[str, ...]
+    attention: str
+    cache: tuple[str, ...] = ("full",)
+    native_4bit: tuple[str, ...] = ("compressed-tensors int4",)
+    speculation: tuple[str, ...] = ("ngram",)
