@@ -40,7 +40,7 @@ from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter
 from moe_engine.models.layers.shared_experts import SharedExperts
-from moe_engine.models.spec import ArchSpec
+from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 
 #: `AfmoeConfig` defaults.
@@ -61,6 +61,12 @@ class AfmoeSpec(ArchSpec):
 
 class AfmoeForCausalLM(MoeCausalLM):
     """AFMoE on the engine's layers (module docstring)."""
+
+    card = FamilyCard(
+        "AFMoE (Trinity)", ("arcee-ai/Trinity-Mini",),
+        "gated GQA, q/k norm, sandwich norms, sliding/global mix (NoPE globals)",
+        cache=("full", "sliding"),
+    )
 
     spec_class = AfmoeSpec
     model_types = ("afmoe",)

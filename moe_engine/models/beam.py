@@ -44,7 +44,7 @@ from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import QueryLengthScaling, RotaryEmbedding
 from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter, check_sigmoid_group_limits
-from moe_engine.models.spec import ArchSpec
+from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 
 #: `BeamConfig` defaults.
@@ -101,6 +101,12 @@ def rope_theta_by_kind(hf_config) -> tuple[tuple[str, float | None], ...]:
 
 class BeamForCausalLM(MoeCausalLM):
     """Beam on the engine's layers (module docstring)."""
+
+    card = FamilyCard(
+        "Beam", ("reflection/Beam-1.0-501B-A23B",),
+        "gated GQA, q/k norm, sandwich norms, sliding/global mix (scaled-query globals)",
+        cache=("full", "sliding"),
+    )
 
     spec_class = BeamSpec
     model_types = ("beam",)

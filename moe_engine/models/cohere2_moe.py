@@ -46,7 +46,7 @@ from moe_engine.models.layers.norm import LayerNorm, RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding, rope_theta_of
 from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter
 from moe_engine.models.layers.shared_experts import SharedExperts
-from moe_engine.models.spec import ArchSpec
+from moe_engine.models.spec import ArchSpec, FamilyCard
 
 #: `Cohere2MoeConfig` defaults.
 DEFAULT_SLIDING_WINDOW = 4096
@@ -102,6 +102,12 @@ def _choice(cfg: dict, key: str, default: str, allowed) -> str:
 
 class Cohere2MoeForCausalLM(MoeCausalLM):
     """Cohere2-MoE on the engine's layers (module docstring)."""
+
+    card = FamilyCard(
+        "Cohere2-MoE (Command A MoE)", ("CohereLabs/command-a-plus-05-2026",),
+        "GQA, parallel block, LayerNorm, sliding/global mix (NoPE globals), interleaved rope",
+        cache=("full", "sliding"),
+    )
 
     spec_class = Cohere2MoeSpec
     model_types = ("cohere2_moe",)

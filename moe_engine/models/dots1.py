@@ -30,6 +30,7 @@ from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import layer_types_fields, required_int
 from moe_engine.models.glm4_moe import Glm4MoeForCausalLM, Glm4MoeSpec
 from moe_engine.models.layers.decoder import Attention
+from moe_engine.models.spec import FamilyCard
 
 #: `Dots1Config.sliding_window` and `max_window_layers` defaults.
 DEFAULT_SLIDING_WINDOW = 4096
@@ -63,6 +64,11 @@ def shared_width(cfg: dict, key: str, default: int | None) -> int:
 
 class Dots1ForCausalLM(Glm4MoeForCausalLM):
     """dots.llm1 on the engine's layers (module docstring)."""
+
+    card = FamilyCard(
+        "dots.llm1", ("rednote-hilab/dots.llm1.inst", "rednote-hilab/dots.llm1.base"),
+        "GQA, q/k norm, optional sliding layers", cache=("full", "sliding"),
+    )
 
     model_types = ("dots1",)
     mtp_layers_field = None

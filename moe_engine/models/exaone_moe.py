@@ -31,6 +31,7 @@ from moe_engine.models.config_fields import check_hidden_act, required_int
 from moe_engine.models.dots1 import Dots1ForCausalLM, shared_width, window_layer_fields
 from moe_engine.models.layers.rotary import rope_theta_of
 from moe_engine.models.layers.routing import check_sigmoid_group_limits
+from moe_engine.models.spec import FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 
 #: `ExaoneMoeConfig` defaults.
@@ -83,6 +84,11 @@ def mlp_layer_types_moe_layers(cfg: dict, default_first_dense: int) -> tuple[int
 
 class ExaoneMoeForCausalLM(Dots1ForCausalLM):
     """K-EXAONE on the engine's layers (module docstring)."""
+
+    card = FamilyCard(
+        "K-EXAONE", ("LGAI-EXAONE/K-EXAONE-236B-A23B",),
+        "GQA, q/k norm, sliding/global mix (NoPE globals)", cache=("full", "sliding"),
+    )
 
     model_types = ("exaone_moe",)
     # transformers' `conversion_mapping` for exaone_moe: the hub's block-level bias name

@@ -33,7 +33,7 @@ from moe_engine.models.layers.decoder import Attention, DenseMLP
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter
 from moe_engine.models.layers.shared_experts import SharedExperts
-from moe_engine.models.spec import ArchSpec
+from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 
 
@@ -52,6 +52,8 @@ class HYV3Spec(ArchSpec):
 
 class HYV3ForCausalLM(MoeCausalLM):
     """Hy3 on the engine's layers (module docstring)."""
+
+    card = FamilyCard("Hy3", ("tencent/Hy3-preview",), "GQA, q/k norm")
 
     spec_class = HYV3Spec
     model_types = ("hy_v3",)

@@ -32,6 +32,7 @@ from moe_engine.models.layers.decoder import DecoderLayer
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter
 from moe_engine.models.layers.shared_experts import SharedExperts
+from moe_engine.models.spec import FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 
 #: `Kolibri1Config` defaults.
@@ -41,6 +42,12 @@ DEFAULT_SHARED_WIDTH = 512
 
 class Kolibri1ForCausalLM(MoeCausalLM):
     """Kolibri-1 on the engine's layers (module docstring)."""
+
+    card = FamilyCard(
+        "Kolibri-1", ("Aleph-Alpha/Kolibri-1",),
+        "GQA, q/k norm, sandwich norms, sliding/global mix (NoPE globals)",
+        cache=("full", "sliding"),
+    )
 
     model_types = ("kolibri1",)
     weight_mapping = WeightMapping(

@@ -45,7 +45,7 @@ from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.rotary import PartialRotaryEmbedding
 from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter
 from moe_engine.models.layers.shared_experts import SharedExperts
-from moe_engine.models.spec import ArchSpec
+from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 
 #: `LagunaConfig` defaults.
@@ -92,6 +92,12 @@ def rope_by_kind(hf_config) -> tuple[tuple[str, float, int], ...]:
 
 class LagunaForCausalLM(MoeCausalLM):
     """Laguna on the engine's layers (module docstring)."""
+
+    card = FamilyCard(
+        "Laguna", ("poolside/laguna-XS.2",),
+        "GQA, per-layer query heads, q/k norm, softplus output gate, sliding/full mix",
+        cache=("full", "sliding"),
+    )
 
     spec_class = LagunaSpec
     model_types = ("laguna",)

@@ -22,10 +22,15 @@ from torch import nn
 from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import every_layer_moe, required_int
 from moe_engine.models.glm4_moe import Glm4MoeForCausalLM, Glm4MoeSpec
+from moe_engine.models.spec import FamilyCard
 
 
 class SolarOpenForCausalLM(Glm4MoeForCausalLM):
     """Solar Open on the engine's layers (module docstring)."""
+
+    card = FamilyCard(
+        "Solar Open", ("upstage/Solar-Open-100B",), "GQA, q/k/v biases",
+    )
 
     model_types = ("solar_open",)
     mtp_layers_field = None
