@@ -97,6 +97,7 @@ class AfmoeForCausalLM(MoeCausalLM):
             cfg,
             moe_layers=tuple(range(first, layers)) if cfg.get("num_experts", 64) else (),
             qk_norm=True,
+            attn_output_gate=True,  # gate_proj [H -> heads x D], in the plan's bytes
             norm_topk_prob=True,
             shared_expert_intermediate_size=shared_width(cfg, "num_shared_experts", 2),
             router_correction_bias=True,

@@ -133,6 +133,7 @@ class BeamForCausalLM(MoeCausalLM):
             cfg,
             moe_layers=mlp_layer_types_moe_layers(cfg, min(3, layers)),
             qk_norm=True,
+            attn_output_gate=True,  # gate_proj [H -> heads x D], in the plan's bytes
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
             router_correction_bias=True,
             router_float32=True,
