@@ -1,6 +1,7 @@
 """Sigmoid-routed and related MoE families (issue 43) against transformers 5.24, token-exact on
 tiny float32 random checkpoints (`tests/family_check.py`): dots1, EXAONE-MoE, Cohere2-MoE,
-Solar-Open, HY-V3.
+Solar-Open, HY-V3, AFMoE, Kolibri-1, Laguna, Beam (ep 2: Cohere2-MoE; the others with
+MOE_ENGINE_FAMILY_EP=all; Triton: Kolibri-1; int4 experts: dots1).
 
 Each checkpoint's config exercises the family's variants: dense-first layers, sliding/global
 mixes with windows (<= 32 tokens) shorter than the 37/70-token prompts, NoPE global layers,
@@ -139,7 +140,6 @@ def test_cohere2_moe_prefix_cache(cohere2_moe_ckpt):
 
 
 
-
 SOLAR_OPEN = {
     "num_hidden_layers": 2,
     "moe_intermediate_size": 32,
@@ -271,7 +271,7 @@ def test_kolibri1_ep2(kolibri1_ckpt):
 
 
 def test_logit_bias_router_kernel_matches_torch():
-    """The Triton router's `bias_on_logits` variant (under the interpreter on a CPU) chooses
+    """The Triton router's `scoring="logits"` variant (under the interpreter on a CPU) chooses
     and weighs as the torch function, groups and renormalisation included."""
     import torch
 
@@ -283,8 +283,8 @@ def test_logit_bias_router_kernel_matches_torch():
     bias = torch.randn(16, generator=g)
     for n_group, topk_group, norm in ((1, 1, True), (4, 2, False)):
         args = (logits, 3, bias, n_group, topk_group, norm, 1.5)
-        got_w, got_ids = fused_sigmoid_grouped_topk(*args, bias_on_logits=True)
-        want_w, want_ids = sigmoid_grouped_topk(*args, bias_on_logits=True)
+        got_w, got_ids = fused_sigmoid_grouped_topk(*args, scoring="logits")
+        want_w, want_ids = sigmoid_grouped_topk(*args, scoring="logits")
         assert torch.equal(got_ids, want_ids)
         torch.testing.assert_close(got_w, want_w)
         # the choice differs from the biased-sigmoid rule's on these inputs

@@ -3,11 +3,13 @@
 from moe_engine.kv_cache.block_pool import BlockPool
 from moe_engine.kv_cache.manager import KVCacheManager, PrefixHit, hash_block_tokens
 from moe_engine.kv_cache.spec import (
+    CHUNKED_LOCAL_ATTENTION,
     FULL_ATTENTION,
     MLA_ATTENTION,
     NULL_BLOCK_ID,
     SLIDING_ATTENTION,
     AttentionGroup,
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheGroup,
     KVCacheSpec,
@@ -17,12 +19,14 @@ from moe_engine.kv_cache.spec import (
 )
 
 __all__ = [
+    "CHUNKED_LOCAL_ATTENTION",
     "FULL_ATTENTION",
     "MLA_ATTENTION",
     "NULL_BLOCK_ID",
     "SLIDING_ATTENTION",
     "AttentionGroup",
     "BlockPool",
+    "ChunkedLocalAttentionSpec",
     "FullAttentionSpec",
     "KVCacheGroup",
     "KVCacheManager",

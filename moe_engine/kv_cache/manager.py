@@ -11,7 +11,8 @@ mean equal whole prefixes. When a block is full (all its tokens are scheduled) i
 pool's map under (h_i, group); when its requests end it waits in the LRU free queue, still in
 the map, until `allocate` hands it out again. A new request reuses the longest prefix that every
 group can serve: a full-attention group needs every block of the prefix, a sliding-window group
-only the ceil((window - 1) / block_size) blocks before its end (earlier ones are null). The hit
+only the ceil((window - 1) / block_size) blocks before its end, a chunked-local group only the
+blocks of the chunk its end falls in (earlier ones are null). The hit
 never covers the last token, which is always recomputed so that a token can be sampled.
 
 Parallel sampling (`moe_engine.core.parallel_sampling`): the completions of one request share its
@@ -116,7 +117,7 @@ class KVCacheManager:
             )
         self.enable_prefix_caching = enable_prefix_caching
         self.state_slots = state_slots
-        self._sliding = [g for g, s in enumerate(specs) if s.sliding_window is not None]
+        self._freeing = [g for g, s in enumerate(specs) if s.frees_blocks]
         # request_id -> per-group list of block ids
         self.block_tables: dict[str, list[list[int]]] = {}
         self._hashes: dict[str, list[bytes]] = {}
@@ -234,6 +235,8 @@ class KVCacheManager:
     def _find_hit(self, group: int, hashes: list[bytes], limit: int) -> list[int]:
         """One group's longest cached prefix of at most `limit` blocks."""
         spec, pool = self.specs[group], self.pool
+        if spec.attention_chunk_size is not None:
+            return self._find_chunked_hit(group, hashes, limit)
         window = spec.sliding_window
         if window is None:
             blocks = []
@@ -260,6 +263,19 @@ class KVCacheManager:
             if run >= need:
                 return blocks[: i + run]
         return blocks[:run]  # a shorter run from block 0 is a hit too: nothing precedes it
+
+    def _find_chunked_hit(self, group: int, hashes: list[bytes], limit: int) -> list[int]:
+        """A chunked-local group's longest hit of at most `limit` blocks: a prefix of n blocks
+        needs only the cached blocks of the chunk its next query (at position n * block_size)
+        falls in, from the chunk's first block to block n - 1 (none when n starts a chunk);
+        the earlier ones are null (vLLM v1 `ChunkedLocalAttentionManager`)."""
+        per_chunk = self.specs[group].attention_chunk_size // self.block_size
+        for n in range(limit, -1, -1):
+            first = n // per_chunk * per_chunk
+            blocks = [self.pool.get_cached_block((hashes[i], group)) for i in range(first, n)]
+            if None not in blocks:
+                return [NULL_BLOCK_ID] * first + blocks
+        return []
 
     def allocate_slots(
         self,
@@ -329,14 +345,15 @@ class KVCacheManager:
             self._cache_full_blocks(request, tables, request.num_computed_tokens)
 
     def remove_skipped_blocks(self, request: Request) -> None:
-        """Give back the sliding-window blocks no query after the request's computed tokens
-        reads (the scheduler calls it after each step, so that between steps a request holds
-        at most ceil(window / block_size) + 1 blocks in a sliding group; `allocate_slots` does
-        it too)."""
+        """Give back the sliding-window and chunked blocks no query after the request's
+        computed tokens reads (the scheduler calls it after each step, so that between steps a
+        request holds at most ceil(window / block_size) + 1 blocks in a sliding group, those of
+        the current chunk in a chunked one; `allocate_slots` does it
+        too)."""
         tables = self.block_tables.get(request.request_id)
         if tables is None:
             return
-        for g in self._sliding:
+        for g in self._freeing:
             self._remove_skipped(self.specs[g], tables[g], request.num_computed_tokens)
 
     def _remove_skipped(self, spec: KVCacheSpec, table: list[int], num_computed: int) -> None:
@@ -410,5 +427,7 @@ class KVCacheManager:
 def _describe(spec: KVCacheSpec) -> str:
     if spec.kind == MLA_ATTENTION:
         return "MLA latent"
+    if spec.attention_chunk_size is not None:
+        return f"chunked attention {spec.attention_chunk_size}"
     window = spec.sliding_window
     return "full attention" if window is None else f"sliding window {window}"

@@ -13,6 +13,11 @@ Specs:
 - `SlidingWindowSpec(sliding_window=W)`: a query at position p reads keys (p - W, p]
   (W keys including itself, `transformers`' `sliding_window_overlay`); blocks wholly before the
   window of the next query are given back to the pool and replaced by the null block.
+- `ChunkedLocalAttentionSpec(attention_chunk_size=C)`: chunked local attention (Llama 4): a
+  query at position p reads keys [floor(p / C) * C, p], those of its own chunk; blocks wholly
+  before the next query's chunk are given back as a sliding window's are (vLLM v1's
+  `ChunkedLocalAttentionSpec`). C must be a multiple of block_size, so that a chunk starts on
+  a block and each chunk's keys are whole blocks of the block table.
 - `MLAAttentionSpec`: multi-head latent attention (DeepSeek-V2/V3): one latent vector of
   kv_lora_rank + qk_rope_head_dim values per token and layer (the normalised c_kv, then the
   roped k_pe), no separate V; the cache per layer is [num_blocks + 1, block_size, latent_dim]
@@ -37,6 +42,8 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 #: Multi-head latent attention (DeepSeek-V2 sec. 2.1): the cache holds the compressed latent.
 MLA_ATTENTION = "mla"
+#: Chunked local attention (Llama 4's `attention_chunk_size`): a query sees its own chunk only.
+CHUNKED_LOCAL_ATTENTION = "chunked_attention"
 #: Linear attention (Gated DeltaNet): no paged KV, a fixed state per request (`kv_cache.state`).
 LINEAR_ATTENTION = "linear_attention"
 
@@ -61,13 +68,25 @@ class KVCacheSpec:
 
     @property
     def kind(self) -> str:
-        """The attention kind (`FULL_ATTENTION`, `SLIDING_ATTENTION` or `MLA_ATTENTION`)."""
+        """The attention kind (`FULL_ATTENTION`, `SLIDING_ATTENTION`,
+        `CHUNKED_LOCAL_ATTENTION` or `MLA_ATTENTION`)."""
         return FULL_ATTENTION
 
     @property
     def sliding_window(self) -> int | None:
         """Keys a query attends (including itself); None for full attention."""
         return None
+
+    @property
+    def attention_chunk_size(self) -> int | None:
+        """Tokens per attention chunk of chunked local attention; None for other kinds."""
+        return None
+
+    @property
+    def frees_blocks(self) -> bool:
+        """Whether blocks before the next query's first key go back to the pool
+        (`num_skipped_blocks` > 0 for some context): sliding and chunked groups."""
+        return False
 
     @property
     def bytes_per_token(self) -> int:
@@ -124,6 +143,10 @@ class SlidingWindowSpec(KVCacheSpec):
     def sliding_window(self) -> int | None:
         return self.window
 
+    @property
+    def frees_blocks(self) -> bool:
+        return True
+
     def num_skipped_blocks(self, num_computed_tokens: int) -> int:
         """Blocks wholly before position `num_computed_tokens - window + 1`, the first key the
         next query (at `num_computed_tokens`) reads (vLLM v1 `SlidingWindowManager`)."""
@@ -135,6 +158,54 @@ class SlidingWindowSpec(KVCacheSpec):
         ceil(window / block_size) + 1 for a decode (c = 1); never more than the whole context."""
         chunk = num_tokens if max_chunk is None else min(max_chunk, num_tokens)
         span = math.ceil((self.window - 1 + chunk) / self.block_size) + 1
+        return min(self.blocks_needed(num_tokens), span)
+
+
+@dataclass(frozen=True)
+class ChunkedLocalAttentionSpec(KVCacheSpec):
+    """Chunked local attention: the context is cut into chunks of `chunk` tokens from position
+    0 and a query at position p attends keys [floor(p / chunk) * chunk, p] (transformers'
+    `chunked_overlay` with causal masking; Llama 4's iRoPE local layers; vLLM v1
+    `ChunkedLocalAttentionSpec`).
+
+    Attributes:
+        chunk: `attention_chunk_size` (tokens), a multiple of block_size.
+
+    Raises:
+        ValueError: chunk < 1 or not a multiple of block_size.
+    """
+
+    chunk: int = 0
+
+    def __post_init__(self) -> None:
+        if self.chunk < 1 or self.chunk % self.block_size:
+            raise ValueError(
+                f"attention_chunk_size {self.chunk} must be a positive multiple of the KV "
+                f"block size {self.block_size} (tokens): each chunk's keys are whole blocks"
+            )
+
+    @property
+    def kind(self) -> str:
+        return CHUNKED_LOCAL_ATTENTION
+
+    @property
+    def attention_chunk_size(self) -> int | None:
+        return self.chunk
+
+    @property
+    def frees_blocks(self) -> bool:
+        return True
+
+    def num_skipped_blocks(self, num_computed_tokens: int) -> int:
+        """Blocks before the chunk of the next query (at `num_computed_tokens`)."""
+        return (num_computed_tokens // self.chunk) * self.chunk // self.block_size
+
+    def max_blocks_held(self, num_tokens: int, max_chunk: int | None = None) -> int:
+        """A step that feeds `c` tokens from position `s` holds the blocks of positions
+        [floor(s / chunk) * chunk, s + c): at most ceil((chunk - 1 + c) / block_size) blocks
+        (the first starts a block), never more than the whole context."""
+        fed = num_tokens if max_chunk is None else min(max_chunk, num_tokens)
+        span = math.ceil((self.chunk - 1 + fed) / self.block_size)
         return min(self.blocks_needed(num_tokens), span)
 
 
@@ -209,7 +280,8 @@ class KVCacheGroup:
     layers: tuple[int, ...]
 
 
-#: What a model declares: (attention kind, sliding window or None, decoder-layer indices).
+#: What a model declares: (attention kind, sliding window or None, decoder-layer indices); for
+#: `CHUNKED_LOCAL_ATTENTION` the second entry is the attention_chunk_size (tokens).
 AttentionGroup = tuple[str, int | None, tuple[int, ...]]
 
 
@@ -232,15 +304,16 @@ def make_kv_cache_groups(
 
     Args:
         attention_groups: (kind, window, layers) per attention kind, from
-            `MoeCausalLM.kv_cache_groups_for`; kind is "full_attention", "sliding_attention" or
-            "mla" (window None).
+            `MoeCausalLM.kv_cache_groups_for`; kind is "full_attention", "sliding_attention",
+            "chunked_attention" (window: the attention_chunk_size) or "mla" (window None).
         block_size, num_kv_heads, head_dim, dtype: the cache shape (num_kv_heads and head_dim
             unused by MLA groups).
         kv_lora_rank, qk_rope_head_dim: the latent's parts (`MLAAttentionSpec`); needed only
             when a group is "mla".
 
     Raises:
-        ValueError: an unknown kind, a sliding kind without a window, an MLA kind without
+        ValueError: an unknown kind, a sliding kind without a window, a chunked kind whose
+            chunk is not a multiple of block_size, an MLA kind without
             kv_lora_rank or beside other kinds (their cache tensors differ in shape), an empty
             group, or a layer in two groups.
     """
@@ -272,10 +345,14 @@ def make_kv_cache_groups(
             if not window:
                 raise ValueError("a sliding_attention group needs a sliding window (tokens)")
             spec = SlidingWindowSpec(block_size, num_kv_heads, head_dim, dtype, size, window)
+        elif kind == CHUNKED_LOCAL_ATTENTION:
+            spec = ChunkedLocalAttentionSpec(
+                block_size, num_kv_heads, head_dim, dtype, size, window or 0
+            )
         else:
             raise ValueError(
                 f"attention kind {kind!r} is not supported; use {FULL_ATTENTION!r}, "
-                f"{SLIDING_ATTENTION!r} or {MLA_ATTENTION!r}"
+                f"{SLIDING_ATTENTION!r}, {CHUNKED_LOCAL_ATTENTION!r} or {MLA_ATTENTION!r}"
             )
         groups += [KVCacheGroup(spec, layers[i : i + size]) for i in range(0, len(layers), size)]
     return groups

@@ -35,6 +35,25 @@ ARCHITECTURES: dict[str, str] = {
     "SolarOpenForCausalLM": "moe_engine.models.solar_open",
     "HYV3ForCausalLM": "moe_engine.models.hy_v3",
     "AfmoeForCausalLM": "moe_engine.models.afmoe",
+    "OlmoeForCausalLM": "moe_engine.models.olmoe",
+    "FlexOlmoForCausalLM": "moe_engine.models.olmoe",
+    "PhimoeForCausalLM": "moe_engine.models.phimoe",
+    "GraniteMoeForCausalLM": "moe_engine.models.granitemoe",
+    "GraniteMoeSharedForCausalLM": "moe_engine.models.granitemoe",
+    "DbrxForCausalLM": "moe_engine.models.dbrx",
+    "JetMoeForCausalLM": "moe_engine.models.jetmoe",
+    "MiniMaxM2ForCausalLM": "moe_engine.models.minimax_m2",
+    "HunYuanMoEV1ForCausalLM": "moe_engine.models.hunyuan_v1_moe",
+    "Ernie4_5_MoeForCausalLM": "moe_engine.models.ernie4_5_moe",
+    "MellumForCausalLM": "moe_engine.models.mellum",
+    "AriaTextForCausalLM": "moe_engine.models.aria_text",
+    "Llama4ForCausalLM": "moe_engine.models.llama4",
+    "FlintForCausalLM": "moe_engine.models.flint",
+    "MiMoV2FlashForCausalLM": "moe_engine.models.mimo_v2_flash",
+    "Glm4MoeLiteForCausalLM": "moe_engine.models.glm4_moe_lite",
+    "LongcatFlashForCausalLM": "moe_engine.models.longcat_flash",
+    "Mistral4ForCausalLM": "moe_engine.models.mistral4",
+    "AXK1ForCausalLM": "moe_engine.models.axk1",
     "Kolibri1ForCausalLM": "moe_engine.models.kolibri1",
     "LagunaForCausalLM": "moe_engine.models.laguna",
     "BeamForCausalLM": "moe_engine.models.beam",
@@ -46,6 +65,28 @@ REFUSED_ARCHITECTURES: dict[str, str] = {
         "DeepSeek Sparse Attention (DeepSeek-V3.2's lightning indexer, which attends to "
         "index_topk={index_topk} keys per query) is not supported: this engine implements "
         "dense MLA only"
+    ),
+    "ZayaForCausalLM": (
+        "ZAYA's Compressed Convolutional Attention is not implemented: its q/k pass through a "
+        "causal depthwise + grouped conv1d (cca_time0={cca_time0}, cca_time1={cca_time1} taps) "
+        "and half of each value head comes from the previous token, a per-request conv and "
+        "delayed-value state beside the KV cache; nor its router, an MLP fed the previous "
+        "layer's router state (EDA) with a skip expert, and float32 residual scaling"
+    ),
+    "DogeForCausalLM": (
+        "Doge's dynamic-mask attention is not implemented (a per-key, per-KV-head additive bias "
+        "exp(A * softplus(dt_proj(V))) on the scores, and past keep_window_size="
+        "{keep_window_size} keys only the highest-biased ones kept per query); nor its CDMoE "
+        "(product-key routing over single-neuron embedding experts, whose router logits are "
+        "split across the tokens of a forward pass, so a chunked prefill cannot repeat them)"
+    ),
+    "Gemma4ForCausalLM": (
+        "Gemma 4's text decoder is not supported (enable_moe_block={enable_moe_block}): its "
+        "MLP and experts use hidden_activation={hidden_activation} (the engine's MLPs and fused "
+        "experts compute SwiGLU with silu only), the MoE block runs beside the dense MLP with "
+        "sandwich norms and a normalised, scaled router with per-expert scales, and layers "
+        "share KV caches (num_kv_shared_layers={num_kv_shared_layers}) and take per-layer "
+        "input embeddings (hidden_size_per_layer_input={hidden_size_per_layer_input})"
     ),
 }
 

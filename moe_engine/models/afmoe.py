@@ -63,8 +63,8 @@ class AfmoeForCausalLM(MoeCausalLM):
     """AFMoE on the engine's layers (module docstring)."""
 
     card = FamilyCard(
-        "AFMoE (Trinity)", ("arcee-ai/Trinity-Mini",),
-        "gated GQA, q/k norm, sandwich norms, sliding/global mix (NoPE globals)",
+        "AFMoE (Arcee Trinity)", ("arcee-ai/Trinity-Mini", "arcee-ai/Trinity-Large"),
+        "gated GQA, q/k norm, sandwich norms, sliding RoPE / global NoPE mix",
         cache=("full", "sliding"),
     )
 
@@ -97,7 +97,6 @@ class AfmoeForCausalLM(MoeCausalLM):
             cfg,
             moe_layers=tuple(range(first, layers)) if cfg.get("num_experts", 64) else (),
             qk_norm=True,
-            attn_output_gate=True,  # gate_proj [H -> heads x D], in the plan's bytes
             norm_topk_prob=True,
             shared_expert_intermediate_size=shared_width(cfg, "num_shared_experts", 2),
             router_correction_bias=True,
@@ -119,7 +118,7 @@ class AfmoeForCausalLM(MoeCausalLM):
             **super().spec_fields(hf_config),
             nope_layers=nope,
             routed_scaling_factor=float(hf_config.route_scale),
-            embed_scale=hf_config.hidden_size**0.5 if hf_config.mup_enabled else 1.0,
+            embedding_multiplier=hf_config.hidden_size**0.5 if hf_config.mup_enabled else 1.0,
         )
 
     def build_norm(self, spec: AfmoeSpec, size: int, dtype: torch.dtype) -> nn.Module:
@@ -134,7 +133,7 @@ class AfmoeForCausalLM(MoeCausalLM):
         return Attention(
             spec, dtype, None if index in spec.nope_layers else rotary,
             spec.sliding_window if sliding else None, o_bias=spec.attention_bias,
-            output_gate="sigmoid",
+            output_gate=True,
         )
 
     def build_mlp(self, spec: AfmoeSpec, index: int, dtype: torch.dtype) -> nn.Module:

@@ -104,9 +104,8 @@ class Cohere2MoeForCausalLM(MoeCausalLM):
     """Cohere2-MoE on the engine's layers (module docstring)."""
 
     card = FamilyCard(
-        "Cohere2-MoE (Command A MoE)", ("CohereLabs/command-a-plus-05-2026",),
-        "GQA, parallel block, LayerNorm, sliding/global mix (NoPE globals), interleaved rope",
-        cache=("full", "sliding"),
+        "Cohere2-MoE", ("CohereLabs/command-a-moe",),
+        "GQA, parallel block, sliding RoPE / global NoPE mix", cache=("full", "sliding"),
     )
 
     spec_class = Cohere2MoeSpec
@@ -155,10 +154,10 @@ class Cohere2MoeForCausalLM(MoeCausalLM):
         selection = _choice(cfg, "expert_selection_fn", "softmax", SELECTION_FNS)
         combine = _choice(cfg, "shared_expert_combination_strategy", "average", COMBINATIONS)
         force_rope = hf_config.prefix_dense_sliding_window_pattern == 1
-        dense = [t == "dense" for t in hf_config.mlp_layer_types]
         nope = tuple(
             i for i, t in enumerate(hf_config.layer_types)
-            if t != SLIDING_ATTENTION and not (force_rope and dense[i])
+            if t != SLIDING_ATTENTION
+            and not (force_rope and hf_config.mlp_layer_types[i] == "dense")
         )
         shared = int(hf_config.num_shared_experts or 0) > 0
         return dict(
@@ -177,7 +176,7 @@ class Cohere2MoeForCausalLM(MoeCausalLM):
 
     def build_norm(self, spec: Cohere2MoeSpec, size: int, dtype: torch.dtype) -> nn.Module:
         if spec.layer_norm:
-            return LayerNorm(size, spec.rms_norm_eps, dtype=dtype)
+            return LayerNorm(size, spec.rms_norm_eps, bias=False, dtype=dtype, float32_math=True)
         return RMSNorm(size, spec.rms_norm_eps, dtype=dtype)
 
     def build_attention(

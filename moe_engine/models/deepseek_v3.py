@@ -173,8 +173,14 @@ class DeepseekV3ForCausalLM(MoeCausalLM):
         )
 
     @classmethod
+    def moe_layers_of(cls, cfg: dict) -> tuple[int, ...]:
+        """The MoE layer indices of a config.json (`deepseek_moe_layers`; a family that names
+        them otherwise overrides this)."""
+        return deepseek_moe_layers(cfg)
+
+    @classmethod
     def shape_fields(cls, cfg: dict) -> dict:
-        """MLA sizes, MoE layers (`deepseek_moe_layers`), shared experts of width
+        """MLA sizes, MoE layers (`moe_layers_of`), shared experts of width
         moe_intermediate_size x n_shared_experts, a float32 router with a correction bias.
 
         Raises:
@@ -187,7 +193,7 @@ class DeepseekV3ForCausalLM(MoeCausalLM):
         width = required_int(cfg, "moe_intermediate_size")
         return cls.moe_shape(
             cfg,
-            moe_layers=deepseek_moe_layers(cfg),
+            moe_layers=cls.moe_layers_of(cfg),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
             shared_expert_intermediate_size=width * int(cfg.get("n_shared_experts") or 0),
             router_correction_bias=True,

@@ -66,7 +66,7 @@ class Dots1ForCausalLM(Glm4MoeForCausalLM):
     """dots.llm1 on the engine's layers (module docstring)."""
 
     card = FamilyCard(
-        "dots.llm1", ("rednote-hilab/dots.llm1.inst", "rednote-hilab/dots.llm1.base"),
+        "dots.llm1", ("rednote-hilab/dots.llm1.inst",),
         "GQA, q/k norm, optional sliding layers", cache=("full", "sliding"),
     )
 

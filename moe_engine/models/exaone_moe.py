@@ -20,8 +20,7 @@ Checkpoint names are the base mapping's (`self_attn.{q,k,v,o}_proj`, `self_attn.
 hub's `mlp.e_score_correction_bias` -> `mlp.gate.e_score_correction_bias` (transformers'
 `conversion_mapping`; that name loads as it is too). Released checkpoints'
 multi-token-prediction tensors (`mtp.*`, ignored by transformers) are skipped unread
-(`WeightMapping.unread_prefixes`). KV cache: a full-attention group
-and a sliding-window group.
+(`WeightMapping.skipped`). KV cache: a full-attention group and a sliding-window group.
 """
 
 from __future__ import annotations
@@ -86,15 +85,15 @@ class ExaoneMoeForCausalLM(Dots1ForCausalLM):
     """K-EXAONE on the engine's layers (module docstring)."""
 
     card = FamilyCard(
-        "K-EXAONE", ("LGAI-EXAONE/K-EXAONE-236B-A23B",),
-        "GQA, q/k norm, sliding/global mix (NoPE globals)", cache=("full", "sliding"),
+        "K-EXAONE (EXAONE-MoE)", ("LGAI-EXAONE/K-EXAONE-236B-A23B",),
+        "GQA, q/k norm, sliding RoPE / global NoPE mix", cache=("full", "sliding"),
     )
 
     model_types = ("exaone_moe",)
     # transformers' `conversion_mapping` for exaone_moe: the hub's block-level bias name
     weight_mapping = WeightMapping(
         renames=((".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),),
-        unread_prefixes=("mtp.",),
+        skipped=(r"^mtp\.",),
     )
 
     @classmethod

@@ -115,8 +115,10 @@ class HYV3ForCausalLM(MoeCausalLM):
             spec.hidden_size, spec.num_experts, spec.top_k, 1, 1, True,
             spec.routed_scaling_factor,
         )
-        width, bias = spec.shared_expert_intermediate_size, spec.mlp_bias
-        shared = SharedExperts(spec.hidden_size, width, dtype, bias=bias) if width else None
+        width = spec.shared_expert_intermediate_size
+        shared = (
+            SharedExperts(spec.hidden_size, width, dtype, bias=spec.mlp_bias) if width else None
+        )
         return FusedMoE(
             spec.num_experts, spec.top_k, spec.hidden_size, spec.moe_intermediate_size, True,
             dtype, router=router, shared_experts=shared,

@@ -10,7 +10,7 @@ the Llama-style decoder in:
   without a position embedding (NoPE) whenever `sliding_window` is set;
 - every layer an MoE block: the router logits (float32) plus `e_score_correction_bias` choose
   the top-k, the weights are the sigmoid of the chosen logits, renormalised when
-  `norm_topk_prob` (`layers/routing.sigmoid_grouped_topk(bias_on_logits=True)`), plus one
+  `norm_topk_prob` (`layers/routing.sigmoid_grouped_topk(scoring="logits")`), plus one
   ungated shared-expert MLP of `shared_expert_intermediate_size`.
 
 Checkpoint names (the hub's; transformers renames them on load, `conversion_mapping`):
@@ -102,7 +102,7 @@ class Kolibri1ForCausalLM(MoeCausalLM):
         shared expert beside them."""
         router = SigmoidGroupedTopKRouter(
             spec.hidden_size, spec.num_experts, spec.top_k, 1, 1, spec.norm_topk_prob, 1.0,
-            bias_on_logits=True,
+            scoring="logits",
         )
         width = spec.shared_expert_intermediate_size
         return FusedMoE(

@@ -28,9 +28,7 @@ from moe_engine.models.spec import FamilyCard
 class SolarOpenForCausalLM(Glm4MoeForCausalLM):
     """Solar Open on the engine's layers (module docstring)."""
 
-    card = FamilyCard(
-        "Solar Open", ("upstage/Solar-Open-100B",), "GQA, q/k/v biases",
-    )
+    card = FamilyCard("Solar Open", ("upstage/Solar-Open-100B",), "GQA")
 
     model_types = ("solar_open",)
     mtp_layers_field = None

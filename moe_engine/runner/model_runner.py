@@ -145,6 +145,11 @@ class ModelRunner:
                         f"layer {index}: attention kind {attn.cache_kind!r}, but its KV cache "
                         f"group {g} is {group.spec.kind!r}"
                     )
+                if attn.attention_chunk_size != group.spec.attention_chunk_size:
+                    raise ValueError(
+                        f"layer {index}: attention chunk {attn.attention_chunk_size}, but its "
+                        f"KV cache group {g} has chunk {group.spec.attention_chunk_size}"
+                    )
                 if attn.sliding_window != group.spec.sliding_window:
                     raise ValueError(
                         f"layer {index}: attention window {attn.sliding_window}, but its KV "

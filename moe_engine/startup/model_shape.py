@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_engine.kv_cache.spec import (
+    CHUNKED_LOCAL_ATTENTION,
     FULL_ATTENTION,
     LINEAR_ATTENTION,
     MLA_ATTENTION,
@@ -44,6 +45,8 @@ class ModelShape:
             every layer is full attention.
         sliding_window: tokens a sliding-attention query sees, itself included (None: no
             sliding layers).
+        attention_chunk_size: tokens per chunk of the chunked local attention layers
+            (`layer_types` "chunked_attention", Llama 4); None: no such layers.
         attention_sinks: one learned sink logit per query head and layer (gpt-oss).
         router_bias: the router Linear has a bias (gpt-oss).
         expert_bias: each expert has gate/up [2I] and down [H] biases (gpt-oss).
@@ -67,6 +70,10 @@ class ModelShape:
         linear_value_head_dim, linear_conv_kernel_dim: the Gated DeltaNet layers (layer_types
             "linear_attention"; Qwen3-Next): q/k heads Hk of Dk dims, value heads Hv of Dv,
             the causal conv1d's width W; 0 without such layers.
+        zero_experts: zero-computation ("identity") experts each router scores beside the E
+            real ones (LongCat-Flash's `zero_expert_num`): router rows, no weights.
+        dense_mlp_in_moe_layers: every layer holds a dense MLP of `intermediate_size`, the MoE
+            layers too (LongCat-Flash's shortcut MoE sits beside the layer's MLP).
     """
 
     architecture: str
@@ -89,6 +96,7 @@ class ModelShape:
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
     attention_sinks: bool = False
+    attention_chunk_size: int | None = None
     router_bias: bool = False
     expert_bias: bool = False
     kv_lora_rank: int | None = None
@@ -107,10 +115,14 @@ class ModelShape:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
+    zero_experts: int = 0
+    dense_mlp_in_moe_layers: bool = False
 
     @property
     def num_dense_layers(self) -> int:
-        """Layers whose MLP is dense."""
+        """Layers with a dense MLP."""
+        if self.dense_mlp_in_moe_layers:
+            return self.num_layers
         return self.num_layers - len(self.moe_layers)
 
     def expert_params(self) -> int:
@@ -161,9 +173,9 @@ class ModelShape:
 
     def router_params(self) -> int:
         """Parameters of one MoE layer's router: weight [E, H], optional bias [E] and
-        `e_score_correction_bias` [E]."""
+        `e_score_correction_bias` [E] (E plus the zero-computation experts it scores)."""
         extra = int(self.router_bias) + int(self.router_correction_bias)
-        return self.num_experts * (self.hidden_size + extra)
+        return (self.num_experts + self.zero_experts) * (self.hidden_size + extra)
 
     def float32_params(self) -> int:
         """Parameters kept in float32 whatever the model dtype: the routers when
@@ -232,16 +244,18 @@ class ModelShape:
         return 2 * layers * self.num_kv_heads * self.head_dim
 
     def attention_groups(self) -> list[AttentionGroup]:
-        """The layers by attention kind, full attention first: (kind, sliding window or None,
-        layer indices), one entry per kind present (`layer_types`; all full when empty); one
-        "mla" group of every layer when kv_lora_rank is set."""
+        """The layers by attention kind, full attention first: (kind, the sliding window or
+        the chunk size of chunked layers or None, layer indices), one entry per kind present
+        (`layer_types`; all full when empty); one "mla" group of every layer when kv_lora_rank
+        is set."""
         if self.kv_lora_rank:
             return [(MLA_ATTENTION, None, tuple(range(self.num_layers)))]
         types = self.layer_types or (FULL_ATTENTION,) * self.num_layers
+        windows = {FULL_ATTENTION: None, SLIDING_ATTENTION: self.sliding_window,
+                   CHUNKED_LOCAL_ATTENTION: self.attention_chunk_size}
         groups: list[AttentionGroup] = []
-        for kind in (FULL_ATTENTION, SLIDING_ATTENTION):
+        for kind, window in windows.items():
             layers = tuple(i for i, t in enumerate(types) if t == kind)
             if layers:
-                window = self.sliding_window if kind == SLIDING_ATTENTION else None
                 groups.append((kind, window, layers))
         return groups

@@ -149,6 +149,8 @@ class Plan:
                 f"sliding window {spec.sliding_window}"
             )
             kind = "MLA latent" if spec.kind == MLA_ATTENTION else kind
+            if spec.attention_chunk_size is not None:
+                kind = f"chunked attention {spec.attention_chunk_size}"
             held = spec.max_blocks_held(n, self.max_num_batched_tokens)
             lines.append(
                 f"KV group {g}: {kind}, {spec.num_layers} layers, "

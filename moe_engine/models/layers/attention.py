@@ -244,6 +244,8 @@ class KVCacheLayer(torch.nn.Module):
 
     sliding_window: int | None = None
     kv_group: int = 0
+    #: Tokens per chunk of chunked local attention (`chunked_attention`); None: other kinds.
+    attention_chunk_size: int | None = None
 
     @property
     def cache_kind(self) -> str:
@@ -312,7 +314,7 @@ class PagedAttention(KVCacheLayer):
                 cache.view(-1, *new.shape[1:]).index_copy_(0, meta.slot_mapping,
                                                            new.to(cache.dtype))
         t = q.shape[0]
-        batches = meta.batches
+        batches = self.query_batches(meta, k_cache.shape[1])
         if len(batches) == 1 and (batches[0].token_start, batches[0].token_end) == (0, t):
             # one batch (a decode step): its output is the layer's, no copy into a buffer
             return self._attend(q, k_cache, v_cache, batches[0], sinks).reshape(t, -1)
@@ -322,6 +324,11 @@ class PagedAttention(KVCacheLayer):
                 q[batch.token_start : batch.token_end], k_cache, v_cache, batch, sinks
             )
         return out.view(t, -1)
+
+    def query_batches(self, meta: AttentionMetadata, block_size: int) -> list[AttentionBatch]:
+        """The batches this layer attends (the step's own here; chunked local attention
+        rewrites them, `chunked_attention.ChunkedLocalPagedAttention`)."""
+        return meta.batches
 
     def _attend(
         self,

@@ -61,11 +61,18 @@ def load_all_experts(moe: FusedMoE, shard: str, tensor: torch.Tensor) -> None:
     """Copy the local slots' rows of an all-expert tensor.
 
     Args:
-        shard: "gate_up" (tensor [E, 2I, H], gate rows then up rows) or "down" ([E, H, I]).
+        shard: "gate_up" (tensor [E, 2I, H], gate rows then up rows), "gate" or "up" ([E, I,
+            H], one half of w13: DBRX) or "down" ([E, H, I]).
 
     Raises:
         ValueError: a shape mismatch, naming both shapes.
     """
+    size = moe.intermediate_size
+    halves = {"gate": slice(0, size), "up": slice(size, 2 * size)}
+    if shard in halves:
+        moe.reset_packed()
+        _copy_rows(moe, moe.w13.data[:, halves[shard]], shard, tensor)
+        return
     _copy_stacked(moe, {"gate_up": "w13", "down": "w2"}[shard], shard, tensor)
 
 
@@ -85,7 +92,16 @@ def load_expert_biases(moe: FusedMoE, shard: str, tensor: torch.Tensor) -> None:
 
 def _copy_stacked(moe: FusedMoE, param: str, what: str, tensor: torch.Tensor) -> None:
     moe.reset_packed()
-    target = getattr(moe, param).data
+    _copy_rows(moe, getattr(moe, param).data, what, tensor)
+
+
+def _copy_rows(moe: FusedMoE, target: torch.Tensor, what: str, tensor: torch.Tensor) -> None:
+    """Copy the local slots' rows of an all-expert `tensor` [E, ...] into `target`
+    [E_local, ...] (a parameter or a view of one).
+
+    Raises:
+        ValueError: a shape mismatch, naming both shapes.
+    """
     expected = (moe.num_experts, *target.shape[1:])
     if tuple(tensor.shape) != expected:
         raise ValueError(

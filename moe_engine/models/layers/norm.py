@@ -1,11 +1,12 @@
-"""RMSNorm (Zhang & Sennrich, 2019) and bias-free LayerNorm (Ba et al., 2016), computed in
-float32 as the Hugging Face references do."""
+"""RMSNorm (Zhang & Sennrich, 2019), computed in float32 as the Hugging Face reference does, and
+LayerNorm (Ba et al., 2016) for the families that keep it (PhiMoE, DBRX, Cohere2-MoE)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels.plan import KernelPlan
@@ -84,6 +85,46 @@ class RMSNorm(nn.Module):
         return self.forward(residual), residual
 
 
+class LayerNorm(nn.Module):
+    """y = weight * (x - mean(x)) / sqrt(var(x) + eps) (+ bias), over the last dimension:
+    `torch.nn.functional.layer_norm` as `nn.LayerNorm` computes it (PhiMoE's norms with a
+    bias, DBRX's `nn.LayerNorm(bias=False)`). Same call as `RMSNorm`, so it is a decoder
+    layer's norm wherever one is; no fused kernel (the native decode step refuses it).
+    With `float32_math`, x and the weight are taken to float32 and the result rounded once to
+    x's dtype (transformers `CohereLayerNorm` / `Cohere2LayerNorm`).
+
+    Args:
+        dim: size of the last dimension; eps: added to the variance; bias: hold a bias [dim];
+        dtype: parameter dtype; float32_math: Cohere's rounding (above).
+
+    Checkpoint names: `weight`, `bias`.
+    """
+
+    def __init__(
+        self, dim: int, eps: float = 1e-5, bias: bool = True, dtype: torch.dtype = torch.float32,
+        *, float32_math: bool = False,
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(dim, dtype=dtype)) if bias else None
+        self.eps = eps
+        self.float32_math = float32_math
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: [..., dim] -> same shape and dtype; with `residual`: residual' = x + residual,
+        returns (norm(residual'), residual') (as `RMSNorm`)."""
+        if residual is not None:
+            residual = residual + x
+            return self.forward(residual), residual
+        if self.float32_math:
+            bias = None if self.bias is None else self.bias.float()
+            h = F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), bias, self.eps)
+            return h.to(x.dtype)
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps).to(x.dtype)
+
+
 class ZeroCenteredRMSNorm(nn.Module):
     """y = (1 + weight) * x / sqrt(mean(x^2) + eps), computed in float32 and rounded once to
     x's dtype (Qwen3-Next, transformers `Qwen3NextRMSNorm`: the stored weight is centred on
@@ -107,34 +148,6 @@ class ZeroCenteredRMSNorm(nn.Module):
             residual = residual + x
             return self.forward(residual), residual
         return (_normalized(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
-
-
-class LayerNorm(nn.Module):
-    """y = weight * (x - mean(x)) / sqrt(var(x) + eps) over the last dimension, no bias,
-    computed in float32 and rounded once to x's dtype (transformers `CohereLayerNorm` /
-    `Cohere2LayerNorm`: the weight multiplied in float32).
-
-    Args:
-        dim: size of the last dimension; eps: added to the variance; dtype: weight dtype.
-    """
-
-    def __init__(self, dim: int, eps: float = 1e-5, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
-        self.eps = eps
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x: [..., dim] -> same shape and dtype; with `residual`: residual' = x + residual,
-        returns (norm(residual'), residual') (as `RMSNorm`, no fused kernel)."""
-        if residual is not None:
-            residual = residual + x
-            return self.forward(residual), residual
-        h = x.float()
-        centred = h - h.mean(-1, keepdim=True)
-        h = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * h).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):

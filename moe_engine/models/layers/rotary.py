@@ -53,6 +53,69 @@ def rope_with_scaling_of(hf_config) -> tuple[float, YarnScaling | None]:
     return float(theta), YarnScaling.from_rope_parameters(params, max_position)
 
 
+def rope_with_llama3_of(hf_config) -> tuple[float, Llama3Scaling | None]:
+    """The rotary base and Llama 3 scaling (None for plain RoPE) from a transformers config
+    (`rope_parameters`, or `rope_scaling` + `rope_theta`).
+
+    Raises:
+        StartupError: a rope_type other than "default" or "llama3", or no rope_theta.
+    """
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    params = {**(getattr(hf_config, "rope_scaling", None) or {}), **params}
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise StartupError(
+            f"rope_type {rope_type!r} is not supported yet (supported: default, llama3)"
+        )
+    if theta is None:
+        raise StartupError("config.json has no rope_theta")
+    scaling = Llama3Scaling.from_rope_parameters(params) if rope_type == "llama3" else None
+    return float(theta), scaling
+
+
+@dataclass(frozen=True)
+class Llama3Scaling:
+    """Llama 3's frequency-dependent RoPE scaling (`rope_type` "llama3"; transformers
+    `_compute_llama3_parameters`, Meta's `apply_scaling`): wavelengths 2 pi / f longer than
+    original_max_position_embeddings / low_freq_factor are divided by `factor`, those shorter
+    than original_max_position_embeddings / high_freq_factor are kept, and those between are
+    interpolated smoothly. Llama 4 Scout uses it (factor 16, both frequency factors 1).
+
+    Raises:
+        StartupError (`from_rope_parameters`): a field missing.
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    @classmethod
+    def from_rope_parameters(cls, params: dict) -> Llama3Scaling:
+        keys = ("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings")
+        missing = [k for k in keys if params.get(k) is None]
+        if missing:
+            raise StartupError(f"rope_type 'llama3' needs rope_parameters {missing}")
+        return cls(float(params["factor"]), float(params["low_freq_factor"]),
+                   float(params["high_freq_factor"]),
+                   int(params["original_max_position_embeddings"]))
+
+    def scale(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """[d / 2] float32 inverse frequencies -> the scaled ones (same shape)."""
+        old = self.original_max_position_embeddings
+        low_wavelen, high_wavelen = old / self.low_freq_factor, old / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (old / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+
+
 @dataclass(frozen=True)
 class YarnScaling:
     """YaRN parameters (config.json `rope_parameters` / `rope_scaling` with rope_type "yarn").
@@ -172,6 +235,7 @@ class RotaryEmbedding(nn.Module):
             returns it. V2's complex form returns the same values re-interleaved; as q and k
             get the same permutation, q . k and so attention are unchanged. False: the
             "rotate half" pairs (x_i, x_{i + d/2}).
+        llama3: Llama 3 frequency scaling of the plain RoPE (`Llama3Scaling`), or None.
     """
 
     def __init__(
@@ -181,9 +245,11 @@ class RotaryEmbedding(nn.Module):
         base: float,
         yarn: YarnScaling | None = None,
         interleaved: bool = False,
+        llama3: Llama3Scaling | None = None,
     ) -> None:
         super().__init__()
         self.head_dim, self.yarn, self.interleaved = head_dim, yarn, interleaved
+        self.llama3 = llama3
         self.base, self.max_position = base, max_position
         cos = torch.empty(max_position, head_dim)
         if cos.is_meta:  # built on the meta device: `materialize_buffers` computes them
@@ -204,6 +270,8 @@ class RotaryEmbedding(nn.Module):
             if self.yarn is None:
                 exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
                 inv_freq = 1.0 / (self.base**exponents)
+                if self.llama3 is not None:
+                    inv_freq = self.llama3.scale(inv_freq)
             else:
                 inv_freq, scale = yarn_inv_freq(head_dim, self.base, self.yarn)
             pos = torch.arange(self.max_position, dtype=torch.float32)
