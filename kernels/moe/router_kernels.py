@@ -10,8 +10,9 @@ One kernel, specialised by constexprs, covers the routing families of
 | `fused_topk_softmax`         | gpt-oss                       | top-k logits, softmax of k   |
 | `fused_sigmoid_grouped_topk` | DeepSeek-V3, GLM-4.5 (noaux)  | sigmoid + bias, group top-2  |
 |                              | MiniMax-M2; ERNIE-4.5-MoE,    | sums, top-k, renorm., scaled |
-|                              | LongCat-Flash, Mistral-4      | (or softmax + bias)          |
-|                              | (softmax scores)              |                              |
+|                              | LongCat-Flash, Mistral-4      | (or softmax + bias; or the   |
+|                              | (softmax scores); Kolibri-1   | logits + bias choosing and   |
+|                              | (biased logits choose)        | their sigmoid weighing)      |
 | `fused_softmax_grouped_topk` | DeepSeek-V2                   | softmax, group max, top-k,   |
 |                              |                               | scaled                       |
 
@@ -38,7 +39,7 @@ import triton.language as tl
 
 from kernels.moe.sum_kernels import round_bf16_bits
 
-SOFTMAX_THEN_TOPK, SIGMOID_BIAS, TOPK_THEN_SOFTMAX = 0, 1, 2  # SCORING
+SOFTMAX_THEN_TOPK, SIGMOID_BIAS, TOPK_THEN_SOFTMAX, LOGIT_BIAS_SIGMOID = 0, 1, 2, 3  # SCORING
 NO_GROUPS, GROUP_MAX, GROUP_TOP2_SUM = 0, 1, 2  # GROUP_SCORE
 _BIG = tl.constexpr(1 << 30)  # an index past every expert and group
 
@@ -111,6 +112,12 @@ def router_topk_kernel(
         choice = scores
         if HAS_BIAS:
             choice = scores + tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
+        choice = tl.where(valid, choice, float("-inf"))
+    elif SCORING == 3:  # the biased logits choose, their sigmoid weighs
+        scores = 1.0 / (1.0 + tl.exp(-x))
+        choice = x
+        if HAS_BIAS:
+            choice = x + tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
         choice = tl.where(valid, choice, float("-inf"))
     else:
         scores = x
@@ -269,8 +276,8 @@ def fused_sigmoid_grouped_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`routing.sigmoid_grouped_topk` (DeepSeek-V3 / GLM-4.5 noaux_tc routing, arXiv:2412.19437
     sec. 2.1.2) in one launch: sigmoid scores (`scoring="softmax"`: softmax over all experts,
-    ERNIE-4.5-MoE,
-    LongCat-Flash, Mistral-4), plus the correction bias for the choice only;
+    ERNIE-4.5-MoE, LongCat-Flash, Mistral-4; `scoring="logits"`: sigmoid scores, the logits
+    plus the bias choosing, Kolibri-1), plus the correction bias for the choice only;
     groups scored by the sum of their two largest biased scores, the best `topk_group` kept;
     the top_k of their experts; weights the unbiased scores, divided by their sum + 1e-20 when
     `norm_topk_prob`, times `routed_scaling_factor`.
@@ -279,13 +286,13 @@ def fused_sigmoid_grouped_topk(
         router_logits: [T, E] float32 (any float dtype is read as float32).
         top_k; e_score_correction_bias: [E] float32 or None; n_group, topk_group (limits
         checked where the config is read: `routing.check_sigmoid_group_limits`);
-        norm_topk_prob; routed_scaling_factor; scoring: "sigmoid" or "softmax".
+        norm_topk_prob; routed_scaling_factor; scoring: "sigmoid", "softmax" or "logits".
 
     Returns:
         topk_weights [T, k] float32, topk_ids [T, k] int32 (by descending biased score).
     """
     grouped = topk_group < n_group
-    kind = SOFTMAX_THEN_TOPK if scoring == "softmax" else SIGMOID_BIAS
+    kind = {"softmax": SOFTMAX_THEN_TOPK, "logits": LOGIT_BIAS_SIGMOID}.get(scoring, SIGMOID_BIAS)
     return _launch(
         router_logits, top_k, scoring=kind, n_group=n_group, topk_group=topk_group,
         group_score=GROUP_TOP2_SUM if grouped else NO_GROUPS, bias=e_score_correction_bias,

@@ -64,6 +64,9 @@ ARCHITECTURES: dict[str, str] = {
     "Lfm2MoeForCausalLM": "moe_engine.models.lfm2_moe",
     "MiniMaxForCausalLM": "moe_engine.models.minimax",
     "KimiLinearForCausalLM": "moe_engine.models.kimi_linear",
+    "Kolibri1ForCausalLM": "moe_engine.models.kolibri1",
+    "LagunaForCausalLM": "moe_engine.models.laguna",
+    "BeamForCausalLM": "moe_engine.models.beam",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.

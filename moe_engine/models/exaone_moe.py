@@ -19,8 +19,8 @@ Checkpoint names are the base mapping's (`self_attn.{q,k,v,o}_proj`, `self_attn.
 `mlp.gate.weight`, `mlp.experts.*`, `mlp.shared_experts.*`), except the correction bias: the
 hub's `mlp.e_score_correction_bias` -> `mlp.gate.e_score_correction_bias` (transformers'
 `conversion_mapping`; that name loads as it is too). Released checkpoints'
-multi-token-prediction tensors (`mtp.*`, ignored by transformers) are not read by this engine
-either. KV cache: a full-attention group and a sliding-window group.
+multi-token-prediction tensors (`mtp.*`, ignored by transformers) are skipped unread
+(`WeightMapping.skipped`). KV cache: a full-attention group and a sliding-window group.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ class ExaoneMoeForCausalLM(Dots1ForCausalLM):
     model_types = ("exaone_moe",)
     # transformers' `conversion_mapping` for exaone_moe: the hub's block-level bias name
     weight_mapping = WeightMapping(
-        renames=((".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),)
+        renames=((".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),),
+        skipped=(r"^mtp\.",),
     )
 
     @classmethod

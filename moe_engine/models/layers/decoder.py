@@ -75,8 +75,14 @@ class Attention(nn.Module):
             `query_layernorm` / `key_layernorm`); default before the rope.
         qk_norm_in_float32: the q/k norms multiply by their weight in float32
             (`RMSNorm.weight_in_float32`; Olmo2-style norms).
-        output_gate: the attention output is multiplied by sigmoid(gate_proj(h)) before
-            o_proj, gate_proj a Linear(H, Hq * D) without bias (AFMoE's gated attention).
+        output_gate: the attention output is multiplied by act(gate_proj(h)) before o_proj,
+            gate_proj a Linear without bias: True or "sigmoid" (AFMoE's gated attention, in
+            the model dtype), "softplus" (Laguna's, computed in float32 and rounded to the
+            model dtype); False: no gate.
+        gate_per_head: the gate has one value per query head (gate_proj: H -> Hq, broadcast
+            over the head's D dims) instead of one per output element (H -> Hq * D).
+        gate_bias: a learned per-head bias [Hq] added to the gate before its activation,
+            broadcast over the head's dims (Beam's `gate_bias`).
         scale: the softmax scale (default head_dim ** -0.5; Granite's `attention_multiplier`).
         clip_qkv: clamp q, k and v to [-clip_qkv, clip_qkv] after the projection and the
             whole-projection q/k norms, if any (DBRX, OLMoE); None: no clamp.
@@ -118,7 +124,9 @@ class Attention(nn.Module):
         qk_norm_per_head: bool = True,
         qk_norm_after_rope: bool = False,
         qk_norm_in_float32: bool = False,
-        output_gate: bool = False,
+        output_gate: bool | str = False,
+        gate_per_head: bool = False,
+        gate_bias: bool = False,
         scale: float | None = None,
         clip_qkv: float | None = None,
         attention_chunk_size: int | None = None,
@@ -155,8 +163,18 @@ class Attention(nn.Module):
                              dtype=dtype)
         # learned per-head sink logits (gpt-oss), filled from the checkpoint
         self.sinks = nn.Parameter(torch.zeros(spec.num_heads, dtype=dtype)) if sinks else None
+        output_gate = {False: None, True: "sigmoid"}.get(output_gate, output_gate)
+        if output_gate not in (None, "sigmoid", "softplus"):
+            raise ValueError(
+                f"output_gate must be a bool, 'sigmoid' or 'softplus', got {output_gate!r}"
+            )
+        self.output_gate, self.gate_per_head = output_gate, gate_per_head
+        gate_size = spec.num_heads if gate_per_head else q_size
         self.gate_proj = (
-            Linear(spec.hidden_size, q_size, bias=False, dtype=dtype) if output_gate else None
+            Linear(spec.hidden_size, gate_size, bias=False, dtype=dtype) if output_gate else None
+        )
+        self.gate_bias = (
+            nn.Parameter(torch.zeros(spec.num_heads, dtype=dtype)) if gate_bias else None
         )
         self.qk_norm = spec.qk_norm if qk_norm is None else qk_norm
         self.qk_norm_per_head, self.qk_norm_after_rope = qk_norm_per_head, qk_norm_after_rope
@@ -259,8 +277,21 @@ class Attention(nn.Module):
         return self.o_proj(self._gated(out, h))
 
     def _gated(self, out: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """out [T, Hq * D] times sigmoid(gate_proj(h)) where the layer has an output gate."""
-        return out if self.gate_proj is None else out * torch.sigmoid(self.gate_proj(h))
+        """out [T, Hq * D] times act(gate_proj(h)) (per element, or per head broadcast over
+        its D dims) where the layer has an output gate; h: [T, H], the attention's input."""
+        if self.gate_proj is None:
+            return out
+        gate = self.gate_proj(h)
+        t = out.shape[0]
+        if self.gate_bias is not None:  # [T, Hq * D] + [Hq] broadcast over each head's dims
+            gate = (gate.view(t, self.num_heads, -1) + self.gate_bias[:, None]).view(t, -1)
+        if self.output_gate == "sigmoid":
+            gate = torch.sigmoid(gate)
+        else:
+            gate = F.softplus(gate.float()).to(out.dtype)
+        if not self.gate_per_head:
+            return out * gate
+        return (out.view(t, self.num_heads, self.head_dim) * gate.unsqueeze(-1)).view(t, -1)
 
     def _norm_projections(self, qkv: torch.Tensor) -> torch.Tensor:
         """qkv [T, (Hq + 2 Hkv) D] -> the same with q_norm over its q part and k_norm over its
@@ -330,6 +361,10 @@ class DecoderLayer(nn.Module):
             names), or None (default).
         residual_multiplier: scales the attention's and the MLP's outputs before each
             residual add, h + m * attn(...) (Granite's `residual_multiplier`; default 1).
+        residual_scales: None, or (attention branch, stream, MLP branch, stream) factors of a
+            depth-scaled residual: each add is branch * a + stream * b (Beam's
+            `depth_scaled_residual_add`), the products kept as the stream's two parts so that
+            the norm after them adds them as transformers does.
 
     `timer`, when set (`MoeCausalLM.attach_timer`), times the attention phase (and a native
     decode step, which has no phases of its own, as "decode_layer").
@@ -351,9 +386,11 @@ class DecoderLayer(nn.Module):
         *,
         post_self_attn_layernorm: nn.Module | None = None,
         post_mlp_layernorm: nn.Module | None = None,
+        residual_scales: tuple[float, float, float, float] | None = None,
     ) -> None:
         super().__init__()
         self.residual_multiplier = residual_multiplier
+        self.residual_scales = residual_scales
         self.post_self_attn_layernorm = post_self_attn_layernorm
         self.post_mlp_layernorm = post_mlp_layernorm
         self.self_attn = self_attn
@@ -426,10 +463,15 @@ class DecoderLayer(nn.Module):
             return (out * m if m != 1.0 else out), residual + attn_out
         if self.post_self_attn_layernorm is not None:
             attn_out = self.post_self_attn_layernorm(attn_out)
+        scales = self.residual_scales
+        if scales is not None:
+            attn_out, residual = attn_out * scales[0], residual * scales[1]
         x, residual = self.post_attention_layernorm(attn_out, residual)
         out = self.mlp(x)
         if self.post_mlp_layernorm is not None:
             out = self.post_mlp_layernorm(out)
+        if scales is not None:
+            out, residual = out * scales[2], residual * scales[3]
         return (out * m if m != 1.0 else out), residual
 
 

@@ -129,8 +129,9 @@ def decode_misfit(layer: DecoderLayer, plan: KernelPlan) -> str | None:
         return "not an Attention + FusedMoE layer"
     if layer.post_attention_layernorm is None:
         return "a parallel attention + MLP block"
-    if layer.post_self_attn_layernorm is not None or layer.post_mlp_layernorm is not None:
-        return "output norms on the attention or MLP branch"
+    if (layer.post_self_attn_layernorm is not None or layer.post_mlp_layernorm is not None
+            or layer.residual_scales is not None):
+        return "output norms on the attention or MLP branch, or scaled residual adds"
     if not _norms_fit(layer.input_layernorm, layer.post_attention_layernorm):
         return "norms other than two bound bfloat16 RMSNorms of one epsilon and rounding"
     if (attn.prologue is None or type(attn.rotary) is not RotaryEmbedding

@@ -422,3 +422,25 @@ class NoRotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T] int64 (unused); q, k: any shapes -> (q, k) as they are."""
         return q, k
+
+
+class QueryLengthScaling(nn.Module):
+    """No rotation; the queries scaled by their position instead: q * (1 + (p + 1) / length)
+    ** exponent, computed in float32 and rounded to q's dtype (scalable softmax, Nakanishi
+    2025, "Scalable-Softmax Is Superior for Attention"; transformers `compute_attention_scaling`
+    of `modeling_beam.py`, for its layers without RoPE). The keys pass unchanged.
+
+    Args:
+        length: the position scale (tokens; Beam's 2048); exponent: the power (Beam's 0.1).
+    """
+
+    def __init__(self, length: float = 2048.0, exponent: float = 0.1) -> None:
+        super().__init__()
+        self.length, self.exponent = length, exponent
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] int64; q: [T, Hq, D], k: [T, Hkv, D] -> (scaled q, k)."""
+        scale = torch.exp(self.exponent * torch.log1p((positions.float() + 1) / self.length))
+        return (q.float() * scale[:, None, None]).to(q.dtype), k

@@ -38,8 +38,9 @@ if TYPE_CHECKING:
 #: `SoftmaxGroupedTopKRouter` selection methods (DeepSeek-V2 config `topk_method`).
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 #: How `sigmoid_grouped_topk` turns logits into scores: sigmoid (DeepSeek-V3, GLM-4.5,
-#: MiniMax-M2) or a softmax over all experts (ERNIE-4.5-MoE).
-SCORINGS = ("sigmoid", "softmax")
+#: MiniMax-M2), a softmax over all experts (ERNIE-4.5-MoE), or sigmoid weights with the
+#: biased logits choosing ("logits": Kolibri-1).
+SCORINGS = ("sigmoid", "softmax", "logits")
 
 
 
@@ -215,7 +216,9 @@ def sigmoid_grouped_topk(
        (+1e-20) when norm_topk_prob, then times routed_scaling_factor.
     This is `DeepseekV3TopkRouter.forward` / `Glm4MoeTopkRouter.forward` of transformers 5.24;
     with n_group = 1, norm_topk_prob and a scale of 1, `MiniMaxM2TopKRouter.forward` (sigmoid)
-    and `Ernie4_5_MoeTopKRouter.forward` (softmax).
+    and `Ernie4_5_MoeTopKRouter.forward` (softmax). `scoring="logits"`: steps 2-4 choose by
+    router_logits + bias instead of the biased scores, the weights are still the sigmoid
+    scores (Kolibri-1's `Kolibri1TopKRouter`).
 
     Args:
         router_logits: [T, E] (computed in float32 from the float32 router weight).
@@ -224,7 +227,8 @@ def sigmoid_grouped_topk(
         n_group, topk_group: the group limit (n_group = 1, topk_group = 1: none).
         norm_topk_prob: renormalise the k weights.
         routed_scaling_factor: multiplies the weights.
-        scoring: "sigmoid" or "softmax" (`SCORINGS`, checked by `SigmoidGroupedTopKRouter`).
+        scoring: "sigmoid", "softmax" or "logits" (`SCORINGS`, checked by
+            `SigmoidGroupedTopKRouter`).
 
     Returns:
         topk_weights [T, k] float32, topk_ids [T, k] int32 (by descending biased score).
@@ -238,7 +242,9 @@ def sigmoid_grouped_topk(
         scores = F.softmax(router_logits, dim=-1, dtype=torch.float32)
     else:
         scores = router_logits.float().sigmoid()
-    choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias
+    choice = router_logits.float() if scoring == "logits" else scores
+    if e_score_correction_bias is not None:
+        choice = choice + e_score_correction_bias
     if topk_group < n_group:
         top2 = choice.view(num_tokens, n_group, per_group).topk(2, dim=-1).values
         keep = group_limited_mask(top2.sum(dim=-1), topk_group, per_group)
@@ -448,7 +454,8 @@ class SigmoidGroupedTopKRouter(_Router):
         n_group, topk_group: the group limit; norm_topk_prob; routed_scaling_factor;
         correction_bias: hold the `e_score_correction_bias` buffer (V3 and GLM do);
         bias: a router bias [E] (none of these families has one).
-        scoring: "sigmoid" (default) or "softmax" (`SCORINGS`).
+        scoring: "sigmoid" (default), "softmax" or "logits" (`SCORINGS`; "logits": the biased
+            logits choose, their sigmoid weighs, Kolibri-1).
         dtype: the weight's dtype; float32 (default) whatever the model dtype, as transformers
             keeps V3's and GLM's (`_keep_in_fp32_modules_strict`: the logits are then
             float32), or the model's where the family's router computes its logits in it
