@@ -324,15 +324,3 @@ class PartialRotaryEmbedding(nn.Module):
             return self.rope(positions, q, k)
         q_rot, k_rot = self.rope(positions, q[..., :r], k[..., :r])
         return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
-
-
-class NoRotaryEmbedding(nn.Module):
-    """No position embedding (NoPE): `(positions, q, k) -> (q, k)` unchanged, for attention
-    layers whose order comes from elsewhere (Jamba's and Nemotron-H's attention beside Mamba
-    layers, Granite-4.0-H with `position_embedding_type` not "rope")."""
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hkv, D] -> the same tensors."""
-        return q, k
