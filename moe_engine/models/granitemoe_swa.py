@@ -26,7 +26,7 @@ from moe_engine.models.config_fields import check_hidden_act, required_int
 from moe_engine.models.granitemoehybrid import GraniteMoeHybridForCausalLM, GraniteMoeHybridSpec
 from moe_engine.models.layers.decoder import Attention
 from moe_engine.models.layers.hybrid import HybridDecoderLayer
-from moe_engine.models.layers.rotary import NoRotaryEmbedding, RotaryEmbedding, rope_theta_of
+from moe_engine.models.layers.rotary import RotaryEmbedding, rope_theta_of
 from moe_engine.models.spec import FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 
@@ -110,14 +110,14 @@ class GraniteMoeSWAForCausalLM(GraniteMoeHybridForCausalLM):
         then the experts (+ the shared MLP)."""
         theta = spec.layer_rope_theta[index]
         if not theta:
-            rotary = NoRotaryEmbedding()
+            rotary = None  # NoPE
         elif theta != spec.rope_theta:
             rotary = RotaryEmbedding(spec.head_dim, rotary.max_position, theta)
         sliding = spec.layer_types[index] == SLIDING_ATTENTION
         attn = Attention(spec, dtype, rotary, spec.sliding_window if sliding else None,
                          o_bias=spec.o_proj_bias, sinks=True, scale=spec.attention_multiplier)
-        ffns = {"block_sparse_moe": self._moe(spec, dtype)}
         norm = self.build_norm
-        return HybridDecoderLayer("self_attn", attn, ffns, norm(spec, spec.hidden_size, dtype),
+        return HybridDecoderLayer("self_attn", attn, "block_sparse_moe", self._moe(spec, dtype),
+                                  norm(spec, spec.hidden_size, dtype),
                                   "post_attention_layernorm", norm(spec, spec.hidden_size, dtype),
                                   spec.residual_multiplier)

@@ -36,15 +36,14 @@ from moe_engine.models.layers.decoder import Attention
 from moe_engine.models.layers.hybrid import HybridDecoderLayer
 from moe_engine.models.layers.mamba2 import Mamba2Mixer
 from moe_engine.models.layers.moe import FusedMoE
-from moe_engine.models.layers.rotary import NoRotaryEmbedding, RotaryEmbedding, rope_theta_of
+from moe_engine.models.layers.rotary import RotaryEmbedding, rope_theta_of
 from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 
 #: `GraniteMoeHybridConfig` defaults of the Mamba-2 layers.
 MAMBA_DEFAULTS = dict(mamba_n_heads=128, mamba_n_groups=1, mamba_d_state=256, mamba_d_conv=4,
-                      mamba_expand=2, mamba_conv_bias=True,
-                      mamba_proj_bias=False)
+                      mamba_expand=2, mamba_conv_bias=True, mamba_proj_bias=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +65,7 @@ def mamba_sizes(cfg: dict) -> dict:
     Raises:
         ValueError: an intermediate size the heads do not divide.
     """
-    m = {k: cfg.get(k, v) if cfg.get(k) is not None else v for k, v in MAMBA_DEFAULTS.items()}
+    m = {k: v if cfg.get(k) is None else cfg[k] for k, v in MAMBA_DEFAULTS.items()}
     inter = int(m["mamba_expand"]) * required_int(cfg, "hidden_size")
     head_dim = cfg.get("mamba_d_head", "auto")
     head_dim = inter // int(m["mamba_n_heads"]) if head_dim in (None, "auto") else int(head_dim)
@@ -158,10 +157,11 @@ class GraniteMoeHybridForCausalLM(MoeCausalLM):
             dt_limit=(float(limit[0]), float(limit[1])),
         )
 
-    def build_rotary(self, spec: GraniteMoeHybridSpec, max_position: int) -> nn.Module:
+    def build_rotary(self, spec: GraniteMoeHybridSpec, max_position: int) -> nn.Module | None:
+        """Plain rope when `position_embedding_type` is "rope", else None (NoPE)."""
         if spec.use_rope:
             return RotaryEmbedding(spec.head_dim, max_position, spec.rope_theta)
-        return NoRotaryEmbedding()
+        return None
 
     def build_layer(self, spec: GraniteMoeHybridSpec, index: int, dtype: torch.dtype,
                     rotary: nn.Module) -> nn.Module:
@@ -177,7 +177,7 @@ class GraniteMoeHybridForCausalLM(MoeCausalLM):
             name, mixer = "self_attn", Attention(spec, dtype, rotary, o_bias=spec.o_proj_bias,
                                                  scale=spec.attention_multiplier)
         norm = self.build_norm
-        return HybridDecoderLayer(name, mixer, {"block_sparse_moe": self._moe(spec, dtype)},
+        return HybridDecoderLayer(name, mixer, "block_sparse_moe", self._moe(spec, dtype),
                                   norm(spec, spec.hidden_size, dtype),
                                   "post_attention_layernorm", norm(spec, spec.hidden_size, dtype),
                                   spec.residual_multiplier)

@@ -34,7 +34,6 @@ from moe_engine.models.layers.decoder import Attention, DenseMLP
 from moe_engine.models.layers.hybrid import HybridDecoderLayer
 from moe_engine.models.layers.mamba import MambaMixer
 from moe_engine.models.layers.moe import FusedMoE
-from moe_engine.models.layers.rotary import NoRotaryEmbedding
 from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 
@@ -145,8 +144,9 @@ class JambaForCausalLM(MoeCausalLM):
         check_hidden_act(cfg, cls.__name__)
         return dict(rms_norm_eps=hf_config.rms_norm_eps, mamba=tuple(mamba_sizes(cfg).items()))
 
-    def build_rotary(self, spec: JambaSpec, max_position: int) -> nn.Module:
-        return NoRotaryEmbedding()
+    def build_rotary(self, spec: JambaSpec, max_position: int) -> None:
+        """None: no position embedding (NoPE, `Attention(rotary=None)`)."""
+        return None
 
     def build_layer(self, spec: JambaSpec, index: int, dtype: torch.dtype,
                     rotary: nn.Module) -> nn.Module:
@@ -166,6 +166,6 @@ class JambaForCausalLM(MoeCausalLM):
         else:
             ffn = DenseMLP(spec.hidden_size, spec.intermediate_size, dtype)
         norm = self.build_norm
-        return HybridDecoderLayer(name, mixer, {"feed_forward": ffn},
+        return HybridDecoderLayer(name, mixer, "feed_forward", ffn,
                                   norm(spec, spec.hidden_size, dtype), "pre_ff_layernorm",
                                   norm(spec, spec.hidden_size, dtype))

@@ -45,7 +45,6 @@ from moe_engine.models.layers.decoder import Attention, NonGatedMLP
 from moe_engine.models.layers.hybrid import BlockSequenceLayer, ResidualBlock
 from moe_engine.models.layers.mamba2 import Mamba2Mixer
 from moe_engine.models.layers.moe import FusedMoE
-from moe_engine.models.layers.rotary import NoRotaryEmbedding
 from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter
 from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
@@ -203,8 +202,9 @@ class NemotronHForCausalLM(MoeCausalLM):
                     block_groups=group_blocks(block_types(cfg)),
                     fields=tuple((k, _get(cfg, k)) for k in keys))
 
-    def build_rotary(self, spec: NemotronHSpec, max_position: int) -> nn.Module:
-        return NoRotaryEmbedding()
+    def build_rotary(self, spec: NemotronHSpec, max_position: int) -> None:
+        """None: no position embedding (NoPE, `Attention(rotary=None)`)."""
+        return None
 
     def build_layer(self, spec: NemotronHSpec, index: int, dtype: torch.dtype,
                     rotary: nn.Module) -> nn.Module:

@@ -1,12 +1,12 @@
 """The pre-norm decoder layer of hybrid state-space / attention models, modules named as the
 checkpoint names them.
 
-h + m * mixer(input_layernorm(h)), then h + m * sum(ffn(post_norm(h)) for each feed-forward
-module): the mixer is attention (called with the layer's KV cache) or a Mamba mixer (called
-with its state slots), the feed-forward modules a `FusedMoE`, a dense MLP or both summed
-(Granite's shared MLP beside the routed experts); m is the residual multiplier (1 but for
-Granite). Jamba's `JambaAttentionDecoderLayer` / `JambaMambaDecoderLayer` and Granite's
-`GraniteMoeHybridDecoderLayer` are this block. Never a native decode step.
+h + m * mixer(input_layernorm(h)), then h + m * ffn(post_norm(h)): the mixer is attention
+(called with the layer's KV cache) or a Mamba mixer (called with its state slots), the
+feed-forward a `FusedMoE` (with its shared experts) or a dense MLP; m is the residual
+multiplier (1 but for Granite). Jamba's `JambaAttentionDecoderLayer` /
+`JambaMambaDecoderLayer` and Granite's `GraniteMoeHybridDecoderLayer` are this block. Never a
+native decode step.
 """
 
 from __future__ import annotations
@@ -23,24 +23,24 @@ class HybridDecoderLayer(nn.Module):
     Args:
         mixer_name, mixer: the token mixer and its checkpoint name ("self_attn", "mamba");
             called `(h [T, H], positions, meta, cache) -> [T, H]`.
-        ffns: checkpoint name -> feed-forward module `(h [T, H]) -> [T, H]`, summed.
+        ffn_name, ffn: the feed-forward module `(h [T, H]) -> [T, H]` and its checkpoint name
+            ("block_sparse_moe", Jamba's "feed_forward").
         input_layernorm: the norm before the mixer.
         post_norm_name, post_norm: the norm before the feed-forward modules and its name
             ("post_attention_layernorm", Jamba's "pre_ff_layernorm").
         residual_multiplier: scales each block's output before its residual add.
     """
 
-    def __init__(self, mixer_name: str, mixer: nn.Module, ffns: dict[str, nn.Module],
+    def __init__(self, mixer_name: str, mixer: nn.Module, ffn_name: str, ffn: nn.Module,
                  input_layernorm: nn.Module, post_norm_name: str, post_norm: nn.Module,
                  residual_multiplier: float = 1.0) -> None:
         super().__init__()
-        self.mixer_name, self.ffn_names = mixer_name, list(ffns)
+        self.mixer_name, self.ffn_name = mixer_name, ffn_name
         self.post_norm_name = post_norm_name
         self.add_module(mixer_name, mixer)
         self.input_layernorm = input_layernorm
         self.add_module(post_norm_name, post_norm)
-        for name, module in ffns.items():
-            self.add_module(name, module)
+        self.add_module(ffn_name, ffn)
         self.residual_multiplier = residual_multiplier
         self.timer = None
         self.decode_kernel = None
@@ -59,11 +59,7 @@ class HybridDecoderLayer(nn.Module):
             with self.timer.phase("attention"):
                 h = h + self._scaled(mixer(self.input_layernorm(h), positions, meta, cache))
         x = getattr(self, self.post_norm_name)(h)
-        out = None
-        for name in self.ffn_names:
-            y = getattr(self, name)(x)
-            out = y if out is None else out + y
-        return h + self._scaled(out)
+        return h + self._scaled(getattr(self, self.ffn_name)(x))
 
     def forward_residual(self, h: torch.Tensor, residual: torch.Tensor | None,
                          positions: torch.Tensor, meta: AttentionMetadata, cache,
