@@ -375,6 +375,8 @@ _TRITON_FALLBACKS = {
     "mla_decode": ("decode rows of a sparse-attention layer (DeepSeek Sparse Attention) whose "
                    "context exceeds index_topk keys: the torch absorbed path over the keys the "
                    "indexer (Triton scores, torch.topk) selected",),
+    "fused_moe": ("non-gated (relu^2) experts, Nemotron-H's: the torch expert path (the "
+                  "Triton fused MoE kernel computes SwiGLU only)",),
     "rms_norm": ("norms other than RMSNorm (Qwen3-Next's zero-centred and gated ones), inputs "
                  "of more than 3 dimensions or another dtype than the weight's (the fused add: "
                  "a residual of another dtype or shape): torch",),

@@ -9,8 +9,9 @@ One kernel, specialised by constexprs, covers the routing families of
 | `fused_softmax_topk`         | Qwen3-MoE, Qwen2-MoE, Mixtral | softmax, top-k, renormalised |
 | `fused_topk_softmax`         | gpt-oss                       | top-k logits, softmax of k   |
 | `fused_sigmoid_grouped_topk` | DeepSeek-V3, GLM-4.5 (noaux)  | sigmoid + bias, group top-2  |
-|                              | MiniMax-M2; ERNIE-4.5-MoE     | sums, top-k, renorm., scaled |
-|                              | (softmax + bias)              | (or softmax + bias)          |
+|                              | MiniMax-M2; ERNIE-4.5-MoE,    | sums, top-k, renorm., scaled |
+|                              | LongCat-Flash, Mistral-4      | (or softmax + bias)          |
+|                              | (softmax scores)              |                              |
 | `fused_softmax_grouped_topk` | DeepSeek-V2                   | softmax, group max, top-k,   |
 |                              |                               | scaled                       |
 
@@ -268,7 +269,8 @@ def fused_sigmoid_grouped_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`routing.sigmoid_grouped_topk` (DeepSeek-V3 / GLM-4.5 noaux_tc routing, arXiv:2412.19437
     sec. 2.1.2) in one launch: sigmoid scores (`scoring="softmax"`: softmax over all experts,
-    ERNIE-4.5-MoE), plus the correction bias for the choice only;
+    ERNIE-4.5-MoE,
+    LongCat-Flash, Mistral-4), plus the correction bias for the choice only;
     groups scored by the sum of their two largest biased scores, the best `topk_group` kept;
     the top_k of their experts; weights the unbiased scores, divided by their sum + 1e-20 when
     `norm_topk_prob`, times `routed_scaling_factor`.

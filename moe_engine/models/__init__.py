@@ -50,9 +50,20 @@ ARCHITECTURES: dict[str, str] = {
     "Llama4ForCausalLM": "moe_engine.models.llama4",
     "FlintForCausalLM": "moe_engine.models.flint",
     "MiMoV2FlashForCausalLM": "moe_engine.models.mimo_v2_flash",
+    "Glm4MoeLiteForCausalLM": "moe_engine.models.glm4_moe_lite",
+    "LongcatFlashForCausalLM": "moe_engine.models.longcat_flash",
+    "Mistral4ForCausalLM": "moe_engine.models.mistral4",
+    "AXK1ForCausalLM": "moe_engine.models.axk1",
     "DeepseekV32ForCausalLM": "moe_engine.models.deepseek_v32",
     "GlmMoeDsaForCausalLM": "moe_engine.models.glm_moe_dsa",
     "AXK2ForCausalLM": "moe_engine.models.axk2",
+    "GraniteMoeHybridForCausalLM": "moe_engine.models.granitemoehybrid",
+    "JambaForCausalLM": "moe_engine.models.jamba",
+    "GraniteMoeSWAForCausalLM": "moe_engine.models.granitemoe_swa",
+    "NemotronHForCausalLM": "moe_engine.models.nemotron_h",
+    "Lfm2MoeForCausalLM": "moe_engine.models.lfm2_moe",
+    "MiniMaxForCausalLM": "moe_engine.models.minimax",
+    "KimiLinearForCausalLM": "moe_engine.models.kimi_linear",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.

@@ -287,6 +287,11 @@ class MoeCausalLM(nn.Module):
         """Every piece `load_weights` must fill (`WeightLoader.expected_names`)."""
         return WeightLoader(self).expected_names()
 
+    def zero_absent_weights(self, missing: Iterable[str]) -> list[str]:
+        """Zero the `missing` pieces (of `expected_weight_names`) the checkpoint may lack
+        (`WeightMapping.optional`); returns the rest (`WeightLoader.zero_absent`)."""
+        return WeightLoader(self).zero_absent(missing)
+
     def checkpoint_names_of(self, pieces: Iterable[str]) -> list[str]:
         """`expected_weight_names` pieces as checkpoint tensor names
         (`WeightLoader.checkpoint_names`)."""

@@ -309,7 +309,8 @@ def check_linear_attention(spec: ArchSpec, config: EngineConfig) -> None:
     linear = spec.linear_attention_layers()
     if not linear:
         return
-    which = f"{len(linear)} of its {spec.num_layers} layers are linear attention (Gated DeltaNet)"
+    which = (f"{len(linear)} of its {spec.num_layers} layers are linear attention "
+             f"({spec.linear_mixer})")
     if config.cache.enable_prefix_caching:
         raise StartupError(
             f"--enable-prefix-caching: {spec.architecture}: {which}, whose per-request state "

@@ -178,7 +178,8 @@ class DeepseekV3ForCausalLM(MoeCausalLM):
 
     @classmethod
     def moe_layers_of(cls, cfg: dict) -> tuple[int, ...]:
-        """The MoE layers' indices (`deepseek_moe_layers`)."""
+        """The MoE layer indices of a config.json (`deepseek_moe_layers`; a family that names
+        them otherwise overrides this)."""
         return deepseek_moe_layers(cfg)
 
     @classmethod

@@ -93,15 +93,21 @@ class WeightMapping:
             vLLM's `stacked_params_mapping`; the merged module must be a `MergedLinear`
             (names whose target is not one load as they are).
         experts: the routed experts' names.
-        skipped: patterns (`re.search`) of checkpoint names never read, as transformers'
-            `_keys_to_ignore_on_load_unexpected` (ERNIE's, Mellum's and MiMo-V2-Flash's `mtp`
-            tensors).
+        skipped: regular expressions (`re.search`) of checkpoint names that may have no place
+            in the model: a matching tensor whose (renamed) name is no parameter or buffer is
+            skipped unread, as transformers' `_keys_to_ignore_on_load_unexpected` skips it
+            (the `mtp` tensors of ERNIE, Mellum, MiMo-V2-Flash and LongCat-Flash; A.X-K1's
+            dense layers' `post_mlp_layernorm`).
+        optional: regular expressions of parameter or buffer names (the model's) a checkpoint
+            may lack: filled with zeros then, as transformers' `_keys_to_ignore_on_load_missing`
+            leaves them at their zero initialisation (A.X-K1's `e_score_correction_bias`).
     """
 
     renames: tuple[tuple[str, str], ...] = ()
     stacked_params: tuple[tuple[str, str, str], ...] = QKV_STACKED
     experts: ExpertMapping = field(default_factory=ExpertMapping)
     skipped: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()
 
     def skips(self, name: str) -> bool:
         """Whether checkpoint tensor `name` matches one of `skipped`."""
@@ -198,7 +204,7 @@ class WeightLoader:
         if on_experts_loaded is not None:
             self._experts_left = {
                 block: {expert_piece(block, e, p) for e in set(moe.local_experts)
-                        for p in expert_weights.PROJECTIONS}
+                        for p in expert_weights.projections_of(moe)}
                 for block, moe in self.moes.items()
             }
 
@@ -217,7 +223,7 @@ class WeightLoader:
             names.discard("lm_head.weight")
         for block, moe in self.moes.items():
             for e in set(moe.local_experts):
-                names |= {expert_piece(block, e, p) for p in expert_weights.PROJECTIONS}
+                names |= {expert_piece(block, e, p) for p in expert_weights.projections_of(moe)}
         return names
 
     def checkpoint_names(self, pieces: Iterable[str]) -> list[str]:
@@ -252,12 +258,28 @@ class WeightLoader:
         """"gate" | "up" | "down" for a checkpoint projection name (`ExpertMapping`)."""
         return self._shard[projection]
 
+    def skipped(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` matches the mapping's `skipped` and has no place in
+        the model."""
+        return self.mapping.skips(name) and self.mapping.model_name(name) not in self.params
+
+    def zero_absent(self, missing: Iterable[str]) -> list[str]:
+        """Fill with zeros the `missing` pieces (`expected_names` a load did not fill) that the
+        mapping's `optional` names; returns the others, still missing."""
+        left = []
+        for piece in missing:
+            if piece in self.params and any(re.search(p, piece) for p in self.mapping.optional):
+                self.params[piece].data.zero_()
+            else:
+                left.append(piece)
+        return left
+
     def wants(self, name: str) -> bool:
         """False for a per-expert checkpoint tensor of an expert this rank does not hold (or
         of a block that is not a `FusedMoE`), and for a tensor of a layer beyond the model's
-        `num_layers` (`beyond_num_layers`) or one the mapping `skipped`: the loader then never
+        `num_layers` (`beyond_num_layers`), or one the mapping ignores: the loader then never
         reads it."""
-        if self.mapping.skips(name):
+        if self.skipped(name):
             return False
         if beyond_num_layers(name, self.num_layers):
             name = mtp_model_name(name, self.num_layers, self.num_mtp_layers)
@@ -276,7 +298,7 @@ class WeightLoader:
         """
         loaded: set[str] = set()
         for name, tensor in weights:
-            if self.mapping.skips(name):
+            if self.skipped(name):
                 continue
             if beyond_num_layers(name, self.num_layers):
                 name = mtp_model_name(name, self.num_layers, self.num_mtp_layers)

@@ -204,10 +204,12 @@ class Plan:
         if not self.state_bytes_per_request:
             return []
         per_token = max(self.kv_bytes_per_token, 1)
+        conv, recurrent = self.shape.linear_state_shapes()
+        parts = [f"conv {self.dtype_name}"] * bool(conv) + ["recurrent float32"] * bool(recurrent)
         return [
             f"linear-attention state: {format_bytes(self.state_bytes_per_request)} per request "
-            f"over {len(self.shape.linear_attention_layers())} layers (conv {self.dtype_name}, "
-            f"recurrent float32; the KV of "
+            f"over {len(self.shape.linear_attention_layers())} layers "
+            f"({', '.join(parts)}; the KV of "
             f"{self.state_bytes_per_request / per_token:.0f} tokens), "
             f"{self.num_state_slots} slots (max_num_seqs) + 1 null slot = "
             f"{format_bytes(self.state_memory)} "
@@ -493,8 +495,10 @@ def _state_budget(shape: ModelShape, dtype: torch.dtype, max_num_seqs: int | Non
     if not max_num_seqs:
         raise StartupError("a model with linear-attention layers needs max_num_seqs to size "
                            "its state slots")
-    (c, w), (hv, dk, dv) = shape.linear_state_shapes()
-    per_request = len(layers) * (c * w * dtype.itemsize + hv * dk * dv * 4)
+    conv, recurrent = shape.linear_state_shapes()
+    per_layer = math.prod(conv) * dtype.itemsize if conv else 0
+    per_layer += math.prod(recurrent) * 4 if recurrent else 0
+    per_request = len(layers) * per_layer
     return max_num_seqs, per_request, per_request * (max_num_seqs + 1)
 
 

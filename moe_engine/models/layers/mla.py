@@ -73,6 +73,15 @@ class MLAAttention(KVCacheLayer):
             its RMSNorm default 1e-6, whatever `rms_norm_eps` says).
         softmax_scale: None: qk_head_dim ** -0.5 times YaRN's mscale(factor, mscale_all_dim)^2
             when the rotary has YaRN with `mscale_all_dim` (transformers `yarn_apply_mscale`).
+        query_position_scaling: (beta, period): queries (both parts, after the rope) times
+            1 + beta * log(1 + floor(position / period)) (Llama-4's attention temperature
+            tuning as Mistral-4 applies it: transformers' `get_llama_4_attn_scale` with
+            `rope_parameters` llama_4_scaling_beta and original_max_position_embeddings);
+            None: none.
+        latent_scale: multiplies c_kv after kv_a_layernorm (what the cache holds, so keys'
+            unroped parts and values alike; LongCat-Flash's `mla_scale_kv_lora`,
+            sqrt(hidden_size / kv_lora_rank)); 1.0: none. A query scale is a factor of
+            `softmax_scale` (rope and dot products are linear in q).
         dtype: parameter dtype.
         absorb: decode with weight absorption (default); False runs the expanded path for
             decode too (the reference for tests, and the baseline of bench/mla.py). Also
@@ -101,6 +110,8 @@ class MLAAttention(KVCacheLayer):
         attention_bias: bool = False,
         norm_eps: float = 1e-6,
         softmax_scale: float | None = None,
+        query_position_scaling: tuple[float, int] | None = None,
+        latent_scale: float = 1.0,
         dtype: torch.dtype = torch.float32,
         absorb: bool = True,
         output_gate: bool = False,
@@ -151,6 +162,8 @@ class MLAAttention(KVCacheLayer):
         if softmax_scale is None:
             softmax_scale = self.qk_head_dim**-0.5 * yarn_softmax_scale_factor(rotary.yarn)
         self.scale = softmax_scale
+        self.latent_scale = latent_scale
+        self.query_position_scaling = query_position_scaling
         self.absorb = absorb
         self._w_uk: torch.Tensor | None = None  # [n, nope, r]
         self._w_uv: torch.Tensor | None = None  # [n, r, v]
@@ -255,18 +268,28 @@ class MLAAttention(KVCacheLayer):
             [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
         )
         if self.prologue is not None and kv_a.dtype == kv_cache.dtype:
+            norm_weight = self.kv_a_layernorm.weight
+            if self.latent_scale != 1.0:  # [r] values: the scale rides on the norm's weight
+                norm_weight = norm_weight * self.latent_scale
             q_pe = self.prologue(
                 kv_a, q_pe, positions, self.rotary.cos_cache, self.rotary.sin_cache,
-                self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, kv_cache,
-                meta.slot_mapping, self.rotary.interleaved,
+                norm_weight, self.kv_a_layernorm.eps, kv_cache, meta.slot_mapping,
+                self.rotary.interleaved,
             )  # fmt: skip
         else:
             c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
             q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))
-            latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe.squeeze(1)], dim=-1)
+            c_kv = self.kv_a_layernorm(c_kv)
+            if self.latent_scale != 1.0:
+                c_kv = c_kv * self.latent_scale
+            latent = torch.cat([c_kv, k_pe.squeeze(1)], dim=-1)
             kv_cache.view(-1, self.latent_dim).index_copy_(
                 0, meta.slot_mapping, latent.to(kv_cache.dtype)
             )
+        if self.query_position_scaling is not None:
+            scale = position_query_scale(positions, *self.query_position_scaling)
+            scale = scale.to(q_nope.dtype)[:, None, None]
+            q_nope, q_pe = q_nope * scale, q_pe * scale
         return q_nope, q_pe, q_resid, gate
 
     def attend_batches(
@@ -376,6 +399,12 @@ class MLAAttention(KVCacheLayer):
         )[..., :r]  # [B, 1, n, r]
         out = torch.bmm(o_lat.squeeze(1).transpose(0, 1), self._w_uv)  # [n, B, v]
         return out.transpose(0, 1).reshape(b, self.num_heads * self.v_head_dim)
+
+
+def position_query_scale(positions: torch.Tensor, beta: float, period: int) -> torch.Tensor:
+    """positions [T] int64 -> [T] float32: 1 + beta * log(1 + floor(position / period))
+    (transformers' `get_llama_4_attn_scale`, the same float32 ops)."""
+    return 1 + beta * torch.log(1 + torch.floor(positions / period))
 
 
 def _stack_qkv_a(state_dict: dict, prefix: str, *args: Any) -> None:

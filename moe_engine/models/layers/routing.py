@@ -199,7 +199,9 @@ def sigmoid_grouped_topk(
     1. scores = sigmoid(router_logits) in float32 (`scoring="softmax"`: the softmax over all
        experts in float32, ERNIE-4.5-MoE's `Ernie4_5_MoeTopKRouter`, whose renormalisation
        divides by max(sum, 1e-12): the same quotient for any sum of k probabilities above
-       1e-12);
+       1e-12; LongCat-Flash's `LongcatFlashTopkRouter`, with a correction bias and no groups,
+       and Mistral-4's `Mistral4TopkRouter`, with groups and no bias: transformers masks
+       excluded groups there to 0.0, the same choice unless a kept probability underflows);
     2. the choice uses scores + e_score_correction_bias (the auxiliary-loss-free balancing
        bias of the DeepSeek-V3 technical report, arXiv:2412.19437, sec. 2.1.2: it changes
        which experts are chosen, never their weights);
@@ -246,6 +248,27 @@ def sigmoid_grouped_topk(
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * routed_scaling_factor, ids.to(torch.int32)
+
+
+def split_zero_experts(
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Take the zero-computation ("identity") experts out of a routing: the ids >= num_experts
+    (LongCat-Flash's `zero_expert_num` experts after the `n_routed_experts` real ones) become
+    -1 with weight 0, which dispatch and every expert kernel skip, and their weights are summed
+    per token (an identity expert returns its input, so they add zero_weight x input).
+
+    Args:
+        topk_weights: [T, k] float32; topk_ids: [T, k] int32 ids in [0, num_experts + zeros).
+        num_experts: the real (computing) experts E.
+
+    Returns:
+        topk_weights [T, k] float32, topk_ids [T, k] int32 (-1 for zero experts), zero_weight
+        [T, 1] float32.
+    """
+    zero = topk_ids >= num_experts
+    zero_weight = torch.where(zero, topk_weights, 0.0).sum(dim=-1, keepdim=True)
+    return topk_weights.masked_fill(zero, 0.0), topk_ids.masked_fill(zero, -1), zero_weight
 
 
 def softmax_grouped_topk(
@@ -416,10 +439,12 @@ class SoftmaxTopKRouter(_Router):
 class SigmoidGroupedTopKRouter(_Router):
     """DeepSeek-V3 / GLM-4.5 router (`sigmoid_grouped_topk`; transformers'
     `DeepseekV3TopkRouter`, `Glm4MoeTopkRouter`); with n_group = topk_group = 1 the plain
-    biased top-k of MiniMax-M2 (sigmoid) and ERNIE-4.5-MoE (`scoring="softmax"`).
+    biased top-k of MiniMax-M2 (sigmoid) and ERNIE-4.5-MoE (`scoring="softmax"`); softmax
+    scores with groups or a bias: LongCat-Flash, Mistral-4.
 
     Args:
-        hidden_size: H; num_experts: E (`n_routed_experts`); top_k: `num_experts_per_tok`;
+        hidden_size: H; num_experts: E (`n_routed_experts`, plus any zero-computation experts
+        the router scores: `split_zero_experts`); top_k: `num_experts_per_tok`;
         n_group, topk_group: the group limit; norm_topk_prob; routed_scaling_factor;
         correction_bias: hold the `e_score_correction_bias` buffer (V3 and GLM do);
         bias: a router bias [E] (none of these families has one).
