@@ -43,7 +43,9 @@ class Communicator(Protocol):
     def dispatch(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> DispatchResult:
-        """hidden: [T, H]; topk_ids: [T, k] int32 global expert ids; topk_weights: [T, k] fp32."""
+        """hidden: [T, H]; topk_ids: [T, k] int32 global expert ids, or -1 for a slot that holds
+        no expert (a zero-computation expert's: it reaches no expert); topk_weights: [T, k]
+        fp32."""
         ...
 
     def combine(self, expert_out: torch.Tensor, handle: Any) -> torch.Tensor:

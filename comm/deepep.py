@@ -189,7 +189,8 @@ class DeepEPCommunicator:
         buffer = self._buffer_for(hidden)
         dest_rank, local_slot = self.placement.route(topk_ids, self.rank)
         slots = self.placement.num_local_experts
-        physical = (dest_rank * slots + local_slot).to(self._idx_dtype)
+        physical = torch.where(local_slot >= 0, dest_rank * slots + local_slot, -1)
+        physical = physical.to(self._idx_dtype)  # -1: no expert (DeepEP skips it)
         if mode == "low_latency":
             if self.last_mode == "normal":  # DeepEP: clean the low-latency buffer after normal use
                 buffer.clean_low_latency_buffer(

@@ -138,16 +138,20 @@ class ExpertPlacement:
         Deterministic; without replicas it is a table lookup.
 
         Args:
-            topk_ids: [T, k] int32/int64 global expert ids, all in [0, num_experts).
+            topk_ids: [T, k] int32/int64 global expert ids, all in [0, num_experts), or -1 for
+                a slot that holds no expert (a zero-computation expert's): it goes to
+                `src_rank` itself, local slot -1, which the experts skip.
             src_rank: the rank routing these tokens.
 
         Returns:
             dest_rank [T, k] int64 and local_slot [T, k] int32, on topk_ids' device.
         """
         tables = self._route_tables(topk_ids.device)
-        ids = topk_ids.long()
+        none = topk_ids < 0  # masked without reading it back: no host sync
+        ids = topk_ids.long().clamp_min(0)
         if not self.has_replicas:
-            return tables.replica_rank[ids, 0], tables.replica_slot[ids, 0]
+            dest_rank, local_slot = tables.replica_rank[ids, 0], tables.replica_slot[ids, 0]
+            return dest_rank.masked_fill(none, src_rank), local_slot.masked_fill(none, -1)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         # scatter_add, not bincount: CUDA's bincount reads the maximum back to the host
@@ -159,7 +163,7 @@ class ExpertPlacement:
         choice = (position + src_rank) % tables.num_replicas[flat]
         dest_rank = tables.replica_rank[flat, choice].view_as(ids)
         local_slot = tables.replica_slot[flat, choice].view_as(ids)
-        return dest_rank, local_slot
+        return dest_rank.masked_fill(none, src_rank), local_slot.masked_fill(none, -1)
 
     def _route_tables(self, device: torch.device) -> _RouteTables:
         if device not in self._tables:

@@ -90,15 +90,19 @@ class ExpertLoadRecorder:
             )
         self._row_mask = mask
 
-    def record(self, layer: int, topk_ids: torch.Tensor) -> None:
+    def record(self, layer: int, topk_ids: torch.Tensor, *, skip_negative: bool = False) -> None:
         """Add one step's routing of decoder layer `layer`.
 
         Args:
-            topk_ids: [T, k] int32 global expert ids as the router chose them, all in [0, E).
+            topk_ids: [T, k] int32 global expert ids as the router chose them, all in [0, E)
+                (with `skip_negative` also -1: a zero-computation expert's slot, not counted).
 
         Raises:
             ValueError: a row mask is set (`set_row_mask`) with fewer than T rows.
         """
+        if skip_negative:
+            self._record_valid(layer, topk_ids)
+            return
         ids = topk_ids.reshape(-1)
         if self._row_mask is not None:
             t, k = topk_ids.shape
@@ -113,6 +117,18 @@ class ExpertLoadRecorder:
                 )
             weights = self._ones[: ids.numel()]
         self.counts[self.row_of_layer[layer]].index_add_(0, ids, weights)
+
+    def _record_valid(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """`record` of ids where -1 marks a slot that holds no expert (not counted)."""
+        t, k = topk_ids.shape
+        valid = (topk_ids >= 0).to(torch.int64)
+        if self._row_mask is not None:
+            if t > self._row_mask.numel():
+                raise ValueError(f"{t} token rows, but the row mask has {self._row_mask.numel()}")
+            valid = valid * self._row_mask[:t, None]
+        self.counts[self.row_of_layer[layer]].index_add_(
+            0, topk_ids.clamp_min(0).reshape(-1), valid.reshape(-1).to(self.counts.device)
+        )
 
     def count_target(self, layer: int, num_tokens: int) -> dict[str, torch.Tensor | None]:
         """Where a router that counts in its own launch adds one step's routing of decoder

@@ -62,8 +62,8 @@ def test_a_stale_table_fails_the_check(tmp_path: Path) -> None:
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_every_registered_class_has_a_card_that_agrees(arch: str) -> None:
     cls = architecture_class(arch)
-    card = cls.card
-    assert card is not None, f"{arch} has no card"
+    card = cls.__dict__.get("card")  # its own, not inherited from the family it builds on
+    assert card is not None, f"{arch} has no card of its own"
     assert card.name and card.examples and card.attention and card.cache
     # a per-request state cannot take rejected drafts back: speculation is refused there
     assert ("state" in card.cache) == (not card.speculation), card
@@ -77,7 +77,8 @@ def test_a_refused_architecture_names_what_it_lacks(arch: str) -> None:
     with pytest.raises(StartupError) as err:
         resolve_config_dict({"architectures": [arch], "model_type": "x"})
     message = str(err.value)
-    assert arch in message and "not supported" in message and "; supported:" not in message
+    assert arch in message and "; supported:" not in message
+    assert "not supported" in message or "not implemented" in message
 
 
 def test_an_unknown_architecture_lists_the_supported_ones() -> None:

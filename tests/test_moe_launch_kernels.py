@@ -189,6 +189,19 @@ def test_sigmoid_grouped_topk(experts, top_k, n_group, topk_group) -> None:
         )
 
 
+def test_softmax_scoring_with_correction_bias() -> None:
+    """ERNIE-4.5-MoE's routing (`scoring="softmax"`): softmax probabilities plus the bias for
+    the choice, the unbiased ones renormalised; 12 experts (not a power of two), no groups."""
+    g = gen()
+    logits = _logits(g, 5, 12, torch.float32)
+    bias = torch.randn(12, generator=g) * 0.2
+    _check(
+        rk.fused_sigmoid_grouped_topk(logits, 3, bias, 1, 1, True, 1.0, scoring="softmax"),
+        routing.sigmoid_grouped_topk(logits, 3, bias, 1, 1, True, 1.0, scoring="softmax"),
+        atol=1e-5,
+    )
+
+
 def test_softmax_grouped_topk() -> None:
     logits = _logits(gen(), 5, 16, torch.float32)
     for method in routing.V2_TOPK_METHODS:

@@ -9,7 +9,9 @@ One kernel, specialised by constexprs, covers the routing families of
 | `fused_softmax_topk`         | Qwen3-MoE, Qwen2-MoE, Mixtral | softmax, top-k, renormalised |
 | `fused_topk_softmax`         | gpt-oss                       | top-k logits, softmax of k   |
 | `fused_sigmoid_grouped_topk` | DeepSeek-V3, GLM-4.5 (noaux)  | sigmoid + bias, group top-2  |
-|                              |                               | sums, top-k, renorm., scaled |
+|                              | MiniMax-M2; ERNIE-4.5-MoE,    | sums, top-k, renorm., scaled |
+|                              | LongCat-Flash, Mistral-4      | (or softmax + bias)          |
+|                              | (softmax scores)              |                              |
 | `fused_softmax_grouped_topk` | DeepSeek-V2                   | softmax, group max, top-k,   |
 |                              |                               | scaled                       |
 
@@ -100,7 +102,10 @@ def router_topk_kernel(
     if SCORING == 0:
         e = tl.exp(x - tl.max(tl.max(x, axis=1), axis=0))
         scores = e / tl.sum(tl.sum(e, axis=1), axis=0)
-        choice = tl.where(valid, scores, float("-inf"))
+        choice = scores
+        if HAS_BIAS:
+            choice = scores + tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
+        choice = tl.where(valid, choice, float("-inf"))
     elif SCORING == 1:
         scores = 1.0 / (1.0 + tl.exp(-x))
         choice = scores
@@ -259,10 +264,13 @@ def fused_sigmoid_grouped_topk(
     topk_group: int,
     norm_topk_prob: bool,
     routed_scaling_factor: float,
+    scoring: str = "sigmoid",
     **counts: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`routing.sigmoid_grouped_topk` (DeepSeek-V3 / GLM-4.5 noaux_tc routing, arXiv:2412.19437
-    sec. 2.1.2) in one launch: sigmoid scores, plus the correction bias for the choice only;
+    sec. 2.1.2) in one launch: sigmoid scores (`scoring="softmax"`: softmax over all experts,
+    ERNIE-4.5-MoE,
+    LongCat-Flash, Mistral-4), plus the correction bias for the choice only;
     groups scored by the sum of their two largest biased scores, the best `topk_group` kept;
     the top_k of their experts; weights the unbiased scores, divided by their sum + 1e-20 when
     `norm_topk_prob`, times `routed_scaling_factor`.
@@ -271,14 +279,15 @@ def fused_sigmoid_grouped_topk(
         router_logits: [T, E] float32 (any float dtype is read as float32).
         top_k; e_score_correction_bias: [E] float32 or None; n_group, topk_group (limits
         checked where the config is read: `routing.check_sigmoid_group_limits`);
-        norm_topk_prob; routed_scaling_factor.
+        norm_topk_prob; routed_scaling_factor; scoring: "sigmoid" or "softmax".
 
     Returns:
         topk_weights [T, k] float32, topk_ids [T, k] int32 (by descending biased score).
     """
     grouped = topk_group < n_group
+    kind = SOFTMAX_THEN_TOPK if scoring == "softmax" else SIGMOID_BIAS
     return _launch(
-        router_logits, top_k, scoring=SIGMOID_BIAS, n_group=n_group, topk_group=topk_group,
+        router_logits, top_k, scoring=kind, n_group=n_group, topk_group=topk_group,
         group_score=GROUP_TOP2_SUM if grouped else NO_GROUPS, bias=e_score_correction_bias,
         renormalize=norm_topk_prob, renorm_eps=1e-20, scale=routed_scaling_factor, **counts,
     )  # fmt: skip

@@ -29,17 +29,69 @@ ARCHITECTURES: dict[str, str] = {
     "DeepseekV2ForCausalLM": "moe_engine.models.deepseek_v2",
     "Qwen3NextForCausalLM": "moe_engine.models.qwen3_next",
     "Qwen3_5MoeForCausalLM": "moe_engine.models.qwen3_next",
+    "Dots1ForCausalLM": "moe_engine.models.dots1",
+    "ExaoneMoeForCausalLM": "moe_engine.models.exaone_moe",
+    "Cohere2MoeForCausalLM": "moe_engine.models.cohere2_moe",
+    "SolarOpenForCausalLM": "moe_engine.models.solar_open",
+    "HYV3ForCausalLM": "moe_engine.models.hy_v3",
+    "AfmoeForCausalLM": "moe_engine.models.afmoe",
+    "OlmoeForCausalLM": "moe_engine.models.olmoe",
+    "FlexOlmoForCausalLM": "moe_engine.models.olmoe",
+    "PhimoeForCausalLM": "moe_engine.models.phimoe",
+    "GraniteMoeForCausalLM": "moe_engine.models.granitemoe",
+    "GraniteMoeSharedForCausalLM": "moe_engine.models.granitemoe",
+    "DbrxForCausalLM": "moe_engine.models.dbrx",
+    "JetMoeForCausalLM": "moe_engine.models.jetmoe",
+    "MiniMaxM2ForCausalLM": "moe_engine.models.minimax_m2",
+    "HunYuanMoEV1ForCausalLM": "moe_engine.models.hunyuan_v1_moe",
+    "Ernie4_5_MoeForCausalLM": "moe_engine.models.ernie4_5_moe",
+    "MellumForCausalLM": "moe_engine.models.mellum",
+    "AriaTextForCausalLM": "moe_engine.models.aria_text",
     "Llama4ForCausalLM": "moe_engine.models.llama4",
     "FlintForCausalLM": "moe_engine.models.flint",
     "MiMoV2FlashForCausalLM": "moe_engine.models.mimo_v2_flash",
+    "Glm4MoeLiteForCausalLM": "moe_engine.models.glm4_moe_lite",
+    "LongcatFlashForCausalLM": "moe_engine.models.longcat_flash",
+    "Mistral4ForCausalLM": "moe_engine.models.mistral4",
+    "AXK1ForCausalLM": "moe_engine.models.axk1",
+    "DeepseekV32ForCausalLM": "moe_engine.models.deepseek_v32",
+    "GlmMoeDsaForCausalLM": "moe_engine.models.glm_moe_dsa",
+    "AXK2ForCausalLM": "moe_engine.models.axk2",
+    "GraniteMoeHybridForCausalLM": "moe_engine.models.granitemoehybrid",
+    "JambaForCausalLM": "moe_engine.models.jamba",
+    "GraniteMoeSWAForCausalLM": "moe_engine.models.granitemoe_swa",
+    "NemotronHForCausalLM": "moe_engine.models.nemotron_h",
+    "Lfm2MoeForCausalLM": "moe_engine.models.lfm2_moe",
+    "MiniMaxForCausalLM": "moe_engine.models.minimax",
+    "KimiLinearForCausalLM": "moe_engine.models.kimi_linear",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.
 REFUSED_ARCHITECTURES: dict[str, str] = {
-    "DeepseekV32ForCausalLM": (
-        "DeepSeek Sparse Attention (DeepSeek-V3.2's lightning indexer, which attends to "
-        "index_topk={index_topk} keys per query) is not supported: this engine implements "
-        "dense MLA only"
+    "DeepseekV4ForCausalLM": (
+        "DeepSeek-V4 is not supported: its hyper-connections (hc_mult={hc_mult} residual "
+        "streams mixed around every layer), compressed sparse attention (HCA / CSA compressors "
+        "with their own compressed-KV caches beside a sliding window) and hash routing are not "
+        "implemented (this engine has DeepSeek Sparse Attention over uncompressed MLA only)"
+    ),
+    "HYV4ForCausalLM": (
+        "Hunyuan-V4 is not supported: its hyper-connections (DeepSeek-V4's hc_mult={hc_mult} "
+        "residual streams mixed around every layer) are not implemented, nor attention sinks "
+        "on sparse MLA"
+    ),
+    "ZayaForCausalLM": (
+        "ZAYA's Compressed Convolutional Attention is not implemented: its q/k pass through a "
+        "causal depthwise + grouped conv1d (cca_time0={cca_time0}, cca_time1={cca_time1} taps) "
+        "and half of each value head comes from the previous token, a per-request conv and "
+        "delayed-value state beside the KV cache; nor its router, an MLP fed the previous "
+        "layer's router state (EDA) with a skip expert, and float32 residual scaling"
+    ),
+    "DogeForCausalLM": (
+        "Doge's dynamic-mask attention is not implemented (a per-key, per-KV-head additive bias "
+        "exp(A * softplus(dt_proj(V))) on the scores, and past keep_window_size="
+        "{keep_window_size} keys only the highest-biased ones kept per query); nor its CDMoE "
+        "(product-key routing over single-neuron embedding experts, whose router logits are "
+        "split across the tokens of a forward pass, so a chunked prefill cannot repeat them)"
     ),
     "Gemma4ForCausalLM": (
         "Gemma 4's text decoder is not supported (enable_moe_block={enable_moe_block}): the "

@@ -73,7 +73,8 @@ class MoeCausalLM(nn.Module):
         layers = [self.build_layer(spec, i, dtype, rotary) for i in range(spec.num_layers)]
         embed = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
         self.model = Backbone(embed, layers, self.build_norm(spec, spec.hidden_size, dtype))
-        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=spec.lm_head_bias,
+                              dtype=dtype)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         #: The MTP layers (`layers/mtp.py`), empty unless `spec.num_mtp_layers`.
@@ -185,8 +186,10 @@ class MoeCausalLM(nn.Module):
     def build_attention(
         self, spec: ArchSpec, index: int, dtype: torch.dtype, rotary: nn.Module
     ) -> nn.Module:
-        """Layer `index`'s attention; default `Attention`, sliding where `layer_types` says."""
+        """Layer `index`'s attention; default `Attention`, sliding where `layer_types` says,
+        without rotary in `spec.nope_layers`."""
         sliding = bool(spec.layer_types) and spec.layer_types[index] == "sliding_attention"
+        rotary = None if index in spec.nope_layers else rotary
         return Attention(spec, dtype, rotary, spec.sliding_window if sliding else None)
 
     def build_mlp(self, spec: ArchSpec, index: int, dtype: torch.dtype) -> nn.Module:
@@ -250,6 +253,8 @@ class MoeCausalLM(nn.Module):
         the step); one with a native decode kernel updates h in place (the embedding's fresh
         output)."""
         h = self.model.embed_tokens(input_ids)
+        if self.spec.embedding_multiplier != 1.0:
+            h = h * self.spec.embedding_multiplier
         layers = self.model.layers
         step = DecodeStep.of(h, positions, meta, self.spec.top_k, len(layers))
         residual = None  # the stream is h + residual: each add is fused into the next norm
@@ -269,14 +274,23 @@ class MoeCausalLM(nn.Module):
             moe.timer = timer
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, H] -> logits [N, vocab] float32."""
-        return self.lm_head(hidden).float()
+        """hidden: [N, H] -> logits [N, vocab] float32 (divided by `spec.logits_scaling`, in
+        the model dtype as transformers' Granite does, where it is not 1)."""
+        logits = self.lm_head(hidden)
+        if self.spec.logits_scaling != 1.0:
+            logits = logits / self.spec.logits_scaling
+        return logits.float()
 
     # -- weights -----------------------------------------------------------------------------
 
     def expected_weight_names(self) -> set[str]:
         """Every piece `load_weights` must fill (`WeightLoader.expected_names`)."""
         return WeightLoader(self).expected_names()
+
+    def zero_absent_weights(self, missing: Iterable[str]) -> list[str]:
+        """Zero the `missing` pieces (of `expected_weight_names`) the checkpoint may lack
+        (`WeightMapping.optional`); returns the rest (`WeightLoader.zero_absent`)."""
+        return WeightLoader(self).zero_absent(missing)
 
     def checkpoint_names_of(self, pieces: Iterable[str]) -> list[str]:
         """`expected_weight_names` pieces as checkpoint tensor names

@@ -177,3 +177,42 @@ def check_hidden_act(cfg: dict, architecture: str) -> None:
             f"config.json: hidden_act {act!r} is not supported for {architecture} (the engine's "
             f"MLPs and experts compute SwiGLU with silu; supported: 'silu')"
         )
+
+
+#: `mlp_layer_types` entries (transformers 5: GLM-4.7-Flash, A.X-K1, ...): "sparse" is an MoE
+#: layer, "dense" a dense MLP.
+MLP_LAYER_TYPES = ("dense", "sparse")
+
+
+def mlp_layer_types_moe_layers(cfg: dict, default: list[str]) -> tuple[int, ...]:
+    """The MoE layers of a config.json naming each layer's MLP in `mlp_layer_types` ("sparse":
+    MoE, "dense": a dense MLP); `default` (one entry per layer) where the field is absent or
+    null, as the transformers config's `__post_init__` fills it. () without routed experts.
+
+    Raises:
+        ValueError: a `mlp_layer_types` of the wrong length or with an entry other than
+            "dense" / "sparse" (naming the field, its value and what is supported).
+    """
+    layers = required_int(cfg, "num_hidden_layers")
+    types = cfg.get("mlp_layer_types") or default
+    if len(types) != layers or not set(types) <= set(MLP_LAYER_TYPES):
+        raise ValueError(
+            f"config.json: mlp_layer_types {types} must give one of {MLP_LAYER_TYPES} for each "
+            f"of the {layers} layers"
+        )
+    if not num_experts_of(cfg):
+        return ()
+    return tuple(i for i, kind in enumerate(types) if kind == "sparse")
+
+
+#: Older config.json layer-type names -> transformers 5's (`configuration_utils.
+#: _LEGACY_LAYER_TYPE_REMAP`: Granite-4.0-H's and Nemotron-H's released configs say "mamba").
+LEGACY_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
+
+
+def remap_layer_types(types: list[str] | tuple[str, ...] | None) -> list[str] | None:
+    """`types` with legacy names ("mamba", "attention") replaced as transformers 5 reads
+    them; None stays None."""
+    if types is None:
+        return None
+    return [LEGACY_LAYER_TYPES.get(t, t) for t in types]

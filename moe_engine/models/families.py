@@ -4,6 +4,7 @@ refused with their reason.
 
     python -m moe_engine.models.families            # print the Markdown table
     python -m moe_engine.models.families --check README.md   # exit 1 when README's differs
+    python -m moe_engine.models.families --write README.md   # replace README's table
 
 The README holds the table between `BEGIN` and `END` (tests/test_families_table.py checks it
 equals this output, so the table cannot drift from the code).
@@ -33,7 +34,7 @@ def card_of(arch: str) -> FamilyCard:
     Raises:
         KeyError: `arch` is not registered; ValueError: its class has no card.
     """
-    card = architecture_class(arch).card
+    card = architecture_class(arch).__dict__.get("card")  # its own, never a base family's
     if card is None:
         raise ValueError(f"{arch} ({ARCHITECTURES[arch]}) has no `card`: add a FamilyCard")
     return card
@@ -74,8 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", type=Path, metavar="README",
                         help="exit 1 when this file's table differs from the registry's")
+    parser.add_argument("--write", type=Path, metavar="README",
+                        help="replace the table between this file's markers")
     args = parser.parse_args(argv)
     table = families_table()
+    if args.write is not None:
+        text = args.write.read_text()
+        old = readme_table(text)
+        args.write.write_text(text.replace(old, table, 1))
+        return 0
     if args.check is None:
         print(table)
         return 0

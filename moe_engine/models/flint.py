@@ -5,7 +5,7 @@ A Qwen3-MoE-style decoder (`layers/decoder.py`, per-head q/k RMSNorm before the 
 differs in:
 - attention per `layer_types`: sliding-window layers (window `sliding_window`, the query
   included) are the only RoPE layers; full-attention layers (default the first two, every
-  fourth from layer 1, and the last) use no positional encoding (`NoRotary`);
+  fourth from layer 1, and the last) use no positional encoding (no rotary module);
 - a learned attention sink per query head in every layer (`FlintAttention.sinks`, float32 in
   transformers);
 - RMSNorms multiplying by the weight in float32 (`GptOssRMSNorm`), the q/k norms included;
@@ -40,7 +40,7 @@ from moe_engine.models.config_fields import (
 from moe_engine.models.layers.decoder import Attention, DenseMLP
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.norm import RMSNorm
-from moe_engine.models.layers.rotary import NoRotary, RotaryEmbedding, rope_theta_of
+from moe_engine.models.layers.rotary import RotaryEmbedding, rope_theta_of
 from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter
 from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.models.spec import FamilyCard
@@ -121,7 +121,7 @@ class FlintForCausalLM(MoeCausalLM):
         """Sliding layers: the rope and the window; full layers: no positional encoding;
         sinks, q/k norms of the float32-weight kind, no o_proj bias."""
         sliding = spec.layer_types[index] == "sliding_attention"
-        attn = Attention(spec, dtype, rotary if sliding else NoRotary(),
+        attn = Attention(spec, dtype, rotary if sliding else None,
                          spec.sliding_window if sliding else None, o_bias=False, sinks=True)
         attn.q_norm = self.build_norm(spec, spec.head_dim, dtype)
         attn.k_norm = self.build_norm(spec, spec.head_dim, dtype)

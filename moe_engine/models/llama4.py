@@ -52,7 +52,6 @@ from moe_engine.models.layers.decoder import Attention, DenseMLP
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.rotary import (
     Llama3Scaling,
-    NoRotary,
     RotaryEmbedding,
     rope_with_llama3_of,
 )
@@ -258,7 +257,7 @@ class Llama4ForCausalLM(MoeCausalLM):
         elif spec.temperature:
             position = AttentionTemperature(spec.floor_scale, spec.attn_scale)
         else:
-            position = NoRotary()
+            position = None  # NoPE
         chunked = spec.layer_types[index] == CHUNKED_LOCAL_ATTENTION
         return Attention(
             spec, dtype, position, qk_norm=False,

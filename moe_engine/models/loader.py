@@ -258,7 +258,7 @@ def load_model(
         loaded = model.load_weights(weights, on_experts_loaded=on_experts_loaded)
     except ValueError as e:
         raise StartupError(str(e)) from e
-    missing = sorted(model.expected_weight_names() - loaded)
+    missing = model.zero_absent_weights(sorted(model.expected_weight_names() - loaded))
     if missing:
         names = model.checkpoint_names_of(missing[:8])
         raise StartupError(

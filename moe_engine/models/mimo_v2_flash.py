@@ -27,7 +27,7 @@ mapping): `self_attn.{q,k,v,o}_proj`, `self_attn.attention_sink_bias` [num_heads
 `mlp.gate.weight` [E, H] and `mlp.gate.e_score_correction_bias` [E] (float32); per-expert
 `mlp.experts.{e}.{gate,up,down}_proj` (or fused `gate_up_proj` / `down_proj`); dense layers'
 `mlp.{gate,up,down}_proj`. The release's MTP layers (`model.mtp.*`) are not read
-(`WeightMapping.ignored_prefixes`).
+(`WeightMapping.skipped`).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class MiMoV2FlashForCausalLM(MoeCausalLM):
     model_types = ("mimo_v2_flash",)
     weight_mapping = WeightMapping(
         renames=((".self_attn.attention_sink_bias", ".self_attn.sinks"),),
-        ignored_prefixes=("model.mtp.",),
+        skipped=(r"^model\.mtp\.",),
     )
 
     @classmethod

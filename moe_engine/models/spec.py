@@ -18,11 +18,22 @@ class ArchSpec(ModelShape):
         rope_theta: rotary base.
         num_mtp_layers: multi-token-prediction layers built beside the decoder (0 unless
             speculative decoding asks for them: `--speculative-method mtp`).
+        nope_layers: decoder layers whose attention has no position embedding (NoPE: the
+            global layers of EXAONE-MoE, Cohere2-MoE); the default `build_attention` gives
+            them no rotary module.
+        embedding_multiplier: scales the token embeddings before the first layer (Granite's
+            `embedding_multiplier`, AFMoE's muP `hidden_size ** 0.5`; 1: none).
+        logits_scaling: divides the LM head's logits (Granite's `logits_scaling`; 1: none).
+        lm_head_bias: the LM head has a bias [vocab] (PhiMoE's `lm_head_bias`).
     """
 
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     num_mtp_layers: int = 0
+    nope_layers: tuple[int, ...] = ()
+    embedding_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    lm_head_bias: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,6 +56,12 @@ class ExpertMapping:
             `experts.<name>` ([E, 2I, H] and [E, H, I] unless `fused_in_out`), with optional
             suffixes `_bias` ([E, 2I], [E, H]), `_blocks` / `_scales` (MXFP4, rows = outputs).
         fused_in_out: the fused weights are stored [E, in, out] (gpt-oss) and are transposed.
+        fused_gate, fused_up: all experts' gate and up projections as two tensors
+            `experts.<name>` [E, I, H] (DBRX's `w1`, `v1`); "": none (gate and up fused).
+        fused_down_in_out: the fused down tensor alone is stored [E, I, H] (in, out: DBRX's
+            `w2`) and is transposed.
+        flat: the fused tensors are 2-D, the experts stacked along the rows ([E * rows, cols]:
+            DBRX), and are viewed as [E, rows, cols] first.
         interleaved_gate_up: gate and up features alternate (gpt-oss) in the fused gate/up
             tensors (weights, biases, blocks, scales) and are de-interleaved.
     """
@@ -67,6 +73,10 @@ class ExpertMapping:
     fused_down: str = "down_proj"
     fused_in_out: bool = False
     interleaved_gate_up: bool = False
+    fused_gate: str = ""
+    fused_up: str = ""
+    fused_down_in_out: bool = False
+    flat: bool = False
 
     def name_of(self, projection: str) -> str:
         """The per-expert checkpoint name of projection "gate" | "up" | "down"."""
@@ -83,14 +93,25 @@ class WeightMapping:
             vLLM's `stacked_params_mapping`; the merged module must be a `MergedLinear`
             (names whose target is not one load as they are).
         experts: the routed experts' names.
+        skipped: regular expressions (`re.search`) of checkpoint names that may have no place
+            in the model: a matching tensor whose (renamed) name is no parameter or buffer is
+            skipped unread, as transformers' `_keys_to_ignore_on_load_unexpected` skips it
+            (the `mtp` tensors of ERNIE, Mellum, MiMo-V2-Flash and LongCat-Flash; A.X-K1's
+            dense layers' `post_mlp_layernorm`).
+        optional: regular expressions of parameter or buffer names (the model's) a checkpoint
+            may lack: filled with zeros then, as transformers' `_keys_to_ignore_on_load_missing`
+            leaves them at their zero initialisation (A.X-K1's `e_score_correction_bias`).
     """
 
     renames: tuple[tuple[str, str], ...] = ()
     stacked_params: tuple[tuple[str, str, str], ...] = QKV_STACKED
     experts: ExpertMapping = field(default_factory=ExpertMapping)
-    #: Checkpoint-name prefixes never read (transformers' `_keys_to_ignore_on_load_unexpected`:
-    #: MiMo-V2-Flash's MTP layers under "model.mtp.").
-    ignored_prefixes: tuple[str, ...] = ()
+    skipped: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()
+
+    def skips(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` matches one of `skipped`."""
+        return any(re.search(pattern, name) for pattern in self.skipped)
 
     def model_name(self, name: str) -> str:
         """A checkpoint name with `renames` applied."""
@@ -167,7 +188,8 @@ class WeightLoader:
         names = "|".join(re.escape(n) for n in {e.gate, e.up, e.down})
         self._expert = re.compile(rf"(.+)\.experts\.(\d+)\.({names})\.weight$")
         self._expert_id = re.compile(r"(.+)\.experts\.(\d+)\.")
-        fused = "|".join(re.escape(n) for n in {e.fused_gate_up, e.fused_down})
+        fused_names = {e.fused_gate_up, e.fused_down, e.fused_gate, e.fused_up} - {""}
+        fused = "|".join(re.escape(n) for n in fused_names)
         self._fused = re.compile(rf"(.+)\.experts\.({fused})(_bias|_blocks|_scales)?$")
         self._shard = {e.gate: "gate", e.up: "up", e.down: "down"}
         self.moes = {n: m for n, m in model.named_modules() if isinstance(m, FusedMoE)}
@@ -182,7 +204,7 @@ class WeightLoader:
         if on_experts_loaded is not None:
             self._experts_left = {
                 block: {expert_piece(block, e, p) for e in set(moe.local_experts)
-                        for p in expert_weights.PROJECTIONS}
+                        for p in expert_weights.projections_of(moe)}
                 for block, moe in self.moes.items()
             }
 
@@ -201,7 +223,7 @@ class WeightLoader:
             names.discard("lm_head.weight")
         for block, moe in self.moes.items():
             for e in set(moe.local_experts):
-                names |= {expert_piece(block, e, p) for p in expert_weights.PROJECTIONS}
+                names |= {expert_piece(block, e, p) for p in expert_weights.projections_of(moe)}
         return names
 
     def checkpoint_names(self, pieces: Iterable[str]) -> list[str]:
@@ -236,12 +258,28 @@ class WeightLoader:
         """"gate" | "up" | "down" for a checkpoint projection name (`ExpertMapping`)."""
         return self._shard[projection]
 
+    def skipped(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` matches the mapping's `skipped` and has no place in
+        the model."""
+        return self.mapping.skips(name) and self.mapping.model_name(name) not in self.params
+
+    def zero_absent(self, missing: Iterable[str]) -> list[str]:
+        """Fill with zeros the `missing` pieces (`expected_names` a load did not fill) that the
+        mapping's `optional` names; returns the others, still missing."""
+        left = []
+        for piece in missing:
+            if piece in self.params and any(re.search(p, piece) for p in self.mapping.optional):
+                self.params[piece].data.zero_()
+            else:
+                left.append(piece)
+        return left
+
     def wants(self, name: str) -> bool:
         """False for a per-expert checkpoint tensor of an expert this rank does not hold (or
         of a block that is not a `FusedMoE`), and for a tensor of a layer beyond the model's
-        `num_layers` (`beyond_num_layers`) or under `ignored_prefixes`: the loader then never
+        `num_layers` (`beyond_num_layers`), or one the mapping ignores: the loader then never
         reads it."""
-        if name.startswith(self.mapping.ignored_prefixes):
+        if self.skipped(name):
             return False
         if beyond_num_layers(name, self.num_layers):
             name = mtp_model_name(name, self.num_layers, self.num_mtp_layers)
@@ -260,7 +298,7 @@ class WeightLoader:
         """
         loaded: set[str] = set()
         for name, tensor in weights:
-            if name.startswith(self.mapping.ignored_prefixes):
+            if self.skipped(name):
                 continue
             if beyond_num_layers(name, self.num_layers):
                 name = mtp_model_name(name, self.num_layers, self.num_mtp_layers)
@@ -319,6 +357,9 @@ class WeightLoader:
                 f"checkpoint tensor {name!r} has no place in {type(self.model).__name__}"
             )
         _copy(name, self.params[name].data, tensor)
+        merged = self.merged.get(name.rpartition(".")[0])
+        if merged is not None:  # stored whole (DBRX's Wqkv, Granite's shared input_linear)
+            return {f"{name}.{shard}" for shard in merged.shards}
         return {name}
 
     def _load_fused(
@@ -326,6 +367,13 @@ class WeightLoader:
     ) -> set[str]:
         """All experts of one projection (weights, biases or MXFP4 blocks/scales)."""
         e = self.mapping.experts
+        if e.flat:
+            tensor = tensor.reshape(moe.num_experts, -1, tensor.shape[-1])
+        if proj in (e.fused_gate, e.fused_up) and not kind:  # gate or up alone, [E, I, H]
+            shard = "gate" if proj == e.fused_gate else "up"
+            materialize_float_experts(moe, tensor.device)
+            expert_weights.load_all_experts(moe, shard, tensor)
+            return {expert_piece(block, x, shard) for x in moe.local_experts}
         gate_up = proj == e.fused_gate_up
         shard = "gate_up" if gate_up else "down"
         pieces = {expert_piece(block, x, p) for x in moe.local_experts
@@ -344,7 +392,7 @@ class WeightLoader:
                 tensor = expert_weights.deinterleave_gate_up(tensor, dim=1)
             expert_weights.load_expert_biases(moe, shard, tensor)
             return {f"{block}.{'b13' if gate_up else 'b2'}"}
-        if e.fused_in_out:
+        if e.fused_in_out or (e.fused_down_in_out and not gate_up):
             want = (moe.num_experts, hidden, 2 * size) if gate_up else (
                 moe.num_experts, size, hidden
             )

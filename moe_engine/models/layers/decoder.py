@@ -59,13 +59,27 @@ class Attention(nn.Module):
         dtype: parameter dtype.
         rotary: the rotary module, called `rotary(positions [T], q [T, Hq, D], k [T, Hkv, D])
             -> (q, k)`; one module shared by every layer (a partial or interleaved rope is a
-            different module with the same call).
+            different module with the same call); None: no position embedding in this layer
+            (NoPE: the global layers of EXAONE-MoE and Cohere2-MoE).
         sliding_window: this layer's window (tokens, the query included), None for full
             attention.
         qkv_bias: biases on q/k/v (default `spec.attention_bias`).
         o_bias: a bias on the output projection.
         sinks: learned per-head sink logits in the softmax (gpt-oss).
-        qk_norm: per-head RMSNorm on queries and keys before the rope (default `spec.qk_norm`).
+        qk_norm: RMSNorm on queries and keys (default `spec.qk_norm`), per head before the rope
+            unless the options below say otherwise.
+        qk_norm_per_head: False: one RMSNorm over each token's whole q projection [Hq * D]
+            and one over its k projection [Hkv * D] (OLMoE, FlexOlmo, MiniMax-M2), before the
+            rope; True (default): over each head's D dims (Qwen3).
+        qk_norm_after_rope: the per-head norms run on the rotated q and k (HunYuan-MoE's
+            `query_layernorm` / `key_layernorm`); default before the rope.
+        qk_norm_in_float32: the q/k norms multiply by their weight in float32
+            (`RMSNorm.weight_in_float32`; Olmo2-style norms).
+        output_gate: the attention output is multiplied by sigmoid(gate_proj(h)) before
+            o_proj, gate_proj a Linear(H, Hq * D) without bias (AFMoE's gated attention).
+        scale: the softmax scale (default head_dim ** -0.5; Granite's `attention_multiplier`).
+        clip_qkv: clamp q, k and v to [-clip_qkv, clip_qkv] after the projection and the
+            whole-projection q/k norms, if any (DBRX, OLMoE); None: no clamp.
         attention_chunk_size: chunked local attention of chunks of this many tokens
             (`chunked_attention.ChunkedLocalPagedAttention`, Llama 4); None: as
             `sliding_window` says.
@@ -81,7 +95,7 @@ class Attention(nn.Module):
         v_scale: multiplies the values after v_proj (MiMo-V2-Flash's `attention_value_scale`).
 
     Checkpoint names: `q_proj`, `k_proj`, `v_proj` (stacked into `qkv_proj`, shards "q", "k",
-    "v"), `o_proj`, `q_norm`, `k_norm`, `sinks`.
+    "v"), `o_proj`, `q_norm`, `k_norm`, `sinks`, `gate_proj`.
 
     Bound to a "rotary" kernel (`KernelPlan.rope_prologue`: native-cpu for the plain
     rotate-half `RotaryEmbedding`, triton also for interleaved and partial ropes), a layer runs
@@ -94,19 +108,27 @@ class Attention(nn.Module):
         self,
         spec: ArchSpec,
         dtype: torch.dtype,
-        rotary: nn.Module,
+        rotary: nn.Module | None,
         sliding_window: int | None = None,
         *,
         qkv_bias: bool | None = None,
         o_bias: bool = False,
         sinks: bool = False,
         qk_norm: bool | None = None,
+        qk_norm_per_head: bool = True,
+        qk_norm_after_rope: bool = False,
+        qk_norm_in_float32: bool = False,
+        output_gate: bool = False,
+        scale: float | None = None,
+        clip_qkv: float | None = None,
         attention_chunk_size: int | None = None,
         num_kv_heads: int | None = None,
         v_head_dim: int | None = None,
         v_scale: float = 1.0,
     ) -> None:
         super().__init__()
+        if qk_norm_after_rope and not qk_norm_per_head:
+            raise ValueError("qk_norm_after_rope needs per-head q/k norms (qk_norm_per_head)")
         self.num_heads, self.num_kv_heads, self.head_dim = (
             spec.num_heads, spec.num_kv_heads, spec.head_dim
         )
@@ -133,16 +155,29 @@ class Attention(nn.Module):
                              dtype=dtype)
         # learned per-head sink logits (gpt-oss), filled from the checkpoint
         self.sinks = nn.Parameter(torch.zeros(spec.num_heads, dtype=dtype)) if sinks else None
+        self.gate_proj = (
+            Linear(spec.hidden_size, q_size, bias=False, dtype=dtype) if output_gate else None
+        )
         self.qk_norm = spec.qk_norm if qk_norm is None else qk_norm
+        self.qk_norm_per_head, self.qk_norm_after_rope = qk_norm_per_head, qk_norm_after_rope
         if self.qk_norm:
-            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype=dtype)
-        self.rotary = rotary  # shared by all layers
-        scale = spec.head_dim**-0.5
+            q_dim, k_dim = (spec.head_dim,) * 2 if qk_norm_per_head else (q_size, k_size)
+            norm = dict(dtype=dtype, weight_in_float32=qk_norm_in_float32)
+            self.q_norm = RMSNorm(q_dim, spec.rms_norm_eps, **norm)
+            self.k_norm = RMSNorm(k_dim, spec.rms_norm_eps, **norm)
+        if clip_qkv is not None and (clip_qkv <= 0 or (self.qk_norm and qk_norm_per_head)):
+            raise ValueError(
+                f"clip_qkv={clip_qkv}: must be > 0 (or None: no clamp), and is implemented "
+                "without q/k norms or with whole-projection ones (qk_norm_per_head=False)"
+            )
+        self.clip_qkv = clip_qkv
+        self.rotary = rotary  # shared by all layers; None: NoPE
+        softmax_scale = spec.head_dim**-0.5 if scale is None else scale
         self.attn = PagedAttention(
-            spec.num_heads, spec.num_kv_heads, spec.head_dim, scale, sliding_window=sliding_window
+            spec.num_heads, spec.num_kv_heads, spec.head_dim, softmax_scale,
+            sliding_window=sliding_window,
         ) if attention_chunk_size is None else ChunkedLocalPagedAttention(
-            spec.num_heads, spec.num_kv_heads, spec.head_dim, scale, attention_chunk_size
+            spec.num_heads, spec.num_kv_heads, spec.head_dim, softmax_scale, attention_chunk_size
         )
         #: Bound by `bind_kernels`: the prologue's one-call kernel (`KernelPlan.rope_prologue`)
         #: where this layer's pieces fit it, else None (the module path), and the
@@ -154,10 +189,12 @@ class Attention(nn.Module):
         """Take the registry's prologue kernel (`KernelPlan.rope_prologue`) when this layer's
         pieces are the ones it implements (a `RotaryEmbedding`, or a `PartialRotaryEmbedding`
         around one, where the kernel takes that layout; q/k norms of Qwen3's rounding, one
-        epsilon; float32 or bfloat16 weights)."""
-        norms_fit = not self.qk_norm or (
+        epsilon, before the rope; float32 or bfloat16 weights). Norms over the whole
+        projection and the clamp run before the kernel, which then takes none
+        (`_norm_projections`)."""
+        norms_fit = not self.qk_norm or not self.qk_norm_per_head or (
             not self.q_norm.weight_in_float32 and not self.k_norm.weight_in_float32
-            and self.q_norm.eps == self.k_norm.eps
+            and self.q_norm.eps == self.k_norm.eps and not self.qk_norm_after_rope
         )
         rotary = self.rotary
         partial = type(rotary) is PartialRotaryEmbedding
@@ -182,26 +219,35 @@ class Attention(nn.Module):
         """h: [T, H] -> [T, H]; positions [T] int64; kv_cache: this layer's (K, V) pair."""
         t = h.shape[0]
         qkv = self.qkv_proj(h)
+        if self.qk_norm and not self.qk_norm_per_head:
+            qkv = self._norm_projections(qkv)
+        if self.clip_qkv is not None:  # DBRX: the projection; OLMoE: after its norms
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         if self.prologue is not None and qkv.dtype == kv_cache[0].dtype:
-            norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+            per_head = self.qk_norm and self.qk_norm_per_head
+            norms = (self.q_norm.weight, self.k_norm.weight) if per_head else (None, None)
             tables = self.rope_tables
             layout = {"interleaved": True} if tables.interleaved else {}
             q = self.prologue(
                 qkv, self.num_heads, self.num_kv_heads, positions, tables.cos_cache,
-                tables.sin_cache, *norms, self.q_norm.eps if self.qk_norm else 0.0,
+                tables.sin_cache, *norms, self.q_norm.eps if per_head else 0.0,
                 *kv_cache, meta.for_group(self.attn.kv_group).slot_mapping, **layout,
             )  # fmt: skip
             out = self.attn(q, None, None, kv_cache, meta, sinks=self.sinks)
-            return self.o_proj(out)
+            return self.o_proj(self._gated(out, h))
         q, k, v = qkv.split(self.sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.layer_kv_heads, self.head_dim)
         v = v.view(t, self.layer_kv_heads, self.v_head_dim)
         if self.v_scale != 1.0:
             v = v * self.v_scale
-        if self.qk_norm:
+        per_head = self.qk_norm and self.qk_norm_per_head
+        if per_head and not self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if self.rotary is not None:
+            q, k = self.rotary(positions, q, k)
+        if per_head and self.qk_norm_after_rope:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.kv_repeat > 1:
             k, v = k.repeat_interleave(self.kv_repeat, 1), v.repeat_interleave(self.kv_repeat, 1)
         if self.v_head_dim < self.head_dim:
@@ -210,7 +256,17 @@ class Attention(nn.Module):
         if self.v_head_dim < self.head_dim:
             out = out.view(t, self.num_heads, self.head_dim)[..., : self.v_head_dim]
             out = out.reshape(t, self.num_heads * self.v_head_dim)
-        return self.o_proj(out)
+        return self.o_proj(self._gated(out, h))
+
+    def _gated(self, out: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """out [T, Hq * D] times sigmoid(gate_proj(h)) where the layer has an output gate."""
+        return out if self.gate_proj is None else out * torch.sigmoid(self.gate_proj(h))
+
+    def _norm_projections(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv [T, (Hq + 2 Hkv) D] -> the same with q_norm over its q part and k_norm over its
+        k part (each token's whole projection), v unchanged."""
+        q, k, v = qkv.split(self.sizes, dim=-1)
+        return torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
 
 
 class DenseMLP(nn.Module):
@@ -219,26 +275,61 @@ class DenseMLP(nn.Module):
 
     Args:
         hidden_size: H; intermediate_size: I; dtype: parameter dtype.
+        bias: the three projections have biases (HY-V3's `mlp_bias`, ERNIE-4.5's `use_bias`;
+            default none).
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, bias: bool = False
+    ) -> None:
         super().__init__()
-        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
-        self.up_proj = Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h: [T, H] -> [T, H]."""
         return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
+class NonGatedMLP(nn.Module):
+    """Non-gated MLP, down(act(up(h))) (Nemotron-H's `NemotronHMLP`, act relu^2: its dense
+    blocks and shared experts).
+
+    Args:
+        hidden_size: H; intermediate_size: I; activation: called on [T, I] (e.g.
+            `kernels.moe.activation.RELU2`); dtype: parameter dtype; bias: biases on both.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int,
+                 activation: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype,
+                 bias: bool = False) -> None:
+        super().__init__()
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+        self.activation = activation
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [T, H] -> [T, H]."""
+        return self.down_proj(self.activation(self.up_proj(h)))
+
+
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: h + attn(norm1(h)), then + mlp(norm2(h)).
+    """Pre-norm residual block: h + attn(norm1(h)), then + mlp(norm2(h)); or, without a
+    post-attention norm, the parallel block h + attn(norm1(h)) + mlp(norm1(h)) (GPT-J's;
+    Cohere's `CohereDecoderLayer`, summed in that order); with output norms ("sandwich"
+    norms: Gemma-2, GLM-4's `Glm4DecoderLayer`, AFMoE) each branch's output is normalised
+    before its residual add: h + post_attn(attn(norm1(h))), then + post_mlp(mlp(norm2(h))).
 
     Args:
         self_attn: called `(h [T, H], positions, meta, kv_cache) -> [T, H]`.
         mlp: called `(h [T, H]) -> [T, H]` (a `FusedMoE`, a `DenseMLP`, ...).
-        input_layernorm, post_attention_layernorm: the two norms.
+        input_layernorm, post_attention_layernorm: the two norms; post_attention_layernorm
+            None: the parallel block.
+        post_self_attn_layernorm, post_mlp_layernorm: the branches' output norms (GLM-4's
+            names), or None (default).
+        residual_multiplier: scales the attention's and the MLP's outputs before each
+            residual add, h + m * attn(...) (Granite's `residual_multiplier`; default 1).
 
     `timer`, when set (`MoeCausalLM.attach_timer`), times the attention phase (and a native
     decode step, which has no phases of its own, as "decode_layer").
@@ -255,10 +346,18 @@ class DecoderLayer(nn.Module):
         self_attn: nn.Module,
         mlp: nn.Module,
         input_layernorm: nn.Module,
-        post_attention_layernorm: nn.Module,
+        post_attention_layernorm: nn.Module | None,
+        residual_multiplier: float = 1.0,
+        *,
+        post_self_attn_layernorm: nn.Module | None = None,
+        post_mlp_layernorm: nn.Module | None = None,
     ) -> None:
         super().__init__()
+        self.residual_multiplier = residual_multiplier
+        self.post_self_attn_layernorm = post_self_attn_layernorm
+        self.post_mlp_layernorm = post_mlp_layernorm
         self.self_attn = self_attn
+        self.post_mlp_layernorm = post_mlp_layernorm
         self.timer: PhaseTimer | None = None
         self.input_layernorm = input_layernorm
         self.post_attention_layernorm = post_attention_layernorm
@@ -318,9 +417,63 @@ class DecoderLayer(nn.Module):
                 x, residual = self.input_layernorm(h), h
             else:
                 x, residual = self.input_layernorm(h, residual)
-            x = self.self_attn(x, positions, meta, kv_cache)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+            attn_out = self.self_attn(x, positions, meta, kv_cache)
+        m = self.residual_multiplier
+        if m != 1.0:
+            attn_out = attn_out * m
+        if self.post_attention_layernorm is None:  # parallel: the MLP reads norm1's output too
+            out = self.mlp(x)
+            return (out * m if m != 1.0 else out), residual + attn_out
+        if self.post_self_attn_layernorm is not None:
+            attn_out = self.post_self_attn_layernorm(attn_out)
+        x, residual = self.post_attention_layernorm(attn_out, residual)
+        out = self.mlp(x)
+        if self.post_mlp_layernorm is not None:
+            out = self.post_mlp_layernorm(out)
+        return (out * m if m != 1.0 else out), residual
+
+
+class PostNormDecoderLayer(DecoderLayer):
+    """Norms on the sublayers' outputs instead of their inputs: h + norm1(attn(h)), then
+    + norm2(mlp(h)) (OLMo 2's reordered norms; transformers `FlexOlmoDecoderLayer`).
+
+    Args:
+        self_attn, mlp: as `DecoderLayer`.
+        post_attention_layernorm: the norm of the attention's output.
+        post_feedforward_layernorm: the norm of the MLP's output.
+
+    Checkpoint names: `post_attention_layernorm`, `post_feedforward_layernorm` (no
+    `input_layernorm`). It never takes the native decode step (`native_decode.decode_misfit`:
+    the kernel implements the pre-norm layer).
+    """
+
+    def __init__(
+        self,
+        self_attn: nn.Module,
+        mlp: nn.Module,
+        post_attention_layernorm: nn.Module,
+        post_feedforward_layernorm: nn.Module,
+    ) -> None:
+        super().__init__(self_attn, mlp, None, post_attention_layernorm)
+        self.post_feedforward_layernorm = post_feedforward_layernorm
+
+    def forward_residual(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache,
+        step: DecodeInputs | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As `DecoderLayer.forward_residual` (the stream is x + residual'); `step` is
+        unused."""
+        if residual is not None:
+            h = h + residual
+        with self.timer.phase("attention") if self.timer is not None else _NO_PHASE:
+            x = self.self_attn(h, positions, meta, kv_cache)
+        h = h + self.post_attention_layernorm(x)
+        return self.post_feedforward_layernorm(self.mlp(h)), h
 
 
 class Backbone(nn.Module):

@@ -30,6 +30,12 @@ from quant.mxfp4 import MXFP4_BLOCK_SIZE
 PROJECTIONS = ("gate", "up", "down")
 
 
+def projections_of(moe: FusedMoE) -> tuple[str, ...]:
+    """The per-expert projections a block's checkpoint holds: `PROJECTIONS`, or ("up", "down")
+    for non-gated experts (w13 is the up projection alone)."""
+    return PROJECTIONS if moe.activation.gated else ("up", "down")
+
+
 def load_expert(moe: FusedMoE, expert: int, shard: str, tensor: torch.Tensor) -> None:
     """Copy one expert's projection into every local slot holding it (none when another rank
     holds the expert).
@@ -43,10 +49,14 @@ def load_expert(moe: FusedMoE, expert: int, shard: str, tensor: torch.Tensor) ->
     """
     moe.reset_packed()
     size = moe.intermediate_size
+    if shard not in projections_of(moe):
+        raise ValueError(f"expert weight {shard} of expert {expert}: the block's experts are "
+                         f"non-gated (up and down projections only)")
+    up_rows = size if moe.activation.gated else 0
     for slot in moe.local_slots(expert):
         target = {
             "gate": moe.w13.data[slot, :size],
-            "up": moe.w13.data[slot, size:],
+            "up": moe.w13.data[slot, up_rows:],
             "down": moe.w2.data[slot],
         }[shard]
         if target.shape != tensor.shape:
@@ -61,11 +71,18 @@ def load_all_experts(moe: FusedMoE, shard: str, tensor: torch.Tensor) -> None:
     """Copy the local slots' rows of an all-expert tensor.
 
     Args:
-        shard: "gate_up" (tensor [E, 2I, H], gate rows then up rows) or "down" ([E, H, I]).
+        shard: "gate_up" (tensor [E, 2I, H], gate rows then up rows), "gate" or "up" ([E, I,
+            H], one half of w13: DBRX) or "down" ([E, H, I]).
 
     Raises:
         ValueError: a shape mismatch, naming both shapes.
     """
+    size = moe.intermediate_size
+    halves = {"gate": slice(0, size), "up": slice(size, 2 * size)}
+    if shard in halves:
+        moe.reset_packed()
+        _copy_rows(moe, moe.w13.data[:, halves[shard]], shard, tensor)
+        return
     _copy_stacked(moe, {"gate_up": "w13", "down": "w2"}[shard], shard, tensor)
 
 
@@ -85,7 +102,16 @@ def load_expert_biases(moe: FusedMoE, shard: str, tensor: torch.Tensor) -> None:
 
 def _copy_stacked(moe: FusedMoE, param: str, what: str, tensor: torch.Tensor) -> None:
     moe.reset_packed()
-    target = getattr(moe, param).data
+    _copy_rows(moe, getattr(moe, param).data, what, tensor)
+
+
+def _copy_rows(moe: FusedMoE, target: torch.Tensor, what: str, tensor: torch.Tensor) -> None:
+    """Copy the local slots' rows of an all-expert `tensor` [E, ...] into `target`
+    [E_local, ...] (a parameter or a view of one).
+
+    Raises:
+        ValueError: a shape mismatch, naming both shapes.
+    """
     expected = (moe.num_experts, *target.shape[1:])
     if tuple(tensor.shape) != expected:
         raise ValueError(

@@ -13,13 +13,19 @@ import torch
 from torch import nn
 
 from comm import Communicator, NoopCommunicator
-from kernels.moe.activation import SILU_AND_MUL, SwiGLU
+from comm.base import DispatchResult
+from kernels.moe.activation import SILU_AND_MUL, SquaredReLU, SwiGLU
 from kernels.moe.backends import BoundExperts, ExpertExtras
 from kernels.plan import TORCH, KernelPlan
 from moe_engine.instrumentation import ExpertLoadRecorder
 from moe_engine.models.layers.linear import Linear
 from moe_engine.models.layers.quantized_experts import QuantizedExperts
-from moe_engine.models.layers.routing import routing_counts_experts, softmax_topk, topk_softmax
+from moe_engine.models.layers.routing import (
+    routing_counts_experts,
+    softmax_topk,
+    split_zero_experts,
+    topk_softmax,
+)
 from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.phase_timer import PhaseTimer
 from quant.int4 import Int4Weight
@@ -90,18 +96,30 @@ class FusedMoE(nn.Module):
         router_bias: the router Linear has a bias (gpt-oss).
         expert_bias: experts have biases b13 [E_local, 2I] (gate; up) and b2 [E_local, H],
             stored and sliced per local slot like w13/w2 (gpt-oss).
-        activation: plain SwiGLU (default) or gpt-oss's clamped one (`kernels.moe.activation`).
+        activation: plain SwiGLU (default) or gpt-oss's clamped one (`kernels.moe.activation`),
+            or the non-gated `SquaredReLU` (Nemotron-H): w13 is then [E_local, I, H], the up
+            projection alone, and the experts run the torch expert path (the plan's
+            "fused_moe" kernel hands them over: `kernels.moe.backends.bind_float_experts`).
         router: a router module (`layers.routing`: hidden [T, H] -> topk_weights [T, k] fp32,
             topk_ids [T, k] int32, with `num_experts`, `top_k` and its checkpoint names
             `weight`, `bias`, `e_score_correction_bias`); it becomes `self.gate`, so
             `mlp.gate.*` load by name. None (default): a Linear gate and `routing`.
         shared_experts: run on this rank's own tokens beside the routed path (never
             dispatched) and added after combine (`layers.shared_experts`); None: none.
+        output_scale: multiplies the block's output, routed plus shared (Cohere2-MoE's
+            "average" shared-expert combination, (routed + shared) / 2, is 0.5: a power of
+            two, so the product rounds exactly as transformers' division); default 1.
+        output_bias: hold `bias` [H], added to the block's output (JetMoE's `mlp.bias`).
         apply_router_weight_on_input: each routed expert takes the token already multiplied
             by its routing weight and its output is not weighted (Llama 4's
             `Llama4TextMoe`: silu(gate(w x)) * up(w x), not w * silu(gate(x)) * up(x); vLLM's
             flag of that name). With top_k > 1 each (token, expert) pair is its own row
             through dispatch and the experts, and a token's k outputs are summed after.
+        zero_experts: zero-computation ("identity") experts the router scores after the E
+            real ones (LongCat-Flash's `zero_expert_num`): their slots never reach dispatch
+            or the expert kernels (`routing.split_zero_experts`: id -1, weight 0), and each
+            token adds its input times the weight it gave them. Needs a `router` of
+            num_experts + zero_experts experts.
 
     Raises:
         ValueError: an unknown routing, or a router whose num_experts / top_k differ.
@@ -120,38 +138,50 @@ class FusedMoE(nn.Module):
         routing: str = "softmax_topk",
         router_bias: bool = False,
         expert_bias: bool = False,
-        activation: SwiGLU = SILU_AND_MUL,
+        activation: SwiGLU | SquaredReLU = SILU_AND_MUL,
         router: nn.Module | None = None,
         shared_experts: SharedExperts | None = None,
+        output_scale: float = 1.0,
+        output_bias: bool = False,
         apply_router_weight_on_input: bool = False,
+        zero_experts: int = 0,
     ) -> None:
         super().__init__()
         if routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
-        if router is not None and (router.num_experts, router.top_k) != (num_experts, top_k):
+        scored = num_experts + zero_experts
+        if zero_experts and router is None:
+            raise ValueError("zero_experts need a router module scoring them")
+        if router is not None and (router.num_experts, router.top_k) != (scored, top_k):
             raise ValueError(
                 f"router has {router.num_experts} experts, top_k {router.top_k}; the MoE layer "
-                f"has {num_experts}, top_k {top_k}"
+                f"has {num_experts} (+ {zero_experts} zero-computation), top_k {top_k}"
             )
+        self.zero_experts = zero_experts
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.routing, self.activation = routing, activation
         self.intermediate_size = intermediate_size
         self.router_module = router is not None
         self.gate = router or Linear(hidden_size, num_experts, bias=router_bias, dtype=dtype)
         self.shared_experts = shared_experts
+        self.output_scale = output_scale
+        self.bias = (
+            nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+            if output_bias else None
+        )
         self.apply_router_weight_on_input = apply_router_weight_on_input
         self.b13: nn.Parameter | None = None
         self.b2: nn.Parameter | None = None
+        rows = (2 if activation.gated else 1) * intermediate_size  # gate and up, or up alone
         if expert_bias:
             self.b13 = nn.Parameter(
-                torch.empty(num_experts, 2 * intermediate_size, dtype=dtype), requires_grad=False
+                torch.empty(num_experts, rows, dtype=dtype), requires_grad=False
             )
             self.b2 = nn.Parameter(
                 torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False
             )
         self.w13 = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype),
-            requires_grad=False,
+            torch.empty(num_experts, rows, hidden_size, dtype=dtype), requires_grad=False
         )
         self.w2 = nn.Parameter(
             torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype),
@@ -224,8 +254,12 @@ class FusedMoE(nn.Module):
         scales stored in `scale_dtype`).
 
         Raises:
-            ValueError: a group size that does not divide the dimension it groups.
+            ValueError: a group size that does not divide the dimension it groups, or
+                non-gated experts (the 4-bit kernels compute SwiGLU).
         """
+        if not self.activation.gated:
+            raise ValueError("4-bit experts: non-gated (relu^2) experts are not supported by "
+                             "the 4-bit expert kernels, which compute SwiGLU; serve them in float")
         self.quantized = QuantizedExperts(
             self.w13.data, self.w2.data, method, group_size, scale_dtype=scale_dtype,
             **self.expert_extras(),
@@ -241,13 +275,27 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [T, H] -> [T, H], same dtype: combine(experts(dispatch(hidden))) plus the
-        shared experts of this rank's own tokens."""
+        shared experts of this rank's own tokens (times `output_scale` where it is not 1, plus
+        `bias` where the block has one)."""
+        out = self._forward(hidden)
+        if self.output_scale != 1.0:
+            out = out * self.output_scale
+        return out if self.bias is None else out + self.bias
+
+    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
         timer = self.timer or _NO_TIMER
         with timer.phase("router"):
             counts = self._count_in_router(hidden.shape[0])
             topk_weights, topk_ids = self._route(hidden, counts)
+            zero_weight = None
+            if self.zero_experts:
+                topk_weights, topk_ids, zero_weight = split_zero_experts(
+                    topk_weights, topk_ids, self.num_experts
+                )
             if self.load_recorder is not None and not counts:  # routed pairs only
-                self.load_recorder.record(self.layer_index, topk_ids)
+                self.load_recorder.record(
+                    self.layer_index, topk_ids, skip_negative=zero_weight is not None
+                )
         routed = hidden
         if self.apply_router_weight_on_input:
             routed, topk_weights, topk_ids = weight_on_input(hidden, topk_weights, topk_ids)
@@ -261,6 +309,22 @@ class FusedMoE(nn.Module):
                 mine[self.ep_rank] = (sent.topk_ids >= 0).sum()
                 self.load_recorder.record_rank_tokens(self.layer_index, mine)
         experts = self.quantized if self.quantized is not None else self._float_experts()
+        out = self._experts_and_shared(hidden, routed, sent, experts, timer)
+        if zero_weight is None:
+            return out
+        return out + (zero_weight * hidden.float()).to(out.dtype)  # the identity experts
+
+    def _experts_and_shared(
+        self,
+        hidden: torch.Tensor,
+        routed: torch.Tensor,
+        sent: DispatchResult,
+        experts: BoundExperts | QuantizedExperts,
+        timer: PhaseTimer | _NoTimer,
+    ) -> torch.Tensor:
+        """The routed experts on the dispatched rows (`routed`: hidden, or one row per pair
+        when the weight goes on the input), combined, plus the shared experts of this rank's
+        own tokens: [T, H] in hidden's dtype."""
         if (self.shared_experts is not None and self._adds_in_experts(experts)
                 and routed.shape[0] == hidden.shape[0]):
             # one rank: the experts' last kernel adds the shared experts' output (same rounding)
@@ -305,7 +369,7 @@ class FusedMoE(nn.Module):
         """The load recorder's keywords (`ExpertLoadRecorder.count_target`) where the router
         counts the expert load in its own launch (the Triton routers), else {} (the recorder's
         `record` runs after it)."""
-        if self.load_recorder is None:
+        if self.load_recorder is None or self.zero_experts:  # ids past E: counted after split
             return {}
         kernel = self.gate.kernel if self.router_module else self.router_kernel
         if not routing_counts_experts(kernel):

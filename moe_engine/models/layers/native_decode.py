@@ -122,14 +122,24 @@ def decode_misfit(layer: DecoderLayer, plan: KernelPlan) -> str | None:
         return "an MTP layer runs the module path"
     if plan.decode_layer() is None:
         return "the registry chose torch for decode_layer"
+    if type(layer) is not DecoderLayer or layer.residual_multiplier != 1.0:
+        return "a layer other than the pre-norm DecoderLayer without residual multiplier"
     attn, mlp = layer.self_attn, layer.mlp
     if type(attn) is not Attention or type(mlp) is not FusedMoE:
         return "not an Attention + FusedMoE layer"
+    if layer.post_attention_layernorm is None:
+        return "a parallel attention + MLP block"
+    if layer.post_self_attn_layernorm is not None or layer.post_mlp_layernorm is not None:
+        return "output norms on the attention or MLP branch"
     if not _norms_fit(layer.input_layernorm, layer.post_attention_layernorm):
         return "norms other than two bound bfloat16 RMSNorms of one epsilon and rounding"
     if (attn.prologue is None or type(attn.rotary) is not RotaryEmbedding
             or not attn.attn.kernels.native_decode):
         return "attention without the native prologue and decode kernel"
+    if attn.gate_proj is not None:
+        return "attention with an output gate"
+    if attn.qk_norm and not attn.qk_norm_per_head:
+        return "q/k norms over the whole projection (the kernel norms each head)"
     if attn.attn.attention_chunk_size is not None:
         return "chunked local attention (the kernel reads the whole context)"
     if attn.sinks is not None and attn.sinks.shape != (attn.num_heads,):
@@ -140,9 +150,11 @@ def decode_misfit(layer: DecoderLayer, plan: KernelPlan) -> str | None:
     if not _routing_fits(mlp):
         return ("routing other than the native softmax-top-k or a top-k-then-softmax of top_k "
                 f"<= {TOPK_SOFTMAX_MAX_K} and top_k * 64 > experts")
-    if (mlp.shared_experts is not None or mlp.ep_rank is not None
+    if mlp.bias is not None:
+        return "an MoE block with an output bias"
+    if (mlp.shared_experts is not None or mlp.output_scale != 1.0 or mlp.ep_rank is not None
             or type(mlp.communicator) is not NoopCommunicator):
-        return "shared or expert-parallel experts"
+        return "shared or expert-parallel experts, or a scaled block output"
     experts = _experts_kernel(mlp)
     if not isinstance(experts, AmxExperts | PackedQuantExperts):
         return "experts on neither the AMX nor the native 4-bit kernel"

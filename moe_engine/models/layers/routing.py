@@ -5,7 +5,10 @@
 | Qwen3-MoE, Mixtral, Qwen2-MoE  | `softmax_topk`             | `SoftmaxTopKRouter`        |
 | gpt-oss                        | `topk_softmax`             | (FusedMoE's default path)  |
 | DeepSeek-V3, GLM-4.5 (noaux)   | `sigmoid_grouped_topk`     | `SigmoidGroupedTopKRouter` |
+| MiniMax-M2 (sigmoid + bias)    | `sigmoid_grouped_topk`     | (n_group = 1)              |
+| ERNIE-4.5-MoE (softmax + bias) | (`scoring="softmax"`)      | (n_group = 1)              |
 | DeepSeek-V2                    | `softmax_grouped_topk`     | `SoftmaxGroupedTopKRouter` |
+| PhiMoE (SparseMixer, top-2)    | `sparsemixer_top2`         | `SparseMixerRouter`        |
 
 Every selection breaks ties toward the lower expert id (and the lower group id when groups
 tie): `torch.topk`, which transformers uses, leaves the order of equal values unspecified, so
@@ -34,6 +37,9 @@ if TYPE_CHECKING:
 
 #: `SoftmaxGroupedTopKRouter` selection methods (DeepSeek-V2 config `topk_method`).
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
+#: How `sigmoid_grouped_topk` turns logits into scores: sigmoid (DeepSeek-V3, GLM-4.5,
+#: MiniMax-M2) or a softmax over all experts (ERNIE-4.5-MoE).
+SCORINGS = ("sigmoid", "softmax")
 
 
 
@@ -186,10 +192,16 @@ def sigmoid_grouped_topk(
     topk_group: int,
     norm_topk_prob: bool,
     routed_scaling_factor: float,
+    scoring: str = "sigmoid",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 / GLM-4.5 routing: sigmoid scores, bias for selection, group-limited top-k.
 
-    1. scores = sigmoid(router_logits) in float32;
+    1. scores = sigmoid(router_logits) in float32 (`scoring="softmax"`: the softmax over all
+       experts in float32, ERNIE-4.5-MoE's `Ernie4_5_MoeTopKRouter`, whose renormalisation
+       divides by max(sum, 1e-12): the same quotient for any sum of k probabilities above
+       1e-12; LongCat-Flash's `LongcatFlashTopkRouter`, with a correction bias and no groups,
+       and Mistral-4's `Mistral4TopkRouter`, with groups and no bias: transformers masks
+       excluded groups there to 0.0, the same choice unless a kept probability underflows);
     2. the choice uses scores + e_score_correction_bias (the auxiliary-loss-free balancing
        bias of the DeepSeek-V3 technical report, arXiv:2412.19437, sec. 2.1.2: it changes
        which experts are chosen, never their weights);
@@ -201,7 +213,9 @@ def sigmoid_grouped_topk(
     4. the top_k biased scores of the rest choose the experts (lower id wins ties);
     5. weights are the *unbiased* sigmoid scores of those experts, divided by their sum
        (+1e-20) when norm_topk_prob, then times routed_scaling_factor.
-    This is `DeepseekV3TopkRouter.forward` / `Glm4MoeTopkRouter.forward` of transformers 5.24.
+    This is `DeepseekV3TopkRouter.forward` / `Glm4MoeTopkRouter.forward` of transformers 5.24;
+    with n_group = 1, norm_topk_prob and a scale of 1, `MiniMaxM2TopKRouter.forward` (sigmoid)
+    and `Ernie4_5_MoeTopKRouter.forward` (softmax).
 
     Args:
         router_logits: [T, E] (computed in float32 from the float32 router weight).
@@ -210,6 +224,7 @@ def sigmoid_grouped_topk(
         n_group, topk_group: the group limit (n_group = 1, topk_group = 1: none).
         norm_topk_prob: renormalise the k weights.
         routed_scaling_factor: multiplies the weights.
+        scoring: "sigmoid" or "softmax" (`SCORINGS`, checked by `SigmoidGroupedTopKRouter`).
 
     Returns:
         topk_weights [T, k] float32, topk_ids [T, k] int32 (by descending biased score).
@@ -219,7 +234,10 @@ def sigmoid_grouped_topk(
     """
     num_tokens, num_experts = router_logits.shape
     per_group = num_experts // n_group
-    scores = router_logits.float().sigmoid()
+    if scoring == "softmax":
+        scores = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    else:
+        scores = router_logits.float().sigmoid()
     choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias
     if topk_group < n_group:
         top2 = choice.view(num_tokens, n_group, per_group).topk(2, dim=-1).values
@@ -230,6 +248,27 @@ def sigmoid_grouped_topk(
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * routed_scaling_factor, ids.to(torch.int32)
+
+
+def split_zero_experts(
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Take the zero-computation ("identity") experts out of a routing: the ids >= num_experts
+    (LongCat-Flash's `zero_expert_num` experts after the `n_routed_experts` real ones) become
+    -1 with weight 0, which dispatch and every expert kernel skip, and their weights are summed
+    per token (an identity expert returns its input, so they add zero_weight x input).
+
+    Args:
+        topk_weights: [T, k] float32; topk_ids: [T, k] int32 ids in [0, num_experts + zeros).
+        num_experts: the real (computing) experts E.
+
+    Returns:
+        topk_weights [T, k] float32, topk_ids [T, k] int32 (-1 for zero experts), zero_weight
+        [T, 1] float32.
+    """
+    zero = topk_ids >= num_experts
+    zero_weight = torch.where(zero, topk_weights, 0.0).sum(dim=-1, keepdim=True)
+    return topk_weights.masked_fill(zero, 0.0), topk_ids.masked_fill(zero, -1), zero_weight
 
 
 def softmax_grouped_topk(
@@ -273,6 +312,38 @@ def softmax_grouped_topk(
         choice = scores.masked_fill(~keep, float("-inf"))
     ids = _stable_topk_ids(choice, top_k)
     return scores.gather(1, ids) * routed_scaling_factor, ids.to(torch.int32)
+
+
+def sparsemixer_top2(
+    router_logits: torch.Tensor, jitter_eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SparseMixer's inference routing, top-2 (Liu et al., "GRIN: GRadient-INformed MoE",
+    arXiv:2409.12136; PhiMoE, transformers 5.24 `modeling_phimoe.sparsemixer` with
+    training=False, whose ops and dtype this repeats).
+
+    Twice, for the best and then the second-best expert (the first masked out): m = the row's
+    largest logit, its expert chosen; logits with (m - logit) / max(|logit|, m) > 2 *
+    jitter_eps are masked to -inf; the chosen expert's weight is its softmax probability
+    among the rest. The two weights are not renormalised.
+
+    Args:
+        router_logits: [T, E] any float dtype (the weights are computed in it).
+        jitter_eps: config.json `router_jitter_noise`.
+
+    Returns:
+        topk_weights [T, 2] float32, topk_ids [T, 2] int32 (best first).
+    """
+    weights, ids = [], []
+    scores = router_logits
+    for _ in range(2):
+        best, chosen = scores.max(dim=-1, keepdim=True)
+        factor = router_logits.abs().clamp(min=best)
+        outside = (best - router_logits) / factor > 2 * jitter_eps
+        gates = torch.softmax(scores.masked_fill(outside, float("-inf")), dim=-1)
+        weights.append(gates.gather(-1, chosen))
+        ids.append(chosen)
+        scores = router_logits.scatter(-1, chosen, float("-inf"))
+    return torch.cat(weights, dim=-1).float(), torch.cat(ids, dim=-1).to(torch.int32)
 
 
 def routing_counts_experts(kernel: Callable[..., Any] | None) -> bool:
@@ -367,21 +438,26 @@ class SoftmaxTopKRouter(_Router):
 
 class SigmoidGroupedTopKRouter(_Router):
     """DeepSeek-V3 / GLM-4.5 router (`sigmoid_grouped_topk`; transformers'
-    `DeepseekV3TopkRouter`, `Glm4MoeTopkRouter`).
+    `DeepseekV3TopkRouter`, `Glm4MoeTopkRouter`); with n_group = topk_group = 1 the plain
+    biased top-k of MiniMax-M2 (sigmoid) and ERNIE-4.5-MoE (`scoring="softmax"`); softmax
+    scores with groups or a bias: LongCat-Flash, Mistral-4.
 
     Args:
-        hidden_size: H; num_experts: E (`n_routed_experts`); top_k: `num_experts_per_tok`;
+        hidden_size: H; num_experts: E (`n_routed_experts`, plus any zero-computation experts
+        the router scores: `split_zero_experts`); top_k: `num_experts_per_tok`;
         n_group, topk_group: the group limit; norm_topk_prob; routed_scaling_factor;
         correction_bias: hold the `e_score_correction_bias` buffer (V3 and GLM do);
         bias: a router bias [E] (none of these families has one).
-        dtype: the weight's dtype: float32 (default) whatever the model dtype, as transformers
-            keeps V3's and GLM's (`_keep_in_fp32_modules_strict`), so their logits are float32;
-            the model dtype for a router transformers holds in it (Llama 4's top-k sigmoid:
-            n_group 1, no correction bias, no renormalisation).
-    The correction bias buffer is float32.
+        scoring: "sigmoid" (default) or "softmax" (`SCORINGS`).
+        dtype: the weight's dtype; float32 (default) whatever the model dtype, as transformers
+            keeps V3's and GLM's (`_keep_in_fp32_modules_strict`: the logits are then
+            float32), or the model's where the family's router computes its logits in it
+            (MiniMax-M2, Cohere2-MoE, Llama 4's top-k sigmoid).
+    The bias buffer is float32; the scores are computed in float32 from the logits.
+    With n_group = topk_group = 1 and no correction bias this is plain sigmoid top-k.
 
     Raises:
-        ValueError: see `check_sigmoid_group_limits`.
+        ValueError: see `check_sigmoid_group_limits`; a scoring not in `SCORINGS`.
     """
 
     ROUTING = "sigmoid_grouped_topk"
@@ -397,11 +473,14 @@ class SigmoidGroupedTopKRouter(_Router):
         routed_scaling_factor: float,
         correction_bias: bool = True,
         bias: bool = False,
+        scoring: str = "sigmoid",
         dtype: torch.dtype = torch.float32,
     ) -> None:
         check_sigmoid_group_limits(num_experts, top_k, n_group, topk_group)
+        if scoring not in SCORINGS:
+            raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
         super().__init__(hidden_size, num_experts, top_k, bias, dtype)
-        self.n_group, self.topk_group = n_group, topk_group
+        self.n_group, self.topk_group, self.scoring = n_group, topk_group, scoring
         self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
         # persistent (in the state dict), so it loads by name; None when absent
         bias_buffer = torch.zeros(num_experts, dtype=torch.float32) if correction_bias else None
@@ -415,8 +494,13 @@ class SigmoidGroupedTopKRouter(_Router):
         return (self.kernel or sigmoid_grouped_topk)(
             self.router_logits(hidden), self.top_k, self.e_score_correction_bias,
             self.n_group, self.topk_group, self.norm_topk_prob, self.routed_scaling_factor,
-            **counts,
+            **self._scoring_arg, **counts,
         )
+
+    @property
+    def _scoring_arg(self) -> dict[str, str]:
+        """{} for sigmoid (every kernel's default), else the `scoring` keyword."""
+        return {} if self.scoring == "sigmoid" else {"scoring": self.scoring}
 
 
 class SoftmaxGroupedTopKRouter(_Router):
@@ -458,4 +542,46 @@ class SoftmaxGroupedTopKRouter(_Router):
         return (self.kernel or softmax_grouped_topk)(
             self.router_logits(hidden), self.top_k, self.topk_method, self.n_group,
             self.topk_group, self.routed_scaling_factor, **counts,
+        )
+
+
+class SparseMixerRouter(_Router):
+    """PhiMoE's router (`sparsemixer_top2`; transformers' `PhimoeTopKRouter`, a Linear in the
+    model dtype without a bias).
+
+    Args:
+        hidden_size: H; num_experts: E; top_k: must be 2 (SparseMixer picks two experts);
+        jitter_eps: `router_jitter_noise`; dtype: the weight's dtype.
+
+    Raises:
+        ValueError: top_k other than 2, naming num_experts_per_tok; jitter_eps < 0.
+    """
+
+    ROUTING = "sparsemixer_top2"
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        jitter_eps: float,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if top_k != 2:
+            raise ValueError(
+                f"num_experts_per_tok ({top_k}) must be 2: SparseMixer routing (PhiMoE) selects "
+                "exactly two experts"
+            )
+        if jitter_eps < 0:
+            raise ValueError(f"router_jitter_noise ({jitter_eps}) must be >= 0")
+        super().__init__(hidden_size, num_experts, top_k, False, dtype)
+        self.jitter_eps = jitter_eps
+
+    def forward(
+        self, hidden: torch.Tensor, **counts: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> topk_weights [T, 2] float32, topk_ids [T, 2] int32 (`counts`: see
+        `counts_experts`)."""
+        return (self.kernel or sparsemixer_top2)(
+            self.router_logits(hidden), self.jitter_eps, **counts
         )

@@ -21,6 +21,10 @@ load as they are; Qwen2-MoE's names map through `shared_expert_param_name`:
 | `shared_expert.{gate,up,down}_proj.weight`  | `shared_experts.{gate,up,down}_proj.weight`      |
 | `shared_expert_gate.weight` [1, H]          | `shared_experts.expert_gate.weight` [1, H]       |
 
+With `fused_gate_up` the gate and up projections are one checkpoint tensor [2I, H] (gate rows,
+then up rows: Granite-MoE-Shared's `shared_mlp.input_linear`), held as one `MergedLinear`
+`gate_up_proj` (shards "gate", "up"); the architecture renames the checkpoint's names onto it.
+
 Kernels. Where the plan hands out a fused activation (`KernelPlan.silu_and_mul`: the triton
 backend), `bind_kernels` moves gate_proj's and up_proj's weights (and biases) into one
 ``[2I, H]`` tensor and makes the two parameters views of its halves, so the forward is one
@@ -38,7 +42,7 @@ from torch import nn
 
 from kernels.dense.linear import LinearKernel
 from kernels.plan import KernelPlan
-from moe_engine.models.layers.linear import Linear
+from moe_engine.models.layers.linear import Linear, MergedLinear
 
 #: Checkpoint-name pieces (under `.mlp.`) -> the engine's (`packed_modules_mapping` style).
 SHARED_EXPERT_CHECKPOINT_NAMES = {
@@ -71,9 +75,11 @@ class SharedExperts(nn.Module):
         dtype: parameter dtype.
         gated: hold Qwen2-MoE's sigmoid gate `expert_gate` Linear(H, 1, bias=False).
         bias: the projections have biases (DeepSeek-V2's `mlp_bias`; default none).
+        fused_gate_up: hold gate and up as one `MergedLinear` `gate_up_proj` [2I, H].
 
     Attributes:
-        gate_proj, up_proj: Linear(H, I); down_proj: Linear(I, H); expert_gate: Linear(H, 1)
+        gate_proj, up_proj: Linear(H, I) (None with `fused_gate_up`); gate_up_proj:
+            MergedLinear(H, 2I) or None; down_proj: Linear(I, H); expert_gate: Linear(H, 1)
             or None.
 
     Raises:
@@ -87,6 +93,7 @@ class SharedExperts(nn.Module):
         dtype: torch.dtype,
         gated: bool = False,
         bias: bool = False,
+        fused_gate_up: bool = False,
     ) -> None:
         super().__init__()
         if hidden_size < 1 or intermediate_size < 1:
@@ -95,8 +102,16 @@ class SharedExperts(nn.Module):
                 f"({intermediate_size}) >= 1"
             )
         self.intermediate_size = intermediate_size
-        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
-        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+        self.gate_up_proj: MergedLinear | None = None
+        self.gate_proj: Linear | None = None
+        self.up_proj: Linear | None = None
+        if fused_gate_up:
+            self.gate_up_proj = MergedLinear(
+                hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias, dtype
+            )
+        else:
+            self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+            self.up_proj = Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
         self.expert_gate = Linear(hidden_size, 1, bias=False, dtype=dtype) if gated else None
         #: Set by `bind_kernels` where the plan fuses the activation: the merged gate_up GEMM
@@ -112,6 +127,9 @@ class SharedExperts(nn.Module):
         merges the current parameters again."""
         self._gate_up = self._silu_and_mul = None
         act = plan.silu_and_mul()
+        if self.gate_up_proj is not None:  # one GEMM already; the fused activation if any
+            self._silu_and_mul = act
+            return
         gate, up = self.gate_proj, self.up_proj
         if act is None or gate.quant_scheme is not None or up.quant_scheme is not None:
             return
@@ -134,7 +152,14 @@ class SharedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H], same dtype."""
-        if self._gate_up is not None:
+        if self.gate_up_proj is not None:
+            gate_up = self.gate_up_proj(x)
+            if self._silu_and_mul is not None:
+                out = self.down_proj(self._silu_and_mul(gate_up))
+            else:
+                gate, up = gate_up.split(self.intermediate_size, dim=-1)
+                out = self.down_proj(F.silu(gate) * up)
+        elif self._gate_up is not None:
             kernel, weight, bias = self._gate_up
             out = self.down_proj(self._silu_and_mul(kernel(x, weight, bias)))
         else:
