@@ -155,6 +155,16 @@ class KernelPlan:
 
         return mla_decode
 
+    def indexer_scores(self) -> Callable[..., Any] | None:
+        """The lightning indexer's paged scoring kernel (`triton_indexer.indexer_scores`,
+        DeepSeek Sparse Attention), chosen with its attention's "mla_decode" backend; None:
+        the layer's torch path."""
+        if self.backend("mla_decode") != TRITON:
+            return None
+        from kernels.attention.triton_indexer import indexer_scores
+
+        return indexer_scores
+
     def rms_norm(self, weight: torch.Tensor) -> Callable[..., Any] | None:
         """The fused RMSNorm for `weight`, called `(x, weight, eps, weight_in_float32)`:
         native-cpu `kernels.dense.ops.rms_norm` (float32/bfloat16 weights), triton
@@ -362,6 +372,11 @@ def fallbacks(op: str, backend: str) -> tuple[str, ...]:
 #: The per-call routes of the triton backend's small ops (kernels/dense/triton_norm.py,
 #: triton_rope.py, kernels/attention/triton_mla_prologue.py).
 _TRITON_FALLBACKS = {
+    "mla_decode": ("decode rows of a sparse-attention layer (DeepSeek Sparse Attention) whose "
+                   "context exceeds index_topk keys: the torch absorbed path over the keys the "
+                   "indexer (Triton scores, torch.topk) selected",),
+    "fused_moe": ("non-gated (relu^2) experts, Nemotron-H's: the torch expert path (the "
+                  "Triton fused MoE kernel computes SwiGLU only)",),
     "rms_norm": ("norms other than RMSNorm (Qwen3-Next's zero-centred and gated ones), inputs "
                  "of more than 3 dimensions or another dtype than the weight's (the fused add: "
                  "a residual of another dtype or shape): torch",),

@@ -231,7 +231,8 @@ def _without(cfg: dict, key: str) -> dict:
 
 
 REFUSALS = {
-    "v3.2 sparse indexer": (V32, r"index_topk=2048.*not supported"),
+    "v3.2 indexer narrower than its rope": ({**V32, "index_head_dim": 32},
+                                            r"index_head_dim 32 must be >= qk_rope_head_dim 64"),
     "index_topk on V3": ({**V3, "index_topk": 2048}, r"index_topk=2048.*not supported"),
     "experts not divisible": ({**V3, "n_routed_experts": 250},
                               r"n_routed_experts \(250\) must be divisible by n_group \(8\)"),
@@ -264,7 +265,7 @@ def test_refused_configs_exit_1_naming_the_field(case, tmp_path, capsys):
     assert re.search(message, err), err
 
 
-@pytest.mark.parametrize("cfg", [V3, V2], ids=["v3", "v2-lite"])
+@pytest.mark.parametrize("cfg", [V3, V2, V32], ids=["v3", "v2-lite", "v3.2"])
 def test_published_configs_pass_the_config_checks(cfg, tmp_path, capsys):
     """The unmodified configs get past every config check: the first failure is the missing
     weights."""

@@ -72,6 +72,13 @@ def test_every_registered_class_has_a_card_that_agrees(arch: str) -> None:
     assert arch not in REFUSED_ARCHITECTURES
 
 
+def test_every_transformers_moe_architecture_is_served_or_refused_with_a_reason() -> None:
+    missing = [a for a in TRANSFORMERS_MOE_ARCHITECTURES
+               if a not in ARCHITECTURES and a not in REFUSED_ARCHITECTURES]
+    assert not missing, f"neither registered nor refused with a reason: {missing}"
+    assert set(ARCHITECTURES) <= set(TRANSFORMERS_MOE_ARCHITECTURES)
+
+
 @pytest.mark.parametrize("arch", sorted(REFUSED_ARCHITECTURES))
 def test_a_refused_architecture_names_what_it_lacks(arch: str) -> None:
     with pytest.raises(StartupError) as err:

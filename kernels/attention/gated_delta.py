@@ -142,11 +142,14 @@ def recurrent_gated_delta_rule(
     state: [B, Hv, Dk, Dv] float32, updated in place to the state after the token (it may be
     a view). Same normalisation as ``chunk_gated_delta_rule``. Returns out [B, Hv, Dv] in
     q.dtype. Follows transformers' ``torch_recurrent_gated_delta_rule`` for one step.
+    g may also be [B, Hv, Dk], a decay per key channel (Kimi Delta Attention, transformers
+    ``recurrent_kimi_delta_attention``: the state's rows decay apart).
     """
     out_dtype = q.dtype
     q, k, v, g, beta = _shared_heads_fp32(q, k, v, g, beta)
     q = q / (q.shape[-1] ** 0.5)
-    s = state.to(torch.float32) * g.exp()[..., None, None]
+    decay = g.exp()[..., None, None] if g.dim() == 2 else g.exp()[..., None]
+    s = state.to(torch.float32) * decay
     kv_mem = (s * k.unsqueeze(-1)).sum(dim=-2)
     delta = (v - kv_mem) * beta.unsqueeze(-1)
     s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
@@ -160,6 +163,7 @@ def causal_conv1d_prefill(
     conv_state: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
+    silu: bool = True,
 ) -> torch.Tensor:
     """Depthwise causal conv1d + SiLU over one sequence's chunk, carrying the conv state.
 
@@ -167,14 +171,15 @@ def causal_conv1d_prefill(
     for a fresh request), updated in place to its last W-1 inputs (older state included when
     T < W-1); weight: [C, W] (the nn.Conv1d weight squeezed); bias: [C] or None. Computed in
     weight.dtype. Returns silu(conv) [T, C] in x.dtype: the last T outputs of transformers'
-    ``causal_conv1d_fn`` run on the whole sequence so far.
+    ``causal_conv1d_fn`` run on the whole sequence so far; with ``silu=False`` the conv alone
+    (LFM2's short convolution, ``activation=None``).
     """
     channels, width = weight.shape
     hist = torch.cat([conv_state.to(weight.dtype), x.t().to(weight.dtype)], dim=-1)
     if width > 1:
         conv_state.copy_(hist[:, hist.shape[-1] - (width - 1) :])
-    out = F.conv1d(hist.unsqueeze(0), weight.unsqueeze(1), bias, padding=0, groups=channels)
-    return F.silu(out[0]).t().to(x.dtype)
+    out = F.conv1d(hist.unsqueeze(0), weight.unsqueeze(1), bias, padding=0, groups=channels)[0]
+    return (F.silu(out) if silu else out).t().to(x.dtype)
 
 
 def causal_conv1d_decode(
@@ -182,8 +187,10 @@ def causal_conv1d_decode(
     conv_state: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
+    silu: bool = True,
 ) -> torch.Tensor:
-    """Depthwise causal conv1d + SiLU for one token of each of B requests.
+    """Depthwise causal conv1d + SiLU (none with ``silu=False``) for one token of each of B
+    requests.
 
     x: [B, C]; conv_state: [B, C, W-1], updated in place (shifted left, x appended; it may be
     a view); weight: [C, W]; bias: [C] or None. Computed in weight.dtype. Returns silu(conv)
@@ -199,4 +206,5 @@ def causal_conv1d_decode(
     out = (hist.float() * weight.float()).sum(-1)
     if bias is not None:
         out = out + bias.float()
-    return F.silu(out.to(weight.dtype)).to(x.dtype)
+    out = out.to(weight.dtype)
+    return (F.silu(out) if silu else out).to(x.dtype)

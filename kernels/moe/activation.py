@@ -1,4 +1,5 @@
-"""The gated activation between the two expert projections: SwiGLU, plain or gpt-oss's clamp.
+"""The activation between the two expert projections: SwiGLU, plain or gpt-oss's clamp; or the
+non-gated squared ReLU.
 
 Plain SwiGLU (Shazeer, 2020, "GLU Variants Improve Transformer"; Qwen3-MoE, Mixtral, DeepSeek):
 ``silu(gate) * up``.
@@ -10,6 +11,12 @@ gpt-oss's clamped variant (Hugging Face ``transformers``, ``GptOssExperts._apply
     gate = gate.clamp(max=limit)
     up = up.clamp(-limit, limit)
     out = (up + 1) * (gate * sigmoid(alpha * gate))
+
+Nemotron-H's non-gated experts (So et al. 2021, "Primer", squared ReLU; transformers
+``NemotronHExperts``, ``mlp_hidden_act`` "relu2"): ``relu(up)^2``, with no gate projection, so
+``w13`` holds the up rows only (``[E, I, H]``). The native-cpu and Triton expert kernels
+compute SwiGLU only: non-gated experts run the torch expert paths, which call the activation
+on ``x @ w13.T`` whatever its width (``FusedMoE.bind_kernels`` says so at startup).
 
 gpt-oss interleaves gate and up columns in its checkpoint; the engine's layout is always gate
 rows then up rows (``w13 [E, 2I, H]``), so a gpt-oss loader de-interleaves once at load time.
@@ -46,6 +53,9 @@ class SwiGLU:
         if self.limit is not None and not self.limit > 0:
             raise ValueError(f"swiglu limit {self.limit} must be positive")
 
+    #: gate rows then up rows in w13 ([E, 2I, H]).
+    gated = True
+
     @property
     def clamped(self) -> bool:
         """Whether this is gpt-oss's variant (``alpha`` set)."""
@@ -67,5 +77,23 @@ class SwiGLU:
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
+@dataclass(frozen=True)
+class SquaredReLU:
+    """The non-gated ``relu(up)^2`` (module docstring): w13 holds the up rows only."""
+
+    #: w13 is [E, I, H], the up projection alone.
+    gated = False
+    #: Never gpt-oss's clamp (the SwiGLU kernels' fields, for any that read them).
+    clamped = False
+    alpha = None
+    limit = None
+
+    def __call__(self, up: torch.Tensor) -> torch.Tensor:
+        """``[..., I]`` -> ``[..., I]``, same dtype."""
+        return torch.relu(up).square()
+
+
 #: Plain SwiGLU, the default of every expert path.
 SILU_AND_MUL = SwiGLU()
+#: Nemotron-H's non-gated experts' activation.
+RELU2 = SquaredReLU()

@@ -26,13 +26,19 @@ from dataclasses import dataclass, fields
 import torch
 
 from kernels.dense import amx as cpu_amx
-from kernels.moe.activation import SILU_AND_MUL, SwiGLU
+from kernels.moe.activation import SILU_AND_MUL, SquaredReLU, SwiGLU
 from kernels.moe.reference import fused_moe_reference
 from quant.int4 import SYMMETRIC_ZERO, Int4Weight, dequantize_int4
 from quant.mxfp4 import MXFP4_BLOCK_SIZE, dequantize_mxfp4
 
 NATIVE_CPU, TORCH, TRITON = "native-cpu", "torch", "triton"  # kernels.registry's names
 
+
+
+#: The fallback of non-gated experts on the native-cpu and Triton backends, as the startup
+#: plan prints it (`bind_float_experts`).
+NON_GATED_FALLBACK = ("non-gated (relu^2) experts, Nemotron-H's: the torch expert path (this "
+                      "backend's fused MoE kernel computes SwiGLU only)")
 
 
 def native_float_variants() -> tuple[str, ...]:
@@ -42,9 +48,9 @@ def native_float_variants() -> tuple[str, ...]:
     bf16 = cpu_amx.bf16_backend()
     if bf16 is None:
         return (f"every layer: the AVX2/AVX-512 kernel (no bf16 kernel here: "
-                f"{cpu_amx.amx_unavailable_reason()})",)
+                f"{cpu_amx.amx_unavailable_reason()})", NON_GATED_FALLBACK)
     return (f"bfloat16 experts: the bf16 kernel on {bf16}, every batch size; float32 "
-            f"experts: the AVX2/AVX-512 kernel",)
+            f"experts: the AVX2/AVX-512 kernel", NON_GATED_FALLBACK)
 EXPERT_BACKENDS = (NATIVE_CPU, TORCH, TRITON)
 
 #: (hidden [T, H], topk_weights [T, k] fp32, topk_ids [T, k] int32, **extras) -> [T, H]; the
@@ -58,7 +64,7 @@ class ExpertExtras:
     gpt-oss's clamped one) and optional biases b13 [E, 2I] (gate, up) and b2 [E, H], held by
     reference (a bias reloaded in place is seen by the kernels that read it per call)."""
 
-    activation: SwiGLU = SILU_AND_MUL
+    activation: SwiGLU | SquaredReLU = SILU_AND_MUL
     b13: torch.Tensor | None = None
     b2: torch.Tensor | None = None
 
@@ -217,6 +223,8 @@ def bind_float_experts(
     """
     _check_backend(backend, "fused_moe")
     kw = extras.as_kwargs()
+    if not extras.activation.gated:  # w13 [E, I, H]: the SwiGLU kernels cannot take it
+        backend = TORCH
     if backend == NATIVE_CPU:
         from kernels.moe.native import PackedExperts
 

@@ -57,6 +57,7 @@ def kv_groups_of(built: BuiltModel, block_size: int) -> list[KVCacheGroup]:
         dtype=built.dtype,
         kv_lora_rank=spec.kv_lora_rank,
         qk_rope_head_dim=spec.qk_rope_head_dim,
+        index_head_dim=spec.index_head_dim,
     )
 
 

@@ -426,7 +426,7 @@ class KVCacheManager:
 
 def _describe(spec: KVCacheSpec) -> str:
     if spec.kind == MLA_ATTENTION:
-        return "MLA latent"
+        return "MLA latent + indexer keys" if getattr(spec, "index_head_dim", 0) else "MLA latent"
     if spec.attention_chunk_size is not None:
         return f"chunked attention {spec.attention_chunk_size}"
     window = spec.sliding_window

@@ -22,6 +22,11 @@ Specs:
   kv_lora_rank + qk_rope_head_dim values per token and layer (the normalised c_kv, then the
   roped k_pe), no separate V; the cache per layer is [num_blocks + 1, block_size, latent_dim]
   (vLLM's `MLAAttentionSpec`). Blocks behave as full attention's, so prefix caching is unchanged.
+  With `index_head_dim` set (DeepSeek Sparse Attention, DeepSeek-V3.2 / GLM-5): each layer also
+  holds the lightning indexer's key of index_head_dim values per token in a second tensor
+  [num_blocks + 1, block_size, index_head_dim] at the same slots, so a block id names the same
+  tokens in both and a cached prefix block carries its indexer keys too (they are a function of
+  the prefix, as the latent is).
 A fixed-size linear-attention state (a `MambaSpec` later) fits the same interface: its
 `max_blocks_held` is a constant and `num_skipped_blocks` drops every block but the last.
 """
@@ -221,20 +226,27 @@ class MLAAttentionSpec(KVCacheSpec):
     Attributes:
         kv_lora_rank: width of the compressed c_kv (config.json `kv_lora_rank`).
         qk_rope_head_dim: width of the decoupled, roped key k_pe (`qk_rope_head_dim`).
+        index_head_dim: DeepSeek Sparse Attention's indexer key per token and layer
+            (config.json `index_head_dim`; the "lightning indexer" of the DeepSeek-V3.2-Exp
+            report; vLLM keeps it in a cache layer of its own, [num_blocks, block_size,
+            head_size] in `DeepseekV32IndexerBackend`), held here in a second tensor at the
+            same slots; 0: dense MLA, no indexer keys.
 
     Raises:
-        ValueError: kv_lora_rank < 1, qk_rope_head_dim < 0, or num_kv_heads / head_dim other
-            than 1 / kv_lora_rank + qk_rope_head_dim.
+        ValueError: kv_lora_rank < 1, qk_rope_head_dim or index_head_dim < 0, or
+            num_kv_heads / head_dim other than 1 / kv_lora_rank + qk_rope_head_dim.
     """
 
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
+    index_head_dim: int = 0
 
     def __post_init__(self) -> None:
-        if self.kv_lora_rank < 1 or self.qk_rope_head_dim < 0:
+        if self.kv_lora_rank < 1 or self.qk_rope_head_dim < 0 or self.index_head_dim < 0:
             raise ValueError(
-                f"MLA cache: kv_lora_rank {self.kv_lora_rank} must be >= 1 and "
-                f"qk_rope_head_dim {self.qk_rope_head_dim} >= 0"
+                f"MLA cache: kv_lora_rank {self.kv_lora_rank} must be >= 1, "
+                f"qk_rope_head_dim {self.qk_rope_head_dim} and index_head_dim "
+                f"{self.index_head_dim} >= 0"
             )
         if self.num_kv_heads != 1 or self.head_dim != self.latent_dim:
             raise ValueError(
@@ -250,10 +262,12 @@ class MLAAttentionSpec(KVCacheSpec):
         qk_rope_head_dim: int,
         dtype: torch.dtype,
         num_layers: int,
+        index_head_dim: int = 0,
     ) -> MLAAttentionSpec:
         """The spec from the MLA dims (num_kv_heads 1, head_dim the latent dim)."""
         latent = kv_lora_rank + qk_rope_head_dim
-        return cls(block_size, 1, latent, dtype, num_layers, kv_lora_rank, qk_rope_head_dim)
+        return cls(block_size, 1, latent, dtype, num_layers, kv_lora_rank, qk_rope_head_dim,
+                   index_head_dim)
 
     @property
     def kind(self) -> str:
@@ -266,9 +280,10 @@ class MLAAttentionSpec(KVCacheSpec):
 
     @property
     def bytes_per_token(self) -> int:
-        """Latent bytes one token leaves in this group's layers: layers x (kv_lora_rank +
-        qk_rope_head_dim) x itemsize (DeepSeek-V3 at bf16: 61 x 576 x 2 = 70,272 B)."""
-        return self.num_layers * self.latent_dim * self.dtype.itemsize
+        """Latent (and indexer key) bytes one token leaves in this group's layers: layers x
+        (kv_lora_rank + qk_rope_head_dim + index_head_dim) x itemsize (DeepSeek-V3 at bf16:
+        61 x 576 x 2 = 70,272 B; V3.2 adds 61 x 128 x 2)."""
+        return self.num_layers * (self.latent_dim + self.index_head_dim) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -294,6 +309,7 @@ def make_kv_cache_groups(
     dtype: torch.dtype,
     kv_lora_rank: int | None = None,
     qk_rope_head_dim: int = 0,
+    index_head_dim: int = 0,
 ) -> list[KVCacheGroup]:
     """Split a model's layers into equal-sized KV-cache groups.
 
@@ -309,7 +325,7 @@ def make_kv_cache_groups(
         block_size, num_kv_heads, head_dim, dtype: the cache shape (num_kv_heads and head_dim
             unused by MLA groups).
         kv_lora_rank, qk_rope_head_dim: the latent's parts (`MLAAttentionSpec`); needed only
-            when a group is "mla".
+            when a group is "mla"; index_head_dim: its indexer keys (0: none).
 
     Raises:
         ValueError: an unknown kind, a sliding kind without a window, a chunked kind whose
@@ -337,7 +353,7 @@ def make_kv_cache_groups(
             if not kv_lora_rank:
                 raise ValueError("an mla group needs kv_lora_rank (config.json) >= 1")
             spec: KVCacheSpec = MLAAttentionSpec.make(
-                block_size, kv_lora_rank, qk_rope_head_dim, dtype, size
+                block_size, kv_lora_rank, qk_rope_head_dim, dtype, size, index_head_dim
             )
         elif kind == FULL_ATTENTION:
             spec = FullAttentionSpec(block_size, num_kv_heads, head_dim, dtype, size)

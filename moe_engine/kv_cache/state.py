@@ -2,7 +2,9 @@
 
 A Gated DeltaNet layer (Qwen3-Next) keeps no per-token keys and values: each request carries a
 fixed state per layer, the causal conv1d's last W - 1 inputs and the delta rule's recurrent
-matrix (Yang et al. 2024, "Gated Delta Networks", arXiv:2412.06464). As vLLM's `MambaSpec`
+matrix (Yang et al. 2024, "Gated Delta Networks", arXiv:2412.06464); a Mamba layer (Jamba's
+Mamba-1, Granite-4.0-H's and Nemotron-H's Mamba-2) the same two, its conv state and its SSM
+state ([intermediate, d_state] or [heads, head_dim, d_state]). As vLLM's `MambaSpec`
 and SGLang's `MambaPool`, the engine holds these states in slots: slot 0 is the null slot
 (padding, never a request's), slots 1..num_slots are handed to running requests by the
 `KVCacheManager`, one slot for all of a request's linear layers, taken with its first blocks
@@ -15,6 +17,7 @@ layers never reuses another request's KV blocks (no prefix-cache hits).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,16 +34,20 @@ class MambaSpec:
 
     Attributes:
         layers: the decoder-layer indices of the linear layers.
-        conv_shape: (C, W - 1), the conv state (the last W - 1 conv inputs, oldest first).
-        ssm_shape: (Hv, Dk, Dv), the recurrent state (per value head a Dk x Dv matrix).
+        conv_shape: the conv state, e.g. (C, W - 1) (the last W - 1 conv inputs, oldest
+            first); None for a mixer without a causal conv (lightning attention).
+        ssm_shape: the recurrent state: (Hv, Dk, Dv) for Gated DeltaNet (per value head a
+            Dk x Dv matrix), (heads, head_dim, d_state) for Mamba-2, (intermediate, d_state)
+            for Mamba-1; any number of dims; None for a mixer with a conv state only (a short
+            convolution).
         conv_dtype: the conv state's dtype (the model's).
         ssm_dtype: the recurrent state's dtype, float32 by default as SGLang keeps it (a
             bfloat16 state rounds every decode step's update).
     """
 
     layers: tuple[int, ...]
-    conv_shape: tuple[int, int]
-    ssm_shape: tuple[int, int, int]
+    conv_shape: tuple[int, ...] | None
+    ssm_shape: tuple[int, ...] | None
     conv_dtype: torch.dtype
     ssm_dtype: torch.dtype = torch.float32
 
@@ -52,9 +59,9 @@ class MambaSpec:
     @property
     def bytes_per_layer(self) -> int:
         """One request's state in one layer (bytes)."""
-        conv = self.conv_shape[0] * self.conv_shape[1] * self.conv_dtype.itemsize
-        hv, dk, dv = self.ssm_shape
-        return conv + hv * dk * dv * self.ssm_dtype.itemsize
+        conv = math.prod(self.conv_shape) * self.conv_dtype.itemsize if self.conv_shape else 0
+        ssm = math.prod(self.ssm_shape) * self.ssm_dtype.itemsize if self.ssm_shape else 0
+        return conv + ssm
 
     @property
     def bytes_per_request(self) -> int:
@@ -63,14 +70,18 @@ class MambaSpec:
 
     def allocate(
         self, num_slots: int, device: torch.device | str = "cpu"
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per linear layer, its zeroed (conv [num_slots + 1, C, W - 1], recurrent
-        [num_slots + 1, Hv, Dk, Dv]) tensors; row 0 is the null slot."""
+    ) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """Per linear layer, its zeroed (conv [num_slots + 1, *conv_shape], recurrent
+        [num_slots + 1, *ssm_shape]) tensors, None for a part the spec lacks; row 0 is the
+        null slot."""
+
+        def part(shape: tuple[int, ...] | None, dtype: torch.dtype) -> torch.Tensor | None:
+            if shape is None:
+                return None
+            return torch.zeros(num_slots + 1, *shape, dtype=dtype, device=device)
+
         return [
-            (
-                torch.zeros(num_slots + 1, *self.conv_shape, dtype=self.conv_dtype, device=device),
-                torch.zeros(num_slots + 1, *self.ssm_shape, dtype=self.ssm_dtype, device=device),
-            )
+            (part(self.conv_shape, self.conv_dtype), part(self.ssm_shape, self.ssm_dtype))
             for _ in self.layers
         ]
 

@@ -54,6 +54,16 @@ ARCHITECTURES: dict[str, str] = {
     "LongcatFlashForCausalLM": "moe_engine.models.longcat_flash",
     "Mistral4ForCausalLM": "moe_engine.models.mistral4",
     "AXK1ForCausalLM": "moe_engine.models.axk1",
+    "DeepseekV32ForCausalLM": "moe_engine.models.deepseek_v32",
+    "GlmMoeDsaForCausalLM": "moe_engine.models.glm_moe_dsa",
+    "AXK2ForCausalLM": "moe_engine.models.axk2",
+    "GraniteMoeHybridForCausalLM": "moe_engine.models.granitemoehybrid",
+    "JambaForCausalLM": "moe_engine.models.jamba",
+    "GraniteMoeSWAForCausalLM": "moe_engine.models.granitemoe_swa",
+    "NemotronHForCausalLM": "moe_engine.models.nemotron_h",
+    "Lfm2MoeForCausalLM": "moe_engine.models.lfm2_moe",
+    "MiniMaxForCausalLM": "moe_engine.models.minimax",
+    "KimiLinearForCausalLM": "moe_engine.models.kimi_linear",
     "Kolibri1ForCausalLM": "moe_engine.models.kolibri1",
     "LagunaForCausalLM": "moe_engine.models.laguna",
     "BeamForCausalLM": "moe_engine.models.beam",
@@ -61,10 +71,16 @@ ARCHITECTURES: dict[str, str] = {
 
 #: Architectures refused with their reason rather than as merely unknown.
 REFUSED_ARCHITECTURES: dict[str, str] = {
-    "DeepseekV32ForCausalLM": (
-        "DeepSeek Sparse Attention (DeepSeek-V3.2's lightning indexer, which attends to "
-        "index_topk={index_topk} keys per query) is not supported: this engine implements "
-        "dense MLA only"
+    "DeepseekV4ForCausalLM": (
+        "DeepSeek-V4 is not supported: its hyper-connections (hc_mult={hc_mult} residual "
+        "streams mixed around every layer), compressed sparse attention (HCA / CSA compressors "
+        "with their own compressed-KV caches beside a sliding window) and hash routing are not "
+        "implemented (this engine has DeepSeek Sparse Attention over uncompressed MLA only)"
+    ),
+    "HYV4ForCausalLM": (
+        "Hunyuan-V4 is not supported: its hyper-connections (DeepSeek-V4's hc_mult={hc_mult} "
+        "residual streams mixed around every layer) are not implemented, nor attention sinks "
+        "on sparse MLA"
     ),
     "ZayaForCausalLM": (
         "ZAYA's Compressed Convolutional Attention is not implemented: its q/k pass through a "
@@ -81,12 +97,60 @@ REFUSED_ARCHITECTURES: dict[str, str] = {
         "split across the tokens of a forward pass, so a chunked prefill cannot repeat them)"
     ),
     "Gemma4ForCausalLM": (
-        "Gemma 4's text decoder is not supported (enable_moe_block={enable_moe_block}): its "
-        "MLP and experts use hidden_activation={hidden_activation} (the engine's MLPs and fused "
-        "experts compute SwiGLU with silu only), the MoE block runs beside the dense MLP with "
-        "sandwich norms and a normalised, scaled router with per-expert scales, and layers "
-        "share KV caches (num_kv_shared_layers={num_kv_shared_layers}) and take per-layer "
+        "Gemma 4's text decoder is not supported (enable_moe_block={enable_moe_block}): the "
+        "engine lacks gated GELU-tanh experts and MLPs (hidden_activation="
+        "{hidden_activation}; its fused experts compute SwiGLU with silu only), an MoE block "
+        "beside the dense MLP with its own sandwich norms and a normalised, scaled router with "
+        "per-expert scales, global layers of another head dim and KV head count than the "
+        "sliding ones in one KV cache (global_head_dim, attention_k_eq_v={attention_k_eq_v}), "
+        "KV shared across layers (num_kv_shared_layers={num_kv_shared_layers}) and per-layer "
         "input embeddings (hidden_size_per_layer_input={hidden_size_per_layer_input})"
+    ),
+    "InklingForCausalLM": (
+        "Inkling's text decoder is not implemented: hidden-state-conditioned relative position "
+        "logits added to the attention scores (rel_extent={rel_extent} distances), sliding "
+        "layers with their own head counts and head dim (swa_head_dim={swa_head_dim}), short "
+        "convolutions and a normed embedding"
+    ),
+    "Inkling2ForCausalLM": (
+        "Inkling2's text decoder is not implemented: a relative position bias with L2-clipped "
+        "queries and keys (qk_l2_clip_threshold={qk_l2_clip_threshold}), dynamic short "
+        "convolutions, softcapped SwiGLU experts (mlp_gate_softcap={mlp_gate_softcap}) and "
+        "attention residuals over blocks of n_layers_per_attn_res_block="
+        "{n_layers_per_attn_res_block} layers"
+    ),
+    "Inkling2LoopForCausalLM": (
+        "Inkling2-Loop's text decoder is not implemented: Inkling2's layers (relative position "
+        "bias, dynamic short convolutions, softcapped SwiGLU experts, block attention "
+        "residuals) run loop_num_passes={loop_num_passes} times over layers "
+        "{loop_layer_index_start}..{loop_layer_index_end}, mixed by message gates"
+    ),
+    "Qwen4ExpForCausalLM": (
+        "Qwen4-Exp's text decoder is not implemented: QSA attention (an indexer over "
+        "compressed key blocks, indexer_budget={indexer_budget}), hashed n-gram per-layer "
+        "embeddings (ple_layer_ids) and hyper-connection residual streams (hc_count={hc_count}) "
+        "beside its Gated DeltaNet layers"
+    ),
+    "MiniMaxM3VLForCausalLM": (
+        "MiniMax-M3's block-sparse attention is not implemented: its indexer max-pools key "
+        "scores into blocks of index_block_size={index_block_size} keys and keeps "
+        "index_topk_blocks={index_topk_blocks} blocks plus index_local_blocks="
+        "{index_local_blocks} local ones per query, a block-granular selection (the engine's "
+        "DeepSeek Sparse Attention selects single keys)"
+    ),
+    "Dots3NoteForCausalLM": (
+        "dots3's text decoder is not implemented: per-layer configurations (per_layer_config) "
+        "mixing sliding-window MLA with its own rope base and MLA with a DeepSeek Sparse "
+        "Attention indexer, and per-layer routed-expert counts (pyramid_num_routed)"
+    ),
+    "BailingHybridForCausalLM": (
+        "Bailing-hybrid's linear layers are not implemented: a gated delta rule with a "
+        "per-channel forget gate (kda_lower_bound={kda_lower_bound}) over short q/k/v "
+        "convolutions, in groups of layer_group_size={layer_group_size} layers beside MLA"
+    ),
+    "LaraMiniForCausalLM": (
+        "LaraMini is not implemented: Gated DeltaNet layers beside q/k-normed attention whose "
+        "sliding layers use RoPE and whose full layers use none, with an ungated shared expert"
     ),
 }
 

@@ -272,7 +272,8 @@ def with_mtp(
     count = int(getattr(hf_config, field, 0) or 0) if field else 0
     if count < 1:
         why = (f"config.json {field} is {count}" if field
-               else f"{spec.architecture} has no multi-token-prediction layers")
+               else f"{spec.architecture} has no multi-token-prediction layers this engine "
+               "builds")
         raise StartupError(
             f"speculative_method 'mtp': {why} (MTP drafts need the checkpoint's MTP layers, as "
             "DeepSeek-V3 and GLM-4.5 ship them); use speculative_method 'ngram'"
@@ -308,7 +309,8 @@ def check_linear_attention(spec: ArchSpec, config: EngineConfig) -> None:
     linear = spec.linear_attention_layers()
     if not linear:
         return
-    which = f"{len(linear)} of its {spec.num_layers} layers are linear attention (Gated DeltaNet)"
+    which = (f"{len(linear)} of its {spec.num_layers} layers are linear attention "
+             f"({spec.linear_mixer})")
     if config.cache.enable_prefix_caching:
         raise StartupError(
             f"--enable-prefix-caching: {spec.architecture}: {which}, whose per-request state "

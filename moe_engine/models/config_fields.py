@@ -203,3 +203,16 @@ def mlp_layer_types_moe_layers(cfg: dict, default: list[str]) -> tuple[int, ...]
     if not num_experts_of(cfg):
         return ()
     return tuple(i for i, kind in enumerate(types) if kind == "sparse")
+
+
+#: Older config.json layer-type names -> transformers 5's (`configuration_utils.
+#: _LEGACY_LAYER_TYPE_REMAP`: Granite-4.0-H's and Nemotron-H's released configs say "mamba").
+LEGACY_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
+
+
+def remap_layer_types(types: list[str] | tuple[str, ...] | None) -> list[str] | None:
+    """`types` with legacy names ("mamba", "attention") replaced as transformers 5 reads
+    them; None stays None."""
+    if types is None:
+        return None
+    return [LEGACY_LAYER_TYPES.get(t, t) for t in types]

@@ -42,6 +42,7 @@ limits `check_sigmoid_group_limits` refuses.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -62,7 +63,7 @@ from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 
-#: The sparse-attention fields of DeepSeek-V3.2 (`DeepseekV32ForCausalLM`), refused.
+#: The sparse-attention fields of DeepSeek-V3.2 (`deepseek_v32.py`), refused on V3.
 SPARSE_INDEXER_FIELDS = ("index_topk", "index_n_heads", "index_head_dim")
 
 
@@ -104,15 +105,15 @@ def deepseek_moe_layers(cfg: dict) -> tuple[int, ...]:
     )
 
 
-def check_mla_fields(cfg: dict) -> None:
+def check_mla_fields(cfg: dict, sparse: bool = False) -> None:
     """Refuse an MLA config.json without `kv_lora_rank` or the `q_lora_rank` key (null means
     a direct q_proj; an absent key would leave transformers' default, 1536, unstated), or with
-    DeepSeek-V3.2's sparse indexer.
+    DeepSeek-V3.2's sparse indexer unless `sparse` (an architecture that builds it).
 
     Raises:
         ValueError: naming the field and the reason.
     """
-    for key in SPARSE_INDEXER_FIELDS:
+    for key in () if sparse else SPARSE_INDEXER_FIELDS:
         if cfg.get(key) is not None:
             raise ValueError(
                 f"config.json: {key}={cfg[key]!r}: DeepSeek Sparse Attention (the lightning "
@@ -144,6 +145,9 @@ class DeepseekV3ForCausalLM(MoeCausalLM):
     model_types = ("deepseek_v3",)
     weight_mapping = WeightMapping(stacked_params=MLA_STACKED)
     mtp_layers_field = "num_nextn_predict_layers"
+    #: The architecture builds DeepSeek Sparse Attention (`check_mla_fields` lets its
+    #: `index_*` fields through).
+    sparse_attention: ClassVar[bool] = False
 
     @classmethod
     def check_routing(cls, cfg: dict) -> None:
@@ -186,7 +190,7 @@ class DeepseekV3ForCausalLM(MoeCausalLM):
         Raises:
             ValueError: a missing or malformed field, or a refused one (module doc).
         """
-        check_mla_fields(cfg)
+        check_mla_fields(cfg, sparse=cls.sparse_attention)
         check_hidden_act(cfg, cls.__name__)
         required_int(cfg, "n_routed_experts")
         cls.check_routing(cfg)

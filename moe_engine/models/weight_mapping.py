@@ -204,7 +204,7 @@ class WeightLoader:
         if on_experts_loaded is not None:
             self._experts_left = {
                 block: {expert_piece(block, e, p) for e in set(moe.local_experts)
-                        for p in expert_weights.PROJECTIONS}
+                        for p in expert_weights.projections_of(moe)}
                 for block, moe in self.moes.items()
             }
 
@@ -223,7 +223,7 @@ class WeightLoader:
             names.discard("lm_head.weight")
         for block, moe in self.moes.items():
             for e in set(moe.local_experts):
-                names |= {expert_piece(block, e, p) for p in expert_weights.PROJECTIONS}
+                names |= {expert_piece(block, e, p) for p in expert_weights.projections_of(moe)}
         return names
 
     def checkpoint_names(self, pieces: Iterable[str]) -> list[str]:

@@ -9,7 +9,7 @@ attention batches (`AttentionMetadata.groups`); each layer reads its group's
 pair `j`, so the cache holds (layers per group) pairs of [num_blocks + 1, block_size,
 num_kv_heads, head_dim] tensors, block 0 being the null block; MLA groups (`MLAAttentionSpec`)
 hold one latent tensor [num_blocks + 1, block_size, kv_lora_rank + qk_rope_head_dim] per slot
-instead of a pair.
+instead of a pair (with DeepSeek Sparse Attention, the latent and the indexer keys).
 
 Devices: the KV cache lives on the engine's device. Each step's small tensors (ids, positions,
 query lengths, block tables, slot mappings, gather indices) are built on the host, vectorised;
@@ -120,6 +120,7 @@ class ModelRunner:
                 dtype=kv_dtype,
                 kv_lora_rank=spec.kv_lora_rank,
                 qk_rope_head_dim=spec.qk_rope_head_dim,
+                index_head_dim=spec.index_head_dim,
             )
         self.kv_groups = kv_groups
         #: The MoE layers' communicators, each once (`begin_step` at every step).
@@ -444,10 +445,16 @@ def _allocate_slot(
 ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     """One layer slot's zeroed cache on `device`: a (K, V) pair of [num_blocks + 1,
     block_size, num_kv_heads, head_dim], or for MLA one latent tensor [num_blocks + 1,
-    block_size, latent_dim] (block 0 the null block; num_blocks counts a scratch block)."""
+    block_size, latent_dim], with indexer keys (`index_head_dim`) the pair (latent, indexer keys
+    [num_blocks + 1, block_size, index_head_dim]) at the same slots (block 0 the null block;
+    num_blocks counts a scratch block)."""
     if isinstance(spec, MLAAttentionSpec):
         shape: tuple[int, ...] = (num_blocks + 1, spec.block_size, spec.latent_dim)
-        return torch.zeros(shape, dtype=dtype, device=device)
+        latent = torch.zeros(shape, dtype=dtype, device=device)
+        if not spec.index_head_dim:
+            return latent
+        keys = (num_blocks + 1, spec.block_size, spec.index_head_dim)
+        return latent, torch.zeros(keys, dtype=dtype, device=device)
     shape = (num_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_dim)
     return (
         torch.zeros(shape, dtype=dtype, device=device),

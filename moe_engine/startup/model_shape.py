@@ -66,6 +66,9 @@ class ModelShape:
             dtype (transformers' `_keep_in_fp32_modules_strict`: GLM-4.5, DeepSeek-V3).
         attn_output_gate: q_proj also yields a per-head gate, the attention output times
             sigmoid(gate) (Qwen3-Next's gated attention: q_proj [H -> 2 x heads x D]).
+        index_n_heads, index_head_dim: DeepSeek Sparse Attention's lightning indexer in every
+            MLA layer (DeepSeek-V3.2, GLM-5): its query heads and their width, which is also
+            the width of the indexer key each token leaves in the cache; 0 without one.
         linear_num_key_heads, linear_num_value_heads, linear_key_head_dim,
         linear_value_head_dim, linear_conv_kernel_dim: the Gated DeltaNet layers (layer_types
             "linear_attention"; Qwen3-Next): q/k heads Hk of Dk dims, value heads Hv of Dv,
@@ -74,6 +77,14 @@ class ModelShape:
             real ones (LongCat-Flash's `zero_expert_num`): router rows, no weights.
         dense_mlp_in_moe_layers: every layer holds a dense MLP of `intermediate_size`, the MoE
             layers too (LongCat-Flash's shortcut MoE sits beside the layer's MLP).
+        linear_mixer: the name of the linear layers' mixer, for messages ("Gated DeltaNet",
+            "short convolution", "lightning attention", "Kimi Delta Attention").
+        linear_state: one linear layer's per-request state shapes (conv state or None,
+            recurrent state or None), stated by an architecture whose linear layers are not
+            Gated DeltaNet (`linear_state_shapes`); None: Gated DeltaNet's, from the fields
+            above.
+        linear_mixer_params: parameters of one linear layer when the architecture states them
+            (its mixer is not Gated DeltaNet); None: `linear_attention_params`' count.
     """
 
     architecture: str
@@ -110,6 +121,8 @@ class ModelShape:
     router_correction_bias: bool = False
     router_float32: bool = False
     attn_output_gate: bool = False
+    index_n_heads: int = 0
+    index_head_dim: int = 0
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
@@ -117,6 +130,9 @@ class ModelShape:
     linear_conv_kernel_dim: int = 0
     zero_experts: int = 0
     dense_mlp_in_moe_layers: bool = False
+    linear_mixer: str = "Gated DeltaNet"
+    linear_state: tuple[tuple[int, ...] | None, tuple[int, ...] | None] | None = None
+    linear_mixer_params: int | None = None
 
     @property
     def num_dense_layers(self) -> int:
@@ -194,9 +210,11 @@ class ModelShape:
             r, ql, rope = self.kv_lora_rank, self.q_lora_rank, self.qk_rope_head_dim
             q_out = n * (self.qk_nope_head_dim + rope)
             q = ql * (h + 1 + q_out) if ql else h * q_out
+            if ql and self.attn_output_gate:  # q_gate_proj [2 ql -> n x (qk + v)] (A.X-K2)
+                q = ql * (h + 1) + 2 * ql * (q_out + n * self.v_head_dim)
             kv = h * (r + rope) + r + r * n * (self.qk_nope_head_dim + self.v_head_dim)
             bias = (ql or 0) + r + rope + h if self.attention_bias else 0
-            return q + kv + n * self.v_head_dim * h + bias
+            return q + kv + n * self.v_head_dim * h + bias + self.indexer_params()
         q, kv = n * self.head_dim, self.num_kv_heads * self.head_dim
         attention = 2 * h * q + 2 * h * kv + (h * q if self.attn_output_gate else 0)
         if self.attention_bias:
@@ -208,6 +226,15 @@ class ModelShape:
         if self.attention_sinks:
             attention += n
         return attention
+
+    def indexer_params(self) -> int:
+        """Parameters of one layer's lightning indexer (transformers `DeepseekV32Indexer`):
+        wq_b [q_lora_rank -> heads x d], wk [H -> d], k_norm (LayerNorm) [d] x 2,
+        weights_proj [H -> heads]; 0 without one."""
+        heads, d = self.index_n_heads, self.index_head_dim
+        if not d:
+            return 0
+        return (self.q_lora_rank or 0) * heads * d + self.hidden_size * (d + heads) + 2 * d
 
     def linear_attention_layers(self) -> tuple[int, ...]:
         """Indices of the Gated DeltaNet layers (`layer_types` "linear_attention")."""
@@ -221,35 +248,48 @@ class ModelShape:
     def linear_attention_params(self) -> int:
         """Parameters of one Gated DeltaNet layer (transformers `Qwen3NextGatedDeltaNet`):
         in_proj_qkvz [H -> 2 Hk Dk + 2 Hv Dv], in_proj_ba [H -> 2 Hv], conv1d [C, W],
-        dt_bias and A_log [Hv], the gated norm [Dv], out_proj [Hv Dv -> H]."""
+        dt_bias and A_log [Hv], the gated norm [Dv], out_proj [Hv Dv -> H]; or
+        `linear_mixer_params` where the architecture states them."""
+        if self.linear_mixer_params is not None:
+            return self.linear_mixer_params
         h, hv, dv = self.hidden_size, self.linear_num_value_heads, self.linear_value_head_dim
         c = self.linear_conv_channels()
         qkvz = h * (c + hv * dv)
         return qkvz + h * 2 * hv + c * self.linear_conv_kernel_dim + 2 * hv + dv + hv * dv * h
 
-    def linear_state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    def linear_state_shapes(self) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
         """One linear layer's per-request state: the conv state [C, W - 1] (the last W - 1
-        inputs) and the recurrent state [Hv, Dk, Dv]."""
+        inputs) and the recurrent state [Hv, Dk, Dv] of Gated DeltaNet, or `linear_state`
+        where the architecture states it (None for a part its mixer lacks)."""
+        if self.linear_state is not None:
+            return self.linear_state
         conv = (self.linear_conv_channels(), self.linear_conv_kernel_dim - 1)
         hv, dk = self.linear_num_value_heads, self.linear_key_head_dim
         return conv, (hv, dk, self.linear_value_head_dim)
 
     def kv_elements_per_token(self) -> int:
         """Values one token leaves in the cache over all attention layers: 2 x L x kv_heads x d
-        (K and V), or L x (kv_lora_rank + qk_rope_head_dim) for MLA (the latent only); linear
-        layers keep a fixed state instead (`linear_state_shapes`)."""
+        (K and V), or L x (kv_lora_rank + qk_rope_head_dim + index_head_dim) for MLA (the
+        latent and any indexer key); linear layers keep a fixed state instead
+        (`linear_state_shapes`)."""
         if self.kv_lora_rank:
-            return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim)
+            return self.num_layers * (
+                self.kv_lora_rank + self.qk_rope_head_dim + self.index_head_dim
+            )
         layers = self.num_layers - len(self.linear_attention_layers())
+        if self.kv_lora_rank:
+            return layers * (self.kv_lora_rank + self.qk_rope_head_dim)
         return 2 * layers * self.num_kv_heads * self.head_dim
 
     def attention_groups(self) -> list[AttentionGroup]:
         """The layers by attention kind, full attention first: (kind, the sliding window or
         the chunk size of chunked layers or None, layer indices), one entry per kind present
-        (`layer_types`; all full when empty); one "mla" group of every layer when kv_lora_rank
-        is set."""
+        (`layer_types`; all full when empty); one "mla" group of every layer but the linear ones
+        when kv_lora_rank is set."""
         if self.kv_lora_rank:
-            return [(MLA_ATTENTION, None, tuple(range(self.num_layers)))]
+            linear = set(self.linear_attention_layers())
+            layers = tuple(i for i in range(self.num_layers) if i not in linear)
+            return [(MLA_ATTENTION, None, layers)]
         types = self.layer_types or (FULL_ATTENTION,) * self.num_layers
         windows = {FULL_ATTENTION: None, SLIDING_ATTENTION: self.sliding_window,
                    CHUNKED_LOCAL_ATTENTION: self.attention_chunk_size}

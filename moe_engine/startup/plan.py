@@ -148,7 +148,8 @@ class Plan:
             kind = "full attention" if spec.sliding_window is None else (
                 f"sliding window {spec.sliding_window}"
             )
-            kind = "MLA latent" if spec.kind == MLA_ATTENTION else kind
+            if spec.kind == MLA_ATTENTION:
+                kind = "MLA latent + indexer keys" if spec.index_head_dim else "MLA latent"
             if spec.attention_chunk_size is not None:
                 kind = f"chunked attention {spec.attention_chunk_size}"
             held = spec.max_blocks_held(n, self.max_num_batched_tokens)
@@ -203,10 +204,12 @@ class Plan:
         if not self.state_bytes_per_request:
             return []
         per_token = max(self.kv_bytes_per_token, 1)
+        conv, recurrent = self.shape.linear_state_shapes()
+        parts = [f"conv {self.dtype_name}"] * bool(conv) + ["recurrent float32"] * bool(recurrent)
         return [
             f"linear-attention state: {format_bytes(self.state_bytes_per_request)} per request "
-            f"over {len(self.shape.linear_attention_layers())} layers (conv {self.dtype_name}, "
-            f"recurrent float32; the KV of "
+            f"over {len(self.shape.linear_attention_layers())} layers "
+            f"({', '.join(parts)}; the KV of "
             f"{self.state_bytes_per_request / per_token:.0f} tokens), "
             f"{self.num_state_slots} slots (max_num_seqs) + 1 null slot = "
             f"{format_bytes(self.state_memory)} "
@@ -224,7 +227,8 @@ class Plan:
         s = self.shape
         if not s.kv_lora_rank:
             return ""
-        return f" (MLA latent {s.kv_lora_rank + s.qk_rope_head_dim} x {s.num_layers} layers)"
+        keys = f" + indexer keys {s.index_head_dim}" if s.index_head_dim else ""
+        return f" (MLA latent {s.kv_lora_rank + s.qk_rope_head_dim}{keys} x {s.num_layers} layers)"
 
     def check(self, max_model_len: int | None = None) -> None:
         """Refuse a configuration in which one request of `max_model_len` tokens cannot run.
@@ -380,6 +384,7 @@ def make_plan(
         dtype=dtype,
         kv_lora_rank=shape.kv_lora_rank,
         qk_rope_head_dim=shape.qk_rope_head_dim,
+        index_head_dim=shape.index_head_dim,
     )
     kv_specs = tuple(g.spec for g in kv_groups)
     state_slots, state_bytes, state_memory = _state_budget(shape, dtype, max_num_seqs)
@@ -490,8 +495,10 @@ def _state_budget(shape: ModelShape, dtype: torch.dtype, max_num_seqs: int | Non
     if not max_num_seqs:
         raise StartupError("a model with linear-attention layers needs max_num_seqs to size "
                            "its state slots")
-    (c, w), (hv, dk, dv) = shape.linear_state_shapes()
-    per_request = len(layers) * (c * w * dtype.itemsize + hv * dk * dv * 4)
+    conv, recurrent = shape.linear_state_shapes()
+    per_layer = math.prod(conv) * dtype.itemsize if conv else 0
+    per_layer += math.prod(recurrent) * 4 if recurrent else 0
+    per_request = len(layers) * per_layer
     return max_num_seqs, per_request, per_request * (max_num_seqs + 1)
 
 

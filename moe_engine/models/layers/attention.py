@@ -93,6 +93,22 @@ class AttentionBatch:
         """Forget the masks built so far (after this batch's tensors changed in place)."""
         self._masks.clear()
 
+    def store(self, key: tuple, value: torch.Tensor | None) -> None:
+        """Keep a per-step value of one layer for the later layers of the step (a sparse
+        attention's key selection, which layers without an indexer reuse); forgotten with
+        the masks."""
+        self._masks[key] = value
+
+    def stored(self, key: tuple) -> torch.Tensor | None:
+        """The value `store` kept under `key` in this step.
+
+        Raises:
+            KeyError: nothing was stored under it (naming the key).
+        """
+        if key not in self._masks:
+            raise KeyError(f"no per-step value {key!r} was stored by an earlier layer")
+        return self._masks[key]
+
     @property
     def mask(self) -> torch.Tensor:
         """[B, 1, Lq, nb * block_size] bool, True where the query may attend the key (causal,

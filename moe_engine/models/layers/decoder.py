@@ -323,6 +323,28 @@ class DenseMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
+class NonGatedMLP(nn.Module):
+    """Non-gated MLP, down(act(up(h))) (Nemotron-H's `NemotronHMLP`, act relu^2: its dense
+    blocks and shared experts).
+
+    Args:
+        hidden_size: H; intermediate_size: I; activation: called on [T, I] (e.g.
+            `kernels.moe.activation.RELU2`); dtype: parameter dtype; bias: biases on both.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int,
+                 activation: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype,
+                 bias: bool = False) -> None:
+        super().__init__()
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+        self.activation = activation
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [T, H] -> [T, H]."""
+        return self.down_proj(self.activation(self.up_proj(h)))
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: h + attn(norm1(h)), then + mlp(norm2(h)); or, without a
     post-attention norm, the parallel block h + attn(norm1(h)) + mlp(norm1(h)) (GPT-J's;

@@ -30,6 +30,12 @@ from quant.mxfp4 import MXFP4_BLOCK_SIZE
 PROJECTIONS = ("gate", "up", "down")
 
 
+def projections_of(moe: FusedMoE) -> tuple[str, ...]:
+    """The per-expert projections a block's checkpoint holds: `PROJECTIONS`, or ("up", "down")
+    for non-gated experts (w13 is the up projection alone)."""
+    return PROJECTIONS if moe.activation.gated else ("up", "down")
+
+
 def load_expert(moe: FusedMoE, expert: int, shard: str, tensor: torch.Tensor) -> None:
     """Copy one expert's projection into every local slot holding it (none when another rank
     holds the expert).
@@ -43,10 +49,14 @@ def load_expert(moe: FusedMoE, expert: int, shard: str, tensor: torch.Tensor) ->
     """
     moe.reset_packed()
     size = moe.intermediate_size
+    if shard not in projections_of(moe):
+        raise ValueError(f"expert weight {shard} of expert {expert}: the block's experts are "
+                         f"non-gated (up and down projections only)")
+    up_rows = size if moe.activation.gated else 0
     for slot in moe.local_slots(expert):
         target = {
             "gate": moe.w13.data[slot, :size],
-            "up": moe.w13.data[slot, size:],
+            "up": moe.w13.data[slot, up_rows:],
             "down": moe.w2.data[slot],
         }[shard]
         if target.shape != tensor.shape:

@@ -67,6 +67,37 @@ class LinearAttentionMetadata:
                    num_decodes, torch.tensor(fresh, dtype=torch.int64))
 
 
+def causal_conv1d_requests(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                           bias: torch.Tensor | None, lin: LinearAttentionMetadata,
+                           silu: bool = True) -> torch.Tensor:
+    """The depthwise causal conv1d (+ SiLU unless `silu` is False) of every request's tokens
+    from its conv state.
+
+    Args:
+        x: [T, C], the step's rows (decodes first, then each prefill chunk in request order).
+        conv_state: [S + 1, C, W - 1], per slot its last W - 1 inputs, updated in place.
+        weight: [C, W]; bias: [C] or None.
+        lin: which slot and how many tokens each request has.
+
+    Returns:
+        [T, C] in x.dtype.
+    """
+    out = torch.empty_like(x)
+    nd = lin.num_decodes
+    if nd:
+        slots = lin.slots[:nd]
+        states = conv_state.index_select(0, slots)
+        out[:nd] = causal_conv1d_decode(x[:nd], states, weight, bias, silu)
+        conv_state.index_copy_(0, slots, states)
+    start = nd
+    for row in range(nd, len(lin.q_lens)):
+        end = start + lin.q_lens[row]
+        out[start:end] = causal_conv1d_prefill(x[start:end], conv_state[lin.slot_list[row]],
+                                               weight, bias, silu)
+        start = end
+    return out
+
+
 class GatedDeltaNet(nn.Module):
     """One Gated DeltaNet layer (module docstring).
 
@@ -135,7 +166,8 @@ class GatedDeltaNet(nn.Module):
             conv_state.index_fill_(0, lin.fresh, 0)
             ssm_state.index_fill_(0, lin.fresh, 0)
         mixed, z, b, a = self._project(h)
-        mixed = self._conv(mixed, conv_state, lin)
+        mixed = causal_conv1d_requests(mixed, conv_state, self.conv1d.weight.squeeze(1), None,
+                                       lin)
         t = h.shape[0]
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk)
@@ -145,26 +177,6 @@ class GatedDeltaNet(nn.Module):
         out = self._delta_rule(q, k, v, g, beta, ssm_state, lin)
         out = self.norm(out.reshape(-1, self.dv), z.reshape(-1, self.dv))
         return self.out_proj(out.reshape(t, self.value_dim))
-
-    def _conv(self, mixed: torch.Tensor, conv_state: torch.Tensor,
-              lin: LinearAttentionMetadata) -> torch.Tensor:
-        """The causal conv1d + SiLU of every request's tokens from its conv state."""
-        weight = self.conv1d.weight.squeeze(1)
-        out = torch.empty_like(mixed)
-        nd = lin.num_decodes
-        if nd:
-            slots = lin.slots[:nd]
-            states = conv_state.index_select(0, slots)
-            out[:nd] = causal_conv1d_decode(mixed[:nd], states, weight, None)
-            conv_state.index_copy_(0, slots, states)
-        start = nd
-        for row in range(nd, len(lin.q_lens)):
-            end = start + lin.q_lens[row]
-            slot = lin.slot_list[row]
-            out[start:end] = causal_conv1d_prefill(mixed[start:end], conv_state[slot], weight,
-                                                   None)
-            start = end
-        return out
 
     def _delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                     beta: torch.Tensor, ssm_state: torch.Tensor,
@@ -192,29 +204,37 @@ class GatedDeltaNet(nn.Module):
 
 
 class LinearAttentionDecoderLayer(nn.Module):
-    """Pre-norm residual block around a `GatedDeltaNet`: h + linear_attn(norm1(h)), then
-    + mlp(norm2(h)) (transformers `Qwen3NextDecoderLayer` of layer type "linear_attention").
-    Never a native decode step (`decode_misfit` says why)."""
+    """Pre-norm residual block around a state-slot mixer (a `GatedDeltaNet`, a
+    `short_conv.ShortConv`, ...: called `(h [T, H], meta, state) -> [T, H]`): h +
+    linear_attn(norm1(h)), then + mlp(norm2(h)) (transformers `Qwen3NextDecoderLayer` of
+    layer type "linear_attention"). Never a native decode step (`decode_misfit` says why;
+    `mixer` names the mixer there). The mixer is held as `mixer_name` (its checkpoint
+    name)."""
 
-    def __init__(self, linear_attn: GatedDeltaNet, mlp: nn.Module, input_layernorm: nn.Module,
-                 post_attention_layernorm: nn.Module) -> None:
+    def __init__(self, linear_attn: nn.Module, mlp: nn.Module, input_layernorm: nn.Module,
+                 post_attention_layernorm: nn.Module, mixer: str = "Gated DeltaNet",
+                 mixer_name: str = "linear_attn") -> None:
         super().__init__()
-        self.linear_attn = linear_attn
+        #: The mixer's attribute (checkpoint) name: "linear_attn", or the family's ("conv":
+        #: LFM2; "self_attn": Kimi-Linear).
+        self.mixer_name = mixer_name
+        setattr(self, mixer_name, linear_attn)
         self.input_layernorm = input_layernorm
         self.post_attention_layernorm = post_attention_layernorm
         self.mlp = mlp
         self.timer = None
         self.decode_kernel = None
-        self.decode_misfit = "a linear-attention (Gated DeltaNet) layer"
+        self.decode_misfit = f"a linear-attention ({mixer}) layer"
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 state: tuple[torch.Tensor, torch.Tensor], step: object = None) -> torch.Tensor:
         """h: [T, H] -> [T, H]; state: the layer's state slots (`GatedDeltaNet.forward`)."""
+        mixer = getattr(self, self.mixer_name)
         if self.timer is None:
-            h = h + self.linear_attn(self.input_layernorm(h), meta, state)
+            h = h + mixer(self.input_layernorm(h), meta, state)
         else:
             with self.timer.phase("attention"):
-                h = h + self.linear_attn(self.input_layernorm(h), meta, state)
+                h = h + mixer(self.input_layernorm(h), meta, state)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def forward_residual(self, h: torch.Tensor, residual: torch.Tensor | None,

@@ -66,7 +66,9 @@ class MLAAttention(KVCacheLayer):
             parts (qk_head_dim is their sum); v_head_dim: per-head value width.
         rotary: RoPE over qk_rope_head_dim dims (shared by all layers), with
             `interleaved=True` for DeepSeek checkpoints (V3 `rope_interleave`, V2's complex
-            form) and its YaRN scaling, if any (cos/sin carry YaRN's attention factor).
+            form) and its YaRN scaling, if any (cos/sin carry YaRN's attention factor); None:
+            no rotation at all (NoPE, Kimi-Linear's MLA layers: the qk_rope_head_dim part is
+            still one key shared by the heads).
         attention_bias: biases on q_a_proj, kv_a_proj_with_mqa and o_proj (as transformers;
             q_proj, q_b_proj and kv_b_proj never have one).
         norm_eps: epsilon of q_a_layernorm and kv_a_layernorm (transformers builds both with
@@ -86,9 +88,14 @@ class MLAAttention(KVCacheLayer):
         absorb: decode with weight absorption (default); False runs the expanded path for
             decode too (the reference for tests, and the baseline of bench/mla.py). Also
             settable on the instance.
+        output_gate: the query LoRA also yields a per-head output gate (A.X-K2's
+            `q_gate_proj`): one `q_gate_proj` [2 q_lora_rank -> n x (qk_head_dim + v)] over
+            [q_a_layernorm(q_a) | q_a] replaces q_b_proj, and the attention output is
+            multiplied by sigmoid(gate) (float32) before o_proj.
 
     Raises:
-        ValueError: a non-positive size, or rotary over other than qk_rope_head_dim dims.
+        ValueError: a non-positive size, rotary over other than qk_rope_head_dim dims, or an
+            output gate without a query LoRA.
     """
 
     def __init__(
@@ -101,7 +108,7 @@ class MLAAttention(KVCacheLayer):
         qk_nope_head_dim: int,
         qk_rope_head_dim: int,
         v_head_dim: int,
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding | None,
         attention_bias: bool = False,
         norm_eps: float = 1e-6,
         softmax_scale: float | None = None,
@@ -109,6 +116,7 @@ class MLAAttention(KVCacheLayer):
         latent_scale: float = 1.0,
         dtype: torch.dtype = torch.float32,
         absorb: bool = True,
+        output_gate: bool = False,
     ) -> None:
         super().__init__()
         sizes = dict(hidden_size=hidden_size, num_heads=num_heads, kv_lora_rank=kv_lora_rank,
@@ -117,7 +125,7 @@ class MLAAttention(KVCacheLayer):
         for name, value in sizes.items():
             if value < 1:
                 raise ValueError(f"MLAAttention: {name} {value} must be >= 1")
-        if rotary.head_dim != qk_rope_head_dim:
+        if rotary is not None and rotary.head_dim != qk_rope_head_dim:
             raise ValueError(
                 f"MLAAttention: rotary rotates {rotary.head_dim} dims, but qk_rope_head_dim is "
                 f"{qk_rope_head_dim}"
@@ -127,6 +135,9 @@ class MLAAttention(KVCacheLayer):
         self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
         self.v_head_dim = v_head_dim
         self.q_lora_rank = q_lora_rank
+        if output_gate and q_lora_rank is None:
+            raise ValueError("MLAAttention: an output gate needs q_lora_rank (a query LoRA)")
+        self.output_gate = output_gate
         q_out = num_heads * self.qk_head_dim
         kv_a_rows = kv_lora_rank + qk_rope_head_dim
         if q_lora_rank is None:
@@ -138,7 +149,11 @@ class MLAAttention(KVCacheLayer):
                 dtype=dtype,
             )
             self.q_a_layernorm = RMSNorm(q_lora_rank, norm_eps, dtype=dtype)
-            self.q_b_proj = Linear(q_lora_rank, q_out, bias=False, dtype=dtype)
+            if output_gate:
+                gate_out = num_heads * (self.qk_head_dim + v_head_dim)
+                self.q_gate_proj = Linear(2 * q_lora_rank, gate_out, bias=False, dtype=dtype)
+            else:
+                self.q_b_proj = Linear(q_lora_rank, q_out, bias=False, dtype=dtype)
             self._register_load_state_dict_pre_hook(_stack_qkv_a)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, norm_eps, dtype=dtype)
         self.kv_b_proj = Linear(
@@ -147,7 +162,8 @@ class MLAAttention(KVCacheLayer):
         self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias=attention_bias, dtype=dtype)
         self.rotary = rotary
         if softmax_scale is None:
-            softmax_scale = self.qk_head_dim**-0.5 * yarn_softmax_scale_factor(rotary.yarn)
+            yarn = rotary.yarn if rotary is not None else None
+            softmax_scale = self.qk_head_dim**-0.5 * yarn_softmax_scale_factor(yarn)
         self.scale = softmax_scale
         self.latent_scale = latent_scale
         self.query_position_scaling = query_position_scaling
@@ -219,16 +235,41 @@ class MLAAttention(KVCacheLayer):
         """h: [T, H], positions: [T] int64; kv_cache: this layer's [num_blocks + 1,
         block_size, kv_lora_rank + qk_rope_head_dim] latent tensor (written at the group's
         slot_mapping). Returns [T, H] in h's dtype."""
+        meta = meta.for_group(self.kv_group)
+        q_nope, q_pe, _, gate = self.project_and_cache(h, positions, meta, kv_cache)
+        return self.attend_batches(h, q_nope, q_pe, kv_cache, meta, gate=gate)
+
+    def project_and_cache(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The queries, with this step's latents written into `kv_cache` at
+        `meta.slot_mapping` (`meta` the layer's group's).
+
+        Returns:
+            q_nope [T, n, nope], q_pe [T, n, rope] (roped); q_resid [T, q_lora_rank], the
+            normalised compressed query (q_a_layernorm's output; None without a query LoRA);
+            the output gate's logits [T, n x v] (None without `output_gate`).
+        """
         t, n = h.shape[0], self.num_heads
+        q_resid = gate = None
         if self.q_lora_rank is None:
             q, kv_a = self.q_proj(h), self.kv_a_proj_with_mqa(h)
         else:  # views of the one GEMM's output [T, q_lora_rank + r + rope], no copy
             q_a, kv_a = self.fused_qkv_a_proj(h).split([self.q_lora_rank, self.latent_dim], -1)
-            q = self.q_b_proj(self.q_a_layernorm(q_a))
-        q_nope, q_pe = q.view(t, n, self.qk_head_dim).split(
+            q_resid = self.q_a_layernorm(q_a)
+            if self.output_gate:
+                qg = self.q_gate_proj(torch.cat([q_resid, q_a], dim=-1)).view(t, n, -1)
+                q, gate = qg.split([self.qk_head_dim, self.v_head_dim], dim=-1)
+                gate = gate.reshape(t, n * self.v_head_dim)
+            else:
+                q = self.q_b_proj(q_resid)
+        q_nope, q_pe = q.reshape(t, n, self.qk_head_dim).split(
             [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
         )
-        meta = meta.for_group(self.kv_group)
         if self.prologue is not None and kv_a.dtype == kv_cache.dtype:
             norm_weight = self.kv_a_layernorm.weight
             if self.latent_scale != 1.0:  # [r] values: the scale rides on the norm's weight
@@ -240,11 +281,13 @@ class MLAAttention(KVCacheLayer):
             )  # fmt: skip
         else:
             c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-            q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))
+            if self.rotary is not None:  # None: NoPE (the rope part shared but not rotated)
+                q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))
+                k_pe = k_pe.squeeze(1)
             c_kv = self.kv_a_layernorm(c_kv)
             if self.latent_scale != 1.0:
                 c_kv = c_kv * self.latent_scale
-            latent = torch.cat([c_kv, k_pe.squeeze(1)], dim=-1)
+            latent = torch.cat([c_kv, k_pe], dim=-1)
             kv_cache.view(-1, self.latent_dim).index_copy_(
                 0, meta.slot_mapping, latent.to(kv_cache.dtype)
             )
@@ -252,27 +295,59 @@ class MLAAttention(KVCacheLayer):
             scale = position_query_scale(positions, *self.query_position_scaling)
             scale = scale.to(q_nope.dtype)[:, None, None]
             q_nope, q_pe = q_nope * scale, q_pe * scale
+        return q_nope, q_pe, q_resid, gate
+
+    def attend_batches(
+        self,
+        h: torch.Tensor,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        masks: list[torch.Tensor | None] | None = None,
+        gate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of every query batch of `meta` (the layer's group's), then o_proj ->
+        [T, H]. `masks`: per batch, a bool mask that replaces the batch's causal one (a sparse
+        selection, `layers/sparse_mla.py`): [B, 1, Lq, Lk] for a prefill batch, [B, 1, 1, Lk]
+        for a decode batch; None: causal. `gate`: [T, n x v] output-gate logits
+        (`project_and_cache`), the output times sigmoid(gate) before o_proj."""
+        t, n = h.shape[0], self.num_heads
+        masks = masks or [None] * len(meta.batches)
         if len(meta.batches) == 1 and (meta.batches[0].token_start, meta.batches[0].token_end) == (
             0, t
         ):  # one batch (a decode step): its output is the layer's, no copy into a buffer
-            return self.o_proj(self._attend(q_nope, q_pe, kv_cache, meta.batches[0]))
-        out = h.new_empty(t, n * self.v_head_dim)
-        for batch in meta.batches:
-            rows = slice(batch.token_start, batch.token_end)
-            out[rows] = self._attend(q_nope[rows], q_pe[rows], kv_cache, batch)
+            out = self._attend(q_nope, q_pe, kv_cache, meta.batches[0], masks[0])
+        else:
+            out = h.new_empty(t, n * self.v_head_dim)
+            for batch, mask in zip(meta.batches, masks, strict=True):
+                rows = slice(batch.token_start, batch.token_end)
+                out[rows] = self._attend(q_nope[rows], q_pe[rows], kv_cache, batch, mask)
+        if gate is not None:
+            out = (out * torch.sigmoid(gate.float())).to(out.dtype)
         return self.o_proj(out)
 
     def _attend(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, batch: AttentionBatch
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        cache: torch.Tensor,
+        batch: AttentionBatch,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One query batch: q_nope [N, n, nope], q_pe [N, n, rope] -> [N, n x v], absorbed for
-        decodes (when `absorb`), else expanded."""
+        decodes (when `absorb`), else expanded; `mask` as `attend_batches`'."""
         if batch.max_q == 1 and self.absorb:
-            return self._decode_absorbed(q_nope, q_pe, cache, batch)
-        return self._attend_expanded(q_nope, q_pe, cache, batch)
+            return self._decode_absorbed(q_nope, q_pe, cache, batch, mask)
+        return self._attend_expanded(q_nope, q_pe, cache, batch, mask)
 
     def _attend_expanded(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, batch: AttentionBatch
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        cache: torch.Tensor,
+        batch: AttentionBatch,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q_nope: [N, n, nope], q_pe: [N, n, rope] (the batch's N tokens) -> [N, n x v]: the
         gathered latents expanded through kv_b_proj into per-head keys and values."""
@@ -287,22 +362,29 @@ class MLAAttention(KVCacheLayer):
         keys = torch.cat([k_nope, k_rope], dim=-1)  # [B, n, Lk, qk_head_dim]
         q_pad = q_nope.new_zeros(b, batch.max_q, n, self.qk_head_dim)
         q_pad[batch.tok_b, batch.tok_q] = torch.cat([q_nope, q_pe], dim=-1)
-        o = _sdpa(q_pad.transpose(1, 2), keys, values, batch.mask, self.scale, self._pad_values)
+        mask = batch.mask if mask is None else mask
+        o = _sdpa(q_pad.transpose(1, 2), keys, values, mask, self.scale, self._pad_values)
         return o.transpose(1, 2)[batch.tok_b, batch.tok_q].reshape(-1, n * self.v_head_dim)
 
     def _decode_absorbed(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, batch: AttentionBatch
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        cache: torch.Tensor,
+        batch: AttentionBatch,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One query per request: q_nope [B, n, nope], q_pe [B, n, rope] -> [B, n x v].
 
         q_lat = q_nope W_UK ([B, n, r]); scores = ([q_lat | q_pe] . [c_kv | k_pe]) x scale
         over the gathered latents, the n heads as the query rows of one latent head;
-        o_lat = softmax(scores) c_kv; out = o_lat W_UV."""
+        o_lat = softmax(scores) c_kv; out = o_lat W_UV. A `mask` ([B, 1, 1, Lk], a sparse
+        selection) runs the torch path: the decode kernel reads whole contexts."""
         if self._absorbed_key != self._weight_key():
             self.process_weights_after_loading()
         b, r = q_nope.shape[0], self.kv_lora_rank
         q_lat = torch.bmm(q_nope.transpose(0, 1), self._w_uk)  # [n, B, r]
-        if self.decode_kernel is not None:  # reads the latents in place through the tables
+        if self.decode_kernel is not None and mask is None:  # reads the latents in place
             o = self.decode_kernel(
                 q_lat.transpose(0, 1), cache, batch.block_tables, batch.seq_lens,
                 scale=self.scale, kv_lora_rank=r, q_rope=q_pe,
@@ -317,7 +399,7 @@ class MLAAttention(KVCacheLayer):
         # softmax(scores) @ c_kv (FlashMLA reads V as the first r columns of K the same way).
         o_lat = F.scaled_dot_product_attention(
             query.unsqueeze(1), latent, latent,
-            attn_mask=batch.mask,  # [B, 1, 1, Lk], the same for every head
+            attn_mask=batch.mask if mask is None else mask,  # [B, 1, 1, Lk], for every head
             scale=self.scale,
         )[..., :r]  # [B, 1, n, r]
         out = torch.bmm(o_lat.squeeze(1).transpose(0, 1), self._w_uv)  # [n, B, v]

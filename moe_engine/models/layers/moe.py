@@ -14,7 +14,7 @@ from torch import nn
 
 from comm import Communicator, NoopCommunicator
 from comm.base import DispatchResult
-from kernels.moe.activation import SILU_AND_MUL, SwiGLU
+from kernels.moe.activation import SILU_AND_MUL, SquaredReLU, SwiGLU
 from kernels.moe.backends import BoundExperts, ExpertExtras
 from kernels.plan import TORCH, KernelPlan
 from moe_engine.instrumentation import ExpertLoadRecorder
@@ -96,7 +96,10 @@ class FusedMoE(nn.Module):
         router_bias: the router Linear has a bias (gpt-oss).
         expert_bias: experts have biases b13 [E_local, 2I] (gate; up) and b2 [E_local, H],
             stored and sliced per local slot like w13/w2 (gpt-oss).
-        activation: plain SwiGLU (default) or gpt-oss's clamped one (`kernels.moe.activation`).
+        activation: plain SwiGLU (default) or gpt-oss's clamped one (`kernels.moe.activation`),
+            or the non-gated `SquaredReLU` (Nemotron-H): w13 is then [E_local, I, H], the up
+            projection alone, and the experts run the torch expert path (the plan's
+            "fused_moe" kernel hands them over: `kernels.moe.backends.bind_float_experts`).
         router: a router module (`layers.routing`: hidden [T, H] -> topk_weights [T, k] fp32,
             topk_ids [T, k] int32, with `num_experts`, `top_k` and its checkpoint names
             `weight`, `bias`, `e_score_correction_bias`); it becomes `self.gate`, so
@@ -135,7 +138,7 @@ class FusedMoE(nn.Module):
         routing: str = "softmax_topk",
         router_bias: bool = False,
         expert_bias: bool = False,
-        activation: SwiGLU = SILU_AND_MUL,
+        activation: SwiGLU | SquaredReLU = SILU_AND_MUL,
         router: nn.Module | None = None,
         shared_experts: SharedExperts | None = None,
         output_scale: float = 1.0,
@@ -169,16 +172,16 @@ class FusedMoE(nn.Module):
         self.apply_router_weight_on_input = apply_router_weight_on_input
         self.b13: nn.Parameter | None = None
         self.b2: nn.Parameter | None = None
+        rows = (2 if activation.gated else 1) * intermediate_size  # gate and up, or up alone
         if expert_bias:
             self.b13 = nn.Parameter(
-                torch.empty(num_experts, 2 * intermediate_size, dtype=dtype), requires_grad=False
+                torch.empty(num_experts, rows, dtype=dtype), requires_grad=False
             )
             self.b2 = nn.Parameter(
                 torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False
             )
         self.w13 = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype),
-            requires_grad=False,
+            torch.empty(num_experts, rows, hidden_size, dtype=dtype), requires_grad=False
         )
         self.w2 = nn.Parameter(
             torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype),
@@ -251,8 +254,12 @@ class FusedMoE(nn.Module):
         scales stored in `scale_dtype`).
 
         Raises:
-            ValueError: a group size that does not divide the dimension it groups.
+            ValueError: a group size that does not divide the dimension it groups, or
+                non-gated experts (the 4-bit kernels compute SwiGLU).
         """
+        if not self.activation.gated:
+            raise ValueError("4-bit experts: non-gated (relu^2) experts are not supported by "
+                             "the 4-bit expert kernels, which compute SwiGLU; serve them in float")
         self.quantized = QuantizedExperts(
             self.w13.data, self.w2.data, method, group_size, scale_dtype=scale_dtype,
             **self.expert_extras(),

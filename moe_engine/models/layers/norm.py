@@ -157,17 +157,54 @@ class GatedRMSNorm(nn.Module):
 
     Args:
         dim: size of the last dimension; eps: added to the mean square; dtype: weight dtype.
+        sigmoid_gate: y = (weight * rmsnorm(x)) * sigmoid(gate), all in float32 and rounded
+            once (transformers `KimiLinearRMSNormGated`, FLA's gated norm).
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32,
+                 sigmoid_gate: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
         self.eps = eps
+        self.sigmoid_gate = sigmoid_gate
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """x, gate: [..., dim] -> [..., dim] in x's dtype."""
+        if self.sigmoid_gate:
+            h = self.weight.float() * _normalized(x, self.eps)
+            return (h * torch.sigmoid(gate.float())).to(x.dtype)
         h = self.weight * _normalized(x, self.eps).to(x.dtype)
         return (h * torch.nn.functional.silu(gate.float())).to(x.dtype)
+
+
+class GroupGatedRMSNorm(nn.Module):
+    """y = weight * rmsnorm_per_group(x * silu(gate)): Mamba-2's gated norm before its output
+    projection, the gate applied before the norm (`norm_before_gate=False`) and the mean
+    square taken over each of `dim / group_size` groups (transformers
+    `GraniteMoeHybridRMSNormGated` / `NemotronHRMSNormGated`: float32 inside, rounded to x's
+    dtype before the weight).
+
+    Args:
+        dim: size of the last dimension; group_size: features per group (dim a multiple of
+            it; dim for one group); eps: added to the mean square; dtype: weight dtype.
+
+    Raises:
+        ValueError: dim not a multiple of group_size.
+    """
+
+    def __init__(self, dim: int, group_size: int, eps: float = 1e-6,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if dim % group_size:
+            raise ValueError(f"gated norm: dim {dim} is not a multiple of group_size {group_size}")
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.eps, self.group_size = eps, group_size
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x, gate: [T, dim] -> [T, dim] in x's dtype."""
+        h = x.float() * torch.nn.functional.silu(gate.float())
+        h = _normalized(h.view(*h.shape[:-1], -1, self.group_size), self.eps).view(h.shape)
+        return self.weight * h.to(x.dtype)
 
 
 def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:

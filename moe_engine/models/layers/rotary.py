@@ -316,6 +316,15 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
+) -> torch.Tensor:
+    """x [..., d] rotated by cos, sin (broadcastable to x; a `RotaryEmbedding`'s table rows):
+    rotate-half pairs (transformers `apply_rotary_pos_emb`), or with `interleaved` the pairs
+    (x_2i, x_2i+1), de-interleaved first (`apply_rotary_pos_emb_interleave`)."""
+    return _rotate(deinterleave(x) if interleaved else x, cos, sin)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -392,6 +401,27 @@ class PartialRotaryEmbedding(nn.Module):
             return self.rope(positions, q, k)
         q_rot, k_rot = self.rope(positions, q[..., :r], k[..., :r])
         return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
+
+
+class NoRotaryEmbedding(nn.Module):
+    """No positional encoding (NoPE) behind the rotary call: `forward(positions, q, k)`
+    returns q and k unchanged, for attention whose rope part carries no rotation (Kimi-Linear's
+    MLA layers; Jamba's, Nemotron-H's and Granite-4.0-H's attention beside Mamba layers).
+    Never bound to a rope kernel (its type is not `RotaryEmbedding`).
+
+    Args:
+        head_dim: the dims a rotary would rotate (MLA: qk_rope_head_dim; 0: unstated).
+    """
+
+    def __init__(self, head_dim: int = 0) -> None:
+        super().__init__()
+        self.head_dim, self.yarn, self.interleaved = head_dim, None, False
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] int64 (unused); q, k: any shapes -> (q, k) as they are."""
+        return q, k
 
 
 class QueryLengthScaling(nn.Module):
