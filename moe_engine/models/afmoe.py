@@ -129,12 +129,13 @@ class AfmoeForCausalLM(MoeCausalLM):
     def build_attention(
         self, spec: AfmoeSpec, index: int, dtype: torch.dtype, rotary: nn.Module
     ) -> nn.Module:
-        """q/k norm, the sigmoid output gate, sliding with rope or global without."""
+        """q/k norms multiplying their weight in float32 (`AfmoeRMSNorm`), the sigmoid output
+        gate, sliding with rope or global without."""
         sliding = spec.layer_types[index] == SLIDING_ATTENTION if spec.layer_types else False
         return Attention(
             spec, dtype, None if index in spec.nope_layers else rotary,
             spec.sliding_window if sliding else None, o_bias=spec.attention_bias,
-            output_gate=True,
+            output_gate=True, qk_norm_in_float32=True,
         )
 
     def build_mlp(self, spec: AfmoeSpec, index: int, dtype: torch.dtype) -> nn.Module:

@@ -183,11 +183,13 @@ class BeamForCausalLM(MoeCausalLM):
     def build_attention(
         self, spec: BeamSpec, index: int, dtype: torch.dtype, rotary: nn.Module
     ) -> nn.Module:
-        """q/k norm, its kind's rope (or query scaling) and window, the biased sigmoid gate."""
+        """q/k norms multiplying their weight in float32 (`BeamRMSNorm`), its kind's rope (or
+        query scaling) and window, the biased sigmoid gate."""
         kind = spec.layer_types[index] if spec.layer_types else FULL_ATTENTION
         return Attention(
             spec, dtype, rotary[kind], spec.sliding_window if kind == SLIDING_ATTENTION else None,
             o_bias=spec.attention_bias, output_gate="sigmoid", gate_bias=True,
+            qk_norm_in_float32=True,
         )
 
     def build_mlp(self, spec: BeamSpec, index: int, dtype: torch.dtype) -> nn.Module:
