@@ -140,7 +140,6 @@ class DecoderLayer(nn.Module):
         self.post_self_attn_layernorm = post_self_attn_layernorm
         self.post_mlp_layernorm = post_mlp_layernorm
         self.self_attn = self_attn
-        self.post_mlp_layernorm = post_mlp_layernorm
         self.timer: PhaseTimer | None = None
         self.input_layernorm = input_layernorm
         self.post_attention_layernorm = post_attention_layernorm
