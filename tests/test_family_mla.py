@@ -300,7 +300,7 @@ def test_zero_experts_leave_the_routing_and_reach_no_rank():
 
 
 def test_softmax_grouped_router_triton_equals_torch():
-    """The Triton router with `scoring` "softmax" (interpreted on a CPU) picks the torch
+    """The Triton router with `scoring="softmax"` (interpreted on a CPU) picks the torch
     function's experts and weights: with a correction bias and no groups (LongCat-Flash), and
     with groups and no bias (Mistral-4)."""
     from kernels.moe.router_kernels import fused_sigmoid_grouped_topk

@@ -137,8 +137,8 @@ class NemotronHForCausalLM(MoeCausalLM):
     spec_class = NemotronHSpec
     card = FamilyCard(
         "Nemotron-H", ("nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16",),
-        "Mamba-2 + GQA (NoPE); relu^2 experts (torch expert path, float only)",
-        cache=("full", "state"), native_4bit=(), speculation=(),
+        "Mamba-2 + GQA (NoPE); relu^2 experts (torch expert path)",
+        cache=("full", "state"), native_4bit=(), speculation=(), load_time_4bit=False,
     )
 
     def __init__(self, spec: NemotronHSpec, dtype: torch.dtype,
