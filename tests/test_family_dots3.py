@@ -8,16 +8,16 @@ by default are refused with the reason.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from family_check import (
+    COMMON,
     check_ep_token_exact,
     check_prefix_cache,
     check_token_exact,
     family_prompts,
     make_family_checkpoint,
 )
+from fixtures import dequantized_experts_copy, hf_greedy
 
 #: 3 layers (0 dense by mlp_layer_types), all "indexed_attention": 4 heads, q LoRA 48, latent
 #: 32 + rope 8 (head_dim 32: rope factor 1/4), nope 16, v 16; indexer of 8 heads x 16 dims
@@ -76,6 +76,13 @@ def test_dots3_ep2(dots3_ckpt):
     check_ep_token_exact(dots3_ckpt, 2)
 
 
+def test_dots3_int4_experts(dots3_ckpt, tmp_path):
+    ref = dequantized_experts_copy(dots3_ckpt, tmp_path, "int4", 32)
+    prompts = family_prompts(512, (37,))
+    check_token_exact(dots3_ckpt, prompts=prompts, expected=hf_greedy(ref, prompts, 8),
+                      quantization="int4", quant_group_size=32)
+
+
 def test_dots3_triton_backend(dots3_ckpt):
     check_token_exact(dots3_ckpt, kernel_backend="triton", prompts=family_prompts(512, (1, 37)),
                       max_new=4)
@@ -90,7 +97,22 @@ def test_dots3_refuses_sliding_and_dense_mla_layers(extra, match):
 
     from moe_engine.models.dots3_note import Dots3NoteForCausalLM
 
-    cfg = AutoConfig.for_model("dots3_note_text", **{**DOTS3, **extra, "num_hidden_layers": 6,
-                                                     "mlp_layer_types": None})
+    fields = {**COMMON, **DOTS3, **extra, "num_hidden_layers": 6, "mlp_layer_types": None}
+    cfg = AutoConfig.for_model("dots3_note_text", **fields)
     with pytest.raises(ValueError, match=match):
         Dots3NoteForCausalLM.arch_spec(cfg)
+
+
+def test_dots3_multimodal_config_reads_its_text_config():
+    """A "dots3_note" config.json (the published layout, which AutoModelForCausalLM also
+    builds as Dots3NoteForCausalLM, saving a "dots3_note_text" config) gives the spec of its
+    text config."""
+    from transformers import AutoConfig
+
+    from moe_engine.models.dots3_note import Dots3NoteForCausalLM
+
+    fields = {**COMMON, **DOTS3}
+    composite = AutoConfig.for_model("dots3_note", **fields, vision_config={"adapter_out_dim": 64},
+                                     audio_config={"adapter_out_dim": 64})
+    text = AutoConfig.for_model("dots3_note_text", **fields)
+    assert Dots3NoteForCausalLM.arch_spec(composite) == Dots3NoteForCausalLM.arch_spec(text)

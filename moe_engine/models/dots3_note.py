@@ -1,8 +1,9 @@
-"""dots3 (rednote hi lab, "dots3-note-prev"; HF `Dots3NoteForCausalLM`, transformers 5.24
-models/dots3_note/modeling_dots3_note.py): the text decoder of the multimodal dots3 note,
-served as a causal LM (config.json `model_type` "dots3_note_text", which
-`AutoModelForCausalLM` builds as `Dots3NoteForCausalLM`; its vision and audio encoders are not
-part of it).
+"""dots3 note (model card dots-studio/dots3-note-prev; HF `Dots3NoteForCausalLM`, transformers
+5.24 models/dots3_note/modeling_dots3_note.py): the text decoder of the multimodal dots3 note,
+served as a causal LM. `AutoModelForCausalLM` builds `Dots3NoteForCausalLM` for config.json
+`model_type` "dots3_note_text" and for "dots3_note" (the published layout: text fields at the
+top level, vision / audio encoder configs beside them, read here from its `text_config`); the
+vision and audio encoders are not part of it.
 
 DeepSeek-V3.2's decoder (`deepseek_v32.py`: MLA with DeepSeek Sparse Attention, sigmoid
 group-limited routing with the correction bias, ungated shared experts, `mlp_layer_types`),
@@ -40,14 +41,14 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from moe_engine.errors import StartupError
 from moe_engine.models.config_fields import required_int
-from moe_engine.models.deepseek_v32 import DeepseekV32ForCausalLM
+from moe_engine.models.deepseek_v32 import DeepseekV32ForCausalLM, DeepseekV32Spec
 from moe_engine.models.layers.indexer import LightningIndexer
 from moe_engine.models.layers.mla import MLA_STACKED
 from moe_engine.models.layers.sparse_mla import SparseMLAAttention
 from moe_engine.models.spec import FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
-from moe_engine.errors import StartupError
 
 #: The layer type served (MLA + DeepSeek Sparse Attention indexer).
 INDEXED = "indexed_attention"
@@ -71,16 +72,22 @@ class Dots3NoteForCausalLM(DeepseekV32ForCausalLM):
     """dots3's text decoder on the engine's layers (see the module doc)."""
 
     card = FamilyCard(
-        "dots3 (text)", ("rednote-hilab/dots3-note-prev",),
+        "dots3 note (text)", ("dots-studio/dots3-note-prev",),
         "gated MLA (k_pe norm, latent scales) + DeepSeek Sparse Attention (interleaved indexer)",
         cache=("mla + indexer keys",), speculation=("ngram",),
     )
-    model_types = ("dots3_note_text",)
+    model_types = ("dots3_note_text", "dots3_note")
     attention_options: ClassVar[dict] = {"head_gate": True, "rope_key_norm": True}
     weight_mapping = WeightMapping(
         renames=((".self_attn.k_rope_only_layernorm.", ".self_attn.k_pe_norm."),),
         stacked_params=MLA_STACKED,
     )
+
+    @classmethod
+    def arch_spec(cls, hf_config):
+        """V3.2's, from `text_config` when config.json is the multimodal "dots3_note" one."""
+        text = getattr(hf_config, "text_config", None)
+        return super().arch_spec(hf_config if text is None else text)
 
     @classmethod
     def moe_layers_of(cls, cfg: dict) -> tuple[int, ...]:
@@ -109,10 +116,10 @@ class Dots3NoteForCausalLM(DeepseekV32ForCausalLM):
                 f"config.json: layer_types {types!r} (use_dsa {cfg.get('use_dsa')!r}): "
                 f"{cls.__name__} serves only '{INDEXED}' layers (MLA + DeepSeek Sparse "
                 "Attention). 'sliding_attention' layers are sliding-window MLA with their own "
-                "latent width, heads and rope base (per_layer_config, swa_*), and the engine's "
-                "MLA cache keeps the whole context at one latent width for all layers (no "
-                "sliding-window MLA cache group); 'full_attention' (dense MLA beside sparse "
-                "layers) is not built"
+                "latent width, heads and rope base (per_layer_config, swa_*): the engine's MLA "
+                "cache (kv_cache.make_kv_cache_groups) has one latent width for every MLA "
+                "layer and no sliding-window MLA spec, and MLAAttention no window mask; "
+                "'full_attention' (dense MLA beside sparse layers) is not built"
             )
         if cfg.get("per_layer_config"):
             raise ValueError(
@@ -147,7 +154,7 @@ class Dots3NoteForCausalLM(DeepseekV32ForCausalLM):
                 "indexer_rope_interleaved": True}
 
     def build_attention(
-        self, spec, index: int, dtype: torch.dtype, rotary: nn.Module
+        self, spec: DeepseekV32Spec, index: int, dtype: torch.dtype, rotary: nn.Module
     ) -> nn.Module:
         """`SparseMLAAttention` with its indexer, the latent scales, k_pe norm and head gate."""
         indexer = LightningIndexer(
