@@ -55,6 +55,7 @@ ARCHITECTURES: dict[str, str] = {
     "Mistral4ForCausalLM": "moe_engine.models.mistral4",
     "AXK1ForCausalLM": "moe_engine.models.axk1",
     "DeepseekV32ForCausalLM": "moe_engine.models.deepseek_v32",
+    "Dots3NoteForCausalLM": "moe_engine.models.dots3_note",
     "GlmMoeDsaForCausalLM": "moe_engine.models.glm_moe_dsa",
     "AXK2ForCausalLM": "moe_engine.models.axk2",
     "GraniteMoeHybridForCausalLM": "moe_engine.models.granitemoehybrid",
@@ -137,11 +138,6 @@ REFUSED_ARCHITECTURES: dict[str, str] = {
         "index_topk_blocks={index_topk_blocks} blocks plus index_local_blocks="
         "{index_local_blocks} local ones per query, a block-granular selection (the engine's "
         "DeepSeek Sparse Attention selects single keys)"
-    ),
-    "Dots3NoteForCausalLM": (
-        "dots3's text decoder is not implemented: per-layer configurations (per_layer_config) "
-        "mixing sliding-window MLA with its own rope base and MLA with a DeepSeek Sparse "
-        "Attention indexer, and per-layer routed-expert counts (pyramid_num_routed)"
     ),
     "BailingHybridForCausalLM": (
         "Bailing-hybrid's linear layers are not implemented: a gated delta rule with a "

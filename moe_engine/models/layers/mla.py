@@ -92,6 +92,12 @@ class MLAAttention(KVCacheLayer):
             `q_gate_proj`): one `q_gate_proj` [2 q_lora_rank -> n x (qk_head_dim + v)] over
             [q_a_layernorm(q_a) | q_a] replaces q_b_proj, and the attention output is
             multiplied by sigmoid(gate) (float32) before o_proj.
+        head_gate: a per-head output gate from the layer input (dots3's `g_proj`
+            [H -> n]): the attention output of head i times sigmoid(g_proj(h)[i]) (float32)
+            before o_proj; excludes `output_gate`.
+        rope_key_norm: an RMSNorm (`k_pe_norm`, epsilon `norm_eps`) over the shared k_pe
+            before its rope (dots3's `k_rope_only_layernorm`); the cache holds the normed,
+            roped k_pe. Runs the module path, not the fused MLA prologue.
 
     Raises:
         ValueError: a non-positive size, rotary over other than qk_rope_head_dim dims, or an
@@ -117,6 +123,8 @@ class MLAAttention(KVCacheLayer):
         dtype: torch.dtype = torch.float32,
         absorb: bool = True,
         output_gate: bool = False,
+        head_gate: bool = False,
+        rope_key_norm: bool = False,
     ) -> None:
         super().__init__()
         sizes = dict(hidden_size=hidden_size, num_heads=num_heads, kv_lora_rank=kv_lora_rank,
@@ -137,7 +145,12 @@ class MLAAttention(KVCacheLayer):
         self.q_lora_rank = q_lora_rank
         if output_gate and q_lora_rank is None:
             raise ValueError("MLAAttention: an output gate needs q_lora_rank (a query LoRA)")
+        if output_gate and head_gate:
+            raise ValueError("MLAAttention: output_gate and head_gate exclude each other")
         self.output_gate = output_gate
+        self.g_proj = Linear(hidden_size, num_heads, bias=False, dtype=dtype) if head_gate else None
+        self.k_pe_norm = (RMSNorm(qk_rope_head_dim, norm_eps, dtype=dtype) if rope_key_norm
+                          else None)
         q_out = num_heads * self.qk_head_dim
         kv_a_rows = kv_lora_rank + qk_rope_head_dim
         if q_lora_rank is None:
@@ -186,7 +199,7 @@ class MLAAttention(KVCacheLayer):
         self._pad_values = plan.device == "cpu"
         norm = self.kv_a_layernorm
         fits = (type(self.rotary) is RotaryEmbedding and type(norm) is RMSNorm
-                and not norm.weight_in_float32
+                and self.k_pe_norm is None and not norm.weight_in_float32
                 and norm.weight.dtype == self._kv_a_weight_dtype())
         self.prologue = plan.mla_rope_prologue() if fits else None
         if self.absorb and not self.kv_b_proj.weight.is_meta:  # bound after loading: split
@@ -252,7 +265,7 @@ class MLAAttention(KVCacheLayer):
         Returns:
             q_nope [T, n, nope], q_pe [T, n, rope] (roped); q_resid [T, q_lora_rank], the
             normalised compressed query (q_a_layernorm's output; None without a query LoRA);
-            the output gate's logits [T, n x v] (None without `output_gate`).
+            the output gate's logits [T, n x v] (None without `output_gate` / `head_gate`).
         """
         t, n = h.shape[0], self.num_heads
         q_resid = gate = None
@@ -267,6 +280,8 @@ class MLAAttention(KVCacheLayer):
                 gate = gate.reshape(t, n * self.v_head_dim)
             else:
                 q = self.q_b_proj(q_resid)
+        if self.g_proj is not None:  # [T, n] -> [T, n x v]: one logit per head's v values
+            gate = self.g_proj(h)[:, :, None].expand(t, n, self.v_head_dim).reshape(t, -1)
         q_nope, q_pe = q.reshape(t, n, self.qk_head_dim).split(
             [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
         )
@@ -281,6 +296,8 @@ class MLAAttention(KVCacheLayer):
             )  # fmt: skip
         else:
             c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+            if self.k_pe_norm is not None:
+                k_pe = self.k_pe_norm(k_pe)
             if self.rotary is not None:  # None: NoPE (the rope part shared but not rotated)
                 q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))
                 k_pe = k_pe.squeeze(1)
