@@ -105,3 +105,40 @@ def test_lara_mini_triton(lara_mini_ckpt):
 @ALL_EP
 def test_lara_mini_ep2(lara_mini_ckpt):
     check_ep_token_exact(lara_mini_ckpt, 2)
+
+
+# -- Bailing-hybrid -----------------------------------------------------------------------------
+
+#: Bailing-hybrid: delta, delta, MLA, delta; two dense-first layers (the default
+#: first_k_dense_replace); 16 experts in 4 groups (2 kept), one shared expert; MLA with a
+#: direct q_proj and rope; correction bias and the gated output norm drawn.
+BAILING_HYBRID = dict(
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    num_local_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, intermediate_size=96,
+    n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.0, kv_lora_rank=32,
+    q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+    num_attention_heads=4, num_key_value_heads=4, head_dim=16, short_conv_kernel_size=4,
+    rms_norm_eps=1e-5,
+)
+
+
+@pytest.fixture(scope="module")
+def bailing_hybrid_ckpt(tmp_path_factory):
+    return make_family_checkpoint(
+        "bailing_hybrid", BAILING_HYBRID, tmp_path_factory.mktemp("bailing_hybrid"),
+        drawn=("e_score_correction_bias", "o_norm.weight"),
+    )
+
+
+def test_bailing_hybrid_token_exact(bailing_hybrid_ckpt):
+    _weights_counted(check_token_exact(bailing_hybrid_ckpt))
+
+
+def test_bailing_hybrid_names_and_prefix_cache_refused(bailing_hybrid_ckpt):
+    _names_round_trip(bailing_hybrid_ckpt)
+    _refused_prefix_caching(bailing_hybrid_ckpt, "Kimi Delta Attention", 3, 4)
+
+
+def test_bailing_hybrid_ep2(bailing_hybrid_ckpt):
+    check_ep_token_exact(bailing_hybrid_ckpt, 2)

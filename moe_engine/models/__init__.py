@@ -68,6 +68,7 @@ ARCHITECTURES: dict[str, str] = {
     "LagunaForCausalLM": "moe_engine.models.laguna",
     "BeamForCausalLM": "moe_engine.models.beam",
     "LaraMiniForCausalLM": "moe_engine.models.lara_mini",
+    "BailingHybridForCausalLM": "moe_engine.models.bailing_hybrid",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.
@@ -141,11 +142,6 @@ REFUSED_ARCHITECTURES: dict[str, str] = {
         "dots3's text decoder is not implemented: per-layer configurations (per_layer_config) "
         "mixing sliding-window MLA with its own rope base and MLA with a DeepSeek Sparse "
         "Attention indexer, and per-layer routed-expert counts (pyramid_num_routed)"
-    ),
-    "BailingHybridForCausalLM": (
-        "Bailing-hybrid's linear layers are not implemented: a gated delta rule with a "
-        "per-channel forget gate (kda_lower_bound={kda_lower_bound}) over short q/k/v "
-        "convolutions, in groups of layer_group_size={layer_group_size} layers beside MLA"
     ),
 }
 

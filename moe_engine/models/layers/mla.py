@@ -90,6 +90,10 @@ class MLAAttention(KVCacheLayer):
             `q_gate_proj`): one `q_gate_proj` [2 q_lora_rank -> n x (qk_head_dim + v)] over
             [q_a_layernorm(q_a) | q_a] replaces q_b_proj, and the attention output is
             multiplied by sigmoid(gate) (float32) before o_proj.
+        head_gate: one output gate per head from the layer input, `g_proj` [H -> n]: each
+            head's output times sigmoid(g_proj(h)) (float32, rounded once) before o_proj
+            (transformers `BailingHybridAttention`, which rounds the sigmoid to the model dtype
+            first: equal in float32).
 
     Raises:
         ValueError: a non-positive size, rotary over other than qk_rope_head_dim dims, or an
@@ -115,6 +119,7 @@ class MLAAttention(KVCacheLayer):
         dtype: torch.dtype = torch.float32,
         absorb: bool = True,
         output_gate: bool = False,
+        head_gate: bool = False,
     ) -> None:
         super().__init__()
         sizes = dict(hidden_size=hidden_size, num_heads=num_heads, kv_lora_rank=kv_lora_rank,
@@ -158,6 +163,9 @@ class MLAAttention(KVCacheLayer):
             kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False, dtype=dtype
         )
         self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias=attention_bias, dtype=dtype)
+        self.head_gate = head_gate
+        if head_gate:
+            self.g_proj = Linear(hidden_size, num_heads, bias=False, dtype=dtype)
         self.rotary = rotary
         if softmax_scale is None:
             softmax_scale = self.qk_head_dim**-0.5 * yarn_softmax_scale_factor(rotary.yarn)
@@ -234,6 +242,8 @@ class MLAAttention(KVCacheLayer):
         slot_mapping). Returns [T, H] in h's dtype."""
         meta = meta.for_group(self.kv_group)
         q_nope, q_pe, _, gate = self.project_and_cache(h, positions, meta, kv_cache)
+        if self.head_gate:  # [T, n] -> [T, n x v], each head's logit over its values
+            gate = self.g_proj(h).repeat_interleave(self.v_head_dim, dim=-1)
         return self.attend_batches(h, q_nope, q_pe, kv_cache, meta, gate=gate)
 
     def project_and_cache(
