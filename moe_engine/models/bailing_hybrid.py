@@ -23,8 +23,9 @@ attention: `{q,k,v}_proj`, `{q,k,v}_conv1d`, `f_proj`, `dt_bias`, `A_log`, `b_pr
 `o_norm`, `dense`); `mlp.gate.{weight, expert_bias}` (the correction bias),
 `mlp.experts.{e}.{gate,up,down}_proj`, `mlp.shared_experts.*`, dense `mlp.{gate,up,down}_proj`.
 MTP layers (`num_nextn_predict_layers`, stored as layers num_hidden_layers..) are not loaded,
-as transformers ignores them (the loader skips layers past num_layers). KV cache: one MLA group of the full-attention layers, the delta
-layers' state slots beside it; prefix caching and speculative decoding are refused.
+as transformers ignores them (the loader skips layers past num_layers). KV cache: one MLA
+group of the full-attention layers, the delta layers' state slots beside it; prefix caching
+and speculative decoding are refused.
 """
 
 from __future__ import annotations
