@@ -29,8 +29,10 @@ ALL_EP = pytest.mark.skipif(os.environ.get("MOE_ENGINE_FAMILY_EP") != "all",
 
 #: LaraMini: the released period-5 pattern (linear, sliding, linear, full, sliding) over 5
 #: layers, a 16-token window (the 37/70-token prompts exceed it), GQA 4/2, 2 key heads serving
-#: 4 value heads in the linear layers; norms and the gated norm drawn.
+#: 4 value heads in the linear layers; embeddings tied (LaraMini's default); norms and the
+#: gated norm drawn.
 LARA_MINI = dict(
+    tie_word_embeddings=None,
     num_hidden_layers=5, sliding_window=16, num_experts=8, num_experts_per_tok=2,
     moe_intermediate_size=32, shared_expert_intermediate_size=48, num_attention_heads=4,
     num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,

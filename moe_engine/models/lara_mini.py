@@ -83,8 +83,9 @@ class LaraMiniForCausalLM(Qwen3NextForCausalLM):
 
     @classmethod
     def shape_fields(cls, cfg: dict) -> dict:
-        """Every layer MoE (`num_experts` of `moe_intermediate_size`, softmax top-k with a
-        float32 router, `norm_topk_prob` default true, an ungated shared expert of
+        """Embeddings tied unless `tie_word_embeddings` is false; every layer MoE
+        (`num_experts` of `moe_intermediate_size`, softmax top-k with a float32 router,
+        `norm_topk_prob` default true, an ungated shared expert of
         `shared_expert_intermediate_size`, default 512); q/k norms; the layer types with
         `sliding_window` (default 512) and the linear layers' sizes (`LaraMiniConfig`
         defaults).
@@ -108,6 +109,7 @@ class LaraMiniForCausalLM(Qwen3NextForCausalLM):
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
             shared_expert_intermediate_size=shared,
             router_float32=True,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
             layer_types=types,
             sliding_window=window if SLIDING_ATTENTION in types else None,
             linear_num_key_heads=int(cfg.get("linear_num_key_heads", 8)),
@@ -140,7 +142,7 @@ class LaraMiniForCausalLM(Qwen3NextForCausalLM):
         of the float32-weight kind."""
         sliding = spec.layer_types[index] == SLIDING_ATTENTION
         attn = Attention(spec, dtype, rotary if sliding else None,
-                         spec.sliding_window if sliding else None)
+                         spec.sliding_window if sliding else None, o_bias=spec.attention_bias)
         attn.q_norm = self.build_norm(spec, spec.head_dim, dtype)
         attn.k_norm = self.build_norm(spec, spec.head_dim, dtype)
         return attn
