@@ -144,3 +144,34 @@ def test_bailing_hybrid_names_and_prefix_cache_refused(bailing_hybrid_ckpt):
 
 def test_bailing_hybrid_ep2(bailing_hybrid_ckpt):
     check_ep_token_exact(bailing_hybrid_ckpt, 2)
+
+
+@pytest.mark.parametrize("safe_gate", [True, False])
+def test_bailing_hybrid_forget_gate(safe_gate):
+    """The full-rank forget gate of `KimiDeltaAttention(low_rank_gates=False)`, bounded
+    (`gate_lower_bound`) or not, equals transformers' `BailingHybridForgetGate`."""
+    from transformers.models.bailing_hybrid.configuration_bailing_hybrid import (
+        BailingHybridConfig,
+    )
+    from transformers.models.bailing_hybrid.modeling_bailing_hybrid import (
+        BailingHybridForgetGate,
+    )
+
+    from moe_engine.models.layers.kda import KimiDeltaAttention
+
+    config = BailingHybridConfig(hidden_size=64, num_attention_heads=4, head_dim=16,
+                                 kda_safe_gate=safe_gate, kda_lower_bound=-3.0)
+    torch.manual_seed(0)
+    ref = BailingHybridForgetGate(config)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0.0, 0.5)
+    kda = KimiDeltaAttention(64, 4, config.linear_head_dim, 4, 1e-5, torch.float32,
+                             low_rank_gates=False, gate_lower_bound=-3.0 if safe_gate else None)
+    kda.load_state_dict({"f_proj.weight": ref.f_proj.weight, "dt_bias": ref.dt_bias,
+                         "A_log": ref.A_log}, strict=False)
+    h = torch.randn(7, 64)
+    with torch.no_grad():
+        expected = ref(h[None])[0]
+        torch.testing.assert_close(kda._decay(h), expected, rtol=1e-6, atol=1e-6)
+    assert (expected >= -3.0).all() if safe_gate else (expected < -3.0).any()

@@ -43,6 +43,7 @@ from moe_engine.models.layers.decoder import DecoderLayer
 from moe_engine.models.layers.gated_delta_net import LinearAttentionDecoderLayer
 from moe_engine.models.layers.kda import KimiDeltaAttention
 from moe_engine.models.layers.mla import MLA_STACKED, MLAAttention
+from moe_engine.models.layers.rotary import rope_with_scaling_of
 from moe_engine.models.spec import FamilyCard
 from moe_engine.models.weight_mapping import QKV_STACKED, WeightMapping
 
@@ -118,18 +119,19 @@ class BailingHybridForCausalLM(KimiLinearForCausalLM):
 
     @classmethod
     def spec_fields(cls, hf_config) -> dict:
-        """DeepSeek-V3's (rope_theta with any YaRN, the group limits and scaling), rope always
-        interleaved, and the forget-gate bound (`kda_lower_bound` when `kda_safe_gate`).
+        """Kimi-Linear's (rms_norm_eps, the group limits and scaling), rope_theta with any
+        YaRN, rope always interleaved, and the forget-gate bound (`kda_lower_bound` when
+        `kda_safe_gate`, both default as `BailingHybridConfig`).
 
         Raises:
             StartupError: a rope_type other than default or yarn; ValueError:
                 linear_conv_kernel_dim below 2.
         """
-        super().spec_fields(hf_config)  # its checks
-        fields = DeepseekV3ForCausalLM.spec_fields.__func__(cls, hf_config)
+        theta, yarn = rope_with_scaling_of(hf_config)
         cfg = hf_config.to_dict()
         bound = float(cfg.get("kda_lower_bound", DEFAULT_KDA_LOWER_BOUND))
-        return {**fields, "rope_interleave": True,
+        return {**super().spec_fields(hf_config), "rope_theta": theta, "yarn": yarn,
+                "rope_interleave": True,
                 "kda_lower_bound": bound if cfg.get("kda_safe_gate", True) else None}
 
     def build_rotary(self, spec: BailingHybridSpec, max_position: int) -> nn.Module:
