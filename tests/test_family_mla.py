@@ -300,7 +300,7 @@ def test_zero_experts_leave_the_routing_and_reach_no_rank():
 
 
 def test_softmax_grouped_router_triton_equals_torch():
-    """The Triton router with `scoring_func` "softmax" (interpreted on a CPU) picks the torch
+    """The Triton router with `scoring="softmax"` (interpreted on a CPU) picks the torch
     function's experts and weights: with a correction bias and no groups (LongCat-Flash), and
     with groups and no bias (Mistral-4)."""
     from kernels.moe.router_kernels import fused_sigmoid_grouped_topk
@@ -310,8 +310,8 @@ def test_softmax_grouped_router_triton_equals_torch():
     logits = torch.randn(3, 16, generator=g)
     bias = torch.randn(16, generator=g) * 0.05
     for args in ((3, bias, 1, 1, False, 6.0), (4, None, 4, 2, True, 1.5)):
-        want = sigmoid_grouped_topk(logits, *args, scoring_func="softmax")
-        got = fused_sigmoid_grouped_topk(logits, *args, scoring_func="softmax")
+        want = sigmoid_grouped_topk(logits, *args, scoring="softmax")
+        got = fused_sigmoid_grouped_topk(logits, *args, scoring="softmax")
         assert torch.equal(got[1], want[1])
         torch.testing.assert_close(got[0], want[0])
 

@@ -95,7 +95,7 @@ def test_a_new_architecture_is_one_file_and_one_registry_line(tmp_path, monkeypa
     (tmp_path / "tiny_arch.py").write_text(textwrap.dedent('''
         from moe_engine.models.base import MoeCausalLM
         from moe_engine.models.config_fields import every_layer_moe, moe_shape_fields
-        from moe_engine.models.layers.decoder import Attention
+        from moe_engine.models.layers.self_attention import Attention
         from moe_engine.models.weight_mapping import ExpertMapping, WeightMapping
 
         class TinyForCausalLM(MoeCausalLM):

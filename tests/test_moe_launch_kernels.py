@@ -26,7 +26,7 @@ from kernels.moe.fused_moe import moe_align_block_size  # noqa: E402
 from kernels.moe.reference import moe_align_block_size_reference  # noqa: E402
 from kernels.moe.sum_kernels import moe_sum  # noqa: E402
 from kernels.plan import TRITON, KernelPlan  # noqa: E402
-from moe_engine.models.layers import routing  # noqa: E402
+from moe_engine.models.layers import routers, routing  # noqa: E402
 
 
 def gen() -> torch.Generator:
@@ -244,6 +244,6 @@ def test_the_plan_hands_the_fused_routers_to_triton_layers() -> None:
     plan = KernelPlan.uniform(TRITON, "cuda")
     for name, kernel in rk.FUSED_ROUTERS.items():
         assert plan.router_topk("cuda", name) is kernel
-    router = routing.SigmoidGroupedTopKRouter(8, 16, 4, 4, 2, True, 2.5)
+    router = routers.SigmoidGroupedTopKRouter(8, 16, 4, 4, 2, True, 2.5)
     router.bind_kernels(plan)
     assert router.kernel is rk.fused_sigmoid_grouped_topk

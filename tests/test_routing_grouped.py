@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_engine.models.layers.routing import (
+from moe_engine.models.layers.routers import (
     SigmoidGroupedTopKRouter,
     SoftmaxGroupedTopKRouter,
     SoftmaxTopKRouter,
+)
+from moe_engine.models.layers.routing import (
     check_group_limits,
     sigmoid_grouped_topk,
     softmax_grouped_topk,

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from dist_utils import run_ranks
 
 from moe_engine.models.layers.moe import FusedMoE
-from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter, SoftmaxTopKRouter
+from moe_engine.models.layers.routers import SigmoidGroupedTopKRouter, SoftmaxTopKRouter
 from moe_engine.models.layers.shared_experts import SharedExperts, shared_expert_param_name
 from moe_engine.phase_timer import PhaseTimer
 

@@ -112,8 +112,8 @@ def test_every_module_is_bound_to_the_triton_kernels(qwen3_ckpt):
     from kernels.moe.router_kernels import fused_softmax_topk
     from moe_engine import LLM
     from moe_engine.models.layers.attention import PagedAttention
-    from moe_engine.models.layers.decoder import Attention
     from moe_engine.models.layers.norm import RMSNorm
+    from moe_engine.models.layers.self_attention import Attention
 
     for quantization, attr in (("none", "kernel_backend"), ("int4", "backend")):
         llm = LLM(model=str(qwen3_ckpt), max_model_len=64, quantization=quantization,

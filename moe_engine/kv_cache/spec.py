@@ -227,9 +227,10 @@ class MLAAttentionSpec(KVCacheSpec):
         kv_lora_rank: width of the compressed c_kv (config.json `kv_lora_rank`).
         qk_rope_head_dim: width of the decoupled, roped key k_pe (`qk_rope_head_dim`).
         index_head_dim: DeepSeek Sparse Attention's indexer key per token and layer
-            (config.json `index_head_dim`; the "lightning indexer" of the DeepSeek-V3.2-Exp report;
-            vLLM keeps it as a separate indexer-cache layer over the same block table), held
-            in a second tensor at the same slots; 0: dense MLA, no indexer keys.
+            (config.json `index_head_dim`; the "lightning indexer" of the DeepSeek-V3.2-Exp
+            report; vLLM keeps it in a cache layer of its own, [num_blocks, block_size,
+            head_size] in `DeepseekV32IndexerBackend`), held here in a second tensor at the
+            same slots; 0: dense MLA, no indexer keys.
 
     Raises:
         ValueError: kv_lora_rank < 1, qk_rope_head_dim or index_head_dim < 0, or

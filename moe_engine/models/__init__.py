@@ -99,11 +99,13 @@ REFUSED_ARCHITECTURES: dict[str, str] = {
         "split across the tokens of a forward pass, so a chunked prefill cannot repeat them)"
     ),
     "Gemma4ForCausalLM": (
-        "Gemma 4's text decoder is not supported (enable_moe_block={enable_moe_block}): its "
-        "MLP and experts use hidden_activation={hidden_activation} (the engine's MLPs and fused "
-        "experts compute SwiGLU with silu only), the MoE block runs beside the dense MLP with "
-        "sandwich norms and a normalised, scaled router with per-expert scales, and layers "
-        "share KV caches (num_kv_shared_layers={num_kv_shared_layers}) and take per-layer "
+        "Gemma 4's text decoder is not supported (enable_moe_block={enable_moe_block}): the "
+        "engine lacks gated GELU-tanh experts and MLPs (hidden_activation="
+        "{hidden_activation}; its fused experts compute SwiGLU with silu only), an MoE block "
+        "beside the dense MLP with its own sandwich norms and a normalised, scaled router with "
+        "per-expert scales, global layers of another head dim and KV head count than the "
+        "sliding ones in one KV cache (global_head_dim, attention_k_eq_v={attention_k_eq_v}), "
+        "KV shared across layers (num_kv_shared_layers={num_kv_shared_layers}) and per-layer "
         "input embeddings (hidden_size_per_layer_input={hidden_size_per_layer_input})"
     ),
     "InklingForCausalLM": (

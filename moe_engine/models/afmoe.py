@@ -12,7 +12,7 @@ A Llama-style GQA decoder that differs in:
 - the first `num_dense_layers` layers dense SwiGLU MLPs of `intermediate_size`; then MoE
   blocks routed by sigmoid scores of a router in the model dtype, `expert_bias` choosing (never
   weighting) the top-k, the k weights renormalised, times `route_scale`
-  (`layers/routing.SigmoidGroupedTopKRouter` without groups), plus `num_shared_experts`
+  (`layers/routers.SigmoidGroupedTopKRouter` without groups), plus `num_shared_experts`
   ungated shared experts of width `moe_intermediate_size * num_shared_experts`;
 - with `mup_enabled`, the embeddings times hidden_size ** 0.5.
 
@@ -35,10 +35,11 @@ from moe_engine.kv_cache.spec import FULL_ATTENTION, SLIDING_ATTENTION
 from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import check_hidden_act, required_int
 from moe_engine.models.dots1 import shared_width, window_layer_fields
-from moe_engine.models.layers.decoder import Attention, DecoderLayer
+from moe_engine.models.layers.decoder import DecoderLayer
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.norm import RMSNorm
-from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter
+from moe_engine.models.layers.routers import SigmoidGroupedTopKRouter
+from moe_engine.models.layers.self_attention import Attention
 from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
@@ -128,12 +129,13 @@ class AfmoeForCausalLM(MoeCausalLM):
     def build_attention(
         self, spec: AfmoeSpec, index: int, dtype: torch.dtype, rotary: nn.Module
     ) -> nn.Module:
-        """q/k norm, the sigmoid output gate, sliding with rope or global without."""
+        """q/k norms multiplying their weight in float32 (`AfmoeRMSNorm`), the sigmoid output
+        gate, sliding with rope or global without."""
         sliding = spec.layer_types[index] == SLIDING_ATTENTION if spec.layer_types else False
         return Attention(
             spec, dtype, None if index in spec.nope_layers else rotary,
             spec.sliding_window if sliding else None, o_bias=spec.attention_bias,
-            output_gate=True,
+            output_gate=True, qk_norm_in_float32=True,
         )
 
     def build_mlp(self, spec: AfmoeSpec, index: int, dtype: torch.dtype) -> nn.Module:

@@ -93,5 +93,6 @@ class AXK1ForCausalLM(DeepseekV3ForCausalLM):
         post = norm(spec, spec.hidden_size, dtype) if index in spec.moe_layers else None
         return DecoderLayer(
             self.build_attention(spec, index, dtype, rotary), self.build_mlp(spec, index, dtype),
-            norm(spec, spec.hidden_size, dtype), norm(spec, spec.hidden_size, dtype), post,
+            norm(spec, spec.hidden_size, dtype), norm(spec, spec.hidden_size, dtype),
+            post_mlp_layernorm=post,
         )

@@ -29,13 +29,14 @@ from torch import nn
 from moe_engine.kv_cache.spec import AttentionGroup
 from moe_engine.models.config_fields import moe_shape_fields
 from moe_engine.models.layers.attention import AttentionMetadata
-from moe_engine.models.layers.decoder import Attention, Backbone, DecoderLayer, DenseMLP
+from moe_engine.models.layers.decoder import Backbone, DecoderLayer, DenseMLP
 from moe_engine.models.layers.linear import Linear
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.mtp import MTPLayer
 from moe_engine.models.layers.native_decode import DecodeStep
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding, rope_theta_of
+from moe_engine.models.layers.self_attention import Attention
 from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightLoader, WeightMapping
 from moe_engine.phase_timer import PhaseTimer

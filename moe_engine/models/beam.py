@@ -39,11 +39,13 @@ from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import check_hidden_act, num_experts_of, required_int
 from moe_engine.models.dots1 import window_layer_fields
 from moe_engine.models.exaone_moe import mlp_layer_types_moe_layers
-from moe_engine.models.layers.decoder import Attention, DecoderLayer
+from moe_engine.models.layers.decoder import DecoderLayer
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import QueryLengthScaling, RotaryEmbedding
-from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter, check_sigmoid_group_limits
+from moe_engine.models.layers.routers import SigmoidGroupedTopKRouter
+from moe_engine.models.layers.routing import check_sigmoid_group_limits
+from moe_engine.models.layers.self_attention import Attention
 from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 
@@ -181,11 +183,13 @@ class BeamForCausalLM(MoeCausalLM):
     def build_attention(
         self, spec: BeamSpec, index: int, dtype: torch.dtype, rotary: nn.Module
     ) -> nn.Module:
-        """q/k norm, its kind's rope (or query scaling) and window, the biased sigmoid gate."""
+        """q/k norms multiplying their weight in float32 (`BeamRMSNorm`), its kind's rope (or
+        query scaling) and window, the biased sigmoid gate."""
         kind = spec.layer_types[index] if spec.layer_types else FULL_ATTENTION
         return Attention(
             spec, dtype, rotary[kind], spec.sliding_window if kind == SLIDING_ATTENTION else None,
             o_bias=spec.attention_bias, output_gate="sigmoid", gate_bias=True,
+            qk_norm_in_float32=True,
         )
 
     def build_mlp(self, spec: BeamSpec, index: int, dtype: torch.dtype) -> nn.Module:

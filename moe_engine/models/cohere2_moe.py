@@ -40,11 +40,12 @@ from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import check_hidden_act, required_int
 from moe_engine.models.dots1 import window_layer_fields
 from moe_engine.models.exaone_moe import mlp_layer_types_moe_layers
-from moe_engine.models.layers.decoder import Attention, DecoderLayer, DenseMLP
+from moe_engine.models.layers.decoder import DecoderLayer, DenseMLP
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.norm import LayerNorm, RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding, rope_theta_of
-from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter
+from moe_engine.models.layers.routers import SigmoidGroupedTopKRouter
+from moe_engine.models.layers.self_attention import Attention
 from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.models.spec import ArchSpec, FamilyCard
 

@@ -25,7 +25,8 @@ from torch import nn
 from moe_engine.models.config_fields import num_experts_of, required_int
 from moe_engine.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3Spec
 from moe_engine.models.layers.mla import MLA_STACKED
-from moe_engine.models.layers.routing import SoftmaxGroupedTopKRouter, check_v2_routing
+from moe_engine.models.layers.routers import SoftmaxGroupedTopKRouter
+from moe_engine.models.layers.routing import check_v2_routing
 from moe_engine.models.spec import FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 

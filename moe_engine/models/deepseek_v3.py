@@ -58,7 +58,8 @@ from moe_engine.models.layers.decoder import DenseMLP
 from moe_engine.models.layers.mla import MLA_STACKED, MLAAttention
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.rotary import RotaryEmbedding, YarnScaling, rope_with_scaling_of
-from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter, check_sigmoid_group_limits
+from moe_engine.models.layers.routers import SigmoidGroupedTopKRouter
+from moe_engine.models.layers.routing import check_sigmoid_group_limits
 from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping

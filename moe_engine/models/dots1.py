@@ -11,7 +11,7 @@ Qwen3's attention over DeepSeek-V3's MoE block, so the GLM-4.5 file's hooks do m
   `intermediate_size`; the rest are MoE blocks routed as DeepSeek-V3 (sigmoid scores,
   `e_score_correction_bias` for the choice only, group-limited top-k over `n_group` /
   `topk_group`, renormalised when `norm_topk_prob` (default false), times
-  `routed_scaling_factor`: `layers/routing.SigmoidGroupedTopKRouter`, float32) plus
+  `routed_scaling_factor`: `layers/routers.SigmoidGroupedTopKRouter`, float32) plus
   `n_shared_experts` ungated shared experts as one MLP of width `moe_intermediate_size *
   n_shared_experts`.
 
@@ -29,7 +29,7 @@ from torch import nn
 from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import layer_types_fields, required_int
 from moe_engine.models.glm4_moe import Glm4MoeForCausalLM, Glm4MoeSpec
-from moe_engine.models.layers.decoder import Attention
+from moe_engine.models.layers.self_attention import Attention
 from moe_engine.models.spec import FamilyCard
 
 #: `Dots1Config.sliding_window` and `max_window_layers` defaults.

@@ -35,11 +35,12 @@ from torch import nn
 
 from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import check_hidden_act, num_experts_of, required_int
-from moe_engine.models.layers.decoder import Attention, DenseMLP
+from moe_engine.models.layers.decoder import DenseMLP
 from moe_engine.models.layers.linear import Linear
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.rotary import RotaryEmbedding, rope_theta_of
-from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter
+from moe_engine.models.layers.routers import SigmoidGroupedTopKRouter
+from moe_engine.models.layers.self_attention import Attention
 from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping

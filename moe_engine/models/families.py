@@ -41,7 +41,8 @@ def card_of(arch: str) -> FamilyCard:
 
 
 def _row(arch: str, card: FamilyCard) -> str:
-    formats = ", ".join(("load-time int4 / mxfp4", *card.native_4bit))
+    load_time = ("load-time int4 / mxfp4",) if card.load_time_4bit else ()
+    formats = ", ".join((*load_time, *card.native_4bit)) or "none (float experts)"
     examples = ", ".join(f"`{e}`" for e in card.examples)
     spec = ", ".join(card.speculation) or "refused (per-request state)"
     cells = (card.name, f"`{arch}`", examples, card.attention, ", ".join(card.cache), formats,

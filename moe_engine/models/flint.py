@@ -37,11 +37,12 @@ from moe_engine.models.config_fields import (
     required_int,
     sparse_step_moe_layers,
 )
-from moe_engine.models.layers.decoder import Attention, DenseMLP
+from moe_engine.models.layers.decoder import DenseMLP
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding, rope_theta_of
-from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter
+from moe_engine.models.layers.routers import SigmoidGroupedTopKRouter
+from moe_engine.models.layers.self_attention import Attention
 from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.models.spec import FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping

@@ -32,14 +32,16 @@ from torch import nn
 
 from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import check_hidden_act, required_int
-from moe_engine.models.layers.decoder import Attention, DenseMLP
+from moe_engine.models.layers.decoder import DenseMLP
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.rotary import (
     PartialRotaryEmbedding,
     partial_rotary_dim_of,
     rope_theta_of,
 )
-from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter, check_sigmoid_group_limits
+from moe_engine.models.layers.routers import SigmoidGroupedTopKRouter
+from moe_engine.models.layers.routing import check_sigmoid_group_limits
+from moe_engine.models.layers.self_attention import Attention
 from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.models.spec import ArchSpec, FamilyCard
 

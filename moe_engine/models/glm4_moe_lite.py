@@ -13,7 +13,7 @@ decoder it differs in:
 - GLM-4.5's router (`Glm4MoeTopkRouter`, DeepSeek-V3's "noaux_tc"): sigmoid scores, the
   float32 `e_score_correction_bias` choosing the experts, `n_group` / `topk_group` limits
   (default 1 / 1: none), weights renormalised when `norm_topk_prob`, times
-  `routed_scaling_factor` (`layers/routing.SigmoidGroupedTopKRouter`), plus
+  `routed_scaling_factor` (`layers/routers.SigmoidGroupedTopKRouter`), plus
   `n_shared_experts` (default 1) ungated shared experts as one MLP of width
   `moe_intermediate_size * n_shared_experts`.
 

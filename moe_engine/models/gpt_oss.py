@@ -34,10 +34,10 @@ from torch import nn
 from kernels.moe.activation import SwiGLU
 from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import every_layer_moe, layer_types_fields
-from moe_engine.models.layers.decoder import Attention
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding, YarnScaling, rope_with_scaling_of
+from moe_engine.models.layers.self_attention import Attention
 from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import ExpertMapping, WeightMapping
 

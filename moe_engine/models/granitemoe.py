@@ -31,9 +31,10 @@ from torch import nn
 
 from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import check_hidden_act, every_layer_moe
-from moe_engine.models.layers.decoder import Attention, DecoderLayer
+from moe_engine.models.layers.decoder import DecoderLayer
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.rotary import rope_theta_of
+from moe_engine.models.layers.self_attention import Attention
 from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping

@@ -24,9 +24,9 @@ from torch import nn
 from moe_engine.kv_cache.spec import FULL_ATTENTION, SLIDING_ATTENTION
 from moe_engine.models.config_fields import check_hidden_act, required_int
 from moe_engine.models.granitemoehybrid import GraniteMoeHybridForCausalLM, GraniteMoeHybridSpec
-from moe_engine.models.layers.decoder import Attention
 from moe_engine.models.layers.hybrid import HybridDecoderLayer
 from moe_engine.models.layers.rotary import RotaryEmbedding, rope_theta_of
+from moe_engine.models.layers.self_attention import Attention
 from moe_engine.models.spec import FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 

@@ -32,11 +32,11 @@ from torch import nn
 from moe_engine.kv_cache.spec import FULL_ATTENTION, LINEAR_ATTENTION
 from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import check_hidden_act, remap_layer_types, required_int
-from moe_engine.models.layers.decoder import Attention
 from moe_engine.models.layers.hybrid import HybridDecoderLayer
 from moe_engine.models.layers.mamba2 import Mamba2Mixer
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.rotary import RotaryEmbedding, rope_theta_of
+from moe_engine.models.layers.self_attention import Attention
 from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping

@@ -4,13 +4,13 @@ tencent/Hunyuan-A13B-Instruct; HF `HunYuanMoEV1ForCausalLM`, transformers 5.24
 
 A Llama-style GQA decoder, every layer a sparse MoE block, that differs in:
 - per-head q/k RMSNorm *after* the rope (`query_layernorm` / `key_layernorm`;
-  `layers/decoder.Attention(qk_norm_after_rope=True)`), biases on q/k/v/o from
+  `layers/self_attention.Attention(qk_norm_after_rope=True)`), biases on q/k/v/o from
   `attention_bias`;
 - RoPE whose base is stretched by a fixed NTK `alpha` (`rope_parameters` type "dynamic" with
   "alpha": base = rope_theta * alpha ** (D / (D - 2)), transformers'
   `compute_ntk_alpha_rope_parameters`; static, so a plain `RotaryEmbedding` of that base);
 - routing: a float32 router `gate.wg` [E, H], softmax over all experts, the top-k
-  renormalised (`layers/routing.SoftmaxTopKRouter`, float32); experts of width
+  renormalised (`layers/routers.SoftmaxTopKRouter`, float32); experts of width
   `intermediate_size`, top-k `moe_topk` (an int, or one per layer when all equal);
 - one ungated shared MLP of width `intermediate_size` per layer (`shared_mlp`,
   `layers/shared_experts.SharedExperts`).
@@ -31,10 +31,10 @@ from torch import nn
 from moe_engine.errors import StartupError
 from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import check_hidden_act, required_int
-from moe_engine.models.layers.decoder import Attention
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.rotary import rope_theta_of
-from moe_engine.models.layers.routing import SoftmaxTopKRouter
+from moe_engine.models.layers.routers import SoftmaxTopKRouter
+from moe_engine.models.layers.self_attention import Attention
 from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping

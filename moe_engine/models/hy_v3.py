@@ -6,7 +6,7 @@ A Llama-style GQA decoder that differs in:
 - `mlp_layer_types` ("dense" / "sparse"; default the first layer dense): dense SwiGLU MLPs of
   `intermediate_size`, or MoE blocks of `num_experts` experts routed by sigmoid scores with a
   correction bias choosing (never weighting) the top-k, the k weights renormalised, times
-  `router_scaling_factor` (`layers/routing.SigmoidGroupedTopKRouter` without groups; float32
+  `router_scaling_factor` (`layers/routers.SigmoidGroupedTopKRouter` without groups; float32
   router), plus `num_shared_experts` ungated shared experts of width `moe_intermediate_size *
   num_shared_experts`; dense MLPs and shared experts have biases when `mlp_bias`.
   `enable_moe_fp32_combine` (routed + shared summed in float32, then rounded) rounds as the
@@ -29,9 +29,10 @@ from torch import nn
 from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import check_hidden_act
 from moe_engine.models.exaone_moe import mlp_layer_types_moe_layers
-from moe_engine.models.layers.decoder import Attention, DenseMLP
+from moe_engine.models.layers.decoder import DenseMLP
 from moe_engine.models.layers.moe import FusedMoE
-from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter
+from moe_engine.models.layers.routers import SigmoidGroupedTopKRouter
+from moe_engine.models.layers.self_attention import Attention
 from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping

@@ -30,10 +30,11 @@ from torch import nn
 from moe_engine.kv_cache.spec import FULL_ATTENTION, LINEAR_ATTENTION
 from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import check_hidden_act, required_int
-from moe_engine.models.layers.decoder import Attention, DenseMLP
+from moe_engine.models.layers.decoder import DenseMLP
 from moe_engine.models.layers.hybrid import HybridDecoderLayer
 from moe_engine.models.layers.mamba import MambaMixer
 from moe_engine.models.layers.moe import FusedMoE
+from moe_engine.models.layers.self_attention import Attention
 from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 

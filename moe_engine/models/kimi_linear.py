@@ -10,7 +10,8 @@ differs from DeepSeek-V3 in:
   `kv_cache.state`) instead of a latent cache, so prefix caching and speculative decoding are
   refused at startup (`build.check_linear_attention`);
 - MLA without positions (NoPE): the qk_rope_head_dim part of the keys is shared by the heads
-  but never rotated (`rotary.NoRotaryEmbedding`); the softmax scale is qk_head_dim**-0.5;
+  but never rotated (`MLAAttention` with rotary None); the softmax scale is
+  qk_head_dim**-0.5;
 - MLP kinds from `mlp_layer_types` ("dense" / "sparse"; default: the first
   `first_k_dense_replace` = 1 dense), DeepSeek-V3's sigmoid group-limited routing with the
   correction bias and `num_shared_experts` ungated shared experts;
@@ -38,7 +39,6 @@ from moe_engine.models.layers.decoder import DecoderLayer
 from moe_engine.models.layers.gated_delta_net import LinearAttentionDecoderLayer
 from moe_engine.models.layers.kda import KimiDeltaAttention
 from moe_engine.models.layers.mla import MLA_STACKED
-from moe_engine.models.layers.rotary import NoRotaryEmbedding
 from moe_engine.models.spec import FamilyCard
 from moe_engine.models.weight_mapping import QKV_STACKED, ExpertMapping, WeightMapping
 
@@ -180,12 +180,12 @@ class KimiLinearForCausalLM(DeepseekV3ForCausalLM):
             routed_scaling_factor=float(hf_config.routed_scaling_factor),
         )
 
-    def build_rotary(self, spec: DeepseekV3Spec, max_position: int) -> nn.Module:
+    def build_rotary(self, spec: DeepseekV3Spec, max_position: int) -> None:
         """No rope (NoPE MLA)."""
-        return NoRotaryEmbedding(spec.qk_rope_head_dim)
+        return None
 
     def build_layer(
-        self, spec: DeepseekV3Spec, index: int, dtype: torch.dtype, rotary: nn.Module
+        self, spec: DeepseekV3Spec, index: int, dtype: torch.dtype, rotary: None
     ) -> nn.Module:
         """A `LinearAttentionDecoderLayer` around KDA (as `self_attn`) for linear layers, else
         DeepSeek-V3's MLA `DecoderLayer`; the MLP by `moe_layers`."""

@@ -30,7 +30,7 @@ from moe_engine.models.config_fields import check_hidden_act, every_layer_moe, r
 from moe_engine.models.dots1 import window_layer_fields
 from moe_engine.models.layers.decoder import DecoderLayer
 from moe_engine.models.layers.moe import FusedMoE
-from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter
+from moe_engine.models.layers.routers import SigmoidGroupedTopKRouter
 from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.models.spec import FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping

@@ -40,10 +40,10 @@ from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import check_hidden_act, required_int
 from moe_engine.models.dots1 import window_layer_fields
 from moe_engine.models.exaone_moe import mlp_layer_types_moe_layers
-from moe_engine.models.layers.decoder import Attention
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.rotary import PartialRotaryEmbedding
-from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter
+from moe_engine.models.layers.routers import SigmoidGroupedTopKRouter
+from moe_engine.models.layers.self_attention import Attention
 from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping

@@ -35,11 +35,12 @@ from torch import nn
 from moe_engine.kv_cache.spec import FULL_ATTENTION, LINEAR_ATTENTION
 from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import check_hidden_act, required_int
-from moe_engine.models.layers.decoder import Attention, DecoderLayer, DenseMLP
+from moe_engine.models.layers.decoder import DecoderLayer, DenseMLP
 from moe_engine.models.layers.gated_delta_net import LinearAttentionDecoderLayer
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.rotary import rope_theta_of
-from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter
+from moe_engine.models.layers.routers import SigmoidGroupedTopKRouter
+from moe_engine.models.layers.self_attention import Attention
 from moe_engine.models.layers.short_conv import ShortConv
 from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import ExpertMapping, WeightMapping

@@ -48,14 +48,15 @@ from torch import nn
 from moe_engine.kv_cache.spec import CHUNKED_LOCAL_ATTENTION, FULL_ATTENTION
 from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import check_hidden_act, num_experts_of, required_int
-from moe_engine.models.layers.decoder import Attention, DenseMLP
+from moe_engine.models.layers.decoder import DenseMLP
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.rotary import (
     Llama3Scaling,
     RotaryEmbedding,
     rope_with_llama3_of,
 )
-from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter
+from moe_engine.models.layers.routers import SigmoidGroupedTopKRouter
+from moe_engine.models.layers.self_attention import Attention
 from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import ExpertMapping, WeightMapping

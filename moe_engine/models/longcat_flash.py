@@ -57,7 +57,7 @@ from moe_engine.models.layers.rotary import (
     rope_with_scaling_of,
     yarn_softmax_scale_factor,
 )
-from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter
+from moe_engine.models.layers.routers import SigmoidGroupedTopKRouter
 from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 

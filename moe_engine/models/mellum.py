@@ -27,8 +27,8 @@ from moe_engine.errors import StartupError
 from moe_engine.kv_cache.spec import FULL_ATTENTION, SLIDING_ATTENTION
 from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import check_hidden_act, layer_types_fields, required_int
-from moe_engine.models.layers.decoder import Attention
 from moe_engine.models.layers.rotary import RotaryEmbedding
+from moe_engine.models.layers.self_attention import Attention
 from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 

@@ -34,9 +34,9 @@ from moe_engine.kv_cache.spec import FULL_ATTENTION, LINEAR_ATTENTION
 from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import check_hidden_act, every_layer_moe, required_int
 from moe_engine.models.layers.attention import AttentionMetadata
-from moe_engine.models.layers.decoder import Attention
 from moe_engine.models.layers.lightning_attention import DERIVED_BUFFERS, LightningAttention
 from moe_engine.models.layers.moe import FusedMoE
+from moe_engine.models.layers.self_attention import Attention
 from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import ExpertMapping, WeightMapping
 

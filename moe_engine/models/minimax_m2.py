@@ -4,7 +4,7 @@
 A Llama-style GQA decoder, every layer a sparse MoE block, that differs in:
 - q/k RMSNorm over each token's *whole* q projection [Hq * D] and k projection [Hkv * D]
   (`MiniMaxM2Attention.q_norm` / `k_norm`), before the rope, not per head
-  (`layers/decoder.Attention(qk_norm_per_head=False)`); no biases;
+  (`layers/self_attention.Attention(qk_norm_per_head=False)`); no biases;
 - partial rotary: the first `rotary_dim` (config.json; transformers turns it into
   `partial_rotary_factor`) dims of each head are rotated, "rotate half" within them
   (`layers/rotary.PartialRotaryEmbedding`);
@@ -33,14 +33,14 @@ from torch import nn
 
 from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import check_hidden_act, every_layer_moe
-from moe_engine.models.layers.decoder import Attention
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.rotary import (
     PartialRotaryEmbedding,
     partial_rotary_dim_of,
     rope_theta_of,
 )
-from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter
+from moe_engine.models.layers.routers import SigmoidGroupedTopKRouter
+from moe_engine.models.layers.self_attention import Attention
 from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import ExpertMapping, WeightMapping
 

@@ -6,7 +6,7 @@ shared experts, the same checkpoint names) with Mistral-4's differences:
 - routing (`Mistral4TopkRouter`): softmax over all experts (not sigmoid), no correction bias,
   `n_group` groups ranked by the sum of their two best probabilities, the best `topk_group`
   kept, weights renormalised when `norm_topk_prob`, times `routed_scaling_factor`
-  (`layers/routing.SigmoidGroupedTopKRouter` with `scoring` "softmax");
+  (`layers/routers.SigmoidGroupedTopKRouter` with `scoring` "softmax");
 - rope over the `qk_rope_head_dim` dims (`partial_rotary_factor` = rope / (nope + rope) of a
   head_dim of nope + rope), YaRN by default, on interleaved pairs when `rope_interleave`;
 - Llama-4's attention temperature: queries times 1 + beta * log(1 + floor(position /
@@ -39,7 +39,8 @@ from moe_engine.models.config_fields import num_experts_of, required_int
 from moe_engine.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3Spec
 from moe_engine.models.layers.mla import MLAAttention
 from moe_engine.models.layers.rotary import partial_rotary_factor_of
-from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter, check_sigmoid_group_limits
+from moe_engine.models.layers.routers import SigmoidGroupedTopKRouter
+from moe_engine.models.layers.routing import check_sigmoid_group_limits
 from moe_engine.models.spec import FamilyCard
 
 

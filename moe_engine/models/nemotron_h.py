@@ -16,7 +16,7 @@ the Llama-style decoder in:
   scan clamps dt at `time_step_min` as transformers does (the decode step does not);
 - MoE: sigmoid routing with a correction bias (selection only), group-limited top-k,
   renormalised when `norm_topk_prob`, scaled by `routed_scaling_factor`
-  (`routing.SigmoidGroupedTopKRouter`, DeepSeek-V3's rule); non-gated relu^2 experts
+  (`routers.SigmoidGroupedTopKRouter`, DeepSeek-V3's rule); non-gated relu^2 experts
   (`kernels.moe.activation.RELU2`: up -> relu^2 -> down, run by the torch expert path, as the
   startup plan says) plus a non-gated relu^2 shared expert.
 
@@ -41,11 +41,12 @@ from kernels.moe.activation import RELU2
 from moe_engine.kv_cache.spec import FULL_ATTENTION, LINEAR_ATTENTION
 from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import remap_layer_types, required_int
-from moe_engine.models.layers.decoder import Attention, NonGatedMLP
+from moe_engine.models.layers.decoder import NonGatedMLP
 from moe_engine.models.layers.hybrid import BlockSequenceLayer, ResidualBlock
 from moe_engine.models.layers.mamba2 import Mamba2Mixer
 from moe_engine.models.layers.moe import FusedMoE
-from moe_engine.models.layers.routing import SigmoidGroupedTopKRouter
+from moe_engine.models.layers.routers import SigmoidGroupedTopKRouter
+from moe_engine.models.layers.self_attention import Attention
 from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping
 
@@ -136,8 +137,8 @@ class NemotronHForCausalLM(MoeCausalLM):
     spec_class = NemotronHSpec
     card = FamilyCard(
         "Nemotron-H", ("nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16",),
-        "Mamba-2 + GQA (NoPE); relu^2 experts (torch expert path, float only)",
-        cache=("full", "state"), native_4bit=(), speculation=(),
+        "Mamba-2 + GQA (NoPE); relu^2 experts (torch expert path)",
+        cache=("full", "state"), native_4bit=(), speculation=(), load_time_4bit=False,
     )
 
     def __init__(self, spec: NemotronHSpec, dtype: torch.dtype,

@@ -29,9 +29,10 @@ from torch import nn
 
 from moe_engine.models.base import MoeCausalLM
 from moe_engine.models.config_fields import check_hidden_act, every_layer_moe
-from moe_engine.models.layers.decoder import Attention, PostNormDecoderLayer
+from moe_engine.models.layers.decoder import PostNormDecoderLayer
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import rope_theta_of
+from moe_engine.models.layers.self_attention import Attention
 from moe_engine.models.spec import ArchSpec, FamilyCard
 
 

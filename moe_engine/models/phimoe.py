@@ -7,7 +7,7 @@ A Mixtral-style decoder (every layer an MoE block of `num_local_experts` experts
 - LayerNorm with a bias (eps `rms_norm_eps`) instead of RMSNorm, in both layer norms and the
   final one (`layers/norm.LayerNorm`);
 - biases on q/k/v/o when `attention_bias`; a bias on the LM head when `lm_head_bias`;
-- SparseMixer top-2 routing (`layers/routing.SparseMixerRouter`, its inference path: the best
+- SparseMixer top-2 routing (`layers/routers.SparseMixerRouter`, its inference path: the best
   expert, then the second best, each weighted by its softmax probability among the logits
   within a relative `router_jitter_noise` margin of it);
 - a sliding window over every layer when `sliding_window` is set (as Mixtral).
@@ -32,11 +32,11 @@ from moe_engine.models.config_fields import (
     every_layer_moe,
     uniform_window_fields,
 )
-from moe_engine.models.layers.decoder import Attention
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.norm import LayerNorm
 from moe_engine.models.layers.rotary import rope_theta_of
-from moe_engine.models.layers.routing import SparseMixerRouter
+from moe_engine.models.layers.routers import SparseMixerRouter
+from moe_engine.models.layers.self_attention import Attention
 from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import ExpertMapping, WeightMapping
 

@@ -6,7 +6,7 @@ A Llama-style GQA decoder that differs in:
 - layer i is an MoE block when i is not in `mlp_only_layers`, `num_experts` > 0 and
   (i + 1) % `decoder_sparse_step` == 0, else a dense MLP of `intermediate_size`;
 - routing: softmax over all experts, then the top-k, renormalised only when `norm_topk_prob`
-  (default false) (`layers/routing.SoftmaxTopKRouter`; the router weight in the model dtype,
+  (default false) (`layers/routers.SoftmaxTopKRouter`; the router weight in the model dtype,
   as `Qwen2MoeTopKRouter` keeps it);
 - one shared expert per MoE block, an MLP of width `shared_expert_intermediate_size` whose
   output is multiplied by sigmoid(`shared_expert_gate`(x)), a Linear(H, 1)
@@ -36,7 +36,7 @@ from moe_engine.models.config_fields import (
     sparse_step_moe_layers,
 )
 from moe_engine.models.layers.moe import FusedMoE
-from moe_engine.models.layers.routing import SoftmaxTopKRouter
+from moe_engine.models.layers.routers import SoftmaxTopKRouter
 from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.models.spec import ArchSpec, FamilyCard
 from moe_engine.models.weight_mapping import WeightMapping

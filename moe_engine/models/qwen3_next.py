@@ -32,7 +32,7 @@ from torch import nn
 
 from moe_engine.kv_cache.spec import FULL_ATTENTION, LINEAR_ATTENTION
 from moe_engine.models.config_fields import check_hidden_act, required_int, sparse_step_moe_layers
-from moe_engine.models.layers.decoder import Attention, DecoderLayer
+from moe_engine.models.layers.decoder import DecoderLayer
 from moe_engine.models.layers.gated_delta_net import GatedDeltaNet, LinearAttentionDecoderLayer
 from moe_engine.models.layers.linear import MergedLinear
 from moe_engine.models.layers.norm import ZeroCenteredRMSNorm
@@ -41,6 +41,7 @@ from moe_engine.models.layers.rotary import (
     partial_rotary_dim_of,
     rope_theta_of,
 )
+from moe_engine.models.layers.self_attention import Attention
 from moe_engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from moe_engine.models.spec import ArchSpec, FamilyCard
 

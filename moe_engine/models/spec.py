@@ -48,9 +48,12 @@ class FamilyCard:
         cache: the KV-cache kinds its layers use (`kv_cache.spec` kind names: "full",
             "sliding", "mla", "state" for per-request state slots, ...).
         native_4bit: 4-bit expert formats loaded as stored ("mxfp4", "compressed-tensors
-            int4"); every family also takes `--quantization int4|mxfp4` at load time.
+            int4"); families with
+            `load_time_4bit` also take `--quantization int4|mxfp4` at load time.
         speculation: speculative methods served ("ngram", "mtp"); empty where refused (a
             per-request state cannot take rejected drafts back).
+        load_time_4bit: `--quantization int4|mxfp4` is served (False where the experts'
+            kernels cannot take it and startup refuses it: Nemotron-H's relu^2 experts).
     """
 
     name: str
@@ -59,3 +62,4 @@ class FamilyCard:
     cache: tuple[str, ...] = ("full",)
     native_4bit: tuple[str, ...] = ("compressed-tensors int4",)
     speculation: tuple[str, ...] = ("ngram",)
+    load_time_4bit: bool = True

@@ -37,7 +37,7 @@ from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.models.materialize import materialize_float_experts
 from quant.int4 import Int4Weight, dequantize_int4
 
-#: q/k/v projections stacked into the attention's `qkv_proj` (`layers/decoder.Attention`).
+#: q/k/v projections stacked into the attention's `qkv_proj` (`layers/self_attention.Attention`).
 QKV_STACKED = (
     (".qkv_proj.", ".q_proj.", "q"),
     (".qkv_proj.", ".k_proj.", "k"),

@@ -66,7 +66,9 @@ class MLAAttention(KVCacheLayer):
             parts (qk_head_dim is their sum); v_head_dim: per-head value width.
         rotary: RoPE over qk_rope_head_dim dims (shared by all layers), with
             `interleaved=True` for DeepSeek checkpoints (V3 `rope_interleave`, V2's complex
-            form) and its YaRN scaling, if any (cos/sin carry YaRN's attention factor).
+            form) and its YaRN scaling, if any (cos/sin carry YaRN's attention factor); None:
+            no rotation at all (NoPE, Kimi-Linear's MLA layers: the qk_rope_head_dim part is
+            still one key shared by the heads).
         attention_bias: biases on q_a_proj, kv_a_proj_with_mqa and o_proj (as transformers;
             q_proj, q_b_proj and kv_b_proj never have one).
         norm_eps: epsilon of q_a_layernorm and kv_a_layernorm (transformers builds both with
@@ -110,7 +112,7 @@ class MLAAttention(KVCacheLayer):
         qk_nope_head_dim: int,
         qk_rope_head_dim: int,
         v_head_dim: int,
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding | None,
         attention_bias: bool = False,
         norm_eps: float = 1e-6,
         softmax_scale: float | None = None,
@@ -128,7 +130,7 @@ class MLAAttention(KVCacheLayer):
         for name, value in sizes.items():
             if value < 1:
                 raise ValueError(f"MLAAttention: {name} {value} must be >= 1")
-        if rotary.head_dim != qk_rope_head_dim:
+        if rotary is not None and rotary.head_dim != qk_rope_head_dim:
             raise ValueError(
                 f"MLAAttention: rotary rotates {rotary.head_dim} dims, but qk_rope_head_dim is "
                 f"{qk_rope_head_dim}"
@@ -168,7 +170,8 @@ class MLAAttention(KVCacheLayer):
             self.g_proj = Linear(hidden_size, num_heads, bias=False, dtype=dtype)
         self.rotary = rotary
         if softmax_scale is None:
-            softmax_scale = self.qk_head_dim**-0.5 * yarn_softmax_scale_factor(rotary.yarn)
+            yarn = rotary.yarn if rotary is not None else None
+            softmax_scale = self.qk_head_dim**-0.5 * yarn_softmax_scale_factor(yarn)
         self.scale = softmax_scale
         self.latent_scale = latent_scale
         self.query_position_scaling = query_position_scaling
@@ -288,11 +291,13 @@ class MLAAttention(KVCacheLayer):
             )  # fmt: skip
         else:
             c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-            q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))
+            if self.rotary is not None:  # None: NoPE (the rope part shared but not rotated)
+                q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))
+                k_pe = k_pe.squeeze(1)
             c_kv = self.kv_a_layernorm(c_kv)
             if self.latent_scale != 1.0:
                 c_kv = c_kv * self.latent_scale
-            latent = torch.cat([c_kv, k_pe.squeeze(1)], dim=-1)
+            latent = torch.cat([c_kv, k_pe], dim=-1)
             kv_cache.view(-1, self.latent_dim).index_copy_(
                 0, meta.slot_mapping, latent.to(kv_cache.dtype)
             )

@@ -26,11 +26,12 @@ from kernels.dense.native_linear_q4 import PackedQuantLinear
 from kernels.moe.amx import AmxExperts
 from kernels.moe.native import PackedQuantExperts
 from kernels.plan import KernelPlan
-from moe_engine.models.layers.decoder import Attention, DecoderLayer
+from moe_engine.models.layers.decoder import DecoderLayer
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.mtp import MTPLayer
 from moe_engine.models.layers.norm import RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding
+from moe_engine.models.layers.self_attention import Attention
 
 if TYPE_CHECKING:
     from moe_engine.instrumentation import ExpertLoadRecorder
