@@ -30,12 +30,13 @@ from torch import nn
 
 from moe_engine.kv_cache.spec import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION
 from moe_engine.models.config_fields import check_hidden_act, required_int
-from moe_engine.models.layers.decoder import Attention, DecoderLayer
+from moe_engine.models.layers.decoder import DecoderLayer
 from moe_engine.models.layers.gated_delta_net import GatedDeltaNet, LinearAttentionDecoderLayer
 from moe_engine.models.layers.moe import FusedMoE
 from moe_engine.models.layers.norm import GatedRMSNorm, RMSNorm
 from moe_engine.models.layers.rotary import RotaryEmbedding, rope_theta_of
-from moe_engine.models.layers.routing import SoftmaxTopKRouter
+from moe_engine.models.layers.routers import SoftmaxTopKRouter
+from moe_engine.models.layers.self_attention import Attention
 from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.models.qwen3_next import Qwen3NextForCausalLM
 from moe_engine.models.spec import ArchSpec, FamilyCard
