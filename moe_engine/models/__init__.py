@@ -68,6 +68,8 @@ ARCHITECTURES: dict[str, str] = {
     "Kolibri1ForCausalLM": "moe_engine.models.kolibri1",
     "LagunaForCausalLM": "moe_engine.models.laguna",
     "BeamForCausalLM": "moe_engine.models.beam",
+    "LaraMiniForCausalLM": "moe_engine.models.lara_mini",
+    "BailingHybridForCausalLM": "moe_engine.models.bailing_hybrid",
 }
 
 #: Architectures refused with their reason rather than as merely unknown.
@@ -138,15 +140,6 @@ REFUSED_ARCHITECTURES: dict[str, str] = {
         "index_topk_blocks={index_topk_blocks} blocks plus index_local_blocks="
         "{index_local_blocks} local ones per query, a block-granular selection (the engine's "
         "DeepSeek Sparse Attention selects single keys)"
-    ),
-    "BailingHybridForCausalLM": (
-        "Bailing-hybrid's linear layers are not implemented: a gated delta rule with a "
-        "per-channel forget gate (kda_lower_bound={kda_lower_bound}) over short q/k/v "
-        "convolutions, in groups of layer_group_size={layer_group_size} layers beside MLA"
-    ),
-    "LaraMiniForCausalLM": (
-        "LaraMini is not implemented: Gated DeltaNet layers beside q/k-normed attention whose "
-        "sliding layers use RoPE and whose full layers use none, with an ungated shared expert"
     ),
 }
 

@@ -66,6 +66,8 @@ class ModelShape:
             dtype (transformers' `_keep_in_fp32_modules_strict`: GLM-4.5, DeepSeek-V3).
         attn_output_gate: q_proj also yields a per-head gate, the attention output times
             sigmoid(gate) (Qwen3-Next's gated attention: q_proj [H -> 2 x heads x D]).
+        attn_head_gate: one gate per head, g_proj [H -> heads], the attention output of each
+            head times sigmoid(gate) (Bailing-hybrid's MLA).
         index_n_heads, index_head_dim: DeepSeek Sparse Attention's lightning indexer in every
             MLA layer (DeepSeek-V3.2, GLM-5): its query heads and their width, which is also
             the width of the indexer key each token leaves in the cache; 0 without one.
@@ -121,6 +123,7 @@ class ModelShape:
     router_correction_bias: bool = False
     router_float32: bool = False
     attn_output_gate: bool = False
+    attn_head_gate: bool = False
     index_n_heads: int = 0
     index_head_dim: int = 0
     linear_num_key_heads: int = 0
@@ -214,7 +217,8 @@ class ModelShape:
                 q = ql * (h + 1) + 2 * ql * (q_out + n * self.v_head_dim)
             kv = h * (r + rope) + r + r * n * (self.qk_nope_head_dim + self.v_head_dim)
             bias = (ql or 0) + r + rope + h if self.attention_bias else 0
-            return q + kv + n * self.v_head_dim * h + bias + self.indexer_params()
+            head_gate = h * n if self.attn_head_gate else 0
+            return q + kv + n * self.v_head_dim * h + bias + head_gate + self.indexer_params()
         q, kv = n * self.head_dim, self.num_kv_heads * self.head_dim
         attention = 2 * h * q + 2 * h * kv + (h * q if self.attn_output_gate else 0)
         if self.attention_bias:
@@ -225,6 +229,8 @@ class ModelShape:
             attention += 2 * self.head_dim
         if self.attention_sinks:
             attention += n
+        if self.attn_head_gate:
+            attention += h * n
         return attention
 
     def indexer_params(self) -> int:

@@ -108,14 +108,18 @@ class GatedDeltaNet(nn.Module):
         split_projections: four plain projections `in_proj_qkv`, `in_proj_z`, `in_proj_b`,
             `in_proj_a` (Qwen3.5-MoE) instead of Qwen3-Next's two per-key-head interleaved
             `in_proj_qkvz` and `in_proj_ba`.
+        fused_projection: the four split projections stored as one `in_proj` [C + Hv Dv +
+            2 Hv, H], rows [q | k | v | z | b | a] (LaraMini's checkpoints); implies the split
+            layout.
 
-    Checkpoint names: `in_proj_qkvz`, `in_proj_ba` (or the four split ones), `conv1d.weight`
+    Checkpoint names: `in_proj_qkvz`, `in_proj_ba` (or the four split ones, or the fused
+    `in_proj`), `conv1d.weight`
     [C, 1, W], `dt_bias`, `A_log`, `norm.weight`, `out_proj`.
     """
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
                  head_v_dim: int, conv_kernel: int, eps: float, dtype: torch.dtype,
-                 split_projections: bool = False) -> None:
+                 split_projections: bool = False, fused_projection: bool = False) -> None:
         super().__init__()
         if num_v_heads % num_k_heads:
             raise ValueError(f"linear_num_value_heads {num_v_heads} is not a multiple of "
@@ -123,8 +127,12 @@ class GatedDeltaNet(nn.Module):
         self.hk, self.hv, self.dk, self.dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         channels = 2 * self.key_dim + self.value_dim
-        self.split_projections = split_projections
-        if split_projections:
+        self.split_projections = split_projections or fused_projection
+        self.fused_projection = fused_projection
+        if fused_projection:
+            self.in_proj = Linear(hidden_size, channels + self.value_dim + 2 * num_v_heads,
+                                  bias=False, dtype=dtype)
+        elif split_projections:
             self.in_proj_qkv = Linear(hidden_size, channels, bias=False, dtype=dtype)
             self.in_proj_z = Linear(hidden_size, self.value_dim, bias=False, dtype=dtype)
             self.in_proj_b = Linear(hidden_size, num_v_heads, bias=False, dtype=dtype)
@@ -146,6 +154,10 @@ class GatedDeltaNet(nn.Module):
         `fix_query_key_value_ordering`: per q/k head, its q, k, then its Hv / Hk value heads'
         v and z; b and a likewise); the split projections are already in that order."""
         t, r = h.shape[0], self.hv // self.hk
+        if self.fused_projection:
+            sizes = [2 * self.key_dim + self.value_dim, self.value_dim, self.hv, self.hv]
+            mixed, z, b, a = self.in_proj(h).split(sizes, dim=-1)
+            return mixed, z.reshape(t, self.hv, self.dv), b, a
         if self.split_projections:
             z = self.in_proj_z(h).view(t, self.hv, self.dv)
             return self.in_proj_qkv(h), z, self.in_proj_b(h), self.in_proj_a(h)

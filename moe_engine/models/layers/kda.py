@@ -44,15 +44,24 @@ class KimiDeltaAttention(nn.Module):
         hidden_size: H_model; num_heads: H; head_dim: D (keys and values); conv_kernel: W;
         eps: the output norm's epsilon; dtype: parameter dtype (dt_bias and the decay
         arithmetic stay float32, as transformers keeps them).
+        low_rank_gates: the forget and output gates through rank-D pairs (`f_a_proj` /
+            `f_b_proj`, `g_a_proj` / `g_b_proj`, A_log [1, 1, H, 1]: Kimi-Linear); False: one
+            full projection each, `f_proj` and `g_proj` [H_model -> H D], A_log [H]
+            (Bailing-hybrid's delta attention, whose forget gate takes float32 A_log too).
+        gate_lower_bound: the bounded ("safe") forget gate g = lower_bound * sigmoid(
+            exp(A_log) * (f + dt_bias)) (Bailing-hybrid's `kda_safe_gate` with
+            `kda_lower_bound`); None: g = -exp(A_log) * softplus(f + dt_bias).
 
     Checkpoint names: `q_proj`, `k_proj`, `v_proj` (stacked into `qkv_proj`),
-    `q_conv1d`, `k_conv1d`, `v_conv1d` (`.weight` [H D, 1, W]), `f_a_proj`, `f_b_proj`,
-    `dt_bias` [H D], `A_log` [1, 1, H, 1], `b_proj`, `g_a_proj`, `g_b_proj`,
+    `q_conv1d`, `k_conv1d`, `v_conv1d` (`.weight` [H D, 1, W]), `f_a_proj`, `f_b_proj` (or
+    `f_proj`), `dt_bias` [H D], `A_log` [1, 1, H, 1] (or [H]), `b_proj`, `g_a_proj`, `g_b_proj`
+    (or `g_proj`),
     `o_norm.weight` [D], `o_proj`.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, conv_kernel: int,
-                 eps: float, dtype: torch.dtype) -> None:
+                 eps: float, dtype: torch.dtype, low_rank_gates: bool = True,
+                 gate_lower_bound: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.head_dim = num_heads, head_dim
         width = self.width = num_heads * head_dim
@@ -61,21 +70,32 @@ class KimiDeltaAttention(nn.Module):
         self.q_conv1d = _conv_weight(width, conv_kernel, dtype)
         self.k_conv1d = _conv_weight(width, conv_kernel, dtype)
         self.v_conv1d = _conv_weight(width, conv_kernel, dtype)
-        self.f_a_proj = Linear(hidden_size, head_dim, bias=False, dtype=dtype)
-        self.f_b_proj = Linear(head_dim, width, bias=False, dtype=dtype)
+        self.low_rank_gates, self.gate_lower_bound = low_rank_gates, gate_lower_bound
+        if low_rank_gates:
+            self.f_a_proj = Linear(hidden_size, head_dim, bias=False, dtype=dtype)
+            self.f_b_proj = Linear(head_dim, width, bias=False, dtype=dtype)
+            self.g_a_proj = Linear(hidden_size, head_dim, bias=False, dtype=dtype)
+            self.g_b_proj = Linear(head_dim, width, bias=False, dtype=dtype)
+            self.A_log = nn.Parameter(torch.zeros(1, 1, num_heads, 1, dtype=dtype))
+        else:
+            self.f_proj = Linear(hidden_size, width, bias=False, dtype=dtype)
+            self.g_proj = Linear(hidden_size, width, bias=False, dtype=dtype)
+            self.A_log = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.zeros(width, dtype=torch.float32))
-        self.A_log = nn.Parameter(torch.zeros(1, 1, num_heads, 1, dtype=dtype))
         self.b_proj = Linear(hidden_size, num_heads, bias=False, dtype=dtype)
-        self.g_a_proj = Linear(hidden_size, head_dim, bias=False, dtype=dtype)
-        self.g_b_proj = Linear(head_dim, width, bias=False, dtype=dtype)
         self.o_norm = GatedRMSNorm(head_dim, eps, dtype=dtype, sigmoid_gate=True)
         self.o_proj = Linear(width, hidden_size, bias=False, dtype=dtype)
 
     def _decay(self, h: torch.Tensor) -> torch.Tensor:
         """h [T, H_model] -> g [T, H, D] float32 log-decays (transformers
-        `KimiLinearForgetGate`: softplus with its threshold of 20)."""
-        g = self.f_b_proj(self.f_a_proj(h)).float() + self.dt_bias.float()
+        `KimiLinearForgetGate`: softplus with its threshold of 20; `BailingHybridForgetGate`
+        with `gate_lower_bound`)."""
+        f = self.f_b_proj(self.f_a_proj(h)) if self.low_rank_gates else self.f_proj(h)
+        g = f.float() + self.dt_bias.float()
         g = g.view(h.shape[0], self.num_heads, self.head_dim)
+        if self.gate_lower_bound is not None:
+            rate = self.A_log.float().view(self.num_heads, 1).exp()
+            return self.gate_lower_bound * torch.sigmoid(rate * g)
         softplus = torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
         return -self.A_log.float().view(self.num_heads, 1).exp() * softplus
 
@@ -110,5 +130,6 @@ class KimiDeltaAttention(nn.Module):
             out[part] = chunk_kda_rule(q[part], k[part], v[part], g[part], beta[part],
                                        kda_state[lin.slot_list[row]])
             start = end
-        gate = self.g_b_proj(self.g_a_proj(h)).view(shape)
+        gate = (self.g_b_proj(self.g_a_proj(h)) if self.low_rank_gates else self.g_proj(h))
+        gate = gate.view(shape)
         return self.o_proj(self.o_norm(out, gate).reshape(t, self.width))

@@ -92,9 +92,10 @@ class MLAAttention(KVCacheLayer):
             `q_gate_proj`): one `q_gate_proj` [2 q_lora_rank -> n x (qk_head_dim + v)] over
             [q_a_layernorm(q_a) | q_a] replaces q_b_proj, and the attention output is
             multiplied by sigmoid(gate) (float32) before o_proj.
-        head_gate: a per-head output gate from the layer input (dots3's `g_proj`
-            [H -> n]): the attention output of head i times sigmoid(g_proj(h)[i]) (float32)
-            before o_proj; excludes `output_gate`.
+        head_gate: a per-head output gate from the layer input, `g_proj` [H -> n]: the attention
+            output of head i times sigmoid(g_proj(h)[i]) (float32, rounded once) before o_proj
+            (dots3's `g_proj`; transformers `BailingHybridAttention` rounds the sigmoid to the
+            model dtype first: equal in float32); excludes `output_gate`.
         rope_key_norm: an RMSNorm (`k_pe_norm`, epsilon `norm_eps`) over the shared k_pe
             before its rope (dots3's `k_rope_only_layernorm`); the cache holds the normed,
             roped k_pe. Runs the module path, not the fused MLA prologue.

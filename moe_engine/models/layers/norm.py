@@ -159,20 +159,26 @@ class GatedRMSNorm(nn.Module):
         dim: size of the last dimension; eps: added to the mean square; dtype: weight dtype.
         sigmoid_gate: y = (weight * rmsnorm(x)) * sigmoid(gate), all in float32 and rounded
             once (transformers `KimiLinearRMSNormGated`, FLA's gated norm).
+        weight_in_float32: the weight multiplies the float32 normalised x and the silu gate is
+            applied before the one rounding (transformers `LaraMiniRMSNormGated`).
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32,
-                 sigmoid_gate: bool = False) -> None:
+                 sigmoid_gate: bool = False, weight_in_float32: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
         self.eps = eps
         self.sigmoid_gate = sigmoid_gate
+        self.weight_in_float32 = weight_in_float32
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """x, gate: [..., dim] -> [..., dim] in x's dtype."""
         if self.sigmoid_gate:
             h = self.weight.float() * _normalized(x, self.eps)
             return (h * torch.sigmoid(gate.float())).to(x.dtype)
+        if self.weight_in_float32:
+            h = self.weight.float() * _normalized(x, self.eps)
+            return (h * torch.nn.functional.silu(gate.float())).to(x.dtype)
         h = self.weight * _normalized(x, self.eps).to(x.dtype)
         return (h * torch.nn.functional.silu(gate.float())).to(x.dtype)
 
