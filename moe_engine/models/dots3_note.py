@@ -73,7 +73,8 @@ class Dots3NoteForCausalLM(DeepseekV32ForCausalLM):
 
     card = FamilyCard(
         "dots3 note (text)", ("dots-studio/dots3-note-prev",),
-        "gated MLA (k_pe norm, latent scales) + DeepSeek Sparse Attention (interleaved indexer)",
+        "gated MLA + DeepSeek Sparse Attention on every layer (sliding-window MLA layers, the "
+        "released default, are refused)",
         cache=("mla + indexer keys",), speculation=("ngram",),
     )
     model_types = ("dots3_note_text", "dots3_note")

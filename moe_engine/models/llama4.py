@@ -179,7 +179,8 @@ class Llama4ForCausalLM(MoeCausalLM):
     card = FamilyCard(
         "Llama 4 (text)",
         ("meta-llama/Llama-4-Scout-17B-16E", "meta-llama/Llama-4-Maverick-17B-128E"),
-        "GQA, chunked local (RoPE, L2 q/k norm) + NoPE full layers", cache=("full", "chunked"),
+        "GQA, chunked local (RoPE, L2 q/k norm) + NoPE full layers (the text model: Meta's "
+        "multimodal releases need it extracted)", cache=("full", "chunked"),
         native_4bit=(),
     )
 
