@@ -23,26 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from fixtures import hf_greedy
+from fixtures import _COMMON, hf_greedy
 
-#: Fields every tiny family checkpoint shares unless its own dict overrides them: 512-token
-#: vocabulary, hidden 64, 4 query / 2 KV heads of 16 dims, top-2 routing, large init so
-#: greedy continuations depend on the prompt.
-COMMON: dict[str, Any] = {
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "num_experts_per_tok": 2,
-    "max_position_embeddings": 1024,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "initializer_range": 0.5,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-}
+#: Fields every tiny family checkpoint shares unless its own dict overrides them: the tiny
+#: checkpoints' common shape (`fixtures._COMMON`: 512-token vocabulary, hidden 64, 4 query / 2 KV
+#: heads of 16 dims, top-2 routing, large init so greedy continuations depend on the prompt).
+COMMON: dict[str, Any] = dict(_COMMON)
 
 #: Prompt lengths (tokens): 1 (decode only), one under a 16-token chunk, several chunks, and
 #: one longer than the test windows (<= 32) and block size.
