@@ -91,3 +91,20 @@ def test_a_refused_architecture_names_what_it_lacks(arch: str) -> None:
 def test_an_unknown_architecture_lists_the_supported_ones() -> None:
     with pytest.raises(StartupError, match=r"not supported; supported: .*Qwen3MoeForCausalLM"):
         resolve_config_dict({"architectures": ["NoSuchMoeForCausalLM"]})
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe"])
+@pytest.mark.parametrize("top_k", [0, 9])
+def test_experts_per_token_outside_the_experts_is_refused_from_config(kind: str,
+                                                                      top_k: int) -> None:
+    """A top_k the router cannot pick (0, or more than its 8 experts) is refused when the
+    config is read, naming the field, the value and the limit, not at the first request
+    (where the router kernel's error ended the server)."""
+    from fixtures import tiny_config
+
+    from moe_engine.models import model_shape
+
+    cfg = tiny_config(kind).to_dict()
+    cfg["num_experts_per_tok"] = cfg["experts_per_token"] = top_k
+    with pytest.raises(ValueError, match=rf"top_k = {top_k} .*num_experts_per_tok.*\[1, 8\]"):
+        model_shape(cfg)

@@ -186,7 +186,8 @@ class ChunkedLocalAttentionSpec(KVCacheSpec):
         if self.chunk < 1 or self.chunk % self.block_size:
             raise ValueError(
                 f"attention_chunk_size {self.chunk} must be a positive multiple of the KV "
-                f"block size {self.block_size} (tokens): each chunk's keys are whole blocks"
+                f"block size {self.block_size} (tokens): each chunk's keys are whole blocks; "
+                f"serve it with a --block-size that divides {self.chunk}"
             )
 
     @property

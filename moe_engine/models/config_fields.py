@@ -67,7 +67,8 @@ def moe_shape_fields(
         moe_layers: the indices of the MoE layers.
 
     Raises:
-        ValueError: a required field missing (named).
+        ValueError: a required field missing (named); experts per token outside [1, the
+            experts a router scores] where the model has MoE layers.
     """
     hidden, heads = required_int(cfg, "hidden_size"), required_int(cfg, "num_attention_heads")
     layers = required_int(cfg, "num_hidden_layers")
@@ -92,7 +93,15 @@ def moe_shape_fields(
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
         attention_bias=bool(cfg.get("attention_bias", False)),
     )
-    return {**common, **fields}
+    shape = {**common, **fields}
+    scored = shape["num_experts"] + shape.get("zero_experts", 0)
+    if shape["moe_layers"] and not 1 <= shape["top_k"] <= scored:
+        raise ValueError(
+            f"config.json: {shape['architecture']} routes each token to top_k = "
+            f"{shape['top_k']} experts (num_experts_per_tok), which must be in [1, {scored}] "
+            "(the experts its router scores)"
+        )
+    return shape
 
 
 def uniform_window_fields(cfg: dict, *, enabled: bool = True) -> dict:
