@@ -95,7 +95,10 @@ def moe_shape_fields(
     )
     shape = {**common, **fields}
     scored = shape["num_experts"] + shape.get("zero_experts", 0)
-    if shape["moe_layers"] and not 1 <= shape["top_k"] <= scored:
+    stated = "top_k" in fields or any(
+        cfg.get(key) is not None for key in ("num_experts_per_tok", "experts_per_token")
+    )  # an absent field is transformers' default, filled where the config is loaded
+    if stated and shape["moe_layers"] and not 1 <= shape["top_k"] <= scored:
         raise ValueError(
             f"config.json: {shape['architecture']} routes each token to top_k = "
             f"{shape['top_k']} experts (num_experts_per_tok), which must be in [1, {scored}] "
