@@ -28,6 +28,7 @@ from moe_engine import __version__
 from moe_engine.errors import StartupError
 from moe_engine.server.http.admin import router as admin_router
 from moe_engine.server.http.errors import OpenAIError, error_bytes, install_handlers
+from moe_engine.server.http.responses import router as responses_router
 from moe_engine.server.http.routes import router
 from moe_engine.server.http.state import HttpState
 
@@ -50,6 +51,7 @@ def build_app(
     app.state.http = state
     install_handlers(app)
     app.include_router(router)
+    app.include_router(responses_router)  # /v1/responses: a translation onto chat
     if admin:
         app.include_router(admin_router)  # SGLang's RL endpoints: /pause_generation, ...
     open_paths = () if health_requires_api_key else _OPEN_PATHS
