@@ -142,12 +142,11 @@ def test_responses_named_and_required_tool_choice(oai) -> None:
         + ["response.function_call_arguments.done", "response.output_item.done",
            "response.completed"])
     required = oai.responses.create(model=MODEL, input="anything", tools=tools, temperature=0,
-                                    tool_choice="required", max_output_tokens=60)
-    if required.status == "completed":
-        assert required.output and all(o.type == "function_call" for o in required.output)
-        for out in required.output:
-            jsonschema.validate(json.loads(out.arguments), WEATHER if out.name == "get_weather"
-                                else TIME)
+                                    tool_choice="required", parallel_tool_calls=False,
+                                    max_output_tokens=60)
+    [out] = required.output
+    assert out.type == "function_call" and required.status == "completed"
+    jsonschema.validate(json.loads(out.arguments), WEATHER if out.name == "get_weather" else TIME)
     # The call's result goes back as a function_call_output item.
     follow = oai.responses.create(model=MODEL, tools=tools, **GREEDY, input=[
         {"role": "user", "content": "weather?"}, call.model_dump(exclude_none=True),
@@ -171,3 +170,129 @@ def test_responses_errors_name_the_field(base_url, body, param) -> None:
     error = got.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
     assert param.split("[")[0].split(".")[0] in error["message"]
+
+
+# -- /v1/messages ------------------------------------------------------------------------------
+
+SYSTEM = [{"type": "text", "text": "you write"}, {"type": "text", "text": "python"}]
+
+
+def test_messages_text_whole_and_streamed(claude, base_url) -> None:
+    kwargs = {"model": MODEL, "max_tokens": 8, "extra_body": {"temperature": 0}, "system": SYSTEM,
+              "messages": [{"role": "user", "content": [{"type": "text", "text": "def f(x):"}]}]}
+    whole = claude.messages.create(**kwargs)
+    assert whole.type == "message" and whole.role == "assistant" and whole.id.startswith("msg_")
+    [block] = whole.content
+    assert block.type == "text" and block.text
+    assert whole.stop_reason in ("end_turn", "max_tokens") and whole.stop_sequence is None
+    assert whole.usage.input_tokens == prompt_tokens(base_url, [
+        {"role": "system", "content": "you write\npython"},
+        {"role": "user", "content": "def f(x):"}])
+    assert whole.usage.output_tokens <= 8
+    events = list(claude.messages.create(**kwargs, stream=True))
+    kinds = [e.type for e in events]
+    deltas = kinds.count("content_block_delta")
+    assert kinds == (["message_start", "content_block_start"] + ["content_block_delta"] * deltas
+                     + ["content_block_stop", "message_delta", "message_stop"])
+    assert all(e.delta.type == "text_delta" for e in events if e.type == "content_block_delta")
+    assert "".join(e.delta.text for e in events[2:-3]) == block.text
+    assert events[-2].delta.stop_reason == whole.stop_reason
+    assert events[-2].usage.output_tokens == whole.usage.output_tokens
+    assert events[0].message.usage.input_tokens == whole.usage.input_tokens
+    # The raw stream names each event and has the ping after the first block starts.
+    raw_body = {**{k: v for k, v in kwargs.items() if k != "extra_body"}, "temperature": 0}
+    raw = httpx.post(f"{base_url}/v1/messages", json={**raw_body, "stream": True},
+                     headers={"x-api-key": API_KEY, "anthropic-version": "2023-06-01"})
+    names = [line[7:] for line in raw.text.splitlines() if line.startswith("event: ")]
+    assert names[:3] == ["message_start", "content_block_start", "ping"]
+    with claude.messages.stream(**kwargs) as stream:
+        assert "".join(stream.text_stream) == block.text
+        final = stream.get_final_message()
+    assert final.content[0].text == block.text and final.stop_reason == whole.stop_reason
+
+
+def test_messages_stop_sequence_and_prefill(claude) -> None:
+    kwargs = {"model": MODEL, "max_tokens": 8, "extra_body": {"temperature": 0},
+              "messages": [{"role": "user", "content": "import os"}]}
+    text = claude.messages.create(**kwargs).content[0].text
+    stop = text[2:4]
+    if stop.strip():
+        cut = claude.messages.create(**kwargs, stop_sequences=[stop])
+        assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+        assert cut.content[0].text == text[: text.index(stop)]
+    # A last assistant message is continued: its text is part of the prompt, not the reply.
+    prefill = claude.messages.create(**{**kwargs, "messages": [
+        *kwargs["messages"], {"role": "assistant", "content": text[:3]}]})
+    assert prefill.usage.input_tokens > claude.messages.create(**kwargs).usage.input_tokens
+
+
+def test_messages_tool_choice(claude) -> None:
+    tools = [{"name": "get_weather", "description": "weather", "input_schema": WEATHER},
+             {"name": "get_time", "input_schema": TIME}]
+    kwargs = {"model": MODEL, "max_tokens": 40, "extra_body": {"temperature": 0}, "tools": tools,
+              "messages": [{"role": "user", "content": "weather?"}]}
+    named = claude.messages.create(**kwargs, tool_choice={"type": "tool", "name": "get_weather"})
+    [use] = named.content
+    assert use.type == "tool_use" and use.name == "get_weather" and use.id.startswith("toolu_")
+    assert named.stop_reason == "tool_use"
+    jsonschema.validate(use.input, WEATHER)
+    with claude.messages.stream(**kwargs,
+                                tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+        kinds = [e.type for e in stream]
+        streamed = stream.get_final_message()
+    assert streamed.content[0].input == use.input and streamed.stop_reason == "tool_use"
+    assert "input_json" in kinds
+    anyone = claude.messages.create(**{**kwargs, "max_tokens": 100}, tool_choice={
+        "type": "any", "disable_parallel_tool_use": True})
+    [use2] = anyone.content
+    assert use2.type == "tool_use" and anyone.stop_reason == "tool_use"
+    jsonschema.validate(use2.input, WEATHER if use2.name == "get_weather" else TIME)
+    # The result goes back as a tool_result block; the call as a tool_use block.
+    follow = claude.messages.create(**{**kwargs, "max_tokens": 4, "messages": [
+        *kwargs["messages"], {"role": "assistant", "content": [use.model_dump()]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                      "content": "sunny"}]}]})
+    assert follow.usage.input_tokens > named.usage.input_tokens
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "top_j": 1}, "top_j"),
+    ({"max_tokens": 4, "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"max_tokens": 4, "messages": []}, "messages"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+      "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice"),
+    ({"max_tokens": 10_000, "messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+      "thinking": {"type": "enabled", "budget_tokens": 9}}, "thinking.budget_tokens"),
+])
+def test_messages_errors_in_anthropic_shape(claude, base_url, body, field) -> None:
+    got = httpx.post(f"{base_url}/v1/messages", json={"model": MODEL, **body},
+                     headers={"x-api-key": API_KEY, "anthropic-version": "2023-06-01"})
+    assert got.status_code == 400, got.text
+    assert got.json()["type"] == "error"
+    error = got.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"].startswith(field)
+    # The SDK (whose create() refuses such bodies itself) reads the error as Anthropic's.
+    with pytest.raises(anthropic.BadRequestError) as err:
+        claude.post("/v1/messages", body={"model": MODEL, **body}, cast_to=anthropic.types.Message)
+    assert err.value.body["error"]["message"] == error["message"]
+    assert field in str(err.value)
+
+
+def test_api_key_headers(base_url) -> None:
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
+    bad = httpx.post(f"{base_url}/v1/messages", json=body, headers={"x-api-key": "wrong"})
+    assert bad.status_code == 401
+    assert bad.json()["type"] == "error"
+    assert bad.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=base_url, api_key="wrong", max_retries=0).messages.create(
+            **body)
+    ok = httpx.post(f"{base_url}/v1/messages", json=body, headers={"x-api-key": API_KEY})
+    assert ok.status_code == 200
+    # x-api-key works on the OpenAI endpoints too; a missing key is OpenAI-shaped there.
+    models = httpx.get(f"{base_url}/v1/models", headers={"x-api-key": API_KEY})
+    assert models.status_code == 200
+    none = httpx.post(f"{base_url}/v1/responses", json={"input": "x"})
+    assert none.status_code == 401 and none.json()["error"]["code"] == "invalid_api_key"

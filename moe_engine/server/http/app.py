@@ -5,9 +5,11 @@ uvicorn's exit) and runs `uvicorn.Server.serve` as a task of the running loop, b
 both front ends share one EngineClient. uvicorn's own signal handling is off: `moe-serve`'s
 SIGTERM handler drains both front ends (`MoeServer.stop`).
 
-`AccessMiddleware` (pure ASGI, before any routing) checks `Authorization: Bearer <key>` (the
-same key as gRPC; /health is open unless --health-requires-api-key) and the body size: over
---max-message-bytes is 413, from Content-Length or while the body streams in.
+`AccessMiddleware` (pure ASGI, before any routing) checks `Authorization: Bearer <key>` or
+`x-api-key: <key>` (Anthropic's header; the same key as gRPC; /health is open unless
+--health-requires-api-key) and the body size: over --max-message-bytes is 413, from
+Content-Length or while the body streams in. Its refusals on /v1/messages have Anthropic's
+error shape, elsewhere OpenAI's.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from moe_engine import __version__
 from moe_engine.errors import StartupError
 from moe_engine.server.http.admin import router as admin_router
 from moe_engine.server.http.errors import OpenAIError, error_bytes, install_handlers
+from moe_engine.server.http.messages import router as messages_router
+from moe_engine.server.http.messages_protocol import anthropic_error_bytes
 from moe_engine.server.http.responses import router as responses_router
 from moe_engine.server.http.routes import router
 from moe_engine.server.http.state import HttpState
@@ -52,6 +56,7 @@ def build_app(
     install_handlers(app)
     app.include_router(router)
     app.include_router(responses_router)  # /v1/responses: a translation onto chat
+    app.include_router(messages_router)  # /v1/messages (Anthropic's): likewise
     if admin:
         app.include_router(admin_router)  # SGLang's RL endpoints: /pause_generation, ...
     open_paths = () if health_requires_api_key else _OPEN_PATHS
@@ -83,26 +88,31 @@ class AccessMiddleware:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
-            self._check_key(scope["path"], headers.get("authorization"))
+            self._check_key(scope["path"], headers.get("authorization"),
+                            headers.get("x-api-key"))
             self._check_length(headers.get("content-length"))
             receive = await self._buffer_body(receive)
         except OpenAIError as exc:
-            await _send_error(send, exc)
+            await _send_error(send, exc, scope["path"])
             return
         await self.app(scope, receive, send)
 
-    def _check_key(self, path: str, authorization: str | None) -> None:
+    def _check_key(self, path: str, authorization: str | None, x_api_key: str | None) -> None:
         if self.api_key is None or path in self.open_paths:
             return
         scheme, _, given = (authorization or "").partition(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(),
                                                               self.api_key.encode()):
             return
+        if x_api_key is not None and hmac.compare_digest(x_api_key.strip().encode(),
+                                                         self.api_key.encode()):
+            return
         if self.on_auth_failure is not None:
             self.on_auth_failure()
-        what = "a wrong API key" if authorization else "no API key"
+        what = "a wrong API key" if authorization or x_api_key else "no API key"
         raise OpenAIError(
-            401, f"{what}: send the server's key as 'Authorization: Bearer <key>'", None,
+            401, f"{what}: send the server's key as 'Authorization: Bearer <key>' or "
+            "'x-api-key: <key>'", None,
             "invalid_api_key",
         )
 
@@ -143,8 +153,11 @@ def _replay(messages: list[dict], receive: Callable) -> Callable:
     return replayed
 
 
-async def _send_error(send: Callable, exc: OpenAIError) -> None:
-    body = error_bytes(exc)
+async def _send_error(send: Callable, exc: OpenAIError, path: str) -> None:
+    if path.startswith("/v1/messages"):
+        body = anthropic_error_bytes(exc.status, exc.message)
+    else:
+        body = error_bytes(exc)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if exc.status == 401:
         headers.append((b"www-authenticate", b"Bearer"))

@@ -42,10 +42,13 @@ class ChatTurn:
         max_tokens: the most tokens to generate, or None (the rest of the context).
         tools: chat function tools, or None.
         tool_choice: "none", "auto", "required", or a function name (a named choice).
+        parallel_tool_calls: False: at most one call (`required` forces exactly one).
         temperature, top_p, top_k, seed: sampling (None: the engine's defaults).
         stop: stop strings, or None.
         stream: deltas per engine step (True) or one output per choice (False).
         chat_template_kwargs: extra variables for the chat template (`enable_thinking`).
+        continue_final_message: the reply continues the last (assistant) message instead of
+            opening a new turn (transformers' `continue_final_message`).
         fields: chat field name -> the API's field name, for error messages.
     """
 
@@ -53,6 +56,7 @@ class ChatTurn:
     max_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str = "auto"
+    parallel_tool_calls: bool = True
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -60,6 +64,7 @@ class ChatTurn:
     stop: list[str] | None = None
     stream: bool = False
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    continue_final_message: bool = False
     fields: dict[str, str] = field(default_factory=dict)
 
     def name_of(self, name: str) -> str:
@@ -159,8 +164,9 @@ def render_turn(state: HttpState, turn: ChatTurn) -> list[int]:
     conversation = [{**m, "content": m.get("content") or ""} for m in turn.messages]
     try:
         text = tok.apply_chat_template(
-            conversation, tools=turn.tools or None, tokenize=False, add_generation_prompt=True,
-            **turn.chat_template_kwargs,
+            conversation, tools=turn.tools or None, tokenize=False,
+            add_generation_prompt=not turn.continue_final_message,
+            continue_final_message=turn.continue_final_message, **turn.chat_template_kwargs,
         )
     except Exception as exc:  # noqa: BLE001 - jinja's errors (TemplateError, raise_exception)
         raise OpenAIError(400, f"{name}: the chat template refused them: {exc}", name,
@@ -182,7 +188,8 @@ def turn_params(turn: ChatTurn, max_tokens: int) -> SamplingParams:
     for name in ("temperature", "top_p", "top_k"):
         if getattr(turn, name) is not None:
             kwargs[name] = getattr(turn, name)
-    grammar = tool_choice_grammar(turn.tools, turn.tool_choice, turn.name_of("tool_choice"))
+    grammar = tool_choice_grammar(turn.tools, turn.tool_choice, turn.name_of("tool_choice"),
+                                  turn.parallel_tool_calls)
     if grammar is not None:
         kwargs["structured_outputs"] = grammar
     try:

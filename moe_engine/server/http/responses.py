@@ -142,7 +142,8 @@ def to_turn(body: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[Chat
     turn = ChatTurn(
         messages=system + conversation, max_tokens=body.max_output_tokens,
         tools=[t.to_chat() for t in body.tools] if body.tools else None,
-        tool_choice=tool_choice, temperature=body.temperature, top_p=body.top_p,
+        tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls is not False,
+        temperature=body.temperature, top_p=body.top_p,
         stream=body.stream, chat_template_kwargs=kwargs, fields=_FIELDS,
     )
     return turn, conversation

@@ -176,9 +176,7 @@ class ResponseBuilder:
             events.append(self._event("response.content_part.done", **where, content_index=0,
                                       part=dict(part)))
             item["content"] = [part]
-        # A function call's item is "completed" even when the text was cut: its arguments
-        # are what was generated (a message cut by max_output_tokens is "incomplete").
-        item["status"] = status if item["type"] == "message" else "completed"
+        item["status"] = status  # "incomplete": the output was cut inside this item
         events.append(self._event("response.output_item.done", output_index=index,
                                   item=dict(item)))
         return events

@@ -35,7 +35,8 @@ def _parameters(function: dict[str, Any]) -> dict[str, Any]:
 
 
 def tool_choice_grammar(
-    tools: list[dict[str, Any]] | None, tool_choice: str, field: str
+    tools: list[dict[str, Any]] | None, tool_choice: str, field: str,
+    parallel_tool_calls: bool = True,
 ) -> StructuredOutputsParams | None:
     """The structured-output constraint of a forced choice (None for "none" / "auto").
 
@@ -43,6 +44,7 @@ def tool_choice_grammar(
         tools: chat function tools (`[{"type": "function", "function": {...}}]`).
         tool_choice: "none", "auto", "required" or a tool's name.
         field: the API's name of the tool_choice field, for errors.
+        parallel_tool_calls: False limits `required` to exactly one call.
 
     Raises:
         OpenAIError: 400 naming `field`: `required` without tools, a name not among the tools.
@@ -59,6 +61,8 @@ def tool_choice_grammar(
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for name, f in functions.items()]
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if not parallel_tool_calls:
+            schema["maxItems"] = 1
     elif tool_choice in functions:
         schema = _parameters(functions[tool_choice])
     else:
