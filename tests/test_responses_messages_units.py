@@ -229,7 +229,7 @@ def test_responses_items_to_chat_messages() -> None:
     assert items_to_messages(items) == [
         {"role": "system", "content": "rules"},
         {"role": "user", "content": "ab"},
-        {"role": "assistant", "content": "", "reasoning_content": "think", "tool_calls": [
+        {"role": "assistant", "content": None, "reasoning_content": "think", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
             {"id": "c2", "type": "function", "function": {"name": "g", "arguments": '{"x":1}'}},
         ]},

@@ -124,6 +124,8 @@ def _assistant_message(content: str | list[Any]) -> dict[str, Any]:
         elif isinstance(block, ToolResultBlock):
             raise OpenAIError(400, "messages: an assistant message cannot hold a tool_result "
                               "block", "messages", "invalid_value")
+    if message.get("tool_calls") and not message["content"]:
+        message["content"] = None  # as chat clients send it (DeepSeek's templates test none)
     return message
 
 

@@ -99,7 +99,7 @@ def items_to_messages(items: list[Any]) -> list[dict[str, Any]]:
             if last is not None and last["role"] == "assistant" and not reasoning:
                 last.setdefault("tool_calls", []).append(call)
                 continue
-            message = {"role": "assistant", "content": "", "tool_calls": [call]}
+            message = {"role": "assistant", "content": None, "tool_calls": [call]}
         else:
             assert isinstance(item, MessageItem)
             role = "system" if item.role == "developer" else item.role
@@ -112,7 +112,8 @@ def items_to_messages(items: list[Any]) -> list[dict[str, Any]]:
 
 def output_messages(end: TurnEnd) -> list[dict[str, Any]]:
     """A finished output as the chat message that continues the conversation."""
-    message: dict[str, Any] = {"role": "assistant", "content": end.content}
+    content = end.content if end.content or not end.tool_calls else None
+    message: dict[str, Any] = {"role": "assistant", "content": content}
     if end.reasoning:
         message["reasoning_content"] = end.reasoning
     if end.tool_calls:
