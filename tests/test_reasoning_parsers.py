@@ -460,6 +460,22 @@ def test_special_tokens_needed_only_by_harmony(registry):
     assert not registry.needs_special_tokens(None, None)
 
 
+def _held_reference(text: str, markers: list[str]) -> int:
+    """Brute force: the longest k with text ending in a proper prefix of length k of a marker."""
+    return max((k for m in markers for k in range(1, len(m)) if text.endswith(m[:k])), default=0)
+
+
+def test_held_suffix_len_matches_brute_force():
+    rng = random.Random(7)
+    markers = ["</think>", "<think>", "<|end|>", "<|call|>", "<|tool_calls_section_begin|>"]
+    assert held_suffix_len("</think>", ["</think>"]) == 0  # a whole marker is not held
+    assert held_suffix_len("", markers) == 0
+    for _ in range(3000):
+        text = "".join(rng.choice("<|/>thinkedcal x") for _ in range(rng.randint(0, 14)))
+        chosen = rng.sample(markers, rng.randint(1, len(markers)))
+        assert held_suffix_len(text, chosen) == _held_reference(text, chosen), (text, chosen)
+
+
 def test_without_held_releases_everything_when_final():
     assert without_held("ab<|en", ("<|end|>",), final=False) == "ab"
     assert without_held("ab<|en", ("<|end|>",), final=True) == "ab<|en"

@@ -123,46 +123,54 @@ def scan(text: str, final: bool, open_analysis: bool = False) -> list[str | Harm
     if open_analysis:
         pos = _read_body(text, 0, 0, ("analysis", None), final, items)
     while pos < len(text):
-        found = [at for at in (text.find(m, pos) for m in HEADER_STARTS) if at >= 0]
-        if not found:
+        head, _ = _next_marker(text, pos, HEADER_STARTS)
+        if head < 0:
             plain = without_held(text[pos:], HEADER_STARTS, final)
             if plain:
                 items.append(plain)
             break
-        head = min(found)
         if head > pos:
             items.append(text[pos:head])
         pos = _read_message(text, head, final, items)
     return items
 
 
+def _next_marker(text: str, pos: int, markers: tuple[str, ...]) -> tuple[int, str]:
+    """(index, marker) of the first of `markers` at or after `pos`, or (-1, ""). Every harmony
+    marker starts with `<|`, so one pass over the `<|` occurrences finds it."""
+    at = text.find("<|", pos)
+    while at >= 0:
+        for marker in markers:
+            if text.startswith(marker, at):
+                return at, marker
+        at = text.find("<|", at + 2)
+    return -1, ""
+
+
 def _read_message(text: str, head: int, final: bool, items: list) -> int:
     """Read the message whose header starts at `head`; returns where scanning goes on."""
     opener = START if text.startswith(START, head) else CHANNEL
-    after = head + len(opener)
-    marker = text.find(MESSAGE, after)
-    # A `<|channel|>` belongs in a header opened by `<|start|>`; anything else before
-    # `<|message|>` breaks it.
+    # A `<|channel|>` belongs in a header opened by `<|start|>`; any other marker before
+    # `<|message|>` breaks the header.
     breakers = (*TERMINATORS, START) if opener == START else BODY_STOPS
-    cut = min((at for at in (text.find(m, after) for m in breakers) if at >= 0), default=-1)
-    if cut >= 0 and (marker < 0 or cut < marker):
-        items.append(text[head:cut])  # a broken header is plain text, never dropped
-        return cut
-    if marker < 0:
+    at, marker = _next_marker(text, head + len(opener), (MESSAGE, *breakers))
+    if at < 0:
         if final:
             items.append(text[head:])
         return len(text)  # hold the unfinished header back
-    header = _parse_header(text[head:marker])
-    return _read_body(text, head, marker + len(MESSAGE), header, final, items)
+    if marker != MESSAGE:
+        items.append(text[head:at])  # a broken header is plain text, never dropped
+        return at
+    header = _parse_header(text[head:at])
+    return _read_body(text, head, at + len(MESSAGE), header, final, items)
 
 
 def _read_body(text: str, head: int, begin: int, header: tuple[str | None, str | None],
                final: bool, items: list) -> int:
     """Read a body from `begin` to its terminator; append the message; return the next pos."""
     channel, recipient = header
-    ends = [(at, m) for m in BODY_STOPS if (at := text.find(m, begin)) >= 0]
-    if ends:
-        at, marker = min(ends)
+    at, marker = _next_marker(text, begin, BODY_STOPS)
+    if at >= 0:
         stop = at + len(marker) if marker in TERMINATORS else at
         items.append(HarmonyMessage(channel, recipient, text[begin:at], head, stop, True))
         return stop

@@ -2,7 +2,8 @@
 
 A parser that is not reading the final text must not send a tail that may still become a marker
 (`</thi` may grow into `</think>`); these helpers measure that tail. Plain string scanning, no
-regular expressions: O(len(marker)^2) per call, independent of the text's length.
+regular expressions: O(number of markers x longest marker) per call, independent of the text's
+length.
 """
 
 from __future__ import annotations
@@ -21,14 +22,16 @@ def held_suffix_len(text: str, markers: Iterable[str]) -> int:
         The number of trailing characters (0 .. max(len(marker)) - 1) to hold back until more
         text arrives; 0 when no marker can start in the tail.
     """
-    held = 0
-    for marker in markers:
-        longest = min(len(marker) - 1, len(text))
-        for size in range(longest, held, -1):
-            if text.endswith(marker[:size]):
-                held = size
-                break
-    return held
+    markers = tuple(markers)
+    window = max((len(m) for m in markers), default=1) - 1
+    firsts = {m[0] for m in markers}
+    # The earliest start in the window that begins a marker's prefix gives the longest suffix.
+    for start in range(max(0, len(text) - window), len(text)):
+        if text[start] in firsts:
+            tail = text[start:]
+            if any(len(m) > len(tail) and m.startswith(tail) for m in markers):
+                return len(text) - start
+    return 0
 
 
 def without_held(text: str, markers: Iterable[str], final: bool) -> str:

@@ -73,11 +73,12 @@ class ThinkReasoningParser(ReasoningParser):
 
     def parse(self, text: str, final: bool) -> ParsedReasoning:
         """Read the whole output so far; see the module docstring for the rule."""
-        lead = len(text) - len(text.lstrip())
-        rest = text[lead:]
-        if rest.startswith(self.start_marker):
+        lead = 0
+        while lead < len(text) and text[lead].isspace():
+            lead += 1
+        if text.startswith(self.start_marker, lead):
             return self._read_block(text, lead + len(self.start_marker), final)
-        if not final and self.start_marker.startswith(rest):
+        if not final and self.start_marker.startswith(text[lead:lead + len(self.start_marker)]):
             return ParsedReasoning("", "", False)  # whitespace or a partial `<think>` so far
         if self.starts_in_reasoning:
             return self._read_block(text, 0, final)
