@@ -21,7 +21,11 @@ from dataclasses import dataclass, field
 import pytest
 
 from moe_engine.server.parsers.base import OutputStream, ParsedCalls, PartialCall, ToolParser
-from moe_engine.server.parsers.harmony import HarmonyReasoningParser, HarmonyToolParser
+from moe_engine.server.parsers.harmony import (
+    HarmonyReasoningParser,
+    HarmonyToolParser,
+    _parse_header,
+)
 from moe_engine.server.parsers.markers import held_suffix_len, without_held
 from moe_engine.server.parsers.reasoning_think import (
     DeepSeekR1ReasoningParser,
@@ -220,6 +224,7 @@ HARMONY_SAMPLES = [
     (ANALYSIS + "<|start|>assistant<|channel|>analysis<|message|>Second 思考.<|end|>" + FINAL,
      False, ('User asks: ' + THOUGHT + "\nSecond 思考.", "2 + 2 = 4.", [])),
     (PREAMBLE + FINAL, False, ("", "**Action plan**: 1. weather 2. time\n2 + 2 = 4.", [])),
+    (FINAL[len("<|start|>assistant"):], False, ("", "2 + 2 = 4.", [])),  # no analysis at all
     # Cut by the length limit inside the analysis, inside a call's arguments.
     ("<|channel|>analysis<|message|>Thinking about <|e", False,
      ("Thinking about <|e", "", [])),
@@ -264,6 +269,17 @@ def test_harmony_tool_parser_alone_reads_raw_output():
         ("get_weather", '{"location":"San Francisco"}', True)]
     streamed = assert_stream_equals_whole((None, HarmonyToolParser()), ANALYSIS + CALL + FINAL)
     assert streamed.content == "2 + 2 = 4."
+
+
+def test_harmony_headers():
+    assert _parse_header("<|channel|>commentary to=functions.f <|constrain|>json") == (
+        "commentary", "functions.f")
+    assert _parse_header("<|start|>assistant to=functions.f<|channel|>commentary json") == (
+        "commentary", "functions.f")
+    assert _parse_header("<|channel|>commentary <|constrain|>json to=functions.f") == (
+        "commentary", "functions.f")
+    assert _parse_header("<|start|>assistant") == (None, None)
+    assert _parse_header("<|channel|>final") == ("final", None)
 
 
 def test_harmony_holds_back_unfinished_headers_and_calls():
