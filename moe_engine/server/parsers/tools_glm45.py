@@ -57,7 +57,7 @@ class Glm45ToolParser(BlockToolParser):
     start_markers = (START,)
 
     def parse_block(self, text: str, start: int, marker: str, final: bool) -> Block:
-        name_start = start + len(marker)
+        name_start = skip_ws(text, start + len(marker))
         found = _NAME_END.search(text, name_start)
         if found is None:
             region = text[name_start:].strip()
@@ -65,15 +65,15 @@ class Glm45ToolParser(BlockToolParser):
                 return malformed(start, marker)
             return pending()
         name_end = found.start()
+        name = text[name_start:name_end].strip()
+        if not valid_name(name):
+            return malformed(start, marker)
         if text[name_end] == "<":
             tag, _ = match_any(text, name_end, (KEY, END), final)
             if tag == Match.PENDING:
                 return pending()
             if tag == Match.NO:
                 return malformed(start, marker)
-        name = text[name_start:name_end].strip()
-        if not valid_name(name):
-            return malformed(start, marker)
         return self._arguments(text, name_end, PartialCall(name), final)
 
     def _arguments(self, text: str, pos: int, call: PartialCall, final: bool) -> Block:
