@@ -13,14 +13,13 @@ import asyncio
 import importlib
 import json
 import random
-import sys
-import types
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pytest
+from tool_parser_cases import CASES, TOOLS
 
-from moe_engine.server.parsers.base import OutputStream, ParsedCalls, PartialCall, ToolParser
+from moe_engine.server.parsers.base import OutputStream
 from moe_engine.server.parsers.harmony import (
     HarmonyReasoningParser,
     HarmonyToolParser,
@@ -35,52 +34,10 @@ from moe_engine.server.parsers.reasoning_think import (
     Qwen3ReasoningParser,
 )
 
-TOOLS_MODULE = "moe_engine.server.parsers.tools"
-
-
-class StandInHermesParser(ToolParser):
-    """A minimal `<tool_call>{json}</tool_call>` reader, used only while `tools.py` (another
-    part of issue 44) is not merged: a call is sent once its closing tag is seen."""
-
-    name = "hermes"
-
-    def parse(self, text: str, final: bool) -> ParsedCalls:
-        content, calls, pos = [], [], 0
-        while True:
-            begin = text.find("<tool_call>", pos)
-            if begin < 0:
-                content.append(without_held(text[pos:], ("<tool_call>",), final))
-                break
-            content.append(text[pos:begin])
-            end = text.find("</tool_call>", begin)
-            if end < 0:
-                if final:
-                    content.append(text[begin:])
-                break
-            call = json.loads(text[begin + len("<tool_call>"):end])
-            calls.append(PartialCall(call["name"], json.dumps(call["arguments"]), True))
-            pos = end + len("</tool_call>")
-        return ParsedCalls("".join(content), calls)
-
 
 @pytest.fixture(scope="module")
 def registry():
-    """The registry module; with a stand-in `tools` module while the real one is absent (removed
-    again afterwards, so no other test module sees it)."""
-    stand_in = False
-    try:
-        importlib.import_module(TOOLS_MODULE)
-    except ModuleNotFoundError as exc:
-        if exc.name != TOOLS_MODULE:
-            raise
-        module = types.ModuleType(TOOLS_MODULE)
-        module.TOOL_PARSERS = {"hermes": StandInHermesParser}
-        sys.modules[TOOLS_MODULE] = module
-        stand_in = True
-    yield importlib.import_module("moe_engine.server.parsers.registry")
-    if stand_in:
-        sys.modules.pop(TOOLS_MODULE, None)
-        sys.modules.pop("moe_engine.server.parsers.registry", None)
+    return importlib.import_module("moe_engine.server.parsers.registry")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,6 +264,38 @@ def test_think_then_hermes_tool_calls(registry):
     assert whole.content.strip() == "Checking."
     assert [(name, json.loads(args)) for name, args in whole.calls] == [
         ("get_weather", {"city": "Paris"})]
+
+
+#: tool parser -> (reasoning parser, starts_in_reasoning, reasoning text before the calls)
+FAMILY_PAIRS = {
+    "hermes": ("qwen3", False, "<think>\nThe user wants it.\n</think>"),
+    "qwen3_coder": ("qwen3", True, "Plan: call it.\n</think>"),
+    "deepseek_v3": ("deepseek_r1", True, "Okay, 思考.\n</think>"),
+    "deepseek_v31": ("deepseek_v31", True, "Need the tool.</think>"),
+    "kimi_k2": ("kimi_k2", True, "<think>Need the tool.</think>"),
+    "glm45": ("glm45", False, "\n<think>Need the tool.</think>"),
+}
+PAIRED = [case for case in CASES if case.complete]
+
+
+@pytest.mark.parametrize("case", PAIRED, ids=[f"{c.parser}-{c.id}" for c in PAIRED])
+def test_reasoning_then_each_familys_tool_parser(registry, case):
+    name, opened, before = FAMILY_PAIRS[case.parser]
+    reasoning_parser = registry.REASONING_PARSERS[name](starts_in_reasoning=opened)
+    parsers = (reasoning_parser, registry.tool_parser(case.parser, TOOLS))
+    whole = run_stream(parsers, [before + case.text])
+    for pieces in splits(before + case.text, random_splits=4):
+        assert run_stream(parsers, pieces) == whole, pieces
+    expected = before.removeprefix("\n").removeprefix("<think>").removesuffix("</think>")
+    assert (whole.reasoning, whole.content, whole.calls) == (expected, case.content, case.calls)
+
+
+@pytest.mark.parametrize("case", [c for c in PAIRED if c.text.startswith(
+    "<|tool_calls_section_begin|>")], ids=lambda c: c.id)
+def test_kimi_tool_section_ends_reasoning_without_think_end(registry, case):
+    parsers = (KimiK2ReasoningParser(starts_in_reasoning=True), registry.tool_parser("kimi_k2"))
+    whole = assert_stream_equals_whole(parsers, "<think>Need it." + case.text)
+    assert (whole.reasoning, whole.content, whole.calls) == ("Need it.", case.content, case.calls)
 
 
 # ---------------------------------------------------------------------------------------------
