@@ -140,6 +140,62 @@ def test_think_parsers_whole_and_streamed(cls, opened, text, expected):
     assert (whole.reasoning, whole.content) == expected[:2]
 
 
+MARKERS = ("<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_call_begin|>",
+           "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|tool_calls_section_end|>",
+           "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>",
+           "<|return|>")
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    """A byte-level BPE trained on the samples, the markers as special tokens (as the
+    vocabularies have them); with 300 tokens, CJK characters and emoji span several tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    texts = [s[2] for s in THINK_SAMPLES] + [s[0] for s in HARMONY_SAMPLES]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=list(MARKERS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(texts * 3, trainer=trainer)
+    return tokenizer
+
+
+def token_deltas(tokenizer, text: str) -> list[str]:
+    """The text deltas a detokenizer sends token by token (special tokens kept; a character
+    split across tokens is held until it is whole, as the engine's detokenizer does)."""
+    ids = tokenizer.encode(text).ids
+    deltas, sent = [], ""
+    for i in range(1, len(ids) + 1):
+        now = tokenizer.decode(ids[:i], skip_special_tokens=False)
+        if now.endswith("\ufffd"):
+            continue
+        assert now.startswith(sent)
+        deltas.append(now[len(sent):])
+        sent = now
+    assert sent == text
+    return deltas
+
+
+@pytest.mark.parametrize("cls,opened,text,expected", THINK_SAMPLES,
+                         ids=[f"{s[0].name}-{i}" for i, s in enumerate(THINK_SAMPLES)])
+def test_think_parsers_at_token_boundaries(bpe, cls, opened, text, expected):
+    got = run_stream((cls(starts_in_reasoning=opened), None), token_deltas(bpe, text))
+    assert (got.reasoning, got.content) == expected[:2]
+
+
+def test_harmony_at_token_boundaries_needs_special_tokens(bpe):
+    for text, opened, expected in HARMONY_SAMPLES:
+        parsers = (HarmonyReasoningParser(starts_in_reasoning=opened), HarmonyToolParser())
+        got = run_stream(parsers, token_deltas(bpe, text))
+        assert (got.reasoning, got.content, got.calls) == expected
+    skipped = bpe.decode(bpe.encode(ANALYSIS + CALL).ids, skip_special_tokens=True)
+    assert "<|channel|>" not in skipped  # why the chat API keeps special tokens for gpt-oss
+    assert HarmonyToolParser().parse(skipped, final=True).calls == []
+
+
 def test_partial_markers_are_held_until_they_resolve():
     parser = Qwen3ReasoningParser()
     assert parser.parse("\n<thi", final=False).reasoning == ""
