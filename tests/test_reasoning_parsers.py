@@ -519,6 +519,9 @@ def test_special_tokens_needed_only_by_harmony(registry):
     assert registry.needs_special_tokens(None, "openai")
     assert not registry.needs_special_tokens("qwen3", "hermes")
     assert not registry.needs_special_tokens(None, None)
+    assert not registry.needs_special_tokens("qwen3", None, {"<|im_end|>", "<|endoftext|>"})
+    assert registry.needs_special_tokens("glm45", None, {"<think>", "</think>"})
+    assert registry.needs_special_tokens("kimi_k2", None, {"<|tool_calls_section_begin|>"})
 
 
 def _held_reference(text: str, markers: list[str]) -> int:
