@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import openai
 import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import Message, RawMessageStreamEvent
@@ -30,39 +31,28 @@ from moe_engine.server.http.tool_choice import (
     forced_tool_stream,
     tool_choice_grammar,
 )
-from moe_engine.server.parsers.base import OutputStream, ParsedReasoning, ReasoningParser
+from moe_engine.server.parsers import registry
+from moe_engine.server.parsers.base import OutputStream
 
 RESPONSE_EVENT = TypeAdapter(ResponseStreamEvent)
 MESSAGE_EVENT = TypeAdapter(RawMessageStreamEvent)
 
 
-class ThinkParser(ReasoningParser):
-    """`<think>...</think>` then the answer (enough of Qwen3's format for these tests)."""
-
-    name = "think"
-
-    def parse(self, text: str, final: bool) -> ParsedReasoning:
-        body = text.removeprefix("<think>") if "<think>".startswith(text[:7]) else text
-        if not text.startswith("<think>"):
-            held = not final and "<think>".startswith(text)
-            return ParsedReasoning("", "" if held else text, not held)
-        end = body.find("</think>")
-        if end < 0:
-            keep = len(body)
-            for k in range(1, len("</think>")):
-                if not final and body.endswith("</think>"[:k]):
-                    keep = len(body) - k
-            return ParsedReasoning(body[:keep], "", final)
-        return ParsedReasoning(body[:end], body[end + len("</think>"):], True)
-
-
 CALLS = '[{"name":"get_time","parameters":{"zone":"c\\"et"}},{"name":"f","parameters":{}}]'
-SAMPLE = "<think>hmm, é?</think>" + CALLS
+#: (tool parser factory, output text): reasoning then calls of `required`, and reasoning, text
+#: and a Hermes call (`tool_choice` auto), each read by the real parsers.
+SAMPLES = {
+    "required": (lambda: RequiredCallsParser(), "<think>hmm, é?</think>" + CALLS),
+    "auto": (lambda: registry.tool_parser("hermes", []),
+             '<think>plan</think>Sure: <tool_call>{"name": "get_time", "arguments": '
+             '{"zone": "utc"}}</tool_call>'),
+}
 
 
-def run_stream(pieces: list[str]) -> tuple[list, TurnEnd]:
-    """Deltas of SAMPLE split into `pieces` through the reasoning + required-calls stream."""
-    stream = OutputStream(ThinkParser(), RequiredCallsParser())
+def run_stream(sample: str, pieces: list[str]) -> tuple[list, TurnEnd]:
+    """Deltas of a sample's text split into `pieces` through the qwen3 reasoning parser and
+    the sample's tool parser."""
+    stream = OutputStream(registry.reasoning_parser("qwen3"), SAMPLES[sample][0]())
     deltas = [d for p in pieces if (d := stream.feed(p))]
     if last := stream.finish():
         deltas.append(last)
@@ -71,10 +61,11 @@ def run_stream(pieces: list[str]) -> tuple[list, TurnEnd]:
     return deltas, end
 
 
-def splits() -> list[list[str]]:
-    out = [[SAMPLE]]
-    out += [[SAMPLE[:i], SAMPLE[i:]] for i in range(1, len(SAMPLE))]
-    out.append(list(SAMPLE))
+def splits(sample: str) -> list[list[str]]:
+    text = SAMPLES[sample][1]
+    out = [[text]]
+    out += [[text[:i], text[i:]] for i in range(1, len(text))]
+    out.append(list(text))
     return out
 
 
@@ -92,11 +83,12 @@ def responses_events(deltas: list, end: TurnEnd) -> list[dict]:
     return events + builder.finish(end, usage)
 
 
-def test_responses_events_parse_and_stream_equals_whole() -> None:
+@pytest.mark.parametrize("sample", SAMPLES)
+def test_responses_events_parse_and_stream_equals_whole(sample: str) -> None:
     whole = None
-    for pieces in splits():
-        events = responses_events(*run_stream(pieces))
-        state = ResponseStreamState(input_tools=[], text_format=type(None))
+    for pieces in splits(sample):
+        events = responses_events(*run_stream(sample, pieces))
+        state = ResponseStreamState(input_tools=[], text_format=openai.omit)
         for event in events:
             RESPONSE_EVENT.validate_python(event)
             state.handle_event(RESPONSE_EVENT.validate_python(event))
@@ -107,15 +99,20 @@ def test_responses_events_parse_and_stream_equals_whole() -> None:
         whole = whole or got
         assert got == whole
     kinds = [o["type"] for o in whole]
-    assert kinds == ["reasoning", "function_call", "function_call"]
-    assert whole[0]["content"] == [{"type": "reasoning_text", "text": "hmm, é?"}]
-    assert [(o["name"], json.loads(o["arguments"])) for o in whole[1:]] == [
-        ("get_time", {"zone": 'c"et'}), ("f", {})]
+    if sample == "required":
+        assert kinds == ["reasoning", "function_call", "function_call"]
+        assert whole[0]["content"] == [{"type": "reasoning_text", "text": "hmm, é?"}]
+        assert [(o["name"], json.loads(o["arguments"])) for o in whole[1:]] == [
+            ("get_time", {"zone": 'c"et'}), ("f", {})]
+    else:
+        assert kinds == ["reasoning", "message", "function_call"]
+        assert whole[1]["content"][0]["text"].strip() == "Sure:"
+        assert json.loads(whole[2]["arguments"]) == {"zone": "utc"}
     assert final.usage.output_tokens_details.reasoning_tokens == 5
 
 
 def test_responses_event_order() -> None:
-    deltas, end = run_stream(list(SAMPLE))
+    deltas, end = run_stream("required", list(SAMPLES["required"][1]))
     kinds = [e["type"] for e in responses_events(deltas, end)]
     dedup = [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]
     assert dedup == [
@@ -141,10 +138,11 @@ def message_events(deltas: list, end: TurnEnd) -> tuple[list[dict], dict]:
     return events, builder.snapshot(reason, seq, end.output_tokens)
 
 
-def test_messages_events_parse_and_stream_equals_whole() -> None:
+@pytest.mark.parametrize("sample", SAMPLES)
+def test_messages_events_parse_and_stream_equals_whole(sample: str) -> None:
     whole = None
-    for pieces in splits():
-        events, final = message_events(*run_stream(pieces))
+    for pieces in splits(sample):
+        events, final = message_events(*run_stream(sample, pieces))
         snapshot, bufs = None, {}
         for event in events:
             if event["type"] == "ping":
@@ -157,11 +155,15 @@ def test_messages_events_parse_and_stream_equals_whole() -> None:
         ids = [b.pop("id") for b in got["content"] if b["type"] == "tool_use"]
         whole = whole or got
         assert got == whole
+    if sample == "auto":
+        assert [b["type"] for b in whole["content"]] == ["thinking", "text", "tool_use"]
+        assert whole["content"][2]["input"] == {"zone": "utc"}
+        return
     assert [b["type"] for b in whole["content"]] == ["thinking", "tool_use", "tool_use"]
     assert whole["content"][1]["input"] == {"zone": 'c"et'}
     assert all(i.startswith("toolu_call_") is False and i.startswith("toolu_") for i in ids)
     assert whole["stop_reason"] == "tool_use"
-    kinds = [e["type"] for e in message_events(*run_stream([SAMPLE]))[0]]
+    kinds = [e["type"] for e in message_events(*run_stream(sample, [SAMPLES[sample][1]]))[0]]
     assert kinds == ["message_start", "content_block_start", "ping", "content_block_delta",
                      "content_block_stop", "content_block_start", "content_block_delta",
                      "content_block_stop", "content_block_start", "content_block_delta",
