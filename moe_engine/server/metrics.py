@@ -1,10 +1,12 @@
-"""Prometheus metrics of the serving front end, exposed on `--metrics-port` with `GET /health`.
+"""Prometheus metrics of the serving front end, exposed on `--metrics-port` with `GET /health`,
+and on the HTTP API's port as `GET /metrics` (one registry, the same text).
 
 Gauges and counters that the core owns (running/waiting requests, KV usage, token, preemption,
 rejection and abort totals) are refreshed from `EngineClient.get_stats()` by a poll task;
 per-request latencies (TTFT, TPOT, end to end) are observed by the servicer as it streams
 outputs, and refused API keys are counted by the interceptor.
-Names follow vLLM's metrics with the prefix `moe_engine_`. `StatsLogger` writes vLLM's periodic
+Names follow vLLM's metrics with the prefix `moe_engine_`; vLLM's own `vllm:*` series sit beside
+them (`vllm_metrics.VllmMetrics`). `StatsLogger` writes vLLM's periodic
 log line (requests, KV usage, throughput) while the engine is busy.
 """
 
@@ -21,11 +23,20 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    make_wsgi_app,
+)
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from moe_engine.core.outputs import CoreStats, EngineCoreOutput, EngineStats, ExpertLoad
 from moe_engine.instrumentation import balancedness, imbalance_ratio
+from moe_engine.server.vllm_metrics import VllmMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -187,10 +198,24 @@ class ServerMetrics:
             registry=r,
         )
         self._last_totals: dict[int | tuple[int, int], int] = {}
+        #: vLLM's series, once the served model is known (`enable_vllm`).
+        self.vllm: VllmMetrics | None = None
+
+    def enable_vllm(self, model_name: str, max_model_len: int) -> None:
+        """Add vLLM's `vllm:*` series (`vllm_metrics`) for the served model (once; its
+        token-count buckets need `max_model_len`, known when the engine is up)."""
+        if self.vllm is None:
+            self.vllm = VllmMetrics(self.registry, model_name, max_model_len)
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition of every series, and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     def update_from_stats(self, stats: EngineStats) -> None:
         """Refresh gauges and counters from the engine's stats (totals over its ranks)."""
         t = stats.total
+        if self.vllm is not None:
+            self.vllm.update_from_stats(t)
         self.requests_running.set(t.num_running)
         self.requests_waiting.set(t.num_waiting)
         self.kv_cache_usage.set(t.kv_cache_usage)
@@ -244,6 +269,8 @@ class ServerMetrics:
     def observe_finished(self, timer: RequestTimer, finish_reason: str) -> None:
         """Record one finished request's latencies."""
         self.requests_finished.labels(finish_reason=finish_reason or "unknown").inc()
+        if self.vllm is not None:
+            self.vllm.observe_finished(timer, finish_reason)
         if timer.first_token_s is None:
             return
         end = timer.last_output_s
@@ -359,13 +386,26 @@ def _spec_decode_part(t: CoreStats, before: CoreStats) -> str:
 @dataclass
 class RequestTimer:
     """Wall-clock times of one request (time.monotonic() seconds) and its output tokens, summed
-    over its completions (`SamplingParams.n`)."""
+    over its completions (`SamplingParams.n`).
+
+    Attributes:
+        inter_token_s: per output after the first token (of completion 0 only with n > 1),
+            seconds since the previous one (vLLM's inter-token latency, one per step).
+        num_prompt_tokens: the prompt's length (tokens).
+        queue_s, prefill_s: the engine core's queue and prefill intervals of the first
+            completion to finish (`EngineCoreOutput`), or None.
+    """
 
     arrival_s: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
     last_output_s: float = 0.0
     num_output_tokens: int = 0
+    num_prompt_tokens: int = 0
+    inter_token_s: list[float] = field(default_factory=list, repr=False)
+    queue_s: float | None = None
+    prefill_s: float | None = None
     _tokens_by_index: dict[int, int] = field(default_factory=dict, repr=False)
+    _last_token_s: float | None = field(default=None, repr=False)
 
     def record(self, out: EngineCoreOutput) -> None:
         """Note an output: the first one with tokens fixes the time to first token (on a
@@ -374,7 +414,19 @@ class RequestTimer:
         if out.new_token_ids and self.first_token_s is None:
             # A final-only output arrives at the end; the core says how long after the first.
             self.first_token_s = now - (out.decode_s or 0.0)
+        elif out.new_token_ids and out.index == 0 and self._last_token_s is not None:
+            self.inter_token_s.append(now - self._last_token_s)
+        if out.new_token_ids and out.index == 0:
+            self._last_token_s = now
         self.last_output_s = now
+        self.num_prompt_tokens = out.num_prompt_tokens
         before = self._tokens_by_index.get(out.index, 0)
         self._tokens_by_index[out.index] = out.num_output_tokens
         self.num_output_tokens += out.num_output_tokens - before
+        if out.finished and self.queue_s is None:
+            self.queue_s, self.prefill_s = out.queue_s, out.prefill_s
+
+    @property
+    def first_completion_tokens(self) -> int:
+        """Output tokens of completion 0 (the one `inter_token_s` follows)."""
+        return self._tokens_by_index.get(0, 0)

@@ -48,12 +48,15 @@ class ModelConfig:
 
     Attributes:
         model: a directory with config.json and *.safetensors (and optionally tokenizer files).
-        dtype: "auto" (the checkpoint's torch_dtype, float32 when unset), "bfloat16", "float32".
+        dtype: "auto" (the checkpoint's torch_dtype, float32 when unset), "bfloat16",
+            "float16", "float32".
         max_model_len: longest prompt + output (tokens); None means the model's
             max_position_embeddings.
         seed: seed for weight-independent randomness (sampling without a per-request seed).
         weight_version: the version string of the weights loaded at startup, reported with
             every output until an update replaces it (SGLang's `--weight-version`).
+        tokenizer: a folder with the tokenizer files to use instead of `model`'s own
+            (`--tokenizer`, as vLLM's); None: `model`'s.
     """
 
     model: str
@@ -61,6 +64,12 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     weight_version: str = "default"
+    tokenizer: str | None = None
+
+    @property
+    def tokenizer_path(self) -> str:
+        """The folder the tokenizer is loaded from: `tokenizer`, else `model`."""
+        return self.tokenizer or self.model
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -20,6 +20,7 @@ from moe_engine.engine.client import EngineClient
 from moe_engine.errors import ErrorCode, RequestError
 from moe_engine.sampling_params import SamplingParams
 from moe_engine.server.http.errors import OpenAIError
+from moe_engine.server.http.request_context import current_request_id
 from moe_engine.server.metrics import RequestTimer, ServerMetrics
 
 
@@ -109,7 +110,7 @@ class HttpState:
         Raises:
             RequestError: a refusal; the requests already submitted are aborted.
         """
-        base = f"{prefix}-{uuid.uuid4().hex}"
+        base = f"{prefix}-{current_request_id() or uuid.uuid4().hex}"  # vLLM's X-Request-Id
         ids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
         streams = PromptStreams(self, base)
         try:
