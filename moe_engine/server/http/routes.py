@@ -109,7 +109,8 @@ async def health(request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.api_route("/ping", methods=["GET", "POST"])
+@router.get("/ping")
+@router.post("/ping")
 async def ping(request: Request) -> Response:
     """SageMaker's health probe (as vLLM serves it): /health's answer, GET or POST."""
     _state(request).check_ready()

@@ -138,6 +138,7 @@ class PromptStreams:
         self._pending: list[tuple[int, EngineCoreOutput]] = []
 
     async def add(self, index: int, rid: str, prompt: list[int], params: SamplingParams) -> None:
+        timer = RequestTimer()  # before the first output: the arrival, for TTFT and e2e
         stream = self.state.engine.generate(rid, prompt, params, arrival_time=time.time())
         self.state.live.add(rid)
         try:
@@ -147,14 +148,14 @@ class PromptStreams:
             await stream.aclose()
             raise
         self._pending.append((index, first))
-        self._tasks.append(asyncio.create_task(self._pump(index, rid, stream, first, params.n)))
+        timer.record(first)
+        self._tasks.append(asyncio.create_task(self._pump(index, rid, stream, first, params.n,
+                                                          timer)))
 
     async def _pump(
         self, index: int, rid: str, stream: AsyncIterator[EngineCoreOutput],
-        first: EngineCoreOutput, n: int,
+        first: EngineCoreOutput, n: int, timer: RequestTimer,
     ) -> None:
-        timer = RequestTimer()
-        timer.record(first)
         left = n - first.finished
         last_reason = str(first.finish_reason)
         try:
