@@ -31,7 +31,7 @@ from moe_engine.core.outputs import CoreStats
 from moe_engine.request import FinishReason
 
 if TYPE_CHECKING:
-    from moe_engine.server.metrics import RequestTimer
+    from moe_engine.server.request_timer import RequestTimer
 
 #: vLLM's label names; `engine` is the data-parallel engine index (always "0" here).
 LABELS = ("model_name", "engine")
