@@ -312,3 +312,29 @@ def test_text_prompt_without_tokenizer_names_the_http_field() -> None:
     error = reply.json()["error"]
     assert reply.status_code == 400 and error["param"] == "prompt", error
     assert "--tokenizer" in error["message"] and "text" not in error["param"]
+
+
+def test_router_ports_follow_moe_serve(capsys) -> None:
+    """moe-router: --port is HTTP (8000), gRPC on --grpc-port (50050); one port for both is
+    refused naming both flags."""
+    from moe_engine.cli import router as router_cli
+
+    args = router_cli.build_parser().parse_args(["--prefill", "h:1", "--decode", "h:2"])
+    assert (args.http_port, args.grpc_port) == (8000, 50050)
+    code = router_cli.main(["--prefill", "h:1", "--decode", "h:2", "--port", "50050"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--port (HTTP) 50050 and --grpc-port 50050" in err, err
+
+
+def test_llm_takes_a_tokenizer_folder_and_half(qwen3_ckpt: Path, tmp_path: Path) -> None:
+    """The offline API's `tokenizer` and `dtype="half"` (vLLM's names): text prompts work on a
+    checkpoint without tokenizer files."""
+    from moe_engine import LLM, SamplingParams
+
+    tok = tokenizer_checkpoint(qwen3_ckpt, tmp_path)
+    llm = LLM(str(qwen3_ckpt), tokenizer=str(tok), dtype="half", max_model_len=64,
+              num_blocks_override=8)
+    out = llm.generate(["hello"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3 and out[0].outputs[0].text
+    assert llm.engine.model_info().dtype == "float16"

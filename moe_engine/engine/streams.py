@@ -94,7 +94,8 @@ class RequestStreams:
             raise RequestError(
                 ErrorCode.INVALID_ARGUMENT,
                 "text",
-                "text: this model has no tokenizer; send the prompt as prompt_ids",
+                "text: this model has no tokenizer; send the prompt as prompt_ids (or start "
+                "the server with --tokenizer PATH)",
             )
         return list(self.tokenizer.encode(text))
 
