@@ -338,3 +338,17 @@ def test_llm_takes_a_tokenizer_folder_and_half(qwen3_ckpt: Path, tmp_path: Path)
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3 and out[0].outputs[0].text
     assert llm.engine.model_info().dtype == "float16"
+
+
+def test_http_port_in_use_names_the_flag() -> None:
+    import socket
+
+    from moe_engine.errors import StartupError
+    from moe_engine.server.http.app import bind_socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(StartupError, match=f"127.0.0.1:{port}.*pick another --port"):
+            bind_socket("127.0.0.1", port)

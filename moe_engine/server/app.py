@@ -1,11 +1,14 @@
-"""The gRPC server: MoeEngine servicer + grpc.health.v1 + reflection, and its lifetime.
+"""The server: the gRPC API (MoeEngine servicer + grpc.health.v1 + reflection; `options.port`,
+`--grpc-port`) and the OpenAI HTTP API (`options.http_port`, `--port`) over one engine, and
+their lifetime.
 
 Order of startup: bind and start the gRPC server with health NOT_SERVING (clients can poll it
-while the model loads), start the engine core process, then switch health to SERVING. Until
+while the model loads) and the HTTP API (503 until then), start the engine core process, then
+switch health to SERVING. Until
 then every health check carries what the engine does in its trailing metadata
 (`moe-engine-status`, e.g. "server unavailable: building native CPU kernels (25 s elapsed, about
-40 s left)"), other calls get UNAVAILABLE with the same text, and `GET /health` on the metrics
-port answers 503 with it (200 once serving). While busy, a log line every
+40 s left)"), other calls get UNAVAILABLE with the same text, and `GET /health` on the HTTP
+and the metrics ports answers 503 with it (200 once serving). While busy, a log line every
 `log_stats_interval_s` gives requests, KV usage and throughput (`metrics.StatsLogger`). Shutdown
 (SIGTERM / SIGINT, or `MoeServer.stop`) drains: health NOT_SERVING and new Generate calls
 UNAVAILABLE, live requests get `drain_grace_s` to finish, the rest are aborted (their streams end
