@@ -44,7 +44,8 @@ def byte_pieces(text: str, rng: random.Random) -> list[str]:
     cuts = sorted(rng.sample(range(1, len(data)), min(len(data) - 1, len(data) // 3)))
     decoder = codecs.getincrementaldecoder("utf-8")()
     bounds = [0, *cuts, len(data)]
-    return [decoder.decode(data[a:b], final=b == len(data)) for a, b in zip(bounds, bounds[1:])]
+    return [decoder.decode(data[a:b], final=b == len(data))
+            for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def run_stream(parser: ToolParser, pieces: list[str]) -> tuple[OutputStream, list[DeltaMessage]]:
@@ -160,7 +161,7 @@ def _byte_decoder() -> dict[str, int]:
             printable.append(byte)
             chars.append(256 + extra)
             extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -230,7 +231,8 @@ def test_64_concurrent_thread_streams() -> None:
 
 FRAGMENTS = {
     "hermes": ["<tool_call>", "</tool_call>", '{"name": "ping"', '"arguments": ', "{", "}",
-               '"a"', ": ", "1", ", ", '"x\\"<tool_call>"', "[", "]", "\n", " ", "text", "<", "tool_"],
+               '"a"', ": ", "1", ", ", '"x\\"<tool_call>"', "[", "]", "\n", " ", "text", "<",
+               "tool_"],
     "qwen3_coder": ["<tool_call>", "</tool_call>", "<function=get_weather>", "<function=",
                     "</function>", "<parameter=days>", "<parameter=city>", "</parameter>",
                     "3", "x<y", "\n", " ", "text", "<", "null"],

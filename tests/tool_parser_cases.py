@@ -51,7 +51,8 @@ class Case:
     complete: bool = True
 
 
-UNICODE_ARGS = ('{"q": "naïve café ☕ 日本語 😀", "esc": "\\"quoted\\" \\\\ \\n \\u00e9 \\ud83d\\ude00",'
+UNICODE_ARGS = ('{"q": "naïve café ☕ 日本語 😀",'
+                ' "esc": "\\"quoted\\" \\\\ \\n \\u00e9 \\ud83d\\ude00",'
                 ' "deep": {"list": [1, -2.5e-3, true, false, null, {"k": []}]}}')
 
 HERMES = [
@@ -79,7 +80,8 @@ HERMES = [
          "", [("get_weather", '{"city": "Oslo"}')]),
     Case("hermes", "compact_and_spaced",
          '<tool_call>{"name":"ping","arguments":{"a":[ ]}}</tool_call>\n'
-         '<tool_call>  \n {\n "name" : "ping" ,\n "arguments" : {\n  "b" : 1\n }\n}\n\n</tool_call>',
+         '<tool_call>  \n {\n "name" : "ping" ,\n "arguments" : {\n  "b" : 1\n }\n}\n\n'
+         '</tool_call>',
          "", [("ping", '{"a":[ ]}'), ("ping", '{\n  "b" : 1\n }')]),
     Case("hermes", "no_arguments_key",
          '<tool_call>\n{"name": "ping"}\n</tool_call>', "", [("ping", "{}")]),
@@ -216,7 +218,8 @@ DEEPSEEK_V31 = [
 ]
 
 K_BEGIN, K_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
-K_CALL, K_ARG, K_CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+K_CALL, K_ARG = "<|tool_call_begin|>", "<|tool_call_argument_begin|>"
+K_CALL_END = "<|tool_call_end|>"
 
 
 def _kimi(call_id: str, args: str) -> str:
