@@ -79,8 +79,10 @@ def scan_value(text: str, pos: int) -> tuple[Scan, int]:
     stack: list[str] = []
     state = _VALUE
     n = len(text)
+    skip = _WS.match
     while True:
-        pos = skip_ws(text, pos)
+        if pos < n and text[pos] in " \t\n\r":
+            pos = skip(text, pos).end()
         if pos >= n:
             return Scan.PARTIAL, n
         char = text[pos]
