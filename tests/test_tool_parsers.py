@@ -238,6 +238,7 @@ FRAGMENTS = {
                     "3", "x<y", "\n", " ", "text", "<", "null"],
     "deepseek_v3": ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
                     "<｜tool▁call▁end｜>", "function<｜tool▁sep｜>ping", "\n```json\n", "\n```",
+                    "`",
                     "{", "}", '"a": 1', "\n", "text", "<｜", "```"],
     "deepseek_v31": ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
                      "<｜tool▁call▁end｜>", "ping<｜tool▁sep｜>", "<｜tool▁sep｜>", "{", "}",
@@ -257,7 +258,7 @@ def test_random_marker_soup_streams_like_whole(name: str) -> None:
     to it without taking anything back (OutputStream raises if a parser does)."""
     parser = TOOL_PARSERS[name](TOOLS)
     rng = random.Random(name)
-    for _ in range(150):
+    for _ in range(300):
         text = "".join(rng.choice(FRAGMENTS[name]) for _ in range(rng.randint(1, 24)))
         whole = parser.parse(text, final=True)
         expected = Case(name, "soup", text, whole.content,

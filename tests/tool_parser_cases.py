@@ -180,6 +180,9 @@ DEEPSEEK_V3 = [
          "", [("get_weather", UNICODE_ARGS[:-1] + ', "m": "```' + DS_CALL_END + '"}')]),
     Case("deepseek_v3", "content_after", DS_BEGIN + _v3("ping", "{}") + DS_END + "\nDone.",
          "Done.", [("ping", "{}")]),
+    Case("deepseek_v3", "no_fence_spaced",
+         DS_BEGIN + DS_CALL + "function" + DS_SEP + "ping\n\n{ \"a\": [] }\n" + DS_CALL_END
+         + "\n" + DS_END, "", [("ping", '{ "a": [] }')]),
     Case("deepseek_v3", "malformed", DS_BEGIN + "garbage" + DS_END,
          DS_BEGIN + "garbage" + DS_END),
     Case("deepseek_v3", "broken_json",
