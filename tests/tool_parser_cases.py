@@ -83,6 +83,9 @@ HERMES = [
          '<tool_call>  \n {\n "name" : "ping" ,\n "arguments" : {\n  "b" : 1\n }\n}\n\n'
          '</tool_call>',
          "", [("ping", '{"a":[ ]}'), ("ping", '{\n  "b" : 1\n }')]),
+    Case("hermes", "two_objects_one_block",
+         '<tool_call>\n{"name": "ping", "arguments": {"n": 1}}\n{"name": "ping", "arguments": '
+         '{"n": 2}}\n</tool_call>', "", [("ping", '{"n": 1}'), ("ping", '{"n": 2}')]),
     Case("hermes", "no_arguments_key",
          '<tool_call>\n{"name": "ping"}\n</tool_call>', "", [("ping", "{}")]),
     Case("hermes", "string_arguments",
