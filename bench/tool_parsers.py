@@ -6,7 +6,8 @@ through `base.OutputStream` in pieces of `--piece` characters (default 4, about 
 the HTTP server does per engine delta. The figures are the mean, 99th percentile and worst
 time of one `feed` (the whole re-parse of the text so far plus the diff), median of
 `--repeats` runs; the second block is the same for `--long` outputs (default 16,384
-characters), where a parse costs more because the text is longer (a parse is linear in it).
+characters), where a parse costs more because the text is longer (a parse is linear in it);
+the third block is `--chars` of plain text without a call (what most chat answers are).
 """
 
 from __future__ import annotations
@@ -85,7 +86,10 @@ def _sample(fmt: str, chars: int) -> str:
     return content + body
 
 
-def time_feeds(fmt: str, text: str, piece: int) -> list[float]:
+PLAIN = ("The quick brown fox jumps over the lazy dog; naïve café 日本. " * 400)
+
+
+def time_feeds(fmt: str, text: str, piece: int, calls: int = 2) -> list[float]:
     """Seconds of each feed (and the finish) of one stream of `text` in `piece`-char pieces."""
     stream = OutputStream(None, TOOL_PARSERS[fmt](TOOLS))
     times = []
@@ -96,7 +100,7 @@ def time_feeds(fmt: str, text: str, piece: int) -> list[float]:
     start = time.perf_counter()
     stream.finish()
     times.append(time.perf_counter() - start)
-    assert len(stream.tool_calls) == 2, (fmt, stream.tool_calls)
+    assert len(stream.tool_calls) == calls, (fmt, stream.tool_calls)
     return times
 
 
@@ -109,10 +113,10 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{'parser':14} {'chars':>6} {'feeds':>6} {'mean us':>8} {'p99 us':>8} {'max us':>8} "
           f"{'total ms':>9}")
-    for chars in (args.chars, args.long):
+    for chars, calls in ((args.chars, 2), (args.long, 2), (args.chars, 0)):
         for fmt in TOOL_PARSERS:
-            text = sample(fmt, chars)
-            runs = [time_feeds(fmt, text, args.piece) for _ in range(args.repeats)]
+            text = sample(fmt, chars) if calls else PLAIN[:chars]
+            runs = [time_feeds(fmt, text, args.piece, calls) for _ in range(args.repeats)]
             mean = statistics.median(statistics.mean(r) for r in runs) * 1e6
             worst = statistics.median(max(r) for r in runs) * 1e6
             p99 = statistics.median(sorted(r)[int(len(r) * 0.99)] for r in runs) * 1e6

@@ -180,11 +180,14 @@ def match_any(text: str, pos: int, markers: tuple[str, ...],
 def partial_marker_len(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of one of `markers`."""
     longest = 0
+    n = len(text)
     for marker in markers:
-        for size in range(min(len(marker) - 1, len(text)), longest, -1):
-            if text.endswith(marker[:size]):
-                longest = size
-                break
+        window = max(0, n - len(marker) + 1)
+        index = text.rfind(marker[0], window)
+        while index >= 0:  # the earliest start in the window that begins the marker wins
+            if marker.startswith(text[index:]):
+                longest = max(longest, n - index)
+            index = text.rfind(marker[0], window, index)
     return longest
 
 
