@@ -17,12 +17,13 @@ the `"arguments"` value, checked as a valid JSON prefix (`tool_text.scan_value`)
 without `"arguments"` gets `{}`; arguments given as a JSON string holding an object (some
 fine-tunes do that) are unwrapped once complete. Several objects in one block (Qwen2.5 writes
 that at times) are several calls. A missing `</tool_call>` is tolerated: the call ends with
-its JSON object and what follows is content.
+its JSON object and what follows is content; an extra `}` before `</tool_call>` is markup.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from moe_engine.server.parsers.base import PartialCall
@@ -44,6 +45,7 @@ from moe_engine.server.parsers.tools_common import (
 
 START = "<tool_call>"
 END = "</tool_call>"
+_STRAY = re.compile(r"[ \t\n\r}]*")
 
 
 @dataclass
@@ -77,7 +79,7 @@ def _scan_member(text: str, pos: int, obj: _CallObject) -> int:
     state, value_end = scan_value(text, value)
     if key == "name" and obj.name is None and state == Scan.COMPLETE:
         name = json.loads(text[value:value_end])
-        if not isinstance(name, str):
+        if not isinstance(name, str) or not name.strip():
             obj.state, obj.end = Scan.INVALID, value
             return -1
         obj.name = name
@@ -168,8 +170,9 @@ class HermesToolParser(BlockToolParser):
 
     @staticmethod
     def _close(text: str, end: int, calls: list[PartialCall], final: bool) -> Block:
-        """After the last object of a block (ending at `end`): `</tool_call>` closes it."""
-        close = skip_ws(text, end)
+        """After the last object of a block (ending at `end`): `</tool_call>` closes it. Stray
+        `}` before it (models that close the object twice) belong to the markup."""
+        close = _STRAY.match(text, end).end()
         found = match_marker(text, close, END, final)
         if found == Match.YES:
             return Block(calls, min(close + len(END), len(text)))
