@@ -235,6 +235,7 @@ FRAGMENTS = {
                "tool_"],
     "qwen3_coder": ["<tool_call>", "</tool_call>", "<function=get_weather>", "<function=",
                     "</function>", "<parameter=days>", "<parameter=city>", "</parameter>",
+                    "<parameter=note>", "\n<parameter=",
                     "3", "x<y", "\n", " ", "text", "<", "null"],
     "deepseek_v3": ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
                     "<｜tool▁call▁end｜>", "function<｜tool▁sep｜>ping", "\n```json\n", "\n```",
@@ -247,7 +248,7 @@ FRAGMENTS = {
                 "<|tool_call_begin|>", "<|tool_call_end|>", "functions.ping:0",
                 "<|tool_call_argument_begin|>", "{", "}", '"a": "b"', " ", "\n", "text", "<|"],
     "glm45": ["<tool_call>", "</tool_call>", "ping", "get_weather", "<arg_key>", "</arg_key>",
-              "<arg_value>", "</arg_value>", "days", "3", "\n", " ", "text", "<", "{"],
+              "<arg_value>", "</arg_value>", "days", "city", "3", "\n", " ", "text", "<", "{"],
 }
 
 
@@ -268,3 +269,25 @@ def test_random_marker_soup_streams_like_whole(name: str) -> None:
             assert whole.content == text
         for pieces in (list(text), random_pieces(text, rng)):
             check_stream(expected, *run_stream(parser, pieces))
+
+
+@pytest.mark.parametrize("name, head, tail", [
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=code>\n",
+     "\n</parameter>\n</function>\n</tool_call>"),
+    ("glm45", "<tool_call>get_weather\n<arg_key>code</arg_key>\n<arg_value>",
+     "</arg_value>\n</tool_call>"),
+])
+def test_text_values_stream_while_written(name: str, head: str, tail: str) -> None:
+    """A long string parameter (a file the model writes) streams as it is written, not when
+    it closes (vLLM issue 32829); the fragments still add up to the final JSON."""
+    code = 'def f(x):\n    return "</parameter> </arg_value>"  # ☕\n' * 20
+    stream = OutputStream(None, TOOL_PARSERS[name](TOOLS))
+    sent = ""
+    for piece in random_pieces(head + code[:len(code) // 2], random.Random(0), most=4):
+        sent += "".join(d.arguments for d in stream.feed(piece).tool_calls)
+    half = json.dumps(code[:len(code) // 2], ensure_ascii=False)[1:-1]
+    assert sent.startswith('{"code": "') and len(sent) > len(half) // 2, sent
+    for piece in random_pieces(code[len(code) // 2:] + tail, random.Random(1), most=4):
+        sent += "".join(d.arguments for d in stream.feed(piece).tool_calls)
+    sent += "".join(d.arguments for d in stream.finish().tool_calls)
+    assert json.loads(sent) == {"code": code} and stream.tool_calls[0].arguments == sent

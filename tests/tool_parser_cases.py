@@ -288,6 +288,10 @@ GLM45 = [
          "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value>"
          "<arg_key>days</arg_key><arg_value>2</arg_value></tool_call><tool_call>ping</tool_call>",
          "", [("get_weather", '{"city": "Oslo", "days": 2}'), ("ping", "{}")]),
+    Case("glm45", "string_whitespace_kept",
+         "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value> New York\n</arg_value>\n"
+         "<arg_key>days</arg_key>\n<arg_value>\n 3 \n</arg_value>\n</tool_call>",
+         "", [("get_weather", '{"city": " New York\\n", "days": 3}')]),
     Case("glm45", "malformed", "<tool_call>{\"name\": \"x\"}</tool_call>",
          "<tool_call>{\"name\": \"x\"}</tool_call>"),
     Case("glm45", "content_after",

@@ -221,3 +221,28 @@ def structural_close(text: str, start: int, close: str, followers: tuple[str, ..
     ends = [i for marker in fallback_ends if (i := text.find(marker, start)) >= 0]
     end = min(ends, default=n)
     return Match.YES, end, end
+
+
+def open_value_prefix(text: str, start: int, close: str, followers: tuple[str, ...],
+                      fallback_ends: tuple[str, ...]) -> str:
+    """The part of a value still being written (see `structural_close`, which returned
+    PENDING) that no later text can cut off: it stops before a `close` whose meaning is not
+    decided yet, before any of `fallback_ends` (where a final text without a close would end
+    the value) and before a tail that may begin one of those markers."""
+    n = len(text)
+    limit = n
+    search = start
+    while (index := text.find(close, search)) >= 0:
+        after = skip_ws(text, index + len(close))
+        if after == n or match_any(text, after, followers, False)[0] != Match.NO:
+            limit = index
+            break
+        search = index + 1
+    for marker in fallback_ends:
+        index = text.find(marker, start)
+        if 0 <= index < limit:
+            limit = index
+    value = text[start:limit]
+    if limit == n:
+        value = value[:len(value) - partial_marker_len(value, (close, *fallback_ends))]
+    return value

@@ -28,10 +28,16 @@ from moe_engine.server.parsers.tool_text import (
     Match,
     match_any,
     match_marker,
+    open_value_prefix,
     skip_ws,
     structural_close,
 )
-from moe_engine.server.parsers.tool_values import ArgumentsText, find_properties, glm45_value
+from moe_engine.server.parsers.tool_values import (
+    ArgumentsText,
+    find_properties,
+    glm45_is_text,
+    glm45_value,
+)
 from moe_engine.server.parsers.tools_common import (
     Block,
     BlockToolParser,
@@ -106,8 +112,12 @@ class Glm45ToolParser(BlockToolParser):
             value_start = min(value_start + len(VALUE), n)
             found, value_end, pos = structural_close(
                 text, value_start, VALUE_END, (KEY, END), (KEY, END), final)
+            schema, known = properties.get(key), key in properties
             if found == Match.PENDING:
-                call.arguments = args.text(closed=False)
+                streamed = None
+                if glm45_is_text(schema, known):  # a text value streams as it is written
+                    streamed = key, open_value_prefix(text, value_start, VALUE_END, (KEY, END),
+                                                      (KEY, END))
+                call.arguments = args.text(False, streamed)
                 return Block([call], None)
-            value = text[value_start:value_end].strip()
-            args.add(key, glm45_value(value, properties.get(key), key in properties))
+            args.add(key, glm45_value(text[value_start:value_end], schema, known))
