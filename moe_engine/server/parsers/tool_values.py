@@ -2,8 +2,9 @@
 parameter as text, and the tool's JSON schema says what JSON value it stands for.
 
 `ArgumentsText` builds the arguments JSON text one complete parameter at a time
-(`{"p1": v1`, then `, "p2": v2`, then `}`), so every streamed fragment is a prefix of the
-final text and the final text is one valid JSON object.
+(`{"p1": v1`, then `, "p2": v2`, then `}`), and the open start of a text value
+(`, "p3": "partial`), so every streamed fragment is a prefix of the final text and the final
+text is one valid JSON object.
 """
 
 from __future__ import annotations

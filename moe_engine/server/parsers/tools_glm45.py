@@ -12,11 +12,13 @@ vLLM's `glm4_moe_tool_parser.py`), one block per call:
     <arg_value>3</arg_value>
     </tool_call>
 
-The name runs to the first newline or tag. Keys and values are stripped; a value whose
-parameter the tool's schema types as string stays text, any other is decoded
-(`tool_values.glm45_value`, vLLM's rules). An `</arg_value>` ends the value only when
+The name runs to the first newline or tag. Keys are stripped; a value whose parameter the
+tool's schema types as string stays text as written, any other is stripped and decoded
+(`tool_values.glm45_value`, vLLM's current rules). An `</arg_value>` ends the value only when
 `<arg_key>` or `</tool_call>` follows it, so values may contain the markers. The arguments
-stream one complete argument at a time: `{"city": "Paris"`, then `, "days": 3`, then `}`.
+stream one complete argument at a time (`{"city": "Paris"`, then `, "days": 3`, then `}`);
+a string value streams as it is written (`, "code": "def f(` and on), as vLLM's parser does
+since its issue 32829.
 """
 
 from __future__ import annotations

@@ -18,8 +18,12 @@ vLLM's `qwen3coder_tool_parser.py`), one block per call:
 A value loses one leading and one trailing newline and is converted by the tool's parameter
 schema (`tool_values.qwen3_coder_value`, vLLM's rules). A `</parameter>` ends the value only
 when `<parameter=`, `</function>` or `</tool_call>` follows it (vLLM's structural rule), so
-code values may contain the markers. The arguments stream one complete parameter at a time:
-`{"city": "Paris"`, then `, "days": 3`, then `}`.
+code values may contain the markers. The arguments stream one complete parameter at a time
+(`{"city": "Paris"`, then `, "days": 3`, then `}`), except that a value that stays text
+whatever it holds (a string in the schema, or a parameter the tool does not declare) streams
+as it is written (`, "code": "def f(` and on), so a long file does not wait for its close
+(vLLM issue 32829); a `</parameter>` whose meaning is undecided, and a trailing newline, are
+held back until the text decides them.
 """
 
 from __future__ import annotations
