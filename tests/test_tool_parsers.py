@@ -291,3 +291,38 @@ def test_text_values_stream_while_written(name: str, head: str, tail: str) -> No
         sent += "".join(d.arguments for d in stream.feed(piece).tool_calls)
     sent += "".join(d.arguments for d in stream.finish().tool_calls)
     assert json.loads(sent) == {"code": code} and stream.tool_calls[0].arguments == sent
+
+
+JSON_TOKENS = ['{', '}', '[', ']', ':', ',', ' ', '\n', '"a"', '"', 'b', '\\', '\\"', '\\u00e9',
+               'u12', '\\n', '\x01', 'é', '0', '12', '-', '.', '5', 'e', '+', 'true', 'tr', 'fals',
+               'null', 'nu', 'x']
+
+
+def test_json_prefix_scanner_against_json_loads() -> None:
+    """`scan_value` agrees with `json.loads` on whole texts, its COMPLETE spans load, and its
+    valid-prefix end never moves back as the text grows (what keeps streamed arguments from
+    being taken back)."""
+    from moe_engine.server.parsers.tool_text import Scan, scan_value
+
+    rng = random.Random(7)
+    samples = [json.dumps(v, ensure_ascii=rng.random() < 0.5) for v in
+               ({"a": [1, -2.5e-3, True, None, {"b": "é\n\"x\""}]}, [], {}, "s", 0, [[[]]])]
+    samples += ["".join(rng.choice(JSON_TOKENS) for _ in range(rng.randint(1, 14)))
+                for _ in range(3000)]
+    for text in samples:
+        state, end = scan_value(text + " ", 0)  # a number at the very end may still grow
+        try:
+            json.loads(text)
+            loads = True
+        except ValueError:
+            loads = False
+        whole = state == Scan.COMPLETE and not text[end:].strip(" \t\n\r")
+        assert whole == loads, (text, state, end)
+        if state == Scan.COMPLETE:
+            json.loads(text[:end])
+        reach = 0
+        for k in range(len(text) + 1):
+            state_k, end_k = scan_value(text[:k], 0)
+            valid_end = len(text[:k]) if state_k == Scan.PARTIAL else end_k
+            assert valid_end >= reach, (text, k)
+            reach = valid_end

@@ -19,12 +19,15 @@ class Scan(IntEnum):
     COMPLETE = 0  #: the value ends inside the text; `end` is the index after it
     PARTIAL = 1  #: the text ends inside the value, and is a valid prefix of some JSON value
     INVALID = 2  #: no JSON value starts this way; `end` is the index of the offending char
+    #: (so `text[start:end]` is the longest valid prefix, never shorter than a PARTIAL scan
+    #: of a shorter text was)
 
 
 _WS = re.compile(r"[ \t\n\r]*")
 # The body of a JSON string: runs of plain characters or complete escapes.
 _STRING_BODY = re.compile(r'(?:[^"\\\x00-\x1f]+|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')
 _PARTIAL_ESCAPE = re.compile(r"\\(?:u[0-9a-fA-F]{0,3})?\Z")
+_ESCAPE_START = re.compile(r"(?:\\(?:u[0-9a-fA-F]{0,3})?)?")
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 _NUMBER_PREFIX = re.compile(r"-?(?:0|[1-9][0-9]*)?(?:\.[0-9]*)?(?:[eE][+-]?[0-9]*)?")
 _LITERALS = ("true", "false", "null")
@@ -45,7 +48,9 @@ def scan_string(text: str, pos: int) -> tuple[Scan, int]:
         return Scan.PARTIAL, len(text)
     if text[end] == '"':
         return Scan.COMPLETE, end + 1
-    return Scan.INVALID, end
+    # A broken escape breaks after its valid start (`\u12` in `\u12x`), so that the text
+    # before the offending character is still the longest valid prefix.
+    return Scan.INVALID, _ESCAPE_START.match(text, end).end()
 
 
 def _scan_scalar(text: str, pos: int) -> tuple[Scan, int]:
@@ -60,11 +65,16 @@ def _scan_scalar(text: str, pos: int) -> tuple[Scan, int]:
             return Scan.COMPLETE, end
         return Scan.INVALID, end
     for literal in _LITERALS:
-        if text.startswith(literal, pos):
-            return Scan.COMPLETE, pos + len(literal)
-        rest = text[pos:pos + len(literal)]
-        if literal.startswith(rest) and pos + len(rest) == len(text):
+        if literal[0] != char:
+            continue
+        size = 1
+        while size < len(literal) and pos + size < len(text) and text[pos + size] == literal[size]:
+            size += 1
+        if size == len(literal):
+            return Scan.COMPLETE, pos + size
+        if pos + size == len(text):
             return Scan.PARTIAL, len(text)
+        return Scan.INVALID, pos + size  # `tr` of `trX` is still a valid prefix
     return Scan.INVALID, pos
 
 
