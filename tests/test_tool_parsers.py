@@ -252,6 +252,18 @@ FRAGMENTS = {
 }
 
 
+# Pieces that once broke a parser in a longer run (a literal's start such as "f" of
+# "function" read as JSON, escapes cut short, empty names).
+FRAGMENTS["hermes"] += ['"name"', '"arguments"', '"', ":", ",", "\\", "u00e9", "}}",
+                       '{"name": ""', "tr", "nul"]
+FRAGMENTS["qwen3_coder"] += ["<parameter=code>", "</parameter>\n", ">", "</tool_call>"]
+FRAGMENTS["deepseek_v3"] += ["```json", "function", "<｜tool▁sep｜>", "get_weather\n", "f", "tru"]
+FRAGMENTS["deepseek_v31"] += ["get_weather", '"', ":", ",", "\\u0", "nu"]
+FRAGMENTS["kimi_k2"] += ["functions.", "get_weather", ":1", "<|tool_call_section_begin|>",
+                        "<|tool_call_section_end|>", '"', "fa"]
+FRAGMENTS["glm45"] += ["<arg_key>code</arg_key>", "null", '"x"']
+
+
 @pytest.mark.parametrize("name", sorted(FRAGMENTS))
 def test_random_marker_soup_streams_like_whole(name: str) -> None:
     """Random mixes of markers and fragments: the final parse never raises, keeps every
