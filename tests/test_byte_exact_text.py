@@ -142,16 +142,20 @@ def test_grpc_stop_string_completed_by_a_token_that_starts_a_character(rpc, stop
     prompt, ids, stop, before = stop_case
     for include in (False, True):
         for max_tokens in (len(ids), len(ids) + 4):
-            out = rpc.generate(request(prompt, max_tokens=max_tokens, stop=[stop],
-                                       include_stop_str_in_output=include, **GREEDY))
+            extra = {"include_stop_str_in_output": True} if include else {}
+            out = rpc.generate(request(prompt, max_tokens=max_tokens, stop=[stop], **extra,
+                                       **GREEDY))
             assert [t for r in out for t in r.token_ids] == ids
             assert "".join(r.text for r in out) == before + stop * include
             assert (out[-1].finish_reason, out[-1].stop_string) == ("stop", stop)
 
 
-def _check_bytes(entries: list, text: str, table: dict[int, bytes]) -> None:
-    """The `bytes` of the tokens rebuild `text`; each is the vocabulary's, top ones too."""
-    rebuilt = b"".join(bytes(e["bytes"]) for e in entries)
+def _check_bytes(entries: list, text: str, table: dict[int, bytes], skip: bool) -> None:
+    """The `bytes` of the tokens (special ones left out when `skip`ped from the text) rebuild
+    `text`; each is the vocabulary's, top ones too."""
+    special = {b for b in table.values() if b.startswith(b"<|")}
+    kept = [e for e in entries if not (skip and bytes(e["bytes"]) in special)]
+    rebuilt = b"".join(bytes(e["bytes"]) for e in kept)
     assert rebuilt.decode("utf-8", errors="replace") == text
     assert any(_lead_bytes(bytes(e["bytes"])) for e in entries), "no split character: weak test"
     vocab = set(table.values())
@@ -160,16 +164,18 @@ def _check_bytes(entries: list, text: str, table: dict[int, bytes]) -> None:
         assert all(bytes(t["bytes"]) in vocab for t in e["top_logprobs"])
 
 
-def test_chat_logprob_bytes_rebuild_the_text(server, llm) -> None:
-    """(skip_special_tokens false: the random model emits special tokens, which are text then.)"""
+@pytest.mark.parametrize("skip", [True, False])
+def test_chat_logprob_bytes_rebuild_the_text(server, llm, skip) -> None:
     table = token_bytes_table(llm.get_tokenizer())
     url = f"http://127.0.0.1:{server.server.http_port}/v1/chat/completions"
     auth = {"Authorization": f"Bearer {API_KEY}"}
     body = {"messages": [{"role": "user", "content": "日本語 café 😀"}], "max_tokens": 40,
-            "logprobs": True, "top_logprobs": 2, "skip_special_tokens": False, **GREEDY}
+            "logprobs": True, "top_logprobs": 2, **GREEDY}
+    if not skip:
+        body["skip_special_tokens"] = False
     whole = httpx.post(url, json=body, headers=auth, timeout=60).json()["choices"][0]
     text = whole["message"]["content"]
-    _check_bytes(whole["logprobs"]["content"], text, table)
+    _check_bytes(whole["logprobs"]["content"], text, table, skip)
     streamed, entries = "", []
     with httpx.stream("POST", url, json={**body, "stream": True}, headers=auth,
                       timeout=60) as resp:
@@ -179,7 +185,7 @@ def test_chat_logprob_bytes_rebuild_the_text(server, llm) -> None:
                     streamed += ch["delta"].get("content") or ""
                     entries += (ch["logprobs"] or {}).get("content") or []
     assert streamed == text
-    _check_bytes(entries, text, table)
+    _check_bytes(entries, text, table, skip)
 
 
 def test_legacy_tokens_and_text_offset_follow_the_text(client, greedy) -> None:
