@@ -145,3 +145,37 @@ def test_token_bytes_of_a_sentencepiece_style_vocabulary(tmp_path) -> None:
     assert not own.byte_level and own.sentencepiece
     assert [own(i) for i in (1, 2, 3, 4, 5)] == [b"\xe6", b"\x97", b"\xa5", b" hi", b"x"]
     assert tok.decode([4, 1, 2, 3]) == " hi日"
+
+
+def _reference(tok, ids: list[int], stops: list[str]) -> tuple[int | None, str, str | None]:
+    """What the detokenizer must return, from whole decodes: the first token k whose whole
+    characters so far (decode(ids[:k+1]) without a trailing U+FFFD) hold a stop string, the
+    text before its earliest match; else the final text (held bytes as U+FFFD) checked once
+    more."""
+    def first(text: str):
+        hits = [(i, s) for s in stops if (i := text.find(s)) != -1]
+        return min(hits, key=lambda h: h[0]) if hits else None
+
+    for k in range(len(ids)):
+        text = tok.decode(ids[: k + 1], skip_special_tokens=True).rstrip("\ufffd")
+        if (hit := first(text)) is not None:
+            return k, text[: hit[0]], hit[1]
+    text = tok.decode(ids, skip_special_tokens=True)
+    hit = first(text)
+    return (None, text, None) if hit is None else (None, text[: hit[0]], hit[1])
+
+
+def test_random_streams_match_whole_decodes(tok) -> None:
+    rng = random.Random(1)
+    for _ in range(300):
+        ids = rng.choices(range(16, 512), k=rng.randint(1, 16))
+        text = tok.decode(ids)
+        stops = []
+        for _ in range(rng.randint(1, 3)):
+            a = rng.randrange(len(text))
+            stops.append(text[a : a + rng.randint(1, 4)])
+        if rng.random() < 0.2:
+            stops.append("zz-not-there")
+        detok = IncrementalDetokenizer(tok, stops)
+        hit, streamed = _run(detok, ids)
+        assert (hit, streamed, detok.stop_string) == _reference(tok, ids, stops), (ids, stops)

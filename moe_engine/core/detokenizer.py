@@ -37,8 +37,8 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.include_stop_str_in_output = include_stop_str_in_output
         self.skip_special_tokens = skip_special_tokens
-        longest = max((len(s) for s in stop), default=1)
-        self._holdback = 0 if include_stop_str_in_output else longest - 1
+        self._longest = max((len(s) for s in stop), default=1)
+        self._holdback = 0 if include_stop_str_in_output else self._longest - 1
         self.token_ids: list[int] = []
         self.text = ""
         self._prefix_offset = 0
@@ -68,14 +68,15 @@ class IncrementalDetokenizer:
             # The window ends inside a character: its tokens wait for the rest, but the whole
             # characters before it may already complete a stop string.
             complete = full[len(prefix):].rstrip(REPLACEMENT)
-            return check_stop and bool(complete) and self._match_stop(self.text + complete,
-                                                                      len(self.text))
+            return check_stop and bool(complete) and self._match_stop(complete)
         if len(full) <= len(prefix):
             return False
-        old_len = len(self.text)
-        self.text += full[len(prefix):]
+        new = full[len(prefix):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
-        return check_stop and self._match_stop(self.text, old_len)
+        if check_stop and self._match_stop(new):
+            return True
+        self.text += new
+        return False
 
     def _decode_window(self) -> tuple[str, str]:
         """(text of the window's tokens already read, text of the whole window)."""
@@ -84,21 +85,27 @@ class IncrementalDetokenizer:
         prefix = decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
         return prefix, decode(ids[self._prefix_offset :], skip_special_tokens=skip)
 
-    def _match_stop(self, text: str, old_len: int) -> bool:
-        """Look for the earliest stop string in `text` that ends after `old_len` characters
-        (text before was checked already, or was not to be checked); on a match the text is
-        cut before it (after it with include_stop_str_in_output) and True is returned."""
+    def _match_stop(self, new: str) -> bool:
+        """Look for the earliest stop string that ends inside `new`, the text that follows
+        `self.text` (the text before was checked already, or was not to be checked). On a
+        match the text becomes everything before it (through it with
+        include_stop_str_in_output), `stopped` is set and True returned; else nothing
+        changes. Costs O(len(new) + longest stop string), not O(text)."""
         if not self.stop:
             return False
+        base = max(0, len(self.text) - self._longest + 1)
+        window = self.text[base:] + new
+        old_len = len(self.text) - base
         hits = []
         for s in self.stop:
-            i = text.find(s, max(0, old_len - len(s) + 1))
+            i = window.find(s, max(0, old_len - len(s) + 1))
             if i != -1:
                 hits.append((i, s))
         if not hits:
             return False
         start, self.stop_string = min(hits, key=lambda hit: hit[0])  # the earliest match wins
-        self.text = text[: start + len(self.stop_string) * self.include_stop_str_in_output]
+        end = start + len(self.stop_string) * self.include_stop_str_in_output
+        self.text = self.text[:base] + window[:end]
         self.stopped = True
         return True
 
@@ -126,10 +133,9 @@ class IncrementalDetokenizer:
         prefix, full = self._decode_window()
         self._prefix_offset = self._read_offset = len(self.token_ids)
         if len(full) > len(prefix):
-            old_len = len(self.text)
-            self.text += full[len(prefix):]
-            if self._check_stop:
-                self._match_stop(self.text, old_len)
+            new = full[len(prefix):]
+            if not (self._check_stop and self._match_stop(new)):
+                self.text += new
 
     def _unsafe_tail(self) -> int:
         """Length of the longest suffix of the text that is a proper prefix of a stop string."""
