@@ -224,3 +224,21 @@ def test_skip_special_tokens_false_keeps_their_text(llm, client, rpc, greedy) ->
         assert "".join(r.text for r in out) == want
     assert "<|" in tok.decode(ids, skip_special_tokens=False)
     wait_idle(rpc)
+
+
+def test_stop_token_text_is_left_out_unless_asked_for(llm, rpc, greedy) -> None:
+    """As vLLM: the token (stop_token_ids entry or EOS) that ended a request adds no text,
+    unless include_stop_str_in_output."""
+    tok = llm.get_tokenizer()
+    prompt, ids = next((p, ids) for p, ids in zip(PROMPTS, greedy, strict=True)
+                       if tok.decode(ids[3:4]).strip() and ids.index(ids[3]) == 3)
+    for include in (False, True):
+        want = tok.decode(ids[: 4 if include else 3], skip_special_tokens=True)
+        params = SamplingParams(max_tokens=SEARCH_TOKENS, stop_token_ids=[ids[3]],
+                                include_stop_str_in_output=include, **GREEDY)
+        [c] = llm.generate([prompt], params, use_tqdm=False)[0].outputs
+        assert (c.token_ids, c.text, c.stop_reason) == (ids[:4], want, ids[3])
+        extra = {"include_stop_str_in_output": True} if include else {}
+        out = rpc.generate(request(prompt, max_tokens=SEARCH_TOKENS, stop_token_ids=[ids[3]],
+                                   **extra, **GREEDY))
+        assert "".join(r.text for r in out) == want and out[-1].stop_token_id == ids[3]
