@@ -234,11 +234,11 @@ def test_stop_token_text_is_left_out_unless_asked_for(llm, rpc, greedy) -> None:
                        if tok.decode(ids[3:4]).strip() and ids.index(ids[3]) == 3)
     for include in (False, True):
         want = tok.decode(ids[: 4 if include else 3], skip_special_tokens=True)
-        params = SamplingParams(max_tokens=SEARCH_TOKENS, stop_token_ids=[ids[3]],
-                                include_stop_str_in_output=include, **GREEDY)
+        extra = {"include_stop_str_in_output": True} if include else {}
+        params = SamplingParams(max_tokens=SEARCH_TOKENS, stop_token_ids=[ids[3]], **extra,
+                                **GREEDY)
         [c] = llm.generate([prompt], params, use_tqdm=False)[0].outputs
         assert (c.token_ids, c.text, c.stop_reason) == (ids[:4], want, ids[3])
-        extra = {"include_stop_str_in_output": True} if include else {}
         out = rpc.generate(request(prompt, max_tokens=SEARCH_TOKENS, stop_token_ids=[ids[3]],
                                    **extra, **GREEDY))
         assert "".join(r.text for r in out) == want and out[-1].stop_token_id == ids[3]
