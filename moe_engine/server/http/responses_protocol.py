@@ -15,15 +15,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
+from pydantic import StrictBool, StrictInt, StrictStr
 
 from moe_engine.server.http.protocol import Number, RequestBody
 
 
-class _Item(BaseModel):
+class _Item(RequestBody):
     """An input item: OpenAI's output items come back as input with their `id` / `status`."""
-
-    model_config = ConfigDict(extra="forbid")
 
     id: StrictStr | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None

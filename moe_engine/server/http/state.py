@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moe_engine.core.outputs import EngineCoreOutput
+from moe_engine.core.token_bytes import TokenBytes
 from moe_engine.core.validation import validate_request
 from moe_engine.engine.client import EngineClient
 from moe_engine.errors import ErrorCode, RequestError
 from moe_engine.sampling_params import SamplingParams
 from moe_engine.server.http.errors import OpenAIError
+from moe_engine.server.http.request_context import current_request_id
 from moe_engine.server.metrics import RequestTimer, ServerMetrics
 
 
@@ -45,6 +47,16 @@ class HttpState:
     created: int = field(default_factory=lambda: int(time.time()))
     #: request ids of the HTTP requests live in the engine.
     live: set[str] = field(default_factory=set)
+    #: Each token's own bytes from the vocabulary, made at first use (`token_bytes`).
+    _token_bytes: TokenBytes | None = field(default=None, init=False, repr=False)
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The token's own bytes (`core.token_bytes.TokenBytes`); None without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        if self._token_bytes is None or self._token_bytes.tokenizer is not self.tokenizer:
+            self._token_bytes = TokenBytes(self.tokenizer)
+        return self._token_bytes(token_id)
 
     def check_ready(self) -> None:
         """Raises OpenAIError 503 naming why the server does not take requests now."""
@@ -109,7 +121,7 @@ class HttpState:
         Raises:
             RequestError: a refusal; the requests already submitted are aborted.
         """
-        base = f"{prefix}-{uuid.uuid4().hex}"
+        base = f"{prefix}-{current_request_id() or uuid.uuid4().hex}"  # vLLM's X-Request-Id
         ids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
         streams = PromptStreams(self, base)
         try:
@@ -137,6 +149,7 @@ class PromptStreams:
         self._pending: list[tuple[int, EngineCoreOutput]] = []
 
     async def add(self, index: int, rid: str, prompt: list[int], params: SamplingParams) -> None:
+        timer = RequestTimer()  # before the first output: the arrival, for TTFT and e2e
         stream = self.state.engine.generate(rid, prompt, params, arrival_time=time.time())
         self.state.live.add(rid)
         try:
@@ -146,14 +159,14 @@ class PromptStreams:
             await stream.aclose()
             raise
         self._pending.append((index, first))
-        self._tasks.append(asyncio.create_task(self._pump(index, rid, stream, first, params.n)))
+        timer.record(first)
+        self._tasks.append(asyncio.create_task(self._pump(index, rid, stream, first, params.n,
+                                                          timer)))
 
     async def _pump(
         self, index: int, rid: str, stream: AsyncIterator[EngineCoreOutput],
-        first: EngineCoreOutput, n: int,
+        first: EngineCoreOutput, n: int, timer: RequestTimer,
     ) -> None:
-        timer = RequestTimer()
-        timer.record(first)
         left = n - first.finished
         last_reason = str(first.finish_reason)
         try:
