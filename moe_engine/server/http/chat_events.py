@@ -207,8 +207,11 @@ def _renamed(exc: RequestError, turn: ChatTurn) -> RequestError:
     return exc
 
 
-async def start_turn(state: HttpState, turn: ChatTurn) -> TurnRun:
+async def start_turn(state: HttpState, turn: ChatTurn, prefix: str = "turn") -> TurnRun:
     """Render, check and submit the turn; returns once the engine accepted it.
+
+    Args:
+        prefix: the engine request id's prefix (`resp`, `msg`: `<prefix>-<X-Request-Id>`).
 
     Raises:
         OpenAIError / RequestError: the HTTP error (400, 429, 503) naming the API's field.
@@ -223,7 +226,7 @@ async def start_turn(state: HttpState, turn: ChatTurn) -> TurnRun:
         state.check_request(prompt, params, turn.name_of("messages"))
     except RequestError as exc:
         raise _renamed(exc, turn) from None
-    streams = await state.open_streams([prompt], params, "turn")
+    streams = await state.open_streams([prompt], params, prefix)
     return TurnRun(streams, len(prompt), 1, lambda: _output_stream(turn))
 
 

@@ -211,7 +211,7 @@ async def create_message(body: MessagesRequest, request: Request):
     state: HttpState = request.app.state.http
     state.check_ready()
     state.check_model(body.model)
-    run = await start_turn(state, to_turn(body))
+    run = await start_turn(state, to_turn(body), "msg")
     builder = MessageBuilder({"id": f"msg_{uuid.uuid4().hex}", "model": state.served_model_name},
                              run.prompt_tokens)
     if body.stream:

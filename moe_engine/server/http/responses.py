@@ -196,7 +196,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     if body.previous_response_id is not None:
         history = list(store.get(body.previous_response_id).conversation)
     turn, conversation = to_turn(body, history)
-    run = await start_turn(state, turn)
+    run = await start_turn(state, turn, "resp")
     response_id = item_id("resp")
     builder = ResponseBuilder(_skeleton(state, body, response_id))
 
