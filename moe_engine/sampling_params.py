@@ -139,6 +139,10 @@ class SamplingParams:
             it finishes, with all its tokens and text: what a caller that does not stream needs;
             vLLM's `RequestOutputKind.FINAL_ONLY`, which its OpenAI server uses for
             `stream: false`). The tokens are the same either way.
+        skip_special_tokens: leave special tokens out of the text (vLLM's default True);
+            False keeps them (a tool or reasoning parser reads markers such as DeepSeek's
+            `<｜tool▁calls▁begin｜>`); the EOS or stop token id that ends the request is
+            left out of the text either way (as vLLM's detokenizer).
 
     Raises:
         ParamError: at construction, for a field of the wrong type or outside its limits
@@ -158,6 +162,7 @@ class SamplingParams:
     n: int = 1
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: str = OUTPUT_DELTA
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         self.stop = _as_list("stop", self.stop, str)
@@ -232,6 +237,11 @@ class SamplingParams:
             if self.logprobs < 0:
                 raise ParamError("logprobs", f"logprobs must be >= 0, got {self.logprobs}")
         self._check_stop()
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ParamError(
+                "skip_special_tokens",
+                f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}",
+            )
         if self.output_kind not in OUTPUT_KINDS:
             raise ParamError(
                 "output_kind",

@@ -15,11 +15,13 @@ class IncrementalDetokenizer:
     Args:
         tokenizer: a transformers tokenizer.
         stop: stop strings; the first match ends the request and is cut from the text.
+        skip_special_tokens: leave special tokens out of the text (False: keep them).
     """
 
-    def __init__(self, tokenizer, stop: list[str]) -> None:
+    def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        self.skip_special_tokens = skip_special_tokens
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self.token_ids: list[int] = []
         self.text = ""
@@ -33,11 +35,11 @@ class IncrementalDetokenizer:
     def add(self, token_id: int, check_stop: bool = True) -> bool:
         """Append a generated token; True when a stop string just matched (if `check_stop`)."""
         self.token_ids.append(token_id)
-        decode = self.tokenizer.decode
+        decode, skip = self.tokenizer.decode, self.skip_special_tokens
         prefix = decode(
-            self.token_ids[self._prefix_offset : self._read_offset], skip_special_tokens=True
+            self.token_ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip
         )
-        full = decode(self.token_ids[self._prefix_offset :], skip_special_tokens=True)
+        full = decode(self.token_ids[self._prefix_offset :], skip_special_tokens=skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return False
         old_len = len(self.text)
@@ -77,9 +79,9 @@ class IncrementalDetokenizer:
         ids = self.token_ids
         if self._read_offset == len(ids):
             return
-        decode = self.tokenizer.decode
-        prefix = decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
-        full = decode(ids[self._prefix_offset :], skip_special_tokens=True)
+        decode, skip = self.tokenizer.decode, self.skip_special_tokens
+        prefix = decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
+        full = decode(ids[self._prefix_offset :], skip_special_tokens=skip)
         if len(full) > len(prefix):
             self.text += full[len(prefix) :]
         self._prefix_offset = self._read_offset = len(ids)

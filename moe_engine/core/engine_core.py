@@ -195,7 +195,8 @@ class EngineCore:
                 req.grammar = self.structured_output.new_grammar(compiled)
             self.scheduler.add_request(req)
             if self.tokenizer is not None:
-                self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+                self._detok[req.request_id] = IncrementalDetokenizer(
+                    self.tokenizer, params.stop, params.skip_special_tokens)
         if params.n > 1:
             self._parents[request_id] = parent
         self.counters["prompt_tokens_total"] += len(prompt_token_ids)
@@ -363,8 +364,10 @@ class EngineCore:
         with "stop", also when the same token reached max_tokens (vLLM: a stop string
         outranks the length limit; a stop token id or EOS outranks both)."""
         detok = self._detok.get(req.request_id)
+        if detok is None or _ended_by_stop_token(req, detok):
+            return
         check_stop = req.num_output_tokens >= req.sampling_params.min_tokens
-        if detok is None or not detok.add(req.output_token_ids[-1], check_stop):
+        if not detok.add(req.output_token_ids[-1], check_stop):
             return
         if not req.is_finished:
             self.scheduler.finish_request(req.request_id, FinishReason.STOP)
@@ -431,3 +434,14 @@ class EngineCore:
         """Static facts about the served model and the engine's limits
         (`reports.model_info`)."""
         return reports.model_info(self)
+
+
+def _ended_by_stop_token(req: Request, detok: IncrementalDetokenizer) -> bool:
+    """True when the request's last token is the EOS or stop token id that just ended it and
+    special tokens are kept in the text: that token stays out of the text (as vLLM's
+    detokenizer; with special tokens skipped it decodes to nothing anyway)."""
+    if detok.skip_special_tokens or req.finish_reason != FinishReason.STOP:
+        return False
+    last = req.output_token_ids[-1]
+    params = req.sampling_params
+    return last in params.stop_token_ids or (not params.ignore_eos and last in req.eos_token_ids)

@@ -21,6 +21,26 @@ from moe_engine.errors import ErrorCode, RequestError
 from moe_engine.sampling_params import SamplingParams
 from moe_engine.server.http.errors import OpenAIError
 from moe_engine.server.metrics import RequestTimer, ServerMetrics
+from moe_engine.server.parsers.base import ReasoningParser, ToolParser
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """The server's chat settings (vLLM's flags of the same names).
+
+    Attributes:
+        chat_template: `--chat-template`'s text (None: the tokenizer's own).
+        tool_parser: the tool-call parser class (`--tool-call-parser`, or the checkpoint's
+            default), None for none.
+        reasoning_parser: the reasoning parser class (`--reasoning-parser`), None for none.
+        enable_auto_tool_choice: `--enable-auto-tool-choice`: `tool_choice: "auto"` (and
+            `tools` without a `tool_choice`) parse calls with `tool_parser`.
+    """
+
+    chat_template: str | None = None
+    tool_parser: type[ToolParser] | None = None
+    reasoning_parser: type[ReasoningParser] | None = None
+    enable_auto_tool_choice: bool = False
 
 
 @dataclass
@@ -43,6 +63,8 @@ class HttpState:
     metrics: ServerMetrics | None = None
     max_prompt_tokens: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    #: chat templates and parsers (set once the tokenizer is known).
+    chat: ChatSettings = field(default_factory=ChatSettings)
     #: request ids of the HTTP requests live in the engine.
     live: set[str] = field(default_factory=set)
 
