@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     flags.add_model_path_args(p)
     flags.add_address_args(p)
+    flags.add_chat_args(p)
     flags.add_model_args(p)
     flags.add_scheduler_args(p)
     flags.add_cache_args(p)
@@ -111,6 +112,10 @@ def server_options_from_args(args: argparse.Namespace) -> ServerOptions:
         allow_insecure=args.allow_insecure,
         http_port=args.http_port,
         served_model_name=args.served_model_name,
+        chat_template=args.chat_template,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

@@ -69,6 +69,13 @@ class ServerOptions:
             `max_message_bytes` (the body limit) apply to it too.
         served_model_name: the model name of the HTTP API (default: the checkpoint folder's
             name).
+        chat_template: `--chat-template`: a Jinja file's path or the template itself (None:
+            the tokenizer's).
+        tool_call_parser: `--tool-call-parser` NAME (None: the checkpoint's default; "none":
+            no parser).
+        enable_auto_tool_choice: `--enable-auto-tool-choice`.
+        reasoning_parser: `--reasoning-parser` NAME (None: the checkpoint's default; "none":
+            no parser).
 
     Raises:
         ValueError: a limit out of range, TLS files given by halves, or a non-loopback host
@@ -93,6 +100,10 @@ class ServerOptions:
     allow_insecure: bool = False
     http_port: int | None = None
     served_model_name: str | None = None
+    chat_template: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < 1024:

@@ -79,14 +79,21 @@ class ChoiceParse:
 
 
 def delta_json(delta: DeltaMessage) -> dict[str, Any]:
-    """OpenAI's `choices[].delta` of a step: only the parts it adds."""
+    """OpenAI's `choices[].delta` of a step: only the parts it adds. A call's first piece
+    carries its index, id, type and name with empty arguments (as OpenAI streams them), its
+    argument fragments follow in later pieces."""
     out: dict[str, Any] = {}
     if delta.reasoning_content:
         out["reasoning_content"] = out["reasoning"] = delta.reasoning_content
     if delta.content:
         out["content"] = delta.content
     if delta.tool_calls:
-        out["tool_calls"] = [c.to_openai() for c in delta.tool_calls]
+        out["tool_calls"] = calls = []
+        for c in delta.tool_calls:
+            if c.id is not None and c.arguments:  # OpenAI's first piece: id and name only
+                calls.append(ToolCallDelta(c.index, c.id, c.name, "").to_openai())
+                c = ToolCallDelta(c.index, None, None, c.arguments)
+            calls.append(c.to_openai())
     return out
 
 
