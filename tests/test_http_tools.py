@@ -9,8 +9,9 @@ client against one server (tiny random Qwen3-MoE, the Qwen3 test chat template a
 - tool calls and tool results in the history render through the template;
 - bad bodies get a 400 naming the field, and the server serves on.
 
-The family parsers here are `mini_parsers`' (the wiring under test; each family's format has its
-own parser tests).
+The parsers are the ones `registry.default_parsers` picks from the template (hermes, qwen3);
+each family's format has its own parser tests (tests/test_tool_parsers.py,
+tests/test_reasoning_parsers.py); these test the wiring.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import pytest
 from chat_fixtures import family_checkpoint
 from grpc_helpers import ServerThread
 from http_helpers import API_KEY, MAX_MESSAGE_BYTES, MODEL
-from mini_parsers import MiniHermesParser, MiniThinkParser
 from scripted_core import END, START
 
 from moe_engine.server.app import ServerOptions
@@ -65,12 +65,11 @@ def server(qwen3_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         cache=CacheConfig(block_size=16, num_blocks_override=512),
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024),
     )
+    # No parser flags: the checkpoint's defaults (hermes and qwen3, from the template).
     opts = ServerOptions(port=0, http_port=0, api_key=API_KEY, served_model_name=MODEL,
-                         max_message_bytes=MAX_MESSAGE_BYTES, log_stats_interval_s=None)
+                         max_message_bytes=MAX_MESSAGE_BYTES, log_stats_interval_s=None,
+                         enable_auto_tool_choice=True)
     handle = ServerThread(config, opts, core_factory="scripted_core:build_scripted_core")
-    handle.server.http_state.chat = ChatSettings(
-        tool_parser=MiniHermesParser, reasoning_parser=MiniThinkParser,
-        enable_auto_tool_choice=True)
     yield handle
     handle.close()
 
@@ -189,7 +188,7 @@ def test_auto_parses_calls_and_reasoning(client) -> None:
     got = whole(client, **kwargs)
     for choice in got["choices"]:
         assert choice["reasoning"] == "\nThe user wants weather.\n"
-        assert choice["content"] == "Let me check.\n"
+        assert choice["content"] == "\n\nLet me check."
         assert [(c["name"], json.loads(c["arguments"])) for c in choice["calls"]] == [
             ("get_weather", {"city": "Paris", "unit": "c"}), ("set_alarm", {"hour": 7, "on": True})]
         assert choice["finish_reason"] == "tool_calls"
@@ -207,7 +206,7 @@ def test_reasoning_tokens_are_the_tokens_through_the_end_marker(client, server) 
     for result in (whole(client, model=MODEL, messages=messages, max_tokens=60),
                    streamed(client, model=MODEL, messages=messages, max_tokens=60)):
         (choice,) = result["choices"]
-        assert (choice["reasoning"], choice["content"]) == ("\nabc def\n", "The answer is 4.")
+        assert (choice["reasoning"], choice["content"]) == ("\nabc def\n", "\n\nThe answer is 4.")
         assert choice["finish_reason"] == "stop"
         expected = len(tok.encode(reasoning, add_special_tokens=False))
         assert result["usage"].completion_tokens_details.reasoning_tokens == expected
@@ -278,7 +277,8 @@ def test_bad_bodies_name_the_field(base_url, extra, param, words) -> None:
 def test_auto_needs_enable_auto_tool_choice(base_url, server, client) -> None:
     state = server.server.http_state
     settings = state.chat
-    state.chat = ChatSettings(tool_parser=MiniHermesParser, enable_auto_tool_choice=False)
+    assert settings == ChatSettings(None, "hermes", "qwen3", True)  # the template's defaults
+    state.chat = ChatSettings(tool_parser="hermes", enable_auto_tool_choice=False)
     try:
         for extra in ({"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}):
             r = httpx.post(f"{base_url}/v1/chat/completions", json={"messages": USER, **extra},

@@ -122,6 +122,15 @@ class ServerOptions:
             raise ValueError(f"drain timeout must be >= 0 seconds, got {self.drain_grace_s}")
         self._check_tls()
         self._check_exposure()
+        self._check_chat()
+
+    def _check_chat(self) -> None:
+        """Unknown parser names and an unreadable --chat-template file, before the model loads
+        (ValueError naming the flag)."""
+        from moe_engine.server.http.chat_setup import check_parser_names, load_chat_template
+
+        check_parser_names(self.tool_call_parser, self.reasoning_parser)
+        load_chat_template(self.chat_template)
 
     def _check_tls(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from moe_engine.errors import RequestError
 from moe_engine.sampling_params import MAX_LOGPROBS, OUTPUT_DELTA
-from moe_engine.server.http.chat_output import ChoiceParse, delta_json, reasoning_factory
+from moe_engine.server.http.chat_output import ChoiceParse, delta_json
 from moe_engine.server.http.chat_render import render_text
 from moe_engine.server.http.chat_tools import plan_tools
 from moe_engine.server.http.common import (
@@ -36,6 +36,7 @@ from moe_engine.server.http.common import (
 from moe_engine.server.http.errors import OpenAIError
 from moe_engine.server.http.protocol import ChatCompletionRequest, ChatMessage, ChatTool
 from moe_engine.server.http.state import HttpState, PromptStreams
+from moe_engine.server.parsers import registry
 
 
 def render_chat(
@@ -92,17 +93,16 @@ async def create_chat_completion(state: HttpState, body: ChatCompletionRequest):
     prompt = list(state.tokenizer.encode(text, add_special_tokens=False))
     # A constrained output is JSON from its first token: no reasoning to split off.
     reasoning = None if structured is not None else settings.reasoning_parser
-    make_reasoning = reasoning_factory(reasoning, text)
     max_tokens = body.max_completion_tokens or body.max_tokens
     field_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     if max_tokens is None:
         max_tokens = max(1, state.max_model_len() - len(prompt))
     top = body.top_logprobs or 0
     params = sampling_params(body, max_tokens, top if body.logprobs else None, structured)
-    parsing = make_reasoning is not None or plan.make_parser is not None
-    if plan.keep_special_tokens or make_reasoning is not None:
+    parsing = reasoning is not None or plan.make_parser is not None
+    if plan.keep_special_tokens or registry.needs_special_tokens(reasoning, None):
         params.skip_special_tokens = False  # the parsers read the formats' marker tokens
-    if make_reasoning is not None:
+    if reasoning is not None:
         params.output_kind = OUTPUT_DELTA  # reasoning tokens are counted per step
     try:
         state.check_request(prompt, params, "messages")
@@ -118,7 +118,7 @@ async def create_chat_completion(state: HttpState, body: ChatCompletionRequest):
     def new_parse() -> ChoiceParse | None:
         if not parsing:
             return None
-        return ChoiceParse(make_reasoning() if make_reasoning else None,
+        return ChoiceParse(registry.reasoning_parser(reasoning, text) if reasoning else None,
                            plan.make_parser() if plan.make_parser else None)
 
     parses = [new_parse() for _ in range(body.n)]

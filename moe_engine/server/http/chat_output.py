@@ -17,7 +17,6 @@ shift one token across the boundary.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from moe_engine.core.outputs import EngineCoreOutput
@@ -108,20 +107,3 @@ def merge(first: DeltaMessage, second: DeltaMessage) -> DeltaMessage:
             calls.append(c)
     return DeltaMessage(first.content + second.content,
                         first.reasoning_content + second.reasoning_content, calls)
-
-
-def reasoning_factory(
-    parser: type[ReasoningParser] | None, prompt_text: str
-) -> Callable[[], ReasoningParser] | None:
-    """A maker of fresh reasoning parsers for a prompt (None without a parser).
-
-    The output starts inside the reasoning when the prompt ends with the parser's start marker
-    left open (DeepSeek-R1's template ends the generation prompt with `<think>\\n`): the
-    parser class's `start_marker` string, where it names one, ends the prompt (whitespace
-    aside).
-    """
-    if parser is None:
-        return None
-    start = getattr(parser, "start_marker", None)
-    opened = isinstance(start, str) and bool(start) and prompt_text.rstrip().endswith(start)
-    return lambda: parser(starts_in_reasoning=opened)

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 from moe_engine.sampling_params import StructuredOutputsParams
 from moe_engine.server.http.errors import OpenAIError
 from moe_engine.server.http.protocol import ChatCompletionRequest, ChatTool
+from moe_engine.server.parsers import registry
 from moe_engine.server.parsers.base import ParsedCalls, PartialCall, ToolParser
 
 #: A tool without `parameters` takes any arguments object.
@@ -50,9 +51,10 @@ class ToolPlan:
 
 
 def plan_tools(
-    body: ChatCompletionRequest, tool_parser: type[ToolParser] | None, enable_auto: bool
+    body: ChatCompletionRequest, tool_parser: str | None, enable_auto: bool
 ) -> ToolPlan:
-    """The plan for `body` on a server with `tool_parser` and `--enable-auto-tool-choice`.
+    """The plan for `body` on a server with the tool parser named `tool_parser` (a
+    `registry.TOOL_PARSERS` name, or None) and `--enable-auto-tool-choice`.
 
     Raises:
         OpenAIError: 400 naming `tool_choice` (no tools, an unknown function, `auto` on a
@@ -75,7 +77,10 @@ def plan_tools(
                 "--tool-call-parser to be set (this server has "
                 f"{'no tool parser' if tool_parser is None else 'auto tool choice off'})",
                 "tool_choice", "unsupported_value")
-        return ToolPlan("auto", None, lambda: tool_parser(tool_dicts), keep_special_tokens=True)
+        # The families' call markers are special tokens in several tokenizers (DeepSeek's,
+        # Kimi-K2's, GLM-4.5's): keep them in the text, as vLLM's parsers' adjust_request does.
+        return ToolPlan("auto", None, lambda: registry.tool_parser(tool_parser, tool_dicts),
+                        keep_special_tokens=True)
     if body.response_format is not None and body.response_format.type != "text":
         raise OpenAIError(
             400, f"response_format: cannot be combined with tool_choice {_shown(choice)} (both "

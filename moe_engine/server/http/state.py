@@ -21,25 +21,25 @@ from moe_engine.errors import ErrorCode, RequestError
 from moe_engine.sampling_params import SamplingParams
 from moe_engine.server.http.errors import OpenAIError
 from moe_engine.server.metrics import RequestTimer, ServerMetrics
-from moe_engine.server.parsers.base import ReasoningParser, ToolParser
 
 
 @dataclass(frozen=True)
 class ChatSettings:
-    """The server's chat settings (vLLM's flags of the same names).
+    """The server's chat settings (vLLM's flags of the same names; `chat_setup` builds them).
 
     Attributes:
         chat_template: `--chat-template`'s text (None: the tokenizer's own).
-        tool_parser: the tool-call parser class (`--tool-call-parser`, or the checkpoint's
-            default), None for none.
-        reasoning_parser: the reasoning parser class (`--reasoning-parser`), None for none.
+        tool_parser: the tool-call parser's name (`parsers.registry.TOOL_PARSERS`;
+            `--tool-call-parser`, or the checkpoint's default), None for none.
+        reasoning_parser: the reasoning parser's name (`parsers.registry.REASONING_PARSERS`;
+            `--reasoning-parser`, or the checkpoint's default), None for none.
         enable_auto_tool_choice: `--enable-auto-tool-choice`: `tool_choice: "auto"` (and
             `tools` without a `tool_choice`) parse calls with `tool_parser`.
     """
 
     chat_template: str | None = None
-    tool_parser: type[ToolParser] | None = None
-    reasoning_parser: type[ReasoningParser] | None = None
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
     enable_auto_tool_choice: bool = False
 
 
