@@ -44,6 +44,13 @@ MARKERS: dict[str, tuple[list[str], list[str]]] = {
 }
 
 
+def union_markers() -> tuple[list[str], list[str]]:
+    """Every family's markers: special where any family's tokenizer makes them special."""
+    special = list(dict.fromkeys(t for sp, _ in MARKERS.values() for t in sp))
+    added = list(dict.fromkeys(t for _, ad in MARKERS.values() for t in ad if t not in special))
+    return special, added
+
+
 def chat_template(family: str) -> str:
     """The family's test chat template (Jinja text)."""
     return (TEMPLATES / f"{family}.jinja").read_text(encoding="utf-8")
@@ -55,9 +62,11 @@ def family_checkpoint(base_ckpt: Path, root: Path, family: str) -> Path:
     Args:
         base_ckpt: a tiny checkpoint with a VOCAB_SIZE vocabulary (e.g. `qwen3_ckpt`).
         root: where the copy goes (`root / f"chat-{family}"`, reused when present).
-        family: a key of MARKERS.
+        family: a key of MARKERS, or "all": every family's markers (`union_markers`) and
+            Qwen3's template (a server switches templates per test with --chat-template's
+            setting).
     """
-    special, added = MARKERS[family]
+    special, added = union_markers() if family == "all" else MARKERS[family]
     path = root / f"chat-{family}"
     if (path / "tokenizer.json").is_file():
         return path
@@ -75,7 +84,7 @@ def family_checkpoint(base_ckpt: Path, root: Path, family: str) -> Path:
     (path / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False), encoding="utf-8")
     config_path = path / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
-    config["chat_template"] = chat_template(family)
+    config["chat_template"] = chat_template("qwen3" if family == "all" else family)
     config["additional_special_tokens"] = special
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
                            encoding="utf-8")

@@ -100,7 +100,7 @@ async def create_chat_completion(state: HttpState, body: ChatCompletionRequest):
     top = body.top_logprobs or 0
     params = sampling_params(body, max_tokens, top if body.logprobs else None, structured)
     parsing = reasoning is not None or plan.make_parser is not None
-    if plan.keep_special_tokens or registry.needs_special_tokens(reasoning, None):
+    if plan.keep_special_tokens or (reasoning and settings.reasoning_keeps_special_tokens):
         params.skip_special_tokens = False  # the parsers read the formats' marker tokens
     if reasoning is not None:
         params.output_kind = OUTPUT_DELTA  # reasoning tokens are counted per step

@@ -22,6 +22,7 @@ from moe_engine.server.parsers.registry import (
     REASONING_PARSERS,
     TOOL_PARSERS,
     default_parsers,
+    needs_special_tokens,
 )
 
 logger = logging.getLogger(__name__)
@@ -75,4 +76,19 @@ def chat_settings(
                 tool or "none", "" if enable_auto_tool_choice or tool is None
                 else " (tool_choice auto off: --enable-auto-tool-choice)", reasoning or "none",
                 "--chat-template" if template else "the tokenizer's")
-    return ChatSettings(template, tool, reasoning, enable_auto_tool_choice)
+    return ChatSettings(template, tool, reasoning, enable_auto_tool_choice,
+                        reasoning_keeps_special_tokens(reasoning, tokenizer))
+
+
+def reasoning_keeps_special_tokens(reasoning: str | None, tokenizer: Any) -> bool:
+    """Whether the reasoning parser's output must keep special tokens: the parser says so
+    (`needs_special_tokens`), or its start or end marker is a special token of `tokenizer`
+    (it would vanish from the text with `skip_special_tokens=True`)."""
+    if reasoning is None:
+        return False
+    if needs_special_tokens(reasoning, None):
+        return True
+    cls = REASONING_PARSERS[reasoning]
+    markers = {getattr(cls, "start_marker", None), getattr(cls, "end_marker", None)} - {None}
+    special = set(getattr(tokenizer, "all_special_tokens", None) or ())
+    return bool(markers & special)

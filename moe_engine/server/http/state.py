@@ -35,12 +35,16 @@ class ChatSettings:
             `--reasoning-parser`, or the checkpoint's default), None for none.
         enable_auto_tool_choice: `--enable-auto-tool-choice`: `tool_choice: "auto"` (and
             `tools` without a `tool_choice`) parse calls with `tool_parser`.
+        reasoning_keeps_special_tokens: the reasoning parser's markers are special tokens of
+            this tokenizer (gpt-oss's harmony markers; `<think>` where a tokenizer makes it
+            special), so outputs it reads keep special tokens in their text.
     """
 
     chat_template: str | None = None
     tool_parser: str | None = None
     reasoning_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    reasoning_keeps_special_tokens: bool = False
 
 
 @dataclass
