@@ -149,6 +149,14 @@ def test_named_tool_choice_validates_streamed_and_whole(client) -> None:
         jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[name])
         assert got["raw"].choices[0].message.content is None
         same_calls(got, streamed(client, **kwargs))
+    logged = client.chat.completions.create(**kwargs, logprobs=True, top_logprobs=2)
+    entries = logged.choices[0].logprobs.content
+    assert len(entries) == logged.usage.completion_tokens
+    assert "".join(e.token for e in entries).startswith(
+        logged.choices[0].message.tool_calls[0].function.arguments)
+    chunks = list(client.chat.completions.create(**kwargs, logprobs=True, stream=True))
+    assert sum(len(c.choices[0].logprobs.content) for c in chunks
+               if c.choices and c.choices[0].logprobs) == len(entries)
 
 
 def test_required_tool_choice_validates_streamed_and_whole(client) -> None:
@@ -197,6 +205,8 @@ def test_auto_parses_calls_and_reasoning(client) -> None:
     for result in (got, stream):
         details = result["usage"].completion_tokens_details
         assert 0 < details.reasoning_tokens < result["usage"].completion_tokens
+    one = whole(client, **{**kwargs, "parallel_tool_calls": False})
+    assert [[c["name"] for c in ch["calls"]] for ch in one["choices"]] == [["get_weather"]] * 2
 
 
 def test_reasoning_tokens_are_the_tokens_through_the_end_marker(client, server) -> None:

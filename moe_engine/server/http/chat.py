@@ -57,16 +57,22 @@ def render_chat(
     return list(state.tokenizer.encode(text, add_special_tokens=False))
 
 
+#: The floor of a returned logprob: a token a grammar masks has -inf, which JSON cannot carry
+#: (vLLM clamps to the same value).
+MIN_LOGPROB = -9999.0
+
+
 def chat_logprobs(state: HttpState, choice: Choice, start: int, top: int) -> dict[str, Any]:
-    """OpenAI's chat logprobs of `choice.logprobs[start:]`, `top` alternatives per token."""
+    """OpenAI's chat logprobs of `choice.logprobs[start:]`, `top` alternatives per token
+    (logprobs below MIN_LOGPROB, e.g. a structured output's masked tokens, are MIN_LOGPROB)."""
     content = []
     for tok, lp, alternatives in choice.logprobs[start:]:
         text = token_text(state.tokenizer, tok)
         best = sorted(alternatives.items(), key=lambda kv: -kv[1])[:top]
         content.append({
-            "token": text, "logprob": lp, "bytes": list(text.encode()),
+            "token": text, "logprob": max(lp, MIN_LOGPROB), "bytes": list(text.encode()),
             "top_logprobs": [
-                {"token": (t := token_text(state.tokenizer, i)), "logprob": v,
+                {"token": (t := token_text(state.tokenizer, i)), "logprob": max(v, MIN_LOGPROB),
                  "bytes": list(t.encode())}
                 for i, v in best
             ],

@@ -2,7 +2,8 @@
 
 - `none`: the tools are still rendered into the prompt (vLLM's default), nothing is parsed.
 - `auto`: needs `--enable-auto-tool-choice` and a tool parser (vLLM's rule and error); the
-  family's parser (`--tool-call-parser`, by default the checkpoint's) finds calls in the text.
+  family's parser (`--tool-call-parser`, by default the checkpoint's) finds calls in the text
+  (only the first with `parallel_tool_calls` false).
 - a named function (`{"type": "function", "function": {"name": ...}}`): the output is
   constrained (structured outputs, a JSON schema) to that function's arguments object, its
   `parameters` schema; the whole output is the one call's arguments.
@@ -79,6 +80,9 @@ def plan_tools(
                 "tool_choice", "unsupported_value")
         # The families' call markers are special tokens in several tokenizers (DeepSeek's,
         # Kimi-K2's, GLM-4.5's): keep them in the text, as vLLM's parsers' adjust_request does.
+        if body.parallel_tool_calls is False:
+            return ToolPlan("auto", None, lambda: FirstCallOnly(
+                registry.tool_parser(tool_parser, tool_dicts)), keep_special_tokens=True)
         return ToolPlan("auto", None, lambda: registry.tool_parser(tool_parser, tool_dicts),
                         keep_special_tokens=True)
     if body.response_format is not None and body.response_format.type != "text":
@@ -119,6 +123,21 @@ def required_schema(tools: list[ChatTool], parallel: bool) -> dict[str, Any]:
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+class FirstCallOnly(ToolParser):
+    """A family's parser with `parallel_tool_calls: false`: only its first call is returned
+    (later ones are dropped, as vLLM does for `auto`)."""
+
+    name: ClassVar[str] = "first_call_only"
+
+    def __init__(self, parser: ToolParser) -> None:
+        super().__init__(parser.tools)
+        self.parser = parser
+
+    def parse(self, text: str, final: bool) -> ParsedCalls:
+        parsed = self.parser.parse(text, final)
+        return ParsedCalls(parsed.content, parsed.calls[:1])
 
 
 class NamedCallParser(ToolParser):
