@@ -5,7 +5,7 @@ feeds), then `finish()`; the figure is the median over `--repeats` runs of the m
 per feed, in microseconds. `OutputStream` re-parses the whole text at each delta, so the cost
 grows with the output's length (O(n) per feed); this measures that at 4 KB.
 
-    PYTHONPATH=. python bench/parser_feed.py [--repeats 7]
+    PYTHONPATH=. python bench/parser_feed.py [--repeats 7] [--size 4096]
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from moe_engine.server.parsers.reasoning_think import (
     Qwen3ReasoningParser,
 )
 
-SIZE = 4096
 STEP = 4
 
 
@@ -35,15 +34,15 @@ def _filler(n: int) -> str:
     return " ".join(out)[:n]
 
 
-def cases() -> dict[str, tuple[callable, str]]:
-    """name -> (parsers factory, 4 KB output)."""
-    think = _filler(3000)
-    answer = _filler(SIZE - 3000 - len("<think></think>"))
-    harmony_body = _filler(SIZE - 400)
+def cases(size: int) -> dict[str, tuple[callable, str]]:
+    """name -> (parsers factory, an output of about `size` characters, 3/4 of it reasoning)."""
+    think = _filler(size * 3 // 4)
+    answer = _filler(size - len(think) - len("<think></think>"))
+    harmony_body = _filler(size - 400)
     call = ('<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json'
             '<|message|>{"location": "San Francisco", "unit": "celsius"}<|call|>')
     return {
-        "qwen3 (3 KB reasoning, 1 KB answer)": (
+        "qwen3 (3/4 reasoning, 1/4 answer)": (
             lambda: (Qwen3ReasoningParser(), None), f"<think>{think}</think>{answer}"),
         "deepseek_r1 (opened by the prompt)": (
             lambda: (DeepSeekR1ReasoningParser(True), None), f"{think}</think>{answer}"),
@@ -76,8 +75,9 @@ def time_case(make, text: str, repeats: int) -> tuple[float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--size", type=int, default=4096, help="output length, characters")
     args = parser.parse_args()
-    for name, (make, text) in cases().items():
+    for name, (make, text) in cases(args.size).items():
         us, feeds = time_case(make, text, args.repeats)
         print(f"{name:48s} {len(text):5d} chars {feeds:5d} feeds {us:8.1f} us/feed")
 

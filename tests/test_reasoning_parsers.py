@@ -1,4 +1,4 @@
-"""Reasoning parsers (think blocks, gpt-oss harmony), the harmony tool parser and the registry.
+"""Reasoning parsers (think blocks, gpt-oss harmony) and the harmony tool parser, streamed.
 
 Every sample is parsed whole and streamed through `base.OutputStream` split at every character
 boundary (so at every token boundary a detokenizer can produce: deltas are whole characters),
@@ -10,18 +10,21 @@ calls, also under 64 concurrent streams. Samples are written to each family's do
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import random
-import sys
-import types
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pytest
+from tool_parser_cases import CASES, TOOLS
 
-from moe_engine.server.parsers.base import OutputStream, ParsedCalls, PartialCall, ToolParser
-from moe_engine.server.parsers.harmony import HarmonyReasoningParser, HarmonyToolParser
+from moe_engine.server.parsers import registry
+from moe_engine.server.parsers.base import OutputStream
+from moe_engine.server.parsers.harmony import (
+    HarmonyReasoningParser,
+    HarmonyToolParser,
+    _parse_header,
+)
 from moe_engine.server.parsers.markers import held_suffix_len, without_held
 from moe_engine.server.parsers.reasoning_think import (
     DeepSeekR1ReasoningParser,
@@ -30,54 +33,6 @@ from moe_engine.server.parsers.reasoning_think import (
     KimiK2ReasoningParser,
     Qwen3ReasoningParser,
 )
-
-TOOLS_MODULE = "moe_engine.server.parsers.tools"
-
-
-class StandInHermesParser(ToolParser):
-    """A minimal `<tool_call>{json}</tool_call>` reader, used only while `tools.py` (another
-    part of issue 44) is not merged: a call is sent once its closing tag is seen."""
-
-    name = "hermes"
-
-    def parse(self, text: str, final: bool) -> ParsedCalls:
-        content, calls, pos = [], [], 0
-        while True:
-            begin = text.find("<tool_call>", pos)
-            if begin < 0:
-                content.append(without_held(text[pos:], ("<tool_call>",), final))
-                break
-            content.append(text[pos:begin])
-            end = text.find("</tool_call>", begin)
-            if end < 0:
-                if final:
-                    content.append(text[begin:])
-                break
-            call = json.loads(text[begin + len("<tool_call>"):end])
-            calls.append(PartialCall(call["name"], json.dumps(call["arguments"]), True))
-            pos = end + len("</tool_call>")
-        return ParsedCalls("".join(content), calls)
-
-
-@pytest.fixture(scope="module")
-def registry():
-    """The registry module; with a stand-in `tools` module while the real one is absent (removed
-    again afterwards, so no other test module sees it)."""
-    stand_in = False
-    try:
-        importlib.import_module(TOOLS_MODULE)
-    except ModuleNotFoundError as exc:
-        if exc.name != TOOLS_MODULE:
-            raise
-        module = types.ModuleType(TOOLS_MODULE)
-        module.TOOL_PARSERS = {"hermes": StandInHermesParser}
-        sys.modules[TOOLS_MODULE] = module
-        stand_in = True
-    yield importlib.import_module("moe_engine.server.parsers.registry")
-    if stand_in:
-        sys.modules.pop(TOOLS_MODULE, None)
-        sys.modules.pop("moe_engine.server.parsers.registry", None)
-
 
 # ---------------------------------------------------------------------------------------------
 # Streaming through OutputStream
@@ -179,6 +134,62 @@ def test_think_parsers_whole_and_streamed(cls, opened, text, expected):
     assert (whole.reasoning, whole.content) == expected[:2]
 
 
+MARKERS = ("<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_call_begin|>",
+           "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|tool_calls_section_end|>",
+           "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>",
+           "<|return|>")
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    """A byte-level BPE trained on the samples, the markers as special tokens (as the
+    vocabularies have them); with 300 tokens, CJK characters and emoji span several tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    texts = [s[2] for s in THINK_SAMPLES] + [s[0] for s in HARMONY_SAMPLES]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=list(MARKERS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(texts * 3, trainer=trainer)
+    return tokenizer
+
+
+def token_deltas(tokenizer, text: str) -> list[str]:
+    """The text deltas a detokenizer sends token by token (special tokens kept; a character
+    split across tokens is held until it is whole, as the engine's detokenizer does)."""
+    ids = tokenizer.encode(text).ids
+    deltas, sent = [], ""
+    for i in range(1, len(ids) + 1):
+        now = tokenizer.decode(ids[:i], skip_special_tokens=False)
+        if now.endswith("\ufffd"):
+            continue
+        assert now.startswith(sent)
+        deltas.append(now[len(sent):])
+        sent = now
+    assert sent == text
+    return deltas
+
+
+@pytest.mark.parametrize("cls,opened,text,expected", THINK_SAMPLES,
+                         ids=[f"{s[0].name}-{i}" for i, s in enumerate(THINK_SAMPLES)])
+def test_think_parsers_at_token_boundaries(bpe, cls, opened, text, expected):
+    got = run_stream((cls(starts_in_reasoning=opened), None), token_deltas(bpe, text))
+    assert (got.reasoning, got.content) == expected[:2]
+
+
+def test_harmony_at_token_boundaries_needs_special_tokens(bpe):
+    for text, opened, expected in HARMONY_SAMPLES:
+        parsers = (HarmonyReasoningParser(starts_in_reasoning=opened), HarmonyToolParser())
+        got = run_stream(parsers, token_deltas(bpe, text))
+        assert (got.reasoning, got.content, got.calls) == expected
+    skipped = bpe.decode(bpe.encode(ANALYSIS + CALL).ids, skip_special_tokens=True)
+    assert "<|channel|>" not in skipped  # why the chat API keeps special tokens for gpt-oss
+    assert HarmonyToolParser().parse(skipped, final=True).calls == []
+
+
 def test_partial_markers_are_held_until_they_resolve():
     parser = Qwen3ReasoningParser()
     assert parser.parse("\n<thi", final=False).reasoning == ""
@@ -220,6 +231,7 @@ HARMONY_SAMPLES = [
     (ANALYSIS + "<|start|>assistant<|channel|>analysis<|message|>Second 思考.<|end|>" + FINAL,
      False, ('User asks: ' + THOUGHT + "\nSecond 思考.", "2 + 2 = 4.", [])),
     (PREAMBLE + FINAL, False, ("", "**Action plan**: 1. weather 2. time\n2 + 2 = 4.", [])),
+    (FINAL[len("<|start|>assistant"):], False, ("", "2 + 2 = 4.", [])),  # no analysis at all
     # Cut by the length limit inside the analysis, inside a call's arguments.
     ("<|channel|>analysis<|message|>Thinking about <|e", False,
      ("Thinking about <|e", "", [])),
@@ -266,6 +278,17 @@ def test_harmony_tool_parser_alone_reads_raw_output():
     assert streamed.content == "2 + 2 = 4."
 
 
+def test_harmony_headers():
+    assert _parse_header("<|channel|>commentary to=functions.f <|constrain|>json") == (
+        "commentary", "functions.f")
+    assert _parse_header("<|start|>assistant to=functions.f<|channel|>commentary json") == (
+        "commentary", "functions.f")
+    assert _parse_header("<|channel|>commentary <|constrain|>json to=functions.f") == (
+        "commentary", "functions.f")
+    assert _parse_header("<|start|>assistant") == (None, None)
+    assert _parse_header("<|channel|>final") == ("final", None)
+
+
 def test_harmony_holds_back_unfinished_headers_and_calls():
     parser = HarmonyReasoningParser()
     partial = ANALYSIS + "<|start|>assistant<|channel|>comm"
@@ -282,7 +305,7 @@ def test_harmony_holds_back_unfinished_headers_and_calls():
 # ---------------------------------------------------------------------------------------------
 # A reasoning parser in front of a tool parser
 
-def test_think_then_hermes_tool_calls(registry):
+def test_think_then_hermes_tool_calls():
     text = ("<think>\nThe user wants weather.\n</think>\n\nChecking.\n<tool_call>\n"
             '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
     parsers = (Qwen3ReasoningParser(), registry.tool_parser("hermes", []))
@@ -291,6 +314,38 @@ def test_think_then_hermes_tool_calls(registry):
     assert whole.content.strip() == "Checking."
     assert [(name, json.loads(args)) for name, args in whole.calls] == [
         ("get_weather", {"city": "Paris"})]
+
+
+#: tool parser -> (reasoning parser, starts_in_reasoning, reasoning text before the calls)
+FAMILY_PAIRS = {
+    "hermes": ("qwen3", False, "<think>\nThe user wants it.\n</think>"),
+    "qwen3_coder": ("qwen3", True, "Plan: call it.\n</think>"),
+    "deepseek_v3": ("deepseek_r1", True, "Okay, 思考.\n</think>"),
+    "deepseek_v31": ("deepseek_v31", True, "Need the tool.</think>"),
+    "kimi_k2": ("kimi_k2", True, "<think>Need the tool.</think>"),
+    "glm45": ("glm45", False, "\n<think>Need the tool.</think>"),
+}
+PAIRED = [case for case in CASES if case.complete]
+
+
+@pytest.mark.parametrize("case", PAIRED, ids=[f"{c.parser}-{c.id}" for c in PAIRED])
+def test_reasoning_then_each_familys_tool_parser(case):
+    name, opened, before = FAMILY_PAIRS[case.parser]
+    reasoning_parser = registry.REASONING_PARSERS[name](starts_in_reasoning=opened)
+    parsers = (reasoning_parser, registry.tool_parser(case.parser, TOOLS))
+    whole = run_stream(parsers, [before + case.text])
+    for pieces in splits(before + case.text, random_splits=4):
+        assert run_stream(parsers, pieces) == whole, pieces
+    expected = before.removeprefix("\n").removeprefix("<think>").removesuffix("</think>")
+    assert (whole.reasoning, whole.content, whole.calls) == (expected, case.content, case.calls)
+
+
+@pytest.mark.parametrize("case", [c for c in PAIRED if c.text.startswith(
+    "<|tool_calls_section_begin|>")], ids=lambda c: c.id)
+def test_kimi_tool_section_ends_reasoning_without_think_end(case):
+    parsers = (KimiK2ReasoningParser(starts_in_reasoning=True), registry.tool_parser("kimi_k2"))
+    whole = assert_stream_equals_whole(parsers, "<think>Need it." + case.text)
+    assert (whole.reasoning, whole.content, whole.calls) == ("Need it.", case.content, case.calls)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,117 +403,7 @@ def test_64_concurrent_threads_share_parsers():
 
 
 # ---------------------------------------------------------------------------------------------
-# Registry
-
-PROMPTS = [  # (parser name, rendered prompt tail, output starts inside reasoning)
-    ("deepseek_r1", "<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜><think>\n", True),
-    ("deepseek_r1", "<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜>", True),  # old template
-    ("deepseek_v31", "<｜User｜>hi<｜Assistant｜><think>", True),
-    ("deepseek_v31", "<｜User｜>hi<｜Assistant｜></think>", False),
-    ("deepseek_v31", "<｜User｜>a<｜Assistant｜></think>b<｜end▁of▁sentence｜><｜User｜>c"
-     "<｜Assistant｜><think>", True),
-    ("qwen3", "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", False),
-    ("qwen3", "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
-     False),
-    ("qwen3", "<|im_start|>assistant\n<think>\nold\n</think>\n\nx<|im_end|>\n<|im_start|>user\n"
-     "q<|im_end|>\n<|im_start|>assistant\n<think>\n", True),
-    ("qwen3", "<|im_start|>assistant\n<think>\nA continued thought", True),
-    ("qwen3", "Explain the <think> tag", False),  # no assistant turn: only the end counts
-    ("glm45", "[gMASK]<sop><|user|>\nhi<|assistant|>", False),
-    ("glm45", "[gMASK]<sop><|user|>\nhi/nothink<|assistant|>\n<think></think>", False),
-    ("kimi_k2", "<|im_assistant|>assistant<|im_middle|><think></think>Hi<|im_end|><|im_user|>"
-     "user<|im_middle|>q<|im_end|><|im_assistant|>assistant<|im_middle|>", True),
-    ("openai_gptoss", "<|start|>user<|message|>hi<|end|><|start|>assistant", False),
-    ("openai_gptoss", "<|start|>assistant<|channel|>analysis<|message|>Let me", True),
-    ("openai_gptoss", "<|start|>assistant<|channel|>final<|message|>Sure", False),
-]
-
-
-@pytest.mark.parametrize("name,prompt,expected", PROMPTS)
-def test_starts_in_reasoning_from_the_prompt_tail(registry, name, prompt, expected):
-    assert registry.starts_in_reasoning(prompt, name) is expected
-    assert registry.reasoning_parser(name, prompt).starts_in_reasoning is expected
-
-
-QWEN3_TEMPLATE = """{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n<tools>' }}...
-For each function call, return a json object within <tool_call></tool_call> XML tags:
-<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>
-{%- endif %}{{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content }}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}
-{%- if enable_thinking is defined and enable_thinking is false %}
-{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"""
-QWEN3_CODER_TEMPLATE = """{{- '<|im_start|>system\\n' }}<tool_call>
-<function=example_function_name>\\n<parameter=example_parameter_1>\\nvalue_1\\n</parameter>
-</function>\\n</tool_call>{{- '<|im_start|>assistant\\n' }}"""
-GLM45_TEMPLATE = """[gMASK]<sop>{%- if tools -%}<|system|>\\n# Tools
-<tool_call>{function-name}\\n<arg_key>{arg-key-1}</arg_key>\\n<arg_value>{v}</arg_value>
-</tool_call>{%- endif -%}<|assistant|>{{ '\\n<think></think>' }}"""
-DEEPSEEK_V3_TEMPLATE = """{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' +
-tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\n' +
-tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}"""
-DEEPSEEK_R1_TEMPLATE = DEEPSEEK_V3_TEMPLATE + """{% if '</think>' in content %}{% endif %}
-{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜><think>\\n'}}{% endif %}"""
-DEEPSEEK_V31_TEMPLATE = """{%- if not thinking is defined -%}{%- set thinking = false -%}
-{%- endif -%}{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['function']['name'] +
-'<｜tool▁sep｜>' + tool['function']['arguments'] + '<｜tool▁call▁end｜>'}}
-{%- if add_generation_prompt -%}{{'<｜Assistant｜>'}}{%- if not thinking -%}{{'</think>'}}
-{%- else -%}{{'<think>'}}{%- endif -%}{%- endif %}"""
-KIMI_K2_TEMPLATE = """<|im_assistant|>{{role_name}}<|im_middle|><|tool_calls_section_begin|>
-<|tool_call_begin|>{{ formatted_id }}<|tool_call_argument_begin|>{{ args }}<|tool_call_end|>
-<|tool_calls_section_end|>"""
-KIMI_K2_THINKING_TEMPLATE = KIMI_K2_TEMPLATE + "<think>{{rc}}</think>{{render_content(m)}}"
-GPT_OSS_TEMPLATE = """{{- "<|start|>assistant<|channel|>commentary to=functions." + name +
-" <|constrain|>json<|message|>" + args + "<|call|>" }}{%- if add_generation_prompt -%}
-<|start|>assistant{%- endif -%}"""
-
-TEMPLATES = [  # (architecture, template, (tool parser, reasoning parser))
-    ("Qwen3MoeForCausalLM", QWEN3_TEMPLATE, ("hermes", "qwen3")),
-    ("Qwen3MoeForCausalLM", QWEN3_CODER_TEMPLATE, ("qwen3_coder", "qwen3")),
-    ("Glm4MoeForCausalLM", GLM45_TEMPLATE, ("glm45", "glm45")),
-    ("DeepseekV3ForCausalLM", DEEPSEEK_V3_TEMPLATE, ("deepseek_v3", None)),
-    ("DeepseekV3ForCausalLM", DEEPSEEK_R1_TEMPLATE, ("deepseek_v3", "deepseek_r1")),
-    ("DeepseekV3ForCausalLM", DEEPSEEK_V31_TEMPLATE, ("deepseek_v31", "deepseek_v31")),
-    ("DeepseekV3ForCausalLM", KIMI_K2_TEMPLATE, ("kimi_k2", None)),
-    ("DeepseekV3ForCausalLM", KIMI_K2_THINKING_TEMPLATE, ("kimi_k2", "kimi_k2")),
-    ("GptOssForCausalLM", GPT_OSS_TEMPLATE, ("openai", "openai_gptoss")),
-    ("SomeNewForCausalLM", GPT_OSS_TEMPLATE, ("openai", "openai_gptoss")),  # template wins
-    ("Glm4MoeForCausalLM", None, ("glm45", "glm45")),  # no template: the architecture
-    ("GptOssForCausalLM", "{{ messages }}", ("openai", "openai_gptoss")),
-    ("MixtralForCausalLM", "{{ messages }}", (None, None)),
-]
-
-
-@pytest.mark.parametrize("architecture,template,expected", TEMPLATES)
-def test_default_parsers_from_the_checkpoint(registry, architecture, template, expected):
-    assert registry.default_parsers(architecture, template) == expected
-
-
-def test_every_default_names_a_registered_reasoning_parser(registry):
-    for _, reasoning in registry.ARCHITECTURE_DEFAULTS.values():
-        assert reasoning is None or reasoning in registry.REASONING_PARSERS
-    assert set(registry.REASONING_PARSERS) == {
-        "deepseek_r1", "deepseek_v31", "qwen3", "glm45", "kimi_k2", "openai_gptoss"}
-    assert isinstance(registry.tool_parser("openai"), HarmonyToolParser)
-
-
-def test_unknown_names_are_refused_with_the_valid_ones(registry):
-    with pytest.raises(ValueError, match=r"--tool-call-parser: unknown name 'x'; choose from "
-                                         r".*hermes.*openai"):
-        registry.tool_parser("x", [])
-    with pytest.raises(ValueError, match=r"--reasoning-parser: unknown name 'r2'; choose from "
-                                         r"deepseek_r1, deepseek_v31, glm45, kimi_k2, "
-                                         r"openai_gptoss, qwen3$"):
-        registry.reasoning_parser("r2", "")
-    with pytest.raises(ValueError, match="--reasoning-parser"):
-        registry.starts_in_reasoning("", "nope")
-
-
-def test_special_tokens_needed_only_by_harmony(registry):
-    assert registry.needs_special_tokens("openai_gptoss", None)
-    assert registry.needs_special_tokens(None, "openai")
-    assert not registry.needs_special_tokens("qwen3", "hermes")
-    assert not registry.needs_special_tokens(None, None)
-
+# Held-back tails
 
 def _held_reference(text: str, markers: list[str]) -> int:
     """Brute force: the longest k with text ending in a proper prefix of length k of a marker."""

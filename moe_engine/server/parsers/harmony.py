@@ -95,13 +95,16 @@ class HarmonyMessage:
 
 
 def _parse_header(header: str) -> tuple[str | None, str | None]:
-    """(channel, recipient) from a header's text (between the message start and `<|message|>`)."""
-    role_part, _, channel_part = header.partition(CHANNEL)
-    channel_part = channel_part.partition(CONSTRAIN)[0]
-    flat = f"{role_part.replace(START, ' ')} {channel_part}"
-    match = _RECIPIENT.search(flat)
+    """(channel, recipient) from a header's text (between the message start and `<|message|>`).
+
+    The recipient (`to=NAME`) may stand in the role part or the channel part; the channel is
+    the first other word after `<|channel|>`; `<|constrain|>TYPE` is not needed here.
+    """
+    flat = header.replace(START, " ").replace(CONSTRAIN, " ")
+    match = _RECIPIENT.search(flat.replace(CHANNEL, " "))
     recipient = match.group(1) if match else None
-    words = [w for w in channel_part.split() if not w.startswith("to=")]
+    _, has_channel, channel_part = flat.partition(CHANNEL)
+    words = [w for w in channel_part.split() if not w.startswith("to=")] if has_channel else []
     return (words[0] if words else None), recipient
 
 

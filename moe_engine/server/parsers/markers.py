@@ -3,7 +3,7 @@
 A parser that is not reading the final text must not send a tail that may still become a marker
 (`</thi` may grow into `</think>`); these helpers measure that tail. Plain string scanning, no
 regular expressions: O(number of markers x longest marker) per call, independent of the text's
-length.
+length (`str.find` over each marker's last window).
 """
 
 from __future__ import annotations
@@ -22,16 +22,16 @@ def held_suffix_len(text: str, markers: Iterable[str]) -> int:
         The number of trailing characters (0 .. max(len(marker)) - 1) to hold back until more
         text arrives; 0 when no marker can start in the tail.
     """
-    markers = tuple(markers)
-    window = max((len(m) for m in markers), default=1) - 1
-    firsts = {m[0] for m in markers}
-    # The earliest start in the window that begins a marker's prefix gives the longest suffix.
-    for start in range(max(0, len(text) - window), len(text)):
-        if text[start] in firsts:
-            tail = text[start:]
-            if any(len(m) > len(tail) and m.startswith(tail) for m in markers):
-                return len(text) - start
-    return 0
+    held, size = 0, len(text)
+    for marker in markers:
+        # Candidate starts: where the marker's first character stands in its last len-1 chars.
+        at = text.find(marker[0], max(0, size - len(marker) + 1))
+        while at >= 0 and size - at > held:
+            if marker.startswith(text[at:]):
+                held = size - at
+                break
+            at = text.find(marker[0], at + 1)
+    return held
 
 
 def without_held(text: str, markers: Iterable[str], final: bool) -> str:

@@ -33,8 +33,10 @@ from its first character when `starts_in_reasoning` (the prompt opened it), or w
 or to an implicit end marker (kept, it starts the content); everything after is content, sent
 on as it is (vLLM keeps the newlines after `</think>` too). Output that never opens a block is
 all content. A reasoning block cut off by the length limit is all reasoning (`ended` False).
-The markers must survive detokenization: they are ordinary added tokens in these vocabularies
-(not "special"), so `skip_special_tokens` may stay True for this family of parsers.
+The markers must survive detokenization: `<think>` and `</think>` are added tokens not marked
+special in DeepSeek-R1's and Qwen3's vocabularies, so `skip_special_tokens` may stay True there;
+where a checkpoint's vocabulary marks one of a parser's markers special,
+`registry.needs_special_tokens(..., special_tokens)` says to keep special tokens.
 """
 
 from __future__ import annotations
@@ -68,8 +70,13 @@ class ThinkReasoningParser(ReasoningParser):
     implicit_ends: ClassVar[tuple[str, ...]] = ()
     assistant_markers: ClassVar[tuple[str, ...]] = ()
     opens_by_default: ClassVar[bool] = False
-    #: The markers survive `skip_special_tokens=True` (see the module docstring).
+    #: True would mean: keep special tokens whatever the vocabulary (see `markers`).
     needs_special_tokens: ClassVar[bool] = False
+
+    @classmethod
+    def markers(cls) -> tuple[str, ...]:
+        """Every marker this parser reads (to check against a tokenizer's special tokens)."""
+        return (cls.start_marker, cls.end_marker, *cls.implicit_ends)
 
     def parse(self, text: str, final: bool) -> ParsedReasoning:
         """Read the whole output so far; see the module docstring for the rule."""

@@ -50,6 +50,7 @@ parser modules of the same names; see each parser module's docstring.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from typing import Any
 
 from moe_engine.server.parsers.base import ReasoningParser, ToolParser
@@ -147,12 +148,28 @@ def reasoning_parser(name: str, prompt_text: str = "") -> ReasoningParser:
     return cls(starts_in_reasoning=starts_in_reasoning(prompt_text, name))
 
 
-def needs_special_tokens(reasoning_name: str | None, tool_name: str | None) -> bool:
+def needs_special_tokens(reasoning_name: str | None, tool_name: str | None,
+                         special_tokens: Collection[str] = ()) -> bool:
     """Whether the chosen parsers need special tokens kept in the detokenized text
-    (`skip_special_tokens=False`): gpt-oss's harmony markers are special tokens; the think
-    markers are ordinary added tokens. A parser class says so with `needs_special_tokens`."""
+    (`skip_special_tokens=False`).
+
+    Args:
+        reasoning_name / tool_name: the chosen parsers' names, or None.
+        special_tokens: this tokenizer's special tokens (transformers' `all_special_tokens`
+            plus the added tokens marked `special`); a think parser needs them kept when one
+            of its markers is among them (Qwen3's and DeepSeek-R1's `<think>` are not special;
+            other checkpoints may mark it so).
+
+    Returns:
+        True for gpt-oss's harmony parsers (their markers are special tokens in every
+        vocabulary), or when a reasoning parser's markers are in `special_tokens`.
+    """
     chosen = (REASONING_PARSERS.get(reasoning_name or ""), TOOL_PARSERS.get(tool_name or ""))
-    return any(getattr(cls, "needs_special_tokens", False) for cls in chosen)
+    if any(getattr(cls, "needs_special_tokens", False) for cls in chosen):
+        return True
+    markers_of = getattr(chosen[0], "markers", None)
+    markers = markers_of() if markers_of is not None else ()
+    return any(m in special_tokens for m in markers)
 
 
 def _tool_from_template(template: str) -> str | None:
