@@ -81,14 +81,18 @@ def chat_settings(
 
 
 def reasoning_keeps_special_tokens(reasoning: str | None, tokenizer: Any) -> bool:
-    """Whether the reasoning parser's output must keep special tokens: the parser says so
-    (`needs_special_tokens`), or its start or end marker is a special token of `tokenizer`
-    (it would vanish from the text with `skip_special_tokens=True`)."""
+    """Whether the reasoning parser's output must keep special tokens: the parser says so, or
+    one of its markers is a special token of `tokenizer` (it would vanish from the text with
+    `skip_special_tokens=True`); `registry.needs_special_tokens` decides."""
     if reasoning is None:
         return False
-    if needs_special_tokens(reasoning, None):
-        return True
-    cls = REASONING_PARSERS[reasoning]
-    markers = {getattr(cls, "start_marker", None), getattr(cls, "end_marker", None)} - {None}
-    special = set(getattr(tokenizer, "all_special_tokens", None) or ())
-    return bool(markers & special)
+    return needs_special_tokens(reasoning, None, special_tokens(tokenizer))
+
+
+def special_tokens(tokenizer: Any) -> set[str]:
+    """The tokenizer's special tokens: `all_special_tokens` and the added tokens marked
+    special (empty without a tokenizer)."""
+    out = set(getattr(tokenizer, "all_special_tokens", None) or ())
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    out.update(t.content for t in decoder.values() if getattr(t, "special", False))
+    return out
