@@ -21,10 +21,10 @@ import openai
 import pytest
 import tool_parser_cases as cases
 from chat_fixtures import chat_template, family_checkpoint
+from chat_helpers import same_calls, streamed, whole
 from grpc_helpers import ServerThread
 from http_helpers import API_KEY, MAX_MESSAGE_BYTES, MODEL
 from scripted_core import END, START
-from test_http_tools import same_calls, streamed, whole
 
 from moe_engine.server.app import ServerOptions
 from moe_engine.server.http.chat_setup import chat_settings

@@ -19,13 +19,13 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import jsonschema
 import openai
 import pytest
 from chat_fixtures import family_checkpoint
+from chat_helpers import same_calls, streamed, whole
 from grpc_helpers import ServerThread
 from http_helpers import API_KEY, MAX_MESSAGE_BYTES, MODEL
 from scripted_core import END, START
@@ -83,58 +83,6 @@ def base_url(server: ServerThread) -> str:
 def client(base_url: str) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0) as c:
         yield c
-
-
-def streamed(client: openai.OpenAI, **kwargs: Any) -> dict[str, Any]:
-    """A stream's chunks added up per choice: content, reasoning, calls (from their deltas),
-    finish reason; also checks the deltas' shape (id, type and name only on a call's first)."""
-    out: dict[int, dict[str, Any]] = {}
-    usage = None
-    for chunk in client.chat.completions.create(
-            stream=True, stream_options={"include_usage": True}, **kwargs):
-        if chunk.usage is not None:
-            usage = chunk.usage
-        for ch in chunk.choices:
-            acc = out.setdefault(ch.index, {"content": "", "reasoning": "", "calls": [],
-                                            "finish_reason": None})
-            delta = ch.delta.model_dump()
-            acc["content"] += delta.get("content") or ""
-            acc["reasoning"] += delta.get("reasoning_content") or ""
-            assert delta.get("reasoning_content") == delta.get("reasoning")
-            for tc in delta.get("tool_calls") or []:
-                if tc["index"] == len(acc["calls"]):
-                    assert tc["id"] and tc["type"] == "function" and tc["function"]["name"]
-                    assert tc["function"]["arguments"] == ""
-                    acc["calls"].append({"id": tc["id"], "name": tc["function"]["name"],
-                                         "arguments": ""})
-                else:
-                    assert tc["index"] == len(acc["calls"]) - 1 and tc.get("id") is None
-                    acc["calls"][tc["index"]]["arguments"] += tc["function"]["arguments"]
-            if ch.finish_reason is not None:
-                acc["finish_reason"] = ch.finish_reason
-    return {"choices": [out[i] for i in sorted(out)], "usage": usage}
-
-
-def whole(client: openai.OpenAI, **kwargs: Any) -> dict[str, Any]:
-    """A whole response in `streamed`'s shape (call ids kept)."""
-    resp = client.chat.completions.create(**kwargs)
-    choices = []
-    for ch in resp.choices:
-        m = ch.message.model_dump()
-        choices.append({
-            "content": m["content"] or "", "reasoning": m.get("reasoning_content") or "",
-            "calls": [{"id": c["id"], "name": c["function"]["name"],
-                       "arguments": c["function"]["arguments"]} for c in m["tool_calls"] or []],
-            "finish_reason": ch.finish_reason})
-    return {"choices": choices, "usage": resp.usage, "raw": resp}
-
-
-def same_calls(a: dict[str, Any], b: dict[str, Any]) -> None:
-    """Equal but for the call ids (fresh per response)."""
-    def strip(r):
-        return [{**c, "calls": [{k: v for k, v in x.items() if k != "id"} for x in c["calls"]]}
-                for c in r["choices"]]
-    assert strip(a) == strip(b)
 
 
 def test_named_tool_choice_validates_streamed_and_whole(client) -> None:
