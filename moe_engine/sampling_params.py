@@ -124,7 +124,7 @@ class SamplingParams:
         seed: per-request seed in [-2**63, 2**64 - n]; the same seed and prompt give the same
             tokens; completion i of a request with n > 1 uses seed + i (as vLLM does).
         stop: stop strings (one string is one stop string); the matched string is not
-            included in the text.
+            included in the text (unless include_stop_str_in_output).
         stop_token_ids: extra token ids that end a completion (one int is one id; the token
             is kept in the ids).
         ignore_eos: keep generating past the model's EOS token.
@@ -139,10 +139,11 @@ class SamplingParams:
             it finishes, with all its tokens and text: what a caller that does not stream needs;
             vLLM's `RequestOutputKind.FINAL_ONLY`, which its OpenAI server uses for
             `stream: false`). The tokens are the same either way.
-        skip_special_tokens: leave special tokens out of the text (vLLM's default True);
-            False keeps them (a tool or reasoning parser reads markers such as DeepSeek's
-            `<｜tool▁calls▁begin｜>`); the EOS or stop token id that ends the request is
-            left out of the text either way (as vLLM's detokenizer).
+        include_stop_str_in_output: keep the matched stop string at the end of the text (the
+            text after it is still cut), and the text of a stop token id or EOS that ended the
+            completion (vLLM's field; default False: both are left out of the text).
+        skip_special_tokens: leave special tokens (the tokenizer's added special tokens: BOS,
+            EOS, chat markers) out of the text (vLLM's default True); False keeps their text.
 
     Raises:
         ParamError: at construction, for a field of the wrong type or outside its limits
@@ -162,6 +163,8 @@ class SamplingParams:
     n: int = 1
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: str = OUTPUT_DELTA
+    # Detokenizer fields (issue 44, "text" part): how token ids become the returned text.
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -228,20 +231,15 @@ class SamplingParams:
         if self.top_k < -1 or self.top_k == 0:
             raise ParamError("top_k", f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         self._check_seed()
-        if not isinstance(self.ignore_eos, bool):
-            raise ParamError(
-                "ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}"
-            )
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ParamError(name, f"{name} must be a bool, got {value!r}")
         if self.logprobs is not None:
             self.logprobs = _integer("logprobs", self.logprobs)
             if self.logprobs < 0:
                 raise ParamError("logprobs", f"logprobs must be >= 0, got {self.logprobs}")
         self._check_stop()
-        if not isinstance(self.skip_special_tokens, bool):
-            raise ParamError(
-                "skip_special_tokens",
-                f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}",
-            )
         if self.output_kind not in OUTPUT_KINDS:
             raise ParamError(
                 "output_kind",

@@ -235,9 +235,11 @@ FRAGMENTS = {
                "tool_"],
     "qwen3_coder": ["<tool_call>", "</tool_call>", "<function=get_weather>", "<function=",
                     "</function>", "<parameter=days>", "<parameter=city>", "</parameter>",
+                    "<parameter=note>", "\n<parameter=",
                     "3", "x<y", "\n", " ", "text", "<", "null"],
     "deepseek_v3": ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
                     "<｜tool▁call▁end｜>", "function<｜tool▁sep｜>ping", "\n```json\n", "\n```",
+                    "`",
                     "{", "}", '"a": 1', "\n", "text", "<｜", "```"],
     "deepseek_v31": ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
                      "<｜tool▁call▁end｜>", "ping<｜tool▁sep｜>", "<｜tool▁sep｜>", "{", "}",
@@ -246,8 +248,20 @@ FRAGMENTS = {
                 "<|tool_call_begin|>", "<|tool_call_end|>", "functions.ping:0",
                 "<|tool_call_argument_begin|>", "{", "}", '"a": "b"', " ", "\n", "text", "<|"],
     "glm45": ["<tool_call>", "</tool_call>", "ping", "get_weather", "<arg_key>", "</arg_key>",
-              "<arg_value>", "</arg_value>", "days", "3", "\n", " ", "text", "<", "{"],
+              "<arg_value>", "</arg_value>", "days", "city", "3", "\n", " ", "text", "<", "{"],
 }
+
+
+# Pieces that once broke a parser in a longer run (a literal's start such as "f" of
+# "function" read as JSON, escapes cut short, empty names).
+FRAGMENTS["hermes"] += ['"name"', '"arguments"', '"', ":", ",", "\\", "u00e9", "}}",
+                       '{"name": ""', "tr", "nul"]
+FRAGMENTS["qwen3_coder"] += ["<parameter=code>", "</parameter>\n", ">", "</tool_call>"]
+FRAGMENTS["deepseek_v3"] += ["```json", "function", "<｜tool▁sep｜>", "get_weather\n", "f", "tru"]
+FRAGMENTS["deepseek_v31"] += ["get_weather", '"', ":", ",", "\\u0", "nu"]
+FRAGMENTS["kimi_k2"] += ["functions.", "get_weather", ":1", "<|tool_call_section_begin|>",
+                        "<|tool_call_section_end|>", '"', "fa"]
+FRAGMENTS["glm45"] += ["<arg_key>code</arg_key>", "null", '"x"']
 
 
 @pytest.mark.parametrize("name", sorted(FRAGMENTS))
@@ -257,7 +271,7 @@ def test_random_marker_soup_streams_like_whole(name: str) -> None:
     to it without taking anything back (OutputStream raises if a parser does)."""
     parser = TOOL_PARSERS[name](TOOLS)
     rng = random.Random(name)
-    for _ in range(150):
+    for _ in range(300):
         text = "".join(rng.choice(FRAGMENTS[name]) for _ in range(rng.randint(1, 24)))
         whole = parser.parse(text, final=True)
         expected = Case(name, "soup", text, whole.content,
@@ -267,3 +281,60 @@ def test_random_marker_soup_streams_like_whole(name: str) -> None:
             assert whole.content == text
         for pieces in (list(text), random_pieces(text, rng)):
             check_stream(expected, *run_stream(parser, pieces))
+
+
+@pytest.mark.parametrize("name, head, tail", [
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=code>\n",
+     "\n</parameter>\n</function>\n</tool_call>"),
+    ("glm45", "<tool_call>get_weather\n<arg_key>code</arg_key>\n<arg_value>",
+     "</arg_value>\n</tool_call>"),
+])
+def test_text_values_stream_while_written(name: str, head: str, tail: str) -> None:
+    """A long string parameter (a file the model writes) streams as it is written, not when
+    it closes (vLLM issue 32829); the fragments still add up to the final JSON."""
+    code = 'def f(x):\n    return "</parameter> </arg_value>"  # ☕\n' * 20
+    stream = OutputStream(None, TOOL_PARSERS[name](TOOLS))
+    sent = ""
+    for piece in random_pieces(head + code[:len(code) // 2], random.Random(0), most=4):
+        sent += "".join(d.arguments for d in stream.feed(piece).tool_calls)
+    half = json.dumps(code[:len(code) // 2], ensure_ascii=False)[1:-1]
+    assert sent.startswith('{"code": "') and len(sent) > len(half) // 2, sent
+    for piece in random_pieces(code[len(code) // 2:] + tail, random.Random(1), most=4):
+        sent += "".join(d.arguments for d in stream.feed(piece).tool_calls)
+    sent += "".join(d.arguments for d in stream.finish().tool_calls)
+    assert json.loads(sent) == {"code": code} and stream.tool_calls[0].arguments == sent
+
+
+JSON_TOKENS = ['{', '}', '[', ']', ':', ',', ' ', '\n', '"a"', '"', 'b', '\\', '\\"', '\\u00e9',
+               'u12', '\\n', '\x01', 'é', '0', '12', '-', '.', '5', 'e', '+', 'true', 'tr', 'fals',
+               'null', 'nu', 'x']
+
+
+def test_json_prefix_scanner_against_json_loads() -> None:
+    """`scan_value` agrees with `json.loads` on whole texts, its COMPLETE spans load, and its
+    valid-prefix end never moves back as the text grows (what keeps streamed arguments from
+    being taken back)."""
+    from moe_engine.server.parsers.tool_text import Scan, scan_value
+
+    rng = random.Random(7)
+    samples = [json.dumps(v, ensure_ascii=rng.random() < 0.5) for v in
+               ({"a": [1, -2.5e-3, True, None, {"b": "é\n\"x\""}]}, [], {}, "s", 0, [[[]]])]
+    samples += ["".join(rng.choice(JSON_TOKENS) for _ in range(rng.randint(1, 14)))
+                for _ in range(3000)]
+    for text in samples:
+        state, end = scan_value(text + " ", 0)  # a number at the very end may still grow
+        try:
+            json.loads(text)
+            loads = True
+        except ValueError:
+            loads = False
+        whole = state == Scan.COMPLETE and not text[end:].strip(" \t\n\r")
+        assert whole == loads, (text, state, end)
+        if state == Scan.COMPLETE:
+            json.loads(text[:end])
+        reach = 0
+        for k in range(len(text) + 1):
+            state_k, end_k = scan_value(text[:k], 0)
+            valid_end = len(text[:k]) if state_k == Scan.PARTIAL else end_k
+            assert valid_end >= reach, (text, k)
+            reach = valid_end

@@ -83,6 +83,9 @@ HERMES = [
          '<tool_call>  \n {\n "name" : "ping" ,\n "arguments" : {\n  "b" : 1\n }\n}\n\n'
          '</tool_call>',
          "", [("ping", '{"a":[ ]}'), ("ping", '{\n  "b" : 1\n }')]),
+    Case("hermes", "two_objects_one_block",
+         '<tool_call>\n{"name": "ping", "arguments": {"n": 1}}\n{"name": "ping", "arguments": '
+         '{"n": 2}}\n</tool_call>', "", [("ping", '{"n": 1}'), ("ping", '{"n": 2}')]),
     Case("hermes", "no_arguments_key",
          '<tool_call>\n{"name": "ping"}\n</tool_call>', "", [("ping", "{}")]),
     Case("hermes", "string_arguments",
@@ -96,6 +99,12 @@ HERMES = [
     Case("hermes", "malformed_json",
          'Try: <tool_call>\n{"name": get_weather}\n</tool_call>',
          'Try: <tool_call>\n{"name": get_weather}\n</tool_call>'),
+    Case("hermes", "extra_brace",
+         '<tool_call>\n{"name": "ping", "arguments": {"a": {}}}}\n</tool_call>', "",
+         [("ping", '{"a": {}}')]),
+    Case("hermes", "empty_name",
+         '<tool_call>\n{"name": "", "arguments": {}}\n</tool_call>',
+         '<tool_call>\n{"name": "", "arguments": {}}\n</tool_call>'),
     Case("hermes", "malformed_not_json",
          "<tool_call>\nget_weather(city='Paris')\n</tool_call>",
          "<tool_call>\nget_weather(city='Paris')\n</tool_call>"),
@@ -180,6 +189,9 @@ DEEPSEEK_V3 = [
          "", [("get_weather", UNICODE_ARGS[:-1] + ', "m": "```' + DS_CALL_END + '"}')]),
     Case("deepseek_v3", "content_after", DS_BEGIN + _v3("ping", "{}") + DS_END + "\nDone.",
          "Done.", [("ping", "{}")]),
+    Case("deepseek_v3", "no_fence_spaced",
+         DS_BEGIN + DS_CALL + "function" + DS_SEP + "ping\n\n{ \"a\": [] }\n" + DS_CALL_END
+         + "\n" + DS_END, "", [("ping", '{ "a": [] }')]),
     Case("deepseek_v3", "malformed", DS_BEGIN + "garbage" + DS_END,
          DS_BEGIN + "garbage" + DS_END),
     Case("deepseek_v3", "broken_json",
@@ -276,6 +288,10 @@ GLM45 = [
          "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value>"
          "<arg_key>days</arg_key><arg_value>2</arg_value></tool_call><tool_call>ping</tool_call>",
          "", [("get_weather", '{"city": "Oslo", "days": 2}'), ("ping", "{}")]),
+    Case("glm45", "string_whitespace_kept",
+         "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value> New York\n</arg_value>\n"
+         "<arg_key>days</arg_key>\n<arg_value>\n 3 \n</arg_value>\n</tool_call>",
+         "", [("get_weather", '{"city": " New York\\n", "days": 3}')]),
     Case("glm45", "malformed", "<tool_call>{\"name\": \"x\"}</tool_call>",
          "<tool_call>{\"name\": \"x\"}</tool_call>"),
     Case("glm45", "content_after",

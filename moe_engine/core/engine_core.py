@@ -195,8 +195,9 @@ class EngineCore:
                 req.grammar = self.structured_output.new_grammar(compiled)
             self.scheduler.add_request(req)
             if self.tokenizer is not None:
-                self._detok[req.request_id] = IncrementalDetokenizer(
-                    self.tokenizer, params.stop, params.skip_special_tokens)
+                self._detok[req.request_id] = IncrementalDetokenizer.from_params(
+                    self.tokenizer, params
+                )
         if params.n > 1:
             self._parents[request_id] = parent
         self.counters["prompt_tokens_total"] += len(prompt_token_ids)
@@ -362,11 +363,16 @@ class EngineCore:
     def _check_stop_strings(self, req: Request) -> None:
         """Detokenize the request's new token; a stop string it completes ends the request
         with "stop", also when the same token reached max_tokens (vLLM: a stop string
-        outranks the length limit; a stop token id or EOS outranks both)."""
+        outranks the length limit; a stop token id or EOS outranks both, and the text of
+        the token that ended the request that way is left out unless the request asks for
+        include_stop_str_in_output)."""
         detok = self._detok.get(req.request_id)
-        if detok is None or _ended_by_stop_token(req, detok):
+        if detok is None:
             return
-        check_stop = req.num_output_tokens >= req.sampling_params.min_tokens
+        params = req.sampling_params
+        if req.finish_reason == FinishReason.STOP and not params.include_stop_str_in_output:
+            return  # EOS or a stop token id ended it: its text stays out (as vLLM's)
+        check_stop = req.num_output_tokens >= params.min_tokens
         if not detok.add(req.output_token_ids[-1], check_stop):
             return
         if not req.is_finished:
@@ -380,6 +386,11 @@ class EngineCore:
                 ) -> EngineCoreOutput:
         detok = self._detok.get(req.request_id)
         text = detok.take_delta(final) if detok is not None else ""
+        if final and detok is not None and detok.stopped and req.finish_reason == (
+            FinishReason.LENGTH
+        ):  # a stop string that matched only in the final flush outranks the length limit
+            req.finish_reason = FinishReason.STOP
+            req.stop_reason = detok.stop_string
         if final:
             self._detok.pop(req.request_id, None)
             self.sampler.forget(req.request_id)
@@ -434,14 +445,3 @@ class EngineCore:
         """Static facts about the served model and the engine's limits
         (`reports.model_info`)."""
         return reports.model_info(self)
-
-
-def _ended_by_stop_token(req: Request, detok: IncrementalDetokenizer) -> bool:
-    """True when the request's last token is the EOS or stop token id that just ended it and
-    special tokens are kept in the text: that token stays out of the text (as vLLM's
-    detokenizer; with special tokens skipped it decodes to nothing anyway)."""
-    if detok.skip_special_tokens or req.finish_reason != FinishReason.STOP:
-        return False
-    last = req.output_token_ids[-1]
-    params = req.sampling_params
-    return last in params.stop_token_ids or (not params.ignore_eos and last in req.eos_token_ids)

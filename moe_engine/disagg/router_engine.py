@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 #: The SamplingParams fields sent as GenerateRequest fields of the same name.
 _SCALARS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos",
-            "logprobs", "n")
+            "logprobs", "n", "include_stop_str_in_output", "skip_special_tokens")
 
 
 def request_from_params(request_id: str, prompt: list[int], params: SamplingParams

@@ -31,6 +31,8 @@ _OPTIONAL_PARAMS = (
     "ignore_eos",
     "logprobs",
     "n",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
 )
 
 

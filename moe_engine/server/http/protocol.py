@@ -70,6 +70,7 @@ class _SamplingFields(RequestBody):
     logit_bias: dict[StrictStr, Number] | None = None
     repetition_penalty: Number = 1.0
     min_p: Number = 0.0
+    # vLLM's detokenizer fields (`SamplingParams`).
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     # OpenAI bookkeeping fields with no effect on the output here.
@@ -81,8 +82,8 @@ class _SamplingFields(RequestBody):
 #: Fields of features this server does not implement, with the only values it accepts.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": (None, {}),
-    "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "skip_special_tokens": (True,),
-    "include_stop_str_in_output": (False,), "best_of": (None, 1), "functions": (None, []),
+    "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "best_of": (None, 1),
+    "functions": (None, []),
 }
 
 

@@ -19,12 +19,15 @@ class Scan(IntEnum):
     COMPLETE = 0  #: the value ends inside the text; `end` is the index after it
     PARTIAL = 1  #: the text ends inside the value, and is a valid prefix of some JSON value
     INVALID = 2  #: no JSON value starts this way; `end` is the index of the offending char
+    #: (so `text[start:end]` is the longest valid prefix, never shorter than a PARTIAL scan
+    #: of a shorter text was)
 
 
 _WS = re.compile(r"[ \t\n\r]*")
 # The body of a JSON string: runs of plain characters or complete escapes.
 _STRING_BODY = re.compile(r'(?:[^"\\\x00-\x1f]+|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')
 _PARTIAL_ESCAPE = re.compile(r"\\(?:u[0-9a-fA-F]{0,3})?\Z")
+_ESCAPE_START = re.compile(r"(?:\\(?:u[0-9a-fA-F]{0,3})?)?")
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 _NUMBER_PREFIX = re.compile(r"-?(?:0|[1-9][0-9]*)?(?:\.[0-9]*)?(?:[eE][+-]?[0-9]*)?")
 _LITERALS = ("true", "false", "null")
@@ -45,7 +48,9 @@ def scan_string(text: str, pos: int) -> tuple[Scan, int]:
         return Scan.PARTIAL, len(text)
     if text[end] == '"':
         return Scan.COMPLETE, end + 1
-    return Scan.INVALID, end
+    # A broken escape breaks after its valid start (`\u12` in `\u12x`), so that the text
+    # before the offending character is still the longest valid prefix.
+    return Scan.INVALID, _ESCAPE_START.match(text, end).end()
 
 
 def _scan_scalar(text: str, pos: int) -> tuple[Scan, int]:
@@ -60,11 +65,16 @@ def _scan_scalar(text: str, pos: int) -> tuple[Scan, int]:
             return Scan.COMPLETE, end
         return Scan.INVALID, end
     for literal in _LITERALS:
-        if text.startswith(literal, pos):
-            return Scan.COMPLETE, pos + len(literal)
-        rest = text[pos:pos + len(literal)]
-        if literal.startswith(rest) and pos + len(rest) == len(text):
+        if literal[0] != char:
+            continue
+        size = 1
+        while size < len(literal) and pos + size < len(text) and text[pos + size] == literal[size]:
+            size += 1
+        if size == len(literal):
+            return Scan.COMPLETE, pos + size
+        if pos + size == len(text):
             return Scan.PARTIAL, len(text)
+        return Scan.INVALID, pos + size  # `tr` of `trX` is still a valid prefix
     return Scan.INVALID, pos
 
 
@@ -79,8 +89,10 @@ def scan_value(text: str, pos: int) -> tuple[Scan, int]:
     stack: list[str] = []
     state = _VALUE
     n = len(text)
+    skip = _WS.match
     while True:
-        pos = skip_ws(text, pos)
+        if pos < n and text[pos] in " \t\n\r":
+            pos = skip(text, pos).end()
         if pos >= n:
             return Scan.PARTIAL, n
         char = text[pos]
@@ -178,11 +190,14 @@ def match_any(text: str, pos: int, markers: tuple[str, ...],
 def partial_marker_len(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of one of `markers`."""
     longest = 0
+    n = len(text)
     for marker in markers:
-        for size in range(min(len(marker) - 1, len(text)), longest, -1):
-            if text.endswith(marker[:size]):
-                longest = size
-                break
+        window = max(0, n - len(marker) + 1)
+        index = text.rfind(marker[0], window)
+        while index >= 0:  # the earliest start in the window that begins the marker wins
+            if marker.startswith(text[index:]):
+                longest = max(longest, n - index)
+            index = text.rfind(marker[0], window, index)
     return longest
 
 
@@ -216,3 +231,28 @@ def structural_close(text: str, start: int, close: str, followers: tuple[str, ..
     ends = [i for marker in fallback_ends if (i := text.find(marker, start)) >= 0]
     end = min(ends, default=n)
     return Match.YES, end, end
+
+
+def open_value_prefix(text: str, start: int, close: str, followers: tuple[str, ...],
+                      fallback_ends: tuple[str, ...]) -> str:
+    """The part of a value still being written (see `structural_close`, which returned
+    PENDING) that no later text can cut off: it stops before a `close` whose meaning is not
+    decided yet, before any of `fallback_ends` (where a final text without a close would end
+    the value) and before a tail that may begin one of those markers."""
+    n = len(text)
+    limit = n
+    search = start
+    while (index := text.find(close, search)) >= 0:
+        after = skip_ws(text, index + len(close))
+        if after == n or match_any(text, after, followers, False)[0] != Match.NO:
+            limit = index
+            break
+        search = index + 1
+    for marker in fallback_ends:
+        index = text.find(marker, start)
+        if 0 <= index < limit:
+            limit = index
+    value = text[start:limit]
+    if limit == n:
+        value = value[:len(value) - partial_marker_len(value, (close, *fallback_ends))]
+    return value

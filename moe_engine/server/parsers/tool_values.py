@@ -2,8 +2,9 @@
 parameter as text, and the tool's JSON schema says what JSON value it stands for.
 
 `ArgumentsText` builds the arguments JSON text one complete parameter at a time
-(`{"p1": v1`, then `, "p2": v2`, then `}`), so every streamed fragment is a prefix of the
-final text and the final text is one valid JSON object.
+(`{"p1": v1`, then `, "p2": v2`, then `}`), and the open start of a text value
+(`, "p3": "partial`), so every streamed fragment is a prefix of the final text and the final
+text is one valid JSON object.
 """
 
 from __future__ import annotations
@@ -97,14 +98,25 @@ def qwen3_coder_value(text: str, schema: Any, known: bool) -> Any:
     return value if parsed else text
 
 
+def qwen3_coder_is_text(schema: Any, known: bool) -> bool:
+    """Whatever the model writes, `qwen3_coder_value` keeps it as text (so it can stream)."""
+    kind, nullable = schema_type(schema)
+    return not known or (kind in _STRING_TYPES and not nullable)
+
+
+def glm45_is_text(schema: Any, known: bool) -> bool:
+    """The schema types the parameter as a (non-nullable) string: its value stays text."""
+    return known and schema_type(schema) == ("string", False)
+
+
 def glm45_value(text: str, schema: Any, known: bool) -> Any:
     """Convert a GLM-4.5 `<arg_value>` text, as vLLM's `Glm4MoeModelToolParser` does: a
-    parameter the schema types as string stays text; any other is read as JSON, else as a
-    Python literal, else kept as text."""
-    if known and schema_type(schema)[0] == "string":
+    parameter the schema types as string stays text, whitespace included; any other is
+    stripped and read as JSON, else as a Python literal, else kept as text."""
+    if glm45_is_text(schema, known):
         return text
-    parsed, value = _literal(text)
-    return value if parsed and _jsonable(value) else text
+    parsed, value = _literal(text.strip())
+    return value if parsed and _jsonable(value) else text.strip()
 
 
 class ArgumentsText:
@@ -117,8 +129,18 @@ class ArgumentsText:
         encoded = json.dumps(value, ensure_ascii=False, allow_nan=False)
         self.parts.append(f"{json.dumps(key, ensure_ascii=False)}: {encoded}")
 
-    def text(self, closed: bool) -> str:
-        """`{"p1": v1, "p2": v2` while open (empty before the first), `{...}` once closed."""
-        if not self.parts:
+    def text(self, closed: bool, partial: tuple[str, str] | None = None) -> str:
+        """`{"p1": v1, "p2": v2` while open (empty before the first), `{...}` once closed.
+
+        `partial`: (key, the start of a string value) of a parameter still being written,
+        shown as `, "key": "start` (the JSON escape of a string is per character, so this is
+        a prefix of the parameter's final `"key": "whole value"`).
+        """
+        parts = self.parts
+        if partial is not None:
+            key, start = partial
+            opened = json.dumps(start, ensure_ascii=False)[:-1]
+            parts = [*parts, f"{json.dumps(key, ensure_ascii=False)}: {opened}"]
+        if not parts:
             return "{}" if closed else ""
-        return "{" + ", ".join(self.parts) + ("}" if closed else "")
+        return "{" + ", ".join(parts) + ("}" if closed else "")

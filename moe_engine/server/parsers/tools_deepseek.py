@@ -15,14 +15,15 @@ separators or spaces"; vLLM's `deepseekv31_tool_parser.py`):
     <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}
     <｜tool▁call▁end｜><｜tool▁calls▁end｜>
 
-(one line in the real output). Text before the section is content. The section's markers are
-single special tokens in both vocabularies; the parsers also accept them split across deltas.
-Whitespace is allowed around every marker and inside the code fence (`tool_text.skip_ws`).
+(one line in the real output). DeepSeek-V3 calls written without the ```json fence (the JSON
+right after the name's newline) are read too. Text before the section is content. The
+section's markers are single special tokens in both vocabularies; the parsers also accept them
+split across deltas. Whitespace is allowed around every marker and inside the code fence.
 """
 
 from __future__ import annotations
 
-from moe_engine.server.parsers.tool_text import Match
+from moe_engine.server.parsers.tool_text import Match, match_marker, skip_ws
 from moe_engine.server.parsers.tools_sections import (
     Header,
     SectionToolParser,
@@ -36,10 +37,11 @@ CALLS_END = "<｜tool▁calls▁end｜>"
 CALL_BEGIN = "<｜tool▁call▁begin｜>"
 CALL_END = "<｜tool▁call▁end｜>"
 SEP = "<｜tool▁sep｜>"
+FENCE = "```json"
 
 
 class DeepSeekV3ToolParser(SectionToolParser):
-    """`TYPE<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```<｜tool▁call▁end｜>` per call."""
+    """`TYPE<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```<｜tool▁call▁end｜>`; the fence is optional."""
 
     name = "deepseek_v3"
     start_markers = (CALLS_BEGIN,)
@@ -57,13 +59,20 @@ class DeepSeekV3ToolParser(SectionToolParser):
         name = text[start:newline].strip()
         if not valid_name(name):
             return Match.NO
-        found, args_pos = match_sequence(text, newline, ("```json",), final)
-        if found != Match.YES:
-            return found
-        return Header(name, None, args_pos)
+        pos = skip_ws(text, newline)
+        fence = match_marker(text, pos, FENCE, final)
+        if fence == Match.PENDING:
+            return fence
+        return Header(name, None, pos + len(FENCE) if fence == Match.YES else pos)
 
     def parse_trailer(self, text: str, pos: int, final: bool) -> tuple[Match, int]:
-        return match_sequence(text, pos, ("```", CALL_END), final)
+        pos = skip_ws(text, pos)
+        fence = match_marker(text, pos, "```", final)
+        if fence == Match.PENDING and pos < len(text):
+            return fence, pos
+        if fence == Match.YES:
+            pos = min(pos + 3, len(text))
+        return match_sequence(text, pos, (CALL_END,), final)
 
 
 class DeepSeekV31ToolParser(SectionToolParser):

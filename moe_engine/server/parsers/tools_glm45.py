@@ -12,11 +12,13 @@ vLLM's `glm4_moe_tool_parser.py`), one block per call:
     <arg_value>3</arg_value>
     </tool_call>
 
-The name runs to the first newline or tag. Keys and values are stripped; a value whose
-parameter the tool's schema types as string stays text, any other is decoded
-(`tool_values.glm45_value`, vLLM's rules). An `</arg_value>` ends the value only when
+The name runs to the first newline or tag. Keys are stripped; a value whose parameter the
+tool's schema types as string stays text as written, any other is stripped and decoded
+(`tool_values.glm45_value`, vLLM's current rules). An `</arg_value>` ends the value only when
 `<arg_key>` or `</tool_call>` follows it, so values may contain the markers. The arguments
-stream one complete argument at a time: `{"city": "Paris"`, then `, "days": 3`, then `}`.
+stream one complete argument at a time (`{"city": "Paris"`, then `, "days": 3`, then `}`);
+a string value streams as it is written (`, "code": "def f(` and on), as vLLM's parser does
+since its issue 32829.
 """
 
 from __future__ import annotations
@@ -28,10 +30,16 @@ from moe_engine.server.parsers.tool_text import (
     Match,
     match_any,
     match_marker,
+    open_value_prefix,
     skip_ws,
     structural_close,
 )
-from moe_engine.server.parsers.tool_values import ArgumentsText, find_properties, glm45_value
+from moe_engine.server.parsers.tool_values import (
+    ArgumentsText,
+    find_properties,
+    glm45_is_text,
+    glm45_value,
+)
 from moe_engine.server.parsers.tools_common import (
     Block,
     BlockToolParser,
@@ -106,8 +114,12 @@ class Glm45ToolParser(BlockToolParser):
             value_start = min(value_start + len(VALUE), n)
             found, value_end, pos = structural_close(
                 text, value_start, VALUE_END, (KEY, END), (KEY, END), final)
+            schema, known = properties.get(key), key in properties
             if found == Match.PENDING:
-                call.arguments = args.text(closed=False)
+                streamed = None
+                if glm45_is_text(schema, known):  # a text value streams as it is written
+                    streamed = key, open_value_prefix(text, value_start, VALUE_END, (KEY, END),
+                                                      (KEY, END))
+                call.arguments = args.text(False, streamed)
                 return Block([call], None)
-            value = text[value_start:value_end].strip()
-            args.add(key, glm45_value(value, properties.get(key), key in properties))
+            args.add(key, glm45_value(text[value_start:value_end], schema, known))

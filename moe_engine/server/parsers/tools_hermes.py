@@ -15,13 +15,15 @@ Keys may come in either order (vLLM's Hermes template writes `arguments` first);
 named once its `"name"` string is complete, and its arguments stream as the raw JSON text of
 the `"arguments"` value, checked as a valid JSON prefix (`tool_text.scan_value`). A call
 without `"arguments"` gets `{}`; arguments given as a JSON string holding an object (some
-fine-tunes do that) are unwrapped once complete. A missing `</tool_call>` is tolerated: the
-call ends with its JSON object and what follows is content.
+fine-tunes do that) are unwrapped once complete. Several objects in one block (Qwen2.5 writes
+that at times) are several calls. A missing `</tool_call>` is tolerated: the call ends with
+its JSON object and what follows is content; an extra `}` before `</tool_call>` is markup.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from moe_engine.server.parsers.base import PartialCall
@@ -43,6 +45,7 @@ from moe_engine.server.parsers.tools_common import (
 
 START = "<tool_call>"
 END = "</tool_call>"
+_STRAY = re.compile(r"[ \t\n\r}]*")
 
 
 @dataclass
@@ -76,7 +79,7 @@ def _scan_member(text: str, pos: int, obj: _CallObject) -> int:
     state, value_end = scan_value(text, value)
     if key == "name" and obj.name is None and state == Scan.COMPLETE:
         name = json.loads(text[value:value_end])
-        if not isinstance(name, str):
+        if not isinstance(name, str) or not name.strip():
             obj.state, obj.end = Scan.INVALID, value
             return -1
         obj.name = name
@@ -144,22 +147,36 @@ class HermesToolParser(BlockToolParser):
             return malformed(start, marker) if final else pending()
         if text[pos] != "{":
             return malformed(start, marker)
-        obj = scan_call_object(text, pos)
-        if obj.name is None:
-            if obj.state == Scan.PARTIAL and not final:
-                return pending()
-            return malformed(start, marker)
-        settled = final or obj.state != Scan.PARTIAL
-        call = PartialCall(obj.name, _arguments(text, obj, settled), settled)
-        if obj.state == Scan.PARTIAL:
-            return Block([call], len(text) if final else None)
-        if obj.state == Scan.INVALID:
-            return broken_tail([call], text, obj.end, (END,), final)
-        close = skip_ws(text, obj.end)
+        calls: list[PartialCall] = []
+        while True:  # Qwen2.5 sometimes writes several objects in one block
+            obj = scan_call_object(text, pos)
+            if obj.name is None:
+                if obj.state == Scan.PARTIAL and not final:
+                    return Block(calls, None) if calls else pending()
+                if not calls:
+                    return malformed(start, marker)
+                return broken_tail(calls, text, pos, (END,), final)
+            settled = final or obj.state != Scan.PARTIAL
+            calls.append(PartialCall(obj.name, _arguments(text, obj, settled), settled))
+            if obj.state == Scan.PARTIAL:
+                return Block(calls, len(text) if final else None)
+            if obj.state == Scan.INVALID:
+                return broken_tail(calls, text, obj.end, (END,), final)
+            close = skip_ws(text, obj.end)
+            if close < len(text) and text[close] == "{":
+                pos = close
+                continue
+            return self._close(text, obj.end, calls, final)
+
+    @staticmethod
+    def _close(text: str, end: int, calls: list[PartialCall], final: bool) -> Block:
+        """After the last object of a block (ending at `end`): `</tool_call>` closes it. Stray
+        `}` before it (models that close the object twice) belong to the markup."""
+        close = _STRAY.match(text, end).end()
         found = match_marker(text, close, END, final)
         if found == Match.YES:
-            return Block([call], min(close + len(END), len(text)))
+            return Block(calls, min(close + len(END), len(text)))
         if found == Match.PENDING:
-            call.done = False
-            return Block([call], None)
-        return Block([call], obj.end)  # no </tool_call>: what follows is content
+            calls[-1].done = False
+            return Block(calls, None)
+        return Block(calls, end)  # no </tool_call>: what follows is content

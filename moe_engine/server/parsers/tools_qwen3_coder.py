@@ -18,8 +18,12 @@ vLLM's `qwen3coder_tool_parser.py`), one block per call:
 A value loses one leading and one trailing newline and is converted by the tool's parameter
 schema (`tool_values.qwen3_coder_value`, vLLM's rules). A `</parameter>` ends the value only
 when `<parameter=`, `</function>` or `</tool_call>` follows it (vLLM's structural rule), so
-code values may contain the markers. The arguments stream one complete parameter at a time:
-`{"city": "Paris"`, then `, "days": 3`, then `}`.
+code values may contain the markers. The arguments stream one complete parameter at a time
+(`{"city": "Paris"`, then `, "days": 3`, then `}`), except that a value that stays text
+whatever it holds (a string in the schema, or a parameter the tool does not declare) streams
+as it is written (`, "code": "def f(` and on), so a long file does not wait for its close
+(vLLM issue 32829); a `</parameter>` whose meaning is undecided, and a trailing newline, are
+held back until the text decides them.
 """
 
 from __future__ import annotations
@@ -29,12 +33,14 @@ from moe_engine.server.parsers.tool_text import (
     Match,
     match_any,
     match_marker,
+    open_value_prefix,
     skip_ws,
     structural_close,
 )
 from moe_engine.server.parsers.tool_values import (
     ArgumentsText,
     find_properties,
+    qwen3_coder_is_text,
     qwen3_coder_value,
 )
 from moe_engine.server.parsers.tools_common import (
@@ -54,10 +60,23 @@ PARAMETER = "<parameter="
 PARAMETER_END = "</parameter>"
 
 
+_FOLLOWERS = (PARAMETER, FUNCTION_END, END)
+_FALLBACK_ENDS = ("\n" + PARAMETER, FUNCTION_END, END)
+
+
 def _strip_newline(value: str) -> str:
     if value.startswith("\n"):
         value = value[1:]
     return value[:-1] if value.endswith("\n") else value
+
+
+def _streamed(text: str, start: int, key: str) -> tuple[str, str]:
+    """(key, the certain start of a text value still being written): one leading newline
+    dropped, and a trailing one held back (the value loses one when it closes)."""
+    value = open_value_prefix(text, start, PARAMETER_END, _FOLLOWERS, _FALLBACK_ENDS)
+    if value.startswith("\n"):
+        value = value[1:]
+    return key, value[:-1] if value.endswith("\n") else value
 
 
 class Qwen3CoderToolParser(BlockToolParser):
@@ -106,14 +125,16 @@ class Qwen3CoderToolParser(BlockToolParser):
                 return Block([call], None)
             if not key:
                 return broken_tail([call], text, pos, (END,), final)
+            value_start = key_end + 1
             found, value_end, pos = structural_close(
-                text, key_end + 1, PARAMETER_END, (PARAMETER, FUNCTION_END, END),
-                ("\n" + PARAMETER, FUNCTION_END, END), final)
+                text, value_start, PARAMETER_END, _FOLLOWERS, _FALLBACK_ENDS, final)
+            schema, known = properties.get(key), key in properties
             if found == Match.PENDING:
-                call.arguments = args.text(closed=False)
+                call.arguments = args.text(False, _streamed(text, value_start, key)
+                                           if qwen3_coder_is_text(schema, known) else None)
                 return Block([call], None)
-            value = _strip_newline(text[key_end + 1:value_end])
-            args.add(key, qwen3_coder_value(value, properties.get(key), key in properties))
+            value = _strip_newline(text[value_start:value_end])
+            args.add(key, qwen3_coder_value(value, schema, known))
 
     @staticmethod
     def _close(text: str, pos: int, call: PartialCall, final: bool) -> Block:
