@@ -39,6 +39,12 @@ REQUIRED_TEXTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def all_ckpt(qwen3_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint with every family's markers in its tokenizer."""
+    return family_checkpoint(qwen3_ckpt, tmp_path_factory.mktemp("chat-all"), "all")
+
+
 def _body(**fields) -> ChatCompletionRequest:
     return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **fields)
 
@@ -155,10 +161,10 @@ def test_unknown_parser_names_and_template_files(tmp_path: Path, capsys) -> None
         ServerOptions(chat_template=str(tmp_path / "missing.jinja"))
 
 
-def test_settings_defaults_none_and_special_markers(qwen3_ckpt, tmp_path) -> None:
+def test_settings_defaults_none_and_special_markers(all_ckpt) -> None:
     from transformers import AutoTokenizer
 
-    ckpt = family_checkpoint(qwen3_ckpt, tmp_path, "all")
+    ckpt = all_ckpt
     tok = AutoTokenizer.from_pretrained(ckpt)
     kwargs = dict(chat_template=None, tool_call_parser=None, reasoning_parser=None,
                   enable_auto_tool_choice=False, tokenizer=tok, model_dir=str(ckpt))
@@ -170,3 +176,51 @@ def test_settings_defaults_none_and_special_markers(qwen3_ckpt, tmp_path) -> Non
     glm = chat_settings(**{**kwargs, "chat_template": chat_template("glm45")})
     assert (glm.tool_parser, glm.reasoning_parser) == ("glm45", "glm45")
     assert glm.chat_template == chat_template("glm45")
+
+
+#: family -> what its template writes for the history's call and its result
+HISTORY_MARKS = {
+    "qwen3": ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+              "</tool_call>", "<tool_response>\nsunny\n</tool_response>"],
+    "qwen3_coder": ["<function=get_weather>\n<parameter=city>\nParis\n</parameter>",
+                    "<tool_response>\nsunny\n</tool_response>"],
+    "deepseek_v3": ['<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+                    '{"city": "Paris"}\n```<｜tool▁call▁end｜>',
+                    "<｜tool▁output▁begin｜>sunny<｜tool▁output▁end｜>"],
+    "deepseek_v31": ['<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
+                     "<｜tool▁call▁end｜>", "<｜tool▁output▁begin｜>sunny<｜tool▁output▁end｜>"],
+    "kimi_k2": ['<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+                '{"city": "Paris"}<|tool_call_end|>',
+                "## Return of functions.get_weather:0\nsunny"],
+    "glm45": ["<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>",
+              "<|observation|>\n<tool_response>\nsunny\n</tool_response>"],
+    "gpt_oss": ['<|start|>assistant to=functions.get_weather<|channel|>commentary json'
+                '<|message|>{"city": "Paris"}<|call|>',
+                "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"
+                "sunny<|end|>"],
+}
+
+
+@pytest.mark.parametrize("family", sorted(HISTORY_MARKS))
+def test_family_templates_render_calls_results_and_tools(family, all_ckpt) -> None:
+    from transformers import AutoTokenizer
+
+    from moe_engine.server.http.chat_render import render_text
+
+    tok = AutoTokenizer.from_pretrained(all_ckpt)
+    body = _body(tools=[{"type": "function", "function": {
+        "name": "get_weather", "description": "Weather now.", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}}}}])
+    messages = [
+        ChatMessage(role="system", content="Be brief."),
+        ChatMessage(role="user", content="Weather in Paris?"),
+        ChatMessage(role="assistant", content=None, tool_calls=[{
+            "id": "functions.get_weather:0", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]),
+        ChatMessage(role="tool", tool_call_id="functions.get_weather:0", content="sunny"),
+    ]
+    text = render_text(tok, chat_template(family), messages, body.tools)
+    for mark in HISTORY_MARKS[family]:
+        assert mark in text, (family, mark, text)
+    assert "Be brief." in text and "Weather in Paris?" in text and "Weather now." in text
+    assert "Weather now." not in render_text(tok, chat_template(family), messages)
