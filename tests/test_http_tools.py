@@ -244,6 +244,12 @@ def test_auto_needs_enable_auto_tool_choice(base_url, server, client) -> None:
             assert r.status_code == 400
             assert r.json()["error"]["param"] == "tool_choice"
             assert "--enable-auto-tool-choice" in r.json()["error"]["message"]
+        state.chat = ChatSettings()  # no parsers at all: required needs none
+        got = whole(client, model=MODEL, messages=USER, tools=TOOLS, tool_choice="required",
+                    temperature=0, max_tokens=200)
+        assert got["choices"][0]["calls"] and got["choices"][0]["finish_reason"] == "tool_calls"
+        for call in got["choices"][0]["calls"]:
+            jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
     finally:
         state.chat = settings
     assert client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2).choices
