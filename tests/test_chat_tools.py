@@ -224,3 +224,29 @@ def test_family_templates_render_calls_results_and_tools(family, all_ckpt) -> No
         assert mark in text, (family, mark, text)
     assert "Be brief." in text and "Weather in Paris?" in text and "Weather now." in text
     assert "Weather now." not in render_text(tok, chat_template(family), messages)
+
+
+def test_reasoning_token_count_is_exact(all_ckpt) -> None:
+    from transformers import AutoTokenizer
+
+    from moe_engine.server.http.chat_output import count_reasoning_tokens
+    from moe_engine.server.parsers import registry
+
+    tok = AutoTokenizer.from_pretrained(all_ckpt)
+
+    def count(text: str, prompt: str = "", name: str = "qwen3") -> int:
+        ids = tok.encode(text, add_special_tokens=False)
+        return count_reasoning_tokens(
+            ids, lambda i: tok.decode(i, skip_special_tokens=False),
+            lambda: registry.reasoning_parser(name, prompt))
+
+    def n(text: str) -> int:
+        return len(tok.encode(text, add_special_tokens=False))
+
+    thought = "<think>\nLet me see: 2 + 2 is four, naïvely ☕.\n</think>"
+    assert count(thought + "\n\nIt is 4.") == n(thought)
+    assert count(thought) == n(thought)
+    assert count("<think>\nnever ends") == n("<think>\nnever ends")
+    # DeepSeek-R1's prompt opened the block: the output starts inside it
+    assert count("ab cd</think>answer", "<｜Assistant｜><think>\n", "deepseek_r1") == n(
+        "ab cd</think>")

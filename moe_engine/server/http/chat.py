@@ -20,8 +20,8 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from moe_engine.errors import RequestError
-from moe_engine.sampling_params import MAX_LOGPROBS, OUTPUT_DELTA
-from moe_engine.server.http.chat_output import ChoiceParse, delta_json
+from moe_engine.sampling_params import MAX_LOGPROBS
+from moe_engine.server.http.chat_output import ChoiceParse, count_reasoning_tokens, delta_json
 from moe_engine.server.http.chat_render import render_text
 from moe_engine.server.http.chat_tools import plan_tools
 from moe_engine.server.http.common import (
@@ -117,8 +117,6 @@ async def create_chat_completion(state: HttpState, body: ChatCompletionRequest):
     parsing = reasoning is not None or plan.make_parser is not None
     if plan.keep_special_tokens or (reasoning and settings.reasoning_keeps_special_tokens):
         params.skip_special_tokens = False  # the parsers read the formats' marker tokens
-    if reasoning is not None:
-        params.output_kind = OUTPUT_DELTA  # reasoning tokens are counted per step
     try:
         state.check_request(prompt, params, "messages")
         streams = await state.open_streams([prompt], params, "chatcmpl")
@@ -133,8 +131,17 @@ async def create_chat_completion(state: HttpState, body: ChatCompletionRequest):
     def new_parse() -> ChoiceParse | None:
         if not parsing:
             return None
-        return ChoiceParse(registry.reasoning_parser(reasoning, text) if reasoning else None,
-                           plan.make_parser() if plan.make_parser else None)
+        if reasoning is None:
+            return ChoiceParse(None, plan.make_parser() if plan.make_parser else None)
+        skip = params.skip_special_tokens
+
+        def count(ids: list[int]) -> int:
+            return count_reasoning_tokens(
+                ids, lambda i: state.tokenizer.decode(i, skip_special_tokens=skip),
+                lambda: registry.reasoning_parser(reasoning, text))
+
+        return ChoiceParse(registry.reasoning_parser(reasoning, text),
+                           plan.make_parser() if plan.make_parser else None, count)
 
     parses = [new_parse() for _ in range(body.n)]
     if body.stream:
@@ -160,8 +167,9 @@ def chat_usage(prompt_tokens: int, choices: list[Choice],
     """`usage`, with `completion_tokens_details.reasoning_tokens` under a reasoning parser."""
     out: dict[str, Any] = usage(prompt_tokens, sum(c.num_output_tokens for c in choices))
     if any(p is not None and p.has_reasoning for p in parses):
-        out["completion_tokens_details"] = {
-            "reasoning_tokens": sum(p.reasoning_tokens for p in parses if p is not None)}
+        out["completion_tokens_details"] = {"reasoning_tokens": sum(
+            p.reasoning_tokens(c.token_ids) for c, p in zip(choices, parses, strict=True)
+            if p is not None)}
     return out
 
 

@@ -5,18 +5,18 @@ Reasoning appears as `reasoning_content` (DeepSeek's and vLLM's original field, 
 clients read) and as `reasoning` (vLLM's name since its PR #27752, November 2025), in messages
 and deltas alike.
 
-Reasoning tokens (`usage.completion_tokens_details.reasoning_tokens`): the tokens of every
-engine output fed while the reasoning was still open, including the output that closed it; 0
-when the choice showed no reasoning. Exact when each output carries one token (streams at
-`--stream-interval 1`, and whole responses, which read the engine's per-step outputs when a
-reasoning parser runs); otherwise the output that closes the reasoning may add up to
-`stream_interval - 1` answer tokens to the count. Text the detokenizer holds back (an
-incomplete UTF-8 character, a possible stop string) arrives with a later token, which may
-shift one token across the boundary.
+Reasoning tokens (`usage.completion_tokens_details.reasoning_tokens`, `count_reasoning_tokens`):
+the output tokens up to and including the one that completes the reasoning's end marker (all of
+them when the reasoning never ended; 0 when the choice showed no reasoning), found once the
+choice has finished by a binary search over its token ids: the shortest prefix whose decoded
+text the reasoning parser reads as ended (a parser never takes text back, so "ended" holds for
+every longer prefix). That is O(log n) decodes of at most n tokens per choice, whatever the
+stream interval, and exact for whole and streamed responses alike.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from moe_engine.core.outputs import EngineCoreOutput
@@ -35,26 +35,28 @@ class ChoiceParse:
     Args:
         reasoning: the choice's reasoning parser, or None.
         tools: the choice's tool parser, or None.
+        count_reasoning: the choice's output token ids -> its reasoning tokens
+            (`count_reasoning_tokens` bound to the tokenizer and parser), with `reasoning`.
     """
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None,
+                 count_reasoning: Callable[[list[int]], int] | None = None) -> None:
         self.stream = OutputStream(reasoning, tools)
         self.has_reasoning = reasoning is not None
-        self._reasoning_tokens = 0
+        self._count_reasoning = count_reasoning
 
     def feed(self, out: EngineCoreOutput) -> DeltaMessage:
         """What `out` (one engine output of this choice) adds; its end too when it is the last."""
-        still_open = self.has_reasoning and not self.stream.reasoning_ended
         delta = self.stream.feed(out.new_text)
         if out.finished:
             delta = merge(delta, self.stream.finish())
-        if still_open:
-            self._reasoning_tokens += len(out.new_token_ids)
         return delta
 
-    @property
-    def reasoning_tokens(self) -> int:
-        return self._reasoning_tokens if self.stream.reasoning else 0
+    def reasoning_tokens(self, token_ids: list[int]) -> int:
+        """The reasoning's tokens among the finished choice's output `token_ids`."""
+        if not self.stream.reasoning or self._count_reasoning is None:
+            return 0
+        return self._count_reasoning(token_ids)
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
         """"tool_calls" when calls were returned and the model stopped by itself; else the
@@ -107,3 +109,27 @@ def merge(first: DeltaMessage, second: DeltaMessage) -> DeltaMessage:
             calls.append(c)
     return DeltaMessage(first.content + second.content,
                         first.reasoning_content + second.reasoning_content, calls)
+
+
+def count_reasoning_tokens(
+    token_ids: list[int], decode: Callable[[list[int]], str],
+    new_parser: Callable[[], ReasoningParser],
+) -> int:
+    """How many of `token_ids` (a finished output) the reasoning spans: the shortest prefix
+    whose text `new_parser()` reads as ended, or all of them if it never ends.
+
+    Args:
+        token_ids: the output's token ids (tokens).
+        decode: token ids -> text, as the engine decoded them (same special-token setting).
+        new_parser: a fresh reasoning parser, started where the prompt left the output.
+    """
+    if not new_parser().parse(decode(token_ids), False).ended:
+        return len(token_ids)
+    lo, hi = 0, len(token_ids)  # ended at hi; not known at lo
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if new_parser().parse(decode(token_ids[:mid]), False).ended:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
