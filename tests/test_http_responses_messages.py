@@ -1,9 +1,12 @@
 """/v1/responses (OpenAI's Responses API) and /v1/messages (Anthropic's Messages API), driven
-with the official `openai` and `anthropic` SDKs against one tiny server: text in and out,
-whole and streamed (greedy: the streamed text equals the whole text), the events in each API's
-order as the SDKs parse them, instructions / system rendered into the prompt (usage against
-/tokenize), `previous_response_id`, forced tool choices whose arguments validate, errors in
-each API's own shape naming the field, and `x-api-key`."""
+with the official `openai` and `anthropic` SDKs against one tiny server (Qwen3-MoE weights with
+the Qwen3 test chat template and markers, so the hermes tool parser and the qwen3 reasoning
+parser are the defaults; `--enable-auto-tool-choice`): text in and out, whole and streamed
+(greedy: the streamed text equals the whole text), the events in each API's order as the SDKs
+parse them, instructions / system rendered into the prompt (usage against /tokenize),
+`previous_response_id`, forced tool choices whose arguments validate, `auto` calls and
+reasoning read from a scripted output (`scripted_core`), errors in each API's own shape naming
+the field, and `x-api-key`."""
 
 from __future__ import annotations
 
@@ -16,8 +19,13 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from chat_fixtures import family_checkpoint
 from grpc_helpers import ServerThread
-from http_helpers import API_KEY, MODEL, start_server, tokenizer_checkpoint
+from http_helpers import API_KEY, MAX_MESSAGE_BYTES, MODEL
+from scripted_core import END, START
+
+from moe_engine.server.app import ServerOptions
+from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 GREEDY = {"temperature": 0, "max_output_tokens": 8}
 WEATHER = {
@@ -32,7 +40,16 @@ TIME = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["ut
 
 @pytest.fixture(scope="module")
 def server(qwen3_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
-    handle = start_server(tokenizer_checkpoint(qwen3_ckpt, tmp_path_factory.mktemp("apis")))
+    ckpt = family_checkpoint(qwen3_ckpt, tmp_path_factory.mktemp("apis"), "qwen3")
+    config = EngineConfig(  # prompts with tools in the system turn are a few hundred tokens
+        model=ModelConfig(str(ckpt), max_model_len=1024),
+        cache=CacheConfig(block_size=16, num_blocks_override=256),
+        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024),
+    )
+    opts = ServerOptions(port=0, http_port=0, api_key=API_KEY, served_model_name=MODEL,
+                         max_message_bytes=MAX_MESSAGE_BYTES, log_stats_interval_s=None,
+                         enable_auto_tool_choice=True)
+    handle = ServerThread(config, opts, core_factory="scripted_core:build_scripted_core")
     yield handle
     handle.close()
 
@@ -52,6 +69,17 @@ def oai(base_url: str) -> Iterator[openai.OpenAI]:
 def claude(base_url: str) -> Iterator[anthropic.Anthropic]:
     with anthropic.Anthropic(base_url=base_url, api_key=API_KEY, max_retries=0) as c:
         yield c
+
+
+def items(response) -> list[tuple]:
+    """A response's output items without their ids: (type, status, text or name/arguments)."""
+    out = []
+    for o in response.output:
+        if o.type == "function_call":
+            out.append((o.type, o.status, o.name, o.arguments))
+        else:
+            out.append((o.type, o.status, [c.text for c in o.content]))
+    return out
 
 
 def prompt_tokens(base_url: str, messages: list[dict]) -> int:
@@ -154,6 +182,36 @@ def test_responses_named_and_required_tool_choice(oai) -> None:
     assert follow.output and follow.usage.input_tokens > named.usage.input_tokens
 
 
+SAID = ('<think>\nThe user wants weather.\n</think>\n\nLet me check.\n<tool_call>\n'
+        '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>')
+TOOLS_FLAT = [{"type": "function", "name": "get_weather", "parameters": WEATHER},
+              {"type": "function", "name": "get_time", "parameters": TIME}]
+
+
+def test_responses_auto_calls_and_reasoning(oai) -> None:
+    kwargs = {"model": MODEL, "input": f"{START}{SAID}{END}", "tools": TOOLS_FLAT,
+              "max_output_tokens": 200}
+    whole = oai.responses.create(**kwargs)
+    assert [o.type for o in whole.output] == ["reasoning", "message", "function_call"]
+    reasoning, message, call = whole.output
+    assert reasoning.content[0].text == "\nThe user wants weather.\n"
+    assert message.content[0].text == "\n\nLet me check."
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris", "days": 2})
+    assert whole.status == "completed"
+    details = whole.usage.output_tokens_details
+    assert 0 < details.reasoning_tokens < whole.usage.output_tokens
+    with oai.responses.stream(**kwargs) as stream:
+        kinds = [e.type for e in stream]
+        streamed = stream.get_final_response()
+    assert items(streamed) == items(whole)
+    assert streamed.usage == whole.usage
+    assert "response.reasoning_text.delta" in kinds and kinds[-1] == "response.completed"
+    # tool_choice none: the same text comes back as text (reasoning still split off).
+    plain = oai.responses.create(**kwargs, tool_choice="none")
+    assert [o.type for o in plain.output] == ["reasoning", "message"]
+    assert "<tool_call>" in plain.output_text
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": "x", "max_output_token": 5}, "max_output_token"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
@@ -253,6 +311,29 @@ def test_messages_tool_choice(claude) -> None:
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                       "content": "sunny"}]}]})
     assert follow.usage.input_tokens > named.usage.input_tokens
+
+
+def test_messages_auto_tool_use_and_thinking(claude) -> None:
+    tools = [{"name": "get_weather", "input_schema": WEATHER},
+             {"name": "get_time", "input_schema": TIME}]
+    kwargs = {"model": MODEL, "max_tokens": 200, "tools": tools,
+              "messages": [{"role": "user", "content": f"{START}{SAID}{END}"}]}
+    whole = claude.messages.create(**kwargs)
+    assert [b.type for b in whole.content] == ["thinking", "text", "tool_use"]
+    thinking, text, use = whole.content
+    assert thinking.thinking == "\nThe user wants weather.\n"
+    assert text.text == "\n\nLet me check."
+    assert (use.name, use.input) == ("get_weather", {"city": "Paris", "days": 2})
+    assert whole.stop_reason == "tool_use"
+    with claude.messages.stream(**kwargs) as stream:
+        kinds = [(e.type, getattr(getattr(e, "delta", None), "type", None)) for e in stream]
+        streamed = stream.get_final_message()
+    strip = [{k: v for k, v in b.model_dump().items() if k != "id"} for b in whole.content]
+    assert [{k: v for k, v in b.model_dump().items() if k != "id"}
+            for b in streamed.content] == strip
+    assert streamed.stop_reason == "tool_use" and streamed.usage == whole.usage
+    assert ("content_block_delta", "thinking_delta") in kinds
+    assert ("content_block_delta", "input_json_delta") in kinds
 
 
 @pytest.mark.parametrize(("body", "field"), [

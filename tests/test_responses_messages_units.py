@@ -15,7 +15,8 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from moe_engine.server.http.chat_events import TurnEnd
+from moe_engine.server.http.chat_events import ChatTurn, TurnEnd
+from moe_engine.server.http.chat_tools import RequiredCallsParser
 from moe_engine.server.http.errors import OpenAIError
 from moe_engine.server.http.messages import stop_reason
 from moe_engine.server.http.messages import to_turn as messages_turn
@@ -26,11 +27,6 @@ from moe_engine.server.http.responses import to_turn as responses_turn
 from moe_engine.server.http.responses_protocol import ResponsesRequest
 from moe_engine.server.http.responses_store import ResponseStore
 from moe_engine.server.http.responses_stream import ResponseBuilder
-from moe_engine.server.http.tool_choice import (
-    RequiredCallsParser,
-    forced_tool_stream,
-    tool_choice_grammar,
-)
 from moe_engine.server.parsers import registry
 from moe_engine.server.parsers.base import OutputStream
 
@@ -181,37 +177,23 @@ def test_stop_reasons() -> None:
     assert stop_reason(end("abort"), None) == (None, None)
 
 
-def test_required_calls_reader_every_split() -> None:
-    whole = forced_tool_stream([], "required")
-    whole.feed(CALLS)
-    whole.finish()
-    for i in range(len(CALLS) + 1):
-        stream = forced_tool_stream([], "required")
-        for piece in (CALLS[:i], CALLS[i:]):
-            stream.feed(piece)
-        stream.finish()
-        assert [(c.name, c.arguments) for c in stream.tool_calls] == [
-            (c.name, c.arguments) for c in whole.tool_calls]
-    assert [json.loads(c.arguments) for c in whole.tool_calls] == [{"zone": 'c"et'}, {}]
-    named = forced_tool_stream([], "get_time")
-    named.feed('{"zone":')
-    named.feed('"utc"}')
-    named.finish()
-    assert [(c.name, c.arguments) for c in named.tool_calls] == [("get_time", '{"zone":"utc"}')]
-
-
-def test_tool_choice_grammar() -> None:
-    tools = [{"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}}]
-    assert tool_choice_grammar(tools, "auto", "tool_choice") is None
-    schema = json.loads(tool_choice_grammar(tools, "required", "tool_choice", False).json)
-    assert schema["maxItems"] == 1 and schema["minItems"] == 1
-    assert schema["items"]["anyOf"][0]["properties"]["name"] == {"type": "string", "enum": ["a"]}
-    assert json.loads(tool_choice_grammar(tools, "a", "tc").json) == {"type": "object"}
+def test_turn_as_chat_request_names_the_apis_fields() -> None:
+    turn = ChatTurn(messages=[{"role": "user", "content": "q"},
+                              {"role": "assistant", "content": "A"}],
+                    tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="f",
+                    parallel_tool_calls=False, max_tokens=5, temperature=0.5, top_k=3,
+                    continue_final_message=True, chat_template_kwargs={"enable_thinking": True},
+                    fields={"messages": "input", "tool_choice": "tool_choice"})
+    body = turn.chat_request()
+    assert body.tool_choice.function.name == "f" and body.parallel_tool_calls is False
+    assert body.continue_final_message and not body.add_generation_prompt
+    assert (body.max_tokens, body.temperature, body.top_k) == (5, 0.5, 3)
+    assert body.chat_template_kwargs == {"enable_thinking": True}
+    assert ChatTurn(messages=[{"role": "user", "content": "q"}]).chat_request().tool_choice is None
+    bad = ChatTurn(messages=[{"role": "robot", "content": "q"}], fields={"messages": "input"})
     with pytest.raises(OpenAIError) as err:
-        tool_choice_grammar(tools, "b", "tool_choice.name")
-    assert err.value.param == "tool_choice.name" and "'b'" in err.value.message
-    with pytest.raises(OpenAIError):
-        tool_choice_grammar(None, "required", "tool_choice")
+        bad.chat_request()
+    assert err.value.param == "input[0].role" and err.value.message.startswith("input[0].role")
 
 
 def test_responses_items_to_chat_messages() -> None:

@@ -7,30 +7,44 @@
     # run.prompt_tokens, run.request_id; run.close() aborts what still runs
 
 `ChatTurn.messages` are OpenAI chat messages as dicts (`role` system/user/assistant/tool,
-`content` text, an assistant's `tool_calls` `[{"id", "type": "function", "function": {"name",
-"arguments"}}]`, a tool message's `tool_call_id`); `tools` are chat tools (`[{"type":
-"function", "function": {"name", "description", "parameters"}}]`). Each API translates its own
-request into this shape and the events back into its own items, so the rendering, sampling,
-admission and parsing are the chat pipeline's, written once.
+`content` text or None, an assistant's `tool_calls` `[{"id", "type": "function", "function":
+{"name", "arguments"}}]` and `reasoning_content`, a tool message's `tool_call_id`); `tools` are
+chat tools (`[{"type": "function", "function": {"name", "description", "parameters"}}]`). Each
+API translates its own request into this shape and the events back into its own items.
+
+The turn becomes a `ChatCompletionRequest` and goes through the chat pipeline's own pieces, as
+`/v1/chat/completions` uses them: `chat_tools.plan_tools` (tool_choice: `auto` through the
+server's tool parser, `required` / named enforced with structured output), `chat_render`
+(`--chat-template`, tools, `continue_final_message`, `chat_template_kwargs`), the server's
+reasoning parser, `common.sampling_params`, and one `chat_output.ChoiceParse` per choice.
 
 Every refusal happens in `start_turn`, before the caller sends a status line, and names the
 caller's field (`ChatTurn.fields` maps the chat names "messages", "max_tokens", "stop",
-"tools", "tool_choice", "temperature", "top_p", "top_k" to the API's own).
+"tools", "tool_choice", ... to the API's own).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from moe_engine.core.validation import param_error
-from moe_engine.errors import ParamError, RequestError
-from moe_engine.sampling_params import OUTPUT_DELTA, OUTPUT_FINAL_ONLY, SamplingParams
-from moe_engine.server.http.errors import OpenAIError
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from moe_engine.errors import RequestError
+from moe_engine.server.http.chat_output import ChoiceParse, count_reasoning_tokens
+from moe_engine.server.http.chat_render import render_text
+from moe_engine.server.http.chat_tools import plan_tools
+from moe_engine.server.http.common import Choice, sampling_params
+from moe_engine.server.http.errors import OpenAIError, validation_error
+from moe_engine.server.http.protocol import ChatCompletionRequest
 from moe_engine.server.http.state import HttpState, PromptStreams
-from moe_engine.server.http.tool_choice import forced_tool_stream, tool_choice_grammar
-from moe_engine.server.parsers.base import DeltaMessage, OutputStream, ToolCall
+from moe_engine.server.parsers import registry
+from moe_engine.server.parsers.base import DeltaMessage, ToolCall
+
+#: Choices that do not name a function.
+_CHOICES = ("none", "auto", "required")
 
 
 @dataclass
@@ -41,7 +55,8 @@ class ChatTurn:
         messages: the conversation (OpenAI chat messages as dicts).
         max_tokens: the most tokens to generate, or None (the rest of the context).
         tools: chat function tools, or None.
-        tool_choice: "none", "auto", "required", or a function name (a named choice).
+        tool_choice: "none", "auto", "required", or a function name (a named choice); None:
+            "auto" with tools, else "none".
         parallel_tool_calls: False: at most one call (`required` forces exactly one).
         temperature, top_p, top_k, seed: sampling (None: the engine's defaults).
         stop: stop strings, or None.
@@ -55,7 +70,7 @@ class ChatTurn:
     messages: list[dict[str, Any]]
     max_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str = "auto"
+    tool_choice: str | None = None
     parallel_tool_calls: bool = True
     temperature: float | None = None
     top_p: float | None = None
@@ -68,8 +83,51 @@ class ChatTurn:
     fields: dict[str, str] = field(default_factory=dict)
 
     def name_of(self, name: str) -> str:
-        """The API's name of chat field `name`."""
-        return self.fields.get(name, name)
+        """The API's name of chat field `name` (or of a path under it: `messages[2].role`)."""
+        head = name.split("[")[0].split(".")[0]
+        return self.fields.get(head, head) + name[len(head):]
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """The turn as the chat API's request body.
+
+        Raises:
+            OpenAIError: 400 naming the API's field for a message or tool the chat API refuses.
+        """
+        choice: Any = self.tool_choice
+        if choice is not None and choice not in _CHOICES:
+            choice = {"type": "function", "function": {"name": choice}}
+        body: dict[str, Any] = {
+            "messages": self.messages, "max_tokens": self.max_tokens, "tools": self.tools,
+            "tool_choice": choice if self.tools or choice not in ("auto", None) else None,
+            "parallel_tool_calls": self.parallel_tool_calls, "stop": self.stop,
+            "seed": self.seed, "stream": self.stream,
+            "chat_template_kwargs": self.chat_template_kwargs or None,
+            "add_generation_prompt": not self.continue_final_message,
+            "continue_final_message": self.continue_final_message,
+        }
+        for name in ("temperature", "top_p", "top_k"):
+            if getattr(self, name) is not None:
+                body[name] = getattr(self, name)
+        try:
+            return ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            raise self.renamed(validation_error(RequestValidationError(
+                [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]))) from None
+
+    def renamed(self, exc: OpenAIError | RequestError) -> Any:
+        """`exc` with its field (and the message's leading field) in the API's names."""
+        old = exc.param if isinstance(exc, OpenAIError) else exc.field
+        if not old:
+            return exc
+        new = self.name_of(old)
+        if new != old and exc.message.startswith(old):
+            exc.message = new + exc.message[len(old):]
+            exc.args = (exc.message,)
+        if isinstance(exc, OpenAIError):
+            exc.param = new
+        else:
+            exc.field = new
+        return exc
 
 
 @dataclass
@@ -86,12 +144,12 @@ class TurnEnd:
 
     Attributes:
         finish_reason: "stop", "length", "abort" (the engine's), or "tool_calls" when the
-            output held tool calls (OpenAI chat's word).
+            output held tool calls and the model stopped by itself (chat's rule).
         stop_reason: the stop string or stop token id that ended it; None for EOS.
         content, reasoning: the whole answer text and reasoning text.
         tool_calls: the finished calls, in order.
-        output_tokens: tokens generated; reasoning_tokens: of them, those before the
-            reasoning ended (counted per engine output).
+        output_tokens: tokens generated; reasoning_tokens: of them, the reasoning's (the
+            shortest prefix whose text ends it, `chat_output.count_reasoning_tokens`).
     """
 
     index: int
@@ -108,12 +166,12 @@ class TurnRun:
     """The running engine request of one turn (see `start_turn`)."""
 
     def __init__(self, streams: PromptStreams, prompt_tokens: int, n: int,
-                 make_stream: Any) -> None:
+                 new_parse: Callable[[], ChoiceParse]) -> None:
         self.streams = streams
         self.request_id = streams.request_id
         self.prompt_tokens = prompt_tokens
-        self._outputs = [make_stream() for _ in range(n)]
-        self._reasoning_tokens = [0] * n
+        self._parses = [new_parse() for _ in range(n)]
+        self._choices = [Choice(i) for i in range(n)]
 
     async def events(self) -> AsyncIterator[TurnDelta | TurnEnd]:
         """TurnDelta for every engine output that added something, then TurnEnd per choice.
@@ -123,92 +181,28 @@ class TurnRun:
         """
         async for batch in self.streams.outputs():
             for _, out in batch:
-                stream = self._outputs[out.index]
-                before = stream.reasoning_ended
-                delta = stream.feed(out.new_text)
-                if not before:
-                    self._reasoning_tokens[out.index] += len(out.new_token_ids)
+                parse, choice = self._parses[out.index], self._choices[out.index]
+                choice.add(out)
+                delta = parse.feed(out)
                 if delta:
                     yield TurnDelta(out.index, delta)
                 if out.finished:
-                    last = stream.finish()
-                    if last:
-                        yield TurnDelta(out.index, last)
-                    yield self._end(out)
+                    yield self._end(parse, choice, out)
 
-    def _end(self, out: Any) -> TurnEnd:
-        stream = self._outputs[out.index]
-        reason = str(out.finish_reason) if out.finish_reason is not None else None
-        calls = stream.tool_calls
-        if calls and reason == "stop":
-            reason = "tool_calls"
-        return TurnEnd(out.index, reason, out.stop_reason, stream.content, stream.reasoning,
-                       calls, out.num_output_tokens, self._reasoning_tokens[out.index])
+    @staticmethod
+    def _end(parse: ChoiceParse, choice: Choice, out: Any) -> TurnEnd:
+        s = parse.stream
+        return TurnEnd(out.index, parse.finish_reason(choice.finish_reason), out.stop_reason,
+                       s.content, s.reasoning, s.tool_calls, choice.num_output_tokens,
+                       parse.reasoning_tokens(choice.token_ids))
 
     async def close(self) -> None:
         await self.streams.close()
 
 
-def render_turn(state: HttpState, turn: ChatTurn) -> list[int]:
-    """The conversation through the chat template (with `tools`), as token ids.
-
-    Raises:
-        OpenAIError: 400 naming the messages field without a chat template, or when the
-            template refuses the conversation.
-    """
-    tok = state.tokenizer
-    name = turn.name_of("messages")
-    if tok is None or not getattr(tok, "chat_template", None):
-        what = "no tokenizer" if tok is None else "a tokenizer without a chat template"
-        raise OpenAIError(400, f"{name}: the served model has {what}", name, "unsupported_value")
-    conversation = [{**m, "content": m.get("content") or ""} for m in turn.messages]
-    try:
-        text = tok.apply_chat_template(
-            conversation, tools=turn.tools or None, tokenize=False,
-            add_generation_prompt=not turn.continue_final_message,
-            continue_final_message=turn.continue_final_message, **turn.chat_template_kwargs,
-        )
-    except Exception as exc:  # noqa: BLE001 - jinja's errors (TemplateError, raise_exception)
-        raise OpenAIError(400, f"{name}: the chat template refused them: {exc}", name,
-                          "invalid_value") from exc
-    return list(tok.encode(text, add_special_tokens=False))
-
-
-def turn_params(turn: ChatTurn, max_tokens: int) -> SamplingParams:
-    """SamplingParams of a turn (greedy when temperature is 0; a forced tool choice adds its
-    grammar).
-
-    Raises:
-        RequestError: INVALID_ARGUMENT naming the API's field SamplingParams refused.
-    """
-    kwargs: dict[str, Any] = {
-        "max_tokens": max_tokens, "stop": turn.stop, "seed": turn.seed,
-        "output_kind": OUTPUT_DELTA if turn.stream else OUTPUT_FINAL_ONLY,
-    }
-    for name in ("temperature", "top_p", "top_k"):
-        if getattr(turn, name) is not None:
-            kwargs[name] = getattr(turn, name)
-    grammar = tool_choice_grammar(turn.tools, turn.tool_choice, turn.name_of("tool_choice"),
-                                  turn.parallel_tool_calls)
-    if grammar is not None:
-        kwargs["structured_outputs"] = grammar
-    try:
-        return SamplingParams(**kwargs)
-    except ParamError as exc:
-        error = param_error(exc)
-        raise _renamed(error, turn) from exc
-
-
-def _renamed(exc: RequestError, turn: ChatTurn) -> RequestError:
-    name = turn.name_of(exc.field)
-    if name != exc.field and exc.message.startswith(exc.field):
-        exc.message = name + exc.message[len(exc.field):]
-    exc.field = name
-    return exc
-
-
 async def start_turn(state: HttpState, turn: ChatTurn, prefix: str = "turn") -> TurnRun:
-    """Render, check and submit the turn; returns once the engine accepted it.
+    """Render, check and submit the turn as `/v1/chat/completions` does; returns once the
+    engine accepted it.
 
     Args:
         prefix: the engine request id's prefix (`resp`, `msg`: `<prefix>-<X-Request-Id>`).
@@ -217,22 +211,43 @@ async def start_turn(state: HttpState, turn: ChatTurn, prefix: str = "turn") -> 
         OpenAIError / RequestError: the HTTP error (400, 429, 503) naming the API's field.
     """
     state.check_ready()
-    prompt = render_turn(state, turn)
-    max_tokens = turn.max_tokens
-    if max_tokens is None:
-        max_tokens = max(1, state.max_model_len() - len(prompt))
-    params = turn_params(turn, max_tokens)
+    body = turn.chat_request()
+    settings = state.chat
     try:
-        state.check_request(prompt, params, turn.name_of("messages"))
+        plan = plan_tools(body, settings.tool_parser, settings.enable_auto_tool_choice)
+        text = render_text(state.tokenizer, settings.chat_template, body.messages, body.tools,
+                           add_generation_prompt=body.add_generation_prompt,
+                           continue_final_message=body.continue_final_message,
+                           chat_template_kwargs=body.chat_template_kwargs)
+        prompt = list(state.tokenizer.encode(text, add_special_tokens=False))
+        # A constrained output is JSON from its first token: no reasoning to split off.
+        reasoning = None if plan.structured is not None else settings.reasoning_parser
+        max_tokens = body.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, state.max_model_len() - len(prompt))
+        params = sampling_params(body, max_tokens, None, plan.structured)
+        if plan.keep_special_tokens or (reasoning and settings.reasoning_keeps_special_tokens):
+            params.skip_special_tokens = False  # the parsers read the formats' marker tokens
+        state.check_request(prompt, params, "messages")
+        streams = await state.open_streams([prompt], params, prefix)
     except RequestError as exc:
-        raise _renamed(exc, turn) from None
-    streams = await state.open_streams([prompt], params, prefix)
-    return TurnRun(streams, len(prompt), 1, lambda: _output_stream(turn))
+        if exc.field == "response_format" and plan.structured is not None:
+            exc = RequestError(exc.code, "tools", "tools" + exc.message[len("response_format"):])
+        raise turn.renamed(exc) from None
+    except OpenAIError as exc:
+        raise turn.renamed(exc) from None
 
+    def new_parse() -> ChoiceParse:
+        tools = plan.make_parser() if plan.make_parser else None
+        if reasoning is None:
+            return ChoiceParse(None, tools)
+        skip = params.skip_special_tokens
 
-def _output_stream(turn: ChatTurn) -> OutputStream:
-    """One choice's parser stream: the forced tool choice's JSON reader, else plain text."""
-    forced = forced_tool_stream(turn.tools, turn.tool_choice)
-    if forced is not None:
-        return forced
-    return OutputStream(None, None)
+        def count(ids: list[int]) -> int:
+            return count_reasoning_tokens(
+                ids, lambda i: state.tokenizer.decode(i, skip_special_tokens=skip),
+                lambda: registry.reasoning_parser(reasoning, text))
+
+        return ChoiceParse(registry.reasoning_parser(reasoning, text), tools, count)
+
+    return TurnRun(streams, len(prompt), 1, new_parse)
