@@ -247,6 +247,9 @@ def test_messages_text_whole_and_streamed(claude, base_url) -> None:
         {"role": "system", "content": "you write\npython"},
         {"role": "user", "content": "def f(x):"}])
     assert whole.usage.output_tokens <= 8
+    count = claude.messages.count_tokens(model=MODEL, system=SYSTEM,
+                                         messages=kwargs["messages"])
+    assert count.input_tokens == whole.usage.input_tokens
     events = list(claude.messages.create(**kwargs, stream=True))
     kinds = [e.type for e in events]
     deltas = kinds.count("content_block_delta")

@@ -200,6 +200,29 @@ class TurnRun:
         await self.streams.close()
 
 
+def _render(state: HttpState, body: ChatCompletionRequest) -> str:
+    """The prompt text of a chat request (`--chat-template` or the tokenizer's)."""
+    return render_text(state.tokenizer, state.chat.chat_template, body.messages, body.tools,
+                       add_generation_prompt=body.add_generation_prompt,
+                       continue_final_message=body.continue_final_message,
+                       chat_template_kwargs=body.chat_template_kwargs)
+
+
+def count_turn_tokens(state: HttpState, turn: ChatTurn) -> int:
+    """The prompt length of a turn (tokens), as `start_turn` would submit it.
+
+    Raises:
+        OpenAIError: 400 naming the API's field the chat template or the chat API refuses.
+    """
+    state.check_ready()
+    body = turn.chat_request()
+    try:
+        text = _render(state, body)
+    except OpenAIError as exc:
+        raise turn.renamed(exc) from None
+    return len(state.tokenizer.encode(text, add_special_tokens=False))
+
+
 async def start_turn(state: HttpState, turn: ChatTurn, prefix: str = "turn") -> TurnRun:
     """Render, check and submit the turn as `/v1/chat/completions` does; returns once the
     engine accepted it.
@@ -215,10 +238,7 @@ async def start_turn(state: HttpState, turn: ChatTurn, prefix: str = "turn") -> 
     settings = state.chat
     try:
         plan = plan_tools(body, settings.tool_parser, settings.enable_auto_tool_choice)
-        text = render_text(state.tokenizer, settings.chat_template, body.messages, body.tools,
-                           add_generation_prompt=body.add_generation_prompt,
-                           continue_final_message=body.continue_final_message,
-                           chat_template_kwargs=body.chat_template_kwargs)
+        text = _render(state, body)
         prompt = list(state.tokenizer.encode(text, add_special_tokens=False))
         # A constrained output is JSON from its first token: no reasoning to split off.
         reasoning = None if plan.structured is not None else settings.reasoning_parser

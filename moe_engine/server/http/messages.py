@@ -30,9 +30,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 
 from moe_engine.errors import RequestError
-from moe_engine.server.http.chat_events import ChatTurn, TurnDelta, TurnEnd, TurnRun, start_turn
+from moe_engine.server.http.chat_events import (
+    ChatTurn,
+    TurnDelta,
+    TurnEnd,
+    TurnRun,
+    count_turn_tokens,
+    start_turn,
+)
 from moe_engine.server.http.errors import OpenAIError, validation_error
 from moe_engine.server.http.messages_protocol import (
+    CountTokensRequest,
     MessagesRequest,
     TextBlock,
     ThinkingBlock,
@@ -135,7 +143,7 @@ def to_turn(body: MessagesRequest) -> ChatTurn:
     Raises:
         OpenAIError: 400 naming the field (max_tokens, tool_choice, thinking, a block).
     """
-    if body.max_tokens < 1:
+    if body.max_tokens is not None and body.max_tokens < 1:
         raise OpenAIError(400, f"max_tokens: must be at least 1, got {body.max_tokens}",
                           "max_tokens", "invalid_value")
     system = system_text(body.system)
@@ -180,7 +188,8 @@ def _thinking_kwargs(body: MessagesRequest) -> dict[str, Any]:
         return kwargs
     if thinking.type == "enabled":
         budget = thinking.budget_tokens
-        if budget is None or not 1 <= budget < body.max_tokens:
+        limit = body.max_tokens
+        if budget is None or budget < 1 or (limit is not None and budget >= limit):
             raise OpenAIError(
                 400, f"thinking.budget_tokens: must be at least 1 and less than max_tokens "
                 f"({body.max_tokens}), got {budget}", "thinking.budget_tokens", "invalid_value")
@@ -258,3 +267,12 @@ async def _stream(run: TurnRun, builder: MessageBuilder,
         yield sse_event(anthropic_error(err.status, err.message))
     finally:
         await run.close()
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request) -> JSONResponse:
+    """`{"input_tokens": N}`: the prompt the request would have, through the same template
+    (Anthropic's token-counting endpoint, which agents call before long requests)."""
+    state: HttpState = request.app.state.http
+    state.check_model(body.model)
+    return JSONResponse({"input_tokens": count_turn_tokens(state, to_turn(body))})

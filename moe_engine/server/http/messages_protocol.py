@@ -162,3 +162,10 @@ class MessagesRequest(RequestBody):
     metadata: Metadata | None = None
     cache_control: CacheControl | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
+
+
+class CountTokensRequest(MessagesRequest):
+    """POST /v1/messages/count_tokens: a Messages request with `max_tokens` optional (nothing
+    is generated; the sampling fields are accepted and change nothing)."""
+
+    max_tokens: StrictInt | None = None  # type: ignore[assignment]
