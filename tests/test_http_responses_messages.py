@@ -139,6 +139,9 @@ def test_responses_items_and_previous_response_id(oai, base_url) -> None:
     assert items.usage.input_tokens == second.usage.input_tokens
     assert items.output_text == second.output_text
     assert oai.responses.retrieve(second.id).output_text == second.output_text
+    with pytest.raises(openai.NotFoundError) as missing:
+        oai.responses.retrieve("resp_nope")
+    assert missing.value.body["param"] == "response_id"
     unstored = oai.responses.create(model=MODEL, input="x", store=False, **GREEDY)
     with pytest.raises(openai.BadRequestError) as err:
         oai.responses.create(model=MODEL, input="y", previous_response_id=unstored.id)
@@ -272,19 +275,23 @@ def test_messages_text_whole_and_streamed(claude, base_url) -> None:
     assert final.content[0].text == block.text and final.stop_reason == whole.stop_reason
 
 
-def test_messages_stop_sequence_and_prefill(claude) -> None:
-    kwargs = {"model": MODEL, "max_tokens": 8, "extra_body": {"temperature": 0},
+def test_messages_stop_sequence_and_prefill(claude, base_url) -> None:
+    kwargs = {"model": MODEL, "max_tokens": 8, "extra_body": {"temperature": 0, "top_k": 1},
               "messages": [{"role": "user", "content": "import os"}]}
     text = claude.messages.create(**kwargs).content[0].text
-    stop = text[2:4]
-    if stop.strip():
-        cut = claude.messages.create(**kwargs, stop_sequences=[stop])
-        assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
-        assert cut.content[0].text == text[: text.index(stop)]
-    # A last assistant message is continued: its text is part of the prompt, not the reply.
-    prefill = claude.messages.create(**{**kwargs, "messages": [
-        *kwargs["messages"], {"role": "assistant", "content": text[:3]}]})
-    assert prefill.usage.input_tokens > claude.messages.create(**kwargs).usage.input_tokens
+    # A stop string that first occurs at an index >= 1 (so something comes before it).
+    stop = next(text[i:i + 2] for i in range(1, len(text) - 1)
+                if text[i:i + 2].strip() == text[i:i + 2] and text.index(text[i:i + 2]) == i)
+    cut = claude.messages.create(**kwargs, stop_sequences=["never", stop])
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert cut.content[0].text == text[: text.index(stop)]
+    # A last assistant message is continued: the prompt ends inside its turn.
+    messages = [*kwargs["messages"], {"role": "assistant", "content": text[:3]}]
+    prefill = claude.messages.create(**{**kwargs, "messages": messages})
+    got = httpx.post(f"{base_url}/tokenize", headers={"Authorization": f"Bearer {API_KEY}"},
+                     json={"messages": messages, "continue_final_message": True,
+                           "add_generation_prompt": False}).json()["count"]
+    assert prefill.usage.input_tokens == got
 
 
 def test_messages_tool_choice(claude) -> None:
