@@ -27,6 +27,12 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_N = 128
 #: Seeds torch's generator accepts (a 64-bit value, signed or unsigned).
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+#: OpenAI's (and vLLM's) range of `frequency_penalty` and `presence_penalty`.
+MAX_ABS_PENALTY = 2.0
+#: OpenAI's range of each `logit_bias` value ([-100, 100]).
+MAX_ABS_LOGIT_BIAS = 100.0
+#: Most entries of one `logit_bias` (OpenAI documents none; this bounds a request's work).
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 #: Longest JSON schema text a request may carry (characters): compiling is linear in its size,
@@ -139,6 +145,26 @@ class SamplingParams:
             it finishes, with all its tokens and text: what a caller that does not stream needs;
             vLLM's `RequestOutputKind.FINAL_ONLY`, which its OpenAI server uses for
             `stream: false`). The tokens are the same either way.
+        repetition_penalty: > 0; 1 is off. Each token of the prompt or the output so far has
+            its logit divided by it when positive, multiplied when not (CTRL, Keskar et al.
+            2019; transformers' `RepetitionPenaltyLogitsProcessor`, vLLM's).
+        frequency_penalty, presence_penalty: in [-2, 2]; 0 is off. Each token's logit is
+            lowered by frequency_penalty * (its count in the output so far) + presence_penalty
+            * (1 if it occurs there) (OpenAI's definition: output tokens only).
+        min_p: in [0, 1]; 0 is off. Random sampling keeps the tokens whose probability (after
+            temperature) is at least min_p times the most likely token's (vLLM's `min_p`).
+        logit_bias: token id -> bias in [-100, 100] added to its logit before everything else
+            (OpenAI's `logit_bias`); ids are checked against the vocabulary in `verify`.
+        truncate_prompt_tokens: keep only the prompt's last k tokens (k >= 1), or -1 for the
+            last max_model_len (vLLM's); None keeps the whole prompt.
+        priority: the scheduler's order under `--scheduling-policy priority` (lower runs
+            earlier, ties by arrival; vLLM's `priority`, which vLLM passes beside the params);
+            must be 0 under the default "fcfs" policy (the engine refuses others, as vLLM).
+
+    Penalties, logit_bias and greedy: logit_bias and the three penalties change the logits
+    before the argmax, so they apply to greedy requests too; min_p, like top-k and top-p, only
+    to random sampling (vLLM v1's sampler order: logit_bias, penalties, then greedy or
+    temperature, min_p, top-k/top-p).
 
     Raises:
         ParamError: at construction, for a field of the wrong type or outside its limits
@@ -158,6 +184,14 @@ class SamplingParams:
     n: int = 1
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: str = OUTPUT_DELTA
+    # -- logits processors, prompt truncation and priority (issue 44, the sampling part) --
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
 
     def __post_init__(self) -> None:
         self.stop = _as_list("stop", self.stop, str)
@@ -186,6 +220,13 @@ class SamplingParams:
         if self.logprobs is not None and self.logprobs > max_logprobs:
             raise ParamError(
                 "logprobs", f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}"
+            )
+        out_of_vocab = sorted(t for t in self.logit_bias or {} if t >= vocab_size)
+        if out_of_vocab:
+            raise ParamError(
+                "logit_bias",
+                f"logit_bias token id {out_of_vocab[0]} is outside [0, {vocab_size}) "
+                f"(vocab_size {vocab_size})",
             )
         for tok in self.stop_token_ids:
             if tok >= vocab_size:
@@ -237,12 +278,59 @@ class SamplingParams:
                 "output_kind",
                 f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}",
             )
+        self._check_processors()
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ParamError(
                 "structured_outputs",
                 f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}",
             )
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any of the three penalties is on (the sampler's penalty path)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    @property
+    def has_logits_processors(self) -> bool:
+        """True when a penalty, min_p or logit_bias changes the logits (such a request takes
+        no speculative drafts: `spec_decode.drafter`)."""
+        return self.has_penalties or self.min_p > 0.0 or bool(self.logit_bias)
+
+    def _check_processors(self) -> None:
+        """Penalties, min_p, logit_bias, truncate_prompt_tokens and priority (vLLM's limits)."""
+        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty)
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ParamError(
+                "repetition_penalty",
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}",
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = _real(name, getattr(self, name))
+            if not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
+                raise ParamError(
+                    name, f"{name} must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}], "
+                    f"got {value}",
+                )  # fmt: skip
+            setattr(self, name, value)
+        self.min_p = _real("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ParamError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if self.truncate_prompt_tokens is not None:
+            k = _integer("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            if k < 1 and k != -1:
+                raise ParamError(
+                    "truncate_prompt_tokens",
+                    f"truncate_prompt_tokens must be an integer >= 1 or -1 (max_model_len), "
+                    f"got {k}",
+                )
+            self.truncate_prompt_tokens = k
+        self.priority = _integer("priority", self.priority)
 
     def _check_seed(self) -> None:
         if self.seed is None:
@@ -292,6 +380,41 @@ def _real(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ParamError(name, f"{name} must be a number, got {value!r} ({type(value).__name__})")
     return float(value)
+
+
+def _logit_bias(value: object) -> dict[int, float] | None:
+    """`logit_bias` as {int token id: float bias}; None and {} are None (off).
+
+    Raises:
+        ParamError: not a dict, a key that is not a token id >= 0, a bias that is not a
+            number in [-100, 100], or more than MAX_LOGIT_BIAS_ENTRIES entries.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ParamError(
+            "logit_bias",
+            f"logit_bias must be a map of token id to bias, got {type(value).__name__}",
+        )
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ParamError(
+            "logit_bias",
+            f"logit_bias: {len(value)} entries given, at most {MAX_LOGIT_BIAS_ENTRIES}",
+        )
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        tok = _integer("logit_bias", key)
+        if tok < 0:
+            raise ParamError("logit_bias", f"logit_bias token id {tok} is negative (ids are >= 0)")
+        b = _real("logit_bias", bias)
+        if not -MAX_ABS_LOGIT_BIAS <= b <= MAX_ABS_LOGIT_BIAS:
+            raise ParamError(
+                "logit_bias",
+                f"logit_bias value for token {tok} must be in [-{MAX_ABS_LOGIT_BIAS:g}, "
+                f"{MAX_ABS_LOGIT_BIAS:g}], got {b}",
+            )
+        out[tok] = b
+    return out or None
 
 
 def _as_list(name: str, value: object, kind: type) -> list:

@@ -1,0 +1,143 @@
+"""The logits processors of `SamplingParams`, batched over the step's rows on the device:
+`logit_bias`, the repetition/frequency/presence penalties and `min_p`.
+
+Semantics and order are vLLM v1's sampler's (vllm/v1/sample/sampler.py and
+vllm/model_executor/layers/utils.py `apply_penalties`): logit_bias and the penalties change the
+logits before the greedy argmax (so they apply to greedy rows too); min_p runs on random rows
+after the temperature, before top-k/top-p (`Sampler._sample`). Each function touches only the
+rows that ask for it and returns at once (no tensor built, no copy) when no row of the batch
+does, so a batch without them pays one Python pass over its requests.
+
+- repetition penalty (CTRL, Keskar et al. 2019, arXiv:1909.05858; transformers'
+  `RepetitionPenaltyLogitsProcessor`): a token that occurs in the prompt or the output so far
+  has its logit divided by the penalty when > 0, multiplied by it otherwise;
+- frequency and presence penalties (OpenAI's API reference, "Parameter details"): over the
+  output so far only, logit -= frequency_penalty * count + presence_penalty * (count > 0);
+- min_p (Nguyen et al. 2024, arXiv:2407.01082; vLLM's `min_p`): tokens whose probability is
+  below min_p times the row's largest are masked with -inf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from moe_engine.request import Request
+
+
+def apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> bool:
+    """Add each row's `logit_bias` to its logits in place.
+
+    Args:
+        logits: [N, V] float32, contiguous, one row per request; changed in place.
+        requests: the rows' requests (token ids in their logit_bias are < V: `verify`).
+
+    Returns:
+        True when some row had a bias (and `logits` changed).
+    """
+    vocab = logits.shape[1]
+    index: list[int] = []
+    bias: list[float] = []
+    for i, req in enumerate(requests):
+        lb = req.sampling_params.logit_bias
+        if lb:
+            index.extend(i * vocab + t for t in lb)
+            bias.extend(lb.values())
+    if not index:
+        return False
+    device = logits.device
+    logits.view(-1).index_add_(
+        0, torch.tensor(index, device=device), torch.tensor(bias, dtype=logits.dtype,
+                                                             device=device),
+    )  # fmt: skip
+    return True
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    requests: Sequence[Request],
+    prompt_ids: dict[str, torch.Tensor] | None = None,
+) -> bool:
+    """Apply the repetition, frequency and presence penalties of the rows that have any.
+
+    Args:
+        logits: [N, V] float32, one row per request; changed in place.
+        requests: the rows' requests: their prompt and `output_token_ids` so far.
+        prompt_ids: a cache, request id -> [P] int64 distinct prompt token ids on the
+            logits' device (filled here for requests with a repetition penalty; the caller
+            drops an entry when its request ends). None: built each call.
+
+    Returns:
+        True when some row had a penalty (and `logits` changed).
+    """
+    rows = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
+    if not rows:
+        return False
+    device = logits.device
+    reqs = [requests[i] for i in rows]
+    params = [r.sampling_params for r in reqs]
+    counts = output_token_counts(reqs, logits.shape[1], device)
+    index = torch.tensor(rows, device=device)
+    sub = logits[index]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = counts > 0
+        _mark_prompt_tokens(seen, reqs, prompt_ids)
+        rep = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype)
+        factor = torch.where(seen, rep.to(device)[:, None], 1.0)
+        sub = torch.where(sub > 0, sub / factor, sub * factor)
+    freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype).to(device)
+    pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype).to(device)
+    sub = sub - freq[:, None] * counts - pres[:, None] * (counts > 0).to(logits.dtype)
+    logits[index] = sub
+    return True
+
+
+def output_token_counts(
+    requests: Sequence[Request], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """[R, vocab_size] float32 on `device`: per request, how often each token occurs in its
+    output so far (one scatter-add of the flattened output ids)."""
+    lens = [len(r.output_token_ids) for r in requests]
+    flat = [t for r in requests for t in r.output_token_ids]
+    counts = torch.zeros(len(requests) * vocab_size, dtype=torch.float32, device=device)
+    if flat:
+        row = torch.repeat_interleave(torch.arange(len(requests)), torch.tensor(lens))
+        where = row * vocab_size + torch.tensor(flat, dtype=torch.int64)
+        counts.index_add_(0, where.to(device), torch.ones(len(flat), device=device))
+    return counts.view(len(requests), vocab_size)
+
+
+def _mark_prompt_tokens(
+    seen: torch.Tensor, requests: Sequence[Request], cache: dict[str, torch.Tensor] | None
+) -> None:
+    """Set seen[i, t] for every token t of request i's prompt, for the rows with a
+    repetition penalty (seen: [R, V] bool, in place)."""
+    vocab = seen.shape[1]
+    parts = []
+    for i, req in enumerate(requests):
+        if req.sampling_params.repetition_penalty == 1.0:
+            continue
+        ids = cache.get(req.request_id) if cache is not None else None
+        if ids is None:
+            ids = torch.tensor(sorted(set(req.prompt_token_ids)), dtype=torch.int64)
+            ids = ids.to(seen.device)
+            if cache is not None:
+                cache[req.request_id] = ids
+        parts.append(ids + i * vocab)
+    seen.view(-1)[torch.cat(parts)] = True
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask with -inf the tokens whose probability is below min_p times the row's largest.
+
+    Args:
+        logits: [N, V] float32 (after the temperature); min_p: [N] float32 in [0, 1] on the
+            same device (0: the row is kept whole).
+
+    Returns:
+        [N, V] float32, a new tensor.
+    """
+    probs = logits.softmax(dim=-1)
+    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
