@@ -72,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_address_args(p)
     flags.add_model_args(p)
     flags.add_scheduler_args(p)
+    flags.add_seed_args(p)
     flags.add_cache_args(p)
     flags.add_disagg_args(p)
     flags.add_prefix_caching_args(p)
@@ -122,7 +123,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
     """
     return EngineConfig(
         model=ModelConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
-                          weight_version=args.weight_version),
+                          weight_version=args.weight_version, seed=args.seed),
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory,
@@ -133,6 +134,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_waiting=args.max_waiting_requests,
             stream_interval=args.stream_interval,
+            policy=args.scheduling_policy,
         ),
         speculative=speculative_config_from_args(args),
         quant=QuantConfig(

@@ -45,6 +45,47 @@ def validate_request(
         )
 
 
+def truncate_prompt(
+    prompt_token_ids: list[int], params: SamplingParams, max_model_len: int
+) -> list[int]:
+    """The prompt as `params.truncate_prompt_tokens` cuts it: its last k tokens (-1: the last
+    max_model_len), vLLM's semantics; the prompt itself when the field is None or the prompt
+    is no longer. Idempotent, so the front end and the core may both apply it.
+
+    Raises:
+        RequestError: INVALID_ARGUMENT "truncate_prompt_tokens" when k > max_model_len (as
+            vLLM refuses it).
+    """
+    k = params.truncate_prompt_tokens
+    if k is None:
+        return prompt_token_ids
+    k = max_model_len if k == -1 else k
+    if k > max_model_len:
+        raise RequestError(
+            ErrorCode.INVALID_ARGUMENT,
+            "truncate_prompt_tokens",
+            f"truncate_prompt_tokens: {k} is greater than max_model_len {max_model_len}",
+        )
+    return list(prompt_token_ids[-k:])
+
+
+def check_priority(params: SamplingParams, policy: str) -> None:
+    """Refuse a non-zero `priority` unless the scheduler orders by it (vLLM refuses it the
+    same way: "Got priority ... but Priority scheduling is not enabled").
+
+    Raises:
+        RequestError: INVALID_ARGUMENT "priority".
+    """
+    if params.priority != 0 and policy != "priority":
+        raise RequestError(
+            ErrorCode.INVALID_ARGUMENT,
+            "priority",
+            f"priority: got {params.priority}, but priority scheduling is not enabled "
+            f"(--scheduling-policy {policy}; start the server with --scheduling-policy "
+            "priority, or send priority 0)",
+        )
+
+
 def _check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
     n = len(prompt_token_ids)
     if n == 0:
