@@ -46,19 +46,26 @@ def validate_request(
 
 
 def truncate_prompt(
-    prompt_token_ids: list[int], params: SamplingParams, max_model_len: int
+    prompt_token_ids: list[int], params: SamplingParams | int | None, max_model_len: int
 ) -> list[int]:
-    """The prompt as `params.truncate_prompt_tokens` cuts it: its last k tokens (-1: the last
-    max_model_len), vLLM's semantics; the prompt itself when the field is None or the prompt
-    is no longer. Idempotent, so the front end and the core may both apply it.
+    """The prompt as `truncate_prompt_tokens` k cuts it (given as such, or as the params that
+    hold it): its last k tokens (-1: the last max_model_len), vLLM's semantics; the prompt
+    itself when k is None or the prompt is no longer. Idempotent, so the front end and the
+    core may both apply it.
 
     Raises:
-        RequestError: INVALID_ARGUMENT "truncate_prompt_tokens" when k > max_model_len (as
-            vLLM refuses it).
+        RequestError: INVALID_ARGUMENT "truncate_prompt_tokens" when k is neither >= 1 nor
+            -1, or k > max_model_len (as vLLM refuses it).
     """
-    k = params.truncate_prompt_tokens
+    k = params.truncate_prompt_tokens if isinstance(params, SamplingParams) else params
     if k is None:
         return prompt_token_ids
+    if k < 1 and k != -1:
+        raise RequestError(
+            ErrorCode.INVALID_ARGUMENT,
+            "truncate_prompt_tokens",
+            f"truncate_prompt_tokens must be an integer >= 1 or -1 (max_model_len), got {k}",
+        )
     k = max_model_len if k == -1 else k
     if k > max_model_len:
         raise RequestError(

@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from moe_engine.core.validation import truncate_prompt
 from moe_engine.sampling_params import MAX_LOGPROBS
 from moe_engine.server.http.common import (
     SSE_DONE,
@@ -93,6 +94,7 @@ async def create_chat_completion(state: HttpState, body: ChatCompletionRequest):
         )
     structured = structured_outputs_from(body)
     prompt = render_chat(state, body.messages, body.add_generation_prompt)
+    prompt = truncate_prompt(prompt, body.truncate_prompt_tokens, state.max_model_len())
     max_tokens = body.max_completion_tokens or body.max_tokens
     field_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     if max_tokens is None:

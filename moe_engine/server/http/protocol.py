@@ -4,8 +4,8 @@ Field names and defaults are OpenAI's (https://platform.openai.com/docs/api-refe
 legacy Completions and the Chat Completions APIs), with vLLM's extra sampling fields (`top_k`,
 `min_tokens`, `ignore_eos`). Fields clients commonly send that change nothing here (`store`,
 `metadata`, `service_tier`, `parallel_tool_calls`, `user`) are accepted; fields of features this
-server does not implement are accepted only at their neutral value (`NEUTRAL`: an empty
-`logit_bias`, no `tools`, `repetition_penalty` 1, ...) and refused otherwise, naming the field.
+server does not implement are accepted only at their neutral value (`NEUTRAL`: no `tools`,
+...) and refused otherwise, naming the field.
 Other unknown fields are refused with HTTP 400 naming them, so that a misspelt `max_token` is
 not dropped in silence (vLLM instead accepts and logs them). Integers and booleans are strict
 (JSON `true` is not 1, `"5"` is not 5).
@@ -60,13 +60,17 @@ class _SamplingFields(RequestBody):
     user: StrictStr | None = None
     #: vLLM's extension: also return the prompt's and each choice's token ids (not streamed).
     return_token_ids: StrictBool = False
-    # Accepted only at their neutral value (`NEUTRAL`, checked by the route): some clients
-    # always send them.
+    # Logits processors, prompt truncation and priority (`SamplingParams` checks the values;
+    # OpenAI's logit_bias keys are token ids as strings).
     presence_penalty: Number = 0.0
     frequency_penalty: Number = 0.0
     logit_bias: dict[StrictStr, Number] | None = None
     repetition_penalty: Number = 1.0
     min_p: Number = 0.0
+    truncate_prompt_tokens: StrictInt | None = None
+    priority: StrictInt = 0
+    # Accepted only at their neutral value (`NEUTRAL`, checked by the route): some clients
+    # always send them.
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     # OpenAI bookkeeping fields with no effect on the output here.
@@ -77,8 +81,7 @@ class _SamplingFields(RequestBody):
 
 #: Fields of features this server does not implement, with the only values it accepts.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": (None, {}),
-    "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "skip_special_tokens": (True,),
+    "skip_special_tokens": (True,),
     "include_stop_str_in_output": (False,), "best_of": (None, 1), "tools": (None, []),
     "tool_choice": (None, "none", "auto"), "functions": (None, []),
 }
