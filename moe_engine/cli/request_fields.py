@@ -253,7 +253,8 @@ PROCESSOR_FLAGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--min-p", "min_p", float,
      "in [0, 1]; keep tokens at least this fraction as likely as the best (default: 0, off)"),
     ("--logit-bias", "logit_bias", parse_logit_bias,
-     "ID:BIAS pairs, 50256:-100,13:2.5: add BIAS (in [-100, 100]) to token ID's logit"),
+     "ID:BIAS pairs, 50256:-100,13:2.5: add BIAS (in [-100, 100]) to token ID's logit "
+     "(default: none)"),
     ("--truncate-prompt-tokens", "truncate_prompt_tokens", int_type("truncate_prompt_tokens"),
      "keep only the prompt's last N tokens, -1 for max_model_len (default: whole prompt)"),
     ("--priority", "priority", int_type("priority"),
