@@ -66,26 +66,30 @@ ROW_PARAMS = [
 def test_penalties_and_logit_bias_match_transformers_on_a_mixed_batch():
     gen = torch.Generator().manual_seed(3)
     for trial in range(5):
-        reqs = [make_request(f"{trial}-{i}", gen, temperature=0, **kw)
+        reqs = [make_request(f"{trial}-{i}", gen, temperature=0, logprobs=0, **kw)
                 for i, kw in enumerate(ROW_PARAMS)]  # fmt: skip
         logits = torch.randn(len(reqs), VOCAB, generator=gen) * 4  # both signs
         raw = logits.clone()
         sampler = Sampler()
         processed = sampler._process(logits, reqs)
-        assert torch.equal(logits, raw), "the raw logits (logprobs) stay untouched"
+        assert torch.equal(logits, raw), "the raw logits (for logprobs) stay untouched"
         for i, r in enumerate(reqs):
             want = reference(raw[i], r)
             torch.testing.assert_close(processed[i], want, rtol=1e-6, atol=1e-5)
             if not ROW_PARAMS[i]:
                 assert torch.equal(processed[i], raw[i])
         # greedy rows sample the processed argmax; logprobs stay the raw log-softmax
-        for r in reqs:
-            r.sampling_params.logprobs = 0
         out = sampler(logits.clone(), reqs)
         assert out.token_ids == processed.argmax(-1).tolist()
         logp = raw.log_softmax(-1)
         for i, (lp, _) in enumerate(out.logprobs):
             assert lp == pytest.approx(float(logp[i, out.token_ids[i]]), abs=1e-5)
+        # without logprobs the processors work in place: the same result
+        for r in reqs:
+            r.sampling_params.logprobs = None
+        in_place = raw.clone()
+        assert sampler._process(in_place, reqs) is in_place
+        torch.testing.assert_close(in_place, processed, rtol=0, atol=0)
 
 
 def test_a_batch_without_processors_is_not_copied():

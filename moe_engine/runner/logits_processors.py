@@ -6,7 +6,9 @@ vllm/model_executor/layers/utils.py `apply_penalties`): logit_bias and the penal
 logits before the greedy argmax (so they apply to greedy rows too); min_p runs on random rows
 after the temperature, before top-k/top-p (`Sampler._sample`). Each function touches only the
 rows that ask for it and returns at once (no tensor built, no copy) when no row of the batch
-does, so a batch without them pays one Python pass over its requests.
+does, so a batch without them pays one Python pass over its requests. The penalties are
+sparse: they read and write only the entries of tokens a row has seen (vLLM builds dense
+[N, V] masks and counts instead; the result is the same).
 
 - repetition penalty (CTRL, Keskar et al. 2019, arXiv:1909.05858; transformers'
   `RepetitionPenaltyLogitsProcessor`): a token that occurs in the prompt or the output so far
@@ -61,8 +63,12 @@ def apply_penalties(
 ) -> bool:
     """Apply the repetition, frequency and presence penalties of the rows that have any.
 
+    Sparse: only the (row, token) entries of tokens a row has seen are read and written (a
+    gather and a scatter of at most prompt + output entries per row), never a [N, V] mask or
+    count tensor, so the cost grows with the tokens seen, not with the vocabulary.
+
     Args:
-        logits: [N, V] float32, one row per request; changed in place.
+        logits: [N, V] float32, contiguous, one row per request; changed in place.
         requests: the rows' requests: their prompt and `output_token_ids` so far.
         prompt_ids: a cache, request id -> [P] int64 distinct prompt token ids on the
             logits' device (filled here for requests with a repetition penalty; the caller
@@ -74,58 +80,64 @@ def apply_penalties(
     rows = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
     if not rows:
         return False
-    device = logits.device
-    reqs = [requests[i] for i in rows]
-    params = [r.sampling_params for r in reqs]
-    counts = output_token_counts(reqs, logits.shape[1], device)
-    index = torch.tensor(rows, device=device)
-    sub = logits[index]
-    if any(p.repetition_penalty != 1.0 for p in params):
-        seen = counts > 0
-        _mark_prompt_tokens(seen, reqs, prompt_ids)
+    device, vocab = logits.device, logits.shape[1]
+    flat = logits.view(-1)
+    out_index, out_counts = output_token_counts([requests[i] for i in rows], rows, vocab, device)
+    params = [r.sampling_params for r in requests]
+    rep_rows = [i for i in rows if params[i].repetition_penalty != 1.0]
+    if rep_rows:
+        seen = torch.cat([out_index, _prompt_index(requests, rep_rows, vocab, prompt_ids,
+                                                   device)]).unique()  # fmt: skip
         rep = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype)
-        factor = torch.where(seen, rep.to(device)[:, None], 1.0)
-        sub = torch.where(sub > 0, sub / factor, sub * factor)
+        factor = rep.to(device)[seen // vocab]
+        vals = flat[seen]
+        flat[seen] = torch.where(vals > 0, vals / factor, vals * factor)
     freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype).to(device)
     pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype).to(device)
-    sub = sub - freq[:, None] * counts - pres[:, None] * (counts > 0).to(logits.dtype)
-    logits[index] = sub
+    row = out_index // vocab
+    flat.index_add_(0, out_index, -(freq[row] * out_counts + pres[row]))
     return True
 
 
 def output_token_counts(
-    requests: Sequence[Request], vocab_size: int, device: torch.device
-) -> torch.Tensor:
-    """[R, vocab_size] float32 on `device`: per request, how often each token occurs in its
-    output so far (one scatter-add of the flattened output ids)."""
+    requests: Sequence[Request], rows: Sequence[int], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct (row, token) pairs of the requests' outputs so far and their counts.
+
+    Args:
+        requests: the requests; rows: each one's row in the logits; vocab_size: V.
+
+    Returns:
+        ([K] int64 flat indices row * V + token, sorted; [K] float32 occurrences), on
+        `device` (one host-to-device copy of the output ids and one `unique`).
+    """
     lens = [len(r.output_token_ids) for r in requests]
     flat = [t for r in requests for t in r.output_token_ids]
-    counts = torch.zeros(len(requests) * vocab_size, dtype=torch.float32, device=device)
-    if flat:
-        row = torch.repeat_interleave(torch.arange(len(requests)), torch.tensor(lens))
-        where = row * vocab_size + torch.tensor(flat, dtype=torch.int64)
-        counts.index_add_(0, where.to(device), torch.ones(len(flat), device=device))
-    return counts.view(len(requests), vocab_size)
+    if not flat:
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        return empty, torch.empty(0, dtype=torch.float32, device=device)
+    row = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), torch.tensor(lens))
+    where = (row * vocab_size + torch.tensor(flat, dtype=torch.int64)).to(device)
+    index, counts = where.unique(return_counts=True)
+    return index, counts.to(torch.float32)
 
 
-def _mark_prompt_tokens(
-    seen: torch.Tensor, requests: Sequence[Request], cache: dict[str, torch.Tensor] | None
-) -> None:
-    """Set seen[i, t] for every token t of request i's prompt, for the rows with a
-    repetition penalty (seen: [R, V] bool, in place)."""
-    vocab = seen.shape[1]
+def _prompt_index(
+    requests: Sequence[Request], rows: Sequence[int], vocab: int,
+    cache: dict[str, torch.Tensor] | None, device: torch.device,
+) -> torch.Tensor:  # fmt: skip
+    """[P] int64 flat indices row * V + token of the distinct prompt tokens of `rows`, on
+    `device` (each request's distinct prompt ids cached in `cache` by request id)."""
     parts = []
-    for i, req in enumerate(requests):
-        if req.sampling_params.repetition_penalty == 1.0:
-            continue
+    for i in rows:
+        req = requests[i]
         ids = cache.get(req.request_id) if cache is not None else None
         if ids is None:
-            ids = torch.tensor(sorted(set(req.prompt_token_ids)), dtype=torch.int64)
-            ids = ids.to(seen.device)
+            ids = torch.tensor(sorted(set(req.prompt_token_ids)), dtype=torch.int64).to(device)
             if cache is not None:
                 cache[req.request_id] = ids
         parts.append(ids + i * vocab)
-    seen.view(-1)[torch.cat(parts)] = True
+    return torch.cat(parts)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -99,10 +99,11 @@ class Sampler:
         Everything stays on the logits' device until one copy brings the sampled ids, and
         the logprobs asked for, back to the host together (the step's one host sync).
         Rows of requests with a grammar (structured output) are masked in place first, so
-        sampling and logprobs see only the tokens the grammar allows (as vLLM v1). Then, on a
-        copy made only when some row asks for them, logit_bias and the penalties
-        (`logits_processors`), which greedy rows see too; the logprobs stay those of the
-        masked raw logits (vLLM's default `raw_logprobs`).
+        sampling and logprobs see only the tokens the grammar allows (as vLLM v1). Then, when
+        some row asks for them, logit_bias and the penalties (`logits_processors`), which
+        greedy rows see too; the logprobs stay those of the masked raw logits (vLLM's default
+        `raw_logprobs`): the processors work on a copy when a row wants logprobs, else in
+        place (the caller's `logits` is then changed).
         """
         self.grammar_bitmask.apply(logits, requests)
         processed = self._process(logits, requests)
@@ -116,12 +117,16 @@ class Sampler:
         return to_host(logits, requests, token_ids)
 
     def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """`logits`, or a copy with logit_bias and the penalties applied when a row has them
-        (checked on the host first: a batch without them copies nothing)."""
+        """`logits` with logit_bias and the penalties applied when a row has them (checked on
+        the host first: a batch without them touches nothing): in place, or on a copy when a
+        row asks for logprobs (which are those of the raw logits)."""
         if not any(r.sampling_params.logit_bias or r.sampling_params.has_penalties
                    for r in requests):
             return logits
-        processed = logits.clone(memory_format=torch.contiguous_format)
+        keep_raw = any(r.sampling_params.logprobs is not None for r in requests)
+        processed = logits.contiguous()
+        if keep_raw or processed is not logits:
+            processed = logits.clone(memory_format=torch.contiguous_format)
         apply_logit_bias(processed, requests)
         apply_penalties(processed, requests, self._prompt_ids)
         return processed
