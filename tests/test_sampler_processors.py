@@ -183,3 +183,25 @@ def test_logit_bias_ids_are_checked_against_the_vocabulary():
     with pytest.raises(ParamError, match=rf"logit_bias token id {VOCAB} is outside \[0, {VOCAB}\)"):
         p.verify(VOCAB)
     SamplingParams(logit_bias={VOCAB - 1: 1.0}).verify(VOCAB)
+
+
+def test_grammar_masked_tokens_stay_masked_under_bias_and_penalties():
+    # the structured-output bitmask runs first (-inf): no bias or penalty brings a token back
+    logits = torch.randn(1, VOCAB)
+    logits[0, 10:] = float("-inf")
+    r = Request("g", [50, 60], SamplingParams(temperature=0, logit_bias={50: 100.0},
+                                              repetition_penalty=3.0, presence_penalty=-2.0))
+    r.append_token(60)
+    out = Sampler()._process(logits, [r])
+    assert torch.isneginf(out[0, 10:]).all() and torch.isfinite(out[0, :10]).all()
+    assert Sampler()(logits, [r]).token_ids[0] < 10
+
+
+def test_moe_client_logit_bias_and_processor_fields():
+    from moe_engine.cli.request_fields import build_request, parse_logit_bias
+
+    req = build_request(prompt="x", logit_bias={"5": -100, 7: 2.5}, min_p=0.1, priority=-1)
+    assert dict(req.logit_bias) == {5: -100.0, 7: 2.5} and req.priority == -1
+    with pytest.raises(ValueError, match="logit_bias: key 'five' is not a token id"):
+        build_request(prompt="x", logit_bias={"five": 1})
+    assert parse_logit_bias("50256:-100, 13:2.5") == {50256: -100.0, 13: 2.5}
