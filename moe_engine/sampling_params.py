@@ -130,7 +130,7 @@ class SamplingParams:
         seed: per-request seed in [-2**63, 2**64 - n]; the same seed and prompt give the same
             tokens; completion i of a request with n > 1 uses seed + i (as vLLM does).
         stop: stop strings (one string is one stop string); the matched string is not
-            included in the text.
+            included in the text (unless include_stop_str_in_output).
         stop_token_ids: extra token ids that end a completion (one int is one id; the token
             is kept in the ids).
         ignore_eos: keep generating past the model's EOS token.
@@ -160,6 +160,11 @@ class SamplingParams:
         priority: the scheduler's order under `--scheduling-policy priority` (lower runs
             earlier, ties by arrival; vLLM's `priority`, which vLLM passes beside the params);
             must be 0 under the default "fcfs" policy (the engine refuses others, as vLLM).
+        include_stop_str_in_output: keep the matched stop string at the end of the text (the
+            text after it is still cut), and the text of a stop token id or EOS that ended the
+            completion (vLLM's field; default False: both are left out of the text).
+        skip_special_tokens: leave special tokens (the tokenizer's added special tokens: BOS,
+            EOS, chat markers) out of the text (vLLM's default True); False keeps their text.
 
     Penalties, logit_bias and greedy: logit_bias and the three penalties change the logits
     before the argmax, so they apply to greedy requests too; min_p, like top-k and top-p, only
@@ -192,6 +197,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     truncate_prompt_tokens: int | None = None
     priority: int = 0
+    # Detokenizer fields (issue 44, "text" part): how token ids become the returned text.
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         self.stop = _as_list("stop", self.stop, str)
@@ -264,10 +272,10 @@ class SamplingParams:
         if self.top_k < -1 or self.top_k == 0:
             raise ParamError("top_k", f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         self._check_seed()
-        if not isinstance(self.ignore_eos, bool):
-            raise ParamError(
-                "ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}"
-            )
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ParamError(name, f"{name} must be a bool, got {value!r}")
         if self.logprobs is not None:
             self.logprobs = _integer("logprobs", self.logprobs)
             if self.logprobs < 0:

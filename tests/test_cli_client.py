@@ -128,6 +128,17 @@ def test_good_flags_build_a_request() -> None:
     assert request.seed == 2**63 - 1 and list(request.stop) == ["\n"]
 
 
+def test_detokenizer_flags_build_a_request() -> None:
+    parse = client.build_parser().parse_args
+    plain = client.request_from_args(parse(["generate", "x"]))
+    assert not plain.HasField("include_stop_str_in_output")
+    assert not plain.HasField("skip_special_tokens")
+    args = parse(["generate", "x", "--include-stop-str-in-output", "--no-skip-special-tokens"])
+    request = client.request_from_args(args)
+    assert request.include_stop_str_in_output and request.HasField("skip_special_tokens")
+    assert not request.skip_special_tokens
+
+
 def test_batch_stop_string_is_one_stop_string() -> None:
     request = batch.parse_batch_line('{"prompt_ids": [1], "stop": "rz"}')
     assert list(request.stop) == ["rz"]

@@ -49,6 +49,8 @@ def _random_params(rng: random.Random) -> SamplingParams:
         "stop": rng.sample(["\n", "END", "###", "ab"], rng.randint(0, 3)),
         "stop_token_ids": rng.sample(range(3, 500), rng.randint(0, 3)),
         "output_kind": rng.choice(["delta", "final_only"]),
+        "include_stop_str_in_output": rng.random() < 0.5,
+        "skip_special_tokens": rng.random() < 0.5,
         "structured_outputs": rng.choice([
             None, StructuredOutputsParams(json_object=True),
             StructuredOutputsParams(json='{"type": "object"}')]),

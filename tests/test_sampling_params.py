@@ -35,6 +35,8 @@ REFUSED = [
     ({"logprobs": -1}, "logprobs", ">= 0"),
     ({"logprobs": True}, "logprobs", "bool"),
     ({"ignore_eos": 1}, "ignore_eos", "bool"),
+    ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output", "bool"),
+    ({"skip_special_tokens": None}, "skip_special_tokens", "bool"),
     ({"stop": [""]}, "stop", "empty"),
     ({"stop": ["a", 3]}, "stop", "3"),
     ({"stop": 3}, "stop", "int"),

@@ -2,7 +2,8 @@
 
     moe-client [--server HOST:PORT] generate (TEXT | --prompt-ids 1,2,3) [--max-tokens N]
                [--min-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
-               [--stop S [--stop S ...]] [--ignore-eos] [--logprobs N] [--json]
+               [--stop S [--stop S ...]] [--ignore-eos] [--include-stop-str-in-output]
+               [--[no-]skip-special-tokens] [--logprobs N] [--json]
     moe-client [--server HOST:PORT] batch FILE.jsonl [--concurrency N]
     moe-client [--server HOST:PORT] stats [--json]
     moe-client [--server HOST:PORT] info [--json]
@@ -225,6 +226,19 @@ def _add_stop_flags(g: argparse.ArgumentParser) -> None:
         default=None,
         help="generate past the model's EOS token (default: off)",
     )
+    g.add_argument(
+        "--include-stop-str-in-output",
+        action="store_true",
+        default=None,
+        help="keep the matched stop string at the end of the text (default: cut)",
+    )
+    g.add_argument(
+        "--skip-special-tokens",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="leave special tokens' text out of the output; --no-skip-special-tokens keeps "
+        "it (default: skip)",
+    )
 
 
 def _add_output_flags(g: argparse.ArgumentParser, d: SamplingParams) -> None:
@@ -274,6 +288,8 @@ def request_from_args(args: argparse.Namespace) -> pb.GenerateRequest:
         "stop": args.stop or None,
         "stop_token_ids": args.stop_token_ids,
         "ignore_eos": args.ignore_eos,
+        "include_stop_str_in_output": args.include_stop_str_in_output,
+        "skip_special_tokens": args.skip_special_tokens,
         "logprobs": args.logprobs,
         "n": args.n,
         **processor_fields(args),

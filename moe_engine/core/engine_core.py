@@ -197,7 +197,9 @@ class EngineCore:
                 req.grammar = self.structured_output.new_grammar(compiled)
             self.scheduler.add_request(req)
             if self.tokenizer is not None:
-                self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+                self._detok[req.request_id] = IncrementalDetokenizer.from_params(
+                    self.tokenizer, params
+                )
         if params.n > 1:
             self._parents[request_id] = parent
         self.counters["prompt_tokens_total"] += len(prompt_token_ids)
@@ -363,10 +365,17 @@ class EngineCore:
     def _check_stop_strings(self, req: Request) -> None:
         """Detokenize the request's new token; a stop string it completes ends the request
         with "stop", also when the same token reached max_tokens (vLLM: a stop string
-        outranks the length limit; a stop token id or EOS outranks both)."""
+        outranks the length limit; a stop token id or EOS outranks both, and the text of
+        the token that ended the request that way is left out unless the request asks for
+        include_stop_str_in_output)."""
         detok = self._detok.get(req.request_id)
-        check_stop = req.num_output_tokens >= req.sampling_params.min_tokens
-        if detok is None or not detok.add(req.output_token_ids[-1], check_stop):
+        if detok is None:
+            return
+        params = req.sampling_params
+        if req.finish_reason == FinishReason.STOP and not params.include_stop_str_in_output:
+            return  # EOS or a stop token id ended it: its text stays out (as vLLM's)
+        check_stop = req.num_output_tokens >= params.min_tokens
+        if not detok.add(req.output_token_ids[-1], check_stop):
             return
         if not req.is_finished:
             self.scheduler.finish_request(req.request_id, FinishReason.STOP)
@@ -379,6 +388,11 @@ class EngineCore:
                 ) -> EngineCoreOutput:
         detok = self._detok.get(req.request_id)
         text = detok.take_delta(final) if detok is not None else ""
+        if final and detok is not None and detok.stopped and req.finish_reason == (
+            FinishReason.LENGTH
+        ):  # a stop string that matched only in the final flush outranks the length limit
+            req.finish_reason = FinishReason.STOP
+            req.stop_reason = detok.stop_string
         if final:
             self._detok.pop(req.request_id, None)
             self.sampler.forget(req.request_id)

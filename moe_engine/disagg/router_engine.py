@@ -33,8 +33,9 @@ logger = logging.getLogger(__name__)
 
 #: The SamplingParams fields sent as GenerateRequest fields of the same name.
 _SCALARS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos",
-            "logprobs", "n", "repetition_penalty", "frequency_penalty", "presence_penalty",
-            "min_p", "truncate_prompt_tokens", "priority")
+            "logprobs", "n", "include_stop_str_in_output", "skip_special_tokens",
+            "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p",
+            "truncate_prompt_tokens", "priority")
 
 
 def request_from_params(request_id: str, prompt: list[int], params: SamplingParams

@@ -38,6 +38,8 @@ _OPTIONAL_PARAMS = (
     "min_p",
     "truncate_prompt_tokens",
     "priority",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
 )
 
 

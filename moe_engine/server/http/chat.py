@@ -60,20 +60,28 @@ def render_chat(
 
 
 def chat_logprobs(state: HttpState, choice: Choice, start: int, top: int) -> dict[str, Any]:
-    """OpenAI's chat logprobs of `choice.logprobs[start:]`, `top` alternatives per token."""
+    """OpenAI's chat logprobs of `choice.logprobs[start:]`, `top` alternatives per token.
+
+    `token` is the token decoded alone (vLLM's choice: U+FFFD for a token that holds part of a
+    character); `bytes` are the token's own bytes from the vocabulary, so the `bytes` of the
+    tokens concatenate to the UTF-8 of the text (OpenAI: "useful in instances where characters
+    are represented by multiple tokens and their byte representations must be combined").
+    """
     content = []
     for tok, lp, alternatives in choice.logprobs[start:]:
-        text = token_text(state.tokenizer, tok)
         best = sorted(alternatives.items(), key=lambda kv: -kv[1])[:top]
         content.append({
-            "token": text, "logprob": lp, "bytes": list(text.encode()),
-            "top_logprobs": [
-                {"token": (t := token_text(state.tokenizer, i)), "logprob": v,
-                 "bytes": list(t.encode())}
-                for i, v in best
-            ],
+            **_token_entry(state, tok), "logprob": lp,
+            "top_logprobs": [{**_token_entry(state, i), "logprob": v} for i, v in best],
         })
     return {"content": content}
+
+
+def _token_entry(state: HttpState, token_id: int) -> dict[str, Any]:
+    """`token` and `bytes` of one token (the text's UTF-8 without a tokenizer)."""
+    text = token_text(state.tokenizer, token_id)
+    own = state.token_bytes(token_id)
+    return {"token": text, "bytes": list(own if own is not None else text.encode())}
 
 
 async def create_chat_completion(state: HttpState, body: ChatCompletionRequest):

@@ -60,6 +60,8 @@ def sampling_params(
         "max_tokens": max_tokens, "min_tokens": body.min_tokens, "n": body.n,
         "seed": body.seed, "stop": body.stop, "stop_token_ids": body.stop_token_ids,
         "ignore_eos": body.ignore_eos, "logprobs": logprobs,
+        "include_stop_str_in_output": body.include_stop_str_in_output,
+        "skip_special_tokens": body.skip_special_tokens,
         # A whole response needs one output per choice, not one per step (as vLLM's server).
         "output_kind": OUTPUT_DELTA if body.stream else OUTPUT_FINAL_ONLY,
     }

@@ -13,6 +13,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from moe_engine.core.detokenizer import TokenTexts
 from moe_engine.core.validation import truncate_prompt
 from moe_engine.server.http.common import (
     SSE_DONE,
@@ -53,22 +54,52 @@ def _echo_text(state: HttpState, text: str | None, ids: list[int]) -> str:
 
 
 def legacy_logprobs(
-    state: HttpState, choice: Choice, start: int, offset: int
+    state: HttpState, choice: Choice, start: int, pieces: list[str], offset: int
 ) -> dict[str, Any]:
-    """OpenAI's legacy logprobs of `choice.logprobs[start:]`; text offsets from `offset`."""
+    """OpenAI's legacy logprobs of `choice.logprobs[start:]`.
+
+    Args:
+        pieces: those tokens' shares of the text (`TokenPieces`): `tokens`, so that the
+            tokens concatenate to the text.
+        offset: where the first of them starts in the choice's text (characters, the echoed
+            prompt included); `text_offset` counts on from it.
+    """
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-    for tok, lp, top in choice.logprobs[start:]:
-        text = token_text(state.tokenizer, tok)
-        tokens.append(text)
+    for (_, lp, top), piece in zip(choice.logprobs[start:], pieces, strict=False):
+        tokens.append(piece)
         token_logprobs.append(lp)
         best: dict[str, float] = {}
         for t, v in sorted(top.items(), key=lambda kv: -kv[1]):
             best.setdefault(token_text(state.tokenizer, t), v)  # texts may repeat: keep the top
         top_logprobs.append(best)
         text_offset.append(offset)
-        offset += len(text)
+        offset += len(piece)
     return {"tokens": tokens, "token_logprobs": token_logprobs,
             "top_logprobs": top_logprobs, "text_offset": text_offset}
+
+
+class TokenPieces:
+    """Each generated token's text for the legacy logprobs: its share of the decoded text
+    (`core.detokenizer.TokenTexts`: a token that ends inside a character gets "", the one
+    that completes it the whole character), or "token_id:<id>" without a tokenizer.
+
+    The pieces concatenate to the text the engine decoded from the same ids, so `text_offset`
+    (their running length) points into the returned text; after a stop string cut that text,
+    the offsets of the tokens past the cut point past its end.
+    """
+
+    def __init__(self, state: HttpState, skip_special_tokens: bool) -> None:
+        tok = state.tokenizer
+        self._texts = TokenTexts(tok, skip_special_tokens) if tok is not None else None
+
+    def add(self, token_ids: list[int], final: bool) -> list[str]:
+        """The pieces of the next `token_ids`; `final`: they end the choice."""
+        if self._texts is None:
+            return [f"token_id:{t}" for t in token_ids]
+        pieces = self._texts.add(token_ids)
+        if final and pieces:
+            pieces[-1] += self._texts.finish()
+        return pieces
 
 
 async def create_completion(state: HttpState, body: CompletionRequest):
@@ -112,7 +143,8 @@ async def create_completion(state: HttpState, body: CompletionRequest):
                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                  "weight_version": c.weight_version}
         if body.logprobs is not None:
-            entry["logprobs"] = legacy_logprobs(state, c, 0, len(prefix))
+            pieces = TokenPieces(state, body.skip_special_tokens).add(c.token_ids, final=True)
+            entry["logprobs"] = legacy_logprobs(state, c, 0, pieces, len(prefix))
         if body.return_token_ids:
             entry["token_ids"] = c.token_ids
         out.append(entry)
@@ -137,6 +169,8 @@ async def _stream(
     chunk holds every choice that output advanced)."""
     n = body.n
     choices = [Choice(i) for i in range(n * len(echo))]
+    pieces = [TokenPieces(state, body.skip_special_tokens) for _ in choices]
+    #: Per choice: where its next token's text starts (characters, the echo included).
     offsets = [0] * len(choices)
     echoed = [False] * len(choices)
     try:
@@ -152,11 +186,11 @@ async def _stream(
                 entry = {"index": c.index, "text": text, "logprobs": None,
                          "finish_reason": c.finish_reason if out.finished else None,
                          "weight_version": c.weight_version}
+                offsets[c.index] += len(prefix)
                 if body.logprobs is not None:
-                    entry["logprobs"] = legacy_logprobs(
-                        state, c, start, offsets[c.index] + len(prefix)
-                    )
-                offsets[c.index] += len(text)
+                    new = pieces[c.index].add(out.new_token_ids, out.finished)
+                    entry["logprobs"] = legacy_logprobs(state, c, start, new, offsets[c.index])
+                    offsets[c.index] += sum(map(len, new))
                 entries.append(entry)
             yield sse({**meta, "object": "text_completion", "choices": entries})
         if include_usage:

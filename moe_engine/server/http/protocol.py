@@ -69,8 +69,7 @@ class _SamplingFields(RequestBody):
     min_p: Number = 0.0
     truncate_prompt_tokens: StrictInt | None = None
     priority: StrictInt = 0
-    # Accepted only at their neutral value (`NEUTRAL`, checked by the route): some clients
-    # always send them.
+    # vLLM's detokenizer fields (`SamplingParams`).
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     # OpenAI bookkeeping fields with no effect on the output here.
@@ -81,8 +80,7 @@ class _SamplingFields(RequestBody):
 
 #: Fields of features this server does not implement, with the only values it accepts.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "skip_special_tokens": (True,),
-    "include_stop_str_in_output": (False,), "best_of": (None, 1), "tools": (None, []),
+    "best_of": (None, 1), "tools": (None, []),
     "tool_choice": (None, "none", "auto"), "functions": (None, []),
 }
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moe_engine.core.outputs import EngineCoreOutput
+from moe_engine.core.token_bytes import TokenBytes
 from moe_engine.core.validation import truncate_prompt, validate_request
 from moe_engine.engine.client import EngineClient
 from moe_engine.errors import ErrorCode, RequestError
@@ -45,6 +46,16 @@ class HttpState:
     created: int = field(default_factory=lambda: int(time.time()))
     #: request ids of the HTTP requests live in the engine.
     live: set[str] = field(default_factory=set)
+    #: Each token's own bytes from the vocabulary, made at first use (`token_bytes`).
+    _token_bytes: TokenBytes | None = field(default=None, init=False, repr=False)
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The token's own bytes (`core.token_bytes.TokenBytes`); None without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        if self._token_bytes is None or self._token_bytes.tokenizer is not self.tokenizer:
+            self._token_bytes = TokenBytes(self.tokenizer)
+        return self._token_bytes(token_id)
 
     def check_ready(self) -> None:
         """Raises OpenAIError 503 naming why the server does not take requests now."""
