@@ -70,6 +70,8 @@ MATRIX = [
     ("best_of", "/v1/completions", {**OK, "best_of": 3}, AUTH, 400, "best_of"),
     ("repetition_penalty 0", "/v1/completions", {**OK, "repetition_penalty": 0}, AUTH, 400,
      "repetition_penalty"),
+    ("priority under fcfs", "/v1/chat/completions", {**CHAT, "priority": 1}, AUTH, 400,
+     "priority"),
     ("n that can never be queued", "/v1/completions", {**OK, "n": 8}, AUTH, 400, "n"),
     ("empty body", "/v1/completions", b"", AUTH, 400, None),
     ("unknown path", "/v1/embeddings", OK, AUTH, 404, None),
