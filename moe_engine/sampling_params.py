@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-import numbers
 from dataclasses import dataclass, field
 
 from moe_engine.errors import ParamError
+from moe_engine.param_checks import as_list, integer, logit_bias_map, real
 
 #: The largest number of top logprobs a request may ask for per token.
 MAX_LOGPROBS = 20
@@ -29,10 +29,6 @@ MAX_N = 128
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 #: OpenAI's (and vLLM's) range of `frequency_penalty` and `presence_penalty`.
 MAX_ABS_PENALTY = 2.0
-#: OpenAI's range of each `logit_bias` value ([-100, 100]).
-MAX_ABS_LOGIT_BIAS = 100.0
-#: Most entries of one `logit_bias` (OpenAI documents none; this bounds a request's work).
-MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 #: Longest JSON schema text a request may carry (characters): compiling is linear in its size,
@@ -202,8 +198,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        self.stop = _as_list("stop", self.stop, str)
-        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, int)
+        self.stop = as_list("stop", self.stop, str)
+        self.stop_token_ids = as_list("stop_token_ids", self.stop_token_ids, int)
         self._check()
 
     @property
@@ -222,8 +218,8 @@ class SamplingParams:
         Raises:
             ParamError: naming the field, the value and the limit.
         """
-        self.stop = _as_list("stop", self.stop, str)
-        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, int)
+        self.stop = as_list("stop", self.stop, str)
+        self.stop_token_ids = as_list("stop_token_ids", self.stop_token_ids, int)
         self._check()
         if self.logprobs is not None and self.logprobs > max_logprobs:
             raise ParamError(
@@ -246,13 +242,13 @@ class SamplingParams:
 
     def _check(self) -> None:
         """The checks that need no model; normalises ints and floats in place."""
-        self.n = _integer("n", self.n)
+        self.n = integer("n", self.n)
         if not 1 <= self.n <= MAX_N:
             raise ParamError("n", f"n must be in [1, {MAX_N}], got {self.n}")
-        self.max_tokens = _integer("max_tokens", self.max_tokens)
+        self.max_tokens = integer("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
             raise ParamError("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
-        self.min_tokens = _integer("min_tokens", self.min_tokens)
+        self.min_tokens = integer("min_tokens", self.min_tokens)
         if self.min_tokens < 0:
             raise ParamError("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.min_tokens > self.max_tokens:
@@ -260,15 +256,15 @@ class SamplingParams:
                 "min_tokens",
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
             )
-        self.temperature = _real("temperature", self.temperature)
+        self.temperature = real("temperature", self.temperature)
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ParamError(
                 "temperature", f"temperature must be a finite number >= 0, got {self.temperature}"
             )
-        self.top_p = _real("top_p", self.top_p)
+        self.top_p = real("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:  # NaN fails both comparisons
             raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        self.top_k = _integer("top_k", self.top_k)
+        self.top_k = integer("top_k", self.top_k)
         if self.top_k < -1 or self.top_k == 0:
             raise ParamError("top_k", f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         self._check_seed()
@@ -277,7 +273,7 @@ class SamplingParams:
             if not isinstance(value, bool):
                 raise ParamError(name, f"{name} must be a bool, got {value!r}")
         if self.logprobs is not None:
-            self.logprobs = _integer("logprobs", self.logprobs)
+            self.logprobs = integer("logprobs", self.logprobs)
             if self.logprobs < 0:
                 raise ParamError("logprobs", f"logprobs must be >= 0, got {self.logprobs}")
         self._check_stop()
@@ -311,26 +307,26 @@ class SamplingParams:
 
     def _check_processors(self) -> None:
         """Penalties, min_p, logit_bias, truncate_prompt_tokens and priority (vLLM's limits)."""
-        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty)
+        self.repetition_penalty = real("repetition_penalty", self.repetition_penalty)
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise ParamError(
                 "repetition_penalty",
                 f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}",
             )
         for name in ("frequency_penalty", "presence_penalty"):
-            value = _real(name, getattr(self, name))
+            value = real(name, getattr(self, name))
             if not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
                 raise ParamError(
                     name, f"{name} must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}], "
                     f"got {value}",
                 )  # fmt: skip
             setattr(self, name, value)
-        self.min_p = _real("min_p", self.min_p)
+        self.min_p = real("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise ParamError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
-        self.logit_bias = _logit_bias(self.logit_bias)
+        self.logit_bias = logit_bias_map(self.logit_bias)
         if self.truncate_prompt_tokens is not None:
-            k = _integer("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            k = integer("truncate_prompt_tokens", self.truncate_prompt_tokens)
             if k < 1 and k != -1:
                 raise ParamError(
                     "truncate_prompt_tokens",
@@ -338,12 +334,12 @@ class SamplingParams:
                     f"got {k}",
                 )
             self.truncate_prompt_tokens = k
-        self.priority = _integer("priority", self.priority)
+        self.priority = integer("priority", self.priority)
 
     def _check_seed(self) -> None:
         if self.seed is None:
             return
-        self.seed = _integer("seed", self.seed)
+        self.seed = integer("seed", self.seed)
         top = SEED_MAX - (self.n - 1)  # completion i draws with seed + i
         if not SEED_MIN <= self.seed <= top:
             extra = f" (with n={self.n}: completion i uses seed + i)" if self.n > 1 else ""
@@ -372,78 +368,3 @@ class SamplingParams:
             )
         if any(not s for s in stop):
             raise ParamError("stop", "stop strings must not be empty")
-
-
-def _integer(name: str, value: object) -> int:
-    """`value` as an int; bools and non-integral numbers are refused (ParamError)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ParamError(
-            name, f"{name} must be an integer, got {value!r} ({type(value).__name__})"
-        )
-    return int(value)
-
-
-def _real(name: str, value: object) -> float:
-    """`value` as a float; bools and non-numbers are refused (ParamError)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ParamError(name, f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    return float(value)
-
-
-def _logit_bias(value: object) -> dict[int, float] | None:
-    """`logit_bias` as {int token id: float bias}; None and {} are None (off).
-
-    Raises:
-        ParamError: not a dict, a key that is not a token id >= 0, a bias that is not a
-            number in [-100, 100], or more than MAX_LOGIT_BIAS_ENTRIES entries.
-    """
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise ParamError(
-            "logit_bias",
-            f"logit_bias must be a map of token id to bias, got {type(value).__name__}",
-        )
-    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
-        raise ParamError(
-            "logit_bias",
-            f"logit_bias: {len(value)} entries given, at most {MAX_LOGIT_BIAS_ENTRIES}",
-        )
-    out: dict[int, float] = {}
-    for key, bias in value.items():
-        tok = _integer("logit_bias", key)
-        if tok < 0:
-            raise ParamError("logit_bias", f"logit_bias token id {tok} is negative (ids are >= 0)")
-        b = _real("logit_bias", bias)
-        if not -MAX_ABS_LOGIT_BIAS <= b <= MAX_ABS_LOGIT_BIAS:
-            raise ParamError(
-                "logit_bias",
-                f"logit_bias value for token {tok} must be in [-{MAX_ABS_LOGIT_BIAS:g}, "
-                f"{MAX_ABS_LOGIT_BIAS:g}], got {b}",
-            )
-        out[tok] = b
-    return out or None
-
-
-def _as_list(name: str, value: object, kind: type) -> list:
-    """A stop field as a list: None is empty, one `kind` value is a list of one (so "abc" is
-    one stop string, not three), a list or tuple keeps its entries, each of type `kind`."""
-    if value is None:
-        return []
-    if kind is str and isinstance(value, str):
-        return [value]
-    if kind is int and isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return [int(value)]
-    if not isinstance(value, (list, tuple)):
-        what = "an integer" if kind is int else "a string"
-        raise ParamError(
-            name, f"{name} must be {what} or a list of them, got {type(value).__name__}"
-        )
-    if kind is int:
-        bad = [v for v in value if isinstance(v, bool) or not isinstance(v, numbers.Integral)]
-    else:
-        bad = [v for v in value if not isinstance(v, str)]
-    if bad:
-        what = "integers" if kind is int else "strings"
-        raise ParamError(name, f"{name} entries must be {what}, got {bad[0]!r}")
-    return [kind(v) for v in value]
