@@ -33,7 +33,7 @@ trap cleanup EXIT
 wait_up() { moe-client --server "$1" health --wait 300 > /dev/null; }
 
 echo "[disagg_serve] not split: moe-serve on :50071"
-moe-serve "${flags[@]}" --port 50071 & pids+=($!)
+moe-serve "${flags[@]}" --grpc-port 50071 --port 0 & pids+=($!)
 wait_up 127.0.0.1:50071
 python3 "$here/serve.py" --server 127.0.0.1:50071 --request-rate "${rates[@]}" \
     --num-requests 64 --long-prompts 0.125:768 --output "$out/single.json" > /dev/null
@@ -43,11 +43,12 @@ echo "[disagg_serve] split: prefill :50072, decode :50073, moe-router :50070" \
      "($([[ -n "${SPLIT_PIN:-}" ]] && echo "prefill on CPU 0, decode on CPU 1" || echo "both on every core"))"
 pin_p=() pin_d=()  # SPLIT_PIN: one core each (the engine then runs one thread per instance)
 if [[ -n "${SPLIT_PIN:-}" ]]; then pin_p=(taskset -c 0) pin_d=(taskset -c 1); fi
-"${pin_p[@]}" moe-serve "${flags[@]}" --port 50072 --disaggregation-mode prefill & pids+=($!)
-"${pin_d[@]}" moe-serve "${flags[@]}" --port 50073 --disaggregation-mode decode & pids+=($!)
+"${pin_p[@]}" moe-serve "${flags[@]}" --grpc-port 50072 --port 0 --disaggregation-mode prefill & pids+=($!)
+"${pin_d[@]}" moe-serve "${flags[@]}" --grpc-port 50073 --port 0 --disaggregation-mode decode & pids+=($!)
 wait_up 127.0.0.1:50072
 wait_up 127.0.0.1:50073
-moe-router --prefill 127.0.0.1:50072 --decode 127.0.0.1:50073 --port 50070 --log-level WARNING \
+moe-router --prefill 127.0.0.1:50072 --decode 127.0.0.1:50073 --grpc-port 50070 --port 0 \
+    --log-level WARNING \
     & pids+=($!)
 wait_up 127.0.0.1:50070
 python3 "$here/serve.py" --server 127.0.0.1:50070 --request-rate "${rates[@]}" \

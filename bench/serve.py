@@ -646,7 +646,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT (default %(default)s)")
     p.add_argument("--http-server", default=None, metavar="HOST:PORT",
-                   help="send the requests to this moe-serve --http-port instead, as streamed "
+                   help="send the requests to this moe-serve --port (HTTP) instead, as streamed "
                         "POST /v1/completions (the OpenAI API); the model's facts still come "
                         "from GetModelInfo at --server, the same process")
     p.add_argument("--api-key", default=None,

@@ -96,7 +96,8 @@ def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "moe_engine.cli.serve", "--model", model, "--port", str(port)]
+    cmd = [sys.executable, "-m", "moe_engine.cli.serve", "--model", model, "--grpc-port",
+           str(port), "--port", "0"]
     proc = subprocess.Popen([*cmd, "--log-level", "WARNING", *extra])
     return proc, f"127.0.0.1:{port}"
 

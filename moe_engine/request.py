@@ -8,6 +8,7 @@ produces for a request is an `EngineCoreOutput` (`moe_engine.core.outputs`).
 from __future__ import annotations
 
 import enum
+import time
 from typing import Any, Protocol
 
 from moe_engine.sampling_params import SamplingParams
@@ -99,6 +100,11 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
         self.first_token_time: float | None = None
+        #: When the engine core queued it and first scheduled it (time.monotonic() seconds of
+        #: the core's process): vLLM's QUEUED and SCHEDULED events, for the queue and prefill
+        #: intervals of its metrics.
+        self.queued_time = time.monotonic()
+        self.scheduled_time: float | None = None
         self.parent = parent
         self.index = index
         self.cache_salt = cache_salt

@@ -116,7 +116,8 @@ def test_sigterm_drains_then_aborts_and_exits_0(qwen3_ckpt: Path, ep_size: int) 
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "moe_engine.cli.serve", "--model", str(qwen3_ckpt),
-            "--port", str(port), "--max-model-len", "1024", "--kv-cache-memory", "4MiB",
+            "--grpc-port", str(port), "--port", "0", "--max-model-len", "1024",
+            "--kv-cache-memory", "4MiB",
             "--max-num-seqs", "1", "--drain-timeout", str(drain_s),
             "--log-level", "WARNING", "--ep-size", str(ep_size),
         ],

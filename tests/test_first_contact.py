@@ -34,6 +34,12 @@ HUB_ID = "Qwen/Qwen3-30B-A3B"
 _HUB_ENV = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _serve(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, list[str]]:
     """`moe-serve ARGV` in this process: (exit status, stderr lines); each case fails before
     a port opens."""
@@ -349,12 +355,12 @@ def test_port_in_use_is_one_line_without_grpc_log(qwen3_ckpt: Path) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         done = subprocess.run(
             [sys.executable, "-m", "moe_engine.cli.serve", "--model", str(qwen3_ckpt),
-             "--port", str(port)],
+             "--grpc-port", str(port), "--port", "0"],
             capture_output=True, text=True, env=env, timeout=120,
         )
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 1 and len(lines) == 1, done.stderr
-    assert f"127.0.0.1:{port}" in lines[0] and "in use" in lines[0] and "--port" in lines[0]
+    assert f"127.0.0.1:{port}" in lines[0] and "in use" in lines[0] and "--grpc-port" in lines[0]
 
 
 def test_check_bindable_allows_a_free_port_and_port_zero() -> None:
@@ -402,7 +408,8 @@ def test_an_engine_startup_failure_is_one_error_line(qwen3_ckpt: Path, tmp_path:
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(
-        [sys.executable, "-m", "moe_engine.cli.serve", "--model", str(broken), "--port", "0"],
+        [sys.executable, "-m", "moe_engine.cli.serve", "--model", str(broken), "--port", "0",
+         "--grpc-port", str(_free_port())],
         capture_output=True, text=True, env=env, timeout=120,
     )
     lines = done.stderr.strip().splitlines()

@@ -435,8 +435,10 @@ def test_moe_serve_cli_starts_serves_and_drains(qwen3_ckpt: Path) -> None:
             "moe_engine.cli.serve",
             "--model",
             str(qwen3_ckpt),
-            "--port",
+            "--grpc-port",
             str(port),
+            "--port",
+            "0",
             "--max-model-len",
             "128",
             "--kv-cache-memory",
@@ -550,14 +552,15 @@ def test_moe_serve_cli_bad_ports(qwen3_ckpt: Path) -> None:
             env=_cli_env(),
         )
 
-    for flag in ("--port", "--metrics-port"):
+    for flag in ("--port", "--grpc-port", "--metrics-port"):
         proc = serve(flag, "99999")
         assert proc.returncode == 2
         assert proc.stderr.strip().splitlines() == [
             f"moe-serve: error: {flag} must be in 0..65535, got 99999"
         ]
     port = free_port()
-    proc = serve("--port", str(port), "--metrics-port", str(port), "--log-level", "ERROR")
+    proc = serve("--grpc-port", str(port), "--metrics-port", str(port), "--port", "0",
+                 "--log-level", "ERROR")
     assert proc.returncode == 1
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from grpc_helpers import ServerThread, child_pids, process_alive
+from grpc_helpers import ServerThread, child_pids, free_port, process_alive
 
 from moe_engine.errors import StartupError
 from moe_engine.server.app import ServerOptions
@@ -112,6 +112,7 @@ def test_stopping_moe_serve_during_the_kernel_build_stops_the_compilers(
            "PYTHONPATH": str(TESTS.parent)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "moe_engine.cli.serve", "--model", str(qwen3_ckpt), "--port", "0",
+         "--grpc-port", str(free_port()),
          "--max-model-len", "64", "--kv-cache-memory", "1MiB", "--log-level", "WARNING"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

@@ -177,8 +177,10 @@ def _delta(after, before) -> tuple[int, int, int, list[int]]:
     return a[0] - b[0], a[1] - b[1], a[2] - b[2], per_pos
 
 
-def _start(ckpt: Path, *flags: str, startup_timeout_s: float = 180) -> ServerThread:
-    """A server configured by `moe-serve`'s own flag parsing (a fixed KV pool on top)."""
+def _start(ckpt: Path, *flags: str, startup_timeout_s: float = 180,
+           http: bool = False) -> ServerThread:
+    """A server configured by `moe-serve`'s own flag parsing (a fixed KV pool on top), gRPC on
+    a free port, and with `http` the HTTP API on another."""
     args = build_parser().parse_args([
         "--model", str(ckpt), "--port", "0", "--max-model-len", "128", "--block-size", "16",
         "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(BUDGET),
@@ -190,7 +192,8 @@ def _start(ckpt: Path, *flags: str, startup_timeout_s: float = 180) -> ServerThr
         config, cache=dataclasses.replace(config.cache, num_blocks_override=NUM_BLOCKS)
     )
     options = dataclasses.replace(
-        server_options_from_args(args), stats_poll_s=0.1, log_stats_interval_s=None
+        server_options_from_args(args), stats_poll_s=0.1, log_stats_interval_s=None, port=0,
+        http_port=0 if http else None,
     )
     return ServerThread(config, options, startup_timeout_s=startup_timeout_s)
 
@@ -210,8 +213,8 @@ def tok_ckpt(qwen3_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
 def server(tok_ckpt: Path, qwen3_ckpt: Path):
     _expected(qwen3_ckpt)  # transformers first: it does not share the CPU with the server
     handle = _start(
-        tok_ckpt, "--metrics-port", str(free_port()), "--http-port", "0",
-        "--served-model-name", MODEL_NAME,
+        tok_ckpt, "--metrics-port", str(free_port()), "--served-model-name", MODEL_NAME,
+        http=True,
     )  # fmt: skip
     yield handle
     handle.close()

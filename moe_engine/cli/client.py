@@ -14,7 +14,8 @@
                [--keep-prefix-cache] [--json]
     moe-client --version
 
-Common flags: --server HOST:PORT (the port is required, gRPC would otherwise pick 443; default
+Common flags: --server HOST:PORT (moe-serve's gRPC port, its --grpc-port, not its --port, which
+is the OpenAI HTTP API's; the port is required, gRPC would otherwise pick 443; default
 127.0.0.1:50051; IPv6 as [::1]:50051), --timeout S (deadline per call, seconds > 0), --api-key
 KEY (or $MOE_ENGINE_API_KEY; sent as the metadata "authorization: Bearer KEY"), --tls (TLS with
 the system's CAs), --tls-ca PEM (the CA that signed the server's certificate; implies --tls),
@@ -117,8 +118,8 @@ def _add_connection_flags(p: argparse.ArgumentParser, suppress: str | None) -> N
         type=server_address,
         default=default("127.0.0.1:50051"),
         metavar="HOST:PORT",
-        help="server address; the port is required ([::1]:PORT for IPv6) (default: "
-             "127.0.0.1:50051)",
+        help="server address: moe-serve's gRPC port (its --grpc-port); the port is required "
+        "([::1]:PORT for IPv6) (default: 127.0.0.1:50051)",
     )
     p.add_argument(
         "--timeout",

@@ -15,6 +15,8 @@ from kernels.plan import OPS
 from moe_engine.disagg.transfer import BACKENDS
 from moe_engine.server.options import (
     DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_GRPC_PORT,
+    DEFAULT_HTTP_PORT,
     DEFAULT_MAX_CONCURRENT_STREAMS,
     DEFAULT_MAX_MESSAGE_BYTES,
 )
@@ -74,21 +76,37 @@ def add_model_path_args(p: argparse.ArgumentParser) -> None:
         "hub id (org/name) already in the local hub cache ($HF_HUB_CACHE; nothing is "
         "downloaded), or 'demo' (default: a small Qwen3-MoE demo made on first use)",
     )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="tokenizer folder (or a hub id in the local hub cache) to use instead of the "
+        "checkpoint's own (default: the --model folder's tokenizer files, if any)",
+    )
 
 
 def add_address_args(p: argparse.ArgumentParser) -> None:
-    """Where the server listens: --host, --port, --http-port, --served-model-name
-    (`ServerOptions`)."""
+    """Where the server listens: --host, --port (alias --http-port), --grpc-port,
+    --served-model-name (`ServerOptions`). As vLLM's, --port is the OpenAI HTTP API's."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051)")
     p.add_argument(
+        "--port",
         "--http-port",
+        dest="http_port",
         type=int,
-        default=None,
+        default=DEFAULT_HTTP_PORT,
         metavar="P",
-        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-        "/v1/models, ...) on this port, same engine (default: off); --host, the API key and "
-        "TLS flags apply to it",
+        help="port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+        f"/v1/models, /metrics, ...; default {DEFAULT_HTTP_PORT}, as vLLM's; 0: no HTTP API); "
+        "--host, the API key and TLS flags apply to it. --http-port is the same flag",
+    )
+    p.add_argument(
+        "--grpc-port",
+        type=int,
+        default=DEFAULT_GRPC_PORT,
+        metavar="P",
+        help=f"port of the gRPC API (moe_engine.v1, health, reflection; default "
+        f"{DEFAULT_GRPC_PORT}; 0: no gRPC API)",
     )
     p.add_argument(
         "--served-model-name",
@@ -99,9 +117,38 @@ def add_address_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_frontend_args(p: argparse.ArgumentParser) -> None:
+    """Request logging and unknown request fields (`ServerOptions`)."""
+    log = p.add_mutually_exclusive_group()
+    log.add_argument(
+        "--enable-log-requests", action="store_true",
+        help="log one line per request as it arrives (id, prompt tokens, sampling "
+        "parameters; not the prompt) and one as it ends (vLLM's flag; default off)",
+    )
+    log.add_argument(
+        "--disable-log-requests", action="store_true",
+        help="no per-request log lines: the default (vLLM's older flag, accepted for scripts)",
+    )
+    p.add_argument(
+        "--allow-unknown-fields", action="store_true",
+        help="the HTTP API ignores request fields it does not know, with one warning per field "
+        "name, instead of refusing them with 400 (for SDKs that send other engines' extras; "
+        "default off: a misspelt field is an error, not silently dropped)",
+    )
+
+
+#: `--dtype` values (vLLM's) and the `ModelConfig.dtype` each means.
+DTYPE_CHOICES = {"auto": "auto", "bfloat16": "bfloat16", "float16": "float16",
+                 "half": "float16", "float32": "float32", "float": "float32"}
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """--dtype and --max-model-len (`ModelConfig`)."""
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument(
+        "--dtype", default="auto", choices=list(DTYPE_CHOICES),
+        help="weights' and activations' dtype (default auto: the checkpoint's torch_dtype); "
+        "half is float16 and float is float32, as vLLM's",
+    )
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (tokens)")
 
 

@@ -1,8 +1,12 @@
-"""`moe-serve`: serve an MoE checkpoint (the built-in demo by default) over gRPC.
+"""`moe-serve`: serve an MoE checkpoint (the built-in demo by default) over the OpenAI HTTP API
+and gRPC.
 
-    moe-serve [--model PATH|ORG/NAME|demo] [--host 127.0.0.1] [--port 50051] [--version]
-              [--http-port P] [--served-model-name NAME]
-              [--dtype auto|bfloat16|float32] [--max-model-len N] [--max-num-seqs N]
+    moe-serve [--model PATH|ORG/NAME|demo] [--tokenizer PATH] [--host 127.0.0.1]
+              [--port 8000 (alias --http-port; 0: off)] [--grpc-port 50051 (0: off)]
+              [--served-model-name NAME] [--version]
+              [--enable-log-requests | --disable-log-requests] [--allow-unknown-fields]
+              [--dtype auto|bfloat16|float16|half|float32|float] [--max-model-len N]
+              [--max-num-seqs N]
               [--max-num-batched-tokens N] [--stream-interval N] [--kv-cache-memory BYTES]
               [--block-size N]
               [--enable-prefix-caching] [--device auto|cpu|cuda] [--gpu-memory-utilization F]
@@ -19,8 +23,10 @@
                [--ngram-max N] [--speculative-disable-by-batch-size N]]
               [--weight-version V]
 
-Ready when the gRPC health service (grpc.health.v1) says SERVING. SIGTERM or Ctrl-C drains and
-exits 0; a startup failure exits 1 with the reason (numbers and the flag that fixes it).
+Ready when `GET /health` on the HTTP port answers 200 (and the gRPC health service,
+grpc.health.v1, says SERVING). As vLLM's, --port is the OpenAI HTTP API's port; gRPC is on
+--grpc-port. SIGTERM or Ctrl-C drains and exits 0; a startup failure exits 1 with the reason
+(numbers and the flag that fixes it).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from pathlib import Path
 
 from kernels.registry import (
     KernelBackendError,
@@ -38,6 +45,7 @@ from kernels.registry import (
 )
 from moe_engine import __version__
 from moe_engine.cli import flags
+from moe_engine.core.tokenizer import TOKENIZER_FILES
 from moe_engine.errors import StartupError
 from moe_engine.models import resolve_quant_config
 from moe_engine.models.loader import safetensors_files
@@ -65,11 +73,14 @@ logger = logging.getLogger("moe_engine.serve")
 def build_parser() -> argparse.ArgumentParser:
     """`moe-serve`'s parser; the flags come in the order `--help` lists them (`flags.py`)."""
     p = argparse.ArgumentParser(
-        prog="moe-serve", description="Serve an MoE checkpoint over gRPC (moe_engine.v1)."
+        prog="moe-serve",
+        description="Serve an MoE checkpoint over the OpenAI-compatible HTTP API (--port, "
+        "default 8000) and gRPC (moe_engine.v1, --grpc-port, default 50051).",
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     flags.add_model_path_args(p)
     flags.add_address_args(p)
+    flags.add_frontend_args(p)
     flags.add_model_args(p)
     flags.add_scheduler_args(p)
     flags.add_seed_args(p)
@@ -98,7 +109,8 @@ def server_options_from_args(args: argparse.Namespace) -> ServerOptions:
     """
     return ServerOptions(
         host=args.host,
-        port=args.port,
+        port=args.grpc_port or None,  # 0: off (ServerOptions' 0, any free port, is for tests)
+        http_port=args.http_port or None,
         max_message_bytes=args.max_message_bytes,
         metrics_port=args.metrics_port,
         drain_grace_s=args.drain_timeout,
@@ -110,20 +122,23 @@ def server_options_from_args(args: argparse.Namespace) -> ServerOptions:
         tls_key=args.tls_key,
         tls_ca=args.tls_ca,
         allow_insecure=args.allow_insecure,
-        http_port=args.http_port,
         served_model_name=args.served_model_name,
+        allow_unknown_fields=args.allow_unknown_fields,
+        enable_log_requests=args.enable_log_requests,
     )
 
 
-def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfig:
-    """The EngineConfig the flags describe.
+def engine_config_from_args(args: argparse.Namespace, model: str,
+                            tokenizer: str | None = None) -> EngineConfig:
+    """The EngineConfig the flags describe (`tokenizer`: the resolved --tokenizer folder).
 
     Raises:
         ValueError: a flag value out of range (the message names it).
     """
     return EngineConfig(
-        model=ModelConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
-                          weight_version=args.weight_version, seed=args.seed),
+        model=ModelConfig(model=model, dtype=flags.DTYPE_CHOICES[args.dtype],
+                          max_model_len=args.max_model_len, seed=args.seed,
+                          weight_version=args.weight_version, tokenizer=tokenizer),
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory,
@@ -179,12 +194,35 @@ def resolve_model(model: str) -> str:
     return path
 
 
+def resolve_tokenizer(tokenizer: str | None) -> str | None:
+    """The --tokenizer folder (a hub id through the local hub cache, as --model), checked to
+    hold tokenizer files; None without the flag.
+
+    Raises:
+        FileNotFoundError: no such folder, or no tokenizer files in it (naming the flag).
+    """
+    if tokenizer is None:
+        return None
+    try:
+        path = resolve_model_dir(tokenizer)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"--tokenizer {tokenizer}: {exc}") from None
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"--tokenizer {tokenizer}: no tokenizer files in {path} (expected one of "
+            f"{', '.join(TOKENIZER_FILES)})"
+        )
+    return path
+
+
 _PORT_MAX = 65535
 
 
 def check_args(args: argparse.Namespace) -> str | None:
     """A one-line message for the first flag value out of range, or None when all are fine."""
-    for flag, value in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+    ports = (("--port", args.http_port), ("--grpc-port", args.grpc_port),
+             ("--metrics-port", args.metrics_port))
+    for flag, value in ports:
         if value is not None and not 0 <= value <= _PORT_MAX:
             return f"{flag} must be in 0..{_PORT_MAX}, got {value}"
     problem = weight_version_problem(args.weight_version)
@@ -240,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         check_cpu_environment()  # MOE_ENGINE_THREADS=abc and the like: exit 1, port closed
         options = server_options_from_args(args)  # before anything is made or loaded
         model = resolve_model(args.model)
-        config = engine_config_from_args(args, model)
+        tokenizer = resolve_tokenizer(args.tokenizer)
+        config = engine_config_from_args(args, model, tokenizer)
         device = resolve_device(config.device.device)  # --device cuda without CUDA: exit 1
         check_kernel_backend(device, config.kernel_backend)  # e.g. triton on a CPU: exit 1
         check_checkpoint(config)

@@ -105,7 +105,7 @@ def build_engine_core(
     built.max_model_len = plan.max_model_len
     timer, expert_load, trace = _instruments(config, built, rank_context, device)
     progress("loading the tokenizer", "", None)
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(config.model.tokenizer_path)
     progress("allocating the KV cache", f"{plan.num_blocks} blocks", None)
     eos_token_ids = eos_token_ids_of(model_dir, built.hf_config)
     kv = KVCacheManager(

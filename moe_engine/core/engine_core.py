@@ -292,6 +292,10 @@ class EngineCore:
             return []
         out = self.scheduler.schedule()
         self._last_num_tokens = out.total_num_tokens
+        now = time.monotonic()
+        for scheduled in out.scheduled:
+            if scheduled.request.scheduled_time is None:
+                scheduled.request.scheduled_time = now
         if out.is_empty:
             if self.rank_context is not None:
                 self.runner.execute_idle()
@@ -413,7 +417,18 @@ class EngineCore:
             stop_reason=req.stop_reason if final else None,
             weight_version=self.rollout.weight_version,
             decode_s=self._decode_s(req) if final else None,
+            **(self._intervals(req) if final else {}),
         )
+
+    @staticmethod
+    def _intervals(req: Request) -> dict[str, float | None]:
+        """A finished request's queue and prefill intervals (seconds; `EngineCoreOutput`)."""
+        scheduled = req.scheduled_time
+        if scheduled is None:  # aborted while waiting
+            return {"queue_s": time.monotonic() - req.queued_time, "prefill_s": None}
+        first = req.first_token_time
+        return {"queue_s": scheduled - req.queued_time,
+                "prefill_s": None if first is None else first - scheduled}
 
     @staticmethod
     def _decode_s(req: Request) -> float | None:

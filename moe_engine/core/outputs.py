@@ -32,6 +32,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
         decode_s: on the finished output of an `output_kind` "final_only" request, seconds
             from its first token to this output (the front end dates the first token, and so
             the time to first token, from it); None otherwise.
+        queue_s, prefill_s: on the finished output, seconds from the core queueing the request
+            to its first scheduling, and from then to its first token (vLLM's queue and
+            prefill intervals, from the core's own clock: the front end cannot see those
+            events); None where the request never got that far.
     """
 
     request_id: str
@@ -47,6 +51,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     stop_reason: int | str | None = None
     weight_version: str = ""
     decode_s: float | None = None
+    queue_s: float | None = None
+    prefill_s: float | None = None
 
 
 class ModelInfo(msgspec.Struct, kw_only=True):

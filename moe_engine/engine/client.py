@@ -150,7 +150,8 @@ class EngineClient(RequestStreams):
             atexit.register(_kill_leftover_cores)
         _started.add(self)
         loop.add_reader(self._proc.sentinel, self._on_process_exit)
-        tokenizer = asyncio.create_task(asyncio.to_thread(load_tokenizer, config.model.model))
+        tokenizer = asyncio.create_task(asyncio.to_thread(load_tokenizer,
+                                                         config.model.tokenizer_path))
         try:
             info = await asyncio.wait_for(asyncio.shield(self._ready), startup_timeout_s)
         except TimeoutError:

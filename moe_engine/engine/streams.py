@@ -55,10 +55,14 @@ class RequestStreams:
         tokenizer: the checkpoint's tokenizer in this process, or None.
         dead: set when the core process has exited or failed; death_reason says why.
         paused: whether the core was paused at its last control reply (`PauseGeneration`).
+        log_requests: log one INFO line per request as it is sent to the core (id, prompt
+            length, sampling parameters) and one as it ends (finish reason, tokens);
+            `moe-serve --enable-log-requests`, as vLLM's.
     """
 
     def __init__(self) -> None:
         self.model_info: ModelInfo | None = None
+        self.log_requests = False
         self.startup_status = StartupStatus()
         self.tokenizer: Any | None = None
         self.dead = asyncio.Event()
@@ -90,7 +94,8 @@ class RequestStreams:
             raise RequestError(
                 ErrorCode.INVALID_ARGUMENT,
                 "text",
-                "text: this model has no tokenizer; send the prompt as prompt_ids",
+                "text: this model has no tokenizer; send the prompt as prompt_ids (or start "
+                "the server with --tokenizer PATH)",
             )
         return list(self.tokenizer.encode(text))
 
@@ -169,6 +174,9 @@ class RequestStreams:
             raise
         self._rank_load[rank] += params.n  # each completion is a request of that rank
         self._rank_of[request_id] = rank
+        if self.log_requests:
+            logger.info("Received request %s: %d prompt tokens, params: %s", request_id,
+                        len(prompt_token_ids), params)
         remaining = params.n
         try:
             while remaining:
@@ -177,6 +185,10 @@ class RequestStreams:
                     remaining = 0
                     raise item
                 remaining -= item.finished
+                if self.log_requests and item.finished:
+                    logger.info("Finished request %s (completion %d): finish_reason %s, %d "
+                                "output tokens", request_id, item.index, item.finish_reason,
+                                item.num_output_tokens)
                 yield item
         finally:
             if self._streams.get(request_id) is queue:

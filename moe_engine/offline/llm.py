@@ -59,7 +59,9 @@ class LLM(WeightUpdateMethods):
         model: checkpoint directory (config.json + *.safetensors), a Hugging Face hub id
             whose snapshot is in the local hub cache (`~/.cache/huggingface/hub`), or "demo"
             for the built-in demo checkpoint; never fetched from the network.
-        dtype: "auto", "bfloat16" or "float32".
+        dtype: "auto", "bfloat16", "float16" ("half") or "float32" ("float").
+        tokenizer: a folder with the tokenizer files to use instead of `model`'s (vLLM's
+            `tokenizer`; a hub id in the local hub cache too); None: `model`'s.
         max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory (bytes, or text
             such as "2GiB"),
         block_size, num_blocks_override, quantization, quant_group_size, quantized_layers,
@@ -102,6 +104,7 @@ class LLM(WeightUpdateMethods):
         ngram_max: int = 4,
         speculative_disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE,
         weight_version: str = "default",
+        tokenizer: str | None = None,
         scheduling_policy: str = SchedulerConfig.policy,
     ) -> None:
         if model == "demo":
@@ -115,13 +118,18 @@ class LLM(WeightUpdateMethods):
                 raise StartupError(str(exc)) from None
         if not (Path(model) / "config.json").is_file():
             raise StartupError(f"model: no config.json in {str(model)!r}")
+        if tokenizer is not None:
+            try:
+                tokenizer = resolve_model_dir(tokenizer)
+            except FileNotFoundError as exc:
+                raise StartupError(f"tokenizer: {exc}") from None
         self.engine = build_engine_core(
             EngineConfig(
                 device=DeviceConfig(device, gpu_memory_utilization, enforce_eager,
                                     cpu_memory_utilization),
                 model=ModelConfig(
                     model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed,
-                    weight_version=weight_version,
+                    weight_version=weight_version, tokenizer=tokenizer,
                 ),
                 cache=CacheConfig(
                     block_size=block_size,

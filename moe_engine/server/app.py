@@ -1,11 +1,14 @@
-"""The gRPC server: MoeEngine servicer + grpc.health.v1 + reflection, and its lifetime.
+"""The server: the gRPC API (MoeEngine servicer + grpc.health.v1 + reflection; `options.port`,
+`--grpc-port`) and the OpenAI HTTP API (`options.http_port`, `--port`) over one engine, and
+their lifetime.
 
 Order of startup: bind and start the gRPC server with health NOT_SERVING (clients can poll it
-while the model loads), start the engine core process, then switch health to SERVING. Until
+while the model loads) and the HTTP API (503 until then), start the engine core process, then
+switch health to SERVING. Until
 then every health check carries what the engine does in its trailing metadata
 (`moe-engine-status`, e.g. "server unavailable: building native CPU kernels (25 s elapsed, about
-40 s left)"), other calls get UNAVAILABLE with the same text, and `GET /health` on the metrics
-port answers 503 with it (200 once serving). While busy, a log line every
+40 s left)"), other calls get UNAVAILABLE with the same text, and `GET /health` on the HTTP
+and the metrics ports answers 503 with it (200 once serving). While busy, a log line every
 `log_stats_interval_s` gives requests, KV usage and throughput (`metrics.StatsLogger`). Shutdown
 (SIGTERM / SIGINT, or `MoeServer.stop`) drains: health NOT_SERVING and new Generate calls
 UNAVAILABLE, live requests get `drain_grace_s` to finish, the rest are aborted (their streams end
@@ -101,6 +104,7 @@ class MoeServer:
         self.core_factory = core_factory
         self.log_level = log_level
         self.engine = EngineClient()
+        self.engine.log_requests = options.enable_log_requests
         self.metrics = ServerMetrics()
         self.servicer = MoeEngineServicer(
             self.engine,
@@ -109,9 +113,10 @@ class MoeServer:
             max_prompt_tokens=options.max_prompt_tokens,
         )
         self.health = StatusHealthServicer(self.servicer.status_detail)
+        self.served_model_name = options.served_model_name or Path(config.model.model).name
         self.http_state = HttpState(
             self.engine,
-            options.served_model_name or Path(config.model.model).name,
+            self.served_model_name,
             self._http_status,
             self.metrics,
             options.max_prompt_tokens,
@@ -148,13 +153,19 @@ class MoeServer:
             raise
         self.servicer.ready = True
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        if self._metrics_http is not None:
+        info = self.engine.model_info
+        if info is not None:
+            self.metrics.enable_vllm(self.served_model_name, info.max_model_len)
+        if self._metrics_http is not None or self.http is not None:  # both serve /metrics
             self._poll_task = asyncio.create_task(self._poll_stats(), name="metrics-poll")
         if self.options.log_stats_interval_s is not None:
             self._log_task = asyncio.create_task(
                 self._log_stats(self.options.log_stats_interval_s), name="stats-log"
             )
-        logger.info("serving %s on %s:%d", self.config.model.model, self.options.host, self.port)
+        where = [f"gRPC :{self.port}"] if self.port is not None else []
+        where += [f"HTTP :{self.http_port}"] if self.http_port is not None else []
+        logger.info("serving %s on %s (%s)", self.config.model.model, self.options.host,
+                    ", ".join(where))
 
     async def _start_http(self) -> None:
         """Serve the OpenAI-compatible HTTP API when an HTTP port is configured (503 until the
@@ -172,6 +183,7 @@ class MoeServer:
             api_key=opts.api_key,
             health_requires_api_key=opts.health_requires_api_key,
             on_auth_failure=self.metrics.auth_failures.inc,
+            allow_unknown_fields=opts.allow_unknown_fields,
         )
         server = HttpServer(app, opts.host, opts.http_port, tls_cert=opts.tls_cert,
                             tls_key=opts.tls_key, tls_ca=opts.tls_ca)
@@ -235,6 +247,15 @@ class MoeServer:
         return interceptors
 
     async def _start_grpc(self) -> None:
+        """Bind and start the gRPC server (health NOT_SERVING), unless `options.port` is None
+        (no gRPC: `--grpc-port 0`; the health servicer still tracks the status).
+
+        Raises:
+            StartupError: the port cannot be bound or a TLS file cannot be read.
+        """
+        if self.options.port is None:
+            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            return
         receive_limit = transport_limit(self.options.max_message_bytes)
         server = grpc.aio.server(
             interceptors=self._interceptors(),
@@ -256,7 +277,7 @@ class MoeServer:
             host = f"[{host}]"
         address = f"{host}:{self.options.port}"
         opts = self.options
-        check_bindable(self.options.host, self.options.port)  # before gRPC's own C++ log lines
+        check_bindable(self.options.host, self.options.port, "--grpc-port")  # before gRPC's logs
         try:
             if opts.tls_cert is not None and opts.tls_key is not None:
                 credentials = server_credentials(opts.tls_cert, opts.tls_key, opts.tls_ca)
@@ -266,7 +287,7 @@ class MoeServer:
         except ValueError as exc:  # an unreadable TLS file
             raise StartupError(str(exc)) from exc
         except RuntimeError as exc:
-            raise StartupError(f"cannot listen on {address} (--host/--port): {exc}") from exc
+            raise StartupError(f"cannot listen on {address} (--host/--grpc-port): {exc}") from exc
         await server.start()
         self._server = server
         logger.info(

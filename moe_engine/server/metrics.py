@@ -1,10 +1,12 @@
-"""Prometheus metrics of the serving front end, exposed on `--metrics-port` with `GET /health`.
+"""Prometheus metrics of the serving front end, exposed on `--metrics-port` with `GET /health`,
+and on the HTTP API's port as `GET /metrics` (one registry, the same text).
 
 Gauges and counters that the core owns (running/waiting requests, KV usage, token, preemption,
 rejection and abort totals) are refreshed from `EngineClient.get_stats()` by a poll task;
 per-request latencies (TTFT, TPOT, end to end) are observed by the servicer as it streams
 outputs, and refused API keys are counted by the interceptor.
-Names follow vLLM's metrics with the prefix `moe_engine_`. `StatsLogger` writes vLLM's periodic
+Names follow vLLM's metrics with the prefix `moe_engine_`; vLLM's own `vllm:*` series sit beside
+them (`vllm_metrics.VllmMetrics`). `StatsLogger` writes vLLM's periodic
 log line (requests, KV usage, throughput) while the engine is busy.
 """
 
@@ -14,18 +16,26 @@ import json
 import logging
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    make_wsgi_app,
+)
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from moe_engine.core.outputs import CoreStats, EngineCoreOutput, EngineStats, ExpertLoad
+from moe_engine.core.outputs import CoreStats, EngineStats, ExpertLoad
 from moe_engine.instrumentation import balancedness, imbalance_ratio
+from moe_engine.server.request_timer import RequestTimer
+from moe_engine.server.vllm_metrics import VllmMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -187,10 +197,24 @@ class ServerMetrics:
             registry=r,
         )
         self._last_totals: dict[int | tuple[int, int], int] = {}
+        #: vLLM's series, once the served model is known (`enable_vllm`).
+        self.vllm: VllmMetrics | None = None
+
+    def enable_vllm(self, model_name: str, max_model_len: int) -> None:
+        """Add vLLM's `vllm:*` series (`vllm_metrics`) for the served model (once; its
+        token-count buckets need `max_model_len`, known when the engine is up)."""
+        if self.vllm is None:
+            self.vllm = VllmMetrics(self.registry, model_name, max_model_len)
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition of every series, and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     def update_from_stats(self, stats: EngineStats) -> None:
         """Refresh gauges and counters from the engine's stats (totals over its ranks)."""
         t = stats.total
+        if self.vllm is not None:
+            self.vllm.update_from_stats(t)
         self.requests_running.set(t.num_running)
         self.requests_waiting.set(t.num_waiting)
         self.kv_cache_usage.set(t.kv_cache_usage)
@@ -244,6 +268,8 @@ class ServerMetrics:
     def observe_finished(self, timer: RequestTimer, finish_reason: str) -> None:
         """Record one finished request's latencies."""
         self.requests_finished.labels(finish_reason=finish_reason or "unknown").inc()
+        if self.vllm is not None:
+            self.vllm.observe_finished(timer, finish_reason)
         if timer.first_token_s is None:
             return
         end = timer.last_output_s
@@ -354,27 +380,3 @@ def _spec_decode_part(t: CoreStats, before: CoreStats) -> str:
         f"{accepted}/{proposed} draft tokens ({100 * accepted / max(proposed, 1):.1f}%), "
         f"per-position acceptance rate [{rates}]"
     )
-
-
-@dataclass
-class RequestTimer:
-    """Wall-clock times of one request (time.monotonic() seconds) and its output tokens, summed
-    over its completions (`SamplingParams.n`)."""
-
-    arrival_s: float = field(default_factory=time.monotonic)
-    first_token_s: float | None = None
-    last_output_s: float = 0.0
-    num_output_tokens: int = 0
-    _tokens_by_index: dict[int, int] = field(default_factory=dict, repr=False)
-
-    def record(self, out: EngineCoreOutput) -> None:
-        """Note an output: the first one with tokens fixes the time to first token (on a
-        final-only output, `decode_s` before it arrived)."""
-        now = time.monotonic()
-        if out.new_token_ids and self.first_token_s is None:
-            # A final-only output arrives at the end; the core says how long after the first.
-            self.first_token_s = now - (out.decode_s or 0.0)
-        self.last_output_s = now
-        before = self._tokens_by_index.get(out.index, 0)
-        self._tokens_by_index[out.index] = out.num_output_tokens
-        self.num_output_tokens += out.num_output_tokens - before

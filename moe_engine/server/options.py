@@ -21,6 +21,20 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0
 #: Default interval of the periodic stats log line (seconds), as vLLM's.
 DEFAULT_LOG_STATS_INTERVAL_S = 10.0
 _MIB = 1024 * 1024
+#: The `moe-serve` flag of each listening port of `ServerOptions` (for messages).
+PORT_FLAGS = {"http_port": "--port (HTTP)", "port": "--grpc-port", "metrics_port": "--metrics-port"}
+#: `moe-serve`'s default ports: the OpenAI HTTP API's (vLLM's) and gRPC's.
+DEFAULT_HTTP_PORT = 8000
+DEFAULT_GRPC_PORT = 50051
+
+
+def port_hint() -> str:
+    """The sentence that explains the port flags (for the conflict messages)."""
+    return (
+        f"--port (alias --http-port) is the OpenAI HTTP API's port (default "
+        f"{DEFAULT_HTTP_PORT}, as vLLM's) and gRPC listens on --grpc-port (default "
+        f"{DEFAULT_GRPC_PORT}); give each its own port, or 0 to turn one off"
+    )
 _GRPC_MAX = 2**31 - 1
 
 
@@ -40,7 +54,8 @@ class ServerOptions:
 
     Attributes:
         host: address to bind (loopback by default).
-        port: TCP port; 0 picks a free one (see `MoeServer.port`).
+        port: the gRPC port (`moe-serve --grpc-port`); 0 picks a free one (see
+            `MoeServer.port`); None: no gRPC server (`--grpc-port 0`).
         max_message_bytes: the largest GenerateRequest accepted (bytes). Larger ones get
             INVALID_ARGUMENT naming the field; far larger ones (over `transport_limit`: four
             times the limit or the limit plus 64 MiB, whichever is larger) are refused by gRPC
@@ -64,11 +79,17 @@ class ServerOptions:
         tls_cert, tls_key: PEM certificate chain and private key files: serve TLS.
         tls_ca: PEM CA file: require client certificates signed by it (mutual TLS).
         allow_insecure: allow a non-loopback `host` without an API key or client certificates.
-        http_port: port of the OpenAI-compatible HTTP API (`--http-port`; 0 picks a free one,
-            see `MoeServer.http_port`), or None for none. `host`, the API key, TLS and
-            `max_message_bytes` (the body limit) apply to it too.
+        http_port: port of the OpenAI-compatible HTTP API (`moe-serve --port`, alias
+            `--http-port`, 8000 there; 0 here picks a free one, see `MoeServer.http_port`), or
+            None for none (the default of this class, `--port 0` on the command line). `host`,
+            the API key, TLS and `max_message_bytes` (the body limit) apply to it too.
         served_model_name: the model name of the HTTP API (default: the checkpoint folder's
             name).
+        allow_unknown_fields: the HTTP API ignores request fields it does not know, with one
+            warning per field name, instead of refusing them with 400
+            (`--allow-unknown-fields`).
+        enable_log_requests: log one line per request as it arrives and one as it ends
+            (`--enable-log-requests`; vLLM's flag); default off.
 
     Raises:
         ValueError: a limit out of range, TLS files given by halves, or a non-loopback host
@@ -76,7 +97,7 @@ class ServerOptions:
     """
 
     host: str = "127.0.0.1"
-    port: int = 50051
+    port: int | None = DEFAULT_GRPC_PORT
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     metrics_port: int | None = None
     startup_timeout_s: float = 600.0
@@ -93,6 +114,8 @@ class ServerOptions:
     allow_insecure: bool = False
     http_port: int | None = None
     served_model_name: str | None = None
+    allow_unknown_fields: bool = False
+    enable_log_requests: bool = False
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < 1024:
@@ -109,8 +132,28 @@ class ServerOptions:
             )
         if self.drain_grace_s < 0:
             raise ValueError(f"drain timeout must be >= 0 seconds, got {self.drain_grace_s}")
+        self._check_ports()
         self._check_tls()
         self._check_exposure()
+
+    def _check_ports(self) -> None:
+        """Refuse no front end at all, and two listeners on one port (0, any free port, never
+        collides)."""
+        if self.port is None and self.http_port is None:
+            raise ValueError(
+                "nothing to serve: both the HTTP API (--port/--http-port 0) and gRPC "
+                "(--grpc-port 0) are off; give one of them a port"
+            )
+        named = [(PORT_FLAGS[name], getattr(self, name)) for name in PORT_FLAGS]
+        seen: dict[int, str] = {}
+        for flag, port in named:
+            if not port:
+                continue
+            if port in seen:
+                raise ValueError(
+                    f"{seen[port]} {port} and {flag} {port} name the same port: {port_hint()}"
+                )
+            seen[port] = flag
 
     def _check_tls(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -138,10 +181,13 @@ class ServerOptions:
         return self.tls_cert is not None
 
 
-def check_bindable(host: str, port: int) -> None:
+def check_bindable(host: str, port: int, flag: str = "--grpc-port") -> None:
     """Refuse a port that cannot be bound, before gRPC tries it (gRPC prints its own raw log
     lines for a failed bind). Probes every address `host` resolves to with SO_REUSEADDR, as
     gRPC binds; port 0 (any free port) is not probed.
+
+    Args:
+        flag: the flag that sets this port (named in the message).
 
     Raises:
         StartupError: one line naming the address, the reason (in use, not permitted) and the
@@ -162,11 +208,11 @@ def check_bindable(host: str, port: int) -> None:
                 if exc.errno == errno.EADDRINUSE:
                     raise StartupError(
                         f"cannot listen on {host}:{port}: the port is in use (another "
-                        f"moe-serve?); stop that process or pick another --port"
+                        f"moe-serve?); stop that process or pick another {flag}"
                     ) from None
                 if exc.errno == errno.EACCES:
                     raise StartupError(
                         f"cannot listen on {host}:{port}: permission denied (ports below 1024 "
-                        f"need privileges); pick another --port"
+                        f"need privileges); pick another {flag}"
                     ) from None
                 # Anything else (e.g. no IPv6 on this machine): gRPC decides.

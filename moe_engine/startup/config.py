@@ -45,6 +45,9 @@ def parse_bytes(text: str) -> int:
 #: `SchedulerConfig.policy` values (vLLM's `--scheduling-policy`).
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
+#: vLLM's other names of dtypes (`--dtype half`, `LLM(dtype="float")`).
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -52,12 +55,15 @@ class ModelConfig:
 
     Attributes:
         model: a directory with config.json and *.safetensors (and optionally tokenizer files).
-        dtype: "auto" (the checkpoint's torch_dtype, float32 when unset), "bfloat16", "float32".
+        dtype: "auto" (the checkpoint's torch_dtype, float32 when unset), "bfloat16",
+            "float16" (alias "half"), "float32" (alias "float").
         max_model_len: longest prompt + output (tokens); None means the model's
             max_position_embeddings.
         seed: seed for weight-independent randomness (sampling without a per-request seed).
         weight_version: the version string of the weights loaded at startup, reported with
             every output until an update replaces it (SGLang's `--weight-version`).
+        tokenizer: a folder with the tokenizer files to use instead of `model`'s own
+            (`--tokenizer`, as vLLM's); None: `model`'s.
     """
 
     model: str
@@ -65,6 +71,12 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     weight_version: str = "default"
+    tokenizer: str | None = None
+
+    @property
+    def tokenizer_path(self) -> str:
+        """The folder the tokenizer is loaded from: `tokenizer`, else `model`."""
+        return self.tokenizer or self.model
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -88,12 +100,13 @@ class ModelConfig:
         Raises:
             ValueError: for an unknown dtype name.
         """
-        name = self.dtype
+        name = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if name == "auto":
             cfg = self.hf_config()
             name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
         if name not in DTYPES:
-            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {name!r}")
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)} (or half, float); "
+                             f"got {name!r}")
         return DTYPES[name]
 
 

@@ -6,8 +6,10 @@ both front ends share one EngineClient. uvicorn's own signal handling is off: `m
 SIGTERM handler drains both front ends (`MoeServer.stop`).
 
 `AccessMiddleware` (pure ASGI, before any routing) checks `Authorization: Bearer <key>` (the
-same key as gRPC; /health is open unless --health-requires-api-key) and the body size: over
---max-message-bytes is 413, from Content-Length or while the body streams in.
+same key as gRPC; /health, /ping, /version, /metrics, /openapi.json and /docs are open unless
+--health-requires-api-key) and the body size: over --max-message-bytes is 413, from
+Content-Length or while the body streams in. Outside it, `RequestContextMiddleware` puts
+`X-Request-Id` on every response.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from moe_engine import __version__
 from moe_engine.errors import StartupError
 from moe_engine.server.http.admin import router as admin_router
 from moe_engine.server.http.errors import OpenAIError, error_bytes, install_handlers
+from moe_engine.server.http.request_context import RequestContextMiddleware
 from moe_engine.server.http.routes import router
 from moe_engine.server.http.state import HttpState
 
@@ -35,25 +38,32 @@ logger = logging.getLogger(__name__)
 
 #: How long uvicorn waits for open connections at shutdown, after the drain (seconds).
 _SHUTDOWN_GRACE_S = 2.0
-_OPEN_PATHS = ("/health", "/version")
+#: Paths served without the API key unless --health-requires-api-key: probes, the version,
+#: Prometheus' scrape and the API's own description (as vLLM, whose key guards /v1 only).
+_OPEN_PATHS = ("/health", "/ping", "/version", "/metrics", "/openapi.json", "/docs",
+               "/docs/oauth2-redirect")
 
 
 def build_app(
     state: HttpState, *, max_body_bytes: int, api_key: str | None = None,
     health_requires_api_key: bool = False, on_auth_failure: Callable[[], None] | None = None,
-    admin: bool = True,
+    admin: bool = True, allow_unknown_fields: bool = False,
 ) -> Any:
-    """The ASGI app: FastAPI with the routes and error handlers, inside AccessMiddleware;
-    `admin` False leaves out the RL admin endpoints (the router: they act on one engine)."""
-    app = FastAPI(title="moe-engine", version=__version__, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    """The ASGI app: FastAPI with the routes and error handlers (and its OpenAPI description
+    on /openapi.json, Swagger UI on /docs), inside AccessMiddleware, inside
+    `RequestContextMiddleware` (X-Request-Id on every response; `allow_unknown_fields`:
+    `--allow-unknown-fields`); `admin` False leaves out the RL admin endpoints (the router:
+    they act on one engine)."""
+    app = FastAPI(title="moe-engine", version=__version__, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json")
     app.state.http = state
     install_handlers(app)
     app.include_router(router)
     if admin:
         app.include_router(admin_router)  # SGLang's RL endpoints: /pause_generation, ...
     open_paths = () if health_requires_api_key else _OPEN_PATHS
-    return AccessMiddleware(app, max_body_bytes, api_key, open_paths, on_auth_failure)
+    access = AccessMiddleware(app, max_body_bytes, api_key, open_paths, on_auth_failure)
+    return RequestContextMiddleware(access, allow_unknown_fields)
 
 
 class AccessMiddleware:
@@ -162,7 +172,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to (host, port) with SO_REUSEADDR (not yet listening).
 
     Raises:
-        StartupError: one line naming the address, the reason and --http-port.
+        StartupError: one line naming the address, the reason and --port.
     """
     try:
         family, kind, proto, _, sockaddr = socket.getaddrinfo(
@@ -177,7 +187,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise StartupError(
-            f"cannot serve HTTP on {host}:{port}: {exc.strerror or exc}; pick another --http-port"
+            f"cannot serve HTTP on {host}:{port}: {exc.strerror or exc}; pick another --port "
+            "(the OpenAI HTTP API's port; alias --http-port)"
         ) from None
     sock.set_inheritable(True)
     return sock

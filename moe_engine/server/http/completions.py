@@ -43,6 +43,12 @@ def parse_prompts(state: HttpState, prompt: Any) -> tuple[list[list[int]], list[
         items = list(prompt)
     if not items:
         raise OpenAIError(400, "prompt: must not be an empty list", "prompt", "invalid_value")
+    if state.tokenizer is None and any(isinstance(p, str) for p in items):
+        raise OpenAIError(
+            400, "prompt: the served model has no tokenizer (its folder has no tokenizer "
+            "files), so a text prompt cannot be tokenized; send token ids (a list of integers) "
+            "or start the server with --tokenizer PATH", "prompt", "unsupported_value",
+        )
     ids = [state.engine.encode(p) if isinstance(p, str) else list(p) for p in items]
     return ids, [p if isinstance(p, str) else None for p in items]
 

@@ -7,8 +7,9 @@ legacy Completions and the Chat Completions APIs), with vLLM's extra sampling fi
 server does not implement are accepted only at their neutral value (`NEUTRAL`: no `tools`,
 ...) and refused otherwise, naming the field.
 Other unknown fields are refused with HTTP 400 naming them, so that a misspelt `max_token` is
-not dropped in silence (vLLM instead accepts and logs them). Integers and booleans are strict
-(JSON `true` is not 1, `"5"` is not 5).
+not dropped in silence (vLLM instead accepts and logs them); `--allow-unknown-fields` makes an
+app drop them with one warning per field name, for SDKs that send other engines' extras.
+Integers and booleans are strict (JSON `true` is not 1, `"5"` is not 5).
 """
 
 from __future__ import annotations
@@ -26,13 +27,25 @@ from pydantic import (
     model_validator,
 )
 
+from moe_engine.server.http.request_context import drop_unknown_fields
+
 Number = StrictFloat | StrictInt
 
 
 class RequestBody(BaseModel):
-    """A request body: unknown fields are refused (422 naming them)."""
+    """A request body: unknown fields are refused (400 naming them), or, where the app allows
+    them (`--allow-unknown-fields`), dropped with one warning per field name
+    (`request_context.drop_unknown_fields`)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unknown_fields(cls, data: Any) -> Any:
+        if cls.model_config.get("extra") != "forbid":
+            return data
+        known = [n for name, f in cls.model_fields.items() for n in (name, f.alias) if n]
+        return drop_unknown_fields(cls.__name__, data, known)
 
 
 class StreamOptions(RequestBody):

@@ -1,5 +1,6 @@
-"""The endpoints: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
-/health, /version (the last four as vLLM's server names them). SGLang's RL admin endpoints
+"""The endpoints: /v1/completions, /v1/chat/completions, /v1/models (and /v1/models/{id}),
+/tokenize, /detokenize, /health, /ping, /metrics, /version (the last six as vLLM's server names
+them). SGLang's RL admin endpoints
 (/pause_generation, /continue_generation, /update_weights_from_disk) are in `admin.py`."""
 
 from __future__ import annotations
@@ -36,22 +37,34 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     return await create_chat_completion(_state(request), body)
 
 
-@router.get("/v1/models")
-async def models(request: Request) -> JSONResponse:
-    state = _state(request)
+def _model_entry(state: HttpState) -> dict:
+    """The served model as OpenAI's Model object (with vLLM's `root` and `max_model_len`)."""
     info = state.engine.model_info
-    entry = {
+    return {
         "id": state.served_model_name, "object": "model", "created": state.created,
         "owned_by": "moe-engine", "root": info.model if info is not None else None,
         "max_model_len": info.max_model_len if info is not None else None,
     }
-    return JSONResponse({"object": "list", "data": [entry]})
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [_model_entry(_state(request))]})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> JSONResponse:
+    """OpenAI's models.retrieve: the served model, or 404 (model_not_found) for another id."""
+    state = _state(request)
+    state.check_model(model_id)
+    return JSONResponse(_model_entry(state))
 
 
 def _need_tokenizer(state: HttpState, field: str):
     state.check_ready()
     if state.tokenizer is None:
-        raise OpenAIError(400, f"{field}: the served model has no tokenizer", field,
+        raise OpenAIError(400, f"{field}: the served model has no tokenizer (its folder has no "
+                          "tokenizer files; start the server with --tokenizer PATH)", field,
                           "unsupported_value")
     return state.tokenizer
 
@@ -94,6 +107,25 @@ async def health(request: Request) -> Response:
     """200 with an empty body while serving; 503 in OpenAI's error shape saying why not."""
     _state(request).check_ready()
     return Response(status_code=200)
+
+
+@router.get("/ping")
+@router.post("/ping")
+async def ping(request: Request) -> Response:
+    """SageMaker's health probe (as vLLM serves it): /health's answer, GET or POST."""
+    _state(request).check_ready()
+    return Response(status_code=200)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus' text exposition: the `moe_engine_*` and `vllm:*` series, as on
+    --metrics-port (404 where the server keeps no metrics)."""
+    server_metrics = _state(request).metrics
+    if server_metrics is None:
+        raise OpenAIError(404, "GET /metrics: this server keeps no metrics", None, None)
+    body, content_type = server_metrics.render()
+    return Response(body, media_type=content_type)
 
 
 @router.get("/version")

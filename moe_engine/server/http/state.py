@@ -21,6 +21,7 @@ from moe_engine.engine.client import EngineClient
 from moe_engine.errors import ErrorCode, RequestError
 from moe_engine.sampling_params import SamplingParams
 from moe_engine.server.http.errors import OpenAIError
+from moe_engine.server.http.request_context import current_request_id
 from moe_engine.server.metrics import RequestTimer, ServerMetrics
 
 
@@ -121,7 +122,7 @@ class HttpState:
         Raises:
             RequestError: a refusal; the requests already submitted are aborted.
         """
-        base = f"{prefix}-{uuid.uuid4().hex}"
+        base = f"{prefix}-{current_request_id() or uuid.uuid4().hex}"  # vLLM's X-Request-Id
         ids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
         streams = PromptStreams(self, base)
         try:
@@ -149,6 +150,7 @@ class PromptStreams:
         self._pending: list[tuple[int, EngineCoreOutput]] = []
 
     async def add(self, index: int, rid: str, prompt: list[int], params: SamplingParams) -> None:
+        timer = RequestTimer()  # before the first output: the arrival, for TTFT and e2e
         stream = self.state.engine.generate(rid, prompt, params, arrival_time=time.time())
         self.state.live.add(rid)
         try:
@@ -158,14 +160,14 @@ class PromptStreams:
             await stream.aclose()
             raise
         self._pending.append((index, first))
-        self._tasks.append(asyncio.create_task(self._pump(index, rid, stream, first, params.n)))
+        timer.record(first)
+        self._tasks.append(asyncio.create_task(self._pump(index, rid, stream, first, params.n,
+                                                          timer)))
 
     async def _pump(
         self, index: int, rid: str, stream: AsyncIterator[EngineCoreOutput],
-        first: EngineCoreOutput, n: int,
+        first: EngineCoreOutput, n: int, timer: RequestTimer,
     ) -> None:
-        timer = RequestTimer()
-        timer.record(first)
         left = n - first.finished
         last_reason = str(first.finish_reason)
         try:
