@@ -84,18 +84,22 @@ def apply_penalties(
     flat = logits.view(-1)
     out_index, out_counts = output_token_counts([requests[i] for i in rows], rows, vocab, device)
     params = [r.sampling_params for r in requests]
+    # [N, 3]: repetition, frequency, presence per row (one host-to-device copy)
+    values = torch.tensor(
+        [(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params],
+        dtype=logits.dtype,
+    ).to(device)
     rep_rows = [i for i in rows if params[i].repetition_penalty != 1.0]
     if rep_rows:
+        # duplicates (a token in both prompt and output) read the same value and write the
+        # same result, so no `unique` is needed here
         seen = torch.cat([out_index, _prompt_index(requests, rep_rows, vocab, prompt_ids,
-                                                   device)]).unique()  # fmt: skip
-        rep = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype)
-        factor = rep.to(device)[seen // vocab]
+                                                   device)])  # fmt: skip
+        factor = values[seen // vocab, 0]
         vals = flat[seen]
         flat[seen] = torch.where(vals > 0, vals / factor, vals * factor)
-    freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype).to(device)
-    pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype).to(device)
     row = out_index // vocab
-    flat.index_add_(0, out_index, -(freq[row] * out_counts + pres[row]))
+    flat.index_add_(0, out_index, -(values[row, 1] * out_counts + values[row, 2]))
     return True
 
 
@@ -109,7 +113,8 @@ def output_token_counts(
 
     Returns:
         ([K] int64 flat indices row * V + token, sorted; [K] float32 occurrences), on
-        `device` (one host-to-device copy of the output ids and one `unique`).
+        `device`: counted on the host, where the ids are (a `unique` on CUDA would wait for
+        the device to learn K), then one copy each.
     """
     lens = [len(r.output_token_ids) for r in requests]
     flat = [t for r in requests for t in r.output_token_ids]
@@ -117,9 +122,9 @@ def output_token_counts(
         empty = torch.empty(0, dtype=torch.int64, device=device)
         return empty, torch.empty(0, dtype=torch.float32, device=device)
     row = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), torch.tensor(lens))
-    where = (row * vocab_size + torch.tensor(flat, dtype=torch.int64)).to(device)
+    where = row * vocab_size + torch.tensor(flat, dtype=torch.int64)
     index, counts = where.unique(return_counts=True)
-    return index, counts.to(torch.float32)
+    return index.to(device), counts.to(torch.float32).to(device)
 
 
 def _prompt_index(
@@ -136,8 +141,10 @@ def _prompt_index(
             ids = torch.tensor(sorted(set(req.prompt_token_ids)), dtype=torch.int64).to(device)
             if cache is not None:
                 cache[req.request_id] = ids
-        parts.append(ids + i * vocab)
-    return torch.cat(parts)
+        parts.append(ids)
+    lens = torch.tensor([len(t) for t in parts])
+    offsets = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64) * vocab, lens)
+    return torch.cat(parts) + offsets.to(device)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
