@@ -124,9 +124,9 @@ class Sampler:
                    for r in requests):
             return logits
         keep_raw = any(r.sampling_params.logprobs is not None for r in requests)
-        processed = logits.contiguous()
-        if keep_raw or processed is not logits:
-            processed = logits.clone(memory_format=torch.contiguous_format)
+        processed = logits.contiguous()  # a copy already when `logits` is not contiguous
+        if keep_raw and processed is logits:
+            processed = logits.clone()
         apply_logit_bias(processed, requests)
         apply_penalties(processed, requests, self._prompt_ids)
         return processed
