@@ -3,7 +3,7 @@ B rows over a V-token vocabulary, greedy or random, with no processors, with log
 repetition/frequency/presence penalties on every row, on half of the rows, and with min_p.
 
     python bench/sampler_penalties.py [--rows 64] [--vocab 151936] [--prompt 512] [--output 256]
-        [--device cpu|cuda] [--iters 20] [--threads N]
+        [--device cpu|cuda] [--iters 20] [--threads N] [--temperatures 0,1]
 
 Prints the median milliseconds per call of each case: the whole sampler call, and the
 processors alone (`apply_logit_bias` + `apply_penalties`, the part this path adds before the
@@ -65,13 +65,15 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--temperatures", default="0,1",
+                   help="comma-separated: 0 greedy steps, 1 random ones (default: both)")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     logits = torch.randn(a.rows, a.vocab, device=a.device) * 4
     penalties = {"repetition_penalty": 1.2, "frequency_penalty": 0.5, "presence_penalty": 0.5,
                  "logit_bias": {1: 5.0, 2: -5.0}}  # fmt: skip
-    for temp in (0.0, 1.0):
+    for temp in (float(t) for t in a.temperatures.split(",")):
         cases = {
             "none": {},
             "penalties+bias, all rows": {**penalties},
@@ -84,7 +86,7 @@ def main() -> None:
             sampler = Sampler()
             whole = time_ms(lambda x: sampler(x, reqs), logits, a.iters)  # noqa: B023
             alone = time_ms(lambda x: (apply_logit_bias(x, reqs),  # noqa: B023
-                                       apply_penalties(x, reqs, sampler._prompt_ids)),  # noqa: B023
+                                       apply_penalties(x, reqs, sampler.token_cache)),  # noqa: B023
                             logits, a.iters)  # fmt: skip
             kind = "greedy" if temp == 0 else "random"
             print(f"{kind:6s} {name:30s} sampler {whole:8.2f} ms, processors {alone:6.2f} ms "

@@ -28,6 +28,45 @@ import torch
 from moe_engine.request import Request
 
 
+class TokenCache:
+    """Per-request tensors the penalties reuse from step to step (the `Sampler` owns one and
+    drops a request's entries when it ends, `forget`).
+
+    Attributes:
+        prompt: request id -> [P] int64 distinct prompt token ids, on the logits' device.
+        output: request id -> [n] int64 output token ids so far, on the host, extended by the
+            tokens appended since the last step (outputs only grow, preemption included).
+    """
+
+    def __init__(self) -> None:
+        self.prompt: dict[str, torch.Tensor] = {}
+        self.output: dict[str, torch.Tensor] = {}
+
+    def forget(self, request_id: str) -> None:
+        self.prompt.pop(request_id, None)
+        self.output.pop(request_id, None)
+
+    def prompt_ids(self, req: Request, device: torch.device) -> torch.Tensor:
+        ids = self.prompt.get(req.request_id)
+        if ids is None:
+            ids = torch.tensor(sorted(set(req.prompt_token_ids)), dtype=torch.int64).to(device)
+            self.prompt[req.request_id] = ids
+        return ids
+
+    def output_ids(self, req: Request) -> torch.Tensor:
+        out = req.output_token_ids
+        have = self.output.get(req.request_id)
+        n = 0 if have is None else len(have)
+        if have is not None and n == len(out):
+            return have
+        if have is None or n > len(out):  # new (or, defensively, a shorter output)
+            ids = torch.tensor(out, dtype=torch.int64)
+        else:
+            ids = torch.cat([have, torch.tensor(out[n:], dtype=torch.int64)])
+        self.output[req.request_id] = ids
+        return ids
+
+
 def apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> bool:
     """Add each row's `logit_bias` to its logits in place.
 
@@ -57,9 +96,7 @@ def apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> bool:
 
 
 def apply_penalties(
-    logits: torch.Tensor,
-    requests: Sequence[Request],
-    prompt_ids: dict[str, torch.Tensor] | None = None,
+    logits: torch.Tensor, requests: Sequence[Request], cache: TokenCache | None = None
 ) -> bool:
     """Apply the repetition, frequency and presence penalties of the rows that have any.
 
@@ -70,9 +107,8 @@ def apply_penalties(
     Args:
         logits: [N, V] float32, contiguous, one row per request; changed in place.
         requests: the rows' requests: their prompt and `output_token_ids` so far.
-        prompt_ids: a cache, request id -> [P] int64 distinct prompt token ids on the
-            logits' device (filled here for requests with a repetition penalty; the caller
-            drops an entry when its request ends). None: built each call.
+        cache: the requests' prompt and output id tensors from earlier steps (`TokenCache`);
+            None: built for this call only.
 
     Returns:
         True when some row had a penalty (and `logits` changed).
@@ -80,9 +116,12 @@ def apply_penalties(
     rows = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
     if not rows:
         return False
+    cache = cache if cache is not None else TokenCache()
     device, vocab = logits.device, logits.shape[1]
     flat = logits.view(-1)
-    out_index, out_counts = output_token_counts([requests[i] for i in rows], rows, vocab, device)
+    out_index, out_counts = output_token_counts(
+        [cache.output_ids(requests[i]) for i in rows], rows, vocab, device
+    )
     params = [r.sampling_params for r in requests]
     # [N, 3]: repetition, frequency, presence per row (one host-to-device copy)
     values = torch.tensor(
@@ -91,60 +130,46 @@ def apply_penalties(
     ).to(device)
     rep_rows = [i for i in rows if params[i].repetition_penalty != 1.0]
     if rep_rows:
+        prompt = [cache.prompt_ids(requests[i], device) for i in rep_rows]
         # duplicates (a token in both prompt and output) read the same value and write the
         # same result, so no `unique` is needed here
-        seen = torch.cat([out_index, _prompt_index(requests, rep_rows, vocab, prompt_ids,
-                                                   device)])  # fmt: skip
+        seen = torch.cat([out_index, _flat_index(prompt, rep_rows, vocab).to(device)])
         factor = values[seen // vocab, 0]
-        vals = flat[seen]
-        flat[seen] = torch.where(vals > 0, vals / factor, vals * factor)
+        vals = flat.index_select(0, seen)
+        flat.index_copy_(0, seen, torch.where(vals > 0, vals / factor, vals * factor))
     row = out_index // vocab
     flat.index_add_(0, out_index, -(values[row, 1] * out_counts + values[row, 2]))
     return True
 
 
 def output_token_counts(
-    requests: Sequence[Request], rows: Sequence[int], vocab_size: int, device: torch.device
+    outputs: Sequence[torch.Tensor], rows: Sequence[int], vocab_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distinct (row, token) pairs of the requests' outputs so far and their counts.
+    """The distinct (row, token) pairs of the outputs so far and their counts.
 
     Args:
-        requests: the requests; rows: each one's row in the logits; vocab_size: V.
+        outputs: per request, [n] int64 its output token ids (host); rows: each one's row in
+            the logits; vocab_size: V.
 
     Returns:
         ([K] int64 flat indices row * V + token, sorted; [K] float32 occurrences), on
         `device`: counted on the host, where the ids are (a `unique` on CUDA would wait for
         the device to learn K), then one copy each.
     """
-    lens = [len(r.output_token_ids) for r in requests]
-    flat = [t for r in requests for t in r.output_token_ids]
-    if not flat:
+    where = _flat_index(outputs, rows, vocab_size)
+    if not len(where):
         empty = torch.empty(0, dtype=torch.int64, device=device)
         return empty, torch.empty(0, dtype=torch.float32, device=device)
-    row = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), torch.tensor(lens))
-    where = row * vocab_size + torch.tensor(flat, dtype=torch.int64)
     index, counts = where.unique(return_counts=True)
     return index.to(device), counts.to(torch.float32).to(device)
 
 
-def _prompt_index(
-    requests: Sequence[Request], rows: Sequence[int], vocab: int,
-    cache: dict[str, torch.Tensor] | None, device: torch.device,
-) -> torch.Tensor:  # fmt: skip
-    """[P] int64 flat indices row * V + token of the distinct prompt tokens of `rows`, on
-    `device` (each request's distinct prompt ids cached in `cache` by request id)."""
-    parts = []
-    for i in rows:
-        req = requests[i]
-        ids = cache.get(req.request_id) if cache is not None else None
-        if ids is None:
-            ids = torch.tensor(sorted(set(req.prompt_token_ids)), dtype=torch.int64).to(device)
-            if cache is not None:
-                cache[req.request_id] = ids
-        parts.append(ids)
-    lens = torch.tensor([len(t) for t in parts])
+def _flat_index(ids: Sequence[torch.Tensor], rows: Sequence[int], vocab: int) -> torch.Tensor:
+    """[sum of lengths] int64: row * vocab + id for each row's ids (on the ids' device)."""
+    flat = torch.cat(list(ids))
+    lens = torch.tensor([len(t) for t in ids])
     offsets = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64) * vocab, lens)
-    return torch.cat(parts) + offsets.to(device)
+    return flat + offsets.to(flat.device)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

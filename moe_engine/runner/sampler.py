@@ -13,7 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from moe_engine.request import Request
-from moe_engine.runner.logits_processors import apply_logit_bias, apply_min_p, apply_penalties
+from moe_engine.runner.logits_processors import (
+    TokenCache,
+    apply_logit_bias,
+    apply_min_p,
+    apply_penalties,
+)
 from moe_engine.structured_output import GrammarBitmask
 
 
@@ -75,14 +80,14 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
         self.grammar_bitmask = GrammarBitmask(max_num_seqs)
-        #: Request id -> its distinct prompt token ids on the device, for the repetition
-        #: penalty (`logits_processors.apply_penalties`); dropped by `forget`.
-        self._prompt_ids: dict[str, torch.Tensor] = {}
+        #: The requests' prompt and output id tensors the penalties reuse
+        #: (`logits_processors.apply_penalties`); a request's are dropped by `forget`.
+        self.token_cache = TokenCache()
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's generator and cached prompt ids."""
         self._request_generators.pop(request_id, None)
-        self._prompt_ids.pop(request_id, None)
+        self.token_cache.forget(request_id)
 
     def skip_draw(self, req: Request, vocab_size: int) -> None:
         """Advance a seeded, non-greedy request's generator past one token's noise (a
@@ -128,7 +133,7 @@ class Sampler:
         if keep_raw and processed is logits:
             processed = logits.clone()
         apply_logit_bias(processed, requests)
-        apply_penalties(processed, requests, self._prompt_ids)
+        apply_penalties(processed, requests, self.token_cache)
         return processed
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
