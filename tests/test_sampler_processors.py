@@ -205,3 +205,19 @@ def test_moe_client_logit_bias_and_processor_fields():
     with pytest.raises(ValueError, match="logit_bias: key 'five' is not a token id"):
         build_request(prompt="x", logit_bias={"five": 1})
     assert parse_logit_bias("50256:-100, 13:2.5") == {50256: -100.0, 13: 2.5}
+
+
+def test_the_token_cache_follows_outputs_that_grow_step_by_step():
+    gen = torch.Generator().manual_seed(5)
+    reqs = [make_request(f"s{i}", gen, temperature=0, logprobs=0, **kw)
+            for i, kw in enumerate(ROW_PARAMS)]  # fmt: skip
+    sampler = Sampler()
+    for _ in range(6):
+        raw = torch.randn(len(reqs), VOCAB, generator=gen) * 4
+        processed = sampler._process(raw, reqs)
+        for i, r in enumerate(reqs):
+            torch.testing.assert_close(processed[i], reference(raw[i], r), rtol=1e-6, atol=1e-5)
+        for r in reqs:  # repeats of earlier tokens and new ones
+            r.append_token(int(torch.randint(0, 60, (1,), generator=gen)))
+    sampler.forget("s1")
+    assert "s1" not in sampler.token_cache.output and "s2" in sampler.token_cache.output
