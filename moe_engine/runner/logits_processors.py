@@ -56,7 +56,7 @@ class TokenCache:
     def output_ids(self, req: Request) -> torch.Tensor:
         out = req.output_token_ids
         have = self.output.get(req.request_id)
-        n = 0 if have is None else len(have)
+        n = 0 if have is None else have.shape[0]
         if have is not None and n == len(out):
             return have
         if have is None or n > len(out):  # new (or, defensively, a shorter output)
@@ -157,7 +157,7 @@ def output_token_counts(
         the device to learn K), then one copy each.
     """
     where = _flat_index(outputs, rows, vocab_size)
-    if not len(where):
+    if not where.shape[0]:
         empty = torch.empty(0, dtype=torch.int64, device=device)
         return empty, torch.empty(0, dtype=torch.float32, device=device)
     index, counts = where.unique(return_counts=True)
@@ -167,7 +167,7 @@ def output_token_counts(
 def _flat_index(ids: Sequence[torch.Tensor], rows: Sequence[int], vocab: int) -> torch.Tensor:
     """[sum of lengths] int64: row * vocab + id for each row's ids (on the ids' device)."""
     flat = torch.cat(list(ids))
-    lens = torch.tensor([len(t) for t in ids])
+    lens = torch.tensor([t.shape[0] for t in ids])
     offsets = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64) * vocab, lens)
     return flat + offsets.to(flat.device)
 
