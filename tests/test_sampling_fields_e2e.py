@@ -19,6 +19,7 @@ from fixtures import _load_hf
 from grpc_helpers import ServerThread, request
 from http_helpers import API_KEY, MAX_MODEL_LEN, MODEL, NUM_BLOCKS, Grpc, tokenizer_checkpoint
 from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import SequenceBiasLogitsProcessor
 
 from moe_engine import LLM, SamplingParams
 from moe_engine.cli.serve import build_parser, engine_config_from_args
@@ -239,3 +240,20 @@ def test_engine_seed_makes_unseeded_sampling_reproducible(ckpt):
         outs = engine.generate([PROMPT] * 3, params, use_tqdm=False)
         tokens.append([o.outputs[0].token_ids for o in outs])
     assert tokens[0] == tokens[1] and tokens[0] != tokens[2]
+
+
+def test_with_ngram_speculation_processor_requests_take_no_drafts_and_match(ckpt):
+    """Speculation on: requests with a penalty or logit_bias get transformers' tokens (they
+    take no drafts: the verification knows no processors, and their repeats would give n-gram
+    drafts); a plain request of the same batch still drafts."""
+    freq = LogitsProcessorList([OpenAIPenalties(len(PROMPT), -2.0, 0.0)])
+    bias = LogitsProcessorList([SequenceBiasLogitsProcessor([[[136], 30.0]])])
+    wants = [hf_generate(ckpt, PROMPT, logits_processor=freq),
+             hf_generate(ckpt, PROMPT, logits_processor=bias), hf_generate(ckpt, PROMPT)]
+    spec = LLM(model=str(ckpt), max_model_len=MAX_MODEL_LEN, num_blocks_override=32,
+               speculative_method="ngram", num_speculative_tokens=3)  # fmt: skip
+    params = [SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, **kw)
+              for kw in ({"frequency_penalty": -2.0}, {"logit_bias": {136: 30.0}}, {})]
+    outs = spec.generate([PROMPT] * 3, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == wants
+    assert spec.engine.drafter.stats.num_drafts > 0  # the plain one drafted
