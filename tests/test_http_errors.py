@@ -66,7 +66,7 @@ MATRIX = [
     ("logit_bias over 100", "/v1/chat/completions", {**CHAT, "logit_bias": {"5": 101}}, AUTH,
      400, "logit_bias"),
     ("tools", "/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, AUTH, 400,
-     "tools"),
+     "tools[0].function"),
     ("best_of", "/v1/completions", {**OK, "best_of": 3}, AUTH, 400, "best_of"),
     ("repetition_penalty 0", "/v1/completions", {**OK, "repetition_penalty": 0}, AUTH, 400,
      "repetition_penalty"),

@@ -117,6 +117,30 @@ def add_address_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_chat_args(p: argparse.ArgumentParser) -> None:
+    """The HTTP chat API's template and parsers (`ServerOptions`; vLLM's flag names)."""
+    p.add_argument(
+        "--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
+        help="the chat template of /v1/chat/completions: a Jinja file's path or the template "
+        "itself (default: the tokenizer's)",
+    )
+    p.add_argument(
+        "--tool-call-parser", default=None, metavar="NAME",
+        help="the tool-call parser of chat outputs (default: the checkpoint's family's; "
+        "'none': no parsing)",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help='let tool_choice "auto" (the default when tools are given) parse tool calls from '
+        "the output with the tool-call parser",
+    )
+    p.add_argument(
+        "--reasoning-parser", default=None, metavar="NAME",
+        help="the reasoning parser that splits reasoning_content off chat outputs (default: "
+        "the checkpoint's family's; 'none': off, the reasoning stays in content)",
+    )
+
+
 def add_frontend_args(p: argparse.ArgumentParser) -> None:
     """Request logging and unknown request fields (`ServerOptions`)."""
     log = p.add_mutually_exclusive_group()

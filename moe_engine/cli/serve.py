@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     flags.add_model_path_args(p)
     flags.add_address_args(p)
+    flags.add_chat_args(p)
     flags.add_frontend_args(p)
     flags.add_model_args(p)
     flags.add_scheduler_args(p)
@@ -123,6 +124,10 @@ def server_options_from_args(args: argparse.Namespace) -> ServerOptions:
         tls_ca=args.tls_ca,
         allow_insecure=args.allow_insecure,
         served_model_name=args.served_model_name,
+        chat_template=args.chat_template,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=args.reasoning_parser,
         allow_unknown_fields=args.allow_unknown_fields,
         enable_log_requests=args.enable_log_requests,
     )

@@ -136,9 +136,22 @@ async def _start_http(pairing: Pairing, host: str, port: int, tokenizer: str | N
     takes requests once the engine has the decode instances' model info."""
     from moe_engine.disagg.router_engine import RouterEngine
     from moe_engine.server.http import HttpServer, HttpState, build_app
+    from moe_engine.server.http.chat_setup import chat_settings
 
     engine = RouterEngine(pairing, tokenizer)
-    starting = asyncio.create_task(engine.start())
+    state: HttpState | None = None
+
+    async def start() -> None:
+        await engine.start()
+        # No await from model_info's setting to here: no request sees the settings missing.
+        # The chat template and parsers are the checkpoint's defaults, as moe-serve's.
+        assert state is not None and engine.model_info is not None
+        state.chat = chat_settings(
+            chat_template=None, tool_call_parser=None, reasoning_parser=None,
+            enable_auto_tool_choice=False, tokenizer=engine.tokenizer,
+            model_dir=engine.model_info.model)
+
+    starting = asyncio.create_task(start())
 
     def status() -> tuple[bool, str]:
         if engine.model_info is not None:

@@ -37,6 +37,8 @@ from moe_engine.engine.client import EngineClient
 from moe_engine.engine.core_proc import DEFAULT_CORE_FACTORY
 from moe_engine.errors import RequestError, StartupError
 from moe_engine.server.http import HttpServer, HttpState, build_app
+from moe_engine.server.http.chat_setup import chat_settings
+from moe_engine.server.http.state import ChatSettings
 from moe_engine.server.interceptors import (
     HEALTH_METHOD_PREFIX,
     ApiKeyInterceptor,
@@ -144,6 +146,7 @@ class MoeServer:
                 core_factory=self.core_factory,
                 log_level=self.log_level,
             )
+            self.http_state.chat = self._chat_settings()
         except BaseException:
             # Leave nothing behind: no listening socket, no metrics thread, no core process.
             await self.engine.shutdown(timeout_s=1.0)
@@ -166,6 +169,22 @@ class MoeServer:
         where += [f"HTTP :{self.http_port}"] if self.http_port is not None else []
         logger.info("serving %s on %s (%s)", self.config.model.model, self.options.host,
                     ", ".join(where))
+
+    def _chat_settings(self) -> ChatSettings:
+        """The chat template and parsers of the HTTP API, now that the tokenizer is loaded.
+
+        Raises:
+            StartupError: a `--chat-template` file that cannot be read.
+        """
+        opts = self.options
+        try:
+            return chat_settings(
+                chat_template=opts.chat_template, tool_call_parser=opts.tool_call_parser,
+                reasoning_parser=opts.reasoning_parser,
+                enable_auto_tool_choice=opts.enable_auto_tool_choice,
+                tokenizer=self.engine.tokenizer, model_dir=self.config.model.model)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
 
     async def _start_http(self) -> None:
         """Serve the OpenAI-compatible HTTP API when an HTTP port is configured (503 until the

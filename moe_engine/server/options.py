@@ -85,6 +85,13 @@ class ServerOptions:
             the API key, TLS and `max_message_bytes` (the body limit) apply to it too.
         served_model_name: the model name of the HTTP API (default: the checkpoint folder's
             name).
+        chat_template: `--chat-template`: a Jinja file's path or the template itself (None:
+            the tokenizer's).
+        tool_call_parser: `--tool-call-parser` NAME (None: the checkpoint's default; "none":
+            no parser).
+        enable_auto_tool_choice: `--enable-auto-tool-choice`.
+        reasoning_parser: `--reasoning-parser` NAME (None: the checkpoint's default; "none":
+            no parser).
         allow_unknown_fields: the HTTP API ignores request fields it does not know, with one
             warning per field name, instead of refusing them with 400
             (`--allow-unknown-fields`).
@@ -114,6 +121,10 @@ class ServerOptions:
     allow_insecure: bool = False
     http_port: int | None = None
     served_model_name: str | None = None
+    chat_template: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
     allow_unknown_fields: bool = False
     enable_log_requests: bool = False
 
@@ -135,6 +146,15 @@ class ServerOptions:
         self._check_ports()
         self._check_tls()
         self._check_exposure()
+        self._check_chat()
+
+    def _check_chat(self) -> None:
+        """Unknown parser names and an unreadable --chat-template file, before the model loads
+        (ValueError naming the flag)."""
+        from moe_engine.server.http.chat_setup import check_parser_names, load_chat_template
+
+        check_parser_names(self.tool_call_parser, self.reasoning_parser)
+        load_chat_template(self.chat_template)
 
     def _check_ports(self) -> None:
         """Refuse no front end at all, and two listeners on one port (0, any free port, never

@@ -1,10 +1,14 @@
 """POST /v1/chat/completions (OpenAI's Chat Completions API), whole or streamed.
 
-The messages go through the tokenizer's chat template (`apply_chat_template`, rendered to text,
-then tokenized without added special tokens, as vLLM and `LLM.chat` do). Without
-`max_tokens` / `max_completion_tokens` a reply may fill the rest of the context (vLLM's
-default). A stream sends the role first, then one chunk per engine output (each step's, or
-every `--stream-interval` tokens).
+The messages (and `tools`) go through the chat template (`chat_render`: `--chat-template` or
+the tokenizer's, rendered to text, then tokenized without added special tokens, as vLLM and
+`LLM.chat` do). Without `max_tokens` / `max_completion_tokens` a reply may fill the rest of the
+context (vLLM's default). `tool_choice` decides what is enforced and parsed (`chat_tools`); a
+reasoning parser (`--reasoning-parser`) splits `reasoning_content` off the answer
+(`chat_output`). Each choice's text goes through one `parsers.base.OutputStream`, fed on the
+event loop once per engine output (linear parsers, no per-token work besides), so a stream
+sends the same content, reasoning and calls as the whole response. A stream sends the role
+first, then one chunk per engine output (each step's, or every `--stream-interval` tokens).
 """
 
 from __future__ import annotations
@@ -16,7 +20,11 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from moe_engine.core.validation import truncate_prompt
+from moe_engine.errors import RequestError
 from moe_engine.sampling_params import MAX_LOGPROBS
+from moe_engine.server.http.chat_output import ChoiceParse, count_reasoning_tokens, delta_json
+from moe_engine.server.http.chat_render import render_text
+from moe_engine.server.http.chat_tools import plan_tools
 from moe_engine.server.http.common import (
     SSE_DONE,
     Choice,
@@ -27,40 +35,37 @@ from moe_engine.server.http.common import (
     usage,
 )
 from moe_engine.server.http.errors import OpenAIError
-from moe_engine.server.http.protocol import ChatCompletionRequest, ChatMessage
+from moe_engine.server.http.protocol import ChatCompletionRequest, ChatMessage, ChatTool
 from moe_engine.server.http.state import HttpState, PromptStreams
+from moe_engine.server.parsers import registry
 
 
 def render_chat(
-    state: HttpState, messages: list[ChatMessage], add_generation_prompt: bool = True
+    state: HttpState, messages: list[ChatMessage], add_generation_prompt: bool = True, *,
+    tools: list[ChatTool] | None = None, continue_final_message: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """The conversation through the chat template, as token ids.
+    """The conversation through the chat template, as token ids (`chat_render.render_text`).
 
     Raises:
-        OpenAIError: 400 ("messages") without a tokenizer or a chat template, or when the
-            template refuses the conversation.
+        OpenAIError: 400 ("messages") without a tokenizer or a chat template, when the
+            template refuses the conversation, or a bad template field.
     """
-    tok = state.tokenizer
-    if tok is None or not getattr(tok, "chat_template", None):
-        what = "no tokenizer" if tok is None else "a tokenizer without a chat template"
-        raise OpenAIError(
-            400, f"messages: the served model has {what}; use /v1/completions with a prompt",
-            "messages", "unsupported_value",
-        )
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
-    try:
-        text = tok.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-    except Exception as exc:  # noqa: BLE001 - jinja's errors (TemplateError, raise_exception)
-        raise OpenAIError(
-            400, f"messages: the chat template refused them: {exc}", "messages", "invalid_value"
-        ) from exc
-    return list(tok.encode(text, add_special_tokens=False))
+    text = render_text(state.tokenizer, state.chat.chat_template, messages, tools,
+                       add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final_message,
+                       chat_template_kwargs=chat_template_kwargs)
+    return list(state.tokenizer.encode(text, add_special_tokens=False))
+
+
+#: The floor of a returned logprob: a token a grammar masks has -inf, which JSON cannot carry
+#: (vLLM clamps to the same value).
+MIN_LOGPROB = -9999.0
 
 
 def chat_logprobs(state: HttpState, choice: Choice, start: int, top: int) -> dict[str, Any]:
-    """OpenAI's chat logprobs of `choice.logprobs[start:]`, `top` alternatives per token.
+    """OpenAI's chat logprobs of `choice.logprobs[start:]`, `top` alternatives per token
+    (logprobs below MIN_LOGPROB, e.g. a structured output's masked tokens, are MIN_LOGPROB).
 
     `token` is the token decoded alone (vLLM's choice: U+FFFD for a token that holds part of a
     character); `bytes` are the token's own bytes from the vocabulary, so the `bytes` of the
@@ -71,8 +76,9 @@ def chat_logprobs(state: HttpState, choice: Choice, start: int, top: int) -> dic
     for tok, lp, alternatives in choice.logprobs[start:]:
         best = sorted(alternatives.items(), key=lambda kv: -kv[1])[:top]
         content.append({
-            **_token_entry(state, tok), "logprob": lp,
-            "top_logprobs": [{**_token_entry(state, i), "logprob": v} for i, v in best],
+            **_token_entry(state, tok), "logprob": max(lp, MIN_LOGPROB),
+            "top_logprobs": [{**_token_entry(state, i), "logprob": max(v, MIN_LOGPROB)}
+                             for i, v in best],
         })
     return {"content": content}
 
@@ -92,6 +98,62 @@ async def create_chat_completion(state: HttpState, body: ChatCompletionRequest):
     """
     state.check_ready()
     state.check_model(body.model)
+    _check_logprobs(body)
+    settings = state.chat
+    plan = plan_tools(body, settings.tool_parser, settings.enable_auto_tool_choice)
+    structured = plan.structured or structured_outputs_from(body)
+    text = render_text(state.tokenizer, settings.chat_template, body.messages, body.tools,
+                       add_generation_prompt=body.add_generation_prompt,
+                       continue_final_message=body.continue_final_message,
+                       chat_template_kwargs=body.chat_template_kwargs)
+    prompt = list(state.tokenizer.encode(text, add_special_tokens=False))
+    prompt = truncate_prompt(prompt, body.truncate_prompt_tokens, state.max_model_len())
+    # A constrained output is JSON from its first token: no reasoning to split off.
+    reasoning = None if structured is not None else settings.reasoning_parser
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    field_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    if max_tokens is None:
+        max_tokens = max(1, state.max_model_len() - len(prompt))
+    top = body.top_logprobs or 0
+    params = sampling_params(body, max_tokens, top if body.logprobs else None, structured)
+    parsing = reasoning is not None or plan.make_parser is not None
+    if plan.keep_special_tokens or (reasoning and settings.reasoning_keeps_special_tokens):
+        params.skip_special_tokens = False  # the parsers read the formats' marker tokens
+    try:
+        state.check_request(prompt, params, "messages")
+        streams = await state.open_streams([prompt], params, "chatcmpl")
+    except RequestError as exc:
+        if exc.field == "max_tokens":
+            exc.field = field_name
+        elif exc.field == "response_format" and plan.structured is not None:
+            exc = RequestError(exc.code, "tools", "tools" + exc.message[len("response_format"):])
+        raise exc from None
+    meta = {"id": streams.request_id, "created": int(time.time()), "model": state.served_model_name}
+
+    def new_parse() -> ChoiceParse | None:
+        if not parsing:
+            return None
+        if reasoning is None:
+            return ChoiceParse(None, plan.make_parser() if plan.make_parser else None)
+        skip = params.skip_special_tokens
+
+        def count(ids: list[int]) -> int:
+            return count_reasoning_tokens(
+                ids, lambda i: state.tokenizer.decode(i, skip_special_tokens=skip),
+                lambda: registry.reasoning_parser(reasoning, text))
+
+        return ChoiceParse(registry.reasoning_parser(reasoning, text),
+                           plan.make_parser() if plan.make_parser else None, count)
+
+    parses = [new_parse() for _ in range(body.n)]
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        gen = _stream(state, streams, meta, body, len(prompt), include_usage, parses)
+        return StreamingResponse(gen, media_type="text/event-stream")
+    return await _whole(state, streams, meta, body, len(prompt), parses)
+
+
+def _check_logprobs(body: ChatCompletionRequest) -> None:
     if body.top_logprobs is not None and not body.logprobs:
         raise OpenAIError(400, "top_logprobs: needs logprobs true", "top_logprobs",
                           "invalid_value")
@@ -100,54 +162,53 @@ async def create_chat_completion(state: HttpState, body: ChatCompletionRequest):
             400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}",
             "top_logprobs", "invalid_value",
         )
-    structured = structured_outputs_from(body)
-    prompt = render_chat(state, body.messages, body.add_generation_prompt)
-    prompt = truncate_prompt(prompt, body.truncate_prompt_tokens, state.max_model_len())
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    field_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    if max_tokens is None:
-        max_tokens = max(1, state.max_model_len() - len(prompt))
-    top = body.top_logprobs or 0
-    params = sampling_params(body, max_tokens, top if body.logprobs else None, structured)
-    try:
-        state.check_request(prompt, params, "messages")
-    except Exception as exc:
-        if getattr(exc, "field", None) == "max_tokens":
-            exc.field = field_name
-        raise
-    streams = await state.open_streams([prompt], params, "chatcmpl")
-    meta = {"id": streams.request_id, "created": int(time.time()), "model": state.served_model_name}
-    if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        gen = _stream(state, streams, meta, body, len(prompt), include_usage)
-        return StreamingResponse(gen, media_type="text/event-stream")
+
+
+def chat_usage(prompt_tokens: int, choices: list[Choice],
+               parses: list[ChoiceParse | None]) -> dict[str, Any]:
+    """`usage`, with `completion_tokens_details.reasoning_tokens` under a reasoning parser."""
+    out: dict[str, Any] = usage(prompt_tokens, sum(c.num_output_tokens for c in choices))
+    if any(p is not None and p.has_reasoning for p in parses):
+        out["completion_tokens_details"] = {"reasoning_tokens": sum(
+            p.reasoning_tokens(c.token_ids) for c, p in zip(choices, parses, strict=True)
+            if p is not None)}
+    return out
+
+
+async def _whole(
+    state: HttpState, streams: PromptStreams, meta: dict[str, Any], body: ChatCompletionRequest,
+    prompt_tokens: int, parses: list[ChoiceParse | None],
+) -> JSONResponse:
     choices = [Choice(i) for i in range(body.n)]
     try:
         async for batch in streams.outputs():
             for _, out in batch:
                 choices[out.index].add(out)
+                if (parse := parses[out.index]) is not None:
+                    parse.feed(out)
     finally:
         await streams.close()
     out = []
-    for c in choices:
-        entry = {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                 "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                 "weight_version": c.weight_version}
+    for c, parse in zip(choices, parses, strict=True):
+        message = {"role": "assistant", "content": c.text} if parse is None else parse.message()
+        reason = c.finish_reason if parse is None else parse.finish_reason(c.finish_reason)
+        entry = {"index": c.index, "message": message, "logprobs": None, "finish_reason": reason,
+                 "stop_reason": c.stop_reason, "weight_version": c.weight_version}
         if body.logprobs:
-            entry["logprobs"] = chat_logprobs(state, c, 0, top)
+            entry["logprobs"] = chat_logprobs(state, c, 0, body.top_logprobs or 0)
         if body.return_token_ids:
             entry["token_ids"] = c.token_ids
         out.append(entry)
-    completion_tokens = sum(c.num_output_tokens for c in choices)
     return JSONResponse({**meta, "object": "chat.completion", "choices": out,
-                         "usage": usage(len(prompt), completion_tokens)})
+                         "usage": chat_usage(prompt_tokens, choices, parses)})
 
 
 async def _stream(
     state: HttpState, streams: PromptStreams, meta: dict[str, Any], body: ChatCompletionRequest,
-    prompt_tokens: int, include_usage: bool,
+    prompt_tokens: int, include_usage: bool, parses: list[ChoiceParse | None],
 ) -> AsyncIterator[bytes]:
-    """SSE chunks: the role of every choice first, then one chunk per engine output."""
+    """SSE chunks: the role of every choice first, then one chunk per engine output (a step
+    whose text the parsers still hold back sends nothing unless it has logprobs or ends)."""
     chunk = {**meta, "object": "chat.completion.chunk"}
     choices = [Choice(i) for i in range(body.n)]
     top = body.top_logprobs or 0
@@ -159,18 +220,26 @@ async def _stream(
         async for batch in streams.outputs():
             entries = []
             for _, out in batch:
-                c = choices[out.index]
+                c, parse = choices[out.index], parses[out.index]
                 start = len(c.logprobs)
                 c.add(out)
-                entry = {"index": c.index, "delta": {"content": out.new_text},
-                         "logprobs": chat_logprobs(state, c, start, top) if body.logprobs else None,
-                         "finish_reason": c.finish_reason if out.finished else None,
-                         "weight_version": c.weight_version}
-                entries.append(entry)
-            yield sse({**chunk, "choices": entries})
+                if parse is None:
+                    delta, reason = {"content": out.new_text}, c.finish_reason
+                else:
+                    delta, reason = delta_json(parse.feed(out)), parse.finish_reason(
+                        c.finish_reason)
+                    if not (delta or out.finished or (body.logprobs and out.new_token_ids)):
+                        continue
+                entries.append({
+                    "index": c.index, "delta": delta,
+                    "logprobs": chat_logprobs(state, c, start, top) if body.logprobs else None,
+                    "finish_reason": reason if out.finished else None,
+                    "weight_version": c.weight_version})
+            if entries:
+                yield sse({**chunk, "choices": entries})
         if include_usage:
-            completion_tokens = sum(c.num_output_tokens for c in choices)
-            yield sse({**chunk, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+            yield sse({**chunk, "choices": [],
+                       "usage": chat_usage(prompt_tokens, choices, parses)})
         yield SSE_DONE
     finally:
         await streams.close()

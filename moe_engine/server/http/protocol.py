@@ -3,9 +3,12 @@
 Field names and defaults are OpenAI's (https://platform.openai.com/docs/api-reference, the
 legacy Completions and the Chat Completions APIs), with vLLM's extra sampling fields (`top_k`,
 `min_tokens`, `ignore_eos`). Fields clients commonly send that change nothing here (`store`,
-`metadata`, `service_tier`, `parallel_tool_calls`, `user`) are accepted; fields of features this
-server does not implement are accepted only at their neutral value (`NEUTRAL`: no `tools`,
-...) and refused otherwise, naming the field.
+`metadata`, `service_tier`, `user`) are accepted; fields of features this server does not
+implement are accepted only at their neutral value (`NEUTRAL`: no `functions`, `best_of` 1)
+and refused otherwise, naming the field. Tool calling
+(`tools`, `tool_choice`, `parallel_tool_calls`, `tool_calls` and `tool` messages) follows the
+Chat Completions reference; `chat_template_kwargs`, `continue_final_message` and
+`add_generation_prompt` are vLLM's.
 Other unknown fields are refused with HTTP 400 naming them, so that a misspelt `max_token` is
 not dropped in silence (vLLM instead accepts and logs them); `--allow-unknown-fields` makes an
 app drop them with one warning per field name, for SDKs that send other engines' extras.
@@ -93,8 +96,7 @@ class _SamplingFields(RequestBody):
 
 #: Fields of features this server does not implement, with the only values it accepts.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1), "tools": (None, []),
-    "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "best_of": (None, 1), "functions": (None, []),
 }
 
 
@@ -122,19 +124,47 @@ class TextPart(RequestBody):
     text: StrictStr
 
 
+class ToolCallFunction(RequestBody):
+    """`tool_calls[].function` of an assistant message: `arguments` is the JSON text of the
+    arguments object (OpenAI's; an object is accepted too, as some clients send one)."""
+
+    name: StrictStr
+    arguments: StrictStr | dict[StrictStr, Any]
+
+
+class MessageToolCall(RequestBody):
+    """One `tool_calls[]` entry of an assistant message in the history."""
+
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(RequestBody):
     """One message: `content` is a string or a list of text parts (joined with newlines);
-    required except on an assistant turn (as OpenAI)."""
+    required except on an assistant turn (as OpenAI). An assistant turn may carry
+    `tool_calls` (its content then usually null) and the reasoning it showed
+    (`reasoning_content`, or vLLM's newer name `reasoning`); a `tool` message answers one call
+    and needs its `tool_call_id`."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: StrictStr | None = None
+    reasoning_content: StrictStr | None = None
+    reasoning: StrictStr | None = None
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id (the id of the call it answers)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls: only an assistant message has them, not a {self.role} "
+                             "message")
         return self
-    name: StrictStr | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -142,6 +172,33 @@ class ChatMessage(RequestBody):
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)
+
+
+class FunctionDefinition(RequestBody):
+    """`tools[].function`: the name the model calls, and its arguments' JSON schema."""
+
+    name: Annotated[StrictStr, Field(min_length=1)]
+    description: StrictStr | None = None
+    parameters: dict[StrictStr, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ChatTool(RequestBody):
+    """One `tools[]` entry: only functions (`{"type": "function", "function": {...}}`)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestBody):
+    name: StrictStr
+
+
+class NamedToolChoice(RequestBody):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`: call this function."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class JsonSchemaFormat(RequestBody):
@@ -170,11 +227,16 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: StrictInt | None = None
     response_format: ResponseFormat | None = None
     add_generation_prompt: StrictBool = True
-    # NEUTRAL only: no tool calling here.
-    tools: list[dict[StrictStr, Any]] | None = None
-    tool_choice: StrictStr | None = None
-    functions: list[dict[StrictStr, Any]] | None = None
+    #: vLLM's: render the last (assistant) message open-ended, for the model to continue it.
+    continue_final_message: StrictBool = False
+    #: vLLM's: extra variables for the chat template (e.g. `enable_thinking`, `thinking`).
+    chat_template_kwargs: dict[StrictStr, Any] | None = None
+    tools: list[ChatTool] | None = None
+    #: None: "auto" when `tools` are given, else "none" (as OpenAI and vLLM).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    #: False: at most one call per choice (None and True: any number).
     parallel_tool_calls: StrictBool | None = None
+    functions: list[dict[StrictStr, Any]] | None = None  # NEUTRAL only (the legacy API)
 
 
 class TokenizeRequest(RequestBody):
@@ -185,6 +247,9 @@ class TokenizeRequest(RequestBody):
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[StrictStr, Any] | None = None
+    tools: list[ChatTool] | None = None
 
 
 class DetokenizeRequest(RequestBody):

@@ -78,7 +78,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
         raise OpenAIError(400, "give either prompt or messages", "prompt", "invalid_value")
     if body.messages is not None:
         _need_tokenizer(state, "messages")
-        tokens = render_chat(state, body.messages, body.add_generation_prompt)
+        tokens = render_chat(state, body.messages, body.add_generation_prompt,
+                             tools=body.tools, continue_final_message=body.continue_final_message,
+                             chat_template_kwargs=body.chat_template_kwargs)
     else:
         tok = _need_tokenizer(state, "prompt")
         tokens = list(tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))

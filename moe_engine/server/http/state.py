@@ -25,6 +25,30 @@ from moe_engine.server.http.request_context import current_request_id
 from moe_engine.server.metrics import RequestTimer, ServerMetrics
 
 
+@dataclass(frozen=True)
+class ChatSettings:
+    """The server's chat settings (vLLM's flags of the same names; `chat_setup` builds them).
+
+    Attributes:
+        chat_template: `--chat-template`'s text (None: the tokenizer's own).
+        tool_parser: the tool-call parser's name (`parsers.registry.TOOL_PARSERS`;
+            `--tool-call-parser`, or the checkpoint's default), None for none.
+        reasoning_parser: the reasoning parser's name (`parsers.registry.REASONING_PARSERS`;
+            `--reasoning-parser`, or the checkpoint's default), None for none.
+        enable_auto_tool_choice: `--enable-auto-tool-choice`: `tool_choice: "auto"` (and
+            `tools` without a `tool_choice`) parse calls with `tool_parser`.
+        reasoning_keeps_special_tokens: the reasoning parser's markers are special tokens of
+            this tokenizer (gpt-oss's harmony markers; `<think>` where a tokenizer makes it
+            special), so outputs it reads keep special tokens in their text.
+    """
+
+    chat_template: str | None = None
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_keeps_special_tokens: bool = False
+
+
 @dataclass
 class HttpState:
     """The HTTP front end's view of the server.
@@ -45,6 +69,8 @@ class HttpState:
     metrics: ServerMetrics | None = None
     max_prompt_tokens: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    #: chat templates and parsers (set once the tokenizer is known).
+    chat: ChatSettings = field(default_factory=ChatSettings)
     #: request ids of the HTTP requests live in the engine.
     live: set[str] = field(default_factory=set)
     #: Each token's own bytes from the vocabulary, made at first use (`token_bytes`).

@@ -1,0 +1,116 @@
+"""The cost of tool and reasoning parsing on streamed chat: output tok/s of N concurrent
+streamed /v1/chat/completions requests with the parsers on (tools with `tool_choice: auto`, the
+qwen3 reasoning parser, every output a reasoning block and two tool calls) and off (the same
+requests with `tool_choice: none` and `--reasoning-parser none`), on one server (the tiny
+Qwen3-MoE test checkpoint with the Qwen3 test template; the outputs are forced by
+`tests/scripted_core.py`, so both runs generate the same tokens).
+
+    PYTHONPATH=$PWD:tests python bench/chat_parsing.py [--streams 64] [--rounds 3]
+
+Prints tok/s per round of each mode (alternating), and the ratio of the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+OUTPUT = ("<think>\n" + "Let me think about the weather in Paris and the time. " * 5
+          + "\n</think>\n\nI will check both.\n<tool_call>\n"
+          '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>\n'
+          '<tool_call>\n{"name": "set_alarm", "arguments": {"hour": 7, "on": true}}\n'
+          "</tool_call>")
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "set_alarm", "parameters": {
+        "type": "object", "properties": {"hour": {"type": "integer"}}}}},
+]
+
+
+async def one_round(client, streams: int, parse: bool) -> float:
+    from http_helpers import MODEL
+    from scripted_core import END, START
+
+    extra = {} if parse else {"tool_choice": "none"}
+
+    async def run() -> int:
+        tokens = 0
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"{START}{OUTPUT}{END}"}],
+            tools=TOOLS, max_tokens=300, stream=True,
+            stream_options={"include_usage": True}, **extra)
+        async for chunk in stream:
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return tokens
+
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(run() for _ in range(streams)))
+    return sum(counts) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--streams", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    import openai
+    from chat_fixtures import family_checkpoint
+    from fixtures import make_tiny_checkpoint
+    from grpc_helpers import ServerThread
+    from http_helpers import API_KEY, MAX_MESSAGE_BYTES, MODEL
+
+    from moe_engine.server.app import ServerOptions
+    from moe_engine.server.http.state import ChatSettings
+    from moe_engine.startup.config import (
+        CacheConfig,
+        EngineConfig,
+        ModelConfig,
+        SchedulerConfig,
+    )
+
+    root = Path(tempfile.mkdtemp())
+    ckpt = family_checkpoint(make_tiny_checkpoint("qwen3_moe", root), root, "qwen3")
+    config = EngineConfig(model=ModelConfig(str(ckpt), max_model_len=1024),
+                          cache=CacheConfig(block_size=16, num_blocks_override=4096),
+                          scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096))
+    opts = ServerOptions(port=0, http_port=0, api_key=API_KEY, served_model_name=MODEL,
+                         max_message_bytes=MAX_MESSAGE_BYTES, log_stats_interval_s=None,
+                         enable_auto_tool_choice=True)
+    server = ServerThread(config, opts, core_factory="scripted_core:build_scripted_core")
+    state = server.server.http_state
+    on = state.chat
+    off = ChatSettings(on.chat_template, on.tool_parser, None, True)
+    url = f"http://127.0.0.1:{server.server.http_port}/v1"
+    results: dict[str, list[float]] = {"parsers on": [], "parsers off": []}
+
+    async def bench() -> None:
+        client = openai.AsyncOpenAI(base_url=url, api_key=API_KEY, max_retries=0, timeout=600)
+        state.chat = on
+        await one_round(client, args.streams, True)  # warm-up
+        for _ in range(args.rounds):
+            for name, parse in (("parsers off", False), ("parsers on", True)):
+                state.chat = on if parse else off
+                rate = await one_round(client, args.streams, parse)
+                results[name].append(rate)
+                print(f"{name}: {rate:.0f} tok/s", flush=True)
+        await client.close()
+
+    try:
+        asyncio.run(bench())
+    finally:
+        server.close()
+    ratio = statistics.median(results["parsers on"]) / statistics.median(results["parsers off"])
+    print(f"median on/off: {ratio:.3f} ({args.streams} streams, {args.rounds} rounds)")
+
+
+if __name__ == "__main__":
+    main()
