@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-import numbers
 from dataclasses import dataclass, field
 
 from moe_engine.errors import ParamError
+from moe_engine.param_checks import as_list, integer, logit_bias_map, real
 
 #: The largest number of top logprobs a request may ask for per token.
 MAX_LOGPROBS = 20
@@ -27,6 +27,8 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_N = 128
 #: Seeds torch's generator accepts (a 64-bit value, signed or unsigned).
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+#: OpenAI's (and vLLM's) range of `frequency_penalty` and `presence_penalty`.
+MAX_ABS_PENALTY = 2.0
 
 
 #: Longest JSON schema text a request may carry (characters): compiling is linear in its size,
@@ -139,11 +141,31 @@ class SamplingParams:
             it finishes, with all its tokens and text: what a caller that does not stream needs;
             vLLM's `RequestOutputKind.FINAL_ONLY`, which its OpenAI server uses for
             `stream: false`). The tokens are the same either way.
+        repetition_penalty: > 0; 1 is off. Each token of the prompt or the output so far has
+            its logit divided by it when positive, multiplied when not (CTRL, Keskar et al.
+            2019; transformers' `RepetitionPenaltyLogitsProcessor`, vLLM's).
+        frequency_penalty, presence_penalty: in [-2, 2]; 0 is off. Each token's logit is
+            lowered by frequency_penalty * (its count in the output so far) + presence_penalty
+            * (1 if it occurs there) (OpenAI's definition: output tokens only).
+        min_p: in [0, 1]; 0 is off. Random sampling keeps the tokens whose probability (after
+            temperature) is at least min_p times the most likely token's (vLLM's `min_p`).
+        logit_bias: token id -> bias in [-100, 100] added to its logit before everything else
+            (OpenAI's `logit_bias`); ids are checked against the vocabulary in `verify`.
+        truncate_prompt_tokens: keep only the prompt's last k tokens (k >= 1), or -1 for the
+            last max_model_len (vLLM's); None keeps the whole prompt.
+        priority: the scheduler's order under `--scheduling-policy priority` (lower runs
+            earlier, ties by arrival; vLLM's `priority`, which vLLM passes beside the params);
+            must be 0 under the default "fcfs" policy (the engine refuses others, as vLLM).
         include_stop_str_in_output: keep the matched stop string at the end of the text (the
             text after it is still cut), and the text of a stop token id or EOS that ended the
             completion (vLLM's field; default False: both are left out of the text).
         skip_special_tokens: leave special tokens (the tokenizer's added special tokens: BOS,
             EOS, chat markers) out of the text (vLLM's default True); False keeps their text.
+
+    Penalties, logit_bias and greedy: logit_bias and the three penalties change the logits
+    before the argmax, so they apply to greedy requests too; min_p, like top-k and top-p, only
+    to random sampling (vLLM v1's sampler order: logit_bias, penalties, then greedy or
+    temperature, min_p, top-k/top-p).
 
     Raises:
         ParamError: at construction, for a field of the wrong type or outside its limits
@@ -163,13 +185,21 @@ class SamplingParams:
     n: int = 1
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: str = OUTPUT_DELTA
+    # -- logits processors, prompt truncation and priority (issue 44, the sampling part) --
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
     # Detokenizer fields (issue 44, "text" part): how token ids become the returned text.
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        self.stop = _as_list("stop", self.stop, str)
-        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, int)
+        self.stop = as_list("stop", self.stop, str)
+        self.stop_token_ids = as_list("stop_token_ids", self.stop_token_ids, int)
         self._check()
 
     @property
@@ -188,12 +218,19 @@ class SamplingParams:
         Raises:
             ParamError: naming the field, the value and the limit.
         """
-        self.stop = _as_list("stop", self.stop, str)
-        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, int)
+        self.stop = as_list("stop", self.stop, str)
+        self.stop_token_ids = as_list("stop_token_ids", self.stop_token_ids, int)
         self._check()
         if self.logprobs is not None and self.logprobs > max_logprobs:
             raise ParamError(
                 "logprobs", f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}"
+            )
+        out_of_vocab = sorted(t for t in self.logit_bias or {} if t >= vocab_size)
+        if out_of_vocab:
+            raise ParamError(
+                "logit_bias",
+                f"logit_bias token id {out_of_vocab[0]} is outside [0, {vocab_size}) "
+                f"(vocab_size {vocab_size})",
             )
         for tok in self.stop_token_ids:
             if tok >= vocab_size:
@@ -205,13 +242,13 @@ class SamplingParams:
 
     def _check(self) -> None:
         """The checks that need no model; normalises ints and floats in place."""
-        self.n = _integer("n", self.n)
+        self.n = integer("n", self.n)
         if not 1 <= self.n <= MAX_N:
             raise ParamError("n", f"n must be in [1, {MAX_N}], got {self.n}")
-        self.max_tokens = _integer("max_tokens", self.max_tokens)
+        self.max_tokens = integer("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
             raise ParamError("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
-        self.min_tokens = _integer("min_tokens", self.min_tokens)
+        self.min_tokens = integer("min_tokens", self.min_tokens)
         if self.min_tokens < 0:
             raise ParamError("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.min_tokens > self.max_tokens:
@@ -219,15 +256,15 @@ class SamplingParams:
                 "min_tokens",
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
             )
-        self.temperature = _real("temperature", self.temperature)
+        self.temperature = real("temperature", self.temperature)
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ParamError(
                 "temperature", f"temperature must be a finite number >= 0, got {self.temperature}"
             )
-        self.top_p = _real("top_p", self.top_p)
+        self.top_p = real("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:  # NaN fails both comparisons
             raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        self.top_k = _integer("top_k", self.top_k)
+        self.top_k = integer("top_k", self.top_k)
         if self.top_k < -1 or self.top_k == 0:
             raise ParamError("top_k", f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         self._check_seed()
@@ -236,7 +273,7 @@ class SamplingParams:
             if not isinstance(value, bool):
                 raise ParamError(name, f"{name} must be a bool, got {value!r}")
         if self.logprobs is not None:
-            self.logprobs = _integer("logprobs", self.logprobs)
+            self.logprobs = integer("logprobs", self.logprobs)
             if self.logprobs < 0:
                 raise ParamError("logprobs", f"logprobs must be >= 0, got {self.logprobs}")
         self._check_stop()
@@ -245,6 +282,7 @@ class SamplingParams:
                 "output_kind",
                 f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}",
             )
+        self._check_processors()
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ParamError(
@@ -252,10 +290,56 @@ class SamplingParams:
                 f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}",
             )
 
+    @property
+    def has_penalties(self) -> bool:
+        """True when any of the three penalties is on (the sampler's penalty path)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    @property
+    def has_logits_processors(self) -> bool:
+        """True when a penalty, min_p or logit_bias changes the logits (such a request takes
+        no speculative drafts: `spec_decode.drafter`)."""
+        return self.has_penalties or self.min_p > 0.0 or bool(self.logit_bias)
+
+    def _check_processors(self) -> None:
+        """Penalties, min_p, logit_bias, truncate_prompt_tokens and priority (vLLM's limits)."""
+        self.repetition_penalty = real("repetition_penalty", self.repetition_penalty)
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ParamError(
+                "repetition_penalty",
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}",
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = real(name, getattr(self, name))
+            if not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
+                raise ParamError(
+                    name, f"{name} must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}], "
+                    f"got {value}",
+                )  # fmt: skip
+            setattr(self, name, value)
+        self.min_p = real("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ParamError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        self.logit_bias = logit_bias_map(self.logit_bias)
+        if self.truncate_prompt_tokens is not None:
+            k = integer("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            if k < 1 and k != -1:
+                raise ParamError(
+                    "truncate_prompt_tokens",
+                    f"truncate_prompt_tokens must be an integer >= 1 or -1 (max_model_len), "
+                    f"got {k}",
+                )
+            self.truncate_prompt_tokens = k
+        self.priority = integer("priority", self.priority)
+
     def _check_seed(self) -> None:
         if self.seed is None:
             return
-        self.seed = _integer("seed", self.seed)
+        self.seed = integer("seed", self.seed)
         top = SEED_MAX - (self.n - 1)  # completion i draws with seed + i
         if not SEED_MIN <= self.seed <= top:
             extra = f" (with n={self.n}: completion i uses seed + i)" if self.n > 1 else ""
@@ -284,43 +368,3 @@ class SamplingParams:
             )
         if any(not s for s in stop):
             raise ParamError("stop", "stop strings must not be empty")
-
-
-def _integer(name: str, value: object) -> int:
-    """`value` as an int; bools and non-integral numbers are refused (ParamError)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ParamError(
-            name, f"{name} must be an integer, got {value!r} ({type(value).__name__})"
-        )
-    return int(value)
-
-
-def _real(name: str, value: object) -> float:
-    """`value` as a float; bools and non-numbers are refused (ParamError)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ParamError(name, f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    return float(value)
-
-
-def _as_list(name: str, value: object, kind: type) -> list:
-    """A stop field as a list: None is empty, one `kind` value is a list of one (so "abc" is
-    one stop string, not three), a list or tuple keeps its entries, each of type `kind`."""
-    if value is None:
-        return []
-    if kind is str and isinstance(value, str):
-        return [value]
-    if kind is int and isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return [int(value)]
-    if not isinstance(value, (list, tuple)):
-        what = "an integer" if kind is int else "a string"
-        raise ParamError(
-            name, f"{name} must be {what} or a list of them, got {type(value).__name__}"
-        )
-    if kind is int:
-        bad = [v for v in value if isinstance(v, bool) or not isinstance(v, numbers.Integral)]
-    else:
-        bad = [v for v in value if not isinstance(v, str)]
-    if bad:
-        what = "integers" if kind is int else "strings"
-        raise ParamError(name, f"{name} entries must be {what}, got {bad[0]!r}")
-    return [kind(v) for v in value]

@@ -6,6 +6,12 @@ then waiting requests in arrival order, each prefill cut into chunks that fit th
 When the KV pool runs out, the newest running request is preempted: its blocks are freed and it
 is recomputed later from its prompt plus the tokens it already generated.
 
+Under `SchedulerConfig.policy` "priority" (vLLM's `--scheduling-policy priority`) the waiting
+queue is kept sorted by (`SamplingParams.priority`, arrival time), lower first, a preempted
+request going back to its place in that order; the preemption victim is the running request
+with the largest (priority, arrival time), i.e. the least urgent, newest among equals, even one
+already scheduled earlier in the step (its share of the step is taken back), as vLLM v1.
+
 With prefix caching, a request taken from the queue first looks up its cached prefix
 (`KVCacheManager.get_computed_blocks`): those tokens count as computed, so its first chunk, the
 token budget and the blocks it needs cover only the uncached rest.
@@ -113,7 +119,33 @@ class Scheduler:
         """
         self.check_fits(request)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self.config.policy == "priority":
+            self._insert_waiting(request, after_equals=True)
+        else:
+            self.waiting.append(request)
+
+    @staticmethod
+    def _priority_key(req: Request) -> tuple[int, float]:
+        return req.sampling_params.priority, req.arrival_time
+
+    def _insert_waiting(self, req: Request, after_equals: bool) -> None:
+        """Put `req` in the priority-ordered queue: after the requests of the same key (a new
+        request: siblings of one n > 1 request stay in order) or before them (a preempted
+        one, which was admitted first)."""
+        key = self._priority_key(req)
+        for pos, other in enumerate(self.waiting):
+            k = self._priority_key(other)
+            if k > key or (k == key and not after_equals):
+                self.waiting.insert(pos, req)
+                return
+        self.waiting.append(req)
+
+    def _victim(self) -> Request:
+        """The running request to preempt: the newest (fcfs), or the one with the largest
+        (priority, arrival time)."""
+        if self.config.policy == "priority":
+            return max(reversed(self.running), key=self._priority_key)
+        return self.running[-1]
 
     def check_fits(self, request: Request) -> None:
         """Refuse a request that could never run, however empty the pool.
@@ -146,15 +178,26 @@ class Scheduler:
             if drafts and not self._allocate(req, n):
                 n, drafts = n - len(drafts), []  # drafts go before anyone is preempted
             while not self._allocate(req, n):
-                victim = self.running.pop()
+                victim = self._victim()
+                at = self.running.index(victim)
+                self.running.pop(at)
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
                 if victim is req:
                     return budget
+                if at < i:  # scheduled earlier in this step (priority policy): take it back
+                    i -= 1
+                    budget += self._unschedule(out, victim)
             out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens, drafts))
             budget -= n
             i += 1
         return budget
+
+    @staticmethod
+    def _unschedule(out: SchedulerOutput, req: Request) -> int:
+        """Drop `req`'s share of the step being built; returns its tokens."""
+        at = next(j for j, s in enumerate(out.scheduled) if s.request is req)
+        return out.scheduled.pop(at).num_tokens
 
     @staticmethod
     def _running_tokens(req: Request, budget: int) -> tuple[int, list[int]]:
@@ -204,7 +247,10 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self.config.policy == "priority":
+            self._insert_waiting(req, after_equals=False)
+        else:
+            self.waiting.appendleft(req)
 
     def update(
         self,

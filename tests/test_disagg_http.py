@@ -54,6 +54,11 @@ def _random_params(rng: random.Random) -> SamplingParams:
         "structured_outputs": rng.choice([
             None, StructuredOutputsParams(json_object=True),
             StructuredOutputsParams(json='{"type": "object"}')]),
+        "repetition_penalty": rng.choice([1.0, 1.3]), "min_p": rng.choice([0.0, 0.05]),
+        "frequency_penalty": rng.choice([0.0, -0.5, 2.0]),
+        "presence_penalty": rng.choice([0.0, 1.25]),
+        "logit_bias": rng.choice([None, {5: -100.0, 77: 2.5}]),
+        "truncate_prompt_tokens": rng.choice([None, -1, 7]), "priority": rng.choice([0, -2, 9]),
     }
     kwargs["min_tokens"] = rng.randint(0, kwargs["max_tokens"])
     return SamplingParams(**kwargs)

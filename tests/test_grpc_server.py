@@ -179,6 +179,7 @@ BAD_INPUTS = [
     ("top-k-below-minus-one", {"ids": [3], "top_k": -2}, "INVALID_ARGUMENT", "top_k"),
     ("logprobs-over-cap", {"ids": [3], "logprobs": 21}, "INVALID_ARGUMENT", "logprobs"),
     ("logprobs-negative", {"ids": [3], "logprobs": -1}, "INVALID_ARGUMENT", "logprobs"),
+    ("priority-under-fcfs", {"ids": [3], "priority": 2}, "INVALID_ARGUMENT", "priority"),
     ("stop-empty", {"ids": [3], "stop": [""]}, "INVALID_ARGUMENT", "stop"),
     ("stop-too-many", {"ids": [3], "stop": ["ab"] * 65}, "INVALID_ARGUMENT", "stop"),
     ("request-id-too-long", {"ids": [3], "request_id": "r" * 257}, "INVALID_ARGUMENT",

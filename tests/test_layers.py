@@ -29,6 +29,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "moe_engine.errors",
             "moe_engine.request",
             "moe_engine.sampling_params",
+            "moe_engine.param_checks",
             "moe_engine.structured_output",
             "moe_engine.instrumentation",
             "moe_engine.phase_timer",

@@ -55,7 +55,14 @@ from moe_engine.cli.batch import add_batch_parser, cmd_batch
 from moe_engine.cli.completions import Completions
 from moe_engine.cli.connection import connection_from_args, open_channel
 from moe_engine.cli.health import add_health_parser, cmd_health
-from moe_engine.cli.request_fields import build_request, int_type, parse_ids, utf8_text
+from moe_engine.cli.request_fields import (
+    add_processor_flags,
+    build_request,
+    int_type,
+    parse_ids,
+    processor_fields,
+    utf8_text,
+)
 from moe_engine.cli.rpc_errors import error_text, fail
 from moe_engine.cli.weights import COMMANDS as WEIGHT_COMMANDS
 from moe_engine.cli.weights import add_weight_parsers, cmd_weights
@@ -142,6 +149,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     defaults = SamplingParams()
     _add_prompt_flags(g)
     _add_sampling_flags(g, defaults)
+    add_processor_flags(g)
     _add_stop_flags(g)
     _add_output_flags(g, defaults)
 
@@ -285,6 +293,7 @@ def request_from_args(args: argparse.Namespace) -> pb.GenerateRequest:
         "skip_special_tokens": args.skip_special_tokens,
         "logprobs": args.logprobs,
         "n": args.n,
+        **processor_fields(args),
     }
     try:  # the limits that need no model, checked here as the server would
         SamplingParams(**{k: v for k, v in sampling.items() if v is not None})

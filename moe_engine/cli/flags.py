@@ -24,6 +24,7 @@ from moe_engine.server.security import API_KEY_ENV
 from moe_engine.startup.config import (
     DEVICE_CHOICES,
     DISAGG_MODES,
+    SCHEDULING_POLICIES,
     DeviceConfig,
     ModelConfig,
     SchedulerConfig,
@@ -183,6 +184,22 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
         "--stream-interval", type=int, default=1, metavar="N",
         help="send each request's new tokens every N tokens (default 1: every token; the "
         "first token and the last output at once): fewer messages per token, burstier streams",
+    )
+    p.add_argument(
+        "--scheduling-policy", choices=SCHEDULING_POLICIES, default=SchedulerConfig.policy,
+        help="waiting queue order (vLLM's): fcfs (arrival order; requests must send priority "
+        "0) or priority (lower `priority` first, ties by arrival; preemption takes the "
+        "least urgent running request); default %(default)s",
+    )
+
+
+def add_seed_args(p: argparse.ArgumentParser) -> None:
+    """--seed (`ModelConfig.seed`)."""
+    p.add_argument(
+        "--seed", type=int, default=ModelConfig.seed,
+        help="the engine's random seed (vLLM's): requests without their own seed draw from a "
+        "generator seeded with it, so the same requests in the same order give the same "
+        "tokens after a restart (default %(default)s)",
     )
 
 

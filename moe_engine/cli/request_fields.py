@@ -88,6 +88,8 @@ def _check_field(name: str, value: Any) -> Any:
         ValueError: naming the field and the expected type.
     """
     field = pb.GenerateRequest.DESCRIPTOR.fields_by_name[name]
+    if field.message_type is not None and field.message_type.GetOptions().map_entry:
+        return _check_map(name, field, value)
     if field.is_repeated:
         if name == "stop" and isinstance(value, str):
             value = [value]
@@ -103,6 +105,31 @@ def _check_field(name: str, value: Any) -> Any:
     if problem is not None:
         raise ValueError(f"{name}: {problem}")
     return value
+
+
+def _check_map(name: str, field: descriptor.FieldDescriptor, value: Any) -> dict:
+    """A map field (`logit_bias`: token id -> bias) as a dict with int keys; keys may come as
+    strings of integers (JSON objects have string keys, as OpenAI's logit_bias).
+
+    Raises:
+        ValueError: not an object, a key that is not an integer, or a value of the wrong type.
+    """
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: expected an object of token id to number, got "
+                         f"{_describe(value)}")  # fmt: skip
+    key_field = field.message_type.fields_by_name["key"]
+    value_field = field.message_type.fields_by_name["value"]
+    out = {}
+    for key, item in value.items():
+        try:
+            k = int(key) if isinstance(key, str) else key
+        except ValueError:
+            raise ValueError(f"{name}: key {key!r} is not a token id") from None
+        problem = _check_scalar(key_field, k) or _check_scalar(value_field, item)
+        if problem is not None:
+            raise ValueError(f"{name}[{key}]: {problem}")
+        out[k] = item
+    return out
 
 
 def build_request(
@@ -191,3 +218,56 @@ def utf8_text(text: str) -> str:
     if bad is not None:
         raise argparse.ArgumentTypeError(f"{ascii(text)} {bad}")
     return text
+
+
+def parse_logit_bias(text: str) -> dict[int, float]:
+    """--logit-bias: comma-separated ID:BIAS pairs ("50256:-100,13:2.5").
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    out: dict[int, float] = {}
+    for part in text.replace(" ", "").split(","):
+        key, sep, value = part.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            out[int(key)] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected ID:BIAS pairs like 50256:-100,13:2.5, got {text!r}"
+            ) from None
+    return out
+
+
+#: `moe-client generate`'s flags of the logits processors, truncation and priority, as
+#: (flag, GenerateRequest field, argparse type, help).
+PROCESSOR_FLAGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
+    ("--repetition-penalty", "repetition_penalty", float,
+     "> 0; divide (multiply, when negative) the logits of tokens already in the prompt or "
+     "output by it (default: 1, off)"),
+    ("--frequency-penalty", "frequency_penalty", float,
+     "in [-2, 2]; lower each token's logit by this times its count in the output (default: 0)"),
+    ("--presence-penalty", "presence_penalty", float,
+     "in [-2, 2]; lower the logit of each token already in the output by this (default: 0)"),
+    ("--min-p", "min_p", float,
+     "in [0, 1]; keep tokens at least this fraction as likely as the best (default: 0, off)"),
+    ("--logit-bias", "logit_bias", parse_logit_bias,
+     "ID:BIAS pairs, 50256:-100,13:2.5: add BIAS (in [-100, 100]) to token ID's logit "
+     "(default: none)"),
+    ("--truncate-prompt-tokens", "truncate_prompt_tokens", int_type("truncate_prompt_tokens"),
+     "keep only the prompt's last N tokens, -1 for max_model_len (default: whole prompt)"),
+    ("--priority", "priority", int_type("priority"),
+     "lower runs earlier on a server with --scheduling-policy priority (default: 0)"),
+)
+
+
+def add_processor_flags(g: argparse.ArgumentParser) -> None:
+    """Add `PROCESSOR_FLAGS` (all unset by default: the server's defaults apply)."""
+    for flag, _, kind, text in PROCESSOR_FLAGS:
+        g.add_argument(flag, type=kind, default=None, metavar="V", help=text)
+
+
+def processor_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The GenerateRequest fields `PROCESSOR_FLAGS` set (None: unset)."""
+    return {field: getattr(args, field) for _, field, _, _ in PROCESSOR_FLAGS}

@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_frontend_args(p)
     flags.add_model_args(p)
     flags.add_scheduler_args(p)
+    flags.add_seed_args(p)
     flags.add_cache_args(p)
     flags.add_disagg_args(p)
     flags.add_prefix_caching_args(p)
@@ -141,7 +142,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str,
     """
     return EngineConfig(
         model=ModelConfig(model=model, dtype=flags.DTYPE_CHOICES[args.dtype],
-                          max_model_len=args.max_model_len,
+                          max_model_len=args.max_model_len, seed=args.seed,
                           weight_version=args.weight_version, tokenizer=tokenizer),
         cache=CacheConfig(
             block_size=args.block_size,
@@ -153,6 +154,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_waiting=args.max_waiting_requests,
             stream_interval=args.stream_interval,
+            policy=args.scheduling_policy,
         ),
         speculative=speculative_config_from_args(args),
         quant=QuantConfig(

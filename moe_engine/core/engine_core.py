@@ -18,7 +18,7 @@ from moe_engine.core import reports
 from moe_engine.core.detokenizer import IncrementalDetokenizer
 from moe_engine.core.outputs import CoreStats, EngineCoreOutput, ExpertLoad, ModelInfo
 from moe_engine.core.parallel_sampling import ParentRequest
-from moe_engine.core.validation import validate_request
+from moe_engine.core.validation import check_priority, truncate_prompt, validate_request
 from moe_engine.errors import ErrorCode, RequestError
 from moe_engine.instrumentation import ExpertLoadRecorder
 from moe_engine.kv_cache import KVCacheManager
@@ -172,9 +172,11 @@ class EngineCore:
                 that does not compile), a duplicate live id (ALREADY_EXISTS), or a full queue
                 (RESOURCE_EXHAUSTED). Nothing is queued then.
         """
+        prompt_token_ids = truncate_prompt(prompt_token_ids, params, self.max_model_len)
         validate_request(
             prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
+        check_priority(params, self.scheduler.config.policy)
         self._check_new_id(request_id, params.n)
         self._check_queue(params.n)
         so = params.structured_outputs

@@ -45,6 +45,54 @@ def validate_request(
         )
 
 
+def truncate_prompt(
+    prompt_token_ids: list[int], params: SamplingParams | int | None, max_model_len: int
+) -> list[int]:
+    """The prompt as `truncate_prompt_tokens` k cuts it (given as such, or as the params that
+    hold it): its last k tokens (-1: the last max_model_len), vLLM's semantics; the prompt
+    itself when k is None or the prompt is no longer. Idempotent, so the front end and the
+    core may both apply it.
+
+    Raises:
+        RequestError: INVALID_ARGUMENT "truncate_prompt_tokens" when k is neither >= 1 nor
+            -1, or k > max_model_len (as vLLM refuses it).
+    """
+    k = params.truncate_prompt_tokens if isinstance(params, SamplingParams) else params
+    if k is None:
+        return prompt_token_ids
+    if k < 1 and k != -1:
+        raise RequestError(
+            ErrorCode.INVALID_ARGUMENT,
+            "truncate_prompt_tokens",
+            f"truncate_prompt_tokens must be an integer >= 1 or -1 (max_model_len), got {k}",
+        )
+    k = max_model_len if k == -1 else k
+    if k > max_model_len:
+        raise RequestError(
+            ErrorCode.INVALID_ARGUMENT,
+            "truncate_prompt_tokens",
+            f"truncate_prompt_tokens: {k} is greater than max_model_len {max_model_len}",
+        )
+    return list(prompt_token_ids[-k:])
+
+
+def check_priority(params: SamplingParams, policy: str) -> None:
+    """Refuse a non-zero `priority` unless the scheduler orders by it (vLLM refuses it the
+    same way: "Got priority ... but Priority scheduling is not enabled").
+
+    Raises:
+        RequestError: INVALID_ARGUMENT "priority".
+    """
+    if params.priority != 0 and policy != "priority":
+        raise RequestError(
+            ErrorCode.INVALID_ARGUMENT,
+            "priority",
+            f"priority: got {params.priority}, but priority scheduling is not enabled "
+            f"(--scheduling-policy {policy}; start the server with --scheduling-policy "
+            "priority, or send priority 0)",
+        )
+
+
 def _check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
     n = len(prompt_token_ids)
     if n == 0:

@@ -33,7 +33,9 @@ logger = logging.getLogger(__name__)
 
 #: The SamplingParams fields sent as GenerateRequest fields of the same name.
 _SCALARS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos",
-            "logprobs", "n", "include_stop_str_in_output", "skip_special_tokens")
+            "logprobs", "n", "include_stop_str_in_output", "skip_special_tokens",
+            "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p",
+            "truncate_prompt_tokens", "priority")
 
 
 def request_from_params(request_id: str, prompt: list[int], params: SamplingParams
@@ -48,6 +50,8 @@ def request_from_params(request_id: str, prompt: list[int], params: SamplingPara
         value = getattr(params, name)
         if value is not None:
             setattr(req, name, value)
+    if params.logit_bias:
+        req.logit_bias.update(params.logit_bias)
     so = params.structured_outputs
     if so is not None:
         req.json_schema = so.json or ""

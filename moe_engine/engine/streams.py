@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 from moe_engine.core.outputs import EngineCoreOutput, EngineStats, ExpertLoad, ModelInfo
-from moe_engine.core.validation import validate_request
+from moe_engine.core.validation import truncate_prompt, validate_request
 from moe_engine.engine.messages import (
     AbortRequests,
     AddError,
@@ -142,6 +142,7 @@ class RequestStreams:
                 "request_id",
                 f"request_id: {request_id!r} is already in use by a live request",
             )
+        prompt_token_ids = truncate_prompt(prompt_token_ids, params, info.max_model_len)
         validate_request(
             prompt_token_ids,
             params,
@@ -292,6 +293,7 @@ class RequestStreams:
         """
         info = self.model_info
         if info is not None:
+            prompt_token_ids = truncate_prompt(prompt_token_ids, params, info.max_model_len)
             validate_request(prompt_token_ids, params, vocab_size=info.vocab_size,
                              max_model_len=info.max_model_len)
         self._expire_parked()

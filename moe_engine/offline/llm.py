@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 import numbers
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from moe_engine._omp import TORCH_LOADED_WITHOUT_WAIT_POLICY
 from moe_engine.core.build import build_engine_core
+from moe_engine.core.validation import truncate_prompt
 from moe_engine.errors import StartupError
 from moe_engine.offline.outputs import RequestOutput, RequestOutputBuilder
 from moe_engine.offline.weights import WeightUpdateMethods
@@ -67,8 +69,9 @@ class LLM(WeightUpdateMethods):
         gpu_memory_utilization (fraction in (0, 1]), enforce_eager (no CUDA graphs),
         cpu_memory_utilization (fraction in (0, 1] of the host's memory, on a CPU),
         speculative_method ("ngram" or None), num_speculative_tokens, ngram_min, ngram_max,
-        speculative_disable_by_batch_size, weight_version: as the `moe-serve` flags of the
-        same names. Weight updates: `update_weights_from_disk`,
+        speculative_disable_by_batch_size, weight_version, seed, scheduling_policy ("fcfs" or
+        "priority"): as the `moe-serve` flags of the same names. Weight updates:
+        `update_weights_from_disk`,
         `init_weight_update_group` / `update_weights_from_distributed` (`llm_weights.py`).
 
     Raises:
@@ -102,6 +105,7 @@ class LLM(WeightUpdateMethods):
         speculative_disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE,
         weight_version: str = "default",
         tokenizer: str | None = None,
+        scheduling_policy: str = SchedulerConfig.policy,
     ) -> None:
         if model == "demo":
             from moe_engine.startup.demo import ensure_demo_checkpoint
@@ -134,7 +138,8 @@ class LLM(WeightUpdateMethods):
                     enable_prefix_caching=enable_prefix_caching,
                 ),
                 scheduler=SchedulerConfig(
-                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                    policy=scheduling_policy,
                 ),
                 quant=QuantConfig(
                     method=quantization, group_size=quant_group_size, layers=quantized_layers
@@ -159,6 +164,7 @@ class LLM(WeightUpdateMethods):
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text needs the checkpoint's tokenizer).
 
@@ -170,9 +176,13 @@ class LLM(WeightUpdateMethods):
                 `SamplingParams()`.
             use_tqdm: show a progress bar of finished prompts on stderr (with input and output
                 tokens/s, as vLLM's); a callable is used in place of `tqdm.tqdm`.
+            priority: one priority per prompt (vLLM's argument; lower runs earlier with
+                `scheduling_policy="priority"`), set on a copy of its params; None keeps the
+                params' own `priority`.
 
         Returns:
-            One RequestOutput per prompt, in prompt order, each with `n` completions.
+            One RequestOutput per prompt, in prompt order, each with `n` completions; its
+            `prompt_token_ids` are the prompt as run (cut by `truncate_prompt_tokens`).
 
         Raises:
             RequestError: a prompt or parameter the engine refuses (nothing is run then, and
@@ -183,7 +193,7 @@ class LLM(WeightUpdateMethods):
         """
         items = _as_prompt_list(prompts)
         parsed = [self._parse_prompt(p, i) for i, p in enumerate(items)]
-        return self._run(parsed, sampling_params, use_tqdm)
+        return self._run(parsed, sampling_params, use_tqdm, priority)
 
     def chat(
         self,
@@ -242,6 +252,7 @@ class LLM(WeightUpdateMethods):
         parsed: list[tuple[str | None, list[int]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool | Callable[..., Any],
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Queue every (text, ids) prompt, all or nothing, and step until all are done."""
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -251,11 +262,20 @@ class LLM(WeightUpdateMethods):
                 f"sampling_params: {len(params_list)} given for {len(parsed)} prompts; give "
                 f"one, or one per prompt"
             )
+        if priority is not None:
+            if len(priority) != len(parsed):
+                raise ValueError(
+                    f"priority: {len(priority)} given for {len(parsed)} prompts; give one per "
+                    "prompt"
+                )
+            params_list = [replace(p, priority=q)
+                           for p, q in zip(params_list, priority, strict=True)]  # fmt: skip
         builders: dict[str, RequestOutputBuilder] = {}
         try:
             for (text, ids), p in zip(parsed, params_list, strict=True):
                 rid = str(self._next_id)
                 self._next_id += 1
+                ids = truncate_prompt(ids, p, self.engine.max_model_len)
                 self.engine.add_request(rid, ids, p)
                 builders[rid] = RequestOutputBuilder(
                     RequestOutput(rid, text, list(ids)),

@@ -1,4 +1,5 @@
-"""Turn last-position logits into tokens: greedy, temperature, top-k, top-p, seeds, logprobs.
+"""Turn last-position logits into tokens: greedy, temperature, top-k, top-p, min_p, seeds,
+logprobs, and the logits processors (logit_bias, penalties: `logits_processors`).
 
 Vectorised over the batch. Random rows use the exponential-race trick (argmax of p / q with
 q ~ Exp(1)), which samples exactly from p and lets each seeded request draw its noise from its
@@ -12,6 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from moe_engine.request import Request
+from moe_engine.runner.logits_processors import (
+    TokenCache,
+    apply_logit_bias,
+    apply_min_p,
+    apply_penalties,
+)
 from moe_engine.structured_output import GrammarBitmask
 
 
@@ -73,10 +80,14 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
         self.grammar_bitmask = GrammarBitmask(max_num_seqs)
+        #: The requests' prompt and output id tensors the penalties reuse
+        #: (`logits_processors.apply_penalties`); a request's are dropped by `forget`.
+        self.token_cache = TokenCache()
 
     def forget(self, request_id: str) -> None:
-        """Drop a finished request's generator."""
+        """Drop a finished request's generator and cached prompt ids."""
         self._request_generators.pop(request_id, None)
+        self.token_cache.forget(request_id)
 
     def skip_draw(self, req: Request, vocab_size: int) -> None:
         """Advance a seeded, non-greedy request's generator past one token's noise (a
@@ -93,23 +104,46 @@ class Sampler:
         Everything stays on the logits' device until one copy brings the sampled ids, and
         the logprobs asked for, back to the host together (the step's one host sync).
         Rows of requests with a grammar (structured output) are masked in place first, so
-        sampling and logprobs see only the tokens the grammar allows (as vLLM v1).
+        sampling and logprobs see only the tokens the grammar allows (as vLLM v1). Then, when
+        some row asks for them, logit_bias and the penalties (`logits_processors`), which
+        greedy rows see too; the logprobs stay those of the masked raw logits (vLLM's default
+        `raw_logprobs`): the processors work on a copy when a row wants logprobs, else in
+        place (the caller's `logits` is then changed).
         """
         self.grammar_bitmask.apply(logits, requests)
+        processed = self._process(logits, requests)
         greedy = [r.sampling_params.greedy for r in requests]
-        token_ids = logits.argmax(dim=-1)
+        token_ids = processed.argmax(dim=-1)
         if not all(greedy):
             random_rows = [i for i, g in enumerate(greedy) if not g]
             index = torch.tensor(random_rows, device=logits.device)
             sub = [requests[i] for i in random_rows]
-            token_ids[index] = self._sample(logits[index], sub)
+            token_ids[index] = self._sample(processed[index], sub)
         return to_host(logits, requests, token_ids)
+
+    def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """`logits` with logit_bias and the penalties applied when a row has them (checked on
+        the host first: a batch without them touches nothing): in place, or on a copy when a
+        row asks for logprobs (which are those of the raw logits)."""
+        if not any(r.sampling_params.logit_bias or r.sampling_params.has_penalties
+                   for r in requests):
+            return logits
+        keep_raw = any(r.sampling_params.logprobs is not None for r in requests)
+        processed = logits.contiguous()  # a copy already when `logits` is not contiguous
+        if keep_raw and processed is logits:
+            processed = logits.clone()
+        apply_logit_bias(processed, requests)
+        apply_penalties(processed, requests, self.token_cache)
+        return processed
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
         device = logits.device
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
         logits = logits / temperature.to(device)[:, None]
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+            logits = apply_min_p(logits, min_p.to(device))
         logits = apply_top_k_top_p(
             logits,
             torch.tensor([p.top_k for p in params]).to(device),

@@ -31,6 +31,13 @@ _OPTIONAL_PARAMS = (
     "ignore_eos",
     "logprobs",
     "n",
+    # logits processors, prompt truncation and priority
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "min_p",
+    "truncate_prompt_tokens",
+    "priority",
     "include_stop_str_in_output",
     "skip_special_tokens",
 )
@@ -47,6 +54,8 @@ def sampling_params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
     }
     kwargs["stop"] = list(request.stop)
     kwargs["stop_token_ids"] = list(request.stop_token_ids)
+    if request.logit_bias:
+        kwargs["logit_bias"] = dict(request.logit_bias)
     if request.final_only:
         kwargs["output_kind"] = OUTPUT_FINAL_ONLY
     try:

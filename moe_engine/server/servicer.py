@@ -21,8 +21,10 @@ from contextlib import aclosing
 
 import grpc
 
+from moe_engine.core.validation import truncate_prompt
 from moe_engine.engine.client import EngineClient
 from moe_engine.errors import ErrorCode, RequestError
+from moe_engine.sampling_params import SamplingParams
 from moe_engine.server.convert import (
     expert_load_to_proto,
     first_logprobs_from_proto,
@@ -83,9 +85,9 @@ class MoeEngineServicer(WeightControlRpcs, pb_grpc.MoeEngineServicer):
             self._check_ready()
             self._check_size(request)
             _check_request_id(request.request_id)
-            prompt = self._prompt_ids(request)
-            self._check_prompt_len(prompt)
             params = sampling_params_from_proto(request)
+            prompt = self._truncated(self._prompt_ids(request), params)
+            self._check_prompt_len(prompt)
         except RequestError as exc:
             await abort_with_refusal(context, exc)
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
@@ -136,9 +138,9 @@ class MoeEngineServicer(WeightControlRpcs, pb_grpc.MoeEngineServicer):
             if not request.request_id:
                 raise RequestError(ErrorCode.INVALID_ARGUMENT, "request_id",
                                    "request_id: PrepareDecode needs the request's id")
-            prompt = self._prompt_ids(request)
-            self._check_prompt_len(prompt)
             params = sampling_params_from_proto(request)
+            prompt = self._truncated(self._prompt_ids(request), params)
+            self._check_prompt_len(prompt)
             placement = await self.engine.prepare_decode(request.request_id, prompt, params)
         except RequestError as exc:
             await abort_with_refusal(context, exc)
@@ -251,6 +253,14 @@ class MoeEngineServicer(WeightControlRpcs, pb_grpc.MoeEngineServicer):
             f"{field}: the request is {size} bytes, over the message size limit of "
             f"{self.max_message_bytes} bytes (--max-message-bytes)",
         )
+
+    def _truncated(self, prompt: list[int], params: SamplingParams) -> list[int]:
+        """The prompt cut by `truncate_prompt_tokens` (`validation.truncate_prompt`), before
+        the --max-prompt-tokens check, as vLLM truncates before its length checks."""
+        info = self.engine.model_info
+        if info is None or params.truncate_prompt_tokens is None:
+            return prompt
+        return truncate_prompt(prompt, params, info.max_model_len)
 
     def _check_prompt_len(self, prompt: list[int]) -> None:
         limit = self.max_prompt_tokens

@@ -42,6 +42,9 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
 
 
+#: `SchedulerConfig.policy` values (vLLM's `--scheduling-policy`).
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 #: vLLM's other names of dtypes (`--dtype half`, `LLM(dtype="float")`).
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
@@ -173,12 +176,17 @@ class SchedulerConfig:
             `--stream-interval`). 1 sends every token as it is sampled; larger values cut the
             messages per token (core to front end, front end to client) at the cost of
             burstier streams. Generated tokens never change.
+        policy: the waiting queue's order (vLLM's `--scheduling-policy`): "fcfs" (arrival
+            order; a request's `priority` must be 0) or "priority" (lower `priority` first,
+            ties by arrival; a preemption takes the running request with the highest value,
+            the newest among equals).
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_waiting: int = 4096
     stream_interval: int = 1
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -191,6 +199,11 @@ class SchedulerConfig:
             raise ValueError(f"max_waiting must be >= 1 requests, got {self.max_waiting}")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1 tokens, got {self.stream_interval}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"policy (--scheduling-policy) must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.policy!r}"
+            )
 
 
 #: `--disaggregation-mode` values: one instance does both, or only prefills, or only decodes.

@@ -43,7 +43,8 @@ DRAFT_COOLDOWN_STEPS = 4
 class Drafter:
     """Proposes each running request's drafts for the next step.
 
-    A request gets drafts when it decodes next (its prompt is done), has no grammar, and the
+    A request gets drafts when it decodes next (its prompt is done), has no grammar nor logits
+    processors (penalties, min_p, logit_bias: `_may_draft`), and the
     batch is below `disable_by_batch_size`; at most `num_speculative_tokens`, and never more
     than its `max_tokens` leaves room for (a step emits the accepted drafts and one more), so
     its KV never grows past prompt + max_tokens - 1 tokens.
@@ -125,9 +126,13 @@ class Drafter:
 
 
 def _may_draft(req: Request) -> bool:
-    """Decoding next (every token but the last computed), unfinished and without a grammar."""
+    """Decoding next (every token but the last computed), unfinished, without a grammar and
+    without logits processors (penalties, min_p, logit_bias: the plain sampler applies them
+    to the one token such a request samples per step, so its tokens are exactly those it
+    gets with speculation off; the draft verification does not apply them)."""
     return (
         not req.is_finished
         and req.grammar is None
+        and not req.sampling_params.has_logits_processors
         and req.num_tokens - req.num_computed_tokens == 1
     )

@@ -21,8 +21,9 @@ def sample_with_drafts(
         logits: [sum over rows of 1 + drafts, V] float32, requests-contiguous in `rows`'
             order (`model_runner._logits_indices`): per row its last real token's logits,
             then each draft's.
-        rows: the step's sampling rows; a row with a grammar never has drafts (the engine
-            proposes none for it), so the grammar mask is the plain sampler's.
+        rows: the step's sampling rows; a row with a grammar or logits processors
+            (penalties, min_p, logit_bias) never has drafts (the engine proposes none for
+            it), so the grammar mask and the processors are the plain sampler's.
 
     Returns:
         Per row its new tokens (accepted drafts + 1), their logprobs entries where asked

@@ -19,6 +19,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from moe_engine.core.validation import truncate_prompt
 from moe_engine.errors import RequestError
 from moe_engine.sampling_params import MAX_LOGPROBS
 from moe_engine.server.http.chat_output import ChoiceParse, count_reasoning_tokens, delta_json
@@ -106,6 +107,7 @@ async def create_chat_completion(state: HttpState, body: ChatCompletionRequest):
                        continue_final_message=body.continue_final_message,
                        chat_template_kwargs=body.chat_template_kwargs)
     prompt = list(state.tokenizer.encode(text, add_special_tokens=False))
+    prompt = truncate_prompt(prompt, body.truncate_prompt_tokens, state.max_model_len())
     # A constrained output is JSON from its first token: no reasoning to split off.
     reasoning = None if structured is not None else settings.reasoning_parser
     max_tokens = body.max_completion_tokens or body.max_tokens

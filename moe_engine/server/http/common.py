@@ -68,12 +68,39 @@ def sampling_params(
     for name in ("temperature", "top_p", "top_k"):
         if getattr(body, name) is not None:
             kwargs[name] = getattr(body, name)
+    kwargs.update(processor_kwargs(body))
     if structured_outputs is not None:
         kwargs["structured_outputs"] = structured_outputs
     try:
         return SamplingParams(**kwargs)
     except ParamError as exc:
         raise param_error(exc) from exc
+
+
+def processor_kwargs(body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+    """The logits-processor, truncation and priority fields of a body as SamplingParams
+    keywords; `logit_bias` keys (token ids as strings, as OpenAI sends them) become ints.
+
+    Raises:
+        OpenAIError: 400 "logit_bias" for a key that is not an integer token id.
+    """
+    bias: dict[int, Any] | None = None
+    if body.logit_bias:
+        bias = {}
+        for key, value in body.logit_bias.items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise OpenAIError(
+                    400, f"logit_bias: key {key!r} is not a token id (an integer as a string)",
+                    "logit_bias", "invalid_value",
+                ) from None
+    return {
+        "repetition_penalty": body.repetition_penalty, "min_p": body.min_p,
+        "frequency_penalty": body.frequency_penalty, "presence_penalty": body.presence_penalty,
+        "logit_bias": bias, "truncate_prompt_tokens": body.truncate_prompt_tokens,
+        "priority": body.priority,
+    }
 
 
 def structured_outputs_from(body: ChatCompletionRequest) -> Any:

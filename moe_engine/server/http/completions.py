@@ -14,6 +14,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from moe_engine.core.detokenizer import TokenTexts
+from moe_engine.core.validation import truncate_prompt
 from moe_engine.server.http.common import (
     SSE_DONE,
     Choice,
@@ -121,6 +122,8 @@ async def create_completion(state: HttpState, body: CompletionRequest):
             "compute; drop one of them", "echo", "unsupported_value",
         )
     prompts, texts = parse_prompts(state, body.prompt)
+    prompts = [truncate_prompt(p, body.truncate_prompt_tokens, state.max_model_len())
+               for p in prompts]  # fmt: skip
     shortest_room = state.max_model_len() - max(len(p) for p in prompts)
     max_tokens = body.max_tokens if body.max_tokens is not None else max(1, shortest_room)
     params = sampling_params(body, max_tokens, body.logprobs)

@@ -4,8 +4,8 @@ Field names and defaults are OpenAI's (https://platform.openai.com/docs/api-refe
 legacy Completions and the Chat Completions APIs), with vLLM's extra sampling fields (`top_k`,
 `min_tokens`, `ignore_eos`). Fields clients commonly send that change nothing here (`store`,
 `metadata`, `service_tier`, `user`) are accepted; fields of features this server does not
-implement are accepted only at their neutral value (`NEUTRAL`: an empty `logit_bias`, no
-`functions`, `repetition_penalty` 1, ...) and refused otherwise, naming the field. Tool calling
+implement are accepted only at their neutral value (`NEUTRAL`: no `functions`, `best_of` 1)
+and refused otherwise, naming the field. Tool calling
 (`tools`, `tool_choice`, `parallel_tool_calls`, `tool_calls` and `tool` messages) follows the
 Chat Completions reference; `chat_template_kwargs`, `continue_final_message` and
 `add_generation_prompt` are vLLM's.
@@ -76,13 +76,15 @@ class _SamplingFields(RequestBody):
     user: StrictStr | None = None
     #: vLLM's extension: also return the prompt's and each choice's token ids (not streamed).
     return_token_ids: StrictBool = False
-    # Accepted only at their neutral value (`NEUTRAL`, checked by the route): some clients
-    # always send them.
+    # Logits processors, prompt truncation and priority (`SamplingParams` checks the values;
+    # OpenAI's logit_bias keys are token ids as strings).
     presence_penalty: Number = 0.0
     frequency_penalty: Number = 0.0
     logit_bias: dict[StrictStr, Number] | None = None
     repetition_penalty: Number = 1.0
     min_p: Number = 0.0
+    truncate_prompt_tokens: StrictInt | None = None
+    priority: StrictInt = 0
     # vLLM's detokenizer fields (`SamplingParams`).
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
@@ -94,9 +96,7 @@ class _SamplingFields(RequestBody):
 
 #: Fields of features this server does not implement, with the only values it accepts.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": (None, {}),
-    "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "best_of": (None, 1),
-    "functions": (None, []),
+    "best_of": (None, 1), "functions": (None, []),
 }
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from moe_engine.core.outputs import EngineCoreOutput
 from moe_engine.core.token_bytes import TokenBytes
-from moe_engine.core.validation import validate_request
+from moe_engine.core.validation import truncate_prompt, validate_request
 from moe_engine.engine.client import EngineClient
 from moe_engine.errors import ErrorCode, RequestError
 from moe_engine.sampling_params import SamplingParams
@@ -118,6 +118,9 @@ class HttpState:
         Raises:
             RequestError: naming the field, the value and the limit.
         """
+        info = self.engine.model_info
+        assert info is not None  # check_ready
+        prompt = truncate_prompt(prompt, params, info.max_model_len)
         limit = self.max_prompt_tokens
         if limit is not None and len(prompt) > limit:
             raise RequestError(
@@ -126,8 +129,6 @@ class HttpState:
                 f"{field_name}: {len(prompt)} tokens is over the limit of {limit} prompt tokens "
                 "(--max-prompt-tokens)",
             )
-        info = self.engine.model_info
-        assert info is not None  # check_ready
         validate_request(prompt, params, vocab_size=info.vocab_size,
                          max_model_len=info.max_model_len)
 
