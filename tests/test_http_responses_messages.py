@@ -10,6 +10,7 @@ the field, and `x-api-key`."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -387,3 +388,38 @@ def test_api_key_headers(base_url) -> None:
     assert models.status_code == 200
     none = httpx.post(f"{base_url}/v1/responses", json={"input": "x"})
     assert none.status_code == 401 and none.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_concurrent_streams_equal_the_whole(base_url, oai, claude) -> None:
+    """16 Responses and 16 Messages streams at once, each read by its SDK: every one gets the
+    same reasoning, text and call as a whole response (the parsers keep no shared state)."""
+    tools = [{"name": "get_weather", "input_schema": WEATHER}]
+    content = f"{START}{SAID}{END}"
+    resp_kwargs = {"model": MODEL, "input": content, "tools": TOOLS_FLAT, "max_output_tokens": 200}
+    msg_kwargs = {"model": MODEL, "max_tokens": 200, "tools": tools,
+                  "messages": [{"role": "user", "content": content}]}
+    expected_resp = items(oai.responses.create(**resp_kwargs))
+    whole = claude.messages.create(**msg_kwargs)
+    expected_msg = [b.model_dump(exclude={"id"}) for b in whole.content]
+
+    async def main() -> tuple[list, list]:
+        async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=API_KEY,
+                                      max_retries=0) as a_oai, \
+                anthropic.AsyncAnthropic(base_url=base_url, api_key=API_KEY,
+                                         max_retries=0) as a_claude:
+            async def one_response():
+                async with a_oai.responses.stream(**resp_kwargs) as stream:
+                    return items(await stream.get_final_response())
+
+            async def one_message():
+                async with a_claude.messages.stream(**msg_kwargs) as stream:
+                    final = await stream.get_final_message()
+                    return [b.model_dump(exclude={"id"}) for b in final.content]
+
+            got = await asyncio.gather(*[one_response() for _ in range(16)],
+                                       *[one_message() for _ in range(16)])
+            return got[:16], got[16:]
+
+    responses, messages = asyncio.run(main())
+    assert all(r == expected_resp for r in responses)
+    assert all(m == expected_msg for m in messages)
