@@ -423,3 +423,23 @@ def test_concurrent_streams_equal_the_whole(base_url, oai, claude) -> None:
     responses, messages = asyncio.run(main())
     assert all(r == expected_resp for r in responses)
     assert all(m == expected_msg for m in messages)
+
+
+def test_structured_output_formats(oai, claude) -> None:
+    """`text.format` (Responses) and `output_config.format` (Messages) constrain the text to
+    the schema, through chat's response_format."""
+    got = oai.responses.create(model=MODEL, input="weather as JSON", max_output_tokens=60,
+                               text={"format": {"type": "json_schema", "name": "w",
+                                                "schema": WEATHER}})
+    assert got.status == "completed" and got.text.format.type == "json_schema"
+    jsonschema.validate(json.loads(got.output_text), WEATHER)
+    msg = claude.messages.create(model=MODEL, max_tokens=60,
+                                 messages=[{"role": "user", "content": "weather as JSON"}],
+                                 output_config={"format": {"type": "json_schema",
+                                                           "schema": WEATHER}})
+    assert msg.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(msg.content[0].text), WEATHER)
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.responses.create(model=MODEL, input="x", tools=TOOLS_FLAT, tool_choice="required",
+                             text={"format": {"type": "json_object"}})
+    assert err.value.body["param"] == "text.format"

@@ -14,7 +14,8 @@ API translates its own request into this shape and the events back into its own 
 
 The turn becomes a `ChatCompletionRequest` and goes through the chat pipeline's own pieces, as
 `/v1/chat/completions` uses them: `chat_tools.plan_tools` (tool_choice: `auto` through the
-server's tool parser, `required` / named enforced with structured output), `chat_render`
+server's tool parser, `required` / named enforced with structured output), `response_format`
+(structured output), `chat_render`
 (`--chat-template`, tools, `continue_final_message`, `chat_template_kwargs`), the server's
 reasoning parser, `common.sampling_params`, and one `chat_output.ChoiceParse` per choice.
 
@@ -36,7 +37,7 @@ from moe_engine.errors import RequestError
 from moe_engine.server.http.chat_output import ChoiceParse, count_reasoning_tokens
 from moe_engine.server.http.chat_render import render_text
 from moe_engine.server.http.chat_tools import plan_tools
-from moe_engine.server.http.common import Choice, sampling_params
+from moe_engine.server.http.common import Choice, sampling_params, structured_outputs_from
 from moe_engine.server.http.errors import OpenAIError, validation_error
 from moe_engine.server.http.protocol import ChatCompletionRequest
 from moe_engine.server.http.state import HttpState, PromptStreams
@@ -64,6 +65,8 @@ class ChatTurn:
         chat_template_kwargs: extra variables for the chat template (`enable_thinking`).
         continue_final_message: the reply continues the last (assistant) message instead of
             opening a new turn (transformers' `continue_final_message`).
+        response_format: chat's `response_format` (`{"type": "json_schema", "json_schema":
+            {"name", "schema"}}` or `{"type": "json_object"}`): structured output.
         fields: chat field name -> the API's field name, for error messages.
     """
 
@@ -80,6 +83,7 @@ class ChatTurn:
     stream: bool = False
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     continue_final_message: bool = False
+    response_format: dict[str, Any] | None = None
     fields: dict[str, str] = field(default_factory=dict)
 
     def name_of(self, name: str) -> str:
@@ -104,6 +108,7 @@ class ChatTurn:
             "chat_template_kwargs": self.chat_template_kwargs or None,
             "add_generation_prompt": not self.continue_final_message,
             "continue_final_message": self.continue_final_message,
+            "response_format": self.response_format,
         }
         for name in ("temperature", "top_p", "top_k"):
             if getattr(self, name) is not None:
@@ -240,12 +245,13 @@ async def start_turn(state: HttpState, turn: ChatTurn, prefix: str = "turn") -> 
         plan = plan_tools(body, settings.tool_parser, settings.enable_auto_tool_choice)
         text = _render(state, body)
         prompt = list(state.tokenizer.encode(text, add_special_tokens=False))
+        structured = plan.structured or structured_outputs_from(body)
         # A constrained output is JSON from its first token: no reasoning to split off.
-        reasoning = None if plan.structured is not None else settings.reasoning_parser
+        reasoning = None if structured is not None else settings.reasoning_parser
         max_tokens = body.max_tokens
         if max_tokens is None:
             max_tokens = max(1, state.max_model_len() - len(prompt))
-        params = sampling_params(body, max_tokens, None, plan.structured)
+        params = sampling_params(body, max_tokens, None, structured)
         if plan.keep_special_tokens or (reasoning and settings.reasoning_keeps_special_tokens):
             params.skip_special_tokens = False  # the parsers read the formats' marker tokens
         state.check_request(prompt, params, "messages")

@@ -52,7 +52,8 @@ from moe_engine.server.http.messages_stream import MessageBuilder
 from moe_engine.server.http.state import HttpState
 
 #: Chat field -> Messages field, for error messages.
-_FIELDS = {"messages": "messages", "max_tokens": "max_tokens", "stop": "stop_sequences"}
+_FIELDS = {"messages": "messages", "max_tokens": "max_tokens", "stop": "stop_sequences",
+           "response_format": "output_config.format"}
 
 
 def _as_openai_error(exc: Exception) -> OpenAIError | None:
@@ -170,7 +171,16 @@ def to_turn(body: MessagesRequest) -> ChatTurn:
         stop=body.stop_sequences or None, stream=body.stream,
         chat_template_kwargs=_thinking_kwargs(body),
         continue_final_message=body.messages[-1].role == "assistant", fields=_FIELDS,
+        response_format=_response_format(body),
     )
+
+
+def _response_format(body: MessagesRequest) -> dict[str, Any] | None:
+    """`output_config.format` as chat's `response_format`."""
+    fmt = body.output_config.format if body.output_config is not None else None
+    if fmt is None:
+        return None
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
 
 
 def _thinking_kwargs(body: MessagesRequest) -> dict[str, Any]:

@@ -133,10 +133,17 @@ class ThinkingConfig(RequestBody):
     display: Literal["summarized", "omitted"] | None = None
 
 
+class JsonOutputFormat(RequestBody):
+    type: Literal["json_schema"]
+    schema_: dict[StrictStr, Any] = Field(alias="schema")
+
+
 class OutputConfig(RequestBody):
-    """`output_config`: `effort` goes to the chat template as `reasoning_effort`."""
+    """`output_config`: `effort` goes to the chat template as `reasoning_effort`; `format`
+    constrains the text to JSON valid against its schema (structured output)."""
 
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: JsonOutputFormat | None = None
 
 
 class Metadata(RequestBody):

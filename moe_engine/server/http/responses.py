@@ -42,7 +42,7 @@ router = APIRouter()
 
 #: Chat field -> Responses field, for error messages.
 _FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "tools": "tools",
-           "tool_choice": "tool_choice"}
+           "tool_choice": "tool_choice", "response_format": "text.format"}
 
 
 def response_store(request: Request) -> ResponseStore:
@@ -146,8 +146,13 @@ def to_turn(body: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[Chat
         tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls is not False,
         temperature=body.temperature, top_p=body.top_p,
         stream=body.stream, chat_template_kwargs=kwargs, fields=_FIELDS,
+        response_format=fmt.to_chat() if (fmt := _text_format(body)) else None,
     )
     return turn, conversation
+
+
+def _text_format(body: ResponsesRequest) -> Any:
+    return body.text.format if body.text is not None else None
 
 
 def _skeleton(state: HttpState, body: ResponsesRequest, response_id: str) -> dict[str, Any]:
@@ -162,7 +167,7 @@ def _skeleton(state: HttpState, body: ResponsesRequest, response_id: str) -> dic
         "reasoning": {"effort": body.reasoning.effort if body.reasoning else None,
                       "summary": None},
         "store": body.store, "temperature": body.temperature, "top_p": body.top_p,
-        "text": {"format": {"type": "text"}},
+        "text": {"format": fmt.echo() if (fmt := _text_format(body)) else {"type": "text"}},
         "tool_choice": choice.model_dump() if choice is not None and not isinstance(choice, str)
         else (choice or "auto"),
         "tools": [{**t.model_dump(), "parameters": t.to_chat()["function"]["parameters"]}

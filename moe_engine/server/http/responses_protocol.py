@@ -7,15 +7,15 @@ or a list of items: messages (`{"role", "content"}` with `input_text` / `output_
 `function_call_output` (`call_id`, `output`) and `reasoning` items. Tools are Responses' flat
 function tools (`{"type": "function", "name", "description", "parameters", "strict"}`).
 Unknown fields are refused naming them (as the other endpoints); fields of hosted features
-(built-in tools, `background`, `conversation`, `prompt`, structured `text.format`) are refused
-by name rather than ignored.
+(built-in tools, `background`, `conversation`, `prompt`) are refused by name rather than
+ignored.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import StrictBool, StrictInt, StrictStr
+from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from moe_engine.server.http.protocol import Number, RequestBody
 
@@ -130,11 +130,30 @@ class Reasoning(RequestBody):
 
 
 class TextFormat(RequestBody):
-    type: Literal["text"]
+    """`text.format`: plain text, any JSON object, or JSON valid against `schema` (structured
+    output, as chat's `response_format`)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: StrictStr | None = None
+    schema_: dict[StrictStr, Any] | None = Field(default=None, alias="schema")
+    description: StrictStr | None = None
+    strict: StrictBool | None = None
+
+    def to_chat(self) -> dict[str, Any] | None:
+        """Chat's `response_format` (None for text)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        return {"type": "json_schema",
+                "json_schema": {"name": self.name or "schema", "schema": self.schema_}}
+
+    def echo(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True)
 
 
 class TextConfig(RequestBody):
-    """`text`: only the plain-text format."""
+    """`text`: the output's format."""
 
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
