@@ -11,6 +11,7 @@ the field, and `x-api-key`."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ import openai
 import pytest
 from chat_fixtures import family_checkpoint
 from grpc_helpers import ServerThread
-from http_helpers import API_KEY, MAX_MESSAGE_BYTES, MODEL
+from http_helpers import API_KEY, MAX_MESSAGE_BYTES, MODEL, Grpc, wait_idle
 from scripted_core import END, START
 
 from moe_engine.server.app import ServerOptions
@@ -443,3 +444,25 @@ def test_structured_output_formats(oai, claude) -> None:
         oai.responses.create(model=MODEL, input="x", tools=TOOLS_FLAT, tool_choice="required",
                              text={"format": {"type": "json_object"}})
     assert err.value.body["param"] == "text.format"
+
+
+def test_disconnect_mid_stream_aborts_the_request(server, base_url) -> None:
+    """A client that leaves a stream early aborts its request in the engine (num_aborted):
+    nothing runs or waits after, and every KV block is free again."""
+    long = f"{START}{'word ' * 150}{END}"
+    rpc = Grpc(server.address)
+    try:
+        before = rpc.stats().num_aborted
+        with httpx.stream("POST", f"{base_url}/v1/responses", headers={"x-api-key": API_KEY},
+                          json={"input": long, "stream": True, "max_output_tokens": 300}) as r:
+            lines = list(itertools.islice(r.iter_lines(), 12))
+        assert lines[0] == "event: response.created"
+        with httpx.stream("POST", f"{base_url}/v1/messages", headers={"x-api-key": API_KEY},
+                          json={"model": MODEL, "max_tokens": 300, "stream": True,
+                                "messages": [{"role": "user", "content": long}]}) as r:
+            lines = list(itertools.islice(r.iter_lines(), 12))
+        assert lines[0] == "event: message_start"
+        stats = wait_idle(rpc)
+        assert stats.num_aborted == before + 2
+    finally:
+        rpc.close()
