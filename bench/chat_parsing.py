@@ -1,7 +1,9 @@
-"""The cost of tool and reasoning parsing on streamed chat: output tok/s of N concurrent
-streamed /v1/chat/completions requests with the parsers on (tools with `tool_choice: auto`, the
-qwen3 reasoning parser, every output a reasoning block and two tool calls) and off (the same
-requests with `tool_choice: none` and `--reasoning-parser none`), on one server (the tiny
+"""The cost of tool and reasoning parsing and penalties on streamed chat: output tok/s of N
+concurrent streamed /v1/chat/completions requests with them on (tools with `tool_choice: auto`,
+the qwen3 reasoning parser, every output a reasoning block and two tool calls, and
+`repetition_penalty` 1.1, `frequency_penalty` 0.5, `presence_penalty` 0.3 applied by the
+sampler) and off (the same requests with `tool_choice: none`, `--reasoning-parser none` and no
+penalties), on one server (the tiny
 Qwen3-MoE test checkpoint with the Qwen3 test template; the outputs are forced by
 `tests/scripted_core.py`, so both runs generate the same tokens).
 
@@ -27,6 +29,8 @@ OUTPUT = ("<think>\n" + "Let me think about the weather in Paris and the time. "
           '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>\n'
           '<tool_call>\n{"name": "set_alarm", "arguments": {"hour": 7, "on": true}}\n'
           "</tool_call>")
+#: Sampling fields applied batched in the sampler (issue 44's cost budget includes them).
+PENALTIES = {"repetition_penalty": 1.1, "frequency_penalty": 0.5, "presence_penalty": 0.3}
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}},
@@ -39,7 +43,7 @@ async def one_round(client, streams: int, parse: bool) -> float:
     from http_helpers import MODEL
     from scripted_core import END, START
 
-    extra = {} if parse else {"tool_choice": "none"}
+    extra = {"extra_body": PENALTIES} if parse else {"tool_choice": "none"}
 
     async def run() -> int:
         tokens = 0
