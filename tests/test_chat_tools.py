@@ -108,11 +108,16 @@ def test_plans() -> None:
     assert auto.make_parser().name == "hermes"
     named = plan_tools(_body(tools=TOOLS, tool_choice={"type": "function",
                                                        "function": {"name": "b"}}), None, False)
-    assert json.loads(named.structured.json) == {"type": "object"}  # no parameters: any object
-    with pytest.raises(OpenAIError, match="requires --enable-auto-tool-choice"):
+    assert json.loads(named.structured.json) == {  # no parameters: any object
+        "type": "object", "properties": {}}
+    with pytest.raises(OpenAIError, match="requires --enable-auto-tool-choice, which") as err:
         plan_tools(_body(tools=TOOLS), "hermes", False)
-    with pytest.raises(OpenAIError, match="no tool parser"):
+    assert "--tool-call-parser" not in err.value.message  # the parser is there: only the flag
+    with pytest.raises(OpenAIError, match="requires a tool parser") as err:
         plan_tools(_body(tools=TOOLS, tool_choice="auto"), None, True)
+    assert "--enable-auto-tool-choice" not in err.value.message  # the flag is there
+    with pytest.raises(OpenAIError, match="--enable-auto-tool-choice and --tool-call-parser"):
+        plan_tools(_body(tools=TOOLS, tool_choice="auto"), None, False)
 
 
 def test_template_kwargs_checks() -> None:
@@ -250,3 +255,117 @@ def test_reasoning_token_count_is_exact(all_ckpt) -> None:
     # DeepSeek-R1's prompt opened the block: the output starts inside it
     assert count("ab cd</think>answer", "<｜Assistant｜><think>\n", "deepseek_r1") == n(
         "ab cd</think>")
+
+
+def _tool(name: str, parameters: dict | None = None) -> dict:
+    function: dict = {"name": name}
+    if parameters is not None:
+        function["parameters"] = parameters
+    return {"type": "function", "function": function}
+
+
+def _refusal(param: str, *words: str, **fields) -> None:
+    with pytest.raises(OpenAIError) as err:
+        plan_tools(_body(**fields), "hermes", True)
+    assert err.value.status == 400 and err.value.param == param, err.value.message
+    for word in words:
+        assert word in err.value.message, err.value.message
+
+
+BIG_TOOLS = [_tool(f"tool_{i:03d}", {"type": "object", "properties": {
+    f"field_{j}": {"type": "string", "description": "d" * 20} for j in range(8)}})
+    for i in range(200)]
+
+
+@pytest.mark.parametrize("choice", ["required", "auto", "none"])
+def test_too_large_tool_choice_schemas_name_tools(choice) -> None:
+    """200 tools: `required`'s combined schema is over the limit -> 400 naming `tools` (size,
+    limit, what to do), not a 500 naming response_format; `auto`/`none` constrain nothing."""
+    body = {"tools": BIG_TOOLS, "tool_choice": choice}
+    if choice != "required":
+        assert plan_tools(_body(**body), "hermes", True).structured is None
+        return
+    _refusal("tools", "characters, at most 65536", "fewer tools (this request has 200)",
+             "name the one to call", **body)
+    huge = _tool("big", {"type": "object", "properties": {
+        f"p{i}": {"type": "string", "description": "x" * 100} for i in range(700)}})
+    _refusal("tools[1].function.parameters", "at most 65536", tools=[TOOLS[0], huge],
+             tool_choice={"type": "function", "function": {"name": "big"}})
+
+
+DEFS_A = {"$defs": {"Addr": {"type": "object", "properties": {"city": {"type": "string"}},
+                             "required": ["city"]}},
+          "type": "object", "properties": {"addr": {"$ref": "#/$defs/Addr"}},
+          "required": ["addr"]}
+DEFS_B = {"definitions": {"Hour": {"type": "integer", "minimum": 0, "maximum": 23}},
+          "type": "object", "properties": {"h": {"$ref": "#/definitions/Hour"}},
+          "required": ["h"]}
+
+
+def test_required_hoists_defs_so_refs_resolve() -> None:
+    tools = [_tool("ship", DEFS_A), _tool("alarm", DEFS_B), _tool("ship2", DEFS_A)]
+    plan = plan_tools(_body(tools=tools, tool_choice="required"), None, False)
+    schema = json.loads(plan.structured.json)
+    assert set(schema["$defs"]) == {"Addr"} and set(schema["definitions"]) == {"Hour"}
+    calls = [{"name": "ship", "parameters": {"addr": {"city": "Lima"}}},
+             {"name": "alarm", "parameters": {"h": 7}}]
+    jsonschema.validate(calls, schema)
+    for bad in ([{"name": "ship", "parameters": {"addr": {"city": 3}}}],
+                [{"name": "alarm", "parameters": {"h": 24}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    xgrammar = pytest.importorskip("xgrammar")
+    for text in (plan.structured.json, json.dumps(DEFS_A)):  # required and named
+        xgrammar.Grammar.from_json_schema(text)
+    clash = {**DEFS_A, "$defs": {"Addr": {"type": "string"}}}
+    _refusal("tools", "'Addr'", "'ship'", "'other'", tools=[_tool("ship", DEFS_A),
+             _tool("other", clash)], tool_choice="required")
+
+
+@pytest.mark.parametrize(("parameters", "ok"), [
+    ({"type": "string"}, False), ({"type": "array", "items": {}}, False),
+    ({"type": ["string", "null"]}, False), ({"type": "object"}, True),
+    ({"properties": {"x": {}}}, True), ({}, True), (None, True)])
+def test_parameters_must_be_an_object_schema(parameters, ok) -> None:
+    tools = [TOOLS[0], _tool("f", parameters)]
+    for choice in ("none", "required", {"type": "function", "function": {"name": "f"}}):
+        if ok:
+            plan_tools(_body(tools=tools, tool_choice=choice), "hermes", True)
+        else:
+            _refusal("tools[1].function.parameters", "object schema", tools=tools,
+                     tool_choice=choice)
+
+
+@pytest.mark.parametrize(("name", "words"), [
+    ("get weather", "not a valid function name"), ("x" * 65, "not a valid function name"),
+    ("dot.name", "not a valid function name"), ("a", "also the name of tools[0]")])
+def test_tool_names_follow_openai_and_are_unique(name, words) -> None:
+    _refusal("tools[1].function.name", repr(name), words, tools=[TOOLS[0], _tool(name)])
+    plan_tools(_body(tools=[TOOLS[0], _tool("ok-Name_64" + "x" * 54)]), "hermes", True)
+
+
+def test_auto_tool_choice_with_parser_none_is_refused_at_startup() -> None:
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice.*--tool-call-parser"):
+        ServerOptions(enable_auto_tool_choice=True, tool_call_parser="none")
+    ServerOptions(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    ServerOptions(enable_auto_tool_choice=False, tool_call_parser="none")
+
+
+def test_reasoning_effort_reaches_the_template(all_ckpt) -> None:
+    """`reasoning_effort` is the template's `reasoning_effort` variable (the gpt-oss test
+    template writes `Reasoning: <effort>`); `chat_template_kwargs` wins over it."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from moe_engine.server.http.chat_prepare import render_body
+    from moe_engine.server.http.state import ChatSettings
+
+    state = SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(all_ckpt),
+                            chat=ChatSettings(chat_template=chat_template("gpt_oss")))
+    for body, want in ((_body(reasoning_effort="low"), "low"),
+                       (_body(reasoning_effort="high",
+                              chat_template_kwargs={"reasoning_effort": "minimal"}), "minimal")):
+        assert f"Reasoning: {want}" in render_body(state, body)
+    with pytest.raises(ValueError, match="reasoning_effort"):
+        _body(reasoning_effort="extreme")

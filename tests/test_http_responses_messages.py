@@ -225,6 +225,9 @@ def test_responses_auto_calls_and_reasoning(oai) -> None:
     ({"input": "x", "tool_choice": "required"}, "tool_choice"),
     ({"input": "x", "max_output_tokens": 10_000}, "max_output_tokens"),
     ({"input": "x", "temperature": -1}, "temperature"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f",
+                               "parameters": {"type": "string"}}]}, "tools[0].parameters"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f g"}]}, "tools[0].name"),
 ])
 def test_responses_errors_name_the_field(base_url, body, param) -> None:
     got = httpx.post(f"{base_url}/v1/responses", json={"model": MODEL, **body},
@@ -358,6 +361,11 @@ def test_messages_auto_tool_use_and_thinking(claude) -> None:
     ({"max_tokens": 10_000, "messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
       "thinking": {"type": "enabled", "budget_tokens": 9}}, "thinking.budget_tokens"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "tools": [
+        {"name": "f", "input_schema": {"type": "array"}}]}, "tools[0].input_schema"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "tools": [
+        {"name": "f", "input_schema": {"type": "object"}},
+        {"name": "f", "input_schema": {"type": "object"}}]}, "tools[1].name"),
 ])
 def test_messages_errors_in_anthropic_shape(claude, base_url, body, field) -> None:
     got = httpx.post(f"{base_url}/v1/messages", json={"model": MODEL, **body},

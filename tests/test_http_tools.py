@@ -96,7 +96,10 @@ def test_named_tool_choice_validates_streamed_and_whole(client) -> None:
         assert call["name"] == name and call["id"].startswith("call_")
         jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[name])
         assert got["raw"].choices[0].message.content is None
-        same_calls(got, streamed(client, **kwargs))
+        stream = streamed(client, **kwargs)
+        same_calls(got, stream)
+        for result in (got, stream):  # no reasoning parser ran: 0, not null
+            assert result["usage"].completion_tokens_details.reasoning_tokens == 0
     logged = client.chat.completions.create(**kwargs, logprobs=True, top_logprobs=2)
     entries = logged.choices[0].logprobs.content
     assert len(entries) == logged.usage.completion_tokens
@@ -205,6 +208,9 @@ def test_continue_final_message_and_add_generation_prompt(base_url, server) -> N
     assert r.json()["error"]["param"] == "continue_final_message"
 
 
+#: 450 tools without parameters: a ~21 kB body (under the test server's 64 KiB body limit)
+#: whose `required` schema is over MAX_JSON_SCHEMA_CHARS (each becomes an anyOf branch).
+MANY_TOOLS = [{"type": "function", "function": {"name": f"t{i}"}} for i in range(450)]
 BAD_BODIES = [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice", "'nope' is not in tools"),
@@ -217,6 +223,15 @@ BAD_BODIES = [
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "response_format", "cannot be combined"),
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize", "tokenize"),
+    ({"tools": [*TOOLS, {"type": "function", "function": {
+        "name": "s", "parameters": {"type": "string"}}}], "tool_choice": "required"},
+     "tools[2].function.parameters", "object schema"),
+    ({"tools": [{"type": "function", "function": {"name": "get weather"}}]},
+     "tools[0].function.name", "'get weather' is not a valid function name"),
+    ({"tools": [*TOOLS, TOOLS[0]]}, "tools[2].function.name", "also the name of tools[0]"),
+    ({"tools": MANY_TOOLS, "tool_choice": "required"}, "tools",
+     "at most 65536; send fewer tools"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort", "extreme"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
      "messages[1].tool_calls[0].function.arguments", "not valid JSON"),
@@ -253,3 +268,34 @@ def test_auto_needs_enable_auto_tool_choice(base_url, server, client) -> None:
     finally:
         state.chat = settings
     assert client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2).choices
+
+
+ADDR = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lima"]}},
+        "required": ["city"], "additionalProperties": False}
+SHIP = {"$defs": {"Addr": ADDR}, "type": "object",
+        "properties": {"to": {"$ref": "#/$defs/Addr"}, "n": {"type": "integer", "minimum": 1,
+                                                             "maximum": 9}},
+        "required": ["to", "n"], "additionalProperties": False}
+DEF_TOOLS = [TOOLS[1], {"type": "function", "function": {"name": "ship", "parameters": SHIP}}]
+
+
+def test_pydantic_defs_refs_work_named_and_required(client) -> None:
+    """Pydantic-style `$defs`/`$ref` tool schemas: named and required (hoisted defs), whole and
+    streamed, calls valid against the tool's own schema (refs resolved)."""
+    schemas = {**SCHEMAS, "ship": SHIP}
+    for choice in ({"type": "function", "function": {"name": "ship"}}, "required"):
+        kwargs = dict(model=MODEL, messages=USER, tools=DEF_TOOLS, tool_choice=choice, n=2,
+                      temperature=1.0, seed=3, max_tokens=100)
+        got = whole(client, **kwargs)
+        for ch in got["choices"]:
+            assert ch["finish_reason"] == "tool_calls" and ch["calls"], ch
+            for call in ch["calls"]:
+                jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+        same_calls(got, streamed(client, **kwargs))
+
+
+def test_reasoning_effort_is_accepted(client) -> None:
+    got = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2,
+                                         reasoning_effort="low")
+    assert got.choices[0].finish_reason == "length"
+    assert got.usage.completion_tokens_details.reasoning_tokens == 0

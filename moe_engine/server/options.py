@@ -149,11 +149,15 @@ class ServerOptions:
         self._check_chat()
 
     def _check_chat(self) -> None:
-        """Unknown parser names and an unreadable --chat-template file, before the model loads
-        (ValueError naming the flag)."""
+        """Unknown parser names, --enable-auto-tool-choice with --tool-call-parser none and an
+        unreadable --chat-template file, before the model loads (ValueError naming the flags)."""
         from moe_engine.server.http.chat_setup import check_parser_names, load_chat_template
 
         check_parser_names(self.tool_call_parser, self.reasoning_parser)
+        if self.enable_auto_tool_choice and self.tool_call_parser == "none":
+            raise ValueError(  # vLLM refuses it too: auto would have no parser to read calls
+                "--enable-auto-tool-choice needs a tool parser, but --tool-call-parser is "
+                "'none'; drop one of the two flags")
         load_chat_template(self.chat_template)
 
     def _check_ports(self) -> None:

@@ -120,12 +120,14 @@ def _check_logprobs(body: ChatCompletionRequest) -> None:
 
 def chat_usage(prompt_tokens: int, choices: list[Choice],
                parses: list[ChoiceParse | None]) -> dict[str, Any]:
-    """`usage`, with `completion_tokens_details.reasoning_tokens` under a reasoning parser."""
+    """`usage`, always with `completion_tokens_details.reasoning_tokens` (0 where no reasoning
+    parser ran: `--reasoning-parser none`, or a required/named tool choice's JSON output), so
+    every chat response has one shape: OpenAI's Chat Completions `usage` always carries
+    `completion_tokens_details` (the openai SDK's `CompletionUsage`)."""
     out: dict[str, Any] = usage(prompt_tokens, sum(c.num_output_tokens for c in choices))
-    if any(p is not None and p.has_reasoning for p in parses):
-        out["completion_tokens_details"] = {"reasoning_tokens": sum(
-            p.reasoning_tokens(c.token_ids) for c, p in zip(choices, parses, strict=True)
-            if p is not None)}
+    out["completion_tokens_details"] = {"reasoning_tokens": sum(
+        p.reasoning_tokens(c.token_ids) for c, p in zip(choices, parses, strict=True)
+        if p is not None and p.has_reasoning)}
     return out
 
 

@@ -26,6 +26,7 @@ caller's field (`ChatTurn.fields` maps the chat names "messages", "max_tokens", 
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,12 @@ from moe_engine.server.http.state import HttpState, PromptStreams
 from moe_engine.server.parsers.base import DeltaMessage, ToolCall
 
 #: Choices that do not name a function.
+#: Chat's paths under `tools[i].function` in the translated APIs' tool shapes (regex, repl).
+_TOOL_PATHS: dict[str | None, tuple[tuple[str, str], ...]] = {
+    "flat": ((r"^tools\[(\d+)\]\.function\.", r"tools[\1]."),),
+    "input_schema": ((r"^tools\[(\d+)\]\.function\.parameters", r"tools[\1].input_schema"),
+                     (r"^tools\[(\d+)\]\.function\.", r"tools[\1].")),
+}
 _CHOICES = ("none", "auto", "required")
 
 
@@ -65,7 +72,9 @@ class ChatTurn:
             opening a new turn (transformers' `continue_final_message`).
         response_format: chat's `response_format` (`{"type": "json_schema", "json_schema":
             {"name", "schema"}}` or `{"type": "json_object"}`): structured output.
-        fields: chat field name -> the API's field name, for error messages.
+        fields: chat field name -> the API's field name, for error messages; the key
+            "tools[].function" names the API's tool shape ("flat": Responses' `tools[i].name`
+            and `tools[i].parameters`; "input_schema": Messages' `tools[i].input_schema`).
     """
 
     messages: list[dict[str, Any]]
@@ -86,6 +95,8 @@ class ChatTurn:
 
     def name_of(self, name: str) -> str:
         """The API's name of chat field `name` (or of a path under it: `messages[2].role`)."""
+        for pattern, repl in _TOOL_PATHS.get(self.fields.get("tools[].function"), ()):
+            name = re.sub(pattern, repl, name)
         head = name.split("[")[0].split(".")[0]
         return self.fields.get(head, head) + name[len(head):]
 

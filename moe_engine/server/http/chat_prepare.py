@@ -66,15 +66,19 @@ class PreparedChat:
 
 
 def render_body(state: HttpState, body: ChatCompletionRequest) -> str:
-    """The prompt text of a chat body (`--chat-template` or the tokenizer's template).
+    """The prompt text of a chat body (`--chat-template` or the tokenizer's template), with
+    `reasoning_effort` as the template's `reasoning_effort` variable.
 
     Raises:
         OpenAIError: 400 ("messages" or the template field) the template refuses.
     """
+    kwargs = body.chat_template_kwargs
+    if body.reasoning_effort is not None:  # vLLM's: a template variable; the kwargs win
+        kwargs = {"reasoning_effort": body.reasoning_effort, **(kwargs or {})}
     return render_text(state.tokenizer, state.chat.chat_template, body.messages, body.tools,
                        add_generation_prompt=body.add_generation_prompt,
                        continue_final_message=body.continue_final_message,
-                       chat_template_kwargs=body.chat_template_kwargs)
+                       chat_template_kwargs=kwargs)
 
 
 def prepare_chat(

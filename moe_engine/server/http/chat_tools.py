@@ -25,13 +25,19 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from moe_engine.sampling_params import StructuredOutputsParams
+from moe_engine.server.http.chat_tool_schema import (
+    check_tools,
+    parameters_of,
+    required_schema,
+    structured,
+)
 from moe_engine.server.http.errors import OpenAIError
-from moe_engine.server.http.protocol import ChatCompletionRequest, ChatTool
+from moe_engine.server.http.protocol import ChatCompletionRequest
 from moe_engine.server.parsers import registry
 from moe_engine.server.parsers.base import ParsedCalls, PartialCall, ToolParser
 
-#: A tool without `parameters` takes any arguments object.
-_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+__all__ = ["ToolPlan", "plan_tools", "required_schema", "FirstCallOnly", "NamedCallParser",
+           "RequiredCallsParser"]
 
 
 @dataclass(frozen=True)
@@ -59,10 +65,13 @@ def plan_tools(
 
     Raises:
         OpenAIError: 400 naming `tool_choice` (no tools, an unknown function, `auto` on a
-            server without it) or `response_format` (with a required or named choice).
+            server without it), `response_format` (with a required or named choice), `tools`
+            or a `tools[i].function` field (`chat_tool_schema`: a bad or repeated name, a
+            non-object or too large schema, clashing `$defs`).
     """
     choice = body.tool_choice
     tools = body.tools or []
+    check_tools(tools)
     if choice is None:
         choice = "auto" if tools else "none"
     if choice == "none":
@@ -73,11 +82,8 @@ def plan_tools(
     tool_dicts = [t.model_dump(exclude_none=True) for t in tools]
     if choice == "auto":
         if not enable_auto or tool_parser is None:
-            raise OpenAIError(
-                400, 'tool_choice: "auto" tool choice requires --enable-auto-tool-choice and '
-                "--tool-call-parser to be set (this server has "
-                f"{'no tool parser' if tool_parser is None else 'auto tool choice off'})",
-                "tool_choice", "unsupported_value")
+            raise OpenAIError(400, _auto_refusal(tool_parser, enable_auto), "tool_choice",
+                              "unsupported_value")
         # The families' call markers are special tokens in several tokenizers (DeepSeek's,
         # Kimi-K2's, GLM-4.5's): keep them in the text, as vLLM's parsers' adjust_request does.
         if body.parallel_tool_calls is False:
@@ -91,38 +97,40 @@ def plan_tools(
             "constrain the whole output)", "response_format", "invalid_value")
     if choice == "required":
         schema = required_schema(tools, body.parallel_tool_calls is not False)
-        return ToolPlan("required", StructuredOutputsParams(json=json.dumps(schema)),
-                        RequiredCallsParser)
+        return ToolPlan("required", structured(
+            schema, "tools", f"send fewer tools (this request has {len(tools)}) or name the "
+            "one to call in tool_choice"), RequiredCallsParser)
     name = choice.function.name
-    tool = next((t for t in tools if t.function.name == name), None)
-    if tool is None:
+    index = next((i for i, t in enumerate(tools) if t.function.name == name), None)
+    if index is None:
         known = ", ".join(repr(t.function.name) for t in tools)
         raise OpenAIError(
             400, f"tool_choice: function {name!r} is not in tools (they are {known})",
             "tool_choice", "invalid_value")
-    schema = tool.function.parameters or _ANY_OBJECT
-    return ToolPlan("named", StructuredOutputsParams(json=json.dumps(schema)),
+    field = f"tools[{index}].function.parameters"
+    return ToolPlan("named", structured(parameters_of(tools[index]), field,
+                                        "send a smaller arguments schema"),
                     lambda: NamedCallParser(name))
+
+
+def _auto_refusal(tool_parser: str | None, enable_auto: bool) -> str:
+    """What `auto` lacks on this server: the flag, the parser, or both."""
+    if tool_parser is None and not enable_auto:
+        return ('tool_choice: "auto" requires --enable-auto-tool-choice and --tool-call-parser '
+                "(this server has neither; use tool_choice \"required\", a named function or "
+                '"none")')
+    if tool_parser is None:
+        return ('tool_choice: "auto" requires a tool parser, and this server has no tool '
+                "parser (--tool-call-parser none, or none known for this checkpoint's chat "
+                'template: start it with --tool-call-parser NAME); use tool_choice '
+                '"required", a named function or "none"')
+    return (f'tool_choice: "auto" requires --enable-auto-tool-choice, which this server was '
+            f"started without (its tool parser is {tool_parser!r}); use tool_choice "
+            '"required", a named function or "none"')
 
 
 def _shown(choice: Any) -> str:
     return json.dumps(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
-
-
-def required_schema(tools: list[ChatTool], parallel: bool) -> dict[str, Any]:
-    """The JSON schema of `tool_choice: "required"`: an array of 1+ (exactly 1 unless
-    `parallel`) calls, each `{"name": <const>, "parameters": <the tool's schema>}`."""
-    branches = [
-        {"type": "object",
-         "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                        "parameters": t.function.parameters or _ANY_OBJECT},
-         "required": ["name", "parameters"], "additionalProperties": False}
-        for t in tools
-    ]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
-    if not parallel:
-        schema["maxItems"] = 1
-    return schema
 
 
 class FirstCallOnly(ToolParser):

@@ -53,7 +53,7 @@ from moe_engine.server.http.state import HttpState
 
 #: Chat field -> Messages field, for error messages.
 _FIELDS = {"messages": "messages", "max_tokens": "max_tokens", "stop": "stop_sequences",
-           "response_format": "output_config.format"}
+           "response_format": "output_config.format", "tools[].function": "input_schema"}
 
 
 def _as_openai_error(exc: Exception) -> OpenAIError | None:

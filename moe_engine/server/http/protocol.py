@@ -228,6 +228,10 @@ class ResponseFormat(RequestBody):
     json_schema: JsonSchemaFormat | None = None
 
 
+#: OpenAI's `reasoning_effort` values (the openai SDK's `ReasoningEffort`).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions. `max_completion_tokens` is OpenAI's newer name of
     `max_tokens` (it wins when both are given); without either, a reply may fill the context.
@@ -244,6 +248,9 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: StrictBool = False
     #: vLLM's: extra variables for the chat template (e.g. `enable_thinking`, `thinking`).
     chat_template_kwargs: dict[StrictStr, Any] | None = None
+    #: OpenAI's (the SDK's `ReasoningEffort`): passed to the chat template as the
+    #: `reasoning_effort` variable, as vLLM does (gpt-oss's template reads it).
+    reasoning_effort: ReasoningEffort | None = None
     tools: list[ChatTool] | None = None
     #: None: "auto" when `tools` are given, else "none" (as OpenAI and vLLM).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

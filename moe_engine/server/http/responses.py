@@ -42,7 +42,8 @@ router = APIRouter()
 
 #: Chat field -> Responses field, for error messages.
 _FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "tools": "tools",
-           "tool_choice": "tool_choice", "response_format": "text.format"}
+           "tool_choice": "tool_choice", "response_format": "text.format",
+           "tools[].function": "flat"}
 
 
 def response_store(request: Request) -> ResponseStore:
