@@ -9,13 +9,17 @@ Qwen3-MoE test checkpoint with the Qwen3 test template; the outputs are forced b
 
     PYTHONPATH=$PWD:tests python bench/chat_parsing.py [--streams 64] [--rounds 3]
 
-Prints tok/s per round of each mode (alternating), and the ratio of the medians.
+Prints tok/s per round of each mode (alternating), the ratio of the medians, and the CPU time
+per output token of the front end (this process: HTTP server, parsers, and the benchmark's own
+clients) and of the engine core (its child process: model, sampler, penalties), which a
+shared machine's other work disturbs less than wall time.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import tempfile
@@ -56,9 +60,30 @@ async def one_round(client, streams: int, parse: bool) -> float:
                 tokens = chunk.usage.completion_tokens
         return tokens
 
+    cpu_before = cpu_seconds()
     start = time.perf_counter()
     counts = await asyncio.gather(*(run() for _ in range(streams)))
-    return sum(counts) / (time.perf_counter() - start)
+    wall = time.perf_counter() - start
+    cpu = [after - before for after, before in zip(cpu_seconds(), cpu_before, strict=True)]
+    return sum(counts) / wall, [1e3 * c / sum(counts) for c in cpu]
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """CPU seconds (user + system) so far of this process (the HTTP front end, its parsers and
+    the benchmark's clients) and of its children (the engine core: model, sampler,
+    penalties); less sensitive than wall time to other work on a shared machine."""
+    import psutil
+
+    me = psutil.Process()
+    own = me.cpu_times()
+    children = 0.0
+    for child in me.children(recursive=True):
+        try:
+            t = child.cpu_times()
+            children += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return own.user + own.system, children
 
 
 def main() -> None:
@@ -95,17 +120,21 @@ def main() -> None:
     off = ChatSettings(on.chat_template, on.tool_parser, None, True)
     url = f"http://127.0.0.1:{server.server.http_port}/v1"
     results: dict[str, list[float]] = {"parsers on": [], "parsers off": []}
+    cpu_ms: dict[str, list[list[float]]] = {"parsers on": [], "parsers off": []}
 
     async def bench() -> None:
         client = openai.AsyncOpenAI(base_url=url, api_key=API_KEY, max_retries=0, timeout=600)
         state.chat = on
         await one_round(client, args.streams, True)  # warm-up
+        await one_round(client, args.streams, False)
         for _ in range(args.rounds):
             for name, parse in (("parsers off", False), ("parsers on", True)):
                 state.chat = on if parse else off
-                rate = await one_round(client, args.streams, parse)
+                rate, cpu = await one_round(client, args.streams, parse)
                 results[name].append(rate)
-                print(f"{name}: {rate:.0f} tok/s", flush=True)
+                cpu_ms[name].append(cpu)
+                print(f"{name}: {rate:.0f} tok/s, CPU ms per output token: front end "
+                      f"{cpu[0]:.3f}, engine core {cpu[1]:.3f}", flush=True)
         await client.close()
 
     try:
@@ -114,6 +143,11 @@ def main() -> None:
         server.close()
     ratio = statistics.median(results["parsers on"]) / statistics.median(results["parsers off"])
     print(f"median on/off: {ratio:.3f} ({args.streams} streams, {args.rounds} rounds)")
+    for name, rows in cpu_ms.items():
+        front, core = (statistics.median(col) for col in zip(*rows, strict=True))
+        print(f"{name}: median CPU ms per output token: front end {front:.3f}, engine core "
+              f"{core:.3f}, both {front + core:.3f}")
+    print(f"load average (1 min) at the end: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
