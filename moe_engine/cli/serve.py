@@ -44,7 +44,7 @@ from kernels.registry import (
     resolve_device,
 )
 from moe_engine import __version__
-from moe_engine.cli import flags
+from moe_engine.cli import flags, server_flags
 from moe_engine.core.tokenizer import TOKENIZER_FILES
 from moe_engine.errors import StartupError
 from moe_engine.models import resolve_quant_config
@@ -79,9 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     flags.add_model_path_args(p)
-    flags.add_address_args(p)
-    flags.add_chat_args(p)
-    flags.add_frontend_args(p)
+    server_flags.add_address_args(p)
+    server_flags.add_chat_args(p)
+    server_flags.add_frontend_args(p)
     flags.add_model_args(p)
     flags.add_scheduler_args(p)
     flags.add_seed_args(p)
@@ -89,10 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_disagg_args(p)
     flags.add_prefix_caching_args(p)
     flags.add_quant_args(p)
-    flags.add_message_args(p)
+    server_flags.add_message_args(p)
     flags.add_device_args(p)
     flags.add_limit_args(p)
-    flags.add_access_args(p)
+    server_flags.add_access_args(p)
     ep = flags.add_parallel_args(p)
     flags.add_kernel_args(p)
     flags.add_multinode_args(ep)
