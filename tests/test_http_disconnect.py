@@ -30,7 +30,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}", "x-api-key": API_KEY}
 #: The client's timeout on a non-streamed request (s): it leaves long before the end.
 CLIENT_TIMEOUT_S = 0.5
 #: How soon after the client left nothing may run and every KV block must be free (s).
-IDLE_WITHIN_S = 5.0
+IDLE_WITHIN_S = 3.0
 
 
 @pytest.fixture(scope="module")
