@@ -25,6 +25,10 @@ MAX_STOP_TOKEN_IDS = 1024
 GREEDY_TEMPERATURE = 1e-5
 #: Most completions one request may ask for (`SamplingParams.n`); each is a Request of its own.
 MAX_N = 128
+#: The largest `top_k` (a 32-bit integer, as the gRPC field; past the vocabulary it keeps all).
+MAX_TOP_K = 2**31 - 1
+#: `priority` bounds: the gRPC field's int32 range, the same on every front end.
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 #: Seeds torch's generator accepts (a 64-bit value, signed or unsigned).
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 #: OpenAI's (and vLLM's) range of `frequency_penalty` and `presence_penalty`.
@@ -265,8 +269,11 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:  # NaN fails both comparisons
             raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         self.top_k = integer("top_k", self.top_k)
-        if self.top_k < -1 or self.top_k == 0:
-            raise ParamError("top_k", f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if self.top_k < -1 or self.top_k == 0 or self.top_k > MAX_TOP_K:
+            raise ParamError(
+                "top_k", f"top_k must be -1 (disabled) or in [1, {MAX_TOP_K}] (a value past the "
+                f"vocabulary keeps every token), got {self.top_k}",
+            )
         self._check_seed()
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             value = getattr(self, name)
@@ -335,6 +342,11 @@ class SamplingParams:
                 )
             self.truncate_prompt_tokens = k
         self.priority = integer("priority", self.priority)
+        if not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
+            raise ParamError(
+                "priority", f"priority must be in [{PRIORITY_MIN}, {PRIORITY_MAX}] (a 32-bit "
+                f"integer, as the gRPC field), got {self.priority}",
+            )
 
     def _check_seed(self) -> None:
         if self.seed is None:

@@ -73,6 +73,12 @@ MATRIX = [
     ("priority under fcfs", "/v1/chat/completions", {**CHAT, "priority": 1}, AUTH, 400,
      "priority"),
     ("n that can never be queued", "/v1/completions", {**OK, "n": 8}, AUTH, 400, "n"),
+    # integers past 64 bits: refused by name, never a 500 from the engine's message encoder
+    *[(f"huge {name}", "/v1/completions", {**OK, name: value}, AUTH, 400, name)
+      for name, value in (("priority", 10**30), ("max_tokens", 10**30), ("top_k", 10**30),
+                          ("min_tokens", 10**30), ("seed", 10**30),
+                          ("truncate_prompt_tokens", 10**30), ("stop_token_ids", [10**30]),
+                          ("logit_bias", {str(10**30): 1}), ("logprobs", 10**30))],
     ("empty body", "/v1/completions", b"", AUTH, 400, None),
     ("unknown path", "/v1/embeddings", OK, AUTH, 404, None),
     ("detokenize out of vocab", "/detokenize", {"tokens": [-1]}, AUTH, 400, "tokens"),

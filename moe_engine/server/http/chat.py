@@ -19,25 +19,20 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from moe_engine.core.validation import truncate_prompt
-from moe_engine.errors import RequestError
 from moe_engine.sampling_params import MAX_LOGPROBS
-from moe_engine.server.http.chat_output import ChoiceParse, count_reasoning_tokens, delta_json
+from moe_engine.server.http.chat_output import ChoiceParse, delta_json
+from moe_engine.server.http.chat_prepare import prepare_chat, submit_chat
 from moe_engine.server.http.chat_render import render_text
-from moe_engine.server.http.chat_tools import plan_tools
 from moe_engine.server.http.common import (
     SSE_DONE,
     Choice,
-    sampling_params,
     sse,
-    structured_outputs_from,
     token_text,
     usage,
 )
 from moe_engine.server.http.errors import OpenAIError
 from moe_engine.server.http.protocol import ChatCompletionRequest, ChatMessage, ChatTool
 from moe_engine.server.http.state import HttpState, PromptStreams
-from moe_engine.server.parsers import registry
 
 
 def render_chat(
@@ -99,53 +94,12 @@ async def create_chat_completion(state: HttpState, body: ChatCompletionRequest):
     state.check_ready()
     state.check_model(body.model)
     _check_logprobs(body)
-    settings = state.chat
-    plan = plan_tools(body, settings.tool_parser, settings.enable_auto_tool_choice)
-    structured = plan.structured or structured_outputs_from(body)
-    text = render_text(state.tokenizer, settings.chat_template, body.messages, body.tools,
-                       add_generation_prompt=body.add_generation_prompt,
-                       continue_final_message=body.continue_final_message,
-                       chat_template_kwargs=body.chat_template_kwargs)
-    prompt = list(state.tokenizer.encode(text, add_special_tokens=False))
-    prompt = truncate_prompt(prompt, body.truncate_prompt_tokens, state.max_model_len())
-    # A constrained output is JSON from its first token: no reasoning to split off.
-    reasoning = None if structured is not None else settings.reasoning_parser
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    field_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    if max_tokens is None:
-        max_tokens = max(1, state.max_model_len() - len(prompt))
     top = body.top_logprobs or 0
-    params = sampling_params(body, max_tokens, top if body.logprobs else None, structured)
-    parsing = reasoning is not None or plan.make_parser is not None
-    if plan.keep_special_tokens or (reasoning and settings.reasoning_keeps_special_tokens):
-        params.skip_special_tokens = False  # the parsers read the formats' marker tokens
-    try:
-        state.check_request(prompt, params, "messages")
-        streams = await state.open_streams([prompt], params, "chatcmpl")
-    except RequestError as exc:
-        if exc.field == "max_tokens":
-            exc.field = field_name
-        elif exc.field == "response_format" and plan.structured is not None:
-            exc = RequestError(exc.code, "tools", "tools" + exc.message[len("response_format"):])
-        raise exc from None
+    prep = prepare_chat(state, body, top if body.logprobs else None)
+    streams = await submit_chat(state, prep, "chatcmpl")
     meta = {"id": streams.request_id, "created": int(time.time()), "model": state.served_model_name}
-
-    def new_parse() -> ChoiceParse | None:
-        if not parsing:
-            return None
-        if reasoning is None:
-            return ChoiceParse(None, plan.make_parser() if plan.make_parser else None)
-        skip = params.skip_special_tokens
-
-        def count(ids: list[int]) -> int:
-            return count_reasoning_tokens(
-                ids, lambda i: state.tokenizer.decode(i, skip_special_tokens=skip),
-                lambda: registry.reasoning_parser(reasoning, text))
-
-        return ChoiceParse(registry.reasoning_parser(reasoning, text),
-                           plan.make_parser() if plan.make_parser else None, count)
-
-    parses = [new_parse() for _ in range(body.n)]
+    prompt = prep.prompt
+    parses = [prep.new_parse(state) if prep.parses else None for _ in range(body.n)]
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         gen = _stream(state, streams, meta, body, len(prompt), include_usage, parses)

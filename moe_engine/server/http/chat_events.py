@@ -34,14 +34,12 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from moe_engine.errors import RequestError
-from moe_engine.server.http.chat_output import ChoiceParse, count_reasoning_tokens
-from moe_engine.server.http.chat_render import render_text
-from moe_engine.server.http.chat_tools import plan_tools
-from moe_engine.server.http.common import Choice, sampling_params, structured_outputs_from
+from moe_engine.server.http.chat_output import ChoiceParse
+from moe_engine.server.http.chat_prepare import prepare_chat, render_body, submit_chat
+from moe_engine.server.http.common import Choice
 from moe_engine.server.http.errors import OpenAIError, validation_error
 from moe_engine.server.http.protocol import ChatCompletionRequest
 from moe_engine.server.http.state import HttpState, PromptStreams
-from moe_engine.server.parsers import registry
 from moe_engine.server.parsers.base import DeltaMessage, ToolCall
 
 #: Choices that do not name a function.
@@ -205,14 +203,6 @@ class TurnRun:
         await self.streams.close()
 
 
-def _render(state: HttpState, body: ChatCompletionRequest) -> str:
-    """The prompt text of a chat request (`--chat-template` or the tokenizer's)."""
-    return render_text(state.tokenizer, state.chat.chat_template, body.messages, body.tools,
-                       add_generation_prompt=body.add_generation_prompt,
-                       continue_final_message=body.continue_final_message,
-                       chat_template_kwargs=body.chat_template_kwargs)
-
-
 def count_turn_tokens(state: HttpState, turn: ChatTurn) -> int:
     """The prompt length of a turn (tokens), as `start_turn` would submit it.
 
@@ -222,7 +212,7 @@ def count_turn_tokens(state: HttpState, turn: ChatTurn) -> int:
     state.check_ready()
     body = turn.chat_request()
     try:
-        text = _render(state, body)
+        text = render_body(state, body)
     except OpenAIError as exc:
         raise turn.renamed(exc) from None
     return len(state.tokenizer.encode(text, add_special_tokens=False))
@@ -240,40 +230,9 @@ async def start_turn(state: HttpState, turn: ChatTurn, prefix: str = "turn") -> 
     """
     state.check_ready()
     body = turn.chat_request()
-    settings = state.chat
     try:
-        plan = plan_tools(body, settings.tool_parser, settings.enable_auto_tool_choice)
-        text = _render(state, body)
-        prompt = list(state.tokenizer.encode(text, add_special_tokens=False))
-        structured = plan.structured or structured_outputs_from(body)
-        # A constrained output is JSON from its first token: no reasoning to split off.
-        reasoning = None if structured is not None else settings.reasoning_parser
-        max_tokens = body.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, state.max_model_len() - len(prompt))
-        params = sampling_params(body, max_tokens, None, structured)
-        if plan.keep_special_tokens or (reasoning and settings.reasoning_keeps_special_tokens):
-            params.skip_special_tokens = False  # the parsers read the formats' marker tokens
-        state.check_request(prompt, params, "messages")
-        streams = await state.open_streams([prompt], params, prefix)
-    except RequestError as exc:
-        if exc.field == "response_format" and plan.structured is not None:
-            exc = RequestError(exc.code, "tools", "tools" + exc.message[len("response_format"):])
+        prep = prepare_chat(state, body, None)
+        streams = await submit_chat(state, prep, prefix)
+    except (OpenAIError, RequestError) as exc:
         raise turn.renamed(exc) from None
-    except OpenAIError as exc:
-        raise turn.renamed(exc) from None
-
-    def new_parse() -> ChoiceParse:
-        tools = plan.make_parser() if plan.make_parser else None
-        if reasoning is None:
-            return ChoiceParse(None, tools)
-        skip = params.skip_special_tokens
-
-        def count(ids: list[int]) -> int:
-            return count_reasoning_tokens(
-                ids, lambda i: state.tokenizer.decode(i, skip_special_tokens=skip),
-                lambda: registry.reasoning_parser(reasoning, text))
-
-        return ChoiceParse(registry.reasoning_parser(reasoning, text), tools, count)
-
-    return TurnRun(streams, len(prompt), 1, new_parse)
+    return TurnRun(streams, len(prep.prompt), 1, lambda: prep.new_parse(state))

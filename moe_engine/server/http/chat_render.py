@@ -43,8 +43,8 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """
     out = []
     for i, m in enumerate(messages):
-        entry: dict[str, Any] = {"role": m.role,
-                                 "content": None if m.content is None else m.text()}
+        empty = m.content is None and m.refusal is None
+        entry: dict[str, Any] = {"role": m.role, "content": None if empty else m.text()}
         if m.name is not None:
             entry["name"] = m.name
         if m.tool_call_id is not None:

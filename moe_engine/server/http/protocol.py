@@ -154,9 +154,22 @@ class ChatMessage(RequestBody):
     tool_call_id: StrictStr | None = None
     reasoning_content: StrictStr | None = None
     reasoning: StrictStr | None = None
+    # Fields of OpenAI's response message that an agent loop sends back as they came
+    # (`messages.append(choice.message.model_dump())`): a refusal is the turn's text; the
+    # others are accepted only empty (this server never returns them).
+    refusal: StrictStr | None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
+        if self.annotations:
+            raise ValueError("annotations: only an empty list or null is accepted (this server "
+                             "returns no annotations)")
+        if self.refusal is not None and self.role != "assistant":
+            raise ValueError(f"refusal: only an assistant message has one, not a {self.role} "
+                             "message")
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
         if self.role == "tool" and self.tool_call_id is None:
@@ -168,7 +181,7 @@ class ChatMessage(RequestBody):
 
     def text(self) -> str:
         if self.content is None:
-            return ""
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)
