@@ -96,6 +96,7 @@ class MoeEngineServicer(WeightControlRpcs, pb_grpc.MoeEngineServicer):
         if ended is not None:
             self._live[request_id] = ended
         timer = RequestTimer()
+        observed = refused = False  # the metrics see each request end once
         left = params.n  # completions still running; the request ends with the last one
         stream = self.engine.generate(
             request_id, prompt, params, arrival_time=time.time(),
@@ -116,16 +117,26 @@ class MoeEngineServicer(WeightControlRpcs, pb_grpc.MoeEngineServicer):
                         response = response_from_output(out)
                         if out.finished and timer.first_token_s is not None:
                             response.ttft_s = timer.first_token_s - timer.arrival_s
+                        if last:
+                            observed = True
+                            self._observe(timer, str(out.finish_reason))
                         yield response
-                        if last and self.metrics is not None:
-                            self.metrics.observe_finished(timer, str(out.finish_reason))
                 except RequestError as exc:
+                    refused = timer.last_output_s == 0.0  # before any output: it never ran
                     await abort_with_refusal(context, exc)
         finally:
+            if not (observed or refused):  # cancelled (client gone, deadline) or failed
+                self._observe(timer, "abort")
             if ended is not None:
                 if not ended.done():
                     ended.set_result("")
                 del self._live[request_id]
+
+    def _observe(self, timer: RequestTimer, finish_reason: str) -> None:
+        """One request's end into the request-level metrics (vLLM counts a request that ends
+        without finishing under `finished_reason="abort"`)."""
+        if self.metrics is not None:
+            self.metrics.observe_finished(timer, finish_reason)
 
     async def PrepareDecode(  # noqa: N802
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext

@@ -171,7 +171,7 @@ async def _stream(
     try:
         yield sse({**chunk, "choices": [
             {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-             "finish_reason": None} for i in range(body.n)
+             "finish_reason": None, "stop_reason": None} for i in range(body.n)
         ]})
         async for batch in streams.outputs():
             entries = []
@@ -190,6 +190,7 @@ async def _stream(
                     "index": c.index, "delta": delta,
                     "logprobs": chat_logprobs(state, c, start, top) if body.logprobs else None,
                     "finish_reason": reason if out.finished else None,
+                    "stop_reason": c.stop_reason if out.finished else None,
                     "weight_version": c.weight_version})
             if entries:
                 yield sse({**chunk, "choices": entries})

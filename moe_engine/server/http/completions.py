@@ -191,6 +191,7 @@ async def _stream(
                 text = prefix + out.new_text
                 entry = {"index": c.index, "text": text, "logprobs": None,
                          "finish_reason": c.finish_reason if out.finished else None,
+                         "stop_reason": c.stop_reason if out.finished else None,
                          "weight_version": c.weight_version}
                 offsets[c.index] += len(prefix)
                 if body.logprobs is not None:

@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 
 from moe_engine.errors import RequestError
+from moe_engine.server.http.cancellation import with_cancellation
 from moe_engine.server.http.chat_events import (
     ChatTurn,
     TurnDelta,
@@ -221,6 +222,7 @@ def stop_reason(end: TurnEnd, stop_sequences: list[str] | None) -> tuple[str | N
 
 
 @router.post("/v1/messages")
+@with_cancellation
 async def create_message(body: MessagesRequest, request: Request):
     """A Message, or an SSE stream of Anthropic's events (`event:` + `data:` lines).
 

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from moe_engine.errors import RequestError
+from moe_engine.server.http.cancellation import with_cancellation
 from moe_engine.server.http.chat_events import ChatTurn, TurnDelta, TurnEnd, TurnRun, start_turn
 from moe_engine.server.http.errors import OpenAIError, validation_error
 from moe_engine.server.http.responses_protocol import (
@@ -188,6 +189,7 @@ def responses_usage(run: TurnRun, end: TurnEnd) -> dict[str, Any]:
 
 
 @router.post("/v1/responses")
+@with_cancellation
 async def create_response(body: ResponsesRequest, request: Request):
     """A Response object, or an SSE stream of its events (`event:` + `data:` lines).
 

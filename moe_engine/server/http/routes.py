@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from moe_engine import __version__
+from moe_engine.server.http.cancellation import with_cancellation
 from moe_engine.server.http.chat import create_chat_completion, render_chat
 from moe_engine.server.http.completions import create_completion
 from moe_engine.server.http.errors import OpenAIError
@@ -28,11 +29,13 @@ def _state(request: Request) -> HttpState:
 
 
 @router.post("/v1/completions")
+@with_cancellation
 async def completions(body: CompletionRequest, request: Request):
     return await create_completion(_state(request), body)
 
 
 @router.post("/v1/chat/completions")
+@with_cancellation
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     return await create_chat_completion(_state(request), body)
 

@@ -181,19 +181,37 @@ class PromptStreams:
         self.state.live.add(rid)
         try:
             first = await anext(stream)
-        except BaseException:
+        except RequestError:  # refused (or the engine is down): never ran, nothing to observe
             self.state.live.discard(rid)
             await stream.aclose()
+            raise
+        except BaseException:  # cancelled while it waited (the client went): aborted
+            self.state.live.discard(rid)
+            await stream.aclose()
+            self._observe(timer, "abort")
             raise
         self._pending.append((index, first))
         timer.record(first)
         self._tasks.append(asyncio.create_task(self._pump(index, rid, stream, first, params.n,
                                                           timer)))
 
+    def _observe(self, timer: RequestTimer, finish_reason: str) -> None:
+        """The request's end into the request-level metrics (once per engine request)."""
+        metrics = self.state.metrics
+        if metrics is not None:
+            metrics.observe_finished(timer, finish_reason)
+
     async def _pump(
         self, index: int, rid: str, stream: AsyncIterator[EngineCoreOutput],
         first: EngineCoreOutput, n: int, timer: RequestTimer,
     ) -> None:
+        """Queue the request's outputs until its last completion finishes.
+
+        Every request is observed exactly once: with its engine finish reason when its last
+        completion finished (a server abort or drain finishes it with "abort"), else as "abort"
+        (vLLM's `finished_reason="abort"`): the pump was cancelled (`close()`: the client went,
+        the handler was cancelled) or the engine failed it mid-run.
+        """
         left = n - first.finished
         last_reason = str(first.finish_reason)
         try:
@@ -204,14 +222,12 @@ class PromptStreams:
                         left -= out.finished
                         last_reason = str(out.finish_reason)
                         self._queue.put_nowait((index, out))
-            metrics = self.state.metrics
-            if metrics is not None:
-                metrics.observe_finished(timer, last_reason)
             self._queue.put_nowait((index, None))
         except RequestError as exc:
             self._queue.put_nowait((index, exc))
         finally:
             self.state.live.discard(rid)
+            self._observe(timer, "abort" if left else last_reason)
 
     async def outputs(self) -> AsyncIterator[list[tuple[int, EngineCoreOutput]]]:
         """Every output until all prompts' completions have finished.
