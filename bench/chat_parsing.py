@@ -94,27 +94,15 @@ def main() -> None:
     import openai
     from chat_fixtures import family_checkpoint
     from fixtures import make_tiny_checkpoint
-    from grpc_helpers import ServerThread
-    from http_helpers import API_KEY, MAX_MESSAGE_BYTES, MODEL
+    from http_helpers import API_KEY
+    from scripted_core import start_scripted_server
 
-    from moe_engine.server.app import ServerOptions
     from moe_engine.server.http.state import ChatSettings
-    from moe_engine.startup.config import (
-        CacheConfig,
-        EngineConfig,
-        ModelConfig,
-        SchedulerConfig,
-    )
 
     root = Path(tempfile.mkdtemp())
     ckpt = family_checkpoint(make_tiny_checkpoint("qwen3_moe", root), root, "qwen3")
-    config = EngineConfig(model=ModelConfig(str(ckpt), max_model_len=1024),
-                          cache=CacheConfig(block_size=16, num_blocks_override=4096),
-                          scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096))
-    opts = ServerOptions(port=0, http_port=0, api_key=API_KEY, served_model_name=MODEL,
-                         max_message_bytes=MAX_MESSAGE_BYTES, log_stats_interval_s=None,
-                         enable_auto_tool_choice=True)
-    server = ServerThread(config, opts, core_factory="scripted_core:build_scripted_core")
+    server = start_scripted_server(ckpt, num_blocks=4096, max_num_seqs=64,
+                                   max_num_batched_tokens=4096)
     state = server.server.http_state
     on = state.chat
     off = ChatSettings(on.chat_template, on.tool_parser, None, True)

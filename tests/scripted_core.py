@@ -47,3 +47,32 @@ def build_scripted_core(config: Any, rank_context: Any = None, **kwargs: Any) ->
 
     core.runner.execute = scripted
     return core
+
+
+def start_scripted_server(ckpt: Any, num_blocks: int = 512, max_num_seqs: int = 16,
+                          max_num_batched_tokens: int = 1024) -> Any:
+    """A gRPC + HTTP `ServerThread` of `ckpt` (a chat_fixtures family checkpoint) on this core,
+    with `--enable-auto-tool-choice`, the test API key and model name; prompts with tools in
+    the system turn are a few hundred tokens, so max_model_len is 1024. Close it with
+    `.close()`."""
+    from grpc_helpers import ServerThread
+    from http_helpers import API_KEY, MAX_MESSAGE_BYTES, MODEL
+
+    from moe_engine.server.app import ServerOptions
+    from moe_engine.startup.config import (
+        CacheConfig,
+        EngineConfig,
+        ModelConfig,
+        SchedulerConfig,
+    )
+
+    config = EngineConfig(
+        model=ModelConfig(str(ckpt), max_model_len=1024),
+        cache=CacheConfig(block_size=16, num_blocks_override=num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens),
+    )
+    opts = ServerOptions(port=0, http_port=0, api_key=API_KEY, served_model_name=MODEL,
+                         max_message_bytes=MAX_MESSAGE_BYTES, log_stats_interval_s=None,
+                         enable_auto_tool_choice=True)
+    return ServerThread(config, opts, core_factory="scripted_core:build_scripted_core")

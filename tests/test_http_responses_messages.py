@@ -23,11 +23,8 @@ import openai
 import pytest
 from chat_fixtures import family_checkpoint
 from grpc_helpers import ServerThread
-from http_helpers import API_KEY, MAX_MESSAGE_BYTES, MODEL, Grpc, wait_idle
-from scripted_core import END, START
-
-from moe_engine.server.app import ServerOptions
-from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from http_helpers import API_KEY, MODEL, Grpc, wait_idle
+from scripted_core import END, START, start_scripted_server
 
 GREEDY = {"temperature": 0, "max_output_tokens": 8}
 WEATHER = {
@@ -42,16 +39,8 @@ TIME = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["ut
 
 @pytest.fixture(scope="module")
 def server(qwen3_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
-    ckpt = family_checkpoint(qwen3_ckpt, tmp_path_factory.mktemp("apis"), "qwen3")
-    config = EngineConfig(  # prompts with tools in the system turn are a few hundred tokens
-        model=ModelConfig(str(ckpt), max_model_len=1024),
-        cache=CacheConfig(block_size=16, num_blocks_override=256),
-        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024),
-    )
-    opts = ServerOptions(port=0, http_port=0, api_key=API_KEY, served_model_name=MODEL,
-                         max_message_bytes=MAX_MESSAGE_BYTES, log_stats_interval_s=None,
-                         enable_auto_tool_choice=True)
-    handle = ServerThread(config, opts, core_factory="scripted_core:build_scripted_core")
+    handle = start_scripted_server(
+        family_checkpoint(qwen3_ckpt, tmp_path_factory.mktemp("apis"), "qwen3"), 256)
     yield handle
     handle.close()
 

@@ -27,12 +27,10 @@ import pytest
 from chat_fixtures import family_checkpoint
 from chat_helpers import same_calls, streamed, whole
 from grpc_helpers import ServerThread
-from http_helpers import API_KEY, MAX_MESSAGE_BYTES, MODEL
-from scripted_core import END, START
+from http_helpers import API_KEY, MODEL
+from scripted_core import END, START, start_scripted_server
 
-from moe_engine.server.app import ServerOptions
 from moe_engine.server.http.state import ChatSettings
-from moe_engine.startup.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 WEATHER = {
     "type": "object",
@@ -59,17 +57,9 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 @pytest.fixture(scope="module")
 def server(qwen3_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
-    ckpt = family_checkpoint(qwen3_ckpt, tmp_path_factory.mktemp("tools"), "qwen3")
-    config = EngineConfig(  # prompts with tools in the system turn are ~600 tokens
-        model=ModelConfig(str(ckpt), max_model_len=1024),
-        cache=CacheConfig(block_size=16, num_blocks_override=512),
-        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024),
-    )
     # No parser flags: the checkpoint's defaults (hermes and qwen3, from the template).
-    opts = ServerOptions(port=0, http_port=0, api_key=API_KEY, served_model_name=MODEL,
-                         max_message_bytes=MAX_MESSAGE_BYTES, log_stats_interval_s=None,
-                         enable_auto_tool_choice=True)
-    handle = ServerThread(config, opts, core_factory="scripted_core:build_scripted_core")
+    handle = start_scripted_server(
+        family_checkpoint(qwen3_ckpt, tmp_path_factory.mktemp("tools"), "qwen3"), 512)
     yield handle
     handle.close()
 
