@@ -165,6 +165,9 @@ class SamplingParams:
             completion (vLLM's field; default False: both are left out of the text).
         skip_special_tokens: leave special tokens (the tokenizer's added special tokens: BOS,
             EOS, chat markers) out of the text (vLLM's default True); False keeps their text.
+        return_routed_experts: return the top-k logical expert ids of every MoE layer for
+            every token the model ran for this completion (routing replay for RL; SGLang's
+            field): needs a server started with `--enable-return-routed-experts`.
 
     Penalties, logit_bias and greedy: logit_bias and the three penalties change the logits
     before the argmax, so they apply to greedy requests too; min_p, like top-k and top-p, only
@@ -200,6 +203,8 @@ class SamplingParams:
     # Detokenizer fields (issue 44, "text" part): how token ids become the returned text.
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Routing replay (issue 45).
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         self.stop = as_list("stop", self.stop, str)

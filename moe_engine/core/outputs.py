@@ -36,6 +36,20 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
             to its first scheduling, and from then to its first token (vLLM's queue and
             prefill intervals, from the core's own clock: the front end cannot see those
             events); None where the request never got that far.
+        routed_experts: on the finished output of a request with `return_routed_experts`:
+            the top-k logical expert ids of every MoE layer for every token the model ran for
+            this completion (prompt, then outputs but the last: positions [0, seqlen - 1)),
+            raw little-endian int32 bytes of shape `routed_experts_shape`
+            [tokens, moe_layers, top_k] (the front ends base64 them, as SGLang); None
+            otherwise.
+        routed_experts_shape: [tokens, moe_layers, top_k] of `routed_experts`, or None.
+        weight_versions: on the finished output: every weight version that computed this
+            completion's output tokens with the output-token index it begins at,
+            [(version, start), ...] in order (start 0 first); None before the end.
+        kv_from_other_weights: on the finished output: some K/V (or state) this completion's
+            tokens attended to was computed with other weights than the tokens reading it
+            (a weight update landed while it ran without `retract`, or it reused cached
+            blocks of older weights).
     """
 
     request_id: str
@@ -53,6 +67,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     decode_s: float | None = None
     queue_s: float | None = None
     prefill_s: float | None = None
+    routed_experts: bytes | None = None
+    routed_experts_shape: tuple[int, int, int] | None = None
+    weight_versions: list[tuple[str, int]] | None = None
+    kv_from_other_weights: bool = False
 
 
 class ModelInfo(msgspec.Struct, kw_only=True):

@@ -284,6 +284,47 @@ class ParallelConfig:
             )
 
 
+@dataclass(frozen=True)
+class EplbConfig:
+    """Runtime expert-parallel load balancing (vLLM's `--enable-eplb`, SGLang's EPLB): the
+    placement is recomputed from the recorded routing load while serving and the moved
+    experts' weights travel between ranks (`moe_engine.eplb`).
+
+    Attributes:
+        enabled: `--enable-eplb`; needs ep_size > 1.
+        window_steps: `--eplb-window-steps`, steps of recorded load a placement is planned
+            from (>= 1).
+        step_interval: `--eplb-step-interval`, steps between two rebalancing decisions (>= 1).
+        num_redundant_experts: `--num-redundant-experts`, extra expert slots in all (replicas
+            of hot experts), a multiple of ep_size, at most num_experts * (ep_size - 1) (an
+            expert is held at most once per rank); checked against the model at startup.
+        balancedness_threshold: `--eplb-balancedness-threshold`, rebalance only when the
+            window's rank balancedness (mean / max tokens per rank, in (0, 1]) is below it;
+            1.0 rebalances at every interval.
+
+    Raises:
+        ValueError: a value out of range, naming the flag and the limit.
+    """
+
+    enabled: bool = False
+    window_steps: int = 1000
+    step_interval: int = 3000
+    num_redundant_experts: int = 0
+    balancedness_threshold: float = 0.95
+
+    def __post_init__(self) -> None:
+        if self.window_steps < 1:
+            raise ValueError(f"--eplb-window-steps must be >= 1, got {self.window_steps}")
+        if self.step_interval < 1:
+            raise ValueError(f"--eplb-step-interval must be >= 1, got {self.step_interval}")
+        if self.num_redundant_experts < 0:
+            raise ValueError(
+                f"--num-redundant-experts must be >= 0, got {self.num_redundant_experts}")
+        if not 0.0 < self.balancedness_threshold <= 1.0:
+            raise ValueError("--eplb-balancedness-threshold must be in (0, 1], got "
+                             f"{self.balancedness_threshold}")
+
+
 #: --device values: "auto" (cuda when torch sees a CUDA device), "cpu", "cuda".
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
@@ -344,6 +385,10 @@ class EngineConfig:
         device: the device and its memory budget (`DeviceConfig`).
         speculative: draft tokens per step (`SpeculativeConfig`; off by default).
         disagg: prefill/decode disaggregation (`DisaggConfig`; off by default).
+        eplb: runtime expert load balancing (`EplbConfig`; off by default).
+        enable_return_routed_experts: `--enable-return-routed-experts`: record every token's
+            top-k expert ids per MoE layer so that requests may ask for them
+            (`SamplingParams.return_routed_experts`; routing replay for RL).
     """
 
     model: ModelConfig
@@ -356,3 +401,5 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    eplb: EplbConfig = field(default_factory=EplbConfig)
+    enable_return_routed_experts: bool = False
