@@ -315,16 +315,16 @@ def _build_core(
     device_group: Any,
 ) -> tuple[Any, Any]:
     """This rank's core (its experts only) and the expert placement."""
-    from comm import ExpertPlacement, make_communicator
+    from comm import make_communicator
+    from moe_engine.eplb.placement import starting_placement
     from moe_engine.models import model_shape
     from moe_engine.startup.rank_context import RankContext
 
     num_experts = model_shape(config.model.hf_config()).num_experts
-    if config.parallel.expert_placement:
-        placement = ExpertPlacement.load(config.parallel.expert_placement)
-        placement.check(num_experts, world_size)
-    else:
-        placement = ExpertPlacement.contiguous(num_experts, world_size)
+    placement = starting_placement(
+        num_experts, world_size, config.eplb.num_redundant_experts,
+        config.parallel.expert_placement,
+    )
     device = engine_device(config).type
     communicator = make_communicator(
         device_group, placement, device=device, dtype=config.model.torch_dtype()
