@@ -319,6 +319,11 @@ def main(argv: list[str] | None = None) -> int:
         device = resolve_device(config.device.device)  # --device cuda without CUDA: exit 1
         check_kernel_backend(device, config.kernel_backend)  # e.g. triton on a CPU: exit 1
         check_checkpoint(config)
+        if config.eplb.enabled:  # 4-bit experts EPLB cannot move on this backend: exit 1
+            from moe_engine.startup.checks import check_eplb_kernels
+
+            expert_format = resolve_quant_config(config.quant, config.model.hf_config()).method
+            check_eplb_kernels(config, device, expert_format)
         if config.parallel.node_rank > 0:
             return run_worker_node(config)
         from moe_engine.startup.checks import check_ep_size, needs_ep_check

@@ -252,3 +252,42 @@ class EplbController:
         import msgspec
 
         return msgspec.convert(msgspec.to_builtins(self.stats), EplbStats)
+
+
+def build_controller(
+    core: Any, placement: ExpertPlacement, rank: int, control_group: Any, device_group: Any
+) -> EplbController:
+    """This rank's controller over its core's MoE layers (the mover moves their weights over
+    `device_group`, the decisions all-reduce over `control_group`); set as `core.eplb`, so
+    that the core's stats and model info report it. After each commit the rank context's
+    `local_experts` follow the new placement (GetModelInfo's experts_per_rank).
+
+    Args:
+        core: this rank's EngineCore (`config.eplb`, `model`, `kernels`, `rank_context`,
+            `device`).
+        placement: the placement the core was built with.
+
+    Raises:
+        StartupError: the mover cannot move these experts (4-bit experts on a kernel backend
+            whose layout cannot be given back), naming --kernel-backend.
+    """
+    from moe_engine.eplb.mover import ExpertMover
+    from moe_engine.errors import StartupError
+
+    moes = [moe for _, moe in core.model.moe_layers()]
+    try:
+        mover = ExpertMover(moes, core.rank_context.communicator, rank, device_group,
+                            core.kernels)
+    except ValueError as exc:
+        raise StartupError(f"--enable-eplb (--kernel-backend {core.config.kernel_backend}): "
+                           f"{exc}") from None
+
+    def on_commit(new: ExpertPlacement) -> None:
+        core.rank_context.local_experts = new.local_experts(rank)
+
+    controller = EplbController(
+        core.config.eplb, placement, mover, len(moes), dist_all_reduce(control_group),
+        device=core.device, on_commit=on_commit,
+    )
+    core.eplb = controller
+    return controller

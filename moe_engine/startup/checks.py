@@ -112,3 +112,32 @@ def check_ep_size(config: EngineConfig, num_experts: int) -> None:
             f"--ep-size {ep_size} does not divide num_experts {num_experts}; choose an "
             f"ep_size that divides {num_experts}"
         )
+
+
+def check_eplb_kernels(config: EngineConfig, device: str, expert_format: str) -> None:
+    """Fail fast when --enable-eplb meets 4-bit experts on a kernel backend whose layout cannot
+    be moved: torch's int4 CPU layout (`torch._weight_int4pack_mm_for_cpu`) rounds the codes
+    and cannot give the stored ones back, and EPLB moves experts packed, as stored (the rank
+    would refuse later, when its mover is built: `eplb.layer_experts.LayerExperts`).
+
+    Args:
+        config: the engine configuration (`eplb.enabled`, `kernel_backend`).
+        device: the resolved device, "cpu" or "cuda".
+        expert_format: the experts' resolved 4-bit format ("none", "int4", "mxfp4").
+
+    Raises:
+        StartupError: naming --kernel-backend and the op.
+    """
+    if not config.eplb.enabled or device != "cpu" or expert_format != "int4":
+        return
+    from kernels.plan import EXPERT_OPS
+    from kernels.registry import parse_kernel_backend
+
+    op = EXPERT_OPS["int4"]
+    default, per_op = parse_kernel_backend(config.kernel_backend)
+    if per_op.get(op, default) == "torch":
+        raise StartupError(
+            f"--enable-eplb with --kernel-backend {config.kernel_backend}: EPLB moves int4 "
+            f"experts packed, as stored, and the torch backend of {op} on cpu keeps them in a "
+            f"layout that cannot be given back; serve {op} on native-cpu "
+            f"(--kernel-backend ...,{op}=native-cpu) or without --enable-eplb")
