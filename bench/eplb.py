@@ -17,8 +17,10 @@ Arms, per ep size (each its own engine, the front end's `EngineClient` as `moe-s
 - `static`: the placement `moe-skew plan` would make (`plan_placement`, `--num-redundant`
   replicas, default ep_size) from the `off` arm's recorded load, served with
   `--expert-placement` (what a perfect rebalance reaches, without moving anything live);
-- `eplb`: contiguous start, `--enable-eplb` with `--num-redundant-experts`, a short window and
-  interval, threshold 1.0 (the runtime feature: needs the EPLB controller).
+- `eplb`: `--enable-eplb` with `--num-redundant-experts` (the same count; EPLB starts from
+  the contiguous ranges plus those extra slots, `moe_engine.eplb.placement`), a short window
+  and interval, `--eplb-threshold` (default 0.9: at 1.0 the controller moves again whenever
+  a new window predicts a gain of 0.01).
 
 Each arm runs the workload `--rounds` times (default 3); round 1 is the warm-up (the eplb arm's
 rebalance happens there) and its client-side step trace gives the stall; the tok/s figure is
@@ -68,6 +70,8 @@ from moe_engine.startup.config import (  # noqa: E402
 #: Outputs arriving more than this many seconds apart belong to different steps (a step of
 #: the bench model at ep >= 2 takes well over 5 ms on this CPU).
 STEP_GAP_S = 0.002
+#: Seconds between two reads of the EPLB stats while the eplb arm runs.
+POLL_S = 0.05
 ARMS = ("off", "static", "eplb")
 
 
@@ -91,7 +95,7 @@ def engine_config(ckpt: Path, ep: int, arm: str, args: argparse.Namespace,
         eplb = EplbConfig(enabled=True, window_steps=args.eplb_window_steps,
                           step_interval=args.eplb_step_interval,
                           num_redundant_experts=args.num_redundant or ep,
-                          balancedness_threshold=1.0)
+                          balancedness_threshold=args.eplb_threshold)
     return EngineConfig(
         model=ModelConfig(model=str(ckpt), dtype="bfloat16", max_model_len=1024),
         cache=CacheConfig(kv_cache_memory=args.kv_cache_memory),
@@ -102,10 +106,17 @@ def engine_config(ckpt: Path, ep: int, arm: str, args: argparse.Namespace,
     )
 
 
-async def run_round(client: EngineClient, tag: str, num_requests: int) -> dict[str, Any]:
-    """All requests at once; returns output tokens, wall seconds, and the step trace."""
+async def run_round(client: EngineClient, tag: str, num_requests: int,
+                    poll_eplb: bool) -> dict[str, Any]:
+    """All requests at once; returns output tokens, wall seconds, and the step trace.
+
+    With `poll_eplb`, the EPLB stats are read every POLL_S meanwhile, so that the steps
+    during which a rebalance was under way (moving, or its commit) can be picked out of the
+    trace (`step_trace`'s `rebalance_*`).
+    """
     requests = mixed_workload(num_requests)
     arrivals: list[float] = []
+    polls: list[tuple[float, int, bool]] = []  # (time, rebalances committed, moving)
 
     async def one(i: int) -> int:
         r = requests[i]
@@ -117,27 +128,64 @@ async def run_round(client: EngineClient, tag: str, num_requests: int) -> dict[s
             n += len(out.new_token_ids)
         return n
 
+    async def poll(task: asyncio.Future) -> None:
+        while not task.done():
+            eplb = (await client.get_stats()).total.eplb
+            polls.append((time.perf_counter(), eplb.num_rebalances, eplb.moving))
+            await asyncio.sleep(POLL_S)
+
     start = time.perf_counter()
-    produced = await asyncio.gather(*(one(i) for i in range(len(requests))))
+    work = asyncio.gather(*(one(i) for i in range(len(requests))))
+    if poll_eplb:
+        await asyncio.gather(work, poll(work))
+    produced = await work
     wall = time.perf_counter() - start
     return {"output_tokens": sum(produced), "wall_s": wall,
-            "output_tokens_per_s": sum(produced) / wall, **step_trace(start, arrivals)}
+            "output_tokens_per_s": sum(produced) / wall,
+            **step_trace(start, arrivals, rebalance_window(polls))}
 
 
-def step_trace(start: float, arrivals: list[float]) -> dict[str, Any]:
+def rebalance_window(polls: list[tuple[float, int, bool]]) -> tuple[float, float] | None:
+    """(from, to) perf_counter seconds bracketing the first rebalance seen by the polls: from
+    the last poll before it was seen (moving, or committed) to the first poll after it was
+    committed and no longer moving; None when none happened."""
+    seen = [i for i, (_, n, moving) in enumerate(polls) if moving or n > polls[0][1]]
+    if not seen or polls[0][1] > 0:
+        return None
+    first = seen[0]
+    done = next((i for i in range(first, len(polls))
+                 if polls[i][1] > polls[0][1] and not polls[i][2]), len(polls) - 1)
+    return polls[max(first - 1, 0)][0], polls[done][0]
+
+
+def step_trace(start: float, arrivals: list[float],
+               window: tuple[float, float] | None = None) -> dict[str, Any]:
     """Step times (seconds) from output arrival times: a gap above STEP_GAP_S ends a step.
+
+    Args:
+        window: perf_counter seconds bracketing a rebalance (`rebalance_window`), or None.
 
     Returns:
         median_step_s, max_step_s (the longest step, prefill steps included), max_step_at_s
-        (its end, seconds after the round started), num_steps.
+        (its end, seconds after the round started), num_steps; with a window also
+        rebalance_max_step_s (the longest step ending inside it or just after it) and
+        rebalance_at_s (the window's start, seconds after the round started).
     """
     times = sorted(arrivals)
     ends = [t for t, nxt in zip(times, times[1:], strict=False) if nxt - t > STEP_GAP_S]
     ends.append(times[-1])
     steps = [b - a for a, b in zip([start, *ends], ends, strict=False)]
     longest = max(range(len(steps)), key=steps.__getitem__)
-    return {"median_step_s": statistics.median(steps), "max_step_s": steps[longest],
-            "max_step_at_s": ends[longest] - start, "num_steps": len(steps)}
+    trace = {"median_step_s": statistics.median(steps), "max_step_s": steps[longest],
+             "max_step_at_s": ends[longest] - start, "num_steps": len(steps)}
+    if window is not None:
+        lo, hi = window
+        # the step that ends first after the window closes may hold the commit too
+        after = next((i for i, e in enumerate(ends) if e > hi), len(ends) - 1)
+        inside = [steps[i] for i, e in enumerate(ends) if lo <= e <= hi] + [steps[after]]
+        trace.update(rebalance_max_step_s=max(inside), rebalance_at_s=lo - start,
+                     rebalance_steps_seen=len(inside))
+    return trace
 
 
 def rank_balancedness(counts: list[list[int]], slots: list[list[int]]) -> float:
@@ -157,10 +205,11 @@ def rank_balancedness(counts: list[list[int]], slots: list[list[int]]) -> float:
 
 
 def eplb_stats(stats: Any) -> dict[str, Any] | None:
-    """The EPLB controller's counters from GetServerStats, if the engine reports any."""
-    total = stats.total
-    fields = [f for f in total.__struct_fields__ if f.startswith("eplb")]
-    return {f: getattr(total, f) for f in fields} or None
+    """The EPLB controller's counters (`EplbStats`, GetServerStats), None when EPLB is off."""
+    import msgspec
+
+    eplb = stats.total.eplb
+    return None if eplb is None else msgspec.to_builtins(eplb)
 
 
 async def run_arm(ckpt: Path, ep: int, arm: str, args: argparse.Namespace,
@@ -177,10 +226,11 @@ async def run_arm(ckpt: Path, ep: int, arm: str, args: argparse.Namespace,
     startup_s = time.perf_counter() - t0
     try:
         slots = client.model_info.experts_per_rank
-        rounds = [await run_round(client, f"{arm}0", args.num_requests)]
+        poll = arm == "eplb"
+        rounds = [await run_round(client, f"{arm}0", args.num_requests, poll)]
         first = await client.get_expert_load()
         for k in range(1, args.rounds):
-            rounds.append(await run_round(client, f"{arm}{k}", args.num_requests))
+            rounds.append(await run_round(client, f"{arm}{k}", args.num_requests, False))
         stats = await client.get_stats()
         end = await client.get_expert_load()
     finally:
@@ -256,7 +306,19 @@ def print_row(r: dict[str, Any], flush: bool = False) -> None:
           f" max {1000 * first['max_step_s']:.1f} ms at {first['max_step_at_s']:.1f} s"
           f" | rank balancedness round 1 {b1:.3f}, later {b2 if b2 is None else round(b2, 3)}"
           f" | experts s/rank {[round(s, 1) for s in r['experts_s_per_rank']]}"
-          f" | eplb {r['eplb']} | load {r['loadavg_before']}", flush=flush)
+          f" | load {r['loadavg_before']}", flush=flush)
+    e = r["eplb"]
+    if e is not None:
+        recs = e["rebalances"]
+        rec = recs[0] if recs else {}
+        stall = first.get("rebalance_max_step_s")
+        print(f"    eplb: {e['num_rebalances']} rebalances, {e['experts_moved']} experts,"
+              f" {e['bytes_received'] / 2**20:.1f} MiB, transfer {e['transfer_s']:.3f} s,"
+              f" commit {e['commit_s']:.3f} s; first: step {rec.get('step')}, over"
+              f" {rec.get('move_steps')} steps, balancedness {rec.get('balancedness_before')}"
+              f" -> {rec.get('balancedness_after_predicted')} predicted,"
+              f" {rec.get('balancedness_after_measured')} measured; longest step around it"
+              f" {stall if stall is None else round(1000 * stall, 1)} ms", flush=flush)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -271,6 +333,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-redundant", type=int, default=0, help="default: ep size")
     p.add_argument("--eplb-window-steps", type=int, default=32)
     p.add_argument("--eplb-step-interval", type=int, default=48)
+    p.add_argument("--eplb-threshold", type=float, default=0.9,
+                   help="--eplb-balancedness-threshold of the eplb arm")
     p.add_argument("--num-threads", type=int, default=1, help="CPU threads per rank")
     p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes per rank")
     p.add_argument("--cache-dir", type=Path, default=None)

@@ -101,7 +101,9 @@ def _oracle(ckpt, quant: str | None, prompts: list[list[int]], tmp_path) -> list
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_NEW]
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     if quant == "mxfp4":  # exact on CPU: transformers on the dequantized weights agrees
-        deq = dequantized_experts_copy(ckpt, tmp_path, quant, 32)
+        root = tmp_path / f"oracle-{len(list(tmp_path.iterdir()))}"  # one copy per call
+        root.mkdir()
+        deq = dequantized_experts_copy(ckpt, root, quant, 32)
         assert got == [hf_greedy(deq, [p], n)[0] for p, n in zip(prompts, MAX_NEW, strict=True)]
     return got
 
