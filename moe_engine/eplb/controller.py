@@ -142,19 +142,17 @@ class EplbController:
             row[:, e:].zero_()
         else:
             row[:, e:].copy_(rank_pairs)
-        if self._pending is not None:
-            if self.mover.step():
-                self._commit()
-            return
-        measure = self._measure_at is not None and self.steps >= self._measure_at
-        decide_now = self.steps % self.config.step_interval == 0
-        if not (measure or decide_now):
-            return
-        load, measured = self._global_window()
-        if measure:
-            self._record_measured(measured)
-        if decide_now:
-            self._decide(load, measured)
+        measure = self._measure_at == self.steps
+        decide_now = self._pending is None and self.steps % self.config.step_interval == 0
+        if measure or decide_now:
+            load, measured = self._global_window()
+            if measure:
+                self._record_measured(measured)
+            if decide_now:
+                self._decide(load, measured)
+                return  # a move begun now takes its first chunk in the next step
+        if self._pending is not None and self.mover.step():
+            self._commit()
 
     def settle(self) -> None:
         """Finish a transfer under way at once (every rank, same iteration): before a weight
