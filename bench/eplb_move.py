@@ -8,7 +8,8 @@ forward step would see beside it), the time of all steps, and the commit (in-pla
 rebinding the layer's kernels). Layers are random, built as the engine shards them.
 
     python bench/eplb_move.py [--ep 2] [--layers 1] [--experts 8] [--hidden 32]
-        [--intermediate 16] [--quantization none|int4|mxfp4] [--backend torch|native-cpu]
+        [--intermediate 16] [--dtype float32|bfloat16] [--quantization none|int4|mxfp4]
+        [--backend torch|native-cpu]
         [--max-bytes-per-step 67108864] [--moves 3] [--json]
 """
 
@@ -34,8 +35,8 @@ from moe_engine.models.layers.moe import FusedMoE
 def _layer(args: argparse.Namespace, local: list[int], comm: TorchAllToAll, rank: int,
            seed: int) -> FusedMoE:
     gen = torch.Generator().manual_seed(seed)
-    moe = FusedMoE(args.experts, 2, args.hidden, args.intermediate, True, torch.float32,
-                   expert_bias=args.bias)
+    moe = FusedMoE(args.experts, 2, args.hidden, args.intermediate, True,
+                   getattr(torch, args.dtype), expert_bias=args.bias)
     moe.shard_experts(local, comm, rank)
     for p in moe.parameters():
         p.data.copy_(torch.randn(p.shape, generator=gen) * 0.2)
@@ -82,6 +83,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--intermediate", type=int, default=16)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--bias", action="store_true", help="experts with biases")
     parser.add_argument("--quantization", choices=("none", "int4", "mxfp4"), default="none")
     parser.add_argument("--backend", choices=("torch", "native-cpu"), default="torch")
@@ -101,7 +103,8 @@ def main() -> None:
         print(json.dumps({"args": vars(args), "ranks": results}))
         return
     print(f"{args.layers} layer(s) x {args.experts} experts, H {args.hidden}, I "
-          f"{args.intermediate}, {args.quantization}, {args.backend}, ep {args.ep}: "
+          f"{args.intermediate}, {args.dtype}, {args.quantization}, {args.backend}, "
+          f"ep {args.ep}: "
           f"{results[0]['expert_bytes']} bytes per expert per layer")
     for rank, r in enumerate(results):
         print(f"rank {rank}: {r['experts_moved']} slots moved, sent {r['bytes_sent']} B, "

@@ -223,6 +223,13 @@ def test_chunks_keep_each_rank_under_the_budget():
         chunk_moves(schedule, sizes, 0)
 
 
+def test_a_tight_budget_keeps_every_rank_receiving_in_every_step():
+    old = ExpertPlacement.contiguous(E, 2)
+    new = ExpertPlacement(E, 2, [old.slots[1], old.slots[0]])  # every expert changes rank
+    chunks = chunk_moves(plan_moves(old, new), [100], 100)
+    assert [sorted(c.dst_rank for _, c in chunk) for chunk in chunks] == [[0, 1]] * 4
+
+
 def test_placements_of_another_shape_are_refused():
     old = ExpertPlacement(E, 2, PLACEMENTS[2][0])
     with pytest.raises(ValueError, match="num_local_experts 4, the serving one 5"):
