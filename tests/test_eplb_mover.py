@@ -257,7 +257,8 @@ def test_begin_checks_the_serving_placement_and_commit_needs_a_staged_move():
     moe = _full_layer("float_torch", 1)
     plan = KernelPlan.uniform(TORCH, "cpu")
     moe.bind_kernels(plan)
-    mover = ExpertMover([moe], moe.communicator, 0, None, plan)
+    mover = ExpertMover([moe], moe.communicator, 0, None, plan,
+                        max_bytes_per_step=LayerExperts(moe).expert_bytes)
     contiguous = ExpertPlacement.contiguous(E, 1)
     with pytest.raises(RuntimeError, match="not staged"):
         mover.commit()
@@ -268,6 +269,20 @@ def test_begin_checks_the_serving_placement_and_commit_needs_a_staged_move():
     stats = mover.commit()
     assert (stats.experts_moved, stats.steps, stats.bytes_sent) == (0, 0, 0)
     assert not mover.busy
+    swapped = ExpertPlacement(E, 1, [[1, 0, *range(2, E)]])
+    mover.begin(contiguous, swapped)
+    assert not mover.step()  # two local copies under the budget of one expert
+    mover.cancel()
+    assert not mover.busy and moe.local_experts == list(range(E))
+    with pytest.raises(RuntimeError, match="without begin"):
+        mover.step()
+    mover.begin(contiguous, swapped)
+    while not mover.step():
+        pass
+    before = moe.w13.detach().clone()
+    with pytest.raises(ValueError, match="non-contiguous"):  # the no-op communicator refuses
+        mover.commit()
+    assert torch.equal(moe.w13, before) and moe.local_experts == list(range(E)) and mover.busy
 
 
 def test_layer_bytes_are_the_stored_ones():

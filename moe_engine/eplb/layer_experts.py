@@ -48,7 +48,7 @@ class ExpertField:
     @property
     def nbytes(self) -> int:
         """Bytes of one slot's row."""
-        return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+        return torch.Size(self.shape).numel() * self.dtype.itemsize
 
 
 class LayerExperts:

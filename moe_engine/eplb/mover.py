@@ -225,17 +225,20 @@ class ExpertMover:
 
         Raises:
             RuntimeError: no move begun, or `step` has not returned True yet.
+            ValueError: the communicator refuses the new placement (`set_placement`, e.g.
+                the no-op communicator and a non-contiguous one); nothing changed, the move
+                is still staged (`cancel` drops it).
         """
         move = self._move
         if move is None or not move.done:
             raise RuntimeError("commit() before step() returned True: the move is not staged")
         start = time.perf_counter()
+        self.communicator.set_placement(move.new)  # first: a refusal leaves the layers as they are
         local = move.new.local_experts(self.rank)
         for index, layer in enumerate(self.layers):
             if move.slots:
                 layer.commit(move.slots, self._staging.pop(index), self.plan)
             layer.moe.set_local_experts(local)
-        self.communicator.set_placement(move.new)
         moved = {id(moe) for moe in self.moes} if move.slots else set()
         for decoder in self.decoder_layers:
             if id(getattr(decoder, "mlp", None)) in moved:
@@ -249,6 +252,13 @@ class ExpertMover:
             commit_s=time.perf_counter() - start,
             steps=len(move.chunks),
         )
+
+    def cancel(self) -> None:
+        """Drop a move begun and not committed (its staged experts); the layers keep serving
+        the old placement. Every rank, same iteration (no collective). Use it when the serving
+        weights change under a move (an RL weight update): what was staged is of the old
+        weights. Nothing happens when no move is in progress."""
+        self._move, self._staging, self._sources = None, {}, {}
 
     # ------------------------------------------------------------------ one chunk
 
