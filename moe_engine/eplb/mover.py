@@ -120,6 +120,9 @@ class ExpertMover:
             holds a moved layer's packed experts; their kernel is attached again at commit.
             (Expert-parallel layers never take it today: `native_decode.decode_misfit`.)
 
+    Construction reads every 4-bit layer's stored layout once (on native-cpu an unpacked
+    copy of one layer at a time, dropped at once): the check that it can be moved.
+
     Raises:
         ValueError: no layers, a layer on another communicator, layers of different slot
             counts, max_bytes_per_step below 1, or 4-bit experts whose kernel backend cannot
