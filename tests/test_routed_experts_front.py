@@ -7,11 +7,13 @@ every check below compares against a known array: each HTTP choice (n = 2, strea
 whole, completions and chat) carries its own base64 of the raw little-endian int32 ids and
 their shape [prompt + output - 1, layers, top_k], only on a finished choice (a stream's chunk
 with finish_reason); gRPC's finished response carries the same bytes and shape; a request
-without the field gets neither; a non-boolean value is a 400 naming the field.
+without the field gets neither; a non-boolean value is a 400 naming the field; moe-router
+refuses the field.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from collections.abc import Iterator
@@ -26,6 +28,9 @@ from http_helpers import API_KEY, MODEL, Grpc, tokenizer_checkpoint
 from routed_core import start_routed_server, synthetic_routed
 
 from moe_engine.cli import client as cli
+from moe_engine.disagg.router_engine import RouterEngine
+from moe_engine.errors import ErrorCode, RequestError
+from moe_engine.sampling_params import SamplingParams
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPT = [5, 6, 7, 8, 9]
@@ -198,3 +203,16 @@ def test_moe_client_prints_shape_and_rows(server, dims, capsys) -> None:
     data = json.loads(capsys.readouterr().out)
     assert data["routed_experts_shape"] == [tokens, dims[0], dims[1]]
     np.testing.assert_array_equal(decoded({**data, "index": 0}), expected)
+
+
+def test_moe_router_refuses_it_naming_the_field() -> None:
+    """Disaggregation does not carry the prompt's routing: refused, not answered without it."""
+    async def first() -> None:
+        stream = RouterEngine(pairing=None).generate(  # type: ignore[arg-type]
+            "r", [1, 2], SamplingParams(return_routed_experts=True))
+        await anext(stream)
+
+    with pytest.raises(RequestError) as info:
+        asyncio.run(first())
+    assert info.value.code == ErrorCode.INVALID_ARGUMENT
+    assert info.value.field == "return_routed_experts"
