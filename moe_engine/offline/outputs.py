@@ -51,6 +51,12 @@ class CompletionOutput:
             max_model_len) or "abort"; None while unfinished.
         stop_reason: the stop string or stop token id that ended it; None for EOS, length or
             abort (as vLLM).
+        weight_versions: once finished, every weight version that computed its tokens with
+            the token index each begins at, [(version, start), ...] (start 0 first; empty
+            without tokens); None before.
+        kv_from_other_weights: once finished, whether some K/V its tokens read was computed
+            with other weights than the tokens reading it (`LLM.update_weights_*` while it
+            ran, without a "retract" pause).
     """
 
     index: int
@@ -60,6 +66,8 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    weight_versions: list[tuple[str, int]] | None = None
+    kv_from_other_weights: bool = False
 
     def finished(self) -> bool:
         """True once the completion has a finish reason (vLLM's method of the same name)."""
@@ -129,6 +137,8 @@ class RequestOutputBuilder:
         if delta.finished:
             completion.finish_reason = str(delta.finish_reason)
             completion.stop_reason = delta.stop_reason
+            completion.weight_versions = list(delta.weight_versions or [])
+            completion.kv_from_other_weights = delta.kv_from_other_weights
             self.output.finished = all(c.finished() for c in self.output.outputs)
 
     def _logprob_dict(self, token_id: int, logprob: float, top: dict[int, float]

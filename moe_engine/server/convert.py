@@ -82,6 +82,10 @@ def response_from_output(out: EngineCoreOutput) -> pb.GenerateResponse:
         index=out.index,
         weight_version=out.weight_version,
     )
+    if out.weight_versions is not None:
+        for version, start in out.weight_versions:
+            response.weight_versions.add(weight_version=version, start=start)
+    response.kv_from_other_weights = out.kv_from_other_weights
     if isinstance(out.stop_reason, str):
         response.stop_string = out.stop_reason
     elif isinstance(out.stop_reason, int):

@@ -149,10 +149,17 @@ class Choice:
     #: The weights that computed the latest tokens (an extension field of each choice, as
     #: SGLang's meta_info carries it for RL rollouts).
     weight_version: str = ""
+    #: Once finished: every version that computed its tokens, with the token index each
+    #: begins at, and whether K/V of other weights was read (`version_fields`).
+    weight_versions: list[tuple[str, int]] = field(default_factory=list)
+    kv_from_other_weights: bool = False
 
     def add(self, out: EngineCoreOutput) -> None:
         self.text += out.new_text
         self.weight_version = out.weight_version
+        if out.weight_versions is not None:
+            self.weight_versions = list(out.weight_versions)
+        self.kv_from_other_weights = self.kv_from_other_weights or out.kv_from_other_weights
         self.token_ids += out.new_token_ids
         if out.logprobs:
             for tok, (lp, top) in zip(out.new_token_ids, out.logprobs, strict=False):
@@ -161,6 +168,15 @@ class Choice:
         if out.finished:
             self.finish_reason = finish_reason(out)
             self.stop_reason = out.stop_reason
+
+
+def version_fields(choice: Choice) -> dict[str, Any]:
+    """A finished choice's weight labels (extension fields beside `weight_version`):
+    `weight_versions` [{"weight_version": v, "start": output-token index}, ...] and
+    `kv_from_other_weights` (`EngineCoreOutput`)."""
+    return {"weight_versions": [{"weight_version": v, "start": i}
+                                for v, i in choice.weight_versions],
+            "kv_from_other_weights": choice.kv_from_other_weights}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
