@@ -78,6 +78,9 @@ def output_from_response(response: pb.GenerateResponse) -> EngineCoreOutput:
         index=response.index,
         stop_reason=getattr(response, kind) if kind else None,
         weight_version=response.weight_version,
+        weight_versions=[(w.weight_version, w.start) for w in response.weight_versions]
+        if response.finished else None,
+        kv_from_other_weights=response.kv_from_other_weights,
     )
 
 

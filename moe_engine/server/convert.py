@@ -88,6 +88,10 @@ def response_from_output(out: EngineCoreOutput) -> pb.GenerateResponse:
     if out.routed_experts is not None and out.routed_experts_shape is not None:
         response.routed_experts = out.routed_experts  # the core's int32 bytes, as they are
         response.routed_experts_shape.extend(out.routed_experts_shape)
+    if out.weight_versions is not None:
+        for version, start in out.weight_versions:
+            response.weight_versions.add(weight_version=version, start=start)
+    response.kv_from_other_weights = out.kv_from_other_weights
     if isinstance(out.stop_reason, str):
         response.stop_string = out.stop_reason
     elif isinstance(out.stop_reason, int):

@@ -30,6 +30,7 @@ from moe_engine.server.http.common import (
     sse,
     token_text,
     usage,
+    version_fields,
 )
 from moe_engine.server.http.errors import OpenAIError
 from moe_engine.server.http.protocol import ChatCompletionRequest, ChatMessage, ChatTool
@@ -151,6 +152,7 @@ async def _whole(
         reason = c.finish_reason if parse is None else parse.finish_reason(c.finish_reason)
         entry = {"index": c.index, "message": message, "logprobs": None, "finish_reason": reason,
                  "stop_reason": c.stop_reason, "weight_version": c.weight_version}
+        entry.update(version_fields(c))
         if body.logprobs:
             entry["logprobs"] = chat_logprobs(state, c, 0, body.top_logprobs or 0)
         if body.return_token_ids:
@@ -194,7 +196,8 @@ async def _stream(
                     "logprobs": chat_logprobs(state, c, start, top) if body.logprobs else None,
                     "finish_reason": reason if out.finished else None,
                     "stop_reason": c.stop_reason if out.finished else None,
-                    "weight_version": c.weight_version}
+                    "weight_version": c.weight_version,
+                    **(version_fields(c) if out.finished else {})}
                 if body.return_routed_experts and out.finished:
                     entry.update(routed_experts_json(c))
                 entries.append(entry)

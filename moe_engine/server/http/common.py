@@ -155,10 +155,17 @@ class Choice:
     #: [tokens, moe_layers, top_k] (`EngineCoreOutput.routed_experts`); None before.
     routed_experts: bytes | None = None
     routed_experts_shape: tuple[int, int, int] | None = None
+    #: Once finished: every version that computed its tokens, with the token index each
+    #: begins at, and whether K/V of other weights was read (`version_fields`).
+    weight_versions: list[tuple[str, int]] = field(default_factory=list)
+    kv_from_other_weights: bool = False
 
     def add(self, out: EngineCoreOutput) -> None:
         self.text += out.new_text
         self.weight_version = out.weight_version
+        if out.weight_versions is not None:
+            self.weight_versions = list(out.weight_versions)
+        self.kv_from_other_weights = self.kv_from_other_weights or out.kv_from_other_weights
         self.token_ids += out.new_token_ids
         if out.logprobs:
             for tok, (lp, top) in zip(out.new_token_ids, out.logprobs, strict=False):
@@ -191,6 +198,15 @@ def routed_experts_json(choice: Choice) -> dict[str, Any]:
     shape = choice.routed_experts_shape
     return {"routed_experts": base64.b64encode(data).decode("ascii") if data is not None
             else None, "routed_experts_shape": list(shape) if shape is not None else None}
+
+
+def version_fields(choice: Choice) -> dict[str, Any]:
+    """A finished choice's weight labels (extension fields beside `weight_version`):
+    `weight_versions` [{"weight_version": v, "start": output-token index}, ...] and
+    `kv_from_other_weights` (`EngineCoreOutput`)."""
+    return {"weight_versions": [{"weight_version": v, "start": i}
+                                for v, i in choice.weight_versions],
+            "kv_from_other_weights": choice.kv_from_other_weights}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -23,6 +23,7 @@ from moe_engine.server.http.common import (
     sse,
     token_text,
     usage,
+    version_fields,
 )
 from moe_engine.server.http.errors import OpenAIError
 from moe_engine.server.http.protocol import CompletionRequest
@@ -149,6 +150,7 @@ async def create_completion(state: HttpState, body: CompletionRequest):
         entry = {"index": c.index, "text": prefix + c.text, "logprobs": None,
                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                  "weight_version": c.weight_version}
+        entry.update(version_fields(c))
         if body.logprobs is not None:
             pieces = TokenPieces(state, body.skip_special_tokens).add(c.token_ids, final=True)
             entry["logprobs"] = legacy_logprobs(state, c, 0, pieces, len(prefix))
@@ -196,6 +198,8 @@ async def _stream(
                          "finish_reason": c.finish_reason if out.finished else None,
                          "stop_reason": c.stop_reason if out.finished else None,
                          "weight_version": c.weight_version}
+                if out.finished:
+                    entry.update(version_fields(c))
                 offsets[c.index] += len(prefix)
                 if body.logprobs is not None:
                     new = pieces[c.index].add(out.new_token_ids, out.finished)
