@@ -12,13 +12,19 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from moe_engine.core import reports
 from moe_engine.core.detokenizer import IncrementalDetokenizer
 from moe_engine.core.outputs import CoreStats, EngineCoreOutput, ExpertLoad, ModelInfo
 from moe_engine.core.parallel_sampling import ParentRequest
-from moe_engine.core.validation import check_priority, truncate_prompt, validate_request
+from moe_engine.core.validation import (
+    check_priority,
+    check_routed_experts,
+    truncate_prompt,
+    validate_request,
+)
 from moe_engine.errors import ErrorCode, RequestError
 from moe_engine.instrumentation import ExpertLoadRecorder
 from moe_engine.kv_cache import KVCacheManager
@@ -137,6 +143,11 @@ class EngineCore:
         self.drafter = drafter
         #: Live requests with n > 1, by the client's id.
         self._parents: dict[str, ParentRequest] = {}
+        #: Routing replay: the routing of requests that ended and asked for it, by internal id,
+        #: gathered before their blocks were freed, until their final output takes it.
+        self._routed: dict[str, np.ndarray] = {}
+        if runner.routing_replay is not None:
+            scheduler.on_finish = self._gather_routed_experts
         #: Pause state, weight version and weight updates (`moe_engine.weight_update`).
         self.rollout = RolloutControl(self, config.model.weight_version)
         self.counters = dict(
@@ -180,6 +191,7 @@ class EngineCore:
             prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
         check_priority(params, self.scheduler.config.policy)
+        check_routed_experts(params, self.runner.routing_replay is not None)
         self._check_new_id(request_id, params.n)
         self._check_queue(params.n)
         so = params.structured_outputs
@@ -206,6 +218,12 @@ class EngineCore:
         if params.n > 1:
             self._parents[request_id] = parent
         self.counters["prompt_tokens_total"] += len(prompt_token_ids)
+
+    def _gather_routed_experts(self, req: Request) -> None:
+        """Keep an ending request's routing (`Scheduler.on_finish`: it still holds its
+        blocks) when it asked for it."""
+        if req.sampling_params.return_routed_experts:
+            self._routed[req.request_id] = self.runner.routing_replay.gather(self.kv, req)
 
     def _check_new_id(self, request_id: str, n: int) -> None:
         """Refuse an id that is live (or that a live request's completion uses)."""
@@ -296,9 +314,13 @@ class EngineCore:
         out = self.scheduler.schedule()
         self._last_num_tokens = out.total_num_tokens
         now = time.monotonic()
+        epoch = self.kv.weights_epoch
         for scheduled in out.scheduled:
-            if scheduled.request.scheduled_time is None:
-                scheduled.request.scheduled_time = now
+            req = scheduled.request
+            if req.scheduled_time is None:
+                req.scheduled_time = now
+            if req.kv_weights_epoch != epoch:  # it reads K/V of weights no longer serving
+                req.kv_from_other_weights = True
         if out.is_empty:
             if self.rank_context is not None:
                 self.runner.execute_idle()
@@ -317,6 +339,8 @@ class EngineCore:
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             new = req.output_token_ids[before[req.request_id] :]
+            if new:
+                req.note_weight_version(self.rollout.weight_version, before[req.request_id])
             self.counters["generation_tokens_total"] += len(new)
             lps = logprobs.get(req.request_id)
             out = self._buffered(req, new, lps[: len(new)] if lps is not None else None)
@@ -360,6 +384,9 @@ class EngineCore:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         self.counters["generation_tokens_total"] += len(tokens)
+        if tokens:
+            req.note_weight_version(self.rollout.weight_version,
+                                    req.num_output_tokens - len(tokens))
         for _ in tokens:
             self.sampler.skip_draw(req, self.vocab_size)
         out = self._buffered(req, tokens, lps)
@@ -420,8 +447,20 @@ class EngineCore:
             stop_reason=req.stop_reason if final else None,
             weight_version=self.rollout.weight_version,
             decode_s=self._decode_s(req) if final else None,
+            weight_versions=list(req.weight_versions) if final else None,
+            kv_from_other_weights=final and req.kv_from_other_weights,
             **(self._intervals(req) if final else {}),
+            **(self._routed_experts(req) if final else {}),
         )
+
+    def _routed_experts(self, req: Request) -> dict[str, Any]:
+        """A finished request's `routed_experts` (raw little-endian int32, C order) and
+        `routed_experts_shape` [tokens, moe_layers, top_k] where it asked for them."""
+        rows = self._routed.pop(req.request_id, None)
+        if rows is None:
+            return {}
+        return {"routed_experts": rows.astype("<i4", copy=False).tobytes(),
+                "routed_experts_shape": tuple(int(d) for d in rows.shape)}
 
     @staticmethod
     def _intervals(req: Request) -> dict[str, float | None]:

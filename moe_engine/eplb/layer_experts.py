@@ -48,7 +48,7 @@ class ExpertField:
     @property
     def nbytes(self) -> int:
         """Bytes of one slot's row."""
-        return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+        return torch.Size(self.shape).numel() * self.dtype.itemsize
 
 
 class LayerExperts:
@@ -104,10 +104,14 @@ class LayerExperts:
             stacked = {**self._canonical(), **{b: getattr(self.moe, b) for b in BIAS_FIELDS}}
         return {f.name: stacked[f.name].data for f in self.fields}
 
-    def slot_bytes(self, sources: dict[str, torch.Tensor], slot: int) -> torch.Tensor:
-        """Local slot `slot`'s expert as [expert_bytes] uint8: its fields' bytes, in order."""
-        return torch.cat([sources[f.name][slot].reshape(-1).view(torch.uint8)
-                          for f in self.fields])
+    def write_slot(self, sources: dict[str, torch.Tensor], slot: int, out: torch.Tensor
+                   ) -> None:
+        """Local slot `slot`'s expert into `out` ([expert_bytes] uint8): its fields' bytes, in
+        field order (what `stage_bytes` reads back)."""
+        start = 0
+        for f in self.fields:
+            out[start : start + f.nbytes].copy_(sources[f.name][slot].reshape(-1).view(torch.uint8))
+            start += f.nbytes
 
     def new_staging(self, rows: int) -> dict[str, torch.Tensor]:
         """Empty staging for `rows` slots: field name -> [rows, *shape] on the layer's device."""

@@ -33,9 +33,12 @@ Protocol, on every rank of the expert-parallel group, in the same lockstep itera
   inside commit leaves the layers half-written: the caller ends the engine (as an in-place
   weight update does).
 
-Bytes: one expert of a float layer is (2I·H + H·I) x dtype bytes (+ (2I + H) x dtype with
-biases); int4 with group G: 3I·H/2 codes + 3I·H/G scales (+ zero points where stored);
-MXFP4: 3I·H/2 codes + 3I·H/32 scales.
+Bytes of one expert of one layer (`LayerExperts.expert_bytes`): float 3·I·H x dtype bytes
+(w13 2I x H, w2 H x I; + (2I + H) x dtype with biases); int4 with group G: 3·I·H/2 bytes of
+codes + 3·I·H/G scales x scale bytes (+ 3·I·H/G bytes of zero points where stored); MXFP4:
+3·I·H/2 + 3·I·H/32 bytes; biases as float. A move sends each transferred expert once per
+layer; local copies cross no wire. At the tests' tiny size (H 32, I 16, float32, biases) an
+expert is 6,400 bytes per layer; Qwen3-30B-A3B's (H 2048, I 768, bf16) 9.0 MiB per layer.
 """
 
 from __future__ import annotations
@@ -105,7 +108,9 @@ class ExpertMover:
     """Moves the experts of `moes` from one placement to another (module doc).
 
     Args:
-        moes: every MoE layer of the model on this rank, sharded by the serving placement and
+        moes: every MoE layer of the model on this rank that routes through `communicator`
+            (MTP / draft layers included: a layer left out would keep its old slots while the
+            communicator routes by the new placement), sharded by the serving placement and
             bound to `plan`.
         communicator: the layers' communicator (each layer's `communicator` must be it).
         rank: this rank in `group`.
@@ -116,6 +121,9 @@ class ExpertMover:
         decoder_layers: decoder layers whose native decode kernel (`layer.decode_kernel`)
             holds a moved layer's packed experts; their kernel is attached again at commit.
             (Expert-parallel layers never take it today: `native_decode.decode_misfit`.)
+
+    Construction reads every 4-bit layer's stored layout once (on native-cpu an unpacked
+    copy of one layer at a time, dropped at once): the check that it can be moved.
 
     Raises:
         ValueError: no layers, a layer on another communicator, layers of different slot
@@ -222,17 +230,20 @@ class ExpertMover:
 
         Raises:
             RuntimeError: no move begun, or `step` has not returned True yet.
+            ValueError: the communicator refuses the new placement (`set_placement`, e.g.
+                the no-op communicator and a non-contiguous one); nothing changed, the move
+                is still staged (`cancel` drops it).
         """
         move = self._move
         if move is None or not move.done:
             raise RuntimeError("commit() before step() returned True: the move is not staged")
         start = time.perf_counter()
+        self.communicator.set_placement(move.new)  # first: a refusal leaves the layers as they are
         local = move.new.local_experts(self.rank)
         for index, layer in enumerate(self.layers):
             if move.slots:
                 layer.commit(move.slots, self._staging.pop(index), self.plan)
             layer.moe.set_local_experts(local)
-        self.communicator.set_placement(move.new)
         moved = {id(moe) for moe in self.moes} if move.slots else set()
         for decoder in self.decoder_layers:
             if id(getattr(decoder, "mlp", None)) in moved:
@@ -247,37 +258,51 @@ class ExpertMover:
             steps=len(move.chunks),
         )
 
+    def cancel(self) -> None:
+        """Drop a move begun and not committed (its staged experts); the layers keep serving
+        the old placement. Every rank, same iteration (no collective). Use it when the serving
+        weights change under a move (an RL weight update): what was staged is of the old
+        weights. Nothing happens when no move is in progress."""
+        self._move, self._staging, self._sources = None, {}, {}
+
     # ------------------------------------------------------------------ one chunk
 
     def _run_chunk(self, move: _Move, chunk: list[Unit]) -> None:
         """Local copies, then one all-to-all of every transfer of the chunk (none when the
         chunk has no transfer on any rank)."""
         world, rank = self.world_size, self.rank
-        send: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        sends: list[list[tuple[int, int]]] = [[] for _ in range(world)]  # (layer, slot) by dst
         expect: list[list[tuple[int, int]]] = [[] for _ in range(world)]  # (layer, row) by src
         for layer, copy in chunk:
-            if copy.dst_rank == rank and copy.local:
-                row = move.slots.index(copy.dst_slot)
-                self.layers[layer].stage_local(self._staging_of(move, layer), row,
-                                               self._sources_of(layer), copy.src_slot)
+            if copy.local:
+                if copy.dst_rank == rank:
+                    self.layers[layer].stage_local(
+                        self._staging_of(move, layer), move.slots.index(copy.dst_slot),
+                        self._sources_of(layer), copy.src_slot)
             elif copy.src_rank == rank:
-                sources = self._sources_of(layer)
-                send[copy.dst_rank].append(self.layers[layer].slot_bytes(sources, copy.src_slot))
+                sends[copy.dst_rank].append((layer, copy.src_slot))
             elif copy.dst_rank == rank:
                 expect[copy.src_rank].append((layer, move.slots.index(copy.dst_slot)))
         if all(copy.local for _, copy in chunk):
             return
+        send_splits = [sum(self.layers[layer].expert_bytes for layer, _ in units)
+                       for units in sends]
+        recv_splits = [sum(self.layers[layer].expert_bytes for layer, _ in units)
+                       for units in expect]
         device = self.layers[0].device
-        send_splits = [sum(t.numel() for t in pieces) for pieces in send]
-        recv_splits = [sum(self.layers[layer].expert_bytes for layer, _ in rows)
-                       for rows in expect]
-        flat = [t for pieces in send for t in pieces]
-        payload = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8, device=device)
+        payload = torch.empty(sum(send_splits), dtype=torch.uint8, device=device)
+        start = 0
+        for units in sends:  # by destination rank, each in chunk order
+            for layer, slot in units:
+                size = self.layers[layer].expert_bytes
+                self.layers[layer].write_slot(self._sources_of(layer), slot,
+                                              payload[start : start + size])
+                start += size
         received = torch.empty(sum(recv_splits), dtype=torch.uint8, device=device)
         dist.all_to_all_single(received, payload, recv_splits, send_splits, group=self.group)
         start = 0
-        for rows in expect:  # by source rank, each in chunk order: the order it was sent in
-            for layer, row in rows:
+        for units in expect:  # by source rank, each in chunk order: the order it was sent in
+            for layer, row in units:
                 size = self.layers[layer].expert_bytes
                 self.layers[layer].stage_bytes(self._staging_of(move, layer), row,
                                                received[start : start + size])

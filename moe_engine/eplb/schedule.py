@@ -6,7 +6,9 @@ from (old, new) alone, so the transfers need no negotiation and every rank makes
 collective calls in the same order:
 
 - A slot whose expert does not change is left alone. A changed slot (rank r, slot s) gets
-  expert e = new[r][s] as one `ExpertCopy`, in (rank, slot) order.
+  expert e = new[r][s] as one `ExpertCopy`; sources are chosen in (rank, slot) order, and the
+  copies are then interleaved over the destination ranks (every rank's first changed slot,
+  then every rank's second, ...) so that a step under a tight budget has every rank at work.
 - **Source choice** (deterministic): if rank r already holds e in another old slot, the copy
   is local (r to r, no transfer). Otherwise the source is the old holder of e with the fewest
   transfers assigned so far in this schedule, ties broken by the lowest rank; so the sending
@@ -50,7 +52,8 @@ class MoveSchedule:
     """The copies that turn `old` into `new`, the same on every rank.
 
     Attributes:
-        copies: one per changed (rank, slot), ordered by destination rank then slot.
+        copies: one per changed (rank, slot): each rank's first changed slot (ranks in
+            order), then each rank's second, and so on.
         ep_size: ranks of the group.
     """
 
@@ -89,6 +92,14 @@ def plan_moves(old: ExpertPlacement, new: ExpertPlacement) -> MoveSchedule:
                 sends[src_rank] += 1
             src_slot = old.slots[src_rank].index(expert)
             copies.append(ExpertCopy(expert, src_rank, src_slot, dst_rank, dst_slot))
+    # interleave the ranks (each one's first copy, then each one's second, ...), so that a
+    # step under a tight budget keeps every rank receiving instead of one after the other
+    changed = [0] * old.ep_size
+    keys = {}
+    for c in copies:
+        keys[c] = (changed[c.dst_rank], c.dst_rank)
+        changed[c.dst_rank] += 1
+    copies.sort(key=keys.__getitem__)
     return MoveSchedule(tuple(copies), old.ep_size)
 
 
