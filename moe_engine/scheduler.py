@@ -105,6 +105,9 @@ class Scheduler:
         #: from a prefill instance (`park_for_remote_kv`, `remote_kv_arrived`); in `requests`,
         #: in neither queue.
         self.awaiting_kv: dict[str, Request] = {}
+        #: Called with each request that ends (`finish_request`), its finish reason set, while
+        #: it still holds its blocks (routing replay gathers through its block table).
+        self.on_finish: Callable[[Request], None] | None = None
 
     @property
     def num_unfinished(self) -> int:
@@ -328,6 +331,8 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.grammar = None  # its matcher is no longer needed
+        if self.on_finish is not None:
+            self.on_finish(req)
         if req.hold_kv and reason != FinishReason.ABORT:
             self.held[request_id] = req  # its blocks go to a decode instance first
         else:

@@ -33,6 +33,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "moe_engine.structured_output",
             "moe_engine.instrumentation",
             "moe_engine.phase_timer",
+            "moe_engine.routing_capture",
             "moe_engine.skew",
         ),
     ),

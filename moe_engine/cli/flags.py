@@ -165,6 +165,18 @@ def add_prefix_caching_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_routed_experts_args(p: argparse.ArgumentParser) -> None:
+    """--enable-return-routed-experts (`EngineConfig.enable_return_routed_experts`; vLLM's
+    flag name)."""
+    p.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="record every token's top-k expert ids per MoE layer (kept per KV slot on the "
+        "host), so that requests may ask for them with return_routed_experts (routing replay "
+        "for RL; docs/rl.md)",
+    )
+
+
 def add_quant_args(p: argparse.ArgumentParser) -> None:
     """4-bit weights: --quantization, --quant-group-size, --quantized-layers
     (`QuantConfig`)."""

@@ -9,7 +9,8 @@ and gRPC.
               [--max-num-seqs N]
               [--max-num-batched-tokens N] [--stream-interval N] [--kv-cache-memory BYTES]
               [--block-size N]
-              [--enable-prefix-caching] [--device auto|cpu|cuda] [--gpu-memory-utilization F]
+              [--enable-prefix-caching] [--enable-return-routed-experts]
+              [--device auto|cpu|cuda] [--gpu-memory-utilization F]
               [--cpu-memory-utilization F]
               [--enforce-eager]
               [--metrics-port P] [--max-message-bytes BYTES] [--log-level LEVEL]
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_cache_args(p)
     flags.add_disagg_args(p)
     flags.add_prefix_caching_args(p)
+    flags.add_routed_experts_args(p)
     flags.add_quant_args(p)
     server_flags.add_message_args(p)
     flags.add_device_args(p)
@@ -171,6 +173,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str,
             expert_placement=args.expert_placement,
         ),
         expert_trace=args.expert_trace,
+        enable_return_routed_experts=args.enable_return_routed_experts,
         kernel_backend=args.kernel_backend,
         disagg=DisaggConfig(mode=args.disaggregation_mode, backend=args.kv_transfer_backend,
                             host=args.kv_transfer_host, timeout_s=args.kv_transfer_timeout_s),

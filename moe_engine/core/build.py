@@ -35,6 +35,7 @@ from moe_engine.runner.cuda_graphs import (
     graphs_off_reason,
 )
 from moe_engine.runner.model_runner import ModelRunner
+from moe_engine.runner.routed_experts import RoutingReplay
 from moe_engine.runner.sampler import Sampler
 from moe_engine.runner.spec_decode.drafter import Drafter
 from moe_engine.runner.warmup import (
@@ -229,12 +230,36 @@ def _runner(
     )
     sched = config.scheduler
     runner.reserve_inputs(sched.max_num_batched_tokens, sched.max_num_seqs, built.max_model_len)
+    if config.enable_return_routed_experts:  # before graphs: they write its device buffer
+        runner.routing_replay = _routing_replay(config, built, kv_groups, runner)
     _warm_up_kernels(config, built, runner, device, progress)
     timer.reset()
     _capture_graphs(config, runner, timer, built.max_model_len, graphs_off, capture, progress)
     if runner.decode_graphs is not None and plan.graph_pool_bytes:
         _check_graph_pool(runner.decode_graphs.memory_bytes, plan.graph_pool_bytes)
     return runner
+
+
+def _routing_replay(
+    config: EngineConfig, built: BuiltModel, kv_groups: list, runner: ModelRunner
+) -> RoutingReplay:
+    """The routing-replay capture and store (`runner.routed_experts`), logged with its bytes.
+
+    Raises:
+        StartupError: a model without MoE layers or without a KV-cache group that keeps every
+            block of a request.
+    """
+    sched, block_size = config.scheduler, config.cache.block_size
+    physical = built.plan.num_blocks + 1 + (runner.scratch_block is not None)
+    capacity = max(sched.max_num_batched_tokens,
+                   sched.max_num_seqs * (1 + config.speculative.num_speculative_tokens))
+    try:
+        replay = RoutingReplay(built.model, [g.spec for g in kv_groups], physical * block_size,
+                               block_size, capacity, runner.device)
+    except ValueError as e:
+        raise StartupError(str(e)) from e
+    logger.info("%s", replay.describe())
+    return replay
 
 
 def _check_graph_pool(took: int, estimate: int) -> None:

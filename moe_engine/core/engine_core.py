@@ -12,13 +12,19 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from moe_engine.core import reports
 from moe_engine.core.detokenizer import IncrementalDetokenizer
 from moe_engine.core.outputs import CoreStats, EngineCoreOutput, ExpertLoad, ModelInfo
 from moe_engine.core.parallel_sampling import ParentRequest
-from moe_engine.core.validation import check_priority, truncate_prompt, validate_request
+from moe_engine.core.validation import (
+    check_priority,
+    check_routed_experts,
+    truncate_prompt,
+    validate_request,
+)
 from moe_engine.errors import ErrorCode, RequestError
 from moe_engine.instrumentation import ExpertLoadRecorder
 from moe_engine.kv_cache import KVCacheManager
@@ -134,6 +140,11 @@ class EngineCore:
         self.drafter = drafter
         #: Live requests with n > 1, by the client's id.
         self._parents: dict[str, ParentRequest] = {}
+        #: Routing replay: the routing of requests that ended and asked for it, by internal id,
+        #: gathered before their blocks were freed, until their final output takes it.
+        self._routed: dict[str, np.ndarray] = {}
+        if runner.routing_replay is not None:
+            scheduler.on_finish = self._gather_routed_experts
         #: Pause state, weight version and weight updates (`moe_engine.weight_update`).
         self.rollout = RolloutControl(self, config.model.weight_version)
         self.counters = dict(
@@ -177,6 +188,7 @@ class EngineCore:
             prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
         check_priority(params, self.scheduler.config.policy)
+        check_routed_experts(params, self.runner.routing_replay is not None)
         self._check_new_id(request_id, params.n)
         self._check_queue(params.n)
         so = params.structured_outputs
@@ -203,6 +215,12 @@ class EngineCore:
         if params.n > 1:
             self._parents[request_id] = parent
         self.counters["prompt_tokens_total"] += len(prompt_token_ids)
+
+    def _gather_routed_experts(self, req: Request) -> None:
+        """Keep an ending request's routing (`Scheduler.on_finish`: it still holds its
+        blocks) when it asked for it."""
+        if req.sampling_params.return_routed_experts:
+            self._routed[req.request_id] = self.runner.routing_replay.gather(self.kv, req)
 
     def _check_new_id(self, request_id: str, n: int) -> None:
         """Refuse an id that is live (or that a live request's completion uses)."""
@@ -429,7 +447,17 @@ class EngineCore:
             weight_versions=list(req.weight_versions) if final else None,
             kv_from_other_weights=final and req.kv_from_other_weights,
             **(self._intervals(req) if final else {}),
+            **(self._routed_experts(req) if final else {}),
         )
+
+    def _routed_experts(self, req: Request) -> dict[str, Any]:
+        """A finished request's `routed_experts` (raw little-endian int32, C order) and
+        `routed_experts_shape` [tokens, moe_layers, top_k] where it asked for them."""
+        rows = self._routed.pop(req.request_id, None)
+        if rows is None:
+            return {}
+        return {"routed_experts": rows.astype("<i4", copy=False).tobytes(),
+                "routed_experts_shape": tuple(int(d) for d in rows.shape)}
 
     @staticmethod
     def _intervals(req: Request) -> dict[str, float | None]:

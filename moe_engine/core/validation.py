@@ -93,6 +93,24 @@ def check_priority(params: SamplingParams, policy: str) -> None:
         )
 
 
+def check_routed_experts(params: SamplingParams, enabled: bool) -> None:
+    """Refuse `return_routed_experts` from an engine started without
+    `--enable-return-routed-experts` (vLLM's flag of that name: the routing is recorded only
+    when the engine was started to).
+
+    Raises:
+        RequestError: INVALID_ARGUMENT "return_routed_experts".
+    """
+    if params.return_routed_experts and not enabled:
+        raise RequestError(
+            ErrorCode.INVALID_ARGUMENT,
+            "return_routed_experts",
+            "return_routed_experts: this engine does not record the routed experts; start it "
+            "with --enable-return-routed-experts (LLM(..., enable_return_routed_experts=True))"
+            " to return them",
+        )
+
+
 def _check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
     n = len(prompt_token_ids)
     if n == 0:

@@ -70,7 +70,9 @@ class LLM(WeightUpdateMethods):
         cpu_memory_utilization (fraction in (0, 1] of the host's memory, on a CPU),
         speculative_method ("ngram" or None), num_speculative_tokens, ngram_min, ngram_max,
         speculative_disable_by_batch_size, weight_version, seed, scheduling_policy ("fcfs" or
-        "priority"): as the `moe-serve` flags of the same names. Weight updates:
+        "priority"), enable_return_routed_experts (then a request with
+        `SamplingParams(return_routed_experts=True)` gets `outputs[i].routed_experts`, see
+        `CompletionOutput`): as the `moe-serve` flags of the same names. Weight updates:
         `update_weights_from_disk`,
         `init_weight_update_group` / `update_weights_from_distributed` (`llm_weights.py`).
 
@@ -106,6 +108,7 @@ class LLM(WeightUpdateMethods):
         weight_version: str = "default",
         tokenizer: str | None = None,
         scheduling_policy: str = SchedulerConfig.policy,
+        enable_return_routed_experts: bool = False,
     ) -> None:
         if model == "demo":
             from moe_engine.startup.demo import ensure_demo_checkpoint
@@ -149,6 +152,7 @@ class LLM(WeightUpdateMethods):
                     speculative_method, num_speculative_tokens, ngram_min, ngram_max,
                     speculative_disable_by_batch_size,
                 ),
+                enable_return_routed_experts=enable_return_routed_experts,
             )
         )
         self._next_id = 0

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
     from moe_engine.core.outputs import EngineCoreOutput
 
@@ -51,6 +53,11 @@ class CompletionOutput:
             max_model_len) or "abort"; None while unfinished.
         stop_reason: the stop string or stop token id that ended it; None for EOS, length or
             abort (as vLLM).
+        routed_experts: with `SamplingParams.return_routed_experts` (and an engine started
+            with `enable_return_routed_experts`), once finished: [tokens, moe_layers, top_k]
+            int32 logical expert ids the router chose for every token the model ran for this
+            completion (prompt, then outputs but the last: positions [0, seqlen - 1));
+            docs/rl.md "Routing replay". None otherwise.
         weight_versions: once finished, every weight version that computed its tokens with
             the token index each begins at, [(version, start), ...] (start 0 first; empty
             without tokens); None before.
@@ -66,6 +73,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    routed_experts: np.ndarray | None = None
     weight_versions: list[tuple[str, int]] | None = None
     kv_from_other_weights: bool = False
 
@@ -137,6 +145,10 @@ class RequestOutputBuilder:
         if delta.finished:
             completion.finish_reason = str(delta.finish_reason)
             completion.stop_reason = delta.stop_reason
+            if delta.routed_experts is not None and delta.routed_experts_shape is not None:
+                completion.routed_experts = np.frombuffer(
+                    delta.routed_experts, dtype="<i4"
+                ).reshape(delta.routed_experts_shape).astype(np.int32)
             completion.weight_versions = list(delta.weight_versions or [])
             completion.kv_from_other_weights = delta.kv_from_other_weights
             self.output.finished = all(c.finished() for c in self.output.outputs)

@@ -53,6 +53,7 @@ from moe_engine.models.layers.attention import (
 from moe_engine.models.layers.gated_delta_net import LinearAttentionMetadata
 from moe_engine.runner.cuda_graphs import DecodeGraphs, GraphCapture, GraphTarget
 from moe_engine.runner.inputs import StepInputBuilder
+from moe_engine.runner.routed_experts import RoutingReplay
 from moe_engine.runner.sampler import Sampler, StepSamples
 from moe_engine.runner.spec_decode.mtp import MTPDrafter
 from moe_engine.runner.spec_decode.verify import sample_with_drafts
@@ -129,6 +130,9 @@ class ModelRunner:
         self.scratch_block = num_blocks + 1 if scratch_block else None
         #: The captured decode graphs (`capture_decode_graphs`), or None: every step eager.
         self.decode_graphs: DecodeGraphs | None = None
+        #: Routing replay (`--enable-return-routed-experts`, `runner.routed_experts`): set by
+        #: the build before graphs are captured; None: off.
+        self.routing_replay: RoutingReplay | None = None
         physical = num_blocks + (1 if scratch_block else 0)
         slots = [
             _allocate_slot(kv_groups[0].spec, physical, kv_dtype, self.device)
@@ -281,6 +285,8 @@ class ModelRunner:
                 s.request.request_id: t for s, t in zip(rows, samples.token_ids, strict=True)
             }
             samples.proposals = self.mtp.propose(ordered, hidden, emitted, tables, rows)
+        if self.routing_replay is not None:  # after the sampler's sync: the copy does not wait
+            self.routing_replay.store_step(ordered, tables)
         return rows, samples
 
     @torch.inference_mode()
@@ -422,19 +428,23 @@ def _communicators(model: MoeCausalLM) -> list[Communicator]:
 
 @contextmanager
 def _quiet_moe_layers(model: MoeCausalLM) -> Iterator[None]:
-    """Detach the MoE layers' load recorders and keep the communicators' counters as they
-    were, for a forward that serves no request (the profile run)."""
+    """Detach the MoE layers' load recorders and routing-replay captures and keep the
+    communicators' counters as they were, for a forward that serves no request (the profile
+    run)."""
     layers = [moe for _, moe in model.moe_layers()]
     recorders = [moe.load_recorder for moe in layers]
+    captures = [(moe.routed_capture, moe.routed_row) for moe in layers]
     stats = [getattr(moe.communicator, "stats", None) for moe in layers]
     saved = [(s.last.copy(), s.total.copy()) if s is not None else None for s in stats]
     for moe in layers:
         moe.load_recorder = None
+        moe.attach_routed_capture(None)
     try:
         yield
     finally:
-        for moe, recorder in zip(layers, recorders, strict=True):
+        for moe, recorder, (capture, row) in zip(layers, recorders, captures, strict=True):
             moe.load_recorder = recorder
+            moe.attach_routed_capture(capture, row)
         for s, kept in zip(stats, saved, strict=True):
             if s is not None and kept is not None:
                 s.last, s.total = kept

@@ -190,7 +190,8 @@ class DecoderLayer(nn.Module):
                 if residual is not None:
                     h = h + residual
                 # counted once a step, for all layers (DecodeStep.record_routing)
-                ids = step.topk_ids(self.mlp.layer_index, self.mlp.load_recorder)
+                ids = step.topk_ids(self.mlp.layer_index, self.mlp.load_recorder,
+                                    self.mlp.routed_capture, self.mlp.routed_row)
                 with self.timer.phase("decode_layer") if self.timer is not None else _NO_PHASE:
                     kernel.run(h, args, kv_cache, step.topk_weights, ids)
                 return h, None

@@ -28,6 +28,7 @@ from moe_engine.models.layers.routing import (
 )
 from moe_engine.models.layers.shared_experts import SharedExperts
 from moe_engine.phase_timer import PhaseTimer
+from moe_engine.routing_capture import RoutedExpertsCapture
 from quant.int4 import Int4Weight
 
 
@@ -202,6 +203,10 @@ class FusedMoE(nn.Module):
         self.pending_int4: dict[tuple[int, str], Int4Weight] = {}  # (slot, shard)
         self.pending_mxfp4: dict[tuple[str, str], torch.Tensor] = {}  # (shard, part)
         self.load_recorder: ExpertLoadRecorder | None = None
+        #: Routing replay (`attach_routed_capture`): where the router's top-k ids go, and
+        #: this layer's row there; None: not recorded.
+        self.routed_capture: RoutedExpertsCapture | None = None
+        self.routed_row = -1
         self.timer: PhaseTimer | None = None
         self.ep_rank: int | None = None  # set by shard_experts
         self.layer_index = -1
@@ -247,6 +252,11 @@ class FusedMoE(nn.Module):
         """Count this layer's routing into `recorder` under decoder layer `layer_index`."""
         self.load_recorder, self.layer_index = recorder, layer_index
 
+    def attach_routed_capture(self, capture: RoutedExpertsCapture | None, row: int = -1) -> None:
+        """Write this layer's router top-k ids into row `row` of `capture` every forward
+        (routing replay; None: stop)."""
+        self.routed_capture, self.routed_row = capture, row
+
     def quantize(
         self, method: str, group_size: int, scale_dtype: torch.dtype = torch.float32
     ) -> None:
@@ -287,6 +297,8 @@ class FusedMoE(nn.Module):
         with timer.phase("router"):
             counts = self._count_in_router(hidden.shape[0])
             topk_weights, topk_ids = self._route(hidden, counts)
+            if self.routed_capture is not None:  # logical ids, before any zero-expert split
+                self.routed_capture.record(self.routed_row, topk_ids)
             zero_weight = None
             if self.zero_experts:
                 topk_weights, topk_ids, zero_weight = split_zero_experts(

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from moe_engine.instrumentation import ExpertLoadRecorder
     from moe_engine.models.layers.attention import AttentionMetadata
     from moe_engine.models.layers.linear import Linear
+    from moe_engine.routing_capture import RoutedExpertsCapture
 
 
 class DecodeStep:
@@ -61,6 +62,8 @@ class DecodeStep:
         self._ids: torch.Tensor | None = None  # [num_layers, T, k] int32
         self._routed: list[int] = []  # layers whose slice of _ids holds their routing
         self._recorder: ExpertLoadRecorder | None = None  # theirs
+        self._captured: list[tuple[int, int]] = []  # (layer, capture row): routing replay
+        self._capture: RoutedExpertsCapture | None = None
         self._args: dict[int, DecodeStepArgs | None] = {}
 
     @classmethod
@@ -88,22 +91,31 @@ class DecodeStep:
                 self._ids = torch.empty(self.num_layers, t, self.top_k, dtype=torch.int32)
         return self._args[group]
 
-    def topk_ids(self, layer: int, recorder: ExpertLoadRecorder | None) -> torch.Tensor:
+    def topk_ids(self, layer: int, recorder: ExpertLoadRecorder | None,
+                 capture: RoutedExpertsCapture | None = None, row: int = -1) -> torch.Tensor:
         """Decoder layer `layer`'s [T, k] int32 routing buffer (after a group's `args` said
         yes); the layer's kernel writes it, and `record_routing` adds it to `recorder` (the
-        layer's, or None: not recorded)."""
+        layer's, or None: not recorded) and writes it to row `row` of `capture` (routing
+        replay; None: not captured)."""
         assert self._ids is not None, "args() made no routing buffers"
         if recorder is not None:
             self._routed.append(layer)
             self._recorder = recorder
+        if capture is not None:
+            self._captured.append((layer, row))
+            self._capture = capture
         return self._ids[layer]
 
     def record_routing(self) -> None:
         """Add the native layers' routing to their recorder in one `index_add_` (as
-        `FusedMoE.forward` records the module path's, layer by layer)."""
+        `FusedMoE.forward` records the module path's, layer by layer), and write it to the
+        routing-replay capture where one is attached."""
         if self._routed:
             layers = self._routed
             self._recorder.record_layers(layers, self._ids[layers])
+        if self._captured:
+            layers = [layer for layer, _ in self._captured]
+            self._capture.record_layers([row for _, row in self._captured], self._ids[layers])
 
 
 def attach_decode_kernel(layer: DecoderLayer, plan: KernelPlan) -> None:

@@ -26,6 +26,7 @@ from moe_engine.server.http.chat_render import render_text
 from moe_engine.server.http.common import (
     SSE_DONE,
     Choice,
+    routed_experts_json,
     sse,
     token_text,
     usage,
@@ -156,6 +157,8 @@ async def _whole(
             entry["logprobs"] = chat_logprobs(state, c, 0, body.top_logprobs or 0)
         if body.return_token_ids:
             entry["token_ids"] = c.token_ids
+        if body.return_routed_experts:
+            entry.update(routed_experts_json(c))
         out.append(entry)
     return JSONResponse({**meta, "object": "chat.completion", "choices": out,
                          "usage": chat_usage(prompt_tokens, choices, parses)})
@@ -188,13 +191,16 @@ async def _stream(
                         c.finish_reason)
                     if not (delta or out.finished or (body.logprobs and out.new_token_ids)):
                         continue
-                entries.append({
+                entry = {
                     "index": c.index, "delta": delta,
                     "logprobs": chat_logprobs(state, c, start, top) if body.logprobs else None,
                     "finish_reason": reason if out.finished else None,
                     "stop_reason": c.stop_reason if out.finished else None,
                     "weight_version": c.weight_version,
-                    **(version_fields(c) if out.finished else {})})
+                    **(version_fields(c) if out.finished else {})}
+                if body.return_routed_experts and out.finished:
+                    entry.update(routed_experts_json(c))
+                entries.append(entry)
             if entries:
                 yield sse({**chunk, "choices": entries})
         if include_usage:

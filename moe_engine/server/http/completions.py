@@ -18,6 +18,7 @@ from moe_engine.core.validation import truncate_prompt
 from moe_engine.server.http.common import (
     SSE_DONE,
     Choice,
+    routed_experts_json,
     sampling_params,
     sse,
     token_text,
@@ -155,6 +156,8 @@ async def create_completion(state: HttpState, body: CompletionRequest):
             entry["logprobs"] = legacy_logprobs(state, c, 0, pieces, len(prefix))
         if body.return_token_ids:
             entry["token_ids"] = c.token_ids
+        if body.return_routed_experts:
+            entry.update(routed_experts_json(c))
         out.append(entry)
     completion_tokens = sum(c.num_output_tokens for c in choices)
     return JSONResponse({**meta, "object": "text_completion", "choices": out,
@@ -202,6 +205,8 @@ async def _stream(
                     new = pieces[c.index].add(out.new_token_ids, out.finished)
                     entry["logprobs"] = legacy_logprobs(state, c, start, new, offsets[c.index])
                     offsets[c.index] += sum(map(len, new))
+                if body.return_routed_experts and out.finished:
+                    entry.update(routed_experts_json(c))
                 entries.append(entry)
             yield sse({**meta, "object": "text_completion", "choices": entries})
         if include_usage:
