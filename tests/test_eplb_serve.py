@@ -162,6 +162,8 @@ def test_eplb_metrics(served) -> None:
     assert f"moe_engine_eplb_rebalances_total {float(n)}" in text, text
     assert 'moe_engine_eplb_balancedness{when="after_measured"}' in text
     assert 'moe_engine_eplb_seconds_total{phase="commit"}' in text
+    decisions = served["after"].eplb.num_decisions
+    assert f"moe_engine_eplb_decisions_total {float(decisions)}" in text
 
 
 def test_greedy_tokens_equal_ep1(served, skewed_ckpt: Path) -> None:

@@ -180,8 +180,11 @@ class EplbController:
         self.stats.balancedness = measured
         self.stats.balancedness_predicted = decision.balancedness_before
         if decision.placement is None:
-            logger.debug("EPLB step %d: %s (balancedness %.3f)", self.steps, decision.reason,
-                         decision.balancedness_before)
+            # INFO, once per interval: a controller that stopped deciding shows (vLLM #57883)
+            logger.info("EPLB step %d: no move, %s (rank balancedness %.3f predicted, %.3f "
+                        "measured, threshold %.3f)", self.steps, decision.reason,
+                        decision.balancedness_before, measured,
+                        self.config.balancedness_threshold)
             return
         self._pending = RebalanceRecord(
             step=self.steps,
