@@ -16,7 +16,7 @@ import torch
 
 from comm import ExpertPlacement
 from moe_engine.core.eplb_stats import EplbStats, merge_eplb_stats
-from moe_engine.eplb.controller import EplbController, placement_checksum
+from moe_engine.eplb.controller import EplbController
 from moe_engine.eplb.policy import (
     MIN_GAIN,
     align_slots,
@@ -98,7 +98,7 @@ def test_decision_is_deterministic() -> None:
     current = ExpertPlacement.contiguous(E, N)
     a = decide(skewed_load(seed=3), current, 1.0)
     b = decide(skewed_load(seed=3).copy(), ExpertPlacement.contiguous(E, N), 1.0)
-    assert a == b and placement_checksum(a.placement) == placement_checksum(b.placement)
+    assert a == b
 
 
 # ------------------------------------------------------------------ the controller
@@ -225,8 +225,8 @@ def _run_ranks(local_loads: list[np.ndarray], config: EplbConfig, steps: int,
             stacked = torch.stack(slots)  # type: ignore[arg-type]
             result = stacked.sum(0) if op == "sum" else stacked.amax(0)
             barrier.wait()
-            if perturb and op == "sum" and rank == 1:
-                result[0, 0] += 10_000  # rank 1 sees other data: decisions differ
+            if perturb and result.dim() == 2 and rank == 1:
+                result[:, :E] = result[:, :E].flip(-1)  # rank 1 sees other data
             t.copy_(result)
         return all_reduce
 
@@ -234,7 +234,7 @@ def _run_ranks(local_loads: list[np.ndarray], config: EplbConfig, steps: int,
 
     def run(rank: int) -> None:
         ctl = EplbController(config, ExpertPlacement.contiguous(E, N), FakeMover(2), L,
-                             all_reduce=make_all_reduce(rank))
+                             all_reduce=make_all_reduce(rank), rank=rank)
         try:
             for _ in range(steps):
                 ctl.after_step(torch.tensor(local_loads[rank]), None)
@@ -262,13 +262,20 @@ def test_ranks_with_different_local_load_decide_the_same() -> None:
     assert ranks[0].placement == alone.placement
 
 
-def test_ranks_that_disagree_fail_loudly() -> None:
+def test_ranks_that_plan_differently_follow_rank_0(caplog) -> None:
     config = EplbConfig(enabled=True, window_steps=3, step_interval=3,
                         balancedness_threshold=1.0)
-    ranks = _run_ranks([skewed_load(seed=1), skewed_load((5,), seed=2)], config, steps=3,
-                       perturb=True)
-    assert all(isinstance(r, RuntimeError) and "different placements" in str(r)
-               for r in ranks), ranks
+    a, b = skewed_load((0,), seed=1), skewed_load((1,), seed=2)
+    with caplog.at_level("WARNING", logger="moe_engine.eplb.controller"):
+        ranks = _run_ranks([a, b], config, steps=6, perturb=True)
+    assert all(isinstance(r, EplbController) for r in ranks), ranks
+    # rank 1 saw other data and planned otherwise, but both serve rank 0's plan
+    expected = decide((a + b) * 3, ExpertPlacement.contiguous(E, N), 1.0).placement
+    assert ranks[0].placement == ranks[1].placement == expected
+    assert ranks[1].mover.moves[0][1] == expected
+    assert "rank 1 planned" in caplog.text and "following rank 0" in caplog.text
+    assert ranks[0].stats.rebalances[0].balancedness_before == (
+        ranks[1].stats.rebalances[0].balancedness_before)
 
 
 def test_merge_sums_bytes_and_takes_the_slowest_seconds() -> None:

@@ -15,14 +15,17 @@ import dataclasses
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import RankFailure, run_ranks
 
 from comm import ExpertPlacement, NoopCommunicator
 from kernels.moe.activation import SwiGLU
+from kernels.moe.backends import Int4Experts
 from kernels.plan import NATIVE_CPU, TORCH, KernelPlan
 from moe_engine.eplb import ExpertMover, chunk_moves, plan_moves
 from moe_engine.eplb.layer_experts import LayerExperts
 from moe_engine.models.layers.moe import FusedMoE
+from moe_engine.models.layers.quantized_experts import QuantizedExperts
+from quant.int4 import quantize_int4
 
 E, K, H, LAYERS = 8, 2, 32, 3
 TOKENS = 11  # per rank
@@ -34,6 +37,8 @@ CASES = {
     "float_native_bias": ("none", 16, True, SwiGLU(alpha=1.702, limit=7.0), NATIVE_CPU, FP32),
     "bf16_native_bias": ("none", 32, True, SwiGLU(), NATIVE_CPU, BF16),  # AMX where it runs
     "int4_native_bias": ("int4", 32, True, SwiGLU(), NATIVE_CPU, FP32),
+    # a checkpoint's asymmetric int4: bfloat16 scales and zero points
+    "int4_asym_native": ("int4-asym", 32, False, SwiGLU(), NATIVE_CPU, FP32),
     "mxfp4_torch_bias": ("mxfp4", 32, True, SwiGLU(alpha=1.702, limit=7.0), TORCH, FP32),
     "mxfp4_native": ("mxfp4", 32, False, SwiGLU(), NATIVE_CPU, FP32),
 }
@@ -67,18 +72,28 @@ def _sharded_layer(case: str, seed: int, local: list[int], communicator, rank: i
     for name in ("w13", "w2", "b13", "b2"):
         if getattr(full, name) is not None:
             getattr(moe, name).data.copy_(getattr(full, name).data[local])
-    if method != "none":
-        moe.quantize(method, 32)  # row-wise: the same codes as quantizing the whole layer
+    _quantize(moe, method)  # row-wise: the same codes as quantizing the whole layer
     moe.bind_kernels(KernelPlan.uniform(backend, "cpu"))
     return moe
 
 
+def _quantize(moe: FusedMoE, method: str) -> None:
+    """4-bit experts as `method` says: "int4"/"mxfp4" as the engine quantizes, "int4-asym"
+    as an asymmetric checkpoint holds them (bfloat16 scales, zero points)."""
+    if method == "int4-asym":
+        codes = [quantize_int4(w.data, 32, symmetric=False, scale_dtype=torch.bfloat16)
+                 for w in (moe.w13, moe.w2)]
+        moe.quantized = QuantizedExperts.from_layout(Int4Experts(*codes[0], *codes[1]),
+                                                     **moe.expert_extras())
+        del moe.w13, moe.w2
+    elif method != "none":
+        moe.quantize(method, 32)
+
+
 def _reference_experts(case: str, seed: int) -> dict[str, torch.Tensor]:
     """Every expert's stored tensors ([E, ...] per field), from a whole layer."""
-    method = CASES[case][0]
     full = _full_layer(case, seed)
-    if method != "none":
-        full.quantize(method, 32)
+    _quantize(full, CASES[case][0])
     return LayerExperts(full).sources()
 
 
@@ -180,6 +195,29 @@ def test_moved_experts_are_bit_identical_and_outputs_unchanged(moved, case):
         assert stats.bytes_received == received * LAYERS * r["expert_bytes"]
         assert r["calls"] == stats.steps > 2  # a small budget: several steps
         assert stats.transfer_s > 0 and stats.commit_s > 0
+
+
+def _die_mid_move(rank: int, world: int) -> None:
+    from comm import TorchAllToAll
+
+    old, new = (ExpertPlacement(E, world, s) for s in PLACEMENTS[world])
+    communicator = TorchAllToAll(None, old)
+    moe = _sharded_layer("float_torch", 10, old.local_experts(rank), communicator, rank)
+    mover = ExpertMover([moe], communicator, rank, None, KernelPlan.uniform(TORCH, "cpu"),
+                        max_bytes_per_step=LayerExperts(moe).expert_bytes)
+    mover.begin(old, new)
+    mover.step()
+    if rank == 1:
+        raise SystemExit("rank 1 dies mid-move on purpose")
+    while not mover.step():
+        pass
+
+
+def test_a_rank_dying_mid_move_fails_the_others_instead_of_hanging():
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_die_mid_move, 2, timeout_s=60, collective_timeout_s=10)
+    message = str(failure.value)
+    assert "rank 1 dies mid-move" in message and "rank 0 failed" in message
 
 
 # --- single process ---------------------------------------------------------------------------

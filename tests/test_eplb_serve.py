@@ -6,12 +6,15 @@ tokens pick expert 0 or 1 (both on rank 0 in the starting placement
 [[0, 1, 2, 3, 4], [4, 5, 6, 7, 0]], 2 redundant slots). With --eplb-step-interval 6,
 --eplb-window-steps 6 and threshold 1.0, the first decision moves a replica of a hot expert
 to rank 1 while 4 greedy streams run; the test checks the stats, GetModelInfo's live
-placement, `moe-skew report --server`'s view of it, the moe_engine_eplb_* metrics, and that
-the greedy tokens equal the same model's at ep 1 (the moved weights serve exactly).
+placement, `moe-skew report --server`'s view of it (and its line on EPLB), the
+moe_engine_eplb_* metrics, and that the greedy tokens equal the same model's at ep 1 (the moved
+weights serve exactly).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import shutil
 import threading
 import time
@@ -25,6 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from moe_engine import LLM, SamplingParams
 from moe_engine.cli.skew import load_from_server, served_placement
+from moe_engine.cli.skew import main as skew_main
 from moe_engine.server.app import ServerOptions
 from moe_engine.server.pb import moe_engine_pb2 as pb
 from moe_engine.server.pb import moe_engine_pb2_grpc as pb_grpc
@@ -102,11 +106,14 @@ def served(skewed_ckpt: Path):
             after = stats(stub)
             info = stub.GetModelInfo(pb.GetModelInfoRequest())
         skew_info, _ = load_from_server(handle.address, timeout=30)
+        report = io.StringIO()
+        with contextlib.redirect_stdout(report):
+            assert skew_main(["report", "--server", handle.address]) == 0
         metrics = handle.run(_metrics_text(handle.server))
     finally:
         handle.close()
     return dict(first_info=first_info, got=got, mid=seen_mid_stream, after=after, info=info,
-                skew_info=skew_info, metrics=metrics)
+                skew_info=skew_info, report=report.getvalue(), metrics=metrics)
 
 
 async def _metrics_text(server) -> str:
@@ -145,6 +152,8 @@ def test_model_info_and_skew_report_show_the_live_placement(served) -> None:
     skew = served["skew_info"]
     assert served_placement(skew, 8, "server").slots == live
     assert skew["eplb_rebalances"] == info.eplb_rebalances
+    assert "placement, served by the server" in served["report"], served["report"]
+    assert f"moved {info.eplb_rebalances} times since startup" in served["report"]
 
 
 def test_eplb_metrics(served) -> None:
@@ -153,6 +162,8 @@ def test_eplb_metrics(served) -> None:
     assert f"moe_engine_eplb_rebalances_total {float(n)}" in text, text
     assert 'moe_engine_eplb_balancedness{when="after_measured"}' in text
     assert 'moe_engine_eplb_seconds_total{phase="commit"}' in text
+    decisions = served["after"].eplb.num_decisions
+    assert f"moe_engine_eplb_decisions_total {float(decisions)}" in text
 
 
 def test_greedy_tokens_equal_ep1(served, skewed_ckpt: Path) -> None:

@@ -19,7 +19,7 @@ from comm import ExpertPlacement
 from moe_engine.cli.serve import build_parser, eplb_config_from_args
 from moe_engine.eplb.placement import redundant_slots, starting_placement
 from moe_engine.errors import StartupError
-from moe_engine.startup.checks import check_ep_size, needs_ep_check
+from moe_engine.startup.checks import check_ep_size, check_eplb_kernels, needs_ep_check
 from moe_engine.startup.config import EngineConfig, EplbConfig, ModelConfig, ParallelConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -149,6 +149,36 @@ def test_moe_serve_subprocess_refuses_eplb_at_ep_1(qwen3_ckpt: Path) -> None:
         "rank every expert is already on it, there is nothing to balance"
     ], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("backend", "fmt", "refused"),
+    [("torch", "int4", True), ("auto,fused_moe_int4=torch", "int4", True),
+     ("auto", "int4", False), ("torch", "mxfp4", False), ("torch", "none", False),
+     ("native-cpu,fused_moe_int4=native-cpu", "int4", False)],
+)
+def test_int4_on_torch_kernels_refused_naming_kernel_backend(
+    backend: str, fmt: str, refused: bool
+) -> None:
+    config = EngineConfig(model=ModelConfig(model="unused"), kernel_backend=backend,
+                          parallel=ParallelConfig(ep_size=2), eplb=EplbConfig(enabled=True))
+    if not refused:
+        check_eplb_kernels(config, "cpu", fmt)
+        return
+    with pytest.raises(StartupError, match=f"--kernel-backend {backend}") as info:
+        check_eplb_kernels(config, "cpu", fmt)
+    assert "fused_moe_int4" in str(info.value)
+    check_eplb_kernels(config, "cuda", fmt)  # the triton layout gives the codes back
+
+
+def test_moe_serve_refuses_int4_on_torch_with_eplb(qwen3_ckpt: Path, capsys) -> None:
+    from moe_engine.cli.serve import main
+
+    status = main(["--model", str(qwen3_ckpt), "--port", "0", "--ep-size", "2",
+                   "--enable-eplb", "--quantization", "int4", "--quant-group-size", "32",
+                   "--kernel-backend", "torch"])
+    err = capsys.readouterr().err
+    assert status == 1 and "--kernel-backend torch" in err and "Traceback" not in err, err
 
 
 # ------------------------------------------------------------------ the starting placement

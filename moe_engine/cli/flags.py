@@ -174,7 +174,7 @@ def add_routed_experts_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="record every token's top-k expert ids per MoE layer (kept per KV slot on the "
         "host), so that requests may ask for them with return_routed_experts (routing replay "
-        "for RL; docs/rl.md)",
+        "for RL; docs/weight_updates.md)",
     )
 
 

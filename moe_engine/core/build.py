@@ -247,8 +247,15 @@ def _routing_replay(
 
     Raises:
         StartupError: a model without MoE layers or without a KV-cache group that keeps every
-            block of a request.
+            block of a request, or a decode instance of a prefill/decode split (its prompts
+            ran on the prefill instance, so it could not return their routing).
     """
+    if config.disagg.mode == "decode":
+        raise StartupError(
+            "--enable-return-routed-experts: a decode instance (--disaggregation-mode decode) "
+            "receives its prompts' K/V from a prefill instance and has no record of their "
+            "routing; serve routing replay without disaggregation"
+        )
     sched, block_size = config.scheduler, config.cache.block_size
     physical = built.plan.num_blocks + 1 + (runner.scratch_block is not None)
     capacity = max(sched.max_num_batched_tokens,

@@ -10,8 +10,9 @@ every rank calls `after_step` with its step's routing counts. The controller
    itself, so the trace and `GetExpertLoad` see what they saw before);
 2. every `step_interval` steps, all-reduces (SUM) the window over the control group (gloo), so
    every rank holds the same integer global load, and decides from it (`policy.decide`, a
-   deterministic function of that load and the placement served now; the ranks then compare a
-   checksum of their decisions, so a divergence fails loudly instead of corrupting routing);
+   deterministic function of that load and the placement served now); rank 0's decision is
+   then sent to all (one more all-reduce), so the ranks move to one placement even if floating
+   point differed between nodes (a rank whose own plan differed logs it);
 3. on a decision to move: `mover.begin(old, new)` in that iteration, one `mover.step()` in each
    following iteration until it returns True, then `mover.commit()` in that same iteration
    (the new placement serves from the next step on); meanwhile no new decision is taken;
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -70,13 +70,6 @@ def dist_all_reduce(group: Any) -> AllReduce:
     return all_reduce
 
 
-def placement_checksum(placement: ExpertPlacement | None) -> int:
-    """A 31-bit checksum of a placement's slots (0 for None): equal decisions, equal sums."""
-    if placement is None:
-        return 0
-    return zlib.crc32(repr(placement.slots).encode()) & 0x7FFFFFFF
-
-
 class EplbController:
     """Drives one rank's part of runtime EPLB (module docstring).
 
@@ -86,6 +79,7 @@ class EplbController:
         mover: this rank's expert mover (`ExpertMover`), built on the same placement.
         num_moe_layers: L, rows of the counts; device: where the step counts live.
         all_reduce: the collective over every rank's controller (`dist_all_reduce`).
+        rank: this rank (rank 0's decision is the one every rank follows).
         on_commit: called with the new placement after each commit, on every rank (the
             engine updates its rank context, so that GetModelInfo shows it).
         clock: seconds, for the decision's timing (`time.perf_counter`).
@@ -98,11 +92,12 @@ class EplbController:
         mover: Mover,
         num_moe_layers: int,
         all_reduce: AllReduce,
+        rank: int = 0,
         device: torch.device | str = "cpu",
         on_commit: Callable[[ExpertPlacement], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.config, self.placement, self.mover = config, placement, mover
+        self.config, self.placement, self.mover, self.rank = config, placement, mover, rank
         self._all_reduce, self._on_commit, self._clock = all_reduce, on_commit, clock
         n, e = placement.ep_size, placement.num_experts
         #: [W, L, E + N] int64 ring: per step, the routed pairs per expert, then per rank.
@@ -130,7 +125,6 @@ class EplbController:
                 column; the others 0), or None (then the window counts none).
 
         Raises:
-            RuntimeError: the ranks decided different placements (a checksum mismatch).
             Whatever the collectives or the mover raise (a rank gone: the loop ends the
                 server).
         """
@@ -180,14 +174,17 @@ class EplbController:
         self._measure_at = None
 
     def _decide(self, load: np.ndarray, measured: float) -> None:
-        decision = decide(load, self.placement, self.config.balancedness_threshold)
-        self._check_agreement(decision)
+        decision = self._rank0_decision(
+            decide(load, self.placement, self.config.balancedness_threshold))
         self.stats.num_decisions += 1
         self.stats.balancedness = measured
         self.stats.balancedness_predicted = decision.balancedness_before
         if decision.placement is None:
-            logger.debug("EPLB step %d: %s (balancedness %.3f)", self.steps, decision.reason,
-                         decision.balancedness_before)
+            # INFO, once per interval: a controller that stopped deciding shows (vLLM #57883)
+            logger.info("EPLB step %d: no move, %s (rank balancedness %.3f predicted, %.3f "
+                        "measured, threshold %.3f)", self.steps, decision.reason,
+                        decision.balancedness_before, measured,
+                        self.config.balancedness_threshold)
             return
         self._pending = RebalanceRecord(
             step=self.steps,
@@ -202,16 +199,32 @@ class EplbController:
                     decision.balancedness_after)
         self.mover.begin(self.placement, decision.placement)
 
-    def _check_agreement(self, decision: Decision) -> None:
-        """Every rank must have decided the same placement (the load is identical; this
-        catches a bug, not a race): all-reduce MAX of (checksum, -checksum)."""
-        mine = placement_checksum(decision.placement)
-        both = torch.tensor([mine, -mine], dtype=torch.int64)
-        self._all_reduce(both, "max")
-        if int(both[0]) != mine or int(-both[1]) != mine:
-            raise RuntimeError(
-                f"EPLB: the ranks planned different placements at step {self.steps} "
-                f"(checksums {int(-both[1])}..{int(both[0])}); refusing to move experts")
+    def _rank0_decision(self, mine: Decision) -> Decision:
+        """Rank 0's decision, on every rank: a broadcast made of one all-reduce SUM of a float64
+        vector that only rank 0 fills (exact: the others add zeros). Every rank decided from
+        the same integers, so the decisions agree; should floating point differ between nodes
+        (another numpy build), the ranks still move to one placement, and a rank whose own plan
+        differed logs it."""
+        n, slots = self.placement.ep_size, self.placement.num_local_experts
+        payload = torch.zeros(4 + n * slots, dtype=torch.float64)
+        if self.rank == 0:
+            payload[:3] = torch.tensor([mine.balancedness_before, mine.balancedness_after,
+                                        float(mine.experts_to_move)], dtype=torch.float64)
+            if mine.placement is not None:
+                payload[3] = 1.0
+                payload[4:] = torch.tensor(mine.placement.slots, dtype=torch.float64).flatten()
+        self._all_reduce(payload, "sum")
+        placement = None
+        if payload[3] == 1.0:
+            rows = payload[4:].to(torch.int64).view(n, slots).tolist()
+            placement = ExpertPlacement(self.placement.num_experts, n, rows)
+        if placement != mine.placement:
+            logger.warning("EPLB step %d: rank %d planned %s, rank 0 %s; following rank 0",
+                           self.steps, self.rank, mine.placement, placement)
+        reason = mine.reason if placement == mine.placement else (
+            "rebalance" if placement is not None else "no better placement")
+        return Decision(float(payload[0]), float(payload[1]), placement, int(payload[2]),
+                        reason)
 
     def _commit(self) -> None:
         record, target = self._pending, self._target
@@ -285,7 +298,7 @@ def build_controller(
 
     controller = EplbController(
         core.config.eplb, placement, mover, len(moes), dist_all_reduce(control_group),
-        device=core.device, on_commit=on_commit,
+        rank=rank, device=core.device, on_commit=on_commit,
     )
     core.eplb = controller
     return controller

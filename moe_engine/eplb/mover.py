@@ -108,7 +108,9 @@ class ExpertMover:
     """Moves the experts of `moes` from one placement to another (module doc).
 
     Args:
-        moes: every MoE layer of the model on this rank, sharded by the serving placement and
+        moes: every MoE layer of the model on this rank that routes through `communicator`
+            (MTP / draft layers included: a layer left out would keep its old slots while the
+            communicator routes by the new placement), sharded by the serving placement and
             bound to `plan`.
         communicator: the layers' communicator (each layer's `communicator` must be it).
         rank: this rank in `group`.

@@ -57,7 +57,7 @@ class CompletionOutput:
             with `enable_return_routed_experts`), once finished: [tokens, moe_layers, top_k]
             int32 logical expert ids the router chose for every token the model ran for this
             completion (prompt, then outputs but the last: positions [0, seqlen - 1));
-            docs/rl.md "Routing replay". None otherwise.
+            docs/weight_updates.md "Routing replay". None otherwise.
         weight_versions: once finished, every weight version that computed its tokens with
             the token index each begins at, [(version, start), ...] (start 0 first; empty
             without tokens); None before.

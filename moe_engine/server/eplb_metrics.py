@@ -18,6 +18,10 @@ class EplbMetrics:
         self.rebalances = Counter(
             "moe_engine_eplb_rebalances", "Expert rebalances committed (--enable-eplb).",
             registry=r)
+        self.decisions = Counter(
+            "moe_engine_eplb_decisions",
+            "Rebalancing decisions taken (one per --eplb-step-interval steps), moving or not: "
+            "a controller that stopped deciding shows here.", registry=r)
         self.experts_moved = Counter(
             "moe_engine_eplb_experts_moved",
             "(MoE layer, slot) entries whose expert a rebalance changed, summed over ranks.",
@@ -56,6 +60,7 @@ class EplbMetrics:
     def update(self, stats: EplbStats) -> None:
         """Refresh every series from the engine's EPLB stats."""
         self._advance("rebalances", self.rebalances, stats.num_rebalances)
+        self._advance("decisions", self.decisions, stats.num_decisions)
         self._advance("experts", self.experts_moved, stats.experts_moved)
         self._advance("bytes", self.bytes_moved, stats.bytes_sent)
         self._advance("transfer", self.seconds.labels(phase="transfer"), stats.transfer_s)
