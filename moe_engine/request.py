@@ -124,6 +124,17 @@ class Request:
         #: Prefill-only (prefill/decode disaggregation): when it finishes, its blocks are
         #: kept (`Scheduler.held`) until sent to a decode instance.
         self.hold_kv = False
+        #: Which weights computed the output tokens: [(weight_version, first output-token
+        #: index)], in order (`note_weight_version`).
+        self.weight_versions: list[tuple[str, int]] = []
+        #: The weight update count (`KVCacheManager.weights_epoch`) of the oldest weights
+        #: that computed K/V (or linear-attention state) the request holds now; set when it
+        #: takes its first blocks (from a prefix-cache hit's blocks, or the weights serving).
+        self.kv_weights_epoch = 0
+        #: Set once a step ran the request on other weights than those of K/V (or state) it
+        #: reads: an update landed while it held computed tokens and was not retracted, or a
+        #: prefix-cache hit on blocks of older weights (`--keep-prefix-cache`). Never unset.
+        self.kv_from_other_weights = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -152,6 +163,12 @@ class Request:
         self.all_token_ids.append(token_id)
         if self.grammar is not None:
             self.grammar.accept(token_id)
+
+    def note_weight_version(self, version: str, start: int) -> None:
+        """Record that the output tokens from index `start` on were sampled on `version`'s
+        weights (a no-op when the last entry already names it)."""
+        if not self.weight_versions or self.weight_versions[-1][0] != version:
+            self.weight_versions.append((version, start))
 
     @property
     def external_id(self) -> str:

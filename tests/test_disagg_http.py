@@ -91,6 +91,9 @@ def test_outputs_survive_the_wire() -> None:
         out = EngineCoreOutput(f"req-{rng.randint(0, 99)}", ids, "txt" * rng.randint(0, 2),
                                finished, reason, rng.randint(1, 300), rng.randint(0, 300), lp,
                                None, rng.randint(0, 4), stop, rng.choice(["", "v2"]))
+        if finished:  # the engine's finished outputs carry the weight labels (issue 45)
+            out.weight_versions = [("v1", 0), ("v2", rng.randint(1, 9))][:rng.randint(0, 2)]
+            out.kv_from_other_weights = rng.random() < 0.5
         assert output_from_response(response_from_output(out)) == out
 
 

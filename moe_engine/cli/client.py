@@ -3,7 +3,7 @@
     moe-client [--server HOST:PORT] generate (TEXT | --prompt-ids 1,2,3) [--max-tokens N]
                [--min-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
                [--stop S [--stop S ...]] [--ignore-eos] [--include-stop-str-in-output]
-               [--[no-]skip-special-tokens] [--logprobs N] [--json]
+               [--[no-]skip-special-tokens] [--logprobs N] [--return-routed-experts] [--json]
     moe-client [--server HOST:PORT] batch FILE.jsonl [--concurrency N]
     moe-client [--server HOST:PORT] stats [--json]
     moe-client [--server HOST:PORT] info [--json]
@@ -24,7 +24,9 @@ the system's CAs), --tls-ca PEM (the CA that signed the server's certificate; im
 `generate` streams text (token ids when the model has no tokenizer); `--stop` takes exactly one
 stop string and is repeated for several (`--stop a --stop b`), so a prompt after it is never
 taken for a stop string (`--stop=VALUE` for a value that starts with "-"); with --json it
-prints one JSON object (request_id, token_ids, text, finish_reason, usage). `batch` reads one
+prints one JSON object (request_id, token_ids, text, finish_reason, usage; with
+--return-routed-experts also routed_experts, base64 of int32, and routed_experts_shape; without
+--json their shape and first tokens' expert ids follow the text). `batch` reads one
 request object per line ("prompt" or "prompt_ids", sampling fields by their proto names), runs
 them concurrently and prints one JSON line per finished request (index, token_ids, finish_reason,
 usage, ttft_s, e2e_s), then a summary line (wall_s, output_tokens, output_tokens_per_s); a
@@ -258,6 +260,14 @@ def _add_output_flags(g: argparse.ArgumentParser, d: SamplingParams) -> None:
         f"seed, completion i uses seed + i (default: {d.n})",
     )
     g.add_argument(
+        "--return-routed-experts",
+        action="store_true",
+        default=None,
+        help="routing replay: also return the top-k expert ids of every MoE layer for every "
+        "token the model ran; prints their shape and first rows (needs a server started with "
+        "--enable-return-routed-experts) (default: off)",
+    )
+    g.add_argument(
         "--request-id",
         type=utf8_text,
         default="",
@@ -293,6 +303,7 @@ def request_from_args(args: argparse.Namespace) -> pb.GenerateRequest:
         "skip_special_tokens": args.skip_special_tokens,
         "logprobs": args.logprobs,
         "n": args.n,
+        "return_routed_experts": args.return_routed_experts,
         **processor_fields(args),
     }
     try:  # the limits that need no model, checked here as the server would
@@ -340,6 +351,9 @@ def cmd_generate(
         print()
     else:
         print(" ".join(map(str, result["token_ids"])))
+    if not args.json:
+        for line in completions.routed_lines():
+            print(line)
     return 0
 
 

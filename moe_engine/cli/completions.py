@@ -7,6 +7,8 @@ and `moe-client batch`.
 
 from __future__ import annotations
 
+import base64
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +33,9 @@ class Completion:
     finish_reason: str = ""
     usage: dict[str, Any] = field(default_factory=dict)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+    #: Routing replay (the finished response's raw int32 bytes and [tokens, layers, top_k]).
+    routed_experts: bytes = b""
+    routed_experts_shape: list[int] = field(default_factory=list)
 
     def add(self, response: pb.GenerateResponse) -> None:
         """Append one response's delta (token ids, text, logprobs) and its usage so far."""
@@ -39,9 +44,14 @@ class Completion:
         self.finish_reason = response.finish_reason
         self.usage = _as_dict(response.usage)
         self.logprobs.extend(_as_dict(lp) for lp in response.logprobs)
+        if response.routed_experts_shape:
+            self.routed_experts = response.routed_experts
+            self.routed_experts_shape = list(response.routed_experts_shape)
 
     def as_dict(self) -> dict[str, Any]:
-        """`token_ids`, `text`, `finish_reason`, `usage` (and `logprobs` when there are any)."""
+        """`token_ids`, `text`, `finish_reason`, `usage` (and `logprobs` when there are any;
+        `routed_experts`, base64 as the HTTP API gives it, and `routed_experts_shape` when
+        the server returned them)."""
         data: dict[str, Any] = {
             "token_ids": self.token_ids,
             "text": self.text,
@@ -50,7 +60,21 @@ class Completion:
         }
         if self.logprobs:
             data["logprobs"] = self.logprobs
+        if self.routed_experts_shape:
+            data["routed_experts"] = base64.b64encode(self.routed_experts).decode("ascii")
+            data["routed_experts_shape"] = self.routed_experts_shape
         return data
+
+    def routed_rows(self, count: int) -> list[list[list[int]]]:
+        """The first `count` tokens' routed experts, [token][moe layer][k] expert ids."""
+        if len(self.routed_experts_shape) != 3:
+            return []
+        tokens, layers, top_k = self.routed_experts_shape
+        row = layers * top_k
+        n = min(count, tokens) * row
+        values = struct.unpack(f"<{n}i", self.routed_experts[: 4 * n])  # little-endian int32
+        return [[list(values[t * row + layer * top_k: t * row + (layer + 1) * top_k])
+                 for layer in range(layers)] for t in range(n // row if row else 0)]
 
 
 @dataclass
@@ -82,3 +106,22 @@ class Completions:
             "completions": [{"index": c.index, **c.as_dict()} for c in ordered],
             "usage": {"prompt_tokens": prompt, "completion_tokens": generated},
         }
+
+    def routed_lines(self, rows: int = 4) -> list[str]:
+        """Each completion's routed-experts shape and its first `rows` tokens' expert ids, as
+        `moe-client generate --return-routed-experts` prints them ("[i] " first with several
+        completions); none when no completion has them."""
+        several = len(self.by_index) > 1
+        lines = []
+        for index in sorted(self.by_index):
+            c = self.by_index[index]
+            if not c.routed_experts_shape:
+                continue
+            tag = f"[{index}] " if several else ""
+            tokens, layers, top_k = c.routed_experts_shape
+            lines.append(f"{tag}routed_experts: {tokens} tokens x {layers} MoE layers x "
+                         f"top-{top_k}")
+            lines += [f"{tag}  token {t}: {row}" for t, row in enumerate(c.routed_rows(rows))]
+            if tokens > rows:
+                lines.append(f"{tag}  ... {tokens - rows} more tokens (--json: all, base64)")
+        return lines

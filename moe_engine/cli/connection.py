@@ -87,9 +87,12 @@ def open_channel(
 ) -> Iterator[grpc.Channel]:
     """A synchronous channel to `server` (TLS with `credentials`, plaintext when None) whose
     calls all carry `metadata`; closed when the block ends."""
+    # No receive limit (gRPC's default is 4 MiB): a finished response with routed experts
+    # carries tokens x moe_layers x top_k int32 (15 MiB for 10k tokens, 48 layers, top-8).
+    options = [("grpc.max_receive_message_length", -1)]
     if credentials is None:
-        raw_channel = grpc.insecure_channel(server)
+        raw_channel = grpc.insecure_channel(server, options=options)
     else:
-        raw_channel = grpc.secure_channel(server, credentials)
+        raw_channel = grpc.secure_channel(server, credentials, options=options)
     with raw_channel:
         yield grpc.intercept_channel(raw_channel, _MetadataInterceptor(metadata))

@@ -311,9 +311,13 @@ class EngineCore:
         out = self.scheduler.schedule()
         self._last_num_tokens = out.total_num_tokens
         now = time.monotonic()
+        epoch = self.kv.weights_epoch
         for scheduled in out.scheduled:
-            if scheduled.request.scheduled_time is None:
-                scheduled.request.scheduled_time = now
+            req = scheduled.request
+            if req.scheduled_time is None:
+                req.scheduled_time = now
+            if req.kv_weights_epoch != epoch:  # it reads K/V of weights no longer serving
+                req.kv_from_other_weights = True
         if out.is_empty:
             if self.rank_context is not None:
                 self.runner.execute_idle()
@@ -332,6 +336,8 @@ class EngineCore:
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             new = req.output_token_ids[before[req.request_id] :]
+            if new:
+                req.note_weight_version(self.rollout.weight_version, before[req.request_id])
             self.counters["generation_tokens_total"] += len(new)
             lps = logprobs.get(req.request_id)
             out = self._buffered(req, new, lps[: len(new)] if lps is not None else None)
@@ -375,6 +381,9 @@ class EngineCore:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         self.counters["generation_tokens_total"] += len(tokens)
+        if tokens:
+            req.note_weight_version(self.rollout.weight_version,
+                                    req.num_output_tokens - len(tokens))
         for _ in tokens:
             self.sampler.skip_draw(req, self.vocab_size)
         out = self._buffered(req, tokens, lps)
@@ -435,6 +444,8 @@ class EngineCore:
             stop_reason=req.stop_reason if final else None,
             weight_version=self.rollout.weight_version,
             decode_s=self._decode_s(req) if final else None,
+            weight_versions=list(req.weight_versions) if final else None,
+            kv_from_other_weights=final and req.kv_from_other_weights,
             **(self._intervals(req) if final else {}),
             **(self._routed_experts(req) if final else {}),
         )

@@ -78,6 +78,9 @@ def output_from_response(response: pb.GenerateResponse) -> EngineCoreOutput:
         index=response.index,
         stop_reason=getattr(response, kind) if kind else None,
         weight_version=response.weight_version,
+        weight_versions=[(w.weight_version, w.start) for w in response.weight_versions]
+        if response.finished else None,
+        kv_from_other_weights=response.kv_from_other_weights,
     )
 
 
@@ -151,8 +154,15 @@ class RouterEngine:
 
         Raises:
             RequestError: a refusal or failure on either instance (`BackendError`'s code,
-                field and message).
+                field and message); INVALID_ARGUMENT "return_routed_experts" for routing
+                replay, which disaggregation does not carry (the prompt's routing is on the
+                prefill instance), refused rather than answered without it.
         """
+        if params.return_routed_experts:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "return_routed_experts",
+                               "return_routed_experts: not available through moe-router "
+                               "(prefill/decode disaggregation); ask a moe-serve started "
+                               "with --enable-return-routed-experts directly")
         request = request_from_params(request_id, list(prompt_token_ids), params)
         try:
             async with aclosing(self.pairing.generate(request)) as stream:

@@ -95,14 +95,15 @@ class BlockPool:
             if self.ref_counts[b] == 0:
                 self._free[b] = None
 
-    def cache_block(self, block: int, key: Hashable) -> None:
+    def cache_block(self, block: int, key: Hashable) -> bool:
         """Enter an allocated, full block under `key` (its chained hash and group) in the
-        prefix-cache map. A key already cached by another block keeps that block; a block that
-        already has a key keeps it."""
+        prefix-cache map; returns whether it entered. A key already cached by another block
+        keeps that block; a block that already has a key keeps it."""
         if block == NULL_BLOCK_ID or self._block_key[block] is not None or key in self._cached:
-            return
+            return False
         self._cached[key] = block
         self._block_key[block] = key
+        return True
 
     def uncache(self, key: Hashable) -> None:
         """Remove `key` from the prefix-cache map (no-op when absent); its block stays where

@@ -20,6 +20,15 @@ prompt's full blocks through the same map. With prefix caching off they are stil
 looked up, but only requests with a `cache_salt` are, the salt starts their hash chain (so only
 siblings, which share it, find the blocks), only prompt blocks enter the map, and
 `forget_prefix` takes them out of it when the last sibling ends.
+
+Weight updates (`weight_update.control`): `weights_epoch` counts them. Each cached block is
+tagged with the oldest epoch whose weights computed K/V it depends on (its request's
+`kv_weights_epoch`: a request that straddles an update tags its later blocks with the epoch it
+began on). `new_weights(flush=True)` (the default of `UpdateWeights`) empties the map and
+refuses any later hit on a block tagged before the update, so blocks computed under one
+weights version never serve a request under another; `flush=False` (`--keep-prefix-cache`)
+leaves them findable, and a request that takes one starts with `kv_weights_epoch` older than
+the weights serving, which the engine reports as `kv_from_other_weights`.
 """
 
 from __future__ import annotations
@@ -69,11 +78,14 @@ class PrefixHit:
             does not need the block); every group's list has num_tokens / block_size entries.
         num_tokens: tokens of the prefix (a multiple of block_size, < the request's tokens).
         num_queried: tokens the lookup covered (the request's tokens).
+        weights_epoch: the oldest weights epoch that computed a block of the prefix (None
+            without a hit).
     """
 
     blocks: list[list[int]]
     num_tokens: int
     num_queried: int
+    weights_epoch: int | None = None
 
 
 class KVCacheManager:
@@ -129,6 +141,11 @@ class KVCacheManager:
         #: `reset_prefix_cache` so that no chain begun before it matches one begun after.
         self._root = ROOT_BLOCK_HASH
         self._num_resets = 0
+        #: Weight updates so far; the oldest epoch a hit may be tagged with (the last flush);
+        #: each block's tag, set when it enters the map (read only through the map).
+        self.weights_epoch = 0
+        self._min_hit_epoch = 0
+        self._block_epoch: dict[int, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -199,6 +216,24 @@ class KVCacheManager:
         self._root = hash_block_tokens(ROOT_BLOCK_HASH, (), ("reset", self._num_resets))
         return self.pool.clear_cache()
 
+    def new_weights(self, flush: bool = True) -> int:
+        """New weights serve from now on: `weights_epoch` advances and, with `flush`, the
+        prefix cache is reset and blocks tagged before now never hit again; returns the
+        blocks the map held (0 without `flush`)."""
+        self.weights_epoch += 1
+        if not flush:
+            return 0
+        self._min_hit_epoch = self.weights_epoch
+        return self.reset_prefix_cache()
+
+    def _cached_block(self, key: tuple[bytes, int]) -> int | None:
+        """The block cached under `key` (hash, group) that a request may reuse, or None: a
+        block tagged before the last flush never is (`new_weights`)."""
+        b = self.pool.get_cached_block(key)
+        if b is None or self._block_epoch.get(b, 0) < self._min_hit_epoch:
+            return None
+        return b
+
     def forget_prefix(self, request: Request) -> None:
         """Take a salted request's prompt blocks out of the prefix-cache map (when its last
         sibling has ended, with prefix caching off); a no-op otherwise. The blocks stay
@@ -230,18 +265,20 @@ class KVCacheManager:
             if all(len(f) == shortest for f in found):
                 break
             limit = shortest
-        return PrefixHit(found, shortest * self.block_size, request.num_tokens)
+        tags = [self._block_epoch.get(b, 0) for f in found for b in f if b != NULL_BLOCK_ID]
+        return PrefixHit(found, shortest * self.block_size, request.num_tokens,
+                         min(tags) if tags else None)
 
     def _find_hit(self, group: int, hashes: list[bytes], limit: int) -> list[int]:
         """One group's longest cached prefix of at most `limit` blocks."""
-        spec, pool = self.specs[group], self.pool
+        spec = self.specs[group]
         if spec.attention_chunk_size is not None:
             return self._find_chunked_hit(group, hashes, limit)
         window = spec.sliding_window
         if window is None:
             blocks = []
             for i in range(limit):
-                b = pool.get_cached_block((hashes[i], group))
+                b = self._cached_block((hashes[i], group))
                 if b is None:
                     break
                 blocks.append(b)
@@ -254,7 +291,7 @@ class KVCacheManager:
             return blocks
         run = 0
         for i in range(limit - 1, -1, -1):
-            b = pool.get_cached_block((hashes[i], group))
+            b = self._cached_block((hashes[i], group))
             if b is None:
                 run = 0
                 continue
@@ -272,7 +309,7 @@ class KVCacheManager:
         per_chunk = self.specs[group].attention_chunk_size // self.block_size
         for n in range(limit, -1, -1):
             first = n // per_chunk * per_chunk
-            blocks = [self.pool.get_cached_block((hashes[i], group)) for i in range(first, n)]
+            blocks = [self._cached_block((hashes[i], group)) for i in range(first, n)]
             if None not in blocks:
                 return [NULL_BLOCK_ID] * first + blocks
         return []
@@ -308,6 +345,8 @@ class KVCacheManager:
         tables = self.block_tables.get(rid)
         if tables is None:
             tables = [[] for _ in self.specs]
+            epoch = hit.weights_epoch if hit is not None else None
+            request.kv_weights_epoch = self.weights_epoch if epoch is None else epoch
         hit_blocks = hit.blocks if hit is not None else [[] for _ in self.specs]
         num_computed = request.num_computed_tokens + (hit.num_tokens if hit is not None else 0)
         total = num_computed + num_new_tokens
@@ -380,7 +419,8 @@ class KVCacheManager:
         hashes = self.block_hashes(request)
         for g, table in enumerate(tables):
             for i in range(start, num_full):
-                self.pool.cache_block(table[i], (hashes[i], g))
+                if self.pool.cache_block(table[i], (hashes[i], g)):
+                    self._block_epoch[table[i]] = request.kv_weights_epoch
         self._num_cached[rid] = num_full
 
     def free(self, request_id: str) -> None:

@@ -58,6 +58,12 @@ class CompletionOutput:
             int32 logical expert ids the router chose for every token the model ran for this
             completion (prompt, then outputs but the last: positions [0, seqlen - 1));
             docs/weight_updates.md "Routing replay". None otherwise.
+        weight_versions: once finished, every weight version that computed its tokens with
+            the token index each begins at, [(version, start), ...] (start 0 first; empty
+            without tokens); None before.
+        kv_from_other_weights: once finished, whether some K/V its tokens read was computed
+            with other weights than the tokens reading it (`LLM.update_weights_*` while it
+            ran, without a "retract" pause).
     """
 
     index: int
@@ -68,6 +74,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     routed_experts: np.ndarray | None = None
+    weight_versions: list[tuple[str, int]] | None = None
+    kv_from_other_weights: bool = False
 
     def finished(self) -> bool:
         """True once the completion has a finish reason (vLLM's method of the same name)."""
@@ -141,6 +149,8 @@ class RequestOutputBuilder:
                 completion.routed_experts = np.frombuffer(
                     delta.routed_experts, dtype="<i4"
                 ).reshape(delta.routed_experts_shape).astype(np.int32)
+            completion.weight_versions = list(delta.weight_versions or [])
+            completion.kv_from_other_weights = delta.kv_from_other_weights
             self.output.finished = all(c.finished() for c in self.output.outputs)
 
     def _logprob_dict(self, token_id: int, logprob: float, top: dict[int, float]

@@ -40,6 +40,7 @@ _OPTIONAL_PARAMS = (
     "priority",
     "include_stop_str_in_output",
     "skip_special_tokens",
+    "return_routed_experts",
 )
 
 
@@ -69,7 +70,9 @@ def sampling_params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
 
 
 def response_from_output(out: EngineCoreOutput) -> pb.GenerateResponse:
-    """One streamed GenerateResponse from one engine output (a delta)."""
+    """One streamed GenerateResponse from one engine output (a delta); a finished output's
+    `routed_experts` (raw little-endian int32 [tokens, moe_layers, top_k]) go out unchanged
+    with their shape."""
     response = pb.GenerateResponse(
         request_id=out.request_id,
         token_ids=out.new_token_ids,
@@ -82,6 +85,13 @@ def response_from_output(out: EngineCoreOutput) -> pb.GenerateResponse:
         index=out.index,
         weight_version=out.weight_version,
     )
+    if out.routed_experts is not None and out.routed_experts_shape is not None:
+        response.routed_experts = out.routed_experts  # the core's int32 bytes, as they are
+        response.routed_experts_shape.extend(out.routed_experts_shape)
+    if out.weight_versions is not None:
+        for version, start in out.weight_versions:
+            response.weight_versions.add(weight_version=version, start=start)
+    response.kv_from_other_weights = out.kv_from_other_weights
     if isinstance(out.stop_reason, str):
         response.stop_string = out.stop_reason
     elif isinstance(out.stop_reason, int):

@@ -11,8 +11,13 @@ Semantics (SGLang's `pause_generation` / `update_weights_from_*`, vLLM's RLHF ex
 - `update_weights`: every tensor is checked (name, dtype, shape) before any is read, received
   into a staged copy, and swapped in only when all arrived (`staging.StagedWeights`); a
   refused or failed update changes nothing. The prefix cache is flushed (its blocks hold the
-  old weights' K/V) and `weight_version` changes; every output after it carries the new
-  version. Updating without a pause is allowed: the update runs between two steps.
+  old weights' K/V; `KVCacheManager.new_weights`) and `weight_version` changes; every output
+  after it carries the new version. Updating without a pause is allowed: the update runs
+  between two steps.
+- Labels: each completion lists the versions that sampled its output tokens with the index
+  each begins at (`Request.weight_versions`), and `kv_from_other_weights` says when a step
+  ran it on other weights than K/V it read ("keep", no pause, or `--keep-prefix-cache` hits;
+  never after "retract", whose recompute reads only the new weights' K/V).
 """
 
 from __future__ import annotations
@@ -190,7 +195,7 @@ class RolloutControl:
                 raise
             return self._refusal(msg, _as_update_error(exc))  # swapped back
         self.core.recapture_graphs()
-        dropped = self.core.kv.reset_prefix_cache() if msg.flush_cache else 0
+        dropped = self.core.kv.new_weights(flush=msg.flush_cache)
         old, self.weight_version = self.weight_version, msg.weight_version
         seconds = time.perf_counter() - start
         logger.info(

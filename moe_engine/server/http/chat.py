@@ -26,9 +26,11 @@ from moe_engine.server.http.chat_render import render_text
 from moe_engine.server.http.common import (
     SSE_DONE,
     Choice,
+    routed_experts_json,
     sse,
     token_text,
     usage,
+    version_fields,
 )
 from moe_engine.server.http.errors import OpenAIError
 from moe_engine.server.http.protocol import ChatCompletionRequest, ChatMessage, ChatTool
@@ -150,10 +152,13 @@ async def _whole(
         reason = c.finish_reason if parse is None else parse.finish_reason(c.finish_reason)
         entry = {"index": c.index, "message": message, "logprobs": None, "finish_reason": reason,
                  "stop_reason": c.stop_reason, "weight_version": c.weight_version}
+        entry.update(version_fields(c))
         if body.logprobs:
             entry["logprobs"] = chat_logprobs(state, c, 0, body.top_logprobs or 0)
         if body.return_token_ids:
             entry["token_ids"] = c.token_ids
+        if body.return_routed_experts:
+            entry.update(routed_experts_json(c))
         out.append(entry)
     return JSONResponse({**meta, "object": "chat.completion", "choices": out,
                          "usage": chat_usage(prompt_tokens, choices, parses)})
@@ -186,12 +191,16 @@ async def _stream(
                         c.finish_reason)
                     if not (delta or out.finished or (body.logprobs and out.new_token_ids)):
                         continue
-                entries.append({
+                entry = {
                     "index": c.index, "delta": delta,
                     "logprobs": chat_logprobs(state, c, start, top) if body.logprobs else None,
                     "finish_reason": reason if out.finished else None,
                     "stop_reason": c.stop_reason if out.finished else None,
-                    "weight_version": c.weight_version})
+                    "weight_version": c.weight_version,
+                    **(version_fields(c) if out.finished else {})}
+                if body.return_routed_experts and out.finished:
+                    entry.update(routed_experts_json(c))
+                entries.append(entry)
             if entries:
                 yield sse({**chunk, "choices": entries})
         if include_usage:

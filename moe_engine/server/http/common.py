@@ -7,6 +7,7 @@ Streams are SSE (https://html.spec.whatwg.org/multipage/server-sent-events.html)
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,7 @@ def sampling_params(
         "ignore_eos": body.ignore_eos, "logprobs": logprobs,
         "include_stop_str_in_output": body.include_stop_str_in_output,
         "skip_special_tokens": body.skip_special_tokens,
+        "return_routed_experts": body.return_routed_experts,
         # A whole response needs one output per choice, not one per step (as vLLM's server).
         "output_kind": OUTPUT_DELTA if body.stream else OUTPUT_FINAL_ONLY,
     }
@@ -149,10 +151,21 @@ class Choice:
     #: The weights that computed the latest tokens (an extension field of each choice, as
     #: SGLang's meta_info carries it for RL rollouts).
     weight_version: str = ""
+    #: Routing replay, from the finished output: raw int32 bytes and their shape
+    #: [tokens, moe_layers, top_k] (`EngineCoreOutput.routed_experts`); None before.
+    routed_experts: bytes | None = None
+    routed_experts_shape: tuple[int, int, int] | None = None
+    #: Once finished: every version that computed its tokens, with the token index each
+    #: begins at, and whether K/V of other weights was read (`version_fields`).
+    weight_versions: list[tuple[str, int]] = field(default_factory=list)
+    kv_from_other_weights: bool = False
 
     def add(self, out: EngineCoreOutput) -> None:
         self.text += out.new_text
         self.weight_version = out.weight_version
+        if out.weight_versions is not None:
+            self.weight_versions = list(out.weight_versions)
+        self.kv_from_other_weights = self.kv_from_other_weights or out.kv_from_other_weights
         self.token_ids += out.new_token_ids
         if out.logprobs:
             for tok, (lp, top) in zip(out.new_token_ids, out.logprobs, strict=False):
@@ -161,6 +174,39 @@ class Choice:
         if out.finished:
             self.finish_reason = finish_reason(out)
             self.stop_reason = out.stop_reason
+            self.routed_experts = out.routed_experts
+            self.routed_experts_shape = out.routed_experts_shape
+
+
+def routed_experts_json(choice: Choice) -> dict[str, Any]:
+    """A finished choice's routing replay, for a body with `return_routed_experts`:
+    `routed_experts`, the base64 (RFC 4648, padded) of the raw little-endian int32 expert ids,
+    and `routed_experts_shape` [tokens, moe_layers, top_k] (tokens = prompt + output - 1: the
+    positions the model ran); both null when the engine returned none (a choice aborted
+    before it ran). Decode: `np.frombuffer(base64.b64decode(s), "<i4").reshape(shape)`.
+
+    The encoding is SGLang's: its detokenizer base64-encodes the int32 array's bytes
+    (python/sglang/srt/managers/detokenizer_manager.py, `_extract_routed_experts`), and its
+    OpenAI server returns that string as the response's `sglext.routed_experts`, one per
+    request (the first choice's; entrypoints/openai/serving_completions.py). vLLM puts
+    `routed_experts` on each choice instead (entrypoints/openai/protocol.py,
+    `CompletionResponseChoice`; base64 of `.npy` bytes). Here each choice carries its own
+    (vLLM's place, so that n > 1 keeps every completion's) in SGLang's encoding, with the
+    shape beside it since raw bytes do not carry one.
+    """
+    data = choice.routed_experts
+    shape = choice.routed_experts_shape
+    return {"routed_experts": base64.b64encode(data).decode("ascii") if data is not None
+            else None, "routed_experts_shape": list(shape) if shape is not None else None}
+
+
+def version_fields(choice: Choice) -> dict[str, Any]:
+    """A finished choice's weight labels (extension fields beside `weight_version`):
+    `weight_versions` [{"weight_version": v, "start": output-token index}, ...] and
+    `kv_from_other_weights` (`EngineCoreOutput`)."""
+    return {"weight_versions": [{"weight_version": v, "start": i}
+                                for v, i in choice.weight_versions],
+            "kv_from_other_weights": choice.kv_from_other_weights}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

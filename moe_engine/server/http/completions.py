@@ -18,10 +18,12 @@ from moe_engine.core.validation import truncate_prompt
 from moe_engine.server.http.common import (
     SSE_DONE,
     Choice,
+    routed_experts_json,
     sampling_params,
     sse,
     token_text,
     usage,
+    version_fields,
 )
 from moe_engine.server.http.errors import OpenAIError
 from moe_engine.server.http.protocol import CompletionRequest
@@ -148,11 +150,14 @@ async def create_completion(state: HttpState, body: CompletionRequest):
         entry = {"index": c.index, "text": prefix + c.text, "logprobs": None,
                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                  "weight_version": c.weight_version}
+        entry.update(version_fields(c))
         if body.logprobs is not None:
             pieces = TokenPieces(state, body.skip_special_tokens).add(c.token_ids, final=True)
             entry["logprobs"] = legacy_logprobs(state, c, 0, pieces, len(prefix))
         if body.return_token_ids:
             entry["token_ids"] = c.token_ids
+        if body.return_routed_experts:
+            entry.update(routed_experts_json(c))
         out.append(entry)
     completion_tokens = sum(c.num_output_tokens for c in choices)
     return JSONResponse({**meta, "object": "text_completion", "choices": out,
@@ -193,11 +198,15 @@ async def _stream(
                          "finish_reason": c.finish_reason if out.finished else None,
                          "stop_reason": c.stop_reason if out.finished else None,
                          "weight_version": c.weight_version}
+                if out.finished:
+                    entry.update(version_fields(c))
                 offsets[c.index] += len(prefix)
                 if body.logprobs is not None:
                     new = pieces[c.index].add(out.new_token_ids, out.finished)
                     entry["logprobs"] = legacy_logprobs(state, c, start, new, offsets[c.index])
                     offsets[c.index] += sum(map(len, new))
+                if body.return_routed_experts and out.finished:
+                    entry.update(routed_experts_json(c))
                 entries.append(entry)
             yield sse({**meta, "object": "text_completion", "choices": entries})
         if include_usage:

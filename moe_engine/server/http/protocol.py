@@ -88,6 +88,8 @@ class _SamplingFields(RequestBody):
     # vLLM's detokenizer fields (`SamplingParams`).
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    #: SGLang's and vLLM's routing replay: each choice's `routed_experts` (`common.Choice`).
+    return_routed_experts: StrictBool = False
     # OpenAI bookkeeping fields with no effect on the output here.
     store: StrictBool | None = None
     metadata: dict[StrictStr, StrictStr] | None = None

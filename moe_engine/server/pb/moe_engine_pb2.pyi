@@ -13,7 +13,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "prompt_ids", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "n", "json_schema", "json_object", "final_only", "kv_placement", "remote_first_token", "remote_first_logprob", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p", "logit_bias", "truncate_prompt_tokens", "priority", "include_stop_str_in_output", "skip_special_tokens")
+    __slots__ = ("request_id", "text", "prompt_ids", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "n", "json_schema", "json_object", "final_only", "kv_placement", "remote_first_token", "remote_first_logprob", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p", "logit_bias", "truncate_prompt_tokens", "priority", "include_stop_str_in_output", "skip_special_tokens", "return_routed_experts")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     prompt_ids: TokenIds
@@ -79,7 +80,8 @@ class GenerateRequest(_message.Message):
     priority: int
     include_stop_str_in_output: bool
     skip_special_tokens: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., final_only: _Optional[bool] = ..., kv_placement: _Optional[bytes] = ..., remote_first_token: _Optional[int] = ..., remote_first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., truncate_prompt_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+    return_routed_experts: bool
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., final_only: _Optional[bool] = ..., kv_placement: _Optional[bytes] = ..., remote_first_token: _Optional[int] = ..., remote_first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., truncate_prompt_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., return_routed_experts: _Optional[bool] = ...) -> None: ...
 
 class DecodePlacement(_message.Message):
     __slots__ = ("placement",)
@@ -114,7 +116,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "usage", "logprobs", "index", "weight_version", "ttft_s", "stop_string", "stop_token_id")
+    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "usage", "logprobs", "index", "weight_version", "ttft_s", "stop_string", "stop_token_id", "routed_experts", "routed_experts_shape", "weight_versions", "kv_from_other_weights")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +129,10 @@ class GenerateResponse(_message.Message):
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_FROM_OTHER_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -139,7 +145,19 @@ class GenerateResponse(_message.Message):
     ttft_s: float
     stop_string: str
     stop_token_id: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ..., weight_version: _Optional[str] = ..., ttft_s: _Optional[float] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
+    routed_experts: bytes
+    routed_experts_shape: _containers.RepeatedScalarFieldContainer[int]
+    weight_versions: _containers.RepeatedCompositeFieldContainer[WeightVersionSpan]
+    kv_from_other_weights: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ..., weight_version: _Optional[str] = ..., ttft_s: _Optional[float] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., routed_experts: _Optional[bytes] = ..., routed_experts_shape: _Optional[_Iterable[int]] = ..., weight_versions: _Optional[_Iterable[_Union[WeightVersionSpan, _Mapping]]] = ..., kv_from_other_weights: _Optional[bool] = ...) -> None: ...
+
+class WeightVersionSpan(_message.Message):
+    __slots__ = ("weight_version", "start")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    weight_version: str
+    start: int
+    def __init__(self, weight_version: _Optional[str] = ..., start: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
