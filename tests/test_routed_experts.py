@@ -136,6 +136,19 @@ def test_prefix_cache_hit_keeps_the_prefix_routing(name, request) -> None:
     np.testing.assert_array_equal(routed_b[:48], routed_a[:48])
 
 
+def test_sliding_window_model_keeps_routing_in_the_full_attention_group(gpt_oss_ckpt) -> None:
+    """gpt-oss alternates sliding-window (8 tokens) and full-attention layers: the sliding
+    group gives early blocks back, so the routing lives in the full group's slots, and requests
+    far longer than the window get all of theirs."""
+    engine = _engine(gpt_oss_ckpt)
+    replay = engine.runner.routing_replay
+    kinds = [g.spec.frees_blocks for g in engine.runner.kv_groups]
+    assert True in kinds and not kinds[replay.store.group], kinds
+    prompts = _prompts()
+    for prompt, [(ids, routed)] in zip(prompts, _run(engine, prompts, GREEDY), strict=True):
+        assert_routing_equal(routed, gpt_oss_ckpt, prompt, ids)
+
+
 def test_speculation_returns_only_accepted_tokens(qwen3_ckpt) -> None:
     engine = _engine(qwen3_ckpt, k=3, budget=24)
     prompts = _prompts()
