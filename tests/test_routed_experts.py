@@ -10,11 +10,15 @@ layer; an engine without the flag refuses the request naming it.
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
-from fixtures import make_tiny_checkpoint
+from fixtures import make_tiny_checkpoint, tiny_config
 from routed_experts_helpers import assert_routing_equal
+from safetensors.torch import load_file, save_file
 
 from moe_engine import LLM, SamplingParams
 from moe_engine.core.build import build_engine_core
@@ -41,14 +45,17 @@ def _prompts(seed: int = 5) -> list[list[int]]:
 
 
 def _engine(ckpt, *, num_blocks: int = 64, budget: int = 64, caching: bool = False,
-            k: int = 0, enabled: bool = True, graph_capture=None, max_model_len: int = 128,
-            kernel_backend: str = "auto", max_num_seqs: int = 8) -> EngineCore:
+            k: int = 0, method: str = "ngram", enabled: bool = True, graph_capture=None,
+            max_model_len: int = 128, kernel_backend: str = "auto", max_num_seqs: int = 8,
+            ) -> EngineCore:
     return build_engine_core(
         EngineConfig(
             model=ModelConfig(model=str(ckpt), max_model_len=max_model_len),
             cache=CacheConfig(num_blocks_override=num_blocks, enable_prefix_caching=caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
-            speculative=SpeculativeConfig("ngram", k, 1, 3, 0) if k else SpeculativeConfig(),
+            speculative=(SpeculativeConfig(method, k, 1, 3, 0) if method == "ngram"
+                         else SpeculativeConfig(method, k, disable_by_batch_size=0))
+            if k else SpeculativeConfig(),
             enable_return_routed_experts=enabled,
             kernel_backend=kernel_backend,
         ),
@@ -158,6 +165,44 @@ def test_speculation_returns_only_accepted_tokens(qwen3_ckpt) -> None:
         assert_routing_equal(routed, qwen3_ckpt, prompt, ids)
     stats = engine.drafter.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+
+
+def _with_mtp_layer(ckpt, root):
+    """The tiny DeepSeek-V3 (3 layers, layer 0 dense) plus a random MTP layer
+    (`model.layers.3.*`, an MoE layer; config num_nextn_predict_layers 1), as
+    tests/test_spec_mtp.py builds it; transformers loads the main model and ignores it."""
+    from transformers import AutoModelForCausalLM
+
+    path = root / "deepseek_v3-mtp"
+    shutil.copytree(ckpt, path)
+    weights = load_file(path / "model.safetensors")
+    torch.manual_seed(7)
+    big = AutoModelForCausalLM.from_config(tiny_config("deepseek_v3", num_hidden_layers=4))
+    extra = {k: v.detach().clone() for k, v in big.state_dict().items()
+             if k.startswith("model.layers.3.")}
+    hidden = big.config.hidden_size
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        extra[f"model.layers.3.{norm}.weight"] = 1 + 0.1 * torch.randn(hidden)
+    extra["model.layers.3.eh_proj.weight"] = torch.randn(hidden, 2 * hidden) * 0.2
+    extra["model.layers.3.embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+    extra["model.layers.3.shared_head.head.weight"] = weights["lm_head.weight"].clone()
+    save_file({**weights, **extra}, path / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def test_mtp_layers_are_not_recorded(deepseek_v3_ckpt, tmp_path) -> None:
+    """MTP drafts: the MTP layer's MoE block computes no token of the request, so the routed
+    experts are the main model's 2 MoE layers, equal to transformers' (accepted tokens only)."""
+    ckpt = _with_mtp_layer(deepseek_v3_ckpt, tmp_path)
+    engine = _engine(ckpt, k=2, method="mtp")
+    assert engine.runner.mtp is not None and engine.runner.routing_replay.num_layers == 2
+    prompts = _prompts()[:2]
+    for prompt, [(ids, routed)] in zip(prompts, _run(engine, prompts, GREEDY), strict=True):
+        assert_routing_equal(routed, ckpt, prompt, ids)
+    assert engine.drafter.stats.num_draft_tokens > 0
 
 
 def test_preemption_rewrites_the_slots(qwen3_ckpt) -> None:
