@@ -2,10 +2,12 @@
 enable_return_routed_experts=True)` and `SamplingParams.return_routed_experts` return, for every
 token the model ran for a completion ([0, seqlen - 1)), the top-k logical expert ids of every MoE
 layer, equal to transformers' router top-k (`routed_experts_helpers`): Qwen3-MoE (softmax
-top-k) and DeepSeek-V3 (sigmoid, non-zero correction bias, group-limited top-k), with prefix
-caching (the cached prefix's routing is kept), n-gram speculation (only accepted tokens),
-preemption (recompute rewrites the slots), n = 2, the decode-graph path and the native decode
-layer; an engine without the flag refuses the request naming it.
+top-k) and DeepSeek-V3 (sigmoid, non-zero correction bias, group-limited top-k), gpt-oss
+(sliding-window + full-attention groups: the routing lives in the full group's slots), with
+prefix caching (the cached prefix's routing is kept), n-gram and MTP speculation (only accepted
+tokens; the MTP layer is not recorded), preemption (recompute rewrites the slots), n = 2, the
+decode-graph path and the native decode layer; an engine without the flag refuses the request
+naming it.
 """
 
 from __future__ import annotations
