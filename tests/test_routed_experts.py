@@ -283,3 +283,11 @@ def test_capture_dtype_and_growth() -> None:
     assert small.capacity >= 3
     assert small.take(3)[:, 1].tolist() == [[1, 2, -1], [3, 4, -1], [5, 6, -1]]
     assert (small.take(3)[:, 0] == -1).all()
+
+
+def test_moe_serve_flag_sets_the_config() -> None:
+    from moe_engine.cli.serve import build_parser, engine_config_from_args
+
+    for argv, on in (([], False), (["--enable-return-routed-experts"], True)):
+        args = build_parser().parse_args(["--model", "m", *argv])
+        assert engine_config_from_args(args, "m").enable_return_routed_experts is on
