@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from comm.placement import ExpertPlacement
 
 
 @dataclass
@@ -50,4 +53,15 @@ class Communicator(Protocol):
 
     def combine(self, expert_out: torch.Tensor, handle: Any) -> torch.Tensor:
         """expert_out: [N, H] weighted partial sums -> [T, H] in the original token order."""
+        ...
+
+    def set_placement(self, placement: ExpertPlacement) -> None:
+        """Route by `placement` from the next dispatch on (runtime EPLB, `moe_engine.eplb`):
+        called on every rank between the same two steps, after the experts' weights moved.
+        Takes the `ExpertPlacement` object itself (its route tables are built on first use).
+
+        Raises:
+            ValueError: a placement this communicator cannot take (another ep_size,
+                num_experts or slots per rank; the message names both numbers).
+        """
         ...

@@ -141,6 +141,18 @@ class DeepEPCommunicator:
             raise ValueError(f"begin_step: num_tokens must be >= 0, got {num_tokens}")
         self._step_max_tokens = max_tokens_over_ranks(num_tokens, self.group, self.control_group)
 
+    def set_placement(self, placement: ExpertPlacement) -> None:
+        """Route by `placement` from the next dispatch on (every rank, between the same two
+        steps). DeepEP sees physical ids `rank * slots_per_rank + slot` (normal and
+        low-latency kernels alike), so a placement with the same slots per rank keeps the
+        buffer, which is sized for ep_size x slots_per_rank experts.
+
+        Raises:
+            ValueError: another ep_size, num_experts or slots per rank than the serving one.
+        """
+        self.placement.check_swap(placement)
+        self.placement = placement
+
     def profile_token_counts(self, max_tokens: int) -> set[int]:
         """The low-latency kernels' largest step, when it is below `max_tokens` (steps above
         it take the normal kernels): its receive buffer [E_local, R, H] and expert rows are

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from comm.base import DispatchResult
+from comm.placement import ExpertPlacement
 
 
 class NoopCommunicator:
@@ -32,3 +33,17 @@ class NoopCommunicator:
     def combine(self, expert_out: torch.Tensor, handle: Any) -> torch.Tensor:
         """Returns `expert_out` unchanged."""
         return expert_out
+
+    def set_placement(self, placement: ExpertPlacement) -> None:
+        """Accepts only the one layout it serves: one rank, experts in checkpoint order.
+
+        Raises:
+            ValueError: a placement over more than one rank or not contiguous (replicas or
+                permuted slots: local ids would no longer be global ids).
+        """
+        if placement.ep_size != 1 or not placement.is_contiguous:
+            raise ValueError(
+                "the noop communicator (ep_size 1) serves only the contiguous placement; got "
+                f"ep_size {placement.ep_size}, "
+                f"{'contiguous' if placement.is_contiguous else 'non-contiguous'} slots"
+            )

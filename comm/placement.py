@@ -115,6 +115,22 @@ class ExpertPlacement:
                 f"the placement is for ep_size {self.ep_size}, but {ep_size} ranks are running"
             )
 
+    def check_swap(self, new: ExpertPlacement) -> None:
+        """Check that `new` can replace this placement while serving: the same num_experts,
+        ep_size and slots per rank (what the experts' stacked tensors and a communicator's
+        buffers are sized by); the experts in the slots may differ.
+
+        Raises:
+            ValueError: naming the field, the serving value and the new one.
+        """
+        for field in ("num_experts", "ep_size", "num_local_experts"):
+            serving, other = getattr(self, field), getattr(new, field)
+            if serving != other:
+                raise ValueError(
+                    f"the new placement has {field} {other}, the serving one {serving}: a "
+                    f"placement swap keeps num_experts, ep_size and slots per rank"
+                )
+
     def local_experts(self, rank: int) -> list[int]:
         """Global expert id of each local slot of `rank`: index the stacked w13/w2 with it."""
         return list(self._slots[rank])

@@ -154,6 +154,17 @@ class TorchAllToAll:
             return
         self.step_max_tokens = max_tokens_over_ranks(num_tokens, self.group, self.control_group)
 
+    def set_placement(self, placement: ExpertPlacement) -> None:
+        """Route by `placement` from the next dispatch on (every rank, between the same two
+        steps). Its replicas are chosen as `ExpertPlacement.route` does: deterministic and
+        balanced.
+
+        Raises:
+            ValueError: another ep_size, num_experts or slots per rank than the serving one.
+        """
+        self.placement.check_swap(placement)
+        self.placement = placement
+
     def profile_token_counts(self, max_tokens: int) -> set[int]:
         """None: below a step that takes the variable splits, a fixed-capacity step's buffers
         (at most `FIXED_CAPACITY_MAX_BYTES` per payload) are no larger than the variable

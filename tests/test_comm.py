@@ -538,6 +538,37 @@ def case_deepep_auto_mode_fake(rank: int, world: int, seed: int) -> list[str]:
     return problems
 
 
+def case_placement_swap(rank: int, world: int, seed: int) -> list[str]:
+    """`set_placement` (runtime EPLB): after a swap, TorchAllToAll and the DeepEP adapter route
+    by the new placement (replicas included); a placement of another shape is refused."""
+    target = replica_placement(world)
+    rotated = ExpertPlacement(
+        NUM_EXPERTS, world, [target.slots[(r + 1) % world] for r in range(world)]
+    )
+    problems = []
+    for name, comm, dtype, tol in (
+        ("torch", TorchAllToAll(None, rotated), torch.float32, FP32_TOL),
+        ("deepep", DeepEPCommunicator(None, rotated, buffer=FakeDeepEPBuffer(), mode="normal"),
+         torch.bfloat16, BF16_TOL),
+    ):
+        experts = make_experts(seed, dtype)
+        for i, placement in enumerate((rotated, target)):
+            if i:
+                comm.set_placement(placement)
+            batches = make_batches(seed + i, [5, 8, 0, 3][:world], hot_router(0), dtype)
+            problems += [f"{name} {i}: {p}" for p in
+                         round_trip(comm, placement, rank, batches, experts, tol)]
+        try:
+            comm.set_placement(ExpertPlacement.contiguous(NUM_EXPERTS, world))
+            problems.append(f"{name}: a placement with fewer slots per rank was taken")
+        except ValueError as exc:
+            if "num_local_experts" not in str(exc):
+                problems.append(f"{name}: refusal does not name the field: {exc}")
+        if comm.placement is not target:
+            problems.append(f"{name}: the refused placement replaced the serving one")
+    return problems
+
+
 def case_factory_picks_torch_on_gloo(rank: int, world: int, seed: int) -> list[str]:
     placement = ExpertPlacement.contiguous(NUM_EXPERTS, world)
     comm = make_communicator(None, placement, dtype=torch.bfloat16)
@@ -560,6 +591,7 @@ CASES: dict[str, Callable[[int, int, int], list[str]]] = {
     "deepep_low_latency_fake": case_deepep_low_latency_fake,
     "deepep_auto_mode_fake": case_deepep_auto_mode_fake,
     "factory_picks_torch_on_gloo": case_factory_picks_torch_on_gloo,
+    "placement_swap": case_placement_swap,
 }
 
 

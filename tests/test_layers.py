@@ -42,7 +42,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("scheduler", ("moe_engine.scheduler",)),
     ("models", ("moe_engine.models",)),
     ("runner", ("moe_engine.runner",)),
-    ("core", ("moe_engine.core", "moe_engine.weight_update")),
+    ("core", ("moe_engine.core", "moe_engine.weight_update", "moe_engine.eplb")),
     ("engine", ("moe_engine.engine",)),
     (
         "front ends and APIs",

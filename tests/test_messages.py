@@ -9,6 +9,7 @@ import pytest
 from fake_core import FakeEngineCore
 
 from moe_engine.core import outputs as o
+from moe_engine.core.eplb_stats import EplbStats, RebalanceRecord
 from moe_engine.core.protocol import EngineCoreProtocol
 from moe_engine.engine import messages as m
 from moe_engine.engine.core_proc import refusal_of_frame
@@ -28,7 +29,7 @@ def _core_stats(base: int, rank: int = 0) -> o.CoreStats:
         name: base + i
         for i, name in enumerate(o.CoreStats.__struct_fields__)
         if name not in ("kv_groups", "phase_seconds", "rank", _PER_POS, "paused",
-                        "weight_version")
+                        "weight_version", "eplb")
     }
     group = o.KVCacheGroupStats(
         group=1, kind="sliding_attention", sliding_window=8, num_layers=2,
@@ -38,7 +39,24 @@ def _core_stats(base: int, rank: int = 0) -> o.CoreStats:
         **numbers, kv_groups=[group], phase_seconds={"step": 0.5}, rank=rank,
         paused=bool(rank % 2), weight_version=f"v{base}",
         spec_decode_num_accepted_tokens_per_pos=[base, base + 1] + [base] * (rank % 2),
+        eplb=_eplb_stats(base),
     )  # fmt: skip
+
+
+def _eplb_stats(base: int) -> EplbStats:
+    """EplbStats (and one RebalanceRecord) with every field set and non-zero."""
+    record = RebalanceRecord(
+        step=base, committed_step=base + 3, experts_moved=4, bytes_sent=base * 10,
+        bytes_received=base * 10, transfer_s=0.25, commit_s=0.125, move_steps=3,
+        balancedness_before=0.5, balancedness_after_predicted=0.9,
+        balancedness_after_measured=0.875,
+    )
+    return EplbStats(
+        num_rebalances=1, num_decisions=2, moving=True, experts_moved=4,
+        bytes_sent=base * 10, bytes_received=base * 10, transfer_s=0.25 + base,
+        commit_s=0.125, balancedness=0.875, balancedness_predicted=0.9,
+        last_rebalance_step=base, rebalances=[record],
+    )
 
 
 _PER_POS = "spec_decode_num_accepted_tokens_per_pos"
@@ -54,7 +72,7 @@ def _model_info() -> o.ModelInfo:
         expert_group_size=32, expert_checkpoint_format="compressed-tensors",
         expert_zero_points=True, experts_per_rank=[[0, 1], [2, 3]], rank_pids=[5, 6],
         device="cuda", kernel_backends={"fused_moe": "triton", "linear": "torch"},
-        weight_version="step-7",
+        weight_version="step-7", eplb_enabled=True, eplb_rebalances=2,
     )
 
 
@@ -129,13 +147,17 @@ def test_every_server_stats_field_has_a_source() -> None:
     """A proto field the servicer does not fill (or a renamed source) stays at its default."""
     stats = o.engine_stats([_core_stats(10), _core_stats(100, rank=1)])
     proto = server_stats_to_proto(stats)
-    for message in (proto, proto.ranks[1], proto.kv_groups[0]):
+    for message in (proto, proto.ranks[1], proto.kv_groups[0], proto.eplb,
+                    proto.eplb.rebalances[0]):
         filled = {f.name for f, _ in message.ListFields()}
         assert filled == set(message.DESCRIPTOR.fields_by_name), type(message).__name__
     assert proto.num_running == 10 + 100 and proto.ranks[1].num_running == 100
     assert proto.kv_groups[0].blocks_used == 110  # summed over ranks
     assert proto.tokens_dispatched == stats.total.tokens_in
     assert len(server_stats_to_proto(o.engine_stats([_core_stats(1)])).ranks) == 0  # ep 1
+    # EPLB: bytes summed over the ranks, seconds the slowest rank's
+    assert proto.eplb.bytes_sent == 1100 and proto.eplb.transfer_seconds == 100.25
+    assert proto.eplb.rebalances[0].bytes_sent == 1100
 
 
 def test_every_model_info_field_has_a_source() -> None:

@@ -15,10 +15,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from fixtures import hf_greedy, perturbed_checkpoint
 
 from moe_engine import LLM, SamplingParams
 from moe_engine.core.outputs import EngineCoreOutput
+from moe_engine.kv_cache import KVCacheManager, SlidingWindowSpec
+from moe_engine.request import Request
+from moe_engine.scheduler import Scheduler
+from moe_engine.startup.config import SchedulerConfig
 from moe_engine.weight_update.messages import PauseGeneration, ResumeGeneration
 
 #: 120 prompt tokens at 8 a step: 15 prefill steps.
@@ -144,3 +149,27 @@ def test_kept_prefix_cache_blocks_of_old_weights_are_flagged(llm, qwen3_ckpt, ne
     assert llm.engine.kv.prefix_cache_hits > hits  # blocks of the weights serving: reused
     assert again.token_ids == fresh.token_ids
     assert (again.weight_versions, again.kv_from_other_weights) == ([("new-flushed", 0)], False)
+
+
+def test_a_lookup_begun_before_a_flush_finds_no_block_of_older_weights() -> None:
+    """The block tags, alone: a request looked up before the update (its hashes on the old
+    chain) and a straddling request that caches its later blocks on that chain after the
+    flush. A sliding-window group needs only the blocks before the end, so without the tags
+    those blocks (K/V computed reading the old weights') would be a hit."""
+    kv = KVCacheManager([SlidingWindowSpec(4, 2, 8, torch.float32, 2, 5)], 32,
+                        enable_prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4), kv)
+    prompt = list(range(1, 18))  # 4 full blocks of 4 tokens, and one more token
+
+    def step() -> None:
+        out = sched.schedule()
+        sched.update(out, {s.request.request_id: 7 for s in out.scheduled if s.samples})
+
+    sched.add_request(Request("straddles", prompt, SamplingParams(max_tokens=2)))
+    step(), step()  # blocks 0 and 1 computed and cached
+    looked_up = Request("looked-up", prompt, SamplingParams(max_tokens=2))
+    assert kv.get_computed_blocks(looked_up).num_tokens == 8
+    assert kv.new_weights(flush=True) == 2
+    step(), step()  # blocks 2 and 3 cached after the flush, on the old chain
+    assert kv.pool.num_cached_blocks == 2
+    assert kv.get_computed_blocks(looked_up).num_tokens == 0

@@ -23,6 +23,7 @@ from moe_engine.startup.config import (
     DISAGG_MODES,
     SCHEDULING_POLICIES,
     DeviceConfig,
+    EplbConfig,
     ModelConfig,
     SchedulerConfig,
 )
@@ -306,9 +307,50 @@ def add_parallel_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "--expert-placement",
         default=None,
         help="placement JSON (from `moe-skew plan`): which experts, and replicas, each rank "
-        "holds (default: experts split contiguously)",
+        "holds (default: experts split contiguously); with --enable-eplb the placement served "
+        "first",
     )
+    add_eplb_args(ep)
     return ep
+
+
+def add_eplb_args(ep: argparse._ArgumentGroup) -> None:
+    """Runtime expert load balancing into the "expert parallelism" group (`EplbConfig`).
+
+    The numeric flags default to None so that `serve.eplb_config_from_args` can tell a flag
+    given without --enable-eplb (refused) from one left out (EplbConfig's default).
+    """
+    ep.add_argument(
+        "--enable-eplb", action="store_true",
+        help="rebalance the experts over the ranks while serving (vLLM's and SGLang's flag): "
+        "every --eplb-step-interval steps the routing load of the last --eplb-window-steps "
+        "steps is summed over the ranks, and when the ranks' balancedness (mean / max of "
+        "their predicted load) is below --eplb-balancedness-threshold a new placement is "
+        "planned (as `moe-skew plan`) and the moved experts' weights travel between ranks "
+        "over the next steps, swapped in on every rank at once. Needs --ep-size > 1",
+    )
+    ep.add_argument(
+        "--eplb-window-steps", type=int, default=None, metavar="N",
+        help=f"steps of recorded routing load a placement is planned from (default "
+        f"{EplbConfig.window_steps}, vLLM's window_size)",
+    )
+    ep.add_argument(
+        "--eplb-step-interval", type=int, default=None, metavar="N",
+        help=f"steps between two rebalancing decisions (default {EplbConfig.step_interval}, "
+        "vLLM's step_interval)",
+    )
+    ep.add_argument(
+        "--num-redundant-experts", type=int, default=None, metavar="R",
+        help="extra expert slots in all, R / ep_size per rank, holding replicas of hot experts "
+        "(default 0; a multiple of --ep-size, at most num_experts * (ep_size - 1); only with "
+        "--enable-eplb, as vLLM's)",
+    )
+    ep.add_argument(
+        "--eplb-balancedness-threshold", type=float, default=None, metavar="T",
+        help="rebalance only when the window's rank balancedness (mean / max, in (0, 1]) is "
+        f"below T (default {EplbConfig.balancedness_threshold}; 1.0: at every interval "
+        "where a better placement exists)",
+    )
 
 
 def add_kernel_args(p: argparse.ArgumentParser) -> None:

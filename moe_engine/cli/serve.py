@@ -19,6 +19,8 @@ and gRPC.
               [--health-requires-api-key] [--tls-cert PEM --tls-key PEM [--tls-ca PEM]]
               [--allow-insecure]
               [--ep-size N] [--collective-timeout S] [--expert-placement FILE]
+              [--enable-eplb [--eplb-window-steps N] [--eplb-step-interval N]
+               [--num-redundant-experts R] [--eplb-balancedness-threshold T]]
               [--nnodes N --node-rank K --rdzv-endpoint HOST:PORT]
               [--speculative-method ngram [--num-speculative-tokens K] [--ngram-min N]
                [--ngram-max N] [--speculative-disable-by-batch-size N]]
@@ -58,6 +60,7 @@ from moe_engine.startup.config import (
     DeviceConfig,
     DisaggConfig,
     EngineConfig,
+    EplbConfig,
     ModelConfig,
     ParallelConfig,
     QuantConfig,
@@ -172,6 +175,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str,
             rdzv_endpoint=args.rdzv_endpoint,
             expert_placement=args.expert_placement,
         ),
+        eplb=eplb_config_from_args(args),
         expert_trace=args.expert_trace,
         enable_return_routed_experts=args.enable_return_routed_experts,
         kernel_backend=args.kernel_backend,
@@ -184,6 +188,33 @@ def engine_config_from_args(args: argparse.Namespace, model: str,
             cpu_memory_utilization=args.cpu_memory_utilization,
         ),
     )
+
+
+#: The EPLB flags that take a value: (flag, argparse dest, `EplbConfig` field).
+_EPLB_FLAGS = (
+    ("--eplb-window-steps", "eplb_window_steps", "window_steps"),
+    ("--eplb-step-interval", "eplb_step_interval", "step_interval"),
+    ("--num-redundant-experts", "num_redundant_experts", "num_redundant_experts"),
+    ("--eplb-balancedness-threshold", "eplb_balancedness_threshold", "balancedness_threshold"),
+)
+
+
+def eplb_config_from_args(args: argparse.Namespace) -> EplbConfig:
+    """The EplbConfig of --enable-eplb and its flags (EplbConfig's defaults for those left out).
+
+    Raises:
+        ValueError: an EPLB flag given without --enable-eplb (vLLM likewise refuses
+            num_redundant_experts without EPLB: they would do nothing), or a value out of
+            range (`EplbConfig`, naming the flag and the limit).
+    """
+    given = {(flag, field): getattr(args, dest) for flag, dest, field in _EPLB_FLAGS
+             if getattr(args, dest) is not None}
+    if not args.enable_eplb:
+        for (flag, _), value in given.items():
+            raise ValueError(f"{flag} {value} needs --enable-eplb (without it the experts "
+                             "never move, so the flag would do nothing)")
+        return EplbConfig()
+    return EplbConfig(enabled=True, **{field: value for (_, field), value in given.items()})
 
 
 def resolve_model(model: str) -> str:
@@ -291,13 +322,19 @@ def main(argv: list[str] | None = None) -> int:
         device = resolve_device(config.device.device)  # --device cuda without CUDA: exit 1
         check_kernel_backend(device, config.kernel_backend)  # e.g. triton on a CPU: exit 1
         check_checkpoint(config)
+        if config.eplb.enabled:  # 4-bit experts EPLB cannot move on this backend: exit 1
+            from moe_engine.startup.checks import check_eplb_kernels
+
+            expert_format = resolve_quant_config(config.quant, config.model.hf_config()).method
+            check_eplb_kernels(config, device, expert_format)
         if config.parallel.node_rank > 0:
             return run_worker_node(config)
-        if config.parallel.ep_size > 1 or config.parallel.expert_placement is not None:
-            from moe_engine.models import model_shape
-            from moe_engine.startup.checks import check_ep_size
+        from moe_engine.startup.checks import check_ep_size, needs_ep_check
 
-            # before the port opens: a bad --ep-size or placement exits 1
+        if needs_ep_check(config):
+            from moe_engine.models import model_shape
+
+            # before the port opens: a bad --ep-size, placement or EPLB setting exits 1
             check_ep_size(config, model_shape(config.model.hf_config()).num_experts)
         return asyncio.run(serve(config, options, log_level=level))
     except (StartupError, ValueError, FileNotFoundError) as exc:

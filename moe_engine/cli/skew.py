@@ -228,7 +228,8 @@ def _load_data(args: argparse.Namespace) -> LoadData:
             placement=placement,
             rank_load=measured,
             placement_source=source,
-            meta=dict(model=info.get("model")),
+            meta=dict(model=info.get("model"), eplb_enabled=bool(info.get("eplb_enabled")),
+                      eplb_rebalances=int(info.get("eplb_rebalances") or 0)),
             n_group=n_group,
         )
     if data.placement is not None and data.placement.ep_size != data.ep_size:

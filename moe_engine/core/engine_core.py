@@ -116,6 +116,9 @@ class EngineCore:
         self.kernels = built.kernels
         self.timer = timer
         self.expert_load = expert_load
+        #: Runtime EPLB's controller (`moe_engine.eplb.controller`), set by the expert-parallel
+        #: rank loop with --enable-eplb; None otherwise (read by the stats and model info).
+        self.eplb: Any = None
         self.last_step: StepRecord | None = None
         self._last_num_tokens = 0
         #: This rank's own expert trace (one rank only; under EP rank 0's loop writes one).

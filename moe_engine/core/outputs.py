@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 
+from moe_engine.core.eplb_stats import EplbStats, merge_eplb_stats
 from moe_engine.request import FinishReason
 
 
@@ -88,6 +89,9 @@ class ModelInfo(msgspec.Struct, kw_only=True):
             "native_cpu_isa" -> the native library's variant where it runs
             (`kernels.registry.KernelPlan.info`).
         weight_version: the weights serving now (`--weight-version`, then each update's).
+        eplb_enabled: runtime EPLB is on (--enable-eplb): `experts_per_rank` changes while
+            serving, so the front end asks for it afresh; eplb_rebalances: rebalances
+            committed so far.
     """
 
     model: str
@@ -121,6 +125,8 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     device: str = "cpu"
     kernel_backends: dict[str, str] = {}
     weight_version: str = ""
+    eplb_enabled: bool = False
+    eplb_rebalances: int = 0
 
 
 class KVCacheGroupStats(msgspec.Struct, kw_only=True):
@@ -156,6 +162,7 @@ class CoreStats(msgspec.Struct, kw_only=True):
             0 without linear layers).
         paused: generation is paused (`PauseGeneration`); weight_version: the weights now.
         rank: the rank these are from.
+        eplb: runtime EPLB's counters (`eplb_stats.EplbStats`), None when it is off.
     """
 
     num_running: int
@@ -189,6 +196,7 @@ class CoreStats(msgspec.Struct, kw_only=True):
     paused: bool = False
     weight_version: str = ""
     rank: int = 0
+    eplb: EplbStats | None = None
 
     @property
     def kv_cache_usage(self) -> float:
@@ -237,6 +245,8 @@ def sum_stats(per_rank: list[CoreStats]) -> CoreStats:
     for s in per_rank:
         for phase, seconds in s.phase_seconds.items():
             phases[phase] = phases.get(phase, 0.0) + seconds
+    eplb = [s.eplb for s in per_rank if s.eplb is not None]
+    summed["eplb"] = merge_eplb_stats(eplb) if len(eplb) == len(per_rank) else None
     return CoreStats(**summed, phase_seconds=phases)
 
 

@@ -45,6 +45,7 @@ def core_stats(core: Core) -> CoreStats:
         paused=core.rollout.paused,
         weight_version=core.rollout.weight_version,
         rank=core.rank_context.rank if core.rank_context else 0,
+        eplb=eplb.snapshot() if (eplb := getattr(core, "eplb", None)) is not None else None,
     )
 
 
@@ -154,4 +155,13 @@ def model_info(core: Core) -> ModelInfo:
         local_experts=list(core.rank_context.local_experts)
         if core.rank_context
         else list(range(s.num_experts)),
+        **eplb_info(core),
     )
+
+
+def eplb_info(core: Core) -> dict[str, Any]:
+    """ModelInfo's EPLB fields: whether it is on and how many rebalances it committed."""
+    eplb = getattr(core, "eplb", None)
+    if eplb is None:
+        return {}
+    return dict(eplb_enabled=True, eplb_rebalances=eplb.stats.num_rebalances)

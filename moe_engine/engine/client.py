@@ -45,7 +45,7 @@ from moe_engine.engine.monitor import FRONTEND_TIMEOUT_S, HEARTBEAT_INTERVAL_S
 from moe_engine.engine.status import StartupStatus
 from moe_engine.engine.streams import RequestStreams
 from moe_engine.errors import ErrorCode, RequestError, StartupError
-from moe_engine.startup.checks import check_ep_size
+from moe_engine.startup.checks import check_ep_size, needs_ep_check
 from moe_engine.startup.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class EngineClient(RequestStreams):
                 exited before it was ready, or was not ready within `startup_timeout_s`.
         """
         ep_size = config.parallel.ep_size
-        if ep_size > 1 or config.parallel.expert_placement is not None:
+        if needs_ep_check(config):
             from moe_engine.models import model_shape
 
             check_ep_size(config, model_shape(config.model.hf_config()).num_experts)

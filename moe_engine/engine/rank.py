@@ -17,6 +17,9 @@ One iteration of the loop, on every rank:
    model info), control messages, shutdown;
 3. if the decision was to step, every rank runs exactly one forward pass (a zero-token one when
    it has nothing scheduled), so each MoE layer's dispatch and combine has all participants;
+   with --enable-eplb every rank's `EplbController` then takes the step's routing counts and,
+   when it is time, decides a new placement, moves a chunk of expert weights or swaps them in
+   (`moe_engine.eplb.controller`);
 4. every rank reports its outputs, refusals, query answers and whether it has work left to
    rank 0 (`gather_object`), which forwards them to the front end (`loop.reply_for` merges the
    ranks' answers).
@@ -70,6 +73,7 @@ from moe_engine.engine.rank_groups import (
 from moe_engine.engine.role import PlainRole, Role, role_for
 from moe_engine.startup.config import EngineConfig
 from moe_engine.startup.env import default_threads
+from moe_engine.weight_update.messages import UpdateWeights
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +104,10 @@ class LockstepLoop:
         tracing: whether an expert trace is written (every rank then reports its step).
         role: this rank's part in a prefill/decode split (`role.role_for`, over its own KV
             cache and transfer engine); None: a plain instance (`role.PlainRole`).
+        eplb: this rank's `eplb.controller.EplbController` (--enable-eplb), None when off:
+            after every step, on every rank, it takes the step's routing counts and decides,
+            moves a chunk of expert weights or swaps them in (its collectives raise like a
+            step's when a rank is gone).
     """
 
     def __init__(
@@ -113,8 +121,10 @@ class LockstepLoop:
         trace: Any = None,
         tracing: bool = False,
         role: Role | None = None,
+        eplb: Any = None,
     ) -> None:
         self.core = core
+        self.eplb = eplb
         self.role: Role = PlainRole(core) if role is None else role
         self.trace, self.tracing = trace, tracing
         self.rank, self.world_size = rank, world_size
@@ -133,6 +143,8 @@ class LockstepLoop:
             dist.broadcast_object_list(box, src=0, group=self.group)
             messages, do_step = box[0]
             report = RankReport()
+            if self.eplb is not None and any(isinstance(m, UpdateWeights) for m in messages):
+                self.eplb.settle()  # staged expert copies would miss the new weights
             for message in messages:
                 loop.apply(self.core, self.role, message, report, rank=self.rank,
                            agree=self._agree)
@@ -140,6 +152,9 @@ class LockstepLoop:
                 return
             if do_step:
                 loop.step(self.core, self.role, report)
+                if self.eplb is not None:
+                    last = self.core.last_step
+                    self.eplb.after_step(last.counts, last.rank_tokens)
                 if self.tracing:
                     report.step = self.core.last_step
             self.role.tick()
@@ -315,16 +330,16 @@ def _build_core(
     device_group: Any,
 ) -> tuple[Any, Any]:
     """This rank's core (its experts only) and the expert placement."""
-    from comm import ExpertPlacement, make_communicator
+    from comm import make_communicator
+    from moe_engine.eplb.placement import starting_placement
     from moe_engine.models import model_shape
     from moe_engine.startup.rank_context import RankContext
 
     num_experts = model_shape(config.model.hf_config()).num_experts
-    if config.parallel.expert_placement:
-        placement = ExpertPlacement.load(config.parallel.expert_placement)
-        placement.check(num_experts, world_size)
-    else:
-        placement = ExpertPlacement.contiguous(num_experts, world_size)
+    placement = starting_placement(
+        num_experts, world_size, config.eplb.num_redundant_experts,
+        config.parallel.expert_placement,
+    )
     device = engine_device(config).type
     communicator = make_communicator(
         device_group, placement, device=device, dtype=config.model.torch_dtype()
@@ -364,12 +379,16 @@ def _serve_rank(
         if outputs is not None:
             outputs.send(encode(message))
 
-    core, placement, error, role = None, None, None, None
+    core, placement, error, role, eplb = None, None, None, None, None
     try:
         core, placement = _build_core(
             config, core_factory, rank, world_size, monitor.report, groups.device
         )
         role = _build_role(core, config, local=config.parallel.node_rank == 0)
+        if config.eplb.enabled:
+            from moe_engine.eplb.controller import build_controller
+
+            eplb = build_controller(core, placement, rank, groups.control, groups.device)
     except BaseException as exc:  # noqa: BLE001 - every startup failure goes to rank 0
         logger.exception("rank %d failed to start", rank)
         error = f"rank {rank}: {type(exc).__name__}: {exc}"
@@ -400,7 +419,7 @@ def _serve_rank(
         )
     lockstep = LockstepLoop(
         core, rank, world_size, groups.control, inputs, outputs,
-        trace=trace, tracing=bool(config.expert_trace), role=role,
+        trace=trace, tracing=bool(config.expert_trace), role=role, eplb=eplb,
     )
     try:
         lockstep.run()

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from moe_engine.core.eplb_stats import EplbStats
 from moe_engine.core.outputs import CoreStats, EngineCoreOutput, EngineStats, ExpertLoad, ModelInfo
 from moe_engine.core.validation import param_error
 from moe_engine.errors import ParamError
@@ -135,6 +136,38 @@ def model_info_to_proto(info: ModelInfo) -> pb.ModelInfo:
         kernel_backends=info.kernel_backends,
         experts_per_rank=[pb.RankExperts(experts=e) for e in per_rank],
         weight_version=info.weight_version,
+        eplb_enabled=info.eplb_enabled,
+        eplb_rebalances=info.eplb_rebalances,
+    )
+
+
+def eplb_stats_to_proto(stats: EplbStats | None) -> pb.EplbStats | None:
+    """ServerStats.eplb (None when EPLB is off)."""
+    if stats is None:
+        return None
+    return pb.EplbStats(
+        num_rebalances=stats.num_rebalances,
+        num_decisions=stats.num_decisions,
+        moving=stats.moving,
+        experts_moved=stats.experts_moved,
+        bytes_sent=stats.bytes_sent,
+        bytes_received=stats.bytes_received,
+        transfer_seconds=stats.transfer_s,
+        commit_seconds=stats.commit_s,
+        balancedness=stats.balancedness,
+        balancedness_predicted=stats.balancedness_predicted,
+        last_rebalance_step=stats.last_rebalance_step,
+        rebalances=[
+            pb.RebalanceStats(
+                step=r.step, committed_step=r.committed_step, experts_moved=r.experts_moved,
+                bytes_sent=r.bytes_sent, bytes_received=r.bytes_received,
+                transfer_seconds=r.transfer_s, commit_seconds=r.commit_s,
+                move_steps=r.move_steps, balancedness_before=r.balancedness_before,
+                balancedness_after_predicted=r.balancedness_after_predicted,
+                balancedness_after_measured=r.balancedness_after_measured,
+            )
+            for r in stats.rebalances
+        ],
     )
 
 
@@ -199,6 +232,7 @@ def server_stats_to_proto(stats: EngineStats) -> pb.ServerStats:
         state_slots_free=t.state_slots_free,
         paused=t.paused,
         weight_version=t.weight_version,
+        eplb=eplb_stats_to_proto(t.eplb),
     )
 
 

@@ -34,6 +34,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 
 from moe_engine.core.outputs import CoreStats, EngineStats, ExpertLoad
 from moe_engine.instrumentation import balancedness, imbalance_ratio
+from moe_engine.server.eplb_metrics import EplbMetrics
 from moe_engine.server.request_timer import RequestTimer
 from moe_engine.server.vllm_metrics import VllmMetrics
 
@@ -196,6 +197,7 @@ class ServerMetrics:
             ["position"],
             registry=r,
         )
+        self.eplb = EplbMetrics(r)
         self._last_totals: dict[int | tuple[int, int], int] = {}
         #: vLLM's series, once the served model is known (`enable_vllm`).
         self.vllm: VllmMetrics | None = None
@@ -238,6 +240,8 @@ class ServerMetrics:
         for group in t.kv_groups:
             labels = dict(group=str(group.group), kind=group.kind)
             self.kv_group_blocks_used.labels(**labels).set(group.blocks_used)
+        if t.eplb is not None:
+            self.eplb.update(t.eplb)
 
     def _advance(self, counter: Any, key: int | tuple[int, int], value: int) -> None:
         """Move a counter up to the engine's total `value` (it only counts increments)."""

@@ -200,8 +200,14 @@ class MoeEngineServicer(WeightControlRpcs, pb_grpc.MoeEngineServicer):
             self._check_ready(draining_ok=True)
         except RequestError as exc:
             await abort_with_refusal(context, exc)
-        assert self.engine.model_info is not None  # _check_ready
-        return model_info_to_proto(self.engine.model_info)
+        info = self.engine.model_info
+        assert info is not None  # _check_ready
+        if info.eplb_enabled:  # the experts move while serving: ask for the live placement
+            try:
+                info = await self.engine.get_model_info()
+            except RequestError as exc:
+                await abort_with_refusal(context, exc)
+        return model_info_to_proto(info)
 
     async def GetServerStats(  # noqa: N802
         self, request: pb.GetServerStatsRequest, context: grpc.aio.ServicerContext

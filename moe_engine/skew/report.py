@@ -273,6 +273,7 @@ def build_report(
         mean_expert_imbalance=float(expert_imb.mean()),
         mean_rank_imbalance=float(rank_imb.mean()),
         n_group=data.n_group,
+        eplb_rebalances=meta.get("eplb_rebalances") if meta.get("eplb_enabled") else None,
         mean_group_imbalance=(
             None if data.n_group is None
             else float(np.mean([r.groups.imbalance for r in rows if r.groups is not None]))
@@ -338,6 +339,11 @@ def summary_lines(report: SkewReport) -> list[str]:
         f"mean imbalance (max/mean): by expert {s['mean_expert_imbalance']:.3f}, "
         f"by rank {s['mean_rank_imbalance']:.3f} ({by_rank})",
     ]
+    if s.get("eplb_rebalances") is not None:
+        lines.append(
+            f"the server rebalances its experts while serving (--enable-eplb): the placement "
+            f"above is the live one, moved {s['eplb_rebalances']} times since startup (the "
+            "counts since startup span every placement it served)")
     if s.get("n_group"):
         lines.append(
             f"mean imbalance by expert group ({s['n_group']} groups of "

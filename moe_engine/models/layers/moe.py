@@ -225,15 +225,7 @@ class FusedMoE(nn.Module):
         Raises:
             ValueError: an expert id outside [0, num_experts) or an empty slot list.
         """
-        if not local_experts or not all(0 <= e < self.num_experts for e in local_experts):
-            raise ValueError(
-                f"local experts {local_experts} must be a non-empty list of expert ids in "
-                f"[0, {self.num_experts})"
-            )
-        self.local_experts = list(local_experts)
-        self._slots_of = {}
-        for slot, expert in enumerate(self.local_experts):
-            self._slots_of.setdefault(expert, []).append(slot)
+        self.set_local_experts(local_experts)
         n, (two_i, h), (h2, i) = len(local_experts), self.w13.shape[1:], self.w2.shape[1:]
         dtype = self.w13.dtype
         self.w13 = nn.Parameter(torch.empty(n, two_i, h, dtype=dtype), requires_grad=False)
@@ -243,6 +235,24 @@ class FusedMoE(nn.Module):
             self.b2 = nn.Parameter(torch.empty(n, h2, dtype=dtype), requires_grad=False)
         self.communicator = communicator
         self.ep_rank = rank
+
+    def set_local_experts(self, local_experts: list[int]) -> None:
+        """Record which global expert each local slot holds, weights untouched: what
+        `shard_experts` does before allocating, and what runtime EPLB (`moe_engine.eplb`)
+        does after it wrote the moved experts into their slots.
+
+        Raises:
+            ValueError: an expert id outside [0, num_experts) or an empty slot list.
+        """
+        if not local_experts or not all(0 <= e < self.num_experts for e in local_experts):
+            raise ValueError(
+                f"local experts {local_experts} must be a non-empty list of expert ids in "
+                f"[0, {self.num_experts})"
+            )
+        self.local_experts = list(local_experts)
+        self._slots_of = {}
+        for slot, expert in enumerate(self.local_experts):
+            self._slots_of.setdefault(expert, []).append(slot)
 
     def local_slots(self, expert: int) -> list[int]:
         """The local slots holding global expert `expert` (empty when another rank holds it)."""

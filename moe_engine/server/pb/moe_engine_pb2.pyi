@@ -178,7 +178,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "architecture", "dtype", "vocab_size", "max_model_len", "num_layers", "num_experts", "num_experts_per_tok", "hidden_size", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "ep_size", "has_tokenizer", "weight_bytes_experts", "weight_bytes_attention", "weight_bytes_embeddings", "weight_bytes_other", "expert_weight_format", "expert_group_size", "expert_checkpoint_format", "expert_zero_points", "device", "kernel_backends", "experts_per_rank", "weight_version")
+    __slots__ = ("model", "architecture", "dtype", "vocab_size", "max_model_len", "num_layers", "num_experts", "num_experts_per_tok", "hidden_size", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "ep_size", "has_tokenizer", "weight_bytes_experts", "weight_bytes_attention", "weight_bytes_embeddings", "weight_bytes_other", "expert_weight_format", "expert_group_size", "expert_checkpoint_format", "expert_zero_points", "device", "kernel_backends", "experts_per_rank", "weight_version", "eplb_enabled", "eplb_rebalances")
     class KernelBackendsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +213,8 @@ class ModelInfo(_message.Message):
     KERNEL_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_PER_RANK_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EPLB_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    EPLB_REBALANCES_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     dtype: str
@@ -240,7 +242,9 @@ class ModelInfo(_message.Message):
     kernel_backends: _containers.ScalarMap[str, str]
     experts_per_rank: _containers.RepeatedCompositeFieldContainer[RankExperts]
     weight_version: str
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., hidden_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., ep_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., weight_bytes_experts: _Optional[int] = ..., weight_bytes_attention: _Optional[int] = ..., weight_bytes_embeddings: _Optional[int] = ..., weight_bytes_other: _Optional[int] = ..., expert_weight_format: _Optional[str] = ..., expert_group_size: _Optional[int] = ..., expert_checkpoint_format: _Optional[str] = ..., expert_zero_points: _Optional[bool] = ..., device: _Optional[str] = ..., kernel_backends: _Optional[_Mapping[str, str]] = ..., experts_per_rank: _Optional[_Iterable[_Union[RankExperts, _Mapping]]] = ..., weight_version: _Optional[str] = ...) -> None: ...
+    eplb_enabled: bool
+    eplb_rebalances: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., hidden_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., ep_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., weight_bytes_experts: _Optional[int] = ..., weight_bytes_attention: _Optional[int] = ..., weight_bytes_embeddings: _Optional[int] = ..., weight_bytes_other: _Optional[int] = ..., expert_weight_format: _Optional[str] = ..., expert_group_size: _Optional[int] = ..., expert_checkpoint_format: _Optional[str] = ..., expert_zero_points: _Optional[bool] = ..., device: _Optional[str] = ..., kernel_backends: _Optional[_Mapping[str, str]] = ..., experts_per_rank: _Optional[_Iterable[_Union[RankExperts, _Mapping]]] = ..., weight_version: _Optional[str] = ..., eplb_enabled: _Optional[bool] = ..., eplb_rebalances: _Optional[int] = ...) -> None: ...
 
 class RankExperts(_message.Message):
     __slots__ = ("experts",)
@@ -253,7 +257,7 @@ class GetServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "num_preemptions", "prompt_tokens_total", "generation_tokens_total", "num_finished", "num_aborted", "kv_cache_usage", "num_rejected", "ep_size", "dispatch_bytes_sent", "combine_bytes_sent", "min_dispatch_bytes", "tokens_dispatched", "tokens_received", "ranks", "prefix_cache_queries", "prefix_cache_hits", "kv_cached_blocks", "kv_groups", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "spec_decode_mean_acceptance_length", "state_slots_total", "state_slots_free", "paused", "weight_version")
+    __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "num_preemptions", "prompt_tokens_total", "generation_tokens_total", "num_finished", "num_aborted", "kv_cache_usage", "num_rejected", "ep_size", "dispatch_bytes_sent", "combine_bytes_sent", "min_dispatch_bytes", "tokens_dispatched", "tokens_received", "ranks", "prefix_cache_queries", "prefix_cache_hits", "kv_cached_blocks", "kv_groups", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "spec_decode_mean_acceptance_length", "state_slots_total", "state_slots_free", "paused", "weight_version", "eplb")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +290,7 @@ class ServerStats(_message.Message):
     STATE_SLOTS_FREE_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EPLB_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_blocks_total: int
@@ -318,7 +323,62 @@ class ServerStats(_message.Message):
     state_slots_free: int
     paused: bool
     weight_version: str
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_aborted: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_rejected: _Optional[int] = ..., ep_size: _Optional[int] = ..., dispatch_bytes_sent: _Optional[int] = ..., combine_bytes_sent: _Optional[int] = ..., min_dispatch_bytes: _Optional[int] = ..., tokens_dispatched: _Optional[int] = ..., tokens_received: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStats, _Mapping]]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ..., kv_groups: _Optional[_Iterable[_Union[KVCacheGroupStats, _Mapping]]] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., spec_decode_mean_acceptance_length: _Optional[float] = ..., state_slots_total: _Optional[int] = ..., state_slots_free: _Optional[int] = ..., paused: _Optional[bool] = ..., weight_version: _Optional[str] = ...) -> None: ...
+    eplb: EplbStats
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_aborted: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_rejected: _Optional[int] = ..., ep_size: _Optional[int] = ..., dispatch_bytes_sent: _Optional[int] = ..., combine_bytes_sent: _Optional[int] = ..., min_dispatch_bytes: _Optional[int] = ..., tokens_dispatched: _Optional[int] = ..., tokens_received: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStats, _Mapping]]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ..., kv_groups: _Optional[_Iterable[_Union[KVCacheGroupStats, _Mapping]]] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., spec_decode_mean_acceptance_length: _Optional[float] = ..., state_slots_total: _Optional[int] = ..., state_slots_free: _Optional[int] = ..., paused: _Optional[bool] = ..., weight_version: _Optional[str] = ..., eplb: _Optional[_Union[EplbStats, _Mapping]] = ...) -> None: ...
+
+class EplbStats(_message.Message):
+    __slots__ = ("num_rebalances", "num_decisions", "moving", "experts_moved", "bytes_sent", "bytes_received", "transfer_seconds", "commit_seconds", "balancedness", "balancedness_predicted", "last_rebalance_step", "rebalances")
+    NUM_REBALANCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    MOVING_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BALANCEDNESS_FIELD_NUMBER: _ClassVar[int]
+    BALANCEDNESS_PREDICTED_FIELD_NUMBER: _ClassVar[int]
+    LAST_REBALANCE_STEP_FIELD_NUMBER: _ClassVar[int]
+    REBALANCES_FIELD_NUMBER: _ClassVar[int]
+    num_rebalances: int
+    num_decisions: int
+    moving: bool
+    experts_moved: int
+    bytes_sent: int
+    bytes_received: int
+    transfer_seconds: float
+    commit_seconds: float
+    balancedness: float
+    balancedness_predicted: float
+    last_rebalance_step: int
+    rebalances: _containers.RepeatedCompositeFieldContainer[RebalanceStats]
+    def __init__(self, num_rebalances: _Optional[int] = ..., num_decisions: _Optional[int] = ..., moving: _Optional[bool] = ..., experts_moved: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., commit_seconds: _Optional[float] = ..., balancedness: _Optional[float] = ..., balancedness_predicted: _Optional[float] = ..., last_rebalance_step: _Optional[int] = ..., rebalances: _Optional[_Iterable[_Union[RebalanceStats, _Mapping]]] = ...) -> None: ...
+
+class RebalanceStats(_message.Message):
+    __slots__ = ("step", "committed_step", "experts_moved", "bytes_sent", "bytes_received", "transfer_seconds", "commit_seconds", "move_steps", "balancedness_before", "balancedness_after_predicted", "balancedness_after_measured")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MOVE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    BALANCEDNESS_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    BALANCEDNESS_AFTER_PREDICTED_FIELD_NUMBER: _ClassVar[int]
+    BALANCEDNESS_AFTER_MEASURED_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    committed_step: int
+    experts_moved: int
+    bytes_sent: int
+    bytes_received: int
+    transfer_seconds: float
+    commit_seconds: float
+    move_steps: int
+    balancedness_before: float
+    balancedness_after_predicted: float
+    balancedness_after_measured: float
+    def __init__(self, step: _Optional[int] = ..., committed_step: _Optional[int] = ..., experts_moved: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., commit_seconds: _Optional[float] = ..., move_steps: _Optional[int] = ..., balancedness_before: _Optional[float] = ..., balancedness_after_predicted: _Optional[float] = ..., balancedness_after_measured: _Optional[float] = ...) -> None: ...
 
 class KVCacheGroupStats(_message.Message):
     __slots__ = ("group", "kind", "sliding_window", "num_layers", "kv_bytes_per_token", "blocks_used")
