@@ -2,10 +2,10 @@
 
 `hf_routed_experts(ckpt, ids)` runs the checkpoint's transformers model once over `ids` (the
 prompt then the outputs but the last: the tokens the engine ran) with a forward hook on every
-MoE block's router (`*.mlp.gate`, which returns (router_logits, topk_weights, topk_ids) in
-transformers 5 for Qwen3-MoE, DeepSeek-V3, GLM-4.5, ...), so the ids are the family's own
-routing (softmax / sigmoid, correction bias, groups). Ids are compared sorted per token: the
-order of ties may differ between the two top-k implementations.
+MoE block's router (`*.mlp.gate`, or gpt-oss's `*.mlp.router`, which return (router_logits,
+topk_weights, topk_ids) in transformers 5 for Qwen3-MoE, DeepSeek-V3, GLM-4.5, gpt-oss), so
+the ids are the family's own routing (softmax / sigmoid, correction bias, groups). Ids are
+compared sorted per token: the order of ties may differ between the two top-k implementations.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ def hf_routed_experts(ckpt: Path, ids: list[int]) -> np.ndarray:
     forward, MoE layers in layer order."""
     model = _hf_model(str(ckpt))
     got: list[torch.Tensor] = []
-    gates = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
-    assert gates, "no `mlp.gate` router modules found in the transformers model"
+    gates = [m for name, m in model.named_modules() if name.endswith(("mlp.gate", "mlp.router"))]
+    assert gates, "no `mlp.gate` / `mlp.router` modules found in the transformers model"
     hooks = [g.register_forward_hook(lambda mod, args, out: got.append(out[2].clone()))
              for g in gates]
     try:

@@ -2,19 +2,25 @@
 enable_return_routed_experts=True)` and `SamplingParams.return_routed_experts` return, for every
 token the model ran for a completion ([0, seqlen - 1)), the top-k logical expert ids of every MoE
 layer, equal to transformers' router top-k (`routed_experts_helpers`): Qwen3-MoE (softmax
-top-k) and DeepSeek-V3 (sigmoid, non-zero correction bias, group-limited top-k), with prefix
-caching (the cached prefix's routing is kept), n-gram speculation (only accepted tokens),
-preemption (recompute rewrites the slots), n = 2, the decode-graph path and the native decode
-layer; an engine without the flag refuses the request naming it.
+top-k) and DeepSeek-V3 (sigmoid, non-zero correction bias, group-limited top-k), gpt-oss
+(sliding-window + full-attention groups: the routing lives in the full group's slots), with
+prefix caching (the cached prefix's routing is kept), n-gram and MTP speculation (only accepted
+tokens; the MTP layer is not recorded), preemption (recompute rewrites the slots), n = 2, the
+decode-graph path and the native decode layer; an engine without the flag refuses the request
+naming it.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
-from fixtures import make_tiny_checkpoint
+from fixtures import make_tiny_checkpoint, tiny_config
 from routed_experts_helpers import assert_routing_equal
+from safetensors.torch import load_file, save_file
 
 from moe_engine import LLM, SamplingParams
 from moe_engine.core.build import build_engine_core
@@ -41,14 +47,17 @@ def _prompts(seed: int = 5) -> list[list[int]]:
 
 
 def _engine(ckpt, *, num_blocks: int = 64, budget: int = 64, caching: bool = False,
-            k: int = 0, enabled: bool = True, graph_capture=None, max_model_len: int = 128,
-            kernel_backend: str = "auto", max_num_seqs: int = 8) -> EngineCore:
+            k: int = 0, method: str = "ngram", enabled: bool = True, graph_capture=None,
+            max_model_len: int = 128, kernel_backend: str = "auto", max_num_seqs: int = 8,
+            ) -> EngineCore:
     return build_engine_core(
         EngineConfig(
             model=ModelConfig(model=str(ckpt), max_model_len=max_model_len),
             cache=CacheConfig(num_blocks_override=num_blocks, enable_prefix_caching=caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
-            speculative=SpeculativeConfig("ngram", k, 1, 3, 0) if k else SpeculativeConfig(),
+            speculative=(SpeculativeConfig(method, k, 1, 3, 0) if method == "ngram"
+                         else SpeculativeConfig(method, k, disable_by_batch_size=0))
+            if k else SpeculativeConfig(),
             enable_return_routed_experts=enabled,
             kernel_backend=kernel_backend,
         ),
@@ -93,9 +102,14 @@ def test_llm_routed_experts_equal_transformers(name, output_kind, request) -> No
     for prompt, out in zip(prompts, outs, strict=True):
         completion = out.outputs[0]
         assert_routing_equal(completion.routed_experts, ckpt, prompt, completion.token_ids)
-    if name == "deepseek_v3_ckpt":  # the bias matters: ids differ from the unbiased top-k
-        bias = [m.gate.e_score_correction_bias for _, m in llm.engine.model.moe_layers()]
-        assert all(b.abs().max() > 0 for b in bias)
+    if name == "deepseek_v3_ckpt" and output_kind == "delta":  # the bias changes the ids
+        for _, moe in llm.engine.model.moe_layers():
+            moe.gate.e_score_correction_bias.zero_()
+        unbiased = llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0]
+        first = outs[0].outputs[0]
+        n = min(len(unbiased.routed_experts), len(first.routed_experts))
+        assert (np.sort(unbiased.routed_experts[:n], -1)
+                != np.sort(first.routed_experts[:n], -1)).any(), "the bias changed no routing"
     # not asked for: nothing
     plain = llm.generate(prompts[:1], SamplingParams(max_tokens=3), use_tqdm=False)
     assert plain[0].outputs[0].routed_experts is None
@@ -131,6 +145,19 @@ def test_prefix_cache_hit_keeps_the_prefix_routing(name, request) -> None:
     np.testing.assert_array_equal(routed_b[:48], routed_a[:48])
 
 
+def test_sliding_window_model_keeps_routing_in_the_full_attention_group(gpt_oss_ckpt) -> None:
+    """gpt-oss alternates sliding-window (8 tokens) and full-attention layers: the sliding
+    group gives early blocks back, so the routing lives in the full group's slots, and requests
+    far longer than the window get all of theirs."""
+    engine = _engine(gpt_oss_ckpt)
+    replay = engine.runner.routing_replay
+    kinds = [g.spec.frees_blocks for g in engine.runner.kv_groups]
+    assert True in kinds and not kinds[replay.store.group], kinds
+    prompts = _prompts()
+    for prompt, [(ids, routed)] in zip(prompts, _run(engine, prompts, GREEDY), strict=True):
+        assert_routing_equal(routed, gpt_oss_ckpt, prompt, ids)
+
+
 def test_speculation_returns_only_accepted_tokens(qwen3_ckpt) -> None:
     engine = _engine(qwen3_ckpt, k=3, budget=24)
     prompts = _prompts()
@@ -140,6 +167,44 @@ def test_speculation_returns_only_accepted_tokens(qwen3_ckpt) -> None:
         assert_routing_equal(routed, qwen3_ckpt, prompt, ids)
     stats = engine.drafter.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+
+
+def _with_mtp_layer(ckpt, root):
+    """The tiny DeepSeek-V3 (3 layers, layer 0 dense) plus a random MTP layer
+    (`model.layers.3.*`, an MoE layer; config num_nextn_predict_layers 1), as
+    tests/test_spec_mtp.py builds it; transformers loads the main model and ignores it."""
+    from transformers import AutoModelForCausalLM
+
+    path = root / "deepseek_v3-mtp"
+    shutil.copytree(ckpt, path)
+    weights = load_file(path / "model.safetensors")
+    torch.manual_seed(7)
+    big = AutoModelForCausalLM.from_config(tiny_config("deepseek_v3", num_hidden_layers=4))
+    extra = {k: v.detach().clone() for k, v in big.state_dict().items()
+             if k.startswith("model.layers.3.")}
+    hidden = big.config.hidden_size
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        extra[f"model.layers.3.{norm}.weight"] = 1 + 0.1 * torch.randn(hidden)
+    extra["model.layers.3.eh_proj.weight"] = torch.randn(hidden, 2 * hidden) * 0.2
+    extra["model.layers.3.embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+    extra["model.layers.3.shared_head.head.weight"] = weights["lm_head.weight"].clone()
+    save_file({**weights, **extra}, path / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def test_mtp_layers_are_not_recorded(deepseek_v3_ckpt, tmp_path) -> None:
+    """MTP drafts: the MTP layer's MoE block computes no token of the request, so the routed
+    experts are the main model's 2 MoE layers, equal to transformers' (accepted tokens only)."""
+    ckpt = _with_mtp_layer(deepseek_v3_ckpt, tmp_path)
+    engine = _engine(ckpt, k=2, method="mtp")
+    assert engine.runner.mtp is not None and engine.runner.routing_replay.num_layers == 2
+    prompts = _prompts()[:2]
+    for prompt, [(ids, routed)] in zip(prompts, _run(engine, prompts, GREEDY), strict=True):
+        assert_routing_equal(routed, ckpt, prompt, ids)
+    assert engine.drafter.stats.num_draft_tokens > 0
 
 
 def test_preemption_rewrites_the_slots(qwen3_ckpt) -> None:
@@ -218,3 +283,11 @@ def test_capture_dtype_and_growth() -> None:
     assert small.capacity >= 3
     assert small.take(3)[:, 1].tolist() == [[1, 2, -1], [3, 4, -1], [5, 6, -1]]
     assert (small.take(3)[:, 0] == -1).all()
+
+
+def test_moe_serve_flag_sets_the_config() -> None:
+    from moe_engine.cli.serve import build_parser, engine_config_from_args
+
+    for argv, on in (([], False), (["--enable-return-routed-experts"], True)):
+        args = build_parser().parse_args(["--model", "m", *argv])
+        assert engine_config_from_args(args, "m").enable_return_routed_experts is on
