@@ -6,7 +6,10 @@ layers, 32 experts of width 256, top-4, bf16) built by `tests/skewed_checkpoint.
 experts (`--hot-experts`, default 0,1): their router rows are shifted so that they take ~47% of
 the (token, expert) pairs in every layer, and the contiguous placement puts both on rank 0
 (~78% of the pairs at ep 2, ~58% at ep 4: rank balancedness 0.64 / 0.43). Made once into
-`$MOE_ENGINE_CACHE/bench-qwen3-moe-skewed-h<hot>` (random weights, no tokenizer).
+`$MOE_ENGINE_CACHE/bench-qwen3-moe-skewed-h<hot>` (random weights, no tokenizer). `--shape
+wide` builds 4 layers of 16 experts four times as wide instead (`SHAPES`), where the experts
+are most of a token's work. Pick hot experts outside the redundant slots EPLB starts with
+(e.g. `--hot-experts 1,2` for wide at ep 2 and 4), or the eplb arm starts half balanced.
 
 Workload: the first `--num-requests` requests of `mixed-64` (BENCH.md: random prompts of
 32-256 ids, 16-256 output tokens), all submitted at once, greedy, ignore EOS. Every prompt is
@@ -36,7 +39,8 @@ longest step of round 1 against the median step says how long a rebalance holds 
 On a 2-core machine ep 4 puts 4 ranks on 2 cores (`--num-threads 1` each): a balanced
 placement lets all cores work in the expert phase, a skewed one leaves one rank working
 while the others wait, so the ratio measures the idle cores the skew causes, capped near 2x
-(cores), not the ep 4 speed-up of a 4-device machine.
+(cores), not the ep 4 speed-up of a 4-device machine. Figures and what limits them on this
+machine: bench/NOTES.md section 36.
 """
 
 from __future__ import annotations
