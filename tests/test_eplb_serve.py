@@ -80,7 +80,8 @@ def served(skewed_ckpt: Path):
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32),
         parallel=ParallelConfig(ep_size=2, collective_timeout_s=60),
         eplb=EplbConfig(enabled=True, window_steps=6, step_interval=6,
-                        num_redundant_experts=2, balancedness_threshold=1.0),
+                        num_redundant_experts=2, balancedness_threshold=1.0,
+                        move_mib_per_step=0.02),  # ~20 KB a step: a move takes several
     )
     handle = ServerThread(config, ServerOptions(port=0), startup_timeout_s=300)
     try:
@@ -134,7 +135,7 @@ def test_rebalance_happens_while_requests_stream(served) -> None:
     assert first.step == 6 and first.committed_step >= first.step + 1
     assert first.experts_moved > 0 and first.bytes_sent > 0
     assert first.bytes_received == first.bytes_sent  # summed over both ranks
-    assert first.move_steps >= 1 and first.transfer_seconds >= 0 and first.commit_seconds > 0
+    assert first.move_steps > 1 and first.transfer_seconds >= 0 and first.commit_seconds > 0
     assert first.balancedness_after_predicted > first.balancedness_before
     # measured over the 6 steps after the swap (the streams run 40 steps): better than before
     assert first.balancedness_after_measured > first.balancedness_before, first

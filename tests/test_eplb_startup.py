@@ -83,6 +83,7 @@ def test_placement_file_must_hold_the_redundant_slots(tmp_path: Path) -> None:
         (["--eplb-window-steps", "0"], "--eplb-window-steps must be >= 1, got 0"),
         (["--eplb-balancedness-threshold", "1.5"], "--eplb-balancedness-threshold"),
         (["--num-redundant-experts", "-2"], "--num-redundant-experts must be >= 0"),
+        (["--eplb-move-mib-per-step", "0"], "--eplb-move-mib-per-step must be at least one byte"),
     ],
 )
 def test_out_of_range_flags_name_the_flag(argv: list[str], expected: str) -> None:
@@ -94,7 +95,8 @@ def test_out_of_range_flags_name_the_flag(argv: list[str], expected: str) -> Non
 @pytest.mark.parametrize(
     "argv",
     [["--num-redundant-experts", "2"], ["--eplb-step-interval", "5"],
-     ["--eplb-window-steps", "5"], ["--eplb-balancedness-threshold", "0.5"]],
+     ["--eplb-window-steps", "5"], ["--eplb-balancedness-threshold", "0.5"],
+     ["--eplb-move-mib-per-step", "4.0"]],
 )
 def test_eplb_flags_without_enable_eplb_are_refused(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
@@ -105,8 +107,9 @@ def test_eplb_flags_without_enable_eplb_are_refused(argv: list[str]) -> None:
 def test_flags_fill_the_config() -> None:
     args = build_parser().parse_args(
         ["--enable-eplb", "--eplb-window-steps", "7", "--eplb-step-interval", "3",
-         "--num-redundant-experts", "4", "--eplb-balancedness-threshold", "1.0"])
-    assert eplb_config_from_args(args) == EplbConfig(True, 7, 3, 4, 1.0)
+         "--num-redundant-experts", "4", "--eplb-balancedness-threshold", "1.0",
+         "--eplb-move-mib-per-step", "0.5"])
+    assert eplb_config_from_args(args) == EplbConfig(True, 7, 3, 4, 1.0, 0.5)
     assert eplb_config_from_args(build_parser().parse_args([])) == EplbConfig()
     defaults = eplb_config_from_args(build_parser().parse_args(["--enable-eplb"]))
     assert defaults == EplbConfig(enabled=True)

@@ -351,6 +351,12 @@ def add_eplb_args(ep: argparse._ArgumentGroup) -> None:
         f"below T (default {EplbConfig.balancedness_threshold}; 1.0: at every interval "
         "where a better placement exists)",
     )
+    ep.add_argument(
+        "--eplb-move-mib-per-step", type=float, default=None, metavar="MIB",
+        help="while a rebalance moves expert weights, the most MiB a rank sends (and receives "
+        f"plus copies) per step (default {EplbConfig.move_mib_per_step}): smaller spreads the "
+        "move over more steps, each stalled less",
+    )
 
 
 def add_kernel_args(p: argparse.ArgumentParser) -> None:

@@ -196,6 +196,7 @@ _EPLB_FLAGS = (
     ("--eplb-step-interval", "eplb_step_interval", "step_interval"),
     ("--num-redundant-experts", "num_redundant_experts", "num_redundant_experts"),
     ("--eplb-balancedness-threshold", "eplb_balancedness_threshold", "balancedness_threshold"),
+    ("--eplb-move-mib-per-step", "eplb_move_mib_per_step", "move_mib_per_step"),
 )
 
 

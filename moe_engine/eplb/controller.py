@@ -288,7 +288,8 @@ def build_controller(
     moes = [moe for _, moe in core.model.moe_layers()]
     try:
         mover = ExpertMover(moes, core.rank_context.communicator, rank, device_group,
-                            core.kernels)
+                            core.kernels,
+                            max_bytes_per_step=int(core.config.eplb.move_mib_per_step * (1 << 20)))
     except ValueError as exc:
         raise StartupError(f"--enable-eplb (--kernel-backend {core.config.kernel_backend}): "
                            f"{exc}") from None

@@ -301,6 +301,11 @@ class EplbConfig:
         balancedness_threshold: `--eplb-balancedness-threshold`, rebalance only when the
             window's rank balancedness (mean / max tokens per rank, in (0, 1]) is below it;
             1.0 rebalances at every interval.
+        move_mib_per_step: `--eplb-move-mib-per-step`, the most expert weights (MiB) a rank
+            sends, and separately receives plus copies, in one step while a rebalance moves
+            them (> 0; fractions allowed): smaller spreads a move over more steps, each stalled
+            less. 16 MiB keeps a step's share under ~50 ms on a CPU over gloo (bench/eplb_move.py at
+            Qwen3-30B-A3B's expert size, bench/NOTES.md section 36).
 
     Raises:
         ValueError: a value out of range, naming the flag and the limit.
@@ -311,6 +316,7 @@ class EplbConfig:
     step_interval: int = 3000
     num_redundant_experts: int = 0
     balancedness_threshold: float = 0.95
+    move_mib_per_step: float = 16.0
 
     def __post_init__(self) -> None:
         if self.window_steps < 1:
@@ -320,6 +326,9 @@ class EplbConfig:
         if self.num_redundant_experts < 0:
             raise ValueError(
                 f"--num-redundant-experts must be >= 0, got {self.num_redundant_experts}")
+        if not self.move_mib_per_step * (1 << 20) >= 1:
+            raise ValueError("--eplb-move-mib-per-step must be at least one byte (> 0 MiB), "
+                             f"got {self.move_mib_per_step}")
         if not 0.0 < self.balancedness_threshold <= 1.0:
             raise ValueError("--eplb-balancedness-threshold must be in (0, 1], got "
                              f"{self.balancedness_threshold}")
