@@ -114,7 +114,8 @@ def engine_config(ckpt: Path, ep: int, arm: str, args: argparse.Namespace,
         eplb = EplbConfig(enabled=True, window_steps=args.eplb_window_steps,
                           step_interval=args.eplb_step_interval,
                           num_redundant_experts=args.num_redundant or ep,
-                          balancedness_threshold=args.eplb_threshold)
+                          balancedness_threshold=args.eplb_threshold,
+                          move_mib_per_step=args.eplb_move_mib_per_step)
     return EngineConfig(
         model=ModelConfig(model=str(ckpt), dtype="bfloat16", max_model_len=1024),
         cache=CacheConfig(kv_cache_memory=args.kv_cache_memory),
@@ -356,6 +357,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eplb-step-interval", type=int, default=48)
     p.add_argument("--eplb-threshold", type=float, default=0.75,
                    help="--eplb-balancedness-threshold of the eplb arm")
+    p.add_argument("--eplb-move-mib-per-step", type=float, default=16.0,
+                   help="--eplb-move-mib-per-step of the eplb arm (MiB a rank moves per step)")
     p.add_argument("--num-threads", type=int, default=1, help="CPU threads per rank")
     p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes per rank")
     p.add_argument("--cache-dir", type=Path, default=None)
