@@ -201,9 +201,9 @@ def test_rank_balancedness_rises(served):
     first = eplb.rebalances[0]
     assert first.balancedness_before < first.balancedness_after_predicted
     # measured on the window_steps (6) steps after each swap: few tokens, so single windows
-    # are lumpy (at threshold 1.0 later moves follow every interval; a check of the first
-    # move's window alone failed once in ~15 runs at ep 4): the median over the moves must
-    # beat the placement the first one replaced
+    # are lumpy (at threshold 1.0 later moves follow every interval; while this test also
+    # checked the first move's window alone it failed once in ~15 runs at ep 4, which check
+    # not recorded): the median over the moves must beat the placement the first replaced
     measured = [r.balancedness_after_measured for r in eplb.rebalances
                 if r.balancedness_after_measured >= 0]
     assert measured and statistics.median(measured) > first.balancedness_before, (
