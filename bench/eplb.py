@@ -6,7 +6,10 @@ layers, 32 experts of width 256, top-4, bf16) built by `tests/skewed_checkpoint.
 experts (`--hot-experts`, default 0,1): their router rows are shifted so that they take ~47% of
 the (token, expert) pairs in every layer, and the contiguous placement puts both on rank 0
 (~78% of the pairs at ep 2, ~58% at ep 4: rank balancedness 0.64 / 0.43). Made once into
-`$MOE_ENGINE_CACHE/bench-qwen3-moe-skewed-h<hot>` (random weights, no tokenizer).
+`$MOE_ENGINE_CACHE/bench-qwen3-moe-skewed-h<hot>` (random weights, no tokenizer). `--shape
+wide` builds 4 layers of 16 experts four times as wide instead (`SHAPES`), where the experts
+are most of a token's work. Pick hot experts outside the redundant slots EPLB starts with
+(e.g. `--hot-experts 1,2` for wide at ep 2 and 4), or the eplb arm starts half balanced.
 
 Workload: the first `--num-requests` requests of `mixed-64` (BENCH.md: random prompts of
 32-256 ids, 16-256 output tokens), all submitted at once, greedy, ignore EOS. Every prompt is
@@ -19,8 +22,10 @@ Arms, per ep size (each its own engine, the front end's `EngineClient` as `moe-s
   `--expert-placement` (what a perfect rebalance reaches, without moving anything live);
 - `eplb`: `--enable-eplb` with `--num-redundant-experts` (the same count; EPLB starts from
   the contiguous ranges plus those extra slots, `moe_engine.eplb.placement`), a short window
-  and interval, `--eplb-threshold` (default 0.9: at 1.0 the controller moves again whenever
-  a new window predicts a gain of 0.01).
+  and interval, `--eplb-threshold` (default 0.75: one placement serves all 8 layers, so the
+  best reachable rank balancedness is ~0.85 at ep 4; with a threshold above it the controller
+  moves experts again at every interval whose window predicts a gain of 0.01, 11 moves in
+  three rounds at 0.9).
 
 Each arm runs the workload `--rounds` times (default 3); round 1 is the warm-up (the eplb arm's
 rebalance happens there) and its client-side step trace gives the stall; the tok/s figure is
@@ -34,7 +39,8 @@ longest step of round 1 against the median step says how long a rebalance holds 
 On a 2-core machine ep 4 puts 4 ranks on 2 cores (`--num-threads 1` each): a balanced
 placement lets all cores work in the expert phase, a skewed one leaves one rank working
 while the others wait, so the ratio measures the idle cores the skew causes, capped near 2x
-(cores), not the ep 4 speed-up of a 4-device machine.
+(cores), not the ep 4 speed-up of a 4-device machine. Figures and what limits them on this
+machine: bench/NOTES.md section 36.
 """
 
 from __future__ import annotations
@@ -73,16 +79,29 @@ STEP_GAP_S = 0.002
 #: Seconds between two reads of the EPLB stats while the eplb arm runs.
 POLL_S = 0.05
 ARMS = ("off", "static", "eplb")
+#: Checkpoint shapes (fields over `BENCH_CONFIG`). `bench`: the bench model itself, where the
+#: experts are a small part of a step on this CPU (AMX makes a 512x256 expert cheap; the
+#: step's time is attention, the LM head, 16 all-to-alls and the ranks' scheduling). `wide`:
+#: 4 layers of 16 experts 4x as wide as the bench model's (512 -> 1024 -> 512), so the
+#: experts are most of a token's multiply-adds (4 x 1.6 M per layer against ~0.6 M of
+#: attention) and the per-step all-to-alls half as many; 16 experts put 4 on each rank at ep 4.
+SHAPES: dict[str, dict[str, object]] = {
+    "bench": {},
+    "wide": {"num_hidden_layers": 4, "num_experts": 16, "moe_intermediate_size": 1024},
+}
 
 
-def ensure_skewed_checkpoint(cache_dir: Path, hot: list[int], strength: float) -> Path:
-    """The skewed bench checkpoint (module docstring), built once into `cache_dir`."""
+def ensure_skewed_checkpoint(cache_dir: Path, shape: str, hot: list[int],
+                             strength: float) -> Path:
+    """The skewed checkpoint of `shape` (SHAPES; module docstring), built once into
+    `cache_dir`."""
     import torch
     from skewed_checkpoint import make_skewed_checkpoint
     from transformers import AutoConfig
 
-    name = f"bench-qwen3-moe-skewed-h{'_'.join(map(str, hot))}-s{strength}"
-    config = AutoConfig.for_model("qwen3_moe", **BENCH_CONFIG)
+    prefix = "bench-qwen3-moe" if shape == "bench" else f"eplb-{shape}"
+    name = f"{prefix}-skewed-h{'_'.join(map(str, hot))}-s{strength}"
+    config = AutoConfig.for_model("qwen3_moe", **{**BENCH_CONFIG, **SHAPES[shape]})
     return make_skewed_checkpoint(Path(cache_dir), config=config, hot_experts=hot,
                                   strength=strength, name=name, dtype=torch.bfloat16)
 
@@ -95,7 +114,8 @@ def engine_config(ckpt: Path, ep: int, arm: str, args: argparse.Namespace,
         eplb = EplbConfig(enabled=True, window_steps=args.eplb_window_steps,
                           step_interval=args.eplb_step_interval,
                           num_redundant_experts=args.num_redundant or ep,
-                          balancedness_threshold=args.eplb_threshold)
+                          balancedness_threshold=args.eplb_threshold,
+                          move_mib_per_step=args.eplb_move_mib_per_step)
     return EngineConfig(
         model=ModelConfig(model=str(ckpt), dtype="bfloat16", max_model_len=1024),
         cache=CacheConfig(kv_cache_memory=args.kv_cache_memory),
@@ -274,7 +294,8 @@ def loadavg() -> str:
 
 async def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     hot = [int(x) for x in args.hot_experts.split(",")]
-    ckpt = ensure_skewed_checkpoint(args.cache_dir or cache_root(), hot, args.strength)
+    ckpt = ensure_skewed_checkpoint(args.cache_dir or cache_root(), args.shape, hot,
+                                    args.strength)
     out_dir = Path(tempfile.mkdtemp(prefix="eplb-bench-"))
     results = []
     for ep in args.ep_sizes:
@@ -328,13 +349,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated, from off,static,eplb (static needs off first)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3, help="round 1 is the warm-up")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="bench")
     p.add_argument("--hot-experts", default="0,1")
     p.add_argument("--strength", type=float, default=3.0, help="skew strength (router sigmas)")
     p.add_argument("--num-redundant", type=int, default=0, help="default: ep size")
     p.add_argument("--eplb-window-steps", type=int, default=32)
     p.add_argument("--eplb-step-interval", type=int, default=48)
-    p.add_argument("--eplb-threshold", type=float, default=0.9,
+    p.add_argument("--eplb-threshold", type=float, default=0.75,
                    help="--eplb-balancedness-threshold of the eplb arm")
+    p.add_argument("--eplb-move-mib-per-step", type=float, default=16.0,
+                   help="--eplb-move-mib-per-step of the eplb arm (MiB a rank moves per step)")
     p.add_argument("--num-threads", type=int, default=1, help="CPU threads per rank")
     p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes per rank")
     p.add_argument("--cache-dir", type=Path, default=None)

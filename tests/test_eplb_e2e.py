@@ -28,7 +28,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
-import numpy as np
 import pytest
 import torch
 from fixtures import dequantized_experts_copy, hf_greedy
@@ -201,10 +200,14 @@ def test_rank_balancedness_rises(served):
         pytest.fail("no rebalance happened (see the test before)")
     first = eplb.rebalances[0]
     assert first.balancedness_before < first.balancedness_after_predicted
+    # measured on the window_steps (6) steps after the swap: few tokens, so single windows
+    # are lumpy (at threshold 1.0 later moves follow every interval); the first move's
+    # window and the median over the moves must beat the placement the first one replaced
+    assert first.balancedness_after_measured > first.balancedness_before, first
     measured = [r.balancedness_after_measured for r in eplb.rebalances
                 if r.balancedness_after_measured >= 0]
-    # windows of a few steps are noisy (one measured window may dip): the median must rise
-    assert measured and float(np.median(measured)) > first.balancedness_before, eplb.rebalances
+    assert measured and statistics.median(measured) > first.balancedness_before, (
+        eplb.rebalances)
     ran = [[b - a for a, b in zip(la, lb, strict=True)]
            for la, lb in zip(before.rank_tokens, after.rank_tokens, strict=True)]
     counts = [[b - a for a, b in zip(la, lb, strict=True)]
