@@ -280,7 +280,8 @@ class SamplingParams:
                 f"vocabulary keeps every token), got {self.top_k}",
             )
         self._check_seed()
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "return_routed_experts"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ParamError(name, f"{name} must be a bool, got {value!r}")

@@ -155,6 +155,7 @@ def test_model_info_and_skew_report_show_the_live_placement(served) -> None:
     assert skew["eplb_rebalances"] == info.eplb_rebalances
     assert "placement, served by the server" in served["report"], served["report"]
     assert f"moved {info.eplb_rebalances} times since startup" in served["report"]
+    assert f"live placement: r0 {list(live[0])}; r1 {list(live[1])}" in served["report"]
 
 
 def test_eplb_metrics(served) -> None:

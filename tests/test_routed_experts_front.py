@@ -203,6 +203,9 @@ def test_moe_client_prints_shape_and_rows(server, dims, capsys) -> None:
     data = json.loads(capsys.readouterr().out)
     assert data["routed_experts_shape"] == [tokens, dims[0], dims[1]]
     np.testing.assert_array_equal(decoded({**data, "index": 0}), expected)
+    # the weight labels too (new-user trial: --json printed none of them)
+    assert data["weight_versions"] == [{"weight_version": "default", "start": 0}]
+    assert data["weight_version"] == "default" and data["kv_from_other_weights"] is False
 
 
 def test_moe_router_refuses_it_naming_the_field() -> None:

@@ -37,6 +37,8 @@ REFUSED = [
     ({"ignore_eos": 1}, "ignore_eos", "bool"),
     ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output", "bool"),
     ({"skip_special_tokens": None}, "skip_special_tokens", "bool"),
+    ({"return_routed_experts": "yes"}, "return_routed_experts", "bool"),
+    ({"return_routed_experts": 1}, "return_routed_experts", "bool"),
     ({"stop": [""]}, "stop", "empty"),
     ({"stop": ["a", 3]}, "stop", "3"),
     ({"stop": 3}, "stop", "int"),

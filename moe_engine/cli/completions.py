@@ -36,6 +36,10 @@ class Completion:
     #: Routing replay (the finished response's raw int32 bytes and [tokens, layers, top_k]).
     routed_experts: bytes = b""
     routed_experts_shape: list[int] = field(default_factory=list)
+    #: Which weights computed it (the latest response's version; the finished response's spans).
+    weight_version: str = ""
+    weight_versions: list[dict[str, Any]] = field(default_factory=list)
+    kv_from_other_weights: bool = False
 
     def add(self, response: pb.GenerateResponse) -> None:
         """Append one response's delta (token ids, text, logprobs) and its usage so far."""
@@ -47,9 +51,16 @@ class Completion:
         if response.routed_experts_shape:
             self.routed_experts = response.routed_experts
             self.routed_experts_shape = list(response.routed_experts_shape)
+        self.weight_version = response.weight_version
+        if response.weight_versions:
+            self.weight_versions = [{"weight_version": v.weight_version, "start": v.start}
+                                    for v in response.weight_versions]
+        self.kv_from_other_weights = self.kv_from_other_weights or response.kv_from_other_weights
 
     def as_dict(self) -> dict[str, Any]:
-        """`token_ids`, `text`, `finish_reason`, `usage` (and `logprobs` when there are any;
+        """`token_ids`, `text`, `finish_reason`, `usage`, the weight labels (`weight_version`,
+        `weight_versions`, `kv_from_other_weights`, as the HTTP API gives them) (and `logprobs`
+        when there are any;
         `routed_experts`, base64 as the HTTP API gives it, and `routed_experts_shape` when
         the server returned them)."""
         data: dict[str, Any] = {
@@ -57,6 +68,9 @@ class Completion:
             "text": self.text,
             "finish_reason": self.finish_reason,
             "usage": self.usage,
+            "weight_version": self.weight_version,
+            "weight_versions": self.weight_versions,
+            "kv_from_other_weights": self.kv_from_other_weights,
         }
         if self.logprobs:
             data["logprobs"] = self.logprobs

@@ -193,10 +193,10 @@ class EplbController:
         )
         self._target = decision.placement
         self.stats.moving = True
-        logger.info("EPLB step %d: balancedness %.3f below %.3f: moving %d experts, predicted "
-                    "%.3f after", self.steps, decision.balancedness_before,
-                    self.config.balancedness_threshold, decision.experts_to_move,
-                    decision.balancedness_after)
+        logger.info("EPLB step %d: balancedness %.3f below %.3f: moving %d experts "
+                    "to new ranks (each in every MoE layer), predicted %.3f after", self.steps,
+                    decision.balancedness_before, self.config.balancedness_threshold,
+                    decision.experts_to_move, decision.balancedness_after)
         self.mover.begin(self.placement, decision.placement)
 
     def _rank0_decision(self, mine: Decision) -> Decision:
@@ -251,7 +251,8 @@ class EplbController:
         if self._on_commit is not None:
             self._on_commit(target)
         logger.info(
-            "EPLB rebalance %d (decided at step %d, swapped in at step %d): %d experts, "
+            "EPLB rebalance %d (decided at step %d, swapped in at step %d): %d (layer, slot) "
+            "entries changed on this rank, "
             "%d bytes sent, %d received, transfer %.3f s over %d steps, commit %.3f s; rank "
             "balancedness %.3f -> %.3f predicted", s.num_rebalances, record.step,
             record.committed_step, record.experts_moved, record.bytes_sent,

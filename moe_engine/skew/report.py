@@ -274,6 +274,10 @@ def build_report(
         mean_rank_imbalance=float(rank_imb.mean()),
         n_group=data.n_group,
         eplb_rebalances=meta.get("eplb_rebalances") if meta.get("eplb_enabled") else None,
+        live_slots=(
+            [list(row) for row in data.placement.slots]
+            if meta.get("eplb_enabled") and data.placement is not None else None
+        ),
         mean_group_imbalance=(
             None if data.n_group is None
             else float(np.mean([r.groups.imbalance for r in rows if r.groups is not None]))
@@ -341,9 +345,12 @@ def summary_lines(report: SkewReport) -> list[str]:
     ]
     if s.get("eplb_rebalances") is not None:
         lines.append(
-            f"the server rebalances its experts while serving (--enable-eplb): the placement "
-            f"above is the live one, moved {s['eplb_rebalances']} times since startup (the "
-            "counts since startup span every placement it served)")
+            f"the server rebalances its experts while serving (--enable-eplb): the rank view "
+            f"uses the placement it serves now, moved {s['eplb_rebalances']} times since "
+            "startup (the counts since startup span every placement it served)")
+        if s.get("live_slots"):
+            lines.append("live placement: " + "; ".join(
+                f"r{r} {row}" for r, row in enumerate(s["live_slots"])))
     if s.get("n_group"):
         lines.append(
             f"mean imbalance by expert group ({s['n_group']} groups of "

@@ -99,7 +99,8 @@ def check_ep_size(config: EngineConfig, num_experts: int) -> None:
             loaded = ExpertPlacement.load(placement)
             loaded.check(num_experts, ep_size)
         except (OSError, ValueError) as exc:
-            raise StartupError(f"--expert-placement {placement}: {exc}") from exc
+            why = str(exc).removeprefix(f"{placement}: ")  # `load` names the file itself
+            raise StartupError(f"--expert-placement {placement}: {why}") from exc
         check_eplb(config, num_experts, loaded.num_local_experts)
         return
     if ep_size > num_experts:

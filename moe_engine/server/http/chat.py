@@ -31,6 +31,7 @@ from moe_engine.server.http.common import (
     token_text,
     usage,
     version_fields,
+    with_error_event,
 )
 from moe_engine.server.http.errors import OpenAIError
 from moe_engine.server.http.protocol import ChatCompletionRequest, ChatMessage, ChatTool
@@ -105,7 +106,7 @@ async def create_chat_completion(state: HttpState, body: ChatCompletionRequest):
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         gen = _stream(state, streams, meta, body, len(prompt), include_usage, parses)
-        return StreamingResponse(gen, media_type="text/event-stream")
+        return StreamingResponse(with_error_event(gen), media_type="text/event-stream")
     return await _whole(state, streams, meta, body, len(prompt), parses)
 
 

@@ -9,19 +9,20 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from moe_engine.core.outputs import EngineCoreOutput
 from moe_engine.core.validation import param_error
-from moe_engine.errors import ParamError
+from moe_engine.errors import ParamError, RequestError
 from moe_engine.sampling_params import (
     OUTPUT_DELTA,
     OUTPUT_FINAL_ONLY,
     SamplingParams,
     StructuredOutputsParams,
 )
-from moe_engine.server.http.errors import OpenAIError
+from moe_engine.server.http.errors import OpenAIError, error_body
 from moe_engine.server.http.protocol import NEUTRAL, ChatCompletionRequest, CompletionRequest
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -30,6 +31,21 @@ SSE_DONE = b"data: [DONE]\n\n"
 def sse(payload: dict[str, Any]) -> bytes:
     """One SSE event carrying `payload` as JSON."""
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def with_error_event(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """`chunks`, and if the engine fails after the stream started (a rank died, the engine
+    core went down: a `RequestError` from the request's outputs), one last event carrying the
+    error in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`, as vLLM's
+    server streams an error it meets mid-stream) and `[DONE]`, instead of a connection cut
+    without a word (the status line, 200, is already sent)."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except RequestError as exc:
+        error = OpenAIError.from_request_error(exc)
+        yield sse(error_body(error.status, error.message, error.param, error.code))
+        yield SSE_DONE
 
 
 def sampling_params(

@@ -24,6 +24,7 @@ from moe_engine.server.http.common import (
     token_text,
     usage,
     version_fields,
+    with_error_event,
 )
 from moe_engine.server.http.errors import OpenAIError
 from moe_engine.server.http.protocol import CompletionRequest
@@ -139,7 +140,7 @@ async def create_completion(state: HttpState, body: CompletionRequest):
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         gen = _stream(state, streams, meta, body, echo, prompt_tokens, include_usage)
-        return StreamingResponse(gen, media_type="text/event-stream")
+        return StreamingResponse(with_error_event(gen), media_type="text/event-stream")
     try:
         choices = await _collect(streams, body.n, len(prompts))
     finally:
