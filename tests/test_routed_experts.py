@@ -291,3 +291,26 @@ def test_moe_serve_flag_sets_the_config() -> None:
     for argv, on in (([], False), (["--enable-return-routed-experts"], True)):
         args = build_parser().parse_args(["--model", "m", *argv])
         assert engine_config_from_args(args, "m").enable_return_routed_experts is on
+
+
+def test_moe_serve_refuses_it_on_a_decode_instance_before_loading(qwen3_ckpt, capsys,
+                                                                  monkeypatch) -> None:
+    """A decode instance of a prefill/decode split has no record of its prompts' routing:
+    moe-serve exits 1 naming both flags before any rank loads (the new-user trial waited ~45 s
+    for the same refusal from the engine core)."""
+    import time
+
+    from moe_engine.cli import serve
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the engine was started before the refusal")
+
+    monkeypatch.setattr(serve, "serve", no_engine)
+    started = time.monotonic()
+    status = serve.main(["--model", str(qwen3_ckpt), "--port", "0",
+                         "--enable-return-routed-experts",
+                         "--disaggregation-mode", "decode"])
+    err = capsys.readouterr().err
+    assert status == 1, err
+    assert "--enable-return-routed-experts" in err and "--disaggregation-mode decode" in err
+    assert "Traceback" not in err and time.monotonic() - started < 30, err

@@ -55,6 +55,7 @@ from moe_engine.models.loader import safetensors_files
 from moe_engine.server.app import serve
 from moe_engine.server.options import ServerOptions
 from moe_engine.server.security import resolve_api_key
+from moe_engine.startup.checks import check_routing_replay
 from moe_engine.startup.config import (
     CacheConfig,
     DeviceConfig,
@@ -323,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         device = resolve_device(config.device.device)  # --device cuda without CUDA: exit 1
         check_kernel_backend(device, config.kernel_backend)  # e.g. triton on a CPU: exit 1
         check_checkpoint(config)
+        check_routing_replay(config)  # a decode instance cannot return routing: exit 1
         if config.eplb.enabled:  # 4-bit experts EPLB cannot move on this backend: exit 1
             from moe_engine.startup.checks import check_eplb_kernels
 

@@ -47,6 +47,7 @@ from moe_engine.runner.warmup import (
 )
 from moe_engine.scheduler import Scheduler
 from moe_engine.skew.trace import PeriodicTraceWriter
+from moe_engine.startup.checks import check_routing_replay
 from moe_engine.startup.config import EngineConfig
 from moe_engine.startup.env import default_threads
 from moe_engine.startup.memory import cuda_device_memory
@@ -250,12 +251,7 @@ def _routing_replay(
             block of a request, or a decode instance of a prefill/decode split (its prompts
             ran on the prefill instance, so it could not return their routing).
     """
-    if config.disagg.mode == "decode":
-        raise StartupError(
-            "--enable-return-routed-experts: a decode instance (--disaggregation-mode decode) "
-            "receives its prompts' K/V from a prefill instance and has no record of their "
-            "routing; serve routing replay without disaggregation"
-        )
+    check_routing_replay(config)  # moe-serve checked it before loading; LLM and tests here
     sched, block_size = config.scheduler, config.cache.block_size
     physical = built.plan.num_blocks + 1 + (runner.scratch_block is not None)
     capacity = max(sched.max_num_batched_tokens,

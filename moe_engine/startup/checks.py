@@ -64,6 +64,21 @@ def check_eplb(config: EngineConfig, num_experts: int, placement_slots: int | No
             "and must hold that many")
 
 
+def check_routing_replay(config: EngineConfig) -> None:
+    """--enable-return-routed-experts where it cannot work, refused before anything loads.
+
+    Raises:
+        StartupError: on a decode instance of a prefill/decode split (its prompts ran on the
+            prefill instance, so it has no record of their routing).
+    """
+    if config.enable_return_routed_experts and config.disagg.mode == "decode":
+        raise StartupError(
+            "--enable-return-routed-experts: a decode instance (--disaggregation-mode decode) "
+            "receives its prompts' K/V from a prefill instance and has no record of their "
+            "routing; serve routing replay without disaggregation"
+        )
+
+
 def check_ep_size(config: EngineConfig, num_experts: int) -> None:
     """Fail fast, before any rank starts, on an ep_size the checkpoint's experts cannot split
     or a placement file that does not fit it.
