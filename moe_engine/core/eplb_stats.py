@@ -7,6 +7,8 @@ gets them in `CoreStats.eplb` and `merge_eplb_stats` turns the ranks' into the e
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 
@@ -76,29 +78,22 @@ class EplbStats(msgspec.Struct, kw_only=True):
 MAX_RECORDS = 16
 
 
+def _merged_moves(structs: list[Any]) -> dict[str, Any]:
+    """The move counters of one thing seen by every rank (an `EplbStats` or a
+    `RebalanceRecord`): experts and bytes summed, seconds the slowest rank's."""
+    summed = {name: sum(getattr(s, name) for s in structs)
+              for name in ("experts_moved", "bytes_sent", "bytes_received")}
+    slowest = {name: max(getattr(s, name) for s in structs) for name in ("transfer_s", "commit_s")}
+    return {**summed, **slowest}
+
+
 def merge_eplb_stats(per_rank: list[EplbStats]) -> EplbStats:
     """The engine's EPLB stats from every rank's: experts and bytes summed, seconds the
     slowest rank's, the rest (identical on every rank) rank 0's."""
-    first = per_rank[0]
-
-    def merged_record(i: int) -> RebalanceRecord:
-        records = [s.rebalances[i] for s in per_rank]
-        return msgspec.structs.replace(
-            records[0],
-            experts_moved=sum(r.experts_moved for r in records),
-            bytes_sent=sum(r.bytes_sent for r in records),
-            bytes_received=sum(r.bytes_received for r in records),
-            transfer_s=max(r.transfer_s for r in records),
-            commit_s=max(r.commit_s for r in records),
-        )
-
     width = min(len(s.rebalances) for s in per_rank)
-    return msgspec.structs.replace(
-        first,
-        experts_moved=sum(s.experts_moved for s in per_rank),
-        bytes_sent=sum(s.bytes_sent for s in per_rank),
-        bytes_received=sum(s.bytes_received for s in per_rank),
-        transfer_s=max(s.transfer_s for s in per_rank),
-        commit_s=max(s.commit_s for s in per_rank),
-        rebalances=[merged_record(i) for i in range(width)],
-    )
+    records = [
+        msgspec.structs.replace(per_rank[0].rebalances[i],
+                                **_merged_moves([s.rebalances[i] for s in per_rank]))
+        for i in range(width)
+    ]
+    return msgspec.structs.replace(per_rank[0], **_merged_moves(per_rank), rebalances=records)
